@@ -1,0 +1,26 @@
+# The two commands of the README: `make demo` and `make test`. Each creates .venv if missing and installs.
+PYTHON ?= python3
+VENV := .venv
+PY := $(VENV)/bin/python
+STAMP := $(VENV)/.installed
+
+.PHONY: demo test install bench clean
+
+$(STAMP): requirements.txt pyproject.toml
+	test -x $(PY) || $(PYTHON) -m venv $(VENV)
+	$(PY) -m pip install -q --upgrade pip
+	# torch is pinned in requirements.txt, so pip takes the CPU wheel and never a multi-GB CUDA build.
+	$(PY) -m pip install -q -r requirements.txt
+	$(PY) -m pip install -q --no-deps -e .
+	touch $(STAMP)
+
+install: $(STAMP)
+
+demo: $(STAMP)
+	HF_HUB_OFFLINE=1 $(VENV)/bin/loomrl demo
+
+test: $(STAMP)
+	HF_HUB_OFFLINE=1 $(PY) -m pytest -o addopts="" -q --durations=15
+
+clean:
+	rm -rf $(VENV) runs

@@ -1,0 +1,199 @@
+"""Advantage and return estimators for RLHF: the pure tensor math that tells the algorithms apart.
+
+PPO uses per-token rewards (KL penalty plus the sequence score on the last token) and GAE against a
+critic; GRPO, RLOO and ReMax replace the critic with a baseline computed from other samples of the same
+prompt; REINFORCE++ uses discounted returns whitened over the whole batch. Every function here is a pure
+function of tensors: no models, no I/O, no hidden state.
+
+Shape legend (suffixes on tensor names):
+    B  batch of samples (one response each)
+    T  response tokens, right-padded
+    G  group size: samples of the same prompt, laid out consecutively in the batch
+
+``mask_BT`` is 1 (or True) on real response tokens, which form a prefix of each row, and 0 on padding.
+Padding positions never influence a result, and every ``_BT`` result is 0 on padding.
+"""
+
+from __future__ import annotations
+
+import torch
+from torch import Tensor
+
+__all__ = [
+    "broadcast_to_tokens",
+    "discounted_returns",
+    "gae",
+    "group_normalized",
+    "masked_mean",
+    "masked_var",
+    "masked_whiten",
+    "reinforce_pp_advantage",
+    "remax_advantage",
+    "rloo_baseline",
+    "token_rewards",
+]
+
+
+def _bool_mask(mask: Tensor) -> Tensor:
+    return mask if mask.dtype == torch.bool else mask != 0
+
+
+def _zero_padding(x: Tensor, mask: Tensor) -> Tensor:
+    # torch.where rather than x * mask: padding may hold inf or nan (e.g. log-probs of pad tokens),
+    # and inf * 0 would leak nan into the result.
+    return torch.where(_bool_mask(mask), x, torch.zeros((), dtype=x.dtype, device=x.device))
+
+
+def masked_mean(x: Tensor, mask: Tensor, dim: int | None = None) -> Tensor:
+    """Mean of ``x`` over the elements where ``mask`` is set, over all elements or along ``dim``.
+
+    Along ``dim``, a slice with no masked element has mean 0 rather than nan, so that an empty response
+    does not poison a batch statistic.
+    """
+    mask_b = _bool_mask(mask)
+    total = _zero_padding(x, mask_b)
+    count = mask_b.to(x.dtype)
+    if dim is None:
+        return total.sum() / count.sum()
+    return total.sum(dim) / count.sum(dim).clamp(min=1)
+
+
+def masked_var(x: Tensor, mask: Tensor, unbiased: bool = True) -> Tensor:
+    """Variance of ``x`` over all masked elements; ``unbiased`` applies Bessel's correction."""
+    mask_b = _bool_mask(mask)
+    count = int(mask_b.sum())
+    if count == 0 or (unbiased and count < 2):
+        raise ValueError(f"masked_var needs at least {2 if unbiased else 1} masked elements, got {count}")
+    centred = x - masked_mean(x, mask_b)
+    var = masked_mean(centred * centred, mask_b)
+    if unbiased:
+        var = var * (count / (count - 1))
+    return var
+
+
+def masked_whiten(x: Tensor, mask: Tensor, shift_mean: bool = True, eps: float = 1e-8) -> Tensor:
+    """Normalise ``x`` to unit variance (and zero mean if ``shift_mean``) over its masked elements.
+
+    With ``shift_mean=False`` the mean is kept, so only the scale changes (as for PPO's rewards).
+    """
+    mean = masked_mean(x, mask)
+    whitened = (x - mean) * torch.rsqrt(masked_var(x, mask) + eps)
+    if not shift_mean:
+        whitened = whitened + mean
+    return _zero_padding(whitened, mask)
+
+
+def _last_token_index(mask_BT: Tensor) -> tuple[Tensor, Tensor]:
+    """(index of each row's last real token, whether the row has any real token)."""
+    mask_b = _bool_mask(mask_BT)
+    positions_BT = torch.arange(mask_b.shape[-1], device=mask_b.device).expand_as(mask_b)
+    last_B = torch.where(mask_b, positions_BT, -1).amax(dim=-1)
+    return last_B.clamp(min=0), last_B >= 0
+
+
+def token_rewards(score_B: Tensor, kl_BT: Tensor, mask_BT: Tensor, kl_coef: float) -> Tensor:
+    """PPO-RLHF per-token reward: ``-kl_coef * kl`` on every real token, plus the score on the last one.
+
+    A row with no real token cannot carry its score anywhere and gets an all-zero reward.
+    """
+    reward_BT = _zero_padding(-kl_coef * kl_BT, mask_BT)
+    last_B, nonempty_B = _last_token_index(mask_BT)
+    bonus_B = torch.where(nonempty_B, score_B.to(reward_BT.dtype), 0.0)
+    return reward_BT.scatter_add(1, last_B.unsqueeze(1), bonus_B.unsqueeze(1))
+
+
+def gae(
+    reward_BT: Tensor, value_BT: Tensor, mask_BT: Tensor, gamma: float, lam: float
+) -> tuple[Tensor, Tensor]:
+    """Generalised advantage estimation over the response tokens; returns ``(adv_BT, ret_BT)``.
+
+    ``delta_t = r_t + gamma * V_{t+1} - V_t`` and ``A_t = delta_t + gamma * lam * A_{t+1}``, where the
+    value after a row's last real token is 0 because the episode ends there. ``ret = adv + value``.
+    """
+    m_BT = _bool_mask(mask_BT).to(value_BT.dtype)
+    reward_BT = _zero_padding(reward_BT, mask_BT)
+    value_BT = _zero_padding(value_BT, mask_BT)
+    T = reward_BT.shape[1]
+    adv_BT = torch.zeros_like(value_BT)
+    next_value_B = torch.zeros_like(value_BT[:, 0])
+    next_adv_B = torch.zeros_like(value_BT[:, 0])
+    for t in reversed(range(T)):
+        delta_B = reward_BT[:, t] + gamma * next_value_B - value_BT[:, t]
+        # Multiplying by the mask restarts the recursion at each row's last real token, because the
+        # padding after it contributes neither value nor advantage.
+        next_adv_B = (delta_B + gamma * lam * next_adv_B) * m_BT[:, t]
+        adv_BT[:, t] = next_adv_B
+        next_value_B = value_BT[:, t]
+    return adv_BT, (adv_BT + value_BT) * m_BT
+
+
+def discounted_returns(reward_BT: Tensor, mask_BT: Tensor, gamma: float) -> Tensor:
+    """Reward-to-go ``G_t = r_t + gamma * G_{t+1}`` over the real tokens of each row."""
+    m_BT = _bool_mask(mask_BT).to(reward_BT.dtype)
+    reward_BT = _zero_padding(reward_BT, mask_BT)
+    ret_BT = torch.zeros_like(reward_BT)
+    running_B = torch.zeros_like(reward_BT[:, 0])
+    for t in reversed(range(reward_BT.shape[1])):
+        running_B = (reward_BT[:, t] + gamma * running_B) * m_BT[:, t]
+        ret_BT[:, t] = running_B
+    return ret_BT
+
+
+def _grouped(score_B: Tensor, group_size: int, min_size: int, what: str) -> Tensor:
+    if group_size < min_size:
+        raise ValueError(f"{what} needs group_size >= {min_size}, got {group_size}")
+    if score_B.dim() != 1 or score_B.shape[0] % group_size != 0:
+        raise ValueError(
+            f"{what} needs a 1-D score whose length is a multiple of group_size={group_size}, "
+            f"got shape {tuple(score_B.shape)}"
+        )
+    return score_B.view(-1, group_size)
+
+
+def group_normalized(
+    score_B: Tensor, group_size: int, eps: float = 1e-6, std_normalize: bool = True
+) -> Tensor:
+    """GRPO advantage: score minus its group's mean, divided by the group's (unbiased) std plus eps.
+
+    ``std_normalize=False`` only subtracts the mean, as Dr. GRPO recommends to avoid favouring groups
+    whose scores barely differ.
+    """
+    score_BG = _grouped(score_B, group_size, 2 if std_normalize else 1, "group_normalized")
+    adv_BG = score_BG - score_BG.mean(dim=1, keepdim=True)
+    if std_normalize:
+        adv_BG = adv_BG / (score_BG.std(dim=1, unbiased=True, keepdim=True) + eps)
+    return adv_BG.reshape(-1)
+
+
+def rloo_baseline(score_B: Tensor, group_size: int) -> Tensor:
+    """RLOO advantage: each score minus the mean of the other ``group_size - 1`` scores of its group."""
+    score_BG = _grouped(score_B, group_size, 2, "rloo_baseline")
+    others_mean_BG = (score_BG.sum(dim=1, keepdim=True) - score_BG) / (group_size - 1)
+    return (score_BG - others_mean_BG).reshape(-1)
+
+
+def remax_advantage(score_B: Tensor, greedy_score_B: Tensor) -> Tensor:
+    """ReMax advantage: each score minus the score of the greedy response to the same prompt."""
+    if score_B.shape != greedy_score_B.shape:
+        raise ValueError(
+            f"remax_advantage needs scores of equal shape, got {tuple(score_B.shape)} "
+            f"and {tuple(greedy_score_B.shape)}"
+        )
+    return score_B - greedy_score_B
+
+
+def broadcast_to_tokens(adv_B: Tensor, mask_BT: Tensor) -> Tensor:
+    """Give every real token of a row its sequence-level advantage; padding gets 0."""
+    return _zero_padding(adv_B.unsqueeze(1).expand(mask_BT.shape), mask_BT)
+
+
+def reinforce_pp_advantage(
+    score_B: Tensor, kl_BT: Tensor, mask_BT: Tensor, kl_coef: float, gamma: float = 1.0
+) -> Tensor:
+    """REINFORCE++ advantage: discounted returns of the PPO token rewards, whitened over the batch.
+
+    Normalising over all real tokens of the batch (not per prompt group) is what distinguishes
+    REINFORCE++ from GRPO.
+    """
+    ret_BT = discounted_returns(token_rewards(score_B, kl_BT, mask_BT, kl_coef), mask_BT, gamma)
+    return masked_whiten(ret_BT, mask_BT)

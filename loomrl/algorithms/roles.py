@@ -1,0 +1,49 @@
+"""What an MFC's function receives: the role it runs on and the iteration it belongs to.
+
+A :class:`Role` is a plain container of one named model (weights, optimizer, tokenizer); nothing here knows
+where the model lives or how it is sharded. Executors build roles and hand an :class:`OpContext` to each MFC
+function, so the same functions run in the reference executor and on distributed workers.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Callable
+
+import torch
+from transformers import PreTrainedModel
+
+ScoreFn = Callable[[str, str, "str | None"], float]
+
+
+@dataclass
+class Role:
+    """One named model of the workflow (actor, critic, ref, reward)."""
+
+    name: str
+    model: PreTrainedModel | None = None
+    optimizer: torch.optim.Optimizer | None = None
+    grad_clip: float = 1.0
+    rule: ScoreFn | None = None
+    """A rule-based scorer (reward role); combined with the model's score by ``rule_weight``/``model_weight``."""
+    rule_weight: float = 1.0
+    model_weight: float = 1.0
+
+    @property
+    def device(self) -> torch.device:
+        if self.model is None:
+            return torch.device("cpu")
+        return next(self.model.parameters()).device
+
+
+@dataclass(frozen=True)
+class OpContext:
+    """Everything an MFC function may depend on besides its input batch."""
+
+    role: Role | None
+    seed: int
+    iteration: int
+    pad_id: int
+    eos_id: int
+    decode: Callable[[list[int]], str]
+    """Token ids → text (the tokenizer's decode without special tokens)."""

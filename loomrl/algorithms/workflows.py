@@ -1,0 +1,153 @@
+"""Algorithms as workflows: each builder returns the MFC graph of one iteration.
+
+The algorithms differ only in which MFCs they have and in the pure functions of
+:mod:`loomrl.algorithms.advantages` and :mod:`loomrl.algorithms.losses` they bind; one training loop and any
+executor run them all. Source keys (provided by the prompt batch): ``prompt_ids``, ``prompt_text``, ``answer``.
+
+Departures from the papers, all standard in open-source RLHF: PPO, RLOO, ReMax and REINFORCE++ put the KL to
+the reference in the reward (per token for PPO/REINFORCE++, summed per sequence for RLOO/ReMax); GRPO puts it
+in the loss (k3 by default in the paper; the configured estimator here).
+
+Legend: B = samples, R = response tokens (right-padded), G = samples per prompt.
+"""
+
+from __future__ import annotations
+
+from functools import partial
+
+import torch
+
+from loomrl.algorithms import advantages as A
+from loomrl.algorithms import losses as L
+from loomrl.algorithms.ops import generate_op, logprob_op, reward_op, train_loop, values_op
+from loomrl.algorithms.roles import OpContext
+from loomrl.config import AlgoConfig, RolloutConfig
+from loomrl.models.heads import token_logprobs_and_entropy, token_values
+from loomrl.rollout import SamplingParams
+from loomrl.workflow import MFC, MFCKind, Workflow
+from loomrl.workflow.batch import Batch, pack_sequences, response_columns
+
+SOURCE_KEYS = ("prompt_ids", "prompt_text", "answer")
+
+
+def _seq_kl(batch: Batch, kind: str) -> torch.Tensor:
+    return L.kl_estimate(batch["logp"], batch["ref_logp"], kind) * batch["mask"]
+
+
+def ppo_advantages(ctx: OpContext, batch: Batch, algo: AlgoConfig) -> dict:
+    kl_BR = _seq_kl(batch, algo.kl_estimator)
+    mask_BR = batch["mask"]
+    reward_BR = A.token_rewards(batch["score"], kl_BR, mask_BR, algo.kl_coef)
+    adv_BR, ret_BR = A.gae(reward_BR, batch["values"] * mask_BR, mask_BR, algo.gamma, algo.lam)
+    if algo.whiten_advantages:
+        adv_BR = A.masked_whiten(adv_BR, mask_BR) * mask_BR
+    return {"advantages": adv_BR, "returns": ret_BR, "kl": kl_BR}
+
+
+def grpo_advantages(ctx: OpContext, batch: Batch, algo: AlgoConfig) -> dict:
+    adv_B = A.group_normalized(batch["score"], algo.group_size)
+    return {"advantages": A.broadcast_to_tokens(adv_B, batch["mask"]), "kl": _seq_kl(batch, algo.kl_estimator)}
+
+
+def rloo_advantages(ctx: OpContext, batch: Batch, algo: AlgoConfig) -> dict:
+    kl_BR = _seq_kl(batch, algo.kl_estimator)
+    adv_B = A.rloo_baseline(batch["score"] - algo.kl_coef * kl_BR.sum(-1), algo.group_size)
+    return {"advantages": A.broadcast_to_tokens(adv_B, batch["mask"]), "kl": kl_BR}
+
+
+def remax_advantages(ctx: OpContext, batch: Batch, algo: AlgoConfig) -> dict:
+    kl_BR = _seq_kl(batch, algo.kl_estimator)
+    adv_B = A.remax_advantage(batch["score"] - algo.kl_coef * kl_BR.sum(-1), batch["greedy_score"])
+    return {"advantages": A.broadcast_to_tokens(adv_B, batch["mask"]), "kl": kl_BR}
+
+
+def reinforce_pp_advantages(ctx: OpContext, batch: Batch, algo: AlgoConfig) -> dict:
+    kl_BR = _seq_kl(batch, algo.kl_estimator)
+    adv_BR = A.reinforce_pp_advantage(batch["score"], kl_BR, batch["mask"], algo.kl_coef, algo.gamma)
+    return {"advantages": adv_BR, "kl": kl_BR}
+
+
+def _actor_loss(ctx: OpContext, mb: Batch, algo: AlgoConfig, temperature: float, old_key: str, kl_in_loss: bool):
+    ids_BL, attn_BL, plen_B = pack_sequences(mb["prompt_ids"], mb["response_ids"], ctx.pad_id, ctx.role.device)
+    mask_BR = mb["mask"].to(ctx.role.device)
+    width = mask_BR.shape[1]
+    logp_BL1, ent_BL1 = token_logprobs_and_entropy(ctx.role.model, ids_BL, attn_BL, temperature)
+    logp_BR = response_columns(logp_BL1, plen_B, width)
+    adv_BR = mb["advantages"].to(ctx.role.device)
+    loss, stats = L.policy_loss(logp_BR, mb[old_key].to(ctx.role.device), adv_BR, mask_BR, algo.clip_eps, algo.clip_eps_high)
+    stats = {f"actor/{k}": v for k, v in stats.items()}
+    stats["actor/pg_loss"] = loss.item()
+    entropy = A.masked_mean(response_columns(ent_BL1, plen_B, width), mask_BR)
+    stats["actor/entropy"] = entropy.item()
+    loss = loss - algo.entropy_coef * entropy
+    if kl_in_loss:
+        kl = L.kl_penalty_loss(logp_BR, mb["ref_logp"].to(ctx.role.device), mask_BR, algo.kl_estimator)
+        stats["actor/kl_loss"] = kl.item()
+        loss = loss + algo.kl_coef * kl
+    return loss, stats
+
+
+def _critic_loss(ctx: OpContext, mb: Batch, algo: AlgoConfig):
+    ids_BL, attn_BL, plen_B = pack_sequences(mb["prompt_ids"], mb["response_ids"], ctx.pad_id, ctx.role.device)
+    mask_BR = mb["mask"].to(ctx.role.device)
+    values_BR = response_columns(token_values(ctx.role.model, ids_BL, attn_BL), plen_B, mask_BR.shape[1])
+    loss, stats = L.value_loss(
+        values_BR, mb["values"].to(ctx.role.device), mb["returns"].to(ctx.role.device), mask_BR, algo.value_clip_eps
+    )
+    return loss, {"critic/value_loss": loss.item(), **{f"critic/{k}": v for k, v in stats.items()}}
+
+
+def actor_train_op(ctx: OpContext, batch: Batch, algo: AlgoConfig, temperature: float, old_key: str, kl_in_loss: bool) -> dict:
+    loss_fn = partial(_actor_loss, ctx, algo=algo, temperature=temperature, old_key=old_key, kl_in_loss=kl_in_loss)
+    return train_loop(ctx, batch, algo.ppo_epochs, algo.minibatches, loss_fn)
+
+
+def critic_train_op(ctx: OpContext, batch: Batch, algo: AlgoConfig) -> dict:
+    return train_loop(ctx, batch, algo.ppo_epochs, algo.minibatches, partial(_critic_loss, ctx, algo=algo))
+
+
+_ADVANTAGES = {
+    "ppo": ppo_advantages,
+    "grpo": grpo_advantages,
+    "rloo": rloo_advantages,
+    "remax": remax_advantages,
+    "reinforce_pp": reinforce_pp_advantages,
+}
+
+
+def sampling_params(rollout: RolloutConfig) -> SamplingParams:
+    return SamplingParams(rollout.max_new_tokens, rollout.temperature, rollout.top_k, rollout.top_p)
+
+
+def build_workflow(algo: AlgoConfig, rollout: RolloutConfig) -> Workflow:
+    """The MFC graph of one iteration of ``algo.name``."""
+    gen, inf, train, compute = MFCKind.GENERATE, MFCKind.INFERENCE, MFCKind.TRAIN, MFCKind.COMPUTE
+    seq = ("prompt_ids", "response_ids")
+    temp = rollout.temperature
+    # Truncated sampling (top-k/top-p) is not the distribution the actor trains; recompute the behaviour log-probs.
+    recompute = rollout.top_k > 0 or rollout.top_p < 1.0
+    old_key = "old_logp" if recompute else "logp"
+    mfcs = [
+        MFC("actor_gen", "actor", gen, ("prompt_ids",), ("response_ids", "logp", "mask"), partial(generate_op, params=sampling_params(rollout))),
+        MFC("ref_inf", "ref", inf, seq, ("ref_logp",), partial(logprob_op, out_key="ref_logp", temperature=temp)),
+        MFC("reward_inf", "reward", inf, (*seq, "prompt_text", "answer"), ("score",), reward_op),
+    ]
+    if recompute:
+        mfcs.append(MFC("actor_inf", "actor", inf, seq, ("old_logp",), partial(logprob_op, out_key="old_logp", temperature=temp)))
+    adv_inputs = ["logp", "ref_logp", "score", "mask"]
+    if algo.name == "ppo":
+        mfcs.append(MFC("critic_inf", "critic", inf, seq, ("values",), values_op))
+        adv_inputs.append("values")
+    if algo.name == "remax":
+        greedy = SamplingParams(rollout.max_new_tokens, 0.0)
+        mfcs.append(MFC("actor_gen_greedy", "actor", gen, ("prompt_ids",), ("greedy_response_ids",), partial(generate_op, params=greedy, out_prefix="greedy_")))
+        mfcs.append(MFC("reward_inf_greedy", "reward", inf, ("prompt_ids", "greedy_response_ids", "prompt_text", "answer"), ("greedy_score",), partial(reward_op, response_key="greedy_response_ids", out_key="greedy_score")))
+        adv_inputs.append("greedy_score")
+    adv_outputs = ("advantages", "returns", "kl") if algo.name == "ppo" else ("advantages", "kl")
+    mfcs.append(MFC("advantages", None, compute, tuple(adv_inputs), adv_outputs, partial(_ADVANTAGES[algo.name], algo=algo)))
+    kl_in_loss = algo.name == "grpo"
+    actor_inputs = (*seq, old_key, "advantages", "mask") + (("ref_logp",) if kl_in_loss else ())
+    mfcs.append(MFC("actor_train", "actor", train, actor_inputs, (), partial(actor_train_op, algo=algo, temperature=temp, old_key=old_key, kl_in_loss=kl_in_loss)))
+    if algo.name == "ppo":
+        mfcs.append(MFC("critic_train", "critic", train, (*seq, "values", "returns", "mask"), (), partial(critic_train_op, algo=algo)))
+    return Workflow(mfcs, SOURCE_KEYS)

@@ -1,0 +1,303 @@
+"""Atomic, resumable checkpoints of a training run.
+
+A checkpoint is one directory, ``RUN_DIR/checkpoints/iter_000010/``, holding:
+
+- one sub-directory per model role (``actor/``, ``critic/``, ...), each a self-contained Hugging Face
+  checkpoint (``save_pretrained`` with safetensors, plus the tokenizer), so
+  ``AutoModelForCausalLM.from_pretrained(".../iter_000010/actor")`` loads the trained policy;
+- ``optimizers.pt``: ``{"optimizers": {role: state_dict}, "schedulers": {role: state_dict}}``;
+- ``state.json``: the iteration and whatever JSON-serialisable progress the trainer passes (data position...);
+- ``rng.pt``: Python, NumPy (when importable), torch CPU and CUDA (when available) generator states.
+
+Everything is written into ``iter_XXXXXX.tmp-<pid>`` and renamed into place, so a directory with a final
+name is always complete; a crash mid-write leaves only a ``.tmp-`` directory, which is ignored.
+``checkpoints/latest`` names the newest checkpoint and is itself replaced atomically.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import random
+import re
+import shutil
+import warnings
+from collections.abc import Mapping
+from pathlib import Path
+from typing import Any
+
+import torch
+from safetensors import SafetensorError
+from torch.optim import Optimizer
+from torch.optim.lr_scheduler import LRScheduler
+from transformers import PreTrainedModel
+
+from loomrl.errors import LoomError
+
+try:  # NumPy is optional: only its global generator is captured, and only when it is installed.
+    import numpy as np
+except ImportError:  # pragma: no cover - numpy ships with torch wheels in practice
+    np = None
+
+CHECKPOINTS_DIR = "checkpoints"
+LATEST_FILE = "latest"
+STATE_FILE = "state.json"
+OPTIMIZERS_FILE = "optimizers.pt"
+RNG_FILE = "rng.pt"
+_NAME_RE = re.compile(r"^iter_(\d+)$")
+
+
+class CheckpointError(LoomError):
+    """A checkpoint is missing, incomplete or does not match the models it is loaded into."""
+
+
+def checkpoint_name(iteration: int) -> str:
+    """Directory name of the checkpoint taken after ``iteration``."""
+    return f"iter_{iteration:06d}"
+
+
+def save_checkpoint(
+    run_dir: str | os.PathLike,
+    iteration: int,
+    models: Mapping[str, PreTrainedModel],
+    tokenizer: Any | None,
+    optimizers: Mapping[str, Optimizer],
+    state: Mapping[str, Any],
+    keep_last: int = 2,
+    schedulers: Mapping[str, LRScheduler] | None = None,
+) -> Path:
+    """Write a complete checkpoint of the run after ``iteration`` and return its directory.
+
+    ``tokenizer`` (may be None) is saved into every role directory so each one loads on its own.
+    After the new checkpoint is in place, all but the ``keep_last`` newest are deleted; the one just
+    written is never deleted.
+    """
+    if keep_last < 1:
+        raise CheckpointError(f"save_checkpoint: keep_last must be >= 1, got {keep_last}")
+    # Serialise first so a non-JSON value fails before anything touches the disk.
+    state_json = json.dumps({**state, "iteration": iteration}, indent=2, sort_keys=True)
+    ckpt_root = Path(run_dir) / CHECKPOINTS_DIR
+    ckpt_root.mkdir(parents=True, exist_ok=True)
+    final = ckpt_root / checkpoint_name(iteration)
+    tmp = ckpt_root / f"{final.name}.tmp-{os.getpid()}"
+    if tmp.exists():  # left by an earlier crash of a process that happened to have our pid
+        shutil.rmtree(tmp)
+    tmp.mkdir()
+
+    for role, model in models.items():
+        role_dir = tmp / role
+        model.save_pretrained(role_dir, safe_serialization=True)
+        if tokenizer is not None:
+            tokenizer.save_pretrained(role_dir)
+    torch.save(
+        {
+            "optimizers": {role: opt.state_dict() for role, opt in optimizers.items()},
+            "schedulers": {role: sch.state_dict() for role, sch in (schedulers or {}).items()},
+        },
+        tmp / OPTIMIZERS_FILE,
+    )
+    torch.save(_capture_rng(), tmp / RNG_FILE)
+    _write_text_synced(tmp / STATE_FILE, state_json)
+
+    _move_into_place(tmp, final)
+    _write_atomic(ckpt_root / LATEST_FILE, final.name + "\n")
+    _prune(ckpt_root, keep=final, keep_last=keep_last)
+    return final
+
+
+def latest_checkpoint(run_dir: str | os.PathLike) -> Path | None:
+    """The newest complete checkpoint of the run, or None if it has none.
+
+    Trusts ``checkpoints/latest`` when it names a complete checkpoint; otherwise (file missing, corrupt,
+    or naming a deleted directory) falls back to the highest-numbered complete ``iter_*`` directory.
+    """
+    ckpt_root = Path(run_dir) / CHECKPOINTS_DIR
+    if not ckpt_root.is_dir():
+        return None
+    try:
+        named = (ckpt_root / LATEST_FILE).read_text().strip()
+    except (OSError, UnicodeDecodeError):
+        named = ""
+    if _NAME_RE.match(named) and _is_complete(ckpt_root / named):
+        return ckpt_root / named
+    found = _list_checkpoints(ckpt_root)
+    return found[-1][1] if found else None
+
+
+def load_checkpoint(
+    path: str | os.PathLike,
+    models: Mapping[str, PreTrainedModel],
+    optimizers: Mapping[str, Optimizer],
+    restore_rng: bool = True,
+    schedulers: Mapping[str, LRScheduler] | None = None,
+) -> dict[str, Any]:
+    """Load a checkpoint in place into ``models``, ``optimizers`` (and ``schedulers``); return its state.
+
+    The returned dict is the saved ``state`` plus ``"iteration"``. Roles present in the checkpoint but
+    not passed are left alone, so a run may resume only the models it still trains.
+    """
+    path = Path(path)
+    if not _is_complete(path):
+        raise CheckpointError(f"{path}: not a complete checkpoint (missing directory or {STATE_FILE})")
+    try:
+        state = json.loads((path / STATE_FILE).read_text())
+    except (OSError, UnicodeDecodeError, json.JSONDecodeError) as exc:
+        raise CheckpointError(f"{path / STATE_FILE}: unreadable checkpoint state ({exc})") from None
+    for role, model in models.items():
+        _load_model_weights(path / role, model)
+    opt_states = _torch_load(path / OPTIMIZERS_FILE)
+    _load_state_dicts(path / OPTIMIZERS_FILE, "optimizers", opt_states, optimizers)
+    _load_state_dicts(path / OPTIMIZERS_FILE, "schedulers", opt_states, schedulers or {})
+    if restore_rng:
+        _restore_rng(_torch_load(path / RNG_FILE), path / RNG_FILE)
+    return state
+
+
+# --- weights ---------------------------------------------------------------------------------------
+
+
+def _load_model_weights(role_dir: Path, model: PreTrainedModel) -> None:
+    """Copy the weights saved in ``role_dir`` into ``model`` without replacing the module object.
+
+    Reading model.safetensors directly would be cheaper, but ``save_pretrained`` may rename or re-split
+    weights into the model's original hub format (transformers' weight conversions, sharding), so the
+    file's keys need not match ``model.state_dict()``. Loading a copy with ``from_pretrained`` undoes
+    exactly those transformations; the copy lives on CPU only until its tensors are copied over.
+    """
+    if not (role_dir / "config.json").is_file():
+        raise CheckpointError(f"{role_dir}: no saved model for this role (config.json missing)")
+    try:
+        loaded = type(model).from_pretrained(role_dir, dtype=model.dtype)
+        model.load_state_dict(loaded.state_dict(), strict=True)
+    except (OSError, ValueError, RuntimeError, KeyError, SafetensorError) as exc:
+        first_line = str(exc).strip().splitlines()[0] if str(exc).strip() else type(exc).__name__
+        raise CheckpointError(f"{role_dir}: cannot load weights into {type(model).__name__} ({first_line})") from None
+
+
+def _torch_load(file: Path) -> Any:
+    # weights_only: these files hold only tensors and plain containers, and refusing pickled code
+    # means a tampered checkpoint cannot run anything on load.
+    try:
+        return torch.load(file, map_location="cpu", weights_only=True)
+    except FileNotFoundError:
+        raise CheckpointError(f"{file}: missing from checkpoint") from None
+    except Exception as exc:  # torch raises several unrelated types for truncated or foreign files
+        raise CheckpointError(f"{file}: unreadable ({type(exc).__name__})") from None
+
+
+def _load_state_dicts(file: Path, section: str, saved: Any, targets: Mapping[str, Any]) -> None:
+    """Load ``saved[section][role]`` into each target's ``load_state_dict``."""
+    states = saved.get(section, {}) if isinstance(saved, dict) else None
+    if states is None:
+        raise CheckpointError(f"{file}: not a loomrl optimizer file (no '{section}' section)")
+    for role, target in targets.items():
+        if role not in states:
+            raise CheckpointError(f"{file}: no {section[:-1]} state for role '{role}' (has {sorted(states)})")
+        try:
+            target.load_state_dict(states[role])
+        except (ValueError, KeyError, RuntimeError) as exc:
+            raise CheckpointError(f"{file}: {section[:-1]} state for '{role}' does not fit ({exc})") from None
+
+
+# --- random number generators ----------------------------------------------------------------------
+
+
+def _capture_rng() -> dict[str, Any]:
+    rng: dict[str, Any] = {"python": random.getstate(), "torch": torch.get_rng_state()}
+    if np is not None:
+        # Stored as plain lists: weights_only loading accepts them, NumPy arrays it would refuse.
+        kind, keys, pos, has_gauss, cached = np.random.get_state()
+        rng["numpy"] = (kind, keys.tolist(), pos, has_gauss, cached)
+    if torch.cuda.is_available():
+        rng["cuda"] = torch.cuda.get_rng_state_all()
+    return rng
+
+
+def _restore_rng(rng: Any, file: Path) -> None:
+    if not isinstance(rng, dict) or "python" not in rng or "torch" not in rng:
+        raise CheckpointError(f"{file}: not a loomrl RNG file")
+    random.setstate(_as_tuples(rng["python"]))
+    torch.set_rng_state(rng["torch"])
+    if np is not None and "numpy" in rng:
+        kind, keys, pos, has_gauss, cached = rng["numpy"]
+        np.random.set_state((kind, np.asarray(keys, dtype=np.uint32), pos, has_gauss, cached))
+    cuda_states = rng.get("cuda")
+    if cuda_states is not None:
+        if torch.cuda.is_available() and torch.cuda.device_count() == len(cuda_states):
+            torch.cuda.set_rng_state_all(cuda_states)
+        else:
+            # Resuming on different hardware is legitimate; only bitwise reproducibility is lost.
+            warnings.warn(f"{file}: saved CUDA RNG state for {len(cuda_states)} devices not restored "
+                          f"({torch.cuda.device_count()} available)", stacklevel=3)
+
+
+def _as_tuples(value: Any) -> Any:
+    """random.setstate insists on tuples, which a serialiser may hand back as lists."""
+    return tuple(_as_tuples(v) for v in value) if isinstance(value, (list, tuple)) else value
+
+
+# --- directory bookkeeping -------------------------------------------------------------------------
+
+
+def _is_complete(path: Path) -> bool:
+    # state.json is the last file written before the rename, so its presence marks a whole checkpoint.
+    return path.is_dir() and (path / STATE_FILE).is_file()
+
+
+def _list_checkpoints(ckpt_root: Path) -> list[tuple[int, Path]]:
+    """Complete checkpoints under ``ckpt_root`` as (iteration, path), oldest first."""
+    found = []
+    for child in ckpt_root.iterdir():
+        match = _NAME_RE.match(child.name)
+        if match and _is_complete(child):
+            found.append((int(match.group(1)), child))
+    return sorted(found)
+
+
+def _move_into_place(tmp: Path, final: Path) -> None:
+    """Rename ``tmp`` to ``final``; a checkpoint already there (same iteration re-saved) is replaced."""
+    if not final.exists():
+        os.replace(tmp, final)
+    else:
+        # rename() cannot overwrite a non-empty directory, so park the old one first; during that instant
+        # `latest` may dangle, which latest_checkpoint() survives by scanning.
+        old = final.with_name(f"{final.name}.old-{os.getpid()}")
+        os.replace(final, old)
+        os.replace(tmp, final)
+        shutil.rmtree(old, ignore_errors=True)
+    _fsync_dir(final.parent)
+
+
+def _prune(ckpt_root: Path, keep: Path, keep_last: int) -> None:
+    """Delete all but the ``keep_last`` newest checkpoints, never ``keep``."""
+    others = [p for _, p in _list_checkpoints(ckpt_root) if p != keep]
+    for stale in others[: max(len(others) - (keep_last - 1), 0)]:
+        shutil.rmtree(stale, ignore_errors=True)
+
+
+def _write_text_synced(file: Path, text: str) -> None:
+    with open(file, "w") as fh:
+        fh.write(text)
+        fh.flush()
+        os.fsync(fh.fileno())
+
+
+def _write_atomic(file: Path, text: str) -> None:
+    tmp = file.with_name(f"{file.name}.tmp-{os.getpid()}")
+    _write_text_synced(tmp, text)
+    os.replace(tmp, file)
+    _fsync_dir(file.parent)
+
+
+def _fsync_dir(directory: Path) -> None:
+    # Makes the rename itself durable; some file systems do not allow opening directories, which is fine.
+    try:
+        fd = os.open(directory, os.O_RDONLY)
+    except OSError:
+        return
+    try:
+        os.fsync(fd)
+    except OSError:
+        pass
+    finally:
+        os.close(fd)

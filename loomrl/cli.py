@@ -1,0 +1,138 @@
+"""The `loomrl` command: train | sft | rm | demo | config.
+
+Every subcommand takes an optional YAML config followed by ``key.sub=value`` overrides. Any user error (bad
+config, missing file, unusable checkpoint) prints one line, ``loomrl: error: ...``, and exits with status 2;
+an interrupted run exits with 130 after its ``finally`` blocks have run.
+"""
+
+from __future__ import annotations
+
+import argparse
+import os
+import sys
+from typing import Sequence
+
+from loomrl.errors import LoomError
+
+
+def _config_and_overrides(items: Sequence[str]) -> tuple[str | None, list[str]]:
+    """The first item without '=' is the YAML file; the rest are overrides."""
+    path = None
+    overrides = []
+    for item in items:
+        if "=" not in item and path is None:
+            path = item
+        else:
+            overrides.append(item)
+    return path, overrides
+
+
+def _cmd_train(args: argparse.Namespace) -> int:
+    from loomrl.config import TrainConfig
+    from loomrl.configtools import load_config
+    from loomrl.train.rl import RLTrainer
+
+    path, overrides = _config_and_overrides(args.config)
+    cfg = load_config(TrainConfig, path, overrides)
+    metrics = RLTrainer(cfg).run(resume=args.resume)
+    print(_summary_line(metrics, ("reward/mean", "eval/exact_match", "kl/mean", "response/length")))
+    print(f"outputs: {cfg.run_dir}")
+    return 0
+
+
+def _cmd_sft(args: argparse.Namespace) -> int:
+    from loomrl.config import SFTConfig
+    from loomrl.configtools import load_config
+    from loomrl.train.sft import run_sft
+
+    path, overrides = _config_and_overrides(args.config)
+    cfg = load_config(SFTConfig, path, overrides)
+    print(_summary_line(run_sft(cfg, progress=not args.quiet), ("loss", "eval/exact_match", "eval/score")))
+    print(f"checkpoint: {cfg.out_dir}")
+    return 0
+
+
+def _cmd_rm(args: argparse.Namespace) -> int:
+    from loomrl.config import RMConfig
+    from loomrl.configtools import load_config
+    from loomrl.train.rm import run_rm
+
+    path, overrides = _config_and_overrides(args.config)
+    cfg = load_config(RMConfig, path, overrides)
+    print(_summary_line(run_rm(cfg, progress=not args.quiet), ("loss", "eval/pair_accuracy")))
+    print(f"checkpoint: {cfg.out_dir}")
+    return 0
+
+
+def _cmd_demo(args: argparse.Namespace) -> int:
+    from loomrl.demo import run_demo
+
+    run_demo(args.config_dir, args.out, args.overrides)
+    return 0
+
+
+def _cmd_config(args: argparse.Namespace) -> int:
+    from loomrl import config as C
+    from loomrl.configtools import describe
+
+    cls = {"train": C.TrainConfig, "sft": C.SFTConfig, "rm": C.RMConfig}[args.command]
+    for path, type_name, default, doc in describe(cls):
+        print(f"{path:32} {type_name:18} {default:14} {doc}")
+    return 0
+
+
+def _summary_line(metrics: dict, keys: Sequence[str]) -> str:
+    return "  ".join(f"{k}={metrics[k]:.4g}" for k in keys if k in metrics)
+
+
+def build_parser() -> argparse.ArgumentParser:
+    parser = argparse.ArgumentParser(prog="loomrl", description="RLHF as a dataflow of model function calls.")
+    sub = parser.add_subparsers(dest="cmd", required=True)
+    cfg_help = "optional YAML config, then key.sub=value overrides (see `loomrl config train`)"
+    p = sub.add_parser("train", help="RL training (ppo, grpo, rloo, remax, reinforce_pp)")
+    p.add_argument("config", nargs="*", help=cfg_help)
+    p.add_argument("--resume", action="store_true", help="continue from the last checkpoint in run_dir")
+    p.set_defaults(fn=_cmd_train)
+    for name, fn, what in (("sft", _cmd_sft, "supervised warm start on task demonstrations"),
+                           ("rm", _cmd_rm, "Bradley-Terry reward model on preference pairs")):
+        p = sub.add_parser(name, help=what)
+        p.add_argument("config", nargs="*", help=cfg_help)
+        p.add_argument("--quiet", action="store_true", help="no progress bar")
+        p.set_defaults(fn=fn)
+    p = sub.add_parser("demo", help="SFT warm start -> reward model -> PPO, with a summary")
+    p.add_argument("--config-dir", default="examples/demo", help="directory with sft.yaml, rm.yaml, ppo.yaml")
+    p.add_argument("--out", default="runs/demo", help="where every stage writes its outputs")
+    p.add_argument("overrides", nargs="*", help="stage.key=value, e.g. ppo.loop.iterations=10 sft.steps=50")
+    p.set_defaults(fn=_cmd_demo)
+    p = sub.add_parser("config", help="list every config field with its type, default and meaning")
+    p.add_argument("command", choices=("train", "sft", "rm"))
+    p.set_defaults(fn=_cmd_config)
+    return parser
+
+
+def _quiet_libraries() -> None:
+    """No network, and none of transformers' per-load reports or progress bars in our output."""
+    os.environ.setdefault("HF_HUB_OFFLINE", "1")
+    os.environ.setdefault("HF_DATASETS_OFFLINE", "1")
+    os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
+    from transformers.utils import logging as hf_logging
+
+    hf_logging.set_verbosity_error()
+    hf_logging.disable_progress_bar()
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+    args = build_parser().parse_args(argv)
+    _quiet_libraries()
+    try:
+        return args.fn(args)
+    except LoomError as err:
+        print(f"loomrl: error: {err}", file=sys.stderr)
+        return 2
+    except KeyboardInterrupt:
+        print("loomrl: interrupted", file=sys.stderr)
+        return 130
+
+
+if __name__ == "__main__":
+    sys.exit(main())

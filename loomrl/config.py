@@ -1,0 +1,233 @@
+"""Typed configuration of every loomrl command: trees of frozen dataclasses, one docstring per field.
+
+Defaults live here and only here. YAML files in ``examples/`` fill them in, ``key.sub=value`` overrides on the
+command line come last, and :mod:`loomrl.configtools` validates the result at construction: any invalid input
+becomes one line naming the field path, the value and what is valid.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+from loomrl.configtools import ValidatedConfig, fail, spec
+
+ALGORITHMS = ("ppo", "grpo", "rloo", "remax", "reinforce_pp")
+TASK_NAMES = ("sort", "add", "reverse", "file")
+
+
+@dataclass(frozen=True)
+class TaskConfig(ValidatedConfig):
+    name: str = spec("sort", choices=TASK_NAMES)
+    """Synthetic task (sort, add, reverse) or 'file' for a user prompt file with a reward function."""
+    min_len: int = spec(3, ge=1, le=32)
+    """Shortest input (digits to sort, letters to reverse)."""
+    max_len: int = spec(5, ge=1, le=32)
+    """Longest input (digits to sort, letters to reverse)."""
+    max_digits: int = spec(3, ge=1, le=12)
+    """Largest operand size of the 'add' task, in digits."""
+    prompt_file: str | None = None
+    """JSONL or parquet file of prompts (task 'file'), one row per prompt."""
+    prompt_key: str = "prompt"
+    """Column of prompt_file holding the prompt text."""
+    answer_key: str = "answer"
+    """Column of prompt_file holding the reference answer (optional in the file)."""
+    reward_fn: str | None = None
+    """Reward function of task 'file' as 'module:function', called as fn(prompt, response, answer) -> float."""
+
+    def validate(self) -> None:
+        if self.min_len > self.max_len:
+            fail("min_len", f"{self.min_len} is greater than max_len {self.max_len}")
+        if self.name == "file" and (self.prompt_file is None or self.reward_fn is None):
+            fail("prompt_file", "task 'file' needs both prompt_file and reward_fn")
+
+
+@dataclass(frozen=True)
+class OptimConfig(ValidatedConfig):
+    lr: float = spec(1e-4, gt=0, le=1)
+    """AdamW learning rate."""
+    weight_decay: float = spec(0.0, ge=0, le=1)
+    """AdamW weight decay."""
+    grad_clip: float = spec(1.0, gt=0)
+    """Clip the global gradient norm to this value."""
+    betas: tuple[float, float] = (0.9, 0.95)
+    """AdamW betas."""
+
+
+@dataclass(frozen=True)
+class PolicyConfig(ValidatedConfig):
+    model: str = "llama-1m"
+    """Zoo name (llama-1m, llama-10m, llama-30m, qwen2-1m, gpt2-1m) or a local HF checkpoint directory."""
+    optim: OptimConfig = field(default_factory=OptimConfig)
+    """Optimizer of the actor."""
+
+
+@dataclass(frozen=True)
+class CriticConfig(ValidatedConfig):
+    model: str | None = None
+    """Checkpoint or zoo name the critic starts from; None initialises it from the actor's checkpoint."""
+    optim: OptimConfig = field(default_factory=lambda: OptimConfig(lr=5e-4))
+    """Optimizer of the critic."""
+
+
+@dataclass(frozen=True)
+class RewardConfig(ValidatedConfig):
+    source: str = spec("rule", choices=("rule", "model", "both"))
+    """Where the scalar reward comes from: the task's rule, a trained reward model, or their weighted sum."""
+    model: str | None = None
+    """Reward-model checkpoint directory (from `loomrl rm`), needed for source 'model' or 'both'."""
+    rule_weight: float = spec(1.0, ge=0)
+    """Weight of the rule's score when source is 'both'."""
+    model_weight: float = spec(1.0, ge=0)
+    """Weight of the reward model's score when source is 'both'."""
+
+    def validate(self) -> None:
+        if self.source in ("model", "both") and not self.model:
+            fail("model", f"reward source '{self.source}' needs a reward-model checkpoint directory")
+
+
+@dataclass(frozen=True)
+class AlgoConfig(ValidatedConfig):
+    name: str = spec("ppo", choices=ALGORITHMS)
+    """RL algorithm: ppo, grpo, rloo, remax or reinforce_pp."""
+    ppo_epochs: int = spec(1, ge=1, le=16)
+    """Passes over each rollout batch per iteration."""
+    minibatches: int = spec(2, ge=1)
+    """Optimizer steps per epoch (the rollout batch is split into this many minibatches)."""
+    clip_eps: float = spec(0.2, gt=0, le=1)
+    """PPO ratio clip range (lower side; also the upper side unless clip_eps_high is set)."""
+    clip_eps_high: float | None = spec(None, gt=0, le=1)
+    """Upper ratio clip (DAPO's clip-higher); None uses clip_eps."""
+    value_clip_eps: float = spec(0.2, gt=0)
+    """Clip range of the critic's value update around the rollout's values."""
+    gamma: float = spec(1.0, ge=0, le=1)
+    """Discount factor over response tokens."""
+    lam: float = spec(0.95, ge=0, le=1)
+    """GAE lambda."""
+    kl_coef: float = spec(0.01, ge=0)
+    """Weight of the KL penalty to the reference policy."""
+    kl_estimator: str = spec("k1", choices=("k1", "k2", "k3"))
+    """KL estimator: k1 (log-ratio), k2 (squared), k3 (Schulman's low-variance unbiased)."""
+    group_size: int = spec(4, ge=1)
+    """Samples per prompt for group-based algorithms (grpo, rloo); 1 for the others."""
+    whiten_advantages: bool = True
+    """Normalise advantages over the batch (ppo)."""
+    entropy_coef: float = spec(0.0, ge=0)
+    """Entropy bonus weight in the actor loss."""
+
+    def validate(self) -> None:
+        if self.name in ("grpo", "rloo") and self.group_size < 2:
+            fail("group_size", f"{self.group_size} is too small for {self.name} (must be >= 2)")
+
+
+@dataclass(frozen=True)
+class RolloutConfig(ValidatedConfig):
+    prompts_per_iter: int = spec(32, ge=1)
+    """Prompts drawn per iteration (each sampled group_size times for grpo/rloo)."""
+    max_new_tokens: int = spec(8, ge=1, le=1024)
+    """Longest response, in tokens (eos included)."""
+    temperature: float = spec(1.0, gt=0, le=10)
+    """Sampling temperature of rollouts (evaluation is greedy)."""
+    top_k: int = spec(0, ge=0)
+    """Sample only from the k most likely tokens; 0 disables."""
+    top_p: float = spec(1.0, gt=0, le=1)
+    """Nucleus sampling mass; 1.0 disables."""
+
+
+@dataclass(frozen=True)
+class LoopConfig(ValidatedConfig):
+    iterations: int = spec(50, ge=1)
+    """RL iterations (one rollout batch and its updates each)."""
+    eval_every: int = spec(10, ge=0)
+    """Evaluate greedy held-out accuracy every this many iterations; 0 only at the end."""
+    eval_prompts: int = spec(128, ge=1)
+    """Held-out prompts per evaluation."""
+    save_every: int = spec(10, ge=0)
+    """Write a checkpoint every this many iterations; 0 only at the end."""
+    keep_checkpoints: int = spec(2, ge=1)
+    """Checkpoints kept on disk (older ones are deleted)."""
+    tensorboard: bool = True
+    """Also write TensorBoard scalars."""
+    progress: bool = True
+    """Show a rich progress bar."""
+
+
+@dataclass(frozen=True)
+class RuntimeConfig(ValidatedConfig):
+    executor: str = spec("reference", choices=("reference",))
+    """Executor of the workflow; 'reference' runs every MFC in this process, in workflow order."""
+    device: str = spec("auto", choices=("auto", "cpu", "cuda"))
+    """Torch device kind; auto picks cuda when available."""
+    threads: int = spec(0, ge=0)
+    """Torch intra-op threads; 0 keeps torch's default."""
+
+
+@dataclass(frozen=True)
+class TrainConfig(ValidatedConfig):
+    seed: int = 0
+    """Seed of model init, data order and every sample's random stream."""
+    run_dir: str = "runs/train"
+    """Where metrics, checkpoints and plots are written."""
+    task: TaskConfig = field(default_factory=TaskConfig)
+    """The prompts and the rule that scores responses."""
+    actor: PolicyConfig = field(default_factory=PolicyConfig)
+    """The policy being trained (its initial weights also serve as the frozen reference)."""
+    critic: CriticConfig = field(default_factory=CriticConfig)
+    """The value model (ppo only)."""
+    reward: RewardConfig = field(default_factory=RewardConfig)
+    """The reward signal."""
+    algo: AlgoConfig = field(default_factory=AlgoConfig)
+    """Algorithm and its hyper-parameters."""
+    rollout: RolloutConfig = field(default_factory=RolloutConfig)
+    """Generation settings of rollouts."""
+    loop: LoopConfig = field(default_factory=LoopConfig)
+    """Iterations, evaluation, checkpoints and logging."""
+    runtime: RuntimeConfig = field(default_factory=RuntimeConfig)
+    """Where and how the workflow executes."""
+
+
+@dataclass(frozen=True)
+class SFTConfig(ValidatedConfig):
+    seed: int = 0
+    """Seed of model init and data order."""
+    out_dir: str = "runs/sft"
+    """The HF checkpoint (model + tokenizer) is written here."""
+    model: str = "llama-1m"
+    """Zoo name or local checkpoint directory to start from."""
+    task: TaskConfig = field(default_factory=TaskConfig)
+    """Task whose demonstrations are learned."""
+    steps: int = spec(200, ge=1)
+    """Optimizer steps."""
+    batch_size: int = spec(64, ge=1)
+    """Demonstrations per step."""
+    optim: OptimConfig = field(default_factory=lambda: OptimConfig(lr=3e-3, weight_decay=0.01))
+    """Optimizer."""
+    eval_prompts: int = spec(128, ge=1)
+    """Held-out prompts for the final greedy exact-match evaluation."""
+    max_new_tokens: int = spec(8, ge=1, le=1024)
+    """Generation budget of the evaluation."""
+    device: str = spec("auto", choices=("auto", "cpu", "cuda"))
+    """Torch device kind; auto picks cuda when available."""
+
+
+@dataclass(frozen=True)
+class RMConfig(ValidatedConfig):
+    seed: int = 0
+    """Seed of head init, pair generation and data order."""
+    out_dir: str = "runs/rm"
+    """The HF sequence-classification checkpoint is written here."""
+    model: str = "llama-1m"
+    """Zoo name or checkpoint to start from (an SFT checkpoint gives the RM a head start)."""
+    task: TaskConfig = field(default_factory=TaskConfig)
+    """Task whose rule ranks the preference pairs."""
+    train_pairs: int = spec(4096, ge=2)
+    """Preference pairs to train on."""
+    eval_pairs: int = spec(512, ge=2)
+    """Held-out pairs for the accuracy report."""
+    epochs: int = spec(2, ge=1)
+    """Passes over the training pairs."""
+    batch_size: int = spec(64, ge=1)
+    """Pairs per step."""
+    optim: OptimConfig = field(default_factory=lambda: OptimConfig(lr=1e-3))
+    """Optimizer."""
+    device: str = spec("auto", choices=("auto", "cpu", "cuda"))
+    """Torch device kind; auto picks cuda when available."""

@@ -1,0 +1,179 @@
+"""Prompt sources addressed by integer index, so a resumed run continues at the same data position.
+
+A :class:`PromptSource` maps index i to an :class:`Example` with no hidden iterator state: the trainer
+stores "next index" in its checkpoint and asks for ``batch(start, n)``.
+
+- :class:`SyntheticPrompts` draws example i of a task from a generator seeded by a stable 64-bit hash of
+  (seed, split, i). Splits are independent streams, but a task with a small prompt space (3-digit sort has
+  1000 prompts) will have eval prompts that also occur in train: the eval split measures the policy on
+  fresh draws from the task distribution, not on held-out prompts.
+- :class:`FilePrompts` reads a JSONL or parquet file with HF ``datasets`` (local files only).
+
+:func:`load_reward_fn` and :class:`FunctionTask` let file prompts be scored by a user function.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import importlib
+import json
+import numbers
+import os
+import random
+import sys
+from abc import ABC, abstractmethod
+from typing import Callable
+
+from loomrl.data.tasks import Example, Task
+from loomrl.errors import DataError
+
+SPLITS = ("train", "eval", "test")
+"""Names of the independent streams of a synthetic source."""
+
+_FILE_FORMATS = {".jsonl": "json", ".json": "json", ".parquet": "parquet"}
+
+RewardFn = Callable[[str, str, "str | None"], float]
+"""reward(prompt, response, answer) → a float in [0, 1]."""
+
+
+def stable_hash(*parts: int | str) -> int:
+    """A 64-bit hash of ints and strings that is the same in every process (unlike the salted ``hash``)."""
+    # JSON keeps ("a", 1) and ("a1",) apart, which plain concatenation would not.
+    data = json.dumps(list(parts), separators=(",", ":")).encode()
+    return int.from_bytes(hashlib.blake2b(data, digest_size=8).digest(), "little")
+
+
+class PromptSource(ABC):
+    """A finite or effectively infinite sequence of examples, addressed by index."""
+
+    @abstractmethod
+    def __len__(self) -> int: ...
+
+    @abstractmethod
+    def _get(self, i: int) -> Example:
+        """Example i, for 0 <= i < len(self)."""
+
+    def __getitem__(self, i: int) -> Example:
+        # IndexError past the end keeps the sequence protocol (iteration, list()) terminating.
+        if not 0 <= i < len(self):
+            raise IndexError(f"prompt index {i} out of range [0, {len(self)})")
+        return self._get(i)
+
+    def batch(self, start: int, n: int) -> list[Example]:
+        """Examples start .. start+n-1; indices wrap modulo len, so passes over a file repeat in order."""
+        if start < 0 or n < 0:
+            raise ValueError(f"batch(start={start}, n={n}): both must be >= 0")
+        size = len(self)
+        return [self._get((start + k) % size) for k in range(n)]
+
+
+class SyntheticPrompts(PromptSource):
+    """Example i of ``split`` is ``task.sample(Random(stable_hash(seed, split, i)))``."""
+
+    def __init__(self, task: Task, seed: int, split: str = "train") -> None:
+        if split not in SPLITS:
+            raise DataError(f"prompt split '{split}': unknown (valid: {', '.join(SPLITS)})")
+        self.task, self.seed, self.split = task, seed, split
+
+    def __len__(self) -> int:
+        return sys.maxsize  # the largest length Python's len() accepts; effectively unbounded
+
+    def _get(self, i: int) -> Example:
+        return self.task.sample(random.Random(stable_hash(self.seed, self.split, i)))
+
+    def __repr__(self) -> str:
+        return f"SyntheticPrompts(task={self.task!r}, seed={self.seed}, split={self.split!r})"
+
+
+class FilePrompts(PromptSource):
+    """Prompts (and optional answers) from a local .jsonl/.json/.parquet file, in file order.
+
+    Non-string answers (e.g. JSON numbers) are converted with ``str``; nulls stay None. Pass
+    ``answer_key=None`` for files without answers.
+    """
+
+    def __init__(self, path: str | os.PathLike[str], prompt_key: str = "prompt",
+                 answer_key: str | None = "answer") -> None:
+        self.path = os.fspath(path)
+        columns = _load_columns(self.path)
+        for key in (prompt_key, answer_key):
+            if key is not None and key not in columns:
+                raise DataError(f"prompt file '{self.path}': no column '{key}' "
+                                f"(columns present: {', '.join(columns)})")
+        prompts = columns[prompt_key]
+        if not prompts:
+            raise DataError(f"prompt file '{self.path}': has no rows")
+        bad = next((p for p in prompts if not isinstance(p, str)), None)
+        if bad is not None:
+            raise DataError(f"prompt file '{self.path}': column '{prompt_key}' holds {bad!r}, not a string")
+        answers = columns[answer_key] if answer_key is not None else [None] * len(prompts)
+        self.examples = [Example(p, None if a is None else str(a)) for p, a in zip(prompts, answers)]
+
+    def __len__(self) -> int:
+        return len(self.examples)
+
+    def _get(self, i: int) -> Example:
+        return self.examples[i]
+
+    def __repr__(self) -> str:
+        return f"FilePrompts({self.path!r}, {len(self)} rows)"
+
+
+def _load_columns(path: str) -> dict[str, list]:
+    """All columns of a local JSONL/parquet file, loaded with HF ``datasets``."""
+    suffix = os.path.splitext(path)[1].lower()
+    if suffix not in _FILE_FORMATS:
+        raise DataError(f"prompt file '{path}': unsupported extension '{suffix}' "
+                        f"(valid: {', '.join(_FILE_FORMATS)})")
+    if not os.path.isfile(path):
+        raise DataError(f"prompt file '{path}': does not exist")
+    import datasets  # deferred: importing datasets costs ~1 s and only file sources need it
+
+    try:
+        ds = datasets.load_dataset(_FILE_FORMATS[suffix], data_files=path, split="train")
+    except Exception as exc:  # noqa: BLE001 — datasets raises many types for a malformed file
+        first = (str(exc).strip().splitlines() or [type(exc).__name__])[0]
+        raise DataError(f"prompt file '{path}': cannot be read ({first})") from exc
+    return {name: ds[name] for name in ds.column_names}
+
+
+def load_reward_fn(spec: str) -> RewardFn:
+    """Import a reward function named 'package.module:function'."""
+    module_name, colon, attr = spec.partition(":")
+    if not (colon and module_name and attr):
+        raise DataError(f"reward function '{spec}': expected the form 'module:function'")
+    try:
+        module = importlib.import_module(module_name)
+    except ImportError as exc:
+        raise DataError(f"reward function '{spec}': cannot import module '{module_name}' ({exc})") from exc
+    fn = getattr(module, attr, None)
+    if not callable(fn):
+        raise DataError(f"reward function '{spec}': module '{module_name}' has no callable '{attr}'")
+    return fn
+
+
+class FunctionTask(Task):
+    """A task whose score is a user function, for prompts from a file; it cannot sample prompts itself."""
+
+    def __init__(self, fn: RewardFn | str, name: str = "function") -> None:
+        self.spec = fn if isinstance(fn, str) else getattr(fn, "__qualname__", repr(fn))
+        self.fn = load_reward_fn(fn) if isinstance(fn, str) else fn
+        self.name = name  # type: ignore[misc]  # an instance attribute shadows Task's ClassVar on purpose
+
+    def sample(self, rng: random.Random) -> Example:
+        raise DataError(f"task '{self.name}': a reward-function task has no prompt generator (use FilePrompts)")
+
+    def solve(self, prompt: str) -> str:
+        raise DataError(f"task '{self.name}': no reference answer for prompt {prompt!r} (add an answer column)")
+
+    def score(self, prompt: str, response: str, answer: str | None) -> float:
+        value = self.fn(prompt, response, answer)
+        # A reward outside [0, 1] would silently change the scale every advantage is computed on;
+        # the chained comparison is also False for NaN.
+        if not (isinstance(value, numbers.Real) and 0.0 <= float(value) <= 1.0):
+            raise DataError(f"reward function '{self.spec}': returned {value!r} for prompt {prompt!r} "
+                            "(must be a number in [0, 1])")
+        return float(value)
+
+    def __repr__(self) -> str:
+        return f"FunctionTask({self.spec!r})"

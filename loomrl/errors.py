@@ -1,0 +1,21 @@
+"""User-facing errors: each carries one line that names what is wrong and what would be valid.
+
+The CLI prints ``loomrl: error: <message>`` for any :class:`LoomError` and exits with status 2, never a
+traceback. Library code raises the most specific subclass.
+"""
+
+
+class LoomError(Exception):
+    """Base of every error meant for the user rather than for a developer."""
+
+
+class ConfigError(LoomError):
+    """A configuration value, key or file is invalid."""
+
+
+class DataError(LoomError):
+    """A dataset, prompt file, model path or reward function cannot be used."""
+
+
+class WorkflowError(LoomError):
+    """A workflow graph is malformed (cycle, missing producer, duplicate output)."""

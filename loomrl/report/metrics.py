@@ -1,0 +1,161 @@
+"""Per-iteration training metrics: an append-only JSON-lines file plus TensorBoard scalars.
+
+``RUN_DIR/metrics.jsonl`` is the record of a run: one line per ``log`` call,
+``{"iteration": k, "time": <unix seconds>, "reward/mean": ..., ...}``, flushed as it is written so a crash
+loses nothing already logged. TensorBoard events go to ``RUN_DIR/tb`` with the metric names as tags.
+
+A run resumed from the checkpoint of iteration k re-does iterations k+1.. that the crashed run may
+already have logged. Those lines are moved to ``metrics.superseded.jsonl`` (kept for forensics, never
+deleted) so that ``metrics.jsonl`` reads like one uninterrupted run, and TensorBoard is told to purge
+its events after k.
+"""
+
+from __future__ import annotations
+
+import json
+import math
+import os
+import time
+from collections.abc import Mapping
+from pathlib import Path
+from types import TracebackType
+from typing import Any
+
+from loomrl.errors import DataError
+
+METRICS_FILE = "metrics.jsonl"
+SUPERSEDED_FILE = "metrics.superseded.jsonl"
+TB_DIR = "tb"
+_RESERVED = ("iteration", "time")
+
+
+class MetricsLogger:
+    """Appends one record per iteration to ``RUN_DIR/metrics.jsonl`` and, optionally, to TensorBoard."""
+
+    def __init__(
+        self,
+        run_dir: str | os.PathLike,
+        tensorboard: bool = True,
+        resume_from_iteration: int | None = None,
+    ) -> None:
+        self.run_dir = Path(run_dir)
+        self.run_dir.mkdir(parents=True, exist_ok=True)
+        self.path = self.run_dir / METRICS_FILE
+        if resume_from_iteration is not None:
+            supersede_after(self.path, resume_from_iteration)
+        # Line-buffered text: every record reaches the OS as soon as its newline is written.
+        self._file = open(self.path, "a", buffering=1)
+        self._tb = None
+        if tensorboard:
+            # Imported lazily: TensorBoard is slow to import and unused when disabled.
+            from torch.utils.tensorboard import SummaryWriter
+
+            purge = None if resume_from_iteration is None else resume_from_iteration + 1
+            self._tb = SummaryWriter(log_dir=str(self.run_dir / TB_DIR), purge_step=purge)
+
+    def log(self, iteration: int, metrics: Mapping[str, float]) -> None:
+        """Record ``metrics`` for ``iteration``; values must convert to float."""
+        clash = [k for k in metrics if k in _RESERVED]
+        if clash:
+            raise ValueError(f"MetricsLogger.log: metric names {clash} are reserved for the record itself")
+        values = {name: float(value) for name, value in metrics.items()}
+        record = {"iteration": int(iteration), "time": time.time(), **values}
+        self._file.write(json.dumps(record) + "\n")
+        self._file.flush()
+        if self._tb is not None:
+            for name, value in values.items():
+                self._tb.add_scalar(name, value, global_step=int(iteration))
+            self._tb.flush()
+
+    def close(self) -> None:
+        """Close the JSONL file and the TensorBoard writer; safe to call twice."""
+        if not self._file.closed:
+            self._file.close()
+        if self._tb is not None:
+            self._tb.close()
+            self._tb = None
+
+    def __enter__(self) -> MetricsLogger:
+        return self
+
+    def __exit__(
+        self, exc_type: type[BaseException] | None, exc: BaseException | None, tb: TracebackType | None
+    ) -> None:
+        self.close()
+
+
+def read_metrics(path: str | os.PathLike) -> list[dict[str, Any]]:
+    """All records of a metrics JSONL file, in file order.
+
+    A final line without its newline is a record torn by a crash and is skipped; any other line that is
+    not a JSON object is an error.
+    """
+    path = Path(path)
+    try:
+        text = path.read_text()
+    except OSError as exc:
+        raise DataError(f"{path}: cannot read metrics ({exc.strerror or exc})") from None
+    records = []
+    lines = text.split("\n")
+    for lineno, line in enumerate(lines, start=1):
+        if not line.strip():
+            continue
+        record = _parse_record(line)
+        if record is None:
+            if lineno == len(lines):  # no newline after it: torn write
+                continue
+            raise DataError(f"{path}:{lineno}: not a JSON object with an 'iteration'")
+        records.append(record)
+    return records
+
+
+def supersede_after(path: str | os.PathLike, iteration: int) -> int:
+    """Move records with iteration > ``iteration`` from ``path`` to the superseded file beside it.
+
+    Returns how many lines moved. Unparseable lines (a torn final write) move too, so nothing is lost.
+    The superseded file is appended to and synced before ``path`` is replaced, so a crash in between
+    can duplicate lines but never drop them.
+    """
+    path = Path(path)
+    if not path.exists():
+        return 0
+    keep, moved = [], []
+    for line in path.read_text().splitlines():
+        if not line.strip():
+            continue
+        record = _parse_record(line)
+        (keep if record is not None and record["iteration"] <= iteration else moved).append(line)
+    if not moved:
+        return 0
+    with open(path.with_name(SUPERSEDED_FILE), "a") as fh:
+        fh.write("".join(line + "\n" for line in moved))
+        fh.flush()
+        os.fsync(fh.fileno())
+    tmp = path.with_name(f"{path.name}.tmp-{os.getpid()}")
+    with open(tmp, "w") as fh:
+        fh.write("".join(line + "\n" for line in keep))
+        fh.flush()
+        os.fsync(fh.fileno())
+    os.replace(tmp, path)
+    return len(moved)
+
+
+def _parse_record(line: str) -> dict[str, Any] | None:
+    try:
+        record = json.loads(line)
+    except json.JSONDecodeError:
+        return None
+    if not isinstance(record, dict) or not isinstance(record.get("iteration"), int):
+        return None
+    return record
+
+
+def finite_series(records: list[dict[str, Any]], key: str) -> tuple[list[int], list[float]]:
+    """(iterations, values) of ``key`` over the records that logged it; NaN/inf values are dropped."""
+    xs, ys = [], []
+    for record in records:
+        value = record.get(key)
+        if isinstance(value, (int, float)) and math.isfinite(value):
+            xs.append(record["iteration"])
+            ys.append(float(value))
+    return xs, ys

@@ -1,0 +1,1 @@
+"""loomrl.train"""

@@ -1,0 +1,173 @@
+"""`loomrl train`: one RL training loop for every algorithm (PPO, GRPO, RLOO, ReMax, REINFORCE++).
+
+Each iteration takes ``rollout.prompts_per_iter`` prompts at the current data position (each repeated
+``group_size`` times for group algorithms), runs the algorithm's workflow on the executor, and logs reward,
+KL, response length and the training statistics. Held-out greedy evaluation, atomic checkpoints and
+``--resume`` (model, optimizer, RNG and data position) make a stopped run continue exactly as if it had not
+stopped.
+
+Run:  loomrl train examples/ppo_sort.yaml loop.iterations=20
+"""
+
+from __future__ import annotations
+
+import copy
+import time
+from dataclasses import dataclass
+from pathlib import Path
+
+import torch
+
+from loomrl.algorithms.roles import Role
+from loomrl.algorithms.workflows import build_workflow
+from loomrl.checkpoint import latest_checkpoint, load_checkpoint, save_checkpoint
+from loomrl.config import OptimConfig, TrainConfig
+from loomrl.configtools import dump_yaml
+from loomrl.errors import ConfigError
+from loomrl.models.zoo import build_causal_lm, build_value_model
+from loomrl.report import MetricsLogger, plot_reward_curve
+from loomrl.runtime.reference import IterationResult, ReferenceExecutor
+from loomrl.train import common
+from loomrl.train.evaluate import evaluate_policy
+from loomrl.train.progress import RunProgress
+from loomrl.workflow.batch import Batch
+
+GROUP_ALGORITHMS = ("grpo", "rloo")
+
+
+def adamw(model: torch.nn.Module, optim: OptimConfig) -> torch.optim.AdamW:
+    return torch.optim.AdamW(model.parameters(), lr=optim.lr, betas=optim.betas, weight_decay=optim.weight_decay)
+
+
+def build_roles(cfg: TrainConfig, tokenizer, task, device: torch.device) -> dict[str, Role]:
+    """Actor (trainable), ref (frozen copy of the actor's start), critic (ppo), reward (rule and/or model)."""
+    actor = build_causal_lm(cfg.actor.model, tokenizer, cfg.seed).to(device)
+    ref = copy.deepcopy(actor).eval().requires_grad_(False)
+    roles = {
+        "actor": Role("actor", actor, adamw(actor, cfg.actor.optim), cfg.actor.optim.grad_clip),
+        "ref": Role("ref", ref),
+    }
+    if cfg.algo.name == "ppo":
+        critic = build_value_model(cfg.critic.model or cfg.actor.model, tokenizer, cfg.seed + 1).to(device)
+        roles["critic"] = Role("critic", critic, adamw(critic, cfg.critic.optim), cfg.critic.optim.grad_clip)
+    reward = Role("reward", rule=task.score if cfg.reward.source in ("rule", "both") else None,
+                  rule_weight=cfg.reward.rule_weight, model_weight=cfg.reward.model_weight)
+    if cfg.reward.source in ("model", "both"):
+        reward.model = build_value_model(cfg.reward.model, tokenizer, cfg.seed).to(device).eval().requires_grad_(False)
+    roles["reward"] = reward
+    return roles
+
+
+@dataclass
+class RunState:
+    iteration: int = 0
+    """Next iteration to run; also fixes the data position (iteration × prompts_per_iter)."""
+
+
+class RLTrainer:
+    """Builds everything a run needs from its config, then runs (or resumes) the loop."""
+
+    def __init__(self, cfg: TrainConfig):
+        if cfg.runtime.executor != "reference":
+            raise ConfigError(f"runtime.executor: '{cfg.runtime.executor}' is not available (valid: reference)")
+        common.set_threads(cfg.runtime.threads)
+        self.cfg = cfg
+        self.device = common.resolve_device(cfg.runtime.device)
+        self.run_dir = Path(cfg.run_dir)
+        self.tokenizer = common.tokenizer_for(cfg.actor.model)
+        self.task = common.build_task(cfg.task)
+        self.train_prompts = common.prompt_source(cfg.task, self.task, cfg.seed, "train")
+        self.eval_examples = common.examples_window(
+            common.prompt_source(cfg.task, self.task, cfg.seed, "eval"), 0, cfg.loop.eval_prompts)
+        self.roles = build_roles(cfg, self.tokenizer, self.task, self.device)
+        self.workflow = build_workflow(cfg.algo, cfg.rollout)
+        tok = self.tokenizer
+        self.executor = ReferenceExecutor(self.workflow, self.roles, cfg.seed, tok.pad_token_id, tok.eos_token_id,
+                                          lambda ids: common.decode_response(tok, ids))
+        self.state = RunState()
+
+    @property
+    def group_size(self) -> int:
+        return self.cfg.algo.group_size if self.cfg.algo.name in GROUP_ALGORITHMS else 1
+
+    def make_batch(self, iteration: int) -> Batch:
+        """The prompts of ``iteration``; sample ids are global (data position × group + member)."""
+        n, g = self.cfg.rollout.prompts_per_iter, self.group_size
+        start = iteration * n
+        examples = common.examples_window(self.train_prompts, start, n)
+        ids = [(start + i) * g + j for i in range(n) for j in range(g)]
+        rows = [ex for ex in examples for _ in range(g)]
+        return Batch(ids, {
+            "prompt_ids": [common.encode_prompt(self.tokenizer, ex.prompt) for ex in rows],
+            "prompt_text": [ex.prompt for ex in rows],
+            "answer": [ex.answer for ex in rows],
+        })
+
+    def trainable(self) -> dict[str, Role]:
+        return {name: r for name, r in self.roles.items() if r.optimizer is not None}
+
+    def resume(self) -> bool:
+        """Load the latest checkpoint of run_dir, if any; returns whether one was found."""
+        path = latest_checkpoint(self.run_dir)
+        if path is None:
+            return False
+        roles = self.trainable()
+        state = load_checkpoint(path, {n: r.model for n, r in roles.items()}, {n: r.optimizer for n, r in roles.items()})
+        self.state = RunState(iteration=int(state["iteration"]) + 1)
+        return True
+
+    def save(self, iteration: int) -> Path:
+        roles = self.trainable()
+        return save_checkpoint(self.run_dir, iteration, {n: r.model for n, r in roles.items()}, self.tokenizer,
+                               {n: r.optimizer for n, r in roles.items()}, {"data_position": (iteration + 1) * self.cfg.rollout.prompts_per_iter},
+                               keep_last=self.cfg.loop.keep_checkpoints)
+
+    def iteration_metrics(self, result: IterationResult, seconds: float) -> dict[str, float]:
+        batch = result.batch
+        mask = batch["mask"]
+        texts = [common.decode_response(self.tokenizer, r) for r in batch["response_ids"]]
+        exact = [self.task.exact(p, t, a) for p, t, a in zip(batch["prompt_text"], texts, batch["answer"])]
+        metrics = {
+            "reward/mean": float(batch["score"].mean()),
+            "reward/exact_match": sum(exact) / len(exact),
+            "kl/mean": float(batch["kl"].sum(-1).mean()),
+            "response/length": float(mask.sum(-1).mean()),
+            "perf/samples_per_s": len(batch) / seconds,
+            "time/iteration_s": seconds,
+            **result.stats,
+        }
+        for tr in result.traces:
+            metrics[f"time/{tr.name}_s"] = tr.end - tr.start
+        return metrics
+
+    def evaluate(self) -> dict[str, float]:
+        out = evaluate_policy(self.roles["actor"].model, self.tokenizer, self.task, self.eval_examples,
+                              self.cfg.rollout.max_new_tokens)
+        return {f"eval/{k}": v for k, v in out.items()}
+
+    def run(self, resume: bool = False) -> dict[str, float]:
+        """Run the remaining iterations; returns the last iteration's metrics (plus the final evaluation)."""
+        cfg, loop = self.cfg, self.cfg.loop
+        resumed = resume and self.resume()
+        if not resumed and latest_checkpoint(self.run_dir) is not None:
+            raise ConfigError(f"run_dir: '{self.run_dir}' already holds checkpoints; pass --resume to continue it "
+                              "or choose another run_dir")
+        self.run_dir.mkdir(parents=True, exist_ok=True)
+        (self.run_dir / "config.yaml").write_text(dump_yaml(cfg))
+        last: dict[str, float] = {}
+        start = self.state.iteration
+        with MetricsLogger(self.run_dir, loop.tensorboard, start - 1 if resumed else None) as logger, \
+                RunProgress(loop.iterations, start, enabled=loop.progress) as progress:
+            for it in range(start, loop.iterations):
+                t0 = time.perf_counter()
+                result = self.executor.run_iteration(it, self.make_batch(it))
+                last = self.iteration_metrics(result, time.perf_counter() - t0)
+                final = it == loop.iterations - 1
+                if final or (loop.eval_every and (it + 1) % loop.eval_every == 0):
+                    last.update(self.evaluate())
+                logger.log(it, last)
+                progress.update(it, last)
+                if final or (loop.save_every and (it + 1) % loop.save_every == 0):
+                    self.save(it)
+        plot_reward_curve(self.run_dir)
+        return last

@@ -1,0 +1,114 @@
+"""The data that flows between model function calls, one row per sample.
+
+A :class:`Batch` maps keys (the names MFCs declare as inputs and outputs) to per-sample values: a Python list
+with one item per sample (token id lists of varying length) or a tensor whose first dimension is the sample.
+Per-token tensors are *response-aligned* and right-padded: column ``t`` is response token ``t``, and ``mask``
+marks the real ones. Rows carry stable sample ids, so a batch can be split across devices and put back
+together in any order without changing what any sample means.
+
+Legend: B = samples, R = response tokens (right-padded), L = prompt + response tokens (right-padded).
+"""
+
+from __future__ import annotations
+
+from typing import Any, Iterable, Mapping, Sequence
+
+import torch
+
+
+class Batch:
+    """Per-sample columns keyed by name, with one stable id per row."""
+
+    def __init__(self, ids: Sequence[int], data: Mapping[str, Any] | None = None):
+        self.ids = list(ids)
+        self._data: dict[str, Any] = {}
+        if data:
+            self.update(data)
+
+    def __len__(self) -> int:
+        return len(self.ids)
+
+    def __contains__(self, key: str) -> bool:
+        return key in self._data
+
+    def __getitem__(self, key: str) -> Any:
+        return self._data[key]
+
+    def keys(self) -> list[str]:
+        return list(self._data)
+
+    def update(self, columns: Mapping[str, Any]) -> None:
+        for key, value in columns.items():
+            rows = value.shape[0] if isinstance(value, torch.Tensor) else len(value)
+            if rows != len(self.ids):
+                raise ValueError(f"column '{key}' has {rows} rows, batch has {len(self.ids)}")
+            self._data[key] = value
+
+    def columns(self, keys: Iterable[str]) -> "Batch":
+        """The same rows restricted to ``keys``, sharing storage (no copy)."""
+        out = Batch(self.ids)
+        out._data = {key: self._data[key] for key in keys}
+        return out
+
+    def select(self, rows: Sequence[int], keys: Iterable[str] | None = None) -> "Batch":
+        """The given rows (positions, not ids), optionally only some keys."""
+        index = torch.tensor(list(rows), dtype=torch.long)
+        out = Batch([self.ids[r] for r in rows])
+        for key in self._data if keys is None else keys:
+            value = self._data[key]
+            if isinstance(value, torch.Tensor):
+                out._data[key] = value.index_select(0, index.to(value.device))
+            else:
+                out._data[key] = [value[r] for r in rows]
+        return out
+
+    @staticmethod
+    def concat(parts: Sequence["Batch"]) -> "Batch":
+        """Rows of all parts in order; 2-D tensors are right-padded with zeros to the widest part."""
+        out = Batch([i for p in parts for i in p.ids])
+        for key in parts[0].keys():
+            values = [p[key] for p in parts]
+            if isinstance(values[0], torch.Tensor):
+                if values[0].dim() == 2:
+                    width = max(v.shape[1] for v in values)
+                    values = [torch.nn.functional.pad(v, (0, width - v.shape[1])) for v in values]
+                out._data[key] = torch.cat(values, dim=0)
+            else:
+                out._data[key] = [x for v in values for x in v]
+        return out
+
+
+def pad_right(rows: Sequence[Sequence[float]], value: float = 0.0, dtype=torch.float32, width: int | None = None) -> torch.Tensor:
+    """A list of variable-length rows as a right-padded B×R tensor."""
+    width = max((len(r) for r in rows), default=0) if width is None else width
+    out = torch.full((len(rows), width), value, dtype=dtype)
+    for b, r in enumerate(rows):
+        if len(r):
+            out[b, : len(r)] = torch.tensor(list(r), dtype=dtype)
+    return out
+
+
+def pack_sequences(
+    prompt_ids: Sequence[Sequence[int]], response_ids: Sequence[Sequence[int]], pad_id: int, device: torch.device | str
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """Right-padded prompt+response sequences: (input_ids_BL, attention_mask_BL, prompt_len_B)."""
+    seqs = [list(p) + list(r) for p, r in zip(prompt_ids, response_ids)]
+    ids_BL = pad_right(seqs, pad_id, torch.long).to(device)
+    mask_BL = pad_right([[1] * len(s) for s in seqs], 0, torch.long).to(device)
+    prompt_len_B = torch.tensor([len(p) for p in prompt_ids], dtype=torch.long, device=device)
+    return ids_BL, mask_BL, prompt_len_B
+
+
+def response_columns(x_BN: torch.Tensor, prompt_len_B: torch.Tensor, width: int) -> torch.Tensor:
+    """Response-aligned view of a next-token quantity: column t is position prompt_len - 1 + t.
+
+    Works for log-probs (B×(L-1), position j scores token j+1) and for values (B×L, the value of the state
+    before response token t); positions past the sequence are clamped and must be masked by the caller.
+    """
+    idx_BR = prompt_len_B[:, None] - 1 + torch.arange(width, device=x_BN.device)[None, :]
+    return x_BN.gather(1, idx_BR.clamp(max=x_BN.shape[1] - 1))
+
+
+def response_mask(response_ids: Sequence[Sequence[int]], width: int | None = None) -> torch.Tensor:
+    """1.0 on real response tokens, 0.0 on padding, shape B×R."""
+    return pad_right([[1.0] * len(r) for r in response_ids], 0.0, torch.float32, width)
