@@ -1,4 +1,4 @@
-"""Test-wide settings: nothing may reach the network, and torch uses few threads on CI's two cores."""
+"""Test-wide settings: nothing may reach the network, and torch uses one thread per process."""
 
 import os
 
@@ -9,4 +9,5 @@ os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
 
 import torch  # noqa: E402
 
-torch.set_num_threads(2)
+# One thread per test process: CI has two cores, and multi-process tests run several processes at once.
+torch.set_num_threads(1)

@@ -95,7 +95,7 @@ def train_loop(
             loss, stats = loss_fn(batch.select(rows))
             role.optimizer.zero_grad(set_to_none=True)
             loss.backward()
-            stats["grad_norm"] = float(torch.nn.utils.clip_grad_norm_(role.model.parameters(), role.grad_clip))
+            stats[f"{role.name}/grad_norm"] = float(torch.nn.utils.clip_grad_norm_(role.model.parameters(), role.grad_clip))
             role.optimizer.step()
             for key, value in stats.items():
                 totals[key] = totals.get(key, 0.0) + float(value)

@@ -16,12 +16,14 @@ from __future__ import annotations
 
 import hashlib
 import importlib
+import importlib.util
 import json
 import numbers
 import os
 import random
 import sys
 from abc import ABC, abstractmethod
+from pathlib import Path
 from typing import Callable
 
 from loomrl.data.tasks import Example, Task
@@ -138,18 +140,35 @@ def _load_columns(path: str) -> dict[str, list]:
 
 
 def load_reward_fn(spec: str) -> RewardFn:
-    """Import a reward function named 'package.module:function'."""
-    module_name, colon, attr = spec.partition(":")
+    """Import a reward function named 'package.module:function' or 'path/to/file.py:function'.
+
+    Module names resolve against the current directory first, as ``python -m`` would.
+    """
+    module_name, colon, attr = spec.rpartition(":")
     if not (colon and module_name and attr):
-        raise DataError(f"reward function '{spec}': expected the form 'module:function'")
+        raise DataError(f"reward function '{spec}': expected the form 'module:function' or 'file.py:function'")
     try:
-        module = importlib.import_module(module_name)
-    except ImportError as exc:
+        if module_name.endswith(".py"):
+            module = _module_from_file(module_name)
+        else:
+            if os.getcwd() not in sys.path:
+                sys.path.insert(0, os.getcwd())
+            module = importlib.import_module(module_name)
+    except (ImportError, FileNotFoundError) as exc:
         raise DataError(f"reward function '{spec}': cannot import module '{module_name}' ({exc})") from exc
     fn = getattr(module, attr, None)
     if not callable(fn):
         raise DataError(f"reward function '{spec}': module '{module_name}' has no callable '{attr}'")
     return fn
+
+
+def _module_from_file(path: str):
+    location = importlib.util.spec_from_file_location(Path(path).stem, path)
+    if location is None or not Path(path).is_file():
+        raise FileNotFoundError(f"no such file: {path}")
+    module = importlib.util.module_from_spec(location)
+    location.loader.exec_module(module)
+    return module
 
 
 class FunctionTask(Task):

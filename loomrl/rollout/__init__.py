@@ -1,6 +1,9 @@
-"""Rollout: sampling with per-sample random streams and KV-cached generation."""
+"""Rollout: the continuous-batching engine, per-sample random streams, and the backend interface."""
 
+from loomrl.rollout.backend import GenerationBackend, LengthStats, length_stats
+from loomrl.rollout.engine import Completion, Request, RolloutEngine
+from loomrl.rollout.generate import generate
 from loomrl.rollout.sampling import SamplingParams, sample_tokens, stream_keys
-from loomrl.rollout.generate import Generation, generate
 
-__all__ = ["Generation", "SamplingParams", "generate", "sample_tokens", "stream_keys"]
+__all__ = ["Completion", "GenerationBackend", "LengthStats", "Request", "RolloutEngine", "SamplingParams",
+           "generate", "length_stats", "sample_tokens", "stream_keys"]

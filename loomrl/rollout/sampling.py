@@ -65,8 +65,10 @@ def uniform_noise(keys_B: torch.Tensor, steps_B: torch.Tensor, vocab: int) -> to
     per_step_B = _mix64(keys_B + (steps_B.to(torch.int64) + 1) * _GOLDEN)
     v_V = torch.arange(vocab, device=keys_B.device, dtype=torch.int64)
     bits_BV = _mix64(per_step_B[:, None] ^ (v_V[None, :] * _VOCAB_STRIDE))
-    top24_BV = _shr(bits_BV, 40)  # 24 high bits: exact in float32
-    return (top24_BV.to(torch.float32) + 0.5) / float(1 << 24)
+    # 23 high bits: (k + 0.5) / 2**23 is exact in float32 and stays strictly inside (0, 1); with 24 bits the
+    # largest value rounds to 1.0 and its Gumbel noise would be +inf.
+    top23_BV = _shr(bits_BV, 41)
+    return (top23_BV.to(torch.float32) + 0.5) / float(1 << 23)
 
 
 def filter_logits(logits_BV: torch.Tensor, top_k: int, top_p: float) -> torch.Tensor:

@@ -55,7 +55,11 @@ class ReferenceExecutor:
             start = time.perf_counter()
             out = mfc.op(self._context(mfc, iteration), batch.columns(mfc.inputs))
             if mfc.kind == MFCKind.TRAIN:
-                result.stats.update(out.pop("stats", {}))
+                stats = out.pop("stats", {})
+                clash = sorted(set(stats) & set(result.stats))
+                if clash:
+                    raise RuntimeError(f"MFC '{mfc.name}' reports statistics {clash} that another MFC already reported")
+                result.stats.update(stats)
             if set(out) != set(mfc.outputs):
                 raise RuntimeError(f"MFC '{mfc.name}' returned {sorted(out)}, declared {sorted(mfc.outputs)}")
             batch.update(out)

@@ -156,7 +156,7 @@ class RLTrainer:
         (self.run_dir / "config.yaml").write_text(dump_yaml(cfg))
         last: dict[str, float] = {}
         start = self.state.iteration
-        with MetricsLogger(self.run_dir, loop.tensorboard, start - 1 if resumed else None) as logger, \
+        with MetricsLogger(self.run_dir, loop.tensorboard, resume_from_iteration=start - 1) as logger, \
                 RunProgress(loop.iterations, start, enabled=loop.progress) as progress:
             for it in range(start, loop.iterations):
                 t0 = time.perf_counter()

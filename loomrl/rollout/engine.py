@@ -1,0 +1,220 @@
+"""The rollout engine: continuous batching over a slot KV cache, per-sample streams, streaming, abort/resubmit.
+
+A fixed number of slots decode together; the moment a sample finishes (eos or its token budget) its slot is
+freed and the next waiting request is prefilled into it, so no step is spent on finished samples and nobody
+waits for the longest one. Live samples always occupy slots ``0..n-1`` (a finishing sample's slot receives the
+last live sample's cache), so decoding reads a plain slice of the cache.
+
+Tokens are drawn from each sample's own random stream (see :mod:`loomrl.rollout.sampling`): the token at step
+``t`` of a sample depends only on its key, ``t`` and the logits, never on which slot, batch or device produced
+it. An aborted request returns its prefix; resubmitted with that prefix it is prefilled over prompt + prefix
+and continues at step ``len(prefix)``, so the final sample equals an uninterrupted one.
+
+Legend: B = rows in a forward, P = prefill length, V = vocabulary.
+"""
+
+from __future__ import annotations
+
+from collections import deque
+from dataclasses import dataclass, field
+from typing import Iterable, Iterator, Sequence
+
+import torch
+from transformers import PreTrainedModel
+
+from loomrl.rollout.kv_cache import SlotKVCache, causal_slot_mask
+from loomrl.rollout.sampling import SamplingParams, sample_tokens
+
+
+@dataclass
+class Request:
+    """One sample to generate. ``prefix`` (with its log-probs) resumes an aborted request."""
+
+    sample_id: int
+    prompt: list[int]
+    key: int
+    """The sample's random-stream key (see :func:`loomrl.rollout.sampling.stream_keys`)."""
+    max_new_tokens: int | None = None
+    """Token budget of this sample (prefix included); None uses the engine's SamplingParams."""
+    prefix: list[int] = field(default_factory=list)
+    prefix_logps: list[float] = field(default_factory=list)
+
+
+@dataclass
+class Completion:
+    """A finished (or aborted) sample: every generated token, its log-prob, and why it stopped."""
+
+    sample_id: int
+    tokens: list[int]
+    logps: list[float]
+    finish_reason: str
+    """'eos', 'length' or 'aborted'."""
+
+
+@dataclass
+class _Live:
+    request: Request
+    budget: int
+    tokens: list[int]
+    logps: list[float]
+    cached: int
+    """Tokens of prompt + generated whose keys/values are in the cache (the last sampled token is not yet)."""
+
+
+class RolloutEngine:
+    """Continuous-batching generator for one HF decoder-only model (implements GenerationBackend)."""
+
+    def __init__(self, model: PreTrainedModel, params: SamplingParams, eos_id: int, pad_id: int,
+                 slots: int = 64, max_len: int | None = None, prefill_tokens: int = 4096):
+        self.model, self.params = model, params
+        self.eos_id, self.pad_id = eos_id, pad_id
+        self.slots, self.prefill_tokens = slots, prefill_tokens
+        self.max_len = max_len or model.config.max_position_embeddings
+        self.device = next(model.parameters()).device
+        self.waiting: deque[Request] = deque()
+        self.live: list[_Live] = []
+        self.cache: SlotKVCache | None = None
+        self.finished_lengths: list[int] = []
+        self._last_prefill = (0, 0)
+        self.step_log: list[tuple[int, int, int]] = []
+        """(rows decoded, rows prefilled, prefill tokens) per step: the workload the cost model prices."""
+
+    # ----------------------------------------------------------------------------------------- requests
+    def submit(self, requests: Iterable[Request]) -> None:
+        for req in requests:
+            budget = req.max_new_tokens or self.params.max_new_tokens
+            if len(req.prompt) + budget > self.max_len:
+                raise ValueError(f"sample {req.sample_id}: prompt {len(req.prompt)} + budget {budget} tokens "
+                                 f"exceeds the engine's max_len {self.max_len}")
+            self.waiting.append(req)
+
+    def has_work(self) -> bool:
+        return bool(self.waiting or self.live)
+
+    def abort(self, sample_ids: Iterable[int]) -> list[Completion]:
+        """Stop these samples (waiting or live) and return what each has generated so far."""
+        wanted = set(sample_ids)
+        out = [Completion(r.sample_id, list(r.prefix), list(r.prefix_logps), "aborted")
+               for r in self.waiting if r.sample_id in wanted]
+        self.waiting = deque(r for r in self.waiting if r.sample_id not in wanted)
+        for slot in reversed(range(len(self.live))):
+            live = self.live[slot]
+            if live.request.sample_id in wanted:
+                out.append(Completion(live.request.sample_id, live.tokens, live.logps, "aborted"))
+                self._free(slot)
+        return out
+
+    def load_weights(self, named_tensors: Iterable[tuple[str, torch.Tensor]]) -> None:
+        """Copy new weights in place (e.g. after a train step); live samples continue with the new weights."""
+        params = dict(self.model.named_parameters())
+        with torch.no_grad():
+            for name, tensor in named_tensors:
+                params[name].copy_(tensor)
+
+    # ------------------------------------------------------------------------------------------ running
+    def step(self) -> list[Completion]:
+        """Decode one token for every live sample, then fill free slots; returns the samples that finished."""
+        if self.cache is None:
+            self.cache = SlotKVCache(self.slots, self.max_len)
+        was_training = self.model.training
+        self.model.eval()
+        decoded = len(self.live)
+        with torch.no_grad():
+            done = self._decode()
+            done += self._admit()
+        self.model.train(was_training)
+        self.step_log.append((decoded, *self._last_prefill))
+        return done
+
+    def stream(self, requests: Iterable[Request] = ()) -> Iterator[Completion]:
+        """Yield samples in the order they finish, until nothing is waiting or live."""
+        self.submit(requests)
+        while self.has_work():
+            yield from self.step()
+
+    def generate(self, requests: Sequence[Request]) -> list[Completion]:
+        """All requests to completion, returned in request order."""
+        by_id = {c.sample_id: c for c in self.stream(requests)}
+        return [by_id[r.sample_id] for r in requests]
+
+    # -------------------------------------------------------------------------------------- internals
+    def _sample(self, logits_BV: torch.Tensor, lives: Sequence[_Live]) -> list[Completion]:
+        keys_B = torch.tensor([lv.request.key for lv in lives], dtype=torch.int64, device=self.device)
+        steps_B = torch.tensor([len(lv.tokens) for lv in lives], dtype=torch.int64, device=self.device)
+        tok_B, logp_B = sample_tokens(logits_BV, keys_B, steps_B, self.params)
+        done = []
+        for lv, tok, lp in zip(lives, tok_B.tolist(), logp_B.tolist()):
+            lv.tokens.append(tok)
+            lv.logps.append(lp)
+            if tok == self.eos_id or len(lv.tokens) >= lv.budget:
+                reason = "eos" if tok == self.eos_id else "length"
+                done.append(Completion(lv.request.sample_id, lv.tokens, lv.logps, reason))
+        return done
+
+    def _decode(self) -> list[Completion]:
+        n = len(self.live)
+        if n == 0:
+            return []
+        rows_B = torch.arange(n, device=self.device)
+        pos_B1 = torch.tensor([[lv.cached] for lv in self.live], device=self.device)
+        kv_len = int(pos_B1.max()) + 1
+        self.cache.bind(rows_B, pos_B1, kv_len)
+        ids_B1 = torch.tensor([[lv.tokens[-1]] for lv in self.live], device=self.device)
+        logits = self._forward(ids_B1, pos_B1, kv_len)
+        for lv in self.live:
+            lv.cached += 1
+        done = self._sample(logits[:, -1], self.live)
+        self._release(done)
+        return done
+
+    def _admit(self) -> list[Completion]:
+        """Prefill waiting requests into free slots (within the prefill token budget)."""
+        batch: list[_Live] = []
+        tokens = 0
+        while self.waiting and len(self.live) + len(batch) < self.slots:
+            req = self.waiting[0]
+            ctx = len(req.prompt) + len(req.prefix)
+            if batch and tokens + ctx > self.prefill_tokens:
+                break
+            self.waiting.popleft()
+            tokens += ctx
+            budget = req.max_new_tokens or self.params.max_new_tokens
+            batch.append(_Live(req, budget, list(req.prefix), list(req.prefix_logps), ctx))
+        self._last_prefill = (len(batch), tokens)
+        if not batch:
+            return []
+        first = len(self.live)
+        self.live.extend(batch)
+        contexts = [lv.request.prompt + lv.request.prefix for lv in batch]
+        width = max(len(c) for c in contexts)
+        ids_BP = torch.full((len(batch), width), self.pad_id, dtype=torch.long, device=self.device)
+        for b, ctx in enumerate(contexts):
+            ids_BP[b, : len(ctx)] = torch.tensor(ctx, device=self.device)
+        pos_BP = torch.arange(width, device=self.device).expand(len(batch), width)
+        self.cache.bind(torch.arange(first, first + len(batch), device=self.device), pos_BP, width)
+        logits_BPV = self._forward(ids_BP, pos_BP, width)
+        last_B = torch.tensor([len(c) - 1 for c in contexts], device=self.device)
+        done = self._sample(logits_BPV[torch.arange(len(batch), device=self.device), last_B], batch)
+        self._release(done)
+        return done
+
+    def _forward(self, ids_BQ: torch.Tensor, pos_BQ: torch.Tensor, kv_len: int) -> torch.Tensor:
+        mask = causal_slot_mask(pos_BQ, kv_len, self.model.dtype)
+        out = self.model(input_ids=ids_BQ, attention_mask=mask, position_ids=pos_BQ,
+                         past_key_values=self.cache, use_cache=True)
+        return out.logits
+
+    def _release(self, done: Sequence[Completion]) -> None:
+        finished = {c.sample_id for c in done}
+        for slot in reversed(range(len(self.live))):
+            if self.live[slot].request.sample_id in finished:
+                self.finished_lengths.append(len(self.live[slot].tokens))
+                self._free(slot)
+
+    def _free(self, slot: int) -> None:
+        """Drop a slot, moving the last live sample into it so live slots stay 0..n-1."""
+        last = len(self.live) - 1
+        if slot != last:
+            self.cache.move_slot(last, slot, self.live[last].cached)
+            self.live[slot] = self.live[last]
+        self.live.pop()
