@@ -27,6 +27,7 @@ from pathlib import Path
 from typing import Any
 
 import torch
+from torch.distributed.checkpoint.state_dict import StateDictOptions, set_model_state_dict
 from safetensors import SafetensorError
 from torch.optim import Optimizer
 from torch.optim.lr_scheduler import LRScheduler
@@ -168,7 +169,8 @@ def _load_model_weights(role_dir: Path, model: PreTrainedModel) -> None:
         raise CheckpointError(f"{role_dir}: no saved model for this role (config.json missing)")
     try:
         loaded = type(model).from_pretrained(role_dir, dtype=model.dtype)
-        model.load_state_dict(loaded.state_dict(), strict=True)
+        # The full-state-dict setter copies into plain and tensor-parallel (DTensor) parameters alike.
+        set_model_state_dict(model, loaded.state_dict(), options=StateDictOptions(full_state_dict=True, strict=True))
     except (OSError, ValueError, RuntimeError, KeyError, SafetensorError) as exc:
         first_line = str(exc).strip().splitlines()[0] if str(exc).strip() else type(exc).__name__
         raise CheckpointError(f"{role_dir}: cannot load weights into {type(model).__name__} ({first_line})") from None

@@ -16,15 +16,10 @@ from loomrl.errors import LoomError
 
 
 def _config_and_overrides(items: Sequence[str]) -> tuple[str | None, list[str]]:
-    """The first item without '=' is the YAML file; the rest are overrides."""
-    path = None
-    overrides = []
-    for item in items:
-        if "=" not in item and path is None:
-            path = item
-        else:
-            overrides.append(item)
-    return path, overrides
+    """An optional YAML file first, then overrides; a later word without '=' is reported as a bad override."""
+    if items and "=" not in items[0]:
+        return items[0], list(items[1:])
+    return None, list(items)
 
 
 def _cmd_train(args: argparse.Namespace) -> int:

@@ -13,6 +13,7 @@ from loomrl.configtools import ValidatedConfig, fail, spec
 
 ALGORITHMS = ("ppo", "grpo", "rloo", "remax", "reinforce_pp")
 TASK_NAMES = ("sort", "add", "reverse", "file")
+ROLES = ("actor", "critic", "ref", "reward")
 
 
 @dataclass(frozen=True)
@@ -152,13 +153,39 @@ class LoopConfig(ValidatedConfig):
 
 
 @dataclass(frozen=True)
+class LayoutConfig(ValidatedConfig):
+    dp: int = spec(0, ge=0)
+    """Data-parallel replicas; 0 means runtime.devices / tp."""
+    tp: int = spec(1, ge=1)
+    """Tensor-parallel shards (attention heads and MLP columns split over devices)."""
+
+
+@dataclass(frozen=True)
 class RuntimeConfig(ValidatedConfig):
-    executor: str = spec("reference", choices=("reference",))
-    """Executor of the workflow; 'reference' runs every MFC in this process, in workflow order."""
+    executor: str = spec("reference", choices=("reference", "ray"))
+    """'reference' runs every MFC in this process, in workflow order (the ground truth); 'ray' runs them on
+    one worker per device through Ray and torch.distributed, the controller moving only metadata."""
+    devices: int = spec(1, ge=1)
+    """Devices (worker processes here, GPUs on GPU machines) of the 'ray' executor."""
+    layouts: dict[str, LayoutConfig] = field(default_factory=dict)
+    """Parallel layout per role (actor, critic, ref, reward); a role not named gets dp = devices, tp = 1."""
+    ray_address: str | None = None
+    """Address of an existing Ray cluster to join; None starts a local Ray instance bound to this machine."""
     device: str = spec("auto", choices=("auto", "cpu", "cuda"))
     """Torch device kind; auto picks cuda when available."""
     threads: int = spec(0, ge=0)
-    """Torch intra-op threads; 0 keeps torch's default."""
+    """Torch intra-op threads per process; 0 keeps torch's default (ray: cores / devices)."""
+    timeout_s: float = spec(600.0, gt=0)
+    """Longest wait for one MFC on the workers before the run fails with an error naming the stuck worker."""
+
+    def validate(self) -> None:
+        for role, layout in self.layouts.items():
+            if role not in ROLES:
+                fail(f"layouts.{role}", f"unknown role; valid roles: {', '.join(ROLES)}")
+            dp = layout.dp or self.devices // layout.tp
+            if dp * layout.tp != self.devices:
+                fail(f"layouts.{role}", f"dp {dp} x tp {layout.tp} = {dp * layout.tp} does not match "
+                                        f"devices {self.devices}")
 
 
 @dataclass(frozen=True)

@@ -275,8 +275,7 @@ def test_two_train_mfcs_keep_both_grad_norms():
     roles = {"actor": _linear_role("actor", 0), "critic": _linear_role("critic", 1)}
 
     def train(ctx, batch, prefix, scale):
-        return train_loop(ctx, batch, epochs=1, minibatches=1,
-                          loss_fn=partial(_regression_loss, ctx.role.model, prefix, scale))
+        return train_loop(ctx, batch, loss_fn=partial(_regression_loss, ctx.role.model, prefix, scale))
 
     mfcs = [MFC("actor_train", "actor", T, ("x", "y"), (), partial(train, prefix="actor", scale=1.0)),
             MFC("critic_train", "critic", T, ("x", "y"), (), partial(train, prefix="critic", scale=100.0))]

@@ -75,29 +75,32 @@ def reward_op(ctx: OpContext, batch: Batch, response_key: str = "response_ids", 
     return {out_key: score_B}
 
 
-def minibatch_rows(n: int, minibatches: int, seed: int, iteration: int, epoch: int) -> list[list[int]]:
-    """A seeded shuffle of the rows split into ``minibatches`` near-equal parts."""
-    gen = torch.Generator().manual_seed(hash((seed, iteration, epoch)) & 0x7FFFFFFF)
-    order = torch.randperm(n, generator=gen).tolist()
-    return [part.tolist() for part in torch.tensor_split(torch.tensor(order), min(minibatches, n))]
+def train_loop(ctx: OpContext, batch: Batch, loss_fn: Callable[[Batch], tuple[torch.Tensor, dict]]) -> dict:
+    """The optimizer steps the executor scheduled (``ctx.train_steps``); returns token-weighted statistics.
 
-
-def train_loop(
-    ctx: OpContext, batch: Batch, epochs: int, minibatches: int, loss_fn: Callable[[Batch], tuple[torch.Tensor, dict]]
-) -> dict:
-    """Epochs × minibatches of optimizer steps; returns the mean of every statistic the loss reports."""
+    Each step's loss is this rank's token-mean loss times its token share, so after ``ctx.sync_grads`` sums the
+    ranks' gradients every rank holds the gradient of the whole minibatch's token-mean loss. Statistics are
+    weighted the same way: summing them over the data-parallel ranks gives the whole batch's values.
+    """
     role = ctx.role
-    role.model.train()
+    model = role.model
+    model.train()
     totals: dict[str, float] = {}
-    steps = 0
-    for epoch in range(epochs):
-        for rows in minibatch_rows(len(batch), minibatches, ctx.seed, ctx.iteration, epoch):
-            loss, stats = loss_fn(batch.select(rows))
-            role.optimizer.zero_grad(set_to_none=True)
-            loss.backward()
-            stats[f"{role.name}/grad_norm"] = float(torch.nn.utils.clip_grad_norm_(role.model.parameters(), role.grad_clip))
-            role.optimizer.step()
-            for key, value in stats.items():
-                totals[key] = totals.get(key, 0.0) + float(value)
-            steps += 1
-    return {"stats": {key: value / steps for key, value in totals.items()}}
+    for rows, weight in ctx.train_steps:
+        role.optimizer.zero_grad(set_to_none=True)
+        stats: dict[str, float] = {}
+        if rows:
+            loss, stats = loss_fn(batch.select(list(rows)))
+            (loss * weight).backward()
+        if ctx.sync_grads is not None:
+            for p in model.parameters():  # a rank without rows still joins the gradient sum
+                if p.requires_grad and p.grad is None:
+                    p.grad = torch.zeros_like(p)
+            ctx.sync_grads(model)
+        grad_norm = float(torch.nn.utils.clip_grad_norm_(model.parameters(), role.grad_clip))
+        role.optimizer.step()
+        stats[f"{role.name}/grad_norm"] = grad_norm
+        for key, value in stats.items():
+            totals[key] = totals.get(key, 0.0) + weight * float(value)
+    n = max(len(ctx.train_steps), 1)
+    return {"stats": {key: value / n for key, value in totals.items()}}

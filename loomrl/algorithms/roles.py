@@ -47,3 +47,8 @@ class OpContext:
     eos_id: int
     decode: Callable[[list[int]], str]
     """Token ids → text (the tokenizer's decode without special tokens)."""
+    train_steps: tuple[tuple[tuple[int, ...], float], ...] = ()
+    """``train`` MFCs: per optimizer step, this executor's rows (positions in the given batch) and the weight
+    of their token-mean loss (their share of the step's tokens over all data-parallel ranks)."""
+    sync_grads: Callable[[torch.nn.Module], None] | None = None
+    """Sums gradients over the data-parallel group before the optimizer step; None in a single process."""

@@ -99,11 +99,11 @@ def _critic_loss(ctx: OpContext, mb: Batch, algo: AlgoConfig):
 
 def actor_train_op(ctx: OpContext, batch: Batch, algo: AlgoConfig, temperature: float, old_key: str, kl_in_loss: bool) -> dict:
     loss_fn = partial(_actor_loss, ctx, algo=algo, temperature=temperature, old_key=old_key, kl_in_loss=kl_in_loss)
-    return train_loop(ctx, batch, algo.ppo_epochs, algo.minibatches, loss_fn)
+    return train_loop(ctx, batch, loss_fn)
 
 
 def critic_train_op(ctx: OpContext, batch: Batch, algo: AlgoConfig) -> dict:
-    return train_loop(ctx, batch, algo.ppo_epochs, algo.minibatches, partial(_critic_loss, ctx, algo=algo))
+    return train_loop(ctx, batch, partial(_critic_loss, ctx, algo=algo))
 
 
 _ADVANTAGES = {
@@ -147,7 +147,7 @@ def build_workflow(algo: AlgoConfig, rollout: RolloutConfig) -> Workflow:
     mfcs.append(MFC("advantages", None, compute, tuple(adv_inputs), adv_outputs, partial(_ADVANTAGES[algo.name], algo=algo)))
     kl_in_loss = algo.name == "grpo"
     actor_inputs = (*seq, old_key, "advantages", "mask") + (("ref_logp",) if kl_in_loss else ())
-    mfcs.append(MFC("actor_train", "actor", train, actor_inputs, (), partial(actor_train_op, algo=algo, temperature=temp, old_key=old_key, kl_in_loss=kl_in_loss)))
+    mfcs.append(MFC("actor_train", "actor", train, actor_inputs, (), partial(actor_train_op, algo=algo, temperature=temp, old_key=old_key, kl_in_loss=kl_in_loss), epochs=algo.ppo_epochs, minibatches=algo.minibatches))
     if algo.name == "ppo":
-        mfcs.append(MFC("critic_train", "critic", train, (*seq, "values", "returns", "mask"), (), partial(critic_train_op, algo=algo)))
+        mfcs.append(MFC("critic_train", "critic", train, (*seq, "values", "returns", "mask"), (), partial(critic_train_op, algo=algo), epochs=algo.ppo_epochs, minibatches=algo.minibatches))
     return Workflow(mfcs, SOURCE_KEYS)

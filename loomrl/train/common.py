@@ -15,12 +15,12 @@ from loomrl.errors import ConfigError
 from loomrl.models.tokenizer import build_char_tokenizer, load_tokenizer
 
 
-def resolve_device(kind: str) -> torch.device:
+def resolve_device(kind: str, field: str = "runtime.device") -> torch.device:
     """'auto' → the accelerator when one is present, else cpu; 'cuda' without one is a config error."""
     if kind == "auto":
         return torch.device("cuda" if torch.cuda.is_available() else "cpu")
     if kind == "cuda" and not torch.cuda.is_available():
-        raise ConfigError("device: 'cuda' requested but no CUDA device is available (valid here: auto, cpu)")
+        raise ConfigError(f"{field}: 'cuda' requested but no CUDA device is available (valid here: auto, cpu)")
     return torch.device(kind)
 
 

@@ -14,21 +14,23 @@ from __future__ import annotations
 import copy
 import time
 from dataclasses import dataclass
+from functools import partial
 from pathlib import Path
 
 import torch
 
 from loomrl.algorithms.roles import Role
 from loomrl.algorithms.workflows import build_workflow
-from loomrl.checkpoint import latest_checkpoint, load_checkpoint, save_checkpoint
+from loomrl.checkpoint import latest_checkpoint
 from loomrl.config import OptimConfig, TrainConfig
 from loomrl.configtools import dump_yaml
-from loomrl.errors import ConfigError
+from loomrl.errors import ConfigError, DataError
 from loomrl.models.zoo import build_causal_lm, build_value_model
 from loomrl.report import MetricsLogger, plot_reward_curve
 from loomrl.runtime.reference import IterationResult, ReferenceExecutor
 from loomrl.train import common
 from loomrl.train.evaluate import evaluate_policy
+from loomrl.train.metrics import rollout_metrics
 from loomrl.train.progress import RunProgress
 from loomrl.workflow.batch import Batch
 
@@ -39,23 +41,48 @@ def adamw(model: torch.nn.Module, optim: OptimConfig) -> torch.optim.AdamW:
     return torch.optim.AdamW(model.parameters(), lr=optim.lr, betas=optim.betas, weight_decay=optim.weight_decay)
 
 
+def _named(field: str, build, *args):
+    """Run a model builder; its one-line error gains the config field it came from."""
+    try:
+        return build(*args)
+    except DataError as err:
+        raise DataError(f"{field}: {err}") from None
+
+
 def build_roles(cfg: TrainConfig, tokenizer, task, device: torch.device) -> dict[str, Role]:
     """Actor (trainable), ref (frozen copy of the actor's start), critic (ppo), reward (rule and/or model)."""
-    actor = build_causal_lm(cfg.actor.model, tokenizer, cfg.seed).to(device)
+    actor = _named("actor.model", build_causal_lm, cfg.actor.model, tokenizer, cfg.seed).to(device)
     ref = copy.deepcopy(actor).eval().requires_grad_(False)
     roles = {
         "actor": Role("actor", actor, adamw(actor, cfg.actor.optim), cfg.actor.optim.grad_clip),
         "ref": Role("ref", ref),
     }
     if cfg.algo.name == "ppo":
-        critic = build_value_model(cfg.critic.model or cfg.actor.model, tokenizer, cfg.seed + 1).to(device)
+        field = "critic.model" if cfg.critic.model else "actor.model"
+        critic = _named(field, build_value_model, cfg.critic.model or cfg.actor.model, tokenizer, cfg.seed + 1)
+        critic = critic.to(device)
         roles["critic"] = Role("critic", critic, adamw(critic, cfg.critic.optim), cfg.critic.optim.grad_clip)
     reward = Role("reward", rule=task.score if cfg.reward.source in ("rule", "both") else None,
                   rule_weight=cfg.reward.rule_weight, model_weight=cfg.reward.model_weight)
     if cfg.reward.source in ("model", "both"):
-        reward.model = build_value_model(cfg.reward.model, tokenizer, cfg.seed).to(device).eval().requires_grad_(False)
+        reward.model = _named("reward.model", build_value_model, cfg.reward.model, tokenizer, cfg.seed)
+        reward.model = reward.model.to(device).eval().requires_grad_(False)
     roles["reward"] = reward
     return roles
+
+
+def make_executor(cfg: TrainConfig, workflow, tokenizer, task, device: torch.device) -> ReferenceExecutor:
+    """The executor named by ``runtime.executor``, with every role built."""
+    roles = build_roles(cfg, tokenizer, task, device)
+    decode = partial(common.decode_response, tokenizer)
+    evaluate = partial(_evaluate, tokenizer=tokenizer, task=task, max_new_tokens=cfg.rollout.max_new_tokens)
+    return ReferenceExecutor(workflow, roles, cfg.seed, tokenizer.pad_token_id, tokenizer.eos_token_id, decode,
+                             metrics_fn=partial(rollout_metrics, decode=decode, task=task),
+                             evaluate_fn=evaluate, tokenizer=tokenizer)
+
+
+def _evaluate(model, examples, tokenizer, task, max_new_tokens: int) -> dict[str, float]:
+    return evaluate_policy(model, tokenizer, task, examples, max_new_tokens)
 
 
 @dataclass
@@ -79,11 +106,8 @@ class RLTrainer:
         self.train_prompts = common.prompt_source(cfg.task, self.task, cfg.seed, "train")
         self.eval_examples = common.examples_window(
             common.prompt_source(cfg.task, self.task, cfg.seed, "eval"), 0, cfg.loop.eval_prompts)
-        self.roles = build_roles(cfg, self.tokenizer, self.task, self.device)
         self.workflow = build_workflow(cfg.algo, cfg.rollout)
-        tok = self.tokenizer
-        self.executor = ReferenceExecutor(self.workflow, self.roles, cfg.seed, tok.pad_token_id, tok.eos_token_id,
-                                          lambda ids: common.decode_response(tok, ids))
+        self.executor = make_executor(cfg, self.workflow, self.tokenizer, self.task, self.device)
         self.state = RunState()
 
     @property
@@ -103,47 +127,28 @@ class RLTrainer:
             "answer": [ex.answer for ex in rows],
         })
 
-    def trainable(self) -> dict[str, Role]:
-        return {name: r for name, r in self.roles.items() if r.optimizer is not None}
-
     def resume(self) -> bool:
         """Load the latest checkpoint of run_dir, if any; returns whether one was found."""
         path = latest_checkpoint(self.run_dir)
         if path is None:
             return False
-        roles = self.trainable()
-        state = load_checkpoint(path, {n: r.model for n, r in roles.items()}, {n: r.optimizer for n, r in roles.items()})
+        state = self.executor.load(path)
         self.state = RunState(iteration=int(state["iteration"]) + 1)
         return True
 
     def save(self, iteration: int) -> Path:
-        roles = self.trainable()
-        return save_checkpoint(self.run_dir, iteration, {n: r.model for n, r in roles.items()}, self.tokenizer,
-                               {n: r.optimizer for n, r in roles.items()}, {"data_position": (iteration + 1) * self.cfg.rollout.prompts_per_iter},
-                               keep_last=self.cfg.loop.keep_checkpoints)
+        state = {"data_position": (iteration + 1) * self.cfg.rollout.prompts_per_iter}
+        return self.executor.save(self.run_dir, iteration, state, self.cfg.loop.keep_checkpoints)
 
     def iteration_metrics(self, result: IterationResult, seconds: float) -> dict[str, float]:
-        batch = result.batch
-        mask = batch["mask"]
-        texts = [common.decode_response(self.tokenizer, r) for r in batch["response_ids"]]
-        exact = [self.task.exact(p, t, a) for p, t, a in zip(batch["prompt_text"], texts, batch["answer"])]
-        metrics = {
-            "reward/mean": float(batch["score"].mean()),
-            "reward/exact_match": sum(exact) / len(exact),
-            "kl/mean": float(batch["kl"].sum(-1).mean()),
-            "response/length": float(mask.sum(-1).mean()),
-            "perf/samples_per_s": len(batch) / seconds,
-            "time/iteration_s": seconds,
-            **result.stats,
-        }
+        metrics = {**result.stats, "perf/samples_per_s": self.cfg.rollout.prompts_per_iter * self.group_size / seconds,
+                   "time/iteration_s": seconds}
         for tr in result.traces:
             metrics[f"time/{tr.name}_s"] = tr.end - tr.start
         return metrics
 
     def evaluate(self) -> dict[str, float]:
-        out = evaluate_policy(self.roles["actor"].model, self.tokenizer, self.task, self.eval_examples,
-                              self.cfg.rollout.max_new_tokens)
-        return {f"eval/{k}": v for k, v in out.items()}
+        return {f"eval/{k}": v for k, v in self.executor.evaluate(self.eval_examples).items()}
 
     def run(self, resume: bool = False) -> dict[str, float]:
         """Run the remaining iterations; returns the last iteration's metrics (plus the final evaluation)."""
@@ -171,3 +176,6 @@ class RLTrainer:
                     self.save(it)
         plot_reward_curve(self.run_dir)
         return last
+
+    def close(self) -> None:
+        self.executor.close()

@@ -51,7 +51,7 @@ def pair_accuracy(model, tokenizer, pairs, device, batch_size: int = 256) -> flo
 def run_rm(cfg: RMConfig, progress: bool = True) -> dict[str, float]:
     """Train, evaluate held-out pair accuracy and save; returns the summary."""
     t0 = time.perf_counter()
-    device = common.resolve_device(cfg.device)
+    device = common.resolve_device(cfg.device, "device")
     tokenizer = common.tokenizer_for(cfg.model)
     task = common.build_task(cfg.task)
     train = preference_pairs(task, cfg.train_pairs, cfg.seed)
@@ -76,11 +76,11 @@ def run_rm(cfg: RMConfig, progress: bool = True) -> dict[str, float]:
                 loss.backward()
                 torch.nn.utils.clip_grad_norm_(model.parameters(), cfg.optim.grad_clip)
                 opt.step()
-                log.write(json.dumps({"step": step, "loss": float(loss), "accuracy": float(acc)}) + "\n")
+                log.write(json.dumps({"step": step, "loss": loss.item(), "accuracy": float(acc)}) + "\n")
                 bar.update(step, {"loss": loss.item()})
     accuracy = pair_accuracy(model, tokenizer, held_out, device)
     model.save_pretrained(out, safe_serialization=True)
     tokenizer.save_pretrained(out)
-    summary = {"loss": float(loss), "eval/pair_accuracy": accuracy, "seconds": time.perf_counter() - t0}
+    summary = {"loss": loss.item(), "eval/pair_accuracy": accuracy, "seconds": time.perf_counter() - t0}
     (out / "rm_summary.json").write_text(json.dumps(summary, indent=2))
     return summary

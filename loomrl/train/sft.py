@@ -39,7 +39,7 @@ def demonstration_loss(model, tokenizer, examples, task, device: torch.device) -
 def run_sft(cfg: SFTConfig, progress: bool = True) -> dict[str, float]:
     """Train, evaluate and save; returns final loss, held-out exact match and score, and seconds."""
     t0 = time.perf_counter()
-    device = common.resolve_device(cfg.device)
+    device = common.resolve_device(cfg.device, "device")
     tokenizer = common.tokenizer_for(cfg.model)
     task = common.build_task(cfg.task)
     train = common.prompt_source(cfg.task, task, cfg.seed, "train")
@@ -62,6 +62,6 @@ def run_sft(cfg: SFTConfig, progress: bool = True) -> dict[str, float]:
     result = evaluate_policy(model, tokenizer, task, held_out, cfg.max_new_tokens)
     model.save_pretrained(out, safe_serialization=True)
     tokenizer.save_pretrained(out)
-    summary = {"loss": float(loss), **{f"eval/{k}": v for k, v in result.items()}, "seconds": time.perf_counter() - t0}
+    summary = {"loss": loss.item(), **{f"eval/{k}": v for k, v in result.items()}, "seconds": time.perf_counter() - t0}
     (out / "sft_summary.json").write_text(json.dumps(summary, indent=2))
     return summary

@@ -44,6 +44,10 @@ class Batch:
                 raise ValueError(f"column '{key}' has {rows} rows, batch has {len(self.ids)}")
             self._data[key] = value
 
+    def as_dict(self) -> dict[str, Any]:
+        """The columns as a plain dict (a shallow copy)."""
+        return dict(self._data)
+
     def columns(self, keys: Iterable[str]) -> "Batch":
         """The same rows restricted to ``keys``, sharing storage (no copy)."""
         out = Batch(self.ids)

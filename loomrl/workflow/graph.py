@@ -48,11 +48,16 @@ class MFC:
     inputs: tuple[str, ...]
     """Data keys read: each a source key of the dataset or an output of exactly one other MFC."""
     outputs: tuple[str, ...]
-    """Data keys written. A ``train`` call's outputs may be statistics that nothing consumes."""
+    """Data keys written. A ``train`` call writes none: it returns statistics, merged into the metrics."""
     op: Callable | None = field(default=None, compare=False)
     """The function the executor calls; ignored by the graph and by equality and hashing."""
     doc: str = ""
     """One line for documentation and plan printouts."""
+    epochs: int = 1
+    """``train`` only: passes over the batch."""
+    minibatches: int = 1
+    """``train`` only: optimizer steps per pass; the executor splits the batch (and each minibatch over the
+    data-parallel ranks), so every executor takes the same steps on the same samples."""
 
     def __post_init__(self) -> None:
         # Accept plain strings and lists from hand-written or config-built MFCs; store canonical types

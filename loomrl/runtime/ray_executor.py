@@ -1,0 +1,224 @@
+"""The Ray executor: a controller that moves metadata, and one worker per device that moves bytes.
+
+The controller walks the workflow in order. For each MFC it splits the batch's sample ids over the
+data-parallel ranks of the role's layout (balanced by tokens; for train MFCs by the same per-step schedule as
+the reference executor), tells every worker of the mesh which rows to process and where their inputs are
+(Ray object references to other workers' output shards), and gets back only metadata: the references to the
+new shards, per-sample token counts, scalar statistics and timings. Every value a worker returns is checked:
+a tensor arriving at the controller is an error.
+
+Failures surface within ``runtime.timeout_s`` as one line naming the worker, its role and the MFC; ``close``
+kills every worker and the local Ray instance, also after a failure or an interrupt.
+"""
+
+from __future__ import annotations
+
+import time
+from pathlib import Path
+from typing import Any, Mapping, Sequence
+
+import ray
+import torch
+from ray.util.placement_group import placement_group, remove_placement_group
+from ray.util.scheduling_strategies import PlacementGroupSchedulingStrategy
+
+from loomrl.config import TrainConfig
+from loomrl.errors import LoomError
+from loomrl.parallel import Layout
+from loomrl.runtime.launcher import is_local, start_ray, stop_ray
+from loomrl.runtime.reference import IterationResult, MFCTrace, merge_stats
+from loomrl.runtime.worker import DeviceWorker, MFCCall
+from loomrl.workflow import MFC, MFCKind, Workflow
+from loomrl.workflow.batch import Batch
+from loomrl.workflow.schedule import split_by_tokens, train_schedule
+
+
+class RuntimeFailure(LoomError):
+    """A worker failed, died or stalled; the message names the worker, role and MFC."""
+
+
+def resolve_layouts(cfg: TrainConfig, roles: Sequence[str]) -> dict[str, Layout]:
+    n = cfg.runtime.devices
+    out = {}
+    for role in roles:
+        given = cfg.runtime.layouts.get(role)
+        tp = given.tp if given else 1
+        out[role] = Layout(dp=(given.dp if given and given.dp else n // tp), tp=tp)
+    return out
+
+
+def check_metadata(value: Any, path: str = "result") -> None:
+    """The controller accepts scalars, strings, object references and containers of them: never tensors."""
+    if isinstance(value, (int, float, str, bool, type(None), ray.ObjectRef)):
+        return
+    if isinstance(value, dict):
+        for key, item in value.items():
+            check_metadata(item, f"{path}.{key}")
+        return
+    if isinstance(value, (list, tuple)):
+        for i, item in enumerate(value):
+            check_metadata(item, f"{path}[{i}]")
+        return
+    raise RuntimeError(f"the controller received {type(value).__name__} at {path}; only metadata may reach it")
+
+
+class RayExecutor:
+    """Executes a workflow on ``runtime.devices`` Ray workers (same interface as the reference executor)."""
+
+    def __init__(self, cfg: TrainConfig, workflow: Workflow):
+        self.cfg, self.workflow = cfg, workflow
+        self.order = workflow.topological_order()
+        self.layouts = resolve_layouts(cfg, [r for r in workflow.roles()])
+        n = cfg.runtime.devices
+        self.workers: list[Any] = []
+        self.pg = None
+        self.received = 0
+        self._started = start_ray(cfg.runtime.ray_address, num_cpus=n + 1)
+        try:
+            self._spawn(n)
+        except BaseException:
+            self.close()
+            raise
+
+    def _spawn(self, n: int) -> None:
+        gpu = torch.cuda.is_available() and self.cfg.runtime.device != "cpu"
+        bundle = {"CPU": 1, "GPU": 1} if gpu else {"CPU": 1}
+        self.pg = placement_group([bundle] * n, strategy="PACK")
+        self._wait([self.pg.ready()], "reserving devices", None)
+        remote = ray.remote(num_cpus=1, num_gpus=1 if gpu else 0, max_restarts=0)(DeviceWorker)
+        self.workers = [
+            remote.options(scheduling_strategy=PlacementGroupSchedulingStrategy(self.pg, placement_group_bundle_index=i))
+            .remote(i, n, self.cfg) for i in range(n)]
+        addr = "127.0.0.1" if is_local(self.cfg.runtime.ray_address) else self._wait(
+            [self.workers[0].node_ip.remote()], "setup", None)[0]
+        port = self._wait([self.workers[0].free_port.remote()], "setup", None)[0]
+        self.pids = [m["pid"] for m in self._wait([w.setup.remote(addr, port, self.layouts) for w in self.workers],
+                                                  "setup", None)]
+
+    # ---------------------------------------------------------------------------------- waiting
+    def _wait(self, refs: list, what: str, role: str | None, ranks: Sequence[int] | None = None) -> list:
+        """Results of ``refs`` (one per rank); the first failure becomes a RuntimeFailure naming the worker."""
+        ranks = list(range(len(refs))) if ranks is None else list(ranks)
+        rank_of = {ref: rank for ref, rank in zip(refs, ranks)}
+        results: dict[Any, Any] = {}
+        pending = list(refs)
+        deadline = time.monotonic() + self.cfg.runtime.timeout_s
+        while pending:
+            ready, pending = ray.wait(pending, num_returns=1, timeout=max(0.0, deadline - time.monotonic()))
+            if not ready:
+                stuck = sorted(rank_of[r] for r in pending)
+                raise RuntimeFailure(f"worker(s) {stuck} did not finish {what} (role {role}) within "
+                                     f"{self.cfg.runtime.timeout_s:g} s (runtime.timeout_s)")
+            ref = ready[0]
+            try:
+                value = ray.get(ref)
+            except ray.exceptions.RayActorError:
+                raise RuntimeFailure(f"worker {rank_of[ref]} died during {what} (role {role})") from None
+            except ray.exceptions.RayTaskError as err:
+                cause = str(err.cause if getattr(err, "cause", None) else err).strip().splitlines()
+                first = next((line for line in cause if "failed in MFC" in line), cause[0] if cause else "")
+                raise RuntimeFailure(f"worker {rank_of[ref]} failed during {what} (role {role}): {first}") from None
+            check_metadata(value)
+            self.received += 1
+            results[ref] = value
+        return [results[r] for r in refs]
+
+    # ------------------------------------------------------------------------------ iterations
+    def run_iteration(self, iteration: int, batch: Batch) -> IterationResult:
+        result = IterationResult()
+        source = ray.put(batch)
+        where: dict[str, list[tuple[tuple[int, ...], Any]]] = {k: [(tuple(batch.ids), source)] for k in batch.keys()}
+        tokens = {sid: len(p) for sid, p in zip(batch.ids, batch["prompt_ids"])}  # prompts are source data
+        for mfc in self.order:
+            self._run_mfc(mfc, iteration, batch.ids, where, tokens, result)
+        keys = ("response_ids", "prompt_text", "answer", "score", "kl")
+        metrics = self._wait([self.workers[0].metrics.remote(batch.ids, self._inputs(keys, batch.ids, where))],
+                             "metrics", None)[0]
+        merge_stats(result.stats, metrics, "metrics")
+        return result
+
+    def _inputs(self, keys: Sequence[str], ids: Sequence[int], where) -> tuple:
+        wanted = set(ids)
+        refs: list = []
+        for key in keys:
+            for shard_ids, ref in where[key]:
+                if ref not in refs and wanted.intersection(shard_ids):
+                    refs.append(ref)
+        return tuple(refs)
+
+    def _assignments(self, mfc: MFC, iteration: int, ids: list[int], tokens: Mapping[int, int]):
+        """Per rank: (sample ids, train steps, publish); compute MFCs run on worker 0 alone."""
+        if mfc.kind == MFCKind.COMPUTE:
+            return {0: (tuple(ids), (), True)}
+        layout = self.layouts[mfc.role]
+        counts = [tokens[s] for s in ids]
+        per_dp: list[tuple[tuple[int, ...], tuple]] = []
+        if mfc.kind == MFCKind.TRAIN:
+            schedule = train_schedule(counts, mfc.epochs, mfc.minibatches, self.cfg.seed, iteration, layout.dp)
+            for d in range(layout.dp):
+                rows = list(dict.fromkeys(r for step in schedule for r in step.rows_per_rank[d]))
+                pos = {r: i for i, r in enumerate(rows)}
+                steps = tuple((tuple(pos[r] for r in step.rows_per_rank[d]), step.local(d, counts)[1])
+                              for step in schedule)
+                per_dp.append((tuple(ids[r] for r in rows), steps))
+        else:
+            for part in split_by_tokens(range(len(ids)), counts, layout.dp):
+                per_dp.append((tuple(ids[r] for r in part), ()))
+        return {rank: (*per_dp[rank // layout.tp], rank % layout.tp == 0) for rank in range(layout.size)}
+
+    def _run_mfc(self, mfc: MFC, iteration: int, ids: list[int], where, tokens, result: IterationResult) -> None:
+        plan = self._assignments(mfc, iteration, ids, tokens)
+        refs, ranks = [], []
+        for rank, (rows, steps, publish) in plan.items():
+            call = MFCCall(mfc.name, iteration, rows, self._inputs(mfc.inputs, rows, where), steps, publish)
+            refs.append(self.workers[rank].run_mfc.remote(call))
+            ranks.append(rank)
+        metas = self._wait(refs, f"MFC '{mfc.name}'", mfc.role, ranks)
+        stats: dict[str, float] = {}
+        for (rows, _, publish), meta in zip(plan.values(), metas):
+            if not publish:
+                continue
+            for key, value in meta.get("stats", {}).items():
+                stats[key] = stats.get(key, 0.0) + value
+            if "shard" in meta:
+                for key in mfc.outputs:
+                    where.setdefault(key, []).append((rows, meta["shard"][0]))
+            tokens.update({int(k): v for k, v in meta.get("tokens", {}).items()})
+        merge_stats(result.stats, stats, mfc.name)
+        result.traces.append(MFCTrace(iteration, mfc.name, mfc.role, min(m["start"] for m in metas),
+                                      max(m["end"] for m in metas), tuple(ranks)))
+
+    # ---------------------------------------------------------------- evaluation, checkpoints, shutdown
+    def evaluate(self, examples: Sequence) -> dict[str, float]:
+        layout = self.layouts["actor"]
+        shares = [list(examples[d::layout.dp]) for d in range(layout.dp)]
+        refs = [w.evaluate.remote(shares[r // layout.tp], r % layout.tp == 0) for r, w in enumerate(self.workers)]
+        sums: dict[str, float] = {}
+        for out in self._wait(refs, "evaluation", "actor"):
+            for key, value in (out or {}).items():
+                sums[key] = sums.get(key, 0.0) + value
+        return {key: value / len(examples) for key, value in sums.items()}
+
+    def save(self, run_dir: Path, iteration: int, state: Mapping[str, Any], keep_last: int) -> Path:
+        refs = [w.save.remote(str(run_dir), iteration, dict(state), keep_last) for w in self.workers]
+        return Path(self._wait(refs, "checkpoint save", None)[0])
+
+    def load(self, path: Path) -> dict[str, Any]:
+        return self._wait([w.load.remote(str(path)) for w in self.workers], "checkpoint load", None)[0]
+
+    def close(self) -> None:
+        """Kill every worker and release the devices; stop Ray if this executor started it."""
+        for w in self.workers:
+            try:
+                ray.kill(w, no_restart=True)
+            except Exception:  # already dead: nothing left to kill
+                pass
+        self.workers = []
+        if self.pg is not None:
+            try:
+                remove_placement_group(self.pg)
+            except Exception:
+                pass
+            self.pg = None
+        stop_ray(self._started)
+        self._started = False

@@ -1,0 +1,40 @@
+"""Optimizer state in the full, parameter-name-keyed form, so checkpoints do not depend on the layout.
+
+``Optimizer.state_dict()`` keys states by parameter index and, under tensor parallelism, holds only the local
+shard. Checkpoints instead store the full state keyed by parameter name (torch.distributed.checkpoint's
+full-state-dict form), so a run checkpointed by the reference executor resumes on any layout and back.
+Getting the full state of a sharded model is a collective: every rank of the model's group must call it.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+import torch
+from torch.distributed.checkpoint.state_dict import (
+    StateDictOptions,
+    get_model_state_dict,
+    get_optimizer_state_dict,
+    set_optimizer_state_dict,
+)
+
+FULL = StateDictOptions(full_state_dict=True, cpu_offload=True)
+
+
+class FullOptimizerState:
+    """Duck-types an optimizer's ``state_dict`` / ``load_state_dict`` for :mod:`loomrl.checkpoint`."""
+
+    def __init__(self, model: torch.nn.Module, optimizer: torch.optim.Optimizer, gathered: dict | None = None):
+        self.model, self.optimizer, self.gathered = model, optimizer, gathered
+
+    def state_dict(self) -> dict[str, Any]:
+        return self.gathered if self.gathered is not None else get_optimizer_state_dict(self.model, self.optimizer,
+                                                                                         options=FULL)
+
+    def load_state_dict(self, state: dict[str, Any]) -> None:
+        set_optimizer_state_dict(self.model, self.optimizer, state, options=StateDictOptions(full_state_dict=True))
+
+
+def full_model_state(model: torch.nn.Module) -> dict[str, torch.Tensor]:
+    """Every parameter and buffer as a full CPU tensor (collective under tensor parallelism)."""
+    return get_model_state_dict(model, options=FULL)

@@ -1,0 +1,262 @@
+"""The RL loop in process: every algorithm trains, group batches, determinism, exact resume, reward models.
+
+Every run is a random-init llama-1m on a handful of sort prompts for one or two iterations, on one thread
+(tiny matrices are slower on two threads that contend with other processes).
+"""
+
+import json
+import math
+from pathlib import Path
+
+import pytest
+import torch
+
+from loomrl.algorithms.workflows import build_workflow
+from loomrl.config import ALGORITHMS, AlgoConfig, RMConfig, RolloutConfig, TrainConfig
+from loomrl.configtools import load_config
+from loomrl.train.rl import RLTrainer
+from loomrl.train.rm import run_rm
+
+TINY = (
+    "rollout.prompts_per_iter=4", "rollout.max_new_tokens=6", "algo.group_size=2", "algo.minibatches=2",
+    "loop.iterations=2", "loop.eval_prompts=4", "loop.progress=false", "loop.tensorboard=false",
+    "runtime.device=cpu", "runtime.threads=1",
+)
+
+
+@pytest.fixture(autouse=True)
+def _restore_torch_threads():
+    """runtime.threads=1 sets torch's global thread count; give later test files theirs back."""
+    threads = torch.get_num_threads()
+    yield
+    torch.set_num_threads(threads)
+
+
+def tiny_cfg(run_dir: Path, *overrides: str) -> TrainConfig:
+    """Later overrides win, so callers may replace any TINY setting."""
+    return load_config(TrainConfig, None, [*TINY, f"run_dir={run_dir}", *overrides])
+
+
+def snapshot(model: torch.nn.Module) -> dict[str, torch.Tensor]:
+    return {name: p.detach().clone() for name, p in model.named_parameters()}
+
+
+def same_weights(model: torch.nn.Module, saved: dict[str, torch.Tensor]) -> bool:
+    return all(torch.equal(p, saved[name]) for name, p in model.named_parameters())
+
+
+def comparable(record: dict) -> dict:
+    """A metrics record without what legitimately differs between identical runs: wall-clock times."""
+    return {k: v for k, v in record.items() if k != "time" and not k.startswith(("time/", "perf/"))}
+
+
+def read_records(run_dir: Path) -> list[dict]:
+    return [json.loads(line) for line in (run_dir / "metrics.jsonl").read_text().splitlines()]
+
+
+def spy_on_iterations(trainer: RLTrainer, monkeypatch) -> list:
+    """Record every IterationResult the trainer's executor produces, so a test can look at the batches."""
+    results = []
+    run_iteration = trainer.executor.run_iteration
+
+    def spy(iteration, batch):
+        results.append(run_iteration(iteration, batch))
+        return results[-1]
+
+    monkeypatch.setattr(trainer.executor, "run_iteration", spy)
+    return results
+
+
+# ------------------------------------------------------------------------------------------ algorithms
+
+
+@pytest.mark.parametrize("algo", ALGORITHMS)
+def test_each_algorithm_trains_the_actor_and_never_the_reference(algo, tmp_path):
+    trainer = RLTrainer(tiny_cfg(tmp_path, f"algo.name={algo}"))
+    actor, ref = trainer.executor.roles["actor"].model, trainer.executor.roles["ref"].model
+    actor_before, ref_before = snapshot(actor), snapshot(ref)
+    assert same_weights(ref, actor_before), "the reference must start as a copy of the actor"
+    critic_before = snapshot(trainer.executor.roles["critic"].model) if algo == "ppo" else None
+
+    metrics = trainer.run()
+
+    for key in ("reward/mean", "kl/mean", "response/length", "actor/pg_loss", "actor/clipfrac",
+                "actor/approx_kl", "actor/entropy", "eval/exact_match", "eval/score"):
+        assert key in metrics, f"{algo}: {key} missing from {sorted(metrics)}"
+    bad = {k: v for k, v in metrics.items() if not math.isfinite(v)}
+    assert not bad, f"{algo}: non-finite metrics {bad}"
+    critic_keys = {k for k in metrics if k.startswith("critic/")}
+    assert "actor/grad_norm" in metrics and "grad_norm" not in metrics, "each role reports its own grad norm"
+    if algo == "ppo":
+        assert {"critic/value_loss", "critic/vf_clipfrac", "critic/grad_norm"} <= critic_keys
+        assert not same_weights(trainer.executor.roles["critic"].model, critic_before), "ppo: the critic did not train"
+    else:
+        assert critic_keys == set() and "critic" not in trainer.executor.roles
+    assert ("actor/kl_loss" in metrics) == (algo == "grpo"), "only grpo puts the KL in the loss"
+    assert 0.0 <= metrics["reward/mean"] <= 1.0  # the sort rule scores in [0, 1]
+    assert 1.0 <= metrics["response/length"] <= 6.0
+    assert not same_weights(actor, actor_before), f"{algo}: the actor's parameters did not change"
+    assert same_weights(ref, ref_before), f"{algo}: the frozen reference changed"
+    assert [r["iteration"] for r in read_records(tmp_path)] == [0, 1]
+
+
+@pytest.mark.parametrize("algo", ["grpo", "rloo"])
+def test_group_batches_repeat_each_prompt_consecutively_with_distinct_ids(algo, tmp_path, monkeypatch):
+    g, n = 3, 4
+    trainer = RLTrainer(tiny_cfg(tmp_path, f"algo.name={algo}", f"algo.group_size={g}", f"rollout.prompts_per_iter={n}",
+                                 "loop.iterations=1"))
+    results = spy_on_iterations(trainer, monkeypatch)
+    trainer.run()
+    batch = results[0].batch
+    assert len(batch) == n * g
+    assert len(set(batch.ids)) == n * g, f"sample ids repeat: {batch.ids}"
+    groups = [range(i * g, (i + 1) * g) for i in range(n)]
+    for rows in groups:
+        assert len({batch["prompt_text"][r] for r in rows}) == 1
+        assert len({tuple(batch["prompt_ids"][r]) for r in rows}) == 1
+        assert len({batch["answer"][r] for r in rows}) == 1
+        # Distinct ids give distinct random streams: a group of identical samples would have zero advantage.
+        assert len({tuple(batch["response_ids"][r]) for r in rows}) > 1
+    assert len({batch["prompt_text"][rows[0]] for rows in groups}) == n, "consecutive groups share a prompt"
+    assert not set(batch.ids) & set(trainer.make_batch(1).ids), "sample ids repeat across iterations"
+
+
+def test_non_group_algorithm_ignores_group_size(tmp_path):
+    batch = RLTrainer(tiny_cfg(tmp_path, "algo.name=ppo", "algo.group_size=3")).make_batch(0)
+    assert len(batch) == 4 and len(set(batch["prompt_text"])) == 4
+
+
+# ----------------------------------------------------------------------------------------- determinism
+
+
+def test_same_seed_gives_identical_runs(tmp_path):
+    last = [RLTrainer(tiny_cfg(tmp_path / name, "seed=3")).run() for name in ("a", "b")]
+    assert comparable(last[0]) == comparable(last[1])
+    a, b = read_records(tmp_path / "a"), read_records(tmp_path / "b")
+    assert len(a) == 2 and [comparable(r) for r in a] == [comparable(r) for r in b]
+
+
+def test_different_seed_gives_different_samples(tmp_path, monkeypatch):
+    responses = []
+    for seed in (0, 1):
+        trainer = RLTrainer(tiny_cfg(tmp_path / str(seed), f"seed={seed}", "loop.iterations=1"))
+        results = spy_on_iterations(trainer, monkeypatch)
+        trainer.run()
+        responses.append(results[0].batch["response_ids"])
+    assert responses[0] != responses[1]
+
+
+# ---------------------------------------------------------------------------------------------- resume
+
+
+def test_resume_continues_exactly_as_an_uninterrupted_run(tmp_path):
+    common = ("algo.name=ppo", "loop.save_every=2")
+    uninterrupted = RLTrainer(tiny_cfg(tmp_path / "a", *common, "loop.iterations=4"))
+    uninterrupted.run()
+    RLTrainer(tiny_cfg(tmp_path / "b", *common, "loop.iterations=2")).run()  # stops after iteration 1
+    resumed = RLTrainer(tiny_cfg(tmp_path / "b", *common, "loop.iterations=4"))
+    resumed.run(resume=True)
+
+    a, b = read_records(tmp_path / "a"), read_records(tmp_path / "b")
+    assert [r["iteration"] for r in b] == [0, 1, 2, 3]
+    assert comparable(b[0]) == comparable(a[0])
+    for it in (2, 3):
+        assert comparable(b[it]) == comparable(a[it]), f"iteration {it} differs after resume"
+    for role in ("actor", "critic"):
+        expected = snapshot(uninterrupted.executor.roles[role].model)
+        assert same_weights(resumed.executor.roles[role].model, expected), f"{role} weights differ after resume"
+
+
+def _crash_on_save(trainer: RLTrainer, monkeypatch, crash_at: int) -> None:
+    """Make the run die while writing the checkpoint of iteration ``crash_at`` (after logging it)."""
+    save = trainer.save
+
+    def crashing_save(iteration):
+        if iteration == crash_at:
+            raise RuntimeError("simulated crash")
+        return save(iteration)
+
+    monkeypatch.setattr(trainer, "save", crashing_save)
+
+
+def test_resume_supersedes_iterations_logged_after_the_last_checkpoint(tmp_path, monkeypatch):
+    common = ("algo.name=grpo", "loop.save_every=2", "loop.iterations=4")
+    reference = RLTrainer(tiny_cfg(tmp_path / "a", *common))
+    reference.run()
+    crashed = RLTrainer(tiny_cfg(tmp_path / "b", *common))
+    _crash_on_save(crashed, monkeypatch, crash_at=3)  # iterations 2 and 3 logged, last checkpoint is 1
+    with pytest.raises(RuntimeError, match="simulated crash"):
+        crashed.run()
+    assert len(read_records(tmp_path / "b")) == 4
+
+    RLTrainer(tiny_cfg(tmp_path / "b", *common)).run(resume=True)
+    a, b = read_records(tmp_path / "a"), read_records(tmp_path / "b")
+    assert [r["iteration"] for r in b] == [0, 1, 2, 3]
+    assert [comparable(r) for r in b] == [comparable(r) for r in a]
+    superseded = (tmp_path / "b" / "metrics.superseded.jsonl").read_text().splitlines()
+    assert [json.loads(line)["iteration"] for line in superseded] == [2, 3], "the re-done lines must be kept aside"
+
+
+def test_resume_without_any_checkpoint_starts_a_clean_metrics_file(tmp_path, monkeypatch):
+    crashed = RLTrainer(tiny_cfg(tmp_path, "loop.save_every=0"))
+    _crash_on_save(crashed, monkeypatch, crash_at=1)  # died before its first checkpoint, with 2 lines logged
+    with pytest.raises(RuntimeError, match="simulated crash"):
+        crashed.run()
+    old = (tmp_path / "metrics.jsonl").read_text().splitlines()
+    RLTrainer(tiny_cfg(tmp_path, "loop.save_every=0")).run(resume=True)
+    assert [r["iteration"] for r in read_records(tmp_path)] == [0, 1], "the restarted run must not append"
+    assert (tmp_path / "metrics.superseded.jsonl").read_text().splitlines() == old, "the old lines must be kept"
+
+
+# ------------------------------------------------------------------------------------- reward and sampling
+
+
+@pytest.fixture(scope="module")
+def reward_model_dir(tmp_path_factory) -> Path:
+    out = tmp_path_factory.mktemp("rm")
+    cfg = load_config(RMConfig, None, [f"out_dir={out}", "train_pairs=16", "eval_pairs=8", "epochs=1",
+                                       "batch_size=8", "device=cpu"])
+    threads = torch.get_num_threads()
+    torch.set_num_threads(1)
+    try:
+        summary = run_rm(cfg, progress=False)
+    finally:
+        torch.set_num_threads(threads)
+    assert 0.0 <= summary["eval/pair_accuracy"] <= 1.0
+    return out
+
+
+def test_reward_source_both_is_the_weighted_sum_of_rule_and_model(tmp_path, monkeypatch, reward_model_dir):
+    scores, metrics = {}, {}
+    for source in ("rule", "model", "both"):
+        trainer = RLTrainer(tiny_cfg(tmp_path / source, f"reward.source={source}", f"reward.model={reward_model_dir}",
+                                     "reward.rule_weight=1.0", "reward.model_weight=0.5", "loop.iterations=1"))
+        assert (trainer.executor.roles["reward"].model is not None) == (source != "rule")
+        results = spy_on_iterations(trainer, monkeypatch)
+        metrics[source] = trainer.run()
+        scores[source] = results[0].batch["score"]
+    assert scores["model"].abs().max() > 0, "the trained reward model scored every sample 0"
+    torch.testing.assert_close(scores["both"], scores["rule"] + 0.5 * scores["model"])
+    assert all(math.isfinite(v) for v in metrics["both"].values())
+
+
+def test_truncated_sampling_adds_actor_inf_that_recomputes_behaviour_logprobs(tmp_path, monkeypatch):
+    trainer = RLTrainer(tiny_cfg(tmp_path, "algo.name=ppo", "rollout.top_k=5"))
+    mfcs = {m.name: m for m in trainer.workflow}
+    assert "actor_inf" in mfcs and "old_logp" in mfcs["actor_train"].inputs
+    results = spy_on_iterations(trainer, monkeypatch)
+    metrics = trainer.run()
+    assert all(math.isfinite(v) for v in metrics.values())
+    assert "time/actor_inf_s" in metrics
+    batch = results[0].batch
+    real = batch["mask"].bool()
+    # Rollout log-probs are under the top-5 distribution, old_logp under the full one the actor trains:
+    # truncation renormalises onto fewer tokens, so each sampled token is at least as likely after it.
+    gap = (batch["logp"] - batch["old_logp"])[real]
+    assert gap.min() > -1e-4 and gap.max() > 1e-2
+
+
+def test_untruncated_sampling_uses_rollout_logprobs():
+    names = {m.name for m in build_workflow(AlgoConfig(name="ppo"), RolloutConfig())}
+    assert "actor_inf" not in names
+    assert "actor_inf" in {m.name for m in build_workflow(AlgoConfig(name="grpo"), RolloutConfig(top_p=0.9))}
