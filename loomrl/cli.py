@@ -8,7 +8,6 @@ an interrupted run exits with 130 after its ``finally`` blocks have run.
 from __future__ import annotations
 
 import argparse
-import os
 import sys
 from typing import Sequence
 
@@ -105,20 +104,11 @@ def build_parser() -> argparse.ArgumentParser:
     return parser
 
 
-def _quiet_libraries() -> None:
-    """No network, and none of transformers' per-load reports or progress bars in our output."""
-    os.environ.setdefault("HF_HUB_OFFLINE", "1")
-    os.environ.setdefault("HF_DATASETS_OFFLINE", "1")
-    os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
-    from transformers.utils import logging as hf_logging
-
-    hf_logging.set_verbosity_error()
-    hf_logging.disable_progress_bar()
-
-
 def main(argv: Sequence[str] | None = None) -> int:
     args = build_parser().parse_args(argv)
-    _quiet_libraries()
+    from loomrl.launch import quiet_libraries
+
+    quiet_libraries()
     try:
         return args.fn(args)
     except LoomError as err:

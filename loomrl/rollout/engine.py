@@ -20,6 +20,7 @@ from dataclasses import dataclass, field
 from typing import Iterable, Iterator, Sequence
 
 import torch
+from torch.distributed.checkpoint.state_dict import StateDictOptions, set_model_state_dict
 from transformers import PreTrainedModel
 
 from loomrl.rollout.kv_cache import SlotKVCache, causal_slot_mask
@@ -105,11 +106,11 @@ class RolloutEngine:
         return out
 
     def load_weights(self, named_tensors: Iterable[tuple[str, torch.Tensor]]) -> None:
-        """Copy new weights in place (e.g. after a train step); live samples continue with the new weights."""
-        params = dict(self.model.named_parameters())
-        with torch.no_grad():
-            for name, tensor in named_tensors:
-                params[name].copy_(tensor)
+        """Copy new full weights in place (e.g. after a train step); live samples continue with them.
+
+        The full-state-dict setter also fills tensor-parallel (DTensor) parameters from full tensors.
+        """
+        set_model_state_dict(self.model, dict(named_tensors), options=StateDictOptions(full_state_dict=True, strict=False))
 
     # ------------------------------------------------------------------------------------------ running
     def step(self) -> list[Completion]:

@@ -25,7 +25,7 @@ from ray.util.scheduling_strategies import PlacementGroupSchedulingStrategy
 from loomrl.config import TrainConfig
 from loomrl.errors import LoomError
 from loomrl.parallel import Layout
-from loomrl.runtime.launcher import is_local, start_ray, stop_ray
+from loomrl.launch import ray_address, start_ray, stop_ray
 from loomrl.runtime.reference import IterationResult, MFCTrace, merge_stats
 from loomrl.runtime.worker import DeviceWorker, MFCCall
 from loomrl.workflow import MFC, MFCKind, Workflow
@@ -73,7 +73,8 @@ class RayExecutor:
         self.workers: list[Any] = []
         self.pg = None
         self.received = 0
-        self._started = start_ray(cfg.runtime.ray_address, num_cpus=n + 1)
+        self.address = ray_address(cfg.runtime.ray_address)
+        self._started = start_ray(self.address, num_cpus=n + 1)
         try:
             self._spawn(n)
         except BaseException:
@@ -84,12 +85,16 @@ class RayExecutor:
         gpu = torch.cuda.is_available() and self.cfg.runtime.device != "cpu"
         bundle = {"CPU": 1, "GPU": 1} if gpu else {"CPU": 1}
         self.pg = placement_group([bundle] * n, strategy="PACK")
-        self._wait([self.pg.ready()], "reserving devices", None)
+        try:
+            ray.get(self.pg.ready(), timeout=self.cfg.runtime.timeout_s)
+        except ray.exceptions.GetTimeoutError:
+            raise RuntimeFailure(f"runtime.devices: {n} devices could not be reserved within "
+                                 f"{self.cfg.runtime.timeout_s:g} s; Ray has {ray.cluster_resources()}") from None
         remote = ray.remote(num_cpus=1, num_gpus=1 if gpu else 0, max_restarts=0)(DeviceWorker)
         self.workers = [
             remote.options(scheduling_strategy=PlacementGroupSchedulingStrategy(self.pg, placement_group_bundle_index=i))
             .remote(i, n, self.cfg) for i in range(n)]
-        addr = "127.0.0.1" if is_local(self.cfg.runtime.ray_address) else self._wait(
+        addr = "127.0.0.1" if self.address is None else self._wait(
             [self.workers[0].node_ip.remote()], "setup", None)[0]
         port = self._wait([self.workers[0].free_port.remote()], "setup", None)[0]
         self.pids = [m["pid"] for m in self._wait([w.setup.remote(addr, port, self.layouts) for w in self.workers],

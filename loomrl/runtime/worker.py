@@ -25,7 +25,8 @@ from loomrl.algorithms.roles import OpContext
 from loomrl.checkpoint import load_checkpoint, save_checkpoint
 from loomrl.algorithms.workflows import build_workflow
 from loomrl.config import TrainConfig
-from loomrl.parallel import Layout, ProcessGroups, apply_tensor_parallel, sync_gradients
+from loomrl.launch import quiet_libraries
+from loomrl.parallel import Layout, ProcessGroups, apply_tensor_parallel, check_layout, sync_gradients
 from loomrl.runtime.state_io import FullOptimizerState, full_model_state
 from loomrl.train import common
 from loomrl.train.evaluate import evaluate_policy
@@ -73,6 +74,7 @@ class DeviceWorker:
 
     def __init__(self, rank: int, world: int, cfg: TrainConfig):
         self.rank, self.world, self.cfg = rank, world, cfg
+        quiet_libraries()
         threads = cfg.runtime.threads or max(1, (os.cpu_count() or 1) // world)
         torch.set_num_threads(threads)
         self.device = common.resolve_device(cfg.runtime.device)
@@ -92,10 +94,7 @@ class DeviceWorker:
         self.groups = ProcessGroups(self.rank, self.world, layouts, self.device.type)
         self.tokenizer = common.tokenizer_for(self.cfg.actor.model)
         self.task = common.build_task(self.cfg.task)
-        self.roles = build_roles(self.cfg, self.tokenizer, self.task, self.device)
-        for name, role in self.roles.items():
-            if role.model is not None and self.groups[name].tp_size > 1:
-                apply_tensor_parallel(role.model, self.groups[name].tp_mesh)
+        self.roles = build_roles(self.cfg, self.tokenizer, self.task, self.device, parallelize=self._parallelize)
         self.workflow = build_workflow(self.cfg.algo, self.cfg.rollout)
         self.decode = partial(common.decode_response, self.tokenizer)
         return {"rank": self.rank, "pid": os.getpid(), "device": str(self.device)}
@@ -104,6 +103,12 @@ class DeviceWorker:
         import ray
 
         return ray.util.get_node_ip_address()
+
+    def _parallelize(self, name: str, model: torch.nn.Module) -> None:
+        groups = self.groups[name]
+        check_layout(groups.layout, model.config, self.world, where=f"runtime.layouts.{name}")
+        if groups.tp_size > 1:
+            apply_tensor_parallel(model, groups.tp_mesh)
 
     def free_port(self) -> int:
         import socket

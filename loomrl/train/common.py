@@ -2,7 +2,6 @@
 
 from __future__ import annotations
 
-import os
 from pathlib import Path
 
 import torch
@@ -67,4 +66,3 @@ def examples_window(source: PromptSource, start: int, n: int) -> list[Example]:
 def set_threads(threads: int) -> None:
     if threads > 0:
         torch.set_num_threads(threads)
-    os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")

@@ -15,6 +15,7 @@ import copy
 import time
 from dataclasses import dataclass
 from functools import partial
+from typing import Callable
 from pathlib import Path
 
 import torch
@@ -49,30 +50,42 @@ def _named(field: str, build, *args):
         raise DataError(f"{field}: {err}") from None
 
 
-def build_roles(cfg: TrainConfig, tokenizer, task, device: torch.device) -> dict[str, Role]:
-    """Actor (trainable), ref (frozen copy of the actor's start), critic (ppo), reward (rule and/or model)."""
+def build_roles(cfg: TrainConfig, tokenizer, task, device: torch.device,
+                parallelize: Callable[[str, torch.nn.Module], None] | None = None) -> dict[str, Role]:
+    """Actor (trainable), ref (frozen copy of the actor's start), critic (ppo), reward (rule and/or model).
+
+    ``parallelize(role, model)`` shards a model in place before its optimizer is created, so the optimizer
+    holds the sharded parameters.
+    """
     actor = _named("actor.model", build_causal_lm, cfg.actor.model, tokenizer, cfg.seed).to(device)
-    ref = copy.deepcopy(actor).eval().requires_grad_(False)
-    roles = {
-        "actor": Role("actor", actor, adamw(actor, cfg.actor.optim), cfg.actor.optim.grad_clip),
-        "ref": Role("ref", ref),
-    }
+    models = {"actor": actor, "ref": copy.deepcopy(actor).eval().requires_grad_(False)}
     if cfg.algo.name == "ppo":
         field = "critic.model" if cfg.critic.model else "actor.model"
         critic = _named(field, build_value_model, cfg.critic.model or cfg.actor.model, tokenizer, cfg.seed + 1)
-        critic = critic.to(device)
-        roles["critic"] = Role("critic", critic, adamw(critic, cfg.critic.optim), cfg.critic.optim.grad_clip)
-    reward = Role("reward", rule=task.score if cfg.reward.source in ("rule", "both") else None,
-                  rule_weight=cfg.reward.rule_weight, model_weight=cfg.reward.model_weight)
+        models["critic"] = critic.to(device)
     if cfg.reward.source in ("model", "both"):
-        reward.model = _named("reward.model", build_value_model, cfg.reward.model, tokenizer, cfg.seed)
-        reward.model = reward.model.to(device).eval().requires_grad_(False)
-    roles["reward"] = reward
+        reward = _named("reward.model", build_value_model, cfg.reward.model, tokenizer, cfg.seed)
+        models["reward"] = reward.to(device).eval().requires_grad_(False)
+    for name, model in models.items():
+        if parallelize is not None:
+            parallelize(name, model)
+    optims = {"actor": cfg.actor.optim, "critic": cfg.critic.optim}
+    roles = {name: Role(name, model) for name, model in models.items()}
+    for name, optim in optims.items():
+        if name in roles:
+            roles[name].optimizer, roles[name].grad_clip = adamw(roles[name].model, optim), optim.grad_clip
+    rule = task.score if cfg.reward.source in ("rule", "both") else None
+    roles["reward"] = Role("reward", models.get("reward"), rule=rule, rule_weight=cfg.reward.rule_weight,
+                           model_weight=cfg.reward.model_weight)
     return roles
 
 
-def make_executor(cfg: TrainConfig, workflow, tokenizer, task, device: torch.device) -> ReferenceExecutor:
+def make_executor(cfg: TrainConfig, workflow, tokenizer, task, device: torch.device):
     """The executor named by ``runtime.executor``, with every role built."""
+    if cfg.runtime.executor == "ray":
+        from loomrl.runtime.ray_executor import RayExecutor  # imports Ray only when asked for
+
+        return RayExecutor(cfg, workflow)
     roles = build_roles(cfg, tokenizer, task, device)
     decode = partial(common.decode_response, tokenizer)
     evaluate = partial(_evaluate, tokenizer=tokenizer, task=task, max_new_tokens=cfg.rollout.max_new_tokens)
@@ -95,8 +108,6 @@ class RLTrainer:
     """Builds everything a run needs from its config, then runs (or resumes) the loop."""
 
     def __init__(self, cfg: TrainConfig):
-        if cfg.runtime.executor != "reference":
-            raise ConfigError(f"runtime.executor: '{cfg.runtime.executor}' is not available (valid: reference)")
         common.set_threads(cfg.runtime.threads)
         self.cfg = cfg
         self.device = common.resolve_device(cfg.runtime.device)
@@ -151,7 +162,13 @@ class RLTrainer:
         return {f"eval/{k}": v for k, v in self.executor.evaluate(self.eval_examples).items()}
 
     def run(self, resume: bool = False) -> dict[str, float]:
-        """Run the remaining iterations; returns the last iteration's metrics (plus the final evaluation)."""
+        """Run the remaining iterations, then release the executor; returns the last iteration's metrics."""
+        try:
+            return self._run(resume)
+        finally:
+            self.close()
+
+    def _run(self, resume: bool) -> dict[str, float]:
         cfg, loop = self.cfg, self.cfg.loop
         resumed = resume and self.resume()
         if not resumed and latest_checkpoint(self.run_dir) is not None:

@@ -1,0 +1,49 @@
+"""Process-wide settings applied once at every entry point (the CLI, each runtime worker).
+
+This is where loomrl reads and sets environment variables: nothing may reach the network (models and
+tokenizers are local), and transformers' per-load reports and progress bars stay out of our output.
+"""
+
+from __future__ import annotations
+
+import os
+
+
+def quiet_libraries() -> None:
+    os.environ.setdefault("HF_HUB_OFFLINE", "1")
+    os.environ.setdefault("HF_DATASETS_OFFLINE", "1")
+    os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
+    from transformers.utils import logging as hf_logging
+
+    hf_logging.set_verbosity_error()
+    hf_logging.disable_progress_bar()
+
+
+def ray_address(configured: str | None) -> str | None:
+    """The Ray cluster to join: the config's address, else ``RAY_ADDRESS``, else None (start a local one)."""
+    return configured or os.environ.get("RAY_ADDRESS") or None
+
+
+def start_ray(address: str | None, num_cpus: int) -> bool:
+    """Connect to Ray; returns whether this call started a local instance (and so must shut it down).
+
+    The embedded default is a private local instance with the dashboard off; Ray's token authentication stays
+    on (its default), so even a local instance accepts only this user's processes.
+    """
+    import ray
+
+    if ray.is_initialized():
+        return False
+    if address:
+        ray.init(address=address, log_to_driver=True)
+        return False
+    ray.init(num_cpus=num_cpus, include_dashboard=False, log_to_driver=True,
+             runtime_env={"env_vars": {"HF_HUB_OFFLINE": "1", "TOKENIZERS_PARALLELISM": "false"}})
+    return True
+
+
+def stop_ray(started: bool) -> None:
+    import ray
+
+    if started and ray.is_initialized():
+        ray.shutdown()

@@ -1,0 +1,30 @@
+"""loomrl.parallel: data and tensor parallelism applied from outside to plain HF models, and their communicators.
+
+- :class:`Layout`, :func:`check_layout`: the parallel degrees of a role and whether they fit a model;
+- :class:`ProcessGroups`: the one registry of a worker's process groups and meshes, per role;
+- :func:`apply_tensor_parallel`: DTensor tensor parallelism for Llama and Qwen2;
+- :func:`sync_gradients`: summed (not averaged) data-parallel gradients;
+- :func:`full_state_dict`, :func:`load_full_state_dict`: unsharded weights in and out.
+
+Gradient clipping needs nothing extra: ``torch.nn.utils.clip_grad_norm_`` reduces the norms of DTensor shards
+over their mesh (the result is a replicated DTensor; ``float()`` of it is the global norm), and after
+:func:`sync_gradients` every DP rank holds the same gradients, hence the same norm.
+"""
+
+from loomrl.parallel.data_parallel import sync_gradients
+from loomrl.parallel.groups import ProcessGroups, RoleGroups
+from loomrl.parallel.layout import TP_ARCHITECTURES, Layout, check_layout
+from loomrl.parallel.state import full_state_dict, load_full_state_dict
+from loomrl.parallel.tensor_parallel import apply_tensor_parallel
+
+__all__ = [
+    "TP_ARCHITECTURES",
+    "Layout",
+    "ProcessGroups",
+    "RoleGroups",
+    "apply_tensor_parallel",
+    "check_layout",
+    "full_state_dict",
+    "load_full_state_dict",
+    "sync_gradients",
+]

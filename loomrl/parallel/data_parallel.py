@@ -1,0 +1,81 @@
+"""Data parallelism by summing gradients: each rank back-propagates its own rows, then gradients are all-reduced.
+
+Why a SUM and not DDP's average: the training loop scales each rank's token-mean loss by that rank's share of
+the minibatch's tokens, ``loss_r = mean_r × tokens_r / tokens_total``. Summed over ranks this is exactly the
+token-mean of the whole minibatch, the loss of the single-process reference, so the summed gradient is exactly
+its gradient even when ranks hold different numbers of tokens (RL responses vary in length). DDP divides by the
+world size, which is right only when every rank holds the same number of tokens.
+
+Gradients travel in a few flat buffers per dtype (one collective per bucket, not per parameter). For a
+tensor-parallel model each rank sums the gradient of its own shard with the ranks of its DP group, which hold
+the same shard, so DTensor parameters are handled through their local tensors.
+"""
+
+from __future__ import annotations
+
+from typing import Iterator
+
+import torch
+import torch.distributed as dist
+from torch import nn
+from torch.distributed.tensor import DTensor
+
+DEFAULT_BUCKET_BYTES = 32 * 1024 * 1024
+"""Largest flat buffer all-reduced at once: few collectives, bounded temporary memory."""
+
+
+def sync_gradients(model: nn.Module, dp_group: dist.ProcessGroup,
+                   bucket_bytes: int = DEFAULT_BUCKET_BYTES) -> None:
+    """All-reduce (SUM) every parameter's gradient over ``dp_group``; a no-op for a group of one rank.
+
+    A parameter that has a gradient on some rank but not on this one (e.g. this rank had no rows) joins the sum
+    with zeros; one that has no gradient on any rank keeps ``grad = None``, as the optimizer expects.
+    """
+    if dist.get_world_size(dp_group) == 1:
+        return
+    params = [p for p in model.parameters() if p.requires_grad]
+    _agree_on_gradients(params, dp_group)
+    grads = [_local(p.grad) for p in params if p.grad is not None]
+    for bucket in _buckets(grads, bucket_bytes):
+        flat = torch.cat([g.reshape(-1) for g in bucket])
+        dist.all_reduce(flat, op=dist.ReduceOp.SUM, group=dp_group)
+        offset = 0
+        for g in bucket:
+            g.copy_(flat[offset: offset + g.numel()].view_as(g))
+            offset += g.numel()
+
+
+def _local(tensor: torch.Tensor) -> torch.Tensor:
+    """The tensor this rank stores: a DTensor's local shard (a view, so writing to it updates the DTensor)."""
+    return tensor.to_local() if isinstance(tensor, DTensor) else tensor
+
+
+def _agree_on_gradients(params: list[nn.Parameter], dp_group: dist.ProcessGroup) -> None:
+    """Give zero gradients to parameters that have one on another rank, so every rank reduces the same list.
+
+    One tiny collective even when this rank has every gradient: only the group knows whether another lacks one.
+    """
+    if not params:
+        return
+    has_grad = torch.tensor([p.grad is not None for p in params], dtype=torch.int32,
+                            device=_local(params[0]).device)
+    dist.all_reduce(has_grad, op=dist.ReduceOp.MAX, group=dp_group)
+    for p, anyone in zip(params, has_grad.tolist()):
+        if anyone and p.grad is None:
+            p.grad = torch.zeros_like(p)
+
+
+def _buckets(grads: list[torch.Tensor], bucket_bytes: int) -> Iterator[list[torch.Tensor]]:
+    """Consecutive runs of same-dtype, same-device gradients of at most ``bucket_bytes`` (or one larger tensor)."""
+    bucket: list[torch.Tensor] = []
+    size = 0
+    for g in grads:
+        nbytes = g.numel() * g.element_size()
+        same_kind = not bucket or (g.dtype == bucket[0].dtype and g.device == bucket[0].device)
+        if bucket and (not same_kind or size + nbytes > bucket_bytes):
+            yield bucket
+            bucket, size = [], 0
+        bucket.append(g)
+        size += nbytes
+    if bucket:
+        yield bucket
