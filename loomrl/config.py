@@ -162,11 +162,12 @@ class LayoutConfig(ValidatedConfig):
 
 @dataclass(frozen=True)
 class RuntimeConfig(ValidatedConfig):
-    executor: str = spec("reference", choices=("reference", "ray"))
+    executor: str = spec("ray", choices=("ray", "reference"))
     """'reference' runs every MFC in this process, in workflow order (the ground truth); 'ray' runs them on
     one worker per device through Ray and torch.distributed, the controller moving only metadata."""
-    devices: int = spec(1, ge=1)
-    """Devices (worker processes here, GPUs on GPU machines) of the 'ray' executor."""
+    devices: int = spec(0, ge=0)
+    """Devices of the 'ray' executor: worker processes on CPU, GPUs on GPU machines; 0 means one per GPU, or
+    one per CPU core where there is no GPU."""
     layouts: dict[str, LayoutConfig] = field(default_factory=dict)
     """Parallel layout per role (actor, critic, ref, reward); a role not named gets dp = devices, tp = 1."""
     ray_address: str | None = None
@@ -182,6 +183,8 @@ class RuntimeConfig(ValidatedConfig):
         for role, layout in self.layouts.items():
             if role not in ROLES:
                 fail(f"layouts.{role}", f"unknown role; valid roles: {', '.join(ROLES)}")
+            if not self.devices:
+                continue  # checked once the device count is known (RayExecutor)
             dp = layout.dp or self.devices // layout.tp
             if dp * layout.tp != self.devices:
                 fail(f"layouts.{role}", f"dp {dp} x tp {layout.tp} = {dp * layout.tp} does not match "

@@ -47,3 +47,10 @@ def stop_ray(started: bool) -> None:
 
     if started and ray.is_initialized():
         ray.shutdown()
+
+
+def available_devices() -> int:
+    """GPUs if there are any, else CPU cores: the device count of ``runtime.devices=0``."""
+    import torch
+
+    return torch.cuda.device_count() or os.cpu_count() or 1

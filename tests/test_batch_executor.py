@@ -286,3 +286,15 @@ def test_two_train_mfcs_keep_both_grad_norms():
     grad_norms = sorted(v for k, v in result.stats.items() if "grad_norm" in k)
     # Two roles, two optimizer steps, two different gradient norms (the critic's loss is scaled by 100).
     assert len(grad_norms) == 2, result.stats
+
+
+def test_gather_rows_pads_per_token_columns_from_different_shards_to_one_width():
+    from loomrl.runtime.worker import gather_rows
+
+    a = Batch([0, 1], {"values": torch.ones(2, 3), "text": ["a", "b"]})
+    b = Batch([2], {"values": torch.ones(1, 5), "text": ["c"]})
+    returns = Batch([0, 1, 2], {"returns": torch.ones(3, 5)})
+    got = gather_rows([a, b, returns], [2, 0], ["values", "returns", "text"])
+    assert got.ids == [2, 0] and got["text"] == ["c", "a"]
+    assert got["values"].shape == got["returns"].shape == (2, 5)
+    assert got["values"][1].tolist() == [1, 1, 1, 0, 0]

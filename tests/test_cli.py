@@ -25,7 +25,7 @@ from loomrl.config import RMConfig, SFTConfig, TrainConfig
 from loomrl.configtools import field_docs
 
 REPO = Path(__file__).resolve().parents[1]
-TINY_TRAIN = ("loop.iterations=2", "rollout.prompts_per_iter=8", "loop.eval_prompts=8", "loop.progress=false")
+TINY_TRAIN = ("runtime.executor=reference", "loop.iterations=2", "rollout.prompts_per_iter=8", "loop.eval_prompts=8", "loop.progress=false")
 
 
 def run_cli(*args: str, timeout: float = 60, pythonpath: Path | None = None) -> subprocess.CompletedProcess:

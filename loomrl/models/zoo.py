@@ -92,6 +92,12 @@ def _unknown_model(name_or_path: str) -> DataError:
                      "nor a local checkpoint directory")
 
 
+def check_model_spec(name_or_path: str) -> None:
+    """Raise the one-line DataError for a spec that is neither a zoo name nor a checkpoint directory."""
+    if name_or_path not in ZOO and not _is_checkpoint_dir(name_or_path):
+        raise _unknown_model(name_or_path)
+
+
 def _is_checkpoint_dir(path: str) -> bool:
     return os.path.isdir(path) and os.path.isfile(os.path.join(path, "config.json"))
 

@@ -23,9 +23,9 @@ from ray.util.placement_group import placement_group, remove_placement_group
 from ray.util.scheduling_strategies import PlacementGroupSchedulingStrategy
 
 from loomrl.config import TrainConfig
-from loomrl.errors import LoomError
+from loomrl.errors import ConfigError, LoomError
 from loomrl.parallel import Layout
-from loomrl.launch import ray_address, start_ray, stop_ray
+from loomrl.launch import available_devices, ray_address, start_ray, stop_ray
 from loomrl.runtime.reference import IterationResult, MFCTrace, merge_stats
 from loomrl.runtime.worker import DeviceWorker, MFCCall
 from loomrl.workflow import MFC, MFCKind, Workflow
@@ -37,13 +37,16 @@ class RuntimeFailure(LoomError):
     """A worker failed, died or stalled; the message names the worker, role and MFC."""
 
 
-def resolve_layouts(cfg: TrainConfig, roles: Sequence[str]) -> dict[str, Layout]:
-    n = cfg.runtime.devices
+def resolve_layouts(cfg: TrainConfig, roles: Sequence[str], n: int) -> dict[str, Layout]:
+    """Each role's layout over ``n`` devices: as configured, else pure data parallelism."""
     out = {}
     for role in roles:
         given = cfg.runtime.layouts.get(role)
         tp = given.tp if given else 1
-        out[role] = Layout(dp=(given.dp if given and given.dp else n // tp), tp=tp)
+        dp = given.dp if given and given.dp else n // tp
+        if dp * tp != n:
+            raise ConfigError(f"runtime.layouts.{role}: dp {dp} x tp {tp} = {dp * tp} does not match the {n} devices")
+        out[role] = Layout(dp=dp, tp=tp)
     return out
 
 
@@ -68,8 +71,8 @@ class RayExecutor:
     def __init__(self, cfg: TrainConfig, workflow: Workflow):
         self.cfg, self.workflow = cfg, workflow
         self.order = workflow.topological_order()
-        self.layouts = resolve_layouts(cfg, [r for r in workflow.roles()])
-        n = cfg.runtime.devices
+        n = cfg.runtime.devices or available_devices()
+        self.layouts = resolve_layouts(cfg, workflow.roles(), n)
         self.workers: list[Any] = []
         self.pg = None
         self.received = 0
@@ -121,7 +124,10 @@ class RayExecutor:
                 raise RuntimeFailure(f"worker {rank_of[ref]} died during {what} (role {role})") from None
             except ray.exceptions.RayTaskError as err:
                 cause = str(err.cause if getattr(err, "cause", None) else err).strip().splitlines()
-                first = next((line for line in cause if "failed in MFC" in line), cause[0] if cause else "")
+                named = next((line for line in cause if "failed in MFC" in line), None)
+                if named is not None:  # the worker's own one-line account
+                    raise RuntimeFailure(named) from None
+                first = cause[-1] if cause else type(err).__name__
                 raise RuntimeFailure(f"worker {rank_of[ref]} failed during {what} (role {role}): {first}") from None
             check_metadata(value)
             self.received += 1

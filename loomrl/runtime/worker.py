@@ -57,16 +57,24 @@ class MFCCall:
 
 
 def gather_rows(shards: Sequence[Batch], sample_ids: Sequence[int], keys: Sequence[str]) -> Batch:
-    """The requested rows, in the requested order, of ``keys`` found across the shards."""
-    out = Batch(sample_ids)
+    """The requested rows, in the requested order, of ``keys`` found across the shards.
+
+    Per-token columns are response-aligned and right-padded; shards made by different workers are padded to
+    their own longest response, so every 2-D column is padded again to one common width, as in the reference.
+    """
+    columns = {}
     for key in keys:
         parts = [s for s in shards if key in s]
         if not parts:
             raise KeyError(f"no input shard holds key '{key}'")
         whole = Batch.concat([p.columns([key]) for p in parts]) if len(parts) > 1 else parts[0].columns([key])
         index = {sid: i for i, sid in enumerate(whole.ids)}
-        out.update(whole.select([index[s] for s in sample_ids], [key]).as_dict())
-    return out
+        columns[key] = whole.select([index[s] for s in sample_ids], [key])[key]
+    width = max((v.shape[1] for v in columns.values() if isinstance(v, torch.Tensor) and v.dim() == 2), default=0)
+    for key, value in columns.items():
+        if isinstance(value, torch.Tensor) and value.dim() == 2 and value.shape[1] < width:
+            columns[key] = torch.nn.functional.pad(value, (0, width - value.shape[1]))
+    return Batch(sample_ids, columns)
 
 
 class DeviceWorker:

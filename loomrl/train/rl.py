@@ -26,7 +26,7 @@ from loomrl.checkpoint import latest_checkpoint
 from loomrl.config import OptimConfig, TrainConfig
 from loomrl.configtools import dump_yaml
 from loomrl.errors import ConfigError, DataError
-from loomrl.models.zoo import build_causal_lm, build_value_model
+from loomrl.models.zoo import build_causal_lm, build_value_model, check_model_spec
 from loomrl.report import MetricsLogger, plot_reward_curve
 from loomrl.runtime.reference import IterationResult, ReferenceExecutor
 from loomrl.train import common
@@ -40,6 +40,13 @@ GROUP_ALGORITHMS = ("grpo", "rloo")
 
 def adamw(model: torch.nn.Module, optim: OptimConfig) -> torch.optim.AdamW:
     return torch.optim.AdamW(model.parameters(), lr=optim.lr, betas=optim.betas, weight_decay=optim.weight_decay)
+
+
+def check_models(cfg: TrainConfig) -> None:
+    specs = {"actor.model": cfg.actor.model, "critic.model": cfg.critic.model, "reward.model": cfg.reward.model}
+    for field, spec in specs.items():
+        if spec is not None:
+            _named(field, check_model_spec, spec)
 
 
 def _named(field: str, build, *args):
@@ -118,6 +125,7 @@ class RLTrainer:
         self.eval_examples = common.examples_window(
             common.prompt_source(cfg.task, self.task, cfg.seed, "eval"), 0, cfg.loop.eval_prompts)
         self.workflow = build_workflow(cfg.algo, cfg.rollout)
+        check_models(cfg)  # before any worker starts, so a typo costs nothing
         self.executor = make_executor(cfg, self.workflow, self.tokenizer, self.task, self.device)
         self.state = RunState()
 
