@@ -77,14 +77,15 @@ def run_demo(config_dir: str, out_dir: str, overrides: Sequence[str] = ()) -> di
     (out / "summary.json").write_text(json.dumps(summary, indent=2))
     rows = [
         {"stage": "SFT", "seconds": sft["seconds"], "held-out exact match": sft["eval/exact_match"],
-         "held-out score": sft["eval/score"], "output": sft_cfg.out_dir},
-        {"stage": "reward model", "seconds": rm["seconds"], "held-out pair accuracy": rm["eval/pair_accuracy"],
-         "output": rm_cfg.out_dir},
+         "held-out score": sft["eval/score"]},
+        {"stage": "reward model", "seconds": rm["seconds"], "pair accuracy": rm["eval/pair_accuracy"]},
         {"stage": "PPO", "seconds": ppo["seconds"], "held-out exact match": ppo["eval/exact_match"],
-         "held-out score": ppo["eval/score"], "output": ppo_cfg.run_dir},
+         "held-out score": ppo["eval/score"]},
     ]
     console.print(summary_table(rows, "loomrl demo"))
     console.print(f"held-out exact match (greedy): SFT {sft['eval/exact_match']:.3f} -> PPO "
                   f"{ppo['eval/exact_match']:.3f} (gain {summary['exact_match_gain']:+.3f})")
-    console.print(f"reward curve: {Path(ppo_cfg.run_dir) / 'reward_curve.png'}; summary: {out / 'summary.json'}")
+    console.print(f"outputs: SFT policy {sft_cfg.out_dir}; reward model {rm_cfg.out_dir}; PPO run {ppo_cfg.run_dir} "
+                  f"(metrics.jsonl, tb/, checkpoints/); reward curve {Path(ppo_cfg.run_dir) / 'reward_curve.png'}; "
+                  f"summary {out / 'summary.json'}")
     return summary

@@ -76,6 +76,8 @@ class RayExecutor:
         self.workers: list[Any] = []
         self.pg = None
         self.received = 0
+        self.waited_s = 0.0
+        """Time spent waiting for workers; the rest of an iteration is the controller's own work."""
         self.address = ray_address(cfg.runtime.ray_address)
         self._started = start_ray(self.address, num_cpus=n + 1)
         try:
@@ -112,7 +114,9 @@ class RayExecutor:
         pending = list(refs)
         deadline = time.monotonic() + self.cfg.runtime.timeout_s
         while pending:
+            t0 = time.perf_counter()
             ready, pending = ray.wait(pending, num_returns=1, timeout=max(0.0, deadline - time.monotonic()))
+            self.waited_s += time.perf_counter() - t0
             if not ready:
                 stuck = sorted(rank_of[r] for r in pending)
                 raise RuntimeFailure(f"worker(s) {stuck} did not finish {what} (role {role}) within "
@@ -136,6 +140,7 @@ class RayExecutor:
 
     # ------------------------------------------------------------------------------ iterations
     def run_iteration(self, iteration: int, batch: Batch) -> IterationResult:
+        start, self.waited_s = time.perf_counter(), 0.0
         result = IterationResult()
         source = ray.put(batch)
         where: dict[str, list[tuple[tuple[int, ...], Any]]] = {k: [(tuple(batch.ids), source)] for k in batch.keys()}
@@ -146,6 +151,7 @@ class RayExecutor:
         metrics = self._wait([self.workers[0].metrics.remote(batch.ids, self._inputs(keys, batch.ids, where))],
                              "metrics", None)[0]
         merge_stats(result.stats, metrics, "metrics")
+        result.stats["time/controller_s"] = time.perf_counter() - start - self.waited_s
         return result
 
     def _inputs(self, keys: Sequence[str], ids: Sequence[int], where) -> tuple:
