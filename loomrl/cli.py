@@ -27,6 +27,8 @@ def _cmd_train(args: argparse.Namespace) -> int:
     from loomrl.train.rl import RLTrainer
 
     path, overrides = _config_and_overrides(args.config)
+    if args.ray_address:
+        overrides.append(f"runtime.ray_address={args.ray_address}")
     cfg = load_config(TrainConfig, path, overrides)
     metrics = RLTrainer(cfg).run(resume=args.resume)
     print(_summary_line(metrics, ("reward/mean", "eval/exact_match", "kl/mean", "response/length")))
@@ -86,6 +88,7 @@ def build_parser() -> argparse.ArgumentParser:
     p = sub.add_parser("train", help="RL training (ppo, grpo, rloo, remax, reinforce_pp)")
     p.add_argument("config", nargs="*", help=cfg_help)
     p.add_argument("--resume", action="store_true", help="continue from the last checkpoint in run_dir")
+    p.add_argument("--ray-address", help="join this Ray cluster (same as runtime.ray_address=...)")
     p.set_defaults(fn=_cmd_train)
     for name, fn, what in (("sft", _cmd_sft, "supervised warm start on task demonstrations"),
                            ("rm", _cmd_rm, "Bradley-Terry reward model on preference pairs")):

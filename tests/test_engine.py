@@ -127,3 +127,16 @@ def test_length_stats():
     assert (stats.count, stats.max, stats.p50, stats.p90) == (5, 100, 3.0, 100.0)
     assert stats.mean == pytest.approx(22.0)
     assert length_stats([]).count == 0
+
+
+def test_stop_tokens_end_a_sample_like_eos(model):
+    reqs = _requests(16, seed=13)
+    free = _tokens(_engine(model, slots=16, eos_id=-1).generate(reqs))
+    stop = next(t for toks in free.values() for t in toks[1:])  # a token some sample emits after its first
+    params = SamplingParams(24, 1.0, top_p=0.95, stop_ids=(stop,))
+    stopped = _engine(model, slots=16, eos_id=-1, params=params).generate(reqs)
+    for c in stopped:
+        full = free[c.sample_id]
+        cut = full.index(stop) + 1 if stop in full else len(full)
+        assert c.tokens == full[:cut]
+        assert c.finish_reason == ("stop" if stop in full else "length")

@@ -49,7 +49,7 @@ class Completion:
     tokens: list[int]
     logps: list[float]
     finish_reason: str
-    """'eos', 'length' or 'aborted'."""
+    """'eos', 'stop' (a stop token), 'length' or 'aborted'."""
 
 
 @dataclass
@@ -147,8 +147,8 @@ class RolloutEngine:
         for lv, tok, lp in zip(lives, tok_B.tolist(), logp_B.tolist()):
             lv.tokens.append(tok)
             lv.logps.append(lp)
-            if tok == self.eos_id or len(lv.tokens) >= lv.budget:
-                reason = "eos" if tok == self.eos_id else "length"
+            if tok == self.eos_id or tok in self.params.stop_ids or len(lv.tokens) >= lv.budget:
+                reason = "eos" if tok == self.eos_id else "stop" if tok in self.params.stop_ids else "length"
                 done.append(Completion(lv.request.sample_id, lv.tokens, lv.logps, reason))
         return done
 

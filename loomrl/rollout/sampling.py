@@ -31,6 +31,8 @@ class SamplingParams:
     temperature: float = 1.0
     top_k: int = 0
     top_p: float = 1.0
+    stop_ids: tuple[int, ...] = ()
+    """Tokens besides eos that end a sample (kept as its last token, like eos)."""
 
     @property
     def greedy(self) -> bool:
