@@ -74,7 +74,8 @@ def _actor_loss(ctx: OpContext, mb: Batch, algo: AlgoConfig, temperature: float,
     logp_BL1, ent_BL1 = token_logprobs_and_entropy(ctx.role.model, ids_BL, attn_BL, temperature)
     logp_BR = response_columns(logp_BL1, plen_B, width)
     adv_BR = mb["advantages"].to(ctx.role.device)
-    loss, stats = L.policy_loss(logp_BR, mb[old_key].to(ctx.role.device), adv_BR, mask_BR, algo.clip_eps, algo.clip_eps_high)
+    old_BR = mb[old_key].to(ctx.role.device)
+    loss, stats = L.policy_loss(logp_BR, old_BR, adv_BR, mask_BR, algo.clip_eps, algo.clip_eps_high)
     stats = {f"actor/{k}": v for k, v in stats.items()}
     stats["actor/pg_loss"] = loss.item()
     entropy = A.masked_mean(response_columns(ent_BL1, plen_B, width), mask_BR)
@@ -97,7 +98,8 @@ def _critic_loss(ctx: OpContext, mb: Batch, algo: AlgoConfig):
     return loss, {"critic/value_loss": loss.item(), **{f"critic/{k}": v for k, v in stats.items()}}
 
 
-def actor_train_op(ctx: OpContext, batch: Batch, algo: AlgoConfig, temperature: float, old_key: str, kl_in_loss: bool) -> dict:
+def actor_train_op(ctx: OpContext, batch: Batch, algo: AlgoConfig, temperature: float, old_key: str,
+                   kl_in_loss: bool) -> dict:
     loss_fn = partial(_actor_loss, ctx, algo=algo, temperature=temperature, old_key=old_key, kl_in_loss=kl_in_loss)
     return train_loop(ctx, batch, loss_fn)
 
@@ -119,35 +121,51 @@ def sampling_params(rollout: RolloutConfig) -> SamplingParams:
     return SamplingParams(rollout.max_new_tokens, rollout.temperature, rollout.top_k, rollout.top_p)
 
 
-def build_workflow(algo: AlgoConfig, rollout: RolloutConfig) -> Workflow:
-    """The MFC graph of one iteration of ``algo.name``."""
-    gen, inf, train, compute = MFCKind.GENERATE, MFCKind.INFERENCE, MFCKind.TRAIN, MFCKind.COMPUTE
-    seq = ("prompt_ids", "response_ids")
+def _rollout_mfcs(algo: AlgoConfig, rollout: RolloutConfig, recompute: bool) -> list[MFC]:
+    """Generation and the inference calls that score it (shared by every algorithm)."""
+    gen, inf = MFCKind.GENERATE, MFCKind.INFERENCE
+    seq, scored = ("prompt_ids", "response_ids"), ("prompt_ids", "response_ids", "prompt_text", "answer")
     temp = rollout.temperature
-    # Truncated sampling (top-k/top-p) is not the distribution the actor trains; recompute the behaviour log-probs.
-    recompute = rollout.top_k > 0 or rollout.top_p < 1.0
-    old_key = "old_logp" if recompute else "logp"
     mfcs = [
-        MFC("actor_gen", "actor", gen, ("prompt_ids",), ("response_ids", "logp", "mask"), partial(generate_op, params=sampling_params(rollout))),
+        MFC("actor_gen", "actor", gen, ("prompt_ids",), ("response_ids", "logp", "mask"),
+            partial(generate_op, params=sampling_params(rollout))),
         MFC("ref_inf", "ref", inf, seq, ("ref_logp",), partial(logprob_op, out_key="ref_logp", temperature=temp)),
-        MFC("reward_inf", "reward", inf, (*seq, "prompt_text", "answer"), ("score",), reward_op),
+        MFC("reward_inf", "reward", inf, scored, ("score",), reward_op),
     ]
     if recompute:
-        mfcs.append(MFC("actor_inf", "actor", inf, seq, ("old_logp",), partial(logprob_op, out_key="old_logp", temperature=temp)))
-    adv_inputs = ["logp", "ref_logp", "score", "mask"]
+        mfcs.append(MFC("actor_inf", "actor", inf, seq, ("old_logp",),
+                        partial(logprob_op, out_key="old_logp", temperature=temp)))
     if algo.name == "ppo":
         mfcs.append(MFC("critic_inf", "critic", inf, seq, ("values",), values_op))
-        adv_inputs.append("values")
-    if algo.name == "remax":
+    if algo.name == "remax":  # the greedy rollout is the baseline
         greedy = SamplingParams(rollout.max_new_tokens, 0.0)
-        mfcs.append(MFC("actor_gen_greedy", "actor", gen, ("prompt_ids",), ("greedy_response_ids",), partial(generate_op, params=greedy, out_prefix="greedy_")))
-        mfcs.append(MFC("reward_inf_greedy", "reward", inf, ("prompt_ids", "greedy_response_ids", "prompt_text", "answer"), ("greedy_score",), partial(reward_op, response_key="greedy_response_ids", out_key="greedy_score")))
-        adv_inputs.append("greedy_score")
+        mfcs.append(MFC("actor_gen_greedy", "actor", gen, ("prompt_ids",), ("greedy_response_ids",),
+                        partial(generate_op, params=greedy, out_prefix="greedy_")))
+        mfcs.append(MFC("reward_inf_greedy", "reward", inf,
+                        ("prompt_ids", "greedy_response_ids", "prompt_text", "answer"), ("greedy_score",),
+                        partial(reward_op, response_key="greedy_response_ids", out_key="greedy_score")))
+    return mfcs
+
+
+def build_workflow(algo: AlgoConfig, rollout: RolloutConfig) -> Workflow:
+    """The MFC graph of one iteration of ``algo.name``."""
+    # Truncated sampling (top-k/top-p) is not the distribution the actor trains; recompute behaviour log-probs.
+    recompute = rollout.top_k > 0 or rollout.top_p < 1.0
+    old_key = "old_logp" if recompute else "logp"
+    mfcs = _rollout_mfcs(algo, rollout, recompute)
+    adv_inputs = ("logp", "ref_logp", "score", "mask") + {"ppo": ("values",), "remax": ("greedy_score",)}.get(
+        algo.name, ())
     adv_outputs = ("advantages", "returns", "kl") if algo.name == "ppo" else ("advantages", "kl")
-    mfcs.append(MFC("advantages", None, compute, tuple(adv_inputs), adv_outputs, partial(_ADVANTAGES[algo.name], algo=algo)))
+    mfcs.append(MFC("advantages", None, MFCKind.COMPUTE, adv_inputs, adv_outputs,
+                    partial(_ADVANTAGES[algo.name], algo=algo)))
+    seq = ("prompt_ids", "response_ids")
     kl_in_loss = algo.name == "grpo"
     actor_inputs = (*seq, old_key, "advantages", "mask") + (("ref_logp",) if kl_in_loss else ())
-    mfcs.append(MFC("actor_train", "actor", train, actor_inputs, (), partial(actor_train_op, algo=algo, temperature=temp, old_key=old_key, kl_in_loss=kl_in_loss), epochs=algo.ppo_epochs, minibatches=algo.minibatches))
+    steps = {"epochs": algo.ppo_epochs, "minibatches": algo.minibatches}
+    mfcs.append(MFC("actor_train", "actor", MFCKind.TRAIN, actor_inputs, (),
+                    partial(actor_train_op, algo=algo, temperature=rollout.temperature, old_key=old_key,
+                            kl_in_loss=kl_in_loss), **steps))
     if algo.name == "ppo":
-        mfcs.append(MFC("critic_train", "critic", train, (*seq, "values", "returns", "mask"), (), partial(critic_train_op, algo=algo), epochs=algo.ppo_epochs, minibatches=algo.minibatches))
+        mfcs.append(MFC("critic_train", "critic", MFCKind.TRAIN, (*seq, "values", "returns", "mask"), (),
+                        partial(critic_train_op, algo=algo), **steps))
     return Workflow(mfcs, SOURCE_KEYS)
