@@ -69,6 +69,28 @@ def run_engine(model, prompts, budgets, slots) -> tuple[float, RolloutEngine]:
     return time.perf_counter() - start, engine
 
 
+def compare_hf_continuous_batching(model, prompts, tokens: int = 32) -> list[dict]:
+    """transformers' own continuous batching (`generate_batch`) vs the engine, every sample ``tokens`` long."""
+    import logging
+
+    from transformers import GenerationConfig
+
+    logging.disable(logging.WARNING)  # its manager warns about psutil and eos on every call
+    config = GenerationConfig(max_new_tokens=tokens, do_sample=True, temperature=1.0, eos_token_id=None,
+                              pad_token_id=0)
+    model.generate_batch(prompts[:8], generation_config=config)  # warm-up
+    start = time.perf_counter()
+    out = model.generate_batch(prompts, generation_config=config)
+    hf_s = time.perf_counter() - start
+    produced = sum(len(o.generated_tokens) for o in out.values())
+    eng_s, _ = run_engine(model, prompts, [tokens] * len(prompts), slots=len(prompts))
+    logging.disable(logging.NOTSET)
+    return [{"system": "transformers generate_batch (continuous batching)", "seconds": hf_s,
+             "tokens/s": produced / hf_s, "speedup": 1.0},
+            {"system": "loomrl RolloutEngine", "seconds": eng_s, "tokens/s": len(prompts) * tokens / eng_s,
+             "speedup": hf_s / eng_s}]
+
+
 def roofline_seconds(engine: RolloutEngine, n_params: int, flops: float, bandwidth: float) -> float:
     """Lower bound on the engine's time: per step, max(FLOPs / rate, weight bytes / bandwidth)."""
     total = 0.0
@@ -108,6 +130,9 @@ def main() -> None:
                   f"{useful / len(budgets):.1f}, max {max(budgets)}, {sum(b == max(budgets) for b in budgets)} at max; "
                   f"threads {args.threads}")
     console.print(summary_table(rows, "rollout throughput"))
+    with torch.no_grad():
+        console.print(summary_table(compare_hf_continuous_batching(model, prompts),
+                                    "fixed 32 tokens per sample: transformers' continuous batching vs the engine"))
     console.print(f"machine: matmul {flops / 1e9:.1f} GFLOP/s, copy bandwidth {bandwidth / 1e9:.1f} GB/s; engine roofline "
                   f"{roof_s:.2f} s -> engine at {roof_s / eng_s:.1%} of roofline")
 

@@ -1,0 +1,250 @@
+"""Parameter reallocation planner (ReaLHF): which device sends which piece of which parameter to whom.
+
+Moving a trainable model from one layout (its training layout) to another (e.g. its generation layout) is a
+set of :class:`Transfer` pieces. Each piece is a half-open interval of one parameter's row-major flat index
+space (see :mod:`loomrl.parallel.shards`), obtained by cutting the source and destination shard intervals at
+every boundary, so a piece lies inside one source shard interval and one destination shard interval. Pieces
+that keep the same sender and receivers over adjacent ranges are merged back.
+
+Each piece has one sender among the source devices holding it, chosen per receiver in this order:
+
+1. the receiver itself, when it holds the piece in the source layout: a local copy, listed (``local``) but
+   costing no bandwidth;
+2. a holder on the receiver's node (the least loaded of them);
+3. the least loaded holder anywhere.
+
+"Load" is the number of elements already assigned to a device to send, ties broken by device id, so the
+senders of replicated shards take turns. Receivers on one node share a sender, and all receivers given the
+same sender for a piece get it in one broadcast (``receivers`` holds them all).
+
+A destination shard identical to the device's source shard is not copied at all: the executor hands back the
+source tensor (a view of it). Every other destination shard is a new buffer, and returning to the training
+layout only frees those (:attr:`ReallocPlan.free_after`): the source shards were never given up.
+
+Pure Python: the cost model prices plans with it and the executor (:mod:`loomrl.parallel.realloc_exec`)
+runs them. Build the plan from the same inputs on every rank (or build it once and ship it): the executor's
+communication order follows the plan's order.
+
+Planning costs O(pieces): a parameter split along dim 1 (o/down projections) has one interval per row, so
+its pieces grow with its rows.
+"""
+
+from __future__ import annotations
+
+from collections import defaultdict
+from dataclasses import dataclass, field
+from functools import cached_property
+from typing import Callable, Hashable, Iterator, Mapping, Sequence
+
+from loomrl.parallel.shards import Interval, Placement, as_placement, shard_intervals, shard_numel
+
+
+@dataclass(frozen=True)
+class Transfer:
+    """Elements ``[start, end)`` of ``param``'s flat index space, sent by ``sender`` to every receiver."""
+
+    param: str
+    start: int
+    end: int
+    sender: int
+    """Global device id of the source device that sends the piece."""
+    receivers: tuple[int, ...]
+    """Global device ids that receive it, sorted; ``(sender,)`` for a local copy."""
+
+    @property
+    def numel(self) -> int:
+        return self.end - self.start
+
+    @property
+    def local(self) -> bool:
+        """The receiver already holds the piece in the source layout: a copy within one device."""
+        return self.receivers == (self.sender,)
+
+
+@dataclass(frozen=True)
+class ShardBuffer:
+    """The destination shard of one parameter on one device."""
+
+    device: int
+    param: str
+    numel: int
+    aliased: bool
+    """Identical to the device's source shard, which serves as the destination shard (no new memory)."""
+
+
+@dataclass(frozen=True)
+class ReallocPlan:
+    """Transfers taking every parameter from the ``src`` placement to the ``dst`` placement."""
+
+    transfers: tuple[Transfer, ...]
+    shapes: Mapping[str, tuple[int, ...]] = field(repr=False)
+    """Full shape of every parameter, in the planning order."""
+    num_layers: int
+    src: Placement
+    dst: Placement
+    nodes: Mapping[int, Hashable] = field(repr=False)
+    """Node of every device of either mesh."""
+    dst_buffers: tuple[ShardBuffer, ...] = field(repr=False)
+
+    @property
+    def free_after(self) -> tuple[ShardBuffer, ...]:
+        """Destination-only buffers: what returning to the source (training) layout releases."""
+        return tuple(buf for buf in self.dst_buffers if not buf.aliased)
+
+    @cached_property
+    def _aliased(self) -> frozenset[tuple[int, str]]:
+        return frozenset((b.device, b.param) for b in self.dst_buffers if b.aliased)
+
+    def aliased(self, device: int, param: str) -> bool:
+        """Whether ``device``'s destination shard of ``param`` is its source shard itself."""
+        return (device, param) in self._aliased
+
+    def src_intervals(self, device: int, param: str) -> list[Interval]:
+        """Flat intervals of ``param`` that ``device`` holds in the source layout (empty if none)."""
+        return _placement_intervals(self.src, device, param, self.shapes[param], self.num_layers)
+
+    def dst_intervals(self, device: int, param: str) -> list[Interval]:
+        """Flat intervals of ``param`` that ``device`` holds in the destination layout (empty if none)."""
+        return _placement_intervals(self.dst, device, param, self.shapes[param], self.num_layers)
+
+    def bytes_moved(self, bytes_per_elem: int) -> int:
+        """Bytes crossing devices: every non-local piece counts once per receiver."""
+        return sum(t.numel * len(t.receivers) for t in self.transfers if not t.local) * bytes_per_elem
+
+    def bytes_local(self, bytes_per_elem: int) -> int:
+        """Bytes copied within a device (local pieces into new buffers; aliased shards copy nothing)."""
+        return sum(t.numel for t in self.transfers
+                   if t.local and (t.sender, t.param) not in self._aliased) * bytes_per_elem
+
+    def cross_node_bytes(self, bytes_per_elem: int) -> int:
+        """The part of :meth:`bytes_moved` received from another node."""
+        return sum(t.numel for t in self.transfers for r in t.receivers
+                   if self.nodes[r] != self.nodes[t.sender]) * bytes_per_elem
+
+    def send_bytes(self, bytes_per_elem: int) -> dict[int, int]:
+        """Bytes each device sends (a broadcast counts once at its sender); devices sending nothing are absent."""
+        out: dict[int, int] = defaultdict(int)
+        for t in self.transfers:
+            if not t.local:
+                out[t.sender] += t.numel * bytes_per_elem
+        return dict(out)
+
+    def recv_bytes(self, bytes_per_elem: int) -> dict[int, int]:
+        """Bytes each device receives from other devices; devices receiving nothing are absent."""
+        out: dict[int, int] = defaultdict(int)
+        for t in self.transfers:
+            if not t.local:
+                for r in t.receivers:
+                    out[r] += t.numel * bytes_per_elem
+        return dict(out)
+
+    def broadcast_groups(self) -> list[tuple[int, ...]]:
+        """Sorted device sets (sender and receivers) of the multi-receiver pieces, in a fixed order."""
+        return sorted({tuple(sorted((t.sender, *t.receivers))) for t in self.transfers if len(t.receivers) > 1})
+
+
+def _placement_intervals(placement: Placement, device: int, param: str, shape: Sequence[int],
+                         num_layers: int) -> list[Interval]:
+    if device not in placement.mesh:
+        return []
+    rank = placement.mesh.index(device)
+    return shard_intervals(param, shape, placement.layout, rank, num_layers, placement.fsdp)
+
+
+def plan_reallocation(params: Mapping[str, Sequence[int]], num_layers: int, src: Placement | Sequence,
+                      dst: Placement | Sequence, nodes_of: Callable[[int], Hashable]) -> ReallocPlan:
+    """Plan moving ``params`` (name → full shape) from the ``src`` placement to the ``dst`` placement.
+
+    ``src`` is ``(mesh, layout, fsdp)`` and ``dst`` ``(mesh, layout)`` (or :class:`Placement` values);
+    ``nodes_of`` maps a device id to its node (any hashable). Raises ValueError when the meshes do not fit
+    their layouts, the layers do not divide into the pipeline stages, or the destination is FSDP-sharded.
+    """
+    src_p, dst_p = as_placement(src, "src"), as_placement(dst, "dst")
+    if dst_p.fsdp:
+        raise ValueError("dst: fsdp=True is supported for source layouts only")
+    shapes = {name: tuple(int(n) for n in shape) for name, shape in params.items()}
+    nodes = {device: nodes_of(device) for device in sorted({*src_p.mesh, *dst_p.mesh})}
+    load: dict[int, int] = defaultdict(int)
+    transfers: list[Transfer] = []
+    buffers: list[ShardBuffer] = []
+    for name, shape in shapes.items():
+        held = _intervals_by_device(src_p, name, shape, num_layers)
+        needed = _intervals_by_device(dst_p, name, shape, num_layers)
+        buffers.extend(ShardBuffer(device, name, shard_numel(ivs), held.get(device) == ivs)
+                       for device, ivs in needed.items())
+        pieces: list[Transfer] = []
+        for start, end, holders, needers in _segments(held, needed):
+            if not needers:
+                continue
+            if not holders:
+                raise ValueError(f"{name}: elements [{start}, {end}) are held by no source device")
+            for sender, receivers in _choose_senders(holders, needers, nodes, load, end - start):
+                pieces.append(Transfer(name, start, end, sender, receivers))
+        transfers.extend(_merge_adjacent(pieces))
+    return ReallocPlan(tuple(transfers), shapes, num_layers, src_p, dst_p, nodes, tuple(buffers))
+
+
+def _intervals_by_device(placement: Placement, name: str, shape: tuple[int, ...],
+                         num_layers: int) -> dict[int, list[Interval]]:
+    """Non-empty shard intervals of ``name`` per device of ``placement``, in device order."""
+    out = {}
+    for rank, device in sorted(enumerate(placement.mesh), key=lambda item: item[1]):
+        intervals = shard_intervals(name, shape, placement.layout, rank, num_layers, placement.fsdp)
+        if intervals:
+            out[device] = intervals
+    return out
+
+
+def _segments(held: Mapping[int, list[Interval]], needed: Mapping[int, list[Interval]]
+              ) -> Iterator[tuple[int, int, tuple[int, ...], tuple[int, ...]]]:
+    """Sweep every boundary: ``(start, end, holders, needers)`` of each range where neither set changes."""
+    events: dict[int, list[tuple[int, int, int]]] = defaultdict(list)  # point → (side, device, +1 | -1)
+    for side, by_device in enumerate((held, needed)):
+        for device, intervals in by_device.items():
+            for lo, hi in intervals:
+                events[lo].append((side, device, 1))
+                events[hi].append((side, device, -1))
+    active: tuple[set[int], set[int]] = (set(), set())
+    points = sorted(events)
+    for point, following in zip(points, points[1:] + [None]):
+        for side, device, delta in events[point]:
+            (active[side].add if delta > 0 else active[side].discard)(device)
+        if following is not None and (active[0] or active[1]):
+            yield point, following, tuple(sorted(active[0])), tuple(sorted(active[1]))
+
+
+def _choose_senders(holders: tuple[int, ...], needers: tuple[int, ...], nodes: Mapping[int, Hashable],
+                    load: dict[int, int], numel: int) -> list[tuple[int, tuple[int, ...]]]:
+    """``(sender, receivers)`` for one range: local copies first, then one sender per node of receivers."""
+    holder_set = set(holders)
+    out = [(device, (device,)) for device in needers if device in holder_set]
+    by_node: dict[Hashable, list[int]] = {}
+    for device in needers:
+        if device not in holder_set:
+            by_node.setdefault(nodes[device], []).append(device)
+    chosen: dict[int, list[int]] = {}
+    for node, group in by_node.items():  # in the order of each node's lowest receiver
+        same_node = [h for h in holders if nodes[h] == node]
+        sender = min(same_node or holders, key=lambda h: (load[h], h))
+        if sender not in chosen:  # a broadcast leaves its sender once, however many receive it
+            load[sender] += numel
+            chosen[sender] = []
+        chosen[sender].extend(group)
+    out.extend((sender, tuple(sorted(group))) for sender, group in sorted(chosen.items()))
+    return out
+
+
+def _merge_adjacent(pieces: list[Transfer]) -> list[Transfer]:
+    """Join pieces of one parameter with the same sender and receivers whose ranges touch."""
+    merged: list[Transfer] = []
+    last: dict[tuple[int, tuple[int, ...]], int] = {}  # (sender, receivers) → index of its latest piece
+    for piece in pieces:
+        key = (piece.sender, piece.receivers)
+        index = last.get(key)
+        if index is not None and merged[index].end == piece.start:
+            prev = merged[index]
+            merged[index] = Transfer(prev.param, prev.start, piece.end, prev.sender, prev.receivers)
+        else:
+            last[key] = len(merged)
+            merged.append(piece)
+    return merged

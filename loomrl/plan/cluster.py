@@ -1,0 +1,89 @@
+"""The devices a plan is made for: nodes × devices per node, their kind and hardware profile.
+
+A cluster is written ``KIND:DEVICES`` (one node) or ``KIND:NODESxDEVICES``::
+
+    cpu:2        one node, two CPU device slots (the local profile)
+    cpu:1x4      one node, four slots
+    h100:8x8     eight nodes of eight H100s (profile h100-80g)
+
+Devices are numbered globally, node-major: device ``d`` sits on node ``d // devices_per_node``. A profile
+names the hardware; here it fixes only the memory per device (:data:`PROFILES`). Compute rates and
+bandwidths belong to the cost model, which a later issue measures and fits.
+"""
+
+from __future__ import annotations
+
+import re
+from dataclasses import dataclass
+
+from loomrl.configtools import ValidatedConfig, fail, spec
+from loomrl.errors import ConfigError
+
+__all__ = ["DEVICE_KINDS", "GB", "PROFILES", "ClusterSpec"]
+
+GB = 2**30
+"""Bytes in the "GB" of every memory figure here (device datasheets' 80 GB are 80 × 2^30 bytes)."""
+
+PROFILES: dict[str, float] = {
+    "a100-80g": 80.0,
+    "h100-80g": 80.0,
+    "h200": 141.0,
+    "h20": 96.0,
+    "local": 24.0,
+}
+"""Hardware profile → memory per device in GB, from datasheets; ``local`` is a CPU slot's share of RAM."""
+
+DEVICE_KINDS: dict[str, str] = {"cpu": "local", "a100": "a100-80g", "h100": "h100-80g", "h200": "h200", "h20": "h20"}
+"""Device kind accepted by :meth:`ClusterSpec.parse` → its profile (profile names are accepted as kinds too)."""
+
+_CLUSTER_RE = re.compile(r"(?P<kind>[A-Za-z][\w-]*):(?:(?P<nodes>\d+)x)?(?P<devices>\d+)")
+
+
+@dataclass(frozen=True)
+class ClusterSpec(ValidatedConfig):
+    """``nodes`` × ``devices_per_node`` devices of one kind; devices are numbered node-major from 0."""
+
+    nodes: int = spec(ge=1)
+    """Machines in the cluster."""
+    devices_per_node: int = spec(ge=1)
+    """Accelerators (or CPU worker slots) per machine."""
+    device_kind: str = "cpu"
+    """What a device is: cpu, a100, h100, h200, h20."""
+    profile: str = spec("local", choices=tuple(PROFILES))
+    """Hardware profile (see PROFILES) the cost model prices the devices with."""
+    memory_gb: float = spec(24.0, gt=0)
+    """Memory per device in GB (2^30 bytes); plans that need more are rejected."""
+
+    def validate(self) -> None:
+        if not self.device_kind:
+            fail("device_kind", f"'' is empty; e.g. {', '.join(DEVICE_KINDS)}")
+
+    @property
+    def n_devices(self) -> int:
+        """Devices in the whole cluster."""
+        return self.nodes * self.devices_per_node
+
+    def node_of(self, device: int) -> int:
+        """The node holding global device index ``device``."""
+        if isinstance(device, bool) or not isinstance(device, int) or not 0 <= device < self.n_devices:
+            raise ConfigError(f"device {device!r} is outside the cluster {self} (devices 0-{self.n_devices - 1})")
+        return device // self.devices_per_node
+
+    @classmethod
+    def parse(cls, text: str) -> ClusterSpec:
+        """``"cpu:2"``, ``"cpu:1x4"``, ``"h100:8x8"`` → a cluster with the kind's profile and memory."""
+        match = _CLUSTER_RE.fullmatch(text.strip()) if isinstance(text, str) else None
+        if match is None:
+            raise ConfigError(f"cluster {text!r}: expected KIND:DEVICES or KIND:NODESxDEVICES, e.g. cpu:2 or h100:8x8")
+        kind = match["kind"].lower()
+        profile = DEVICE_KINDS.get(kind, kind if kind in PROFILES else None)
+        if profile is None:
+            valid = ", ".join([*DEVICE_KINDS, *(p for p in PROFILES if p not in DEVICE_KINDS)])
+            raise ConfigError(f"cluster {text!r}: unknown device kind '{kind}'; valid: {valid}")
+        nodes, devices = int(match["nodes"] or 1), int(match["devices"])
+        if nodes < 1 or devices < 1:
+            raise ConfigError(f"cluster {text!r}: needs at least one node and one device per node")
+        return cls(nodes, devices, kind, profile, PROFILES[profile])
+
+    def __str__(self) -> str:
+        return f"{self.device_kind}:{self.nodes}x{self.devices_per_node}"

@@ -1,0 +1,56 @@
+"""A first, deliberately simple memory estimate of a model's shard, used to reject plans that cannot fit.
+
+For a model with ``P`` parameters sharded ``tp`` × ``pp`` ways (data parallelism replicates; FSDP would
+divide by ``dp`` too, and is not built yet), one device holds
+
+- weights: ``P / (tp·pp) · bytes_per_param``;
+- for a trained copy, additionally gradients ``P / (tp·pp) · bytes_per_param`` and two fp32 Adam moments
+  ``2 · 4 · P / (tp·pp)``.
+
+Activations, the KV cache and framework buffers are left out: the plan validator asks only whether the
+resident state fits, and the planner's memory model (a later issue) adds the rest. ``P`` is counted from
+the HF config fields every zoo architecture has (see :func:`param_count`); value and reward models are
+counted as causal LMs, an overestimate of ``vocab_size · hidden_size`` parameters (their score head is
+``hidden_size × 1``).
+"""
+
+from __future__ import annotations
+
+__all__ = ["ADAM_BYTES_PER_PARAM", "param_count", "shard_bytes"]
+
+ADAM_BYTES_PER_PARAM = 8
+"""Two fp32 moments (exp_avg, exp_avg_sq) per trained parameter."""
+
+
+def _field(config: object, name: str, default: int | None = None) -> int:
+    value = getattr(config, name, None)
+    if value is None:
+        if default is None:
+            raise AttributeError(f"the model config has no {name}")
+        return default
+    return int(value)
+
+
+def param_count(config: object) -> int:
+    """Parameters of a decoder-only transformer described by an HF-config-like object.
+
+    Embedding and an untied output projection (``vocab · h`` each), and per layer: attention
+    ``2·h·h + 2·h·kv·(h/heads)`` (q, o; k, v over the key/value heads), an MLP of three ``h × I`` matrices
+    (two for GPT-2) and two norm vectors; plus the final norm. Biases are ignored (≪ 1%).
+    """
+    h = _field(config, "hidden_size")
+    layers = _field(config, "num_hidden_layers")
+    vocab = _field(config, "vocab_size")
+    heads = _field(config, "num_attention_heads")
+    kv_heads = _field(config, "num_key_value_heads", heads)
+    inter = _field(config, "intermediate_size", 4 * h)
+    mlp_matrices = 2 if getattr(config, "model_type", None) == "gpt2" else 3
+    attention = 2 * h * h + 2 * h * kv_heads * (h // heads)
+    per_layer = attention + mlp_matrices * h * inter + 2 * h
+    return 2 * vocab * h + layers * per_layer + h
+
+
+def shard_bytes(params: int, tp: int, pp: int, bytes_per_param: int, trained: bool) -> int:
+    """Bytes of one device's shard: weights, plus gradients and Adam moments when ``trained``."""
+    per_param = 2 * bytes_per_param + ADAM_BYTES_PER_PARAM if trained else bytes_per_param
+    return -(-params * per_param // (tp * pp))  # ceil: a shard never rounds down to fit

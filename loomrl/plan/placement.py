@@ -1,0 +1,104 @@
+"""Placement strings: a hand-written execution plan on one line.
+
+Items are separated by ``;``; each places one MFC as ``NAME=DEVICES[:LAYOUT]``::
+
+    actor_gen=0-3:dp4; ref_inf=4-5:dp2; reward_inf=6-7:dp2; critic_inf=4-7:dp4; actor_train=0-7:dp4tp2; critic_train=0-7:dp8
+
+- ``DEVICES``: global device indices as ranges and singles, comma-separated: ``0-3``, ``0,2,5``, ``0-3,6``;
+- ``LAYOUT``: tokens ``dpN``, ``tpN``, ``ppN`` and ``mbN`` (micro-batches) in any order, each optional:
+  ``dp4tp2``, ``tp2`` (dp then fills the mesh: 8 devices → dp4), ``dp2mb4``; without a layout the MFC is
+  pure data parallel over its devices (``4-7`` is ``4-7:dp4``);
+- ``shadow=actor`` and ``offload=ref,reward`` set the plan's explicit shadow and offload roles (``offload=``
+  means none); without them the default rules of :class:`~loomrl.plan.plan.ExecutionPlan` apply;
+- a compute step (e.g. ``advantages``) that is not named runs on device 0 with no parallelism
+  (``advantages=0:dp1``), where the runtime runs it; every model call must be named.
+
+More examples, on a ``cpu:1x4`` cluster::
+
+    actor_gen=0-3; ref_inf=0-3; reward_inf=0-3; actor_train=0-3:dp2tp2          # colocated GRPO, TP training
+    actor_gen=0-1; ref_inf=2; reward_inf=3; actor_train=2-3; shadow=actor        # separated generation
+
+:func:`format_placement` prints a plan back in this form; ``parse_placement(format_placement(p), ...) == p``.
+"""
+
+from __future__ import annotations
+
+import difflib
+
+from loomrl.configtools import FieldError
+from loomrl.errors import ConfigError
+from loomrl.parallel.layout import Layout
+from loomrl.plan.cluster import ClusterSpec
+from loomrl.plan.plan import Allocation, DeviceMesh, ExecutionPlan
+from loomrl.workflow import MFCKind, Workflow
+
+__all__ = ["RESERVED_KEYS", "compute_allocation", "format_placement", "parse_placement"]
+
+RESERVED_KEYS = ("shadow", "offload")
+"""Item names that set plan fields rather than place an MFC."""
+
+
+def compute_allocation() -> Allocation:
+    """Where a compute step runs unless told otherwise: device 0, one rank (it needs the whole batch)."""
+    return Allocation(DeviceMesh((0,)), Layout())
+
+
+def _parse_item(item: str, workflow: Workflow) -> tuple[str, Allocation | tuple[str, ...]]:
+    name, sep, rest = (part.strip() for part in item.partition("="))
+    if not sep or not name:
+        raise ConfigError(f"placement item {item!r}: expected NAME=DEVICES[:LAYOUT], e.g. actor_gen=0-3:dp4")
+    if name in RESERVED_KEYS:
+        return name, tuple(r.strip() for r in rest.split(",") if r.strip())
+    if name not in workflow:
+        names = [m.name for m in workflow.topological_order()]
+        close = difflib.get_close_matches(name, names, n=1)
+        hint = f"; did you mean {close[0]!r}?" if close else ""
+        raise ConfigError(f"placement item {item!r}: unknown MFC '{name}'; MFCs: {', '.join(names)}{hint}")
+    try:
+        return name, Allocation.parse(rest)
+    except FieldError as err:
+        raise ConfigError(f"placement item {item!r}: {err.under(name)}") from None
+
+
+def parse_placement(text: str, workflow: Workflow, cluster: ClusterSpec) -> ExecutionPlan:
+    """The plan a placement string describes, checked against ``workflow`` (see the module docstring)."""
+    given: dict[str, Allocation] = {}
+    choices: dict[str, tuple[str, ...]] = {}
+    for item in (part.strip() for part in str(text).split(";")):
+        if not item:
+            continue
+        name, value = _parse_item(item, workflow)
+        if name in given or name in choices:
+            raise ConfigError(f"placement item {item!r}: '{name}' is placed twice")
+        if isinstance(value, Allocation):
+            given[name] = value
+        else:
+            choices[name] = value
+    allocations: dict[str, Allocation] = {}
+    for mfc in workflow.topological_order():
+        if mfc.name in given:
+            allocations[mfc.name] = given[mfc.name]
+        elif mfc.kind is MFCKind.COMPUTE:
+            allocations[mfc.name] = compute_allocation()
+        else:
+            raise ConfigError(f"placement: MFC '{mfc.name}' is not placed; add e.g. '{mfc.name}=0-{cluster.n_devices - 1}'")
+    try:
+        plan = ExecutionPlan(cluster, allocations, choices.get("shadow"), choices.get("offload"))
+    except ConfigError as err:
+        raise ConfigError(f"placement: {err}") from None
+    plan.validate(workflow)
+    return plan
+
+
+def format_placement(plan: ExecutionPlan, workflow: Workflow | None = None) -> str:
+    """The placement string of ``plan``; given the workflow, compute steps at the default are left out."""
+    default = compute_allocation()
+    items = []
+    for name, alloc in plan.allocations.items():
+        if workflow is not None and name in workflow and workflow[name].kind is MFCKind.COMPUTE and alloc == default:
+            continue
+        items.append(f"{name}={alloc.text}")
+    for key, roles in (("shadow", plan.shadow), ("offload", plan.offload)):
+        if roles is not None:
+            items.append(f"{key}={','.join(roles)}")
+    return "; ".join(items)

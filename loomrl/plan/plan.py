@@ -1,0 +1,514 @@
+"""Execution plans as data: where each model function call runs and how its model is sharded there.
+
+- :class:`DeviceMesh`: a sorted tuple of global device indices of the cluster;
+- :class:`Allocation`: a mesh and a :class:`~loomrl.parallel.layout.Layout` (``dp × tp × pp``) for one MFC,
+  plus micro-batches. Rank ``r = pp_rank·(dp·tp) + dp_rank·tp + tp_rank`` (tp fastest, then dp, pp slowest)
+  runs on device ``mesh[r]``;
+- :class:`ExecutionPlan`: the cluster, one allocation per MFC and two optional choices (which trained roles
+  keep a shadow copy, which roles are offloaded between calls). Everything else the runtime and the simulator
+  need is derived from these by methods taking the workflow: the canonical (training) allocation of each
+  trained role, the reallocations around its other calls, shadow syncs, offloaded roles, the groups of MFCs
+  that may run concurrently, and a memory estimate. :meth:`ExecutionPlan.validate` checks a plan against a
+  workflow and model configs, and fails with one line naming the MFC, the field and the values.
+
+Plans round-trip through plain dicts, JSON and YAML (:meth:`ExecutionPlan.save`, :meth:`ExecutionPlan.load`).
+The compact text of an allocation, ``0-3,6:dp2tp2pp1mb4``, is shared with the placement strings of
+:mod:`loomrl.plan.placement`.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import re
+from collections.abc import Iterator, Mapping
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+import yaml
+
+from loomrl.configtools import FieldError, ValidatedConfig, fail, from_dict, read_yaml, spec, to_dict
+from loomrl.errors import ConfigError
+from loomrl.parallel.layout import Layout
+from loomrl.plan import checks
+from loomrl.plan.cluster import ClusterSpec
+from loomrl.workflow import MFCKind, Workflow
+
+__all__ = ["Allocation", "DeviceMesh", "ExecutionPlan", "Reallocation", "format_devices"]
+
+_RANGE_RE = re.compile(r"(\d+)(?:-(\d+))?")
+_LAYOUT_RE = re.compile(r"(dp|tp|pp|mb)(\d+)")
+_LAYOUT_TOKENS = "expected tokens dp<N>, tp<N>, pp<N>, mb<N> (micro-batches), e.g. dp4tp2 or dp2mb4"
+
+
+def format_devices(devices: tuple[int, ...] | list[int]) -> str:
+    """Sorted device indices as ranges and singles: ``(0, 1, 2, 3, 6)`` → ``"0-3,6"``."""
+    parts: list[str] = []
+    ordered = sorted(devices)
+    start = prev = ordered[0] if ordered else 0
+    for d in ordered[1:] + [None]:  # a sentinel closes the last run
+        if d is not None and d == prev + 1:
+            prev = d
+            continue
+        parts.append(str(start) if start == prev else f"{start}-{prev}")
+        if d is not None:
+            start = prev = d
+    return ",".join(parts) if ordered else ""
+
+
+@dataclass(frozen=True)
+class DeviceMesh(ValidatedConfig):
+    """A non-empty set of global device indices, stored sorted; ``mesh[rank]`` is the device of a rank."""
+
+    devices: tuple[int, ...]
+    """Global device indices (node-major numbering of the cluster); stored sorted."""
+
+    def validate(self) -> None:
+        if not self.devices:
+            fail("devices", "() is empty; a mesh needs at least one device")
+        for d in self.devices:
+            if d < 0:
+                fail("devices", f"{d} is negative; devices are numbered from 0")
+        if len(set(self.devices)) != len(self.devices):
+            dupes = sorted({d for d in self.devices if self.devices.count(d) > 1})
+            fail("devices", f"{format_devices(list(self.devices))} lists device {dupes[0]} twice")
+        object.__setattr__(self, "devices", tuple(sorted(self.devices)))
+
+    @classmethod
+    def parse(cls, text: str) -> DeviceMesh:
+        """``"0-3"``, ``"0,2,5"``, ``"0-3,6"`` → a mesh; errors are at path ``devices``."""
+        devices: list[int] = []
+        for part in str(text).split(","):
+            match = _RANGE_RE.fullmatch(part.strip())
+            if match is None:
+                fail("devices", f"{text!r} is not a device list; expected ranges like 0-3 or lists like 0,2,5")
+            first, last = int(match[1]), int(match[2] if match[2] is not None else match[1])
+            if last < first:
+                fail("devices", f"range {part.strip()!r} ends before it starts")
+            devices.extend(range(first, last + 1))
+        return cls(tuple(devices))
+
+    @property
+    def text(self) -> str:
+        """The compact form, e.g. ``"0-3,6"``."""
+        return format_devices(self.devices)
+
+    def isdisjoint(self, other: DeviceMesh) -> bool:
+        """True when the two meshes share no device."""
+        return set(self.devices).isdisjoint(other.devices)
+
+    def __len__(self) -> int:
+        return len(self.devices)
+
+    def __iter__(self) -> Iterator[int]:
+        return iter(self.devices)
+
+    def __getitem__(self, index: int) -> int:
+        return self.devices[index]
+
+    def __contains__(self, device: object) -> bool:
+        return device in self.devices
+
+
+def _layout_text(layout: Layout, micro_batches: int) -> str:
+    text = f"dp{layout.dp}"
+    text += f"tp{layout.tp}" if layout.tp > 1 else ""
+    text += f"pp{layout.pp}" if layout.pp > 1 else ""
+    return text + (f"mb{micro_batches}" if micro_batches > 1 else "")
+
+
+def _parse_layout(text: str, devices: int) -> tuple[Layout, int]:
+    """``"dp2tp2mb4"`` → (Layout(2, 2, 1), 4); an omitted dp fills the mesh: ``devices / (tp·pp)``."""
+    tokens = _LAYOUT_RE.findall(text)
+    if "".join(k + v for k, v in tokens) != text:
+        fail("layout", f"{text!r} is not a layout; {_LAYOUT_TOKENS}")
+    values: dict[str, int] = {}
+    for key, value in tokens:
+        if key in values:
+            fail("layout", f"{text!r} gives {key} twice")
+        values[key] = int(value)
+    tp, pp = values.get("tp", 1), values.get("pp", 1)
+    if "dp" not in values and tp * pp and devices % (tp * pp) == 0:
+        values["dp"] = devices // (tp * pp)
+    for key in ("dp", "tp", "pp", "mb"):
+        if values.get(key, 1) < 1:
+            fail("layout", f"{key}{values[key]} in {text!r} is not a positive degree")
+    return Layout(values.get("dp", 1), tp, pp), values.get("mb", 1)
+
+
+@dataclass(frozen=True)
+class Allocation(ValidatedConfig):
+    """Where and how one MFC runs: its devices and its model's parallel layout on them."""
+
+    mesh: DeviceMesh
+    """The devices; a list or tuple of indices is accepted and converted."""
+    layout: Layout
+    """Data × tensor × pipeline degrees; their product must equal the number of devices."""
+    micro_batches: int = spec(1, ge=1)
+    """Micro-batches each rank's share of a batch is split into (pipelining, activation memory)."""
+
+    def __post_init__(self) -> None:
+        if isinstance(self.mesh, (list, tuple)):
+            object.__setattr__(self, "mesh", DeviceMesh(tuple(self.mesh)))
+        super().__post_init__()
+
+    def validate(self) -> None:
+        if self.layout.size != len(self.mesh):
+            lay = self.layout
+            fail("layout", f"dp={lay.dp} × tp={lay.tp} × pp={lay.pp} = {lay.size} devices, "
+                           f"but the mesh {self.mesh.text} has {len(self.mesh)}")
+
+    @classmethod
+    def parse(cls, text: str) -> Allocation:
+        """``"0-3:dp2tp2"``, ``"4-7"`` (dp fills the mesh), ``"0,2:dp2mb4"`` → an allocation."""
+        devices, _, layout_text = str(text).partition(":")
+        mesh = DeviceMesh.parse(devices)
+        layout, micro_batches = _parse_layout(layout_text.strip(), len(mesh)) if layout_text.strip() \
+            else (Layout(dp=len(mesh)), 1)
+        return cls(mesh, layout, micro_batches)
+
+    @property
+    def text(self) -> str:
+        """The compact form :meth:`parse` reads, e.g. ``"0-7:dp4tp2mb2"``."""
+        return f"{self.mesh.text}:{_layout_text(self.layout, self.micro_batches)}"
+
+    def same_placement(self, other: Allocation) -> bool:
+        """Same devices and same layout: the model's shards need not move between the two (micro-batches aside)."""
+        return self.mesh == other.mesh and self.layout == other.layout
+
+    def device(self, dp_rank: int, tp_rank: int = 0, pp_rank: int = 0) -> int:
+        """The device of the rank at these coordinates."""
+        lay = self.layout
+        for name, rank, size in (("dp_rank", dp_rank, lay.dp), ("tp_rank", tp_rank, lay.tp), ("pp_rank", pp_rank, lay.pp)):
+            if not 0 <= rank < size:
+                raise ConfigError(f"{name}: {rank} is outside 0..{size - 1} of layout {self.text}")
+        return self.mesh[pp_rank * lay.dp * lay.tp + dp_rank * lay.tp + tp_rank]
+
+    def coords(self, device: int) -> tuple[int, int, int]:
+        """``(dp_rank, tp_rank, pp_rank)`` of the rank on ``device``."""
+        if device not in self.mesh:
+            raise ConfigError(f"device {device} is not in the mesh {self.mesh.text}")
+        rank, lay = self.mesh.devices.index(device), self.layout
+        return (rank // lay.tp) % lay.dp, rank % lay.tp, rank // (lay.dp * lay.tp)
+
+
+@dataclass(frozen=True)
+class Reallocation:
+    """A change of a trained role's parameter layout around one call.
+
+    ``kind`` is ``"copy"`` (before ``mfc``: reshard the training weights into the call's layout, a transfer),
+    ``"free"`` (after ``mfc``: drop the call's copy; the training shards never left, so nothing moves) or
+    ``"sync"`` (after the train call ``mfc``: refresh a shadow copy, a transfer).
+    """
+
+    when: str
+    """``"before"`` or ``"after"`` the call."""
+    mfc: str
+    """The call it is attached to."""
+    role: str
+    """The model whose parameters move."""
+    src: Allocation
+    """Layout the parameters are in."""
+    dst: Allocation
+    """Layout they are needed in."""
+    kind: str
+    """``"copy"``, ``"free"`` or ``"sync"``."""
+
+    @property
+    def moves_bytes(self) -> bool:
+        """Whether parameters travel (a copy or a sync) rather than being dropped."""
+        return self.kind != "free"
+
+
+def _ancestors(workflow: Workflow) -> dict[str, frozenset[str]]:
+    """MFC name → every MFC with a dependency path to it."""
+    ancestors: dict[str, frozenset[str]] = {}
+    for mfc in workflow.topological_order():
+        acc: set[str] = set()
+        for dep in workflow.deps(mfc.name):
+            acc |= {dep} | ancestors[dep]
+        ancestors[mfc.name] = frozenset(acc)
+    return ancestors
+
+
+def _maximal_cliques(order: list[str], adjacent: dict[str, set[str]]) -> list[frozenset[str]]:
+    """Bron–Kerbosch without pivoting: workflows have ~10 MFCs, and this keeps the order deterministic."""
+    cliques: list[frozenset[str]] = []
+
+    def expand(chosen: list[str], candidates: list[str], excluded: list[str]) -> None:
+        if not candidates and not excluded:
+            cliques.append(frozenset(chosen))
+            return
+        for v in list(candidates):
+            expand(chosen + [v], [u for u in candidates if u in adjacent[v]], [u for u in excluded if u in adjacent[v]])
+            candidates.remove(v)
+            excluded.append(v)
+
+    expand([], list(order), [])
+    return cliques
+
+
+def _roles_list(roles: object, field: str) -> tuple[str, ...] | None:
+    if roles is None:
+        return None
+    if isinstance(roles, str) or not isinstance(roles, (list, tuple, set, frozenset)):
+        raise ConfigError(f"plan.{field}: {roles!r} is not a list of role names (or null for the default rule)")
+    for role in roles:
+        if not isinstance(role, str) or not role:
+            raise ConfigError(f"plan.{field}: {role!r} is not a role name")
+    return tuple(sorted(set(roles)))
+
+
+@dataclass(frozen=True)
+class ExecutionPlan:
+    """One allocation per MFC of a workflow on a cluster, plus the shadow and offload choices.
+
+    Derived facts take the workflow, which says each MFC's role and kind; the plan itself is placement only.
+    """
+
+    cluster: ClusterSpec
+    """The devices the plan is made for."""
+    allocations: Mapping[str, Allocation]
+    """MFC name → where and how it runs; every MFC of the workflow needs one."""
+    shadow: tuple[str, ...] | None = None
+    """Trained roles that keep a persistent copy for their calls off the training devices, synced after each
+    train step; None applies the rule of :meth:`shadow_roles`."""
+    offload: tuple[str, ...] | None = None
+    """Roles whose weights go to host memory between their calls; None applies the rule of
+    :meth:`offloaded_roles`."""
+
+    def __post_init__(self) -> None:
+        if not isinstance(self.cluster, ClusterSpec):
+            raise ConfigError(f"plan.cluster: {self.cluster!r} is not a ClusterSpec")
+        if not isinstance(self.allocations, Mapping) or not self.allocations:
+            raise ConfigError(f"plan.allocations: {self.allocations!r} is not a non-empty mapping of MFC name → Allocation")
+        for name, alloc in self.allocations.items():
+            if not isinstance(alloc, Allocation):
+                raise ConfigError(f"plan.allocations.{name}: {alloc!r} is not an Allocation")
+            outside = [d for d in alloc.mesh if d >= self.cluster.n_devices]
+            if outside:
+                raise ConfigError(f"plan.allocations.{name}.devices: device {outside[0]} is outside the cluster "
+                                  f"{self.cluster} (devices 0-{self.cluster.n_devices - 1})")
+        object.__setattr__(self, "allocations", dict(self.allocations))
+        object.__setattr__(self, "shadow", _roles_list(self.shadow, "shadow"))
+        object.__setattr__(self, "offload", _roles_list(self.offload, "offload"))
+
+    def with_allocation(self, name: str, allocation: Allocation) -> ExecutionPlan:
+        """A copy of the plan with ``name`` placed at ``allocation``."""
+        return ExecutionPlan(self.cluster, {**self.allocations, name: allocation}, self.shadow, self.offload)
+
+    def __getitem__(self, name: str) -> Allocation:
+        if name not in self.allocations:
+            raise ConfigError(f"plan.allocations: MFC {name!r} has no allocation; "
+                              f"allocated: {', '.join(self.allocations)}")
+        return self.allocations[name]
+
+    # ------------------------------------------------------------------------------------- derived facts
+
+    def canonical_layout(self, workflow: Workflow, role: str) -> Allocation | None:
+        """The allocation of ``role``'s train call (the layout its weights and optimizer live in); None if frozen."""
+        trains = [m for m in workflow.mfcs_of_role(role) if m.kind is MFCKind.TRAIN]
+        return self[trains[0].name] if trains else None
+
+    def trained_roles(self, workflow: Workflow) -> list[str]:
+        """Roles with a train call, in workflow order."""
+        return [r for r in workflow.roles() if any(m.kind is MFCKind.TRAIN for m in workflow.mfcs_of_role(r))]
+
+    def shadow_roles(self, workflow: Workflow) -> tuple[str, ...]:
+        """Trained roles that keep a shadow copy: the explicit ``shadow`` field, or by default every trained
+        role with a generate call on devices disjoint from its training mesh (the separated placement).
+        The shadow serves each of the role's calls off the training mesh and is synced after the train call."""
+        if self.shadow is not None:
+            return self.shadow
+        found = []
+        for role in self.trained_roles(workflow):
+            canon = self.canonical_layout(workflow, role)
+            if any(m.kind is MFCKind.GENERATE and self[m.name].mesh.isdisjoint(canon.mesh)
+                   for m in workflow.mfcs_of_role(role)):
+                found.append(role)
+        return tuple(found)
+
+    def offloaded_roles(self, workflow: Workflow) -> tuple[str, ...]:
+        """Roles offloaded to host memory between calls: the explicit ``offload`` field, or by default every
+        frozen role (no train call) some of whose devices are also used by another role's calls. Such a
+        device is time-shared, and a frozen model can be reloaded at no loss (it has no optimizer state),
+        so its memory goes to the calls running in between."""
+        if self.offload is not None:
+            return self.offload
+        users: dict[int, set[str]] = {}
+        for mfc in workflow:
+            if mfc.role is not None:
+                for d in self[mfc.name].mesh:
+                    users.setdefault(d, set()).add(mfc.role)
+        trained = set(self.trained_roles(workflow))
+        found = []
+        for role in workflow.roles():
+            devices = {d for m in workflow.mfcs_of_role(role) for d in self[m.name].mesh}
+            if role not in trained and any(users[d] - {role} for d in devices):
+                found.append(role)
+        return tuple(found)
+
+    def shadow_calls(self, workflow: Workflow, role: str) -> list[str]:
+        """The calls of ``role`` its shadow copy serves: non-train calls on devices disjoint from training."""
+        if role not in self.shadow_roles(workflow):
+            return []
+        canon = self.canonical_layout(workflow, role)
+        return [m.name for m in workflow.mfcs_of_role(role)
+                if m.kind is not MFCKind.TRAIN and self[m.name].mesh.isdisjoint(canon.mesh)]
+
+    def reallocations(self, workflow: Workflow) -> list[Reallocation]:
+        """Parameter moves of trained roles, in workflow order.
+
+        A non-train call whose allocation differs from the canonical one gets a ``copy`` before it and a
+        ``free`` after it (the training shards stayed in place, so going back moves nothing), unless a shadow
+        serves it; each distinct shadow allocation gets a ``sync`` after the train call instead.
+        """
+        moves: list[Reallocation] = []
+        for mfc in workflow.topological_order():
+            if mfc.role is None or (canon := self.canonical_layout(workflow, mfc.role)) is None:
+                continue
+            alloc = self[mfc.name]
+            if mfc.kind is MFCKind.TRAIN:
+                served = {self[n].text: self[n] for n in self.shadow_calls(workflow, mfc.role)}
+                moves += [Reallocation("after", mfc.name, mfc.role, canon, a, "sync") for a in served.values()]
+            elif not alloc.same_placement(canon) and mfc.name not in self.shadow_calls(workflow, mfc.role):
+                moves.append(Reallocation("before", mfc.name, mfc.role, canon, alloc, "copy"))
+                moves.append(Reallocation("after", mfc.name, mfc.role, alloc, canon, "free"))
+        return moves
+
+    def concurrent_groups(self, workflow: Workflow) -> list[frozenset[str]]:
+        """Maximal sets (of two or more) of MFCs that may run at the same time: no dependency path between
+        any two of them within an iteration, and pairwise disjoint meshes. Ordered by first member."""
+        order = [m.name for m in workflow.topological_order()]
+        ancestors = _ancestors(workflow)
+        adjacent = {a: {b for b in order if b != a and a not in ancestors[b] and b not in ancestors[a]
+                        and self[a].mesh.isdisjoint(self[b].mesh)} for a in order}
+        groups = [g for g in _maximal_cliques(order, adjacent) if len(g) > 1]
+        return sorted(groups, key=lambda g: min(order.index(n) for n in g))
+
+    def mfcs_on(self, device: int) -> list[str]:
+        """Names of the MFCs whose mesh includes ``device``."""
+        return [name for name, alloc in self.allocations.items() if device in alloc.mesh]
+
+    # ---------------------------------------------------------------------------------------- validation
+
+    def validate(self, workflow: Workflow, model_configs: Mapping[str, object] | None = None,
+                 bytes_per_param: int = 4) -> None:
+        """Raise a one-line ConfigError unless the plan runs ``workflow``: an allocation for exactly its MFCs,
+        consistent train placements, valid shadow/offload roles; with ``model_configs`` (role → HF-config-like
+        object) also tp/pp divisibility and the memory estimate (:mod:`loomrl.plan.checks`)."""
+        checks.check_plan(self, workflow, model_configs, bytes_per_param)
+
+    def role_memory(self, workflow: Workflow, model_configs: Mapping[str, object],
+                    bytes_per_param: int = 4) -> dict[int, dict[str, int]]:
+        """Device → role → estimated bytes of the role's state there."""
+        return checks.role_memory(self, workflow, model_configs, bytes_per_param)
+
+    def peak_memory(self, workflow: Workflow, model_configs: Mapping[str, object],
+                    bytes_per_param: int = 4) -> dict[int, int]:
+        """Device → estimated peak bytes (offloaded roles counted one at a time)."""
+        return checks.peak_memory(self, workflow, model_configs, bytes_per_param)
+
+    # -------------------------------------------------------------------------------------- serialisation
+
+    def to_dict(self) -> dict[str, Any]:
+        """Plain data (JSON/YAML-ready); :meth:`from_dict` reads it back to an equal plan."""
+        allocations = {name: {"devices": a.mesh.text, "dp": a.layout.dp, "tp": a.layout.tp, "pp": a.layout.pp,
+                              "micro_batches": a.micro_batches} for name, a in self.allocations.items()}
+        return {"cluster": to_dict(self.cluster), "allocations": allocations,
+                "shadow": None if self.shadow is None else list(self.shadow),
+                "offload": None if self.offload is None else list(self.offload)}
+
+    @classmethod
+    def from_dict(cls, data: Mapping[str, Any]) -> ExecutionPlan:
+        """Strict inverse of :meth:`to_dict`: unknown keys and wrong types fail with the key's path.
+
+        ``devices`` may be the compact text (``"0-3,6"``) or a list of indices."""
+        record = from_dict(_PlanRecord, data, "plan")
+        allocations = {}
+        for name, item in record.allocations.items():
+            try:
+                mesh = DeviceMesh.parse(item.devices) if isinstance(item.devices, str) else DeviceMesh(item.devices)
+                allocations[name] = Allocation(mesh, Layout(item.dp, item.tp, item.pp), item.micro_batches)
+            except FieldError as err:
+                raise err.under(f"plan.allocations.{name}") from None
+        return cls(record.cluster, allocations, record.shadow, record.offload)
+
+    def save(self, path: str | os.PathLike[str]) -> None:
+        """Write the plan as JSON (``.json``) or YAML (``.yaml``, ``.yml``), atomically."""
+        path = Path(path)
+        suffix = _plan_suffix(path)
+        data = self.to_dict()
+        text = json.dumps(data, indent=2) + "\n" if suffix == ".json" else yaml.safe_dump(data, sort_keys=False)
+        tmp = path.with_name(path.name + ".tmp")
+        tmp.write_text(text, encoding="utf-8")
+        os.replace(tmp, path)
+
+    @classmethod
+    def load(cls, path: str | os.PathLike[str]) -> ExecutionPlan:
+        """Read a plan written by :meth:`save` (or by hand); errors name the file and the key."""
+        path = Path(path)
+        data = _read_json(path) if _plan_suffix(path) == ".json" else read_yaml(path)
+        try:
+            return cls.from_dict(data)
+        except ConfigError as err:
+            raise ConfigError(f"{path}: {err}") from None
+
+
+@dataclass(frozen=True)
+class _AllocationRecord:
+    devices: str | tuple[int, ...]
+    """Devices as compact text (``"0-3,6"``) or a list of indices."""
+    dp: int = spec(1, ge=1)
+    """Data-parallel degree."""
+    tp: int = spec(1, ge=1)
+    """Tensor-parallel degree."""
+    pp: int = spec(1, ge=1)
+    """Pipeline-parallel degree."""
+    micro_batches: int = spec(1, ge=1)
+    """Micro-batches per rank."""
+
+
+@dataclass(frozen=True)
+class _PlanRecord:
+    cluster: ClusterSpec
+    """The cluster the plan is for."""
+    allocations: dict[str, _AllocationRecord]
+    """MFC name → allocation."""
+    shadow: tuple[str, ...] | None = None
+    """Roles with a shadow copy (null: the default rule)."""
+    offload: tuple[str, ...] | None = None
+    """Roles offloaded between calls (null: the default rule)."""
+
+
+def _plan_suffix(path: Path) -> str:
+    suffix = path.suffix.lower()
+    if suffix not in (".json", ".yaml", ".yml"):
+        raise ConfigError(f"{path}: unknown plan file suffix '{suffix}'; valid: .json, .yaml, .yml")
+    return suffix
+
+
+def _no_duplicates(pairs: list[tuple[str, Any]]) -> dict[str, Any]:
+    out: dict[str, Any] = {}
+    for key, value in pairs:
+        if key in out:
+            raise ValueError(f"duplicate key {key!r}")
+        out[key] = value
+    return out
+
+
+def _read_json(path: Path) -> dict[str, Any]:
+    try:
+        data = json.loads(path.read_text(encoding="utf-8"), object_pairs_hook=_no_duplicates)
+    except FileNotFoundError:
+        raise ConfigError(f"{path}: file not found") from None
+    except OSError as err:
+        raise ConfigError(f"{path}: cannot read ({err.strerror})") from None
+    except json.JSONDecodeError as err:
+        raise ConfigError(f"{path}: invalid JSON at line {err.lineno}: {err.msg}") from None
+    except ValueError as err:  # a duplicate key, from the hook
+        raise ConfigError(f"{path}: invalid JSON: {err}") from None
+    if not isinstance(data, dict):
+        raise ConfigError(f"{path}: top level must be an object, got {type(data).__name__}")
+    return data

@@ -1,0 +1,448 @@
+"""Parameter reallocation: shard intervals, the pure planner (random property cases) and the gloo executor.
+
+The reference everywhere is the direct slice of the full parameter, computed here with tensor operations
+(``narrow`` over the TP dim, then a flat chunk under FSDP) independently of :mod:`loomrl.parallel.shards`.
+The planner is checked by simulating its transfers on CPU tensors; the executor by one spawn of four gloo
+processes that run several reallocations, with checksum verification, and one deliberately corrupted buffer.
+"""
+
+from __future__ import annotations
+
+import datetime
+import math
+import os
+import random
+import socket
+import traceback
+from typing import Any, Callable
+
+import pytest
+import torch
+import torch.distributed as dist
+import torch.multiprocessing as mp
+
+from loomrl.parallel.layout import Layout
+from loomrl.parallel import realloc_exec
+from loomrl.parallel.realloc_exec import (
+    ReallocVerificationError,
+    build_broadcast_groups,
+    execute_reallocation,
+)
+from loomrl.parallel.realloc_plan import ReallocPlan, plan_reallocation
+from loomrl.parallel.shards import Placement, pp_stage, shard_intervals, shard_shape, tp_dim
+
+CASES = 300
+NODE_SIZE = 4
+"""Devices per node in the property cases: 8 devices on 2 nodes."""
+
+
+def node_of(device: int) -> int:
+    return device // NODE_SIZE
+
+
+# ------------------------------------------------------------------------------------- reference slicing
+def _coords(layout: Layout, rank: int) -> tuple[int, int, int]:
+    pp_rank, rest = divmod(rank, layout.dp * layout.tp)
+    return (pp_rank, *divmod(rest, layout.tp))
+
+
+def reference_shard(full: torch.Tensor, name: str, placement: Placement, rank: int,
+                    num_layers: int) -> torch.Tensor | None:
+    """What ``rank`` of ``placement`` must hold of ``full``, by tensor slicing (None: another PP stage)."""
+    layout = placement.layout
+    pp_rank, dp_rank, tp_rank = _coords(layout, rank)
+    if pp_stage(name, num_layers, layout.pp) != pp_rank:
+        return None
+    dim, part = tp_dim(name), full
+    if dim is not None:
+        step = -(-full.shape[dim] // layout.tp)  # torch.chunk / DTensor Shard block size
+        start = min(tp_rank * step, full.shape[dim])
+        part = full.narrow(dim, start, min(step, full.shape[dim] - start))
+    if placement.fsdp:
+        flat = part.reshape(-1)
+        step = -(-flat.numel() // layout.dp)
+        start = min(dp_rank * step, flat.numel())
+        part = flat[start:start + step]
+    return part
+
+
+# ------------------------------------------------------------------------------------------- shard unit tests
+def test_tp_dim_and_stage_follow_the_tensor_parallel_plan():
+    assert tp_dim("model.layers.3.self_attn.q_proj.weight") == 0
+    assert tp_dim("model.layers.3.self_attn.k_proj.bias") == 0
+    assert tp_dim("model.layers.3.mlp.up_proj.weight") == 0
+    assert tp_dim("model.layers.3.self_attn.o_proj.weight") == 1
+    assert tp_dim("model.layers.3.mlp.down_proj.weight") == 1
+    assert tp_dim("model.layers.3.self_attn.o_proj.bias") is None
+    assert tp_dim("model.embed_tokens.weight") == 0 and tp_dim("lm_head.weight") == 0
+    assert tp_dim("model.norm.weight") is None and tp_dim("score.weight") is None
+    assert tp_dim("model.layers.0.input_layernorm.weight") is None
+    assert [pp_stage(f"model.layers.{i}.mlp.up_proj.weight", 4, 2) for i in range(4)] == [0, 0, 1, 1]
+    assert pp_stage("model.embed_tokens.weight", 4, 2) == 0
+    assert pp_stage("model.norm.weight", 4, 2) == pp_stage("lm_head.weight", 4, 2) == 1
+    assert pp_stage("score.weight", 4, 4) == 3
+    with pytest.raises(ValueError, match="pp=3 does not divide num_layers=4"):
+        pp_stage("model.norm.weight", 4, 3)
+
+
+def test_shard_intervals_hand_computed():
+    layout = Layout(dp=2, tp=2)  # ranks: (dp0, tp0), (dp0, tp1), (dp1, tp0), (dp1, tp1)
+    q, o = "model.layers.0.self_attn.q_proj.weight", "model.layers.0.self_attn.o_proj.weight"
+    assert shard_intervals(q, (4, 3), layout, 1, 1) == [(6, 12)]
+    assert shard_intervals(q, (4, 3), layout, 3, 1) == [(6, 12)]  # dp replica of rank 1
+    assert shard_intervals(o, (3, 4), layout, 1, 1) == [(2, 4), (6, 8), (10, 12)]
+    assert shard_intervals(o, (3, 4), layout, 1, 1, fsdp=True) == [(2, 4), (6, 7)]  # 6 elements, 3 each
+    assert shard_intervals(o, (3, 4), layout, 3, 1, fsdp=True) == [(7, 8), (10, 12)]
+    assert shard_intervals("model.norm.weight", (5,), layout, 2, 1) == [(0, 5)]
+    assert shard_intervals(q, (5, 2), Layout(tp=4), 3, 1) == []  # blocks of 2 rows: 2, 2, 1, 0
+    assert shard_shape(q, (5, 2), Layout(tp=4), 2, 1) == (1, 2)
+    pipe = Layout(dp=1, tp=1, pp=2)
+    assert shard_intervals("model.layers.1.mlp.up_proj.weight", (2, 2), pipe, 0, 2) == []
+    assert shard_intervals("model.layers.1.mlp.up_proj.weight", (2, 2), pipe, 1, 2) == [(0, 4)]
+    assert shard_shape("model.embed_tokens.weight", (6, 2), pipe, 1, 2) is None
+
+
+def test_shard_intervals_match_tensor_slices_on_random_shapes():
+    rng = random.Random(7)
+    names = ["model.layers.0.self_attn.q_proj.weight", "model.layers.0.mlp.down_proj.weight",
+             "model.embed_tokens.weight", "model.layers.0.mlp.up_proj.bias", "model.norm.weight"]
+    for _ in range(200):
+        name = rng.choice(names)
+        shape = (rng.randint(1, 7),) if name.endswith(("bias", "norm.weight")) else \
+            (rng.randint(1, 7), rng.randint(1, 7))
+        layout = Layout(dp=rng.randint(1, 3), tp=rng.randint(1, 4))
+        fsdp, rank = rng.random() < 0.5, rng.randrange(layout.size)
+        full = torch.arange(math.prod(shape)).reshape(shape)
+        expected = reference_shard(full, name, Placement(tuple(range(layout.size)), layout, fsdp), rank, 1)
+        intervals = shard_intervals(name, shape, layout, rank, 1, fsdp)
+        got = torch.cat([full.reshape(-1)[lo:hi] for lo, hi in intervals] + [full.new_empty(0)])
+        assert torch.equal(got, expected.reshape(-1)), (name, shape, layout, rank, fsdp)
+        assert all(lo < hi for lo, hi in intervals)
+        assert all(a[1] < b[0] for a, b in zip(intervals, intervals[1:]))  # sorted, disjoint, merged
+        if not fsdp:
+            assert shard_shape(name, shape, layout, rank, 1) == tuple(expected.shape)
+
+
+# ---------------------------------------------------------------------------------------- planner properties
+def _random_params(rng: random.Random, num_layers: int) -> dict[str, tuple[int, ...]]:
+    hidden, inner, vocab = rng.randint(1, 6), rng.randint(1, 8), rng.randint(2, 9)
+    params: dict[str, tuple[int, ...]] = {"model.embed_tokens.weight": (vocab, hidden)}
+    for i in range(num_layers):
+        prefix = f"model.layers.{i}."
+        params[prefix + "self_attn.q_proj.weight"] = (hidden, hidden)
+        params[prefix + "self_attn.o_proj.weight"] = (hidden, hidden)
+        if rng.random() < 0.5:
+            params[prefix + "mlp.up_proj.weight"] = (inner, hidden)
+            params[prefix + "mlp.down_proj.weight"] = (hidden, inner)
+        params[prefix + "input_layernorm.weight"] = (hidden,)
+    params["model.norm.weight"] = (hidden,)
+    params["lm_head.weight"] = (vocab, hidden)
+    return params
+
+
+def _random_placement(rng: random.Random, num_layers: int, devices: int, fsdp: bool) -> Placement:
+    while True:
+        layout = Layout(dp=rng.randint(1, 4), tp=rng.randint(1, 4), pp=rng.choice([1, 2, 4]))
+        if layout.size <= devices and num_layers % layout.pp == 0:
+            return Placement(tuple(rng.sample(range(devices), layout.size)), layout, fsdp)
+
+
+def _shards(full: dict[str, torch.Tensor], placement: Placement, num_layers: int
+            ) -> dict[tuple[int, str], torch.Tensor]:
+    """Reference flat shards per (device, param), for the devices holding one."""
+    out = {}
+    for rank, device in enumerate(placement.mesh):
+        for name, tensor in full.items():
+            part = reference_shard(tensor, name, placement, rank, num_layers)
+            if part is not None and part.numel():
+                out[(device, name)] = part.reshape(-1)
+    return out
+
+
+def _offset(intervals: list[tuple[int, int]], index: int, numel: int) -> int:
+    """Local offset of flat elements ``[index, index + numel)``, which must lie inside one interval."""
+    before = 0
+    for lo, hi in intervals:
+        if lo <= index and index + numel <= hi:
+            return before + index - lo
+        before += hi - lo
+    raise AssertionError(f"[{index}, {index + numel}) is not inside one of {intervals}")
+
+
+def _simulate(plan: ReallocPlan, src: dict, full: dict) -> tuple[dict, dict, dict[str, int]]:
+    """Apply the plan's transfers to the source shards; (destination shards, delivery counts, byte tallies)."""
+    sizes = {(device, name): sum(hi - lo for lo, hi in plan.dst_intervals(device, name))
+             for device in plan.dst.mesh for name in full}
+    dst = {key: torch.full((size,), float("nan"), dtype=torch.float64) for key, size in sizes.items() if size}
+    counts = {key: torch.zeros(value.numel(), dtype=torch.int64) for key, value in dst.items()}
+    tally = {"moved": 0, "local": 0}
+    for t in plan.transfers:
+        at = _offset(plan.src_intervals(t.sender, t.param), t.start, t.numel)
+        values = src[(t.sender, t.param)][at:at + t.numel]
+        for receiver in t.receivers:
+            to = _offset(plan.dst_intervals(receiver, t.param), t.start, t.numel)
+            dst[(receiver, t.param)][to:to + t.numel] = values
+            counts[(receiver, t.param)][to:to + t.numel] += 1
+            if not t.local:
+                tally["moved"] += t.numel
+            elif not plan.aliased(receiver, t.param):
+                tally["local"] += t.numel
+    return dst, counts, tally
+
+
+def _check_sender_preference(plan: ReallocPlan) -> None:
+    """(d) a receiver holding a piece copies it locally; otherwise a holder on its node sends it if any."""
+    for t in plan.transfers:
+        holders = [d for d in plan.src.mesh if _covers(plan.src_intervals(d, t.param), t.start, t.end)]
+        assert t.sender in holders, t
+        for receiver in t.receivers:
+            if t.local:
+                continue
+            assert receiver not in holders, t
+            if any(node_of(h) == node_of(receiver) for h in holders):
+                assert node_of(t.sender) == node_of(receiver), t
+
+
+def _covers(intervals: list[tuple[int, int]], start: int, end: int) -> bool:
+    return any(lo <= start and end <= hi for lo, hi in intervals)
+
+
+def _check_case(seed: int) -> ReallocPlan:
+    rng = random.Random(seed)
+    num_layers = rng.choice([1, 2, 4])
+    params = _random_params(rng, num_layers)
+    src = _random_placement(rng, num_layers, 8, fsdp=rng.random() < 0.4)
+    dst = _random_placement(rng, num_layers, 8, fsdp=False)
+    plan = plan_reallocation(params, num_layers, src, dst, node_of)
+    full = {name: torch.randn(shape, dtype=torch.float64) for name, shape in params.items()}
+    simulated, counts, tally = _simulate(plan, _shards(full, src, num_layers), full)
+    expected = _shards(full, dst, num_layers)
+    assert simulated.keys() == expected.keys()
+    for key, tensor in expected.items():  # (a) every destination shard is the direct slice
+        assert torch.equal(simulated[key], tensor), (seed, key)
+        assert bool((counts[key] == 1).all()), (seed, key)  # (b) every element delivered exactly once
+    assert plan.bytes_moved(2) == 2 * tally["moved"], seed  # (c) planned bytes = simulated bytes
+    assert plan.bytes_local(2) == 2 * tally["local"], seed
+    assert sum(plan.recv_bytes(2).values()) == plan.bytes_moved(2)
+    _check_sender_preference(plan)
+    return plan
+
+
+def test_planner_properties_on_random_cases():
+    broadcasts = cross = fsdp = 0
+    for seed in range(CASES):
+        plan = _check_case(seed)
+        broadcasts += any(len(t.receivers) > 1 for t in plan.transfers)
+        cross += plan.cross_node_bytes(1) > 0
+        fsdp += plan.src.fsdp
+    # The random cases must reach the interesting paths, or the properties above prove little.
+    assert broadcasts > CASES // 10 and cross > CASES // 10 and fsdp > CASES // 10
+
+
+def test_planner_balances_replicated_senders_and_counts_bytes():
+    params = {"model.layers.0.mlp.up_proj.weight": (4, 2)}
+    # Two replicas on node 0 (devices 0, 1); the destination is two devices of node 1, one shard each.
+    plan = plan_reallocation(params, 1, ((0, 1), Layout(dp=2)), ((4, 5), Layout(tp=2)), node_of)
+    assert [(t.start, t.end, t.sender, t.receivers) for t in plan.transfers] == [(0, 4, 0, (4,)), (4, 8, 1, (5,))]
+    assert plan.send_bytes(4) == {0: 16, 1: 16} and plan.recv_bytes(4) == {4: 16, 5: 16}
+    assert plan.cross_node_bytes(4) == plan.bytes_moved(4) == 32 and plan.bytes_local(4) == 0
+    # A replicated destination on one node gets each piece in one broadcast from one sender.
+    plan = plan_reallocation(params, 1, ((0, 1), Layout(tp=2)), ((4, 5), Layout(dp=2)), node_of)
+    assert [(t.sender, t.receivers) for t in plan.transfers] == [(0, (4, 5)), (1, (4, 5))]
+    assert plan.bytes_moved(1) == 16 and plan.send_bytes(1) == {0: 4, 1: 4}
+    assert plan.broadcast_groups() == [(0, 4, 5), (1, 4, 5)]
+
+
+def test_identical_layouts_alias_everything_and_free_nothing():
+    rng = random.Random(3)
+    params = _random_params(rng, 2)
+    placement = Placement((3, 1, 2, 0), Layout(dp=2, tp=2))
+    plan = plan_reallocation(params, 2, placement, placement, node_of)
+    assert plan.bytes_moved(4) == plan.bytes_local(4) == 0
+    assert plan.free_after == () and all(t.local for t in plan.transfers)
+    # A new layout keeps only the shards that do not change as aliases; the rest is freed on the way back.
+    plan = plan_reallocation(params, 2, placement, (placement.mesh, Layout(dp=4)), node_of)
+    freed = {(b.device, b.param) for b in plan.free_after}
+    assert ((3, "model.norm.weight") not in freed) and ((3, "lm_head.weight") in freed)
+
+
+def test_planner_rejects_bad_placements():
+    params = {"model.norm.weight": (4,)}
+    with pytest.raises(ValueError, match="mesh has 3 devices"):
+        plan_reallocation(params, 1, ((0, 1, 2), Layout(dp=2)), ((0,), Layout()), node_of)
+    with pytest.raises(ValueError, match="dst: fsdp=True is supported for source layouts only"):
+        plan_reallocation(params, 1, ((0,), Layout()), ((0,), Layout(), True), node_of)
+    with pytest.raises(ValueError, match="names a device twice"):
+        plan_reallocation(params, 1, ((0, 0), Layout(dp=2)), ((0,), Layout()), node_of)
+
+
+# ------------------------------------------------------------------------------------- gloo executor (world 4)
+WORLD = 4
+TIMEOUT_S = 120
+NUM_LAYERS = 2
+
+
+def _gloo_node(device: int) -> int:
+    return device // 2
+
+
+def _llama_params() -> dict[str, tuple[int, ...]]:
+    """A tiny Llama-shaped parameter dict (hidden 4, 2 kv heads of 1, MLP 8, vocab 12)."""
+    params: dict[str, tuple[int, ...]] = {"model.embed_tokens.weight": (12, 4)}
+    for i in range(NUM_LAYERS):
+        p = f"model.layers.{i}."
+        params.update({p + "self_attn.q_proj.weight": (4, 4), p + "self_attn.q_proj.bias": (4,),
+                       p + "self_attn.k_proj.weight": (2, 4), p + "self_attn.v_proj.weight": (2, 4),
+                       p + "self_attn.o_proj.weight": (4, 4), p + "mlp.gate_proj.weight": (8, 4),
+                       p + "mlp.up_proj.weight": (8, 4), p + "mlp.down_proj.weight": (4, 8),
+                       p + "input_layernorm.weight": (4,), p + "post_attention_layernorm.weight": (4,)})
+    params.update({"model.norm.weight": (4,), "lm_head.weight": (12, 4)})
+    return params
+
+
+def _dtypes() -> dict[str, torch.dtype]:
+    # Mixed dtypes, with 2-byte biases of odd piece counts, exercise the byte layout of the route buffers.
+    return {name: torch.float64 if "norm" in name else torch.bfloat16 if name.endswith("bias") else torch.float32
+            for name in _llama_params()}
+
+
+def _full_params() -> dict[str, torch.Tensor]:
+    gen = torch.Generator().manual_seed(0)
+    return {name: torch.randn(shape, generator=gen, dtype=torch.float64).to(_dtypes()[name])
+            for name, shape in _llama_params().items()}
+
+
+SCENARIOS: dict[str, tuple[Placement, Placement]] = {
+    "dp2tp2_to_tp4": (Placement((0, 1, 2, 3), Layout(dp=2, tp=2)), Placement((0, 1, 2, 3), Layout(tp=4))),
+    "dp2tp2_to_dp4": (Placement((0, 1, 2, 3), Layout(dp=2, tp=2)), Placement((0, 1, 2, 3), Layout(dp=4))),
+    "fsdp4_to_dp2tp2": (Placement((0, 1, 2, 3), Layout(dp=4), True),
+                        Placement((0, 1, 2, 3), Layout(dp=2, tp=2))),
+    # A separate generation mesh (another node), laid out in another device order: broadcasts to (2, 3).
+    "tp2_to_separate_dp2": (Placement((0, 1), Layout(tp=2)), Placement((3, 2), Layout(dp=2))),
+    "pp2_to_tp2dp2": (Placement((2, 0, 3, 1), Layout(tp=2, pp=2)), Placement((0, 1, 2, 3), Layout(dp=2, tp=2))),
+}
+
+
+def _plan(scenario: str) -> ReallocPlan:
+    src, dst = SCENARIOS[scenario]
+    return plan_reallocation(_llama_params(), NUM_LAYERS, src, dst, _gloo_node)
+
+
+def _my_source(placement: Placement, device: int, full: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
+    if device not in placement.mesh:
+        return {}
+    rank = placement.mesh.index(device)
+    parts = {name: reference_shard(t, name, placement, rank, NUM_LAYERS) for name, t in full.items()}
+    return {name: part.clone() for name, part in parts.items() if part is not None}
+
+
+def _run_scenario(scenario: str, device: int, full: dict[str, torch.Tensor], use_groups: bool) -> dict:
+    plan = _plan(scenario)
+    src, dst = SCENARIOS[scenario]
+    groups = build_broadcast_groups(plan) if use_groups else None
+    source = _my_source(src, device, full)
+    out = execute_reallocation(plan, source, device, groups=groups, dtypes=_dtypes(), verify=True)
+    expected = _my_source(dst, device, full)
+    return {
+        "keys_match": sorted(out) == sorted(expected),
+        "mismatched": [n for n in expected if n in out and not torch.equal(out[n], expected[n])],
+        "aliased_ok": all((out[n].data_ptr() == source[n].data_ptr()) == plan.aliased(device, n)
+                          for n in out if n in source and out[n].numel()),
+    }
+
+
+def _corrupted_run(device: int, full: dict[str, torch.Tensor]) -> str | None:
+    """Device 0 corrupts every buffer it sends after checksumming it; returns this rank's error, if any."""
+    plan = _plan("dp2tp2_to_tp4")
+    src, _ = SCENARIOS["dp2tp2_to_tp4"]
+    original = realloc_exec._pack
+
+    def corrupting_pack(*args: Any, **kwargs: Any) -> torch.Tensor:
+        buffer = original(*args, **kwargs)
+        pieces = args[1]
+        buffer[16 * len(pieces):] += 1  # every data byte, not the checksum header
+        return buffer
+
+    if device == 0:
+        realloc_exec._pack = corrupting_pack
+    try:
+        execute_reallocation(plan, _my_source(src, device, full), device, dtypes=_dtypes(), verify=True)
+    except ReallocVerificationError as error:
+        return str(error)
+    finally:
+        realloc_exec._pack = original
+    return None
+
+
+def _body(rank: int) -> dict:
+    full = _full_params()
+    results = {name: _run_scenario(name, rank, full, use_groups=i % 2 == 0) for i, name in enumerate(SCENARIOS)}
+    results["corrupted"] = _corrupted_run(rank, full)
+    dist.barrier()
+    return results
+
+
+def _free_port() -> int:
+    with socket.socket() as sock:
+        sock.bind(("127.0.0.1", 0))
+        return sock.getsockname()[1]
+
+
+def _entry(rank: int, port: int, body: Callable[[int], dict], queue: Any) -> None:
+    torch.set_num_threads(1)
+    dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{port}", rank=rank, world_size=WORLD,
+                            timeout=datetime.timedelta(seconds=60))
+    try:
+        queue.put((rank, body(rank)))
+    except BaseException:  # noqa: BLE001 - the parent must learn of any failure, not wait for a timeout
+        queue.put((rank, traceback.format_exc()))
+    finally:
+        dist.destroy_process_group()
+
+
+@pytest.fixture(scope="module")
+def ranks() -> list[dict]:
+    ctx = mp.get_context("spawn")
+    queue = ctx.Queue()
+    port = _free_port()
+    procs = [ctx.Process(target=_entry, args=(rank, port, _body, queue)) for rank in range(WORLD)]
+    for proc in procs:
+        proc.start()
+    try:
+        results = dict(queue.get(timeout=TIMEOUT_S) for _ in procs)
+    finally:
+        for proc in procs:
+            proc.join(timeout=30)
+            if proc.is_alive():
+                proc.kill()
+    for rank, result in sorted(results.items()):
+        if isinstance(result, str):
+            pytest.fail(f"rank {rank} failed:\n{result}")
+    return [results[rank] for rank in range(WORLD)]
+
+
+@pytest.mark.parametrize("scenario", list(SCENARIOS))
+def test_gloo_reallocation_gives_every_rank_its_direct_slice(ranks: list[dict], scenario: str):
+    for rank, result in enumerate(ranks):
+        assert result[scenario] == {"keys_match": True, "mismatched": [], "aliased_ok": True}, (rank, scenario)
+
+
+def test_gloo_scenarios_cover_broadcasts_and_point_to_point():
+    plans = {name: _plan(name) for name in SCENARIOS}
+    assert any(len(t.receivers) > 1 for t in plans["tp2_to_separate_dp2"].transfers)
+    assert all(any(len(t.receivers) == 1 and not t.local for t in plan.transfers) for plan in plans.values()
+               if plan is not plans["tp2_to_separate_dp2"])
+
+
+def test_gloo_verification_names_the_corrupted_parameter(ranks: list[dict]):
+    plan = _plan("dp2tp2_to_tp4")
+    corrupted = [t for t in plan.transfers if t.sender == 0 and not t.local]
+    victims = {r for t in corrupted for r in t.receivers}
+    assert victims == {1}  # same-node preference: device 0 only serves device 1
+    for rank, result in enumerate(ranks):
+        message = result["corrupted"]
+        if rank in victims:
+            assert message is not None and "from device 0 fail verification" in message
+            assert message.split(":")[0] in {t.param for t in corrupted}
+        else:
+            assert message is None, (rank, message)
