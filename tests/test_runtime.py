@@ -129,3 +129,26 @@ def test_the_controller_receives_only_metadata(tmp_path):
         check_metadata({"stats": {"x": 1.0}, "oops": torch.zeros(3)})
     with pytest.raises(RuntimeError, match="received list|received Tensor"):
         check_metadata([torch.zeros(1)])
+
+
+def test_an_exception_in_an_mfc_names_worker_role_and_mfc(tmp_path):
+    from loomrl.runtime.ray_executor import RuntimeFailure
+
+    (tmp_path / "prompts.jsonl").write_text("".join(f'{{"prompt": "add {i}+1=", "answer": "{i + 1}"}}\n'
+                                                    for i in range(8)))
+    (tmp_path / "bad_reward.py").write_text("def score(prompt, response, answer):\n"
+                                            "    raise ValueError('reward service unavailable')\n")
+    cfg = _cfg(tmp_path, "boom", "runtime.executor=ray", "runtime.devices=2", "task.name=file",
+               f"task.prompt_file={tmp_path / 'prompts.jsonl'}", f"task.reward_fn={tmp_path / 'bad_reward.py'}:score")
+    trainer = RLTrainer(cfg)
+    pids = list(trainer.executor.pids)
+    with pytest.raises(RuntimeFailure) as err:
+        trainer.run()
+    message = str(err.value)
+    assert "\n" not in message, message
+    assert "MFC 'reward_inf'" in message and "role reward" in message and "reward service unavailable" in message
+    assert "worker 0" in message or "worker 1" in message
+    deadline = time.monotonic() + 20
+    while any(_alive(p) for p in pids) and time.monotonic() < deadline:
+        time.sleep(0.2)
+    assert not any(_alive(p) for p in pids)

@@ -1,0 +1,43 @@
+"""loomrl.plan: execution plans as data, and the strategies that produce them.
+
+- :class:`ClusterSpec`, :data:`PROFILES`: the devices a plan is for (``cpu:2``, ``h100:8x8``);
+- :class:`DeviceMesh`, :class:`Allocation`, :class:`ExecutionPlan`, :class:`Reallocation`: where each MFC runs
+  and how its model is sharded; derived facts (canonical layouts, reallocations, shadows, offloading,
+  concurrent groups, memory), validation, JSON/YAML round trips;
+- :func:`colocate`, :func:`interleave`, :func:`separate`, :func:`parse_placement`, :func:`format_placement`,
+  :func:`make_plan`: plan producers, and the one entry point ``loomrl train --plan`` calls.
+
+Nothing here imports Ray or torch.distributed: a plan is data that the runtime and the simulator both read.
+"""
+
+from loomrl.plan.checks import peak_memory, role_memory
+from loomrl.plan.cluster import DEVICE_KINDS, GB, PROFILES, ClusterSpec
+from loomrl.plan.memory import param_count, shard_bytes
+from loomrl.plan.placement import compute_allocation, format_placement, parse_placement
+from loomrl.plan.plan import Allocation, DeviceMesh, ExecutionPlan, Reallocation, format_devices
+from loomrl.plan.strategies import STRATEGIES, colocate, interleave, make_plan, separate, split_devices
+
+__all__ = [
+    "DEVICE_KINDS",
+    "GB",
+    "PROFILES",
+    "STRATEGIES",
+    "Allocation",
+    "ClusterSpec",
+    "DeviceMesh",
+    "ExecutionPlan",
+    "Reallocation",
+    "colocate",
+    "compute_allocation",
+    "format_devices",
+    "format_placement",
+    "interleave",
+    "make_plan",
+    "param_count",
+    "parse_placement",
+    "peak_memory",
+    "role_memory",
+    "separate",
+    "shard_bytes",
+    "split_devices",
+]
