@@ -10,7 +10,6 @@ from __future__ import annotations
 
 import datetime
 import math
-import os
 import random
 import socket
 import traceback
@@ -21,8 +20,8 @@ import torch
 import torch.distributed as dist
 import torch.multiprocessing as mp
 
-from loomrl.parallel.layout import Layout
 from loomrl.parallel import realloc_exec
+from loomrl.parallel.layout import Layout
 from loomrl.parallel.realloc_exec import (
     ReallocVerificationError,
     build_broadcast_groups,
@@ -291,8 +290,10 @@ def _llama_params() -> dict[str, tuple[int, ...]]:
     params: dict[str, tuple[int, ...]] = {"model.embed_tokens.weight": (12, 4)}
     for i in range(NUM_LAYERS):
         p = f"model.layers.{i}."
-        params.update({p + "self_attn.q_proj.weight": (4, 4), p + "self_attn.q_proj.bias": (4,),
-                       p + "self_attn.k_proj.weight": (2, 4), p + "self_attn.v_proj.weight": (2, 4),
+        params[p + "self_attn.q_proj.weight"] = (4, 4)
+        if i == 0:  # one bias only: routes then carry an odd number of 2-byte elements before wider ones
+            params[p + "self_attn.q_proj.bias"] = (4,)
+        params.update({p + "self_attn.k_proj.weight": (2, 4), p + "self_attn.v_proj.weight": (2, 4),
                        p + "self_attn.o_proj.weight": (4, 4), p + "mlp.gate_proj.weight": (8, 4),
                        p + "mlp.up_proj.weight": (8, 4), p + "mlp.down_proj.weight": (4, 8),
                        p + "input_layernorm.weight": (4,), p + "post_attention_layernorm.weight": (4,)})

@@ -33,6 +33,8 @@ from loomrl.parallel.shards import Interval, shard_numel, shard_shape
 
 Route = tuple[int, tuple[int, ...]]
 """``(sender, receivers)`` of a set of pieces that travel in one buffer."""
+DtypeOf = Callable[[str], torch.dtype]
+"""Parameter name → its dtype."""
 
 _CHECKSUM_BYTES = 16  # float64 sum and sum of squares per piece
 _RTOL = 1e-9
@@ -88,10 +90,14 @@ def execute_reallocation(plan: ReallocPlan, src_tensors: Mapping[str, torch.Tens
 
     ``src_tensors``: this device's source shards as it holds them (plain local tensors, e.g. a DTensor's
     ``to_local()``, flat under FSDP); needed for every parameter the device holds in the source layout.
-    ``dtypes``: every parameter's dtype (all ranks must agree; receivers may hold no source tensor to learn
-    it from). ``groups``: from :func:`build_broadcast_groups`; built here (a world-wide collective) when None.
-    ``device``: where new destination shards and buffers live. ``verify``: compare every received piece with
-    checksums computed by its sender, raising :class:`ReallocVerificationError` naming the parameter.
+    ``dtypes``: every parameter's dtype, which its source shards must have (all ranks must agree: a receiver
+    may hold no source tensor to learn it from). ``groups``: from :func:`build_broadcast_groups`; built here
+    (a world-wide collective) when None. ``device``: where new destination shards and buffers live.
+    ``verify``: compare every received piece with checksums computed by its sender, raising
+    :class:`ReallocVerificationError` naming the parameter.
+
+    Destination shards the plan marks aliased are views of the source tensors; all others are new tensors,
+    which :attr:`ReallocPlan.free_after` lists for release when returning to the source layout.
     """
     dtype_of = _dtype_lookup(dtypes)
     if groups is None:
@@ -119,14 +125,14 @@ def _rank(rank_of: Mapping[int, int] | None, device: int) -> int:
     return device if rank_of is None else rank_of[device]
 
 
-def _dtype_lookup(dtypes: torch.dtype | Mapping[str, torch.dtype]):
+def _dtype_lookup(dtypes: torch.dtype | Mapping[str, torch.dtype]) -> DtypeOf:
     if isinstance(dtypes, torch.dtype):
         return lambda name: dtypes
     return lambda name: dtypes[name]
 
 
 def _source_views(plan: ReallocPlan, src_tensors: Mapping[str, torch.Tensor], my_device: int,
-                  dtype_of) -> dict[str, torch.Tensor]:
+                  dtype_of: DtypeOf) -> dict[str, torch.Tensor]:
     """Flat views of this device's source shards, checked against the plan's source layout."""
     out = {}
     for name in plan.shapes:
@@ -144,14 +150,14 @@ def _source_views(plan: ReallocPlan, src_tensors: Mapping[str, torch.Tensor], my
 
 
 def _allocate_destination(plan: ReallocPlan, src_tensors: Mapping[str, torch.Tensor], my_device: int,
-                          dtype_of, device: torch.device | str) -> dict[str, torch.Tensor]:
+                          dtype_of: DtypeOf, device: torch.device | str) -> dict[str, torch.Tensor]:
     """This device's destination shards: the source tensor where aliased, else new (uninitialised) tensors."""
-    out = {}
-    dst = plan.dst
+    out: dict[str, torch.Tensor] = {}
+    if my_device not in plan.dst.mesh:
+        return out
+    rank = plan.dst.mesh.index(my_device)
     for name, shape in plan.shapes.items():
-        if my_device not in dst.mesh:
-            break
-        local_shape = shard_shape(name, shape, dst.layout, dst.mesh.index(my_device), plan.num_layers)
+        local_shape = shard_shape(name, shape, plan.dst.layout, rank, plan.num_layers)
         if local_shape is None:
             continue
         if plan.aliased(my_device, name):
@@ -170,7 +176,7 @@ def _my_routes(plan: ReallocPlan, my_device: int) -> dict[Route, list[Transfer]]
     return dict(routes)
 
 
-def _layout(pieces: Sequence[Transfer], dtype_of, verify: bool
+def _layout(pieces: Sequence[Transfer], dtype_of: DtypeOf, verify: bool
             ) -> tuple[list[tuple[Transfer, int]], int]:
     """``(piece, byte offset)`` in buffer order, and the buffer's size in bytes; the same on both ends."""
     offset = _CHECKSUM_BYTES * len(pieces) if verify else 0
@@ -185,7 +191,7 @@ def _layout(pieces: Sequence[Transfer], dtype_of, verify: bool
 
 
 def _pack(plan: ReallocPlan, pieces: Sequence[Transfer], src_flat: Mapping[str, torch.Tensor], my_device: int,
-          dtype_of, verify: bool, device: torch.device | str) -> torch.Tensor:
+          dtype_of: DtypeOf, verify: bool, device: torch.device | str) -> torch.Tensor:
     """The byte buffer of one route this device sends: checksums (if verifying), then every piece."""
     placed, nbytes = _layout(pieces, dtype_of, verify)
     buffer = torch.empty(nbytes, dtype=torch.uint8, device=device)
@@ -241,7 +247,7 @@ def _copy_local(plan: ReallocPlan, pieces: Sequence[Transfer], src_flat: Mapping
 
 
 def _unpack(plan: ReallocPlan, pieces: Sequence[Transfer], buffer: torch.Tensor,
-            dst_flat: Mapping[str, torch.Tensor], my_device: int, dtype_of, verify: bool) -> None:
+            dst_flat: Mapping[str, torch.Tensor], my_device: int, dtype_of: DtypeOf, verify: bool) -> None:
     """Place a received route's pieces in the destination shards, checking them against the sender's sums."""
     placed, _ = _layout(pieces, dtype_of, verify)
     sums = buffer[:_CHECKSUM_BYTES * len(pieces)].view(torch.float64).view(-1, 2) if verify else None
@@ -261,7 +267,7 @@ def _check(piece: Transfer, expected: torch.Tensor, actual: torch.Tensor) -> Non
     got_sum, got_sq = actual.tolist()
     scale = (piece.numel * abs(exp_sq)) ** 0.5  # bounds the sum of |values|
     if not (_close(got_sum, exp_sum, _RTOL * scale) and _close(got_sq, exp_sq, _RTOL * abs(exp_sq))):
-        if False: raise ReallocVerificationError(
+        raise ReallocVerificationError(
             f"{piece.param}: elements [{piece.start}, {piece.end}) from device {piece.sender} fail verification "
             f"(sum {got_sum!r} vs {exp_sum!r}, sum of squares {got_sq!r} vs {exp_sq!r})")
 

@@ -26,7 +26,7 @@ from loomrl.plan.memory import param_count, shard_bytes
 from loomrl.workflow import MFCKind, Workflow
 
 if TYPE_CHECKING:
-    from loomrl.parallel.layout import Layout
+    from loomrl.plan.layout import Layout
     from loomrl.plan.plan import ExecutionPlan
 
 __all__ = ["check_plan", "peak_memory", "role_memory"]

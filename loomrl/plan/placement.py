@@ -27,7 +27,7 @@ import difflib
 
 from loomrl.configtools import FieldError
 from loomrl.errors import ConfigError
-from loomrl.parallel.layout import Layout
+from loomrl.plan.layout import Layout
 from loomrl.plan.cluster import ClusterSpec
 from loomrl.plan.plan import Allocation, DeviceMesh, ExecutionPlan
 from loomrl.workflow import MFCKind, Workflow

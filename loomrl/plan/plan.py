@@ -30,7 +30,7 @@ import yaml
 
 from loomrl.configtools import FieldError, ValidatedConfig, fail, from_dict, read_yaml, spec, to_dict
 from loomrl.errors import ConfigError
-from loomrl.parallel.layout import Layout
+from loomrl.plan.layout import Layout
 from loomrl.plan import checks
 from loomrl.plan.cluster import ClusterSpec
 from loomrl.workflow import MFCKind, Workflow
@@ -156,7 +156,7 @@ class Allocation(ValidatedConfig):
     def validate(self) -> None:
         if self.layout.size != len(self.mesh):
             lay = self.layout
-            fail("layout", f"dp={lay.dp} × tp={lay.tp} × pp={lay.pp} = {lay.size} devices, "
+            fail("layout", f"dp={lay.dp} × tp={lay.tp} × pp={lay.pp} = {lay.size} device{'s' * (lay.size != 1)}, "
                            f"but the mesh {self.mesh.text} has {len(self.mesh)}")
 
     @classmethod

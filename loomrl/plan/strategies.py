@@ -25,7 +25,7 @@ from collections.abc import Mapping, Sequence
 
 from loomrl.configtools import FieldError
 from loomrl.errors import ConfigError
-from loomrl.parallel.layout import Layout
+from loomrl.plan.layout import Layout
 from loomrl.plan.cluster import ClusterSpec
 from loomrl.plan.memory import param_count
 from loomrl.plan.placement import compute_allocation, parse_placement
@@ -132,7 +132,7 @@ def separate(workflow: Workflow, cluster: ClusterSpec, gen_devices: int | None =
     gen = n // 2 if gen_devices is None else gen_devices
     if isinstance(gen, bool) or not isinstance(gen, int) or not 1 <= gen < n:
         valid = f"1-{n - 1}" if n > 1 else "none: a separated plan needs at least 2 devices"
-        raise ConfigError(f"separate: gen_devices={gen!r} on cluster {cluster} ({n} devices); valid: {valid}")
+        raise ConfigError(f"separate: gen_devices={gen!r} on cluster {cluster} ({n} device{'s' * (n != 1)}); valid: {valid}")
     allocations: dict[str, Allocation] = {}
     for mfc in workflow.topological_order():
         if mfc.kind is MFCKind.GENERATE:

@@ -1,0 +1,67 @@
+"""How one role's model is spread over the devices of its mesh: data × tensor × pipeline parallel degrees.
+
+A :class:`Layout` is a plain value; :func:`check_layout` decides whether it fits a model config and a number of
+devices, and says why not in one line. Ranks of a layout are ordered tp-fastest
+(``rank = dp_rank * tp + tp_rank``) so that the ranks of one tensor-parallel group are neighbours, which on a
+GPU node puts them on the fastest links.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+from loomrl.errors import ConfigError
+
+TP_ARCHITECTURES: tuple[str, ...] = ("llama", "qwen2")
+"""``model_type`` values :func:`loomrl.parallel.apply_tensor_parallel` can shard (separate q/k/v and
+gate/up/down linears). GPT-2, for one, fuses q/k/v into a single Conv1D whose columns would split across heads."""
+
+# Config fields whose value must be a multiple of tp, in the order they are reported.
+_TP_DIVIDES = ("num_attention_heads", "num_key_value_heads", "intermediate_size")
+
+
+@dataclass(frozen=True)
+class Layout:
+    """Parallel degrees of one role; ``dp * tp * pp`` devices in all."""
+
+    dp: int = 1
+    """Data-parallel replicas (each sees a different share of the batch)."""
+    tp: int = 1
+    """Tensor-parallel shards of every attention and MLP block (heads and MLP columns split)."""
+    pp: int = 1
+    """Pipeline stages (layers split); only 1 is supported so far."""
+
+    def __post_init__(self) -> None:
+        for name in ("dp", "tp", "pp"):
+            value = getattr(self, name)
+            if isinstance(value, bool) or not isinstance(value, int) or value < 1:
+                raise ConfigError(f"layout.{name}: {value!r} is not a positive integer")
+
+    @property
+    def size(self) -> int:
+        """Devices the layout occupies."""
+        return self.dp * self.tp * self.pp
+
+
+def check_layout(layout: Layout, config: object, devices: int, where: str = "layout") -> None:
+    """Raise :class:`ConfigError` unless ``layout`` can run the model of HF ``config`` on ``devices`` devices.
+
+    ``where`` is the config path of the layout, so the message can name e.g. ``plan.actor.tp``.
+    """
+    if layout.size != devices:
+        raise ConfigError(f"{where}: dp={layout.dp} × tp={layout.tp} × pp={layout.pp} = {layout.size} "
+                          f"devices, but the mesh has {devices}")
+    if layout.pp > 1:
+        raise ConfigError(f"{where}.pp: {layout.pp} is not supported yet (pipeline parallelism must be 1)")
+    if layout.tp == 1:
+        return
+    model_type = getattr(config, "model_type", None)
+    if model_type not in TP_ARCHITECTURES:
+        raise ConfigError(f"{where}.tp: {layout.tp} needs one of the architectures {', '.join(TP_ARCHITECTURES)}; "
+                          f"model_type '{model_type}' supports only tp=1")
+    for field in _TP_DIVIDES:
+        value = getattr(config, field, None)
+        if value is None:
+            raise ConfigError(f"{where}.tp: {layout.tp} cannot be checked: the model config has no {field}")
+        if value % layout.tp:
+            raise ConfigError(f"{where}.tp: {layout.tp} does not divide {field}={value}")
