@@ -8,6 +8,7 @@ an interrupted run exits with 130 after its ``finally`` blocks have run.
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import sys
 from typing import Sequence
 
@@ -30,6 +31,8 @@ def _cmd_train(args: argparse.Namespace) -> int:
     if args.ray_address:
         overrides.append(f"runtime.ray_address={args.ray_address}")
     cfg = load_config(TrainConfig, path, overrides)
+    if args.plan:  # set after parsing: placement strings hold '=' and ':' that YAML would misread
+        cfg = dataclasses.replace(cfg, runtime=dataclasses.replace(cfg.runtime, plan=args.plan))
     metrics = RLTrainer(cfg).run(resume=args.resume)
     print(_summary_line(metrics, ("reward/mean", "eval/exact_match", "kl/mean", "response/length")))
     print(f"outputs: {cfg.run_dir}")
@@ -89,6 +92,8 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("config", nargs="*", help=cfg_help)
     p.add_argument("--resume", action="store_true", help="continue from the last checkpoint in run_dir")
     p.add_argument("--ray-address", help="join this Ray cluster (same as runtime.ray_address=...)")
+    p.add_argument("--plan", help="execution plan: colocate | interleave | separate[:N] | placement string | "
+                                  "plan file (same as runtime.plan)")
     p.set_defaults(fn=_cmd_train)
     for name, fn, what in (("sft", _cmd_sft, "supervised warm start on task demonstrations"),
                            ("rm", _cmd_rm, "Bradley-Terry reward model on preference pairs")):

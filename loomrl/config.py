@@ -170,6 +170,10 @@ class RuntimeConfig(ValidatedConfig):
     one per CPU core where there is no GPU."""
     layouts: dict[str, LayoutConfig] = field(default_factory=dict)
     """Parallel layout per role (actor, critic, ref, reward); a role not named gets dp = devices, tp = 1."""
+    plan: str | None = None
+    """Execution plan of the 'ray' executor: colocate | interleave | separate[:N] | a placement string | a
+    .json/.yaml plan file (see loomrl/plan/placement.py); None places every call on all devices with
+    runtime.layouts. This runtime executes plans whose model calls each use all devices, one layout per role."""
     ray_address: str | None = None
     """Address of an existing Ray cluster to join; None starts a local Ray instance bound to this machine."""
     device: str = spec("auto", choices=("auto", "cpu", "cuda"))
@@ -180,6 +184,8 @@ class RuntimeConfig(ValidatedConfig):
     """Longest wait for one MFC on the workers before the run fails with an error naming the stuck worker."""
 
     def validate(self) -> None:
+        if self.plan is not None and self.executor != "ray":
+            fail("plan", f"{self.plan!r} needs executor 'ray' (the reference executor runs everything in one process)")
         for role, layout in self.layouts.items():
             if role not in ROLES:
                 fail(f"layouts.{role}", f"unknown role; valid roles: {', '.join(ROLES)}")

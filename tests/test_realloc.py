@@ -29,6 +29,7 @@ from loomrl.parallel.realloc_exec import (
 )
 from loomrl.parallel.realloc_plan import ReallocPlan, plan_reallocation
 from loomrl.parallel.shards import Placement, pp_stage, shard_intervals, shard_shape, tp_dim
+from loomrl.plan import Allocation
 
 CASES = 300
 NODE_SIZE = 4
@@ -250,6 +251,15 @@ def test_planner_balances_replicated_senders_and_counts_bytes():
     assert [(t.sender, t.receivers) for t in plan.transfers] == [(0, (4, 5)), (1, (4, 5))]
     assert plan.bytes_moved(1) == 16 and plan.send_bytes(1) == {0: 4, 1: 4}
     assert plan.broadcast_groups() == [(0, 4, 5), (1, 4, 5)]
+
+
+def test_planner_takes_plan_allocations():
+    params = _random_params(random.Random(5), 2)
+    src, dst = Allocation.parse("0-3:dp2tp2"), Allocation.parse("4-7:dp1tp2pp2")
+    from_allocations = plan_reallocation(params, 2, src, dst, node_of)
+    from_tuples = plan_reallocation(params, 2, ((0, 1, 2, 3), Layout(dp=2, tp=2)),
+                                    ((4, 5, 6, 7), Layout(tp=2, pp=2)), node_of)
+    assert from_allocations.transfers == from_tuples.transfers and from_allocations.bytes_moved(1) > 0
 
 
 def test_identical_layouts_alias_everything_and_free_nothing():

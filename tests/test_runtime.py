@@ -8,6 +8,7 @@ operation, which three iterations of Adam amplify to well under 1e-5; 1e-4 leave
 real bug, which moves losses by orders of magnitude more.
 """
 
+import dataclasses
 import json
 import os
 import signal
@@ -152,3 +153,24 @@ def test_an_exception_in_an_mfc_names_worker_role_and_mfc(tmp_path):
     while any(_alive(p) for p in pids) and time.monotonic() < deadline:
         time.sleep(0.2)
     assert not any(_alive(p) for p in pids)
+
+
+def test_plans_the_runtime_executes_match_the_reference(tmp_path, reference):
+    placement = ("actor_gen=0-1:tp2; actor_train=0-1:tp2; ref_inf=0-1:dp2; reward_inf=0-1:dp2; "
+                 "critic_inf=0-1:dp2; critic_train=0-1:dp2; advantages=0:dp1")
+    for name, plan in (("colocate", "colocate"), ("placed", placement)):
+        cfg = _cfg(tmp_path, name, "runtime.executor=ray", "runtime.devices=2")
+        cfg = dataclasses.replace(cfg, runtime=dataclasses.replace(cfg.runtime, plan=plan))
+        RLTrainer(cfg).run()
+        got = [json.loads(line) for line in (tmp_path / name / "metrics.jsonl").read_text().splitlines()]
+        _assert_equivalent(got, reference)
+
+
+def test_a_plan_the_runtime_cannot_execute_yet_is_a_one_line_error(tmp_path):
+    from loomrl.errors import ConfigError
+
+    cfg = _cfg(tmp_path, "interleave", "runtime.executor=ray", "runtime.devices=2")
+    cfg = dataclasses.replace(cfg, runtime=dataclasses.replace(cfg.runtime, plan="interleave"))
+    with pytest.raises(ConfigError) as err:
+        RLTrainer(cfg)
+    assert "\n" not in str(err.value) and "runtime.plan: MFC '" in str(err.value)

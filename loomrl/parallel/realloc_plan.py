@@ -151,13 +151,16 @@ def _placement_intervals(placement: Placement, device: int, param: str, shape: S
     return shard_intervals(param, shape, placement.layout, rank, num_layers, placement.fsdp)
 
 
-def plan_reallocation(params: Mapping[str, Sequence[int]], num_layers: int, src: Placement | Sequence,
-                      dst: Placement | Sequence, nodes_of: Callable[[int], Hashable]) -> ReallocPlan:
+def plan_reallocation(params: Mapping[str, Sequence[int]], num_layers: int, src: object, dst: object,
+                      nodes_of: Callable[[int], Hashable]) -> ReallocPlan:
     """Plan moving ``params`` (name → full shape) from the ``src`` placement to the ``dst`` placement.
 
-    ``src`` is ``(mesh, layout, fsdp)`` and ``dst`` ``(mesh, layout)`` (or :class:`Placement` values);
-    ``nodes_of`` maps a device id to its node (any hashable). Raises ValueError when the meshes do not fit
-    their layouts, the layers do not divide into the pipeline stages, or the destination is FSDP-sharded.
+    ``src`` is ``(mesh, layout, fsdp)`` and ``dst`` ``(mesh, layout)``, or :class:`Placement` values, or
+    :class:`loomrl.plan.Allocation` values; ``nodes_of`` maps a device id to its node (any hashable), e.g.
+    ``ClusterSpec.node_of``. The order of ``params`` is the order pieces are planned and sent in.
+
+    Raises ValueError when a mesh does not fit its layout, the layers do not divide into the pipeline stages,
+    or the destination is FSDP-sharded.
     """
     src_p, dst_p = as_placement(src, "src"), as_placement(dst, "dst")
     if dst_p.fsdp:

@@ -48,9 +48,16 @@ class Placement(NamedTuple):
     """The dp ranks hold 1/dp slices of their flattened (tp, pp) shard (a source layout only)."""
 
 
-def as_placement(value: Placement | Sequence, where: str) -> Placement:
-    """Normalise ``value`` to a :class:`Placement` and check that the mesh fits the layout."""
-    placement = Placement(tuple(value[0]), *value[1:])
+def as_placement(value: object, where: str) -> Placement:
+    """Normalise ``value`` to a :class:`Placement` and check that the mesh fits the layout.
+
+    ``value``: a Placement, a ``(mesh, layout[, fsdp])`` tuple, or any object with ``mesh`` and ``layout``
+    attributes (and optionally ``fsdp``), such as :class:`loomrl.plan.Allocation`.
+    """
+    if isinstance(value, tuple):
+        placement = Placement(tuple(value[0]), *value[1:])
+    else:
+        placement = Placement(tuple(value.mesh), value.layout, getattr(value, "fsdp", False))
     mesh, layout = placement.mesh, placement.layout
     if len(mesh) != layout.size:
         raise ValueError(f"{where}: dp={layout.dp} × tp={layout.tp} × pp={layout.pp} = {layout.size} ranks, "

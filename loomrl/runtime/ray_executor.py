@@ -33,6 +33,27 @@ from loomrl.workflow.batch import Batch
 from loomrl.workflow.schedule import split_by_tokens, train_schedule
 
 
+def layouts_from_plan(spec: str, workflow: Workflow, n: int, device_kind: str) -> dict[str, Layout]:
+    """The per-role layouts of a plan this runtime can execute: every model call on all devices, one layout per
+    role. Plans with per-call meshes or layouts need parameter reallocation, which the runtime lacks so far."""
+    from loomrl.plan import ClusterSpec, make_plan
+
+    plan = make_plan(spec, workflow, ClusterSpec(nodes=1, devices_per_node=n, device_kind=device_kind))
+    layouts: dict[str, Layout] = {}
+    for mfc in workflow.topological_order():
+        if mfc.role is None:
+            continue  # compute steps run on worker 0 whatever the plan says
+        alloc = plan[mfc.name]
+        if tuple(alloc.mesh.devices) != tuple(range(n)) or alloc.layout.pp != 1:
+            raise ConfigError(f"runtime.plan: MFC '{mfc.name}' is placed on {alloc.text}; this runtime executes "
+                              f"only plans whose model calls use all {n} devices with pp=1 (e.g. colocate)")
+        if layouts.setdefault(mfc.role, alloc.layout) != alloc.layout:
+            raise ConfigError(f"runtime.plan: MFC '{mfc.name}' uses layout {alloc.text} but role '{mfc.role}' "
+                              f"already has {layouts[mfc.role]}; per-call layouts need parameter reallocation, "
+                              "not implemented in this runtime yet")
+    return layouts
+
+
 class RuntimeFailure(LoomError):
     """A worker failed, died or stalled; the message names the worker, role and MFC."""
 
@@ -72,7 +93,11 @@ class RayExecutor:
         self.cfg, self.workflow = cfg, workflow
         self.order = workflow.topological_order()
         n = cfg.runtime.devices or available_devices()
-        self.layouts = resolve_layouts(cfg, workflow.roles(), n)
+        gpu = torch.cuda.is_available() and cfg.runtime.device != "cpu"
+        if cfg.runtime.plan is not None:
+            self.layouts = layouts_from_plan(cfg.runtime.plan, workflow, n, "cuda" if gpu else "cpu")
+        else:
+            self.layouts = resolve_layouts(cfg, workflow.roles(), n)
         self.workers: list[Any] = []
         self.pg = None
         self.received = 0
@@ -81,13 +106,12 @@ class RayExecutor:
         self.address = ray_address(cfg.runtime.ray_address)
         self._started = start_ray(self.address, num_cpus=n + 1)
         try:
-            self._spawn(n)
+            self._spawn(n, gpu)
         except BaseException:
             self.close()
             raise
 
-    def _spawn(self, n: int) -> None:
-        gpu = torch.cuda.is_available() and self.cfg.runtime.device != "cpu"
+    def _spawn(self, n: int, gpu: bool) -> None:
         bundle = {"CPU": 1, "GPU": 1} if gpu else {"CPU": 1}
         self.pg = placement_group([bundle] * n, strategy="PACK")
         try:
