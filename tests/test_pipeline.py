@@ -65,18 +65,21 @@ def test_micro_batch_slices_cover_rows_contiguously():
         micro_batch_slices(2, 3)
 
 
-def test_stages_keep_global_names_and_partition_the_model():
-    tok = build_char_tokenizer()
-    for build in (lambda: build_causal_lm("llama-1m", tok, seed=0), _value_model):
-        full = {name for name, _ in build().named_parameters()}
-        stages = [split_stages(build(), rank, 2) for rank in range(2)]
-        names = [{name for name, _ in stage.named_parameters()} for stage in stages]
-        assert names[0] | names[1] == full and not names[0] & names[1]
-        layers = [{int(n.split(".")[2]) for n in ns if n.startswith("model.layers.")} for ns in names]
-        assert layers == [{0, 1}, {2, 3}]
-        assert stages[0].layer_ids == (0, 1) and stages[1].layer_ids == (2, 3)
-        assert "model.embed_tokens.weight" in names[0] and "model.norm.weight" in names[1]
-    assert "lm_head.weight" in names[1] or "score.weight" in names[1]
+@pytest.mark.parametrize("kind", ["causal_lm", "value"])
+def test_stages_keep_global_names_and_partition_the_model(kind):
+    def build() -> torch.nn.Module:
+        return build_causal_lm("llama-1m", build_char_tokenizer(), seed=0) if kind == "causal_lm" else _value_model()
+
+    full = {name for name, _ in build().named_parameters()}
+    stages = [split_stages(build(), rank, 2) for rank in range(2)]
+    names = [{name for name, _ in stage.named_parameters()} for stage in stages]
+    assert names[0] | names[1] == full and not names[0] & names[1]
+    layers = [{int(n.split(".")[2]) for n in ns if n.startswith("model.layers.")} for ns in names]
+    assert layers == [{0, 1}, {2, 3}]
+    assert stages[0].layer_ids == (0, 1) and stages[1].layer_ids == (2, 3)
+    head = "lm_head.weight" if kind == "causal_lm" else "score.weight"
+    assert {"model.embed_tokens.weight"} <= names[0] and {"model.norm.weight", head} <= names[1]
+    assert {stage.output for stage in stages} == {"logits" if kind == "causal_lm" else "values"}
 
 
 def test_uneven_or_unsupported_split_is_a_one_line_error():
@@ -170,7 +173,8 @@ def _runner(model: torch.nn.Module, rank: int, group: Any) -> PipelineRunner:
 
 def _logits_diffs(rank: int, group: Any) -> dict:
     tok = build_char_tokenizer()
-    ref, runner = build_causal_lm("llama-1m", tok, seed=0), _runner(build_causal_lm("llama-1m", tok, seed=0), rank, group)
+    ref = build_causal_lm("llama-1m", tok, seed=0)
+    runner = _runner(build_causal_lm("llama-1m", tok, seed=0), rank, group)
     ids_BL, mask_BL = _batch()
     with torch.no_grad():
         want = ref(input_ids=ids_BL, attention_mask=mask_BL).logits
@@ -185,7 +189,8 @@ def _logits_diffs(rank: int, group: Any) -> dict:
 
 def _logp_diff(rank: int, group: Any) -> float:
     tok = build_char_tokenizer()
-    ref, runner = build_causal_lm("llama-1m", tok, seed=0), _runner(build_causal_lm("llama-1m", tok, seed=0), rank, group)
+    ref = build_causal_lm("llama-1m", tok, seed=0)
+    runner = _runner(build_causal_lm("llama-1m", tok, seed=0), rank, group)
     ids_BL, mask_BL = _batch()
     rows = micro_batch_slices(len(LENGTHS), 2)
     got = runner.forward(ids_BL, mask_BL, micro_batches=2, broadcast_result=True,
@@ -209,7 +214,8 @@ def _values_diff(rank: int, group: Any) -> float:
 def _adamw_step(rank: int, group: Any) -> dict:
     """One clipped AdamW step on the token-mean NLL: unsplit full batch vs two stages × two micro-batches."""
     tok = build_char_tokenizer()
-    ref, runner = build_causal_lm("llama-1m", tok, seed=0), _runner(build_causal_lm("llama-1m", tok, seed=0), rank, group)
+    ref = build_causal_lm("llama-1m", tok, seed=0)
+    runner = _runner(build_causal_lm("llama-1m", tok, seed=0), rank, group)
     ids_BL, mask_BL = _batch()
     total = int(mask_BL[:, 1:].sum())
     before = {name: p.detach().clone() for name, p in ref.named_parameters()}

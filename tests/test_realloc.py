@@ -1,7 +1,7 @@
 """Parameter reallocation: shard intervals, the pure planner (random property cases) and the gloo executor.
 
 The reference everywhere is the direct slice of the full parameter, computed here with tensor operations
-(``narrow`` over the TP dim, then a flat chunk under FSDP) independently of :mod:`loomrl.parallel.shards`.
+(``narrow`` over the TP dim, then a flat chunk under FSDP) independently of :mod:`loomrl.plan.shards`.
 The planner is checked by simulating its transfers on CPU tensors; the executor by one spawn of four gloo
 processes that run several reallocations, with checksum verification, and one deliberately corrupted buffer.
 """
@@ -27,8 +27,8 @@ from loomrl.parallel.realloc_exec import (
     build_broadcast_groups,
     execute_reallocation,
 )
-from loomrl.parallel.realloc_plan import ReallocPlan, plan_reallocation
-from loomrl.parallel.shards import Placement, pp_stage, shard_intervals, shard_shape, tp_dim
+from loomrl.plan.realloc_plan import ReallocPlan, plan_reallocation
+from loomrl.plan.shards import Placement, pp_stage, shard_intervals, shard_shape, tp_dim
 from loomrl.plan import Allocation
 
 CASES = 300

@@ -4,7 +4,9 @@
 - :class:`ProcessGroups`: the one registry of a worker's process groups and meshes, per role;
 - :func:`apply_tensor_parallel`: DTensor tensor parallelism for Llama and Qwen2;
 - :func:`sync_gradients`: summed (not averaged) data-parallel gradients;
-- :func:`full_state_dict`, :func:`load_full_state_dict`: unsharded weights in and out.
+- :func:`full_state_dict`, :func:`load_full_state_dict`: unsharded weights in and out;
+- :func:`execute_reallocation`: runs a :class:`loomrl.plan.realloc_plan.ReallocPlan` (planned without torch in
+  :mod:`loomrl.plan`) with batched point-to-point and broadcasts.
 
 Gradient clipping needs nothing extra: ``torch.nn.utils.clip_grad_norm_`` reduces the norms of DTensor shards
 over their mesh (the result is a replicated DTensor; ``float()`` of it is the global norm), and after
@@ -12,17 +14,21 @@ over their mesh (the result is a replicated DTensor; ``float()`` of it is the gl
 """
 
 from loomrl.parallel.data_parallel import sync_gradients
+from loomrl.parallel.realloc_exec import ReallocVerificationError, build_broadcast_groups, execute_reallocation
 from loomrl.parallel.groups import ProcessGroups, RoleGroups
 from loomrl.parallel.layout import TP_ARCHITECTURES, Layout, check_layout
 from loomrl.parallel.state import full_state_dict, load_full_state_dict
 from loomrl.parallel.tensor_parallel import apply_tensor_parallel
 
 __all__ = [
+    "ReallocVerificationError",
     "TP_ARCHITECTURES",
     "Layout",
     "ProcessGroups",
     "RoleGroups",
     "apply_tensor_parallel",
+    "build_broadcast_groups",
+    "execute_reallocation",
     "check_layout",
     "full_state_dict",
     "load_full_state_dict",

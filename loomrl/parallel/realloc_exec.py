@@ -28,8 +28,8 @@ from typing import Callable, Mapping, Sequence
 import torch
 import torch.distributed as dist
 
-from loomrl.parallel.realloc_plan import ReallocPlan, Transfer
-from loomrl.parallel.shards import Interval, shard_numel, shard_shape
+from loomrl.plan.realloc_plan import ReallocPlan, Transfer
+from loomrl.plan.shards import Interval, shard_numel, shard_shape
 
 Route = tuple[int, tuple[int, ...]]
 """``(sender, receivers)`` of a set of pieces that travel in one buffer."""

@@ -4,6 +4,9 @@
 - :class:`DeviceMesh`, :class:`Allocation`, :class:`ExecutionPlan`, :class:`Reallocation`: where each MFC runs
   and how its model is sharded; derived facts (canonical layouts, reallocations, shadows, offloading,
   concurrent groups, memory), validation, JSON/YAML round trips;
+- :func:`plan_reallocation` (:mod:`loomrl.plan.realloc_plan`, :mod:`loomrl.plan.shards`): which pieces of which
+  parameter move from which device to which, between two layouts (executed by
+  :func:`loomrl.parallel.execute_reallocation`, priced by the cost model);
 - :func:`colocate`, :func:`interleave`, :func:`separate`, :func:`parse_placement`, :func:`format_placement`,
   :func:`make_plan`: plan producers, and the one entry point ``loomrl train --plan`` calls.
 
@@ -14,6 +17,8 @@ from loomrl.plan.checks import peak_memory, role_memory
 from loomrl.plan.cluster import DEVICE_KINDS, GB, PROFILES, ClusterSpec
 from loomrl.plan.memory import param_count, shard_bytes
 from loomrl.plan.placement import compute_allocation, format_placement, parse_placement
+from loomrl.plan.realloc_plan import ReallocPlan, Transfer, plan_reallocation
+from loomrl.plan.shards import Placement, shard_intervals, shard_shape
 from loomrl.plan.plan import Allocation, DeviceMesh, ExecutionPlan, Reallocation, format_devices
 from loomrl.plan.strategies import STRATEGIES, colocate, interleave, make_plan, separate, split_devices
 
@@ -26,7 +31,10 @@ __all__ = [
     "ClusterSpec",
     "DeviceMesh",
     "ExecutionPlan",
+    "Placement",
+    "ReallocPlan",
     "Reallocation",
+    "Transfer",
     "colocate",
     "compute_allocation",
     "format_devices",
@@ -35,6 +43,9 @@ __all__ = [
     "make_plan",
     "param_count",
     "parse_placement",
+    "plan_reallocation",
+    "shard_intervals",
+    "shard_shape",
     "peak_memory",
     "role_memory",
     "separate",

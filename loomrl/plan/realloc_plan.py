@@ -2,7 +2,7 @@
 
 Moving a trainable model from one layout (its training layout) to another (e.g. its generation layout) is a
 set of :class:`Transfer` pieces. Each piece is a half-open interval of one parameter's row-major flat index
-space (see :mod:`loomrl.parallel.shards`), obtained by cutting the source and destination shard intervals at
+space (see :mod:`loomrl.plan.shards`), obtained by cutting the source and destination shard intervals at
 every boundary, so a piece lies inside one source shard interval and one destination shard interval. Pieces
 that keep the same sender and receivers over adjacent ranges are merged back.
 
@@ -36,7 +36,7 @@ from dataclasses import dataclass, field
 from functools import cached_property
 from typing import Callable, Hashable, Iterator, Mapping, Sequence
 
-from loomrl.parallel.shards import Interval, Placement, as_placement, shard_intervals, shard_numel
+from loomrl.plan.shards import Interval, Placement, as_placement, shard_intervals, shard_numel
 
 
 @dataclass(frozen=True)

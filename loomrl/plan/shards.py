@@ -26,7 +26,7 @@ import math
 import re
 from typing import NamedTuple, Sequence
 
-from loomrl.parallel.layout import Layout
+from loomrl.plan.layout import Layout
 
 Interval = tuple[int, int]
 """Half-open ``[start, end)`` range of a parameter's row-major flat index space."""
