@@ -1,0 +1,265 @@
+"""Parameter reallocation throughput vs the loopback gloo broadcast bandwidth, measured in one run.
+
+    .venv/bin/python benchmarks/realloc.py [--model llama-10m] [--world 4]
+
+Spawns ``--world`` gloo processes on 127.0.0.1 (one torch thread each). First rank 0 broadcasts a buffer to
+all ranks; its delivered rate, size × (world − 1) / time, is the bandwidth the reallocations are measured
+against. Then, for several pairs of layouts on the mesh 0..world−1, the zoo model's parameter shapes (float32,
+random contents) are moved by :func:`loomrl.parallel.realloc_exec.execute_reallocation`: one warm-up run with
+checksum verification whose result every rank also compares with the direct slice of the full parameters,
+then timed repeats between barriers, the time of a repeat being the slowest rank's. Delivered rate =
+``plan.bytes_moved(4)`` / time. The planner's own time is measured in the parent process, alone.
+"""
+
+from __future__ import annotations
+
+import argparse
+import datetime
+import math
+import multiprocessing as mp
+import os
+import socket
+import time
+import traceback
+from typing import Any, NamedTuple
+
+os.environ.setdefault("HF_HUB_OFFLINE", "1")
+
+import torch  # noqa: E402
+import torch.distributed as dist  # noqa: E402
+from rich.console import Console  # noqa: E402
+
+from loomrl.models.tokenizer import build_char_tokenizer  # noqa: E402
+from loomrl.models.zoo import build_causal_lm  # noqa: E402
+from loomrl.plan.layout import Layout  # noqa: E402
+from loomrl.plan.realloc_plan import ReallocPlan, plan_reallocation  # noqa: E402
+from loomrl.plan.shards import Placement, pp_stage, tp_dim  # noqa: E402
+from loomrl.parallel.realloc_exec import build_broadcast_groups, execute_reallocation  # noqa: E402
+from loomrl.report import summary_table  # noqa: E402
+
+TIMEOUT_S = 600
+
+
+class Pair(NamedTuple):
+    """One benchmarked reallocation: a label and its source and destination placements."""
+
+    label: str
+    src: Placement
+    dst: Placement
+
+
+class Setup(NamedTuple):
+    """What every spawned rank needs; picklable."""
+
+    shapes: dict[str, tuple[int, ...]]
+    num_layers: int
+    pairs: list[Pair]
+    world: int
+    broadcast_bytes: int
+    repeats: int
+    port: int
+
+
+def _name(layout: Layout, fsdp: bool = False) -> str:
+    parts = [f"{dim}{getattr(layout, dim)}" for dim in ("pp", "dp", "tp") if getattr(layout, dim) > 1]
+    return ("fsdp " if fsdp else "") + ("".join(parts) or "single")
+
+
+def layout_pairs(world: int, num_layers: int) -> list[Pair]:
+    """Training layouts to generation layouts (and one way back), on the mesh 0..world−1."""
+    mesh = tuple(range(world))
+    half = world // 2
+    candidates = [
+        (Layout(dp=world), False, Layout(tp=world), ""),
+        (Layout(dp=half, tp=2), False, Layout(tp=world), ""),
+        (Layout(tp=world), False, Layout(dp=world), " (back, as a copy)"),
+        (Layout(dp=world), True, Layout(dp=half, tp=2), ""),
+        (Layout(pp=2, dp=half), False, Layout(tp=world), ""),
+    ]
+    pairs = []
+    for src, fsdp, dst, note in candidates:
+        if src.size != world or dst.size != world or num_layers % src.pp or src == dst:
+            continue  # an odd world or a layer count the pipeline stages do not divide
+        pairs.append(Pair(f"{_name(src, fsdp)} → {_name(dst)}{note}", Placement(mesh, src, fsdp),
+                          Placement(mesh, dst)))
+    return pairs
+
+
+def _one_node(device: int) -> int:
+    return 0  # every process is on this machine
+
+
+def make_plan(setup: Setup, pair: Pair) -> ReallocPlan:
+    return plan_reallocation(setup.shapes, setup.num_layers, pair.src, pair.dst, _one_node)
+
+
+def direct_slice(full: torch.Tensor, name: str, placement: Placement, rank: int,
+                 num_layers: int) -> torch.Tensor | None:
+    """What ``rank`` of ``placement`` holds of ``full``, by tensor slicing (None: on another pipeline stage)."""
+    layout = placement.layout
+    pp_rank, rest = divmod(rank, layout.dp * layout.tp)
+    dp_rank, tp_rank = divmod(rest, layout.tp)
+    if pp_stage(name, num_layers, layout.pp) != pp_rank:
+        return None
+    part, dim = full, tp_dim(name)
+    if dim is not None and layout.tp > 1:
+        step = -(-full.shape[dim] // layout.tp)  # torch.chunk's block size
+        start = min(tp_rank * step, full.shape[dim])
+        part = full.narrow(dim, start, min(step, full.shape[dim] - start))
+    if placement.fsdp and layout.dp > 1:
+        flat = part.reshape(-1)
+        step = -(-flat.numel() // layout.dp)
+        part = flat[dp_rank * step:(dp_rank + 1) * step]
+    return part.contiguous()
+
+
+def _shards(full: dict[str, torch.Tensor], placement: Placement, rank: int, num_layers: int
+            ) -> dict[str, torch.Tensor]:
+    parts = {name: direct_slice(t, name, placement, rank, num_layers) for name, t in full.items()}
+    return {name: part for name, part in parts.items() if part is not None}
+
+
+def _slowest(seconds: float) -> float:
+    """The largest of every rank's ``seconds``."""
+    value = torch.tensor([seconds], dtype=torch.float64)
+    dist.all_reduce(value, op=dist.ReduceOp.MAX)
+    return float(value)
+
+
+def _best_time(fn, repeats: int) -> float:
+    """Best over ``repeats`` of the slowest rank's time of ``fn``, all ranks starting after a barrier."""
+    best = float("inf")
+    for _ in range(repeats):
+        dist.barrier()
+        start = time.perf_counter()
+        fn()
+        elapsed = time.perf_counter() - start
+        dist.barrier()
+        best = min(best, _slowest(elapsed))
+    return best
+
+
+def broadcast_rate(nbytes: int, world: int, repeats: int) -> float:
+    """Delivered bytes/s of rank 0 broadcasting ``nbytes`` to every other rank of the default group."""
+    buffer = torch.ones(nbytes, dtype=torch.uint8) if dist.get_rank() == 0 else torch.empty(nbytes, dtype=torch.uint8)
+    dist.broadcast(buffer, src=0)  # warm-up: connections and pages
+    seconds = _best_time(lambda: dist.broadcast(buffer, src=0), repeats)
+    return nbytes * (world - 1) / seconds
+
+
+def _verified_warm_up(plan: ReallocPlan, pair: Pair, full: dict[str, torch.Tensor], source: dict, groups,
+                      rank: int, num_layers: int) -> None:
+    """One run with checksums, its result compared with the direct slices; raises on every rank if any differ."""
+    out = execute_reallocation(plan, source, rank, groups=groups, verify=True)
+    expected = _shards(full, pair.dst, rank, num_layers)
+    wrong = sorted(set(out) ^ set(expected)) + [n for n in expected if n in out and not torch.equal(out[n], expected[n])]
+    ok = torch.tensor([0 if wrong else 1])
+    dist.all_reduce(ok, op=dist.ReduceOp.MIN)
+    if not int(ok):
+        raise RuntimeError(f"{pair.label}: destination shards differ from the direct slice "
+                           f"(rank {rank}: {wrong[:3] or 'another rank'})")
+
+
+def measure_pair(setup: Setup, pair: Pair, full: dict[str, torch.Tensor], rank: int) -> dict[str, Any]:
+    plan = make_plan(setup, pair)
+    groups = build_broadcast_groups(plan)  # collective, once per plan, outside the timing
+    source = _shards(full, pair.src, rank, setup.num_layers)
+    _verified_warm_up(plan, pair, full, source, groups, rank, setup.num_layers)
+    seconds = _best_time(lambda: execute_reallocation(plan, source, rank, groups=groups), setup.repeats)
+    return {"seconds": seconds, "bytes_moved": plan.bytes_moved(4), "bytes_local": plan.bytes_local(4),
+            "pieces": sum(not t.local for t in plan.transfers)}
+
+
+def _body(rank: int, setup: Setup) -> dict[str, Any]:
+    gen = torch.Generator().manual_seed(0)  # the same full parameters on every rank, for the direct slices
+    full = {name: torch.randn(shape, generator=gen) for name, shape in setup.shapes.items()}
+    rate = broadcast_rate(setup.broadcast_bytes, setup.world, setup.repeats)
+    return {"broadcast": rate, "pairs": [measure_pair(setup, pair, full, rank) for pair in setup.pairs]}
+
+
+def _entry(rank: int, setup: Setup, queue: Any) -> None:
+    torch.set_num_threads(1)
+    dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{setup.port}", rank=rank,
+                            world_size=setup.world, timeout=datetime.timedelta(seconds=120))
+    try:
+        queue.put((rank, _body(rank, setup)))
+    except BaseException:  # noqa: BLE001 - the parent must learn of any failure, not wait for a timeout
+        queue.put((rank, traceback.format_exc()))
+    finally:
+        dist.destroy_process_group()
+
+
+def _free_port() -> int:
+    with socket.socket() as sock:
+        sock.bind(("127.0.0.1", 0))
+        return sock.getsockname()[1]
+
+
+def run_ranks(setup: Setup) -> dict[str, Any]:
+    """Spawn the ranks, return rank 0's measurements (identical on all ranks); raise if any rank failed."""
+    ctx = mp.get_context("spawn")
+    queue = ctx.Queue()
+    procs = [ctx.Process(target=_entry, args=(rank, setup, queue)) for rank in range(setup.world)]
+    for proc in procs:
+        proc.start()
+    try:
+        results = dict(queue.get(timeout=TIMEOUT_S) for _ in procs)
+    finally:
+        for proc in procs:
+            proc.join(timeout=30)
+            if proc.is_alive():
+                proc.kill()
+    failed = {rank: result for rank, result in results.items() if isinstance(result, str)}
+    if failed:
+        rank, message = min(failed.items())
+        raise SystemExit(f"rank {rank} failed:\n{message}")
+    return results[0]
+
+
+def planner_ms(setup: Setup, pair: Pair, repeats: int = 3) -> float:
+    best = float("inf")
+    for _ in range(repeats):
+        start = time.perf_counter()
+        make_plan(setup, pair)
+        best = min(best, time.perf_counter() - start)
+    return best * 1e3
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap.add_argument("--model", default="llama-10m", help="zoo model whose parameter shapes are moved")
+    ap.add_argument("--world", type=int, default=4, help="gloo processes (devices) on 127.0.0.1")
+    ap.add_argument("--broadcast-mib", type=int, default=64, help="size of the reference broadcast")
+    ap.add_argument("--repeats", type=int, default=5, help="timed repeats per measurement (the best is kept)")
+    args = ap.parse_args()
+    if args.world < 2:
+        ap.error(f"--world: {args.world} is too small; at least 2 processes are needed")
+    model = build_causal_lm(args.model, build_char_tokenizer(), seed=0)
+    shapes = {name: tuple(p.shape) for name, p in model.named_parameters()}
+    num_layers = model.config.num_hidden_layers
+    del model
+    pairs = layout_pairs(args.world, num_layers)
+    setup = Setup(shapes, num_layers, pairs, args.world, args.broadcast_mib * 2**20, args.repeats, _free_port())
+    plan_ms = [planner_ms(setup, pair) for pair in pairs]  # before the ranks start: alone on the machine
+    measured = run_ranks(setup)
+    bandwidth = measured["broadcast"]
+    rows = []
+    for pair, result, ms in zip(pairs, measured["pairs"], plan_ms):
+        rate = result["bytes_moved"] / result["seconds"] if result["bytes_moved"] else None
+        rows.append({"layout pair": pair.label, "MB moved": result["bytes_moved"] / 1e6,
+                     "ms": result["seconds"] * 1e3, "GB/s": rate / 1e9 if rate else None,
+                     "% of broadcast bw": f"{rate / bandwidth:.0%}" if rate else "", "plan ms": ms})
+    console = Console()
+    n_params = sum(math.prod(shape) for shape in shapes.values())
+    console.print(f"model {args.model} ({n_params / 1e6:.1f}M params, {num_layers} layers, float32 "
+                  f"{4 * n_params / 1e6:.1f} MB), world {args.world} gloo processes on 127.0.0.1, 1 thread each, "
+                  f"{os.cpu_count()} cores; best of {args.repeats} after a verified warm-up")
+    console.print(f"gloo broadcast of {args.broadcast_mib} MiB from rank 0: {bandwidth / 1e9:.2f} GB/s delivered")
+    console.print(summary_table(rows, "parameter reallocation"))
+    for pair, result in zip(pairs, measured["pairs"]):
+        console.print(f"{pair.label}: {result['pieces']} network pieces, {result['bytes_local'] / 1e6:.1f} MB "
+                      f"copied locally")
+
+
+if __name__ == "__main__":
+    main()
