@@ -155,22 +155,22 @@ def test_an_exception_in_an_mfc_names_worker_role_and_mfc(tmp_path):
     assert not any(_alive(p) for p in pids)
 
 
-def test_plans_the_runtime_executes_match_the_reference(tmp_path, reference):
-    placement = ("actor_gen=0-1:tp2; actor_train=0-1:tp2; ref_inf=0-1:dp2; reward_inf=0-1:dp2; "
-                 "critic_inf=0-1:dp2; critic_train=0-1:dp2; advantages=0:dp1")
-    for name, plan in (("colocate", "colocate"), ("placed", placement)):
-        cfg = _cfg(tmp_path, name, "runtime.executor=ray", "runtime.devices=2")
-        cfg = dataclasses.replace(cfg, runtime=dataclasses.replace(cfg.runtime, plan=plan))
-        RLTrainer(cfg).run()
-        got = [json.loads(line) for line in (tmp_path / name / "metrics.jsonl").read_text().splitlines()]
-        _assert_equivalent(got, reference)
-
-
-def test_a_plan_the_runtime_cannot_execute_yet_is_a_one_line_error(tmp_path):
-    from loomrl.errors import ConfigError
-
-    cfg = _cfg(tmp_path, "interleave", "runtime.executor=ray", "runtime.devices=2")
-    cfg = dataclasses.replace(cfg, runtime=dataclasses.replace(cfg.runtime, plan="interleave"))
-    with pytest.raises(ConfigError) as err:
-        RLTrainer(cfg)
-    assert "\n" not in str(err.value) and "runtime.plan: MFC '" in str(err.value)
+@pytest.mark.parametrize("plan,devices", [
+    ("colocate", 2), ("interleave", 2), ("separate", 2),
+    ("actor_gen=0-1:tp2; actor_train=0-1:dp2; ref_inf=0:dp1; reward_inf=1:dp1; critic_inf=0-1:dp2; "
+     "critic_train=0-1:dp2; advantages=0:dp1", 2),
+    ("interleave", 4), ("separate", 4),
+], ids=["colocate2", "interleave2", "separate2", "realloc_tp2", "interleave4", "separate4"])
+def test_plans_match_the_reference(tmp_path, reference, plan, devices):
+    """Every placement strategy computes the reference run: per-call meshes and layouts, reallocation of the
+    actor between its training and generation layouts, shadow sync, concurrent calls on disjoint devices."""
+    cfg = _cfg(tmp_path, "plan", "runtime.executor=ray", f"runtime.devices={devices}")
+    cfg = dataclasses.replace(cfg, runtime=dataclasses.replace(cfg.runtime, plan=plan))
+    trainer = RLTrainer(cfg)
+    if plan == "separate":
+        assert trainer.executor.shadow == {"actor"}
+    assert trainer.executor.placement.reallocs or plan == "colocate"
+    trainer.run()
+    got = [json.loads(line) for line in (tmp_path / "plan" / "metrics.jsonl").read_text().splitlines()]
+    _assert_equivalent(got, reference)
+    assert got[-1]["eval/exact_match"] == reference[-1]["eval/exact_match"]

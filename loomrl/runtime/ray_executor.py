@@ -14,6 +14,7 @@ kills every worker and the local Ray instance, also after a failure or an interr
 from __future__ import annotations
 
 import time
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, Mapping, Sequence
 
@@ -24,9 +25,11 @@ from ray.util.scheduling_strategies import PlacementGroupSchedulingStrategy
 
 from loomrl.config import TrainConfig
 from loomrl.errors import ConfigError, LoomError
-from loomrl.parallel import Layout
+from loomrl.parallel.allocations import AllocKey
+from loomrl.plan import ClusterSpec
 from loomrl.launch import available_devices, ray_address, start_ray, stop_ray
 from loomrl.runtime.reference import IterationResult, MFCTrace, merge_stats
+from loomrl.runtime.placement import execution_plan, runtime_placement, trained_roles
 from loomrl.runtime.worker import DeviceWorker, MFCCall
 from loomrl.workflow import MFC, MFCKind, Workflow
 from loomrl.workflow.batch import Batch
@@ -52,6 +55,30 @@ def layouts_from_plan(spec: str, workflow: Workflow, n: int, device_kind: str) -
                               f"already has {layouts[mfc.role]}; per-call layouts need parameter reallocation, "
                               "not implemented in this runtime yet")
     return layouts
+
+
+@dataclass
+class _IterationState:
+    iteration: int
+    ids: list[int]
+    where: dict[str, list[tuple[tuple[int, ...], Any]]]
+    """Key → output shards holding it: (sample ids, object reference)."""
+    tokens: dict[int, int]
+    """Sample id → tokens that weight its work (prompt length, then response length once generated)."""
+
+
+class RuntimeFailure(LoomError):
+    """A worker failed, died or stalled; the message names the worker, role and MFC."""
+
+
+@dataclass
+class _IterationState:
+    iteration: int
+    ids: list[int]
+    where: dict[str, list[tuple[tuple[int, ...], Any]]]
+    """Key → output shards holding it: (sample ids, object reference)."""
+    tokens: dict[int, int]
+    """Sample id → tokens that weight its work (prompt length, then response length once generated)."""
 
 
 class RuntimeFailure(LoomError):
@@ -89,15 +116,19 @@ def check_metadata(value: Any, path: str = "result") -> None:
 class RayExecutor:
     """Executes a workflow on ``runtime.devices`` Ray workers (same interface as the reference executor)."""
 
-    def __init__(self, cfg: TrainConfig, workflow: Workflow):
+    def __init__(self, cfg: TrainConfig, workflow: Workflow, tokenizer):
         self.cfg, self.workflow = cfg, workflow
         self.order = workflow.topological_order()
         n = cfg.runtime.devices or available_devices()
         gpu = torch.cuda.is_available() and cfg.runtime.device != "cpu"
-        if cfg.runtime.plan is not None:
-            self.layouts = layouts_from_plan(cfg.runtime.plan, workflow, n, "cuda" if gpu else "cpu")
-        else:
-            self.layouts = resolve_layouts(cfg, workflow.roles(), n)
+        self.cluster = ClusterSpec(nodes=1, devices_per_node=n, device_kind="cuda" if gpu else "cpu")
+        self.plan = execution_plan(cfg, workflow, self.cluster)
+        self.placement = runtime_placement(self.plan, workflow, self.cluster, cfg, tokenizer)
+        self.shadow = set(self.plan.shadow_roles(workflow))
+        self.trained = trained_roles(workflow)
+        self.versions = {role: 0 for role in workflow.roles()}
+        """Train steps each role has taken; a copy of its weights elsewhere is fresh at the same version."""
+        self.view_versions: dict[tuple[str, AllocKey], int] = {}
         self.workers: list[Any] = []
         self.pg = None
         self.received = 0
@@ -126,53 +157,82 @@ class RayExecutor:
         addr = "127.0.0.1" if self.address is None else self._wait(
             [self.workers[0].node_ip.remote()], "setup", None)[0]
         port = self._wait([self.workers[0].free_port.remote()], "setup", None)[0]
-        self.pids = [m["pid"] for m in self._wait([w.setup.remote(addr, port, self.layouts) for w in self.workers],
-                                                  "setup", None)]
+        metas = self._wait([w.setup.remote(addr, port, self.placement) for w in self.workers], "setup", None)
+        self.pids = [m["pid"] for m in metas]
 
     # ---------------------------------------------------------------------------------- waiting
+    def _wait_one(self, pending: dict, deadline: float) -> tuple[Any, Any]:
+        """The next finished call among ``pending`` (ref → (what, role, rank)) and its checked value; a failure,
+        death or stall becomes a one-line RuntimeFailure naming the worker, role and call."""
+        t0 = time.perf_counter()
+        ready, _ = ray.wait(list(pending), num_returns=1, timeout=max(0.0, deadline - time.monotonic()))
+        self.waited_s += time.perf_counter() - t0
+        if not ready:
+            what, role, _ = next(iter(pending.values()))
+            stuck = sorted({rank for _, _, rank in pending.values()})
+            raise RuntimeFailure(f"worker(s) {stuck} did not finish {what} (role {role}) within "
+                                 f"{self.cfg.runtime.timeout_s:g} s (runtime.timeout_s)")
+        ref = ready[0]
+        what, role, rank = pending.pop(ref)
+        try:
+            value = ray.get(ref)
+        except ray.exceptions.RayActorError:
+            raise RuntimeFailure(f"worker {rank} died during {what} (role {role})") from None
+        except ray.exceptions.RayTaskError as err:
+            cause = str(err.cause if getattr(err, "cause", None) else err).strip().splitlines()
+            named = next((line for line in cause if "failed in MFC" in line), None)
+            if named is not None:  # the worker's own one-line account
+                raise RuntimeFailure(named) from None
+            first = cause[-1] if cause else type(err).__name__
+            raise RuntimeFailure(f"worker {rank} failed during {what} (role {role}): {first}") from None
+        check_metadata(value)
+        self.received += 1
+        return ref, value
+
     def _wait(self, refs: list, what: str, role: str | None, ranks: Sequence[int] | None = None) -> list:
-        """Results of ``refs`` (one per rank); the first failure becomes a RuntimeFailure naming the worker."""
+        """Results of ``refs`` (one per rank), in order."""
         ranks = list(range(len(refs))) if ranks is None else list(ranks)
-        rank_of = {ref: rank for ref, rank in zip(refs, ranks)}
-        results: dict[Any, Any] = {}
-        pending = list(refs)
+        pending = {ref: (what, role, rank) for ref, rank in zip(refs, ranks)}
         deadline = time.monotonic() + self.cfg.runtime.timeout_s
+        results = {}
         while pending:
-            t0 = time.perf_counter()
-            ready, pending = ray.wait(pending, num_returns=1, timeout=max(0.0, deadline - time.monotonic()))
-            self.waited_s += time.perf_counter() - t0
-            if not ready:
-                stuck = sorted(rank_of[r] for r in pending)
-                raise RuntimeFailure(f"worker(s) {stuck} did not finish {what} (role {role}) within "
-                                     f"{self.cfg.runtime.timeout_s:g} s (runtime.timeout_s)")
-            ref = ready[0]
-            try:
-                value = ray.get(ref)
-            except ray.exceptions.RayActorError:
-                raise RuntimeFailure(f"worker {rank_of[ref]} died during {what} (role {role})") from None
-            except ray.exceptions.RayTaskError as err:
-                cause = str(err.cause if getattr(err, "cause", None) else err).strip().splitlines()
-                named = next((line for line in cause if "failed in MFC" in line), None)
-                if named is not None:  # the worker's own one-line account
-                    raise RuntimeFailure(named) from None
-                first = cause[-1] if cause else type(err).__name__
-                raise RuntimeFailure(f"worker {rank_of[ref]} failed during {what} (role {role}): {first}") from None
-            check_metadata(value)
-            self.received += 1
+            ref, value = self._wait_one(pending, deadline)
             results[ref] = value
         return [results[r] for r in refs]
 
     # ------------------------------------------------------------------------------ iterations
     def run_iteration(self, iteration: int, batch: Batch) -> IterationResult:
+        """Dataflow over the workflow: an MFC is sent the moment its inputs exist, so calls on disjoint
+        devices run concurrently; each worker executes its calls in the order they were sent."""
         start, self.waited_s = time.perf_counter(), 0.0
         result = IterationResult()
         source = ray.put(batch)
-        where: dict[str, list[tuple[tuple[int, ...], Any]]] = {k: [(tuple(batch.ids), source)] for k in batch.keys()}
-        tokens = {sid: len(p) for sid, p in zip(batch.ids, batch["prompt_ids"])}  # prompts are source data
-        for mfc in self.order:
-            self._run_mfc(mfc, iteration, batch.ids, where, tokens, result)
+        state = _IterationState(iteration, list(batch.ids), {k: [(tuple(batch.ids), source)] for k in batch.keys()},
+                                {sid: len(p) for sid, p in zip(batch.ids, batch["prompt_ids"])})
+        pending: dict = {}
+        calls: dict[str, dict] = {}  # MFC → {ref: (rows, publish)} of its calls still running
+        done: set[str] = set()
+        deadline = time.monotonic() + self.cfg.runtime.timeout_s
+        while len(done) < len(self.order):
+            for mfc in self.order:
+                if mfc.name not in calls and mfc.name not in done and all(d in done for d in self.workflow.deps(mfc.name)):
+                    calls[mfc.name] = self._submit(mfc, state, pending)
+            ref, meta = self._wait_one(pending, deadline)
+            name = next((n for n, c in calls.items() if ref in c), None)
+            if name is None:
+                continue  # a reallocation finished; the calls after it are already queued behind it
+            calls[name][ref] = (*calls[name][ref], meta)
+            if all(len(v) == 3 for v in calls[name].values()):
+                mfc = self.workflow[name]
+                self._finish(mfc, calls.pop(name), state, result)
+                done.add(name)
+                if mfc.kind == MFCKind.TRAIN and mfc.role in self.shadow:  # sync shadows right after training
+                    for m in self.workflow.mfcs_of_role(mfc.role):
+                        self._refresh(mfc.role, self.placement.mfc_keys[m.name], pending)
+        while pending:  # shadow syncs still in flight
+            self._wait_one(pending, deadline)
         keys = ("response_ids", "prompt_text", "answer", "score", "kl")
-        metrics = self._wait([self.workers[0].metrics.remote(batch.ids, self._inputs(keys, batch.ids, where))],
+        metrics = self._wait([self.workers[0].metrics.remote(batch.ids, self._inputs(keys, batch.ids, state.where))],
                              "metrics", None)[0]
         merge_stats(result.stats, metrics, "metrics")
         result.stats["time/controller_s"] = time.perf_counter() - start - self.waited_s
@@ -187,65 +247,103 @@ class RayExecutor:
                     refs.append(ref)
         return tuple(refs)
 
-    def _assignments(self, mfc: MFC, iteration: int, ids: list[int], tokens: Mapping[int, int]):
-        """Per rank: (sample ids, train steps, publish); compute MFCs run on worker 0 alone."""
-        if mfc.kind == MFCKind.COMPUTE:
-            return {0: (tuple(ids), (), True)}
-        layout = self.layouts[mfc.role]
-        counts = [tokens[s] for s in ids]
+    def _assignments(self, mfc: MFC, state: "_IterationState") -> dict[int, tuple]:
+        """Per device of the MFC's allocation: (sample ids, train steps, publish)."""
+        key = self.placement.mfc_keys[mfc.name]
+        ids = state.ids
+        counts = [state.tokens[s] for s in ids]
         per_dp: list[tuple[tuple[int, ...], tuple]] = []
         if mfc.kind == MFCKind.TRAIN:
-            schedule = train_schedule(counts, mfc.epochs, mfc.minibatches, self.cfg.seed, iteration, layout.dp)
-            for d in range(layout.dp):
+            schedule = train_schedule(counts, mfc.epochs, mfc.minibatches, self.cfg.seed, state.iteration, key.dp)
+            for d in range(key.dp):
                 rows = list(dict.fromkeys(r for step in schedule for r in step.rows_per_rank[d]))
                 pos = {r: i for i, r in enumerate(rows)}
                 steps = tuple((tuple(pos[r] for r in step.rows_per_rank[d]), step.local(d, counts)[1])
                               for step in schedule)
                 per_dp.append((tuple(ids[r] for r in rows), steps))
         else:
-            for part in split_by_tokens(range(len(ids)), counts, layout.dp):
+            for part in split_by_tokens(range(len(ids)), counts, key.dp):
                 per_dp.append((tuple(ids[r] for r in part), ()))
-        return {rank: (*per_dp[rank // layout.tp], rank % layout.tp == 0) for rank in range(layout.size)}
+        return {device: (*per_dp[rank // key.tp], rank % key.tp == 0) for rank, device in enumerate(key.devices)}
 
-    def _run_mfc(self, mfc: MFC, iteration: int, ids: list[int], where, tokens, result: IterationResult) -> None:
-        plan = self._assignments(mfc, iteration, ids, tokens)
-        refs, ranks = [], []
-        for rank, (rows, steps, publish) in plan.items():
-            call = MFCCall(mfc.name, iteration, rows, self._inputs(mfc.inputs, rows, where), steps, publish)
-            refs.append(self.workers[rank].run_mfc.remote(call))
-            ranks.append(rank)
-        metas = self._wait(refs, f"MFC '{mfc.name}'", mfc.role, ranks)
+    def _refresh(self, role: str | None, key: AllocKey, pending: dict) -> None:
+        """Reallocate ``role``'s weights into allocation ``key`` if that copy is older than the weights."""
+        if role is None or key == self.placement.canonical[role]:
+            return
+        if self.view_versions.get((role, key), 0) == self.versions[role]:
+            return
+        for index, (r, src, dst, _) in enumerate(self.placement.reallocs):
+            if r == role and dst == key:
+                for device in sorted(set(src.devices) | set(dst.devices)):
+                    pending[self.workers[device].reallocate.remote(index)] = (f"reallocation of {role}", role, device)
+        self.view_versions[(role, key)] = self.versions[role]
+
+    def _submit(self, mfc: MFC, state: "_IterationState", pending: dict) -> dict:
+        self._refresh(mfc.role, self.placement.mfc_keys[mfc.name], pending)
+        calls = {}
+        for device, (rows, steps, publish) in self._assignments(mfc, state).items():
+            call = MFCCall(mfc.name, state.iteration, rows, self._inputs(mfc.inputs, rows, state.where), steps, publish)
+            ref = self.workers[device].run_mfc.remote(call)
+            pending[ref] = (f"MFC '{mfc.name}'", mfc.role, device)
+            calls[ref] = (rows, publish)
+        return calls
+
+    def _finish(self, mfc: MFC, calls: dict, state: "_IterationState", result: IterationResult) -> None:
         stats: dict[str, float] = {}
-        for (rows, _, publish), meta in zip(plan.values(), metas):
+        metas = [meta for _, _, meta in calls.values()]
+        for rows, publish, meta in calls.values():
             if not publish:
                 continue
             for key, value in meta.get("stats", {}).items():
                 stats[key] = stats.get(key, 0.0) + value
             if "shard" in meta:
                 for key in mfc.outputs:
-                    where.setdefault(key, []).append((rows, meta["shard"][0]))
-            tokens.update({int(k): v for k, v in meta.get("tokens", {}).items()})
+                    state.where.setdefault(key, []).append((rows, meta["shard"][0]))
+            state.tokens.update({int(k): v for k, v in meta.get("tokens", {}).items()})
         merge_stats(result.stats, stats, mfc.name)
-        result.traces.append(MFCTrace(iteration, mfc.name, mfc.role, min(m["start"] for m in metas),
-                                      max(m["end"] for m in metas), tuple(ranks)))
+        devices = tuple(sorted(m["rank"] for m in metas))
+        result.traces.append(MFCTrace(state.iteration, mfc.name, mfc.role, min(m["start"] for m in metas),
+                                      max(m["end"] for m in metas), devices))
+        if mfc.kind == MFCKind.TRAIN:
+            self.versions[mfc.role] += 1
 
     # ---------------------------------------------------------------- evaluation, checkpoints, shutdown
+    def _eval_key(self) -> AllocKey:
+        gen = next(m for m in self.order if m.role == "actor" and m.kind == MFCKind.GENERATE)
+        return self.placement.mfc_keys[gen.name]
+
     def evaluate(self, examples: Sequence) -> dict[str, float]:
-        layout = self.layouts["actor"]
-        shares = [list(examples[d::layout.dp]) for d in range(layout.dp)]
-        refs = [w.evaluate.remote(shares[r // layout.tp], r % layout.tp == 0) for r, w in enumerate(self.workers)]
+        """Greedy evaluation with the actor in its generation allocation (refreshed first)."""
+        key = self._eval_key()
+        pending: dict = {}
+        self._refresh("actor", key, pending)
+        deadline = time.monotonic() + self.cfg.runtime.timeout_s
+        while pending:
+            self._wait_one(pending, deadline)
+        shares = [list(examples[d::key.dp]) for d in range(key.dp)]
+        refs = [self.workers[dev].evaluate.remote(shares[r // key.tp], key, r % key.tp == 0)
+                for r, dev in enumerate(key.devices)]
         sums: dict[str, float] = {}
-        for out in self._wait(refs, "evaluation", "actor"):
-            for key, value in (out or {}).items():
-                sums[key] = sums.get(key, 0.0) + value
-        return {key: value / len(examples) for key, value in sums.items()}
+        for out in self._wait(refs, "evaluation", "actor", key.devices):
+            for name, value in (out or {}).items():
+                sums[name] = sums.get(name, 0.0) + value
+        return {name: value / len(examples) for name, value in sums.items()}
 
     def save(self, run_dir: Path, iteration: int, state: Mapping[str, Any], keep_last: int) -> Path:
-        refs = [w.save.remote(str(run_dir), iteration, dict(state), keep_last) for w in self.workers]
-        return Path(self._wait(refs, "checkpoint save", None)[0])
+        exports = {}
+        for role in sorted(self.trained):
+            devices = self.placement.canonical[role].devices
+            metas = self._wait([self.workers[d].export_role.remote(role) for d in devices], "checkpoint export",
+                               role, devices)
+            exports[role] = next(m["state"] for m in metas if "state" in m)
+        ref = self.workers[0].save.remote(str(run_dir), iteration, dict(state), keep_last, exports)
+        return Path(self._wait([ref], "checkpoint save", None)[0])
 
     def load(self, path: Path) -> dict[str, Any]:
-        return self._wait([w.load.remote(str(path)) for w in self.workers], "checkpoint load", None)[0]
+        states = self._wait([w.load.remote(str(path)) for w in self.workers], "checkpoint load", None)
+        self.view_versions.clear()  # every other copy of the weights is now stale
+        self.versions = {role: v + 1 for role, v in self.versions.items()}
+        return states[0]
 
     def close(self) -> None:
         """Kill every worker and release the devices; stop Ray if this executor started it."""

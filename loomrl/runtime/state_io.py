@@ -18,7 +18,19 @@ from torch.distributed.checkpoint.state_dict import (
     set_optimizer_state_dict,
 )
 
-FULL = StateDictOptions(full_state_dict=True, cpu_offload=True)
+# Not cpu_offload: with it, torch returns the full state on global rank 0 only, and the holder of a role's
+# weights may be any worker. Tensors are moved to the CPU here instead.
+FULL = StateDictOptions(full_state_dict=True)
+
+
+def _to_cpu(value: Any) -> Any:
+    if isinstance(value, torch.Tensor):
+        return value.detach().cpu()
+    if isinstance(value, dict):
+        return {k: _to_cpu(v) for k, v in value.items()}
+    if isinstance(value, (list, tuple)):
+        return type(value)(_to_cpu(v) for v in value)
+    return value
 
 
 class FullOptimizerState:
@@ -28,8 +40,9 @@ class FullOptimizerState:
         self.model, self.optimizer, self.gathered = model, optimizer, gathered
 
     def state_dict(self) -> dict[str, Any]:
-        return self.gathered if self.gathered is not None else get_optimizer_state_dict(self.model, self.optimizer,
-                                                                                         options=FULL)
+        if self.gathered is not None:
+            return self.gathered
+        return _to_cpu(get_optimizer_state_dict(self.model, self.optimizer, options=FULL))
 
     def load_state_dict(self, state: dict[str, Any]) -> None:
         set_optimizer_state_dict(self.model, self.optimizer, state, options=StateDictOptions(full_state_dict=True))
@@ -37,4 +50,4 @@ class FullOptimizerState:
 
 def full_model_state(model: torch.nn.Module) -> dict[str, torch.Tensor]:
     """Every parameter and buffer as a full CPU tensor (collective under tensor parallelism)."""
-    return get_model_state_dict(model, options=FULL)
+    return _to_cpu(get_model_state_dict(model, options=FULL))

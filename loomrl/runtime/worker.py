@@ -26,7 +26,9 @@ from loomrl.checkpoint import load_checkpoint, save_checkpoint
 from loomrl.algorithms.workflows import build_workflow
 from loomrl.config import TrainConfig
 from loomrl.launch import quiet_libraries
-from loomrl.parallel import Layout, ProcessGroups, apply_tensor_parallel, check_layout, sync_gradients
+from loomrl.parallel import apply_tensor_parallel, build_broadcast_groups, check_layout, execute_reallocation, sync_gradients
+from loomrl.parallel.allocations import AllocationGroups, AllocKey
+from loomrl.plan.realloc_plan import ReallocPlan
 from loomrl.runtime.state_io import FullOptimizerState, full_model_state
 from loomrl.train import common
 from loomrl.train.evaluate import evaluate_policy
@@ -77,8 +79,29 @@ def gather_rows(shards: Sequence[Batch], sample_ids: Sequence[int], keys: Sequen
     return Batch(sample_ids, columns)
 
 
+@dataclass(frozen=True)
+class RuntimePlacement:
+    """What the controller derives from the execution plan and every worker needs to know."""
+
+    mfc_keys: dict[str, AllocKey]
+    """The allocation each MFC runs on."""
+    canonical: dict[str, AllocKey]
+    """Where each role's weights live: its train call's allocation, else its first call's."""
+    reallocs: tuple[tuple[str, AllocKey, AllocKey, ReallocPlan], ...]
+    """(role, from, to, transfer plan) for every other allocation of a role, in a fixed order."""
+
+    def keys_of(self, role: str, workflow) -> list[AllocKey]:
+        keys = [self.canonical[role]] + [self.mfc_keys[m.name] for m in workflow.mfcs_of_role(role)]
+        return sorted(set(keys))
+
+
+def _local(param: torch.Tensor) -> torch.Tensor:
+    """The tensor this process holds: a DTensor's local shard, or the parameter itself."""
+    return param.to_local() if hasattr(param, "to_local") else param
+
+
 class DeviceWorker:
-    """The roles on one device and the MFC calls that run on them."""
+    """The roles on one device, in every layout the plan gives them here, and the MFC calls run on them."""
 
     def __init__(self, rank: int, world: int, cfg: TrainConfig):
         self.rank, self.world, self.cfg = rank, world, cfg
@@ -92,31 +115,44 @@ class DeviceWorker:
     def pid(self) -> int:
         return os.getpid()
 
-    def setup(self, master_addr: str, master_port: int, layouts: dict[str, Layout]) -> dict:
-        """Join the process group, build the roles and shard them; returns parameter counts."""
-        from loomrl.train.rl import build_roles  # the same builder the reference executor uses
+    def setup(self, master_addr: str, master_port: int, placement: RuntimePlacement) -> dict:
+        """Join the process group, build and shard this device's models, create every communicator."""
+        from loomrl.train.rl import build_role_model, make_role  # the reference executor's builders
 
         backend = "nccl" if self.device.type == "cuda" else "gloo"
         dist.init_process_group(backend, init_method=f"tcp://{master_addr}:{master_port}", rank=self.rank,
                                 world_size=self.world, timeout=timedelta(seconds=self.cfg.runtime.timeout_s))
-        self.groups = ProcessGroups(self.rank, self.world, layouts, self.device.type)
+        self.placement = placement
+        all_keys = list(placement.mfc_keys.values()) + list(placement.canonical.values())
+        self.groups = AllocationGroups(self.rank, all_keys, self.device.type)
         self.tokenizer = common.tokenizer_for(self.cfg.actor.model)
         self.task = common.build_task(self.cfg.task)
-        self.roles = build_roles(self.cfg, self.tokenizer, self.task, self.device, parallelize=self._parallelize)
         self.workflow = build_workflow(self.cfg.algo, self.cfg.rollout)
         self.decode = partial(common.decode_response, self.tokenizer)
+        trained = {m.role for m in self.workflow if m.kind == MFCKind.TRAIN}
+        self.roles: dict[tuple[str, AllocKey], Any] = {}
+        for role in self.workflow.roles():
+            for key in placement.keys_of(role, self.workflow):
+                if key in self.groups:
+                    model = build_role_model(self.cfg, role, self.tokenizer, self.device)
+                    self._parallelize(role, key, model)
+                    trainable = role in trained and key == placement.canonical[role]
+                    self.roles[(role, key)] = make_role(self.cfg, role, model, self.task, trainable)
+        # Creating groups is collective: every rank builds every transfer's broadcast groups, in order.
+        self.bcast = [build_broadcast_groups(plan) for _, _, _, plan in placement.reallocs]
         return {"rank": self.rank, "pid": os.getpid(), "device": str(self.device)}
+
+    def _parallelize(self, role: str, key: AllocKey, model: torch.nn.Module | None) -> None:
+        if model is None:
+            return
+        check_layout(key.layout, model.config, len(key.devices), where=f"runtime.plan ({role})")
+        if key.tp > 1:
+            apply_tensor_parallel(model, self.groups[key].tp_mesh)
 
     def node_ip(self) -> str:
         import ray
 
         return ray.util.get_node_ip_address()
-
-    def _parallelize(self, name: str, model: torch.nn.Module) -> None:
-        groups = self.groups[name]
-        check_layout(groups.layout, model.config, self.world, where=f"runtime.layouts.{name}")
-        if groups.tp_size > 1:
-            apply_tensor_parallel(model, groups.tp_mesh)
 
     def free_port(self) -> int:
         import socket
@@ -147,47 +183,72 @@ class DeviceWorker:
         return meta
 
     def _context(self, mfc, call: MFCCall) -> OpContext:
-        role = self.roles[mfc.role] if mfc.role is not None else None
+        key = self.placement.mfc_keys[mfc.name]
+        role = self.roles[(mfc.role, key)] if mfc.role is not None else None
         sync = None
-        if mfc.kind == MFCKind.TRAIN and self.groups[mfc.role].dp_size > 1:
-            sync = partial(sync_gradients, dp_group=self.groups[mfc.role].dp_group)
+        if mfc.kind == MFCKind.TRAIN and key.dp > 1:
+            sync = partial(sync_gradients, dp_group=self.groups[key].dp_group)
         tok = self.tokenizer
         return OpContext(role, self.cfg.seed, call.iteration, tok.pad_token_id, tok.eos_token_id, self.decode,
                          train_steps=call.train_steps, sync_grads=sync)
+
+    def reallocate(self, index: int) -> dict:
+        """Move a role's weights from its canonical layout to another (every source and destination calls)."""
+        start = time.time()
+        role, src, dst, plan = self.placement.reallocs[index]
+        src_role, dst_role = self.roles.get((role, src)), self.roles.get((role, dst))
+        params = dict((src_role or dst_role).model.named_parameters())
+        src_tensors = {n: _local(p).detach() for n, p in params.items()} if src_role is not None else {}
+        out = execute_reallocation(plan, src_tensors, self.rank, groups=self.bcast[index],
+                                   dtypes={n: p.dtype for n, p in params.items()}, device=self.device)
+        if dst_role is not None:
+            with torch.no_grad():
+                for name, param in dst_role.model.named_parameters():
+                    _local(param).copy_(out[name])
+        return {"start": start, "end": time.time(), "rank": self.rank}
 
     def metrics(self, sample_ids: Sequence[int], inputs: Sequence[Any]) -> dict[str, float]:
         shards = _get(list(inputs))
         keys = ("response_ids", "prompt_text", "answer", "score", "kl")
         return rollout_metrics(gather_rows(shards, sample_ids, keys), self.decode, self.task)
 
-    def evaluate(self, examples: Sequence, publish: bool) -> dict[str, float] | None:
-        """Greedy evaluation of this worker's share; returns sums (only from publishing ranks)."""
-        out = evaluate_policy(self.roles["actor"].model, self.tokenizer, self.task, examples,
-                              self.cfg.rollout.max_new_tokens) if examples else {"exact_match": 0.0, "score": 0.0}
+    def evaluate(self, examples: Sequence, key: AllocKey, publish: bool) -> dict[str, float] | None:
+        """Greedy evaluation of this worker's share with the actor in allocation ``key``; sums."""
+        model = self.roles[("actor", key)].model
+        out = evaluate_policy(model, self.tokenizer, self.task, examples, self.cfg.rollout.max_new_tokens) \
+            if examples else {"exact_match": 0.0, "score": 0.0}
         return {k: v * len(examples) for k, v in out.items()} if publish else None
 
-    def save(self, run_dir: str, iteration: int, state: dict, keep_last: int) -> str | None:
-        """Gather full weights and optimizer states (collectives on every rank); rank 0 writes the checkpoint."""
+    # ----------------------------------------------------------------------------------- checkpoints
+    def export_role(self, role: str) -> dict:
+        """Full weights and optimizer state of a trained role (collective over its canonical mesh); the mesh's
+        first device publishes them for the checkpoint writer."""
+        handle = self.roles[(role, self.placement.canonical[role])]
+        weights = full_model_state(handle.model)
+        optim = FullOptimizerState(handle.model, handle.optimizer).state_dict()
+        if self.rank != self.placement.canonical[role].devices[0]:
+            return {}
+        model_cls = type(handle.model)
+        return {"state": (_put({"weights": weights, "optim": optim, "cls": model_cls,
+                                "config": handle.model.config}),)}
+
+    def save(self, run_dir: str, iteration: int, state: dict, keep_last: int, exports: dict) -> str:
+        """Write the checkpoint from the roles' exported states (this worker need not hold any of them)."""
         models, optims = {}, {}
-        for name, role in self.roles.items():
-            if role.optimizer is None:
-                continue
-            weights = full_model_state(role.model)
-            optims[name] = FullOptimizerState(role.model, role.optimizer,
-                                              gathered=FullOptimizerState(role.model, role.optimizer).state_dict())
-            if self.rank == 0:
-                models[name] = role.model if self.groups[name].tp_size == 1 else _plain_copy(role.model, weights)
-        path = None
-        if self.rank == 0:
-            path = str(save_checkpoint(Path(run_dir), iteration, models, self.tokenizer, optims, state,
-                                       keep_last=keep_last))
-        dist.barrier()
-        return path
+        for role, ref in exports.items():
+            got = _get(ref[0])
+            models[role] = _plain_copy(got["cls"], got["config"], got["weights"])
+            optims[role] = FullOptimizerState(models[role], None, gathered=got["optim"])
+        return str(save_checkpoint(Path(run_dir), iteration, models, self.tokenizer, optims, state,
+                                   keep_last=keep_last))
 
     def load(self, path: str) -> dict:
-        trainable = {n: r for n, r in self.roles.items() if r.optimizer is not None}
-        return load_checkpoint(Path(path), {n: r.model for n, r in trainable.items()},
-                               {n: FullOptimizerState(r.model, r.optimizer) for n, r in trainable.items()},
+        """Every holder of a trained role's canonical weights loads them (and its optimizer state)."""
+        trained = {m.role for m in self.workflow if m.kind == MFCKind.TRAIN}
+        mine = {role: self.roles[(role, key)] for role, key in self.placement.canonical.items()
+                if role in trained and (role, key) in self.roles}
+        return load_checkpoint(Path(path), {n: r.model for n, r in mine.items()},
+                               {n: FullOptimizerState(r.model, r.optimizer) for n, r in mine.items()},
                                restore_rng=self.rank == 0)
 
     def shutdown(self) -> None:
@@ -195,9 +256,9 @@ class DeviceWorker:
             dist.destroy_process_group()
 
 
-def _plain_copy(model, weights: dict[str, torch.Tensor]):
-    """An unsharded CPU copy of a tensor-parallel model holding its full weights (for save_pretrained)."""
-    plain = type(model)(model.config)
+def _plain_copy(model_cls, config, weights: dict[str, torch.Tensor]):
+    """An unsharded CPU model holding full weights, for save_pretrained."""
+    plain = model_cls(config)
     plain.load_state_dict(weights)
     return plain
 

@@ -11,11 +11,9 @@ Run:  loomrl train examples/ppo_sort.yaml loop.iterations=20
 
 from __future__ import annotations
 
-import copy
 import time
 from dataclasses import dataclass
 from functools import partial
-from typing import Callable
 from pathlib import Path
 
 import torch
@@ -57,34 +55,37 @@ def _named(field: str, build, *args):
         raise DataError(f"{field}: {err}") from None
 
 
-def build_roles(cfg: TrainConfig, tokenizer, task, device: torch.device,
-                parallelize: Callable[[str, torch.nn.Module], None] | None = None) -> dict[str, Role]:
-    """Actor (trainable), ref (frozen copy of the actor's start), critic (ppo), reward (rule and/or model).
-
-    ``parallelize(role, model)`` shards a model in place before its optimizer is created, so the optimizer
-    holds the sharded parameters.
-    """
-    actor = _named("actor.model", build_causal_lm, cfg.actor.model, tokenizer, cfg.seed).to(device)
-    models = {"actor": actor, "ref": copy.deepcopy(actor).eval().requires_grad_(False)}
-    if cfg.algo.name == "ppo":
+def build_role_model(cfg: TrainConfig, name: str, tokenizer, device: torch.device) -> torch.nn.Module | None:
+    """The initial model of one role (None for a rule-only reward); the same weights on every process."""
+    if name in ("actor", "ref"):  # the reference policy is the actor's starting point
+        model = _named("actor.model", build_causal_lm, cfg.actor.model, tokenizer, cfg.seed).to(device)
+        return model.eval().requires_grad_(False) if name == "ref" else model
+    if name == "critic":
         field = "critic.model" if cfg.critic.model else "actor.model"
-        critic = _named(field, build_value_model, cfg.critic.model or cfg.actor.model, tokenizer, cfg.seed + 1)
-        models["critic"] = critic.to(device)
-    if cfg.reward.source in ("model", "both"):
-        reward = _named("reward.model", build_value_model, cfg.reward.model, tokenizer, cfg.seed)
-        models["reward"] = reward.to(device).eval().requires_grad_(False)
-    for name, model in models.items():
-        if parallelize is not None:
-            parallelize(name, model)
-    optims = {"actor": cfg.actor.optim, "critic": cfg.critic.optim}
-    roles = {name: Role(name, model) for name, model in models.items()}
-    for name, optim in optims.items():
-        if name in roles:
-            roles[name].optimizer, roles[name].grad_clip = adamw(roles[name].model, optim), optim.grad_clip
-    rule = task.score if cfg.reward.source in ("rule", "both") else None
-    roles["reward"] = Role("reward", models.get("reward"), rule=rule, rule_weight=cfg.reward.rule_weight,
-                           model_weight=cfg.reward.model_weight)
-    return roles
+        return _named(field, build_value_model, cfg.critic.model or cfg.actor.model, tokenizer, cfg.seed + 1).to(device)
+    if name == "reward" and cfg.reward.source in ("model", "both"):
+        model = _named("reward.model", build_value_model, cfg.reward.model, tokenizer, cfg.seed).to(device)
+        return model.eval().requires_grad_(False)
+    return None
+
+
+def make_role(cfg: TrainConfig, name: str, model: torch.nn.Module | None, task, trainable: bool) -> Role:
+    """A role around an (already parallelised) model; trainable roles get their optimizer here."""
+    if name == "reward":
+        rule = task.score if cfg.reward.source in ("rule", "both") else None
+        return Role("reward", model, rule=rule, rule_weight=cfg.reward.rule_weight,
+                    model_weight=cfg.reward.model_weight)
+    optim = {"actor": cfg.actor.optim, "critic": cfg.critic.optim}.get(name)
+    if not trainable or optim is None:
+        return Role(name, model)
+    return Role(name, model, adamw(model, optim), optim.grad_clip)
+
+
+def build_roles(cfg: TrainConfig, tokenizer, task, device: torch.device) -> dict[str, Role]:
+    """Actor (trainable), ref (frozen copy of the actor's start), critic (ppo), reward (rule and/or model)."""
+    names = ["actor", "ref"] + (["critic"] if cfg.algo.name == "ppo" else []) + ["reward"]
+    return {name: make_role(cfg, name, build_role_model(cfg, name, tokenizer, device), task,
+                            trainable=name in ("actor", "critic")) for name in names}
 
 
 def make_executor(cfg: TrainConfig, workflow, tokenizer, task, device: torch.device):
@@ -92,7 +93,7 @@ def make_executor(cfg: TrainConfig, workflow, tokenizer, task, device: torch.dev
     if cfg.runtime.executor == "ray":
         from loomrl.runtime.ray_executor import RayExecutor  # imports Ray only when asked for
 
-        return RayExecutor(cfg, workflow)
+        return RayExecutor(cfg, workflow, tokenizer)
     roles = build_roles(cfg, tokenizer, task, device)
     decode = partial(common.decode_response, tokenizer)
     evaluate = partial(_evaluate, tokenizer=tokenizer, task=task, max_new_tokens=cfg.rollout.max_new_tokens)

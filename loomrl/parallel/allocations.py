@@ -1,0 +1,66 @@
+"""Communicators of every distinct allocation (device mesh + layout) of an execution plan.
+
+With per-call placement a role's calls may each use their own devices and layout, so groups are keyed by the
+allocation, not by the role. Creating a group is collective over the whole world: every rank builds every
+allocation's mesh, in the same (sorted) order, members or not; non-members just hold no coordinates.
+Ranks inside an allocation are tp-fastest: the allocation's rank r runs on device ``devices[r]`` with
+``dp_rank = r // tp`` and ``tp_rank = r % tp`` (pp = 1 here).
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch.distributed as dist
+from torch.distributed.device_mesh import DeviceMesh
+
+from loomrl.plan.layout import Layout
+
+
+@dataclass(frozen=True, order=True)
+class AllocKey:
+    """The identity of an allocation as far as communication and sharding go."""
+
+    devices: tuple[int, ...]
+    dp: int
+    tp: int
+
+    @property
+    def layout(self) -> Layout:
+        return Layout(dp=self.dp, tp=self.tp)
+
+    def rank_of(self, device: int) -> int | None:
+        return self.devices.index(device) if device in self.devices else None
+
+    def coords(self, device: int) -> tuple[int, int]:
+        """(dp_rank, tp_rank) of a member device."""
+        rank = self.devices.index(device)
+        return rank // self.tp, rank % self.tp
+
+
+@dataclass(frozen=True)
+class AllocGroups:
+    key: AllocKey
+    dp_group: dist.ProcessGroup | None
+    tp_mesh: DeviceMesh | None
+    dp_rank: int
+    tp_rank: int
+
+
+class AllocationGroups:
+    """``groups[key]`` for this device; every rank constructs it with the same keys."""
+
+    def __init__(self, device: int, keys: list[AllocKey], device_type: str):
+        self._groups: dict[AllocKey, AllocGroups] = {}
+        for key in sorted(set(keys)):
+            grid = [[key.devices[d * key.tp + t] for t in range(key.tp)] for d in range(key.dp)]
+            mesh = DeviceMesh(device_type, grid, mesh_dim_names=("dp", "tp"))
+            if device in key.devices:
+                dp_rank, tp_rank = key.coords(device)
+                self._groups[key] = AllocGroups(key, mesh.get_group("dp"), mesh["tp"], dp_rank, tp_rank)
+
+    def __getitem__(self, key: AllocKey) -> AllocGroups:
+        return self._groups[key]
+
+    def __contains__(self, key: AllocKey) -> bool:
+        return key in self._groups

@@ -1,0 +1,76 @@
+"""From an execution plan to what the runtime executes: allocation keys per MFC, canonical weights per role,
+and the parameter transfers between a role's allocations (planned once, before any worker starts)."""
+
+from __future__ import annotations
+
+import torch
+
+from loomrl.config import TrainConfig
+from loomrl.errors import ConfigError
+from loomrl.parallel.allocations import AllocKey
+from loomrl.plan import ClusterSpec, ExecutionPlan, colocate, make_plan, plan_reallocation
+from loomrl.plan.layout import Layout
+from loomrl.runtime.worker import RuntimePlacement
+from loomrl.workflow import MFCKind, Workflow
+
+
+def resolve_layouts(cfg: TrainConfig, roles, n: int) -> dict[str, Layout]:
+    """Each role's layout over ``n`` devices: as configured, else pure data parallelism."""
+    out = {}
+    for role in roles:
+        given = cfg.runtime.layouts.get(role)
+        tp = given.tp if given else 1
+        dp = given.dp if given and given.dp else n // tp
+        if dp * tp != n:
+            raise ConfigError(f"runtime.layouts.{role}: dp {dp} x tp {tp} = {dp * tp} does not match the {n} devices")
+        out[role] = Layout(dp=dp, tp=tp)
+    return out
+
+
+def execution_plan(cfg: TrainConfig, workflow: Workflow, cluster: ClusterSpec) -> ExecutionPlan:
+    """``runtime.plan`` if given, else every call on all devices with ``runtime.layouts`` (colocate)."""
+    if cfg.runtime.plan is not None:
+        return make_plan(cfg.runtime.plan, workflow, cluster)
+    return colocate(workflow, cluster, layouts=resolve_layouts(cfg, workflow.roles(), cluster.n_devices))
+
+
+def _key(alloc) -> AllocKey:
+    if alloc.layout.pp != 1:
+        raise ConfigError(f"runtime.plan: allocation {alloc.text} uses pp={alloc.layout.pp}; the runtime runs "
+                          "pipeline-parallel calls only inside the pipeline runner, not yet from plans (use pp=1)")
+    return AllocKey(tuple(alloc.mesh.devices), alloc.layout.dp, alloc.layout.tp)
+
+
+def param_shapes(cfg: TrainConfig, role: str, tokenizer) -> tuple[dict[str, tuple[int, ...]], int] | None:
+    """Full parameter shapes and layer count of a role's model, built on the meta device (no memory)."""
+    from loomrl.train.rl import build_role_model
+
+    with torch.device("meta"):
+        model = build_role_model(cfg, role, tokenizer, torch.device("meta"))
+    if model is None:
+        return None
+    return {n: tuple(p.shape) for n, p in model.named_parameters()}, model.config.num_hidden_layers
+
+
+def runtime_placement(plan: ExecutionPlan, workflow: Workflow, cluster: ClusterSpec, cfg: TrainConfig,
+                      tokenizer) -> RuntimePlacement:
+    mfc_keys = {m.name: _key(plan[m.name]) for m in workflow.topological_order()}
+    canonical = {}
+    for role in workflow.roles():
+        train = plan.canonical_layout(workflow, role)
+        first = next(m for m in workflow.topological_order() if m.role == role)
+        canonical[role] = _key(train) if train is not None else mfc_keys[first.name]
+    reallocs = []
+    for role in workflow.roles():
+        others = sorted({mfc_keys[m.name] for m in workflow.mfcs_of_role(role)} - {canonical[role]})
+        shapes = param_shapes(cfg, role, tokenizer) if others else None
+        for key in others if shapes is not None else ():
+            src, dst = canonical[role], key
+            transfer = plan_reallocation(shapes[0], shapes[1], (src.devices, src.layout), (dst.devices, dst.layout),
+                                         cluster.node_of)
+            reallocs.append((role, src, dst, transfer))
+    return RuntimePlacement(mfc_keys, canonical, tuple(reallocs))
+
+
+def trained_roles(workflow: Workflow) -> set[str]:
+    return {m.role for m in workflow if m.kind == MFCKind.TRAIN}
