@@ -267,8 +267,8 @@ def main() -> None:
     for pair, result in zip(pairs, measured["pairs"]):
         console.print(f"{pair.label}: {result['pieces']} network pieces, {result['bytes_local'] / 1e6:.1f} MB "
                       f"copied locally")
-    console.print(f"tp{args.world} → dp{args.world} is timed as a copy; returning to training only frees the "
-                  "generation shards (plan.free_after)")
+    console.print(f"tp{args.world} → dp{args.world} is timed as a copy; going back to training only frees "
+                  "the new shards (plan.free_after)")
 
 
 if __name__ == "__main__":

@@ -174,6 +174,8 @@ class RuntimeConfig(ValidatedConfig):
     """Execution plan of the 'ray' executor: colocate | interleave | separate[:N] | a placement string | a
     .json/.yaml plan file (see loomrl/plan/placement.py); None places every call on all devices with
     runtime.layouts. This runtime executes plans whose model calls each use all devices, one layout per role."""
+    verify_reallocation: bool = False
+    """Check every reallocated parameter piece against a checksum sent by its sender (costs a little time)."""
     ray_address: str | None = None
     """Address of an existing Ray cluster to join; None starts a local Ray instance bound to this machine."""
     device: str = spec("auto", choices=("auto", "cpu", "cuda"))

@@ -164,7 +164,8 @@ def test_an_exception_in_an_mfc_names_worker_role_and_mfc(tmp_path):
 def test_plans_match_the_reference(tmp_path, reference, plan, devices):
     """Every placement strategy computes the reference run: per-call meshes and layouts, reallocation of the
     actor between its training and generation layouts, shadow sync, concurrent calls on disjoint devices."""
-    cfg = _cfg(tmp_path, "plan", "runtime.executor=ray", f"runtime.devices={devices}")
+    cfg = _cfg(tmp_path, "plan", "runtime.executor=ray", f"runtime.devices={devices}",
+               "runtime.verify_reallocation=true")
     cfg = dataclasses.replace(cfg, runtime=dataclasses.replace(cfg.runtime, plan=plan))
     trainer = RLTrainer(cfg)
     if plan == "separate":

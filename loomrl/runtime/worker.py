@@ -200,7 +200,8 @@ class DeviceWorker:
         params = dict((src_role or dst_role).model.named_parameters())
         src_tensors = {n: _local(p).detach() for n, p in params.items()} if src_role is not None else {}
         out = execute_reallocation(plan, src_tensors, self.rank, groups=self.bcast[index],
-                                   dtypes={n: p.dtype for n, p in params.items()}, device=self.device)
+                                   dtypes={n: p.dtype for n, p in params.items()}, device=self.device,
+                                   verify=self.cfg.runtime.verify_reallocation)
         if dst_role is not None:
             with torch.no_grad():
                 for name, param in dst_role.model.named_parameters():
