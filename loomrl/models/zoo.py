@@ -92,6 +92,24 @@ def _unknown_model(name_or_path: str) -> DataError:
                      "nor a local checkpoint directory")
 
 
+def parameter_shapes(name_or_path: str, tokenizer: PreTrainedTokenizerBase, value: bool
+                     ) -> tuple[dict[str, tuple[int, ...]], int]:
+    """Parameter names and full shapes (and the layer count) of a zoo or checkpoint model, without building
+    its weights: the model is instantiated from its config on the meta device."""
+    if name_or_path in ZOO:
+        config = zoo_config(name_or_path, tokenizer)
+    elif _is_checkpoint_dir(name_or_path):
+        config = AutoConfig.from_pretrained(name_or_path)
+    else:
+        raise _unknown_model(name_or_path)
+    auto = AutoModelForSequenceClassification if value else AutoModelForCausalLM
+    if value:
+        config.num_labels = 1
+    with torch.device("meta"):
+        model = auto.from_config(config, attn_implementation=ATTN_IMPLEMENTATION)
+    return {n: tuple(p.shape) for n, p in model.named_parameters()}, config.num_hidden_layers
+
+
 def check_model_spec(name_or_path: str) -> None:
     """Raise the one-line DataError for a spec that is neither a zoo name nor a checkpoint directory."""
     if name_or_path not in ZOO and not _is_checkpoint_dir(name_or_path):

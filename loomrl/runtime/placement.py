@@ -3,10 +3,9 @@ and the parameter transfers between a role's allocations (planned once, before a
 
 from __future__ import annotations
 
-import torch
-
 from loomrl.config import TrainConfig
 from loomrl.errors import ConfigError
+from loomrl.models.zoo import parameter_shapes
 from loomrl.parallel.allocations import AllocKey
 from loomrl.plan import ClusterSpec, ExecutionPlan, colocate, make_plan, plan_reallocation
 from loomrl.plan.layout import Layout
@@ -42,14 +41,12 @@ def _key(alloc) -> AllocKey:
 
 
 def param_shapes(cfg: TrainConfig, role: str, tokenizer) -> tuple[dict[str, tuple[int, ...]], int] | None:
-    """Full parameter shapes and layer count of a role's model, built on the meta device (no memory)."""
-    from loomrl.train.rl import build_role_model
-
-    with torch.device("meta"):
-        model = build_role_model(cfg, role, tokenizer, torch.device("meta"))
-    if model is None:
+    """Full parameter shapes and layer count of a role's model, from its config alone (no weights)."""
+    spec = {"actor": cfg.actor.model, "ref": cfg.actor.model, "critic": cfg.critic.model or cfg.actor.model,
+            "reward": cfg.reward.model if cfg.reward.source in ("model", "both") else None}[role]
+    if spec is None:
         return None
-    return {n: tuple(p.shape) for n, p in model.named_parameters()}, model.config.num_hidden_layers
+    return parameter_shapes(spec, tokenizer, value=role in ("critic", "reward"))
 
 
 def runtime_placement(plan: ExecutionPlan, workflow: Workflow, cluster: ClusterSpec, cfg: TrainConfig,
