@@ -7,7 +7,8 @@ all ranks; its delivered rate, size × (world − 1) / time, is the bandwidth th
 against. Then, for several pairs of layouts on the mesh 0..world−1, the zoo model's parameter shapes (float32,
 random contents) are moved by :func:`loomrl.parallel.realloc_exec.execute_reallocation`: one warm-up run with
 checksum verification whose result every rank also compares with the direct slice of the full parameters,
-then timed repeats between barriers, the time of a repeat being the slowest rank's. Delivered rate =
+then timed repeats, every rank starting at one agreed instant of the machine's monotonic clock and a repeat
+lasting until the slowest rank has finished (the reference broadcast is timed the same way). Delivered rate =
 ``plan.bytes_moved(4)`` / time. The planner's own time is measured in the parent process, alone. The way
 back (tp → dp) is timed as a copy, though returning to the training layout in practice only frees buffers.
 """
@@ -121,23 +122,33 @@ def _shards(full: dict[str, torch.Tensor], placement: Placement, rank: int, num_
     return {name: part for name, part in parts.items() if part is not None}
 
 
-def _slowest(seconds: float) -> float:
-    """The largest of every rank's ``seconds``."""
-    value = torch.tensor([seconds], dtype=torch.float64)
-    dist.all_reduce(value, op=dist.ReduceOp.MAX)
-    return float(value)
+START_DELAY_S = 0.01
+"""How far ahead rank 0 sets the common start of a timed repeat."""
+
+
+def _common_start() -> float:
+    """An instant of ``time.perf_counter`` shortly ahead, the same on every rank.
+
+    Rank 0 picks it and broadcasts it; perf_counter is CLOCK_MONOTONIC, one clock for every process of this
+    machine. Starting every rank at one instant, rather than when each leaves a barrier (gloo releases them
+    up to several ms apart on a loaded machine), keeps the skew of the barrier out of the times.
+    """
+    start = torch.tensor([time.perf_counter() + START_DELAY_S], dtype=torch.float64)
+    dist.broadcast(start, src=0)
+    return float(start)
 
 
 def _best_time(fn, repeats: int) -> float:
-    """Best over ``repeats`` of the slowest rank's time of ``fn``, all ranks starting after a barrier."""
+    """Best over ``repeats`` of the time from a common start until the slowest rank has finished ``fn``."""
     best = float("inf")
     for _ in range(repeats):
         dist.barrier()
-        start = time.perf_counter()
+        start = _common_start()
+        time.sleep(max(0.0, start - time.perf_counter()))
         fn()
-        elapsed = time.perf_counter() - start
-        dist.barrier()
-        best = min(best, _slowest(elapsed))
+        elapsed = torch.tensor([time.perf_counter() - start], dtype=torch.float64)
+        dist.all_reduce(elapsed, op=dist.ReduceOp.MAX)  # the slowest rank's end
+        best = min(best, float(elapsed))
     return best
 
 

@@ -170,7 +170,10 @@ def _load_model_weights(role_dir: Path, model: PreTrainedModel) -> None:
     try:
         loaded = type(model).from_pretrained(role_dir, dtype=model.dtype)
         # The full-state-dict setter copies into plain and tensor-parallel (DTensor) parameters alike.
-        set_model_state_dict(model, loaded.state_dict(), options=StateDictOptions(full_state_dict=True, strict=True))
+        # A pipeline stage takes its own parameters (it holds a subset, under their global names).
+        own = set(model.state_dict())
+        weights = {k: v for k, v in loaded.state_dict().items() if k in own}
+        set_model_state_dict(model, weights, options=StateDictOptions(full_state_dict=True, strict=True))
     except (OSError, ValueError, RuntimeError, KeyError, SafetensorError) as exc:
         first_line = str(exc).strip().splitlines()[0] if str(exc).strip() else type(exc).__name__
         raise CheckpointError(f"{role_dir}: cannot load weights into {type(model).__name__} ({first_line})") from None

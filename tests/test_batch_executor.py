@@ -259,33 +259,38 @@ def test_executor_requires_every_role():
         _executor(_toy_mfcs([]), roles=("actor",))
 
 
-def _linear_role(name: str, seed: int) -> Role:
-    model = torch.nn.Linear(3, 1)
-    with torch.no_grad():
-        model.weight.copy_(torch.randn(1, 3, generator=torch.Generator().manual_seed(seed)))
+def _sequence_role(name: str, value: bool) -> Role:
+    from loomrl.models.tokenizer import build_char_tokenizer
+    from loomrl.models.zoo import build_causal_lm, build_value_model
+
+    build = build_value_model if value else build_causal_lm
+    model = build("llama-1m", build_char_tokenizer(), seed=0)
     return Role(name, model=model, optimizer=torch.optim.SGD(model.parameters(), lr=0.0), grad_clip=1e9)
 
 
-def _regression_loss(model: torch.nn.Module, prefix: str, scale: float, mb: Batch):
-    loss = scale * (model(mb["x"]).squeeze(-1) - mb["y"]).pow(2).mean()
+def _output_loss(prefix: str, scale: float, mb: Batch, outputs: torch.Tensor, packed):
+    loss = scale * outputs.float().pow(2).mean()
     return loss, {f"{prefix}/loss": loss.item()}
 
 
 def test_two_train_mfcs_keep_both_grad_norms():
-    roles = {"actor": _linear_role("actor", 0), "critic": _linear_role("critic", 1)}
+    roles = {"actor": _sequence_role("actor", value=False), "critic": _sequence_role("critic", value=True)}
+    with torch.no_grad():
+        torch.nn.init.normal_(roles["critic"].model.score.weight)  # the zoo starts the head at zero
 
     def train(ctx, batch, prefix, scale):
-        return train_loop(ctx, batch, loss_fn=partial(_regression_loss, ctx.role.model, prefix, scale))
+        return train_loop(ctx, batch, loss_fn=partial(_output_loss, prefix, scale))
 
-    mfcs = [MFC("actor_train", "actor", T, ("x", "y"), (), partial(train, prefix="actor", scale=1.0)),
-            MFC("critic_train", "critic", T, ("x", "y"), (), partial(train, prefix="critic", scale=100.0))]
-    executor = ReferenceExecutor(Workflow(mfcs, ("x", "y")), roles, seed=0, pad_id=0, eos_id=2, decode=str)
-    x = torch.randn(8, 3, generator=torch.Generator().manual_seed(0))
-    result = executor.run_iteration(0, Batch(range(8), {"x": x, "y": torch.ones(8)}))
+    seq = ("prompt_ids", "response_ids")
+    mfcs = [MFC("actor_train", "actor", T, seq, (), partial(train, prefix="actor", scale=1.0)),
+            MFC("critic_train", "critic", T, seq, (), partial(train, prefix="critic", scale=100.0))]
+    executor = ReferenceExecutor(Workflow(mfcs, seq), roles, seed=0, pad_id=0, eos_id=2, decode=str)
+    batch = Batch(range(4), {"prompt_ids": [[1, 5, 6]] * 4, "response_ids": [[7, 8], [9], [7, 7, 7], [8]]})
+    result = executor.run_iteration(0, batch)
     assert {"actor/loss", "critic/loss"} <= set(result.stats)
     grad_norms = sorted(v for k, v in result.stats.items() if "grad_norm" in k)
     # Two roles, two optimizer steps, two different gradient norms (the critic's loss is scaled by 100).
-    assert len(grad_norms) == 2, result.stats
+    assert len(grad_norms) == 2 and grad_norms[0] != grad_norms[1], result.stats
 
 
 def test_gather_rows_pads_per_token_columns_from_different_shards_to_one_width():

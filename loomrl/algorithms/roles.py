@@ -8,7 +8,7 @@ function, so the same functions run in the reference executor and on distributed
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import Callable
+from typing import Any, Callable
 
 import torch
 from transformers import PreTrainedModel
@@ -28,6 +28,8 @@ class Role:
     """A rule-based scorer (reward role); combined with the model's score by ``rule_weight``/``model_weight``."""
     rule_weight: float = 1.0
     model_weight: float = 1.0
+    pipeline: Any = None
+    """A ``loomrl.parallel.PipelineRunner`` when ``model`` is one pipeline stage; calls then go through it."""
 
     @property
     def device(self) -> torch.device:

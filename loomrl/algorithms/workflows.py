@@ -22,10 +22,10 @@ from loomrl.algorithms import losses as L
 from loomrl.algorithms.ops import generate_op, logprob_op, reward_op, train_loop, values_op
 from loomrl.algorithms.roles import OpContext
 from loomrl.config import AlgoConfig, RolloutConfig
-from loomrl.models.heads import token_logprobs_and_entropy, token_values
+from loomrl.models.heads import logprobs_and_entropy_from_logits
 from loomrl.rollout import SamplingParams
 from loomrl.workflow import MFC, MFCKind, Workflow
-from loomrl.workflow.batch import Batch, pack_sequences, response_columns
+from loomrl.workflow.batch import Batch, response_columns
 
 SOURCE_KEYS = ("prompt_ids", "prompt_text", "answer")
 
@@ -67,14 +67,16 @@ def reinforce_pp_advantages(ctx: OpContext, batch: Batch, algo: AlgoConfig) -> d
     return {"advantages": adv_BR, "kl": kl_BR}
 
 
-def _actor_loss(ctx: OpContext, mb: Batch, algo: AlgoConfig, temperature: float, old_key: str, kl_in_loss: bool):
-    ids_BL, attn_BL, plen_B = pack_sequences(mb["prompt_ids"], mb["response_ids"], ctx.pad_id, ctx.role.device)
-    mask_BR = mb["mask"].to(ctx.role.device)
+def _actor_loss(ctx: OpContext, mb: Batch, logits_BLV: torch.Tensor, packed: tuple, algo: AlgoConfig,
+                temperature: float, old_key: str, kl_in_loss: bool):
+    ids_BL, _, plen_B = packed
+    device = logits_BLV.device
+    mask_BR = mb["mask"].to(device)
     width = mask_BR.shape[1]
-    logp_BL1, ent_BL1 = token_logprobs_and_entropy(ctx.role.model, ids_BL, attn_BL, temperature)
+    logp_BL1, ent_BL1 = logprobs_and_entropy_from_logits(logits_BLV, ids_BL, temperature)
     logp_BR = response_columns(logp_BL1, plen_B, width)
-    adv_BR = mb["advantages"].to(ctx.role.device)
-    old_BR = mb[old_key].to(ctx.role.device)
+    adv_BR = mb["advantages"].to(device)
+    old_BR = mb[old_key].to(device)
     loss, stats = L.policy_loss(logp_BR, old_BR, adv_BR, mask_BR, algo.clip_eps, algo.clip_eps_high)
     stats = {f"actor/{k}": v for k, v in stats.items()}
     stats["actor/pg_loss"] = loss.item()
@@ -82,19 +84,19 @@ def _actor_loss(ctx: OpContext, mb: Batch, algo: AlgoConfig, temperature: float,
     stats["actor/entropy"] = entropy.item()
     loss = loss - algo.entropy_coef * entropy
     if kl_in_loss:
-        kl = L.kl_penalty_loss(logp_BR, mb["ref_logp"].to(ctx.role.device), mask_BR, algo.kl_estimator)
+        kl = L.kl_penalty_loss(logp_BR, mb["ref_logp"].to(device), mask_BR, algo.kl_estimator)
         stats["actor/kl_loss"] = kl.item()
         loss = loss + algo.kl_coef * kl
     return loss, stats
 
 
-def _critic_loss(ctx: OpContext, mb: Batch, algo: AlgoConfig):
-    ids_BL, attn_BL, plen_B = pack_sequences(mb["prompt_ids"], mb["response_ids"], ctx.pad_id, ctx.role.device)
-    mask_BR = mb["mask"].to(ctx.role.device)
-    values_BR = response_columns(token_values(ctx.role.model, ids_BL, attn_BL), plen_B, mask_BR.shape[1])
-    loss, stats = L.value_loss(
-        values_BR, mb["values"].to(ctx.role.device), mb["returns"].to(ctx.role.device), mask_BR, algo.value_clip_eps
-    )
+def _critic_loss(ctx: OpContext, mb: Batch, values_BL: torch.Tensor, packed: tuple, algo: AlgoConfig):
+    _, _, plen_B = packed
+    device = values_BL.device
+    mask_BR = mb["mask"].to(device)
+    values_BR = response_columns(values_BL, plen_B, mask_BR.shape[1])
+    loss, stats = L.value_loss(values_BR, mb["values"].to(device), mb["returns"].to(device), mask_BR,
+                               algo.value_clip_eps)
     return loss, {"critic/value_loss": loss.item(), **{f"critic/{k}": v for k, v in stats.items()}}
 
 

@@ -21,15 +21,36 @@ from transformers import PreTrainedModel
 _SCORE_HEAD_NAMES = ("score", "classifier")
 
 
-def _next_token_logits(lm: PreTrainedModel, input_ids_BL: torch.Tensor, attention_mask_BL: torch.Tensor,
-                       temperature: float) -> torch.Tensor:
+def _scaled_next_token_logits(logits_BLV: torch.Tensor, temperature: float) -> torch.Tensor:
     """Logits for positions 0..L-2 in float32, divided by the sampling temperature."""
     if temperature <= 0:
         raise ValueError(f"temperature must be > 0, got {temperature}")
-    logits_BLV = lm(input_ids=input_ids_BL, attention_mask=attention_mask_BL, use_cache=False).logits
     logits_BL1V = logits_BLV[:, :-1].float()
     # Log-probs must match what the sampler drew from, and the sampler divides by temperature.
     return logits_BL1V / temperature if temperature != 1.0 else logits_BL1V
+
+
+def logprobs_from_logits(logits_BLV: torch.Tensor, input_ids_BL: torch.Tensor,
+                         temperature: float = 1.0) -> torch.Tensor:
+    """logp_BL1: log p(token t+1 | tokens ≤ t) under softmax(logits / temperature), from a forward's logits."""
+    logits_BL1V = _scaled_next_token_logits(logits_BLV, temperature)
+    # gather − logsumexp avoids a second B×L×V tensor that log_softmax would allocate.
+    target_BL1 = input_ids_BL[:, 1:].unsqueeze(-1)
+    picked_BL1 = logits_BL1V.gather(-1, target_BL1).squeeze(-1)
+    return picked_BL1 - torch.logsumexp(logits_BL1V, dim=-1)
+
+
+def logprobs_and_entropy_from_logits(logits_BLV: torch.Tensor, input_ids_BL: torch.Tensor,
+                                     temperature: float = 1.0) -> tuple[torch.Tensor, torch.Tensor]:
+    """(logp_BL1, entropy_BL1) from a forward's logits."""
+    logits_BL1V = _scaled_next_token_logits(logits_BLV, temperature)
+    logz_BL1 = torch.logsumexp(logits_BL1V, dim=-1)
+    target_BL1 = input_ids_BL[:, 1:].unsqueeze(-1)
+    logp_BL1 = logits_BL1V.gather(-1, target_BL1).squeeze(-1) - logz_BL1
+    # H = logZ − Σ p·logit: one softmax tensor instead of both softmax and log_softmax.
+    probs_BL1V = torch.softmax(logits_BL1V, dim=-1)
+    entropy_BL1 = logz_BL1 - (probs_BL1V * logits_BL1V).sum(dim=-1)
+    return logp_BL1, entropy_BL1
 
 
 def token_logprobs(lm: PreTrainedModel, input_ids_BL: torch.Tensor, attention_mask_BL: torch.Tensor,
@@ -38,25 +59,28 @@ def token_logprobs(lm: PreTrainedModel, input_ids_BL: torch.Tensor, attention_ma
 
     Entries at padded positions are computed but meaningless; callers mask them.
     """
-    logits_BL1V = _next_token_logits(lm, input_ids_BL, attention_mask_BL, temperature)
-    # gather − logsumexp avoids a second B×L×V tensor that log_softmax would allocate.
-    target_BL1 = input_ids_BL[:, 1:].unsqueeze(-1)
-    picked_BL1 = logits_BL1V.gather(-1, target_BL1).squeeze(-1)
-    return picked_BL1 - torch.logsumexp(logits_BL1V, dim=-1)
+    logits_BLV = lm(input_ids=input_ids_BL, attention_mask=attention_mask_BL, use_cache=False).logits
+    return logprobs_from_logits(logits_BLV, input_ids_BL, temperature)
 
 
 def token_logprobs_and_entropy(lm: PreTrainedModel, input_ids_BL: torch.Tensor,
                                attention_mask_BL: torch.Tensor,
                                temperature: float = 1.0) -> tuple[torch.Tensor, torch.Tensor]:
     """(logp_BL1, entropy_BL1): next-token log-probs and the entropy of each next-token distribution."""
-    logits_BL1V = _next_token_logits(lm, input_ids_BL, attention_mask_BL, temperature)
-    logz_BL1 = torch.logsumexp(logits_BL1V, dim=-1)
-    target_BL1 = input_ids_BL[:, 1:].unsqueeze(-1)
-    logp_BL1 = logits_BL1V.gather(-1, target_BL1).squeeze(-1) - logz_BL1
-    # H = logZ − Σ p·logit: one softmax tensor instead of both softmax and log_softmax.
-    probs_BL1V = torch.softmax(logits_BL1V, dim=-1)
-    entropy_BL1 = logz_BL1 - (probs_BL1V * logits_BL1V).sum(dim=-1)
-    return logp_BL1, entropy_BL1
+    logits_BLV = lm(input_ids=input_ids_BL, attention_mask=attention_mask_BL, use_cache=False).logits
+    return logprobs_and_entropy_from_logits(logits_BLV, input_ids_BL, temperature)
+
+
+def is_value_model(model: nn.Module) -> bool:
+    return any(isinstance(getattr(model, name, None), nn.Linear) for name in _SCORE_HEAD_NAMES)
+
+
+def model_outputs(model: PreTrainedModel, input_ids_BL: torch.Tensor, attention_mask_BL: torch.Tensor) -> torch.Tensor:
+    """What a role's model produces per position: logits_BLV for a policy, values_BL for a value model (the
+    same thing a pipeline's last stage returns)."""
+    if is_value_model(model):
+        return token_values(model, input_ids_BL, attention_mask_BL)
+    return model(input_ids=input_ids_BL, attention_mask=attention_mask_BL, use_cache=False).logits
 
 
 def score_head(value_model: PreTrainedModel) -> nn.Linear:

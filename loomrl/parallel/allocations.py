@@ -3,8 +3,8 @@
 With per-call placement a role's calls may each use their own devices and layout, so groups are keyed by the
 allocation, not by the role. Creating a group is collective over the whole world: every rank builds every
 allocation's mesh, in the same (sorted) order, members or not; non-members just hold no coordinates.
-Ranks inside an allocation are tp-fastest: the allocation's rank r runs on device ``devices[r]`` with
-``dp_rank = r // tp`` and ``tp_rank = r % tp`` (pp = 1 here).
+Ranks inside an allocation are tp-fastest, pp-slowest: the allocation's rank r runs on device ``devices[r]``
+with ``r = pp_rank * (dp * tp) + dp_rank * tp + tp_rank``.
 """
 
 from __future__ import annotations
@@ -24,25 +24,30 @@ class AllocKey:
     devices: tuple[int, ...]
     dp: int
     tp: int
+    pp: int = 1
 
     @property
     def layout(self) -> Layout:
-        return Layout(dp=self.dp, tp=self.tp)
+        return Layout(dp=self.dp, tp=self.tp, pp=self.pp)
 
-    def rank_of(self, device: int) -> int | None:
-        return self.devices.index(device) if device in self.devices else None
-
-    def coords(self, device: int) -> tuple[int, int]:
-        """(dp_rank, tp_rank) of a member device."""
+    def coords(self, device: int) -> tuple[int, int, int]:
+        """(pp_rank, dp_rank, tp_rank) of a member device."""
         rank = self.devices.index(device)
-        return rank // self.tp, rank % self.tp
+        return rank // (self.dp * self.tp), rank % (self.dp * self.tp) // self.tp, rank % self.tp
+
+    def publishes(self, device: int) -> bool:
+        """One device per data-parallel replica reports results: tensor rank 0 of the last pipeline stage."""
+        pp_rank, _, tp_rank = self.coords(device)
+        return tp_rank == 0 and pp_rank == self.pp - 1
 
 
 @dataclass(frozen=True)
 class AllocGroups:
     key: AllocKey
-    dp_group: dist.ProcessGroup | None
-    tp_mesh: DeviceMesh | None
+    dp_group: dist.ProcessGroup
+    pp_group: dist.ProcessGroup
+    tp_mesh: DeviceMesh
+    pp_rank: int
     dp_rank: int
     tp_rank: int
 
@@ -53,11 +58,14 @@ class AllocationGroups:
     def __init__(self, device: int, keys: list[AllocKey], device_type: str):
         self._groups: dict[AllocKey, AllocGroups] = {}
         for key in sorted(set(keys)):
-            grid = [[key.devices[d * key.tp + t] for t in range(key.tp)] for d in range(key.dp)]
-            mesh = DeviceMesh(device_type, grid, mesh_dim_names=("dp", "tp"))
+            size = key.dp * key.tp
+            grid = [[[key.devices[p * size + d * key.tp + t] for t in range(key.tp)] for d in range(key.dp)]
+                    for p in range(key.pp)]
+            mesh = DeviceMesh(device_type, grid, mesh_dim_names=("pp", "dp", "tp"))
             if device in key.devices:
-                dp_rank, tp_rank = key.coords(device)
-                self._groups[key] = AllocGroups(key, mesh.get_group("dp"), mesh["tp"], dp_rank, tp_rank)
+                pp_rank, dp_rank, tp_rank = key.coords(device)
+                self._groups[key] = AllocGroups(key, mesh.get_group("dp"), mesh.get_group("pp"), mesh["tp"],
+                                                pp_rank, dp_rank, tp_rank)
 
     def __getitem__(self, key: AllocKey) -> AllocGroups:
         return self._groups[key]

@@ -9,10 +9,18 @@ travel in one byte buffer per route, a route being a sender and its receivers:
 - local pieces are copied within the device, and a destination shard identical to the source shard is the
   source tensor itself (the plan calls it aliased).
 
+The plan is compiled once per device into a :class:`ReallocSchedule` (:func:`compile_schedule`, cached by
+plan identity for as long as the plan lives). It groups a route's pieces by parameter into *entries*, and
+describes where an entry's elements lie in the device's flat source or destination shard as a few strided
+runs (pieces of one length at a constant step: the rows of a row-split weight) or, when the pieces are too
+irregular for that, as an int64 index tensor. Packing, unpacking and local copies then take one strided
+``copy_`` per run, or one ``index_select`` / ``index_copy_`` per entry, however many pieces it has.
+
 A route's buffer is raw bytes, so parameters of different dtypes share it: optionally a float64 header of
-``(sum, sum of squares)`` per piece for verification, then the pieces, grouped by element size (largest
-first, so every piece starts aligned for its dtype). Sender and receivers derive the same buffer layout
-from the plan; nothing but the bytes is exchanged.
+``(sum, sum of squares)`` per entry for verification, then the entries, grouped by element size (largest
+first, so every entry starts aligned for its dtype). Sender and receivers derive the same buffer layout from
+the plan; nothing but the bytes is exchanged. The schedule keeps its route buffers between calls (they hold
+nothing once a call returns); :func:`clear_schedules` drops them.
 
 Subgroups must be created collectively by every rank of the world, in the same order, before the transfer:
 :func:`build_broadcast_groups` does it; build once per plan and keep the result, as creating groups is slow.
@@ -21,9 +29,12 @@ Subgroups must be created collectively by every rank of the world, in the same o
 from __future__ import annotations
 
 import math
+import threading
+import weakref
 from bisect import bisect_right
 from collections import defaultdict
-from typing import Callable, Mapping, Sequence
+from dataclasses import dataclass, field
+from typing import Callable, Mapping, NamedTuple, Sequence
 
 import torch
 import torch.distributed as dist
@@ -36,9 +47,14 @@ Route = tuple[int, tuple[int, ...]]
 DtypeOf = Callable[[str], torch.dtype]
 """Parameter name → its dtype."""
 
-_CHECKSUM_BYTES = 16  # float64 sum and sum of squares per piece
+_CHECKSUM_BYTES = 16  # float64 sum and sum of squares per entry
 _RTOL = 1e-9
 """Relative tolerance of checksums: both sides sum the same values in the same order, so any slack is spare."""
+_MAX_RUNS = 8
+"""Most strided runs an entry side is always copied by (a Python call each)."""
+_MIN_RUN_NUMEL = 4096
+"""Beyond ``_MAX_RUNS`` runs, the least mean elements per run worth a call each; shorter runs are copied with
+an index tensor (8 bytes per element, kept with the schedule) instead."""
 
 
 class ReallocVerificationError(RuntimeError):
@@ -68,6 +84,210 @@ class _Locators:
         return offsets[i] + index - starts[i]
 
 
+# --------------------------------------------------------------------------------------------- the schedule
+class _Run(NamedTuple):
+    """``count`` pieces of ``length`` elements, ``stride`` apart from ``offset`` in a flat shard, that sit
+    at positions ``[pos, pos + count * length)`` of their entry."""
+
+    pos: int
+    count: int
+    length: int
+    offset: int
+    stride: int
+
+
+class _Side:
+    """Where an entry's elements lie, in entry order, in one device's flat (source or destination) shard."""
+
+    def __init__(self, spans: Sequence[tuple[int, int]]):
+        merged: list[list[int]] = []  # [offset, length] with touching spans joined
+        for offset, length in spans:
+            if merged and merged[-1][0] + merged[-1][1] == offset:
+                merged[-1][1] += length
+            else:
+                merged.append([offset, length])
+        self.runs = _runs(merged)
+        self._index: dict[torch.device, torch.Tensor] = {}
+        numel = sum(length for _, length in merged)
+        if len(self.runs) > _MAX_RUNS and numel < len(self.runs) * _MIN_RUN_NUMEL:
+            starts, lengths = (torch.tensor(column, dtype=torch.int64) for column in zip(*merged))
+            positions = torch.cumsum(lengths, 0) - lengths
+            shift = torch.repeat_interleave(starts - positions, lengths)
+            self._index[torch.device("cpu")] = shift + torch.arange(numel)
+            self.runs = ()
+
+    @property
+    def contiguous(self) -> bool:
+        return len(self.runs) == 1 and self.runs[0].count == 1
+
+    def index(self, device: torch.device) -> torch.Tensor | None:
+        """Element offsets on ``device``, or None when the side is copied by runs."""
+        if not self._index:
+            return None
+        if device not in self._index:
+            self._index[device] = self._index[torch.device("cpu")].to(device)
+        return self._index[device]
+
+
+def _runs(spans: Sequence[Sequence[int]]) -> tuple[_Run, ...]:
+    """Group increasing, non-touching ``(offset, length)`` spans into runs of one length and one step."""
+    runs: list[_Run] = []
+    pos = 0
+    for offset, length in spans:
+        last = runs[-1] if runs else None
+        if last is not None and last.length == length and (
+                offset == last.offset + last.count * last.stride if last.count > 1
+                else offset - last.offset >= length):
+            runs[-1] = last._replace(count=last.count + 1, stride=offset - last.offset if last.count == 1
+                                     else last.stride)
+        else:
+            runs.append(_Run(pos, 1, length, offset, length))
+        pos += length
+    return tuple(runs)
+
+
+@dataclass(frozen=True)
+class _Entry:
+    """The pieces of one parameter on one route (or copied locally), in plan order."""
+
+    param: str
+    sender: int
+    numel: int
+    pieces: int
+    span: Interval
+    """Lowest start and highest end of the pieces (for messages)."""
+    src: _Side | None
+    """Where the elements lie in the sender's source shard (None on receivers)."""
+    dst: _Side | None
+    """Where they go in the receiver's destination shard (None on the sender)."""
+
+
+@dataclass
+class _Placed:
+    """An entry in a route buffer: ``values`` is the typed view of the buffer that holds its elements."""
+
+    entry: _Entry
+    values: torch.Tensor
+    index: torch.Tensor | None
+    """This device's side of the entry as element offsets, on the buffer's device; or None, and then:"""
+    chunks: tuple[tuple[torch.Tensor, _Run], ...]
+    """``(count, length)`` views of ``values``, one per run of this device's side."""
+
+
+@dataclass
+class _RouteBuffer:
+    buffer: torch.Tensor
+    placed: list[_Placed]
+
+
+@dataclass
+class ReallocSchedule:
+    """What one device does for one plan, precomputed: see :func:`compile_schedule`."""
+
+    device: int
+    src_numel: dict[str, int]
+    """Elements of every source shard the device holds (non-empty ones)."""
+    dst_shapes: tuple[tuple[str, tuple[int, ...], bool], ...]
+    """``(param, local shape, aliased)`` of every destination shard of the device."""
+    routes: dict[Route, tuple[_Entry, ...]]
+    """The entries of every route the device sends or receives."""
+    local: tuple[_Entry, ...]
+    """Pieces copied within the device into new (not aliased) destination shards, per parameter."""
+    _buffers: tuple[tuple, dict[Route, _RouteBuffer]] | None = field(default=None, repr=False)
+    _lock: threading.Lock = field(default_factory=threading.Lock, repr=False)
+
+    def buffers(self, dtype_of: DtypeOf, verify: bool, device: torch.device) -> dict[Route, _RouteBuffer]:
+        """The route buffers for these dtypes, allocated on the first call and kept while the key holds."""
+        key = (tuple(dtype_of(e.param) for entries in self.routes.values() for e in entries), verify, device)
+        if self._buffers is None or self._buffers[0] != key:
+            self._buffers = key, _bind(self.routes, dtype_of, verify, device)
+        return self._buffers[1]
+
+
+_SCHEDULES: dict[tuple[int, int], tuple[weakref.ref, ReallocSchedule]] = {}
+
+
+def compile_schedule(plan: ReallocPlan, my_device: int) -> ReallocSchedule:
+    """``my_device``'s schedule of ``plan``: built on the first call, then cached while the plan lives."""
+    key = (id(plan), my_device)
+    hit = _SCHEDULES.get(key)
+    if hit is not None and hit[0]() is plan:
+        return hit[1]
+    schedule = _compile(plan, my_device)
+    _SCHEDULES[key] = weakref.ref(plan, lambda _, key=key: _SCHEDULES.pop(key, None)), schedule
+    return schedule
+
+
+def clear_schedules() -> None:
+    """Forget every cached schedule and its route buffers (they are rebuilt when next needed)."""
+    _SCHEDULES.clear()
+
+
+def _compile(plan: ReallocPlan, me: int) -> ReallocSchedule:
+    by_route: dict[Route, dict[str, list[Transfer]]] = defaultdict(dict)
+    local: dict[str, list[Transfer]] = {}
+    for t in plan.transfers:
+        if t.local:
+            if t.sender == me and not plan.aliased(me, t.param):
+                local.setdefault(t.param, []).append(t)
+        elif t.sender == me or me in t.receivers:
+            by_route[(t.sender, t.receivers)].setdefault(t.param, []).append(t)
+    src_at, dst_at = _Locators(plan.src_intervals, me), _Locators(plan.dst_intervals, me)
+    routes = {route: tuple(_entry(pieces, src_at if route[0] == me else None, None if route[0] == me else dst_at)
+                           for pieces in params.values())
+              for route, params in by_route.items()}
+    src_numel = {name: n for name in plan.shapes if (n := shard_numel(plan.src_intervals(me, name)))}
+    dst_shapes = []
+    if me in plan.dst.mesh:
+        rank = plan.dst.mesh.index(me)
+        for name, shape in plan.shapes.items():
+            local_shape = shard_shape(name, shape, plan.dst.layout, rank, plan.num_layers)
+            if local_shape is not None:
+                dst_shapes.append((name, local_shape, plan.aliased(me, name)))
+    local_entries = tuple(_entry(pieces, src_at, dst_at) for pieces in local.values())
+    return ReallocSchedule(me, src_numel, tuple(dst_shapes), routes, local_entries)
+
+
+def _entry(pieces: Sequence[Transfer], src_at: _Locators | None, dst_at: _Locators | None) -> _Entry:
+    """One parameter's pieces on one route; sides only for the locators given."""
+    first = pieces[0]
+
+    def side(at: _Locators | None) -> _Side | None:
+        return None if at is None else _Side([(at.offset(t.param, t.start), t.numel) for t in pieces])
+
+    return _Entry(first.param, first.sender, sum(t.numel for t in pieces), len(pieces),
+                  (first.start, pieces[-1].end), side(src_at), side(dst_at))
+
+
+def _bind(routes: Mapping[Route, Sequence[_Entry]], dtype_of: DtypeOf, verify: bool,
+          device: torch.device) -> dict[Route, _RouteBuffer]:
+    """A byte buffer per route: checksums (if verifying), then the entries, largest elements first."""
+    out = {}
+    for route, entries in routes.items():
+        # Largest elements first: each dtype group then starts aligned, and alignment below is a no-op.
+        ordered = sorted(entries, key=lambda e: -dtype_of(e.param).itemsize)
+        offset, offsets = _CHECKSUM_BYTES * len(ordered) if verify else 0, []
+        for entry in ordered:
+            size = dtype_of(entry.param).itemsize
+            offset = -(-offset // size) * size
+            offsets.append(offset)
+            offset += entry.numel * size
+        buffer = torch.empty(offset, dtype=torch.uint8, device=device)
+        placed = [_place(entry, buffer, start, dtype_of(entry.param)) for entry, start in zip(ordered, offsets)]
+        out[route] = _RouteBuffer(buffer, placed)
+    return out
+
+
+def _place(entry: _Entry, buffer: torch.Tensor, start: int, dtype: torch.dtype) -> _Placed:
+    """The entry at byte ``start`` of a route buffer, with views for this device's side (sender or receiver)."""
+    values = buffer[start:start + entry.numel * dtype.itemsize].view(dtype)
+    side = entry.src if entry.src is not None else entry.dst
+    chunks = tuple((values[run.pos:run.pos + run.count * run.length].view(run.count, run.length), run)
+                   for run in side.runs)
+    return _Placed(entry, values, side.index(buffer.device), chunks)
+
+
+# ---------------------------------------------------------------------------------------------- execution
 def build_broadcast_groups(plan: ReallocPlan, rank_of: Mapping[int, int] | None = None
                            ) -> dict[tuple[int, ...], dist.ProcessGroup]:
     """One process group per device set of the plan's broadcasts, keyed by that sorted device tuple.
@@ -93,32 +313,59 @@ def execute_reallocation(plan: ReallocPlan, src_tensors: Mapping[str, torch.Tens
     ``dtypes``: every parameter's dtype, which its source shards must have (all ranks must agree: a receiver
     may hold no source tensor to learn it from). ``groups``: from :func:`build_broadcast_groups`; built here
     (a world-wide collective) when None. ``device``: where new destination shards and buffers live.
-    ``verify``: compare every received piece with checksums computed by its sender, raising
-    :class:`ReallocVerificationError` naming the parameter.
+    ``verify``: compare every received entry (a parameter's pieces on one route) with checksums computed by
+    its sender, raising :class:`ReallocVerificationError` naming the parameter.
 
     Destination shards the plan marks aliased are views of the source tensors; all others are new tensors,
-    which :attr:`ReallocPlan.free_after` lists for release when returning to the source layout.
+    which :attr:`ReallocPlan.free_after` lists for release when returning to the source layout. The first call
+    with a plan compiles this device's schedule and route buffers, which later calls with the same plan
+    object reuse (see :func:`compile_schedule`).
     """
     dtype_of = _dtype_lookup(dtypes)
     if groups is None:
         groups = build_broadcast_groups(plan, rank_of)
-    src_flat = _source_views(plan, src_tensors, my_device, dtype_of)
-    out = _allocate_destination(plan, src_tensors, my_device, dtype_of, device)
+    schedule = compile_schedule(plan, my_device)
+    src_flat = _source_views(schedule, src_tensors, dtype_of)
+    out = _allocate_destination(schedule, src_tensors, dtype_of, device)
     dst_flat = {name: tensor.view(-1) for name, tensor in out.items()}
-    routes = _my_routes(plan, my_device)
-    sends = {route: _pack(plan, pieces, src_flat, my_device, dtype_of, verify, device)
-             for route, pieces in routes.items() if route[0] == my_device}
-    recvs = {route: torch.empty(_layout(pieces, dtype_of, verify)[1], dtype=torch.uint8, device=device)
-             for route, pieces in routes.items() if route[0] != my_device}
-    works = _start_point_to_point(sends, recvs, rank_of)
-    works += _start_broadcasts(sends, recvs, rank_of, groups)
-    local = [t for t in plan.transfers if t.local and t.sender == my_device and not plan.aliased(my_device, t.param)]
-    _copy_local(plan, local, src_flat, dst_flat, my_device)
-    for work in works:
-        work.wait()
-    for route, buffer in recvs.items():
-        _unpack(plan, routes[route], buffer, dst_flat, my_device, dtype_of, verify)
+    device = torch.device(device)
+    if schedule._lock.acquire(blocking=False):
+        try:
+            buffers = schedule.buffers(dtype_of, verify, device)
+            _transfer(schedule, buffers, src_flat, dst_flat, rank_of, groups, verify)
+        finally:
+            schedule._lock.release()
+    else:  # another thread runs this plan on this device: its buffers are busy, so use new ones
+        buffers = _bind(schedule.routes, dtype_of, verify, device)
+        _transfer(schedule, buffers, src_flat, dst_flat, rank_of, groups, verify)
     return out
+
+
+def _transfer(schedule: ReallocSchedule, buffers: Mapping[Route, _RouteBuffer],
+              src_flat: Mapping[str, torch.Tensor], dst_flat: Mapping[str, torch.Tensor],
+              rank_of: Mapping[int, int] | None, groups: Mapping[tuple[int, ...], dist.ProcessGroup],
+              verify: bool) -> None:
+    """Pack and send, copy local pieces while the network works, and unpack each route once it has arrived.
+
+    On CPU buffers (gloo), which match a receive with its send whenever either is posted, the point-to-point
+    receives are posted first, so no sender waits for a receiver that is still packing; other backends (NCCL)
+    need a device's sends and receives in one batch.
+    """
+    me = schedule.device
+    recvs = {route: rb.buffer for route, rb in buffers.items() if route[0] != me}
+    early = all(b.device.type == "cpu" for b in recvs.values())
+    started = _start_point_to_point({}, recvs, rank_of) if early else []
+    sends = {route: _pack(rb.buffer, rb.placed, src_flat, verify)
+             for route, rb in buffers.items() if route[0] == me}
+    started += _start_point_to_point(sends, {} if early else recvs, rank_of)
+    started += _start_broadcasts(sends, recvs, rank_of, groups)
+    _copy_local(schedule.local, src_flat, dst_flat)
+    for routes, work in started:
+        if work is not None:
+            work.wait()
+        for route in routes:
+            if route in recvs:
+                _unpack(recvs[route], buffers[route].placed, dst_flat, verify)
 
 
 def _rank(rank_of: Mapping[int, int] | None, device: int) -> int:
@@ -131,79 +378,71 @@ def _dtype_lookup(dtypes: torch.dtype | Mapping[str, torch.dtype]) -> DtypeOf:
     return lambda name: dtypes[name]
 
 
-def _source_views(plan: ReallocPlan, src_tensors: Mapping[str, torch.Tensor], my_device: int,
+def _source_views(schedule: ReallocSchedule, src_tensors: Mapping[str, torch.Tensor],
                   dtype_of: DtypeOf) -> dict[str, torch.Tensor]:
     """Flat views of this device's source shards, checked against the plan's source layout."""
     out = {}
-    for name in plan.shapes:
-        numel = shard_numel(plan.src_intervals(my_device, name))
-        if numel == 0:
-            continue
+    for name, numel in schedule.src_numel.items():
         if name not in src_tensors:
-            raise ValueError(f"{name}: device {my_device} holds a source shard but src_tensors has none")
+            raise ValueError(f"{name}: device {schedule.device} holds a source shard but src_tensors has none")
         tensor = src_tensors[name].detach()
         if tensor.numel() != numel or tensor.dtype != dtype_of(name):
-            raise ValueError(f"{name}: the source shard of device {my_device} should have {numel} elements of "
-                             f"{dtype_of(name)}, got {tensor.numel()} of {tensor.dtype}")
+            raise ValueError(f"{name}: the source shard of device {schedule.device} should have {numel} "
+                             f"elements of {dtype_of(name)}, got {tensor.numel()} of {tensor.dtype}")
         out[name] = tensor.reshape(-1)
     return out
 
 
-def _allocate_destination(plan: ReallocPlan, src_tensors: Mapping[str, torch.Tensor], my_device: int,
+def _allocate_destination(schedule: ReallocSchedule, src_tensors: Mapping[str, torch.Tensor],
                           dtype_of: DtypeOf, device: torch.device | str) -> dict[str, torch.Tensor]:
     """This device's destination shards: the source tensor where aliased, else new (uninitialised) tensors."""
     out: dict[str, torch.Tensor] = {}
-    if my_device not in plan.dst.mesh:
-        return out
-    rank = plan.dst.mesh.index(my_device)
-    for name, shape in plan.shapes.items():
-        local_shape = shard_shape(name, shape, plan.dst.layout, rank, plan.num_layers)
-        if local_shape is None:
-            continue
-        if plan.aliased(my_device, name):
+    for name, local_shape, aliased in schedule.dst_shapes:
+        if aliased:
             out[name] = src_tensors[name].detach().reshape(local_shape)
         else:
             out[name] = torch.empty(local_shape, dtype=dtype_of(name), device=device)
     return out
 
 
-def _my_routes(plan: ReallocPlan, my_device: int) -> dict[Route, list[Transfer]]:
-    """The non-local pieces this device sends or receives, per route, in plan order."""
-    routes: dict[Route, list[Transfer]] = defaultdict(list)
-    for t in plan.transfers:
-        if not t.local and (t.sender == my_device or my_device in t.receivers):
-            routes[(t.sender, t.receivers)].append(t)
-    return dict(routes)
+# ------------------------------------------------------------------------------------------ moving values
+def _strided(flat: torch.Tensor, run: _Run) -> torch.Tensor:
+    """The run's elements of a contiguous flat shard, as a ``(count, length)`` view."""
+    return flat.as_strided((run.count, run.length), (run.stride, 1), flat.storage_offset() + run.offset)
 
 
-def _layout(pieces: Sequence[Transfer], dtype_of: DtypeOf, verify: bool
-            ) -> tuple[list[tuple[Transfer, int]], int]:
-    """``(piece, byte offset)`` in buffer order, and the buffer's size in bytes; the same on both ends."""
-    offset = _CHECKSUM_BYTES * len(pieces) if verify else 0
-    placed = []
-    # Largest elements first: each dtype group then starts aligned, and alignment below is a no-op.
-    for piece in sorted(pieces, key=lambda t: -dtype_of(t.param).itemsize):
-        size = dtype_of(piece.param).itemsize
-        offset = -(-offset // size) * size
-        placed.append((piece, offset))
-        offset += piece.numel * size
-    return placed, offset
+def _gather(flat: torch.Tensor, side: _Side, out: torch.Tensor) -> None:
+    """Copy the side's elements of ``flat``, in entry order, into the contiguous 1-D ``out``."""
+    index = side.index(flat.device)
+    if index is not None:
+        torch.index_select(flat, 0, index, out=out)
+        return
+    for run in side.runs:
+        out[run.pos:run.pos + run.count * run.length].view(run.count, run.length).copy_(_strided(flat, run))
 
 
-def _pack(plan: ReallocPlan, pieces: Sequence[Transfer], src_flat: Mapping[str, torch.Tensor], my_device: int,
-          dtype_of: DtypeOf, verify: bool, device: torch.device | str) -> torch.Tensor:
-    """The byte buffer of one route this device sends: checksums (if verifying), then every piece."""
-    placed, nbytes = _layout(pieces, dtype_of, verify)
-    buffer = torch.empty(nbytes, dtype=torch.uint8, device=device)
-    sums = buffer[:_CHECKSUM_BYTES * len(pieces)].view(torch.float64).view(-1, 2) if verify else None
-    src_at = _Locators(plan.src_intervals, my_device)
-    for index, (piece, offset) in enumerate(placed):
-        start = src_at.offset(piece.param, piece.start)
-        values = src_flat[piece.param][start:start + piece.numel]
-        dtype = dtype_of(piece.param)
-        buffer[offset:offset + piece.numel * dtype.itemsize].view(dtype).copy_(values)
+def _scatter(flat: torch.Tensor, side: _Side, values: torch.Tensor) -> None:
+    """Write ``values`` (1-D, entry order) to the side's elements of ``flat``."""
+    index = side.index(flat.device)
+    if index is not None:
+        flat.index_copy_(0, index, values)
+        return
+    for run in side.runs:
+        _strided(flat, run).copy_(values[run.pos:run.pos + run.count * run.length].view(run.count, run.length))
+
+
+def _pack(buffer: torch.Tensor, placed: Sequence[_Placed], src_flat: Mapping[str, torch.Tensor],
+          verify: bool) -> torch.Tensor:
+    """Fill the byte buffer of one route this device sends: checksums (if verifying), then every entry."""
+    sums = buffer[:_CHECKSUM_BYTES * len(placed)].view(torch.float64).view(-1, 2) if verify else None
+    for index, item in enumerate(placed):
+        flat = src_flat[item.entry.param]
+        if item.index is not None:
+            torch.index_select(flat, 0, item.index, out=item.values)
+        for view, run in item.chunks:
+            view.copy_(_strided(flat, run))
         if sums is not None:
-            sums[index] = _checksum(values)
+            sums[index] = _checksum(item.values)
     return buffer
 
 
@@ -212,64 +451,86 @@ def _checksum(values: torch.Tensor) -> torch.Tensor:
     return torch.stack([wide.sum(), (wide * wide).sum()])
 
 
+Started = list[tuple[tuple[Route, ...], "dist.Work | None"]]
+"""Works to wait on in order, each with the routes complete once it (and every work before it) is done."""
+
+
 def _start_point_to_point(sends: Mapping[Route, torch.Tensor], recvs: Mapping[Route, torch.Tensor],
-                          rank_of: Mapping[int, int] | None) -> list:
-    """Start every single-receiver route in one batch; returns the works to wait on."""
-    ops = [dist.P2POp(dist.isend, buffer, _rank(rank_of, receivers[0]))
-           for (_, receivers), buffer in sends.items() if len(receivers) == 1]
-    ops += [dist.P2POp(dist.irecv, buffer, _rank(rank_of, sender))
-            for (sender, receivers), buffer in recvs.items() if len(receivers) == 1]
-    return list(dist.batch_isend_irecv(ops)) if ops else []
+                          rank_of: Mapping[int, int] | None) -> Started:
+    """Start every single-receiver route given in one batch."""
+    ops, routes = [], []
+    for route, buffer in sends.items():
+        if len(route[1]) == 1:
+            ops.append(dist.P2POp(dist.isend, buffer, _rank(rank_of, route[1][0])))
+            routes.append(route)
+    for route, buffer in recvs.items():
+        if len(route[1]) == 1:
+            ops.append(dist.P2POp(dist.irecv, buffer, _rank(rank_of, route[0])))
+            routes.append(route)
+    works = list(dist.batch_isend_irecv(ops)) if ops else []
+    if len(works) == len(ops):  # a work per operation (gloo)
+        return [((route,), work) for route, work in zip(routes, works)]
+    return [((), work) for work in works] + [(tuple(routes), None)]  # coalesced (NCCL): done when all are
 
 
 def _start_broadcasts(sends: Mapping[Route, torch.Tensor], recvs: Mapping[Route, torch.Tensor],
                       rank_of: Mapping[int, int] | None, groups: Mapping[tuple[int, ...], dist.ProcessGroup]
-                      ) -> list:
+                      ) -> Started:
     """Start this device's multi-receiver routes, in the sorted route order every rank shares."""
     buffers = {route: buf for route, buf in (*sends.items(), *recvs.items()) if len(route[1]) > 1}
     works = []
     for route in sorted(buffers):
         sender, receivers = route
         group = groups[tuple(sorted((sender, *receivers)))]
-        works.append(dist.broadcast(buffers[route], src=_rank(rank_of, sender), group=group, async_op=True))
+        works.append(((route,), dist.broadcast(buffers[route], src=_rank(rank_of, sender), group=group,
+                                               async_op=True)))
     return works
 
 
-def _copy_local(plan: ReallocPlan, pieces: Sequence[Transfer], src_flat: Mapping[str, torch.Tensor],
-                dst_flat: Mapping[str, torch.Tensor], my_device: int) -> None:
+def _copy_local(entries: Sequence[_Entry], src_flat: Mapping[str, torch.Tensor],
+                dst_flat: Mapping[str, torch.Tensor]) -> None:
     """Copy the pieces this device already holds into its new destination shards."""
-    src_at = _Locators(plan.src_intervals, my_device)
-    dst_at = _Locators(plan.dst_intervals, my_device)
-    for piece in pieces:
-        src_start, dst_start = src_at.offset(piece.param, piece.start), dst_at.offset(piece.param, piece.start)
-        dst_flat[piece.param][dst_start:dst_start + piece.numel].copy_(
-            src_flat[piece.param][src_start:src_start + piece.numel])
+    for entry in entries:
+        src, dst = src_flat[entry.param], dst_flat[entry.param]
+        if entry.src.contiguous:
+            start = entry.src.runs[0].offset
+            _scatter(dst, entry.dst, src[start:start + entry.numel])
+        elif entry.dst.contiguous:
+            start = entry.dst.runs[0].offset
+            _gather(src, entry.src, dst[start:start + entry.numel])
+        else:
+            values = torch.empty(entry.numel, dtype=src.dtype, device=src.device)
+            _gather(src, entry.src, values)
+            _scatter(dst, entry.dst, values)
 
 
-def _unpack(plan: ReallocPlan, pieces: Sequence[Transfer], buffer: torch.Tensor,
-            dst_flat: Mapping[str, torch.Tensor], my_device: int, dtype_of: DtypeOf, verify: bool) -> None:
-    """Place a received route's pieces in the destination shards, checking them against the sender's sums."""
-    placed, _ = _layout(pieces, dtype_of, verify)
-    sums = buffer[:_CHECKSUM_BYTES * len(pieces)].view(torch.float64).view(-1, 2) if verify else None
-    dst_at = _Locators(plan.dst_intervals, my_device)
-    for index, (piece, offset) in enumerate(placed):
-        start = dst_at.offset(piece.param, piece.start)
-        dtype = dtype_of(piece.param)
-        target = dst_flat[piece.param][start:start + piece.numel]
-        target.copy_(buffer[offset:offset + piece.numel * dtype.itemsize].view(dtype))
+def _unpack(buffer: torch.Tensor, placed: Sequence[_Placed], dst_flat: Mapping[str, torch.Tensor],
+            verify: bool) -> None:
+    """Place a received route's entries in the destination shards, checking them against the sender's sums."""
+    sums = buffer[:_CHECKSUM_BYTES * len(placed)].view(torch.float64).view(-1, 2) if verify else None
+    for index, item in enumerate(placed):
+        target = dst_flat[item.entry.param]
+        if item.index is not None:
+            target.index_copy_(0, item.index, item.values)
+        for view, run in item.chunks:
+            _strided(target, run).copy_(view)
         if sums is not None:
-            _check(piece, sums[index], _checksum(target))
+            landed = torch.empty_like(item.values)
+            _gather(target, item.entry.dst, landed)  # read back what landed, in the sender's order
+            _check(item.entry, sums[index], _checksum(landed))
 
 
-def _check(piece: Transfer, expected: torch.Tensor, actual: torch.Tensor) -> None:
-    """Raise unless the receiver's (sum, sum of squares) of a piece matches its sender's."""
+def _check(entry: _Entry, expected: torch.Tensor, actual: torch.Tensor) -> None:
+    """Raise unless the receiver's (sum, sum of squares) of an entry matches its sender's."""
     exp_sum, exp_sq = expected.tolist()
     got_sum, got_sq = actual.tolist()
-    scale = (piece.numel * abs(exp_sq)) ** 0.5  # bounds the sum of |values|
+    scale = (entry.numel * abs(exp_sq)) ** 0.5  # bounds the sum of |values|
     if not (_close(got_sum, exp_sum, _RTOL * scale) and _close(got_sq, exp_sq, _RTOL * abs(exp_sq))):
+        lo, hi = entry.span
         raise ReallocVerificationError(
-            f"{piece.param}: elements [{piece.start}, {piece.end}) from device {piece.sender} fail verification "
-            f"(sum {got_sum!r} vs {exp_sum!r}, sum of squares {got_sq!r} vs {exp_sq!r})")
+            f"{entry.param}: {entry.numel} elements in {entry.pieces} piece(s) within [{lo}, {hi}) from device "
+            f"{entry.sender} fail verification (sum {got_sum!r} vs {exp_sum!r}, sum of squares {got_sq!r} vs "
+            f"{exp_sq!r})")
 
 
 def _close(got: float, expected: float, tol: float) -> bool:

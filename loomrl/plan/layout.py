@@ -29,7 +29,7 @@ class Layout:
     tp: int = 1
     """Tensor-parallel shards of every attention and MLP block (heads and MLP columns split)."""
     pp: int = 1
-    """Pipeline stages (layers split); only 1 is supported so far."""
+    """Pipeline stages: contiguous, equal ranges of decoder layers (Llama, Qwen2; not combined with tp yet)."""
 
     def __post_init__(self) -> None:
         for name in ("dp", "tp", "pp"):
@@ -52,7 +52,7 @@ def check_layout(layout: Layout, config: object, devices: int, where: str = "lay
         raise ConfigError(f"{where}: dp={layout.dp} × tp={layout.tp} × pp={layout.pp} = {layout.size} "
                           f"devices, but the mesh has {devices}")
     if layout.pp > 1:
-        raise ConfigError(f"{where}.pp: {layout.pp} is not supported yet (pipeline parallelism must be 1)")
+        _check_pipeline(layout, config, where)
     if layout.tp == 1:
         return
     model_type = getattr(config, "model_type", None)
@@ -65,3 +65,15 @@ def check_layout(layout: Layout, config: object, devices: int, where: str = "lay
             raise ConfigError(f"{where}.tp: {layout.tp} cannot be checked: the model config has no {field}")
         if value % layout.tp:
             raise ConfigError(f"{where}.tp: {layout.tp} does not divide {field}={value}")
+
+
+def _check_pipeline(layout: Layout, config: object, where: str) -> None:
+    model_type = getattr(config, "model_type", None)
+    if model_type not in TP_ARCHITECTURES:
+        raise ConfigError(f"{where}.pp: {layout.pp} needs one of the architectures {', '.join(TP_ARCHITECTURES)}; "
+                          f"model_type '{model_type}' supports only pp=1")
+    if layout.tp > 1:
+        raise ConfigError(f"{where}: pp={layout.pp} with tp={layout.tp} is not supported yet (use pp with dp only)")
+    layers = getattr(config, "num_hidden_layers", None)
+    if not layers or layers % layout.pp:
+        raise ConfigError(f"{where}.pp: {layout.pp} does not divide num_hidden_layers={layers}")

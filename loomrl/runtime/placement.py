@@ -34,10 +34,7 @@ def execution_plan(cfg: TrainConfig, workflow: Workflow, cluster: ClusterSpec) -
 
 
 def _key(alloc) -> AllocKey:
-    if alloc.layout.pp != 1:
-        raise ConfigError(f"runtime.plan: allocation {alloc.text} uses pp={alloc.layout.pp}; the runtime runs "
-                          "pipeline-parallel calls only inside the pipeline runner, not yet from plans (use pp=1)")
-    return AllocKey(tuple(alloc.mesh.devices), alloc.layout.dp, alloc.layout.tp)
+    return AllocKey(tuple(alloc.mesh.devices), alloc.layout.dp, alloc.layout.tp, alloc.layout.pp)
 
 
 def param_shapes(cfg: TrainConfig, role: str, tokenizer) -> tuple[dict[str, tuple[int, ...]], int] | None:
@@ -52,6 +49,10 @@ def param_shapes(cfg: TrainConfig, role: str, tokenizer) -> tuple[dict[str, tupl
 def runtime_placement(plan: ExecutionPlan, workflow: Workflow, cluster: ClusterSpec, cfg: TrainConfig,
                       tokenizer) -> RuntimePlacement:
     mfc_keys = {m.name: _key(plan[m.name]) for m in workflow.topological_order()}
+    for m in workflow.topological_order():
+        if m.kind == MFCKind.GENERATE and mfc_keys[m.name].pp > 1:
+            raise ConfigError(f"runtime.plan: MFC '{m.name}' generates with pp={mfc_keys[m.name].pp}; generation "
+                              "runs with pp=1 (the plan's reallocation moves the weights into that layout)")
     canonical = {}
     for role in workflow.roles():
         train = plan.canonical_layout(workflow, role)

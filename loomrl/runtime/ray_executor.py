@@ -264,7 +264,7 @@ class RayExecutor:
         else:
             for part in split_by_tokens(range(len(ids)), counts, key.dp):
                 per_dp.append((tuple(ids[r] for r in part), ()))
-        return {device: (*per_dp[rank // key.tp], rank % key.tp == 0) for rank, device in enumerate(key.devices)}
+        return {device: (*per_dp[key.coords(device)[1]], key.publishes(device)) for device in key.devices}
 
     def _refresh(self, role: str | None, key: AllocKey, pending: dict) -> None:
         """Reallocate ``role``'s weights into allocation ``key`` if that copy is older than the weights."""
@@ -321,8 +321,8 @@ class RayExecutor:
         while pending:
             self._wait_one(pending, deadline)
         shares = [list(examples[d::key.dp]) for d in range(key.dp)]
-        refs = [self.workers[dev].evaluate.remote(shares[r // key.tp], key, r % key.tp == 0)
-                for r, dev in enumerate(key.devices)]
+        refs = [self.workers[dev].evaluate.remote(shares[key.coords(dev)[1]], key, key.publishes(dev))
+                for dev in key.devices]
         sums: dict[str, float] = {}
         for out in self._wait(refs, "evaluation", "actor", key.devices):
             for name, value in (out or {}).items():
@@ -335,7 +335,7 @@ class RayExecutor:
             devices = self.placement.canonical[role].devices
             metas = self._wait([self.workers[d].export_role.remote(role) for d in devices], "checkpoint export",
                                role, devices)
-            exports[role] = next(m["state"] for m in metas if "state" in m)
+            exports[role] = [m["state"] for m in metas if "state" in m]
         ref = self.workers[0].save.remote(str(run_dir), iteration, dict(state), keep_last, exports)
         return Path(self._wait([ref], "checkpoint save", None)[0])
 

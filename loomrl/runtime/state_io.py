@@ -45,9 +45,24 @@ class FullOptimizerState:
         return _to_cpu(get_optimizer_state_dict(self.model, self.optimizer, options=FULL))
 
     def load_state_dict(self, state: dict[str, Any]) -> None:
+        """Load the states of this model's parameters (a pipeline stage takes its own from the full state)."""
+        own = {name for name, _ in self.model.named_parameters()}
+        state = {"state": {k: v for k, v in state["state"].items() if k in own},
+                 "param_groups": [{**g, "params": [p for p in g["params"] if p in own]} for g in state["param_groups"]]}
         set_optimizer_state_dict(self.model, self.optimizer, state, options=StateDictOptions(full_state_dict=True))
 
 
 def full_model_state(model: torch.nn.Module) -> dict[str, torch.Tensor]:
     """Every parameter and buffer as a full CPU tensor (collective under tensor parallelism)."""
     return _to_cpu(get_model_state_dict(model, options=FULL))
+
+
+def merge_optimizer_states(parts: list[dict[str, Any]]) -> dict[str, Any]:
+    """One full optimizer state from the states of disjoint parameter sets (the stages of a pipeline)."""
+    merged = {"state": {}, "param_groups": [dict(g, params=list(g["params"])) for g in parts[0]["param_groups"]]}
+    for part in parts:
+        merged["state"].update(part["state"])
+    for part in parts[1:]:
+        for group, extra in zip(merged["param_groups"], part["param_groups"]):
+            group["params"] += [p for p in extra["params"] if p not in group["params"]]
+    return merged

@@ -29,7 +29,9 @@ from loomrl.launch import quiet_libraries
 from loomrl.parallel import apply_tensor_parallel, build_broadcast_groups, check_layout, execute_reallocation, sync_gradients
 from loomrl.parallel.allocations import AllocationGroups, AllocKey
 from loomrl.plan.realloc_plan import ReallocPlan
-from loomrl.runtime.state_io import FullOptimizerState, full_model_state
+from loomrl.parallel.pipeline import split_stages
+from loomrl.parallel.pipeline_schedule import PipelineRunner
+from loomrl.runtime.state_io import FullOptimizerState, full_model_state, merge_optimizer_states
 from loomrl.train import common
 from loomrl.train.evaluate import evaluate_policy
 from loomrl.train.metrics import rollout_metrics
@@ -135,19 +137,27 @@ class DeviceWorker:
             for key in placement.keys_of(role, self.workflow):
                 if key in self.groups:
                     model = build_role_model(self.cfg, role, self.tokenizer, self.device)
-                    self._parallelize(role, key, model)
+                    model, pipeline = self._parallelize(role, key, model)
                     trainable = role in trained and key == placement.canonical[role]
                     self.roles[(role, key)] = make_role(self.cfg, role, model, self.task, trainable)
+                    self.roles[(role, key)].pipeline = pipeline
         # Creating groups is collective: every rank builds every transfer's broadcast groups, in order.
         self.bcast = [build_broadcast_groups(plan) for _, _, _, plan in placement.reallocs]
         return {"rank": self.rank, "pid": os.getpid(), "device": str(self.device)}
 
-    def _parallelize(self, role: str, key: AllocKey, model: torch.nn.Module | None) -> None:
+    def _parallelize(self, role: str, key: AllocKey, model: torch.nn.Module | None):
+        """Shard a freshly built model for allocation ``key`` (before any optimizer sees its parameters);
+        returns the model this device keeps and, for pipeline stages, the runner that drives them."""
         if model is None:
-            return
+            return None, None
         check_layout(key.layout, model.config, len(key.devices), where=f"runtime.plan ({role})")
+        groups = self.groups[key]
+        if key.pp > 1:
+            stage = split_stages(model, groups.pp_rank, key.pp)
+            return stage.model, PipelineRunner(stage, groups.pp_group, groups.pp_rank, key.pp)
         if key.tp > 1:
-            apply_tensor_parallel(model, self.groups[key].tp_mesh)
+            apply_tensor_parallel(model, groups.tp_mesh)
+        return model, None
 
     def node_ip(self) -> str:
         import ray
@@ -197,10 +207,10 @@ class DeviceWorker:
         start = time.time()
         role, src, dst, plan = self.placement.reallocs[index]
         src_role, dst_role = self.roles.get((role, src)), self.roles.get((role, dst))
-        params = dict((src_role or dst_role).model.named_parameters())
-        src_tensors = {n: _local(p).detach() for n, p in params.items()} if src_role is not None else {}
-        out = execute_reallocation(plan, src_tensors, self.rank, groups=self.bcast[index],
-                                   dtypes={n: p.dtype for n, p in params.items()}, device=self.device,
+        dtype = next((src_role or dst_role).model.parameters()).dtype
+        src_tensors = {n: _local(p).detach() for n, p in src_role.model.named_parameters()} if src_role else {}
+        out = execute_reallocation(plan, src_tensors, self.rank, groups=self.bcast[index], dtypes=dtype,
+                                   device=self.device,
                                    verify=self.cfg.runtime.verify_reallocation)
         if dst_role is not None:
             with torch.no_grad():
@@ -224,10 +234,12 @@ class DeviceWorker:
     def export_role(self, role: str) -> dict:
         """Full weights and optimizer state of a trained role (collective over its canonical mesh); the mesh's
         first device publishes them for the checkpoint writer."""
-        handle = self.roles[(role, self.placement.canonical[role])]
+        key = self.placement.canonical[role]
+        handle = self.roles[(role, key)]
         weights = full_model_state(handle.model)
         optim = FullOptimizerState(handle.model, handle.optimizer).state_dict()
-        if self.rank != self.placement.canonical[role].devices[0]:
+        pp_rank, dp_rank, tp_rank = key.coords(self.rank)
+        if dp_rank or tp_rank:  # one device per pipeline stage publishes that stage's part
             return {}
         model_cls = type(handle.model)
         return {"state": (_put({"weights": weights, "optim": optim, "cls": model_cls,
@@ -236,10 +248,12 @@ class DeviceWorker:
     def save(self, run_dir: str, iteration: int, state: dict, keep_last: int, exports: dict) -> str:
         """Write the checkpoint from the roles' exported states (this worker need not hold any of them)."""
         models, optims = {}, {}
-        for role, ref in exports.items():
-            got = _get(ref[0])
-            models[role] = _plain_copy(got["cls"], got["config"], got["weights"])
-            optims[role] = FullOptimizerState(models[role], None, gathered=got["optim"])
+        for role, refs in exports.items():
+            parts = _get([ref[0] for ref in refs])  # one per pipeline stage
+            weights = {k: v for part in parts for k, v in part["weights"].items()}
+            models[role] = _plain_copy(parts[0]["cls"], parts[0]["config"], weights)
+            optims[role] = FullOptimizerState(models[role], None, gathered=merge_optimizer_states(
+                [part["optim"] for part in parts]))
         return str(save_checkpoint(Path(run_dir), iteration, models, self.tokenizer, optims, state,
                                    keep_last=keep_last))
 
