@@ -158,6 +158,8 @@ class LayoutConfig(ValidatedConfig):
     """Data-parallel replicas; 0 means runtime.devices / tp."""
     tp: int = spec(1, ge=1)
     """Tensor-parallel shards (attention heads and MLP columns split over devices)."""
+    pp: int = spec(1, ge=1)
+    """Pipeline stages for train and inference calls (generation runs with pp=1: the weights are reallocated)."""
 
 
 @dataclass(frozen=True)
@@ -176,6 +178,8 @@ class RuntimeConfig(ValidatedConfig):
     runtime.layouts. This runtime executes plans whose model calls each use all devices, one layout per role."""
     verify_reallocation: bool = False
     """Check every reallocated parameter piece against a checksum sent by its sender (costs a little time)."""
+    ray_dashboard: bool = False
+    """Start the Ray dashboard with the local Ray instance."""
     ray_address: str | None = None
     """Address of an existing Ray cluster to join; None starts a local Ray instance bound to this machine."""
     device: str = spec("auto", choices=("auto", "cpu", "cuda"))
@@ -193,10 +197,10 @@ class RuntimeConfig(ValidatedConfig):
                 fail(f"layouts.{role}", f"unknown role; valid roles: {', '.join(ROLES)}")
             if not self.devices:
                 continue  # checked once the device count is known (RayExecutor)
-            dp = layout.dp or self.devices // layout.tp
-            if dp * layout.tp != self.devices:
-                fail(f"layouts.{role}", f"dp {dp} x tp {layout.tp} = {dp * layout.tp} does not match "
-                                        f"devices {self.devices}")
+            dp = layout.dp or self.devices // (layout.tp * layout.pp)
+            if dp * layout.tp * layout.pp != self.devices:
+                fail(f"layouts.{role}", f"dp {dp} x tp {layout.tp} x pp {layout.pp} = "
+                                        f"{dp * layout.tp * layout.pp} does not match devices {self.devices}")
 
 
 @dataclass(frozen=True)

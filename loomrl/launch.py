@@ -24,11 +24,13 @@ def ray_address(configured: str | None) -> str | None:
     return configured or os.environ.get("RAY_ADDRESS") or None
 
 
-def start_ray(address: str | None, num_cpus: int) -> bool:
+def start_ray(address: str | None, num_cpus: int, dashboard: bool = False) -> bool:
     """Connect to Ray; returns whether this call started a local instance (and so must shut it down).
 
-    The embedded default is a private local instance with the dashboard off; Ray's token authentication stays
-    on (its default), so even a local instance accepts only this user's processes.
+    The embedded default is a private local instance on 127.0.0.1 with the dashboard off unless asked; Ray's
+    token authentication stays on (its default), so even a local instance accepts only this user's processes.
+    (Ray 2.60 still binds some services to the machine's interface address; the runtime's own gloo store uses
+    127.0.0.1.)
     """
     import ray
 
@@ -37,7 +39,7 @@ def start_ray(address: str | None, num_cpus: int) -> bool:
     if address:
         ray.init(address=address, log_to_driver=True)
         return False
-    ray.init(num_cpus=num_cpus, include_dashboard=False, log_to_driver=True,
+    ray.init(num_cpus=num_cpus, include_dashboard=dashboard, log_to_driver=True, _node_ip_address="127.0.0.1",
              runtime_env={"env_vars": {"HF_HUB_OFFLINE": "1", "TOKENIZERS_PARALLELISM": "false"}})
     return True
 

@@ -57,7 +57,8 @@ def reference(tmp_path_factory):
     ("runtime.devices=1",),
     ("runtime.devices=2",),
     ("runtime.devices=2", "runtime.layouts={actor: {tp: 2}}"),
-], ids=["1dev", "dp2", "actor_tp2"])
+    ("runtime.devices=2", "runtime.layouts={actor: {pp: 2}, critic: {pp: 2}}"),
+], ids=["1dev", "dp2", "actor_tp2", "actor_critic_pp2"])
 def test_runtime_matches_the_reference(tmp_path, reference, layout):
     got = _metrics(tmp_path, "ray", "runtime.executor=ray", *layout)
     assert len(reference) == 3
@@ -162,10 +163,10 @@ def test_an_exception_in_an_mfc_names_worker_role_and_mfc(tmp_path):
      "critic_train=0-1:dp2; advantages=0:dp1", 2),
     ("actor_gen=0-1:dp2; actor_train=0-1:pp2; ref_inf=0-1:pp2; reward_inf=0-1:dp2; critic_inf=0-1:pp2; "
      "critic_train=0-1:pp2; advantages=0:dp1", 2),
-    ("interleave", 4), ("separate", 4),
+    ("colocate", 4), ("interleave", 4), ("separate", 4),
     ("actor_gen=0-3:tp2; actor_train=0-3:pp2dp2; ref_inf=0-1:dp2; reward_inf=2-3:dp2; critic_inf=0-3:dp4; "
      "critic_train=0-3:pp2dp2; advantages=0:dp1", 4),
-], ids=["colocate2", "interleave2", "separate2", "realloc_tp2", "pipeline2", "interleave4", "separate4",
+], ids=["colocate2", "interleave2", "separate2", "realloc_tp2", "pipeline2", "colocate4", "interleave4", "separate4",
         "pipeline_dp4"])
 def test_plans_match_the_reference(tmp_path, reference, plan, devices):
     """Every placement strategy computes the reference run: per-call meshes and layouts, reallocation of the
@@ -193,3 +194,18 @@ def test_a_reference_checkpoint_resumes_on_a_pipeline_plan(tmp_path, reference):
     got = [json.loads(line) for line in (tmp_path / "b" / "metrics.jsonl").read_text().splitlines()]
     assert [r["iteration"] for r in got] == [0, 1, 2]
     _assert_equivalent(got, reference)
+
+
+def test_copies_in_other_layouts_are_freed_after_their_last_use(tmp_path):
+    plan = ("actor_gen=0-1:tp2; actor_train=0-1:dp2; ref_inf=0-1:dp2; reward_inf=0-1:dp2; critic_inf=0-1:dp2; "
+            "critic_train=0-1:dp2; advantages=0:dp1")
+    cfg = _cfg(tmp_path, "free", "runtime.executor=ray", "runtime.devices=2", "loop.iterations=1")
+    trainer = RLTrainer(dataclasses.replace(cfg, runtime=dataclasses.replace(cfg.runtime, plan=plan)))
+    try:
+        trainer.executor.run_iteration(0, trainer.make_batch(0))
+        report = ray.get(trainer.executor.workers[0].memory_report.remote(), timeout=60)
+    finally:
+        trainer.close()
+    assert report["actor@(0, 1):dp1tp2pp1"] == 0, report  # the generation copy, freed after actor_gen
+    assert report["actor@(0, 1):dp2tp1pp1"] > 0, report  # the training weights stay
+    assert report["ref@(0, 1):dp2tp1pp1"] > 0, report  # frozen roles are not freed

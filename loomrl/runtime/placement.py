@@ -13,16 +13,22 @@ from loomrl.runtime.worker import RuntimePlacement
 from loomrl.workflow import MFCKind, Workflow
 
 
-def resolve_layouts(cfg: TrainConfig, roles, n: int) -> dict[str, Layout]:
-    """Each role's layout over ``n`` devices: as configured, else pure data parallelism."""
-    out = {}
-    for role in roles:
+def resolve_layouts(cfg: TrainConfig, workflow: Workflow, n: int) -> dict[str, Layout]:
+    """Layouts for colocate over ``n`` devices, keyed by role (and by generate MFC where a role is pipelined:
+    generation runs with pp=1, the plan's reallocation moving the weights)."""
+    out: dict[str, Layout] = {}
+    for role in workflow.roles():
         given = cfg.runtime.layouts.get(role)
-        tp = given.tp if given else 1
-        dp = given.dp if given and given.dp else n // tp
-        if dp * tp != n:
-            raise ConfigError(f"runtime.layouts.{role}: dp {dp} x tp {tp} = {dp * tp} does not match the {n} devices")
-        out[role] = Layout(dp=dp, tp=tp)
+        tp, pp = (given.tp, given.pp) if given else (1, 1)
+        dp = given.dp if given and given.dp else n // (tp * pp)
+        if dp * tp * pp != n:
+            raise ConfigError(f"runtime.layouts.{role}: dp {dp} x tp {tp} x pp {pp} = {dp * tp * pp} does not "
+                              f"match the {n} devices")
+        out[role] = Layout(dp=dp, tp=tp, pp=pp)
+        if pp > 1:
+            for mfc in workflow.mfcs_of_role(role):
+                if mfc.kind == MFCKind.GENERATE:
+                    out[mfc.name] = Layout(dp=n // tp, tp=tp)
     return out
 
 
@@ -30,7 +36,7 @@ def execution_plan(cfg: TrainConfig, workflow: Workflow, cluster: ClusterSpec) -
     """``runtime.plan`` if given, else every call on all devices with ``runtime.layouts`` (colocate)."""
     if cfg.runtime.plan is not None:
         return make_plan(cfg.runtime.plan, workflow, cluster)
-    return colocate(workflow, cluster, layouts=resolve_layouts(cfg, workflow.roles(), cluster.n_devices))
+    return colocate(workflow, cluster, layouts=resolve_layouts(cfg, workflow, cluster.n_devices))
 
 
 def _key(alloc) -> AllocKey:

@@ -129,18 +129,37 @@ class RayExecutor:
         self.versions = {role: 0 for role in workflow.roles()}
         """Train steps each role has taken; a copy of its weights elsewhere is fresh at the same version."""
         self.view_versions: dict[tuple[str, AllocKey], int] = {}
+        self.last_use = self._last_uses()
+        """MFC after which each copy of a trained role in a non-training layout is freed."""
         self.workers: list[Any] = []
         self.pg = None
         self.received = 0
         self.waited_s = 0.0
         """Time spent waiting for workers; the rest of an iteration is the controller's own work."""
         self.address = ray_address(cfg.runtime.ray_address)
-        self._started = start_ray(self.address, num_cpus=n + 1)
+        self._started = start_ray(self.address, num_cpus=n + 1, dashboard=cfg.runtime.ray_dashboard)
         try:
             self._spawn(n, gpu)
         except BaseException:
             self.close()
             raise
+
+    def _last_uses(self) -> dict[str, list[tuple[str, AllocKey]]]:
+        last: dict[tuple[str, AllocKey], str] = {}
+        for mfc in self.order:
+            key = self.placement.mfc_keys[mfc.name]
+            if mfc.role in self.trained and key != self.placement.canonical[mfc.role]:
+                last[(mfc.role, key)] = mfc.name
+        out: dict[str, list[tuple[str, AllocKey]]] = {}
+        for view, name in last.items():
+            out.setdefault(name, []).append(view)
+        return out
+
+    def _free_after(self, mfc: MFC, pending: dict) -> None:
+        for role, key in self.last_use.get(mfc.name, ()):
+            for device in key.devices:
+                pending[self.workers[device].free_view.remote(role, key)] = (f"freeing {role}", role, device)
+            self.view_versions[(role, key)] = -1  # stale: the next use reallocates
 
     def _spawn(self, n: int, gpu: bool) -> None:
         bundle = {"CPU": 1, "GPU": 1} if gpu else {"CPU": 1}
@@ -226,6 +245,7 @@ class RayExecutor:
                 mfc = self.workflow[name]
                 self._finish(mfc, calls.pop(name), state, result)
                 done.add(name)
+                self._free_after(mfc, pending)
                 if mfc.kind == MFCKind.TRAIN and mfc.role in self.shadow:  # sync shadows right after training
                     for m in self.workflow.mfcs_of_role(mfc.role):
                         self._refresh(mfc.role, self.placement.mfc_keys[m.name], pending)

@@ -215,8 +215,30 @@ class DeviceWorker:
         if dst_role is not None:
             with torch.no_grad():
                 for name, param in dst_role.model.named_parameters():
-                    _local(param).copy_(out[name])
+                    local = _local(param)
+                    storage = local.untyped_storage()
+                    if storage.size() == 0:  # freed after its last use: take the memory back
+                        storage.resize_(local.numel() * local.element_size())
+                    local.copy_(out[name])
         return {"start": start, "end": time.time(), "rank": self.rank}
+
+    def free_view(self, role: str, key: AllocKey) -> dict:
+        """Release a trained role's copy in a non-training layout after its last use in an iteration: going back
+        to the training layout is a free, not a copy (the next reallocation refills it)."""
+        handle = self.roles.get((role, key))
+        if handle is not None:
+            for param in handle.model.parameters():
+                _local(param).untyped_storage().resize_(0)
+        return {"rank": self.rank}
+
+    def memory_report(self) -> dict[str, int]:
+        """Bytes of parameters this device holds per (role, allocation), e.g. to see freed copies."""
+        report = {}
+        for (role, key), handle in self.roles.items():
+            if handle.model is not None:
+                held = sum(_local(p).untyped_storage().size() for p in handle.model.parameters())
+                report[f"{role}@{key.devices}:dp{key.dp}tp{key.tp}pp{key.pp}"] = held
+        return report
 
     def metrics(self, sample_ids: Sequence[int], inputs: Sequence[Any]) -> dict[str, float]:
         shards = _get(list(inputs))
