@@ -26,9 +26,9 @@ from loomrl.errors import ConfigError
 from loomrl.models.heads import score_head, token_logprobs, token_values
 from loomrl.models.tokenizer import build_char_tokenizer
 from loomrl.models.zoo import build_causal_lm, build_value_model, zoo_config
+from loomrl.parallel.allocations import AllocationGroups, AllocKey
 from loomrl.parallel import (
     Layout,
-    ProcessGroups,
     apply_tensor_parallel,
     check_layout,
     full_state_dict,
@@ -141,7 +141,9 @@ def ranks() -> list[dict]:
 
 # ------------------------------------------------------------------------------- checks run on every rank
 def _all_checks(rank: int) -> dict:
-    groups = ProcessGroups(rank, WORLD, {"actor": Layout(tp=2), "critic": Layout(dp=2)}, device_type="cpu")
+    keys = {"actor": AllocKey((0, 1), dp=1, tp=2), "critic": AllocKey((0, 1), dp=2, tp=1)}
+    registry = AllocationGroups(rank, list(keys.values()), device_type="cpu")
+    groups = {role: registry[key] for role, key in keys.items()}
     out: dict[str, Any] = {"groups": _describe_groups(groups)}
     out["logits"] = {name: _tp_logits_diff(name, groups["actor"].tp_mesh) for name in ("llama-1m", "qwen2-1m")}
     out["engine"] = _tp_engine(groups["actor"].tp_mesh)
@@ -154,16 +156,15 @@ def _all_checks(rank: int) -> dict:
     return out
 
 
-def _describe_groups(groups: Any) -> dict:
+def _describe_groups(groups: dict) -> dict:
     described = {}
-    for role in groups.roles:
-        g = groups[role]
+    for role, g in groups.items():
         described[role] = {
-            "dp": (g.dp_rank, g.dp_size, dist.get_process_group_ranks(g.dp_group)),
-            "tp": (g.tp_rank, g.tp_size, dist.get_process_group_ranks(g.tp_group)),
+            "dp": (g.dp_rank, g.key.dp, dist.get_process_group_ranks(g.dp_group)),
+            "tp": (g.tp_rank, g.key.tp, dist.get_process_group_ranks(g.tp_mesh.get_group())),
             "tp_mesh": g.tp_mesh.mesh.tolist(),
         }
-    described["world"] = dist.get_process_group_ranks(groups.world_group)
+    described["world"] = dist.get_process_group_ranks(dist.group.WORLD)
     return described
 
 
@@ -304,7 +305,7 @@ def _dp_missing_grads(rank: int, dp_group: Any) -> list:
 
 
 # --------------------------------------------------------------------------------------- assertions
-def test_process_groups_follow_each_roles_layout(ranks):
+def test_allocation_groups_follow_each_layout(ranks):
     for rank, result in enumerate(ranks):
         groups = result["groups"]
         assert groups["actor"] == {"dp": (0, 1, [rank]), "tp": (rank, 2, [0, 1]), "tp_mesh": [0, 1]}

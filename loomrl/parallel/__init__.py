@@ -1,7 +1,7 @@
 """loomrl.parallel: data and tensor parallelism applied from outside to plain HF models, and their communicators.
 
 - :class:`Layout`, :func:`check_layout`: the parallel degrees of a role and whether they fit a model;
-- :class:`ProcessGroups`: the one registry of a worker's process groups and meshes, per role;
+- :class:`AllocationGroups`: the one registry of a worker's communicators, per allocation of the plan;
 - :func:`apply_tensor_parallel`: DTensor tensor parallelism for Llama and Qwen2;
 - :func:`sync_gradients`: summed (not averaged) data-parallel gradients;
 - :func:`full_state_dict`, :func:`load_full_state_dict`: unsharded weights in and out;
@@ -15,17 +15,17 @@ over their mesh (the result is a replicated DTensor; ``float()`` of it is the gl
 
 from loomrl.parallel.data_parallel import sync_gradients
 from loomrl.parallel.realloc_exec import ReallocVerificationError, build_broadcast_groups, execute_reallocation
-from loomrl.parallel.groups import ProcessGroups, RoleGroups
+from loomrl.parallel.allocations import AllocationGroups, AllocKey
 from loomrl.parallel.layout import TP_ARCHITECTURES, Layout, check_layout
 from loomrl.parallel.state import full_state_dict, load_full_state_dict
 from loomrl.parallel.tensor_parallel import apply_tensor_parallel
 
 __all__ = [
+    "AllocKey",
+    "AllocationGroups",
     "ReallocVerificationError",
     "TP_ARCHITECTURES",
     "Layout",
-    "ProcessGroups",
-    "RoleGroups",
     "apply_tensor_parallel",
     "build_broadcast_groups",
     "execute_reallocation",
