@@ -1,0 +1,354 @@
+"""Plan search: simulated annealing over one candidate allocation per MFC, and the heuristic baselines.
+
+- :func:`candidate_allocations`: where one MFC may run. Meshes are contiguous device ranges whose size is a
+  power of two inside a node (aligned to a multiple of that size within the node), or a power-of-two number
+  of whole nodes (aligned likewise), plus the whole cluster. Layouts are ``dp × tp × pp`` equal to the mesh
+  size that the runtime can run (:func:`loomrl.plan.layout.check_layout`: tp divides the heads, key/value
+  heads and MLP width, pp divides the layers, pp is not combined with tp yet), with every tensor-parallel
+  group inside one node; generation runs with pp = 1. Train calls also choose micro-batches
+  (:data:`MICRO_BATCHES`). A compute step may run on any single device.
+- :func:`search`: Metropolis acceptance with a geometric cooling schedule; a move gives one MFC (or all the
+  train calls of a role together, since they share a placement), sometimes two, another candidate, half the
+  time on its current mesh (a layout or micro-batch move). Several independent chains share the wall-clock budget and a
+  cache of simulated plans; the top-k distinct feasible plans seen by any chain are returned, fastest first.
+  Searched plans use the default shadow and offload rules of :class:`~loomrl.plan.ExecutionPlan`.
+- :func:`best_heuristic_plans`: colocate, interleave and separate, each with its best layouts on the meshes
+  the strategy chose (and, for separate, the best number of generation devices), so the search's gain over
+  them is always visible.
+
+Determinism: the chains draw from ``random.Random`` seeded by ``(seed, chain)``; with ``max_steps`` reached
+before the time budget, the same seed gives the same plans. Infeasible plans guide the walk (their energy is
+their time inflated by how far the worst device overflows) but are never returned.
+"""
+
+from __future__ import annotations
+
+import itertools
+import math
+import random
+import time
+from collections.abc import Mapping
+from dataclasses import dataclass
+
+from loomrl.errors import ConfigError
+from loomrl.plan import Allocation, ClusterSpec, DeviceMesh, ExecutionPlan, colocate, interleave, separate
+from loomrl.plan.layout import Layout, check_layout
+from loomrl.planner.simulator import CostEstimator, SimResult, simulate
+from loomrl.workflow import MFC, MFCKind, Workflow
+
+__all__ = ["MICRO_BATCHES", "best_heuristic_plans", "candidate_allocations", "device_meshes", "layouts_on",
+           "plan_key", "search"]
+
+MICRO_BATCHES: tuple[int, ...] = (1, 2, 4, 8)
+"""Micro-batch counts a train call may choose."""
+
+ENUMERATION_LIMIT = 256
+"""A heuristic plan's layout combinations are enumerated exhaustively up to this many, else coordinate-wise."""
+
+_MAX_SWEEPS = 6
+"""Coordinate-wise sweeps :func:`_best_layouts` makes at most (each sweep that changes nothing ends it)."""
+
+_PlanKey = tuple
+
+
+def plan_key(plan: ExecutionPlan) -> _PlanKey:
+    """A hashable identity of a plan: its allocations' texts by MFC name, and its shadow and offload choices."""
+    return tuple(sorted((n, a.text) for n, a in plan.allocations.items())), plan.shadow, plan.offload
+
+
+def _powers_of_two(limit: int) -> list[int]:
+    return [1 << k for k in range(limit.bit_length()) if 1 << k <= limit]
+
+
+def device_meshes(cluster: ClusterSpec) -> list[DeviceMesh]:
+    """The candidate meshes of ``cluster`` (see the module docstring), smallest first, then by first device."""
+    per_node, nodes = cluster.devices_per_node, cluster.nodes
+    spans: set[tuple[int, int]] = {(0, cluster.n_devices)}
+    for size in _powers_of_two(per_node):
+        for node in range(nodes):
+            spans |= {(node * per_node + off, size) for off in range(0, per_node - size + 1, size)}
+    for k in _powers_of_two(nodes):
+        spans |= {(node * per_node, k * per_node) for node in range(0, nodes - k + 1, k)}
+    return [DeviceMesh(tuple(range(first, first + size))) for first, size in sorted(spans, key=lambda s: (s[1], s[0]))]
+
+
+def _tp_within_nodes(mesh: DeviceMesh, tp: int, cluster: ClusterSpec) -> bool:
+    """Whether each tensor-parallel group (``tp`` consecutive ranks) sits on one node."""
+    return all(len({cluster.node_of(d) for d in mesh.devices[g:g + tp]}) == 1 for g in range(0, len(mesh), tp))
+
+
+def layouts_on(mfc: MFC, mesh: DeviceMesh, cluster: ClusterSpec, config: object) -> list[Layout]:
+    """Layouts of ``mfc``'s model on ``mesh`` that the runtime can run (module docstring); pure dp first."""
+    n, found = len(mesh), []
+    for tp in (t for t in range(1, min(n, cluster.devices_per_node) + 1) if n % t == 0):
+        if not _tp_within_nodes(mesh, tp, cluster):
+            continue
+        for pp in (p for p in range(1, n // tp + 1) if (n // tp) % p == 0):
+            if pp > 1 and mfc.kind is MFCKind.GENERATE:
+                continue
+            layout = Layout(n // (tp * pp), tp, pp)
+            try:
+                check_layout(layout, config, n)
+            except ConfigError:
+                continue
+            found.append(layout)
+    return found
+
+
+def _config(mfc: MFC, model_configs: Mapping[str, object]) -> object:
+    if mfc.role not in model_configs:
+        raise ConfigError(f"model_configs: no config for role '{mfc.role}' (MFC {mfc.name}); "
+                          f"given: {', '.join(model_configs) or 'none'}")
+    return model_configs[mfc.role]
+
+
+def _allocations_on(mfc: MFC, mesh: DeviceMesh, cluster: ClusterSpec,
+                    model_configs: Mapping[str, object]) -> list[Allocation]:
+    """Every layout (× micro-batches for a train call) of ``mfc`` on ``mesh``."""
+    if mfc.kind is MFCKind.COMPUTE:
+        return [Allocation(mesh, Layout(dp=len(mesh)))]
+    counts = MICRO_BATCHES if mfc.kind is MFCKind.TRAIN else (1,)
+    return [Allocation(mesh, layout, mb) for layout in layouts_on(mfc, mesh, cluster, _config(mfc, model_configs))
+            for mb in counts]
+
+
+def candidate_allocations(mfc: MFC, workflow: Workflow, cluster: ClusterSpec,
+                          model_configs: Mapping[str, object]) -> list[Allocation]:
+    """Where ``mfc`` of ``workflow`` may run on ``cluster`` (module docstring); ``model_configs`` maps a role to
+    its HF-config-like object (heads, key/value heads, MLP width, layers)."""
+    mfc = workflow[mfc.name]
+    if mfc.kind is MFCKind.COMPUTE:
+        return [Allocation(DeviceMesh((d,)), Layout()) for d in range(cluster.n_devices)]
+    return [a for mesh in device_meshes(cluster) for a in _allocations_on(mfc, mesh, cluster, model_configs)]
+
+
+@dataclass(frozen=True)
+class _Unit:
+    """MFCs that move together (one, or a role's train calls) and their candidate allocations."""
+
+    names: tuple[str, ...]
+    candidates: tuple[Allocation, ...]
+
+
+def _units(workflow: Workflow) -> list[tuple[str, ...]]:
+    """Groups of MFC names that share one allocation: a role's train calls together, every other MFC alone."""
+    units: list[tuple[str, ...]] = []
+    seen: set[str] = set()
+    for mfc in workflow.topological_order():
+        if mfc.name in seen:
+            continue
+        names = (mfc.name,)
+        if mfc.kind is MFCKind.TRAIN:
+            names = tuple(m.name for m in workflow.mfcs_of_role(mfc.role) if m.kind is MFCKind.TRAIN)
+        seen |= set(names)
+        units.append(names)
+    return units
+
+
+class _Evaluator:
+    """Simulates each distinct plan once; wraps the cost estimator in a cache shared by all plans."""
+
+    def __init__(self, workflow: Workflow, cost: CostEstimator, memory_per_device: float, iterations: int) -> None:
+        self.workflow, self.cost = workflow, _CachedCost(cost)
+        self.memory, self.iterations = memory_per_device, iterations
+        self.results: dict[_PlanKey, tuple[ExecutionPlan, SimResult | None]] = {}
+
+    def __call__(self, plan: ExecutionPlan) -> SimResult | None:
+        """The plan's simulation, or None if the plan is structurally invalid."""
+        key = plan_key(plan)
+        if key not in self.results:
+            try:
+                plan.validate(self.workflow)
+            except ConfigError:
+                self.results[key] = (plan, None)
+            else:  # errors in the arguments or the cost estimator are not the plan's fault: they propagate
+                self.results[key] = (plan, simulate(plan, self.workflow, self.cost, self.memory, self.iterations))
+        return self.results[key][1]
+
+    def energy(self, plan: ExecutionPlan) -> float:
+        """Iteration time when feasible; inflated by the worst overflow when not; infinite when invalid."""
+        result = self(plan)
+        if result is None:
+            return math.inf
+        if result.feasible:
+            return result.iteration_time
+        overflow = max(result.peak_memory.values()) / self.memory - 1.0
+        return max(result.iteration_time, 1e-9) * (2.0 + 10.0 * overflow)
+
+    def best(self, k: int) -> list[tuple[ExecutionPlan, SimResult]]:
+        """The ``k`` fastest feasible plans simulated so far; ties go to fewer device-seconds, then to the plan
+        key, so the order is deterministic."""
+        found = [((r.iteration_time, _device_seconds(r), key), plan, r) for key, (plan, r) in self.results.items()
+                 if r is not None and r.feasible]
+        found.sort(key=lambda item: item[0])
+        return [(plan, r) for _, plan, r in found[:k]]
+
+    def rank(self, plan: ExecutionPlan) -> tuple:
+        """Sort key of a plan: feasible first, then energy, then device-seconds used, then the plan's key."""
+        result = self(plan)
+        busy = _device_seconds(result) if result is not None else math.inf
+        return result is None or not result.feasible, self.energy(plan), busy, plan_key(plan)
+
+
+def _device_seconds(result: SimResult) -> float:
+    """Device time the schedule occupies: among equally fast plans, the one leaving more room is better."""
+    return sum(iv.end - iv.start for iv in result.timeline)
+
+
+class _CachedCost:
+    """A :class:`CostEstimator` that asks the wrapped one once per distinct question."""
+
+    def __init__(self, inner: CostEstimator) -> None:
+        self.inner, self.cache = inner, {}
+
+    def _ask(self, key: tuple, fn):
+        if key not in self.cache:
+            self.cache[key] = fn()
+        return self.cache[key]
+
+    def mfc_time(self, mfc: MFC, alloc: Allocation) -> float:
+        return self._ask(("t", mfc.name, alloc), lambda: self.inner.mfc_time(mfc, alloc))
+
+    def mfc_memory(self, mfc: MFC, alloc: Allocation, trainable: bool) -> float:
+        return self._ask(("m", mfc.name, alloc, trainable), lambda: self.inner.mfc_memory(mfc, alloc, trainable))
+
+    def static_memory(self, role: str, alloc: Allocation, trainable: bool) -> float:
+        return self._ask(("s", role, alloc, trainable), lambda: self.inner.static_memory(role, alloc, trainable))
+
+    def realloc_time(self, role: str, src: Allocation, dst: Allocation) -> float:
+        return self._ask(("r", role, src, dst), lambda: self.inner.realloc_time(role, src, dst))
+
+
+def _move(plan: ExecutionPlan, unit: _Unit, rng: random.Random) -> dict[str, Allocation]:
+    """New allocations for ``unit``: another candidate, half the time on its current mesh."""
+    current = plan[unit.names[0]]
+    others = [a for a in unit.candidates if a != current]
+    local = [a for a in others if a.mesh == current.mesh]
+    pool = local if local and rng.random() < 0.5 else others
+    choice = pool[rng.randrange(len(pool))]
+    return dict.fromkeys(unit.names, choice)
+
+
+def _propose(plan: ExecutionPlan, units: list[_Unit], rng: random.Random) -> ExecutionPlan:
+    """One MFC group moved to another candidate, or, a quarter of the time, two groups at once: moving two
+    calls side by side is often worse one at a time than together."""
+    count = 2 if len(units) > 1 and rng.random() < 0.25 else 1
+    changes: dict[str, Allocation] = {}
+    for index in rng.sample(range(len(units)), count):
+        changes |= _move(plan, units[index], rng)
+    return ExecutionPlan(plan.cluster, {name: changes.get(name, alloc) for name, alloc in plan.allocations.items()})
+
+
+def _anneal(start: ExecutionPlan, units: list[_Unit], evaluate: _Evaluator, rng: random.Random,
+            deadline: float, max_steps: int | None) -> None:
+    """One Metropolis chain from ``start`` until ``max_steps`` or ``deadline``; results land in ``evaluate``."""
+    current, e_current = start, evaluate.energy(start)
+    scale = e_current if 0 < e_current < math.inf else 1.0
+    t_high, t_low = 0.05 * scale, 1e-4 * scale  # accept 5% slower moves freely at first, almost none at the end
+    began, step = time.monotonic(), 0
+    while max_steps is None or step < max_steps:
+        now = time.monotonic()
+        if now >= deadline:
+            break
+        progress = step / max_steps if max_steps else (now - began) / max(deadline - began, 1e-9)
+        temperature = t_high * (t_low / t_high) ** min(progress, 1.0)
+        proposal = _propose(current, units, rng)
+        e_new = evaluate.energy(proposal)
+        if e_new <= e_current or (e_new < math.inf and rng.random() < math.exp(-(e_new - e_current) / temperature)):
+            current, e_current = proposal, e_new
+        step += 1
+
+
+def search(workflow: Workflow, cluster: ClusterSpec, cost: CostEstimator, memory_per_device: float,
+           model_configs: Mapping[str, object], *, seed: int, time_budget_s: float, chains: int = 4,
+           top_k: int = 3, start: ExecutionPlan | None = None, max_steps: int | None = None,
+           iterations: int = 3) -> list[tuple[ExecutionPlan, SimResult]]:
+    """The ``top_k`` fastest distinct feasible plans found by ``chains`` annealing chains, fastest first.
+
+    Every chain starts at ``start`` (default: :func:`~loomrl.plan.colocate` with pure data parallelism),
+    which is itself a candidate, so the best plan returned is never slower than a feasible start. The chains
+    share ``time_budget_s`` seconds of wall clock (chain ``c`` stops at ``(c + 1) / chains`` of it); each also
+    stops after ``max_steps`` proposals if given; when that comes first, the result depends on the inputs and
+    ``seed``, not on timing. Empty when no feasible plan was seen.
+    """
+    for name, value, low in (("chains", chains, 1), ("top_k", top_k, 1), ("max_steps", max_steps, 0)):
+        if value is not None and (isinstance(value, bool) or not isinstance(value, int) or value < low):
+            raise ConfigError(f"search: {name}={value!r}; expected an integer >= {low}")
+    if not time_budget_s > 0:
+        raise ConfigError(f"search: time_budget_s={time_budget_s!r}; expected seconds > 0")
+    start = start if start is not None else colocate(workflow, cluster)
+    evaluate = _Evaluator(workflow, cost, memory_per_device, iterations)
+    if evaluate(start) is None:
+        start.validate(workflow)  # raises the one-line reason
+    units = [_Unit(names, tuple(candidate_allocations(workflow[names[0]], workflow, cluster, model_configs)))
+             for names in _units(workflow)]
+    units = [u for u in units if len(u.candidates) > 1]
+    began = time.monotonic()
+    for chain in range(chains if units else 0):
+        rng = random.Random(f"loomrl-search:{seed}:{chain}")
+        _anneal(start, units, evaluate, rng, began + time_budget_s * (chain + 1) / chains, max_steps)
+    return evaluate.best(top_k)
+
+
+# ------------------------------------------------------------------------------------- heuristic baselines
+
+
+def _best_layouts(plan: ExecutionPlan, workflow: Workflow, model_configs: Mapping[str, object],
+                  evaluate: _Evaluator) -> ExecutionPlan:
+    """``plan`` with the fastest layouts (and micro-batches) of its model calls on the meshes it chose.
+
+    Exhaustive up to :data:`ENUMERATION_LIMIT` combinations; beyond, coordinate-wise: each call in turn takes
+    its best layout with the others fixed, sweeping until a sweep changes nothing (at most ``_MAX_SWEEPS``).
+    """
+    units = [names for names in _units(workflow) if workflow[names[0]].kind is not MFCKind.COMPUTE]
+    choices = [_allocations_on(workflow[names[0]], plan[names[0]].mesh, plan.cluster, model_configs)
+               for names in units]
+    if math.prod(len(c) for c in choices) <= ENUMERATION_LIMIT:
+        combos = (_assign(plan, units, combo) for combo in itertools.product(*choices))
+        return min(combos, key=evaluate.rank)
+    best = plan
+    for _ in range(_MAX_SWEEPS):
+        before = plan_key(best)
+        for names, options in zip(units, choices):
+            best = min((_assign(best, [names], (a,)) for a in options), key=evaluate.rank)
+        if plan_key(best) == before:
+            break
+    return best
+
+
+def _assign(plan: ExecutionPlan, units: list[tuple[str, ...]], combo: tuple[Allocation, ...]) -> ExecutionPlan:
+    chosen = {n: a for names, a in zip(units, combo) for n in names}
+    return ExecutionPlan(plan.cluster, {n: chosen.get(n, a) for n, a in plan.allocations.items()},
+                         plan.shadow, plan.offload)
+
+
+def _generation_devices(cluster: ClusterSpec) -> list[int]:
+    """Generation device counts :func:`best_heuristic_plans` tries for separate: powers of two, whole nodes,
+    and half the cluster (the strategy's default)."""
+    n, per_node = cluster.n_devices, cluster.devices_per_node
+    counts = {g for g in range(1, n) if g & (g - 1) == 0 or g % per_node == 0} | {n // 2}
+    return sorted(c for c in counts if 1 <= c < n)
+
+
+def best_heuristic_plans(workflow: Workflow, cluster: ClusterSpec, cost: CostEstimator, memory_per_device: float,
+                         model_configs: Mapping[str, object], *,
+                         iterations: int = 3) -> dict[str, tuple[ExecutionPlan, SimResult]]:
+    """Strategy name (``colocate``, ``interleave``, ``separate``) → its fastest feasible plan and simulation.
+
+    Each strategy keeps its meshes and gets its best layouts by enumeration (see :func:`_best_layouts`);
+    separate also tries each count of :func:`_generation_devices`. A strategy with no feasible plan maps to
+    its least infeasible one (``feasible=False`` and the reason); ``separate`` is absent on one device.
+    """
+    evaluate = _Evaluator(workflow, cost, memory_per_device, iterations)
+    starts = {"colocate": [colocate(workflow, cluster)], "interleave": [interleave(workflow, cluster, model_configs)]}
+    if cluster.n_devices > 1:
+        starts["separate"] = [separate(workflow, cluster, g) for g in _generation_devices(cluster)]
+    out: dict[str, tuple[ExecutionPlan, SimResult]] = {}
+    for name, plans in starts.items():
+        tuned = [_best_layouts(p, workflow, model_configs, evaluate) for p in plans]
+        best = min(tuned, key=evaluate.rank)
+        result = evaluate(best)
+        if result is None:  # a strategy's own plan is always structurally valid; guard the invariant
+            best.validate(workflow)
+        out[name] = (best, result)
+    return out

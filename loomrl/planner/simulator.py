@@ -1,0 +1,343 @@
+"""Simulating an execution plan: list scheduling of the unrolled workflow, with memory tracked over time.
+
+What :func:`simulate` models, and what it leaves out:
+
+- **Graph.** The workflow unrolled over ``iterations`` training iterations (:meth:`Workflow.unroll`): data
+  edges inside an iteration and parameter-version edges across iterations (a trained role's first calls of
+  iteration ``i + 1`` wait for its train call of iteration ``i``). Reallocations of the plan
+  (:meth:`ExecutionPlan.reallocations`) become nodes too: a ``copy`` runs right before the call it serves,
+  once that call's dependencies are done; a ``sync`` runs right after the train call, and the shadow calls of
+  the next iteration wait for it; a ``free`` costs nothing and is not a node.
+- **Resources.** A node occupies every device of its mesh (a reallocation: the source and destination meshes)
+  for the time the :class:`CostEstimator` predicts. Dispatch follows the runtime: a node is sent when its last
+  dependency ends, and each device runs the nodes in the order they were sent (no back-filling), so a node
+  starts when it is ready and every device of its mesh has finished the nodes sent before it. Ties in ready
+  time go to the earlier node of the unrolled order.
+- **Memory per device over time.** The resident (static) memory of the roles placed on the device plus the
+  transient memory of the call running there. Resident: a trained role's training state on its training mesh,
+  its shadow copies on theirs, and its reallocated copies from the start of the ``copy`` to the end of the call
+  it serves; a frozen role on each distinct placement of its calls, or, when the plan offloads it, only while
+  one of its calls runs. A plan whose peak exceeds ``memory_per_device`` on some device is infeasible, and the
+  result says which device needs how much, when, and for what.
+- **Left out:** data transfers between calls, reloading offloaded roles, and compute-communication overlap
+  inside a call (all belong to the cost estimator's numbers, if anywhere).
+
+Iteration time is the steady state ``(end of the last iteration − end of the first) / (iterations − 1)``, so
+pipeline fill and the first iteration's warm-up do not count; busy fractions are over the same window.
+"""
+
+from __future__ import annotations
+
+import heapq
+import math
+from collections.abc import Iterable
+from dataclasses import dataclass, field
+from typing import Protocol, runtime_checkable
+
+from loomrl.errors import ConfigError
+from loomrl.plan import GB, Allocation, ExecutionPlan, Reallocation
+from loomrl.workflow import MFC, MFCKind, Workflow
+
+__all__ = ["CostEstimator", "Interval", "SimResult", "format_bytes", "simulate"]
+
+
+@runtime_checkable
+class CostEstimator(Protocol):
+    """What the simulator asks of a cost model: times in seconds, memory in bytes per device."""
+
+    def mfc_time(self, mfc: MFC, alloc: Allocation) -> float:
+        """Seconds one call of ``mfc`` takes on ``alloc``."""
+        ...
+
+    def mfc_memory(self, mfc: MFC, alloc: Allocation, trainable: bool) -> float:
+        """Transient bytes per device while the call runs (activations, KV cache, buffers)."""
+        ...
+
+    def static_memory(self, role: str, alloc: Allocation, trainable: bool) -> float:
+        """Resident bytes per device of ``role``'s shard on ``alloc`` (with gradients and optimizer if trainable)."""
+        ...
+
+    def realloc_time(self, role: str, src: Allocation, dst: Allocation) -> float:
+        """Seconds to move ``role``'s parameters from the layout ``src`` to ``dst``."""
+        ...
+
+
+@dataclass(frozen=True)
+class Interval:
+    """One node of the schedule on one device."""
+
+    device: int
+    """Global device index."""
+    start: float
+    """Seconds from the start of the simulation."""
+    end: float
+    """Seconds from the start of the simulation."""
+    label: str
+    """The MFC name, or ``"copy ROLE"`` / ``"sync ROLE"`` for a reallocation."""
+    kind: str
+    """An MFC kind (``generate``, ``inference``, ``train``, ``compute``) or a reallocation kind (``copy``, ``sync``)."""
+    iteration: int = 0
+    """Training iteration of the unrolled workflow the node belongs to."""
+
+
+@dataclass
+class SimResult:
+    """What a simulation of a plan found."""
+
+    iteration_time: float
+    """Steady-state seconds per iteration (see the module docstring)."""
+    busy_fraction: dict[int, float]
+    """Device → fraction of the steady-state window it spends running nodes (every device of the cluster)."""
+    peak_memory: dict[int, float]
+    """Device → peak bytes over the whole simulation (every device of the cluster)."""
+    timeline: list[Interval]
+    """Every node on every device it occupies, ordered by start time (ties: the node's dispatch priority)."""
+    feasible: bool
+    """False when some device's peak memory exceeds its capacity."""
+    reason: str = ""
+    """Why the plan is infeasible, in one line; empty when feasible."""
+    iteration_ends: list[float] = field(default_factory=list)
+    """End time of each simulated iteration (its last node, reallocations included)."""
+
+    @property
+    def makespan(self) -> float:
+        """End of the last node."""
+        return max((i.end for i in self.timeline), default=0.0)
+
+
+@dataclass
+class _Node:
+    """A schedulable unit: one call of one iteration, or one reallocation."""
+
+    label: str
+    kind: str
+    iteration: int
+    devices: tuple[int, ...]
+    duration: float
+    deps: list[int]
+    role: str | None = None
+    mfc: MFC | None = None
+    alloc: Allocation | None = None
+    """The call's allocation; for a reallocation, the destination."""
+    serves: int = -1
+    """For a copy: the index of the call node it is made for (the copy lives until that call ends)."""
+
+
+def format_bytes(n: float) -> str:
+    """Bytes in binary units for messages: ``"12.5 GB"``, ``"300.0 MB"``, ``"512 B"``."""
+    for unit, size in (("GB", GB), ("MB", 2**20), ("KB", 2**10)):
+        if abs(n) >= size:
+            return f"{n / size:.1f} {unit}"
+    return f"{n:.0f} B"
+
+
+def _checked(value: float, what: str) -> float:
+    value = float(value)
+    if math.isnan(value) or value < 0 or math.isinf(value):
+        raise ValueError(f"cost estimator: {what} is {value!r}; expected a finite number >= 0")
+    return value
+
+
+def _realloc_node(move: Reallocation, iteration: int, deps: list[int], cost: CostEstimator) -> _Node:
+    devices = tuple(sorted(set(move.src.mesh) | set(move.dst.mesh)))
+    seconds = _checked(cost.realloc_time(move.role, move.src, move.dst),
+                       f"realloc_time({move.role}, {move.src.text} -> {move.dst.text})")
+    return _Node(f"{move.kind} {move.role}", move.kind, iteration, devices, seconds, deps, move.role, alloc=move.dst)
+
+
+def _build_graph(plan: ExecutionPlan, workflow: Workflow, cost: CostEstimator, iterations: int) -> list[_Node]:
+    """The unrolled calls and their reallocations as nodes, in dispatch priority order, with dependencies."""
+    moves = plan.reallocations(workflow)
+    copies = {m.mfc: m for m in moves if m.kind == "copy"}
+    syncs: dict[str, list[Reallocation]] = {}
+    for m in moves:
+        if m.kind == "sync":
+            syncs.setdefault(m.mfc, []).append(m)
+    shadowed = {name for role in plan.shadow_roles(workflow) for name in plan.shadow_calls(workflow, role)}
+    seconds: dict[str, float] = {}
+    nodes: list[_Node] = []
+    index: dict[tuple[int, str], int] = {}
+    sync_index: dict[tuple[int, str, str], int] = {}
+    for it, mfc, deps in workflow.unroll(iterations):
+        alloc = plan[mfc.name]
+        dep_ids = [index[d] for d in deps]
+        if mfc.name in shadowed and it > 0:  # the shadow must hold the weights the last train step wrote
+            dep_ids.append(sync_index[(it - 1, mfc.role, alloc.text)])
+        copy = copies.get(mfc.name)
+        if copy is not None:
+            nodes.append(_realloc_node(copy, it, sorted(set(dep_ids)), cost))
+            dep_ids.append(len(nodes) - 1)
+        if mfc.name not in seconds:
+            seconds[mfc.name] = _checked(cost.mfc_time(mfc, alloc), f"mfc_time({mfc.name}, {alloc.text})")
+        nodes.append(_Node(mfc.name, mfc.kind.value, it, alloc.mesh.devices, seconds[mfc.name],
+                           sorted(set(dep_ids)), mfc.role, mfc, alloc))
+        index[(it, mfc.name)] = len(nodes) - 1
+        if copy is not None:
+            nodes[-2].serves = len(nodes) - 1
+        for move in syncs.get(mfc.name, ()):
+            nodes.append(_realloc_node(move, it, [index[(it, mfc.name)]], cost))
+            sync_index[(it, move.role, move.dst.text)] = len(nodes) - 1
+    return nodes
+
+
+def _schedule(nodes: list[_Node]) -> tuple[list[float], list[float]]:
+    """Start and end time of every node (see the module docstring for the dispatch rule)."""
+    successors: list[list[int]] = [[] for _ in nodes]
+    for i, node in enumerate(nodes):
+        for d in node.deps:
+            successors[d].append(i)
+    pending = [len(node.deps) for node in nodes]
+    ready_at = [0.0] * len(nodes)
+    start, end = [math.nan] * len(nodes), [math.nan] * len(nodes)
+    heap = [(0.0, i) for i, node in enumerate(nodes) if not node.deps]
+    free: dict[int, float] = {}
+    while heap:
+        ready, i = heapq.heappop(heap)
+        node = nodes[i]
+        start[i] = max([ready, *(free.get(d, 0.0) for d in node.devices)])
+        end[i] = start[i] + node.duration
+        for d in node.devices:
+            free[d] = end[i]
+        for j in successors[i]:
+            ready_at[j] = max(ready_at[j], end[i])
+            pending[j] -= 1
+            if pending[j] == 0:
+                heapq.heappush(heap, (ready_at[j], j))
+    if any(math.isnan(s) for s in start):  # cannot happen for a validated workflow; guard the invariant
+        raise RuntimeError("simulator: some nodes were never ready (a cycle in the unrolled graph)")
+    return start, end
+
+
+# A memory interval: (start, end, bytes, what) on one device; end may be inf (resident throughout).
+_Mem = tuple[float, float, float, str]
+
+
+def _resident(plan: ExecutionPlan, workflow: Workflow, role: str) -> list[tuple[Allocation, bool]]:
+    """The placements of a non-offloaded role that stay resident all along, with whether each is trainable."""
+    canon = plan.canonical_layout(workflow, role)
+    if canon is not None:
+        shadows = {plan[n].text: plan[n] for n in plan.shadow_calls(workflow, role)}
+        return [(canon, True), *((a, False) for a in shadows.values())]
+    placements: list[Allocation] = []
+    for mfc in workflow.mfcs_of_role(role):
+        if not any(plan[mfc.name].same_placement(p) for p in placements):
+            placements.append(plan[mfc.name])
+    return [(a, False) for a in placements]
+
+
+def _memory_intervals(plan: ExecutionPlan, workflow: Workflow, cost: CostEstimator, nodes: list[_Node],
+                      start: list[float], end: list[float]) -> dict[int, list[_Mem]]:
+    """Device → the memory intervals on it (see the module docstring)."""
+    out: dict[int, list[_Mem]] = {}
+    cache: dict[tuple, float] = {}
+
+    def add(devices: Iterable[int], s: float, e: float, key: tuple, fn, what: str) -> None:
+        if key not in cache:
+            cache[key] = _checked(fn(), f"{key[0]}({', '.join(map(str, key[1:]))})")
+        for d in devices:
+            out.setdefault(d, []).append((s, e, cache[key], what))
+
+    def static(role: str, alloc: Allocation, trainable: bool):
+        return ("static_memory", role, alloc.text, trainable), lambda: cost.static_memory(role, alloc, trainable)
+
+    offloaded = set(plan.offloaded_roles(workflow))
+    for role in workflow.roles():
+        if role not in offloaded:
+            for alloc, trainable in _resident(plan, workflow, role):
+                add(alloc.mesh, 0.0, math.inf, *static(role, alloc, trainable), f"{role} weights")
+    for i, node in enumerate(nodes):
+        if node.kind == "copy":
+            add(node.alloc.mesh, start[i], end[node.serves], *static(node.role, node.alloc, False), f"{node.role} copy")
+        if node.mfc is None:
+            continue
+        trainable = node.mfc.kind is MFCKind.TRAIN
+        if node.role in offloaded:
+            add(node.devices, start[i], end[i], *static(node.role, node.alloc, trainable), f"{node.role} weights")
+        key = ("mfc_memory", node.mfc.name, node.alloc.text, trainable)
+        add(node.devices, start[i], end[i], key, lambda n=node, t=trainable: cost.mfc_memory(n.mfc, n.alloc, t),
+            f"{node.label} running")
+    return out
+
+
+def _peak(intervals: list[_Mem]) -> tuple[float, float]:
+    """(peak bytes, first time it is reached) of a device's memory intervals, each ``[start, end)``.
+
+    At equal times ends come before starts, so back-to-back calls do not add up; a zero-length interval is
+    counted at its instant.
+    """
+    events: list[tuple[float, int, float]] = []
+    for s, e, b, _ in intervals:
+        events.append((s, 1, b))
+        events.append((e, 0, -b) if e > s else (s, 2, -b))
+    events.sort(key=lambda ev: (ev[0], ev[1]))
+    level = peak = 0.0
+    at = 0.0
+    for t, _, b in events:
+        level += b
+        if level > peak:
+            peak, at = level, t
+    return peak, at
+
+
+def _overflow_reason(device: int, need: float, at: float, intervals: list[_Mem], capacity: float) -> str:
+    parts: dict[str, float] = {}
+    for s, e, b, what in intervals:
+        if s <= at < e or s == e == at:
+            parts[what] = parts.get(what, 0.0) + b
+    listed = ", ".join(f"{what} {format_bytes(b)}" for what, b in sorted(parts.items(), key=lambda kv: -kv[1]))
+    return (f"device {device} needs {format_bytes(need)} at t={at:.4g} s ({listed}) "
+            f"but has {format_bytes(capacity)}")
+
+
+def _memory_check(memory: dict[int, list[_Mem]], n_devices: int,
+                  capacity: float) -> tuple[dict[int, float], bool, str]:
+    """Peak bytes per device, whether all fit, and the reason naming the device that overflows most."""
+    peaks: dict[int, float] = {}
+    worst: tuple[float, int, float] | None = None
+    for d in range(n_devices):
+        peak, at = _peak(memory.get(d, []))
+        peaks[d] = peak
+        if peak > capacity and (worst is None or peak > worst[0]):
+            worst = (peak, d, at)
+    if worst is None:
+        return peaks, True, ""
+    peak, d, at = worst
+    return peaks, False, _overflow_reason(d, peak, at, memory[d], capacity)
+
+
+def _busy_fractions(timeline: list[Interval], n_devices: int, window: tuple[float, float]) -> dict[int, float]:
+    lo, hi = window
+    busy = dict.fromkeys(range(n_devices), 0.0)
+    for iv in timeline:
+        busy[iv.device] += max(0.0, min(iv.end, hi) - max(iv.start, lo))
+    return {d: (b / (hi - lo) if hi > lo else 0.0) for d, b in busy.items()}
+
+
+def simulate(plan: ExecutionPlan, workflow: Workflow, cost: CostEstimator, memory_per_device: float,
+             iterations: int = 3) -> SimResult:
+    """Schedule ``iterations`` iterations of ``workflow`` under ``plan`` and report time, use and memory.
+
+    ``memory_per_device`` is each device's capacity in bytes. A structurally invalid plan (see
+    :meth:`ExecutionPlan.validate`) raises :class:`~loomrl.errors.ConfigError`; one that does not fit in memory
+    returns ``feasible=False`` with the reason, and its schedule is still filled in.
+    """
+    if isinstance(iterations, bool) or not isinstance(iterations, int) or iterations < 1:
+        raise ConfigError(f"simulate: iterations={iterations!r}; expected an integer >= 1 (2-3 for a steady state)")
+    if not memory_per_device > 0:
+        raise ConfigError(f"simulate: memory_per_device={memory_per_device!r}; expected bytes > 0")
+    plan.validate(workflow)
+    nodes = _build_graph(plan, workflow, cost, iterations)
+    start, end = _schedule(nodes)
+    ends = [max(end[i] for i, n in enumerate(nodes) if n.iteration == it) for it in range(iterations)]
+    if iterations > 1:
+        iteration_time, window = (ends[-1] - ends[0]) / (iterations - 1), (ends[0], ends[-1])
+    else:
+        iteration_time, window = ends[0], (0.0, ends[0])
+    order = sorted(range(len(nodes)), key=lambda i: (start[i], i))
+    timeline = [Interval(d, start[i], end[i], nodes[i].label, nodes[i].kind, nodes[i].iteration)
+                for i in order for d in nodes[i].devices]
+    n_devices = plan.cluster.n_devices
+    memory = _memory_intervals(plan, workflow, cost, nodes, start, end)
+    peaks, feasible, reason = _memory_check(memory, n_devices, memory_per_device)
+    return SimResult(iteration_time, _busy_fractions(timeline, n_devices, window), peaks, timeline, feasible,
+                     reason, ends)
