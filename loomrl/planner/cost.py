@@ -1,0 +1,335 @@
+"""The cost model: seconds and bytes per device of each MFC under an allocation, and of reallocations.
+
+How a call is priced (``b`` bytes per weight, P parameters, one data-parallel replica's share of the batch;
+every replica runs in parallel on equal shares, so a call takes as long as one replica):
+
+- **A pipelined pass** (:meth:`CostModel._pass`): the share is cut into ``mb`` micro-batches flowing through
+  ``pp`` stages of ``tp`` devices. A stage's slot for one micro-batch costs
+  ``max(FLOPs/(tp·pp·mb·rate), weight bytes/(tp·pp)/mem_bw)`` plus its tensor-parallel all-reduces (two per
+  layer of the micro-batch's activations forward, two more backward) plus one point-to-point hop of those
+  activations to the next stage (two when training: forward and backward). A pass takes
+  ``mb + pp − 1`` slots: ``mb`` of work, ``pp − 1`` of bubble.
+- **Train** (forward + backward = 3× forward FLOPs, weights read twice and gradients written once per
+  micro-batch) once per optimizer step, ``epochs × minibatches`` steps, each followed by the gradient
+  all-reduce over dp (the runtime sums gradients after the backward, it does not overlap them) and the
+  Adam step's memory traffic.
+- **Inference**: one forward pass over every token of the share.
+- **Generate**: a prefill pass over the prompts, then decode steps priced from the response-length
+  *distribution*: at step t, the live samples (those with length > t, scaled to the share) each produce one
+  token, and a step costs ``max(compute, weight + KV-cache reads)`` plus its all-reduces
+  (:mod:`loomrl.planner.decode`). The rollout engine decodes all live samples together, so generation
+  ignores ``micro_batches`` unless ``pp > 1``.
+- **Compute** (advantages): a few float columns per token read and written on one device.
+
+Every term is uncorrected roofline; :class:`~loomrl.planner.corrections.Corrections` fitted from run traces
+scale it per MFC kind. :meth:`CostModel.time_terms` returns the named terms of a call, for reports.
+
+Memory per device follows :func:`loomrl.plan.shard_bytes` for the resident state (weights, plus gradients and
+fp32 Adam moments when trained; data parallelism replicates, as the runtime does without FSDP), so plans the
+cost model accepts are the plans :meth:`loomrl.plan.ExecutionPlan.validate` accepts (:meth:`static_memory`).
+While it runs, a call adds transient bytes (:meth:`mfc_memory`): activations (train: the tensors kept for
+backward, GPipe keeping every micro-batch of a stage), working buffers (inference) or the KV cache at its
+fullest (generate).
+"""
+
+from __future__ import annotations
+
+import math
+from collections import Counter
+from typing import Mapping, NamedTuple
+
+from loomrl.errors import ConfigError
+from loomrl.plan import Allocation, ClusterSpec, shard_bytes
+from loomrl.planner import decode as D
+from loomrl.planner import terms as T
+from loomrl.planner.corrections import REALLOC, Corrections
+from loomrl.planner.profiles import HardwareProfile
+from loomrl.planner.realloc_cost import realloc_seconds
+from loomrl.planner.workload import ModelShape, Workload
+from loomrl.workflow import MFC, MFCKind
+
+__all__ = ["CostModel", "PREFILL_CHUNK_TOKENS"]
+
+PREFILL_CHUNK_TOKENS = 4096
+"""Prompt tokens the rollout engine prefills at once (its ``prefill_tokens`` default): bounds prefill buffers."""
+COMPUTE_BYTES_PER_TOKEN = 64
+"""Bytes a compute step (advantages) reads and writes per token: a few fp32 columns, in and out."""
+
+
+class _Rates(NamedTuple):
+    """What one device of an allocation gets: compute and memory rates, and the link of each parallel axis."""
+
+    flops: float
+    mem: float
+    tp_bw: float
+    dp_bw: float
+    pp_bw: float
+    latency: float
+
+
+class CostModel:
+    """Prices MFCs, reallocations and memory for one cluster, hardware profile, set of models and workload.
+
+    ``shapes`` maps each role to its model; ``bytes_per_param`` is the weights' (and activations') element
+    size, by default 2 (bf16) on accelerators and 4 (fp32, what the CPU runtime trains in) on ``local``.
+    Results are cached per (call, allocation); the model is immutable once built.
+    """
+
+    def __init__(self, cluster: ClusterSpec, profile: HardwareProfile, shapes: Mapping[str, ModelShape],
+                 workload: Workload, corrections: Corrections | None = None, *, bytes_per_param: int | None = None):
+        self.cluster, self.profile, self.workload = cluster, profile, workload
+        self.shapes = dict(shapes)
+        self.corrections = corrections or Corrections()
+        self.bytes_per_param = bytes_per_param or (4 if profile.name == "local" else 2)
+        self._terms: dict[tuple, dict[str, float]] = {}
+        self._reallocs: dict[tuple, float] = {}
+        self._rates: dict[tuple, _Rates] = {}
+
+    # ------------------------------------------------------------------------------------------ public API
+
+    def mfc_time(self, mfc: MFC, alloc: Allocation) -> float:
+        """Seconds of one call of ``mfc`` on ``alloc``, corrected."""
+        return self.corrections.apply(mfc.kind, sum(self.time_terms(mfc, alloc).values()))
+
+    def time_terms(self, mfc: MFC, alloc: Allocation) -> dict[str, float]:
+        """The uncorrected terms of a call's time, by name (they sum to the analytic time)."""
+        key = (mfc.name, mfc.kind, mfc.role, mfc.epochs, mfc.minibatches, _alloc_key(alloc))
+        if key not in self._terms:
+            self._terms[key] = self._compute_terms(mfc, alloc)
+        return dict(self._terms[key])
+
+    def mfc_memory(self, mfc: MFC, alloc: Allocation, trainable: bool) -> float:
+        """Transient peak bytes on each device of ``alloc`` while the call runs: activations kept for the
+        backward (train), working buffers (inference), KV cache and buffers (generate). The role's weights
+        (and optimizer state) are :meth:`static_memory`, which the simulator holds for as long as they are
+        resident; :meth:`call_memory` is the sum of the two. ``trainable`` does not change the transient part."""
+        if mfc.kind is MFCKind.COMPUTE:
+            return self.workload.batch * self.workload.mean_seq * COMPUTE_BYTES_PER_TOKEN
+        if mfc.kind is MFCKind.GENERATE:
+            return self._generate_memory(mfc.role, alloc)
+        if mfc.kind is MFCKind.INFERENCE:
+            return self._inference_memory(mfc.role, alloc)
+        return self._train_memory(mfc, alloc)
+
+    def call_memory(self, mfc: MFC, alloc: Allocation, trainable: bool) -> float:
+        """Peak bytes per device of a call with its role's weights (+ gradients and Adam if ``trainable``)."""
+        static = 0.0 if mfc.role is None else self.static_memory(mfc.role, alloc, trainable)
+        return static + self.mfc_memory(mfc, alloc, trainable)
+
+    def static_memory(self, role: str, alloc: Allocation, trainable: bool) -> float:
+        """Resident bytes per device of ``role``'s weights on ``alloc`` (plus gradients and Adam moments if
+        ``trainable``): :func:`loomrl.plan.shard_bytes`, the figure plan validation uses."""
+        lay = alloc.layout
+        return float(shard_bytes(self._shape(role).params, lay.tp, lay.pp, self.bytes_per_param, trainable))
+
+    def realloc_time(self, role: str, src: Allocation, dst: Allocation) -> float:
+        """Seconds to move ``role``'s weights from ``src`` to ``dst``, priced from the real transfer plan of a
+        reduced copy of the model (exact received bytes when tp divides the split dimensions; see
+        :mod:`loomrl.planner.realloc_cost`). 0 for the same placement. Cached."""
+        key = (role, _alloc_key(src)[:2], _alloc_key(dst)[:2])
+        if key not in self._reallocs:
+            self._reallocs[key] = realloc_seconds(self._shape(role), src, dst, self.cluster, self.profile,
+                                                  self.bytes_per_param)
+        seconds = self._reallocs[key]
+        return self.corrections.apply(REALLOC, seconds) if seconds > 0 else 0.0
+
+    def data_transfer_time(self, nbytes: float, src: Allocation, dst: Allocation) -> float:
+        """Seconds to hand ``nbytes`` of batch columns from the devices of ``src`` to those of ``dst``: each
+        destination data-parallel rank fetches its 1/dp of the rows (all its tp/pp ranks fetch the same),
+        over the inter-node link if it sits on a node ``src`` does not use. 0 when nothing moves."""
+        if src.mesh == dst.mesh and src.layout.dp == dst.layout.dp:
+            return 0.0
+        src_nodes = {self.cluster.node_of(d) for d in src.mesh}
+        remote = any(self.cluster.node_of(d) not in src_nodes for d in dst.mesh)
+        bandwidth = self.profile.inter_node_bw if remote else self.profile.intra_node_bw
+        return T.transfer_time(nbytes / dst.layout.dp, bandwidth, self.profile.link_latency)
+
+    def output_bytes(self, mfc: MFC) -> float:
+        """Bytes of a call's outputs, as if every output key held one 4-byte value per token of every sample
+        (an upper bound: scores are one value per sample)."""
+        return self.workload.batch * self.workload.mean_seq * 4 * len(mfc.outputs)
+
+    def decode_time(self, role: str, alloc: Allocation, response_lengths: tuple[int, ...] | None = None, *,
+                    padded: bool = False) -> float:
+        """Uncorrected seconds of the decode phase alone; ``padded=True`` prices static batching (every row
+        decodes until the longest response ends) instead of continuous batching, for comparison."""
+        lengths = tuple(response_lengths or self.workload.response_lengths)
+        return sum(self._decode_terms(role, alloc, lengths, padded).values())
+
+    # ------------------------------------------------------------------------------------- per-kind terms
+
+    def _compute_terms(self, mfc: MFC, alloc: Allocation) -> dict[str, float]:
+        if mfc.kind is MFCKind.COMPUTE:
+            nbytes = self.workload.batch * self.workload.mean_seq * COMPUTE_BYTES_PER_TOKEN
+            return {"compute": nbytes / self._rates_of(alloc).mem}
+        if mfc.kind is MFCKind.GENERATE:
+            return self._generate_terms(mfc.role, alloc)
+        if mfc.kind is MFCKind.INFERENCE:
+            return self._inference_terms(mfc.role, alloc)
+        return self._train_terms(mfc, alloc)
+
+    def _inference_terms(self, role: str, alloc: Allocation) -> dict[str, float]:
+        """One forward pass over every token of a replica's share."""
+        shape, w = self._shape(role), self.workload
+        samples = D.share(w.batch, alloc.layout.dp)
+        flops = T.forward_flops(shape, samples * w.mean_seq, samples * w.mean_sq_seq)
+        return self._pass(alloc, shape, flops, self._weight_bytes(role), samples * w.mean_seq,
+                          allreduces_per_layer=2, hops=1, micro_batches=alloc.micro_batches)
+
+    def _train_terms(self, mfc: MFC, alloc: Allocation) -> dict[str, float]:
+        """Per optimizer step: a forward+backward pass over the step's share, the dp gradient all-reduce and
+        the Adam step; times ``epochs × minibatches`` steps."""
+        shape, w, lay = self._shape(mfc.role), self.workload, alloc.layout
+        epochs, minibatches = self._steps(mfc)
+        samples = w.batch / minibatches / lay.dp
+        tokens = samples * w.mean_seq
+        flops = T.train_flops(shape, tokens, samples * w.mean_sq_seq)
+        step = self._pass(alloc, shape, flops, 3 * self._weight_bytes(mfc.role), tokens,
+                          allreduces_per_layer=4, hops=2, micro_batches=alloc.micro_batches)
+        rates = self._rates_of(alloc)
+        shard_params = shape.params / (lay.tp * lay.pp)
+        step["dp_grad_allreduce"] = T.ring_allreduce_time(shard_params * self.bytes_per_param, lay.dp,
+                                                          rates.dp_bw, rates.latency)
+        step["optimizer"] = T.adam_step_bytes(shard_params, self.bytes_per_param) / rates.mem
+        return {name: seconds * epochs * minibatches for name, seconds in step.items()}
+
+    def _generate_terms(self, role: str, alloc: Allocation) -> dict[str, float]:
+        """Prefill of the share's prompts, then decode over the response-length distribution."""
+        shape, w = self._shape(role), self.workload
+        samples = D.share(w.batch, alloc.layout.dp)
+        flops = T.forward_flops(shape, samples * w.prompt_len, samples * w.prompt_len ** 2)
+        chunks = max(1, math.ceil(samples * w.prompt_len / PREFILL_CHUNK_TOKENS))
+        prefill = self._pass(alloc, shape, flops, chunks * self._weight_bytes(role), samples * w.prompt_len,
+                             allreduces_per_layer=2, hops=1, micro_batches=self._gen_micro_batches(alloc))
+        out = {f"prefill_{name}": seconds for name, seconds in prefill.items()}
+        out.update(self._decode_terms(role, alloc, w.response_lengths, padded=False))
+        return out
+
+    # ------------------------------------------------------------------------------------------- building blocks
+
+    def _pass(self, alloc: Allocation, shape: ModelShape, flops: float, weight_traffic: float, tokens: float,
+              allreduces_per_layer: int, hops: int, micro_batches: int) -> dict[str, float]:
+        """One pipelined pass of a replica's share (see the module docstring): work, bubble, tp all-reduces
+        and pp hops. ``weight_traffic`` is the whole model's weight bytes moved per micro-batch."""
+        lay, rates = alloc.layout, self._rates_of(alloc)
+        mb = micro_batches
+        slot = T.roofline(flops / (lay.tp * lay.pp * mb), weight_traffic / (lay.tp * lay.pp), rates.flops, rates.mem)
+        act = tokens / mb * shape.hidden * self.bytes_per_param  # one micro-batch's hidden states
+        tp = allreduces_per_layer * shape.layers / lay.pp * T.ring_allreduce_time(act, lay.tp, rates.tp_bw,
+                                                                                   rates.latency)
+        hop = hops * T.transfer_time(act, rates.pp_bw, rates.latency) if lay.pp > 1 else 0.0
+        slots = T.pipeline_slots(lay.pp, mb)
+        return {"work": mb * slot, "pp_bubble": (lay.pp - 1) * slot, "tp_comm": slots * tp, "pp_p2p": slots * hop}
+
+    def _decode_terms(self, role: str, alloc: Allocation, lengths: tuple[int, ...], padded: bool) -> dict[str, float]:
+        """Decode steps summed in closed form over occupancy segments (:mod:`loomrl.planner.decode`)."""
+        shape, lay, rates, w = self._shape(role), alloc.layout, self._rates_of(alloc), self.workload
+        mb, b = self._gen_micro_batches(alloc), self.bytes_per_param
+        split = lay.tp * lay.pp * mb  # the devices and micro-batches a step's live tokens are spread over
+        kv_split = min(lay.tp, shape.kv_heads) * lay.pp * mb  # kv heads are replicated beyond kv_heads
+        slots = T.decode_step_slots(lay.pp, mb)
+        out = {"decode": 0.0, "decode_tp_comm": 0.0, "decode_pp_p2p": 0.0}
+        for seg in self._segments(lengths, lay.dp, padded):
+            # per-slot compute and memory time, each linear in the step t: a + b·t
+            attn = 4.0 * shape.layers * shape.hidden / (split * rates.flops)
+            a = 2.0 * shape.matmul_params * seg.live / (split * rates.flops) + attn * seg.ctx_base
+            kv = T.kv_bytes_per_token(shape, b) / (kv_split * rates.mem)
+            c = self._weight_bytes(role) / (lay.tp * lay.pp * rates.mem) + kv * seg.ctx_base
+            out["decode"] += slots * T.sum_max_linear(a, attn * seg.live, c, kv * seg.live, seg.start, seg.end)
+            act = seg.live / mb * shape.hidden * b
+            steps = seg.end - seg.start
+            tp = 2 * shape.layers / lay.pp * T.ring_allreduce_time(act, lay.tp, rates.tp_bw, rates.latency)
+            out["decode_tp_comm"] += slots * tp * steps
+            if lay.pp > 1:
+                out["decode_pp_p2p"] += slots * T.transfer_time(act, rates.pp_bw, rates.latency) * steps
+        return out
+
+    def _segments(self, lengths: tuple[int, ...], dp: int, padded: bool) -> list[D.Segment]:
+        w = self.workload
+        if padded:
+            return D.padded_segments(lengths, D.share(w.batch, dp), w.prompt_len)
+        if w.decode_slots is not None and D.whole_share(w.batch, dp) > w.decode_slots:
+            return D.slot_segments(lengths, D.whole_share(w.batch, dp), w.decode_slots, w.prompt_len)
+        return D.continuous_segments(lengths, D.share(w.batch, dp), w.prompt_len)
+
+    # ---------------------------------------------------------------------------------------------- memory
+
+    def _generate_memory(self, role: str, alloc: Allocation) -> float:
+        """KV cache at its fullest, plus the larger of a prefill chunk's buffers and the decode logits."""
+        shape, lay, w, b = self._shape(role), alloc.layout, self.workload, self.bytes_per_param
+        segments = self._segments(w.response_lengths, lay.dp, padded=False)
+        kv = T.kv_bytes_per_token(shape, b) * D.peak_context(segments) / (min(lay.tp, shape.kv_heads) * lay.pp)
+        prefill_tokens = min(D.share(w.batch, lay.dp) * w.prompt_len, PREFILL_CHUNK_TOKENS)
+        prefill = T.inference_activation_bytes(shape, prefill_tokens, lay.tp, b)
+        logits = D.peak_live(segments) * shape.vocab / lay.tp * T.FP32
+        return kv + max(prefill, logits)
+
+    def _inference_memory(self, role: str, alloc: Allocation) -> float:
+        """Working buffers of one micro-batch's forward pass."""
+        shape, lay, w = self._shape(role), alloc.layout, self.workload
+        tokens = D.share(w.batch, lay.dp) * w.mean_seq / alloc.micro_batches
+        return T.inference_activation_bytes(shape, tokens, lay.tp, self.bytes_per_param)
+
+    def _train_memory(self, mfc: MFC, alloc: Allocation) -> float:
+        """Activations kept for the backward: one micro-batch at a time without pipelining, every
+        micro-batch of a step on a stage under GPipe (all forwards run before the backwards)."""
+        shape, lay, w = self._shape(mfc.role), alloc.layout, self.workload
+        _, minibatches = self._steps(mfc)
+        tokens = w.batch / minibatches / lay.dp * w.mean_seq
+        in_flight = tokens if lay.pp > 1 else tokens / alloc.micro_batches
+        return T.train_activation_bytes(shape, in_flight, shape.layers / lay.pp, lay.tp, self.bytes_per_param)
+
+    # ------------------------------------------------------------------------------------------------ helpers
+
+    def _shape(self, role: str | None) -> ModelShape:
+        if role not in self.shapes:
+            known = ", ".join(self.shapes) or "none"
+            raise ConfigError(f"cost model: no model shape for role {role!r}; known: {known}")
+        return self.shapes[role]
+
+    def _weight_bytes(self, role: str) -> float:
+        return self._shape(role).params * self.bytes_per_param
+
+    def _steps(self, mfc: MFC) -> tuple[int, int]:
+        """(epochs, minibatches) of a train call: the MFC's own when set (not 1), else the workload's."""
+        epochs = mfc.epochs if mfc.epochs != 1 else self.workload.ppo_epochs
+        minibatches = mfc.minibatches if mfc.minibatches != 1 else self.workload.minibatches
+        return epochs, minibatches
+
+    @staticmethod
+    def _gen_micro_batches(alloc: Allocation) -> int:
+        return alloc.micro_batches if alloc.layout.pp > 1 else 1
+
+    def _rates_of(self, alloc: Allocation) -> _Rates:
+        key = _alloc_key(alloc)[:2]
+        if key not in self._rates:
+            self._rates[key] = self._measure_rates(alloc)
+        return self._rates[key]
+
+    def _measure_rates(self, alloc: Allocation) -> _Rates:
+        """Links per parallel axis (inter-node if any group of that axis spans nodes) and the slowdown of
+        devices sharing cores: a call keeping k devices of a node busy on a node with fewer cores runs at
+        cores/k of the per-device rate."""
+        p, lay = self.profile, alloc.layout
+        groups = {
+            "tp": [[alloc.device(d, t, s) for t in range(lay.tp)] for d in range(lay.dp) for s in range(lay.pp)],
+            "dp": [[alloc.device(d, t, s) for d in range(lay.dp)] for t in range(lay.tp) for s in range(lay.pp)],
+            "pp": [[alloc.device(d, t, s) for s in range(lay.pp)] for d in range(lay.dp) for t in range(lay.tp)],
+        }
+        bw = {axis: p.inter_node_bw if any(self._spans_nodes(g) for g in gs) else p.intra_node_bw
+              for axis, gs in groups.items()}
+        slowdown = 1.0
+        if p.devices_share_cores > 1:
+            busiest = max(Counter(self.cluster.node_of(d) for d in alloc.mesh).values())
+            cores = self.cluster.devices_per_node / p.devices_share_cores
+            slowdown = max(1.0, busiest / cores)
+        return _Rates(p.matmul_flops / slowdown, p.mem_bandwidth / slowdown, bw["tp"], bw["dp"], bw["pp"],
+                      p.link_latency)
+
+    def _spans_nodes(self, devices: list[int]) -> bool:
+        return len({self.cluster.node_of(d) for d in devices}) > 1
+
+
+def _alloc_key(alloc: Allocation) -> tuple:
+    lay = alloc.layout
+    return alloc.mesh.devices, (lay.dp, lay.tp, lay.pp), alloc.micro_batches

@@ -1,0 +1,120 @@
+"""Decode occupancy: how many samples are live at each decode step, and how much context they hold.
+
+A generation replica decodes its share of the batch one token per step for every live sample. Occupancy is
+piecewise constant in the step index ``t``, so it is returned as :class:`Segment` runs: over
+``start ≤ t < end``, ``live`` samples decode and their contexts sum to ``ctx_base + live·t``. The cost model
+sums per-step costs over a run in closed form, so pricing never loops over steps.
+
+Three schedules:
+
+- :func:`continuous_segments`: continuous batching with room for every sample. All start at step 0; a
+  sample of response length L decodes during steps ``0 ≤ t < L``; live(t) = samples · P(R > t) with P read
+  off the sampled lengths (fractional samples are fine).
+- :func:`slot_segments`: continuous batching with a fixed number of slots (the rollout engine's): samples
+  wait in line and take a slot as soon as one frees; their lengths are the sample's quantiles in a
+  length-blind order (:func:`admission_order`).
+- :func:`padded_segments`: static batching: every sample occupies its row until the longest finishes. The
+  baseline continuous batching is compared with.
+"""
+
+from __future__ import annotations
+
+import heapq
+import math
+from collections import Counter
+from typing import NamedTuple, Sequence
+
+__all__ = ["Segment", "admission_order", "continuous_segments", "decode_steps", "padded_segments", "peak_context",
+           "peak_live", "share", "slot_segments", "whole_share"]
+
+
+class Segment(NamedTuple):
+    """Decode steps ``start ≤ t < end`` with ``live`` samples whose contexts sum to ``ctx_base + live·t``."""
+
+    start: int
+    end: int
+    live: float
+    ctx_base: float
+
+
+def continuous_segments(lengths: Sequence[int], samples: float, prompt_len: float) -> list[Segment]:
+    """Unlimited continuous batching of ``samples`` samples whose response lengths follow ``lengths``."""
+    scale = samples / len(lengths)
+    remaining = len(lengths)
+    out, start = [], 0
+    for length, count in sorted(Counter(lengths).items()):
+        if length > start:
+            live = scale * remaining
+            out.append(Segment(start, length, live, live * prompt_len))  # every sample started at step 0
+            start = length
+        remaining -= count
+    return out
+
+
+def padded_segments(lengths: Sequence[int], samples: float, prompt_len: float) -> list[Segment]:
+    """Static batching: all ``samples`` rows decode until the longest response ends."""
+    return [Segment(0, max(lengths), samples, samples * prompt_len)]
+
+
+def slot_segments(lengths: Sequence[int], samples: int, slots: int, prompt_len: float) -> list[Segment]:
+    """Continuous batching of ``samples`` samples through ``slots`` slots, admitted in order."""
+    if samples <= slots:
+        return continuous_segments(lengths, samples, prompt_len)
+    free_at = [0] * slots  # heap of the steps at which each slot frees
+    delta_live: dict[int, int] = Counter()
+    delta_base: dict[int, float] = Counter()
+    for length in admission_order(lengths, samples):
+        start = heapq.heappop(free_at)
+        end = start + length
+        heapq.heappush(free_at, end)
+        # a sample started at s has context prompt + (t − s) at step t: base prompt − s, slope 1
+        delta_live[start] += 1
+        delta_live[end] -= 1
+        delta_base[start] += prompt_len - start
+        delta_base[end] -= prompt_len - start
+    out, live, base = [], 0, 0.0
+    points = sorted(set(delta_live) | set(delta_base))
+    for point, following in zip(points, points[1:]):
+        live += delta_live.get(point, 0)
+        base += delta_base.get(point, 0.0)
+        if live > 0:
+            out.append(Segment(point, following, float(live), base))
+    return out
+
+
+def admission_order(lengths: Sequence[int], samples: int) -> list[int]:
+    """``samples`` lengths drawn evenly from the quantiles of ``lengths``, in an order blind to length.
+
+    Quantile ``(i + 0.5) / samples`` of the sorted sample gives sample i's length; the order is the
+    golden-ratio sequence over them (rank ``frac(i·φ)``), which interleaves short and long evenly the way a
+    random arrival order does on average, without a random state and whatever order ``lengths`` came in.
+    """
+    ordered = sorted(lengths)
+    picked = [ordered[min(len(ordered) - 1, int((i + 0.5) * len(ordered) / samples))] for i in range(samples)]
+    golden = (math.sqrt(5) - 1) / 2
+    return [picked[i] for i in sorted(range(samples), key=lambda i: (i * golden) % 1.0)]
+
+
+def peak_context(segments: Sequence[Segment]) -> float:
+    """Largest total context held at any step: what a paged KV cache must hold at its fullest."""
+    return max((s.ctx_base + s.live * (s.end - 1) for s in segments), default=0.0)
+
+
+def decode_steps(segments: Sequence[Segment]) -> int:
+    """Steps until the last sample finishes."""
+    return max((s.end for s in segments), default=0)
+
+
+def peak_live(segments: Sequence[Segment]) -> float:
+    """Most samples decoding at once."""
+    return max((s.live for s in segments), default=0.0)
+
+
+def share(batch: float, dp: int) -> float:
+    """Samples of one data-parallel replica (the controller balances them; fractional on average)."""
+    return batch / dp
+
+
+def whole_share(batch: float, dp: int) -> int:
+    """The largest replica's sample count when samples are whole."""
+    return math.ceil(batch / dp)

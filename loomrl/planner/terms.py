@@ -1,0 +1,157 @@
+"""The analytic terms of the cost model, one small pure function each: FLOPs, bytes, communication volumes.
+
+Nothing here knows about allocations or MFCs; :mod:`loomrl.planner.cost` assembles these terms per call.
+Units: FLOPs, bytes, seconds, bytes/s. ``b`` is bytes per element of weights and activations (2 for bf16).
+
+Sources of the formulas (restated, not copied): the 2·P FLOPs per token of a forward pass and 3× that for
+forward + backward (Kaplan et al. 2020, "Scaling Laws", §2.1); the per-layer activation bytes of a
+tensor-parallel transformer (Korthikanti et al. 2022, "Reducing Activation Recomputation", §4.1, without
+sequence parallelism, attention scores not stored as with fused attention); ring all-reduce moving
+2(n−1)/n of the buffer through each device (Patarasuk & Yuan 2009).
+"""
+
+from __future__ import annotations
+
+import math
+
+from loomrl.planner.workload import ModelShape
+
+__all__ = [
+    "adam_step_bytes",
+    "attention_flops",
+    "decode_step_flops",
+    "decode_step_slots",
+    "forward_flops",
+    "inference_activation_bytes",
+    "kv_bytes_per_token",
+    "pipeline_slots",
+    "ring_allreduce_bytes",
+    "ring_allreduce_time",
+    "roofline",
+    "sum_linear",
+    "sum_max_linear",
+    "train_activation_bytes",
+    "train_flops",
+    "transfer_time",
+]
+
+FP32 = 4
+"""Bytes of the fp32 values the cost model assumes regardless of the weights' dtype: Adam moments, logits."""
+
+
+def attention_flops(shape: ModelShape, sum_sq_len: float) -> float:
+    """Causal self-attention FLOPs of a forward pass over sequences whose squared lengths sum to ``sum_sq_len``.
+
+    Per layer and sequence of length S, QKᵀ and AV each multiply S²/2 (query, key) pairs over ``hidden``
+    channels at 2 FLOPs a multiply-add: 2·hidden·S² in all.
+    """
+    return 2.0 * shape.layers * shape.hidden * sum_sq_len
+
+
+def forward_flops(shape: ModelShape, tokens: float, sum_sq_len: float) -> float:
+    """FLOPs of one forward pass over ``tokens`` tokens: 2 per matmul parameter per token, plus attention."""
+    return 2.0 * shape.matmul_params * tokens + attention_flops(shape, sum_sq_len)
+
+
+def train_flops(shape: ModelShape, tokens: float, sum_sq_len: float) -> float:
+    """Forward + backward FLOPs: the backward pass costs twice the forward (gradients of inputs and weights).
+    No activation recomputation (it would add one more forward)."""
+    return 3.0 * forward_flops(shape, tokens, sum_sq_len)
+
+
+def decode_step_flops(shape: ModelShape, live: float, ctx_sum: float) -> float:
+    """FLOPs of one decode step: ``live`` new tokens through the matmuls, each attending to its context.
+
+    ``ctx_sum`` is the total context (cached tokens) over the live samples; a new token's QKᵀ and AV over a
+    context of c tokens cost 2·hidden·c FLOPs each per layer.
+    """
+    return 2.0 * shape.matmul_params * live + 4.0 * shape.layers * shape.hidden * ctx_sum
+
+
+def kv_bytes_per_token(shape: ModelShape, b: float) -> float:
+    """KV-cache bytes of one cached token over all layers: a key and a value of ``kv_dim`` each."""
+    return 2.0 * shape.layers * shape.kv_dim * b
+
+
+def adam_step_bytes(params: float, b: float) -> float:
+    """Memory traffic of one Adam step over ``params`` parameters: read weights, gradients and both fp32
+    moments, write weights and moments back."""
+    return params * (3 * b + 4 * FP32)
+
+
+def roofline(flops: float, nbytes: float, flops_rate: float, mem_bandwidth: float) -> float:
+    """Seconds of a kernel bound by whichever is slower: its arithmetic or its memory traffic."""
+    return max(flops / flops_rate, nbytes / mem_bandwidth)
+
+
+def ring_allreduce_bytes(nbytes: float, n: int) -> float:
+    """Bytes each of ``n`` devices sends in a ring all-reduce of an ``nbytes`` buffer (reduce-scatter then
+    all-gather, each moving (n−1)/n of the buffer)."""
+    return 0.0 if n <= 1 else 2.0 * (n - 1) / n * nbytes
+
+
+def ring_allreduce_time(nbytes: float, n: int, bandwidth: float, latency: float) -> float:
+    """Seconds of an all-reduce: the ring's volume over the link, plus ``latency`` per level of a binary
+    tree over the n devices (⌈log2 n⌉), the depth of the tree algorithms collective libraries switch to for
+    the small, latency-bound messages of decode."""
+    if n <= 1:
+        return 0.0
+    return ring_allreduce_bytes(nbytes, n) / bandwidth + math.ceil(math.log2(n)) * latency
+
+
+def transfer_time(nbytes: float, bandwidth: float, latency: float) -> float:
+    """Seconds of one point-to-point message."""
+    return nbytes / bandwidth + latency if nbytes > 0 else 0.0
+
+
+def pipeline_slots(pp: int, micro_batches: int) -> int:
+    """GPipe time slots of one pass: ``micro_batches`` slots of work on the slowest stage plus ``pp − 1``
+    slots of fill/drain, i.e. a bubble of (pp−1)/(micro_batches+pp−1) of the pass."""
+    return micro_batches + pp - 1
+
+
+def decode_step_slots(pp: int, micro_batches: int) -> int:
+    """Stage slots per decode step in a pipeline's steady state: a micro-batch's next token enters stage 0
+    as soon as it leaves the last stage, so the pipeline fills once per generation, not once per token; a
+    step takes ``micro_batches`` slots, or ``pp`` when there are too few micro-batches to keep every stage
+    busy."""
+    return max(pp, micro_batches)
+
+
+def train_activation_bytes(shape: ModelShape, tokens: float, layers: float, tp: int, b: float) -> float:
+    """Activation bytes a training pass keeps for its backward over ``tokens`` tokens and ``layers`` layers.
+
+    Per layer and token hidden·(10 + 24/tp) bytes at 2-byte activations (scaled by b/2): the tp-split parts
+    (projections' inputs and outputs, MLP activations) and the replicated ones (norms' inputs, dropout-free
+    residuals). The fp32 logits over the vocabulary shard and their gradient come on top.
+    """
+    per_token_layer = shape.hidden * (10 + 24 / tp) * b / 2
+    logits = 2 * tokens * shape.vocab / tp * FP32
+    return tokens * layers * per_token_layer + logits
+
+
+def inference_activation_bytes(shape: ModelShape, tokens: float, tp: int, b: float) -> float:
+    """Working set of a forward pass without gradients over ``tokens`` tokens: one layer's buffers (residual,
+    normalised input, attention output, the MLP's gated intermediate shard) and the fp32 logits shard."""
+    per_token = (4 * shape.hidden + 2 * shape.intermediate / tp) * b + shape.vocab / tp * FP32
+    return tokens * per_token
+
+
+def sum_linear(a: float, b: float, t0: int, t1: int) -> float:
+    """Σ_{t=t0}^{t1−1} (a + b·t)."""
+    n = t1 - t0
+    return n * a + b * (t0 + t1 - 1) * n / 2 if n > 0 else 0.0
+
+
+def sum_max_linear(a: float, b: float, c: float, d: float, t0: int, t1: int) -> float:
+    """Σ_{t=t0}^{t1−1} max(a + b·t, c + d·t), exactly: split the range where the two lines cross."""
+    if t1 <= t0:
+        return 0.0
+    if b == d:
+        return sum_linear(max(a, c), b, t0, t1)
+    cross = (c - a) / (b - d)  # first line ≥ second for t ≥ cross when b > d, for t ≤ cross when b < d
+    if b > d:
+        split = math.ceil(min(max(cross, t0), t1))
+        return sum_linear(c, d, t0, split) + sum_linear(a, b, split, t1)
+    split = min(math.floor(min(max(cross, t0 - 1), t1)) + 1, t1)
+    return sum_linear(a, b, t0, split) + sum_linear(c, d, split, t1)
