@@ -9,7 +9,8 @@ random contents) are moved by :func:`loomrl.parallel.realloc_exec.execute_reallo
 checksum verification whose result every rank also compares with the direct slice of the full parameters,
 then timed repeats, every rank starting at one agreed instant of the machine's monotonic clock and a repeat
 lasting until the slowest rank has finished (the reference broadcast is timed the same way). Delivered rate =
-``plan.bytes_moved(4)`` / time. The planner's own time is measured in the parent process, alone. The way
+``plan.bytes_moved(4)`` / time. "wire ms" times the same route buffers sent and received alone (no packing,
+unpacking, local copies or new shards). The planner's own time is measured in the parent process, alone. The way
 back (tp → dp) is timed as a copy, though returning to the training layout in practice only frees buffers.
 """
 
@@ -37,6 +38,7 @@ from loomrl.models.zoo import build_causal_lm  # noqa: E402
 from loomrl.plan.layout import Layout  # noqa: E402
 from loomrl.plan.realloc_plan import ReallocPlan, plan_reallocation  # noqa: E402
 from loomrl.plan.shards import Placement, pp_stage, tp_dim  # noqa: E402
+from loomrl.parallel import realloc_exec  # noqa: E402
 from loomrl.parallel.realloc_exec import build_broadcast_groups, execute_reallocation  # noqa: E402
 from loomrl.report import summary_table  # noqa: E402
 
@@ -180,8 +182,26 @@ def measure_pair(setup: Setup, pair: Pair, full: dict[str, torch.Tensor], rank: 
     source = _shards(full, pair.src, rank, setup.num_layers)
     _verified_warm_up(plan, pair, full, source, groups, rank, setup.num_layers)
     seconds = _best_time(lambda: execute_reallocation(plan, source, rank, groups=groups), setup.repeats)
-    return {"seconds": seconds, "bytes_moved": plan.bytes_moved(4), "bytes_local": plan.bytes_local(4),
+    return {"seconds": seconds, "wire_seconds": wire_time(plan, rank, groups, setup.repeats),
+            "bytes_moved": plan.bytes_moved(4), "bytes_local": plan.bytes_local(4),
             "pieces": sum(not t.local for t in plan.transfers)}
+
+
+def wire_time(plan: ReallocPlan, rank: int, groups, repeats: int) -> float:
+    """Best time of the plan's route buffers alone going over the wire: the executor's own transfers, without
+    packing, unpacking, local copies or new destination shards (a floor for the executor on this machine)."""
+    schedule = realloc_exec.compile_schedule(plan, rank)
+    buffers = schedule.buffers(lambda name: torch.float32, False, torch.device("cpu"))
+    sends = {route: routed.buffer for route, routed in buffers.items() if route[0] == rank}
+    recvs = {route: routed.buffer for route, routed in buffers.items() if route[0] != rank}
+
+    def transfer() -> None:
+        started = realloc_exec._start_point_to_point(sends, recvs, None)
+        for _, work in started + realloc_exec._start_broadcasts(sends, recvs, None, groups):
+            if work is not None:
+                work.wait()
+
+    return _best_time(transfer, repeats)
 
 
 def _body(rank: int, setup: Setup) -> dict[str, Any]:
@@ -265,7 +285,8 @@ def main() -> None:
         rate = result["bytes_moved"] / result["seconds"] if result["bytes_moved"] else None
         rows.append({"layout pair": pair.label, "MB moved": result["bytes_moved"] / 1e6,
                      "ms": result["seconds"] * 1e3, "GB/s": rate / 1e9 if rate else None,
-                     "% of broadcast bw": f"{rate / bandwidth:.0%}" if rate else "", "plan ms": ms})
+                     "% of broadcast bw": f"{rate / bandwidth:.0%}" if rate else "",
+                     "wire ms": result["wire_seconds"] * 1e3 if result["bytes_moved"] else None, "plan ms": ms})
     console = Console(width=100)  # the table is wider than rich's default 80 columns for a pipe
     n_params = sum(math.prod(shape) for shape in shapes.values())
     left_out = f", leaving out /{args.exclude}/" if args.exclude else ""

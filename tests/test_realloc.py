@@ -9,6 +9,7 @@ processes that run several reallocations, with checksum verification, and one de
 from __future__ import annotations
 
 import datetime
+import gc
 import math
 import random
 import socket
@@ -285,6 +286,124 @@ def test_planner_rejects_bad_placements():
         plan_reallocation(params, 1, ((0, 0), Layout(dp=2)), ((0,), Layout()), node_of)
 
 
+# ------------------------------------------------------------------------------- executor schedule, in process
+def _sim_dtypes(params: dict[str, tuple[int, ...]]) -> dict[str, torch.dtype]:
+    """Mixed element sizes: 2-byte norms (odd counts), 8-byte embeddings, 4-byte projections."""
+    return {name: torch.bfloat16 if "norm" in name else torch.float64 if "embed" in name or "lm_head" in name
+            else torch.float32 for name in params}
+
+
+def _run_schedules(plan: ReallocPlan, src: dict[tuple[int, str], torch.Tensor], dtypes: dict[str, torch.dtype],
+                   corrupt: Callable[[torch.Tensor], None] | None = None) -> dict[tuple[int, str], torch.Tensor]:
+    """Every device's compiled schedule run in one process, with verification: each sender packs its route
+    buffers, every receiver's buffer gets a copy of its sender's (``corrupt`` may alter the copy), then
+    receivers unpack and every device copies its local pieces. Returns the destination shards."""
+    dtype_of, cpu = dtypes.__getitem__, torch.device("cpu")
+    state = {}
+    for device in sorted({*plan.src.mesh, *plan.dst.mesh}):
+        schedule = realloc_exec.compile_schedule(plan, device)
+        mine = {name: tensor for (d, name), tensor in src.items() if d == device}
+        src_flat = realloc_exec._source_views(schedule, mine, dtype_of)
+        out = realloc_exec._allocate_destination(schedule, mine, dtype_of, "cpu")
+        state[device] = schedule, src_flat, out, schedule.buffers(dtype_of, True, cpu)
+    for device, (_, src_flat, _, buffers) in state.items():
+        for route, routed in buffers.items():
+            if route[0] == device:
+                realloc_exec._pack(routed.buffer, routed.placed, src_flat, True)
+    for device, (schedule, src_flat, out, buffers) in state.items():
+        dst_flat = {name: tensor.view(-1) for name, tensor in out.items()}
+        realloc_exec._copy_local(schedule.local, src_flat, dst_flat)
+        for route, routed in buffers.items():
+            if route[0] != device:
+                routed.buffer.copy_(state[route[0]][3][route].buffer)  # the wire: sizes must agree
+                if corrupt is not None:
+                    corrupt(routed.buffer)
+                realloc_exec._unpack(routed.buffer, routed.placed, dst_flat, True)
+    return {(device, name): tensor for device, (_, _, out, _) in state.items() for name, tensor in out.items()}
+
+
+def _schedule_case(seed: int) -> tuple[ReallocPlan, dict, dict, dict]:
+    """A random case of the planner properties, with mixed dtypes: (plan, dtypes, source, expected) shards."""
+    rng = random.Random(seed)
+    num_layers = rng.choice([1, 2, 4])
+    params = _random_params(rng, num_layers)
+    src = _random_placement(rng, num_layers, 8, fsdp=rng.random() < 0.4)
+    dst = _random_placement(rng, num_layers, 8, fsdp=False)
+    plan = plan_reallocation(params, num_layers, src, dst, node_of)
+    dtypes = _sim_dtypes(params)
+    full = {name: torch.randn(shape, dtype=torch.float64).to(dtypes[name]) for name, shape in params.items()}
+    return plan, dtypes, _shards(full, src, num_layers), _shards(full, dst, num_layers)
+
+
+@pytest.mark.parametrize("indexed", [False, True], ids=["runs", "index tensors"])
+def test_compiled_schedules_deliver_the_direct_slices(monkeypatch: pytest.MonkeyPatch, indexed: bool):
+    if indexed:  # every side with a run at all becomes an index tensor
+        monkeypatch.setattr(realloc_exec, "_MAX_RUNS", 0)
+    strided = indexes = 0
+    for seed in range(CASES // 3):
+        plan, dtypes, src, expected = _schedule_case(seed)
+        got = _run_schedules(plan, src, dtypes)
+        for key, tensor in expected.items():
+            assert torch.equal(got[key].reshape(-1), tensor), (seed, key)
+            if plan.aliased(*key):
+                assert got[key].data_ptr() == src[key].data_ptr(), (seed, key)
+        assert all(tensor.numel() == 0 for key, tensor in got.items() if key not in expected), seed
+        for device in {*plan.src.mesh, *plan.dst.mesh}:
+            schedule = realloc_exec.compile_schedule(plan, device)
+            sides = [side for entry in (*schedule.local, *(e for es in schedule.routes.values() for e in es))
+                     for side in (entry.src, entry.dst) if side is not None]
+            strided += sum(run.count > 1 for side in sides for run in side.runs)
+            indexes += sum(side.index(torch.device("cpu")) is not None for side in sides)
+    assert (indexes > 100) if indexed else (strided > 100 and indexes == 0)  # the path under test is taken
+
+
+def test_schedule_sides_group_pieces_into_strided_runs():
+    side = realloc_exec._Side([(0, 4), (4, 4), (16, 4), (24, 4), (32, 4), (50, 2), (60, 3)])
+    Run = realloc_exec._Run
+    # Touching spans merge; equal lengths at one step form a run; the rest stand alone.
+    assert side.runs == (Run(0, 1, 8, 0, 8), Run(8, 3, 4, 16, 8), Run(20, 1, 2, 50, 2), Run(22, 1, 3, 60, 3))
+    assert side.index(torch.device("cpu")) is None and not side.contiguous
+    flat = torch.arange(70.0)
+    out = torch.empty(25)
+    realloc_exec._gather(flat, side, out)
+    expected = torch.cat([flat[0:8], flat[16:20], flat[24:28], flat[32:36], flat[50:52], flat[60:63]])
+    assert torch.equal(out, expected)
+    target = torch.zeros(70)
+    realloc_exec._scatter(target, side, out)
+    assert torch.equal(target[target != 0], expected[expected != 0])
+    rows = realloc_exec._Side([(r * 10 + (r % 3), 2) for r in range(40)])  # irregular: an index tensor
+    assert rows.runs == () and rows.index(torch.device("cpu")).tolist()[:6] == [0, 1, 11, 12, 22, 23]
+
+
+def test_schedule_verification_names_the_corrupted_parameter():
+    plan, dtypes, src, _ = _schedule_case(1)
+    assert plan.bytes_moved(1) > 0
+
+    def flip_last_byte(buffer: torch.Tensor) -> None:
+        buffer[-1] ^= 0x40  # the last entry's last element, after the checksum header
+
+    with pytest.raises(ReallocVerificationError, match=r"^[\w.]+: \d+ elements in \d+ piece\(s\) within .* "
+                                                       r"from device \d+ fail verification"):
+        _run_schedules(plan, src, dtypes, corrupt=flip_last_byte)
+
+
+def test_schedules_are_cached_per_plan_object_and_dropped_with_it():
+    plan = _check_case(2)
+    device = plan.dst.mesh[0]
+    schedule = realloc_exec.compile_schedule(plan, device)
+    assert realloc_exec.compile_schedule(plan, device) is schedule
+    twin = plan_reallocation(dict(plan.shapes), plan.num_layers, plan.src, plan.dst, node_of)
+    assert realloc_exec.compile_schedule(twin, device) is not schedule  # keyed by identity, not value
+    cpu = torch.device("cpu")
+    buffers = schedule.buffers(lambda name: torch.float32, False, cpu)
+    assert schedule.buffers(lambda name: torch.float32, False, cpu) is buffers  # reused across calls
+    assert schedule.buffers(lambda name: torch.float32, True, cpu) is not buffers  # another layout
+    key = (id(plan), device)
+    del plan, schedule, buffers
+    gc.collect()
+    assert key not in realloc_exec._SCHEDULES
+
+
 # ------------------------------------------------------------------------------------- gloo executor (world 4)
 WORLD = 4
 TIMEOUT_S = 120
@@ -385,10 +504,27 @@ def _corrupted_run(device: int, full: dict[str, torch.Tensor]) -> str | None:
     return None
 
 
+def _repeated_runs(device: int, full: dict[str, torch.Tensor]) -> list[bool]:
+    """Each scenario's plan object run three times (schedule and buffers reused), with new contents each time
+    and verification switched on and off; whether every run gave this device its direct slices."""
+    ok = []
+    for scenario, (src, dst) in SCENARIOS.items():
+        plan, groups = _plan(scenario), None
+        for step in range(3):
+            scaled = {name: (tensor.double() * (step + 2)).to(tensor.dtype) for name, tensor in full.items()}
+            groups = groups or build_broadcast_groups(plan)
+            out = execute_reallocation(plan, _my_source(src, device, scaled), device, groups=groups,
+                                       dtypes=_dtypes(), verify=step == 1)
+            expected = _my_source(dst, device, scaled)
+            ok.append(sorted(out) == sorted(expected) and all(torch.equal(out[n], expected[n]) for n in expected))
+    return ok
+
+
 def _body(rank: int) -> dict:
     full = _full_params()
     results = {name: _run_scenario(name, rank, full, use_groups=i % 2 == 0) for i, name in enumerate(SCENARIOS)}
     results["corrupted"] = _corrupted_run(rank, full)
+    results["repeated"] = _repeated_runs(rank, full)
     dist.barrier()
     return results
 
@@ -457,3 +593,8 @@ def test_gloo_verification_names_the_corrupted_parameter(ranks: list[dict]):
             assert message.split(":")[0] in {t.param for t in corrupted}
         else:
             assert message is None, (rank, message)
+
+
+def test_gloo_reallocation_reuses_its_schedule_across_calls(ranks: list[dict]):
+    for rank, result in enumerate(ranks):
+        assert result["repeated"] == [True] * 3 * len(SCENARIOS), rank

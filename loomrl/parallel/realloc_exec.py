@@ -180,7 +180,7 @@ class _RouteBuffer:
     placed: list[_Placed]
 
 
-@dataclass
+@dataclass(eq=False)
 class ReallocSchedule:
     """What one device does for one plan, precomputed: see :func:`compile_schedule`."""
 
@@ -360,12 +360,18 @@ def _transfer(schedule: ReallocSchedule, buffers: Mapping[Route, _RouteBuffer],
     started += _start_point_to_point(sends, {} if early else recvs, rank_of)
     started += _start_broadcasts(sends, recvs, rank_of, groups)
     _copy_local(schedule.local, src_flat, dst_flat)
+    failed: ReallocVerificationError | None = None  # raised once every work is done: the buffers are reused
     for routes, work in started:
         if work is not None:
             work.wait()
         for route in routes:
             if route in recvs:
-                _unpack(recvs[route], buffers[route].placed, dst_flat, verify)
+                try:
+                    _unpack(recvs[route], buffers[route].placed, dst_flat, verify)
+                except ReallocVerificationError as error:
+                    failed = failed or error
+    if failed is not None:
+        raise failed
 
 
 def _rank(rank_of: Mapping[int, int] | None, device: int) -> int:
@@ -407,8 +413,10 @@ def _allocate_destination(schedule: ReallocSchedule, src_tensors: Mapping[str, t
 
 # ------------------------------------------------------------------------------------------ moving values
 def _strided(flat: torch.Tensor, run: _Run) -> torch.Tensor:
-    """The run's elements of a contiguous flat shard, as a ``(count, length)`` view."""
-    return flat.as_strided((run.count, run.length), (run.stride, 1), flat.storage_offset() + run.offset)
+    """The run's elements of a flat shard (a 1-D tensor, maybe a strided view), as a ``(count, length)`` view."""
+    step = flat.stride(0)
+    start = flat.storage_offset() + run.offset * step
+    return flat.as_strided((run.count, run.length), (run.stride * step, step), start)
 
 
 def _gather(flat: torch.Tensor, side: _Side, out: torch.Tensor) -> None:

@@ -1,0 +1,89 @@
+"""`loomrl plan`: compare the heuristic placements with a searched plan for a workload on a cluster.
+
+Every strategy (colocate, interleave, separate) gets its best layouts by enumeration, so the comparison with the
+search is fair; the searched plan is always printed next to them. Models are given by HF-style configs: the
+zoo's, a checkpoint's, or the LLaMA-2 architecture presets below for planning large clusters.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from types import SimpleNamespace
+from typing import Mapping
+
+from loomrl.errors import ConfigError
+from loomrl.plan import ClusterSpec, ExecutionPlan
+from loomrl.planner.cost import CostModel
+from loomrl.planner.profiles import profile_for
+from loomrl.planner.search import best_heuristic_plans, search
+from loomrl.planner.simulator import SimResult
+from loomrl.planner.workload import ModelShape, Workload
+from loomrl.workflow import Workflow
+
+
+def _llama2(hidden: int, layers: int, heads: int, kv_heads: int, intermediate: int) -> SimpleNamespace:
+    return SimpleNamespace(model_type="llama", hidden_size=hidden, num_hidden_layers=layers,
+                           num_attention_heads=heads, num_key_value_heads=kv_heads, intermediate_size=intermediate,
+                           vocab_size=32000, tie_word_embeddings=False)
+
+
+# Published LLaMA-2 / Code Llama architectures (the models of ReaLHF's weak-scaling experiments).
+MODEL_PRESETS: dict[str, SimpleNamespace] = {
+    "llama2-7b": _llama2(4096, 32, 32, 32, 11008),
+    "llama2-13b": _llama2(5120, 40, 40, 40, 13824),
+    "llama2-34b": _llama2(8192, 48, 64, 8, 22016),  # Code Llama 34B: the 34B LLaMA-2 architecture
+    "llama2-70b": _llama2(8192, 80, 64, 8, 28672),
+}
+
+
+def model_config(name: str) -> SimpleNamespace:
+    if name not in MODEL_PRESETS:
+        raise ConfigError(f"model: '{name}' is not a preset; valid: {', '.join(MODEL_PRESETS)}")
+    return MODEL_PRESETS[name]
+
+
+@dataclass
+class PlanningReport:
+    rows: list[dict]
+    """One row per strategy and for the search: time, peak memory, speedup over colocate."""
+    best: tuple[str, ExecutionPlan, SimResult]
+    heuristics: dict[str, tuple[ExecutionPlan, SimResult]]
+    searched: list[tuple[ExecutionPlan, SimResult]]
+
+    @property
+    def search_speedup(self) -> float:
+        """Searched plan vs the best feasible heuristic (≥ 1 means the search found something as good)."""
+        feasible = [r.iteration_time for _, r in self.heuristics.values() if r.feasible]
+        if not feasible or not self.searched:
+            return float("nan")
+        return min(feasible) / self.searched[0][1].iteration_time
+
+
+def compare_plans(workflow: Workflow, cluster: ClusterSpec, configs: Mapping[str, object], workload: Workload,
+                  *, seed: int = 0, time_budget_s: float = 30.0, chains: int = 4) -> PlanningReport:
+    """Best layouts of each heuristic strategy, then a seeded, time-bounded search; all simulated."""
+    profile = profile_for(cluster)
+    shapes = {role: ModelShape.from_config(cfg) for role, cfg in configs.items()}
+    cost = CostModel(cluster, profile, shapes, workload)
+    memory = profile.memory_bytes
+    heuristics = best_heuristic_plans(workflow, cluster, cost, memory, configs)
+    feasible = sorted(((r.iteration_time, name, p) for name, (p, r) in heuristics.items() if r.feasible),
+                      key=lambda t: t[0])
+    start = feasible[0][2] if feasible else None
+    searched = search(workflow, cluster, cost, memory, configs, seed=seed, time_budget_s=time_budget_s,
+                      chains=chains, start=start)
+    base = heuristics["colocate"][1]
+    rows = []
+    for name, (plan, result) in [*heuristics.items(), *(("searched", s) for s in searched[:1])]:
+        rows.append({"plan": name, "feasible": result.feasible,
+                     "s/iteration": result.iteration_time if result.feasible else float("nan"),
+                     "peak GB/device": max(result.peak_memory.values(), default=0.0) / 2**30,
+                     "speedup vs colocate": (base.iteration_time / result.iteration_time
+                                             if base.feasible and result.feasible else float("nan"))})
+    candidates = [(r.iteration_time, n, p, r) for n, (p, r) in heuristics.items() if r.feasible]
+    candidates += [(r.iteration_time, "searched", p, r) for p, r in searched[:1]]
+    if not candidates:
+        raise ConfigError(f"cluster: no feasible plan for this workload on {cluster} "
+                          f"(colocate: {heuristics['colocate'][1].reason})")
+    _, name, plan, result = min(candidates, key=lambda t: t[0])
+    return PlanningReport(rows, (name, plan, result), heuristics, searched)
