@@ -1,4 +1,4 @@
-"""The `loomrl` command: train | sft | rm | demo | config.
+"""The `loomrl` command: train | sft | rm | demo | plan | timeline | config.
 
 Every subcommand takes an optional YAML config followed by ``key.sub=value`` overrides. Any user error (bad
 config, missing file, unusable checkpoint) prints one line, ``loomrl: error: ...``, and exits with status 2;
@@ -70,6 +70,60 @@ def _cmd_demo(args: argparse.Namespace) -> int:
     return 0
 
 
+def _cmd_plan(args: argparse.Namespace) -> int:
+    from pathlib import Path
+
+    from rich.console import Console
+
+    from loomrl.algorithms.workflows import build_workflow
+    from loomrl.config import TrainConfig
+    from loomrl.configtools import load_config
+    from loomrl.plan import ClusterSpec
+    from loomrl.planner.planning import compare_plans, model_config
+    from loomrl.planner.timeline import render_timeline
+    from loomrl.planner.workload import Workload
+    from loomrl.report import summary_table
+
+    path, overrides = _config_and_overrides(args.config)
+    cfg = load_config(TrainConfig, path, overrides)
+    workflow = build_workflow(cfg.algo, cfg.rollout)
+    cluster = ClusterSpec.parse(args.cluster)
+    # Every role is priced as a model of its architecture (a rule-only reward is then a conservative estimate).
+    configs = {role: model_config(getattr(args, f"{role}_model") or args.model) for role in workflow.roles()}
+    group = cfg.algo.group_size if cfg.algo.name in ("grpo", "rloo") else 1
+    workload = Workload(batch=args.prompts * group, prompt_len=args.prompt_len,
+                        response_lengths=(args.response_len or cfg.rollout.max_new_tokens,),
+                        ppo_epochs=cfg.algo.ppo_epochs, minibatches=cfg.algo.minibatches)
+    report = compare_plans(workflow, cluster, configs, workload, seed=args.seed, time_budget_s=args.time_budget)
+    console = Console()
+    console.print(summary_table(report.rows, f"{cfg.algo.name} on {cluster}: {args.prompts} prompts × "
+                                             f"{args.prompt_len} + {workload.max_response} tokens, {args.model}"))
+    out = Path(args.out)
+    out.mkdir(parents=True, exist_ok=True)
+    name, plan, result = report.best
+    plan.save(out / "best_plan.json")
+    render_timeline(result, out / "timeline.png", out / "timeline.html", title=f"{name}: "
+                    f"{result.iteration_time:.2f} s/iteration")
+    console.print(f"best: {name}, {result.iteration_time:.3g} s/iteration; search vs best heuristic: "
+                  f"{report.search_speedup:.3f}x; wrote {out / 'best_plan.json'} (loomrl train --plan accepts it) "
+                  f"and {out / 'timeline.png'}, {out / 'timeline.html'}")
+    return 0
+
+
+def _cmd_timeline(args: argparse.Namespace) -> int:
+    from pathlib import Path
+
+    from loomrl.planner.run_timeline import read_traces, result_from_traces
+    from loomrl.planner.timeline import render_timeline
+
+    result = result_from_traces(read_traces(args.run_dir))
+    out = Path(args.run_dir)
+    render_timeline(result, out / "timeline.png", out / "timeline.html",
+                    title=f"measured: {result.iteration_time:.3g} s/iteration")
+    print(f"wrote {out / 'timeline.png'} and {out / 'timeline.html'}")
+    return 0
+
+
 def _cmd_config(args: argparse.Namespace) -> int:
     from loomrl import config as C
     from loomrl.configtools import describe
@@ -106,6 +160,22 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--out", default="runs/demo", help="where every stage writes its outputs")
     p.add_argument("overrides", nargs="*", help="stage.key=value, e.g. ppo.loop.iterations=10 sft.steps=50")
     p.set_defaults(fn=_cmd_demo)
+    p = sub.add_parser("plan", help="compare colocate/interleave/separate with a searched plan on a cluster")
+    p.add_argument("config", nargs="*", help=cfg_help)
+    p.add_argument("--cluster", default="h100:1x8", help="device kind:nodes x devices, e.g. h100:8x8, a100:2x8")
+    p.add_argument("--model", default="llama2-7b", help="architecture of every role: llama2-7b|13b|34b|70b")
+    for role in ("actor", "critic", "ref", "reward"):
+        p.add_argument(f"--{role}-model", help=f"architecture of the {role} (default: --model)")
+    p.add_argument("--prompts", type=int, default=512, help="prompts per iteration")
+    p.add_argument("--prompt-len", type=int, default=128, help="prompt tokens")
+    p.add_argument("--response-len", type=int, help="response tokens (default: rollout.max_new_tokens)")
+    p.add_argument("--time-budget", type=float, default=30.0, help="seconds of plan search")
+    p.add_argument("--seed", type=int, default=0, help="search seed")
+    p.add_argument("--out", default="runs/plan", help="where the best plan and its timeline are written")
+    p.set_defaults(fn=_cmd_plan)
+    p = sub.add_parser("timeline", help="draw a run's measured per-MFC timeline (from RUN_DIR/traces.jsonl)")
+    p.add_argument("run_dir")
+    p.set_defaults(fn=_cmd_timeline)
     p = sub.add_parser("config", help="list every config field with its type, default and meaning")
     p.add_argument("command", choices=("train", "sft", "rm"))
     p.set_defaults(fn=_cmd_config)

@@ -11,6 +11,7 @@ Run:  loomrl train examples/ppo_sort.yaml loop.iterations=20
 
 from __future__ import annotations
 
+import json
 import time
 from dataclasses import dataclass
 from functools import partial
@@ -167,6 +168,14 @@ class RLTrainer:
             metrics[f"time/{tr.name}_s"] = tr.end - tr.start
         return metrics
 
+    def write_traces(self, result: IterationResult) -> None:
+        """Per-MFC start/end per device, so any run can be drawn like a simulated plan (`loomrl timeline`)."""
+        kinds = {m.name: m.kind.value for m in self.workflow}
+        with open(self.run_dir / "traces.jsonl", "a") as f:
+            for tr in result.traces:
+                f.write(json.dumps({"iteration": tr.iteration, "mfc": tr.name, "role": tr.role, "kind": kinds[tr.name],
+                                    "start": tr.start, "end": tr.end, "devices": list(tr.devices)}) + "\n")
+
     def evaluate(self) -> dict[str, float]:
         return {f"eval/{k}": v for k, v in self.executor.evaluate(self.eval_examples).items()}
 
@@ -185,6 +194,9 @@ class RLTrainer:
                               "or choose another run_dir")
         self.run_dir.mkdir(parents=True, exist_ok=True)
         (self.run_dir / "config.yaml").write_text(dump_yaml(cfg))
+        traces = self.run_dir / "traces.jsonl"
+        if not resumed and traces.exists():  # a restart from iteration 0 keeps the old traces aside
+            traces.replace(self.run_dir / "traces.superseded.jsonl")
         last: dict[str, float] = {}
         start = self.state.iteration
         with MetricsLogger(self.run_dir, loop.tensorboard, resume_from_iteration=start - 1) as logger, \
@@ -193,6 +205,7 @@ class RLTrainer:
                 t0 = time.perf_counter()
                 result = self.executor.run_iteration(it, self.make_batch(it))
                 last = self.iteration_metrics(result, time.perf_counter() - t0)
+                self.write_traces(result)
                 final = it == loop.iterations - 1
                 if final or (loop.eval_every and (it + 1) % loop.eval_every == 0):
                     last.update(self.evaluate())

@@ -1,0 +1,41 @@
+"""`loomrl plan` and `loomrl timeline`: plans at scale and drawings of real runs."""
+
+import json
+
+from loomrl.cli import main
+from loomrl.config import TrainConfig
+from loomrl.configtools import load_config
+from loomrl.plan import ExecutionPlan
+from loomrl.train.rl import RLTrainer
+
+
+def test_plan_prints_every_strategy_and_writes_a_plan_file_and_timeline(tmp_path, capsys):
+    out = tmp_path / "plan"
+    assert main(["plan", "--cluster", "h100:1x8", "--model", "llama2-7b", "--response-len", "128",
+                 "--time-budget", "2", "--out", str(out)]) == 0
+    printed = capsys.readouterr().out
+    for name in ("colocate", "interleave", "separate", "searched"):
+        assert name in printed
+    plan = ExecutionPlan.load(out / "best_plan.json")
+    assert plan.cluster.n_devices == 8
+    assert (out / "timeline.png").stat().st_size > 1000
+    assert "<svg" in (out / "timeline.html").read_text()
+
+
+def test_plan_rejects_an_unknown_model_in_one_line(tmp_path, capsys):
+    assert main(["plan", "--model", "llama2-8b", "--out", str(tmp_path)]) == 2
+    err = capsys.readouterr().err.strip()
+    assert err.count("\n") == 0 and "llama2-8b" in err and "llama2-7b" in err
+
+
+def test_a_run_writes_traces_that_timeline_draws(tmp_path, capsys):
+    cfg = load_config(TrainConfig, None, [f"run_dir={tmp_path / 'run'}", "runtime.executor=reference",
+                                           "loop.iterations=2", "rollout.prompts_per_iter=4", "loop.eval_prompts=4",
+                                           "loop.progress=false", "loop.tensorboard=false", "rollout.max_new_tokens=4"])
+    RLTrainer(cfg).run()
+    traces = [json.loads(line) for line in (tmp_path / "run" / "traces.jsonl").read_text().splitlines()]
+    assert {t["mfc"] for t in traces} >= {"actor_gen", "actor_train", "critic_train"}
+    assert {t["iteration"] for t in traces} == {0, 1}
+    assert all(t["end"] >= t["start"] for t in traces)
+    assert main(["timeline", str(tmp_path / "run")]) == 0
+    assert (tmp_path / "run" / "timeline.png").stat().st_size > 1000
