@@ -17,14 +17,11 @@ back (tp → dp) is timed as a copy, though returning to the training layout in 
 from __future__ import annotations
 
 import argparse
-import datetime
+from functools import partial
 import math
-import multiprocessing as mp
 import os
 import re
-import socket
 import time
-import traceback
 from typing import Any, NamedTuple
 
 os.environ.setdefault("HF_HUB_OFFLINE", "1")
@@ -40,6 +37,7 @@ from loomrl.plan.realloc_plan import ReallocPlan, plan_reallocation  # noqa: E40
 from loomrl.plan.shards import Placement, pp_stage, tp_dim  # noqa: E402
 from loomrl.parallel import realloc_exec  # noqa: E402
 from loomrl.parallel.realloc_exec import build_broadcast_groups, execute_reallocation  # noqa: E402
+from loomrl.parallel.spawn import run_world  # noqa: E402
 from loomrl.report import summary_table  # noqa: E402
 
 TIMEOUT_S = 600
@@ -62,7 +60,6 @@ class Setup(NamedTuple):
     world: int
     broadcast_bytes: int
     repeats: int
-    port: int
 
 
 def _name(layout: Layout, fsdp: bool = False) -> str:
@@ -211,43 +208,12 @@ def _body(rank: int, setup: Setup) -> dict[str, Any]:
     return {"broadcast": rate, "pairs": [measure_pair(setup, pair, full, rank) for pair in setup.pairs]}
 
 
-def _entry(rank: int, setup: Setup, queue: Any) -> None:
-    torch.set_num_threads(1)
-    dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{setup.port}", rank=rank,
-                            world_size=setup.world, timeout=datetime.timedelta(seconds=120))
-    try:
-        queue.put((rank, _body(rank, setup)))
-    except BaseException:  # noqa: BLE001 - the parent must learn of any failure, not wait for a timeout
-        queue.put((rank, traceback.format_exc()))
-    finally:
-        dist.destroy_process_group()
-
-
-def _free_port() -> int:
-    with socket.socket() as sock:
-        sock.bind(("127.0.0.1", 0))
-        return sock.getsockname()[1]
-
-
 def run_ranks(setup: Setup) -> dict[str, Any]:
     """Spawn the ranks, return rank 0's measurements (identical on all ranks); raise if any rank failed."""
-    ctx = mp.get_context("spawn")
-    queue = ctx.Queue()
-    procs = [ctx.Process(target=_entry, args=(rank, setup, queue)) for rank in range(setup.world)]
-    for proc in procs:
-        proc.start()
     try:
-        results = dict(queue.get(timeout=TIMEOUT_S) for _ in procs)
-    finally:
-        for proc in procs:
-            proc.join(timeout=30)
-            if proc.is_alive():
-                proc.kill()
-    failed = {rank: result for rank, result in results.items() if isinstance(result, str)}
-    if failed:
-        rank, message = min(failed.items())
-        raise SystemExit(f"rank {rank} failed:\n{message}")
-    return results[0]
+        return run_world(partial(_body, setup=setup), setup.world, timeout_s=TIMEOUT_S, group_timeout_s=120)[0]
+    except RuntimeError as err:
+        raise SystemExit(str(err)) from None
 
 
 def planner_ms(setup: Setup, pair: Pair, repeats: int = 3) -> float:
@@ -276,7 +242,7 @@ def main() -> None:
     num_layers = model.config.num_hidden_layers
     del model
     pairs = layout_pairs(args.world, num_layers)
-    setup = Setup(shapes, num_layers, pairs, args.world, args.broadcast_mib * 2**20, args.repeats, _free_port())
+    setup = Setup(shapes, num_layers, pairs, args.world, args.broadcast_mib * 2**20, args.repeats)
     plan_ms = [planner_ms(setup, pair) for pair in pairs]  # before the ranks start: alone on the machine
     measured = run_ranks(setup)
     bandwidth = measured["broadcast"]

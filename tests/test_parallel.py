@@ -8,16 +8,13 @@ numbers back; the tests below assert on them in the parent. Layout validation is
 
 from __future__ import annotations
 
-import datetime
-import os
-import socket
-import traceback
 from types import SimpleNamespace
 from typing import Any, Callable
 
 import pytest
 import torch
-import torch.multiprocessing as mp
+
+from loomrl.parallel.spawn import run_world
 
 import torch.distributed as dist
 from torch.distributed.tensor import Replicate, distribute_tensor
@@ -93,45 +90,8 @@ def test_layout_rejects_non_positive_degrees():
 
 
 # ------------------------------------------------------------------------------------ multi-process harness
-def _free_port() -> int:
-    with socket.socket() as sock:
-        sock.bind(("127.0.0.1", 0))
-        return sock.getsockname()[1]
-
-
-def _entry(rank: int, port: int, body: Callable[[int], dict], queue: Any) -> None:
-    """Spawned process: join the gloo world, run ``body``, send (rank, results or traceback) to the parent."""
-    os.environ["HF_HUB_OFFLINE"] = "1"
-    torch.set_num_threads(1)
-    # A short timeout: if one rank fails, its peer's next collective errors out instead of hanging for 30 min.
-    dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{port}", rank=rank, world_size=WORLD,
-                            timeout=datetime.timedelta(seconds=60))
-    try:
-        queue.put((rank, body(rank)))
-    except BaseException:  # noqa: BLE001 - the parent must learn of any failure, not wait for a timeout
-        queue.put((rank, traceback.format_exc()))
-    finally:
-        dist.destroy_process_group()
-
-
 def _run_world(body: Callable[[int], dict]) -> list[dict]:
-    ctx = mp.get_context("spawn")
-    queue = ctx.Queue()
-    port = _free_port()
-    procs = [ctx.Process(target=_entry, args=(rank, port, body, queue)) for rank in range(WORLD)]
-    for proc in procs:
-        proc.start()
-    try:
-        results = dict(queue.get(timeout=TIMEOUT_S) for _ in procs)
-    finally:
-        for proc in procs:
-            proc.join(timeout=30)
-            if proc.is_alive():
-                proc.kill()
-    for rank, result in sorted(results.items()):
-        if isinstance(result, str):
-            pytest.fail(f"rank {rank} failed:\n{result}")
-    return [results[rank] for rank in range(WORLD)]
+    return run_world(body, WORLD, timeout_s=TIMEOUT_S)
 
 
 @pytest.fixture(scope="module")

@@ -8,18 +8,16 @@ processes that run several reallocations, with checksum verification, and one de
 
 from __future__ import annotations
 
-import datetime
 import gc
 import math
 import random
-import socket
-import traceback
 from typing import Any, Callable
 
 import pytest
 import torch
 import torch.distributed as dist
-import torch.multiprocessing as mp
+
+from loomrl.parallel.spawn import run_world
 
 from loomrl.parallel import realloc_exec
 from loomrl.parallel.layout import Layout
@@ -529,43 +527,9 @@ def _body(rank: int) -> dict:
     return results
 
 
-def _free_port() -> int:
-    with socket.socket() as sock:
-        sock.bind(("127.0.0.1", 0))
-        return sock.getsockname()[1]
-
-
-def _entry(rank: int, port: int, body: Callable[[int], dict], queue: Any) -> None:
-    torch.set_num_threads(1)
-    dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{port}", rank=rank, world_size=WORLD,
-                            timeout=datetime.timedelta(seconds=60))
-    try:
-        queue.put((rank, body(rank)))
-    except BaseException:  # noqa: BLE001 - the parent must learn of any failure, not wait for a timeout
-        queue.put((rank, traceback.format_exc()))
-    finally:
-        dist.destroy_process_group()
-
-
 @pytest.fixture(scope="module")
 def ranks() -> list[dict]:
-    ctx = mp.get_context("spawn")
-    queue = ctx.Queue()
-    port = _free_port()
-    procs = [ctx.Process(target=_entry, args=(rank, port, _body, queue)) for rank in range(WORLD)]
-    for proc in procs:
-        proc.start()
-    try:
-        results = dict(queue.get(timeout=TIMEOUT_S) for _ in procs)
-    finally:
-        for proc in procs:
-            proc.join(timeout=30)
-            if proc.is_alive():
-                proc.kill()
-    for rank, result in sorted(results.items()):
-        if isinstance(result, str):
-            pytest.fail(f"rank {rank} failed:\n{result}")
-    return [results[rank] for rank in range(WORLD)]
+    return run_world(_body, WORLD, timeout_s=TIMEOUT_S)
 
 
 @pytest.mark.parametrize("scenario", list(SCENARIOS))
