@@ -223,7 +223,7 @@ class CostModel:
 
     def _decode_terms(self, role: str, alloc: Allocation, lengths: tuple[int, ...], padded: bool) -> dict[str, float]:
         """Decode steps summed in closed form over occupancy segments (:mod:`loomrl.planner.decode`)."""
-        shape, lay, rates, w = self._shape(role), alloc.layout, self._rates_of(alloc), self.workload
+        shape, lay, rates = self._shape(role), alloc.layout, self._rates_of(alloc)
         mb, b = self._gen_micro_batches(alloc), self.bytes_per_param
         split = lay.tp * lay.pp * mb  # the devices and micro-batches a step's live tokens are spread over
         kv_split = min(lay.tp, shape.kv_heads) * lay.pp * mb  # kv heads are replicated beyond kv_heads

@@ -24,7 +24,7 @@ from ray.util.placement_group import placement_group, remove_placement_group
 from ray.util.scheduling_strategies import PlacementGroupSchedulingStrategy
 
 from loomrl.config import TrainConfig
-from loomrl.errors import ConfigError, LoomError
+from loomrl.errors import LoomError
 from loomrl.parallel.allocations import AllocKey
 from loomrl.plan import ClusterSpec
 from loomrl.launch import available_devices, ray_address, start_ray, stop_ray
@@ -36,27 +36,6 @@ from loomrl.workflow.batch import Batch
 from loomrl.workflow.schedule import split_by_tokens, train_schedule
 
 
-def layouts_from_plan(spec: str, workflow: Workflow, n: int, device_kind: str) -> dict[str, Layout]:
-    """The per-role layouts of a plan this runtime can execute: every model call on all devices, one layout per
-    role. Plans with per-call meshes or layouts need parameter reallocation, which the runtime lacks so far."""
-    from loomrl.plan import ClusterSpec, make_plan
-
-    plan = make_plan(spec, workflow, ClusterSpec(nodes=1, devices_per_node=n, device_kind=device_kind))
-    layouts: dict[str, Layout] = {}
-    for mfc in workflow.topological_order():
-        if mfc.role is None:
-            continue  # compute steps run on worker 0 whatever the plan says
-        alloc = plan[mfc.name]
-        if tuple(alloc.mesh.devices) != tuple(range(n)) or alloc.layout.pp != 1:
-            raise ConfigError(f"runtime.plan: MFC '{mfc.name}' is placed on {alloc.text}; this runtime executes "
-                              f"only plans whose model calls use all {n} devices with pp=1 (e.g. colocate)")
-        if layouts.setdefault(mfc.role, alloc.layout) != alloc.layout:
-            raise ConfigError(f"runtime.plan: MFC '{mfc.name}' uses layout {alloc.text} but role '{mfc.role}' "
-                              f"already has {layouts[mfc.role]}; per-call layouts need parameter reallocation, "
-                              "not implemented in this runtime yet")
-    return layouts
-
-
 @dataclass
 class _IterationState:
     iteration: int
@@ -69,33 +48,6 @@ class _IterationState:
 
 class RuntimeFailure(LoomError):
     """A worker failed, died or stalled; the message names the worker, role and MFC."""
-
-
-@dataclass
-class _IterationState:
-    iteration: int
-    ids: list[int]
-    where: dict[str, list[tuple[tuple[int, ...], Any]]]
-    """Key → output shards holding it: (sample ids, object reference)."""
-    tokens: dict[int, int]
-    """Sample id → tokens that weight its work (prompt length, then response length once generated)."""
-
-
-class RuntimeFailure(LoomError):
-    """A worker failed, died or stalled; the message names the worker, role and MFC."""
-
-
-def resolve_layouts(cfg: TrainConfig, roles: Sequence[str], n: int) -> dict[str, Layout]:
-    """Each role's layout over ``n`` devices: as configured, else pure data parallelism."""
-    out = {}
-    for role in roles:
-        given = cfg.runtime.layouts.get(role)
-        tp = given.tp if given else 1
-        dp = given.dp if given and given.dp else n // tp
-        if dp * tp != n:
-            raise ConfigError(f"runtime.layouts.{role}: dp {dp} x tp {tp} = {dp * tp} does not match the {n} devices")
-        out[role] = Layout(dp=dp, tp=tp)
-    return out
 
 
 def check_metadata(value: Any, path: str = "result") -> None:
