@@ -203,7 +203,7 @@ class RayExecutor:
                         self._refresh(mfc.role, self.placement.mfc_keys[m.name], pending)
         while pending:  # shadow syncs still in flight
             self._wait_one(pending, deadline)
-        keys = ("response_ids", "prompt_text", "answer", "score", "kl")
+        keys = ("prompt_ids", "response_ids", "prompt_text", "answer", "score", "kl")
         metrics = self._wait([self.workers[0].metrics.remote(batch.ids, self._inputs(keys, batch.ids, state.where))],
                              "metrics", None)[0]
         merge_stats(result.stats, metrics, "metrics")

@@ -242,7 +242,7 @@ class DeviceWorker:
 
     def metrics(self, sample_ids: Sequence[int], inputs: Sequence[Any]) -> dict[str, float]:
         shards = _get(list(inputs))
-        keys = ("response_ids", "prompt_text", "answer", "score", "kl")
+        keys = ("prompt_ids", "response_ids", "prompt_text", "answer", "score", "kl")
         return rollout_metrics(gather_rows(shards, sample_ids, keys), self.decode, self.task)
 
     def evaluate(self, examples: Sequence, key: AllocKey, publish: bool) -> dict[str, float] | None:

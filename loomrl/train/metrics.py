@@ -21,4 +21,5 @@ def rollout_metrics(batch: Batch, decode: Callable[[list[int]], str], task: Task
         "response/length": lengths.mean,
         "response/length_p90": lengths.p90,
         "response/length_max": float(lengths.max),
+        "prompt/length": sum(len(p) for p in batch["prompt_ids"]) / len(batch),  # for the planner's traces
     }
