@@ -104,6 +104,8 @@ def _cmd_plan(args: argparse.Namespace) -> int:
     plan.save(out / "best_plan.json")
     render_timeline(result, out / "timeline.png", out / "timeline.html", title=f"{name}: "
                     f"{result.iteration_time:.2f} s/iteration")
+    if not result.feasible:
+        console.print(f"no plan fits in memory: {result.reason}")
     console.print(f"best: {name}, {result.iteration_time:.3g} s/iteration; search vs best heuristic: "
                   f"{report.search_speedup:.3f}x; wrote {out / 'best_plan.json'} (loomrl train --plan accepts it) "
                   f"and {out / 'timeline.png'}, {out / 'timeline.html'}")

@@ -82,8 +82,8 @@ def compare_plans(workflow: Workflow, cluster: ClusterSpec, configs: Mapping[str
                                              if base.feasible and result.feasible else float("nan"))})
     candidates = [(r.iteration_time, n, p, r) for n, (p, r) in heuristics.items() if r.feasible]
     candidates += [(r.iteration_time, "searched", p, r) for p, r in searched[:1]]
-    if not candidates:
-        raise ConfigError(f"cluster: no feasible plan for this workload on {cluster} "
-                          f"(colocate: {heuristics['colocate'][1].reason})")
+    if not candidates:  # report the least infeasible plan, with the reason, rather than nothing
+        plan, result = heuristics["colocate"]
+        return PlanningReport(rows, ("colocate (infeasible)", plan, result), heuristics, searched)
     _, name, plan, result = min(candidates, key=lambda t: t[0])
     return PlanningReport(rows, (name, plan, result), heuristics, searched)
