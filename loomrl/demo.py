@@ -18,6 +18,8 @@ from rich.console import Console
 from loomrl.config import RMConfig, SFTConfig, TrainConfig
 from loomrl.configtools import load_config
 from loomrl.errors import ConfigError
+from loomrl.planner.run_timeline import read_traces, result_from_traces
+from loomrl.planner.timeline import render_timeline
 from loomrl.report import summary_table
 from loomrl.train.rl import RLTrainer
 from loomrl.train.rm import run_rm
@@ -70,6 +72,9 @@ def run_demo(config_dir: str, out_dir: str, overrides: Sequence[str] = ()) -> di
     t0 = time.perf_counter()
     ppo = RLTrainer(ppo_cfg).run()
     ppo["seconds"] = time.perf_counter() - t0
+    timeline = Path(ppo_cfg.run_dir) / "timeline.png"
+    render_timeline(result_from_traces(read_traces(ppo_cfg.run_dir)), timeline, timeline.with_suffix(".html"),
+                    title="PPO on the Ray runtime: measured per-call timeline")
     summary = {
         "sft": sft, "rm": rm, "ppo": ppo,
         "exact_match_gain": ppo["eval/exact_match"] - sft["eval/exact_match"],
@@ -86,6 +91,7 @@ def run_demo(config_dir: str, out_dir: str, overrides: Sequence[str] = ()) -> di
     console.print(f"held-out exact match (greedy): SFT {sft['eval/exact_match']:.3f} -> PPO "
                   f"{ppo['eval/exact_match']:.3f} (gain {summary['exact_match_gain']:+.3f})")
     console.print(f"outputs: SFT policy {sft_cfg.out_dir}; reward model {rm_cfg.out_dir}; PPO run {ppo_cfg.run_dir} "
-                  f"(metrics.jsonl, tb/, checkpoints/); reward curve {Path(ppo_cfg.run_dir) / 'reward_curve.png'}; "
+                  f"(metrics.jsonl, tb/, checkpoints/, traces.jsonl); reward curve {Path(ppo_cfg.run_dir) / 'reward_curve.png'}; "
+                  f"timeline {timeline} (.html); "
                   f"summary {out / 'summary.json'}")
     return summary
