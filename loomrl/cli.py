@@ -118,7 +118,7 @@ def _cmd_timeline(args: argparse.Namespace) -> int:
     from loomrl.planner.run_timeline import read_traces, result_from_traces
     from loomrl.planner.timeline import render_timeline
 
-    result = result_from_traces(read_traces(args.run_dir))
+    result = result_from_traces(read_traces(args.run_dir), last_iterations=args.iterations or None)
     out = Path(args.run_dir)
     render_timeline(result, out / "timeline.png", out / "timeline.html",
                     title=f"measured: {result.iteration_time:.3g} s/iteration")
@@ -177,6 +177,7 @@ def build_parser() -> argparse.ArgumentParser:
     p.set_defaults(fn=_cmd_plan)
     p = sub.add_parser("timeline", help="draw a run's measured per-MFC timeline (from RUN_DIR/traces.jsonl)")
     p.add_argument("run_dir")
+    p.add_argument("--iterations", type=int, default=3, help="draw the last N iterations (0: all)")
     p.set_defaults(fn=_cmd_timeline)
     p = sub.add_parser("config", help="list every config field with its type, default and meaning")
     p.add_argument("command", choices=("train", "sft", "rm"))

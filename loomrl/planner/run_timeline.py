@@ -20,8 +20,12 @@ def read_traces(run_dir: str | Path) -> list[dict]:
     return [json.loads(line) for line in path.read_text().splitlines() if line.strip()]
 
 
-def result_from_traces(traces: list[dict]) -> SimResult:
-    """A measured run as a SimResult: intervals per device, busy fractions and time per iteration."""
+def result_from_traces(traces: list[dict], last_iterations: int | None = 3) -> SimResult:
+    """A measured run as a SimResult (intervals per device, busy fractions, time per iteration), by default
+    of its last three iterations so the calls stay readable; peak memory is not measured (left empty)."""
+    if last_iterations:
+        keep = sorted({t["iteration"] for t in traces})[-last_iterations:]
+        traces = [t for t in traces if t["iteration"] in keep]
     if not traces:
         raise DataError("traces: empty")
     t0 = min(t["start"] for t in traces)
@@ -35,4 +39,4 @@ def result_from_traces(traces: list[dict]) -> SimResult:
     for it in sorted({t["iteration"] for t in traces}):
         ends.append(max(t["end"] for t in traces if t["iteration"] == it) - t0)
     per_iteration = (ends[-1] - ends[0]) / (len(ends) - 1) if len(ends) > 1 else ends[0]
-    return SimResult(per_iteration, busy, {d: 0.0 for d in devices}, timeline, True, "", ends)
+    return SimResult(per_iteration, busy, {}, timeline, True, "", ends)
