@@ -12,38 +12,20 @@ machine, side by side.
 from __future__ import annotations
 
 import argparse
-import dataclasses
-import json
 import os
+import sys
 import statistics
 import tempfile
 from pathlib import Path
 
 os.environ.setdefault("HF_HUB_OFFLINE", "1")
+sys.path.insert(0, str(Path(__file__).resolve().parent))
 
 from rich.console import Console  # noqa: E402
 
-from loomrl.config import RMConfig, SFTConfig, TrainConfig  # noqa: E402
-from loomrl.configtools import load_config  # noqa: E402
 from loomrl.launch import quiet_libraries  # noqa: E402
 from loomrl.report import summary_table  # noqa: E402
-from loomrl.train.rl import RLTrainer  # noqa: E402
-from loomrl.train.rm import run_rm  # noqa: E402
-from loomrl.train.sft import run_sft  # noqa: E402
-
-EXAMPLES = Path(__file__).resolve().parents[1] / "examples" / "demo"
-
-
-def run(tmp: Path, name: str, args, plan: str | None, *extra: str) -> list[dict]:
-    cfg = load_config(TrainConfig, EXAMPLES / "ppo.yaml", [
-        f"run_dir={tmp / name}", f"actor.model={tmp / 'sft'}", f"reward.model={tmp / 'rm'}",
-        f"loop.iterations={args.iterations}", "loop.eval_every=0", "loop.save_every=0", "loop.eval_prompts=16",
-        "loop.progress=false", "loop.tensorboard=false", f"rollout.prompts_per_iter={args.prompts}", *extra])
-    if plan is not None:
-        cfg = dataclasses.replace(cfg, runtime=dataclasses.replace(cfg.runtime, plan=plan))
-    RLTrainer(cfg).run()
-    return [json.loads(line) for line in (tmp / name / "metrics.jsonl").read_text().splitlines()]
-
+from demo_workload import prepare, run_ppo  # noqa: E402
 
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
@@ -61,10 +43,9 @@ def main() -> None:
     }
     with tempfile.TemporaryDirectory() as d:
         tmp = Path(d)
-        run_sft(load_config(SFTConfig, EXAMPLES / "sft.yaml", [f"out_dir={tmp / 'sft'}"]), progress=False)
-        run_rm(load_config(RMConfig, EXAMPLES / "rm.yaml", [f"out_dir={tmp / 'rm'}", f"model={tmp / 'sft'}",
-                                                            "train_pairs=256", "epochs=1"]), progress=False)
-        results = {name: run(tmp, str(i), args, plan, *extra) for i, (name, (plan, extra)) in enumerate(setups.items())}
+        prepare(tmp)
+        results = {name: run_ppo(tmp, str(i), args.iterations, args.prompts, *extra, plan=plan)
+                   for i, (name, (plan, extra)) in enumerate(setups.items())}
     base = statistics.median(m["time/iteration_s"] for m in results["colocate"][1:])
     rows = []
     for name, metrics in results.items():

@@ -12,35 +12,20 @@ workers). All runs happen side by side in this one process, so they share the ma
 from __future__ import annotations
 
 import argparse
-import json
 import os
+import sys
 import statistics
 import tempfile
 from pathlib import Path
 
 os.environ.setdefault("HF_HUB_OFFLINE", "1")
+sys.path.insert(0, str(Path(__file__).resolve().parent))
 
 from rich.console import Console  # noqa: E402
 
-from loomrl.config import RMConfig, SFTConfig, TrainConfig  # noqa: E402
-from loomrl.configtools import load_config  # noqa: E402
 from loomrl.launch import quiet_libraries  # noqa: E402
 from loomrl.report import summary_table  # noqa: E402
-from loomrl.train.rl import RLTrainer  # noqa: E402
-from loomrl.train.rm import run_rm  # noqa: E402
-from loomrl.train.sft import run_sft  # noqa: E402
-
-EXAMPLES = Path(__file__).resolve().parents[1] / "examples" / "demo"
-
-
-def run(tmp: Path, name: str, iterations: int, prompts: int, *extra: str) -> list[dict]:
-    cfg = load_config(TrainConfig, EXAMPLES / "ppo.yaml", [
-        f"run_dir={tmp / name}", f"actor.model={tmp / 'sft'}", f"reward.model={tmp / 'rm'}",
-        f"loop.iterations={iterations}", "loop.eval_every=0", "loop.save_every=0", "loop.eval_prompts=16",
-        "loop.progress=false", "loop.tensorboard=false", f"rollout.prompts_per_iter={prompts}", *extra])
-    RLTrainer(cfg).run()
-    return [json.loads(line) for line in (tmp / name / "metrics.jsonl").read_text().splitlines()]
-
+from demo_workload import prepare, run_ppo  # noqa: E402
 
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
@@ -50,15 +35,13 @@ def main() -> None:
     quiet_libraries()
     with tempfile.TemporaryDirectory() as d:
         tmp = Path(d)
-        run_sft(load_config(SFTConfig, EXAMPLES / "sft.yaml", [f"out_dir={tmp / 'sft'}"]), progress=False)
-        run_rm(load_config(RMConfig, EXAMPLES / "rm.yaml", [f"out_dir={tmp / 'rm'}", f"model={tmp / 'sft'}",
-                                                            "train_pairs=256", "epochs=1"]), progress=False)
+        prepare(tmp)
         setups = {
             "reference (1 process)": ("runtime.executor=reference", "runtime.threads=2"),
             "ray, 1 device": ("runtime.executor=ray", "runtime.devices=1", "runtime.threads=2"),
             "ray, 2 devices (dp=2)": ("runtime.executor=ray", "runtime.devices=2", "runtime.threads=1"),
         }
-        results = {name: run(tmp, str(i), args.iterations, args.prompts, *extra)
+        results = {name: run_ppo(tmp, str(i), args.iterations, args.prompts, *extra)
                    for i, (name, extra) in enumerate(setups.items())}
     base = statistics.median(m["time/iteration_s"] for m in results["reference (1 process)"][1:])
     rows = []

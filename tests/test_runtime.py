@@ -196,16 +196,25 @@ def test_a_reference_checkpoint_resumes_on_a_pipeline_plan(tmp_path, reference):
     _assert_equivalent(got, reference)
 
 
-def test_copies_in_other_layouts_are_freed_after_their_last_use(tmp_path):
-    plan = ("actor_gen=0-1:tp2; actor_train=0-1:dp2; ref_inf=0-1:dp2; reward_inf=0-1:dp2; critic_inf=0-1:dp2; "
+@pytest.mark.parametrize("gen", ["0-1:tp2", "0:dp1"], ids=["tp_copy", "plain_copy"])
+def test_copies_in_other_layouts_are_freed_after_their_last_use(tmp_path, gen):
+    """Also from a checkpoint, whose weights safetensors may memory-map (such storage cannot be released)."""
+    from loomrl.config import SFTConfig
+    from loomrl.train.sft import run_sft
+
+    run_sft(load_config(SFTConfig, None, [f"out_dir={tmp_path / 'sft'}", "steps=2", "eval_prompts=4"]), progress=False)
+    plan = (f"actor_gen={gen}; actor_train=0-1:dp2; ref_inf=0-1:dp2; reward_inf=0-1:dp2; critic_inf=0-1:dp2; "
             "critic_train=0-1:dp2; advantages=0:dp1")
-    cfg = _cfg(tmp_path, "free", "runtime.executor=ray", "runtime.devices=2", "loop.iterations=1")
+    cfg = _cfg(tmp_path, "free", "runtime.executor=ray", "runtime.devices=2", "loop.iterations=1",
+               f"actor.model={tmp_path / 'sft'}")
     trainer = RLTrainer(dataclasses.replace(cfg, runtime=dataclasses.replace(cfg.runtime, plan=plan)))
     try:
         trainer.executor.run_iteration(0, trainer.make_batch(0))
+        trainer.executor.run_iteration(1, trainer.make_batch(1))  # refilled, used and freed again
         report = ray.get(trainer.executor.workers[0].memory_report.remote(), timeout=60)
     finally:
         trainer.close()
-    assert report["actor@(0, 1):dp1tp2pp1"] == 0, report  # the generation copy, freed after actor_gen
+    gen_key = "actor@(0, 1):dp1tp2pp1" if gen == "0-1:tp2" else "actor@(0,):dp1tp1pp1"
+    assert report[gen_key] == 0, report  # the generation copy, freed after actor_gen
     assert report["actor@(0, 1):dp2tp1pp1"] > 0, report  # the training weights stay
     assert report["ref@(0, 1):dp2tp1pp1"] > 0, report  # frozen roles are not freed

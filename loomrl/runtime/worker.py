@@ -138,6 +138,8 @@ class DeviceWorker:
                 if key in self.groups:
                     model = build_role_model(self.cfg, role, self.tokenizer, self.device)
                     model, pipeline = self._parallelize(role, key, model)
+                    if role in trained and key != placement.canonical[role] and model is not None:
+                        _own_storage(model)  # a copy that is freed and refilled every iteration
                     trainable = role in trained and key == placement.canonical[role]
                     self.roles[(role, key)] = make_role(self.cfg, role, model, self.task, trainable)
                     self.roles[(role, key)].pipeline = pipeline
@@ -291,6 +293,17 @@ class DeviceWorker:
     def shutdown(self) -> None:
         if dist.is_initialized():
             dist.destroy_process_group()
+
+
+def _own_storage(model: torch.nn.Module) -> None:
+    """Give parameters storage of their own: weights loaded from safetensors may be memory-mapped, and a
+    mapped storage cannot be released (resized to 0) after a copy's last use."""
+    with torch.no_grad():
+        for param in model.parameters():
+            # A DTensor's shard may be a view into the mapped full tensor; swap the shard's own data.
+            local = getattr(param, "_local_tensor", param)
+            if not local.untyped_storage().resizable():
+                local.data = local.data.clone()
 
 
 def _plain_copy(model_cls, config, weights: dict[str, torch.Tensor]):
