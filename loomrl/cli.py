@@ -1,4 +1,4 @@
-"""The `loomrl` command: train | sft | rm | demo | plan | timeline | config.
+"""The `loomrl` command: train | sft | rm | demo | plan | timeline | calibrate | config.
 
 Every subcommand takes an optional YAML config followed by ``key.sub=value`` overrides. Any user error (bad
 config, missing file, unusable checkpoint) prints one line, ``loomrl: error: ...``, and exits with status 2;
@@ -126,6 +126,34 @@ def _cmd_timeline(args: argparse.Namespace) -> int:
     return 0
 
 
+def _cmd_calibrate(args: argparse.Namespace) -> int:
+    import dataclasses as dc
+    import json
+    from pathlib import Path
+
+    from loomrl.planner.calibrate import calibrate_local
+    from loomrl.planner.profiles import PROFILES
+
+    out = Path(args.out)
+    out.mkdir(parents=True, exist_ok=True)
+    if not args.runs:
+        profile = calibrate_local(args.devices)
+        (out / "local_profile.json").write_text(json.dumps(dc.asdict(profile), indent=2))
+        print(json.dumps(dc.asdict(profile), indent=2))
+        print(f"wrote {out / 'local_profile.json'}")
+        return 0
+    from loomrl.planner.calibration_runs import fit_from_runs
+    from loomrl.planner.profiles import HardwareProfile
+
+    saved = out / "local_profile.json"
+    profile = HardwareProfile(**json.loads(saved.read_text())) if saved.is_file() else PROFILES["local"]
+    corrections = fit_from_runs(args.runs, profile)
+    (out / "corrections.json").write_text(corrections.dumps())
+    print(corrections.dumps())
+    print(f"wrote {out / 'corrections.json'} (profile: {profile.name})")
+    return 0
+
+
 def _cmd_config(args: argparse.Namespace) -> int:
     from loomrl import config as C
     from loomrl.configtools import describe
@@ -179,6 +207,11 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("run_dir")
     p.add_argument("--iterations", type=int, default=3, help="draw the last N iterations (0: all)")
     p.set_defaults(fn=_cmd_timeline)
+    p = sub.add_parser("calibrate", help="measure this machine, or fit cost-model corrections from runs")
+    p.add_argument("--from", dest="runs", nargs="*", default=[], help="run directories to fit corrections from")
+    p.add_argument("--devices", type=int, help="devices to measure as (default: one per core)")
+    p.add_argument("--out", default="runs/calibration", help="where local_profile.json / corrections.json go")
+    p.set_defaults(fn=_cmd_calibrate)
     p = sub.add_parser("config", help="list every config field with its type, default and meaning")
     p.add_argument("command", choices=("train", "sft", "rm"))
     p.set_defaults(fn=_cmd_config)

@@ -39,3 +39,17 @@ def test_a_run_writes_traces_that_timeline_draws(tmp_path, capsys):
     assert all(t["end"] >= t["start"] for t in traces)
     assert main(["timeline", str(tmp_path / "run")]) == 0
     assert (tmp_path / "run" / "timeline.png").stat().st_size > 1000
+
+
+def test_calibrate_fits_corrections_from_a_run(tmp_path, capsys):
+    cfg = load_config(TrainConfig, None, [f"run_dir={tmp_path / 'run'}", "runtime.executor=reference",
+                                           "loop.iterations=3", "rollout.prompts_per_iter=4", "loop.eval_prompts=4",
+                                           "loop.progress=false", "loop.tensorboard=false", "rollout.max_new_tokens=4"])
+    RLTrainer(cfg).run()
+    assert main(["calibrate", "--from", str(tmp_path / "run"), "--out", str(tmp_path / "cal")]) == 0
+    fitted = json.loads((tmp_path / "cal" / "corrections.json").read_text())
+    assert set(fitted["scale"]) >= {"generate", "inference", "train"}
+    assert all(v > 0 for v in fitted["scale"].values())
+    assert fitted["observations"]["train"] == 2 * 2  # two train MFCs, iterations 1 and 2 (the first is skipped)
+    assert main(["calibrate", "--from", str(tmp_path / "missing"), "--out", str(tmp_path / "cal")]) == 2
+    assert "not a run directory" in capsys.readouterr().err
