@@ -17,15 +17,6 @@ from loomrl.workflow import MFC, MFCKind, Workflow
 from loomrl.workflow.batch import Batch, pack_sequences, pad_right, response_columns, response_mask
 
 
-@pytest.fixture(scope="module", autouse=True)
-def one_thread():
-    """Tiny models: on a shared 2-core machine a second intra-op thread mostly waits at barriers."""
-    before = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(before)
-
-
 def _batch() -> Batch:
     return Batch([10, 11, 12], {
         "prompt_ids": [[1, 5], [1, 6, 7], [1]],

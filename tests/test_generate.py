@@ -23,15 +23,6 @@ NEVER = -1  # an eos id no token can equal
 TEXTS = ("1+2=", "hello world:", "a", "abc,def>ghi-jkl|mno", "42", "x y z")
 
 
-@pytest.fixture(scope="module", autouse=True)
-def one_thread():
-    """These models are tiny: on a shared 2-core machine, a second intra-op thread mostly waits at barriers."""
-    before = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(before)
-
-
 @pytest.fixture(scope="module")
 def tok():
     return build_char_tokenizer()

@@ -150,6 +150,8 @@ class RayExecutor:
         except ray.exceptions.RayActorError:
             raise RuntimeFailure(f"worker {rank} died during {what} (role {role})") from None
         except ray.exceptions.RayTaskError as err:
+            # A peer that died makes the survivors' collectives fail too: name the dead worker, the root cause.
+            self._raise_if_a_peer_died(pending)
             cause = str(err.cause if getattr(err, "cause", None) else err).strip().splitlines()
             named = next((line for line in cause if "failed in MFC" in line), None)
             if named is not None:  # the worker's own one-line account
@@ -159,6 +161,20 @@ class RayExecutor:
         check_metadata(value)
         self.received += 1
         return ref, value
+
+    def _raise_if_a_peer_died(self, pending: dict, grace_s: float = 5.0) -> None:
+        """Give the other calls in flight a moment to report; raise for the first worker found dead."""
+        if not pending:
+            return
+        ready, _ = ray.wait(list(pending), num_returns=len(pending), timeout=grace_s)
+        for ref in ready:
+            try:
+                ray.get(ref)
+            except ray.exceptions.RayActorError:
+                what, role, rank = pending[ref]
+                raise RuntimeFailure(f"worker {rank} died during {what} (role {role})") from None
+            except ray.exceptions.RayTaskError:
+                continue
 
     def _wait(self, refs: list, what: str, role: str | None, ranks: Sequence[int] | None = None) -> list:
         """Results of ``refs`` (one per rank), in order."""

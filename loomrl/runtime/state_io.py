@@ -13,7 +13,6 @@ from typing import Any
 import torch
 from torch.distributed.checkpoint.state_dict import (
     StateDictOptions,
-    get_model_state_dict,
     get_optimizer_state_dict,
     set_optimizer_state_dict,
 )
@@ -51,10 +50,6 @@ class FullOptimizerState:
                  "param_groups": [{**g, "params": [p for p in g["params"] if p in own]} for g in state["param_groups"]]}
         set_optimizer_state_dict(self.model, self.optimizer, state, options=StateDictOptions(full_state_dict=True))
 
-
-def full_model_state(model: torch.nn.Module) -> dict[str, torch.Tensor]:
-    """Every parameter and buffer as a full CPU tensor (collective under tensor parallelism)."""
-    return _to_cpu(get_model_state_dict(model, options=FULL))
 
 
 def merge_optimizer_states(parts: list[dict[str, Any]]) -> dict[str, Any]:

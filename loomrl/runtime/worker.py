@@ -26,12 +26,13 @@ from loomrl.checkpoint import load_checkpoint, save_checkpoint
 from loomrl.algorithms.workflows import build_workflow
 from loomrl.config import TrainConfig
 from loomrl.launch import quiet_libraries
-from loomrl.parallel import apply_tensor_parallel, build_broadcast_groups, check_layout, execute_reallocation, sync_gradients
+from loomrl.parallel import (apply_tensor_parallel, build_broadcast_groups, check_layout, execute_reallocation,
+                             full_state_dict, sync_gradients)
 from loomrl.parallel.allocations import AllocationGroups, AllocKey
 from loomrl.plan.realloc_plan import ReallocPlan
 from loomrl.parallel.pipeline import split_stages
 from loomrl.parallel.pipeline_schedule import PipelineRunner
-from loomrl.runtime.state_io import FullOptimizerState, full_model_state, merge_optimizer_states
+from loomrl.runtime.state_io import FullOptimizerState, merge_optimizer_states
 from loomrl.train import common
 from loomrl.train.evaluate import evaluate_policy
 from loomrl.train.metrics import rollout_metrics
@@ -260,7 +261,7 @@ class DeviceWorker:
         first device publishes them for the checkpoint writer."""
         key = self.placement.canonical[role]
         handle = self.roles[(role, key)]
-        weights = full_model_state(handle.model)
+        weights = full_state_dict(handle.model)
         optim = FullOptimizerState(handle.model, handle.optimizer).state_dict()
         pp_rank, dp_rank, tp_rank = key.coords(self.rank)
         if dp_rank or tp_rank:  # one device per pipeline stage publishes that stage's part
