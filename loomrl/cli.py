@@ -79,7 +79,9 @@ def _cmd_plan(args: argparse.Namespace) -> int:
     from loomrl.config import TrainConfig
     from loomrl.configtools import load_config
     from loomrl.plan import ClusterSpec
+    from loomrl.planner.corrections import Corrections
     from loomrl.planner.planning import compare_plans, model_config
+    from loomrl.planner.profiles import load_profile
     from loomrl.planner.timeline import render_timeline
     from loomrl.planner.workload import Workload
     from loomrl.report import summary_table
@@ -94,7 +96,10 @@ def _cmd_plan(args: argparse.Namespace) -> int:
     workload = Workload(batch=args.prompts * group, prompt_len=args.prompt_len,
                         response_lengths=(args.response_len or cfg.rollout.max_new_tokens,),
                         ppo_epochs=cfg.algo.ppo_epochs, minibatches=cfg.algo.minibatches)
-    report = compare_plans(workflow, cluster, configs, workload, seed=args.seed, time_budget_s=args.time_budget)
+    profile = load_profile(args.profile) if args.profile else None
+    corrections = Corrections.load(args.corrections) if args.corrections else None
+    report = compare_plans(workflow, cluster, configs, workload, seed=args.seed, time_budget_s=args.time_budget,
+                           profile=profile, corrections=corrections)
     console = Console()
     console.print(summary_table(report.rows, f"{cfg.algo.name} on {cluster}: {args.prompts} prompts × "
                                              f"{args.prompt_len} + {workload.max_response} tokens, {args.model}"))
@@ -142,12 +147,15 @@ def _cmd_calibrate(args: argparse.Namespace) -> int:
         print(json.dumps(dc.asdict(profile), indent=2))
         print(f"wrote {out / 'local_profile.json'}")
         return 0
+    from loomrl.planner.calibrate import usable_cores
     from loomrl.planner.calibration_runs import fit_from_runs
-    from loomrl.planner.profiles import HardwareProfile
+    from loomrl.planner.profiles import load_profile
 
     saved = out / "local_profile.json"
-    profile = HardwareProfile(**json.loads(saved.read_text())) if saved.is_file() else PROFILES["local"]
-    corrections = fit_from_runs(args.runs, profile)
+    measured = saved.is_file()
+    profile = load_profile(saved) if measured else PROFILES["local"]
+    # the runs were made on this machine: their devices shared its cores (known only for a measured profile)
+    corrections = fit_from_runs(args.runs, profile, cores=usable_cores() if measured else None)
     (out / "corrections.json").write_text(corrections.dumps())
     print(corrections.dumps())
     print(f"wrote {out / 'corrections.json'} (profile: {profile.name})")
@@ -193,7 +201,8 @@ def build_parser() -> argparse.ArgumentParser:
     p = sub.add_parser("plan", help="compare colocate/interleave/separate with a searched plan on a cluster")
     p.add_argument("config", nargs="*", help=cfg_help)
     p.add_argument("--cluster", default="h100:1x8", help="device kind:nodes x devices, e.g. h100:8x8, a100:2x8")
-    p.add_argument("--model", default="llama2-7b", help="architecture of every role: llama2-7b|13b|34b|70b")
+    p.add_argument("--model", default="llama2-7b", help="architecture of every role: llama2-7b|13b|34b|70b, a zoo "
+                                                       "model (llama-1m...) or a checkpoint directory")
     for role in ("actor", "critic", "ref", "reward"):
         p.add_argument(f"--{role}-model", help=f"architecture of the {role} (default: --model)")
     p.add_argument("--prompts", type=int, default=512, help="prompts per iteration")
@@ -201,6 +210,9 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--response-len", type=int, help="response tokens (default: rollout.max_new_tokens)")
     p.add_argument("--time-budget", type=float, default=30.0, help="seconds of plan search")
     p.add_argument("--seed", type=int, default=0, help="search seed")
+    p.add_argument("--profile", help="hardware profile JSON replacing the cluster's (loomrl calibrate writes "
+                                     "local_profile.json)")
+    p.add_argument("--corrections", help="fitted corrections JSON (loomrl calibrate --from writes corrections.json)")
     p.add_argument("--out", default="runs/plan", help="where the best plan and its timeline are written")
     p.set_defaults(fn=_cmd_plan)
     p = sub.add_parser("timeline", help="draw a run's measured per-MFC timeline (from RUN_DIR/traces.jsonl)")

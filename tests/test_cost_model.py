@@ -223,19 +223,33 @@ def test_fit_corrections_recovers_known_factors():
 
 
 def test_fit_corrections_from_a_trace_through_the_cost_model():
-    cluster = ClusterSpec.parse("h100:8")
-    shapes = {"actor": ModelShape.from_config(LLAMA_7B)}
+    """Known factors per term group (roofline, launches, tensor-parallel launches) and a per-call overhead are
+    recovered from calls priced by the cost model itself."""
+    from loomrl.planner.corrections import group_sums
+    cluster = ClusterSpec.parse("cpu:8")  # a small model on CPU: launches and roofline of similar size
+    shapes = {"actor": SMALL}
     predict = trace_predictor(cluster, profile_for(cluster), shapes)
+    truth = {"generate": ({"roofline": 1.5, "launch": 4.0, "launch_tp": 9.0}, 0.2),
+             "train": ({"roofline": 2.0, "launch": 3.0, "launch_tp": 6.0}, 0.5)}
     observations = []
-    for batch, alloc, mfc in [(64, "0-7:dp8", GEN), (256, "0-7:dp4tp2", GEN), (128, "0-3:dp2tp2", TRAIN),
-                              (512, "0-7:dp4tp2mb4", TRAIN), (256, "0-7:dp8", TRAIN)]:
+    calls = [(64, "0-7:dp8", GEN), (256, "0-7:dp4tp2", GEN), (128, "0-3:dp4", GEN), (512, "0-7:dp1tp8", GEN),
+             (32, "0-1:dp2", GEN), (128, "0-3:dp2tp2", TRAIN), (512, "0-7:dp4tp2mb4", TRAIN), (256, "0-7:dp8", TRAIN),
+             (64, "0:dp1", TRAIN), (512, "0-7:dp2tp4", TRAIN)]
+    for i, (batch, alloc, mfc) in enumerate(calls):  # lengths and steps vary, so launches are not constant
         obs = {"mfc": mfc.name, "kind": mfc.kind.value, "role": "actor", "allocation": alloc, "batch": batch,
-               "prompt_len": 256.0, "response_mean": 240.0, "response_p90": 500.0, "response_max": 1000.0,
-               "epochs": 1, "minibatches": 4}
-        obs["seconds"] = (2.0 if mfc.kind is MFCKind.TRAIN else 1.5) * predict(obs)
+               "prompt_len": 256.0, "response_mean": 240.0, "response_p90": 500.0, "response_max": 600.0 + 150 * i,
+               "epochs": 1, "minibatches": 1 + i % 4}
+        factors, overhead = truth[mfc.kind.value]
+        sums = group_sums(predict(obs))
+        obs["seconds"] = sum(factors[g] * sums[g] for g in sums) + overhead
         observations.append(obs)
     fitted = fit_corrections(observations, predict)
-    assert fitted.scale == pytest.approx({"train": 2.0, "generate": 1.5})
+    for kind, (factors, overhead) in truth.items():
+        # exact data: only the weak prior of 1 on each scale (PRIOR_WEIGHT) keeps the fit from being exact
+        assert fitted.scale[kind] == pytest.approx(factors["roofline"], rel=1e-3)
+        assert fitted.scale[f"{kind}.launch"] == pytest.approx(factors["launch"], rel=1e-3)
+        assert fitted.scale[f"{kind}.launch_tp"] == pytest.approx(factors["launch_tp"], rel=1e-3)
+        assert fitted.overhead_s[kind] == pytest.approx(overhead, rel=1e-3)
 
 
 def test_lengths_from_summary_and_observations_from_metrics():
@@ -275,3 +289,20 @@ def test_llama_7b_train_on_8_h100_is_physically_sensible():
     # decode is memory-bound: at least one read of the weights per step of the longest response
     decode_floor = max(LENGTHS) * model.shapes["actor"].params * 2 / (2 * 3.35e12)
     assert model.decode_time("actor", a("0-7:dp4tp2")) > decode_floor
+
+
+def test_operator_launches_count_passes_layers_and_decode_steps():
+    """Launch terms: ops × the profile's op overhead, per slot of a pass; tensor-parallel ones named apart."""
+    spec = ClusterSpec.parse("cpu:4")
+    prof = profile_for(spec)
+    short = CostModel(spec, prof, {"actor": SMALL}, Workload(8, 16, (10,)))
+    long = CostModel(spec, prof, {"actor": SMALL}, Workload(8, 16, (20,)))
+    per_step = (T.forward_ops(SMALL, SMALL.layers) + T.SAMPLE_OPS) * prof.op_overhead
+    assert short.time_terms(GEN, a("0:dp1"))["decode_launch"] == pytest.approx(10 * per_step)
+    assert long.time_terms(GEN, a("0:dp1"))["decode_launch"] == pytest.approx(20 * per_step)
+    terms = short.time_terms(TRAIN, a("0-1:dp1tp2"))
+    assert "launch_tp" in terms and "launch" not in terms and "optimizer_launch_tp" in terms
+    assert terms["launch_tp"] == pytest.approx(3 * T.forward_ops(SMALL, SMALL.layers) * prof.op_overhead)
+    # a pipeline stage dispatches its share of the layers, once per slot (micro-batches + bubble)
+    pp = short.time_terms(INF, a("0-1:pp2mb4"))["launch"]
+    assert pp == pytest.approx(5 * T.forward_ops(SMALL, SMALL.layers / 2) * prof.op_overhead)

@@ -1,11 +1,13 @@
 """`loomrl plan` and `loomrl timeline`: plans at scale and drawings of real runs."""
 
+import dataclasses
 import json
 
 from loomrl.cli import main
 from loomrl.config import TrainConfig
 from loomrl.configtools import load_config
 from loomrl.plan import ExecutionPlan
+from loomrl.planner import PROFILES
 from loomrl.train.rl import RLTrainer
 
 
@@ -49,7 +51,26 @@ def test_calibrate_fits_corrections_from_a_run(tmp_path, capsys):
     assert main(["calibrate", "--from", str(tmp_path / "run"), "--out", str(tmp_path / "cal")]) == 0
     fitted = json.loads((tmp_path / "cal" / "corrections.json").read_text())
     assert set(fitted["scale"]) >= {"generate", "inference", "train"}
-    assert all(v > 0 for v in fitted["scale"].values())
+    assert all(v >= 0 for v in fitted["scale"].values())
+    for kind in ("generate", "inference", "train"):  # some term group explains each kind's time
+        assert fitted["scale"][kind] + fitted["scale"].get(f"{kind}.launch", 0.0) + fitted["overhead_s"][kind] > 0
     assert fitted["observations"]["train"] == 2 * 2  # two train MFCs, iterations 1 and 2 (the first is skipped)
+    assert fitted["observations"]["iteration"] == 1  # the whole-iteration remainder, fitted on the run itself
     assert main(["calibrate", "--from", str(tmp_path / "missing"), "--out", str(tmp_path / "cal")]) == 2
     assert "not a run directory" in capsys.readouterr().err
+
+    # the fitted corrections and a saved profile plan the same workload on this machine's devices
+    profile = tmp_path / "cal" / "local_profile.json"
+    profile.write_text(json.dumps(dataclasses.asdict(PROFILES["local"])))
+    out = tmp_path / "plan"
+    args = ["plan", "--cluster", "cpu:2", "--model", "llama-1m", "--response-len", "4", "--prompts", "4",
+            "--time-budget", "1", "--out", str(out), "--profile", str(profile)]
+    assert main([*args, "--corrections", str(tmp_path / "cal" / "corrections.json")]) == 0
+    assert "searched" in capsys.readouterr().out and ExecutionPlan.load(out / "best_plan.json").cluster.n_devices == 2
+    for bad, field in ((tmp_path / "nope.json", "nope.json"), (tmp_path / "cal" / "corrections.json", "profile")):
+        assert main([*args[:-1], str(bad)]) == 2
+        err = capsys.readouterr().err.strip()
+        assert err.count("\n") == 0 and field in err
+    (tmp_path / "neg.json").write_text('{"scale": {"train": -1}}')
+    assert main([*args, "--corrections", str(tmp_path / "neg.json")]) == 2
+    assert "scale.train" in capsys.readouterr().err

@@ -80,6 +80,17 @@ def test_chain_runs_back_to_back_and_iterations_follow_the_train_step():
     assert [iv.iteration for iv in result.timeline if iv.device == 0] == [0, 0, 0, 1, 1, 1, 2, 2, 2]
 
 
+def test_an_estimator_with_a_whole_iteration_correction_adjusts_the_iteration_time_only():
+    class Corrected(FakeCost):
+        def iteration_time(self, seconds: float) -> float:
+            return 1.5 * seconds + 0.25
+
+    plan = plan_of(2, {"gen": "0-1", "inf": "0-1", "train": "0-1"})
+    result = simulate(plan, CHAIN, Corrected({"gen": 4, "inf": 2, "train": 6}), 24 * GB)
+    assert result.iteration_time == 1.5 * 6 + 0.25
+    assert result.iteration_ends == [6, 12, 18]  # the schedule itself is unchanged
+
+
 def test_parameter_version_edge_holds_the_next_generation_until_training_ends():
     # gen (2 s) and train (1 s) on device 0, ref inference (3 s) on device 1. Device 0 is idle while ref runs,
     # yet gen of iteration 1 must wait for train of iteration 0: 0-2 gen, 2-5 ref, 5-6 train, then 6-8 gen.

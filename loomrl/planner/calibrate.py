@@ -9,6 +9,8 @@ What is measured, and how (best of ``repeats`` after a warm-up, each):
   transport gloo uses between worker processes of one machine (measured with sockets, so the planner never
   imports torch.distributed); the latency is half a small message's round trip. On CUDA with two or more
   GPUs, a device-to-device copy measures the NVLink/PCIe path instead;
+- **operator overhead**: the time of one tiny elementwise operator (8 floats), what the dispatcher and a kernel
+  launch cost however little work an operator does;
 - **cores shared**: how many devices share each core (``ceil(devices / cores)``), from the process's CPU
   affinity.
 
@@ -53,6 +55,18 @@ def _matmul_rate(torch, n: int, dtype, device: str, repeats: int, sync) -> float
     a = torch.randn(n, n, dtype=dtype, device=device)
     b = torch.randn(n, n, dtype=dtype, device=device)
     return 2 * n**3 / _best_of(lambda: torch.mm(a, b), repeats, sync)
+
+
+def _op_overhead(torch, device: str, repeats: int, sync) -> float:
+    """Seconds per call of a tiny ``add`` (best of ``repeats`` batches of 200 calls)."""
+    a = torch.ones(8, device=device)
+    b = torch.ones(8, device=device)
+
+    def batch() -> None:
+        for _ in range(200):
+            torch.add(a, b)
+
+    return _best_of(batch, repeats, sync) / 200
 
 
 def _copy_bandwidth(torch, megabytes: int, device: str, repeats: int, sync) -> float:
@@ -134,6 +148,7 @@ def calibrate_local(devices: int | None = None, *, device: str = "cpu", matmul_n
         dtype = torch.bfloat16 if cuda else torch.float32
         flops = _matmul_rate(torch, matmul_n, dtype, device, repeats, sync)
         memory_bw = _copy_bandwidth(torch, copy_mb, device, repeats, sync)
+        op_overhead = _op_overhead(torch, device, repeats, sync)
     finally:
         torch.set_num_threads(threads)
     link_bw, latency = loopback_bandwidth(transfer_mb, repeats)
@@ -142,4 +157,5 @@ def calibrate_local(devices: int | None = None, *, device: str = "cpu", matmul_n
     return HardwareProfile(
         name="local", matmul_flops=flops, mem_bandwidth=memory_bw, memory_bytes=_memory_bytes(torch, device, devices),
         intra_node_bw=link_bw, inter_node_bw=link_bw,
-        devices_share_cores=1 if cuda else max(1, math.ceil(devices / cores)), link_latency=latency)
+        devices_share_cores=1 if cuda else max(1, math.ceil(devices / cores)), link_latency=latency,
+        op_overhead=op_overhead)

@@ -1,38 +1,83 @@
-"""`loomrl calibrate`: measure this machine, and fit the cost model's corrections from finished runs.
+"""`loomrl calibrate --from`: fit the cost model's corrections from finished runs, and predict runs again.
 
 A run directory holds everything needed to price its own calls again: ``config.yaml`` (the workflow, the
 plan, the models), ``metrics.jsonl`` (per-iteration call times and length statistics). Observations from
-several runs are fitted together (:func:`loomrl.planner.corrections.fit_corrections`).
+several runs are fitted together (:func:`loomrl.planner.corrections.fit_corrections`); :func:`simulate_run`
+predicts a run's iteration time with the simulator, which is how the estimator's accuracy is measured
+(``benchmarks/estimator_accuracy.py``).
 """
 
 from __future__ import annotations
 
 import dataclasses
+import math
+import statistics
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Sequence
 
 from loomrl.algorithms.workflows import build_workflow
 from loomrl.config import TrainConfig
 from loomrl.configtools import load_config
-from loomrl.errors import DataError
-from loomrl.plan import ClusterSpec
-from loomrl.planner.corrections import Corrections, fit_corrections
+from loomrl.errors import ConfigError, DataError
+from loomrl.plan import ClusterSpec, ExecutionPlan
+from loomrl.planner.corrections import ITERATION, Corrections, fit_corrections, fit_line
+from loomrl.planner.cost import CostModel
+from loomrl.planner.planning import model_config
 from loomrl.planner.profiles import HardwareProfile
-from loomrl.planner.traces import observations_from_metrics, trace_predictor
-from loomrl.planner.workload import ModelShape
+from loomrl.planner.simulator import SimResult, simulate
+from loomrl.planner.traces import lengths_from_summary, observations_from_metrics, trace_predictor
+from loomrl.planner.workload import ModelShape, Workload
 from loomrl.report import read_metrics
+from loomrl.workflow import Workflow
+
+__all__ = ["Run", "fit_from_runs", "load_run", "run_observations", "simulate_run"]
 
 
-def _model_config(spec: str, tokenizer):
-    from transformers import AutoConfig
+@dataclass
+class Run:
+    """A finished run as the planner sees it."""
 
-    from loomrl.models.zoo import ZOO, zoo_config
+    path: Path
+    cfg: TrainConfig
+    workflow: Workflow
+    cluster: ClusterSpec
+    plan: ExecutionPlan
+    shapes: dict[str, ModelShape]
+    records: list[dict]
+    batch: int
+    """Samples per iteration."""
+    prompt_len: float
+    """Mean prompt tokens over the run."""
 
-    return zoo_config(spec, tokenizer) if spec in ZOO else AutoConfig.from_pretrained(spec)
+    def profile(self, profile: HardwareProfile, cores: int | None) -> HardwareProfile:
+        """``profile`` with the run's devices sharing ``cores`` cores (on CPU, when known)."""
+        if cores is None or profile.name != "local":
+            return profile
+        return dataclasses.replace(profile, devices_share_cores=max(1, math.ceil(self.cluster.n_devices / cores)))
+
+    def steady_records(self) -> list[dict]:
+        """Every iteration but the first (one-off costs: allocation, warm-up)."""
+        return self.records[1:] if len(self.records) > 1 else self.records
+
+    def measured_iteration_s(self) -> float:
+        """Median seconds per iteration after the first."""
+        return statistics.median(r["time/iteration_s"] for r in self.steady_records())
+
+    def workload(self) -> Workload:
+        """The run's iteration shape: its batch, mean prompt length and response lengths (mean statistics)."""
+        recs = self.steady_records()
+        mean = statistics.fmean(r["response/length"] for r in recs)
+        p90 = statistics.fmean(r["response/length_p90"] for r in recs)
+        longest = max(r["response/length_max"] for r in recs)
+        algo = self.cfg.algo
+        return Workload(self.batch, self.prompt_len, lengths_from_summary(mean, p90, longest),
+                        ppo_epochs=algo.ppo_epochs, minibatches=algo.minibatches)
 
 
-def run_observations(run_dir: str | Path, profile: HardwareProfile) -> tuple[list[dict], object]:
-    """The observations of one run and a predictor pricing them on its cluster (``profile`` per device)."""
+def load_run(run_dir: str | Path) -> Run:
+    """Read a run directory: its config, the plan it ran, its models' shapes and its metrics."""
+    from loomrl.launch import available_devices
     from loomrl.runtime.placement import execution_plan
     from loomrl.train.common import tokenizer_for
 
@@ -41,30 +86,58 @@ def run_observations(run_dir: str | Path, profile: HardwareProfile) -> tuple[lis
         raise DataError(f"{run}: not a run directory (config.yaml and metrics.jsonl are needed)")
     cfg = load_config(TrainConfig, run / "config.yaml")
     workflow = build_workflow(cfg.algo, cfg.rollout)
-    from loomrl.launch import available_devices
-
     devices = 1 if cfg.runtime.executor == "reference" else (cfg.runtime.devices or available_devices())
     cluster = ClusterSpec(nodes=1, devices_per_node=devices, device_kind="cpu", profile="local")
+    plan_cfg = cfg
     if cfg.runtime.executor == "reference":
-        cfg = dataclasses.replace(cfg, runtime=dataclasses.replace(cfg.runtime, executor="ray", plan=None))
-    plan = execution_plan(cfg, workflow, cluster)
+        plan_cfg = dataclasses.replace(cfg, runtime=dataclasses.replace(cfg.runtime, executor="ray", plan=None))
+    plan = execution_plan(plan_cfg, workflow, cluster)
     tokenizer = tokenizer_for(cfg.actor.model)
     specs = {"actor": cfg.actor.model, "ref": cfg.actor.model, "critic": cfg.critic.model or cfg.actor.model,
              "reward": cfg.reward.model or cfg.actor.model}
-    shapes = {role: ModelShape.from_config(_model_config(specs[role], tokenizer)) for role in workflow.roles()}
+    try:
+        shapes = {role: ModelShape.from_config(model_config(specs[role], tokenizer)) for role in workflow.roles()}
+    except ConfigError as err:  # e.g. a checkpoint the run used that is gone since
+        raise DataError(f"{run / 'config.yaml'}: {err}") from None
     records = read_metrics(run / "metrics.jsonl")
+    if not records:
+        raise DataError(f"{run / 'metrics.jsonl'}: no iterations recorded")
     group = cfg.algo.group_size if cfg.algo.name in ("grpo", "rloo") else 1
-    prompt_len = sum(r.get("prompt/length", 0.0) for r in records) / max(len(records), 1)
-    observations = observations_from_metrics(records, plan, workflow, cfg.rollout.prompts_per_iter * group, prompt_len)
-    return observations, trace_predictor(cluster, profile, shapes)
+    prompt_len = statistics.fmean(r.get("prompt/length", 0.0) for r in records)
+    return Run(run, cfg, workflow, cluster, plan, shapes, records, cfg.rollout.prompts_per_iter * group, prompt_len)
 
 
-def fit_from_runs(run_dirs: Sequence[str | Path], profile: HardwareProfile) -> Corrections:
-    """Corrections fitted over every call of every iteration (but each run's first) of the given runs."""
+def run_observations(run_dir: str | Path, profile: HardwareProfile,
+                     cores: int | None = None) -> tuple[list[dict], object]:
+    """The observations of one run and a predictor pricing them on its cluster (``profile`` per device)."""
+    run = load_run(run_dir)
+    observations = observations_from_metrics(run.records, run.plan, run.workflow, run.batch, run.prompt_len)
+    return observations, trace_predictor(run.cluster, run.profile(profile, cores), run.shapes)
+
+
+def simulate_run(run: Run, profile: HardwareProfile, corrections: Corrections | None = None,
+                 cores: int | None = None, iterations: int = 3) -> SimResult:
+    """The simulator's prediction of ``run`` (its plan, models and workload) with ``corrections``."""
+    prof = run.profile(profile, cores)
+    cost = CostModel(run.cluster, prof, run.shapes, run.workload(), corrections)
+    return simulate(run.plan, run.workflow, cost, prof.memory_bytes, iterations=iterations)
+
+
+def fit_from_runs(run_dirs: Sequence[str | Path], profile: HardwareProfile, cores: int | None = None) -> Corrections:
+    """Corrections fitted over every call of every iteration (but each run's first) of the given runs, then
+    the per-iteration time no call accounts for (the controller's serial work between and around calls,
+    fitted on the simulated iteration times of the same runs)."""
     observations = []
     for run_dir in run_dirs:
-        found, predict = run_observations(run_dir, profile)
-        observations += [{**o, "predicted_s": predict(o)} for o in found]
+        found, predict = run_observations(run_dir, profile, cores)
+        observations += [{**o, "predicted_terms": predict(o)} for o in found]
     if not observations:
         raise DataError(f"{', '.join(map(str, run_dirs))}: no timed calls to fit (runs need 2+ iterations)")
-    return fit_corrections(observations)
+    calls = fit_corrections(observations)
+    runs = [load_run(d) for d in run_dirs]
+    simulated = [simulate_run(r, profile, calls, cores).iteration_time for r in runs]
+    measured = [r.measured_iteration_s() for r in runs]
+    scale, overhead = fit_line(simulated, measured)
+    return dataclasses.replace(calls, scale={**calls.scale, ITERATION: scale},
+                               overhead_s={**calls.overhead_s, ITERATION: overhead},
+                               observations={**calls.observations, ITERATION: len(runs)})

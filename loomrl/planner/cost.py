@@ -20,6 +20,11 @@ every replica runs in parallel on equal shares, so a call takes as long as one r
   (:mod:`loomrl.planner.decode`). The rollout engine decodes all live samples together, so generation
   ignores ``micro_batches`` unless ``pp > 1``.
 - **Compute** (advantages): a few float columns per token read and written on one device.
+- **Operator launches** (every kind): each slot of a pass also dispatches its stage's operators
+  (:func:`loomrl.planner.terms.forward_ops`, 3× when training, plus the optimizer's per-tensor operators), and
+  each decode step its forward's and the sampler's, at the profile's ``op_overhead`` each. This is what bounds
+  small models and decode: a kernel launch on a GPU, an eager dispatch on a CPU. Tensor-parallel launches are
+  named ``*_tp`` so corrections fit them apart (DTensor dispatch costs more per operator).
 
 Every term is uncorrected roofline; :class:`~loomrl.planner.corrections.Corrections` fitted from run traces
 scale it per MFC kind. :meth:`CostModel.time_terms` returns the named terms of a call, for reports.
@@ -42,7 +47,7 @@ from loomrl.errors import ConfigError
 from loomrl.plan import Allocation, ClusterSpec, shard_bytes
 from loomrl.planner import decode as D
 from loomrl.planner import terms as T
-from loomrl.planner.corrections import REALLOC, Corrections
+from loomrl.planner.corrections import ITERATION, REALLOC, Corrections
 from loomrl.planner.profiles import HardwareProfile
 from loomrl.planner.realloc_cost import realloc_seconds
 from loomrl.planner.workload import ModelShape, Workload
@@ -65,6 +70,8 @@ class _Rates(NamedTuple):
     dp_bw: float
     pp_bw: float
     latency: float
+    op: float
+    """Seconds to dispatch one operator (slowed like the rates when devices share cores)."""
 
 
 class CostModel:
@@ -89,7 +96,12 @@ class CostModel:
 
     def mfc_time(self, mfc: MFC, alloc: Allocation) -> float:
         """Seconds of one call of ``mfc`` on ``alloc``, corrected."""
-        return self.corrections.apply(mfc.kind, sum(self.time_terms(mfc, alloc).values()))
+        return self.corrections.apply_terms(mfc.kind, self.time_terms(mfc, alloc))
+
+    def iteration_time(self, simulated_s: float) -> float:
+        """A simulated iteration's seconds with the fitted whole-iteration correction (the controller's serial
+        work around the calls); unchanged without one."""
+        return self.corrections.apply(ITERATION, simulated_s)
 
     def time_terms(self, mfc: MFC, alloc: Allocation) -> dict[str, float]:
         """The uncorrected terms of a call's time, by name (they sum to the analytic time)."""
@@ -185,12 +197,13 @@ class CostModel:
         tokens = samples * w.mean_seq
         flops = T.train_flops(shape, tokens, samples * w.mean_sq_seq)
         step = self._pass(alloc, shape, flops, 3 * self._weight_bytes(mfc.role), tokens,
-                          allreduces_per_layer=4, hops=2, micro_batches=alloc.micro_batches)
+                          allreduces_per_layer=4, hops=2, micro_batches=alloc.micro_batches, op_passes=3.0)
         rates = self._rates_of(alloc)
         shard_params = shape.params / (lay.tp * lay.pp)
         step["dp_grad_allreduce"] = T.ring_allreduce_time(shard_params * self.bytes_per_param, lay.dp,
                                                           rates.dp_bw, rates.latency)
         step["optimizer"] = T.adam_step_bytes(shard_params, self.bytes_per_param) / rates.mem
+        step[_launch("optimizer_launch", lay.tp)] = T.optimizer_ops(shape, shape.layers / lay.pp) * rates.op
         return {name: seconds * epochs * minibatches for name, seconds in step.items()}
 
     def _generate_terms(self, role: str, alloc: Allocation) -> dict[str, float]:
@@ -208,9 +221,10 @@ class CostModel:
     # ------------------------------------------------------------------------------------------- building blocks
 
     def _pass(self, alloc: Allocation, shape: ModelShape, flops: float, weight_traffic: float, tokens: float,
-              allreduces_per_layer: int, hops: int, micro_batches: int) -> dict[str, float]:
-        """One pipelined pass of a replica's share (see the module docstring): work, bubble, tp all-reduces
-        and pp hops. ``weight_traffic`` is the whole model's weight bytes moved per micro-batch."""
+              allreduces_per_layer: int, hops: int, micro_batches: int, op_passes: float = 1.0) -> dict[str, float]:
+        """One pipelined pass of a replica's share (see the module docstring): work, bubble, tp all-reduces,
+        pp hops and operator launches (``op_passes`` forward passes' worth of operators per slot: 3 when
+        training). ``weight_traffic`` is the whole model's weight bytes moved per micro-batch."""
         lay, rates = alloc.layout, self._rates_of(alloc)
         mb = micro_batches
         slot = T.roofline(flops / (lay.tp * lay.pp * mb), weight_traffic / (lay.tp * lay.pp), rates.flops, rates.mem)
@@ -219,7 +233,9 @@ class CostModel:
                                                                                    rates.latency)
         hop = hops * T.transfer_time(act, rates.pp_bw, rates.latency) if lay.pp > 1 else 0.0
         slots = T.pipeline_slots(lay.pp, mb)
-        return {"work": mb * slot, "pp_bubble": (lay.pp - 1) * slot, "tp_comm": slots * tp, "pp_p2p": slots * hop}
+        launch = slots * op_passes * T.forward_ops(shape, shape.layers / lay.pp) * rates.op
+        return {"work": mb * slot, "pp_bubble": (lay.pp - 1) * slot, "tp_comm": slots * tp, "pp_p2p": slots * hop,
+                _launch("launch", lay.tp): launch}
 
     def _decode_terms(self, role: str, alloc: Allocation, lengths: tuple[int, ...], padded: bool) -> dict[str, float]:
         """Decode steps summed in closed form over occupancy segments (:mod:`loomrl.planner.decode`)."""
@@ -228,7 +244,9 @@ class CostModel:
         split = lay.tp * lay.pp * mb  # the devices and micro-batches a step's live tokens are spread over
         kv_split = min(lay.tp, shape.kv_heads) * lay.pp * mb  # kv heads are replicated beyond kv_heads
         slots = T.decode_step_slots(lay.pp, mb)
-        out = {"decode": 0.0, "decode_tp_comm": 0.0, "decode_pp_p2p": 0.0}
+        launch_key = _launch("decode_launch", lay.tp)
+        out = {"decode": 0.0, "decode_tp_comm": 0.0, "decode_pp_p2p": 0.0, launch_key: 0.0}
+        step_ops = T.forward_ops(shape, shape.layers / lay.pp) + T.SAMPLE_OPS
         for seg in self._segments(lengths, lay.dp, padded):
             # per-slot compute and memory time, each linear in the step t: a + b·t
             attn = 4.0 * shape.layers * shape.hidden / (split * rates.flops)
@@ -240,6 +258,7 @@ class CostModel:
             steps = seg.end - seg.start
             tp = 2 * shape.layers / lay.pp * T.ring_allreduce_time(act, lay.tp, rates.tp_bw, rates.latency)
             out["decode_tp_comm"] += slots * tp * steps
+            out[launch_key] += slots * step_ops * rates.op * steps
             if lay.pp > 1:
                 out["decode_pp_p2p"] += slots * T.transfer_time(act, rates.pp_bw, rates.latency) * steps
         return out
@@ -324,10 +343,16 @@ class CostModel:
             cores = self.cluster.devices_per_node / p.devices_share_cores
             slowdown = max(1.0, busiest / cores)
         return _Rates(p.matmul_flops / slowdown, p.mem_bandwidth / slowdown, bw["tp"], bw["dp"], bw["pp"],
-                      p.link_latency)
+                      p.link_latency, p.op_overhead * slowdown)
 
     def _spans_nodes(self, devices: list[int]) -> bool:
         return len({self.cluster.node_of(d) for d in devices}) > 1
+
+
+def _launch(name: str, tp: int) -> str:
+    """Name of an operator-launch term; ``_tp`` marks tensor-parallel operators (DTensor dispatch costs more
+    per operator, so corrections fit the two apart, see :func:`loomrl.planner.corrections.term_group`)."""
+    return f"{name}_tp" if tp > 1 else name
 
 
 def _alloc_key(alloc: Allocation) -> tuple:

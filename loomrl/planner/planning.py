@@ -13,8 +13,9 @@ from typing import Mapping
 
 from loomrl.errors import ConfigError
 from loomrl.plan import ClusterSpec, ExecutionPlan
+from loomrl.planner.corrections import Corrections
 from loomrl.planner.cost import CostModel
-from loomrl.planner.profiles import profile_for
+from loomrl.planner.profiles import HardwareProfile, profile_for
 from loomrl.planner.search import best_heuristic_plans, search
 from loomrl.planner.simulator import SimResult
 from loomrl.planner.workload import ModelShape, Workload
@@ -36,10 +37,25 @@ MODEL_PRESETS: dict[str, SimpleNamespace] = {
 }
 
 
-def model_config(name: str) -> SimpleNamespace:
-    if name not in MODEL_PRESETS:
-        raise ConfigError(f"model: '{name}' is not a preset; valid: {', '.join(MODEL_PRESETS)}")
-    return MODEL_PRESETS[name]
+def model_config(name: str, tokenizer=None) -> object:
+    """An architecture to plan with: a preset above, a zoo model (``llama-1m``; its vocabulary from
+    ``tokenizer``, by default the built-in one) or a local HF checkpoint directory (its ``config.json``)."""
+    from pathlib import Path
+
+    if name in MODEL_PRESETS:
+        return MODEL_PRESETS[name]
+    from loomrl.models.zoo import ZOO, zoo_config
+
+    if name in ZOO or Path(name, "config.json").is_file():
+        from loomrl.train.common import tokenizer_for
+
+        if name in ZOO:
+            return zoo_config(name, tokenizer or tokenizer_for(None))
+        from transformers import AutoConfig
+
+        return AutoConfig.from_pretrained(name)
+    raise ConfigError(f"model: '{name}' is not a preset, a zoo model or a checkpoint directory; presets: "
+                      f"{', '.join(MODEL_PRESETS)}; zoo: {', '.join(ZOO)}")
 
 
 @dataclass
@@ -60,11 +76,15 @@ class PlanningReport:
 
 
 def compare_plans(workflow: Workflow, cluster: ClusterSpec, configs: Mapping[str, object], workload: Workload,
-                  *, seed: int = 0, time_budget_s: float = 30.0, chains: int = 4) -> PlanningReport:
-    """Best layouts of each heuristic strategy, then a seeded, time-bounded search; all simulated."""
-    profile = profile_for(cluster)
+                  *, seed: int = 0, time_budget_s: float = 30.0, chains: int = 4,
+                  profile: HardwareProfile | None = None, corrections: Corrections | None = None) -> PlanningReport:
+    """Best layouts of each heuristic strategy, then a seeded, time-bounded search; all simulated.
+
+    ``profile`` replaces the cluster's named profile (e.g. this machine measured by ``loomrl calibrate``) and
+    ``corrections`` are fitted ones (``loomrl calibrate --from``); by default the datasheet profile, uncorrected."""
+    profile = profile or profile_for(cluster)
     shapes = {role: ModelShape.from_config(cfg) for role, cfg in configs.items()}
-    cost = CostModel(cluster, profile, shapes, workload)
+    cost = CostModel(cluster, profile, shapes, workload, corrections)
     memory = profile.memory_bytes
     heuristics = best_heuristic_plans(workflow, cluster, cost, memory, configs)
     feasible = sorted(((r.iteration_time, name, p) for name, (p, r) in heuristics.items() if r.feasible),

@@ -15,7 +15,8 @@ and rates are decimal (10^9, 10^12), as datasheets print them.
 ``link_latency`` is not a datasheet figure: it is the per-message start-up cost of a collective (NCCL over
 NVLink is ~10 µs for small messages; the loopback TCP transport gloo uses on one machine is measured by
 :func:`loomrl.planner.calibrate_local`). It matters for decode, where every step runs two all-reduces per
-layer of a few kilobytes each.
+layer of a few kilobytes each. ``op_overhead`` (one operator's dispatch) is not a datasheet figure either: it
+is the launch cost that bounds decode steps and small models.
 
 The ``local`` entry is a *nominal* CPU slot (about one core of a recent x86 machine): deterministic, so a
 seeded plan search on CPU is reproducible. Measure the current machine with
@@ -24,13 +25,15 @@ seeded plan search on CPU is reproducible. Measure the current machine with
 
 from __future__ import annotations
 
+import json
 import math
 from dataclasses import dataclass, fields, replace
+from pathlib import Path
 
-from loomrl.errors import ConfigError
+from loomrl.errors import ConfigError, DataError
 from loomrl.plan import GB, ClusterSpec
 
-__all__ = ["PROFILES", "HardwareProfile", "profile_for"]
+__all__ = ["PROFILES", "HardwareProfile", "load_profile", "profile_for"]
 
 TFLOPS = 1e12
 GBPS = 1e9  # decimal GB/s, as datasheets print bandwidth
@@ -58,6 +61,10 @@ class HardwareProfile:
     than the node has cores (see ``CostModel``)."""
     link_latency: float = 10e-6
     """Seconds of start-up per message of a collective or point-to-point transfer."""
+    op_overhead: float = 5e-6
+    """Seconds to dispatch one operator, however small: a kernel launch on a GPU (~5 µs through the CUDA
+    runtime and PyTorch's dispatcher), an eager operator call on a CPU (measured by ``calibrate_local``). It
+    bounds small models and decode steps, where thousands of operators each do little work."""
 
     def __post_init__(self) -> None:
         for f in fields(self):
@@ -110,6 +117,7 @@ PROFILES: dict[str, HardwareProfile] = {
         intra_node_bw=2 * GBPS,  # nominal loopback TCP (gloo) between worker processes
         inter_node_bw=1.25 * GBPS,  # 10 GbE
         link_latency=50e-6,  # loopback TCP round trip / 2, order of magnitude
+        op_overhead=10e-6,  # nominal eager operator call of PyTorch on CPU; calibrate_local measures it
     ),
 }
 """Profile name (as in :data:`loomrl.plan.PROFILES`) → hardware figures."""
@@ -122,3 +130,21 @@ def profile_for(cluster: ClusterSpec) -> HardwareProfile:
     if profile is None:
         raise ConfigError(f"cluster.profile: unknown profile '{cluster.profile}'; valid: {', '.join(PROFILES)}")
     return replace(profile, memory_bytes=cluster.memory_gb * GB)
+
+
+def load_profile(path: str | Path) -> HardwareProfile:
+    """A profile saved as JSON (``loomrl calibrate`` writes ``local_profile.json``); one-line errors name the
+    file and the field."""
+    path = Path(path)
+    try:
+        data = json.loads(path.read_text())
+    except (OSError, json.JSONDecodeError) as err:
+        raise DataError(f"{path}: cannot read a hardware profile ({err})") from None
+    names = [f.name for f in fields(HardwareProfile)]
+    if not isinstance(data, dict) or set(data) - set(names) or "name" not in data:
+        raise DataError(f"{path}: a hardware profile is a JSON object with keys {', '.join(names)} "
+                        "(as `loomrl calibrate` writes)")
+    try:
+        return HardwareProfile(**data)
+    except (TypeError, ConfigError) as err:
+        raise DataError(f"{path}: {err}") from None

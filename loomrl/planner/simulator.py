@@ -23,7 +23,9 @@ What :func:`simulate` models, and what it leaves out:
   inside a call (all belong to the cost estimator's numbers, if anywhere).
 
 Iteration time is the steady state ``(end of the last iteration − end of the first) / (iterations − 1)``, so
-pipeline fill and the first iteration's warm-up do not count; busy fractions are over the same window.
+pipeline fill and the first iteration's warm-up do not count; busy fractions are over the same window. A
+cost estimator with an ``iteration_time(seconds)`` method (``CostModel``: the fitted whole-iteration
+correction) adjusts that figure; the timeline is left as scheduled.
 """
 
 from __future__ import annotations
@@ -333,6 +335,9 @@ def simulate(plan: ExecutionPlan, workflow: Workflow, cost: CostEstimator, memor
         iteration_time, window = (ends[-1] - ends[0]) / (iterations - 1), (ends[0], ends[-1])
     else:
         iteration_time, window = ends[0], (0.0, ends[0])
+    corrected = getattr(cost, "iteration_time", None)  # optional: a fitted whole-iteration correction
+    if corrected is not None:
+        iteration_time = _checked(corrected(iteration_time), "iteration_time")
     order = sorted(range(len(nodes)), key=lambda i: (start[i], i))
     timeline = [Interval(d, start[i], end[i], nodes[i].label, nodes[i].kind, nodes[i].iteration)
                 for i in order for d in nodes[i].devices]

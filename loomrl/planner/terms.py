@@ -17,7 +17,10 @@ import math
 from loomrl.planner.workload import ModelShape
 
 __all__ = [
+    "OPS_PER_LAYER",
     "adam_step_bytes",
+    "forward_ops",
+    "optimizer_ops",
     "attention_flops",
     "decode_step_flops",
     "decode_step_slots",
@@ -37,6 +40,32 @@ __all__ = [
 
 FP32 = 4
 """Bytes of the fp32 values the cost model assumes regardless of the weights' dtype: Adam moments, logits."""
+
+
+OPS_PER_LAYER = 24
+"""Operators one decoder layer dispatches in a forward pass: two norms, four attention projections, rotary
+embedding, scores, softmax, weighted sum, three MLP projections, the activation and its product, two residual
+adds, plus the reshapes between them. On a GPU each is a kernel launch; on a CPU each is an eager dispatch."""
+OPS_OUTSIDE_LAYERS = 8
+"""Operators of a forward pass outside the layers: the embedding, final norm, head and the log-prob gather."""
+SAMPLE_OPS = 16
+"""Operators of one decode step outside the model: temperature, top-k/top-p filtering, the random draw, the
+stop test and the slot bookkeeping (:mod:`loomrl.rollout.sampling`)."""
+OPS_PER_TENSOR_STEP = 14
+"""Operators per parameter tensor of one optimizer step: Adam's moment updates, bias correction and the
+update (≈ 10, per tensor unless fused), the gradient-norm clip (2) and zeroing the gradient (2)."""
+
+
+def forward_ops(shape: ModelShape, layers: float) -> float:
+    """Operators one forward pass over ``layers`` decoder layers dispatches (one pipeline stage's share);
+    the head's operators count once, on the stage that has it, so a stage's share is ``layers/pp``."""
+    return layers * OPS_PER_LAYER + OPS_OUTSIDE_LAYERS * layers / shape.layers
+
+
+def optimizer_ops(shape: ModelShape, layers: float) -> float:
+    """Operators of one optimizer step over ``layers`` layers' parameter tensors (9 per Llama layer) and the
+    embedding, final norm and head, shared out like :func:`forward_ops`."""
+    return OPS_PER_TENSOR_STEP * (9 * layers + 3 * layers / shape.layers)
 
 
 def attention_flops(shape: ModelShape, sum_sq_len: float) -> float:

@@ -68,8 +68,9 @@ def observations_from_metrics(records: Iterable[Mapping], plan: ExecutionPlan, w
 
 
 def trace_predictor(cluster: ClusterSpec, profile: HardwareProfile, shapes: Mapping[str, ModelShape],
-                    **cost_kwargs) -> Callable[[Mapping], float]:
-    """A function pricing an observation's call with an uncorrected cost model (for :func:`fit_corrections`)."""
+                    **cost_kwargs) -> Callable[[Mapping], dict[str, float]]:
+    """A function pricing an observation's call with an uncorrected cost model: its terms by name (for
+    :func:`fit_corrections`)."""
     def predict(obs: Mapping) -> float:
         lengths = lengths_from_summary(obs["response_mean"], obs["response_p90"], obs["response_max"])
         workload = Workload(int(obs["batch"]), float(obs["prompt_len"]), lengths)
@@ -78,5 +79,5 @@ def trace_predictor(cluster: ClusterSpec, profile: HardwareProfile, shapes: Mapp
         mfc = MFC(obs["mfc"], obs.get("role") if kind is not MFCKind.COMPUTE else None, kind, (),
                   () if kind is MFCKind.TRAIN else ("out",), epochs=int(obs.get("epochs", 1)),
                   minibatches=int(obs.get("minibatches", 1)))
-        return sum(model.time_terms(mfc, Allocation.parse(obs["allocation"])).values())
+        return model.time_terms(mfc, Allocation.parse(obs["allocation"]))
     return predict
