@@ -306,3 +306,16 @@ def test_operator_launches_count_passes_layers_and_decode_steps():
     # a pipeline stage dispatches its share of the layers, once per slot (micro-batches + bubble)
     pp = short.time_terms(INF, a("0-1:pp2mb4"))["launch"]
     assert pp == pytest.approx(5 * T.forward_ops(SMALL, SMALL.layers / 2) * prof.op_overhead)
+
+
+def test_queued_launches_add_only_what_exceeds_the_work():
+    import dataclasses
+    spec = ClusterSpec.parse("cpu:4")
+    sync = profile_for(spec)
+    queued = dataclasses.replace(sync, async_launch=True)
+    for workload in (Workload(8, 16, (10,)), Workload(512, 16, (10,))):  # launch-bound, then work-bound
+        eager = CostModel(spec, sync, {"actor": SMALL}, workload).time_terms(GEN, a("0:dp1"))
+        overlapped = CostModel(spec, queued, {"actor": SMALL}, workload).time_terms(GEN, a("0:dp1"))
+        assert overlapped["decode"] == eager["decode"]
+        assert overlapped["decode_launch"] == pytest.approx(max(0.0, eager["decode_launch"] - eager["decode"]))
+    assert PROFILES["h100-80g"].async_launch and not PROFILES["local"].async_launch

@@ -74,8 +74,9 @@ def test_layouts_fit_the_model_and_keep_tensor_parallel_groups_in_a_node():
     cluster = ClusterSpec.parse("cpu:2x4")
     whole = DeviceMesh(tuple(range(8)))
     train = PPO["actor_train"]
-    # heads 4, kv heads 2 → tp ∈ {1, 2}; layers 4 → pp ∈ {1, 2, 4}; pp is not combined with tp.
-    assert layouts_on(train, whole, cluster, llama()) == [Layout(8), Layout(4, 1, 2), Layout(2, 1, 4), Layout(4, 2)]
+    # heads 4, kv heads 2 → tp ∈ {1, 2}; layers 4 → pp ∈ {1, 2, 4}, combined with either tp.
+    assert layouts_on(train, whole, cluster, llama()) == [Layout(8), Layout(4, 1, 2), Layout(2, 1, 4), Layout(4, 2),
+                                                          Layout(2, 2, 2), Layout(1, 2, 4)]
     assert layouts_on(PPO["actor_gen"], whole, cluster, llama()) == [Layout(8), Layout(4, 2)]  # no pp for generation
     assert Layout(2, 4) in layouts_on(train, whole, cluster, llama(heads=8, kv_heads=8))
     assert Layout(1, 8) not in layouts_on(train, whole, cluster, llama(heads=8, kv_heads=8))  # tp > devices per node

@@ -158,4 +158,4 @@ def calibrate_local(devices: int | None = None, *, device: str = "cpu", matmul_n
         name="local", matmul_flops=flops, mem_bandwidth=memory_bw, memory_bytes=_memory_bytes(torch, device, devices),
         intra_node_bw=link_bw, inter_node_bw=link_bw,
         devices_share_cores=1 if cuda else max(1, math.ceil(devices / cores)), link_latency=latency,
-        op_overhead=op_overhead)
+        op_overhead=op_overhead, async_launch=cuda)

@@ -23,7 +23,8 @@ every replica runs in parallel on equal shares, so a call takes as long as one r
 - **Operator launches** (every kind): each slot of a pass also dispatches its stage's operators
   (:func:`loomrl.planner.terms.forward_ops`, 3× when training, plus the optimizer's per-tensor operators), and
   each decode step its forward's and the sampler's, at the profile's ``op_overhead`` each. This is what bounds
-  small models and decode: a kernel launch on a GPU, an eager dispatch on a CPU. Tensor-parallel launches are
+  small models and decode: a kernel launch on a GPU, an eager dispatch on a CPU. On a GPU launches are queued
+  ahead of the device (``async_launch``), so only launch time beyond the work adds; on a CPU all of it does. Tensor-parallel launches are
   named ``*_tp`` so corrections fit them apart (DTensor dispatch costs more per operator).
 
 Every term is uncorrected roofline; :class:`~loomrl.planner.corrections.Corrections` fitted from run traces
@@ -98,6 +99,12 @@ class CostModel:
         """Seconds of one call of ``mfc`` on ``alloc``, corrected."""
         return self.corrections.apply_terms(mfc.kind, self.time_terms(mfc, alloc))
 
+    def shared_cores(self) -> float | None:
+        """Cores per node that its devices share (the simulator then slows calls running side by side), or
+        None when every device has its own compute (accelerators, or CPU devices no more than cores)."""
+        share = self.profile.devices_share_cores
+        return self.cluster.devices_per_node / share if share > 1 else None
+
     def iteration_time(self, simulated_s: float) -> float:
         """A simulated iteration's seconds with the fitted whole-iteration correction (the controller's serial
         work around the calls); unchanged without one."""
@@ -138,7 +145,7 @@ class CostModel:
         """Seconds to move ``role``'s weights from ``src`` to ``dst``, priced from the real transfer plan of a
         reduced copy of the model (exact received bytes when tp divides the split dimensions; see
         :mod:`loomrl.planner.realloc_cost`). 0 for the same placement. Cached."""
-        key = (role, _alloc_key(src)[:2], _alloc_key(dst)[:2])
+        key = (self._shape(role), _alloc_key(src)[:2], _alloc_key(dst)[:2])  # roles of one shape share plans
         if key not in self._reallocs:
             self._reallocs[key] = realloc_seconds(self._shape(role), src, dst, self.cluster, self.profile,
                                                   self.bytes_per_param)
@@ -203,7 +210,8 @@ class CostModel:
         step["dp_grad_allreduce"] = T.ring_allreduce_time(shard_params * self.bytes_per_param, lay.dp,
                                                           rates.dp_bw, rates.latency)
         step["optimizer"] = T.adam_step_bytes(shard_params, self.bytes_per_param) / rates.mem
-        step[_launch("optimizer_launch", lay.tp)] = T.optimizer_ops(shape, shape.layers / lay.pp) * rates.op
+        step[_launch("optimizer_launch", lay.tp)] = self._launch_excess(
+            T.optimizer_ops(shape, shape.layers / lay.pp) * rates.op, step["optimizer"])
         return {name: seconds * epochs * minibatches for name, seconds in step.items()}
 
     def _generate_terms(self, role: str, alloc: Allocation) -> dict[str, float]:
@@ -233,9 +241,15 @@ class CostModel:
                                                                                    rates.latency)
         hop = hops * T.transfer_time(act, rates.pp_bw, rates.latency) if lay.pp > 1 else 0.0
         slots = T.pipeline_slots(lay.pp, mb)
-        launch = slots * op_passes * T.forward_ops(shape, shape.layers / lay.pp) * rates.op
+        launch = self._launch_excess(slots * op_passes * T.forward_ops(shape, shape.layers / lay.pp) * rates.op,
+                                     slots * slot)
         return {"work": mb * slot, "pp_bubble": (lay.pp - 1) * slot, "tp_comm": slots * tp, "pp_p2p": slots * hop,
                 _launch("launch", lay.tp): launch}
+
+    def _launch_excess(self, launch: float, work: float) -> float:
+        """Launch seconds a pass adds to ``work``: all of them when dispatch and work share one thread, only
+        what exceeds the work when the host queues ahead of the device (``HardwareProfile.async_launch``)."""
+        return max(0.0, launch - work) if self.profile.async_launch else launch
 
     def _decode_terms(self, role: str, alloc: Allocation, lengths: tuple[int, ...], padded: bool) -> dict[str, float]:
         """Decode steps summed in closed form over occupancy segments (:mod:`loomrl.planner.decode`)."""
@@ -253,12 +267,13 @@ class CostModel:
             a = 2.0 * shape.matmul_params * seg.live / (split * rates.flops) + attn * seg.ctx_base
             kv = T.kv_bytes_per_token(shape, b) / (kv_split * rates.mem)
             c = self._weight_bytes(role) / (lay.tp * lay.pp * rates.mem) + kv * seg.ctx_base
-            out["decode"] += slots * T.sum_max_linear(a, attn * seg.live, c, kv * seg.live, seg.start, seg.end)
+            work = slots * T.sum_max_linear(a, attn * seg.live, c, kv * seg.live, seg.start, seg.end)
+            out["decode"] += work
             act = seg.live / mb * shape.hidden * b
             steps = seg.end - seg.start
             tp = 2 * shape.layers / lay.pp * T.ring_allreduce_time(act, lay.tp, rates.tp_bw, rates.latency)
             out["decode_tp_comm"] += slots * tp * steps
-            out[launch_key] += slots * step_ops * rates.op * steps
+            out[launch_key] += self._launch_excess(slots * step_ops * rates.op * steps, work)
             if lay.pp > 1:
                 out["decode_pp_p2p"] += slots * T.transfer_time(act, rates.pp_bw, rates.latency) * steps
         return out

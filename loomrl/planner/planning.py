@@ -89,9 +89,10 @@ def compare_plans(workflow: Workflow, cluster: ClusterSpec, configs: Mapping[str
     heuristics = best_heuristic_plans(workflow, cluster, cost, memory, configs)
     feasible = sorted(((r.iteration_time, name, p) for name, (p, r) in heuristics.items() if r.feasible),
                       key=lambda t: t[0])
-    start = feasible[0][2] if feasible else None
+    # chains start from every feasible heuristic, fastest first (colocate with pure dp when none fits)
+    starts = [plan for _, _, plan in feasible] or None
     searched = search(workflow, cluster, cost, memory, configs, seed=seed, time_budget_s=time_budget_s,
-                      chains=chains, start=start)
+                      chains=chains, start=starts)
     base = heuristics["colocate"][1]
     rows = []
     for name, (plan, result) in [*heuristics.items(), *(("searched", s) for s in searched[:1])]:

@@ -61,6 +61,10 @@ class HardwareProfile:
     than the node has cores (see ``CostModel``)."""
     link_latency: float = 10e-6
     """Seconds of start-up per message of a collective or point-to-point transfer."""
+    async_launch: bool = True
+    """Whether the host queues operators ahead of the device (CUDA streams), so launches overlap the device's
+    work and a pass takes the longer of the two; False where dispatch and work are one thread (eager CPU),
+    so they add up."""
     op_overhead: float = 5e-6
     """Seconds to dispatch one operator, however small: a kernel launch on a GPU (~5 µs through the CUDA
     runtime and PyTorch's dispatcher), an eager operator call on a CPU (measured by ``calibrate_local``). It
@@ -69,7 +73,7 @@ class HardwareProfile:
     def __post_init__(self) -> None:
         for f in fields(self):
             value = getattr(self, f.name)
-            if f.name != "name" and not (isinstance(value, (int, float)) and value > 0 and math.isfinite(value)):
+            if f.name not in ("name", "async_launch") and not (isinstance(value, (int, float)) and value > 0 and math.isfinite(value)):
                 raise ConfigError(f"profile {self.name}.{f.name}: {value!r} is not a positive finite number")
         if not isinstance(self.devices_share_cores, int):
             raise ConfigError(f"profile {self.name}.devices_share_cores: {self.devices_share_cores!r} is not an "
@@ -118,6 +122,7 @@ PROFILES: dict[str, HardwareProfile] = {
         inter_node_bw=1.25 * GBPS,  # 10 GbE
         link_latency=50e-6,  # loopback TCP round trip / 2, order of magnitude
         op_overhead=10e-6,  # nominal eager operator call of PyTorch on CPU; calibrate_local measures it
+        async_launch=False,
     ),
 }
 """Profile name (as in :data:`loomrl.plan.PROFILES`) → hardware figures."""

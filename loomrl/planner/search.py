@@ -4,8 +4,7 @@
   power of two inside a node (aligned to a multiple of that size within the node), or a power-of-two number
   of whole nodes (aligned likewise), plus the whole cluster. Layouts are ``dp × tp × pp`` equal to the mesh
   size that the runtime can run (:func:`loomrl.plan.layout.check_layout`: tp divides the heads, key/value
-  heads and MLP width, pp divides the layers, pp is not combined with tp yet), with every tensor-parallel
-  group inside one node; generation runs with pp = 1. Train calls also choose micro-batches
+  heads and MLP width, pp divides the layers), with every tensor-parallel group inside one node; generation runs with pp = 1. Train calls also choose micro-batches
   (:data:`MICRO_BATCHES`). A compute step may run on any single device.
 - :func:`search`: Metropolis acceptance with a geometric cooling schedule; a move gives one MFC (or all the
   train calls of a role together, since they share a placement), sometimes two, another candidate, half the
@@ -14,11 +13,13 @@
   Searched plans use the default shadow and offload rules of :class:`~loomrl.plan.ExecutionPlan`.
 - :func:`best_heuristic_plans`: colocate, interleave and separate, each with its best layouts on the meshes
   the strategy chose (and, for separate, the best number of generation devices), so the search's gain over
-  them is always visible.
+  them is always visible. A heuristic's layouts are symmetric: every call of a role on a mesh uses the same
+  one, as in the Megatron-based systems ReaLHF compares with (``per_call=True`` gives each call its own, a
+  stronger baseline that already uses reallocation).
 
 Determinism: the chains draw from ``random.Random`` seeded by ``(seed, chain)``; with ``max_steps`` reached
 before the time budget, the same seed gives the same plans. Infeasible plans guide the walk (their energy is
-their time inflated by how far the worst device overflows) but are never returned.
+their time inflated by how far the devices overflow, summed over devices) but are never returned.
 """
 
 from __future__ import annotations
@@ -172,7 +173,8 @@ class _Evaluator:
             return math.inf
         if result.feasible:
             return result.iteration_time
-        overflow = max(result.peak_memory.values()) / self.memory - 1.0
+        # every overflowing device counts, so fixing any one of them is progress the walk can see
+        overflow = sum(max(0.0, peak / self.memory - 1.0) for peak in result.peak_memory.values())
         return max(result.iteration_time, 1e-9) * (2.0 + 10.0 * overflow)
 
     def best(self, k: int) -> list[tuple[ExecutionPlan, SimResult]]:
@@ -218,6 +220,9 @@ class _CachedCost:
     def realloc_time(self, role: str, src: Allocation, dst: Allocation) -> float:
         return self._ask(("r", role, src, dst), lambda: self.inner.realloc_time(role, src, dst))
 
+    def __getattr__(self, name: str):  # the estimator's optional methods (shared_cores, iteration_time)
+        return getattr(self.inner, name)
+
 
 def _move(plan: ExecutionPlan, unit: _Unit, rng: random.Random) -> dict[str, Allocation]:
     """New allocations for ``unit``: another candidate, half the time on its current mesh."""
@@ -259,65 +264,143 @@ def _anneal(start: ExecutionPlan, units: list[_Unit], evaluate: _Evaluator, rng:
         step += 1
 
 
+def _polish(best: ExecutionPlan, units: list[_Unit], evaluate: _Evaluator, deadline: float) -> None:
+    """Coordinate descent from ``best``: each unit in turn takes its best candidate with the others fixed,
+    sweeping until a sweep improves nothing or the deadline passes (results land in ``evaluate``). Annealing
+    finds the region; this settles it on the local optimum, which random proposals reach only by luck."""
+    current = best
+    while time.monotonic() < deadline:
+        before = evaluate.rank(current)
+        for unit in units:
+            for alloc in unit.candidates:
+                if time.monotonic() >= deadline:
+                    return
+                trial = ExecutionPlan(current.cluster, {n: (alloc if n in unit.names else a)
+                                                        for n, a in current.allocations.items()})
+                if evaluate.rank(trial) < evaluate.rank(current):
+                    current = trial
+        if evaluate.rank(current) >= before:
+            return
+
+
+POLISH_SHARE = 0.2
+"""Share of the search's time budget kept for :func:`_polish` after the annealing chains."""
+
+
 def search(workflow: Workflow, cluster: ClusterSpec, cost: CostEstimator, memory_per_device: float,
            model_configs: Mapping[str, object], *, seed: int, time_budget_s: float, chains: int = 4,
-           top_k: int = 3, start: ExecutionPlan | None = None, max_steps: int | None = None,
+           top_k: int = 3, start: ExecutionPlan | list[ExecutionPlan] | None = None, max_steps: int | None = None,
            iterations: int = 3) -> list[tuple[ExecutionPlan, SimResult]]:
     """The ``top_k`` fastest distinct feasible plans found by ``chains`` annealing chains, fastest first.
 
-    Every chain starts at ``start`` (default: :func:`~loomrl.plan.colocate` with pure data parallelism),
-    which is itself a candidate, so the best plan returned is never slower than a feasible start. The chains
-    share ``time_budget_s`` seconds of wall clock (chain ``c`` stops at ``(c + 1) / chains`` of it); each also
-    stops after ``max_steps`` proposals if given; when that comes first, the result depends on the inputs and
-    ``seed``, not on timing. Empty when no feasible plan was seen.
+    Chains start at ``start`` (default: :func:`~loomrl.plan.colocate` with pure data parallelism); given a
+    list of plans (e.g. every heuristic's best), chain ``c`` starts at plan ``c`` modulo their number, so
+    the chains explore from different strategies. Every start is itself a candidate, so the best plan
+    returned is never slower than a feasible start. The chains share ``(1 - POLISH_SHARE)`` of
+    ``time_budget_s`` seconds of wall clock (chain ``c`` stops at ``(c + 1) / chains`` of it), then the best
+    plan is polished by coordinate descent (:func:`_polish`) until the budget ends; each chain also stops
+    after ``max_steps`` proposals if given, and the polish then runs to its local optimum: when that comes
+    before the deadlines, the result depends on the inputs and ``seed``, not on timing. Empty when no
+    feasible plan was seen.
     """
     for name, value, low in (("chains", chains, 1), ("top_k", top_k, 1), ("max_steps", max_steps, 0)):
         if value is not None and (isinstance(value, bool) or not isinstance(value, int) or value < low):
             raise ConfigError(f"search: {name}={value!r}; expected an integer >= {low}")
     if not time_budget_s > 0:
         raise ConfigError(f"search: time_budget_s={time_budget_s!r}; expected seconds > 0")
-    start = start if start is not None else colocate(workflow, cluster)
+    starts = start if isinstance(start, list) else [start if start is not None else colocate(workflow, cluster)]
+    if not starts:
+        raise ConfigError("search: start is an empty list; give at least one plan or None")
     evaluate = _Evaluator(workflow, cost, memory_per_device, iterations)
-    if evaluate(start) is None:
-        start.validate(workflow)  # raises the one-line reason
+    for plan in starts:
+        if evaluate(plan) is None:
+            plan.validate(workflow)  # raises the one-line reason
     units = [_Unit(names, tuple(candidate_allocations(workflow[names[0]], workflow, cluster, model_configs)))
              for names in _units(workflow)]
     units = [u for u in units if len(u.candidates) > 1]
     began = time.monotonic()
+    anneal_s = time_budget_s * (1.0 - POLISH_SHARE)
     for chain in range(chains if units else 0):
         rng = random.Random(f"loomrl-search:{seed}:{chain}")
-        _anneal(start, units, evaluate, rng, began + time_budget_s * (chain + 1) / chains, max_steps)
+        _anneal(starts[chain % len(starts)], units, evaluate, rng, began + anneal_s * (chain + 1) / chains, max_steps)
+    best = evaluate.best(1)
+    if units and best:
+        deadline = began + time_budget_s if max_steps is None else math.inf
+        _polish(best[0][0], units, evaluate, deadline)
     return evaluate.best(top_k)
 
 
 # ------------------------------------------------------------------------------------- heuristic baselines
 
 
-def _best_layouts(plan: ExecutionPlan, workflow: Workflow, model_configs: Mapping[str, object],
-                  evaluate: _Evaluator) -> ExecutionPlan:
-    """``plan`` with the fastest layouts (and micro-batches) of its model calls on the meshes it chose.
+def _symmetric_units(plan: ExecutionPlan, workflow: Workflow,
+                     model_configs: Mapping[str, object]) -> list[tuple[tuple[str, ...], list[dict[str, Allocation]]]]:
+    """The heuristics' layout choices: calls of one role on one mesh share one layout (the "symmetric"
+    parallelisation of Megatron-based systems that ReaLHF compares with), a train layout's micro-batches
+    apply to its role's pipelined inference too, and generation folds pipeline stages into data parallelism
+    (the rollout engine generates with pp = 1). Returns (MFC names, the options: name → allocation each)."""
+    groups: dict[tuple, list[MFC]] = {}
+    for mfc in workflow.topological_order():
+        if mfc.kind is not MFCKind.COMPUTE:
+            groups.setdefault((mfc.role, plan[mfc.name].mesh), []).append(mfc)
+    out = []
+    for (role, mesh), mfcs in groups.items():
+        lead = next((m for m in mfcs if m.kind is MFCKind.TRAIN), None) or \
+            next((m for m in mfcs if m.kind is MFCKind.INFERENCE), mfcs[0])
+        options = []
+        for alloc in _allocations_on(lead, mesh, plan.cluster, model_configs):
+            lay = alloc.layout
+            option = {}
+            for m in mfcs:
+                if m.kind is MFCKind.GENERATE:
+                    option[m.name] = Allocation(mesh, Layout(lay.dp * lay.pp, lay.tp))
+                elif m.kind is MFCKind.TRAIN or lay.pp > 1:
+                    option[m.name] = Allocation(mesh, lay, alloc.micro_batches)
+                else:
+                    option[m.name] = Allocation(mesh, lay)
+            options.append(option)
+        out.append((tuple(m.name for m in mfcs), options))
+    return out
 
-    Exhaustive up to :data:`ENUMERATION_LIMIT` combinations; beyond, coordinate-wise: each call in turn takes
+
+def _per_call_units(plan: ExecutionPlan, workflow: Workflow,
+                    model_configs: Mapping[str, object]) -> list[tuple[tuple[str, ...], list[dict[str, Allocation]]]]:
+    """Every call (a role's train calls together) with its own layout on its mesh: reallocation between a
+    role's calls lets each pick its fastest, a stronger baseline than the symmetric one."""
+    out = []
+    for names in _units(workflow):
+        if workflow[names[0]].kind is MFCKind.COMPUTE:
+            continue
+        options = _allocations_on(workflow[names[0]], plan[names[0]].mesh, plan.cluster, model_configs)
+        out.append((names, [dict.fromkeys(names, a) for a in options]))
+    return out
+
+
+def _best_layouts(plan: ExecutionPlan, workflow: Workflow, model_configs: Mapping[str, object],
+                  evaluate: _Evaluator, per_call: bool = False) -> ExecutionPlan:
+    """``plan`` with the fastest layouts (and micro-batches) of its model calls on the meshes it chose:
+    symmetric (:func:`_symmetric_units`) or, with ``per_call``, one layout per call (:func:`_per_call_units`).
+
+    Exhaustive up to :data:`ENUMERATION_LIMIT` combinations; beyond, coordinate-wise: each unit in turn takes
     its best layout with the others fixed, sweeping until a sweep changes nothing (at most ``_MAX_SWEEPS``).
     """
-    units = [names for names in _units(workflow) if workflow[names[0]].kind is not MFCKind.COMPUTE]
-    choices = [_allocations_on(workflow[names[0]], plan[names[0]].mesh, plan.cluster, model_configs)
-               for names in units]
+    units = (_per_call_units if per_call else _symmetric_units)(plan, workflow, model_configs)
+    choices = [options for _, options in units]
     if math.prod(len(c) for c in choices) <= ENUMERATION_LIMIT:
-        combos = (_assign(plan, units, combo) for combo in itertools.product(*choices))
+        combos = (_assign(plan, combo) for combo in itertools.product(*choices))
         return min(combos, key=evaluate.rank)
     best = plan
     for _ in range(_MAX_SWEEPS):
         before = plan_key(best)
-        for names, options in zip(units, choices):
-            best = min((_assign(best, [names], (a,)) for a in options), key=evaluate.rank)
+        for options in choices:
+            best = min((_assign(best, (option,)) for option in options), key=evaluate.rank)
         if plan_key(best) == before:
             break
     return best
 
 
-def _assign(plan: ExecutionPlan, units: list[tuple[str, ...]], combo: tuple[Allocation, ...]) -> ExecutionPlan:
-    chosen = {n: a for names, a in zip(units, combo) for n in names}
+def _assign(plan: ExecutionPlan, combo: tuple[dict[str, Allocation], ...]) -> ExecutionPlan:
+    chosen = {n: a for option in combo for n, a in option.items()}
     return ExecutionPlan(plan.cluster, {n: chosen.get(n, a) for n, a in plan.allocations.items()},
                          plan.shadow, plan.offload)
 
@@ -331,11 +414,12 @@ def _generation_devices(cluster: ClusterSpec) -> list[int]:
 
 
 def best_heuristic_plans(workflow: Workflow, cluster: ClusterSpec, cost: CostEstimator, memory_per_device: float,
-                         model_configs: Mapping[str, object], *,
-                         iterations: int = 3) -> dict[str, tuple[ExecutionPlan, SimResult]]:
+                         model_configs: Mapping[str, object], *, iterations: int = 3,
+                         per_call: bool = False) -> dict[str, tuple[ExecutionPlan, SimResult]]:
     """Strategy name (``colocate``, ``interleave``, ``separate``) → its fastest feasible plan and simulation.
 
-    Each strategy keeps its meshes and gets its best layouts by enumeration (see :func:`_best_layouts`);
+    Each strategy keeps its meshes and gets its best layouts by enumeration (see :func:`_best_layouts`):
+    one layout per role and mesh, or with ``per_call`` one per call;
     separate also tries each count of :func:`_generation_devices`. A strategy with no feasible plan maps to
     its least infeasible one (``feasible=False`` and the reason); ``separate`` is absent on one device.
     """
@@ -345,7 +429,7 @@ def best_heuristic_plans(workflow: Workflow, cluster: ClusterSpec, cost: CostEst
         starts["separate"] = [separate(workflow, cluster, g) for g in _generation_devices(cluster)]
     out: dict[str, tuple[ExecutionPlan, SimResult]] = {}
     for name, plans in starts.items():
-        tuned = [_best_layouts(p, workflow, model_configs, evaluate) for p in plans]
+        tuned = [_best_layouts(p, workflow, model_configs, evaluate, per_call) for p in plans]
         best = min(tuned, key=evaluate.rank)
         result = evaluate(best)
         if result is None:  # a strategy's own plan is always structurally valid; guard the invariant

@@ -19,6 +19,9 @@ What :func:`simulate` models, and what it leaves out:
   it serves; a frozen role on each distinct placement of its calls, or, when the plan offloads it, only while
   one of its calls runs. A plan whose peak exceeds ``memory_per_device`` on some device is infeasible, and the
   result says which device needs how much, when, and for what.
+- **Shared cores.** A cost estimator with a ``shared_cores()`` method returning a number (``CostModel`` on a
+  CPU profile whose devices outnumber the cores) makes calls running side by side on a node share its cores
+  (:mod:`loomrl.planner.sharing`); otherwise each node takes its predicted time whatever runs beside it.
 - **Left out:** data transfers between calls, reloading offloaded roles, and compute-communication overlap
   inside a call (all belong to the cost estimator's numbers, if anywhere).
 
@@ -38,6 +41,7 @@ from typing import Protocol, runtime_checkable
 
 from loomrl.errors import ConfigError
 from loomrl.plan import GB, Allocation, ExecutionPlan, Reallocation
+from loomrl.planner.sharing import schedule_shared
 from loomrl.workflow import MFC, MFCKind, Workflow
 
 __all__ = ["CostEstimator", "Interval", "SimResult", "format_bytes", "simulate"]
@@ -329,7 +333,13 @@ def simulate(plan: ExecutionPlan, workflow: Workflow, cost: CostEstimator, memor
         raise ConfigError(f"simulate: memory_per_device={memory_per_device!r}; expected bytes > 0")
     plan.validate(workflow)
     nodes = _build_graph(plan, workflow, cost, iterations)
-    start, end = _schedule(nodes)
+    shared = getattr(cost, "shared_cores", None)  # optional: devices sharing cores slow each other down
+    cores = shared() if shared is not None else None
+    if cores is None:
+        start, end = _schedule(nodes)
+    else:
+        start, end = schedule_shared([n.duration for n in nodes], [n.devices for n in nodes],
+                                     [n.deps for n in nodes], plan.cluster.node_of, cores)
     ends = [max(end[i] for i, n in enumerate(nodes) if n.iteration == it) for it in range(iterations)]
     if iterations > 1:
         iteration_time, window = (ends[-1] - ends[0]) / (iterations - 1), (ends[0], ends[-1])
