@@ -61,6 +61,8 @@ def test_check_layout_accepts_fitting_layouts():
     check_layout(Layout(tp=2), config, 2)
     check_layout(Layout(dp=2, tp=1), config, 2)
     check_layout(Layout(dp=2, pp=2), config, 4)  # 4 layers in 2 stages
+    check_layout(Layout(tp=2, pp=2), config, 4)  # each of the 2 stages over 2 TP ranks
+    check_layout(Layout(dp=2, tp=2, pp=4), config, 16)
     check_layout(Layout(dp=4), zoo_config("gpt2-1m", build_char_tokenizer()), 4)  # any model shards by data
 
 
@@ -70,10 +72,12 @@ def test_check_layout_errors_name_the_field_and_values():
     assert _error(Layout(dp=2, tp=2), llama, 2) == \
         "plan.actor: dp=2 × tp=2 × pp=1 = 4 devices, but the mesh has 2"
     assert _error(Layout(dp=1, pp=3), llama, 3) == "plan.actor.pp: 3 does not divide num_hidden_layers=4"
-    assert _error(Layout(tp=2, pp=2), llama, 4) == \
-        "plan.actor: pp=2 with tp=2 is not supported yet (use pp with dp only)"
+    # pp × tp: both the pipeline and the tensor checks apply.
+    assert _error(Layout(tp=2, pp=3), llama, 6) == "plan.actor.pp: 3 does not divide num_hidden_layers=4"
+    assert _error(Layout(tp=4, pp=2), llama, 8) == "plan.actor.tp: 4 does not divide num_key_value_heads=2"
     gpt2 = zoo_config("gpt2-1m", tok)
     assert "model_type 'gpt2' supports only pp=1" in _error(Layout(pp=2), gpt2, 2)
+    assert "model_type 'gpt2' supports only pp=1" in _error(Layout(tp=2, pp=2), gpt2, 4)
     assert _error(Layout(tp=3), llama, 3) == "plan.actor.tp: 3 does not divide num_attention_heads=4"
     assert _error(Layout(tp=4), llama, 4) == "plan.actor.tp: 4 does not divide num_key_value_heads=2"
     odd_mlp = SimpleNamespace(model_type="qwen2", num_attention_heads=4, num_key_value_heads=2,

@@ -212,6 +212,12 @@ def _check_case(seed: int) -> ReallocPlan:
     params = _random_params(rng, num_layers)
     src = _random_placement(rng, num_layers, 8, fsdp=rng.random() < 0.4)
     dst = _random_placement(rng, num_layers, 8, fsdp=False)
+    return _check_plan(seed, params, num_layers, src, dst)
+
+
+def _check_plan(seed: int, params: dict[str, tuple[int, ...]], num_layers: int, src: Placement,
+                dst: Placement) -> ReallocPlan:
+    """Plan ``src`` → ``dst`` and check properties (a)–(d) by simulating it on random full parameters."""
     plan = plan_reallocation(params, num_layers, src, dst, node_of)
     full = {name: torch.randn(shape, dtype=torch.float64) for name, shape in params.items()}
     simulated, counts, tally = _simulate(plan, _shards(full, src, num_layers), full)
@@ -228,14 +234,44 @@ def _check_case(seed: int) -> ReallocPlan:
 
 
 def test_planner_properties_on_random_cases():
-    broadcasts = cross = fsdp = 0
+    broadcasts = cross = fsdp = pp_tp = 0
     for seed in range(CASES):
         plan = _check_case(seed)
         broadcasts += any(len(t.receivers) > 1 for t in plan.transfers)
         cross += plan.cross_node_bytes(1) > 0
         fsdp += plan.src.fsdp
+        pp_tp += any(p.layout.pp > 1 and p.layout.tp > 1 for p in (plan.src, plan.dst))
     # The random cases must reach the interesting paths, or the properties above prove little.
-    assert broadcasts > CASES // 10 and cross > CASES // 10 and fsdp > CASES // 10
+    assert broadcasts > CASES // 10 and cross > CASES // 10 and fsdp > CASES // 10 and pp_tp > CASES // 10
+
+
+# Pairs with a pp × tp side, as the runtime meets them: a pp×tp training layout and the pp=1 layout its role
+# generates or infers with (both ways), on one mesh or across nodes, and pp×tp to another pp×tp.
+PP_TP_PAIRS: list[tuple[tuple[int, ...], Layout, tuple[int, ...], Layout]] = [
+    ((0, 1, 2, 3), Layout(tp=2, pp=2), (0, 1, 2, 3), Layout(dp=2, tp=2)),
+    ((0, 1, 2, 3), Layout(tp=2, pp=2), (0, 1, 2, 3), Layout(dp=4)),
+    ((0, 1, 2, 3), Layout(dp=4), (0, 1, 2, 3), Layout(tp=2, pp=2)),
+    (tuple(range(8)), Layout(dp=2, tp=2, pp=2), tuple(range(8)), Layout(dp=4, tp=2)),
+    (tuple(range(8)), Layout(tp=2, pp=4), tuple(range(8)), Layout(dp=8)),
+    (tuple(range(8)), Layout(tp=4, pp=2), tuple(range(8)), Layout(tp=2, pp=4)),
+    ((0, 1, 2, 3), Layout(tp=2, pp=2), (4, 5), Layout(tp=2)),
+    ((4, 5, 6, 7), Layout(tp=4), (3, 1, 2, 0), Layout(tp=2, pp=2)),
+    ((0, 1, 2, 3), Layout(tp=2, pp=2), (0, 1, 2, 3), Layout(tp=2, pp=2)),
+]
+
+
+@pytest.mark.parametrize("pair", range(len(PP_TP_PAIRS)))
+def test_planner_properties_on_pp_tp_pairs(pair: int):
+    """Each rank's shard is its stage's layers AND its TP slice of them, whatever the other side's layout."""
+    src_mesh, src_layout, dst_mesh, dst_layout = PP_TP_PAIRS[pair]
+    for seed in range(10):
+        rng = random.Random(1000 * pair + seed)
+        shuffled = rng.sample(src_mesh, len(src_mesh))  # any device order: ranks are mesh positions
+        for fsdp in (False, True) if src_layout.dp > 1 else (False,):
+            plan = _check_plan(seed, _random_params(rng, 4), 4, Placement(tuple(shuffled), src_layout, fsdp),
+                               Placement(dst_mesh, dst_layout))
+            if (src_mesh, src_layout, fsdp) == (dst_mesh, dst_layout, False) and shuffled == list(src_mesh):
+                assert plan.bytes_moved(1) == 0 and plan.free_after == ()
 
 
 def test_planner_balances_replicated_senders_and_counts_bytes():
@@ -448,6 +484,8 @@ SCENARIOS: dict[str, tuple[Placement, Placement]] = {
     # A separate generation mesh (another node), laid out in another device order: broadcasts to (2, 3).
     "tp2_to_separate_dp2": (Placement((0, 1), Layout(tp=2)), Placement((3, 2), Layout(dp=2))),
     "pp2_to_tp2dp2": (Placement((2, 0, 3, 1), Layout(tp=2, pp=2)), Placement((0, 1, 2, 3), Layout(dp=2, tp=2))),
+    "pp2tp2_to_dp4": (Placement((0, 1, 2, 3), Layout(tp=2, pp=2)), Placement((0, 1, 2, 3), Layout(dp=4))),
+    "dp2tp2_to_pp2tp2": (Placement((0, 1, 2, 3), Layout(dp=2, tp=2)), Placement((3, 1, 2, 0), Layout(tp=2, pp=2))),
 }
 
 
@@ -540,9 +578,11 @@ def test_gloo_reallocation_gives_every_rank_its_direct_slice(ranks: list[dict], 
 
 def test_gloo_scenarios_cover_broadcasts_and_point_to_point():
     plans = {name: _plan(name) for name in SCENARIOS}
-    assert any(len(t.receivers) > 1 for t in plans["tp2_to_separate_dp2"].transfers)
-    assert all(any(len(t.receivers) == 1 and not t.local for t in plan.transfers) for plan in plans.values()
-               if plan is not plans["tp2_to_separate_dp2"])
+    broadcast_only = ("tp2_to_separate_dp2", "pp2tp2_to_dp4")  # every piece goes to a node's two devices
+    for name in broadcast_only:
+        assert any(len(t.receivers) > 1 for t in plans[name].transfers), name
+    assert all(any(len(t.receivers) == 1 and not t.local for t in plan.transfers) for name, plan in plans.items()
+               if name not in broadcast_only)
 
 
 def test_gloo_verification_names_the_corrupted_parameter(ranks: list[dict]):

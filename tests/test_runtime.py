@@ -1,8 +1,9 @@
 """The Ray runtime against the single-process reference executor, and its failure behaviour.
 
-Equivalence (3 PPO iterations, tiny model, float32): the runtime on 1 device, on 2 devices with DP=2 and on 2
-devices with TP=2 for the actor gives the same samples as the reference (so every sample-derived metric is
-identical) and the same losses within 1e-4 relative. Why 1e-4: the only differences are the order of
+Equivalence (3 PPO iterations, tiny model, float32): the runtime on 1 device, on 2 devices with DP=2, on 2
+devices with TP=2 for the actor, with PP=2 for actor and critic, and on 4 devices with PP=2 × TP=2 for both
+(generation reallocated to DP=2 × TP=2) gives the same samples as the reference (so every sample-derived
+metric is identical) and the same losses within 1e-4 relative. Why 1e-4: the only differences are the order of
 floating-point sums (gradients summed over DP ranks, TP row-parallel reductions), about 1e-7 relative per
 operation, which three iterations of Adam amplify to well under 1e-5; 1e-4 leaves room without hiding a
 real bug, which moves losses by orders of magnitude more.
@@ -58,7 +59,8 @@ def reference(tmp_path_factory):
     ("runtime.devices=2",),
     ("runtime.devices=2", "runtime.layouts={actor: {tp: 2}}"),
     ("runtime.devices=2", "runtime.layouts={actor: {pp: 2}, critic: {pp: 2}}"),
-], ids=["1dev", "dp2", "actor_tp2", "actor_critic_pp2"])
+    ("runtime.devices=4", "runtime.layouts={actor: {pp: 2, tp: 2}, critic: {pp: 2, tp: 2}}"),
+], ids=["1dev", "dp2", "actor_tp2", "actor_critic_pp2", "actor_critic_pp2tp2"])
 def test_runtime_matches_the_reference(tmp_path, reference, layout):
     got = _metrics(tmp_path, "ray", "runtime.executor=ray", *layout)
     assert len(reference) == 3
@@ -166,8 +168,10 @@ def test_an_exception_in_an_mfc_names_worker_role_and_mfc(tmp_path):
     ("colocate", 4), ("interleave", 4), ("separate", 4),
     ("actor_gen=0-3:tp2; actor_train=0-3:pp2dp2; ref_inf=0-1:dp2; reward_inf=2-3:dp2; critic_inf=0-3:dp4; "
      "critic_train=0-3:pp2dp2; advantages=0:dp1", 4),
+    ("actor_gen=0-3:dp4; actor_train=0-3:pp2tp2; ref_inf=0-3:pp2tp2; reward_inf=0-3:dp4; critic_inf=0-3:dp2tp2; "
+     "critic_train=0-3:pp2tp2; advantages=0:dp1", 4),
 ], ids=["colocate2", "interleave2", "separate2", "realloc_tp2", "pipeline2", "colocate4", "interleave4", "separate4",
-        "pipeline_dp4"])
+        "pipeline_dp4", "pipeline_tp4"])
 def test_plans_match_the_reference(tmp_path, reference, plan, devices):
     """Every placement strategy computes the reference run: per-call meshes and layouts, reallocation of the
     actor between its training and generation layouts, shadow sync, concurrent calls on disjoint devices."""
@@ -192,6 +196,19 @@ def test_a_reference_checkpoint_resumes_on_a_pipeline_plan(tmp_path, reference):
     cfg = _cfg(tmp_path, "b", "runtime.executor=ray", "runtime.devices=2")
     RLTrainer(dataclasses.replace(cfg, runtime=dataclasses.replace(cfg.runtime, plan=plan))).run(resume=True)
     got = [json.loads(line) for line in (tmp_path / "b" / "metrics.jsonl").read_text().splitlines()]
+    assert [r["iteration"] for r in got] == [0, 1, 2]
+    _assert_equivalent(got, reference)
+
+
+def test_a_pp_tp_run_loads_and_saves_layout_independent_checkpoints(tmp_path, reference):
+    """Reference → Ray with actor and critic on pp=2 × tp=2 → reference, one iteration each: the pp×tp workers
+    load full weights and optimizer state into their stage shards and export them whole again."""
+    pp_tp = ("runtime.executor=ray", "runtime.devices=4",
+             "runtime.layouts={actor: {pp: 2, tp: 2}, critic: {pp: 2, tp: 2}}")
+    RLTrainer(_cfg(tmp_path, "c", "loop.iterations=1")).run()
+    RLTrainer(_cfg(tmp_path, "c", "loop.iterations=2", *pp_tp)).run(resume=True)
+    RLTrainer(_cfg(tmp_path, "c")).run(resume=True)
+    got = [json.loads(line) for line in (tmp_path / "c" / "metrics.jsonl").read_text().splitlines()]
     assert [r["iteration"] for r in got] == [0, 1, 2]
     _assert_equivalent(got, reference)
 

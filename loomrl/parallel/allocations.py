@@ -5,6 +5,10 @@ allocation, not by the role. Creating a group is collective over the whole world
 allocation's mesh, in the same (sorted) order, members or not; non-members just hold no coordinates.
 Ranks inside an allocation are tp-fastest, pp-slowest: the allocation's rank r runs on device ``devices[r]``
 with ``r = pp_rank * (dp * tp) + dp_rank * tp + tp_rank``.
+
+A device's groups are the lines of its allocation's (pp, dp, tp) mesh through it: ``tp_mesh`` the ranks of its
+stage and replica, ``dp_group`` those with its stage and TP rank, ``pp_group`` those with its replica and TP rank
+(one per stage, ordered by stage), so pipeline messages pass between equal TP ranks of neighbouring stages.
 """
 
 from __future__ import annotations

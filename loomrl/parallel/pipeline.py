@@ -20,6 +20,10 @@ previous stage's hidden states, rebuilds the rotary embeddings and the causal ma
 layers and, on the last stage, the norm and head. Nothing here communicates; :mod:`loomrl.parallel.pipeline_schedule`
 moves activations between stages.
 
+Pipeline and tensor parallelism combine: split first, then shard the stage's ``model`` with
+:func:`loomrl.parallel.apply_tensor_parallel` over the stage's TP mesh (the parameter names stay global, and
+the modules a stage dropped are skipped); the forward above then runs unchanged on the sharded layers.
+
 Legend: B rows, L tokens per row (right-padded), H hidden size, V vocabulary.
 """
 

@@ -12,6 +12,11 @@ parameters exactly as one backward of the summed micro-batch losses would. GPipe
 activations until the backward phase (as the unpipelined full-batch step does); 1F1B would bound that by the
 number of stages, and is not built.
 
+With tensor parallelism too (pp×tp), each TP rank of a stage runs its own runner whose ``pp_group`` is the line
+of the mesh through the same TP (and DP) rank of every stage: the hidden states and their gradients are the
+replicated residual stream, identical on every TP rank of a stage, so TP rank t of stage r exchanges them with TP
+rank t of stages r ± 1 only, and the TP collectives stay inside each stage.
+
 Messages between two neighbours always flow in one order (forwards up, then backwards down), so blocking
 ``send``/``recv`` cannot deadlock, on gloo or nccl alike. Each tensor is preceded by a small header (dtype and
 shape): sequence lengths change from call to call, and a header that disagrees with what the receiver expects
@@ -198,7 +203,10 @@ def clip_grad_norm_pp(stage: PipelineStage, max_norm: float, pp_group: dist.Proc
     Every stage all-reduces the sum of its squared gradient norm over ``pp_group``, so all stages compute the
     same norm and scale factor as ``torch.nn.utils.clip_grad_norm_`` over the unsplit model would. Call it on
     every stage (it is a collective), after any data-parallel gradient sum. DTensor (tensor-parallel)
-    gradients count with their full norm.
+    gradients count with their full norm: a stage's norm is first completed over its TP group (a sharded
+    gradient's pieces summed once, a replicated one counted once), so every TP rank of a stage holds the same
+    stage norm and the sum over ``pp_group`` (one TP rank per stage) counts each stage once. With pp×tp the
+    call is also collective over each stage's TP group.
     """
     grads = [p.grad for p in stage.parameters() if p.grad is not None]
     local = torch.nn.utils.get_total_norm(grads) if grads else torch.zeros(())

@@ -17,6 +17,13 @@ Works on ``*ForCausalLM``, ``*ForSequenceClassification`` and the bare ``*Model`
   communication. Making them DTensors too (rather than leaving plain tensors) keeps every parameter the same
   kind, which foreach optimizers, ``clip_grad_norm_`` and :func:`full_state_dict` require.
 
+Pipeline stages (:func:`loomrl.parallel.pipeline.split_stages`) are sharded the same way, each over its own
+TP mesh, after the split: modules a stage replaced with ``nn.Identity`` (the embedding off the first stage, the
+final norm and head off the last) are skipped, and the stage's ``layers`` ModuleDict, keyed by global layer
+index, matches the same ``layers.*`` patterns. Hidden states between stages are the replicated residual
+stream, plain tensors identical on every TP rank of a stage, so TP rank t of stage s exchanges them with TP
+rank t of stage s ± 1 only.
+
 How HF attention sees local heads: the attention modules reshape projections with
 ``view(*shape, -1, head_dim)``, so with ``use_local_output=True`` they see ``heads / tp`` query heads and
 ``kv_heads / tp`` key/value heads; their only head-count attribute, ``num_key_value_groups`` (query heads per
@@ -44,8 +51,10 @@ def apply_tensor_parallel(model: PreTrainedModel, tp_mesh: DeviceMesh, src_data_
                           ) -> PreTrainedModel:
     """Shard ``model`` in place over the 1-D ``tp_mesh`` and return it (unchanged when the mesh has one rank).
 
-    ``src_data_rank``: the mesh rank whose weights are split and sent to the others (so ranks need not have
-    built identical weights); None slices each rank's own copy without communication.
+    ``model`` may be a whole model or a pipeline stage's pruned model (see the module docstring); parameter
+    names do not change either way. ``src_data_rank``: the mesh rank whose weights are split and sent to the
+    others (so ranks need not have built identical weights); None slices each rank's own copy without
+    communication.
     """
     tp = tp_mesh.size()
     if tp == 1:
@@ -53,22 +62,36 @@ def apply_tensor_parallel(model: PreTrainedModel, tp_mesh: DeviceMesh, src_data_
     check_layout(Layout(tp=tp), model.config, tp, where="tensor parallel")
     if any(isinstance(p, DTensor) for p in model.parameters()):
         raise ValueError(f"{type(model).__name__} is already distributed; apply tensor parallelism once")
-    head, embed = model.get_output_embeddings(), model.get_input_embeddings()
-    tied = head is not None and head.weight is embed.weight
+    tied = _tied_embeddings(model)
     parallelize_module(model, tp_mesh, _plan(model), src_data_rank=src_data_rank)
     if tied:
         # Each style wrapped the shared weight in its own Parameter. Both split the vocabulary rows (Shard(0)),
         # so one DTensor serves both modules again and its gradient sums both uses, as in the plain model.
-        head.weight = embed.weight
+        model.get_output_embeddings().weight = model.get_input_embeddings().weight
     _replicate_remaining(model, tp_mesh, src_data_rank)
     return model
 
 
+def _tied_embeddings(model: PreTrainedModel) -> bool:
+    """Whether ``model`` holds both an input embedding and a linear output head sharing one weight.
+
+    False when either is missing, e.g. on a pipeline stage that kept only one of them (``nn.Identity`` in the
+    other's place): each then is sharded on its own.
+    """
+    head, embed = model.get_output_embeddings(), model.get_input_embeddings()
+    return isinstance(head, nn.Linear) and isinstance(embed, nn.Embedding) and head.weight is embed.weight
+
+
 def _plan(model: PreTrainedModel) -> dict[str, Any]:
-    """Module path (fnmatch patterns, relative to ``model``) → parallel style."""
+    """Module path (fnmatch patterns, relative to ``model``) → parallel style.
+
+    Only modules ``model`` really holds: a pipeline stage's ``nn.Identity`` embedding or head gets no style.
+    """
     base = _base_prefix(model)
-    plan: dict[str, Any] = {
-        f"{base}embed_tokens": RowwiseParallel(input_layouts=Replicate(), output_layouts=Replicate()),
+    plan: dict[str, Any] = {}
+    if isinstance(getattr(model.base_model, "embed_tokens", None), nn.Embedding):
+        plan[f"{base}embed_tokens"] = RowwiseParallel(input_layouts=Replicate(), output_layouts=Replicate())
+    plan |= {
         f"{base}layers.*.self_attn.q_proj": ColwiseParallel(),
         f"{base}layers.*.self_attn.k_proj": ColwiseParallel(),
         f"{base}layers.*.self_attn.v_proj": ColwiseParallel(),
@@ -94,7 +117,10 @@ def _base_prefix(model: PreTrainedModel) -> str:
 
 
 def _replicate_remaining(model: nn.Module, tp_mesh: DeviceMesh, src_data_rank: int | None) -> None:
-    """Turn the plain parameters left (norms, score head) into Replicate DTensors; see the module docstring."""
+    """Turn the plain parameters left (norms, score head) into Replicate DTensors; see the module docstring.
+
+    Works on pipeline stages too: whatever a stage dropped is an ``nn.Identity`` without parameters.
+    """
     for name, module in list(model.named_modules()):
         own = [p for p in module._parameters.values() if p is not None and not isinstance(p, DTensor)]
         if not own:

@@ -1,9 +1,9 @@
 """How one role's model is spread over the devices of its mesh: data × tensor × pipeline parallel degrees.
 
 A :class:`Layout` is a plain value; :func:`check_layout` decides whether it fits a model config and a number of
-devices, and says why not in one line. Ranks of a layout are ordered tp-fastest
-(``rank = dp_rank * tp + tp_rank``) so that the ranks of one tensor-parallel group are neighbours, which on a
-GPU node puts them on the fastest links.
+devices, and says why not in one line. Ranks of a layout are ordered tp-fastest, pp-slowest
+(``rank = pp_rank * (dp * tp) + dp_rank * tp + tp_rank``) so that the ranks of one tensor-parallel group are
+neighbours, which on a GPU node puts them on the fastest links.
 """
 
 from __future__ import annotations
@@ -29,7 +29,8 @@ class Layout:
     tp: int = 1
     """Tensor-parallel shards of every attention and MLP block (heads and MLP columns split)."""
     pp: int = 1
-    """Pipeline stages: contiguous, equal ranges of decoder layers (Llama, Qwen2; not combined with tp yet)."""
+    """Pipeline stages: contiguous, equal ranges of decoder layers (Llama, Qwen2); combines with tp, each stage
+    then being tensor-parallel over its own ``tp`` ranks."""
 
     def __post_init__(self) -> None:
         for name in ("dp", "tp", "pp"):
@@ -46,7 +47,9 @@ class Layout:
 def check_layout(layout: Layout, config: object, devices: int, where: str = "layout") -> None:
     """Raise :class:`ConfigError` unless ``layout`` can run the model of HF ``config`` on ``devices`` devices.
 
-    ``where`` is the config path of the layout, so the message can name e.g. ``plan.actor.tp``.
+    ``where`` is the config path of the layout, so the message can name e.g. ``plan.actor.tp``. pp and tp
+    combine freely: a pp×tp layout must pass both the pipeline checks (pp divides the layers) and the tensor
+    checks (tp divides the head counts and the MLP width).
     """
     if layout.size != devices:
         raise ConfigError(f"{where}: dp={layout.dp} × tp={layout.tp} × pp={layout.pp} = {layout.size} "
@@ -72,8 +75,6 @@ def _check_pipeline(layout: Layout, config: object, where: str) -> None:
     if model_type not in TP_ARCHITECTURES:
         raise ConfigError(f"{where}.pp: {layout.pp} needs one of the architectures {', '.join(TP_ARCHITECTURES)}; "
                           f"model_type '{model_type}' supports only pp=1")
-    if layout.tp > 1:
-        raise ConfigError(f"{where}: pp={layout.pp} with tp={layout.tp} is not supported yet (use pp with dp only)")
     layers = getattr(config, "num_hidden_layers", None)
     if not layers or layers % layout.pp:
         raise ConfigError(f"{where}.pp: {layout.pp} does not divide num_hidden_layers={layers}")

@@ -13,6 +13,8 @@ The conventions, shared with :mod:`loomrl.parallel.tensor_parallel` and the exec
   (dim 0); everything else is replicated. A dim of size n is cut like ``torch.chunk`` (and DTensor's
   ``Shard``): blocks of ``ceil(n / tp)``, the last ones shorter or empty when tp does not divide n, which is
   equal blocks whenever it does.
+- Both combine: a rank of a pp×tp layout holds its TP slice of the parameters of its stage only (as
+  :func:`loomrl.parallel.pipeline.split_stages` followed by tensor parallelism leaves it).
 - Data-parallel replicas hold full copies of their (tp, pp) shard; with ``fsdp=True`` each dp rank holds
   one ``torch.chunk``-style slice of the flattened (tp, pp) shard instead.
 

@@ -2,9 +2,10 @@
 
 A plain class, so tests can build it without Ray; :mod:`loomrl.runtime.ray_executor` wraps it as one Ray actor
 per device. The worker builds its roles itself from the run's config (same seed, so data-parallel replicas
-start identical), applies each role's tensor-parallel layout, and runs the workflow's MFC functions on the
-rows the controller assigns it. Inputs arrive as Ray object references to other workers' output shards, and
-outputs leave the same way: the controller sees references and scalars, never tokens.
+start identical), applies each role's layout (pipeline stages, tensor parallelism, or both), and runs the
+workflow's MFC functions on the rows the controller assigns it. Inputs arrive as Ray object references to other
+workers' output shards, and outputs leave the same way: the controller sees references and scalars, never
+tokens.
 """
 
 from __future__ import annotations
@@ -150,17 +151,21 @@ class DeviceWorker:
 
     def _parallelize(self, role: str, key: AllocKey, model: torch.nn.Module | None):
         """Shard a freshly built model for allocation ``key`` (before any optimizer sees its parameters);
-        returns the model this device keeps and, for pipeline stages, the runner that drives them."""
+        returns the model this device keeps and, for pipeline stages, the runner that drives them.
+
+        pp > 1 keeps this device's stage (its layers, and the embedding / head where they live); tp > 1 then
+        shards what is kept over the TP ranks of the stage, so a pp×tp device holds one TP slice of one stage.
+        """
         if model is None:
             return None, None
         check_layout(key.layout, model.config, len(key.devices), where=f"runtime.plan ({role})")
         groups = self.groups[key]
-        if key.pp > 1:
-            stage = split_stages(model, groups.pp_rank, key.pp)
-            return stage.model, PipelineRunner(stage, groups.pp_group, groups.pp_rank, key.pp)
+        stage = split_stages(model, groups.pp_rank, key.pp) if key.pp > 1 else None
         if key.tp > 1:
             apply_tensor_parallel(model, groups.tp_mesh)
-        return model, None
+        if stage is None:
+            return model, None
+        return stage.model, PipelineRunner(stage, groups.pp_group, groups.pp_rank, key.pp)
 
     def node_ip(self) -> str:
         import ray

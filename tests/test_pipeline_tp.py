@@ -1,0 +1,200 @@
+"""Pipeline × tensor parallelism (pp=2 × tp=2 on four gloo ranks) against the unsplit single-process model.
+
+One spawn of four processes runs every check: the allocation (pp, dp, tp) = (2, 1, 2) puts ranks 0, 1 on
+stage 0 and ranks 2, 3 on stage 1, each stage tensor-parallel over its two ranks. Every rank also builds the
+unsplit model from the same seed, compares against it and sends plain numbers back; the tests assert on them
+in the parent. The shards each rank holds are compared with :mod:`loomrl.plan.shards`, the convention the
+reallocation planner and executor rely on.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+import pytest
+import torch
+import torch.distributed as dist
+from torch.distributed.tensor import DTensor
+
+from loomrl.models.heads import score_head, token_logprobs, token_values
+from loomrl.models.tokenizer import build_char_tokenizer
+from loomrl.models.zoo import build_causal_lm, build_value_model
+from loomrl.parallel import apply_tensor_parallel, full_state_dict
+from loomrl.parallel.allocations import AllocationGroups, AllocKey
+from loomrl.parallel.pipeline import split_stages
+from loomrl.parallel.pipeline_schedule import PipelineRunner, clip_grad_norm_pp, micro_batch_slices
+from loomrl.parallel.spawn import run_world
+from loomrl.plan.layout import Layout
+from loomrl.plan.shards import shard_intervals, shard_shape
+
+WORLD = 4
+TIMEOUT_S = 300
+KEY = AllocKey((0, 1, 2, 3), dp=1, tp=2, pp=2)
+NUM_LAYERS = 4
+"""llama-1m's decoder layers: two per stage."""
+LR = 1e-3
+MAX_NORM = 0.05
+"""Small enough that the test gradients (norm ~1) are clipped."""
+
+# Right-padded rows of different lengths: 10, 7, 4 and 9 real tokens.
+LENGTHS = (10, 7, 4, 9)
+
+
+def _batch() -> tuple[torch.Tensor, torch.Tensor]:
+    gen = torch.Generator().manual_seed(1)
+    ids_BL = torch.randint(3, 48, (len(LENGTHS), max(LENGTHS)), generator=gen)
+    mask_BL = (torch.arange(max(LENGTHS))[None, :] < torch.tensor(LENGTHS)[:, None]).long()
+    return ids_BL.masked_fill(mask_BL == 0, 0), mask_BL
+
+
+def _logp_from_logits(logits_BLV: torch.Tensor, ids_BL: torch.Tensor) -> torch.Tensor:
+    logits_BL1V = logits_BLV[:, :-1].float()
+    picked_BL1 = logits_BL1V.gather(-1, ids_BL[:, 1:].unsqueeze(-1)).squeeze(-1)
+    return picked_BL1 - torch.logsumexp(logits_BL1V, dim=-1)
+
+
+def _value_model() -> torch.nn.Module:
+    model = build_value_model("llama-1m", build_char_tokenizer(), seed=0)
+    with torch.no_grad():  # the zoo's score head starts at zero, which would make any comparison pass
+        score_head(model).weight.normal_(0.0, 0.1, generator=torch.Generator().manual_seed(3))
+    return model
+
+
+def _staged(model: torch.nn.Module, groups: Any) -> PipelineRunner:
+    """What the runtime worker does for a pp×tp allocation: split the stage, then shard it over its TP mesh."""
+    stage = split_stages(model, groups.pp_rank, KEY.pp)
+    apply_tensor_parallel(stage.model, groups.tp_mesh)
+    return PipelineRunner(stage, groups.pp_group, groups.pp_rank, KEY.pp)
+
+
+# ------------------------------------------------------------------------------- checks run on every rank
+def _all_checks(rank: int) -> dict:
+    groups = AllocationGroups(rank, [KEY], device_type="cpu")[KEY]
+    return {"groups": {"coords": (groups.pp_rank, groups.dp_rank, groups.tp_rank),
+                       "pp": dist.get_process_group_ranks(groups.pp_group),
+                       "tp": dist.get_process_group_ranks(groups.tp_mesh.get_group())},
+            "logits": _logits_diffs(groups), "values": _values_diff(groups), "step": _adamw_step(rank, groups)}
+
+
+def _logits_diffs(groups: Any) -> dict:
+    tok = build_char_tokenizer()
+    ref = build_causal_lm("llama-1m", tok, seed=0)
+    runner = _staged(build_causal_lm("llama-1m", tok, seed=0), groups)
+    ids_BL, mask_BL = _batch()
+    with torch.no_grad():
+        want = ref(input_ids=ids_BL, attention_mask=mask_BL).logits
+    out: dict[Any, Any] = {}
+    for m in (1, 3):  # 3 micro-batches of 4 rows: unequal sizes
+        got = runner.forward(ids_BL, mask_BL, micro_batches=m, broadcast_result=True)
+        out[m] = (got - want).abs().max().item()
+    names = {name for name, _ in runner.stage.named_parameters()}
+    out["embed_on_stage"] = "model.embed_tokens.weight" in names
+    out["head_on_stage"] = "lm_head.weight" in names
+    return out
+
+
+def _values_diff(groups: Any) -> float:
+    ref, runner = _value_model(), _staged(_value_model(), groups)
+    ids_BL, mask_BL = _batch()
+    got = runner.forward(ids_BL, mask_BL, micro_batches=2, broadcast_result=True)
+    with torch.no_grad():
+        want = token_values(ref, ids_BL, mask_BL)
+    assert want.abs().max() > 0.1 and got.shape == want.shape
+    return (got - want)[mask_BL.bool()].abs().max().item()
+
+
+def _shards_follow_the_plan(rank: int, stage_model: torch.nn.Module, full: dict[str, torch.Tensor]) -> list[str]:
+    """Parameters whose local tensor is not the slice :func:`shard_intervals` assigns this rank (want none)."""
+    layout, wrong = Layout(dp=KEY.dp, tp=KEY.tp, pp=KEY.pp), []
+    for name, param in stage_model.named_parameters():
+        local = param.to_local() if isinstance(param, DTensor) else param
+        flat = full[name].reshape(-1)
+        expected = torch.cat([flat[lo:hi] for lo, hi in shard_intervals(name, full[name].shape, layout, rank,
+                                                                        NUM_LAYERS)])
+        if shard_shape(name, full[name].shape, layout, rank, NUM_LAYERS) != tuple(local.shape) or \
+                not torch.equal(local.detach().reshape(-1), expected):
+            wrong.append(name)
+    return wrong
+
+
+def _adamw_step(rank: int, groups: Any) -> dict:
+    """One clipped AdamW step on the token-mean NLL: unsplit full batch vs 2 stages × 2 TP ranks × 2 micro-batches."""
+    tok = build_char_tokenizer()
+    ref = build_causal_lm("llama-1m", tok, seed=0)
+    runner = _staged(build_causal_lm("llama-1m", tok, seed=0), groups)
+    stage = runner.stage
+    before = full_state_dict(ref)
+    out: dict[str, Any] = {"misplaced": _shards_follow_the_plan(rank, stage.model, before)}
+    ids_BL, mask_BL = _batch()
+    total = int(mask_BL[:, 1:].sum())
+    ref.train()
+    ref_opt = torch.optim.AdamW(ref.parameters(), lr=LR, weight_decay=0.1)
+    ref_loss = -(token_logprobs(ref, ids_BL, mask_BL) * mask_BL[:, 1:]).sum() / total
+    ref_loss.backward()
+    ref_norm = float(torch.nn.utils.clip_grad_norm_(ref.parameters(), MAX_NORM))
+    ref_opt.step()
+
+    stage.model.train()
+    opt = torch.optim.AdamW(stage.parameters(), lr=LR, weight_decay=0.1)
+    rows = micro_batch_slices(len(LENGTHS), 2)
+
+    def loss_fn(logits_BLV: torch.Tensor, k: int) -> torch.Tensor:
+        return -(_logp_from_logits(logits_BLV, ids_BL[rows[k]]) * mask_BL[rows[k], 1:]).sum() / total
+
+    loss = runner.train_step_backward(ids_BL, mask_BL, loss_fn, micro_batches=2, broadcast_result=True)
+    norm = clip_grad_norm_pp(stage, MAX_NORM, groups.pp_group)
+    opt.step()
+    stepped, mine = full_state_dict(ref), full_state_dict(stage.model)  # the latter: collective over TP
+    out.update({"losses": (float(ref_loss), loss), "norms": (ref_norm, norm), "state_keys": sorted(mine),
+                "all_keys": sorted(stepped),
+                "param_diff": max((mine[n] - stepped[n]).abs().max().item() for n in mine),
+                "moved": max((mine[n] - before[n]).abs().max().item() for n in mine)})
+    return out
+
+
+@pytest.fixture(scope="module")
+def ranks() -> list[dict]:
+    return run_world(_all_checks, WORLD, timeout_s=TIMEOUT_S)
+
+
+# --------------------------------------------------------------------------------------- assertions
+def test_pp_groups_join_the_same_tp_rank_of_every_stage(ranks):
+    for rank, result in enumerate(ranks):
+        pp_rank, tp_rank = divmod(rank, 2)
+        assert result["groups"] == {"coords": (pp_rank, 0, tp_rank), "pp": [tp_rank, tp_rank + 2],
+                                    "tp": [2 * pp_rank, 2 * pp_rank + 1]}, rank
+
+
+def test_pp_tp_logits_equal_unsplit(ranks):
+    for rank, result in enumerate(ranks):
+        assert all(result["logits"][m] < 1e-5 for m in (1, 3)), (rank, result["logits"])
+        assert result["logits"]["embed_on_stage"] == (rank < 2)
+        assert result["logits"]["head_on_stage"] == (rank >= 2)
+
+
+def test_pp_tp_value_model_token_values_equal_unsplit(ranks):
+    for result in ranks:
+        assert result["values"] < 1e-5
+
+
+def test_pp_tp_shards_are_those_the_reallocation_plan_assigns(ranks):
+    for rank, result in enumerate(ranks):
+        assert result["step"]["misplaced"] == [], rank
+
+
+def test_pp_tp_adamw_step_with_clipping_equals_single_process(ranks):
+    for result in ranks:
+        step = result["step"]
+        (ref_loss, loss), (ref_norm, norm) = step["losses"], step["norms"]
+        assert abs(loss - ref_loss) < 1e-5 * abs(ref_loss)
+        assert ref_norm > MAX_NORM * 5, "the step must actually clip"
+        assert abs(norm - ref_norm) < 1e-5 * ref_norm  # global: TP shards once, replicated params once
+        assert step["moved"] > 1e-4
+        assert step["param_diff"] < 1e-5
+
+
+def test_pp_tp_full_state_dicts_of_the_stages_make_up_the_whole_model(ranks):
+    stage_keys = [set(result["step"]["state_keys"]) for result in ranks]
+    assert stage_keys[0] == stage_keys[1] and stage_keys[2] == stage_keys[3]  # TP ranks gather the same
+    assert not stage_keys[0] & stage_keys[2]
+    assert sorted(stage_keys[0] | stage_keys[2]) == ranks[0]["step"]["all_keys"]
