@@ -319,3 +319,14 @@ def test_queued_launches_add_only_what_exceeds_the_work():
         assert overlapped["decode"] == eager["decode"]
         assert overlapped["decode_launch"] == pytest.approx(max(0.0, eager["decode_launch"] - eager["decode"]))
     assert PROFILES["h100-80g"].async_launch and not PROFILES["local"].async_launch
+
+
+def test_activation_recompute_trades_a_forward_for_activation_memory():
+    model = llama_model()
+    plain, recomputed = a("0-7:dp2tp4mb4"), Allocation.parse("0-7:dp2tp4mb4rc")
+    assert recomputed.recompute and not plain.recompute
+    work = model.time_terms(TRAIN, plain)["work"]
+    assert model.time_terms(TRAIN, recomputed)["work"] == pytest.approx(work * 4 / 3, rel=0.02)
+    assert model.mfc_time(TRAIN, recomputed) > model.mfc_time(TRAIN, plain)
+    assert model.mfc_memory(TRAIN, recomputed, True) < model.mfc_memory(TRAIN, plain, True) / 4
+    assert model.static_memory("actor", recomputed, True) == model.static_memory("actor", plain, True)

@@ -216,6 +216,20 @@ def test_placement_string_round_trip():
         assert parse_placement(format_placement(made, GRPO), GRPO, c) == made
 
 
+def test_activation_recompute_is_a_train_call_choice_that_round_trips(tmp_path: Path):
+    c = cluster(8)
+    text = EXAMPLE.replace("actor_train=0-7:dp4tp2", "actor_train=0-7:dp4tp2mb2rc")
+    plan = parse_placement(text, PPO, c)
+    assert plan["actor_train"] == Allocation(tuple(range(8)), Layout(dp=4, tp=2), 2, recompute=True)
+    assert plan["actor_train"].text == "0-7:dp4tp2mb2rc" and not plan["critic_train"].recompute
+    assert parse_placement(format_placement(plan, PPO), PPO, c) == plan
+    assert ExecutionPlan.from_dict(plan.to_dict()) == plan
+    assert plan["actor_train"].same_placement(Allocation(tuple(range(8)), Layout(dp=4, tp=2)))  # no transfer
+    one_line_error(lambda: parse_placement(text.replace("ref_inf=4-5:dp2", "ref_inf=4-5:dp2rc"), PPO, c),
+                   "plan.allocations.ref_inf", "rc is for train calls only")
+    one_line_error(lambda: Allocation.parse("0-1:dp2rcrc"), "rc twice")
+
+
 @pytest.mark.parametrize("suffix", [".json", ".yaml", ".yml"])
 def test_file_round_trip(tmp_path: Path, suffix):
     plan = parse_placement(EXAMPLE + "; shadow=; offload=ref", PPO, cluster(8))

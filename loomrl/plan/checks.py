@@ -67,13 +67,17 @@ def _check_names(plan: ExecutionPlan, workflow: Workflow) -> None:
 
 
 def _check_calls(plan: ExecutionPlan, workflow: Workflow) -> None:
-    """A compute step has no model to shard; a role's train calls share the one canonical layout."""
+    """A compute step has no model to shard; only train calls recompute activations; a role's train calls
+    share the one canonical layout (recompute and micro-batches may differ)."""
     for mfc in workflow:
         layout = plan[mfc.name].layout
         if mfc.kind is MFCKind.COMPUTE and (layout.tp > 1 or layout.pp > 1):
             field = "tp" if layout.tp > 1 else "pp"
             raise ConfigError(f"plan.allocations.{mfc.name}.{field}: {getattr(layout, field)} but a compute step "
                               "has no model to shard (valid: 1)")
+        if plan[mfc.name].recompute and mfc.kind is not MFCKind.TRAIN:
+            raise ConfigError(f"plan.allocations.{mfc.name}: {plan[mfc.name].text} recomputes activations (rc) "
+                              f"but a {mfc.kind.value} call keeps none for a backward; rc is for train calls only")
     for role in workflow.roles():
         trains = [m.name for m in workflow.mfcs_of_role(role) if m.kind is MFCKind.TRAIN]
         for name in trains[1:]:

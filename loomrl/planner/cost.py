@@ -10,8 +10,8 @@ every replica runs in parallel on equal shares, so a call takes as long as one r
   activations to the next stage (two when training: forward and backward). A pass takes
   ``mb + pp − 1`` slots: ``mb`` of work, ``pp − 1`` of bubble.
 - **Train** (forward + backward = 3× forward FLOPs, weights read twice and gradients written once per
-  micro-batch) once per optimizer step, ``epochs × minibatches`` steps, each followed by the gradient
-  all-reduce over dp (the runtime sums gradients after the backward, it does not overlap them) and the
+  micro-batch; with activation recomputation one more forward: 4×, and its all-reduces) once per optimizer
+  step, ``epochs × minibatches`` steps, each followed by the gradient all-reduce over dp (the runtime sums gradients after the backward, it does not overlap them) and the
   Adam step's memory traffic.
 - **Inference**: one forward pass over every token of the share.
 - **Generate**: a prefill pass over the prompts, then decode steps priced from the response-length
@@ -202,9 +202,11 @@ class CostModel:
         epochs, minibatches = self._steps(mfc)
         samples = w.batch / minibatches / lay.dp
         tokens = samples * w.mean_seq
-        flops = T.train_flops(shape, tokens, samples * w.mean_sq_seq)
-        step = self._pass(alloc, shape, flops, 3 * self._weight_bytes(mfc.role), tokens,
-                          allreduces_per_layer=4, hops=2, micro_batches=alloc.micro_batches, op_passes=3.0)
+        passes = 4.0 if alloc.recompute else 3.0  # recomputation runs each forward once more in the backward
+        flops = T.train_flops(shape, tokens, samples * w.mean_sq_seq) * passes / 3.0
+        step = self._pass(alloc, shape, flops, passes * self._weight_bytes(mfc.role), tokens,
+                          allreduces_per_layer=2 * passes - 2, hops=2, micro_batches=alloc.micro_batches,
+                          op_passes=passes)
         rates = self._rates_of(alloc)
         shard_params = shape.params / (lay.tp * lay.pp)
         step["dp_grad_allreduce"] = T.ring_allreduce_time(shard_params * self.bytes_per_param, lay.dp,
@@ -311,6 +313,9 @@ class CostModel:
         _, minibatches = self._steps(mfc)
         tokens = w.batch / minibatches / lay.dp * w.mean_seq
         in_flight = tokens if lay.pp > 1 else tokens / alloc.micro_batches
+        if alloc.recompute:
+            return T.recompute_activation_bytes(shape, in_flight, tokens / alloc.micro_batches, shape.layers / lay.pp,
+                                                lay.tp, self.bytes_per_param)
         return T.train_activation_bytes(shape, in_flight, shape.layers / lay.pp, lay.tp, self.bytes_per_param)
 
     # ------------------------------------------------------------------------------------------------ helpers
@@ -372,4 +377,4 @@ def _launch(name: str, tp: int) -> str:
 
 def _alloc_key(alloc: Allocation) -> tuple:
     lay = alloc.layout
-    return alloc.mesh.devices, (lay.dp, lay.tp, lay.pp), alloc.micro_batches
+    return alloc.mesh.devices, (lay.dp, lay.tp, lay.pp), alloc.micro_batches, alloc.recompute

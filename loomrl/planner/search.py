@@ -4,8 +4,9 @@
   power of two inside a node (aligned to a multiple of that size within the node), or a power-of-two number
   of whole nodes (aligned likewise), plus the whole cluster. Layouts are ``dp × tp × pp`` equal to the mesh
   size that the runtime can run (:func:`loomrl.plan.layout.check_layout`: tp divides the heads, key/value
-  heads and MLP width, pp divides the layers), with every tensor-parallel group inside one node; generation runs with pp = 1. Train calls also choose micro-batches
-  (:data:`MICRO_BATCHES`). A compute step may run on any single device.
+  heads and MLP width, pp divides the layers), with every tensor-parallel group inside one node; generation
+  runs with pp = 1. Train calls also choose micro-batches (:data:`MICRO_BATCHES`) and whether to recompute
+  activations. A compute step may run on any single device.
 - :func:`search`: Metropolis acceptance with a geometric cooling schedule; a move gives one MFC (or all the
   train calls of a role together, since they share a placement), sometimes two, another candidate, half the
   time on its current mesh (a layout or micro-batch move). Several independent chains share the wall-clock budget and a
@@ -19,7 +20,8 @@
 
 Determinism: the chains draw from ``random.Random`` seeded by ``(seed, chain)``; with ``max_steps`` reached
 before the time budget, the same seed gives the same plans. Infeasible plans guide the walk (their energy is
-their time inflated by how far the devices overflow, summed over devices) but are never returned.
+their time inflated by how far the devices overflow: peaks and overflow over time, summed over devices) but
+are never returned.
 """
 
 from __future__ import annotations
@@ -108,9 +110,10 @@ def _allocations_on(mfc: MFC, mesh: DeviceMesh, cluster: ClusterSpec,
     """Every layout (× micro-batches for a train call) of ``mfc`` on ``mesh``."""
     if mfc.kind is MFCKind.COMPUTE:
         return [Allocation(mesh, Layout(dp=len(mesh)))]
-    counts = MICRO_BATCHES if mfc.kind is MFCKind.TRAIN else (1,)
-    return [Allocation(mesh, layout, mb) for layout in layouts_on(mfc, mesh, cluster, _config(mfc, model_configs))
-            for mb in counts]
+    train = mfc.kind is MFCKind.TRAIN
+    counts, recompute = (MICRO_BATCHES, (False, True)) if train else ((1,), (False,))
+    return [Allocation(mesh, layout, mb, rc) for layout in layouts_on(mfc, mesh, cluster, _config(mfc, model_configs))
+            for mb in counts for rc in recompute]
 
 
 def candidate_allocations(mfc: MFC, workflow: Workflow, cluster: ClusterSpec,
@@ -173,8 +176,10 @@ class _Evaluator:
             return math.inf
         if result.feasible:
             return result.iteration_time
-        # every overflowing device counts, so fixing any one of them is progress the walk can see
+        # every overflowing device and every overflowing call counts (peaks, and the overflow over time), so
+        # fixing any one of them is progress the walk can see
         overflow = sum(max(0.0, peak / self.memory - 1.0) for peak in result.peak_memory.values())
+        overflow += result.overflow_byte_seconds / (self.memory * max(result.makespan, 1e-9))
         return max(result.iteration_time, 1e-9) * (2.0 + 10.0 * overflow)
 
     def best(self, k: int) -> list[tuple[ExecutionPlan, SimResult]]:
@@ -354,7 +359,9 @@ def _symmetric_units(plan: ExecutionPlan, workflow: Workflow,
             for m in mfcs:
                 if m.kind is MFCKind.GENERATE:
                     option[m.name] = Allocation(mesh, Layout(lay.dp * lay.pp, lay.tp))
-                elif m.kind is MFCKind.TRAIN or lay.pp > 1:
+                elif m.kind is MFCKind.TRAIN:
+                    option[m.name] = alloc
+                elif lay.pp > 1:
                     option[m.name] = Allocation(mesh, lay, alloc.micro_batches)
                 else:
                     option[m.name] = Allocation(mesh, lay)

@@ -104,6 +104,9 @@ class SimResult:
     """Why the plan is infeasible, in one line; empty when feasible."""
     iteration_ends: list[float] = field(default_factory=list)
     """End time of each simulated iteration (its last node, reallocations included)."""
+    overflow_byte_seconds: float = 0.0
+    """Memory above capacity integrated over time, summed over devices (0 when feasible): how far an
+    infeasible plan is from fitting, counting every overflowing call, not only the worst."""
 
     @property
     def makespan(self) -> float:
@@ -265,8 +268,9 @@ def _memory_intervals(plan: ExecutionPlan, workflow: Workflow, cost: CostEstimat
     return out
 
 
-def _peak(intervals: list[_Mem]) -> tuple[float, float]:
-    """(peak bytes, first time it is reached) of a device's memory intervals, each ``[start, end)``.
+def _peak(intervals: list[_Mem], capacity: float = math.inf) -> tuple[float, float, float]:
+    """(peak bytes, first time it is reached, byte-seconds above ``capacity``) of a device's memory
+    intervals, each ``[start, end)``.
 
     At equal times ends come before starts, so back-to-back calls do not add up; a zero-length interval is
     counted at its instant.
@@ -276,13 +280,16 @@ def _peak(intervals: list[_Mem]) -> tuple[float, float]:
         events.append((s, 1, b))
         events.append((e, 0, -b) if e > s else (s, 2, -b))
     events.sort(key=lambda ev: (ev[0], ev[1]))
-    level = peak = 0.0
-    at = 0.0
+    level = peak = excess = 0.0
+    at = last = 0.0
     for t, _, b in events:
+        if level > capacity and math.isfinite(t):  # resident state ends at infinity: count up to the last call
+            excess += (level - capacity) * (t - last)
+        last = t
         level += b
         if level > peak:
             peak, at = level, t
-    return peak, at
+    return peak, at, excess
 
 
 def _overflow_reason(device: int, need: float, at: float, intervals: list[_Mem], capacity: float) -> str:
@@ -296,19 +303,21 @@ def _overflow_reason(device: int, need: float, at: float, intervals: list[_Mem],
 
 
 def _memory_check(memory: dict[int, list[_Mem]], n_devices: int,
-                  capacity: float) -> tuple[dict[int, float], bool, str]:
-    """Peak bytes per device, whether all fit, and the reason naming the device that overflows most."""
+                  capacity: float) -> tuple[dict[int, float], bool, str, float]:
+    """Peak bytes per device, whether all fit, the reason naming the device that overflows most, and the
+    byte-seconds above capacity summed over devices."""
     peaks: dict[int, float] = {}
     worst: tuple[float, int, float] | None = None
+    total_excess = 0.0
     for d in range(n_devices):
-        peak, at = _peak(memory.get(d, []))
-        peaks[d] = peak
+        peak, at, excess = _peak(memory.get(d, []), capacity)
+        peaks[d], total_excess = peak, total_excess + excess
         if peak > capacity and (worst is None or peak > worst[0]):
             worst = (peak, d, at)
     if worst is None:
-        return peaks, True, ""
+        return peaks, True, "", 0.0
     peak, d, at = worst
-    return peaks, False, _overflow_reason(d, peak, at, memory[d], capacity)
+    return peaks, False, _overflow_reason(d, peak, at, memory[d], capacity), total_excess
 
 
 def _busy_fractions(timeline: list[Interval], n_devices: int, window: tuple[float, float]) -> dict[int, float]:
@@ -353,6 +362,6 @@ def simulate(plan: ExecutionPlan, workflow: Workflow, cost: CostEstimator, memor
                 for i in order for d in nodes[i].devices]
     n_devices = plan.cluster.n_devices
     memory = _memory_intervals(plan, workflow, cost, nodes, start, end)
-    peaks, feasible, reason = _memory_check(memory, n_devices, memory_per_device)
+    peaks, feasible, reason, excess = _memory_check(memory, n_devices, memory_per_device)
     return SimResult(iteration_time, _busy_fractions(timeline, n_devices, window), peaks, timeline, feasible,
-                     reason, ends)
+                     reason, ends, excess)

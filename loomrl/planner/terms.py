@@ -26,6 +26,7 @@ __all__ = [
     "decode_step_slots",
     "forward_flops",
     "inference_activation_bytes",
+    "recompute_activation_bytes",
     "kv_bytes_per_token",
     "pipeline_slots",
     "ring_allreduce_bytes",
@@ -157,6 +158,15 @@ def train_activation_bytes(shape: ModelShape, tokens: float, layers: float, tp: 
     per_token_layer = shape.hidden * (10 + 24 / tp) * b / 2
     logits = 2 * tokens * shape.vocab / tp * FP32
     return tokens * layers * per_token_layer + logits
+
+
+def recompute_activation_bytes(shape: ModelShape, tokens: float, layer_tokens: float, layers: float, tp: int,
+                               b: float) -> float:
+    """Activation bytes a training pass with activation checkpointing keeps: each layer's input for the
+    ``tokens`` tokens in flight (hidden·b per token, replicated over tp), plus one layer's full activations
+    (:func:`train_activation_bytes`) for the ``layer_tokens`` of the micro-batch being recomputed, with its
+    logits."""
+    return tokens * layers * shape.hidden * b + train_activation_bytes(shape, layer_tokens, 1, tp, b)
 
 
 def inference_activation_bytes(shape: ModelShape, tokens: float, tp: int, b: float) -> float:
