@@ -184,13 +184,22 @@ def measure_pair(setup: Setup, pair: Pair, full: dict[str, torch.Tensor], rank: 
             "pieces": sum(not t.local for t in plan.transfers)}
 
 
+def _blank(_flat: Any, entry: Any) -> torch.Tensor:
+    """A stand-in for a direct entry's elements (only its size matters on the wire)."""
+    return torch.empty(entry.numel)
+
+
 def wire_time(plan: ReallocPlan, rank: int, groups, repeats: int) -> float:
-    """Best time of the plan's route buffers alone going over the wire: the executor's own transfers, without
-    packing, unpacking, local copies or new destination shards (a floor for the executor on this machine)."""
+    """Best time of the plan's messages alone going over the wire: the executor's own transfers (route buffers
+    and direct entries), without packing, unpacking, local copies or new destination shards (a floor for the
+    executor on this machine)."""
     schedule = realloc_exec.compile_schedule(plan, rank)
     buffers = schedule.buffers(lambda name: torch.float32, False, torch.device("cpu"))
-    sends = {route: routed.buffer for route, routed in buffers.items() if route[0] == rank}
-    recvs = {route: routed.buffer for route, routed in buffers.items() if route[0] != rank}
+    # every message as a buffer of its size: packed route buffers and direct entries alike
+    sends = {route: [(tag, torch.empty_like(t)) for tag, t in realloc_exec._messages(rb, {}, _blank)]
+             for route, rb in buffers.items() if route[0] == rank}
+    recvs = {route: [(tag, torch.empty_like(t)) for tag, t in realloc_exec._messages(rb, {}, _blank)]
+             for route, rb in buffers.items() if route[0] != rank}
 
     def transfer() -> None:
         started = realloc_exec._start_point_to_point(sends, recvs, None)

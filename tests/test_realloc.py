@@ -330,8 +330,9 @@ def _sim_dtypes(params: dict[str, tuple[int, ...]]) -> dict[str, torch.dtype]:
 def _run_schedules(plan: ReallocPlan, src: dict[tuple[int, str], torch.Tensor], dtypes: dict[str, torch.dtype],
                    corrupt: Callable[[torch.Tensor], None] | None = None) -> dict[tuple[int, str], torch.Tensor]:
     """Every device's compiled schedule run in one process, with verification: each sender packs its route
-    buffers, every receiver's buffer gets a copy of its sender's (``corrupt`` may alter the copy), then
-    receivers unpack and every device copies its local pieces. Returns the destination shards."""
+    buffers, every receiver's buffer gets a copy of its sender's (``corrupt`` may alter the copy) and its
+    direct entries a copy of the sender's source elements, then receivers unpack and check, and every device
+    copies its local pieces. Returns the destination shards."""
     dtype_of, cpu = dtypes.__getitem__, torch.device("cpu")
     state = {}
     for device in sorted({*plan.src.mesh, *plan.dst.mesh}):
@@ -343,16 +344,22 @@ def _run_schedules(plan: ReallocPlan, src: dict[tuple[int, str], torch.Tensor], 
     for device, (_, src_flat, _, buffers) in state.items():
         for route, routed in buffers.items():
             if route[0] == device:
-                realloc_exec._pack(routed.buffer, routed.placed, src_flat, True)
+                realloc_exec._pack(routed, src_flat)
     for device, (schedule, src_flat, out, buffers) in state.items():
         dst_flat = {name: tensor.view(-1) for name, tensor in out.items()}
         realloc_exec._copy_local(schedule.local, src_flat, dst_flat)
         for route, routed in buffers.items():
             if route[0] != device:
-                routed.buffer.copy_(state[route[0]][3][route].buffer)  # the wire: sizes must agree
+                _, sender_flat, _, sender_buffers = state[route[0]]
+                sent = sender_buffers[route]
+                routed.buffer.copy_(sent.buffer)  # the wire: sizes must agree
+                assert [e.param for e in routed.direct] == [e.param for e in sent.direct]
+                for mine_, theirs in zip(routed.direct, sent.direct):
+                    realloc_exec._dst_view(dst_flat, mine_).copy_(realloc_exec._src_view(sender_flat, theirs))
                 if corrupt is not None:
                     corrupt(routed.buffer)
-                realloc_exec._unpack(routed.buffer, routed.placed, dst_flat, True)
+                realloc_exec._unpack(routed, dst_flat)
+                realloc_exec._check_direct(routed, dst_flat)
     return {(device, name): tensor for device, (_, _, out, _) in state.items() for name, tensor in out.items()}
 
 
@@ -369,11 +376,14 @@ def _schedule_case(seed: int) -> tuple[ReallocPlan, dict, dict, dict]:
     return plan, dtypes, _shards(full, src, num_layers), _shards(full, dst, num_layers)
 
 
-@pytest.mark.parametrize("indexed", [False, True], ids=["runs", "index tensors"])
-def test_compiled_schedules_deliver_the_direct_slices(monkeypatch: pytest.MonkeyPatch, indexed: bool):
+@pytest.mark.parametrize("mode", ["runs", "index tensors", "direct"])
+def test_compiled_schedules_deliver_the_direct_slices(monkeypatch: pytest.MonkeyPatch, mode: str):
+    indexed = mode == "index tensors"
     if indexed:  # every side with a run at all becomes an index tensor
         monkeypatch.setattr(realloc_exec, "_MAX_RUNS", 0)
-    strided = indexes = 0
+    if mode == "direct":  # every entry contiguous on both sides travels unpacked
+        monkeypatch.setattr(realloc_exec, "DIRECT_MIN_NUMEL", 1)
+    strided = indexes = direct = 0
     for seed in range(CASES // 3):
         plan, dtypes, src, expected = _schedule_case(seed)
         got = _run_schedules(plan, src, dtypes)
@@ -388,7 +398,9 @@ def test_compiled_schedules_deliver_the_direct_slices(monkeypatch: pytest.Monkey
                      for side in (entry.src, entry.dst) if side is not None]
             strided += sum(run.count > 1 for side in sides for run in side.runs)
             indexes += sum(side.index(torch.device("cpu")) is not None for side in sides)
+            direct += sum(len(entries) for entries in schedule.direct.values())
     assert (indexes > 100) if indexed else (strided > 100 and indexes == 0)  # the path under test is taken
+    assert (direct > 100) if mode == "direct" else direct == 0  # the random cases are below the default size
 
 
 def test_schedule_sides_group_pieces_into_strided_runs():
@@ -502,6 +514,17 @@ def _my_source(placement: Placement, device: int, full: dict[str, torch.Tensor])
     return {name: part.clone() for name, part in parts.items() if part is not None}
 
 
+DEFAULT_DIRECT_MIN_NUMEL = realloc_exec.DIRECT_MIN_NUMEL
+_PLANS: dict[str, ReallocPlan] = {}
+
+
+def _plan_cached(scenario: str) -> ReallocPlan:
+    """One plan object per scenario, so its compiled schedule can be inspected after the runs."""
+    if scenario not in _PLANS:
+        _PLANS[scenario] = _plan(scenario)
+    return _PLANS[scenario]
+
+
 def _run_scenario(scenario: str, device: int, full: dict[str, torch.Tensor], use_groups: bool) -> dict:
     plan = _plan(scenario)
     src, dst = SCENARIOS[scenario]
@@ -523,11 +546,11 @@ def _corrupted_run(device: int, full: dict[str, torch.Tensor]) -> str | None:
     src, _ = SCENARIOS["dp2tp2_to_tp4"]
     original = realloc_exec._pack
 
-    def corrupting_pack(*args: Any, **kwargs: Any) -> torch.Tensor:
-        buffer = original(*args, **kwargs)
-        pieces = args[1]
-        buffer[16 * len(pieces):] += 1  # every data byte, not the checksum header
-        return buffer
+    def corrupting_pack(rb: Any, src_flat: Any) -> None:
+        original(rb, src_flat)
+        rb.buffer[16 * (len(rb.placed) + len(rb.direct)):] += 1  # every packed data byte, not the checksums
+        if rb.direct:  # direct entries travel from the parameters themselves: corrupt their sums instead
+            rb.sums[len(rb.placed):] += 1
 
     if device == 0:
         realloc_exec._pack = corrupting_pack
@@ -559,6 +582,12 @@ def _repeated_runs(device: int, full: dict[str, torch.Tensor]) -> list[bool]:
 def _body(rank: int) -> dict:
     full = _full_params()
     results = {name: _run_scenario(name, rank, full, use_groups=i % 2 == 0) for i, name in enumerate(SCENARIOS)}
+    realloc_exec.DIRECT_MIN_NUMEL = 1  # again with every contiguous entry sent unpacked, in its own message
+    results["direct"] = {name: _run_scenario(name, rank, full, use_groups=i % 2 == 1)
+                         for i, name in enumerate(SCENARIOS)}
+    results["direct_entries"] = sum(len(e) for name in SCENARIOS
+                                    for e in realloc_exec.compile_schedule(_plan_cached(name), rank).direct.values())
+    realloc_exec.DIRECT_MIN_NUMEL = DEFAULT_DIRECT_MIN_NUMEL
     results["corrupted"] = _corrupted_run(rank, full)
     results["repeated"] = _repeated_runs(rank, full)
     dist.barrier()
@@ -574,6 +603,9 @@ def ranks() -> list[dict]:
 def test_gloo_reallocation_gives_every_rank_its_direct_slice(ranks: list[dict], scenario: str):
     for rank, result in enumerate(ranks):
         assert result[scenario] == {"keys_match": True, "mismatched": [], "aliased_ok": True}, (rank, scenario)
+        assert result["direct"][scenario] == {"keys_match": True, "mismatched": [], "aliased_ok": True}, \
+            (rank, scenario, "direct")
+    assert sum(result["direct_entries"] for result in ranks) > 0  # the unpacked path was taken
 
 
 def test_gloo_scenarios_cover_broadcasts_and_point_to_point():

@@ -9,6 +9,11 @@ travel in one byte buffer per route, a route being a sender and its receivers:
 - local pieces are copied within the device, and a destination shard identical to the source shard is the
   source tensor itself (the plan calls it aliased).
 
+An entry (a parameter's pieces on one route) of at least :data:`DIRECT_MIN_NUMEL` elements that lies in one
+contiguous span of the sender's source shard and of every receiver's destination shard travels *directly*:
+sent from the source shard and received into the destination shard, its own message, never packed or
+unpacked. Every participant derives the same decision from the plan alone.
+
 The plan is compiled once per device into a :class:`ReallocSchedule` (:func:`compile_schedule`, cached by
 plan identity for as long as the plan lives). It groups a route's pieces by parameter into *entries*, and
 describes where an entry's elements lie in the device's flat source or destination shard as a few strided
@@ -17,8 +22,8 @@ irregular for that, as an int64 index tensor. Packing, unpacking and local copie
 ``copy_`` per run, or one ``index_select`` / ``index_copy_`` per entry, however many pieces it has.
 
 A route's buffer is raw bytes, so parameters of different dtypes share it: optionally a float64 header of
-``(sum, sum of squares)`` per entry for verification, then the entries, grouped by element size (largest
-first, so every entry starts aligned for its dtype). Sender and receivers derive the same buffer layout from
+``(sum, sum of squares)`` per entry for verification (direct entries included, after the packed ones), then
+the packed entries, grouped by element size (largest first, so every entry starts aligned for its dtype). Sender and receivers derive the same buffer layout from
 the plan; nothing but the bytes is exchanged. The schedule keeps its route buffers between calls (they hold
 nothing once a call returns); :func:`clear_schedules` drops them.
 
@@ -52,6 +57,9 @@ _RTOL = 1e-9
 """Relative tolerance of checksums: both sides sum the same values in the same order, so any slack is spare."""
 _MAX_RUNS = 8
 """Most strided runs an entry side is always copied by (a Python call each)."""
+DIRECT_MIN_NUMEL = 1 << 16
+"""Entries this large (and contiguous on both sides) travel directly: a message each costs less than
+packing and unpacking them (two copies of every byte)."""
 _MIN_RUN_NUMEL = 4096
 """Beyond ``_MAX_RUNS`` runs, the least mean elements per run worth a call each; shorter runs are copied with
 an index tensor (8 bytes per element, kept with the schedule) instead."""
@@ -178,6 +186,11 @@ class _Placed:
 class _RouteBuffer:
     buffer: torch.Tensor
     placed: list[_Placed]
+    """The packed entries, in buffer order."""
+    direct: tuple[_Entry, ...] = ()
+    """The route's direct entries, in message order (their checksums follow the packed entries')."""
+    sums: torch.Tensor | None = None
+    """float64 ``(sum, sum of squares)`` rows of every entry when verifying: packed ones, then direct ones."""
 
 
 @dataclass(eq=False)
@@ -190,7 +203,9 @@ class ReallocSchedule:
     dst_shapes: tuple[tuple[str, tuple[int, ...], bool], ...]
     """``(param, local shape, aliased)`` of every destination shard of the device."""
     routes: dict[Route, tuple[_Entry, ...]]
-    """The entries of every route the device sends or receives."""
+    """The packed entries of every route the device sends or receives (maybe none)."""
+    direct: dict[Route, tuple[_Entry, ...]]
+    """The direct entries of every route the device sends or receives, in message order."""
     local: tuple[_Entry, ...]
     """Pieces copied within the device into new (not aliased) destination shards, per parameter."""
     _buffers: tuple[tuple, dict[Route, _RouteBuffer]] | None = field(default=None, repr=False)
@@ -200,7 +215,7 @@ class ReallocSchedule:
         """The route buffers for these dtypes, allocated on the first call and kept while the key holds."""
         key = (tuple(dtype_of(e.param) for entries in self.routes.values() for e in entries), verify, device)
         if self._buffers is None or self._buffers[0] != key:
-            self._buffers = key, _bind(self.routes, dtype_of, verify, device)
+            self._buffers = key, _bind(self.routes, self.direct, dtype_of, verify, device)
         return self._buffers[1]
 
 
@@ -233,9 +248,12 @@ def _compile(plan: ReallocPlan, me: int) -> ReallocSchedule:
         elif t.sender == me or me in t.receivers:
             by_route[(t.sender, t.receivers)].setdefault(t.param, []).append(t)
     src_at, dst_at = _Locators(plan.src_intervals, me), _Locators(plan.dst_intervals, me)
-    routes = {route: tuple(_entry(pieces, src_at if route[0] == me else None, None if route[0] == me else dst_at)
-                           for pieces in params.values())
-              for route, params in by_route.items()}
+    routes, direct = {}, {}
+    for route, params in by_route.items():
+        entries = [(_entry(pieces, src_at if route[0] == me else None, None if route[0] == me else dst_at),
+                    _travels_directly(plan, route, pieces)) for pieces in params.values()]
+        routes[route] = tuple(e for e, is_direct in entries if not is_direct)
+        direct[route] = tuple(sorted((e for e, is_direct in entries if is_direct), key=lambda e: e.param))
     src_numel = {name: n for name in plan.shapes if (n := shard_numel(plan.src_intervals(me, name)))}
     dst_shapes = []
     if me in plan.dst.mesh:
@@ -245,7 +263,23 @@ def _compile(plan: ReallocPlan, me: int) -> ReallocSchedule:
             if local_shape is not None:
                 dst_shapes.append((name, local_shape, plan.aliased(me, name)))
     local_entries = tuple(_entry(pieces, src_at, dst_at) for pieces in local.values())
-    return ReallocSchedule(me, src_numel, tuple(dst_shapes), routes, local_entries)
+    return ReallocSchedule(me, src_numel, tuple(dst_shapes), routes, direct, local_entries)
+
+
+def _travels_directly(plan: ReallocPlan, route: Route, pieces: Sequence[Transfer]) -> bool:
+    """Whether an entry is sent from and received into its shards as is (see the module docstring): decided
+    from the plan alone, so every participant agrees."""
+    if sum(t.numel for t in pieces) < DIRECT_MIN_NUMEL:
+        return False
+    sender, receivers = route
+
+    def contiguous(at: _Locators) -> bool:
+        first = at.offset(pieces[0].param, pieces[0].start)
+        return all(at.offset(t.param, t.start) == first + sum(p.numel for p in pieces[:i])
+                   for i, t in enumerate(pieces))
+
+    return contiguous(_Locators(plan.src_intervals, sender)) and all(
+        contiguous(_Locators(plan.dst_intervals, r)) for r in receivers)
 
 
 def _entry(pieces: Sequence[Transfer], src_at: _Locators | None, dst_at: _Locators | None) -> _Entry:
@@ -259,22 +293,28 @@ def _entry(pieces: Sequence[Transfer], src_at: _Locators | None, dst_at: _Locato
                   (first.start, pieces[-1].end), side(src_at), side(dst_at))
 
 
-def _bind(routes: Mapping[Route, Sequence[_Entry]], dtype_of: DtypeOf, verify: bool,
-          device: torch.device) -> dict[Route, _RouteBuffer]:
-    """A byte buffer per route: checksums (if verifying), then the entries, largest elements first."""
+def _bind(routes: Mapping[Route, Sequence[_Entry]], direct: Mapping[Route, Sequence[_Entry]], dtype_of: DtypeOf,
+          verify: bool, device: torch.device) -> dict[Route, _RouteBuffer]:
+    """A byte buffer per route: checksums of every entry (if verifying), then the packed entries, largest
+    elements first."""
     out = {}
     for route, entries in routes.items():
         # Largest elements first: each dtype group then starts aligned, and alignment below is a no-op.
         ordered = sorted(entries, key=lambda e: -dtype_of(e.param).itemsize)
-        offset, offsets = _CHECKSUM_BYTES * len(ordered) if verify else 0, []
+        sums_count = len(ordered) + len(direct.get(route, ()))
+        offset, offsets = _CHECKSUM_BYTES * sums_count if verify else 0, []
         for entry in ordered:
             size = dtype_of(entry.param).itemsize
             offset = -(-offset // size) * size
             offsets.append(offset)
             offset += entry.numel * size
+        if offset == 0:  # only direct entries and no checksums: no buffer travels
+            out[route] = _RouteBuffer(torch.empty(0, dtype=torch.uint8, device=device), [], tuple(direct.get(route, ())))
+            continue
         buffer = torch.empty(offset, dtype=torch.uint8, device=device)
         placed = [_place(entry, buffer, start, dtype_of(entry.param)) for entry, start in zip(ordered, offsets)]
-        out[route] = _RouteBuffer(buffer, placed)
+        sums = buffer[:_CHECKSUM_BYTES * sums_count].view(torch.float64).view(-1, 2) if verify else None
+        out[route] = _RouteBuffer(buffer, placed, tuple(direct.get(route, ())), sums)
     return out
 
 
@@ -336,7 +376,7 @@ def execute_reallocation(plan: ReallocPlan, src_tensors: Mapping[str, torch.Tens
         finally:
             schedule._lock.release()
     else:  # another thread runs this plan on this device: its buffers are busy, so use new ones
-        buffers = _bind(schedule.routes, dtype_of, verify, device)
+        buffers = _bind(schedule.routes, schedule.direct, dtype_of, verify, device)
         _transfer(schedule, buffers, src_flat, dst_flat, rank_of, groups, verify)
     return out
 
@@ -345,19 +385,31 @@ def _transfer(schedule: ReallocSchedule, buffers: Mapping[Route, _RouteBuffer],
               src_flat: Mapping[str, torch.Tensor], dst_flat: Mapping[str, torch.Tensor],
               rank_of: Mapping[int, int] | None, groups: Mapping[tuple[int, ...], dist.ProcessGroup],
               verify: bool) -> None:
-    """Pack and send, copy local pieces while the network works, and unpack each route once it has arrived.
+    """Send, copy local pieces while the network works, and unpack each route's buffer once it has arrived.
 
-    On CPU buffers (gloo), which match a receive with its send whenever either is posted, the point-to-point
-    receives are posted first, so no sender waits for a receiver that is still packing; other backends (NCCL)
-    need a device's sends and receives in one batch.
+    A route's messages are its packed buffer (tag 0, when it holds anything) and its direct entries (tags 1,
+    2, ... in schedule order). On CPU buffers (gloo), which match a receive with its send by peer and tag
+    whenever either is posted, every point-to-point receive and every direct send is posted first, so no
+    sender waits for a receiver that is still packing; other backends (NCCL) take a device's sends and
+    receives in one batch, in one order on both sides.
     """
     me = schedule.device
-    recvs = {route: rb.buffer for route, rb in buffers.items() if route[0] != me}
-    early = all(b.device.type == "cpu" for b in recvs.values())
-    started = _start_point_to_point({}, recvs, rank_of) if early else []
-    sends = {route: _pack(rb.buffer, rb.placed, src_flat, verify)
-             for route, rb in buffers.items() if route[0] == me}
-    started += _start_point_to_point(sends, {} if early else recvs, rank_of)
+    recvs = {route: _messages(rb, dst_flat, _dst_view) for route, rb in buffers.items() if route[0] != me}
+    early = all(rb.buffer.device.type == "cpu" for rb in buffers.values())
+    started: Started = []
+    if early:
+        direct_sends = {route: [m for m in _messages(rb, src_flat, _src_view) if m[0] > 0]
+                        for route, rb in buffers.items() if route[0] == me}
+        started += _start_point_to_point(direct_sends, recvs, rank_of)
+    for route, rb in buffers.items():
+        if route[0] == me:
+            _pack(rb, src_flat)
+    sends = {route: _messages(rb, src_flat, _src_view) for route, rb in buffers.items() if route[0] == me}
+    if early:
+        started += _start_point_to_point({r: [m for m in msgs if m[0] == 0] for r, msgs in sends.items()}, {},
+                                         rank_of)
+    else:
+        started += _start_point_to_point(sends, recvs, rank_of)
     started += _start_broadcasts(sends, recvs, rank_of, groups)
     _copy_local(schedule.local, src_flat, dst_flat)
     failed: ReallocVerificationError | None = None  # raised once every work is done: the buffers are reused
@@ -367,11 +419,40 @@ def _transfer(schedule: ReallocSchedule, buffers: Mapping[Route, _RouteBuffer],
         for route in routes:
             if route in recvs:
                 try:
-                    _unpack(recvs[route], buffers[route].placed, dst_flat, verify)
+                    _unpack(buffers[route], dst_flat)
+                except ReallocVerificationError as error:
+                    failed = failed or error
+    if verify:
+        for route, rb in buffers.items():
+            if route[0] != me:
+                try:
+                    _check_direct(rb, dst_flat)
                 except ReallocVerificationError as error:
                     failed = failed or error
     if failed is not None:
         raise failed
+
+
+Message = tuple[int, torch.Tensor]
+"""``(tag, tensor)``: tag 0 is a route's packed buffer, ``i + 1`` its i-th direct entry."""
+
+
+def _messages(rb: _RouteBuffer, flat: Mapping[str, torch.Tensor], view) -> list[Message]:
+    """A route's messages on this device: its buffer when it holds anything, then its direct entries."""
+    out: list[Message] = [(0, rb.buffer)] if rb.buffer.numel() else []
+    return out + [(i + 1, view(flat, entry)) for i, entry in enumerate(rb.direct)]
+
+
+def _src_view(src_flat: Mapping[str, torch.Tensor], entry: _Entry) -> torch.Tensor:
+    """The sender's contiguous elements of a direct entry, as they lie in its source shard."""
+    start = entry.src.runs[0].offset
+    return src_flat[entry.param][start:start + entry.numel].contiguous()
+
+
+def _dst_view(dst_flat: Mapping[str, torch.Tensor], entry: _Entry) -> torch.Tensor:
+    """Where a direct entry lands in the receiver's (new, contiguous) destination shard."""
+    start = entry.dst.runs[0].offset
+    return dst_flat[entry.param][start:start + entry.numel]
 
 
 def _rank(rank_of: Mapping[int, int] | None, device: int) -> int:
@@ -439,19 +520,20 @@ def _scatter(flat: torch.Tensor, side: _Side, values: torch.Tensor) -> None:
         _strided(flat, run).copy_(values[run.pos:run.pos + run.count * run.length].view(run.count, run.length))
 
 
-def _pack(buffer: torch.Tensor, placed: Sequence[_Placed], src_flat: Mapping[str, torch.Tensor],
-          verify: bool) -> torch.Tensor:
-    """Fill the byte buffer of one route this device sends: checksums (if verifying), then every entry."""
-    sums = buffer[:_CHECKSUM_BYTES * len(placed)].view(torch.float64).view(-1, 2) if verify else None
-    for index, item in enumerate(placed):
+def _pack(rb: _RouteBuffer, src_flat: Mapping[str, torch.Tensor]) -> None:
+    """Fill the buffer of one route this device sends: every packed entry, and the checksums (if verifying)
+    of every entry, direct ones included."""
+    for index, item in enumerate(rb.placed):
         flat = src_flat[item.entry.param]
         if item.index is not None:
             torch.index_select(flat, 0, item.index, out=item.values)
         for view, run in item.chunks:
             view.copy_(_strided(flat, run))
-        if sums is not None:
-            sums[index] = _checksum(item.values)
-    return buffer
+        if rb.sums is not None:
+            rb.sums[index] = _checksum(item.values)
+    if rb.sums is not None:
+        for index, entry in enumerate(rb.direct, start=len(rb.placed)):
+            rb.sums[index] = _checksum(_src_view(src_flat, entry))
 
 
 def _checksum(values: torch.Tensor) -> torch.Tensor:
@@ -463,35 +545,41 @@ Started = list[tuple[tuple[Route, ...], "dist.Work | None"]]
 """Works to wait on in order, each with the routes complete once it (and every work before it) is done."""
 
 
-def _start_point_to_point(sends: Mapping[Route, torch.Tensor], recvs: Mapping[Route, torch.Tensor],
+def _start_point_to_point(sends: Mapping[Route, Sequence[Message]], recvs: Mapping[Route, Sequence[Message]],
                           rank_of: Mapping[int, int] | None) -> Started:
-    """Start every single-receiver route given in one batch."""
-    ops, routes = [], []
-    for route, buffer in sends.items():
+    """Start every single-receiver route's messages given, in one batch; a received buffer's route is
+    complete (ready to unpack) once its work is."""
+    ops, done = [], []
+    for route, messages in sends.items():
         if len(route[1]) == 1:
-            ops.append(dist.P2POp(dist.isend, buffer, _rank(rank_of, route[1][0])))
-            routes.append(route)
-    for route, buffer in recvs.items():
+            for tag, tensor in messages:
+                ops.append(dist.P2POp(dist.isend, tensor, _rank(rank_of, route[1][0]), tag=tag))
+                done.append(())
+    for route, messages in recvs.items():
         if len(route[1]) == 1:
-            ops.append(dist.P2POp(dist.irecv, buffer, _rank(rank_of, route[0])))
-            routes.append(route)
+            for tag, tensor in messages:
+                ops.append(dist.P2POp(dist.irecv, tensor, _rank(rank_of, route[0]), tag=tag))
+                done.append((route,) if tag == 0 else ())
     works = list(dist.batch_isend_irecv(ops)) if ops else []
     if len(works) == len(ops):  # a work per operation (gloo)
-        return [((route,), work) for route, work in zip(routes, works)]
-    return [((), work) for work in works] + [(tuple(routes), None)]  # coalesced (NCCL): done when all are
+        return list(zip(done, works))
+    routes = tuple(r for d in done for r in d)
+    return [((), work) for work in works] + [(routes, None)]  # coalesced (NCCL): done when all are
 
 
-def _start_broadcasts(sends: Mapping[Route, torch.Tensor], recvs: Mapping[Route, torch.Tensor],
+def _start_broadcasts(sends: Mapping[Route, Sequence[Message]], recvs: Mapping[Route, Sequence[Message]],
                       rank_of: Mapping[int, int] | None, groups: Mapping[tuple[int, ...], dist.ProcessGroup]
                       ) -> Started:
-    """Start this device's multi-receiver routes, in the sorted route order every rank shares."""
-    buffers = {route: buf for route, buf in (*sends.items(), *recvs.items()) if len(route[1]) > 1}
+    """Start this device's multi-receiver routes' messages, in the sorted route order (then message order)
+    every rank shares."""
+    messages = {route: msgs for route, msgs in (*sends.items(), *recvs.items()) if len(route[1]) > 1}
     works = []
-    for route in sorted(buffers):
+    for route in sorted(messages):
         sender, receivers = route
         group = groups[tuple(sorted((sender, *receivers)))]
-        works.append(((route,), dist.broadcast(buffers[route], src=_rank(rank_of, sender), group=group,
-                                               async_op=True)))
+        for tag, tensor in messages[route]:
+            work = dist.broadcast(tensor, src=_rank(rank_of, sender), group=group, async_op=True)
+            works.append(((route,) if tag == 0 and route in recvs else (), work))
     return works
 
 
@@ -512,20 +600,25 @@ def _copy_local(entries: Sequence[_Entry], src_flat: Mapping[str, torch.Tensor],
             _scatter(dst, entry.dst, values)
 
 
-def _unpack(buffer: torch.Tensor, placed: Sequence[_Placed], dst_flat: Mapping[str, torch.Tensor],
-            verify: bool) -> None:
-    """Place a received route's entries in the destination shards, checking them against the sender's sums."""
-    sums = buffer[:_CHECKSUM_BYTES * len(placed)].view(torch.float64).view(-1, 2) if verify else None
-    for index, item in enumerate(placed):
+def _unpack(rb: _RouteBuffer, dst_flat: Mapping[str, torch.Tensor]) -> None:
+    """Place a received route's packed entries in the destination shards, checking them against the sender's
+    sums (if verifying)."""
+    for index, item in enumerate(rb.placed):
         target = dst_flat[item.entry.param]
         if item.index is not None:
             target.index_copy_(0, item.index, item.values)
         for view, run in item.chunks:
             _strided(target, run).copy_(view)
-        if sums is not None:
+        if rb.sums is not None:
             landed = torch.empty_like(item.values)
             _gather(target, item.entry.dst, landed)  # read back what landed, in the sender's order
-            _check(item.entry, sums[index], _checksum(landed))
+            _check(item.entry, rb.sums[index], _checksum(landed))
+
+
+def _check_direct(rb: _RouteBuffer, dst_flat: Mapping[str, torch.Tensor]) -> None:
+    """Check a received route's direct entries, where they landed, against the sender's sums."""
+    for index, entry in enumerate(rb.direct, start=len(rb.placed)):
+        _check(entry, rb.sums[index], _checksum(_dst_view(dst_flat, entry)))
 
 
 def _check(entry: _Entry, expected: torch.Tensor, actual: torch.Tensor) -> None:
