@@ -3,25 +3,32 @@
 Stage splitting (names, the error for an uneven split, stages chained in one process) is checked without any
 spawn. One spawn of two processes runs every multi-process check: each rank holds one stage of llama-1m
 (4 layers, 2 per stage) and an unsplit copy built from the same seed, runs the GPipe schedule with its peer and
-sends plain numbers back; the tests assert on them in the parent.
+sends plain numbers back; the tests assert on them in the parent. The MFC ops (:mod:`loomrl.algorithms.ops`)
+are checked there too: with the plan's micro-batches, a staged role's log-probs, values, gradients and
+statistics are those of the unsplit model run as one micro-batch.
 """
 
 from __future__ import annotations
 
+from functools import partial
 from typing import Any, Callable
 
 import pytest
 import torch
 import torch.distributed as dist
 
-from loomrl.parallel.spawn import run_world
-
+from loomrl.algorithms.ops import logprob_op, train_loop, values_op
+from loomrl.algorithms.roles import OpContext, Role
+from loomrl.algorithms.workflows import _actor_loss, _critic_loss
+from loomrl.config import AlgoConfig
 from loomrl.errors import ConfigError
 from loomrl.models.heads import score_head, token_logprobs, token_values
 from loomrl.models.tokenizer import build_char_tokenizer
 from loomrl.models.zoo import build_causal_lm, build_value_model
 from loomrl.parallel.pipeline import check_pipeline, split_stages
 from loomrl.parallel.pipeline_schedule import PipelineRunner, clip_grad_norm_pp, micro_batch_slices
+from loomrl.parallel.spawn import run_world
+from loomrl.workflow.batch import Batch, pack_sequences, response_mask
 
 WORLD = 2
 TIMEOUT_S = 240
@@ -124,7 +131,8 @@ def _all_checks(rank: int) -> dict:
     # A subgroup rather than WORLD, so group ranks and global ranks are both exercised by send/recv.
     group = dist.new_group([0, 1])
     return {"logits": _logits_diffs(rank, group), "logp": _logp_diff(rank, group),
-            "values": _values_diff(rank, group), "step": _adamw_step(rank, group)}
+            "values": _values_diff(rank, group), "step": _adamw_step(rank, group),
+            "ops": _op_micro_batching(rank, group)}
 
 
 def _runner(model: torch.nn.Module, rank: int, group: Any) -> PipelineRunner:
@@ -204,6 +212,114 @@ def _adamw_step(rank: int, group: Any) -> dict:
             "moved": max((p - before[n]).abs().max().item() for n, p in stage.named_parameters())}
 
 
+# Responses of very different lengths (0, 1, 2, 8 and 7 tokens): micro-batches of 2 hold 3 and 15 loss tokens,
+# of 3 hold 1, 10 and 7, and of 5 include one without any (its loss must add nothing, not 0/0).
+PROMPTS = ([1, 5, 6], [1, 7], [1, 8, 9, 10], [1, 11], [1, 12, 13])
+RESPONSES = ([], [5], [7, 9], [3, 4, 5, 6, 7, 8, 9, 10], [11, 12, 13, 14, 15, 16, 17])
+OP_MICRO_BATCHES = (1, 2, 3, 5)
+OP_WEIGHT = 0.5
+"""A data-parallel rank's loss weight (its share of the step's tokens): scales gradients, not statistics."""
+
+
+def _op_batch() -> Batch:
+    """Rollout columns for both train ops: random advantages, returns and old values, behaviour and reference
+    log-probs a little off the model's (so ratios clip somewhere and the KL is not zero)."""
+    gen = torch.Generator().manual_seed(5)
+    mask = response_mask(RESPONSES)
+    noise = lambda scale: torch.randn(mask.shape, generator=gen) * scale * mask  # noqa: E731
+    return Batch(list(range(len(PROMPTS))), {
+        "prompt_ids": [list(p) for p in PROMPTS], "response_ids": [list(r) for r in RESPONSES], "mask": mask,
+        "advantages": noise(1.0), "returns": noise(1.0), "values": noise(0.3), "logp": noise(0.3) - 3.5,
+        "ref_logp": noise(0.3) - 3.5})
+
+
+def _op_role(name: str, model: torch.nn.Module, rank: int | None, group: Any) -> Role:
+    """A trainable role, staged when ``rank`` is given; its optimizer leaves the weights (and gradients) be."""
+    pipeline = None if rank is None else _runner(model, rank, group)
+    model = model if pipeline is None else pipeline.stage.model
+    return Role(name, model, torch.optim.SGD(model.parameters(), lr=0.0), grad_clip=1e9, pipeline=pipeline)
+
+
+def _op_context(role: Role, micro_batches: int, rows: int) -> OpContext:
+    tok = build_char_tokenizer()
+    return OpContext(role, 0, 0, tok.pad_token_id, tok.eos_token_id, str,
+                     train_steps=((tuple(range(rows)), OP_WEIGHT),), micro_batches=micro_batches)
+
+
+OP_ALGO = AlgoConfig(entropy_coef=0.01, kl_coef=0.1)
+
+
+def _loss_fn(ctx: OpContext) -> Callable:
+    """The workflow's loss of the context's role: PPO's critic loss, or the actor's with entropy and KL terms."""
+    if ctx.role.name == "critic":
+        return partial(_critic_loss, ctx, algo=OP_ALGO)
+    return partial(_actor_loss, ctx, algo=OP_ALGO, temperature=0.9, old_key="logp", kl_in_loss=True)
+
+
+def _train(role: Role, micro_batches: int) -> tuple[dict, dict[str, torch.Tensor]]:
+    """One optimizer step of ``train_loop`` over the whole op batch: its statistics and the gradients."""
+    batch = _op_batch()
+    ctx = _op_context(role, micro_batches, len(batch))
+    stats = train_loop(ctx, batch, _loss_fn(ctx))["stats"]
+    return stats, {n: p.grad.detach().clone() for n, p in role.model.named_parameters() if p.grad is not None}
+
+
+def _diffs(got: tuple[dict, dict], want: tuple[dict, dict]) -> dict:
+    """Largest relative differences of the statistics got and of the gradients got (a stage's part)."""
+    (stats, grads), (want_stats, want_grads) = got, want
+    scale = max(g.abs().max().item() for g in want_grads.values())
+    return {"stats": {k: abs(v - want_stats[k]) / max(abs(want_stats[k]), 1e-6) for k, v in stats.items()},
+            "grads": max((g - want_grads[n]).abs().max().item() for n, g in grads.items()) / scale,
+            "grad_names": sorted(grads)}
+
+
+def _op_micro_batching(rank: int, group: Any) -> dict:
+    """Train and inference ops on a staged role with 1, 2, 3 and 5 micro-batches, and on the unsplit role with
+    3 (gradient accumulation), against the unsplit role with one; plus how far a row-weighted average of the
+    micro-batch losses would be off (to show the token weighting is exercised)."""
+    tok = build_char_tokenizer()
+    out: dict[str, Any] = {}
+    for name, build in (("actor", lambda: build_causal_lm("llama-1m", tok, seed=0)), ("critic", _value_model)):
+        want = _train(_op_role(name, build(), None, group), 1)
+        out[name] = {m: _diffs(_train(_op_role(name, build(), rank, group), m), want) for m in OP_MICRO_BATCHES}
+        out[name]["unstaged3"] = _diffs(_train(_op_role(name, build(), None, group), 3), want)
+        out[name]["want_stats"] = sorted(want[0])
+    batch, ref = _op_batch(), _op_role("actor", build_causal_lm("llama-1m", tok, seed=0), None, group)
+    ctx = _op_context(ref, 1, len(batch))
+    want = logprob_op(ctx, batch, "x", 0.9)["x"]
+    staged = _op_role("actor", build_causal_lm("llama-1m", tok, seed=0), rank, group)
+    out["logprob"] = {m: (logprob_op(_op_context(staged, m, 5), batch, "x", 0.9)["x"] - want)[batch["mask"] > 0]
+                      .abs().max().item() for m in (2, 3, 8)}  # 8 > rows: clipped to one row each
+    critic_want = values_op(_op_context(_op_role("critic", _value_model(), None, group), 1, 5), batch)["values"]
+    critic = _op_role("critic", _value_model(), rank, group)
+    out["values"] = {m: (values_op(_op_context(critic, m, 5), batch)["values"] - critic_want)[batch["mask"] > 0]
+                     .abs().max().item() for m in (2, 3)}
+    out["naive_gap"] = _row_weighted_gap()
+    return out
+
+
+def _row_weighted_gap() -> float:
+    """|row-weighted mean of the 2 micro-batches' token-mean policy losses − the batch's token-mean| / |the
+    latter|: what weighting micro-batches by rows instead of loss tokens would get wrong on this batch."""
+    model, batch = build_causal_lm("llama-1m", build_char_tokenizer(), seed=0), _op_batch()
+    ctx = _op_context(Role("actor", model), 1, len(batch))
+    loss_fn = _loss_fn(ctx)
+
+    def loss_of(rows: range) -> float:
+        part = batch.select(rows)
+        ids_BL, attn_BL, plen_B = pack_sequences(part["prompt_ids"], part["response_ids"], ctx.pad_id,
+                                                 ctx.role.device)
+        with torch.no_grad():
+            return float(loss_fn(part, model(input_ids=ids_BL, attention_mask=attn_BL).logits,
+                                 (ids_BL, attn_BL, plen_B))[0])
+
+    parts = micro_batch_slices(len(batch), 2)
+    rows = [range(s.start, s.stop) for s in parts]
+    naive = sum(len(r) * loss_of(r) for r in rows) / len(batch)
+    whole = loss_of(range(len(batch)))
+    return abs(naive - whole) / abs(whole)
+
+
 # --------------------------------------------------------------------------------------- assertions
 def test_pp_logits_equal_unsplit_for_any_micro_batching(ranks):
     for result in ranks:
@@ -231,3 +347,60 @@ def test_pp_adamw_step_with_clipping_equals_single_process(ranks):
         assert abs(pp_norm - ref_norm) < 1e-5 * ref_norm
         assert result["step"]["moved"] > 1e-4
         assert result["step"]["param_diff"] < 1e-5
+
+
+def test_ops_with_micro_batches_on_a_staged_role_equal_one_micro_batch_unsplit(ranks):
+    """Train ops: every micro-batch count gives the one-micro-batch gradients (each stage its part) and, on the
+    last stage, the same token-mean statistics; so does gradient accumulation on the unsplit role."""
+    assert ranks[0]["ops"]["naive_gap"] > 0.05, "the batch must make row weighting differ from token weighting"
+    for rank, result in enumerate(ranks):
+        for name in ("actor", "critic"):
+            ops = result["ops"][name]
+            for m in (*OP_MICRO_BATCHES, "unstaged3"):
+                diffs = ops[m]
+                assert diffs["grads"] < 1e-5, (rank, name, m, diffs["grads"])
+                assert diffs["grad_names"], (rank, name, m)
+                assert all(d < 1e-5 for d in diffs["stats"].values()), (rank, name, m, diffs["stats"])
+                if rank == 1 or m == "unstaged3":  # the last stage publishes the loss statistics
+                    assert sorted(diffs["stats"]) == ops["want_stats"], (rank, name, m)
+                else:
+                    assert sorted(diffs["stats"]) == [f"{name}/grad_norm"], (rank, name, m)
+
+
+def test_inference_ops_with_micro_batches_on_a_staged_role_equal_unsplit(ranks):
+    """Each micro-batch's log-probs are of its own rows' tokens; more micro-batches than rows is clipped."""
+    for result in ranks:
+        assert all(d < 1e-5 for d in result["ops"]["logprob"].values()), result["ops"]["logprob"]
+        assert all(d < 1e-5 for d in result["ops"]["values"].values()), result["ops"]["values"]
+
+
+# ------------------------------------------------------------- single process: what the ops ask the pipeline
+class _SpyPipeline:
+    """A one-stage pipeline (pp=1, nothing communicated) that records the micro-batches each call asks for."""
+
+    def __init__(self, model: torch.nn.Module):
+        self.runner = PipelineRunner(split_stages(model, 0, 1), None, 0, 1)
+        self.stage, self.group = self.runner.stage, None
+        self.asked: list[int] = []
+
+    def forward(self, ids_BL, attn_BL, micro_batches: int = 1, **kwargs):
+        self.asked.append(micro_batches)
+        return self.runner.forward(ids_BL, attn_BL, micro_batches, **kwargs)
+
+    def train_step_backward(self, ids_BL, attn_BL, loss_fn, micro_batches: int = 1, **kwargs):
+        self.asked.append(micro_batches)
+        return self.runner.train_step_backward(ids_BL, attn_BL, loss_fn, micro_batches, **kwargs)
+
+
+@pytest.mark.parametrize("micro_batches,runs", [(1, 1), (3, 3), (8, 5)], ids=["one", "three", "clipped_to_rows"])
+def test_ops_run_the_contexts_micro_batches_through_the_pipeline(micro_batches, runs):
+    """Inference and training ask the pipeline for ``ctx.micro_batches`` (at most one per row: 5 here)."""
+    batch = _op_batch()
+    actor = _SpyPipeline(build_causal_lm("llama-1m", build_char_tokenizer(), seed=0))
+    role = Role("actor", actor.stage.model, torch.optim.SGD(actor.stage.parameters(), lr=0.0), pipeline=actor)
+    ctx = _op_context(role, micro_batches, len(batch))
+    logprob_op(ctx, batch, "x", 1.0)
+    train_loop(ctx, batch, _loss_fn(ctx))
+    critic = _SpyPipeline(_value_model())
+    values_op(_op_context(Role("critic", critic.stage.model, pipeline=critic), micro_batches, len(batch)), batch)
+    assert actor.asked == [runs, runs] and critic.asked == [runs]

@@ -2,9 +2,10 @@
 
 Equivalence (3 PPO iterations, tiny model, float32): the runtime on 1 device, on 2 devices with DP=2, on 2
 devices with TP=2 for the actor, with PP=2 for actor and critic, and on 4 devices with PP=2 × TP=2 for both
-(generation reallocated to DP=2 × TP=2) gives the same samples as the reference (so every sample-derived
-metric is identical) and the same losses within 1e-4 relative. Why 1e-4: the only differences are the order of
-floating-point sums (gradients summed over DP ranks, TP row-parallel reductions), about 1e-7 relative per
+(generation reallocated to DP=2 × TP=2), and plans with several micro-batches per call (pipelined or
+accumulated), gives the same samples as the reference (so every sample-derived metric is identical) and the
+same losses within 1e-4 relative. Why 1e-4: the only differences are the order of floating-point sums
+(gradients summed over DP ranks and micro-batches, TP row-parallel reductions), about 1e-7 relative per
 operation, which three iterations of Adam amplify to well under 1e-5; 1e-4 leaves room without hiding a
 real bug, which moves losses by orders of magnitude more.
 """
@@ -159,6 +160,13 @@ def test_an_exception_in_an_mfc_names_worker_role_and_mfc(tmp_path):
     assert not any(_alive(p) for p in pids)
 
 
+PIPELINE_MB = ("actor_gen=0-1:dp2; ref_inf=0-1:pp2mb2; reward_inf=0-1:dp2; critic_inf=0-1:pp2mb3; "
+               "actor_train=0-1:pp2mb2; critic_train=0-1:pp2mb2; advantages=0:dp1")
+"""Actor and critic pipelined with several micro-batches in training and inference: 8 rows of inference in 4 + 4
+and 3 + 3 + 2, each 4-row minibatch in 2 + 2 (the first iteration's responses differ in length, so some
+micro-batches weigh more than their share of rows)."""
+
+
 @pytest.mark.parametrize("plan,devices", [
     ("colocate", 2), ("interleave", 2), ("separate", 2),
     ("actor_gen=0-1:tp2; actor_train=0-1:dp2; ref_inf=0:dp1; reward_inf=1:dp1; critic_inf=0-1:dp2; "
@@ -170,8 +178,11 @@ def test_an_exception_in_an_mfc_names_worker_role_and_mfc(tmp_path):
      "critic_train=0-3:pp2dp2; advantages=0:dp1", 4),
     ("actor_gen=0-3:dp4; actor_train=0-3:pp2tp2; ref_inf=0-3:pp2tp2; reward_inf=0-3:dp4; critic_inf=0-3:dp2tp2; "
      "critic_train=0-3:pp2tp2; advantages=0:dp1", 4),
+    (PIPELINE_MB, 2),
+    ("actor_gen=0-1:tp2; actor_train=0-1:dp2mb2; ref_inf=0-1:dp2mb3; reward_inf=0-1:dp2; critic_inf=0-1:dp2mb2; "
+     "critic_train=0-1:dp2mb2; advantages=0:dp1", 2),
 ], ids=["colocate2", "interleave2", "separate2", "realloc_tp2", "pipeline2", "colocate4", "interleave4", "separate4",
-        "pipeline_dp4", "pipeline_tp4"])
+        "pipeline_dp4", "pipeline_tp4", "pipeline2_micro_batches", "dp2_micro_batches"])
 def test_plans_match_the_reference(tmp_path, reference, plan, devices):
     """Every placement strategy computes the reference run: per-call meshes and layouts, reallocation of the
     actor between its training and generation layouts, shadow sync, concurrent calls on disjoint devices."""
@@ -186,6 +197,30 @@ def test_plans_match_the_reference(tmp_path, reference, plan, devices):
     got = [json.loads(line) for line in (tmp_path / "plan" / "metrics.jsonl").read_text().splitlines()]
     _assert_equivalent(got, reference)
     assert got[-1]["eval/exact_match"] == reference[-1]["eval/exact_match"]
+
+
+def test_workers_run_each_call_with_the_plans_micro_batches(tmp_path):
+    """The plan's micro-batches reach every MFC's OpContext on a worker (generation's too; its op ignores them)."""
+    from loomrl.algorithms.roles import Role
+    from loomrl.algorithms.workflows import build_workflow
+    from loomrl.plan import ClusterSpec
+    from loomrl.runtime.placement import execution_plan, runtime_placement
+    from loomrl.runtime.worker import DeviceWorker, MFCCall
+    from loomrl.train import common
+
+    cfg = _cfg(tmp_path, "mb", "runtime.executor=ray", "runtime.devices=2")
+    cfg = dataclasses.replace(cfg, runtime=dataclasses.replace(cfg.runtime, plan=PIPELINE_MB))
+    workflow, cluster = build_workflow(cfg.algo, cfg.rollout), ClusterSpec(nodes=1, devices_per_node=2)
+    tokenizer = common.tokenizer_for(cfg.actor.model)
+    placement = runtime_placement(execution_plan(cfg, workflow, cluster), workflow, cluster, cfg, tokenizer)
+    want = {"actor_gen": 1, "ref_inf": 2, "reward_inf": 1, "critic_inf": 3, "actor_train": 2, "critic_train": 2,
+            "advantages": 1}
+    assert placement.mfc_micro_batches == want
+    worker = DeviceWorker(0, 2, cfg)  # not set up: only what _context reads is filled in
+    worker.placement, worker.tokenizer, worker.decode = placement, tokenizer, str
+    worker.roles = {(m.role, placement.mfc_keys[m.name]): Role(m.role) for m in workflow if m.role is not None}
+    got = {m.name: worker._context(m, MFCCall(m.name, 0, (), ())).micro_batches for m in workflow}
+    assert got == want
 
 
 def test_a_reference_checkpoint_resumes_on_a_pipeline_plan(tmp_path, reference):

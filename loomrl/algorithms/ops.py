@@ -5,6 +5,11 @@ under ``stats``). Hyper-parameters are bound with :func:`functools.partial` by t
 :mod:`loomrl.algorithms.workflows`. Ops see whatever rows the executor gives them: a whole batch in the
 reference executor, one data-parallel shard on a worker.
 
+Inference and training ops cut their rows into ``ctx.micro_batches`` contiguous micro-batches (at most one per
+row; :func:`micro_batch_rows`), as the execution plan priced them: a pipeline-parallel role runs them through
+its GPipe schedule, an unstaged role one after another (its training accumulating gradients). Generation
+ignores micro-batches: the rollout engine decodes all live samples together.
+
 Legend: B = samples, R = response tokens (right-padded), L = prompt + response (right-padded).
 """
 
@@ -16,7 +21,7 @@ import torch
 
 from loomrl.algorithms.roles import OpContext
 from loomrl.models.heads import last_real_index, logprobs_from_logits, model_outputs
-from loomrl.parallel.pipeline_schedule import clip_grad_norm_pp
+from loomrl.parallel.pipeline_schedule import clip_grad_norm_pp, micro_batch_slices
 from loomrl.rollout import SamplingParams, generate, stream_keys
 from loomrl.workflow.batch import Batch, pack_sequences, pad_right, response_columns, response_mask
 
@@ -42,16 +47,32 @@ def _packed(ctx: OpContext, batch: Batch, response_key: str = "response_ids"):
     return pack_sequences(batch["prompt_ids"], batch[response_key], ctx.pad_id, device)
 
 
+def micro_batch_rows(ctx: OpContext, rows: int) -> list[slice]:
+    """The contiguous row ranges an op over ``rows`` rows runs as: ``ctx.micro_batches`` of them, clipped to
+    one per row, in the pipeline schedule's order (:func:`~loomrl.parallel.pipeline_schedule.micro_batch_slices`)."""
+    return micro_batch_slices(rows, max(1, min(ctx.micro_batches, rows)))
+
+
+OutputFn = Callable[[torch.Tensor, slice], torch.Tensor]
+"""``output_fn(outputs, rows)``: what to keep of the per-position outputs of the micro-batch of ``rows`` (a slice
+of the call's packed rows), e.g. log-probs of those rows' tokens instead of their logits."""
+
+
 def role_outputs(ctx: OpContext, ids_BL: torch.Tensor, attn_BL: torch.Tensor,
-                 output_fn: Callable[[torch.Tensor], torch.Tensor] | None = None) -> torch.Tensor:
-    """The role's per-position outputs (logits for a policy, values for a value model), reduced by
-    ``output_fn``; a pipeline-parallel role computes them stage by stage and every stage gets the result."""
+                 output_fn: OutputFn | None = None) -> torch.Tensor:
+    """The role's per-position outputs (logits for a policy, values for a value model) for all rows, each
+    micro-batch's reduced by ``output_fn`` and the results concatenated over rows; a pipeline-parallel role
+    computes them stage by stage and every stage gets the result."""
     role = ctx.role
+    parts = micro_batch_rows(ctx, ids_BL.shape[0])
     if role.pipeline is not None:
-        fn = (lambda out, _k: output_fn(out)) if output_fn is not None else None
-        return role.pipeline.forward(ids_BL, attn_BL, output_fn=fn, broadcast_result=True)
-    out = model_outputs(role.model, ids_BL, attn_BL)
-    return output_fn(out) if output_fn is not None else out
+        fn = (lambda out, k: output_fn(out, parts[k])) if output_fn is not None else None
+        return role.pipeline.forward(ids_BL, attn_BL, len(parts), output_fn=fn, broadcast_result=True)
+    kept = []
+    for rows in parts:
+        out = model_outputs(role.model, ids_BL[rows], attn_BL[rows])
+        kept.append(output_fn(out, rows) if output_fn is not None else out)
+    return torch.cat(kept) if len(kept) > 1 else kept[0]
 
 
 @torch.no_grad()
@@ -59,7 +80,8 @@ def logprob_op(ctx: OpContext, batch: Batch, out_key: str, temperature: float) -
     """Per-token log-probs of the responses under the role's (policy) model."""
     ids_BL, attn_BL, plen_B = _packed(ctx, batch)
     width = max(len(r) for r in batch["response_ids"])
-    logp_BL1 = role_outputs(ctx, ids_BL, attn_BL, lambda logits: logprobs_from_logits(logits, ids_BL, temperature))
+    logp_BL1 = role_outputs(ctx, ids_BL, attn_BL,
+                            lambda logits, rows: logprobs_from_logits(logits, ids_BL[rows], temperature))
     return {out_key: response_columns(logp_BL1, plen_B, width).float().cpu()}
 
 
@@ -94,24 +116,51 @@ LossFn = Callable[[Batch, torch.Tensor, tuple], tuple[torch.Tensor, dict]]
 outputs (logits or values) and the packed sequences ``(ids_BL, attn_BL, prompt_len_B)``."""
 
 
+def loss_tokens(mb: Batch) -> list[int]:
+    """Per row, the tokens a :data:`LossFn`'s token-mean runs over: its response mask's real tokens (its
+    response length without a mask, as the executors weight steps; 1 per row without either)."""
+    if "mask" in mb:
+        return [int(n) for n in (mb["mask"] != 0).sum(dim=1).tolist()]
+    if "response_ids" in mb:
+        return [len(r) for r in mb["response_ids"]]
+    return [1] * len(mb)
+
+
 def _backward(ctx: OpContext, mb: Batch, loss_fn: LossFn, weight: float) -> dict:
-    """Forward, loss and backward of one minibatch (through the pipeline when the role is staged)."""
+    """Forward, loss and backward of one minibatch, micro-batch by micro-batch (through the pipeline's GPipe
+    schedule when the role is staged); returns its statistics (empty on pipeline stages but the last).
+
+    Micro-batch ``k``'s loss is ``loss_fn`` of its rows alone, times its share of the minibatch's loss tokens
+    (:func:`loss_tokens`) and ``weight``: the shares sum to one, so the accumulated gradient is that of the
+    minibatch's token-mean loss times ``weight``, whatever the micro-batching. Statistics (token means) are
+    weighted by the same shares. A micro-batch without loss tokens adds nothing (and is not given to
+    ``loss_fn``, whose mean would be 0/0); a staged role still runs it, the schedule being collective.
+    """
     role = ctx.role
-    packed = _packed(ctx, mb)
-    ids_BL, attn_BL, _ = packed
-    if role.pipeline is None:
-        loss, stats = loss_fn(mb, model_outputs(role.model, ids_BL, attn_BL), packed)
-        (loss * weight).backward()
+    ids_BL, attn_BL, plen_B = _packed(ctx, mb)
+    parts = micro_batch_rows(ctx, len(mb))
+    tokens = loss_tokens(mb)
+    total = max(sum(tokens), 1)
+    shares = [sum(tokens[rows]) / total for rows in parts]
+    stats: dict[str, float] = {}
+
+    def micro_loss(out: torch.Tensor, k: int) -> torch.Tensor:
+        rows = parts[k]
+        if shares[k] == 0:
+            return (out * 0).sum()  # joins the graph, so the backward (and the pipeline's sends) still run
+        part = mb if len(parts) == 1 else mb.select(range(rows.start, rows.stop))
+        loss, got = loss_fn(part, out, (ids_BL[rows], attn_BL[rows], plen_B[rows]))
+        for key, value in got.items():
+            stats[key] = stats.get(key, 0.0) + shares[k] * float(value)
+        return loss * (shares[k] * weight)
+
+    if role.pipeline is not None:
+        role.pipeline.train_step_backward(ids_BL, attn_BL, micro_loss, len(parts))
         return stats
-    stats = {}
-
-    def last_stage_loss(out: torch.Tensor, _k: int) -> torch.Tensor:
-        loss, got = loss_fn(mb, out, packed)
-        stats.update(got)
-        return loss * weight
-
-    role.pipeline.train_step_backward(ids_BL, attn_BL, last_stage_loss)
-    return stats  # empty except on the last stage, which is the one that publishes
+    for k, rows in enumerate(parts):
+        if shares[k]:
+            micro_loss(model_outputs(role.model, ids_BL[rows], attn_BL[rows]), k).backward()
+    return stats
 
 
 def _clip(role) -> float:

@@ -54,3 +54,6 @@ class OpContext:
     of their token-mean loss (their share of the step's tokens over all data-parallel ranks)."""
     sync_grads: Callable[[torch.nn.Module], None] | None = None
     """Sums gradients over the data-parallel group before the optimizer step; None in a single process."""
+    micro_batches: int = 1
+    """Micro-batches the call's rows run as (the plan's ``micro_batches`` for its MFC; 1 in the reference
+    executor). Inference and training ops clip it to their row count; generation ignores it."""

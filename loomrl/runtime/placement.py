@@ -54,6 +54,8 @@ def param_shapes(cfg: TrainConfig, role: str, tokenizer) -> tuple[dict[str, tupl
 
 def runtime_placement(plan: ExecutionPlan, workflow: Workflow, cluster: ClusterSpec, cfg: TrainConfig,
                       tokenizer) -> RuntimePlacement:
+    """Each MFC's allocation and micro-batches, each role's canonical allocation, and the transfers between
+    a role's allocations."""
     mfc_keys = {m.name: _key(plan[m.name]) for m in workflow.topological_order()}
     for m in workflow.topological_order():
         if m.kind == MFCKind.GENERATE and mfc_keys[m.name].pp > 1:
@@ -73,7 +75,8 @@ def runtime_placement(plan: ExecutionPlan, workflow: Workflow, cluster: ClusterS
             transfer = plan_reallocation(shapes[0], shapes[1], (src.devices, src.layout), (dst.devices, dst.layout),
                                          cluster.node_of)
             reallocs.append((role, src, dst, transfer))
-    return RuntimePlacement(mfc_keys, canonical, tuple(reallocs))
+    micro_batches = {m.name: plan[m.name].micro_batches for m in workflow.topological_order()}
+    return RuntimePlacement(mfc_keys, canonical, tuple(reallocs), micro_batches)
 
 
 def trained_roles(workflow: Workflow) -> set[str]:

@@ -13,7 +13,7 @@ from __future__ import annotations
 import os
 import time
 import traceback
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from datetime import timedelta
 from functools import partial
 from pathlib import Path
@@ -93,6 +93,8 @@ class RuntimePlacement:
     """Where each role's weights live: its train call's allocation, else its first call's."""
     reallocs: tuple[tuple[str, AllocKey, AllocKey, ReallocPlan], ...]
     """(role, from, to, transfer plan) for every other allocation of a role, in a fixed order."""
+    mfc_micro_batches: dict[str, int] = field(default_factory=dict)
+    """The micro-batches each MFC's rows on a rank run as (the plan's; 1 for an MFC not listed)."""
 
     def keys_of(self, role: str, workflow) -> list[AllocKey]:
         keys = [self.canonical[role]] + [self.mfc_keys[m.name] for m in workflow.mfcs_of_role(role)]
@@ -208,7 +210,8 @@ class DeviceWorker:
             sync = partial(sync_gradients, dp_group=self.groups[key].dp_group)
         tok = self.tokenizer
         return OpContext(role, self.cfg.seed, call.iteration, tok.pad_token_id, tok.eos_token_id, self.decode,
-                         train_steps=call.train_steps, sync_grads=sync)
+                         train_steps=call.train_steps, sync_grads=sync,
+                         micro_batches=self.placement.mfc_micro_batches.get(mfc.name, 1))
 
     def reallocate(self, index: int) -> dict:
         """Move a role's weights from its canonical layout to another (every source and destination calls)."""
