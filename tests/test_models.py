@@ -276,3 +276,38 @@ def test_sequence_scores_pick_last_real_token(tok):
     assert not torch.allclose(scores, values[:, -1])  # padding would have been read otherwise
     # HF's own reward-model forward (last non-pad token) agrees, so checkpoints mean the same elsewhere.
     assert torch.allclose(scores, hf_scores, atol=1e-5)
+
+
+def test_activation_checkpointing_recomputes_layers_with_the_same_gradients():
+    """The plan's ``rc``: each decoder layer runs again in the backward, and the gradients do not change."""
+    import torch
+
+    from loomrl.algorithms.ops import activation_checkpointing
+    from loomrl.models.tokenizer import build_char_tokenizer
+    from loomrl.models.zoo import build_causal_lm, build_value_model
+
+    tok = build_char_tokenizer()
+    for build in (build_causal_lm, build_value_model):
+        model = build("llama-1m", tok, seed=0)
+        model.train()
+        calls = []
+        # module hooks do not fire in the recomputation: count calls of a submodule's forward itself
+        mlp = model.model.layers[1].mlp
+        forward = mlp.forward
+        mlp.forward = lambda x: calls.append(1) or forward(x)
+        ids = torch.randint(3, 20, (3, 9))
+
+        def grads(recompute: bool) -> list[torch.Tensor]:
+            model.zero_grad(set_to_none=True)
+            calls.clear()
+            with activation_checkpointing(model, recompute):
+                model(input_ids=ids).logits.float().square().mean().backward()
+            return [p.grad.clone() for p in model.parameters()]
+
+        plain = grads(False)
+        assert len(calls) == 1
+        again = grads(True)
+        assert len(calls) == 2  # the forward, then its recomputation in the backward
+        assert all(torch.equal(a, b) for a, b in zip(plain, again))
+        assert not model.model.layers[1].gradient_checkpointing  # off again after the block
+        assert not getattr(model, "_require_grads_hooks", None)  # no hook left behind per call

@@ -181,8 +181,10 @@ micro-batches weigh more than their share of rows)."""
     (PIPELINE_MB, 2),
     ("actor_gen=0-1:tp2; actor_train=0-1:dp2mb2; ref_inf=0-1:dp2mb3; reward_inf=0-1:dp2; critic_inf=0-1:dp2mb2; "
      "critic_train=0-1:dp2mb2; advantages=0:dp1", 2),
+    ("actor_gen=0-1:dp2; actor_train=0-1:tp2rc; ref_inf=0-1:dp2; reward_inf=0-1:dp2; critic_inf=0-1:pp2; "
+     "critic_train=0-1:pp2mb2rc; advantages=0:dp1", 2),
 ], ids=["colocate2", "interleave2", "separate2", "realloc_tp2", "pipeline2", "colocate4", "interleave4", "separate4",
-        "pipeline_dp4", "pipeline_tp4", "pipeline2_micro_batches", "dp2_micro_batches"])
+        "pipeline_dp4", "pipeline_tp4", "pipeline2_micro_batches", "dp2_micro_batches", "recompute"])
 def test_plans_match_the_reference(tmp_path, reference, plan, devices):
     """Every placement strategy computes the reference run: per-call meshes and layouts, reallocation of the
     actor between its training and generation layouts, shadow sync, concurrent calls on disjoint devices."""

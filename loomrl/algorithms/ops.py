@@ -15,6 +15,8 @@ Legend: B = samples, R = response tokens (right-padded), L = prompt + response (
 
 from __future__ import annotations
 
+from contextlib import contextmanager
+
 from typing import Callable
 
 import torch
@@ -179,6 +181,30 @@ def train_loop(ctx: OpContext, batch: Batch, loss_fn: LossFn) -> dict:
     role = ctx.role
     model = role.model
     model.train()
+    with activation_checkpointing(model, ctx.recompute):
+        return _train_steps(ctx, batch, loss_fn)
+
+
+@contextmanager
+def activation_checkpointing(model: torch.nn.Module, on: bool):
+    """Within the block, ``model``'s decoder layers keep only their inputs for the backward and recompute
+    the rest (transformers' gradient checkpointing, non-reentrant: it composes with DTensor parameters and
+    pipeline stages, whose layers are the same modules). Off again afterwards, so inference on the same
+    weights is unaffected."""
+    if not on:
+        yield
+        return
+    model.activation_checkpointing_enable(activation_checkpointing_kwargs={"use_reentrant": False})
+    try:
+        yield
+    finally:
+        model.activation_checkpointing_disable()
+        model.disable_input_require_grads()  # enabling added an embedding hook; do not pile one up per call
+
+
+def _train_steps(ctx: OpContext, batch: Batch, loss_fn: LossFn) -> dict:
+    role = ctx.role
+    model = role.model
     totals: dict[str, float] = {}
     for rows, weight in ctx.train_steps:
         role.optimizer.zero_grad(set_to_none=True)

@@ -57,3 +57,6 @@ class OpContext:
     micro_batches: int = 1
     """Micro-batches the call's rows run as (the plan's ``micro_batches`` for its MFC; 1 in the reference
     executor). Inference and training ops clip it to their row count; generation ignores it."""
+    recompute: bool = False
+    """``train`` MFCs: recompute each decoder layer's activations in the backward instead of keeping them (the
+    plan's ``rc``; activation checkpointing). Same gradients, less memory, one more forward."""

@@ -95,6 +95,8 @@ class RuntimePlacement:
     """(role, from, to, transfer plan) for every other allocation of a role, in a fixed order."""
     mfc_micro_batches: dict[str, int] = field(default_factory=dict)
     """The micro-batches each MFC's rows on a rank run as (the plan's; 1 for an MFC not listed)."""
+    mfc_recompute: frozenset[str] = frozenset()
+    """Train MFCs that recompute activations in the backward (the plan's ``rc``)."""
 
     def keys_of(self, role: str, workflow) -> list[AllocKey]:
         keys = [self.canonical[role]] + [self.mfc_keys[m.name] for m in workflow.mfcs_of_role(role)]
@@ -211,7 +213,8 @@ class DeviceWorker:
         tok = self.tokenizer
         return OpContext(role, self.cfg.seed, call.iteration, tok.pad_token_id, tok.eos_token_id, self.decode,
                          train_steps=call.train_steps, sync_grads=sync,
-                         micro_batches=self.placement.mfc_micro_batches.get(mfc.name, 1))
+                         micro_batches=self.placement.mfc_micro_batches.get(mfc.name, 1),
+                         recompute=mfc.name in self.placement.mfc_recompute)
 
     def reallocate(self, index: int) -> dict:
         """Move a role's weights from its canonical layout to another (every source and destination calls)."""
