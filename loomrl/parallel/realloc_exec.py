@@ -9,7 +9,7 @@ travel in one byte buffer per route, a route being a sender and its receivers:
 - local pieces are copied within the device, and a destination shard identical to the source shard is the
   source tensor itself (the plan calls it aliased).
 
-An entry (a parameter's pieces on one route) of at least :data:`DIRECT_MIN_NUMEL` elements that lies in one
+An entry (a parameter's pieces on one route) of at least :data:`DIRECT_MIN_NUMEL` elements (large weights) that lies in one
 contiguous span of the sender's source shard and of every receiver's destination shard travels *directly*:
 sent from the source shard and received into the destination shard, its own message, never packed or
 unpacked. Every participant derives the same decision from the plan alone.
@@ -57,9 +57,12 @@ _RTOL = 1e-9
 """Relative tolerance of checksums: both sides sum the same values in the same order, so any slack is spare."""
 _MAX_RUNS = 8
 """Most strided runs an entry side is always copied by (a Python call each)."""
-DIRECT_MIN_NUMEL = 1 << 16
-"""Entries this large (and contiguous on both sides) travel directly: a message each costs less than
-packing and unpacking them (two copies of every byte)."""
+DIRECT_MIN_NUMEL = 1 << 20
+"""Entries this large (and contiguous on both sides) travel directly: their own message then costs less
+than packing and unpacking them (two copies of every byte). Measured with 4 gloo processes on 2 cores
+(benchmarks/realloc.py, 2026-11-22): a message costs ~160 µs, and at 64K elements sending entries directly
+made a tp4 → dp4 copy-back 2.4× slower (65 ms vs 27 ms); at a million fp32 elements the two copies saved
+(8 MB at a few GB/s) outweigh a message several times over."""
 _MIN_RUN_NUMEL = 4096
 """Beyond ``_MAX_RUNS`` runs, the least mean elements per run worth a call each; shorter runs are copied with
 an index tensor (8 bytes per element, kept with the schedule) instead."""
