@@ -8,7 +8,9 @@ against. Then, for several pairs of layouts on the mesh 0..world−1, the zoo mo
 random contents) are moved by :func:`loomrl.parallel.realloc_exec.execute_reallocation`: one warm-up run with
 checksum verification whose result every rank also compares with the direct slice of the full parameters,
 then timed repeats, every rank starting at one agreed instant of the machine's monotonic clock and a repeat
-lasting until the slowest rank has finished (the reference broadcast is timed the same way). Delivered rate =
+lasting until the slowest rank has finished (the reference broadcast is timed the same way). Each repeat does
+what the runtime does: the destination copy's parameters were freed after their last use, and the
+reallocation takes their memory back and writes the shards straight into them (``out=``). Delivered rate =
 ``plan.bytes_moved(4)`` / time. "wire ms" times the same route buffers sent and received alone (no packing,
 unpacking, local copies or new shards). The planner's own time is measured in the parent process, alone. The way
 back (tp → dp) is timed as a copy, though returning to the training layout in practice only frees buffers.
@@ -137,10 +139,12 @@ def _common_start() -> float:
     return float(start)
 
 
-def _best_time(fn, repeats: int) -> float:
-    """Best over ``repeats`` of the time from a common start until the slowest rank has finished ``fn``."""
+def _best_time(fn, repeats: int, before=lambda: None) -> float:
+    """Best over ``repeats`` of the time from a common start until the slowest rank has finished ``fn``
+    (``before`` runs ahead of each repeat, untimed)."""
     best = float("inf")
     for _ in range(repeats):
+        before()
         dist.barrier()
         start = _common_start()
         time.sleep(max(0.0, start - time.perf_counter()))
@@ -178,7 +182,20 @@ def measure_pair(setup: Setup, pair: Pair, full: dict[str, torch.Tensor], rank: 
     groups = build_broadcast_groups(plan)  # collective, once per plan, outside the timing
     source = _shards(full, pair.src, rank, setup.num_layers)
     _verified_warm_up(plan, pair, full, source, groups, rank, setup.num_layers)
-    seconds = _best_time(lambda: execute_reallocation(plan, source, rank, groups=groups), setup.repeats)
+    # As the runtime does: the copy's parameters were freed after their last use; the reallocation takes their
+    # memory back and writes the shards straight into them.
+    targets = {name: torch.empty_like(t) for name, t in _shards(full, pair.dst, rank, setup.num_layers).items()}
+
+    def free() -> None:
+        for t in targets.values():
+            t.untyped_storage().resize_(0)
+
+    def refill() -> None:
+        for t in targets.values():
+            t.untyped_storage().resize_(t.numel() * t.element_size())
+        execute_reallocation(plan, source, rank, groups=groups, out=targets)
+
+    seconds = _best_time(refill, setup.repeats, before=free)
     return {"seconds": seconds, "wire_seconds": wire_time(plan, rank, groups, setup.repeats),
             "bytes_moved": plan.bytes_moved(4), "bytes_local": plan.bytes_local(4),
             "pieces": sum(not t.local for t in plan.transfers)}

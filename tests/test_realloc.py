@@ -579,9 +579,22 @@ def _repeated_runs(device: int, full: dict[str, torch.Tensor]) -> list[bool]:
     return ok
 
 
+def _into_given_tensors(scenario: str, device: int, full: dict[str, torch.Tensor]) -> bool:
+    """With ``out=``, the shards land in the caller's tensors (same storage) with the direct slices."""
+    plan = _plan(scenario)
+    src, dst = SCENARIOS[scenario]
+    expected = _my_source(dst, device, full)
+    given = {name: torch.full_like(tensor, float("nan")) for name, tensor in expected.items()}
+    got = execute_reallocation(plan, _my_source(src, device, full), device, dtypes=_dtypes(), verify=True,
+                               out=given)
+    return sorted(got) == sorted(expected) and all(
+        got[n].data_ptr() == given[n].data_ptr() and torch.equal(given[n], expected[n]) for n in expected)
+
+
 def _body(rank: int) -> dict:
     full = _full_params()
     results = {name: _run_scenario(name, rank, full, use_groups=i % 2 == 0) for i, name in enumerate(SCENARIOS)}
+    results["into_out"] = {name: _into_given_tensors(name, rank, full) for name in SCENARIOS}
     realloc_exec.DIRECT_MIN_NUMEL = 1  # again with every contiguous entry sent unpacked, in its own message
     results["direct"] = {name: _run_scenario(name, rank, full, use_groups=i % 2 == 1)
                          for i, name in enumerate(SCENARIOS)}
@@ -606,6 +619,7 @@ def test_gloo_reallocation_gives_every_rank_its_direct_slice(ranks: list[dict], 
         assert result["direct"][scenario] == {"keys_match": True, "mismatched": [], "aliased_ok": True}, \
             (rank, scenario, "direct")
     assert sum(result["direct_entries"] for result in ranks) > 0  # the unpacked path was taken
+    assert all(result["into_out"][scenario] for result in ranks), scenario
 
 
 def test_gloo_scenarios_cover_broadcasts_and_point_to_point():

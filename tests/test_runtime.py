@@ -218,6 +218,7 @@ def test_workers_run_each_call_with_the_plans_micro_batches(tmp_path):
     want = {"actor_gen": 1, "ref_inf": 2, "reward_inf": 1, "critic_inf": 3, "actor_train": 2, "critic_train": 2,
             "advantages": 1}
     assert placement.mfc_micro_batches == want
+    assert placement.offloaded == {"ref", "reward"}  # frozen roles sharing devices with others (offloaded on GPUs)
     worker = DeviceWorker(0, 2, cfg)  # not set up: only what _context reads is filled in
     worker.placement, worker.tokenizer, worker.decode = placement, tokenizer, str
     worker.roles = {(m.role, placement.mfc_keys[m.name]): Role(m.role) for m in workflow if m.role is not None}

@@ -348,7 +348,8 @@ def execute_reallocation(plan: ReallocPlan, src_tensors: Mapping[str, torch.Tens
                          rank_of: Mapping[int, int] | None = None,
                          groups: Mapping[tuple[int, ...], dist.ProcessGroup] | None = None,
                          dtypes: torch.dtype | Mapping[str, torch.dtype] = torch.float32,
-                         device: torch.device | str = "cpu", verify: bool = False) -> dict[str, torch.Tensor]:
+                         device: torch.device | str = "cpu", verify: bool = False,
+                         out: Mapping[str, torch.Tensor] | None = None) -> dict[str, torch.Tensor]:
     """Run ``plan`` on ``my_device``; return its destination shards (parameter name → local tensor).
 
     ``src_tensors``: this device's source shards as it holds them (plain local tensors, e.g. a DTensor's
@@ -360,7 +361,10 @@ def execute_reallocation(plan: ReallocPlan, src_tensors: Mapping[str, torch.Tens
     its sender, raising :class:`ReallocVerificationError` naming the parameter.
 
     Destination shards the plan marks aliased are views of the source tensors; all others are new tensors,
-    which :attr:`ReallocPlan.free_after` lists for release when returning to the source layout. The first call
+    which :attr:`ReallocPlan.free_after` lists for release when returning to the source layout. Given ``out``
+    (parameter name → a contiguous tensor of the destination shard's shape and dtype, e.g. the parameters of
+    the model in the destination layout), the shards are written there instead, aliased ones copied: no
+    allocation and no copy afterwards. The first call
     with a plan compiles this device's schedule and route buffers, which later calls with the same plan
     object reuse (see :func:`compile_schedule`).
     """
@@ -369,7 +373,8 @@ def execute_reallocation(plan: ReallocPlan, src_tensors: Mapping[str, torch.Tens
         groups = build_broadcast_groups(plan, rank_of)
     schedule = compile_schedule(plan, my_device)
     src_flat = _source_views(schedule, src_tensors, dtype_of)
-    out = _allocate_destination(schedule, src_tensors, dtype_of, device)
+    out = _allocate_destination(schedule, src_tensors, dtype_of, device) if out is None \
+        else _given_destination(schedule, src_tensors, dtype_of, out)
     dst_flat = {name: tensor.view(-1) for name, tensor in out.items()}
     device = torch.device(device)
     if schedule._lock.acquire(blocking=False):
@@ -492,6 +497,24 @@ def _allocate_destination(schedule: ReallocSchedule, src_tensors: Mapping[str, t
             out[name] = src_tensors[name].detach().reshape(local_shape)
         else:
             out[name] = torch.empty(local_shape, dtype=dtype_of(name), device=device)
+    return out
+
+
+def _given_destination(schedule: ReallocSchedule, src_tensors: Mapping[str, torch.Tensor], dtype_of: DtypeOf,
+                       given: Mapping[str, torch.Tensor]) -> dict[str, torch.Tensor]:
+    """The caller's destination tensors, checked against the plan; aliased shards are copied into them."""
+    out: dict[str, torch.Tensor] = {}
+    for name, local_shape, aliased in schedule.dst_shapes:
+        tensor = given.get(name)
+        if tensor is None:
+            raise ValueError(f"{name}: device {schedule.device} has a destination shard but out has no tensor")
+        if tuple(tensor.shape) != tuple(local_shape) or tensor.dtype != dtype_of(name) or not tensor.is_contiguous():
+            raise ValueError(f"{name}: out holds a {tuple(tensor.shape)} {tensor.dtype} tensor (contiguous: "
+                             f"{tensor.is_contiguous()}); the destination shard of device {schedule.device} is a "
+                             f"contiguous {tuple(local_shape)} {dtype_of(name)} tensor")
+        out[name] = tensor.detach()
+        if aliased:
+            out[name].copy_(src_tensors[name].detach().reshape(local_shape))
     return out
 
 

@@ -77,7 +77,8 @@ def runtime_placement(plan: ExecutionPlan, workflow: Workflow, cluster: ClusterS
             reallocs.append((role, src, dst, transfer))
     micro_batches = {m.name: plan[m.name].micro_batches for m in workflow.topological_order()}
     recompute = frozenset(m.name for m in workflow.topological_order() if plan[m.name].recompute)
-    return RuntimePlacement(mfc_keys, canonical, tuple(reallocs), micro_batches, recompute)
+    return RuntimePlacement(mfc_keys, canonical, tuple(reallocs), micro_batches, recompute,
+                            frozenset(plan.offloaded_roles(workflow)))
 
 
 def trained_roles(workflow: Workflow) -> set[str]:

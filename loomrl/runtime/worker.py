@@ -33,6 +33,7 @@ from loomrl.parallel.allocations import AllocationGroups, AllocKey
 from loomrl.plan.realloc_plan import ReallocPlan
 from loomrl.parallel.pipeline import split_stages
 from loomrl.parallel.pipeline_schedule import PipelineRunner
+from loomrl.runtime.offload import HostCopy
 from loomrl.runtime.state_io import FullOptimizerState, merge_optimizer_states
 from loomrl.train import common
 from loomrl.train.evaluate import evaluate_policy
@@ -97,6 +98,8 @@ class RuntimePlacement:
     """The micro-batches each MFC's rows on a rank run as (the plan's; 1 for an MFC not listed)."""
     mfc_recompute: frozenset[str] = frozenset()
     """Train MFCs that recompute activations in the backward (the plan's ``rc``)."""
+    offloaded: frozenset[str] = frozenset()
+    """Frozen roles kept in host memory between their calls (the plan's offloaded roles; on accelerators)."""
 
     def keys_of(self, role: str, workflow) -> list[AllocKey]:
         keys = [self.canonical[role]] + [self.mfc_keys[m.name] for m in workflow.mfcs_of_role(role)]
@@ -149,6 +152,12 @@ class DeviceWorker:
                     trainable = role in trained and key == placement.canonical[role]
                     self.roles[(role, key)] = make_role(self.cfg, role, model, self.task, trainable)
                     self.roles[(role, key)].pipeline = pipeline
+        # Offloading to host memory frees device memory only where the device is not the host itself.
+        self.host_copies = {} if self.device.type == "cpu" else {
+            (role, key): HostCopy(handle.model) for (role, key), handle in self.roles.items()
+            if role in placement.offloaded and handle.model is not None}
+        for copy in self.host_copies.values():
+            copy.release()
         # Creating groups is collective: every rank builds every transfer's broadcast groups, in order.
         self.bcast = [build_broadcast_groups(plan) for _, _, _, plan in placement.reallocs]
         return {"rank": self.rank, "pid": os.getpid(), "device": str(self.device)}
@@ -187,10 +196,15 @@ class DeviceWorker:
     def run_mfc(self, call: MFCCall) -> dict:
         mfc = self.workflow[call.mfc]
         start = time.time()
+        offloaded = self.host_copies.get((mfc.role, self.placement.mfc_keys[mfc.name]))
         try:
             shards = _get(list(call.inputs))
             batch = gather_rows(shards, call.sample_ids, mfc.inputs)
+            if offloaded is not None:
+                offloaded.restore()
             out = mfc.op(self._context(mfc, call), batch)
+            if offloaded is not None:
+                offloaded.release()
         except Exception as exc:
             raise WorkerError(f"worker {self.rank} failed in MFC '{mfc.name}' (role {mfc.role}): "
                               f"{type(exc).__name__}: {exc}\n{traceback.format_exc()}") from None
@@ -223,17 +237,17 @@ class DeviceWorker:
         src_role, dst_role = self.roles.get((role, src)), self.roles.get((role, dst))
         dtype = next((src_role or dst_role).model.parameters()).dtype
         src_tensors = {n: _local(p).detach() for n, p in src_role.model.named_parameters()} if src_role else {}
-        out = execute_reallocation(plan, src_tensors, self.rank, groups=self.bcast[index], dtypes=dtype,
-                                   device=self.device,
-                                   verify=self.cfg.runtime.verify_reallocation)
-        if dst_role is not None:
-            with torch.no_grad():
-                for name, param in dst_role.model.named_parameters():
-                    local = _local(param)
-                    storage = local.untyped_storage()
-                    if storage.size() == 0:  # freed after its last use: take the memory back
-                        storage.resize_(local.numel() * local.element_size())
-                    local.copy_(out[name])
+        targets = None
+        if dst_role is not None:  # the transfer writes straight into the copy's parameters
+            targets = {}
+            for name, param in dst_role.model.named_parameters():
+                local = _local(param).detach()
+                storage = local.untyped_storage()
+                if storage.size() == 0:  # freed after its last use: take the memory back
+                    storage.resize_(local.numel() * local.element_size())
+                targets[name] = local
+        execute_reallocation(plan, src_tensors, self.rank, groups=self.bcast[index], dtypes=dtype,
+                             device=self.device, verify=self.cfg.runtime.verify_reallocation, out=targets)
         return {"start": start, "end": time.time(), "rank": self.rank}
 
     def free_view(self, role: str, key: AllocKey) -> dict:
