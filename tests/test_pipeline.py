@@ -16,49 +16,31 @@ from typing import Any, Callable
 import pytest
 import torch
 import torch.distributed as dist
+from pipeline_helpers import (
+    LENGTHS,
+    MAX_NORM,
+    adamw_steps,
+    logp_from_logits,
+    ragged_batch,
+    value_model,
+    values_diff,
+)
 
 from loomrl.algorithms.ops import logprob_op, train_loop, values_op
 from loomrl.algorithms.roles import OpContext, Role
 from loomrl.algorithms.workflows import _actor_loss, _critic_loss
 from loomrl.config import AlgoConfig
 from loomrl.errors import ConfigError
-from loomrl.models.heads import score_head, token_logprobs, token_values
+from loomrl.models.heads import token_logprobs
 from loomrl.models.tokenizer import build_char_tokenizer
-from loomrl.models.zoo import build_causal_lm, build_value_model
+from loomrl.models.zoo import build_causal_lm
 from loomrl.parallel.pipeline import check_pipeline, split_stages
-from loomrl.parallel.pipeline_schedule import PipelineRunner, clip_grad_norm_pp, micro_batch_slices
+from loomrl.parallel.pipeline_schedule import PipelineRunner, micro_batch_slices
 from loomrl.parallel.spawn import run_world
 from loomrl.workflow.batch import Batch, pack_sequences, response_mask
 
 WORLD = 2
 TIMEOUT_S = 240
-LR = 1e-3
-MAX_NORM = 0.05
-"""Small enough that the test gradients (norm ~1) are clipped."""
-
-# Right-padded rows of different lengths: 10, 7, 4 and 9 real tokens.
-LENGTHS = (10, 7, 4, 9)
-
-
-def _batch() -> tuple[torch.Tensor, torch.Tensor]:
-    gen = torch.Generator().manual_seed(1)
-    ids_BL = torch.randint(3, 48, (len(LENGTHS), max(LENGTHS)), generator=gen)
-    mask_BL = (torch.arange(max(LENGTHS))[None, :] < torch.tensor(LENGTHS)[:, None]).long()
-    return ids_BL.masked_fill(mask_BL == 0, 0), mask_BL
-
-
-def _logp_from_logits(logits_BLV: torch.Tensor, ids_BL: torch.Tensor) -> torch.Tensor:
-    """What loomrl.models.heads.token_logprobs computes, from logits instead of a model (temperature 1)."""
-    logits_BL1V = logits_BLV[:, :-1].float()
-    picked_BL1 = logits_BL1V.gather(-1, ids_BL[:, 1:].unsqueeze(-1)).squeeze(-1)
-    return picked_BL1 - torch.logsumexp(logits_BL1V, dim=-1)
-
-
-def _value_model() -> torch.nn.Module:
-    model = build_value_model("llama-1m", build_char_tokenizer(), seed=0)
-    with torch.no_grad():  # the zoo's score head starts at zero, which would make any comparison pass
-        score_head(model).weight.normal_(0.0, 0.1, generator=torch.Generator().manual_seed(3))
-    return model
 
 
 # ------------------------------------------------------------------------------ single-process checks
@@ -72,7 +54,7 @@ def test_micro_batch_slices_cover_rows_contiguously():
 @pytest.mark.parametrize("kind", ["causal_lm", "value"])
 def test_stages_keep_global_names_and_partition_the_model(kind):
     def build() -> torch.nn.Module:
-        return build_causal_lm("llama-1m", build_char_tokenizer(), seed=0) if kind == "causal_lm" else _value_model()
+        return build_causal_lm("llama-1m", build_char_tokenizer(), seed=0) if kind == "causal_lm" else value_model()
 
     full = {name for name, _ in build().named_parameters()}
     stages = [split_stages(build(), rank, 2) for rank in range(2)]
@@ -105,7 +87,7 @@ def test_stages_chained_in_one_process_equal_the_model(name):
     tok = build_char_tokenizer()
     ref = build_causal_lm(name, tok, seed=0)
     first, last = (split_stages(build_causal_lm(name, tok, seed=0), rank, 2) for rank in range(2))
-    ids_BL, mask_BL = _batch()
+    ids_BL, mask_BL = ragged_batch()
     with torch.no_grad():
         want = ref(input_ids=ids_BL, attention_mask=mask_BL).logits
         got = last.forward(first.forward(ids_BL, mask_BL), mask_BL)
@@ -143,7 +125,7 @@ def _logits_diffs(rank: int, group: Any) -> dict:
     tok = build_char_tokenizer()
     ref = build_causal_lm("llama-1m", tok, seed=0)
     runner = _runner(build_causal_lm("llama-1m", tok, seed=0), rank, group)
-    ids_BL, mask_BL = _batch()
+    ids_BL, mask_BL = ragged_batch()
     with torch.no_grad():
         want = ref(input_ids=ids_BL, attention_mask=mask_BL).logits
     out: dict[str, Any] = {}
@@ -159,10 +141,10 @@ def _logp_diff(rank: int, group: Any) -> float:
     tok = build_char_tokenizer()
     ref = build_causal_lm("llama-1m", tok, seed=0)
     runner = _runner(build_causal_lm("llama-1m", tok, seed=0), rank, group)
-    ids_BL, mask_BL = _batch()
+    ids_BL, mask_BL = ragged_batch()
     rows = micro_batch_slices(len(LENGTHS), 2)
     got = runner.forward(ids_BL, mask_BL, micro_batches=2, broadcast_result=True,
-                         output_fn=lambda logits, k: _logp_from_logits(logits, ids_BL[rows[k]]))
+                         output_fn=lambda logits, k: logp_from_logits(logits, ids_BL[rows[k]]))
     with torch.no_grad():
         want = token_logprobs(ref, ids_BL, mask_BL)
     assert got.shape == want.shape
@@ -170,13 +152,7 @@ def _logp_diff(rank: int, group: Any) -> float:
 
 
 def _values_diff(rank: int, group: Any) -> float:
-    ref, runner = _value_model(), _runner(_value_model(), rank, group)
-    ids_BL, mask_BL = _batch()
-    got = runner.forward(ids_BL, mask_BL, micro_batches=2, broadcast_result=True)
-    with torch.no_grad():
-        want = token_values(ref, ids_BL, mask_BL)
-    assert want.abs().max() > 0.1 and got.shape == want.shape
-    return (got - want)[mask_BL.bool()].abs().max().item()
+    return values_diff(value_model(), _runner(value_model(), rank, group))
 
 
 def _adamw_step(rank: int, group: Any) -> dict:
@@ -184,30 +160,11 @@ def _adamw_step(rank: int, group: Any) -> dict:
     tok = build_char_tokenizer()
     ref = build_causal_lm("llama-1m", tok, seed=0)
     runner = _runner(build_causal_lm("llama-1m", tok, seed=0), rank, group)
-    ids_BL, mask_BL = _batch()
-    total = int(mask_BL[:, 1:].sum())
     before = {name: p.detach().clone() for name, p in ref.named_parameters()}
-    ref.train()
-    ref_opt = torch.optim.AdamW(ref.parameters(), lr=LR, weight_decay=0.1)
-    ref_loss = -(token_logprobs(ref, ids_BL, mask_BL) * mask_BL[:, 1:]).sum() / total
-    ref_loss.backward()
-    ref_norm = float(torch.nn.utils.clip_grad_norm_(ref.parameters(), MAX_NORM))
-    ref_opt.step()
-
+    losses, norms = adamw_steps(ref, runner, group)
     stage = runner.stage
-    stage.model.train()
-    opt = torch.optim.AdamW(stage.parameters(), lr=LR, weight_decay=0.1)
-    rows = micro_batch_slices(len(LENGTHS), 2)
-
-    def loss_fn(logits_BLV: torch.Tensor, k: int) -> torch.Tensor:
-        # Divided by the whole batch's token count, so the micro-batch losses sum to the full-batch loss.
-        return -(_logp_from_logits(logits_BLV, ids_BL[rows[k]]) * mask_BL[rows[k], 1:]).sum() / total
-
-    loss = runner.train_step_backward(ids_BL, mask_BL, loss_fn, micro_batches=2, broadcast_result=True)
-    norm = clip_grad_norm_pp(stage, MAX_NORM, group)
-    opt.step()
     stepped = dict(ref.named_parameters())
-    return {"losses": (float(ref_loss), loss), "norms": (ref_norm, norm),
+    return {"losses": losses, "norms": norms,
             "param_diff": max((p - stepped[n]).abs().max().item() for n, p in stage.named_parameters()),
             "moved": max((p - before[n]).abs().max().item() for n, p in stage.named_parameters())}
 
@@ -279,7 +236,7 @@ def _op_micro_batching(rank: int, group: Any) -> dict:
     micro-batch losses would be off (to show the token weighting is exercised)."""
     tok = build_char_tokenizer()
     out: dict[str, Any] = {}
-    for name, build in (("actor", lambda: build_causal_lm("llama-1m", tok, seed=0)), ("critic", _value_model)):
+    for name, build in (("actor", lambda: build_causal_lm("llama-1m", tok, seed=0)), ("critic", value_model)):
         want = _train(_op_role(name, build(), None, group), 1)
         out[name] = {m: _diffs(_train(_op_role(name, build(), rank, group), m), want) for m in OP_MICRO_BATCHES}
         out[name]["unstaged3"] = _diffs(_train(_op_role(name, build(), None, group), 3), want)
@@ -290,8 +247,8 @@ def _op_micro_batching(rank: int, group: Any) -> dict:
     staged = _op_role("actor", build_causal_lm("llama-1m", tok, seed=0), rank, group)
     out["logprob"] = {m: (logprob_op(_op_context(staged, m, 5), batch, "x", 0.9)["x"] - want)[batch["mask"] > 0]
                       .abs().max().item() for m in (2, 3, 8)}  # 8 > rows: clipped to one row each
-    critic_want = values_op(_op_context(_op_role("critic", _value_model(), None, group), 1, 5), batch)["values"]
-    critic = _op_role("critic", _value_model(), rank, group)
+    critic_want = values_op(_op_context(_op_role("critic", value_model(), None, group), 1, 5), batch)["values"]
+    critic = _op_role("critic", value_model(), rank, group)
     out["values"] = {m: (values_op(_op_context(critic, m, 5), batch)["values"] - critic_want)[batch["mask"] > 0]
                      .abs().max().item() for m in (2, 3)}
     out["naive_gap"] = _row_weighted_gap()
@@ -401,6 +358,6 @@ def test_ops_run_the_contexts_micro_batches_through_the_pipeline(micro_batches, 
     ctx = _op_context(role, micro_batches, len(batch))
     logprob_op(ctx, batch, "x", 1.0)
     train_loop(ctx, batch, _loss_fn(ctx))
-    critic = _SpyPipeline(_value_model())
+    critic = _SpyPipeline(value_model())
     values_op(_op_context(Role("critic", critic.stage.model, pipeline=critic), micro_batches, len(batch)), batch)
     assert actor.asked == [runs, runs] and critic.asked == [runs]

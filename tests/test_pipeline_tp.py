@@ -14,15 +14,21 @@ from typing import Any
 import pytest
 import torch
 import torch.distributed as dist
+from pipeline_helpers import (
+    MAX_NORM,
+    adamw_steps,
+    ragged_batch,
+    value_model,
+    values_diff,
+)
 from torch.distributed.tensor import DTensor
 
-from loomrl.models.heads import score_head, token_logprobs, token_values
 from loomrl.models.tokenizer import build_char_tokenizer
-from loomrl.models.zoo import build_causal_lm, build_value_model
+from loomrl.models.zoo import build_causal_lm
 from loomrl.parallel import apply_tensor_parallel, full_state_dict
 from loomrl.parallel.allocations import AllocationGroups, AllocKey
 from loomrl.parallel.pipeline import split_stages
-from loomrl.parallel.pipeline_schedule import PipelineRunner, clip_grad_norm_pp, micro_batch_slices
+from loomrl.parallel.pipeline_schedule import PipelineRunner
 from loomrl.parallel.spawn import run_world
 from loomrl.plan.layout import Layout
 from loomrl.plan.shards import shard_intervals, shard_shape
@@ -32,32 +38,6 @@ TIMEOUT_S = 300
 KEY = AllocKey((0, 1, 2, 3), dp=1, tp=2, pp=2)
 NUM_LAYERS = 4
 """llama-1m's decoder layers: two per stage."""
-LR = 1e-3
-MAX_NORM = 0.05
-"""Small enough that the test gradients (norm ~1) are clipped."""
-
-# Right-padded rows of different lengths: 10, 7, 4 and 9 real tokens.
-LENGTHS = (10, 7, 4, 9)
-
-
-def _batch() -> tuple[torch.Tensor, torch.Tensor]:
-    gen = torch.Generator().manual_seed(1)
-    ids_BL = torch.randint(3, 48, (len(LENGTHS), max(LENGTHS)), generator=gen)
-    mask_BL = (torch.arange(max(LENGTHS))[None, :] < torch.tensor(LENGTHS)[:, None]).long()
-    return ids_BL.masked_fill(mask_BL == 0, 0), mask_BL
-
-
-def _logp_from_logits(logits_BLV: torch.Tensor, ids_BL: torch.Tensor) -> torch.Tensor:
-    logits_BL1V = logits_BLV[:, :-1].float()
-    picked_BL1 = logits_BL1V.gather(-1, ids_BL[:, 1:].unsqueeze(-1)).squeeze(-1)
-    return picked_BL1 - torch.logsumexp(logits_BL1V, dim=-1)
-
-
-def _value_model() -> torch.nn.Module:
-    model = build_value_model("llama-1m", build_char_tokenizer(), seed=0)
-    with torch.no_grad():  # the zoo's score head starts at zero, which would make any comparison pass
-        score_head(model).weight.normal_(0.0, 0.1, generator=torch.Generator().manual_seed(3))
-    return model
 
 
 def _staged(model: torch.nn.Module, groups: Any) -> PipelineRunner:
@@ -80,7 +60,7 @@ def _logits_diffs(groups: Any) -> dict:
     tok = build_char_tokenizer()
     ref = build_causal_lm("llama-1m", tok, seed=0)
     runner = _staged(build_causal_lm("llama-1m", tok, seed=0), groups)
-    ids_BL, mask_BL = _batch()
+    ids_BL, mask_BL = ragged_batch()
     with torch.no_grad():
         want = ref(input_ids=ids_BL, attention_mask=mask_BL).logits
     out: dict[Any, Any] = {}
@@ -94,13 +74,7 @@ def _logits_diffs(groups: Any) -> dict:
 
 
 def _values_diff(groups: Any) -> float:
-    ref, runner = _value_model(), _staged(_value_model(), groups)
-    ids_BL, mask_BL = _batch()
-    got = runner.forward(ids_BL, mask_BL, micro_batches=2, broadcast_result=True)
-    with torch.no_grad():
-        want = token_values(ref, ids_BL, mask_BL)
-    assert want.abs().max() > 0.1 and got.shape == want.shape
-    return (got - want)[mask_BL.bool()].abs().max().item()
+    return values_diff(value_model(), _staged(value_model(), groups))
 
 
 def _shards_follow_the_plan(rank: int, stage_model: torch.nn.Module, full: dict[str, torch.Tensor]) -> list[str]:
@@ -125,27 +99,9 @@ def _adamw_step(rank: int, groups: Any) -> dict:
     stage = runner.stage
     before = full_state_dict(ref)
     out: dict[str, Any] = {"misplaced": _shards_follow_the_plan(rank, stage.model, before)}
-    ids_BL, mask_BL = _batch()
-    total = int(mask_BL[:, 1:].sum())
-    ref.train()
-    ref_opt = torch.optim.AdamW(ref.parameters(), lr=LR, weight_decay=0.1)
-    ref_loss = -(token_logprobs(ref, ids_BL, mask_BL) * mask_BL[:, 1:]).sum() / total
-    ref_loss.backward()
-    ref_norm = float(torch.nn.utils.clip_grad_norm_(ref.parameters(), MAX_NORM))
-    ref_opt.step()
-
-    stage.model.train()
-    opt = torch.optim.AdamW(stage.parameters(), lr=LR, weight_decay=0.1)
-    rows = micro_batch_slices(len(LENGTHS), 2)
-
-    def loss_fn(logits_BLV: torch.Tensor, k: int) -> torch.Tensor:
-        return -(_logp_from_logits(logits_BLV, ids_BL[rows[k]]) * mask_BL[rows[k], 1:]).sum() / total
-
-    loss = runner.train_step_backward(ids_BL, mask_BL, loss_fn, micro_batches=2, broadcast_result=True)
-    norm = clip_grad_norm_pp(stage, MAX_NORM, groups.pp_group)
-    opt.step()
+    losses, norms = adamw_steps(ref, runner, groups.pp_group)
     stepped, mine = full_state_dict(ref), full_state_dict(stage.model)  # the latter: collective over TP
-    out.update({"losses": (float(ref_loss), loss), "norms": (ref_norm, norm), "state_keys": sorted(mine),
+    out.update({"losses": losses, "norms": norms, "state_keys": sorted(mine),
                 "all_keys": sorted(stepped),
                 "param_diff": max((mine[n] - stepped[n]).abs().max().item() for n in mine),
                 "moved": max((mine[n] - before[n]).abs().max().item() for n in mine)})

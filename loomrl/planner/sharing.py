@@ -19,9 +19,19 @@ import math
 from collections import Counter, deque
 from typing import Callable, Sequence
 
-__all__ = ["schedule_shared"]
+__all__ = ["release", "schedule_shared"]
 
 _EPS = 1e-12
+
+
+def release(successors: Sequence[int], t: float, ready_at: list[float], pending: list[int], heap: list) -> None:
+    """A node ended at ``t``: each successor waits for one dependency less, and joins the ready heap (by
+    ready time, then index) when none is left."""
+    for j in successors:
+        ready_at[j] = max(ready_at[j], t)
+        pending[j] -= 1
+        if pending[j] == 0:
+            heapq.heappush(heap, (ready_at[j], j))
 
 
 def _rate(devices: Sequence[int], running_busy: Counter, node_of: Callable[[int], int], cores: float) -> float:
@@ -87,11 +97,7 @@ def schedule_shared(durations: Sequence[float], devices: Sequence[Sequence[int]]
             for d in devices[i]:
                 idle.add(d)
                 busy[node_of(d)] -= 1
-            for j in successors[i]:
-                ready_at[j] = max(ready_at[j], t)
-                pending[j] -= 1
-                if pending[j] == 0:
-                    heapq.heappush(heap, (ready_at[j], j))
+            release(successors[i], t, ready_at, pending, heap)
     if any(math.isnan(s) for s in end):  # cannot happen for a validated workflow; guard the invariant
         raise RuntimeError("simulator: some nodes were never scheduled (a cycle in the unrolled graph)")
     return start, end

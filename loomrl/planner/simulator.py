@@ -41,7 +41,7 @@ from typing import Protocol, runtime_checkable
 
 from loomrl.errors import ConfigError
 from loomrl.plan import GB, Allocation, ExecutionPlan, Reallocation
-from loomrl.planner.sharing import schedule_shared
+from loomrl.planner.sharing import release, schedule_shared
 from loomrl.workflow import MFC, MFCKind, Workflow
 
 __all__ = ["CostEstimator", "Interval", "SimResult", "format_bytes", "simulate"]
@@ -207,11 +207,7 @@ def _schedule(nodes: list[_Node]) -> tuple[list[float], list[float]]:
         end[i] = start[i] + node.duration
         for d in node.devices:
             free[d] = end[i]
-        for j in successors[i]:
-            ready_at[j] = max(ready_at[j], end[i])
-            pending[j] -= 1
-            if pending[j] == 0:
-                heapq.heappush(heap, (ready_at[j], j))
+        release(successors[i], end[i], ready_at, pending, heap)
     if any(math.isnan(s) for s in start):  # cannot happen for a validated workflow; guard the invariant
         raise RuntimeError("simulator: some nodes were never ready (a cycle in the unrolled graph)")
     return start, end
