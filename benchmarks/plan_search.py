@@ -63,7 +63,7 @@ def main() -> None:
                          ("colocate", "interleave", "separate", "searched")},
                          "search vs best heuristic": report.search_speedup, "plan+search s": seconds,
                          "per-call heuristic": per_call, "search vs per-call": per_call / searched})
-    Console().print(summary_table(rows, "simulated s/iteration (nan: does not fit in memory)"))
+    Console(width=200).print(summary_table(rows, "simulated s/iteration (nan: does not fit in memory)"))
     finite = [s for s in speedups if math.isfinite(s)]
     mean = sum(finite) / len(finite) if finite else math.nan
     geo = math.exp(sum(math.log(s) for s in finite) / len(finite)) if finite else math.nan
