@@ -77,7 +77,7 @@ def _check_calls(plan: ExecutionPlan, workflow: Workflow) -> None:
                               "has no model to shard (valid: 1)")
         if plan[mfc.name].recompute and mfc.kind is not MFCKind.TRAIN:
             raise ConfigError(f"plan.allocations.{mfc.name}: {plan[mfc.name].text} recomputes activations (rc) "
-                              f"but a {mfc.kind.value} call keeps none for a backward; rc is for train calls only")
+                              f"but {mfc.kind.value} calls keep none for a backward; rc is for train calls only")
     for role in workflow.roles():
         trains = [m.name for m in workflow.mfcs_of_role(role) if m.kind is MFCKind.TRAIN]
         for name in trains[1:]:
