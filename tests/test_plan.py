@@ -33,6 +33,7 @@ from loomrl.plan import (
     parse_placement,
     separate,
     split_devices,
+    split_devices_pow2,
 )
 
 PPO = build_workflow(AlgoConfig(name="ppo"), RolloutConfig())
@@ -160,8 +161,16 @@ def test_interleave_splits_devices_by_model_size():
     one_line_error(lambda: split_devices(2, [1, 1, 1]), "3 calls", "2 devices")
     configs = {**TINY, "critic": llama(hidden=256), "reward": llama(hidden=256)}
     weights = [param_count(configs[r]) for r in ("ref", "reward", "critic")]
+    # a power-of-two cluster splits into power-of-two ranges (shardable, aligned); others proportionally
     plan = interleave(PPO, cluster(8), configs)
-    assert [len(plan[n].mesh) for n in ("ref_inf", "reward_inf", "critic_inf")] == split_devices(8, weights) == [2, 3, 3]
+    assert [len(plan[n].mesh) for n in ("ref_inf", "reward_inf", "critic_inf")] == split_devices_pow2(8, weights)
+    assert split_devices_pow2(8, weights) == [2, 4, 2] and split_devices(8, weights) == [2, 3, 3]
+    assert [len(interleave(PPO, cluster(6), configs)[n].mesh) for n in ("ref_inf", "reward_inf", "critic_inf")] \
+        == split_devices(6, weights)
+    assert split_devices_pow2(64, [1, 1, 1]) == [32, 16, 16] and split_devices_pow2(8, [1, 1, 1]) == [4, 2, 2]
+    assert split_devices_pow2(4, [1, 1, 1, 100]) == [1, 1, 1, 1]  # at least one each: the large one gives way
+    assert split_devices_pow2(8, [1, 3]) == [4, 4]  # 2 + 4 fall short; only the 2 fits the remainder
+    one_line_error(lambda: split_devices_pow2(6, [1, 1]), "not a power of two")
     small = interleave(PPO, cluster(2))  # three inference calls, two devices: that depth is colocated
     assert all(len(small[n].mesh) == 2 for n in ("ref_inf", "reward_inf", "critic_inf"))
 

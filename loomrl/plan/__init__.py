@@ -20,7 +20,8 @@ from loomrl.plan.placement import compute_allocation, format_placement, parse_pl
 from loomrl.plan.realloc_plan import ReallocPlan, Transfer, plan_reallocation
 from loomrl.plan.shards import Placement, shard_intervals, shard_shape
 from loomrl.plan.plan import Allocation, DeviceMesh, ExecutionPlan, Reallocation, format_devices
-from loomrl.plan.strategies import STRATEGIES, colocate, interleave, make_plan, separate, split_devices
+from loomrl.plan.strategies import (STRATEGIES, colocate, interleave, make_plan, separate, split_devices,
+                                    split_devices_pow2)
 
 __all__ = [
     "DEVICE_KINDS",
@@ -51,4 +52,5 @@ __all__ = [
     "separate",
     "shard_bytes",
     "split_devices",
+    "split_devices_pow2",
 ]

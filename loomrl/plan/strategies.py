@@ -85,6 +85,29 @@ def split_devices(n: int, weights: Sequence[float]) -> list[int]:
     return counts
 
 
+def split_devices_pow2(n: int, weights: Sequence[float]) -> list[int]:
+    """Like :func:`split_devices` for a power-of-two ``n``, but every count a power of two, so each range can
+    be sharded (tp and pp are powers of two in practice) and stays aligned: each gets the largest power of two
+    up to its quota (at least 1); while the counts overshoot, the largest is halved; while they fall short,
+    the count furthest below its quota (relative) among those that fit the remainder is doubled — the
+    smallest always fits, as the remainder is a multiple of it."""
+    if n & (n - 1):
+        raise ConfigError(f"split_devices_pow2: n={n} is not a power of two")
+    if not weights or len(weights) > n:
+        raise ConfigError(f"split_devices_pow2: cannot give {len(weights)} calls at least one of {n} devices each")
+    total = sum(weights)
+    quotas = [n * w / total if total > 0 else n / len(weights) for w in weights]
+    counts = [1 << (max(1, int(q)).bit_length() - 1) for q in quotas]
+    while sum(counts) > n:
+        i = max(range(len(counts)), key=lambda k: (counts[k], k))
+        counts[i] //= 2
+    while sum(counts) < n:
+        left = n - sum(counts)
+        i = max((k for k in range(len(counts)) if counts[k] <= left), key=lambda k: (quotas[k] / counts[k], -k))
+        counts[i] *= 2
+    return counts
+
+
 def _levels(workflow: Workflow) -> list[list[MFC]]:
     """MFCs grouped by depth (longest dependency path from a source); one level's MFCs are independent."""
     depth: dict[str, int] = {}
@@ -101,7 +124,8 @@ def interleave(workflow: Workflow, cluster: ClusterSpec,
     """Independent calls side by side on disjoint meshes; generation on all devices; compute on device 0.
 
     The rule: MFCs at the same depth of the graph have no dependency path between them. At each depth the
-    inference and train calls split the devices into consecutive ranges with :func:`split_devices`, weighted
+    inference and train calls split the devices into consecutive ranges with :func:`split_devices_pow2` (on a
+    power-of-two cluster: every range a power of two, so it can be sharded) or :func:`split_devices`, weighted
     by their role's parameter count (from ``model_configs``; equal weights without them), pure data parallel
     on each range. A depth with more such calls than devices, or with a single one, is colocated instead.
     """
@@ -117,7 +141,8 @@ def interleave(workflow: Workflow, cluster: ClusterSpec,
         if 1 < len(models) <= n:
             weights = [param_count(model_configs[m.role]) if model_configs else 1.0 for m in models]
             first = 0
-            for mfc, count in zip(models, split_devices(n, weights)):
+            split = split_devices_pow2 if n & (n - 1) == 0 else split_devices
+            for mfc, count in zip(models, split(n, weights)):
                 placed[mfc.name] = _span(first, count)
                 first += count
     allocations = {m.name: placed[m.name] for m in workflow.topological_order()}
