@@ -171,6 +171,10 @@ def test_interleave_splits_devices_by_model_size():
     assert split_devices_pow2(4, [1, 1, 1, 100]) == [1, 1, 1, 1]  # at least one each: the large one gives way
     assert split_devices_pow2(8, [1, 3]) == [4, 4]  # 2 + 4 fall short; only the 2 fits the remainder
     one_line_error(lambda: split_devices_pow2(6, [1, 1]), "not a power of two")
+    balanced = interleave(PPO, cluster(8), configs, split="proportional")
+    assert [len(balanced[n].mesh) for n in ("ref_inf", "reward_inf", "critic_inf")] == [2, 3, 3]
+    one_line_error(lambda: interleave(PPO, cluster(6), split="pow2"), "split='pow2'", "6 devices")
+    one_line_error(lambda: interleave(PPO, cluster(8), split="even"), "split='even'", "pow2, proportional")
     small = interleave(PPO, cluster(2))  # three inference calls, two devices: that depth is colocated
     assert all(len(small[n].mesh) == 2 for n in ("ref_inf", "reward_inf", "critic_inf"))
 

@@ -119,17 +119,28 @@ def _levels(workflow: Workflow) -> list[list[MFC]]:
     return levels
 
 
+INTERLEAVE_SPLITS = ("auto", "pow2", "proportional")
+"""How :func:`interleave` splits a level's devices: power-of-two ranges (``pow2``: shardable), ranges
+proportional to model size (``proportional``: balanced), or ``auto``: pow2 on a power-of-two cluster."""
+
+
 def interleave(workflow: Workflow, cluster: ClusterSpec,
-               model_configs: Mapping[str, object] | None = None) -> ExecutionPlan:
+               model_configs: Mapping[str, object] | None = None, split: str = "auto") -> ExecutionPlan:
     """Independent calls side by side on disjoint meshes; generation on all devices; compute on device 0.
 
     The rule: MFCs at the same depth of the graph have no dependency path between them. At each depth the
     inference and train calls split the devices into consecutive ranges with :func:`split_devices_pow2` (on a
     power-of-two cluster: every range a power of two, so it can be sharded) or :func:`split_devices`, weighted
     by their role's parameter count (from ``model_configs``; equal weights without them), pure data parallel
-    on each range. A depth with more such calls than devices, or with a single one, is colocated instead.
+    on each range (``split``: see :data:`INTERLEAVE_SPLITS`). A depth with more such calls than devices, or
+    with a single one, is colocated instead.
     """
+    if split not in INTERLEAVE_SPLITS:
+        raise ConfigError(f"interleave: split={split!r}; valid: {', '.join(INTERLEAVE_SPLITS)}")
     n = cluster.n_devices
+    pow2 = split == "pow2" or (split == "auto" and n & (n - 1) == 0)
+    if pow2 and n & (n - 1):
+        raise ConfigError(f"interleave: split='pow2' needs a power-of-two cluster; {cluster} has {n} devices")
     placed: dict[str, Allocation] = {}
     for level in _levels(workflow):
         models = [m for m in level if m.kind in (MFCKind.INFERENCE, MFCKind.TRAIN)]
@@ -141,8 +152,8 @@ def interleave(workflow: Workflow, cluster: ClusterSpec,
         if 1 < len(models) <= n:
             weights = [param_count(model_configs[m.role]) if model_configs else 1.0 for m in models]
             first = 0
-            split = split_devices_pow2 if n & (n - 1) == 0 else split_devices
-            for mfc, count in zip(models, split(n, weights)):
+            counts = (split_devices_pow2 if pow2 else split_devices)(n, weights)
+            for mfc, count in zip(models, counts):
                 placed[mfc.name] = _span(first, count)
                 first += count
     allocations = {m.name: placed[m.name] for m in workflow.topological_order()}

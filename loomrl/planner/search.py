@@ -426,12 +426,16 @@ def best_heuristic_plans(workflow: Workflow, cluster: ClusterSpec, cost: CostEst
     """Strategy name (``colocate``, ``interleave``, ``separate``) → its fastest feasible plan and simulation.
 
     Each strategy keeps its meshes and gets its best layouts by enumeration (see :func:`_best_layouts`):
-    one layout per role and mesh, or with ``per_call`` one per call;
+    one layout per role and mesh, or with ``per_call`` one per call; interleave also tries both of its
+    device splits (power-of-two and proportional ranges);
     separate also tries each count of :func:`_generation_devices`. A strategy with no feasible plan maps to
     its least infeasible one (``feasible=False`` and the reason); ``separate`` is absent on one device.
     """
     evaluate = _Evaluator(workflow, cost, memory_per_device, iterations)
-    starts = {"colocate": [colocate(workflow, cluster)], "interleave": [interleave(workflow, cluster, model_configs)]}
+    pow2 = cluster.n_devices & (cluster.n_devices - 1) == 0
+    splits = ("pow2", "proportional") if pow2 else ("proportional",)  # shardable vs balanced ranges
+    starts = {"colocate": [colocate(workflow, cluster)],
+              "interleave": [interleave(workflow, cluster, model_configs, split) for split in splits]}
     if cluster.n_devices > 1:
         starts["separate"] = [separate(workflow, cluster, g) for g in _generation_devices(cluster)]
     out: dict[str, tuple[ExecutionPlan, SimResult]] = {}
