@@ -13,7 +13,7 @@ over their mesh (the result is a replicated DTensor; ``float()`` of it is the gl
 :func:`sync_gradients` every DP rank holds the same gradients, hence the same norm.
 """
 
-from loomrl.parallel.data_parallel import sync_gradients
+from loomrl.parallel.data_parallel import local_shard, sync_gradients
 from loomrl.parallel.realloc_exec import ReallocVerificationError, build_broadcast_groups, execute_reallocation
 from loomrl.parallel.allocations import AllocationGroups, AllocKey
 from loomrl.parallel.layout import TP_ARCHITECTURES, Layout, check_layout
@@ -32,5 +32,6 @@ __all__ = [
     "check_layout",
     "full_state_dict",
     "load_full_state_dict",
+    "local_shard",
     "sync_gradients",
 ]

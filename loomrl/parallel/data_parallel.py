@@ -35,7 +35,7 @@ def sync_gradients(model: nn.Module, dp_group: dist.ProcessGroup,
         return
     params = [p for p in model.parameters() if p.requires_grad]
     _agree_on_gradients(params, dp_group)
-    grads = [_local(p.grad) for p in params if p.grad is not None]
+    grads = [local_shard(p.grad) for p in params if p.grad is not None]
     for bucket in _buckets(grads, bucket_bytes):
         flat = torch.cat([g.reshape(-1) for g in bucket])
         dist.all_reduce(flat, op=dist.ReduceOp.SUM, group=dp_group)
@@ -45,7 +45,7 @@ def sync_gradients(model: nn.Module, dp_group: dist.ProcessGroup,
             offset += g.numel()
 
 
-def _local(tensor: torch.Tensor) -> torch.Tensor:
+def local_shard(tensor: torch.Tensor) -> torch.Tensor:
     """The tensor this rank stores: a DTensor's local shard (a view, so writing to it updates the DTensor)."""
     return tensor.to_local() if isinstance(tensor, DTensor) else tensor
 
@@ -58,7 +58,7 @@ def _agree_on_gradients(params: list[nn.Parameter], dp_group: dist.ProcessGroup)
     if not params:
         return
     has_grad = torch.tensor([p.grad is not None for p in params], dtype=torch.int32,
-                            device=_local(params[0]).device)
+                            device=local_shard(params[0]).device)
     dist.all_reduce(has_grad, op=dist.ReduceOp.MAX, group=dp_group)
     for p, anyone in zip(params, has_grad.tolist()):
         if anyone and p.grad is None:

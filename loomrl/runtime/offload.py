@@ -16,12 +16,25 @@ from __future__ import annotations
 
 import torch
 
-__all__ = ["HostCopy"]
+from loomrl.parallel.data_parallel import local_shard
+
+__all__ = ["HostCopy", "reclaim", "release_storage"]
 
 
-def _local(param: torch.Tensor) -> torch.Tensor:
-    """The tensor this process holds: a DTensor's local shard, or the parameter itself."""
-    return param.to_local() if hasattr(param, "to_local") else param
+def release_storage(model: torch.nn.Module) -> None:
+    """Free the device storage of every parameter's local shard; the parameters stay the same tensors."""
+    for param in model.parameters():
+        local_shard(param).untyped_storage().resize_(0)
+
+
+def reclaim(param: torch.Tensor) -> torch.Tensor:
+    """A parameter's local shard, its storage taken back if :func:`release_storage` freed it (the values are
+    then undefined until written)."""
+    local = local_shard(param).detach()
+    storage = local.untyped_storage()
+    if storage.size() == 0:
+        storage.resize_(local.numel() * local.element_size())
+    return local
 
 
 class HostCopy:
@@ -29,16 +42,15 @@ class HostCopy:
 
     def __init__(self, model: torch.nn.Module):
         self.model = model
-        pin = any(_local(p).is_cuda for p in model.parameters())
-        self.host = {name: _local(p).detach().to("cpu", copy=True) for name, p in model.named_parameters()}
+        pin = any(local_shard(p).is_cuda for p in model.parameters())
+        self.host = {name: local_shard(p).detach().to("cpu", copy=True) for name, p in model.named_parameters()}
         if pin:
             self.host = {name: t.pin_memory() for name, t in self.host.items()}
         self.resident = True
 
     def release(self) -> None:
         """Free the device storage of every parameter (the host copy keeps the values)."""
-        for param in self.model.parameters():
-            _local(param).untyped_storage().resize_(0)
+        release_storage(self.model)
         self.resident = False
 
     def restore(self) -> None:
@@ -47,11 +59,9 @@ class HostCopy:
             return
         with torch.no_grad():
             for name, param in self.model.named_parameters():
-                local = _local(param)
-                local.untyped_storage().resize_(local.numel() * local.element_size())
-                local.copy_(self.host[name], non_blocking=True)
+                reclaim(param).copy_(self.host[name], non_blocking=True)
         self.resident = True
 
     def device_bytes(self) -> int:
         """Bytes of device storage the parameters hold now (0 when released)."""
-        return sum(_local(p).untyped_storage().size() for p in self.model.parameters())
+        return sum(local_shard(p).untyped_storage().size() for p in self.model.parameters())

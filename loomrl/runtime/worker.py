@@ -28,12 +28,12 @@ from loomrl.algorithms.workflows import build_workflow
 from loomrl.config import TrainConfig
 from loomrl.launch import quiet_libraries
 from loomrl.parallel import (apply_tensor_parallel, build_broadcast_groups, check_layout, execute_reallocation,
-                             full_state_dict, sync_gradients)
+                             full_state_dict, local_shard, sync_gradients)
 from loomrl.parallel.allocations import AllocationGroups, AllocKey
 from loomrl.plan.realloc_plan import ReallocPlan
 from loomrl.parallel.pipeline import split_stages
 from loomrl.parallel.pipeline_schedule import PipelineRunner
-from loomrl.runtime.offload import HostCopy
+from loomrl.runtime.offload import HostCopy, reclaim, release_storage
 from loomrl.runtime.state_io import FullOptimizerState, merge_optimizer_states
 from loomrl.train import common
 from loomrl.train.evaluate import evaluate_policy
@@ -104,11 +104,6 @@ class RuntimePlacement:
     def keys_of(self, role: str, workflow) -> list[AllocKey]:
         keys = [self.canonical[role]] + [self.mfc_keys[m.name] for m in workflow.mfcs_of_role(role)]
         return sorted(set(keys))
-
-
-def _local(param: torch.Tensor) -> torch.Tensor:
-    """The tensor this process holds: a DTensor's local shard, or the parameter itself."""
-    return param.to_local() if hasattr(param, "to_local") else param
 
 
 class DeviceWorker:
@@ -236,16 +231,9 @@ class DeviceWorker:
         role, src, dst, plan = self.placement.reallocs[index]
         src_role, dst_role = self.roles.get((role, src)), self.roles.get((role, dst))
         dtype = next((src_role or dst_role).model.parameters()).dtype
-        src_tensors = {n: _local(p).detach() for n, p in src_role.model.named_parameters()} if src_role else {}
-        targets = None
-        if dst_role is not None:  # the transfer writes straight into the copy's parameters
-            targets = {}
-            for name, param in dst_role.model.named_parameters():
-                local = _local(param).detach()
-                storage = local.untyped_storage()
-                if storage.size() == 0:  # freed after its last use: take the memory back
-                    storage.resize_(local.numel() * local.element_size())
-                targets[name] = local
+        src_tensors = {n: local_shard(p).detach() for n, p in src_role.model.named_parameters()} if src_role else {}
+        # the transfer writes straight into the copy's parameters, taking back their memory if freed
+        targets = None if dst_role is None else {n: reclaim(p) for n, p in dst_role.model.named_parameters()}
         execute_reallocation(plan, src_tensors, self.rank, groups=self.bcast[index], dtypes=dtype,
                              device=self.device, verify=self.cfg.runtime.verify_reallocation, out=targets)
         return {"start": start, "end": time.time(), "rank": self.rank}
@@ -255,8 +243,7 @@ class DeviceWorker:
         to the training layout is a free, not a copy (the next reallocation refills it)."""
         handle = self.roles.get((role, key))
         if handle is not None:
-            for param in handle.model.parameters():
-                _local(param).untyped_storage().resize_(0)
+            release_storage(handle.model)
         return {"rank": self.rank}
 
     def memory_report(self) -> dict[str, int]:
@@ -264,7 +251,7 @@ class DeviceWorker:
         report = {}
         for (role, key), handle in self.roles.items():
             if handle.model is not None:
-                held = sum(_local(p).untyped_storage().size() for p in handle.model.parameters())
+                held = sum(local_shard(p).untyped_storage().size() for p in handle.model.parameters())
                 report[f"{role}@{key.devices}:dp{key.dp}tp{key.tp}pp{key.pp}"] = held
         return report
 
