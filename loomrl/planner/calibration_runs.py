@@ -110,7 +110,10 @@ def load_run(run_dir: str | Path) -> Run:
 def run_observations(run_dir: str | Path, profile: HardwareProfile,
                      cores: int | None = None) -> tuple[list[dict], object]:
     """The observations of one run and a predictor pricing them on its cluster (``profile`` per device)."""
-    run = load_run(run_dir)
+    return _observations(load_run(run_dir), profile, cores)
+
+
+def _observations(run: Run, profile: HardwareProfile, cores: int | None) -> tuple[list[dict], object]:
     observations = observations_from_metrics(run.records, run.plan, run.workflow, run.batch, run.prompt_len)
     return observations, trace_predictor(run.cluster, run.profile(profile, cores), run.shapes)
 
@@ -127,14 +130,14 @@ def fit_from_runs(run_dirs: Sequence[str | Path], profile: HardwareProfile, core
     """Corrections fitted over every call of every iteration (but each run's first) of the given runs, then
     the per-iteration time no call accounts for (the controller's serial work between and around calls,
     fitted on the simulated iteration times of the same runs)."""
+    runs = [load_run(d) for d in run_dirs]
     observations = []
-    for run_dir in run_dirs:
-        found, predict = run_observations(run_dir, profile, cores)
+    for run in runs:
+        found, predict = _observations(run, profile, cores)
         observations += [{**o, "predicted_terms": predict(o)} for o in found]
     if not observations:
         raise DataError(f"{', '.join(map(str, run_dirs))}: no timed calls to fit (runs need 2+ iterations)")
     calls = fit_corrections(observations)
-    runs = [load_run(d) for d in run_dirs]
     simulated = [simulate_run(r, profile, calls, cores).iteration_time for r in runs]
     measured = [r.measured_iteration_s() for r in runs]
     scale, overhead = fit_line(simulated, measured)

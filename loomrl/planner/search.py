@@ -273,18 +273,19 @@ def _polish(best: ExecutionPlan, units: list[_Unit], evaluate: _Evaluator, deadl
     """Coordinate descent from ``best``: each unit in turn takes its best candidate with the others fixed,
     sweeping until a sweep improves nothing or the deadline passes (results land in ``evaluate``). Annealing
     finds the region; this settles it on the local optimum, which random proposals reach only by luck."""
-    current = best
+    current, rank = best, evaluate.rank(best)
     while time.monotonic() < deadline:
-        before = evaluate.rank(current)
+        before = rank
         for unit in units:
             for alloc in unit.candidates:
                 if time.monotonic() >= deadline:
                     return
                 trial = ExecutionPlan(current.cluster, {n: (alloc if n in unit.names else a)
                                                         for n, a in current.allocations.items()})
-                if evaluate.rank(trial) < evaluate.rank(current):
-                    current = trial
-        if evaluate.rank(current) >= before:
+                trial_rank = evaluate.rank(trial)
+                if trial_rank < rank:
+                    current, rank = trial, trial_rank
+        if rank >= before:
             return
 
 
