@@ -10,9 +10,8 @@ Per MFC kind the cost model therefore predicts
 
 (the term groups are :func:`term_group`), every coefficient ≥ 0 and fitted by least squares on relative
 error, with a weak prior of 1 on each scale (:func:`fit_corrections`), from observations of measured seconds
-and predicted terms. A group the
-observations never exercise keeps scale 1. Without observations every scale is 1 and every overhead 0: the
-prediction is the analytic lower bound of a real run.
+and predicted terms. A group the observations never exercise keeps scale 1. Without observations every scale
+is 1 and every overhead 0: the prediction is the analytic lower bound of a real run.
 """
 
 from __future__ import annotations
@@ -20,9 +19,10 @@ from __future__ import annotations
 import json
 import math
 from dataclasses import dataclass, field
+from pathlib import Path
 from typing import Callable, Iterable, Mapping
 
-from loomrl.errors import ConfigError
+from loomrl.errors import ConfigError, DataError
 from loomrl.workflow import MFCKind
 
 __all__ = ["ITERATION", "REALLOC", "Corrections", "fit_corrections", "fit_line", "term_group"]
@@ -77,10 +77,6 @@ class Corrections:
     @classmethod
     def load(cls, path) -> Corrections:
         """Corrections saved by ``loomrl calibrate --from`` (``corrections.json``); one-line errors."""
-        from pathlib import Path
-
-        from loomrl.errors import DataError
-
         path = Path(path)
         try:
             data = json.loads(path.read_text())

@@ -11,8 +11,8 @@ every replica runs in parallel on equal shares, so a call takes as long as one r
   ``mb + pp − 1`` slots: ``mb`` of work, ``pp − 1`` of bubble.
 - **Train** (forward + backward = 3× forward FLOPs, weights read twice and gradients written once per
   micro-batch; with activation recomputation one more forward: 4×, and its all-reduces) once per optimizer
-  step, ``epochs × minibatches`` steps, each followed by the gradient all-reduce over dp (the runtime sums gradients after the backward, it does not overlap them) and the
-  Adam step's memory traffic.
+  step, ``epochs × minibatches`` steps, each followed by the gradient all-reduce over dp (the runtime sums
+  gradients after the backward, it does not overlap them) and the Adam step's memory traffic.
 - **Inference**: one forward pass over every token of the share.
 - **Generate**: a prefill pass over the prompts, then decode steps priced from the response-length
   *distribution*: at step t, the live samples (those with length > t, scaled to the share) each produce one
@@ -24,11 +24,12 @@ every replica runs in parallel on equal shares, so a call takes as long as one r
   (:func:`loomrl.planner.terms.forward_ops`, 3× when training, plus the optimizer's per-tensor operators), and
   each decode step its forward's and the sampler's, at the profile's ``op_overhead`` each. This is what bounds
   small models and decode: a kernel launch on a GPU, an eager dispatch on a CPU. On a GPU launches are queued
-  ahead of the device (``async_launch``), so only launch time beyond the work adds; on a CPU all of it does. Tensor-parallel launches are
-  named ``*_tp`` so corrections fit them apart (DTensor dispatch costs more per operator).
+  ahead of the device (``async_launch``), so only launch time beyond the work adds; on a CPU all of it does.
+  Tensor-parallel launches are named ``*_tp`` so corrections fit them apart (DTensor dispatch costs more per
+  operator).
 
-Every term is uncorrected roofline; :class:`~loomrl.planner.corrections.Corrections` fitted from run traces
-scale it per MFC kind. :meth:`CostModel.time_terms` returns the named terms of a call, for reports.
+Every term is uncorrected; :class:`~loomrl.planner.corrections.Corrections` fitted from run traces scale
+them per MFC kind and term group (roofline, launches, tensor-parallel launches). :meth:`CostModel.time_terms` returns the named terms of a call, for reports.
 
 Memory per device follows :func:`loomrl.plan.shard_bytes` for the resident state (weights, plus gradients and
 fp32 Adam moments when trained; data parallelism replicates, as the runtime does without FSDP), so plans the
