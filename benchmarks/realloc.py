@@ -1,19 +1,26 @@
 """Parameter reallocation throughput vs the loopback gloo broadcast bandwidth, measured in one run.
 
     .venv/bin/python benchmarks/realloc.py [--model llama-10m] [--world 4] [--exclude 'o_proj|down_proj']
+    .venv/bin/python benchmarks/realloc.py --model llama2-7b --layers 2 --world 2
 
 Spawns ``--world`` gloo processes on 127.0.0.1 (one torch thread each). First rank 0 broadcasts a buffer to
 all ranks; its delivered rate, size × (world − 1) / time, is the bandwidth the reallocations are measured
-against. Then, for several pairs of layouts on the mesh 0..world−1, the zoo model's parameter shapes (float32,
+against. Then, for several pairs of layouts on the mesh 0..world−1, the model's parameter shapes (float32,
 random contents) are moved by :func:`loomrl.parallel.realloc_exec.execute_reallocation`: one warm-up run with
 checksum verification whose result every rank also compares with the direct slice of the full parameters,
 then timed repeats, every rank starting at one agreed instant of the machine's monotonic clock and a repeat
-lasting until the slowest rank has finished (the reference broadcast is timed the same way). Each repeat does
-what the runtime does: the destination copy's parameters were freed after their last use, and the
-reallocation takes their memory back and writes the shards straight into them (``out=``). Delivered rate =
-``plan.bytes_moved(4)`` / time. "wire ms" times the same route buffers sent and received alone (no packing,
-unpacking, local copies or new shards). The planner's own time is measured in the parent process, alone. The way
-back (tp → dp) is timed as a copy, though returning to the training layout in practice only frees buffers.
+lasting until the slowest rank has finished (the reference broadcast is timed the same way). The model is a
+zoo model, or a LLaMA-2 preset of the planner (``llama2-7b``: the true shapes of a 7B model's layers, the
+layer count cut by ``--layers`` to fit this machine).
+
+Each pair is timed twice. "ms": the reallocation writes straight into the destination copy's parameters
+(``out=``), their memory resident, as it is under a GPU's caching allocator. "refill ms": what the runtime does
+on CPU devices, where the copy's parameters were freed after their last use (``release_storage``) and the
+reallocation takes their memory back first, so the operating system's page faults (zero-filling every page)
+are paid too. Delivered rate = ``plan.bytes_moved(4)`` / time. "wire ms" times the same messages sent and
+received alone (no packing, unpacking, staging, local copies or new shards). The planner's own time is measured in
+the parent process, alone. The way back (tp → dp) is timed as a copy, though returning to the training layout in
+practice only frees buffers.
 """
 
 from __future__ import annotations
@@ -24,6 +31,7 @@ import math
 import os
 import re
 import time
+import zlib
 from typing import Any, NamedTuple
 
 os.environ.setdefault("HF_HUB_OFFLINE", "1")
@@ -32,8 +40,11 @@ import torch  # noqa: E402
 import torch.distributed as dist  # noqa: E402
 from rich.console import Console  # noqa: E402
 
+from loomrl.errors import ConfigError  # noqa: E402
 from loomrl.models.tokenizer import build_char_tokenizer  # noqa: E402
-from loomrl.models.zoo import build_causal_lm  # noqa: E402
+from loomrl.models.zoo import ZOO, parameter_shapes  # noqa: E402
+from loomrl.planner.planning import MODEL_PRESETS  # noqa: E402
+from loomrl.planner.workload import ModelShape  # noqa: E402
 from loomrl.plan.layout import Layout  # noqa: E402
 from loomrl.plan.realloc_plan import ReallocPlan, plan_reallocation  # noqa: E402
 from loomrl.plan.shards import Placement, pp_stage, tp_dim  # noqa: E402
@@ -117,10 +128,22 @@ def direct_slice(full: torch.Tensor, name: str, placement: Placement, rank: int,
     return part.contiguous()
 
 
-def _shards(full: dict[str, torch.Tensor], placement: Placement, rank: int, num_layers: int
-            ) -> dict[str, torch.Tensor]:
-    parts = {name: direct_slice(t, name, placement, rank, num_layers) for name, t in full.items()}
-    return {name: part for name, part in parts.items() if part is not None}
+def full_parameter(name: str, shape: tuple[int, ...]) -> torch.Tensor:
+    """A parameter's full values, the same on every rank (seeded by its name): made when needed, so no rank
+    holds the whole model at once."""
+    return torch.randn(shape, generator=torch.Generator().manual_seed(zlib.crc32(name.encode())))
+
+
+def _shards(setup: Setup, placements: tuple[Placement, ...], rank: int) -> list[dict[str, torch.Tensor]]:
+    """What ``rank`` holds of every parameter in each placement, by slicing the parameter's full values."""
+    out: list[dict[str, torch.Tensor]] = [{} for _ in placements]
+    for name, shape in setup.shapes.items():
+        full = full_parameter(name, shape)
+        for held, placement in zip(out, placements):
+            part = direct_slice(full, name, placement, rank, setup.num_layers)
+            if part is not None:
+                held[name] = part
+    return out
 
 
 START_DELAY_S = 0.01
@@ -163,11 +186,9 @@ def broadcast_rate(nbytes: int, world: int, repeats: int) -> float:
     return nbytes * (world - 1) / seconds
 
 
-def _verified_warm_up(plan: ReallocPlan, pair: Pair, full: dict[str, torch.Tensor], source: dict, groups,
-                      rank: int, num_layers: int) -> None:
+def _verified_warm_up(plan: ReallocPlan, pair: Pair, source: dict, expected: dict, groups, rank: int) -> None:
     """One run with checksums, its result compared with the direct slices; raises on every rank if any differ."""
     out = execute_reallocation(plan, source, rank, groups=groups, verify=True)
-    expected = _shards(full, pair.dst, rank, num_layers)
     wrong = sorted(set(out) ^ set(expected))
     wrong += [name for name in expected if name in out and not torch.equal(out[name], expected[name])]
     ok = torch.tensor([0 if wrong else 1])
@@ -177,26 +198,30 @@ def _verified_warm_up(plan: ReallocPlan, pair: Pair, full: dict[str, torch.Tenso
                            f"(rank {rank}: {wrong[:3] or 'another rank'})")
 
 
-def measure_pair(setup: Setup, pair: Pair, full: dict[str, torch.Tensor], rank: int) -> dict[str, Any]:
+def measure_pair(setup: Setup, pair: Pair, rank: int) -> dict[str, Any]:
     plan = make_plan(setup, pair)
     groups = build_broadcast_groups(plan)  # collective, once per plan, outside the timing
-    source = _shards(full, pair.src, rank, setup.num_layers)
-    _verified_warm_up(plan, pair, full, source, groups, rank, setup.num_layers)
-    # As the runtime does: the copy's parameters were freed after their last use; the reallocation takes their
-    # memory back and writes the shards straight into them.
-    targets = {name: torch.empty_like(t) for name, t in _shards(full, pair.dst, rank, setup.num_layers).items()}
+    source, expected = _shards(setup, (pair.src, pair.dst), rank)
+    _verified_warm_up(plan, pair, source, expected, groups, rank)
+    # the copy's parameters, written in place; their own memory (a slice may share its storage with the source)
+    targets = {name: t.clone() for name, t in expected.items()}
+    del expected
+
+    def move() -> None:
+        execute_reallocation(plan, source, rank, groups=groups, out=targets)
 
     def free() -> None:
         for t in targets.values():
             t.untyped_storage().resize_(0)
 
-    def refill() -> None:
+    def refill() -> None:  # as the runtime does on CPU: take the freed memory back, then move
         for t in targets.values():
             t.untyped_storage().resize_(t.numel() * t.element_size())
-        execute_reallocation(plan, source, rank, groups=groups, out=targets)
+        move()
 
-    seconds = _best_time(refill, setup.repeats, before=free)
-    return {"seconds": seconds, "wire_seconds": wire_time(plan, rank, groups, setup.repeats),
+    resident = _best_time(move, setup.repeats)
+    return {"seconds": resident, "refill_seconds": _best_time(refill, setup.repeats, before=free),
+            "wire_seconds": wire_time(plan, rank, groups, setup.repeats),
             "bytes_moved": plan.bytes_moved(4), "bytes_local": plan.bytes_local(4),
             "pieces": sum(not t.local for t in plan.transfers)}
 
@@ -228,10 +253,8 @@ def wire_time(plan: ReallocPlan, rank: int, groups, repeats: int) -> float:
 
 
 def _body(rank: int, setup: Setup) -> dict[str, Any]:
-    gen = torch.Generator().manual_seed(0)  # the same full parameters on every rank, for the direct slices
-    full = {name: torch.randn(shape, generator=gen) for name, shape in setup.shapes.items()}
     rate = broadcast_rate(setup.broadcast_bytes, setup.world, setup.repeats)
-    return {"broadcast": rate, "pairs": [measure_pair(setup, pair, full, rank) for pair in setup.pairs]}
+    return {"broadcast": rate, "pairs": [measure_pair(setup, pair, rank) for pair in setup.pairs]}
 
 
 def run_ranks(setup: Setup) -> dict[str, Any]:
@@ -251,9 +274,28 @@ def planner_ms(setup: Setup, pair: Pair, repeats: int = 3) -> float:
     return best * 1e3
 
 
+def model_shapes(model: str, layers: int | None) -> tuple[dict[str, tuple[int, ...]], int]:
+    """Parameter shapes and layer count of a zoo model or a planner preset, cut to ``layers`` if given."""
+    if model in MODEL_PRESETS:
+        shape = ModelShape.from_config(MODEL_PRESETS[model])
+        count = shape.layers if layers is None else layers
+        return shape.param_shapes(count), count
+    if model not in ZOO:
+        raise ConfigError(f"--model: '{model}' is not a zoo model or preset; zoo: {', '.join(ZOO)}; "
+                          f"presets: {', '.join(MODEL_PRESETS)}")
+    shapes, count = parameter_shapes(model, build_char_tokenizer(), value=False)
+    if layers is None or layers >= count:
+        return shapes, count
+    kept = {name: s for name, s in shapes.items()
+            if not (m := re.search(r"\.layers\.(\d+)\.", name)) or int(m.group(1)) < layers}
+    return kept, layers
+
+
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    ap.add_argument("--model", default="llama-10m", help="zoo model whose parameter shapes are moved")
+    ap.add_argument("--model", default="llama-10m", help="zoo model or LLaMA-2 preset whose parameter shapes are "
+                                                         f"moved (presets: {', '.join(MODEL_PRESETS)})")
+    ap.add_argument("--layers", type=int, default=None, help="cut a model to this many layers (default: all)")
     ap.add_argument("--world", type=int, default=4, help="gloo processes (devices) on 127.0.0.1")
     ap.add_argument("--broadcast-mib", type=int, default=64, help="size of the reference broadcast")
     ap.add_argument("--repeats", type=int, default=5, help="timed repeats per measurement (the best is kept)")
@@ -262,11 +304,13 @@ def main() -> None:
     args = ap.parse_args()
     if args.world < 2:
         ap.error(f"--world: {args.world} is too small; at least 2 processes are needed")
-    model = build_causal_lm(args.model, build_char_tokenizer(), seed=0)
-    shapes = {name: tuple(p.shape) for name, p in model.named_parameters()
-              if not (args.exclude and re.search(args.exclude, name))}
-    num_layers = model.config.num_hidden_layers
-    del model
+    if args.layers is not None and args.layers < 1:
+        ap.error(f"--layers: {args.layers} is too small; at least 1 layer is needed")
+    try:
+        shapes, num_layers = model_shapes(args.model, args.layers)
+    except ConfigError as err:
+        raise SystemExit(str(err)) from None
+    shapes = {name: shape for name, shape in shapes.items() if not (args.exclude and re.search(args.exclude, name))}
     pairs = layout_pairs(args.world, num_layers)
     setup = Setup(shapes, num_layers, pairs, args.world, args.broadcast_mib * 2**20, args.repeats)
     plan_ms = [planner_ms(setup, pair) for pair in pairs]  # before the ranks start: alone on the machine
@@ -274,12 +318,16 @@ def main() -> None:
     bandwidth = measured["broadcast"]
     rows = []
     for pair, result, ms in zip(pairs, measured["pairs"], plan_ms):
-        rate = result["bytes_moved"] / result["seconds"] if result["bytes_moved"] else None
-        rows.append({"layout pair": pair.label, "MB moved": result["bytes_moved"] / 1e6,
+        moved = result["bytes_moved"]
+        rate = moved / result["seconds"] if moved else None
+        refill_rate = moved / result["refill_seconds"] if moved else None
+        rows.append({"layout pair": pair.label, "MB moved": moved / 1e6,
                      "ms": result["seconds"] * 1e3, "GB/s": rate / 1e9 if rate else None,
                      "% of broadcast bw": f"{rate / bandwidth:.0%}" if rate else "",
-                     "wire ms": result["wire_seconds"] * 1e3 if result["bytes_moved"] else None, "plan ms": ms})
-    console = Console(width=100)  # the table is wider than rich's default 80 columns for a pipe
+                     "refill ms": result["refill_seconds"] * 1e3,
+                     "% with refill": f"{refill_rate / bandwidth:.0%}" if refill_rate else "",
+                     "wire ms": result["wire_seconds"] * 1e3 if moved else None, "plan ms": ms})
+    console = Console(width=130)  # the table is wider than rich's default 80 columns for a pipe
     n_params = sum(math.prod(shape) for shape in shapes.values())
     left_out = f", leaving out /{args.exclude}/" if args.exclude else ""
     console.print(f"model {args.model}: {n_params / 1e6:.1f}M params, {num_layers} layers, "

@@ -330,3 +330,17 @@ def test_dp_sync_handles_dtensor_and_missing_gradients(ranks):
     for result in ranks:
         assert result["dp_dtensor"] == [3.0, 3.0]
         assert result["dp_missing"] == [[1.0, 1.0], None]
+
+
+def _rank_one_is_killed(rank: int) -> int:
+    if rank == 1:
+        import os
+        import signal
+
+        os.kill(os.getpid(), signal.SIGKILL)  # as the kernel's out-of-memory killer would
+    return rank
+
+
+def test_run_world_reports_a_killed_rank_instead_of_waiting():
+    with pytest.raises(RuntimeError, match="rank 1 died without a result .*killed"):
+        run_world(_rank_one_is_killed, 2, timeout_s=120)

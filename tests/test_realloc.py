@@ -352,13 +352,15 @@ def _run_schedules(plan: ReallocPlan, src: dict[tuple[int, str], torch.Tensor], 
             if route[0] != device:
                 _, sender_flat, _, sender_buffers = state[route[0]]
                 sent = sender_buffers[route]
-                routed.buffer.copy_(sent.buffer)  # the wire: sizes must agree
                 assert [e.param for e in routed.direct] == [e.param for e in sent.direct]
-                for mine_, theirs in zip(routed.direct, sent.direct):
-                    realloc_exec._dst_view(dst_flat, mine_).copy_(realloc_exec._src_view(sender_flat, theirs))
-                if corrupt is not None:
-                    corrupt(routed.buffer)
-                realloc_exec._unpack(routed, dst_flat)
+                outgoing = realloc_exec._messages(sent, sender_flat, realloc_exec._src_view)
+                incoming = realloc_exec._messages(routed, dst_flat, realloc_exec._dst_view)
+                assert [tag for tag, _ in outgoing] == [tag for tag, _ in incoming]
+                for (tag, theirs), (_, mine_) in zip(outgoing, incoming):
+                    mine_.copy_(theirs)  # the wire: sizes must agree
+                    if tag == 0 and corrupt is not None:
+                        corrupt(routed.buffer)
+                    realloc_exec._land(routed, dst_flat, tag)
                 realloc_exec._check_direct(routed, dst_flat)
     return {(device, name): tensor for device, (_, _, out, _) in state.items() for name, tensor in out.items()}
 
@@ -381,9 +383,9 @@ def test_compiled_schedules_deliver_the_direct_slices(monkeypatch: pytest.Monkey
     indexed = mode == "index tensors"
     if indexed:  # every side with a run at all becomes an index tensor
         monkeypatch.setattr(realloc_exec, "_MAX_RUNS", 0)
-    if mode == "direct":  # every entry contiguous on both sides travels unpacked
+    if mode == "direct":  # every entry contiguous on either side travels in its own message
         monkeypatch.setattr(realloc_exec, "DIRECT_MIN_NUMEL", 1)
-    strided = indexes = direct = 0
+    strided = indexes = direct = staged = 0
     for seed in range(CASES // 3):
         plan, dtypes, src, expected = _schedule_case(seed)
         got = _run_schedules(plan, src, dtypes)
@@ -399,8 +401,11 @@ def test_compiled_schedules_deliver_the_direct_slices(monkeypatch: pytest.Monkey
             strided += sum(run.count > 1 for side in sides for run in side.runs)
             indexes += sum(side.index(torch.device("cpu")) is not None for side in sides)
             direct += sum(len(entries) for entries in schedule.direct.values())
+            staged += sum(not (e.src or e.dst).contiguous for es in schedule.direct.values() for e in es)
     assert (indexes > 100) if indexed else (strided > 100 and indexes == 0)  # the path under test is taken
-    assert (direct > 100) if mode == "direct" else direct == 0  # the random cases are below the default size
+    # the random cases are below the default size; with every size allowed, some direct entries are staged on
+    # one side (gathered before sending or scattered after arriving)
+    assert (direct > 100 and staged > 20) if mode == "direct" else direct == 0
 
 
 def test_schedule_sides_group_pieces_into_strided_runs():

@@ -10,9 +10,13 @@ travel in one byte buffer per route, a route being a sender and its receivers:
   source tensor itself (the plan calls it aliased).
 
 An entry (a parameter's pieces on one route) of at least :data:`DIRECT_MIN_NUMEL` elements (large weights) that lies in one
-contiguous span of the sender's source shard and of every receiver's destination shard travels *directly*:
-sent from the source shard and received into the destination shard, its own message, never packed or
-unpacked. Every participant derives the same decision from the plan alone.
+contiguous span of the sender's source shard or of every receiver's destination shard travels *directly*, in
+its own message: sent from the source shard where its elements are contiguous there, and received into the
+destination shard where they are contiguous there. A side where they are not (a row-split weight's columns)
+stages them in a buffer of the entry's own: gathered before sending, or scattered after arriving. So a large
+entry costs at most one copy beyond the wire, where packing it into the route buffer would cost two (on CPU
+devices, where the wire itself is a memory copy, that halves the time). Every participant derives the same
+decision from the plan alone.
 
 The plan is compiled once per device into a :class:`ReallocSchedule` (:func:`compile_schedule`, cached by
 plan identity for as long as the plan lives). It groups a route's pieces by parameter into *entries*, and
@@ -58,8 +62,8 @@ _RTOL = 1e-9
 _MAX_RUNS = 8
 """Most strided runs an entry side is always copied by (a Python call each)."""
 DIRECT_MIN_NUMEL = 1 << 20
-"""Entries this large (and contiguous on both sides) travel directly: their own message then costs less
-than packing and unpacking them (two copies of every byte). Measured with 4 gloo processes on 2 cores
+"""Entries this large (and contiguous on at least one side) travel directly: their own message then costs
+less than packing and unpacking them (one or two copies of every byte). Measured with 4 gloo processes on 2 cores
 (benchmarks/realloc.py, 2026-11-22): a message costs ~160 µs, and at 64K elements sending entries directly
 made a tp4 → dp4 copy-back 2.4× slower (65 ms vs 27 ms); at a million fp32 elements the two copies saved
 (8 MB at a few GB/s) outweigh a message several times over."""
@@ -192,6 +196,8 @@ class _RouteBuffer:
     """The packed entries, in buffer order."""
     direct: tuple[_Entry, ...] = ()
     """The route's direct entries, in message order (their checksums follow the packed entries')."""
+    staged: dict[int, torch.Tensor] = field(default_factory=dict)
+    """Direct entry index → its staging buffer, for the entries not contiguous on this device's side."""
     sums: torch.Tensor | None = None
     """float64 ``(sum, sum of squares)`` rows of every entry when verifying: packed ones, then direct ones."""
 
@@ -281,7 +287,7 @@ def _travels_directly(plan: ReallocPlan, route: Route, pieces: Sequence[Transfer
         return all(at.offset(t.param, t.start) == first + sum(p.numel for p in pieces[:i])
                    for i, t in enumerate(pieces))
 
-    return contiguous(_Locators(plan.src_intervals, sender)) and all(
+    return contiguous(_Locators(plan.src_intervals, sender)) or all(
         contiguous(_Locators(plan.dst_intervals, r)) for r in receivers)
 
 
@@ -304,7 +310,10 @@ def _bind(routes: Mapping[Route, Sequence[_Entry]], direct: Mapping[Route, Seque
     for route, entries in routes.items():
         # Largest elements first: each dtype group then starts aligned, and alignment below is a no-op.
         ordered = sorted(entries, key=lambda e: -dtype_of(e.param).itemsize)
-        sums_count = len(ordered) + len(direct.get(route, ()))
+        directs = tuple(direct.get(route, ()))
+        staged = {i: torch.empty(e.numel, dtype=dtype_of(e.param), device=device)
+                  for i, e in enumerate(directs) if not (e.src if e.src is not None else e.dst).contiguous}
+        sums_count = len(ordered) + len(directs)
         offset, offsets = _CHECKSUM_BYTES * sums_count if verify else 0, []
         for entry in ordered:
             size = dtype_of(entry.param).itemsize
@@ -312,12 +321,12 @@ def _bind(routes: Mapping[Route, Sequence[_Entry]], direct: Mapping[Route, Seque
             offsets.append(offset)
             offset += entry.numel * size
         if offset == 0:  # only direct entries and no checksums: no buffer travels
-            out[route] = _RouteBuffer(torch.empty(0, dtype=torch.uint8, device=device), [], tuple(direct.get(route, ())))
+            out[route] = _RouteBuffer(torch.empty(0, dtype=torch.uint8, device=device), [], directs, staged)
             continue
         buffer = torch.empty(offset, dtype=torch.uint8, device=device)
         placed = [_place(entry, buffer, start, dtype_of(entry.param)) for entry, start in zip(ordered, offsets)]
         sums = buffer[:_CHECKSUM_BYTES * sums_count].view(torch.float64).view(-1, 2) if verify else None
-        out[route] = _RouteBuffer(buffer, placed, tuple(direct.get(route, ())), sums)
+        out[route] = _RouteBuffer(buffer, placed, directs, staged, sums)
     return out
 
 
@@ -397,39 +406,38 @@ def _transfer(schedule: ReallocSchedule, buffers: Mapping[Route, _RouteBuffer],
 
     A route's messages are its packed buffer (tag 0, when it holds anything) and its direct entries (tags 1,
     2, ... in schedule order). On CPU buffers (gloo), which match a receive with its send by peer and tag
-    whenever either is posted, every point-to-point receive and every direct send is posted first, so no
-    sender waits for a receiver that is still packing; other backends (NCCL) take a device's sends and
-    receives in one batch, in one order on both sides.
+    whenever either is posted, every point-to-point receive and every direct send from a source shard is
+    posted first, so no sender waits for a receiver that is still packing; other backends (NCCL) take a
+    device's sends and receives in one batch, in one order on both sides.
     """
     me = schedule.device
     recvs = {route: _messages(rb, dst_flat, _dst_view) for route, rb in buffers.items() if route[0] != me}
     early = all(rb.buffer.device.type == "cpu" for rb in buffers.values())
     started: Started = []
     if early:
-        direct_sends = {route: [m for m in _messages(rb, src_flat, _src_view) if m[0] > 0]
-                        for route, rb in buffers.items() if route[0] == me}
-        started += _start_point_to_point(direct_sends, recvs, rank_of)
+        unstaged = {route: [m for m in _messages(rb, src_flat, _src_view) if m[0] > 0 and m[0] - 1 not in rb.staged]
+                    for route, rb in buffers.items() if route[0] == me}
+        started += _start_point_to_point(unstaged, recvs, rank_of)
     for route, rb in buffers.items():
         if route[0] == me:
             _pack(rb, src_flat)
     sends = {route: _messages(rb, src_flat, _src_view) for route, rb in buffers.items() if route[0] == me}
     if early:
-        started += _start_point_to_point({r: [m for m in msgs if m[0] == 0] for r, msgs in sends.items()}, {},
-                                         rank_of)
+        packed = {r: [m for m in msgs if m[0] == 0 or m[0] - 1 in buffers[r].staged] for r, msgs in sends.items()}
+        started += _start_point_to_point(packed, {}, rank_of)
     else:
         started += _start_point_to_point(sends, recvs, rank_of)
     started += _start_broadcasts(sends, recvs, rank_of, groups)
     _copy_local(schedule.local, src_flat, dst_flat)
     failed: ReallocVerificationError | None = None  # raised once every work is done: the buffers are reused
-    for routes, work in started:
+    for arrived, work in started:
         if work is not None:
             work.wait()
-        for route in routes:
-            if route in recvs:
-                try:
-                    _unpack(buffers[route], dst_flat)
-                except ReallocVerificationError as error:
-                    failed = failed or error
+        for route, tag in arrived:
+            try:
+                _land(buffers[route], dst_flat, tag)
+            except ReallocVerificationError as error:
+                failed = failed or error
     if verify:
         for route, rb in buffers.items():
             if route[0] != me:
@@ -446,19 +454,20 @@ Message = tuple[int, torch.Tensor]
 
 
 def _messages(rb: _RouteBuffer, flat: Mapping[str, torch.Tensor], view) -> list[Message]:
-    """A route's messages on this device: its buffer when it holds anything, then its direct entries."""
+    """A route's messages on this device: its buffer when it holds anything, then its direct entries (each
+    its staging buffer, or its view of ``flat``)."""
     out: list[Message] = [(0, rb.buffer)] if rb.buffer.numel() else []
-    return out + [(i + 1, view(flat, entry)) for i, entry in enumerate(rb.direct)]
+    return out + [(i + 1, rb.staged[i] if i in rb.staged else view(flat, entry)) for i, entry in enumerate(rb.direct)]
 
 
 def _src_view(src_flat: Mapping[str, torch.Tensor], entry: _Entry) -> torch.Tensor:
-    """The sender's contiguous elements of a direct entry, as they lie in its source shard."""
+    """The sender's elements of an unstaged direct entry, contiguous in its source shard."""
     start = entry.src.runs[0].offset
     return src_flat[entry.param][start:start + entry.numel].contiguous()
 
 
 def _dst_view(dst_flat: Mapping[str, torch.Tensor], entry: _Entry) -> torch.Tensor:
-    """Where a direct entry lands in the receiver's (new, contiguous) destination shard."""
+    """Where an unstaged direct entry lands, contiguous in the receiver's destination shard."""
     start = entry.dst.runs[0].offset
     return dst_flat[entry.param][start:start + entry.numel]
 
@@ -547,8 +556,8 @@ def _scatter(flat: torch.Tensor, side: _Side, values: torch.Tensor) -> None:
 
 
 def _pack(rb: _RouteBuffer, src_flat: Mapping[str, torch.Tensor]) -> None:
-    """Fill the buffer of one route this device sends: every packed entry, and the checksums (if verifying)
-    of every entry, direct ones included."""
+    """Fill the buffers of one route this device sends: every packed entry, every staged direct entry, and the
+    checksums (if verifying) of every entry, direct ones included."""
     for index, item in enumerate(rb.placed):
         flat = src_flat[item.entry.param]
         if item.index is not None:
@@ -557,9 +566,11 @@ def _pack(rb: _RouteBuffer, src_flat: Mapping[str, torch.Tensor]) -> None:
             view.copy_(_strided(flat, run))
         if rb.sums is not None:
             rb.sums[index] = _checksum(item.values)
+    for i, staging in rb.staged.items():
+        _gather(src_flat[rb.direct[i].param], rb.direct[i].src, staging)
     if rb.sums is not None:
-        for index, entry in enumerate(rb.direct, start=len(rb.placed)):
-            rb.sums[index] = _checksum(_src_view(src_flat, entry))
+        for i, entry in enumerate(rb.direct):
+            rb.sums[len(rb.placed) + i] = _checksum(rb.staged[i] if i in rb.staged else _src_view(src_flat, entry))
 
 
 def _checksum(values: torch.Tensor) -> torch.Tensor:
@@ -567,14 +578,15 @@ def _checksum(values: torch.Tensor) -> torch.Tensor:
     return torch.stack([wide.sum(), (wide * wide).sum()])
 
 
-Started = list[tuple[tuple[Route, ...], "dist.Work | None"]]
-"""Works to wait on in order, each with the routes complete once it (and every work before it) is done."""
+Started = list[tuple[tuple[tuple[Route, int], ...], "dist.Work | None"]]
+"""Works to wait on in order, each with the received ``(route, tag)`` messages complete once it (and every work
+before it) is done, to be landed by :func:`_land`."""
 
 
 def _start_point_to_point(sends: Mapping[Route, Sequence[Message]], recvs: Mapping[Route, Sequence[Message]],
                           rank_of: Mapping[int, int] | None) -> Started:
-    """Start every single-receiver route's messages given, in one batch; a received buffer's route is
-    complete (ready to unpack) once its work is."""
+    """Start every single-receiver route's messages given, in one batch; a received message is complete (ready
+    to land) once its work is."""
     ops, done = [], []
     for route, messages in sends.items():
         if len(route[1]) == 1:
@@ -585,7 +597,7 @@ def _start_point_to_point(sends: Mapping[Route, Sequence[Message]], recvs: Mappi
         if len(route[1]) == 1:
             for tag, tensor in messages:
                 ops.append(dist.P2POp(dist.irecv, tensor, _rank(rank_of, route[0]), tag=tag))
-                done.append((route,) if tag == 0 else ())
+                done.append(((route, tag),))
     works = list(dist.batch_isend_irecv(ops)) if ops else []
     if len(works) == len(ops):  # a work per operation (gloo)
         return list(zip(done, works))
@@ -605,7 +617,7 @@ def _start_broadcasts(sends: Mapping[Route, Sequence[Message]], recvs: Mapping[R
         group = groups[tuple(sorted((sender, *receivers)))]
         for tag, tensor in messages[route]:
             work = dist.broadcast(tensor, src=_rank(rank_of, sender), group=group, async_op=True)
-            works.append(((route,) if tag == 0 and route in recvs else (), work))
+            works.append((((route, tag),) if route in recvs else (), work))
     return works
 
 
@@ -626,6 +638,16 @@ def _copy_local(entries: Sequence[_Entry], src_flat: Mapping[str, torch.Tensor],
             _scatter(dst, entry.dst, values)
 
 
+def _land(rb: _RouteBuffer, dst_flat: Mapping[str, torch.Tensor], tag: int) -> None:
+    """Put a received message's elements in place: unpack the route buffer (tag 0), or scatter a staged
+    direct entry (an unstaged one was received in place)."""
+    if tag == 0:
+        _unpack(rb, dst_flat)
+    elif tag - 1 in rb.staged:
+        entry = rb.direct[tag - 1]
+        _scatter(dst_flat[entry.param], entry.dst, rb.staged[tag - 1])
+
+
 def _unpack(rb: _RouteBuffer, dst_flat: Mapping[str, torch.Tensor]) -> None:
     """Place a received route's packed entries in the destination shards, checking them against the sender's
     sums (if verifying)."""
@@ -643,8 +665,13 @@ def _unpack(rb: _RouteBuffer, dst_flat: Mapping[str, torch.Tensor]) -> None:
 
 def _check_direct(rb: _RouteBuffer, dst_flat: Mapping[str, torch.Tensor]) -> None:
     """Check a received route's direct entries, where they landed, against the sender's sums."""
-    for index, entry in enumerate(rb.direct, start=len(rb.placed)):
-        _check(entry, rb.sums[index], _checksum(_dst_view(dst_flat, entry)))
+    for i, entry in enumerate(rb.direct):
+        if i in rb.staged:  # read back what landed, in the sender's order
+            landed = torch.empty_like(rb.staged[i])
+            _gather(dst_flat[entry.param], entry.dst, landed)
+        else:
+            landed = _dst_view(dst_flat, entry)
+        _check(entry, rb.sums[len(rb.placed) + i], _checksum(landed))
 
 
 def _check(entry: _Entry, expected: torch.Tensor, actual: torch.Tensor) -> None:

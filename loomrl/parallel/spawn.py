@@ -9,7 +9,9 @@ from __future__ import annotations
 
 import datetime
 import os
+import queue as queues
 import socket
+import time
 import traceback
 from typing import Any, Callable
 
@@ -54,7 +56,7 @@ def run_world(body: Callable[[int], Any], world: int, timeout_s: float = 300.0,
     for proc in procs:
         proc.start()
     try:
-        results = dict(queue.get(timeout=timeout_s) for _ in procs)
+        results = _collect(queue, procs, timeout_s)
     finally:
         for proc in procs:
             proc.join(timeout=30)
@@ -64,3 +66,30 @@ def run_world(body: Callable[[int], Any], world: int, timeout_s: float = 300.0,
         if isinstance(result, RankFailure):
             raise RuntimeError(f"rank {rank} failed:\n{result}")
     return [results[rank] for rank in range(world)]
+
+
+def _collect(queue: Any, procs: list, timeout_s: float) -> dict[int, Any]:
+    """Every rank's result; raises as soon as a rank dies without sending one (killed, e.g. out of memory:
+    its peers would otherwise wait for it until the timeout) or when ``timeout_s`` passes."""
+    results: dict[int, Any] = {}
+    deadline = time.monotonic() + timeout_s
+    while len(results) < len(procs):
+        try:
+            rank, result = queue.get(timeout=1.0)
+            results[rank] = result
+            continue
+        except queues.Empty:
+            pass
+        for rank, proc in enumerate(procs):
+            if rank not in results and proc.exitcode is not None:
+                try:  # its result may have been sent just before it exited
+                    late_rank, result = queue.get(timeout=1.0)
+                    results[late_rank] = result
+                    break
+                except queues.Empty:
+                    raise RuntimeError(f"rank {rank} died without a result (exit code {proc.exitcode}"
+                                       f"{': killed, e.g. out of memory' if proc.exitcode < 0 else ''})") from None
+        if time.monotonic() > deadline:
+            missing = sorted(set(range(len(procs))) - set(results))
+            raise RuntimeError(f"ranks {missing} sent no result within {timeout_s:.0f} s")
+    return results
