@@ -208,7 +208,7 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--prompts", type=int, default=512, help="prompts per iteration")
     p.add_argument("--prompt-len", type=int, default=128, help="prompt tokens")
     p.add_argument("--response-len", type=int, help="response tokens (default: rollout.max_new_tokens)")
-    p.add_argument("--time-budget", type=float, default=30.0, help="seconds of plan search")
+    p.add_argument("--time-budget", type=float, default=30.0, help="seconds for planning: the heuristics' layout enumeration, then the search in what is left")
     p.add_argument("--seed", type=int, default=0, help="search seed")
     p.add_argument("--profile", help="hardware profile JSON replacing the cluster's (loomrl calibrate writes "
                                      "local_profile.json)")

@@ -7,6 +7,7 @@ zoo's, a checkpoint's, or the LLaMA-2 architecture presets below for planning la
 
 from __future__ import annotations
 
+import time
 from dataclasses import dataclass
 from types import SimpleNamespace
 from typing import Mapping
@@ -16,7 +17,7 @@ from loomrl.plan import ClusterSpec, ExecutionPlan
 from loomrl.planner.corrections import Corrections
 from loomrl.planner.cost import CostModel
 from loomrl.planner.profiles import HardwareProfile, profile_for
-from loomrl.planner.search import best_heuristic_plans, search
+from loomrl.planner.search import CachedCost, best_heuristic_plans, search
 from loomrl.planner.simulator import SimResult
 from loomrl.planner.workload import ModelShape, Workload
 from loomrl.workflow import Workflow
@@ -58,6 +59,10 @@ def model_config(name: str, tokenizer=None) -> object:
                       f"{', '.join(MODEL_PRESETS)}; zoo: {', '.join(ZOO)}")
 
 
+MIN_SEARCH_SHARE = 0.25
+"""Least share of :func:`compare_plans`' time budget left to the search, however long the heuristics took."""
+
+
 @dataclass
 class PlanningReport:
     rows: list[dict]
@@ -80,18 +85,24 @@ def compare_plans(workflow: Workflow, cluster: ClusterSpec, configs: Mapping[str
                   profile: HardwareProfile | None = None, corrections: Corrections | None = None) -> PlanningReport:
     """Best layouts of each heuristic strategy, then a seeded, time-bounded search; all simulated.
 
+    ``time_budget_s`` bounds the whole comparison: the search gets what the heuristics' enumeration leaves
+    of it, and at least :data:`MIN_SEARCH_SHARE` of it (so the total may exceed the budget only where the
+    enumeration alone takes more than the rest). Both share one cache of priced calls and reallocations.
+
     ``profile`` replaces the cluster's named profile (e.g. this machine measured by ``loomrl calibrate``) and
     ``corrections`` are fitted ones (``loomrl calibrate --from``); by default the datasheet profile, uncorrected."""
     profile = profile or profile_for(cluster)
     shapes = {role: ModelShape.from_config(cfg) for role, cfg in configs.items()}
-    cost = CostModel(cluster, profile, shapes, workload, corrections)
+    began = time.monotonic()
+    cost = CachedCost(CostModel(cluster, profile, shapes, workload, corrections))
     memory = profile.memory_bytes
     heuristics = best_heuristic_plans(workflow, cluster, cost, memory, configs)
+    search_s = max(time_budget_s - (time.monotonic() - began), MIN_SEARCH_SHARE * time_budget_s)
     feasible = sorted(((r.iteration_time, name, p) for name, (p, r) in heuristics.items() if r.feasible),
                       key=lambda t: t[0])
     # chains start from every feasible heuristic, fastest first (colocate with pure dp when none fits)
     starts = [plan for _, _, plan in feasible] or None
-    searched = search(workflow, cluster, cost, memory, configs, seed=seed, time_budget_s=time_budget_s,
+    searched = search(workflow, cluster, cost, memory, configs, seed=seed, time_budget_s=search_s,
                       chains=chains, start=starts)
     base = heuristics["colocate"][1]
     rows = []

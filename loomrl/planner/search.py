@@ -7,7 +7,9 @@
   heads and MLP width, pp divides the layers), with every tensor-parallel group inside one node; generation
   runs with pp = 1. Train calls also choose micro-batches (:data:`MICRO_BATCHES`) and whether to recompute
   activations. A compute step may run on any single device.
-- :func:`search`: Metropolis acceptance with a geometric cooling schedule; a move gives one MFC (or all the
+- :func:`search`: the candidates are first pruned per device mesh to the few fastest layouts alone that fit
+  the devices alone, and the leanest (:func:`_prune`, as ReaLHF prunes its search space); then Metropolis
+  acceptance with a geometric cooling schedule; a move gives one MFC (or all the
   train calls of a role together, since they share a placement), sometimes two, another candidate, half the
   time on its current mesh (a layout or micro-batch move). Several independent chains share the wall-clock budget and a
   cache of simulated plans; the top-k distinct feasible plans seen by any chain are returned, fastest first.
@@ -30,6 +32,7 @@ import itertools
 import math
 import random
 import time
+from collections import defaultdict
 from collections.abc import Mapping
 from dataclasses import dataclass
 
@@ -39,8 +42,8 @@ from loomrl.plan.layout import Layout, check_layout
 from loomrl.planner.simulator import CostEstimator, SimResult, simulate
 from loomrl.workflow import MFC, MFCKind, Workflow
 
-__all__ = ["MICRO_BATCHES", "best_heuristic_plans", "candidate_allocations", "device_meshes", "layouts_on",
-           "plan_key", "search"]
+__all__ = ["CachedCost", "MICRO_BATCHES", "best_heuristic_plans", "candidate_allocations", "device_meshes",
+           "layouts_on", "plan_key", "search"]
 
 MICRO_BATCHES: tuple[int, ...] = (1, 2, 4, 8)
 """Micro-batch counts a train call may choose."""
@@ -50,6 +53,12 @@ ENUMERATION_LIMIT = 256
 
 _MAX_SWEEPS = 6
 """Coordinate-wise sweeps :func:`_best_layouts` makes at most (each sweep that changes nothing ends it)."""
+
+TOP_PER_MESH = 4
+"""Allocations a unit keeps per device mesh in the search: its fastest alone among those that fit the devices
+alone (as ReaLHF keeps a few best parallel strategies per mesh), see :func:`_prune`."""
+LEAN_PER_MESH = 2
+"""More allocations kept per mesh: those needing the least memory, so tight setups can still be fitted."""
 
 _PlanKey = tuple
 
@@ -153,7 +162,7 @@ class _Evaluator:
     """Simulates each distinct plan once; wraps the cost estimator in a cache shared by all plans."""
 
     def __init__(self, workflow: Workflow, cost: CostEstimator, memory_per_device: float, iterations: int) -> None:
-        self.workflow, self.cost = workflow, _CachedCost(cost)
+        self.workflow, self.cost = workflow, cost if isinstance(cost, CachedCost) else CachedCost(cost)
         self.memory, self.iterations = memory_per_device, iterations
         self.results: dict[_PlanKey, tuple[ExecutionPlan, SimResult | None]] = {}
 
@@ -202,8 +211,10 @@ def _device_seconds(result: SimResult) -> float:
     return sum(iv.end - iv.start for iv in result.timeline)
 
 
-class _CachedCost:
-    """A :class:`CostEstimator` that asks the wrapped one once per distinct question."""
+class CachedCost:
+    """A :class:`CostEstimator` that asks the wrapped one once per distinct question: pass one to
+    :func:`best_heuristic_plans` and :func:`search` to share what either has priced (reallocations cost tens
+    of milliseconds each on a large cluster)."""
 
     def __init__(self, inner: CostEstimator) -> None:
         self.inner, self.cache = inner, {}
@@ -289,6 +300,29 @@ def _polish(best: ExecutionPlan, units: list[_Unit], evaluate: _Evaluator, deadl
             return
 
 
+def _prune(names: tuple[str, ...], candidates: tuple[Allocation, ...], workflow: Workflow, cost: CostEstimator,
+           memory_per_device: float, keep: set[Allocation]) -> tuple[Allocation, ...]:
+    """The candidates of a unit worth searching: per device mesh, the :data:`TOP_PER_MESH` fastest alone (the
+    unit's calls' time) among those whose own memory fits a device, and the :data:`LEAN_PER_MESH` needing the
+    least memory; plus ``keep`` (the start plans' allocations). A large cluster offers thousands of layouts ×
+    micro-batches × recompute per train call, too many for a walk to try even once in its budget; an allocation
+    slower alone than four others on the same devices rarely wins by its reallocations."""
+    mfcs = [workflow[n] for n in names]
+    by_mesh: dict[DeviceMesh, list[tuple[float, float, int]]] = defaultdict(list)
+    for i, alloc in enumerate(candidates):
+        seconds = sum(cost.mfc_time(m, alloc) for m in mfcs)
+        trainable = mfcs[0].kind is MFCKind.TRAIN
+        need = max(cost.static_memory(m.role, alloc, trainable) + cost.mfc_memory(m, alloc, trainable)
+                   if m.role is not None else 0.0 for m in mfcs)
+        by_mesh[alloc.mesh].append((seconds, need, i))
+    chosen = {i for i, alloc in enumerate(candidates) if alloc in keep}
+    for scored in by_mesh.values():
+        fitting = sorted((s, i) for s, need, i in scored if need <= memory_per_device)
+        chosen |= {i for _, i in fitting[:TOP_PER_MESH]}
+        chosen |= {i for _, _, i in sorted(scored, key=lambda t: (t[1], t[0], t[2]))[:LEAN_PER_MESH]}
+    return tuple(alloc for i, alloc in enumerate(candidates) if i in chosen)
+
+
 POLISH_SHARE = 0.2
 """Share of the search's time budget kept for :func:`_polish` after the annealing chains."""
 
@@ -321,7 +355,10 @@ def search(workflow: Workflow, cluster: ClusterSpec, cost: CostEstimator, memory
     for plan in starts:
         if evaluate(plan) is None:
             plan.validate(workflow)  # raises the one-line reason
-    units = [_Unit(names, tuple(candidate_allocations(workflow[names[0]], workflow, cluster, model_configs)))
+    keep = {a for plan in starts for a in plan.allocations.values()}
+    units = [_Unit(names, _prune(names, tuple(candidate_allocations(workflow[names[0]], workflow, cluster,
+                                                                    model_configs)),
+                                 workflow, evaluate.cost, memory_per_device, keep))
              for names in _units(workflow)]
     units = [u for u in units if len(u.candidates) > 1]
     began = time.monotonic()
