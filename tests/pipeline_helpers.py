@@ -41,9 +41,10 @@ def value_model() -> torch.nn.Module:
     return model
 
 
-def adamw_steps(ref: torch.nn.Module, runner, pp_group) -> tuple[tuple[float, float], tuple[float, float]]:
+def adamw_steps(ref: torch.nn.Module, runner, pp_group, micro_batches: int = 2
+                ) -> tuple[tuple[float, float], tuple[float, float]]:
     """One clipped AdamW step on the token-mean NLL of :func:`ragged_batch`: the unsplit model ``ref`` on the
-    full batch, then the pipeline ``runner``'s stage over two micro-batches. Returns ((loss, norm) unsplit,
+    full batch, then the pipeline ``runner``'s stage over ``micro_batches``. Returns ((loss, norm) unsplit,
     (loss, norm) staged)."""
     from loomrl.models.heads import token_logprobs
     from loomrl.parallel.pipeline_schedule import clip_grad_norm_pp, micro_batch_slices
@@ -60,13 +61,13 @@ def adamw_steps(ref: torch.nn.Module, runner, pp_group) -> tuple[tuple[float, fl
     stage = runner.stage
     stage.model.train()
     opt = torch.optim.AdamW(stage.parameters(), lr=LR, weight_decay=0.1)
-    rows = micro_batch_slices(len(LENGTHS), 2)
+    rows = micro_batch_slices(len(LENGTHS), micro_batches)
 
     def loss_fn(logits_BLV: torch.Tensor, k: int) -> torch.Tensor:
         # Divided by the whole batch's token count, so the micro-batch losses sum to the full-batch loss.
         return -(logp_from_logits(logits_BLV, ids_BL[rows[k]]) * mask_BL[rows[k], 1:]).sum() / total
 
-    loss = runner.train_step_backward(ids_BL, mask_BL, loss_fn, micro_batches=2, broadcast_result=True)
+    loss = runner.train_step_backward(ids_BL, mask_BL, loss_fn, micro_batches=micro_batches, broadcast_result=True)
     norm = clip_grad_norm_pp(stage, MAX_NORM, pp_group)
     opt.step()
     return (float(ref_loss), loss), (ref_norm, norm)

@@ -361,3 +361,28 @@ def test_ops_run_the_contexts_micro_batches_through_the_pipeline(micro_batches, 
     critic = _SpyPipeline(value_model())
     values_op(_op_context(Role("critic", critic.stage.model, pipeline=critic), micro_batches, len(batch)), batch)
     assert actor.asked == [runs, runs] and critic.asked == [runs]
+
+
+# ------------------------------------------------------------------------------------------ 1F1B on 4 stages
+def _four_stage_step(rank: int) -> dict:
+    """One clipped AdamW step of llama-1m (4 layers) split into 4 stages, with 4 micro-batches: 1F1B's warm-up
+    runs 3, 2, 1 and 0 forwards on stages 0..3 before its first backward."""
+    tok = build_char_tokenizer()
+    ref = build_causal_lm("llama-1m", tok, seed=0)
+    runner = PipelineRunner(split_stages(build_causal_lm("llama-1m", tok, seed=0), rank, 4), dist.group.WORLD,
+                            rank, 4)
+    losses, norms = adamw_steps(ref, runner, dist.group.WORLD, micro_batches=4)
+    stepped = dict(ref.named_parameters())
+    return {"losses": losses, "norms": norms, "peak_in_flight": runner.peak_in_flight,
+            "param_diff": max((p - stepped[n]).abs().max().item() for n, p in runner.stage.named_parameters())}
+
+
+def test_1f1b_on_four_stages_equals_single_process_and_bounds_kept_micro_batches():
+    results = run_world(_four_stage_step, 4, timeout_s=TIMEOUT_S)
+    for rank, result in enumerate(results):
+        (ref_loss, pp_loss), (ref_norm, pp_norm) = result["losses"], result["norms"]
+        assert abs(pp_loss - ref_loss) < 1e-5 * abs(ref_loss), rank
+        assert abs(pp_norm - ref_norm) < 1e-5 * ref_norm, rank
+        assert result["param_diff"] < 1e-5, rank
+        # stage r keeps at most P - r micro-batches' activations (GPipe would keep all 4 on every stage)
+        assert result["peak_in_flight"] == 4 - rank, (rank, result["peak_in_flight"])

@@ -7,7 +7,7 @@ reference executor, one data-parallel shard on a worker.
 
 Inference and training ops cut their rows into ``ctx.micro_batches`` contiguous micro-batches (at most one per
 row; :func:`micro_batch_rows`), as the execution plan priced them: a pipeline-parallel role runs them through
-its GPipe schedule, an unstaged role one after another (its training accumulating gradients). Generation
+its pipeline schedule (1F1B for training), an unstaged role one after another (its training accumulating gradients). Generation
 ignores micro-batches: the rollout engine decodes all live samples together.
 
 Legend: B = samples, R = response tokens (right-padded), L = prompt + response (right-padded).
@@ -129,7 +129,7 @@ def loss_tokens(mb: Batch) -> list[int]:
 
 
 def _backward(ctx: OpContext, mb: Batch, loss_fn: LossFn, weight: float) -> dict:
-    """Forward, loss and backward of one minibatch, micro-batch by micro-batch (through the pipeline's GPipe
+    """Forward, loss and backward of one minibatch, micro-batch by micro-batch (through the pipeline's 1F1B
     schedule when the role is staged); returns its statistics (empty on pipeline stages but the last).
 
     Micro-batch ``k``'s loss is ``loss_fn`` of its rows alone, times its share of the minibatch's loss tokens

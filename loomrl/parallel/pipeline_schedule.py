@@ -1,26 +1,30 @@
-"""Running pipeline stages together: GPipe micro-batch schedules over point-to-point sends, and global clipping.
+"""Running pipeline stages together: micro-batch schedules over point-to-point sends, and global clipping.
 
 Every rank of a pipeline group holds one :class:`~loomrl.parallel.pipeline.PipelineStage` and calls the same
 :class:`PipelineRunner` method with the same rows at the same time (all stages need the attention mask; only
 stage 0 needs the token ids). Rows are cut into contiguous micro-batches (:func:`micro_batch_slices`); stage
 ``r`` receives a micro-batch's hidden states from ``r-1``, runs its layers and sends the result to ``r+1``.
 
-Schedule: GPipe. Training runs every micro-batch forward, then every backward in reverse order; the last stage
-back-propagates ``loss_fn`` of each micro-batch, earlier stages back-propagate the gradient received for their
-output, and each stage sends the gradient of its input to the previous one. Gradients accumulate in the
-parameters exactly as one backward of the summed micro-batch losses would. GPipe keeps every micro-batch's
-activations until the backward phase (as the unpipelined full-batch step does); 1F1B would bound that by the
-number of stages, and is not built.
+Inference streams the micro-batches through the stages one after another, keeping nothing but the last stage's
+outputs. Training runs the 1F1B schedule (PipeDream-flush, as Megatron-LM's non-interleaved pipeline): stage
+``r`` of ``P`` runs ``min(P − r − 1, M)`` warm-up forwards, then alternates one forward with one backward, then
+drains the remaining backwards; the last stage back-propagates ``loss_fn`` of each micro-batch, earlier stages
+the gradient received for their output, and each stage sends the gradient of its input to the previous one.
+Gradients accumulate in the parameters as one backward of the summed micro-batch losses would (micro-batches in
+order). A stage keeps at most ``P − r`` micro-batches' activations (GPipe, running every forward first, kept all
+``M``), with the same bubble of ``P − 1`` slots.
 
 With tensor parallelism too (pp×tp), each TP rank of a stage runs its own runner whose ``pp_group`` is the line
 of the mesh through the same TP (and DP) rank of every stage: the hidden states and their gradients are the
 replicated residual stream, identical on every TP rank of a stage, so TP rank t of stage r exchanges them with TP
 rank t of stages r ± 1 only, and the TP collectives stay inside each stage.
 
-Messages between two neighbours always flow in one order (forwards up, then backwards down), so blocking
-``send``/``recv`` cannot deadlock, on gloo or nccl alike. Each tensor is preceded by a small header (dtype and
-shape): sequence lengths change from call to call, and a header that disagrees with what the receiver expects
-turns a batch mismatch between ranks into an error instead of garbage.
+In the steady phase two neighbours send to each other at the same time (an output up, a gradient down): those
+pairs travel as one batch of ``isend``/``irecv`` (:meth:`PipelineRunner._exchange`), so neither waits for the
+other to receive first (with NCCL a blocking send would deadlock there); the warm-up and drain use blocking
+``send``/``recv``, whose order matches the neighbour's, on gloo or nccl alike. Each tensor is preceded by a small
+header (dtype and shape): sequence lengths change from call to call, and a header that disagrees with what the
+receiver expects turns a batch mismatch between ranks into an error instead of garbage.
 
 Legend: B rows, L tokens per row, H hidden size, V vocabulary, M micro-batches.
 """
@@ -62,7 +66,7 @@ def micro_batch_slices(rows: int, micro_batches: int) -> list[slice]:
 
 
 class PipelineRunner:
-    """GPipe inference and training of one stage, in step with the other ranks of ``pp_group``."""
+    """Pipelined inference and 1F1B training of one stage, in step with the other ranks of ``pp_group``."""
 
     def __init__(self, stage: PipelineStage, pp_group: dist.ProcessGroup | None, pp_rank: int, pp_size: int):
         """``pp_group`` may be None only when ``pp_size`` is 1 (nothing is communicated then)."""
@@ -73,6 +77,8 @@ class PipelineRunner:
                              f"{dist.get_rank(pp_group)} of {dist.get_world_size(pp_group)})")
         self.stage, self.group = stage, pp_group
         self.pp_rank, self.pp_size = pp_rank, pp_size
+        self.peak_in_flight = 0
+        """Most micro-batches whose activations the last training step kept at once on this stage."""
 
     # ------------------------------------------------------------------------------------------ inference
     @torch.no_grad()
@@ -98,7 +104,7 @@ class PipelineRunner:
     def train_step_backward(self, input_ids_BL: torch.Tensor | None, attention_mask_BL: torch.Tensor,
                             loss_fn: LossFn, micro_batches: int = 1, *, position_ids_BL: torch.Tensor | None = None,
                             broadcast_result: bool = False) -> float:
-        """Forward and backward of every micro-batch (GPipe); gradients accumulate into the stage's parameters.
+        """Forward and backward of every micro-batch (1F1B); gradients accumulate into the stage's parameters.
 
         The last stage calls ``loss_fn(output, k)`` for micro-batch ``k`` (rows ``micro_batch_slices(B, M)[k]``)
         and back-propagates it; scale each micro-batch's loss so that their SUM is the loss you mean. Returns the
@@ -106,22 +112,50 @@ class PipelineRunner:
         The caller zeroes gradients, clips (:func:`clip_grad_norm_pp`) and steps.
         """
         batch, slices = self._prepare(input_ids_BL, attention_mask_BL, position_ids_BL, micro_batches)
-        saved = [self._forward_micro_batch(batch, rows, requires_grad=True) for rows in slices]
+        count = len(slices)
+        warmup = min(self.pp_size - self.pp_rank - 1, count)
+        saved: dict[int, tuple[torch.Tensor, torch.Tensor]] = {}
         total = torch.zeros((), dtype=torch.float64, device=self.stage.device)
-        for k in reversed(range(len(slices))):
-            x, y = saved[k]
-            saved[k] = None  # drop this micro-batch's graph as soon as it has been back-propagated
+        self.peak_in_flight = 0
+
+        def forward(k: int, x: torch.Tensor) -> torch.Tensor:
+            y = self.stage.forward(x, batch[1][slices[k]], None if batch[2] is None else batch[2][slices[k]])
+            saved[k] = x, y
+            self.peak_in_flight = max(self.peak_in_flight, len(saved))
+            return y
+
+        def backward(k: int, grad: torch.Tensor | None) -> torch.Tensor | None:
+            nonlocal total
+            x, y = saved.pop(k)  # this micro-batch's graph is dropped once back-propagated
             if self.stage.is_last:
                 loss = loss_fn(y, k)
                 if loss.dim() != 0:
                     raise ValueError(f"loss_fn must return a scalar, got shape {tuple(loss.shape)}")
                 loss.backward()
-                total += loss.detach().double()
+                total = total + loss.detach().double()
             else:
-                grad = self._recv(self.pp_rank + 1, expected=tuple(y.shape))
                 torch.autograd.backward(y, grad)
-            if not self.stage.is_first:
-                self._send(x.grad if x.grad is not None else torch.zeros_like(x), self.pp_rank - 1)
+            if self.stage.is_first:
+                return None
+            return x.grad if x.grad is not None else torch.zeros_like(x)
+
+        for k in range(warmup):
+            y = forward(k, self._input(batch, slices[k]))
+            self._send(y.detach(), self.pp_rank + 1)  # warm-up stages are never the last
+        x = self._input(batch, slices[warmup]) if warmup < count else None
+        for i in range(count - warmup):  # steady: one forward, one backward
+            k = warmup + i
+            y = forward(k, x)
+            grad = None if self.stage.is_last else self._exchange(y.detach(), self.pp_rank + 1, self._shape(batch, slices[i]))
+            dx = backward(i, grad)
+            if k + 1 < count:
+                x = self._input(batch, slices[k + 1], send_back=dx)
+            elif dx is not None:
+                self._send(dx, self.pp_rank - 1)
+        for i in range(count - warmup, count):  # drain
+            dx = backward(i, self._recv(self.pp_rank + 1, self._shape(batch, slices[i])))
+            if dx is not None:
+                self._send(dx, self.pp_rank - 1)
         if broadcast_result:
             total = self._broadcast(total if self.stage.is_last else None)
         return float(total)
@@ -137,20 +171,51 @@ class PipelineRunner:
         batch = tuple(None if t is None else t.to(device) for t in (input_ids_BL, attention_mask_BL, position_ids_BL))
         return batch, micro_batch_slices(attention_mask_BL.shape[0], micro_batches)
 
-    def _forward_micro_batch(self, batch: tuple[torch.Tensor | None, ...], rows: slice,
-                             requires_grad: bool = False) -> tuple[torch.Tensor, torch.Tensor]:
-        """(this stage's input, its output) for ``rows``; receives the input from and sends the output onward."""
+    def _forward_micro_batch(self, batch: tuple[torch.Tensor | None, ...], rows: slice
+                             ) -> tuple[torch.Tensor, torch.Tensor]:
+        """(this stage's input, its output) for ``rows`` in inference; receives the input from and sends the
+        output onward."""
         ids_BL, mask_BL, pos_BL = batch
-        if self.stage.is_first:
-            x = ids_BL[rows]
-        else:
-            x = self._recv(self.pp_rank - 1, expected=(rows.stop - rows.start, mask_BL.shape[1],
-                                                        self.stage.hidden_size))
-            x.requires_grad_(requires_grad)  # its gradient is what the previous stage back-propagates
+        x = ids_BL[rows] if self.stage.is_first else self._recv(self.pp_rank - 1, self._shape(batch, rows))
         y = self.stage.forward(x, mask_BL[rows], None if pos_BL is None else pos_BL[rows])
         if not self.stage.is_last:
             self._send(y.detach(), self.pp_rank + 1)
         return x, y
+
+    def _shape(self, batch: tuple[torch.Tensor | None, ...], rows: slice) -> tuple[int, int, int]:
+        """Shape of the hidden states (and their gradients) of ``rows`` between two stages."""
+        return rows.stop - rows.start, batch[1].shape[1], self.stage.hidden_size
+
+    def _input(self, batch: tuple[torch.Tensor | None, ...], rows: slice,
+               send_back: torch.Tensor | None = None) -> torch.Tensor:
+        """This stage's input for ``rows`` in a training step: the token ids on the first stage, else the previous
+        stage's output (needing its gradient). ``send_back``, the gradient of the previous micro-batch's input,
+        goes to the previous stage in the same exchange (both neighbours send at once in the steady phase)."""
+        if self.stage.is_first:
+            return batch[0][rows]
+        expected = self._shape(batch, rows)
+        x = self._recv(self.pp_rank - 1, expected) if send_back is None else \
+            self._exchange(send_back, self.pp_rank - 1, expected)
+        return x.requires_grad_(True)
+
+    def _exchange(self, tensor: torch.Tensor, peer: int, expected: tuple[int, ...]) -> torch.Tensor:
+        """Send ``tensor`` to ``peer`` and receive one of shape ``expected`` from it, both at once: headers in one
+        batch of point-to-point operations, then the tensors in another."""
+        device = self.stage.device
+        header = torch.empty(_HEADER, dtype=torch.int64, device=device)
+        self._batch([(dist.isend, _header(tensor, device)), (dist.irecv, header)], peer)
+        dtype, shape = _decode(header)
+        if shape != expected:
+            raise RuntimeError(f"pipeline stage {self.pp_rank}: got a tensor of shape {shape} from stage {peer}, "
+                               f"expected {expected} (do all stages have the same rows?)")
+        received = torch.empty(shape, dtype=dtype, device=device)
+        self._batch([(dist.isend, tensor.contiguous()), (dist.irecv, received)], peer)
+        return received
+
+    def _batch(self, ops: list[tuple[Callable, torch.Tensor]], peer: int) -> None:
+        works = dist.batch_isend_irecv([dist.P2POp(op, t, group=self.group, group_peer=peer) for op, t in ops])
+        for work in works:
+            work.wait()
 
     def _send(self, tensor: torch.Tensor, to: int) -> None:
         dist.send(_header(tensor, self.stage.device), group=self.group, group_dst=to)

@@ -35,7 +35,7 @@ Memory per device follows :func:`loomrl.plan.shard_bytes` for the resident state
 fp32 Adam moments when trained; data parallelism replicates, as the runtime does without FSDP), so plans the
 cost model accepts are the plans :meth:`loomrl.plan.ExecutionPlan.validate` accepts (:meth:`static_memory`).
 While it runs, a call adds transient bytes (:meth:`mfc_memory`): activations (train: the tensors kept for
-backward, GPipe keeping every micro-batch of a stage), working buffers (inference) or the KV cache at its
+backward, the 1F1B pipeline keeping at most pp micro-batches on a stage), working buffers (inference) or the KV cache at its
 fullest (generate).
 """
 
@@ -308,12 +308,12 @@ class CostModel:
         return T.inference_activation_bytes(shape, tokens, lay.tp, self.bytes_per_param)
 
     def _train_memory(self, mfc: MFC, alloc: Allocation) -> float:
-        """Activations kept for the backward: one micro-batch at a time without pipelining, every
-        micro-batch of a step on a stage under GPipe (all forwards run before the backwards)."""
+        """Activations kept for the backward: one micro-batch at a time without pipelining; under the runtime's
+        1F1B pipeline schedule, stage 0 (the most loaded) keeps ``min(pp, micro_batches)`` micro-batches."""
         shape, lay, w = self._shape(mfc.role), alloc.layout, self.workload
         _, minibatches = self._steps(mfc)
         tokens = w.batch / minibatches / lay.dp * w.mean_seq
-        in_flight = tokens if lay.pp > 1 else tokens / alloc.micro_batches
+        in_flight = tokens / alloc.micro_batches * min(lay.pp, alloc.micro_batches)
         if alloc.recompute:
             return T.recompute_activation_bytes(shape, in_flight, tokens / alloc.micro_batches, shape.layers / lay.pp,
                                                 lay.tp, self.bytes_per_param)

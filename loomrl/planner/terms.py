@@ -135,7 +135,7 @@ def transfer_time(nbytes: float, bandwidth: float, latency: float) -> float:
 
 
 def pipeline_slots(pp: int, micro_batches: int) -> int:
-    """GPipe time slots of one pass: ``micro_batches`` slots of work on the slowest stage plus ``pp − 1``
+    """Pipeline time slots of one pass (GPipe and 1F1B alike): ``micro_batches`` slots of work on the slowest stage plus ``pp − 1``
     slots of fill/drain, i.e. a bubble of (pp−1)/(micro_batches+pp−1) of the pass."""
     return micro_batches + pp - 1
 
