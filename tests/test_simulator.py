@@ -78,6 +78,8 @@ def test_chain_runs_back_to_back_and_iterations_follow_the_train_step():
     assert result.busy_fraction == {0: 1.0, 1: 1.0}
     assert result.feasible and result.reason == ""
     assert [iv.iteration for iv in result.timeline if iv.device == 0] == [0, 0, 0, 1, 1, 1, 2, 2, 2]
+    # the totals the search ranks by are computed without building the timeline, and agree with it
+    assert result.device_seconds == sum(iv.end - iv.start for iv in result.timeline) == 36
 
 
 def test_an_estimator_with_a_whole_iteration_correction_adjusts_the_iteration_time_only():

@@ -35,7 +35,8 @@ from __future__ import annotations
 
 import heapq
 import math
-from collections.abc import Iterable
+import functools
+from collections.abc import Callable, Iterable
 from dataclasses import dataclass, field
 from typing import Protocol, runtime_checkable
 
@@ -96,8 +97,8 @@ class SimResult:
     """Device → fraction of the steady-state window it spends running nodes (every device of the cluster)."""
     peak_memory: dict[int, float]
     """Device → peak bytes over the whole simulation (every device of the cluster)."""
-    timeline: list[Interval]
-    """Every node on every device it occupies, ordered by start time (ties: the node's dispatch priority)."""
+    schedule: list[Interval] | Callable[[], list[Interval]] = field(repr=False)
+    """The :attr:`timeline`, or a function that builds it (a search reads few of its many plans' timelines)."""
     feasible: bool
     """False when some device's peak memory exceeds its capacity."""
     reason: str = ""
@@ -107,11 +108,21 @@ class SimResult:
     overflow_byte_seconds: float = 0.0
     """Memory above capacity integrated over time, summed over devices (0 when feasible): how far an
     infeasible plan is from fitting, counting every overflowing call, not only the worst."""
+    device_seconds: float | None = None
+    """Sum over devices of the time they run nodes (None: summed from the timeline when asked)."""
+    makespan: float | None = None
+    """End of the last node (None: taken from the timeline when asked)."""
 
-    @property
-    def makespan(self) -> float:
-        """End of the last node."""
-        return max((i.end for i in self.timeline), default=0.0)
+    def __post_init__(self) -> None:
+        if self.device_seconds is None or self.makespan is None:
+            timeline = self.timeline
+            self.device_seconds = sum(i.end - i.start for i in timeline)
+            self.makespan = max((i.end for i in timeline), default=0.0)
+
+    @functools.cached_property
+    def timeline(self) -> list[Interval]:
+        """Every node on every device it occupies, ordered by start time (ties: the node's dispatch priority)."""
+        return self.schedule() if callable(self.schedule) else self.schedule
 
 
 @dataclass
@@ -305,8 +316,12 @@ def _memory_check(memory: dict[int, list[_Mem]], n_devices: int,
     peaks: dict[int, float] = {}
     worst: tuple[float, int, float] | None = None
     total_excess = 0.0
+    known: dict[tuple[_Mem, ...], tuple[float, float, float]] = {}  # devices of one mesh share their intervals
     for d in range(n_devices):
-        peak, at, excess = _peak(memory.get(d, []), capacity)
+        intervals = tuple(memory.get(d, ()))
+        if intervals not in known:
+            known[intervals] = _peak(list(intervals), capacity)
+        peak, at, excess = known[intervals]
         peaks[d], total_excess = peak, total_excess + excess
         if peak > capacity and (worst is None or peak > worst[0]):
             worst = (peak, d, at)
@@ -316,11 +331,14 @@ def _memory_check(memory: dict[int, list[_Mem]], n_devices: int,
     return peaks, False, _overflow_reason(d, peak, at, memory[d], capacity), total_excess
 
 
-def _busy_fractions(timeline: list[Interval], n_devices: int, window: tuple[float, float]) -> dict[int, float]:
+def _busy_fractions(nodes: list[_Node], start: list[float], end: list[float], n_devices: int,
+                    window: tuple[float, float]) -> dict[int, float]:
     lo, hi = window
     busy = dict.fromkeys(range(n_devices), 0.0)
-    for iv in timeline:
-        busy[iv.device] += max(0.0, min(iv.end, hi) - max(iv.start, lo))
+    for i, node in enumerate(nodes):
+        inside = max(0.0, min(end[i], hi) - max(start[i], lo))
+        for d in node.devices:
+            busy[d] += inside
     return {d: (b / (hi - lo) if hi > lo else 0.0) for d, b in busy.items()}
 
 
@@ -353,11 +371,14 @@ def simulate(plan: ExecutionPlan, workflow: Workflow, cost: CostEstimator, memor
     corrected = getattr(cost, "iteration_time", None)  # optional: a fitted whole-iteration correction
     if corrected is not None:
         iteration_time = _checked(corrected(iteration_time), "iteration_time")
-    order = sorted(range(len(nodes)), key=lambda i: (start[i], i))
-    timeline = [Interval(d, start[i], end[i], nodes[i].label, nodes[i].kind, nodes[i].iteration)
+    def timeline() -> list[Interval]:
+        order = sorted(range(len(nodes)), key=lambda i: (start[i], i))
+        return [Interval(d, start[i], end[i], nodes[i].label, nodes[i].kind, nodes[i].iteration)
                 for i in order for d in nodes[i].devices]
+
     n_devices = plan.cluster.n_devices
     memory = _memory_intervals(plan, workflow, cost, nodes, start, end)
     peaks, feasible, reason, excess = _memory_check(memory, n_devices, memory_per_device)
-    return SimResult(iteration_time, _busy_fractions(timeline, n_devices, window), peaks, timeline, feasible,
-                     reason, ends, excess)
+    device_seconds = sum((end[i] - start[i]) * len(n.devices) for i, n in enumerate(nodes))
+    return SimResult(iteration_time, _busy_fractions(nodes, start, end, n_devices, window), peaks, timeline,
+                     feasible, reason, ends, excess, device_seconds, max(end, default=0.0))
