@@ -193,6 +193,25 @@ def test_realloc_time_is_zero_for_the_same_placement_and_grows_with_bytes():
         assert 0 < little < big
 
 
+def test_realloc_prices_are_shared_by_pairs_shifted_by_whole_nodes_only():
+    """Shifting both placements by whole nodes (or within the one node holding both) keeps every link the same:
+    one priced plan serves them all; a shift that changes which pairs share a node is priced anew."""
+    from loomrl.planner.realloc_cost import realloc_seconds
+
+    cluster = ClusterSpec.parse("h100:4x4")
+    model = CostModel(cluster, profile_for(cluster), {"actor": ModelShape.from_config(LLAMA_7B)}, Workload(8, 16, (16,)))
+    same = [("0-1:dp2", "2-3:tp2"), ("4-5:dp2", "6-7:tp2"), ("9-10:dp2", "11:dp1"), ("1-2:dp2", "3:dp1")]
+    for src, dst in same[:2]:
+        model.realloc_time("actor", a(src), a(dst))
+    assert len(model._reallocs) == 1
+    model.realloc_time("actor", a("0-3:dp4"), a("4-7:dp4"))  # across nodes: another plan
+    model.realloc_time("actor", a("8-11:dp4"), a("12-15:dp4"))  # the same, two nodes later
+    assert len(model._reallocs) == 2
+    for src, dst in [*same, ("0-3:dp4", "4-7:dp4"), ("2-5:dp4", "6-9:dp4")]:  # the last straddles nodes
+        direct = realloc_seconds(model._shape("actor"), a(src), a(dst), cluster, model.profile, model.bytes_per_param)
+        assert model.realloc_time("actor", a(src), a(dst)) == pytest.approx(direct), (src, dst)
+
+
 def test_the_reduced_model_moves_the_true_bytes():
     """Received bytes per device are exact; senders' balance may differ slightly (module docstring)."""
     shape = ModelShape(params=1, layers=4, hidden=256, heads=8, kv_heads=4, intermediate=512, vocab=1024)

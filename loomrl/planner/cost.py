@@ -146,12 +146,22 @@ class CostModel:
         """Seconds to move ``role``'s weights from ``src`` to ``dst``, priced from the real transfer plan of a
         reduced copy of the model (exact received bytes when tp divides the split dimensions; see
         :mod:`loomrl.planner.realloc_cost`). 0 for the same placement. Cached."""
-        key = (self._shape(role), _alloc_key(src)[:2], _alloc_key(dst)[:2])  # roles of one shape share plans
+        key = (self._shape(role), *self._relative_placements(src, dst))  # roles of one shape share plans
         if key not in self._reallocs:
             self._reallocs[key] = realloc_seconds(self._shape(role), src, dst, self.cluster, self.profile,
                                                   self.bytes_per_param)
         seconds = self._reallocs[key]
         return self.corrections.apply(REALLOC, seconds) if seconds > 0 else 0.0
+
+    def _relative_placements(self, src: Allocation, dst: Allocation) -> tuple[tuple, tuple]:
+        """The two placements with their devices shifted together so the pair starts on device 0 or node 0: a
+        shift that keeps every device's node relations (by whole nodes, or within the one node holding both)
+        moves the same bytes over the same kinds of links, so translated pairs share one priced plan."""
+        devices = (*src.mesh.devices, *dst.mesh.devices)
+        per_node = self.cluster.devices_per_node
+        low = min(devices)
+        shift = low if low // per_node == max(devices) // per_node else low // per_node * per_node
+        return tuple((tuple(d - shift for d in a.mesh.devices), _alloc_key(a)[1]) for a in (src, dst))
 
     def data_transfer_time(self, nbytes: float, src: Allocation, dst: Allocation) -> float:
         """Seconds to hand ``nbytes`` of batch columns from the devices of ``src`` to those of ``dst``: each
