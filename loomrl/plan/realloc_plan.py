@@ -36,7 +36,8 @@ from dataclasses import dataclass, field
 from functools import cached_property
 from typing import Callable, Hashable, Iterator, Mapping, Sequence
 
-from loomrl.plan.shards import Interval, Placement, as_placement, shard_intervals, shard_numel
+from loomrl.plan.shards import (Interval, Placement, as_placement, pp_stage, rank_coords, shard_intervals,
+                                 shard_numel)
 
 
 @dataclass(frozen=True)
@@ -189,12 +190,23 @@ def plan_reallocation(params: Mapping[str, Sequence[int]], num_layers: int, src:
 
 def _intervals_by_device(placement: Placement, name: str, shape: tuple[int, ...],
                          num_layers: int) -> dict[int, list[Interval]]:
-    """Non-empty shard intervals of ``name`` per device of ``placement``, in device order."""
+    """Non-empty shard intervals of ``name`` per device of ``placement``, in device order. Ranks of other
+    pipeline stages hold nothing, and ranks differing only in their data-parallel rank hold the same intervals
+    (unless FSDP shards them): each distinct shard is computed once (pricing plans many large meshes)."""
+    layout = placement.layout
+    stage = pp_stage(name, num_layers, layout.pp)
+    by_dp = placement.fsdp and layout.dp > 1
+    known: dict[tuple[int, int], list[Interval]] = {}
     out = {}
     for rank, device in sorted(enumerate(placement.mesh), key=lambda item: item[1]):
-        intervals = shard_intervals(name, shape, placement.layout, rank, num_layers, placement.fsdp)
-        if intervals:
-            out[device] = intervals
+        pp_rank, dp_rank, tp_rank = rank_coords(layout, rank)
+        if pp_rank != stage:
+            continue
+        key = (dp_rank if by_dp else 0, tp_rank)
+        if key not in known:
+            known[key] = shard_intervals(name, shape, layout, rank, num_layers, placement.fsdp)
+        if known[key]:
+            out[device] = known[key]
     return out
 
 
