@@ -401,7 +401,7 @@ def test_compiled_schedules_deliver_the_direct_slices(monkeypatch: pytest.Monkey
             strided += sum(run.count > 1 for side in sides for run in side.runs)
             indexes += sum(side.index(torch.device("cpu")) is not None for side in sides)
             direct += sum(len(entries) for entries in schedule.direct.values())
-            staged += sum(not (e.src or e.dst).contiguous for es in schedule.direct.values() for e in es)
+            staged += sum(not e.mine.contiguous for es in schedule.direct.values() for e in es)
     assert (indexes > 100) if indexed else (strided > 100 and indexes == 0)  # the path under test is taken
     # the random cases are below the default size; with every size allowed, some direct entries are staged on
     # one side (gathered before sending or scattered after arriving)

@@ -146,7 +146,8 @@ class PipelineRunner:
         for i in range(count - warmup):  # steady: one forward, one backward
             k = warmup + i
             y = forward(k, x)
-            grad = None if self.stage.is_last else self._exchange(y.detach(), self.pp_rank + 1, self._shape(batch, slices[i]))
+            grad = None if self.stage.is_last else \
+                self._exchange(y.detach(), self.pp_rank + 1, self._shape(batch, slices[i]))
             dx = backward(i, grad)
             if k + 1 < count:
                 x = self._input(batch, slices[k + 1], send_back=dx)

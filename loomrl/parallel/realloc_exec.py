@@ -176,6 +176,11 @@ class _Entry:
     dst: _Side | None
     """Where they go in the receiver's destination shard (None on the sender)."""
 
+    @property
+    def mine(self) -> _Side:
+        """This device's side: the source side on the sender, the destination side on a receiver."""
+        return self.src if self.src is not None else self.dst
+
 
 @dataclass
 class _Placed:
@@ -312,7 +317,7 @@ def _bind(routes: Mapping[Route, Sequence[_Entry]], direct: Mapping[Route, Seque
         ordered = sorted(entries, key=lambda e: -dtype_of(e.param).itemsize)
         directs = tuple(direct.get(route, ()))
         staged = {i: torch.empty(e.numel, dtype=dtype_of(e.param), device=device)
-                  for i, e in enumerate(directs) if not (e.src if e.src is not None else e.dst).contiguous}
+                  for i, e in enumerate(directs) if not e.mine.contiguous}
         sums_count = len(ordered) + len(directs)
         offset, offsets = _CHECKSUM_BYTES * sums_count if verify else 0, []
         for entry in ordered:
@@ -333,7 +338,7 @@ def _bind(routes: Mapping[Route, Sequence[_Entry]], direct: Mapping[Route, Seque
 def _place(entry: _Entry, buffer: torch.Tensor, start: int, dtype: torch.dtype) -> _Placed:
     """The entry at byte ``start`` of a route buffer, with views for this device's side (sender or receiver)."""
     values = buffer[start:start + entry.numel * dtype.itemsize].view(dtype)
-    side = entry.src if entry.src is not None else entry.dst
+    side = entry.mine
     chunks = tuple((values[run.pos:run.pos + run.count * run.length].view(run.count, run.length), run)
                    for run in side.runs)
     return _Placed(entry, values, side.index(buffer.device), chunks)

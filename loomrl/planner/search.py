@@ -194,7 +194,7 @@ class _Evaluator:
     def best(self, k: int) -> list[tuple[ExecutionPlan, SimResult]]:
         """The ``k`` fastest feasible plans simulated so far; ties go to fewer device-seconds, then to the plan
         key, so the order is deterministic."""
-        found = [((r.iteration_time, _device_seconds(r), key), plan, r) for key, (plan, r) in self.results.items()
+        found = [((r.iteration_time, r.device_seconds, key), plan, r) for key, (plan, r) in self.results.items()
                  if r is not None and r.feasible]
         found.sort(key=lambda item: item[0])
         return [(plan, r) for _, plan, r in found[:k]]
@@ -202,13 +202,8 @@ class _Evaluator:
     def rank(self, plan: ExecutionPlan) -> tuple:
         """Sort key of a plan: feasible first, then energy, then device-seconds used, then the plan's key."""
         result = self(plan)
-        busy = _device_seconds(result) if result is not None else math.inf
+        busy = result.device_seconds if result is not None else math.inf  # among equally fast, more room wins
         return result is None or not result.feasible, self.energy(plan), busy, plan_key(plan)
-
-
-def _device_seconds(result: SimResult) -> float:
-    """Device time the schedule occupies: among equally fast plans, the one leaving more room is better."""
-    return result.device_seconds
 
 
 class CachedCost:
@@ -308,10 +303,10 @@ def _prune(names: tuple[str, ...], candidates: tuple[Allocation, ...], workflow:
     micro-batches × recompute per train call, too many for a walk to try even once in its budget; an allocation
     slower alone than four others on the same devices rarely wins by its reallocations."""
     mfcs = [workflow[n] for n in names]
+    trainable = mfcs[0].kind is MFCKind.TRAIN
     by_mesh: dict[DeviceMesh, list[tuple[float, float, int]]] = defaultdict(list)
     for i, alloc in enumerate(candidates):
         seconds = sum(cost.mfc_time(m, alloc) for m in mfcs)
-        trainable = mfcs[0].kind is MFCKind.TRAIN
         need = max(cost.static_memory(m.role, alloc, trainable) + cost.mfc_memory(m, alloc, trainable)
                    if m.role is not None else 0.0 for m in mfcs)
         by_mesh[alloc.mesh].append((seconds, need, i))

@@ -33,9 +33,9 @@ correction) adjusts that figure; the timeline is left as scheduled.
 
 from __future__ import annotations
 
+import functools
 import heapq
 import math
-import functools
 from collections.abc import Callable, Iterable
 from dataclasses import dataclass, field
 from typing import Protocol, runtime_checkable
@@ -371,6 +371,7 @@ def simulate(plan: ExecutionPlan, workflow: Workflow, cost: CostEstimator, memor
     corrected = getattr(cost, "iteration_time", None)  # optional: a fitted whole-iteration correction
     if corrected is not None:
         iteration_time = _checked(corrected(iteration_time), "iteration_time")
+
     def timeline() -> list[Interval]:
         order = sorted(range(len(nodes)), key=lambda i: (start[i], i))
         return [Interval(d, start[i], end[i], nodes[i].label, nodes[i].kind, nodes[i].iteration)
