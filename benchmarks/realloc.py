@@ -14,7 +14,8 @@ zoo model, or a LLaMA-2 preset of the planner (``llama2-7b``: the true shapes of
 layer count cut by ``--layers`` to fit this machine).
 
 Each pair is timed twice. "ms": the reallocation writes straight into the destination copy's parameters
-(``out=``), their memory resident, as it is under a GPU's caching allocator. "refill ms": what the runtime does
+(``out=``), their memory resident, as it is under a GPU's caching allocator; shards that are a contiguous span
+of the device's source shard are views of it (the plan aliases them), as in the runtime. "refill ms": what the runtime does
 on CPU devices, where the copy's parameters were freed after their last use (``release_storage``) and the
 reallocation takes their memory back first, so the operating system's page faults (zero-filling every page)
 are paid too. Delivered rate = ``plan.bytes_moved(4)`` / time. "wire ms" times the same messages sent and
@@ -203,8 +204,9 @@ def measure_pair(setup: Setup, pair: Pair, rank: int) -> dict[str, Any]:
     groups = build_broadcast_groups(plan)  # collective, once per plan, outside the timing
     source, expected = _shards(setup, (pair.src, pair.dst), rank)
     _verified_warm_up(plan, pair, source, expected, groups, rank)
-    # the copy's parameters, written in place; their own memory (a slice may share its storage with the source)
-    targets = {name: t.clone() for name, t in expected.items()}
+    # the copy's parameters, written in place, as the runtime's workers do: their own memory, except the shards
+    # the plan aliases (spans of the source shard), which the executor returns as views of the source
+    targets = {name: t.clone() for name, t in expected.items() if not plan.aliased(rank, name)}
     del expected
 
     def move() -> None:

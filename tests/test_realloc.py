@@ -230,7 +230,25 @@ def _check_plan(seed: int, params: dict[str, tuple[int, ...]], num_layers: int, 
     assert plan.bytes_local(2) == 2 * tally["local"], seed
     assert sum(plan.recv_bytes(2).values()) == plan.bytes_moved(2)
     _check_sender_preference(plan)
+    _check_aliases(seed, plan, _shards(full, src, num_layers), expected)
     return plan
+
+
+def _check_aliases(seed: int, plan: ReallocPlan, src: dict, expected: dict) -> None:
+    """(e) a destination shard is aliased exactly when its elements sit, in order, in one contiguous span of
+    the same device's source shard, and at its alias offset that span holds the destination's values."""
+    for (device, name), tensor in expected.items():
+        held = src.get((device, name))
+        offset = plan.alias_offset(device, name)
+        spans = False
+        if held is not None:  # where each destination element sits in the source shard, element by element
+            src_pos = {i: k for k, i in enumerate(i for lo, hi in plan.src_intervals(device, name)
+                                                  for i in range(lo, hi))}
+            at = [src_pos.get(i) for lo, hi in plan.dst_intervals(device, name) for i in range(lo, hi)]
+            spans = None not in at and at == list(range(at[0], at[0] + len(at)))
+        assert (offset is not None) == spans, (seed, device, name)
+        if offset is not None:
+            assert torch.equal(held.reshape(-1)[offset:offset + tensor.numel()], tensor.reshape(-1)), (seed, name)
 
 
 def test_planner_properties_on_random_cases():
@@ -310,6 +328,19 @@ def test_identical_layouts_alias_everything_and_free_nothing():
     assert ((3, "model.norm.weight") not in freed) and ((3, "lm_head.weight") in freed)
 
 
+def test_a_row_block_of_a_replicated_weight_is_a_view_not_a_copy():
+    """dp2 → tp2 on the same devices: a weight split along dim 0 (q/up projections, the head) is a contiguous
+    row block of the replica each device holds, so it is aliased at its block's offset and nothing is copied;
+    a weight split along dim 1 (o/down projections) is strided in the replica, so it is copied."""
+    params = {"model.layers.0.self_attn.q_proj.weight": (8, 4), "model.layers.0.self_attn.o_proj.weight": (4, 8)}
+    plan = plan_reallocation(params, 1, ((0, 1), Layout(dp=2)), ((0, 1), Layout(tp=2)), node_of)
+    q, o = params
+    assert [plan.alias_offset(d, q) for d in (0, 1)] == [0, 16]
+    assert not plan.aliased(0, o) and not plan.aliased(1, o)
+    assert plan.bytes_moved(4) == 0 and plan.bytes_local(4) == 2 * 16 * 4  # each device copies its o_proj half
+    assert {(b.device, b.param) for b in plan.free_after} == {(0, o), (1, o)}
+
+
 def test_planner_rejects_bad_placements():
     params = {"model.norm.weight": (4,)}
     with pytest.raises(ValueError, match="mesh has 3 devices"):
@@ -339,7 +370,7 @@ def _run_schedules(plan: ReallocPlan, src: dict[tuple[int, str], torch.Tensor], 
         schedule = realloc_exec.compile_schedule(plan, device)
         mine = {name: tensor for (d, name), tensor in src.items() if d == device}
         src_flat = realloc_exec._source_views(schedule, mine, dtype_of)
-        out = realloc_exec._allocate_destination(schedule, mine, dtype_of, "cpu")
+        out = realloc_exec._destination(schedule, src_flat, dtype_of, "cpu", None)
         state[device] = schedule, src_flat, out, schedule.buffers(dtype_of, True, cpu)
     for device, (_, src_flat, _, buffers) in state.items():
         for route, routed in buffers.items():
@@ -391,8 +422,9 @@ def test_compiled_schedules_deliver_the_direct_slices(monkeypatch: pytest.Monkey
         got = _run_schedules(plan, src, dtypes)
         for key, tensor in expected.items():
             assert torch.equal(got[key].reshape(-1), tensor), (seed, key)
-            if plan.aliased(*key):
-                assert got[key].data_ptr() == src[key].data_ptr(), (seed, key)
+            if plan.aliased(*key):  # a view into the source shard, at the alias offset
+                offset = plan.alias_offset(*key) * src[key].element_size()
+                assert got[key].data_ptr() == src[key].data_ptr() + offset, (seed, key)
         assert all(tensor.numel() == 0 for key, tensor in got.items() if key not in expected), seed
         for device in {*plan.src.mesh, *plan.dst.mesh}:
             schedule = realloc_exec.compile_schedule(plan, device)
@@ -540,7 +572,7 @@ def _run_scenario(scenario: str, device: int, full: dict[str, torch.Tensor], use
     return {
         "keys_match": sorted(out) == sorted(expected),
         "mismatched": [n for n in expected if n in out and not torch.equal(out[n], expected[n])],
-        "aliased_ok": all((out[n].data_ptr() == source[n].data_ptr()) == plan.aliased(device, n)
+        "aliased_ok": all(_shares_storage(out[n], source[n]) == plan.aliased(device, n)
                           for n in out if n in source and out[n].numel()),
     }
 
@@ -584,16 +616,24 @@ def _repeated_runs(device: int, full: dict[str, torch.Tensor]) -> list[bool]:
     return ok
 
 
+def _shares_storage(a: torch.Tensor, b: torch.Tensor) -> bool:
+    return a.untyped_storage().data_ptr() == b.untyped_storage().data_ptr()
+
+
 def _into_given_tensors(scenario: str, device: int, full: dict[str, torch.Tensor]) -> bool:
-    """With ``out=``, the shards land in the caller's tensors (same storage) with the direct slices."""
+    """With ``out=``, the shards land in the caller's tensors (same storage) with the direct slices; aliased
+    ones are views of the source shards, the caller's tensors for them untouched."""
     plan = _plan(scenario)
     src, dst = SCENARIOS[scenario]
     expected = _my_source(dst, device, full)
+    source = _my_source(src, device, full)
     given = {name: torch.full_like(tensor, float("nan")) for name, tensor in expected.items()}
-    got = execute_reallocation(plan, _my_source(src, device, full), device, dtypes=_dtypes(), verify=True,
-                               out=given)
+    got = execute_reallocation(plan, source, device, dtypes=_dtypes(), verify=True, out=given)
     return sorted(got) == sorted(expected) and all(
-        got[n].data_ptr() == given[n].data_ptr() and torch.equal(given[n], expected[n]) for n in expected)
+        torch.equal(got[n], expected[n]) and (
+            _shares_storage(got[n], source[n]) and bool(given[n].isnan().all()) if plan.aliased(device, n)
+            else got[n].data_ptr() == given[n].data_ptr())
+        for n in expected)
 
 
 def _body(rank: int) -> dict:

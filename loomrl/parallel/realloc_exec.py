@@ -6,8 +6,8 @@ travel in one byte buffer per route, a route being a sender and its receivers:
 - single-receiver routes go through one ``dist.batch_isend_irecv`` call;
 - multi-receiver routes are ``dist.broadcast`` calls over subgroups of the route's devices, issued in one
   sorted order by every rank, so no two ranks wait on each other's later broadcast;
-- local pieces are copied within the device, and a destination shard identical to the source shard is the
-  source tensor itself (the plan calls it aliased).
+- local pieces are copied within the device, and a destination shard that is one contiguous span of the
+  device's source shard is a view of the source tensor (the plan calls it aliased): no copy, no memory.
 
 An entry (a parameter's pieces on one route) of at least :data:`DIRECT_MIN_NUMEL` elements (large weights) that lies in one
 contiguous span of the sender's source shard or of every receiver's destination shard travels *directly*, in
@@ -214,8 +214,9 @@ class ReallocSchedule:
     device: int
     src_numel: dict[str, int]
     """Elements of every source shard the device holds (non-empty ones)."""
-    dst_shapes: tuple[tuple[str, tuple[int, ...], bool], ...]
-    """``(param, local shape, aliased)`` of every destination shard of the device."""
+    dst_shapes: tuple[tuple[str, tuple[int, ...], int | None], ...]
+    """``(param, local shape, alias offset)`` of every destination shard of the device (the offset in the flat
+    source shard where an aliased one starts; None for the others)."""
     routes: dict[Route, tuple[_Entry, ...]]
     """The packed entries of every route the device sends or receives (maybe none)."""
     direct: dict[Route, tuple[_Entry, ...]]
@@ -275,7 +276,7 @@ def _compile(plan: ReallocPlan, me: int) -> ReallocSchedule:
         for name, shape in plan.shapes.items():
             local_shape = shard_shape(name, shape, plan.dst.layout, rank, plan.num_layers)
             if local_shape is not None:
-                dst_shapes.append((name, local_shape, plan.aliased(me, name)))
+                dst_shapes.append((name, local_shape, plan.alias_offset(me, name)))
     local_entries = tuple(_entry(pieces, src_at, dst_at) for pieces in local.values())
     return ReallocSchedule(me, src_numel, tuple(dst_shapes), routes, direct, local_entries)
 
@@ -377,8 +378,10 @@ def execute_reallocation(plan: ReallocPlan, src_tensors: Mapping[str, torch.Tens
     Destination shards the plan marks aliased are views of the source tensors; all others are new tensors,
     which :attr:`ReallocPlan.free_after` lists for release when returning to the source layout. Given ``out``
     (parameter name → a contiguous tensor of the destination shard's shape and dtype, e.g. the parameters of
-    the model in the destination layout), the shards are written there instead, aliased ones copied: no
-    allocation and no copy afterwards. The first call
+    the model in the destination layout), the other shards are written there instead: no allocation and no
+    copy afterwards. Aliased shards are still returned as views (``out`` needs no tensor for them and any it
+    holds is left alone): a caller keeping its own copy binds its parameter to the view, as the runtime's
+    workers do. The first call
     with a plan compiles this device's schedule and route buffers, which later calls with the same plan
     object reuse (see :func:`compile_schedule`).
     """
@@ -387,8 +390,7 @@ def execute_reallocation(plan: ReallocPlan, src_tensors: Mapping[str, torch.Tens
         groups = build_broadcast_groups(plan, rank_of)
     schedule = compile_schedule(plan, my_device)
     src_flat = _source_views(schedule, src_tensors, dtype_of)
-    out = _allocate_destination(schedule, src_tensors, dtype_of, device) if out is None \
-        else _given_destination(schedule, src_tensors, dtype_of, out)
+    out = _destination(schedule, src_flat, dtype_of, device, out)
     dst_flat = {name: tensor.view(-1) for name, tensor in out.items()}
     device = torch.device(device)
     if schedule._lock.acquire(blocking=False):
@@ -502,34 +504,30 @@ def _source_views(schedule: ReallocSchedule, src_tensors: Mapping[str, torch.Ten
     return out
 
 
-def _allocate_destination(schedule: ReallocSchedule, src_tensors: Mapping[str, torch.Tensor],
-                          dtype_of: DtypeOf, device: torch.device | str) -> dict[str, torch.Tensor]:
-    """This device's destination shards: the source tensor where aliased, else new (uninitialised) tensors."""
+def _destination(schedule: ReallocSchedule, src_flat: Mapping[str, torch.Tensor], dtype_of: DtypeOf,
+                 device: torch.device | str, given: Mapping[str, torch.Tensor] | None) -> dict[str, torch.Tensor]:
+    """This device's destination shards: a view of the source shard where aliased, else the caller's tensor
+    (checked against the plan) or, without ``given``, a new uninitialised one."""
     out: dict[str, torch.Tensor] = {}
-    for name, local_shape, aliased in schedule.dst_shapes:
-        if aliased:
-            out[name] = src_tensors[name].detach().reshape(local_shape)
-        else:
+    for name, local_shape, alias_offset in schedule.dst_shapes:
+        if alias_offset is not None:
+            out[name] = src_flat[name][alias_offset:alias_offset + math.prod(local_shape)].view(local_shape)
+        elif given is None:
             out[name] = torch.empty(local_shape, dtype=dtype_of(name), device=device)
+        else:
+            out[name] = _checked_target(schedule, name, local_shape, dtype_of(name), given.get(name))
     return out
 
 
-def _given_destination(schedule: ReallocSchedule, src_tensors: Mapping[str, torch.Tensor], dtype_of: DtypeOf,
-                       given: Mapping[str, torch.Tensor]) -> dict[str, torch.Tensor]:
-    """The caller's destination tensors, checked against the plan; aliased shards are copied into them."""
-    out: dict[str, torch.Tensor] = {}
-    for name, local_shape, aliased in schedule.dst_shapes:
-        tensor = given.get(name)
-        if tensor is None:
-            raise ValueError(f"{name}: device {schedule.device} has a destination shard but out has no tensor")
-        if tuple(tensor.shape) != tuple(local_shape) or tensor.dtype != dtype_of(name) or not tensor.is_contiguous():
-            raise ValueError(f"{name}: out holds a {tuple(tensor.shape)} {tensor.dtype} tensor (contiguous: "
-                             f"{tensor.is_contiguous()}); the destination shard of device {schedule.device} is a "
-                             f"contiguous {tuple(local_shape)} {dtype_of(name)} tensor")
-        out[name] = tensor.detach()
-        if aliased:
-            out[name].copy_(src_tensors[name].detach().reshape(local_shape))
-    return out
+def _checked_target(schedule: ReallocSchedule, name: str, local_shape: tuple[int, ...], dtype: torch.dtype,
+                    tensor: torch.Tensor | None) -> torch.Tensor:
+    if tensor is None:
+        raise ValueError(f"{name}: device {schedule.device} has a destination shard but out has no tensor")
+    if tuple(tensor.shape) != tuple(local_shape) or tensor.dtype != dtype or not tensor.is_contiguous():
+        raise ValueError(f"{name}: out holds a {tuple(tensor.shape)} {tensor.dtype} tensor (contiguous: "
+                         f"{tensor.is_contiguous()}); the destination shard of device {schedule.device} is a "
+                         f"contiguous {tuple(local_shape)} {dtype} tensor")
+    return tensor.detach()
 
 
 # ------------------------------------------------------------------------------------------ moving values

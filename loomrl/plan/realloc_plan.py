@@ -17,9 +17,11 @@ Each piece has one sender among the source devices holding it, chosen per receiv
 senders of replicated shards take turns. Receivers on one node share a sender, and all receivers given the
 same sender for a piece get it in one broadcast (``receivers`` holds them all).
 
-A destination shard identical to the device's source shard is not copied at all: the executor hands back the
-source tensor (a view of it). Every other destination shard is a new buffer, and returning to the training
-layout only frees those (:attr:`ReallocPlan.free_after`): the source shards were never given up.
+A destination shard that is one contiguous span of the device's source shard (the source shard itself, a
+pipeline stage's whole parameters, or a row block of a replicated weight split along dim 0 by TP) is not
+copied at all: the executor hands back a view of the source tensor (the plan calls it *aliased*). Every other
+destination shard is a new buffer, and returning to the training layout only frees those
+(:attr:`ReallocPlan.free_after`): the source shards were never given up.
 
 Pure Python: the cost model prices plans with it and the executor (:mod:`loomrl.parallel.realloc_exec`)
 runs them. Build the plan from the same inputs on every rank (or build it once and ship it): the executor's
@@ -31,6 +33,7 @@ its pieces grow with its rows.
 
 from __future__ import annotations
 
+from bisect import bisect_right
 from collections import defaultdict
 from dataclasses import dataclass, field
 from functools import cached_property
@@ -69,8 +72,13 @@ class ShardBuffer:
     device: int
     param: str
     numel: int
-    aliased: bool
-    """Identical to the device's source shard, which serves as the destination shard (no new memory)."""
+    alias_offset: int | None
+    """Where the shard starts in the device's flat source shard when it is one contiguous span of it: the
+    destination shard is then a view of the source shard (no new memory, no copy); None otherwise."""
+
+    @property
+    def aliased(self) -> bool:
+        return self.alias_offset is not None
 
 
 @dataclass(frozen=True)
@@ -93,12 +101,17 @@ class ReallocPlan:
         return tuple(buf for buf in self.dst_buffers if not buf.aliased)
 
     @cached_property
-    def _aliased(self) -> frozenset[tuple[int, str]]:
-        return frozenset((b.device, b.param) for b in self.dst_buffers if b.aliased)
+    def _aliased(self) -> dict[tuple[int, str], int]:
+        return {(b.device, b.param): b.alias_offset for b in self.dst_buffers if b.aliased}
 
     def aliased(self, device: int, param: str) -> bool:
-        """Whether ``device``'s destination shard of ``param`` is its source shard itself."""
+        """Whether ``device``'s destination shard of ``param`` is a view of its source shard."""
         return (device, param) in self._aliased
+
+    def alias_offset(self, device: int, param: str) -> int | None:
+        """Where ``device``'s aliased destination shard of ``param`` starts in its flat source shard (None:
+        not aliased)."""
+        return self._aliased.get((device, param))
 
     def src_intervals(self, device: int, param: str) -> list[Interval]:
         """Flat intervals of ``param`` that ``device`` holds in the source layout (empty if none)."""
@@ -174,7 +187,7 @@ def plan_reallocation(params: Mapping[str, Sequence[int]], num_layers: int, src:
     for name, shape in shapes.items():
         held = _intervals_by_device(src_p, name, shape, num_layers)
         needed = _intervals_by_device(dst_p, name, shape, num_layers)
-        buffers.extend(ShardBuffer(device, name, shard_numel(ivs), held.get(device) == ivs)
+        buffers.extend(ShardBuffer(device, name, shard_numel(ivs), _alias_offset(held.get(device), ivs))
                        for device, ivs in needed.items())
         pieces: list[Transfer] = []
         for start, end, holders, needers in _segments(held, needed):
@@ -186,6 +199,30 @@ def plan_reallocation(params: Mapping[str, Sequence[int]], num_layers: int, src:
                 pieces.append(Transfer(name, start, end, sender, receivers))
         transfers.extend(_merge_adjacent(pieces))
     return ReallocPlan(tuple(transfers), shapes, num_layers, src_p, dst_p, nodes, tuple(buffers))
+
+
+def _alias_offset(held: list[Interval] | None, needed: list[Interval]) -> int | None:
+    """Offset of a destination shard (``needed``) in the same device's flat source shard (the concatenation
+    of ``held``) when it is one contiguous span of it — each needed interval inside a held one, each starting
+    where the previous one ends in the source shard; None otherwise."""
+    if not held:
+        return None
+    starts, offsets, at = [], [], 0
+    for lo, hi in held:
+        starts.append(lo)
+        offsets.append(at)
+        at += hi - lo
+    first = end = None
+    for lo, hi in needed:
+        i = bisect_right(starts, lo) - 1
+        if i < 0 or hi > held[i][1]:
+            return None
+        local = offsets[i] + lo - held[i][0]
+        if end is not None and local != end:
+            return None
+        first = local if first is None else first
+        end = local + hi - lo
+    return first
 
 
 def _intervals_by_device(placement: Placement, name: str, shape: tuple[int, ...],

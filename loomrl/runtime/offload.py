@@ -18,13 +18,35 @@ import torch
 
 from loomrl.parallel.data_parallel import local_shard
 
-__all__ = ["HostCopy", "reclaim", "release_storage"]
+__all__ = ["HostCopy", "bind_view", "reclaim", "release_storage"]
 
 
-def release_storage(model: torch.nn.Module) -> None:
-    """Free the device storage of every parameter's local shard; the parameters stay the same tensors."""
-    for param in model.parameters():
-        local_shard(param).untyped_storage().resize_(0)
+def release_storage(model: torch.nn.Module, views: frozenset[str] | set[str] = frozenset()) -> None:
+    """Free the device storage of every parameter's local shard; the parameters stay the same tensors.
+
+    Parameters named in ``views`` were bound to a view of another tensor (:func:`bind_view`): their storage
+    is not theirs to free, so they are pointed at a one-element placeholder instead (keeping their shape)."""
+    with torch.no_grad():
+        for name, param in model.named_parameters():
+            if name in views:
+                local = _stored(param)
+                local.set_(torch.empty((1,) * local.dim(), dtype=local.dtype, device=local.device).expand(local.shape))
+            else:
+                local_shard(param).untyped_storage().resize_(0)
+
+
+def bind_view(param: torch.Tensor, view: torch.Tensor) -> None:
+    """Make a parameter's local shard ``view`` itself (sharing its storage): a reallocated copy whose shard is
+    a contiguous span of the training shard on the same device costs no copy and no memory. Release it with
+    :func:`release_storage` naming it in ``views``, never by resizing its storage."""
+    with torch.no_grad():
+        _stored(param).set_(view.detach())
+
+
+def _stored(param: torch.Tensor) -> torch.Tensor:
+    """The tensor object holding a parameter's local shard: a DTensor's own local tensor (``to_local()`` returns
+    a new tensor sharing its storage, enough to resize that storage but not to point the shard elsewhere)."""
+    return getattr(param, "_local_tensor", param)
 
 
 def reclaim(param: torch.Tensor) -> torch.Tensor:

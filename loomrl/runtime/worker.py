@@ -33,7 +33,7 @@ from loomrl.parallel.allocations import AllocationGroups, AllocKey
 from loomrl.plan.realloc_plan import ReallocPlan
 from loomrl.parallel.pipeline import split_stages
 from loomrl.parallel.pipeline_schedule import PipelineRunner
-from loomrl.runtime.offload import HostCopy, reclaim, release_storage
+from loomrl.runtime.offload import HostCopy, bind_view, reclaim, release_storage
 from loomrl.runtime.state_io import FullOptimizerState, merge_optimizer_states
 from loomrl.train import common
 from loomrl.train.evaluate import evaluate_policy
@@ -137,6 +137,8 @@ class DeviceWorker:
         self.decode = partial(common.decode_response, self.tokenizer)
         trained = {m.role for m in self.workflow if m.kind == MFCKind.TRAIN}
         self.roles: dict[tuple[str, AllocKey], Any] = {}
+        self.views: dict[tuple[str, AllocKey], frozenset[str]] = {}
+        """Parameters of a role's copy bound to views of its training shards here (see :meth:`reallocate`)."""
         for role in self.workflow.roles():
             for key in placement.keys_of(role, self.workflow):
                 if key in self.groups:
@@ -232,10 +234,18 @@ class DeviceWorker:
         src_role, dst_role = self.roles.get((role, src)), self.roles.get((role, dst))
         dtype = next((src_role or dst_role).model.parameters()).dtype
         src_tensors = {n: local_shard(p).detach() for n, p in src_role.model.named_parameters()} if src_role else {}
-        # the transfer writes straight into the copy's parameters, taking back their memory if freed
-        targets = None if dst_role is None else {n: reclaim(p) for n, p in dst_role.model.named_parameters()}
-        execute_reallocation(plan, src_tensors, self.rank, groups=self.bcast[index], dtypes=dtype,
-                             device=self.device, verify=self.cfg.runtime.verify_reallocation, out=targets)
+        # the transfer writes straight into the copy's parameters, taking back their memory if freed; a shard
+        # that is a contiguous span of the training shard here becomes a view of it instead (no copy, no memory)
+        views = {n for n, _ in dst_role.model.named_parameters() if plan.aliased(self.rank, n)} if dst_role else set()
+        targets = None if dst_role is None else {n: reclaim(p) for n, p in dst_role.model.named_parameters()
+                                                 if n not in views}
+        out = execute_reallocation(plan, src_tensors, self.rank, groups=self.bcast[index], dtypes=dtype,
+                                   device=self.device, verify=self.cfg.runtime.verify_reallocation, out=targets)
+        if views:
+            params = dict(dst_role.model.named_parameters())
+            for name in views:
+                bind_view(params[name], out[name])
+            self.views[(role, dst)] = frozenset(views)
         return {"start": start, "end": time.time(), "rank": self.rank}
 
     def free_view(self, role: str, key: AllocKey) -> dict:
@@ -243,7 +253,7 @@ class DeviceWorker:
         to the training layout is a free, not a copy (the next reallocation refills it)."""
         handle = self.roles.get((role, key))
         if handle is not None:
-            release_storage(handle.model)
+            release_storage(handle.model, self.views.get((role, key), frozenset()))
         return {"rank": self.rank}
 
     def memory_report(self) -> dict[str, int]:
@@ -251,7 +261,9 @@ class DeviceWorker:
         report = {}
         for (role, key), handle in self.roles.items():
             if handle.model is not None:
-                held = sum(local_shard(p).untyped_storage().size() for p in handle.model.parameters())
+                views = self.views.get((role, key), frozenset())  # storage of the training copy
+                held = sum(local_shard(p).untyped_storage().size() for n, p in handle.model.named_parameters()
+                           if n not in views)
                 report[f"{role}@{key.devices}:dp{key.dp}tp{key.tp}pp{key.pp}"] = held
         return report
 
@@ -336,3 +348,4 @@ def _put(value):
     import ray
 
     return ray.put(value)
+
