@@ -37,10 +37,10 @@ from bisect import bisect_right
 from collections import defaultdict
 from dataclasses import dataclass, field
 from functools import cached_property
-from typing import Callable, Hashable, Iterator, Mapping, Sequence
+from typing import Callable, Hashable, Iterator, Mapping, NamedTuple, Sequence
 
 from loomrl.plan.shards import (Interval, Placement, as_placement, pp_stage, rank_coords, shard_intervals,
-                                 shard_numel)
+                                 shard_numel, tp_dim)
 
 
 @dataclass(frozen=True)
@@ -184,18 +184,30 @@ def plan_reallocation(params: Mapping[str, Sequence[int]], num_layers: int, src:
     load: dict[int, int] = defaultdict(int)
     transfers: list[Transfer] = []
     buffers: list[ShardBuffer] = []
+    # Parameters of one kind (split dim, stage, shape: e.g. every layer's q_proj in one stage) have the same
+    # shards and hence the same segments and route options; only the senders' loads differ between them.
+    intervals: dict[tuple, dict[int, list[Interval]]] = {}
+    segments: dict[tuple, list[tuple[int, int, tuple[int, ...], tuple[int, ...]]]] = {}
+    options: dict[tuple, _RouteOptions] = {}
     for name, shape in shapes.items():
-        held = _intervals_by_device(src_p, name, shape, num_layers)
-        needed = _intervals_by_device(dst_p, name, shape, num_layers)
+        keys = tuple((side, tp_dim(name), pp_stage(name, num_layers, p.layout.pp), shape)
+                     for side, p in (("src", src_p), ("dst", dst_p)))
+        for key, placement in zip(keys, (src_p, dst_p)):
+            if key not in intervals:
+                intervals[key] = _intervals_by_device(placement, name, shape, num_layers)
+        held, needed = intervals[keys[0]], intervals[keys[1]]
         buffers.extend(ShardBuffer(device, name, shard_numel(ivs), _alias_offset(held.get(device), ivs))
                        for device, ivs in needed.items())
+        if keys not in segments:
+            segments[keys] = [seg for seg in _segments(held, needed) if seg[3]]
         pieces: list[Transfer] = []
-        for start, end, holders, needers in _segments(held, needed):
-            if not needers:
-                continue
+        for start, end, holders, needers in segments[keys]:
             if not holders:
                 raise ValueError(f"{name}: elements [{start}, {end}) are held by no source device")
-            for sender, receivers in _choose_senders(holders, needers, nodes, load, end - start):
+            route = (holders, needers)
+            if route not in options:
+                options[route] = _route_options(holders, needers, nodes)
+            for sender, receivers in _choose_senders(options[route], load, end - start):
                 pieces.append(Transfer(name, start, end, sender, receivers))
         transfers.extend(_merge_adjacent(pieces))
     return ReallocPlan(tuple(transfers), shapes, num_layers, src_p, dst_p, nodes, tuple(buffers))
@@ -265,19 +277,34 @@ def _segments(held: Mapping[int, list[Interval]], needed: Mapping[int, list[Inte
             yield point, following, tuple(sorted(active[0])), tuple(sorted(active[1]))
 
 
-def _choose_senders(holders: tuple[int, ...], needers: tuple[int, ...], nodes: Mapping[int, Hashable],
-                    load: dict[int, int], numel: int) -> list[tuple[int, tuple[int, ...]]]:
-    """``(sender, receivers)`` for one range: local copies first, then one sender per node of receivers."""
+class _RouteOptions(NamedTuple):
+    """What sender choice needs of a range's holders and needers, independent of the senders' loads."""
+
+    local: list[tuple[int, tuple[int, ...]]]
+    """``(device, (device,))`` for each needer that holds the range: a local copy."""
+    groups: list[tuple[list[int], list[int]]]
+    """Per node of the other needers, in the order of its lowest one: (its needers, candidate senders: the
+    holders on that node, else all holders)."""
+
+
+def _route_options(holders: tuple[int, ...], needers: tuple[int, ...],
+                   nodes: Mapping[int, Hashable]) -> _RouteOptions:
     holder_set = set(holders)
-    out = [(device, (device,)) for device in needers if device in holder_set]
     by_node: dict[Hashable, list[int]] = {}
     for device in needers:
         if device not in holder_set:
             by_node.setdefault(nodes[device], []).append(device)
+    groups = [(group, [h for h in holders if nodes[h] == node] or list(holders)) for node, group in by_node.items()]
+    return _RouteOptions([(device, (device,)) for device in needers if device in holder_set], groups)
+
+
+def _choose_senders(options: _RouteOptions, load: dict[int, int], numel: int) -> list[tuple[int, tuple[int, ...]]]:
+    """``(sender, receivers)`` for one range: local copies first, then one sender per node of receivers, the
+    least loaded of its candidates (ties: the lowest id)."""
+    out = list(options.local)
     chosen: dict[int, list[int]] = {}
-    for node, group in by_node.items():  # in the order of each node's lowest receiver
-        same_node = [h for h in holders if nodes[h] == node]
-        sender = min(same_node or holders, key=lambda h: (load[h], h))
+    for group, candidates in options.groups:
+        sender = min(candidates, key=lambda h: (load[h], h))
         if sender not in chosen:  # a broadcast leaves its sender once, however many receive it
             load[sender] += numel
             chosen[sender] = []
