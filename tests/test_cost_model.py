@@ -349,3 +349,21 @@ def test_activation_recompute_trades_a_forward_for_activation_memory():
     assert model.mfc_time(TRAIN, recomputed) > model.mfc_time(TRAIN, plain)
     assert model.mfc_memory(TRAIN, recomputed, True) < model.mfc_memory(TRAIN, plain, True) / 4
     assert model.static_memory("actor", recomputed, True) == model.static_memory("actor", plain, True)
+
+
+def test_zero_divides_adam_state_and_step_over_dp_for_one_all_gather():
+    """ZeRO-1 on dp4 × tp2 (7B, bf16): the fp32 moments (8 of the 12 bytes per parameter of a trained copy)
+    shrink 4×, the Adam step covers a quarter of the weights, and one all-gather of the tp shard is added."""
+    model = llama_model()
+    plain, zero = a("0-7:dp4tp2"), Allocation.parse("0-7:dp4tp2zero")
+    params = model._shape("actor").params
+    assert model.static_memory("actor", plain, True) == pytest.approx(params * 12 / 2, rel=1e-6)
+    assert model.static_memory("actor", zero, True) == pytest.approx(params * (4 + 8 / 4) / 2, rel=1e-6)
+    assert model.static_memory("actor", zero, False) == model.static_memory("actor", plain, False)
+    p, z = model.time_terms(TRAIN, plain), model.time_terms(TRAIN, zero)
+    assert z["optimizer"] == pytest.approx(p["optimizer"] / 4)
+    steps = 4  # minibatches, one epoch
+    bw = PROFILES["h100-80g"].intra_node_bw
+    assert z["zero_allgather"] == pytest.approx(steps * params / 2 * 2 * 3 / 4 / bw, rel=0.01)
+    assert "zero_allgather" not in p and z["work"] == p["work"]
+    assert model.mfc_memory(TRAIN, zero, True) == model.mfc_memory(TRAIN, plain, True)

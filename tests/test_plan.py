@@ -32,6 +32,7 @@ from loomrl.plan import (
     param_count,
     parse_placement,
     separate,
+    shard_bytes,
     split_devices,
     split_devices_pow2,
 )
@@ -241,6 +242,27 @@ def test_activation_recompute_is_a_train_call_choice_that_round_trips(tmp_path: 
     one_line_error(lambda: parse_placement(text.replace("ref_inf=4-5:dp2", "ref_inf=4-5:dp2rc"), PPO, c),
                    "plan.allocations.ref_inf", "rc is for train calls only")
     one_line_error(lambda: Allocation.parse("0-1:dp2rcrc"), "rc twice")
+
+
+def test_zero_is_a_train_call_choice_that_round_trips_and_shrinks_the_optimizer_state():
+    c = cluster(8)
+    text = EXAMPLE.replace("actor_train=0-7:dp4tp2", "actor_train=0-7:dp4tp2mb2rczero")
+    plan = parse_placement(text, PPO, c)
+    assert plan["actor_train"] == Allocation(tuple(range(8)), Layout(dp=4, tp=2), 2, recompute=True, zero=True)
+    assert plan["actor_train"].text == "0-7:dp4tp2mb2rczero" and not plan["critic_train"].zero
+    assert parse_placement(format_placement(plan, PPO), PPO, c) == plan
+    assert ExecutionPlan.from_dict(plan.to_dict()) == plan
+    assert plan["actor_train"].same_placement(Allocation(tuple(range(8)), Layout(dp=4, tp=2)))  # no transfer
+    one_line_error(lambda: parse_placement(text.replace("ref_inf=4-5:dp2", "ref_inf=4-5:dp2zero"), PPO, c),
+                   "plan.allocations.ref_inf", "zero is for train calls only")
+    one_line_error(lambda: Allocation.parse("0-1:dp2zerozero"), "zero twice")
+    # the Adam moments (8 of the 16 bytes per fp32 parameter here) are divided over dp=4
+    assert shard_bytes(1000, 2, 1, 4, trained=True, optimizer_shards=4) == 4000 + 1000
+    assert shard_bytes(1000, 2, 1, 4, trained=True) == 4000 + 4000
+    configs = {role: llama() for role in PPO.roles()}
+    plain = parse_placement(EXAMPLE, PPO, c).role_memory(PPO, configs)
+    assert plan.role_memory(PPO, configs)[0]["actor"] < plain[0]["actor"]
+    assert plan.role_memory(PPO, configs)[0]["critic"] == plain[0]["critic"]
 
 
 @pytest.mark.parametrize("suffix", [".json", ".yaml", ".yml"])

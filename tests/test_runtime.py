@@ -167,6 +167,14 @@ and 3 + 3 + 2, each 4-row minibatch in 2 + 2 (the first iteration's responses di
 micro-batches weigh more than their share of rows)."""
 
 
+ZERO_PLAN_2 = ("actor_gen=0-1:tp2; actor_train=0-1:dp2zero; ref_inf=0:dp1; reward_inf=1:dp1; critic_inf=0-1:dp2; "
+               "critic_train=0-1:dp2mb2zero; advantages=0:dp1")
+"""Actor and critic with their Adam state sharded over dp2 (ZeRO-1), the actor generating from a tp2 copy."""
+ZERO_PLAN_4 = ("actor_gen=0-3:dp4; actor_train=0-3:dp2tp2zero; ref_inf=0-3:dp4; reward_inf=0-3:dp4; "
+               "critic_inf=0-3:dp4; critic_train=0-3:pp2dp2zero; advantages=0:dp1")
+"""ZeRO-1 with tensor parallelism (DTensor shards chunked over dp) and with pipeline stages."""
+
+
 @pytest.mark.parametrize("plan,devices", [
     ("colocate", 2), ("interleave", 2), ("separate", 2),
     ("actor_gen=0-1:tp2; actor_train=0-1:dp2; ref_inf=0:dp1; reward_inf=1:dp1; critic_inf=0-1:dp2; "
@@ -183,8 +191,9 @@ micro-batches weigh more than their share of rows)."""
      "critic_train=0-1:dp2mb2; advantages=0:dp1", 2),
     ("actor_gen=0-1:dp2; actor_train=0-1:tp2rc; ref_inf=0-1:dp2; reward_inf=0-1:dp2; critic_inf=0-1:pp2; "
      "critic_train=0-1:pp2mb2rc; advantages=0:dp1", 2),
+    (ZERO_PLAN_2, 2),
 ], ids=["colocate2", "interleave2", "separate2", "realloc_tp2", "pipeline2", "colocate4", "interleave4", "separate4",
-        "pipeline_dp4", "pipeline_tp4", "pipeline2_micro_batches", "dp2_micro_batches", "recompute"])
+        "pipeline_dp4", "pipeline_tp4", "pipeline2_micro_batches", "dp2_micro_batches", "recompute", "zero2"])
 def test_plans_match_the_reference(tmp_path, reference, plan, devices):
     """Every placement strategy computes the reference run: per-call meshes and layouts, reallocation of the
     actor between its training and generation layouts, shadow sync, concurrent calls on disjoint devices."""
@@ -247,6 +256,18 @@ def test_a_pp_tp_run_loads_and_saves_layout_independent_checkpoints(tmp_path, re
     RLTrainer(_cfg(tmp_path, "c", "loop.iterations=2", *pp_tp)).run(resume=True)
     RLTrainer(_cfg(tmp_path, "c")).run(resume=True)
     got = [json.loads(line) for line in (tmp_path / "c" / "metrics.jsonl").read_text().splitlines()]
+    assert [r["iteration"] for r in got] == [0, 1, 2]
+    _assert_equivalent(got, reference)
+
+
+def test_zero_runs_load_and_save_layout_independent_checkpoints(tmp_path, reference):
+    """Reference → Ray with ZeRO-1 over tp2 × dp2 and pp2 × dp2 → reference, one iteration each: the sharded
+    optimizers load their chunks of the full state and gather it whole again for the checkpoint."""
+    RLTrainer(_cfg(tmp_path, "z", "loop.iterations=1")).run()
+    cfg = _cfg(tmp_path, "z", "loop.iterations=2", "runtime.executor=ray", "runtime.devices=4")
+    RLTrainer(dataclasses.replace(cfg, runtime=dataclasses.replace(cfg.runtime, plan=ZERO_PLAN_4))).run(resume=True)
+    RLTrainer(_cfg(tmp_path, "z")).run(resume=True)
+    got = [json.loads(line) for line in (tmp_path / "z" / "metrics.jsonl").read_text().splitlines()]
     assert [r["iteration"] for r in got] == [0, 1, 2]
     _assert_equivalent(got, reference)
 

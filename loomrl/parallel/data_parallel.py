@@ -13,7 +13,7 @@ the same shard, so DTensor parameters are handled through their local tensors.
 
 from __future__ import annotations
 
-from typing import Iterator
+from typing import Callable, Iterator
 
 import torch
 import torch.distributed as dist
@@ -36,7 +36,7 @@ def sync_gradients(model: nn.Module, dp_group: dist.ProcessGroup,
     params = [p for p in model.parameters() if p.requires_grad]
     _agree_on_gradients(params, dp_group)
     grads = [local_shard(p.grad) for p in params if p.grad is not None]
-    for bucket in _buckets(grads, bucket_bytes):
+    for bucket in buckets(grads, bucket_bytes):
         flat = torch.cat([g.reshape(-1) for g in bucket])
         dist.all_reduce(flat, op=dist.ReduceOp.SUM, group=dp_group)
         offset = 0
@@ -65,12 +65,15 @@ def _agree_on_gradients(params: list[nn.Parameter], dp_group: dist.ProcessGroup)
             p.grad = torch.zeros_like(p)
 
 
-def _buckets(grads: list[torch.Tensor], bucket_bytes: int) -> Iterator[list[torch.Tensor]]:
-    """Consecutive runs of same-dtype, same-device gradients of at most ``bucket_bytes`` (or one larger tensor)."""
+def buckets(tensors: list[torch.Tensor], bucket_bytes: int,
+            nbytes_of: Callable[[torch.Tensor], int] = lambda t: t.numel() * t.element_size()
+            ) -> Iterator[list[torch.Tensor]]:
+    """Consecutive runs of same-dtype, same-device tensors of at most ``bucket_bytes`` as counted by
+    ``nbytes_of`` (their size by default), or one larger tensor alone."""
     bucket: list[torch.Tensor] = []
     size = 0
-    for g in grads:
-        nbytes = g.numel() * g.element_size()
+    for g in tensors:
+        nbytes = nbytes_of(g)
         same_kind = not bucket or (g.dtype == bucket[0].dtype and g.device == bucket[0].device)
         if bucket and (not same_kind or size + nbytes > bucket_bytes):
             yield bucket

@@ -78,12 +78,16 @@ def _check_calls(plan: ExecutionPlan, workflow: Workflow) -> None:
         if plan[mfc.name].recompute and mfc.kind is not MFCKind.TRAIN:
             raise ConfigError(f"plan.allocations.{mfc.name}: {plan[mfc.name].text} recomputes activations (rc) "
                               f"but {mfc.kind.value} calls keep none for a backward; rc is for train calls only")
+        if plan[mfc.name].zero and mfc.kind is not MFCKind.TRAIN:
+            raise ConfigError(f"plan.allocations.{mfc.name}: {plan[mfc.name].text} shards optimizer state (zero) "
+                              f"but {mfc.kind.value} calls have no optimizer; zero is for train calls only")
     for role in workflow.roles():
         trains = [m.name for m in workflow.mfcs_of_role(role) if m.kind is MFCKind.TRAIN]
         for name in trains[1:]:
-            if not plan[name].same_placement(plan[trains[0]]):
+            if not plan[name].same_placement(plan[trains[0]]) or plan[name].zero != plan[trains[0]].zero:
                 raise ConfigError(f"plan.allocations.{name}: {plan[name].text} differs from {trains[0]} at "
-                                  f"{plan[trains[0]].text}; the train calls of role '{role}' must share one placement")
+                                  f"{plan[trains[0]].text}; the train calls of role '{role}' must share one placement "
+                                  "(and one optimizer: zero or not)")
 
 
 def _check_choices(plan: ExecutionPlan, workflow: Workflow) -> None:
@@ -145,7 +149,8 @@ def role_memory(plan: ExecutionPlan, workflow: Workflow, model_configs: Mapping[
         need: dict[int, int] = {}
         if canon is not None:
             for d in canon.mesh:
-                need[d] = shard_bytes(params, canon.layout.tp, canon.layout.pp, bytes_per_param, trained=True)
+                need[d] = shard_bytes(params, canon.layout.tp, canon.layout.pp, bytes_per_param, trained=True,
+                                      optimizer_shards=canon.layout.dp if canon.zero else 1)
         copies: dict[int, int] = {}
         for mfc in workflow.mfcs_of_role(role):
             alloc = plan[mfc.name]

@@ -1,11 +1,11 @@
 """A first, deliberately simple memory estimate of a model's shard, used to reject plans that cannot fit.
 
-For a model with ``P`` parameters sharded ``tp`` × ``pp`` ways (data parallelism replicates; FSDP would
-divide by ``dp`` too, and is not built yet), one device holds
+For a model with ``P`` parameters sharded ``tp`` × ``pp`` ways (data parallelism replicates them), one device
+holds
 
 - weights: ``P / (tp·pp) · bytes_per_param``;
 - for a trained copy, additionally gradients ``P / (tp·pp) · bytes_per_param`` and two fp32 Adam moments
-  ``2 · 4 · P / (tp·pp)``.
+  ``2 · 4 · P / (tp·pp)``, divided by ``dp`` too when the train allocation shards them (ZeRO-1, ``zero``).
 
 Activations, the KV cache and framework buffers are left out: the plan validator asks only whether the
 resident state fits, and the planner's memory model (a later issue) adds the rest. ``P`` is counted from
@@ -50,7 +50,11 @@ def param_count(config: object) -> int:
     return 2 * vocab * h + layers * per_layer + h
 
 
-def shard_bytes(params: int, tp: int, pp: int, bytes_per_param: int, trained: bool) -> int:
-    """Bytes of one device's shard: weights, plus gradients and Adam moments when ``trained``."""
-    per_param = 2 * bytes_per_param + ADAM_BYTES_PER_PARAM if trained else bytes_per_param
-    return -(-params * per_param // (tp * pp))  # ceil: a shard never rounds down to fit
+def shard_bytes(params: int, tp: int, pp: int, bytes_per_param: int, trained: bool,
+                optimizer_shards: int = 1) -> int:
+    """Bytes of one device's shard: weights, plus gradients and Adam moments when ``trained``; the moments
+    divided over ``optimizer_shards`` data-parallel ranks under ZeRO-1 (the allocation's ``zero``)."""
+    state = -(-params * bytes_per_param // (tp * pp))  # ceil: a shard never rounds down to fit
+    if not trained:
+        return state
+    return 2 * state + -(-params * ADAM_BYTES_PER_PARAM // (tp * pp * optimizer_shards))

@@ -38,9 +38,9 @@ from loomrl.workflow import MFCKind, Workflow
 __all__ = ["Allocation", "DeviceMesh", "ExecutionPlan", "Reallocation", "format_devices"]
 
 _RANGE_RE = re.compile(r"(\d+)(?:-(\d+))?")
-_LAYOUT_RE = re.compile(r"(dp|tp|pp|mb)(\d+)|(rc)")
-_LAYOUT_TOKENS = ("expected tokens dp<N>, tp<N>, pp<N>, mb<N> (micro-batches) and rc (recompute activations), "
-                  "e.g. dp4tp2, dp2mb4 or pp2mb4rc")
+_LAYOUT_RE = re.compile(r"(dp|tp|pp|mb)(\d+)|(rc|zero)")
+_LAYOUT_TOKENS = ("expected tokens dp<N>, tp<N>, pp<N>, mb<N> (micro-batches), rc (recompute activations) and zero "
+                  "(optimizer state sharded over dp), e.g. dp4tp2, dp2mb4, pp2mb4rc or dp8zero")
 
 
 def format_devices(devices: tuple[int, ...] | list[int]) -> str:
@@ -112,26 +112,27 @@ class DeviceMesh(ValidatedConfig):
         return device in self.devices
 
 
-def _layout_text(layout: Layout, micro_batches: int, recompute: bool = False) -> str:
+def _layout_text(layout: Layout, micro_batches: int, recompute: bool = False, zero: bool = False) -> str:
     text = f"dp{layout.dp}"
     text += f"tp{layout.tp}" if layout.tp > 1 else ""
     text += f"pp{layout.pp}" if layout.pp > 1 else ""
-    return text + (f"mb{micro_batches}" if micro_batches > 1 else "") + ("rc" if recompute else "")
+    return text + (f"mb{micro_batches}" if micro_batches > 1 else "") + ("rc" if recompute else "") + \
+        ("zero" if zero else "")
 
 
-def _parse_layout(text: str, devices: int) -> tuple[Layout, int, bool]:
-    """``"dp2tp2mb4"`` → (Layout(2, 2, 1), 4, False); ``rc`` sets recompute; an omitted dp fills the mesh:
-    ``devices / (tp·pp)``."""
+def _parse_layout(text: str, devices: int) -> tuple[Layout, int, bool, bool]:
+    """``"dp2tp2mb4"`` → (Layout(2, 2, 1), 4, False, False); ``rc`` sets recompute and ``zero`` optimizer-state
+    sharding; an omitted dp fills the mesh: ``devices / (tp·pp)``."""
     tokens = _LAYOUT_RE.findall(text)
     if "".join(k + v + flag for k, v, flag in tokens) != text:
         fail("layout", f"{text!r} is not a layout; {_LAYOUT_TOKENS}")
     values: dict[str, int] = {}
-    recompute = False
+    flags: set[str] = set()
     for key, value, flag in tokens:
         if flag:
-            if recompute:
-                fail("layout", f"{text!r} gives rc twice")
-            recompute = True
+            if flag in flags:
+                fail("layout", f"{text!r} gives {flag} twice")
+            flags.add(flag)
             continue
         if key in values:
             fail("layout", f"{text!r} gives {key} twice")
@@ -142,7 +143,7 @@ def _parse_layout(text: str, devices: int) -> tuple[Layout, int, bool]:
     for key in ("dp", "tp", "pp", "mb"):
         if values.get(key, 1) < 1:
             fail("layout", f"{key}{values[key]} in {text!r} is not a positive degree")
-    return Layout(values.get("dp", 1), tp, pp), values.get("mb", 1), recompute
+    return Layout(values.get("dp", 1), tp, pp), values.get("mb", 1), "rc" in flags, "zero" in flags
 
 
 @dataclass(frozen=True)
@@ -158,6 +159,10 @@ class Allocation(ValidatedConfig):
     recompute: bool = False
     """Train calls only: keep each decoder layer's input and recompute the rest in the backward (activation
     checkpointing): one more forward pass of compute for a fraction of the activation memory."""
+    zero: bool = False
+    """Train calls only (ZeRO stage 1): each data-parallel rank keeps the optimizer state of 1/dp of every
+    parameter and updates that part, then the parts are all-gathered; Adam's moments take 1/dp of the memory
+    for one more all-gather of the weights per step (:mod:`loomrl.parallel.zero`). Nothing to shard at dp=1."""
 
     def __post_init__(self) -> None:
         if isinstance(self.mesh, (list, tuple)):
@@ -175,14 +180,14 @@ class Allocation(ValidatedConfig):
         """``"0-3:dp2tp2"``, ``"4-7"`` (dp fills the mesh), ``"0,2:dp2mb4"`` → an allocation."""
         devices, _, layout_text = str(text).partition(":")
         mesh = DeviceMesh.parse(devices)
-        layout, micro_batches, recompute = _parse_layout(layout_text.strip(), len(mesh)) if layout_text.strip() \
-            else (Layout(dp=len(mesh)), 1, False)
-        return cls(mesh, layout, micro_batches, recompute)
+        layout, micro_batches, recompute, zero = _parse_layout(layout_text.strip(), len(mesh)) \
+            if layout_text.strip() else (Layout(dp=len(mesh)), 1, False, False)
+        return cls(mesh, layout, micro_batches, recompute, zero)
 
     @property
     def text(self) -> str:
         """The compact form :meth:`parse` reads, e.g. ``"0-7:dp4tp2mb2"``."""
-        return f"{self.mesh.text}:{_layout_text(self.layout, self.micro_batches, self.recompute)}"
+        return f"{self.mesh.text}:{_layout_text(self.layout, self.micro_batches, self.recompute, self.zero)}"
 
     def same_placement(self, other: Allocation) -> bool:
         """Same devices and same layout: the model's shards need not move between the two (micro-batches aside)."""
@@ -426,7 +431,8 @@ class ExecutionPlan:
     def to_dict(self) -> dict[str, Any]:
         """Plain data (JSON/YAML-ready); :meth:`from_dict` reads it back to an equal plan."""
         allocations = {name: {"devices": a.mesh.text, "dp": a.layout.dp, "tp": a.layout.tp, "pp": a.layout.pp,
-                              "micro_batches": a.micro_batches, **({"recompute": True} if a.recompute else {})}
+                              "micro_batches": a.micro_batches, **({"recompute": True} if a.recompute else {}),
+                              **({"zero": True} if a.zero else {})}
                        for name, a in self.allocations.items()}
         return {"cluster": to_dict(self.cluster), "allocations": allocations,
                 "shadow": None if self.shadow is None else list(self.shadow),
@@ -443,7 +449,7 @@ class ExecutionPlan:
             try:
                 mesh = DeviceMesh.parse(item.devices) if isinstance(item.devices, str) else DeviceMesh(item.devices)
                 allocations[name] = Allocation(mesh, Layout(item.dp, item.tp, item.pp), item.micro_batches,
-                                               item.recompute)
+                                               item.recompute, item.zero)
             except FieldError as err:
                 raise err.under(f"plan.allocations.{name}") from None
         return cls(record.cluster, allocations, record.shadow, record.offload)
@@ -483,6 +489,8 @@ class _AllocationRecord:
     """Micro-batches per rank."""
     recompute: bool = False
     """Recompute activations in the backward (train calls only)."""
+    zero: bool = False
+    """Shard the optimizer state over dp, ZeRO stage 1 (train calls only)."""
 
 
 @dataclass(frozen=True)

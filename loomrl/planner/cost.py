@@ -12,7 +12,8 @@ every replica runs in parallel on equal shares, so a call takes as long as one r
 - **Train** (forward + backward = 3× forward FLOPs, weights read twice and gradients written once per
   micro-batch; with activation recomputation one more forward: 4×, and its all-reduces) once per optimizer
   step, ``epochs × minibatches`` steps, each followed by the gradient all-reduce over dp (the runtime sums
-  gradients after the backward, it does not overlap them) and the Adam step's memory traffic.
+  gradients after the backward, it does not overlap them) and the Adam step's memory traffic; under ZeRO-1
+  (``zero``) the step covers 1/dp of the weights and an all-gather of the weights over dp follows.
 - **Inference**: one forward pass over every token of the share.
 - **Generate**: a prefill pass over the prompts, then decode steps priced from the response-length
   *distribution*: at step t, the live samples (those with length > t, scaled to the share) each produce one
@@ -140,7 +141,8 @@ class CostModel:
         """Resident bytes per device of ``role``'s weights on ``alloc`` (plus gradients and Adam moments if
         ``trainable``): :func:`loomrl.plan.shard_bytes`, the figure plan validation uses."""
         lay = alloc.layout
-        return float(shard_bytes(self._shape(role).params, lay.tp, lay.pp, self.bytes_per_param, trainable))
+        return float(shard_bytes(self._shape(role).params, lay.tp, lay.pp, self.bytes_per_param, trainable,
+                                 optimizer_shards=lay.dp if alloc.zero and trainable else 1))
 
     def realloc_time(self, role: str, src: Allocation, dst: Allocation) -> float:
         """Seconds to move ``role``'s weights from ``src`` to ``dst``, priced from the real transfer plan of a
@@ -222,9 +224,13 @@ class CostModel:
         shard_params = shape.params / (lay.tp * lay.pp)
         step["dp_grad_allreduce"] = T.ring_allreduce_time(shard_params * self.bytes_per_param, lay.dp,
                                                           rates.dp_bw, rates.latency)
-        step["optimizer"] = T.adam_step_bytes(shard_params, self.bytes_per_param) / rates.mem
+        shards = lay.dp if alloc.zero else 1  # ZeRO-1: each dp rank updates 1/dp, then the weights are gathered
+        step["optimizer"] = T.adam_step_bytes(shard_params / shards, self.bytes_per_param) / rates.mem
         step[_launch("optimizer_launch", lay.tp)] = self._launch_excess(
             T.optimizer_ops(shape, shape.layers / lay.pp) * rates.op, step["optimizer"])
+        if shards > 1:
+            step["zero_allgather"] = T.ring_allgather_time(shard_params * self.bytes_per_param, lay.dp, rates.dp_bw,
+                                                           rates.latency)
         return {name: seconds * epochs * minibatches for name, seconds in step.items()}
 
     def _generate_terms(self, role: str, alloc: Allocation) -> dict[str, float]:
@@ -388,4 +394,4 @@ def _launch(name: str, tp: int) -> str:
 
 def _alloc_key(alloc: Allocation) -> tuple:
     lay = alloc.layout
-    return alloc.mesh.devices, (lay.dp, lay.tp, lay.pp), alloc.micro_batches, alloc.recompute
+    return alloc.mesh.devices, (lay.dp, lay.tp, lay.pp), alloc.micro_batches, alloc.recompute, alloc.zero

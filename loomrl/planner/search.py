@@ -5,8 +5,9 @@
   of whole nodes (aligned likewise), plus the whole cluster. Layouts are ``dp × tp × pp`` equal to the mesh
   size that the runtime can run (:func:`loomrl.plan.layout.check_layout`: tp divides the heads, key/value
   heads and MLP width, pp divides the layers), with every tensor-parallel group inside one node; generation
-  runs with pp = 1. Train calls also choose micro-batches (:data:`MICRO_BATCHES`) and whether to recompute
-  activations. A compute step may run on any single device.
+  runs with pp = 1. Train calls also choose micro-batches (:data:`MICRO_BATCHES`), whether to recompute
+  activations and, with dp > 1, whether to shard the optimizer state (ZeRO-1). A compute step may run on any
+  single device.
 - :func:`search`: the candidates are first pruned per device mesh to the few fastest layouts alone that fit
   the devices alone, and the leanest (:func:`_prune`, as ReaLHF prunes its search space); then Metropolis
   acceptance with a geometric cooling schedule; a move gives one MFC (or all the
@@ -116,13 +117,17 @@ def _config(mfc: MFC, model_configs: Mapping[str, object]) -> object:
 
 def _allocations_on(mfc: MFC, mesh: DeviceMesh, cluster: ClusterSpec,
                     model_configs: Mapping[str, object]) -> list[Allocation]:
-    """Every layout (× micro-batches for a train call) of ``mfc`` on ``mesh``."""
+    """Every layout of ``mfc`` on ``mesh`` (× micro-batches, recompute and, where dp > 1, ZeRO-1 for a train
+    call)."""
     if mfc.kind is MFCKind.COMPUTE:
         return [Allocation(mesh, Layout(dp=len(mesh)))]
     train = mfc.kind is MFCKind.TRAIN
     counts, recompute = (MICRO_BATCHES, (False, True)) if train else ((1,), (False,))
-    return [Allocation(mesh, layout, mb, rc) for layout in layouts_on(mfc, mesh, cluster, _config(mfc, model_configs))
-            for mb in counts for rc in recompute]
+    out = []
+    for layout in layouts_on(mfc, mesh, cluster, _config(mfc, model_configs)):
+        zeros = (False, True) if train and layout.dp > 1 else (False,)
+        out += [Allocation(mesh, layout, mb, rc, zero) for mb in counts for rc in recompute for zero in zeros]
+    return out
 
 
 def candidate_allocations(mfc: MFC, workflow: Workflow, cluster: ClusterSpec,

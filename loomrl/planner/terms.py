@@ -129,6 +129,14 @@ def ring_allreduce_time(nbytes: float, n: int, bandwidth: float, latency: float)
     return ring_allreduce_bytes(nbytes, n) / bandwidth + math.ceil(math.log2(n)) * latency
 
 
+def ring_allgather_time(nbytes: float, n: int, bandwidth: float, latency: float) -> float:
+    """Seconds of an all-gather of ``nbytes`` in all (each of the n devices contributes 1/n): the ring sends
+    (n − 1)/n of it over each link, in n − 1 steps."""
+    if n <= 1:
+        return 0.0
+    return nbytes * (n - 1) / n / bandwidth + (n - 1) * latency
+
+
 def transfer_time(nbytes: float, bandwidth: float, latency: float) -> float:
     """Seconds of one point-to-point message."""
     return nbytes / bandwidth + latency if nbytes > 0 else 0.0

@@ -54,8 +54,8 @@ def param_shapes(cfg: TrainConfig, role: str, tokenizer) -> tuple[dict[str, tupl
 
 def runtime_placement(plan: ExecutionPlan, workflow: Workflow, cluster: ClusterSpec, cfg: TrainConfig,
                       tokenizer) -> RuntimePlacement:
-    """Each MFC's allocation, micro-batches and activation recompute, each role's canonical allocation, and
-    the transfers between a role's allocations."""
+    """Each MFC's allocation, micro-batches and activation recompute, each role's canonical allocation (and
+    whether its optimizer state is sharded), and the transfers between a role's allocations."""
     mfc_keys = {m.name: _key(plan[m.name]) for m in workflow.topological_order()}
     for m in workflow.topological_order():
         if m.kind == MFCKind.GENERATE and mfc_keys[m.name].pp > 1:
@@ -77,8 +77,10 @@ def runtime_placement(plan: ExecutionPlan, workflow: Workflow, cluster: ClusterS
             reallocs.append((role, src, dst, transfer))
     micro_batches = {m.name: plan[m.name].micro_batches for m in workflow.topological_order()}
     recompute = frozenset(m.name for m in workflow.topological_order() if plan[m.name].recompute)
+    zero = frozenset(role for role in workflow.roles()
+                     if (train := plan.canonical_layout(workflow, role)) is not None and train.zero)
     return RuntimePlacement(mfc_keys, canonical, tuple(reallocs), micro_batches, recompute,
-                            frozenset(plan.offloaded_roles(workflow)))
+                            frozenset(plan.offloaded_roles(workflow)), zero)
 
 
 def trained_roles(workflow: Workflow) -> set[str]:

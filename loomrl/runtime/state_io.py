@@ -17,6 +17,8 @@ from torch.distributed.checkpoint.state_dict import (
     set_optimizer_state_dict,
 )
 
+from loomrl.parallel.zero import ZeroAdamW
+
 # Not cpu_offload: with it, torch returns the full state on global rank 0 only, and the holder of a role's
 # weights may be any worker. Tensors are moved to the CPU here instead.
 FULL = StateDictOptions(full_state_dict=True)
@@ -41,6 +43,8 @@ class FullOptimizerState:
     def state_dict(self) -> dict[str, Any]:
         if self.gathered is not None:
             return self.gathered
+        if isinstance(self.optimizer, ZeroAdamW):  # its own gather, into the same full form
+            return self.optimizer.full_state_dict()
         return _to_cpu(get_optimizer_state_dict(self.model, self.optimizer, options=FULL))
 
     def load_state_dict(self, state: dict[str, Any]) -> None:
@@ -48,6 +52,9 @@ class FullOptimizerState:
         own = {name for name, _ in self.model.named_parameters()}
         state = {"state": {k: v for k, v in state["state"].items() if k in own},
                  "param_groups": [{**g, "params": [p for p in g["params"] if p in own]} for g in state["param_groups"]]}
+        if isinstance(self.optimizer, ZeroAdamW):
+            self.optimizer.load_full_state_dict(state)
+            return
         set_optimizer_state_dict(self.model, self.optimizer, state, options=StateDictOptions(full_state_dict=True))
 
 

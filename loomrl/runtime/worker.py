@@ -100,6 +100,8 @@ class RuntimePlacement:
     """Train MFCs that recompute activations in the backward (the plan's ``rc``)."""
     offloaded: frozenset[str] = frozenset()
     """Frozen roles kept in host memory between their calls (the plan's offloaded roles; on accelerators)."""
+    zero: frozenset[str] = frozenset()
+    """Trained roles whose optimizer state is sharded over their training allocation's dp group (ZeRO-1)."""
 
     def keys_of(self, role: str, workflow) -> list[AllocKey]:
         keys = [self.canonical[role]] + [self.mfc_keys[m.name] for m in workflow.mfcs_of_role(role)]
@@ -147,7 +149,9 @@ class DeviceWorker:
                     if role in trained and key != placement.canonical[role] and model is not None:
                         _own_storage(model)  # a copy that is freed and refilled every iteration
                     trainable = role in trained and key == placement.canonical[role]
-                    self.roles[(role, key)] = make_role(self.cfg, role, model, self.task, trainable)
+                    zero_group = self.groups[key].dp_group if trainable and role in placement.zero and key.dp > 1 \
+                        else None
+                    self.roles[(role, key)] = make_role(self.cfg, role, model, self.task, trainable, zero_group)
                     self.roles[(role, key)].pipeline = pipeline
         # Offloading to host memory frees device memory only where the device is not the host itself.
         self.host_copies = {} if self.device.type == "cpu" else {

@@ -37,7 +37,14 @@ from loomrl.workflow.batch import Batch
 GROUP_ALGORITHMS = ("grpo", "rloo")
 
 
-def adamw(model: torch.nn.Module, optim: OptimConfig) -> torch.optim.AdamW:
+def adamw(model: torch.nn.Module, optim: OptimConfig, zero_group=None):
+    """AdamW over ``model``'s parameters; with ``zero_group`` (a data-parallel process group) its state is
+    sharded over that group (ZeRO-1, :class:`loomrl.parallel.zero.ZeroAdamW`), with the same updates."""
+    if zero_group is not None:
+        from loomrl.parallel.zero import ZeroAdamW
+
+        return ZeroAdamW(model.named_parameters(), zero_group, lr=optim.lr, betas=optim.betas,
+                         weight_decay=optim.weight_decay)
     return torch.optim.AdamW(model.parameters(), lr=optim.lr, betas=optim.betas, weight_decay=optim.weight_decay)
 
 
@@ -70,8 +77,10 @@ def build_role_model(cfg: TrainConfig, name: str, tokenizer, device: torch.devic
     return None
 
 
-def make_role(cfg: TrainConfig, name: str, model: torch.nn.Module | None, task, trainable: bool) -> Role:
-    """A role around an (already parallelised) model; trainable roles get their optimizer here."""
+def make_role(cfg: TrainConfig, name: str, model: torch.nn.Module | None, task, trainable: bool,
+              zero_group=None) -> Role:
+    """A role around an (already parallelised) model; trainable roles get their optimizer here (its state
+    sharded over ``zero_group`` when given: ZeRO-1)."""
     if name == "reward":
         rule = task.score if cfg.reward.source in ("rule", "both") else None
         return Role("reward", model, rule=rule, rule_weight=cfg.reward.rule_weight,
@@ -79,7 +88,7 @@ def make_role(cfg: TrainConfig, name: str, model: torch.nn.Module | None, task, 
     optim = {"actor": cfg.actor.optim, "critic": cfg.critic.optim}.get(name)
     if not trainable or optim is None:
         return Role(name, model)
-    return Role(name, model, adamw(model, optim), optim.grad_clip)
+    return Role(name, model, adamw(model, optim, zero_group), optim.grad_clip)
 
 
 def build_roles(cfg: TrainConfig, tokenizer, task, device: torch.device) -> dict[str, Role]:
