@@ -51,6 +51,10 @@ EVALUATED = {
     "colocate dp4": (4, "colocate", ()),
     "interleave, 4 dev": (4, "interleave", ()),
     "separate, 4 dev": (4, "separate", ()),
+    "colocate dp2, ZeRO-1": (2, "actor_gen=0-1; ref_inf=0-1; reward_inf=0-1; critic_inf=0-1; "
+                                "actor_train=0-1:dp2zero; critic_train=0-1:dp2zero", ()),
+    "colocate dp4, ZeRO-1": (4, "actor_gen=0-3; ref_inf=0-3; reward_inf=0-3; critic_inf=0-3; "
+                                "actor_train=0-3:dp4zero; critic_train=0-3:dp4zero", ()),
 }
 
 
