@@ -10,9 +10,10 @@
   single device.
 - :func:`search`: the candidates are first pruned per device mesh to the few fastest layouts alone that fit
   the devices alone, and the leanest (:func:`_prune`, as ReaLHF prunes its search space); then Metropolis
-  acceptance with a geometric cooling schedule; a move gives one MFC (or all the
-  train calls of a role together, since they share a placement), sometimes two, another candidate, half the
-  time on its current mesh (a layout or micro-batch move). Several independent chains share the wall-clock budget and a
+  acceptance with a geometric cooling schedule, then the few best plans settled by coordinate descent; a
+  move gives one MFC (or all the train calls of a role together, since they share a placement), sometimes
+  two, another candidate, half the time on its current mesh (a layout or micro-batch move). Several
+  independent chains share the wall-clock budget and a
   cache of simulated plans; the top-k distinct feasible plans seen by any chain are returned, fastest first.
   Searched plans use the default shadow and offload rules of :class:`~loomrl.plan.ExecutionPlan`.
 - :func:`best_heuristic_plans`: colocate, interleave and separate, each with its best layouts on the meshes
@@ -325,6 +326,9 @@ def _prune(names: tuple[str, ...], candidates: tuple[Allocation, ...], workflow:
 
 POLISH_SHARE = 0.2
 """Share of the search's time budget kept for :func:`_polish` after the annealing chains."""
+POLISHED = 3
+"""How many of the best distinct plans the annealing found are polished, the rest of the budget split between
+them: the best one may sit in a shallower basin than the runner-up's."""
 
 
 def search(workflow: Workflow, cluster: ClusterSpec, cost: CostEstimator, memory_per_device: float,
@@ -337,9 +341,10 @@ def search(workflow: Workflow, cluster: ClusterSpec, cost: CostEstimator, memory
     list of plans (e.g. every heuristic's best), chain ``c`` starts at plan ``c`` modulo their number, so
     the chains explore from different strategies. Every start is itself a candidate, so the best plan
     returned is never slower than a feasible start. The chains share ``(1 - POLISH_SHARE)`` of
-    ``time_budget_s`` seconds of wall clock (chain ``c`` stops at ``(c + 1) / chains`` of it), then the best
-    plan is polished by coordinate descent (:func:`_polish`) until the budget ends; each chain also stops
-    after ``max_steps`` proposals if given, and the polish then runs to its local optimum: when that comes
+    ``time_budget_s`` seconds of wall clock (chain ``c`` stops at ``(c + 1) / chains`` of it), then the
+    :data:`POLISHED` best plans are polished by coordinate descent (:func:`_polish`), sharing what is left of the
+    budget; each chain also stops after ``max_steps`` proposals if given, and each polish then runs to its local
+    optimum: when that comes
     before the deadlines, the result depends on the inputs and ``seed``, not on timing. Empty when no
     feasible plan was seen.
     """
@@ -366,10 +371,12 @@ def search(workflow: Workflow, cluster: ClusterSpec, cost: CostEstimator, memory
     for chain in range(chains if units else 0):
         rng = random.Random(f"loomrl-search:{seed}:{chain}")
         _anneal(starts[chain % len(starts)], units, evaluate, rng, began + anneal_s * (chain + 1) / chains, max_steps)
-    best = evaluate.best(1)
-    if units and best:
-        deadline = began + time_budget_s if max_steps is None else math.inf
-        _polish(best[0][0], units, evaluate, deadline)
+    if units:  # the best plans from different regions (each chain's, roughly) settled on their local optima
+        end = began + time_budget_s if max_steps is None else math.inf
+        leads = [plan for plan, _ in evaluate.best(POLISHED)]
+        for i, plan in enumerate(leads):
+            now = time.monotonic()
+            _polish(plan, units, evaluate, now + (end - now) / (len(leads) - i) if end < math.inf else end)
     return evaluate.best(top_k)
 
 
