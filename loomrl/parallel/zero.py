@@ -58,6 +58,7 @@ class ZeroAdamW:
             lo, hi = chunk(flat.numel(), self.size, self.rank)
             self._flats.append(flat)
             self._shards.append(nn.Parameter(flat[lo:hi]) if hi > lo else None)  # shares the storage
+        self._device = self._flats[0].device if self._flats else torch.device("cpu")
         owned = [s for s in self._shards if s is not None]
         # the inner optimizer needs at least one tensor: a rank owning no chunk gets an inert empty one
         self.inner = torch.optim.AdamW(owned or [nn.Parameter(torch.zeros(0))], lr=lr, betas=betas,
@@ -121,7 +122,7 @@ class ZeroAdamW:
         """The whole optimizer state, keyed by parameter name, as full (unsharded) CPU tensors. Collective over
         the data-parallel group (and each DTensor's mesh)."""
         has_state = [shard is not None and shard in self.inner.state for shard in self._shards]
-        flags = torch.tensor(has_state, dtype=torch.int32)
+        flags = torch.tensor(has_state, dtype=torch.int32, device=self._device)  # NCCL reduces device tensors
         dist.all_reduce(flags, op=dist.ReduceOp.MAX, group=self.group)
         state: dict[str, dict[str, torch.Tensor]] = {}
         stepped = [(i, name, p) for i, ((name, p), flag) in enumerate(zip(self.params, flags.tolist())) if flag]
@@ -143,7 +144,7 @@ class ZeroAdamW:
     def _step_counts(self, indices: list[int]) -> dict[int, torch.Tensor]:
         """Optimizer steps each of these parameters has taken (all chunks of one step together; the ranks owning
         none of a parameter learn it from the others), as float32 scalars like AdamW's."""
-        counts = torch.zeros(len(indices), dtype=torch.float64)
+        counts = torch.zeros(len(indices), dtype=torch.float64, device=self._device)
         for k, i in enumerate(indices):
             shard = self._shards[i]
             if shard is not None and shard in self.inner.state:

@@ -353,6 +353,7 @@ def search(workflow: Workflow, cluster: ClusterSpec, cost: CostEstimator, memory
             raise ConfigError(f"search: {name}={value!r}; expected an integer >= {low}")
     if not time_budget_s > 0:
         raise ConfigError(f"search: time_budget_s={time_budget_s!r}; expected seconds > 0")
+    began = time.monotonic()  # the budget covers pruning too (thousands of candidates priced at 64 GPUs)
     starts = start if isinstance(start, list) else [start if start is not None else colocate(workflow, cluster)]
     if not starts:
         raise ConfigError("search: start is an empty list; give at least one plan or None")
@@ -366,7 +367,6 @@ def search(workflow: Workflow, cluster: ClusterSpec, cost: CostEstimator, memory
                                  workflow, evaluate.cost, memory_per_device, keep))
              for names in _units(workflow)]
     units = [u for u in units if len(u.candidates) > 1]
-    began = time.monotonic()
     anneal_s = time_budget_s * (1.0 - POLISH_SHARE)
     for chain in range(chains if units else 0):
         rng = random.Random(f"loomrl-search:{seed}:{chain}")
