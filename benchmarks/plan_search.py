@@ -1,6 +1,6 @@
 """Searched plans vs the best heuristic placement on ReaLHF's weak-scaling setups (simulated).
 
-    .venv/bin/python benchmarks/plan_search.py [--time-budget 60] [--seed 0] [--workers 2] [--only 7b]
+    .venv/bin/python benchmarks/plan_search.py [--time-budget 60] [--seed 0] [--only 7b]
 
 LLaMA-2-architecture actor, critic, reference and reward models of 7B on 8 H100s, 13B on 16, 34B on 32 and 70B on
 64 (8 per node); 512 prompts of 128 tokens; response lengths 128, 384 and 896. For each setup, every heuristic
@@ -39,7 +39,6 @@ def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--time-budget", type=float, default=60.0)
     ap.add_argument("--seed", type=int, default=0)
-    ap.add_argument("--workers", type=int, default=2, help="processes for the search's chains (2 cores here)")
     ap.add_argument("--only", default="", help="run only setups whose model name contains this")
     args = ap.parse_args()
     workflow = build_workflow(AlgoConfig(name="ppo", ppo_epochs=1, minibatches=4), RolloutConfig())
@@ -53,7 +52,7 @@ def main() -> None:
             workload = Workload(batch=512, prompt_len=128, response_lengths=(response,), ppo_epochs=1, minibatches=4)
             start = time.perf_counter()
             report = compare_plans(workflow, cluster, configs, workload, seed=args.seed,
-                                   time_budget_s=args.time_budget, workers=args.workers)
+                                   time_budget_s=args.time_budget)
             seconds = time.perf_counter() - start
             times = {r["plan"]: r["s/iteration"] for r in report.rows}
             speedups.append(report.search_speedup)
@@ -69,8 +68,7 @@ def main() -> None:
     mean = sum(finite) / len(finite) if finite else math.nan
     geo = math.exp(sum(math.log(s) for s in finite) / len(finite)) if finite else math.nan
     Console().print(f"search vs best heuristic: mean {mean:.3f}x, geometric mean {geo:.3f}x over {len(finite)} setups "
-                    f"(target 1.26x); search budget {args.time_budget:g} s each, seed {args.seed}, "
-                    f"{args.workers} search process(es)")
+                    f"(target 1.26x); search budget {args.time_budget:g} s each, seed {args.seed}")
     finite = [s for s in per_call_speedups if math.isfinite(s)]
     if finite:
         Console().print(f"search vs the per-call-layout heuristics (a stronger baseline): mean "

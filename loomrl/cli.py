@@ -78,7 +78,6 @@ def _cmd_plan(args: argparse.Namespace) -> int:
     from loomrl.algorithms.workflows import build_workflow
     from loomrl.config import TrainConfig
     from loomrl.configtools import load_config
-    from loomrl.errors import ConfigError
     from loomrl.plan import ClusterSpec
     from loomrl.planner.corrections import Corrections
     from loomrl.planner.planning import compare_plans, model_config
@@ -99,10 +98,8 @@ def _cmd_plan(args: argparse.Namespace) -> int:
                         ppo_epochs=cfg.algo.ppo_epochs, minibatches=cfg.algo.minibatches)
     profile = load_profile(args.profile) if args.profile else None
     corrections = Corrections.load(args.corrections) if args.corrections else None
-    if args.workers < 1:
-        raise ConfigError(f"--workers: {args.workers}; expected at least 1 process")
     report = compare_plans(workflow, cluster, configs, workload, seed=args.seed, time_budget_s=args.time_budget,
-                           workers=args.workers, profile=profile, corrections=corrections)
+                           profile=profile, corrections=corrections)
     console = Console()
     console.print(summary_table(report.rows, f"{cfg.algo.name} on {cluster}: {args.prompts} prompts × "
                                              f"{args.prompt_len} + {workload.max_response} tokens, {args.model}"))
@@ -213,8 +210,6 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--response-len", type=int, help="response tokens (default: rollout.max_new_tokens)")
     p.add_argument("--time-budget", type=float, default=30.0, help="seconds for planning: the heuristics' layout enumeration, then the search in what is left")
     p.add_argument("--seed", type=int, default=0, help="search seed")
-    p.add_argument("--workers", type=int, default=2, help="processes for the search's annealing chains (forked; "
-                                                         "results depend on it, so keep it fixed to compare seeds)")
     p.add_argument("--profile", help="hardware profile JSON replacing the cluster's (loomrl calibrate writes "
                                      "local_profile.json)")
     p.add_argument("--corrections", help="fitted corrections JSON (loomrl calibrate --from writes corrections.json)")

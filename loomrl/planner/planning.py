@@ -81,15 +81,13 @@ class PlanningReport:
 
 
 def compare_plans(workflow: Workflow, cluster: ClusterSpec, configs: Mapping[str, object], workload: Workload,
-                  *, seed: int = 0, time_budget_s: float = 30.0, chains: int = 4, workers: int = 1,
+                  *, seed: int = 0, time_budget_s: float = 30.0, chains: int = 4,
                   profile: HardwareProfile | None = None, corrections: Corrections | None = None) -> PlanningReport:
     """Best layouts of each heuristic strategy, then a seeded, time-bounded search; all simulated.
 
     ``time_budget_s`` bounds the whole comparison: the search gets what the heuristics' enumeration leaves
     of it, and at least :data:`MIN_SEARCH_SHARE` of it (so the total may exceed the budget only where the
     enumeration alone takes more than the rest). Both share one cache of priced calls and reallocations.
-
-    ``workers``: processes the search's chains run in (see :func:`~loomrl.planner.search.search`).
 
     ``profile`` replaces the cluster's named profile (e.g. this machine measured by ``loomrl calibrate``) and
     ``corrections`` are fitted ones (``loomrl calibrate --from``); by default the datasheet profile, uncorrected."""
@@ -105,7 +103,7 @@ def compare_plans(workflow: Workflow, cluster: ClusterSpec, configs: Mapping[str
     # chains start from every feasible heuristic, fastest first (colocate with pure dp when none fits)
     starts = [plan for _, _, plan in feasible] or None
     searched = search(workflow, cluster, cost, memory, configs, seed=seed, time_budget_s=search_s,
-                      chains=chains, start=starts, workers=workers)
+                      chains=chains, start=starts)
     base = heuristics["colocate"][1]
     rows = []
     for name, (plan, result) in [*heuristics.items(), *(("searched", s) for s in searched[:1])]:

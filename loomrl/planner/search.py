@@ -32,9 +32,7 @@ from __future__ import annotations
 
 import itertools
 import math
-import multiprocessing
 import random
-import sys
 import time
 from collections import defaultdict
 from collections.abc import Mapping
@@ -336,7 +334,7 @@ them: the best one may sit in a shallower basin than the runner-up's."""
 def search(workflow: Workflow, cluster: ClusterSpec, cost: CostEstimator, memory_per_device: float,
            model_configs: Mapping[str, object], *, seed: int, time_budget_s: float, chains: int = 4,
            top_k: int = 3, start: ExecutionPlan | list[ExecutionPlan] | None = None, max_steps: int | None = None,
-           iterations: int = 3, workers: int = 1) -> list[tuple[ExecutionPlan, SimResult]]:
+           iterations: int = 3) -> list[tuple[ExecutionPlan, SimResult]]:
     """The ``top_k`` fastest distinct feasible plans found by ``chains`` annealing chains, fastest first.
 
     Chains start at ``start`` (default: :func:`~loomrl.plan.colocate` with pure data parallelism); given a
@@ -347,14 +345,8 @@ def search(workflow: Workflow, cluster: ClusterSpec, cost: CostEstimator, memory
     :data:`POLISHED` best plans are polished by coordinate descent (:func:`_polish`), sharing what is left of the
     budget; each chain also stops after ``max_steps`` proposals if given, and each polish then runs to its local
     optimum: when that comes
-    before the deadlines, the result depends on the inputs, ``seed`` and ``workers``, not on timing. Empty
-    when no feasible plan was seen.
-
-    ``workers`` > 1 runs the chains in that many processes at once (forked, so each starts with this
-    process's warm cost cache; chain ``c`` goes to worker ``c mod workers``, whose chains share the annealing
-    time), each returning its :data:`WORKER_PLANS` best plans to this one, which also runs worker 0's chains;
-    where forking is unavailable or unsafe (not Linux, or Ray running in this process) the chains run here, one
-    after another.
+    before the deadlines, the result depends on the inputs and ``seed``, not on timing. Empty when no
+    feasible plan was seen.
     """
     for name, value, low in (("chains", chains, 1), ("top_k", top_k, 1), ("max_steps", max_steps, 0)):
         if value is not None and (isinstance(value, bool) or not isinstance(value, int) or value < low):
@@ -375,14 +367,10 @@ def search(workflow: Workflow, cluster: ClusterSpec, cost: CostEstimator, memory
                                  workflow, evaluate.cost, memory_per_device, keep))
              for names in _units(workflow)]
     units = [u for u in units if len(u.candidates) > 1]
-    anneal_end = began + time_budget_s * (1.0 - POLISH_SHARE)
-    shares = _chain_shares(chains if units else 0, workers if _can_fork() else 1)
-    children = [_fork(_run_chains, share, starts, units, evaluate, seed, began, anneal_end, max_steps)
-                for share in shares[1:]]
-    _run_chains(shares[0] if shares else [], starts, units, evaluate, seed, began, anneal_end, max_steps)
-    for child in children:
-        for plan in _collect(child, anneal_end):
-            evaluate(plan)
+    anneal_s = time_budget_s * (1.0 - POLISH_SHARE)
+    for chain in range(chains if units else 0):
+        rng = random.Random(f"loomrl-search:{seed}:{chain}")
+        _anneal(starts[chain % len(starts)], units, evaluate, rng, began + anneal_s * (chain + 1) / chains, max_steps)
     if units:  # the best plans from different regions (each chain's, roughly) settled on their local optima
         end = began + time_budget_s if max_steps is None else math.inf
         leads = [plan for plan, _ in evaluate.best(POLISHED)]
@@ -390,80 +378,6 @@ def search(workflow: Workflow, cluster: ClusterSpec, cost: CostEstimator, memory
             now = time.monotonic()
             _polish(plan, units, evaluate, now + (end - now) / (len(leads) - i) if end < math.inf else end)
     return evaluate.best(top_k)
-
-
-WORKER_PLANS = 8
-"""Best distinct plans each forked worker sends back (the candidates for polishing come from all workers)."""
-
-
-def _chain_shares(chains: int, workers: int) -> list[list[int]]:
-    """Chain indices per worker: chain c runs on worker c mod workers (no worker without a chain)."""
-    workers = max(1, min(workers, chains))
-    return [list(range(w, chains, workers)) for w in range(workers)] if chains else []
-
-
-def _run_chains(chain_ids: list[int], starts: list[ExecutionPlan], units: list[_Unit], evaluate: _Evaluator,
-                seed: int, began: float, end: float, max_steps: int | None) -> list[ExecutionPlan]:
-    """Anneal ``chain_ids`` one after another within ``[began, end)``, chain ``j`` of ``n`` stopping at ``j+1``
-    ``n``-ths of it; returns the :data:`WORKER_PLANS` best plans seen (what a forked worker sends back)."""
-    for j, chain in enumerate(chain_ids):
-        rng = random.Random(f"loomrl-search:{seed}:{chain}")
-        _anneal(starts[chain % len(starts)], units, evaluate, rng, began + (end - began) * (j + 1) / len(chain_ids),
-                max_steps)
-    return [plan for plan, _ in evaluate.best(WORKER_PLANS)]
-
-
-def _can_fork() -> bool:
-    """Whether chains may run in forked processes: the fork start method exists (Linux) and this process
-    runs no Ray client, whose threads a fork would copy mid-flight."""
-    if "fork" not in multiprocessing.get_all_start_methods() or sys.platform != "linux":
-        return False
-    ray = sys.modules.get("ray")
-    return not (ray is not None and getattr(ray, "is_initialized", lambda: False)())
-
-
-def _fork(fn, *args):
-    """Run ``fn(*args)`` in a forked process; its result comes back through a pipe (see :func:`_collect`)."""
-    ctx = multiprocessing.get_context("fork")
-    receive, send = ctx.Pipe(duplex=False)
-
-    def body() -> None:
-        try:
-            send.send(fn(*args))
-        except BaseException as err:  # the parent reports it; a worker must not take the search down silently
-            send.send(err)
-        finally:
-            send.close()
-
-    process = ctx.Process(target=body, daemon=True)
-    process.start()
-    send.close()
-    return process, receive
-
-
-GRACE_S = 30.0
-"""How long after the annealing deadline a forked worker may take to send its plans before it is dropped."""
-
-
-def _collect(child, end: float) -> list[ExecutionPlan]:
-    """A forked worker's plans; raises what it raised; empty (and the worker killed) if it sends nothing in
-    time (its chains are then lost, the search goes on with the others)."""
-    process, receive = child
-    try:
-        wait = GRACE_S if end == math.inf else max(0.0, end - time.monotonic()) + GRACE_S
-        if not receive.poll(wait):
-            return []
-        result = receive.recv()
-    except (EOFError, OSError):  # the worker died before sending
-        return []
-    finally:
-        receive.close()
-        process.join(timeout=5)
-        if process.is_alive():
-            process.kill()
-    if isinstance(result, BaseException):
-        raise result
-    return result
 
 
 # ------------------------------------------------------------------------------------- heuristic baselines
