@@ -51,13 +51,11 @@ class ZeroAdamW:
         self.rank, self.size = dist.get_rank(dp_group), dist.get_world_size(dp_group)
         self.params = [(name, p) for name, p in named_params if p.requires_grad]
         self.bucket_bytes = bucket_bytes
-        self._flats: list[torch.Tensor] = []
-        self._shards: list[nn.Parameter | None] = []  # None where this rank's chunk is empty
-        for name, p in self.params:
-            flat = _flat(name, p)
-            lo, hi = chunk(flat.numel(), self.size, self.rank)
-            self._flats.append(flat)
-            self._shards.append(nn.Parameter(flat[lo:hi]) if hi > lo else None)  # shares the storage
+        self._flats = [_flat(name, p) for name, p in self.params]
+        self._spans = [chunk(flat.numel(), self.size, self.rank) for flat in self._flats]  # this rank's chunks
+        # leaf tensors viewing each chunk (sharing the weights' storage); None where this rank's chunk is empty
+        self._shards = [nn.Parameter(flat[lo:hi]) if hi > lo else None
+                        for flat, (lo, hi) in zip(self._flats, self._spans)]
         self._device = self._flats[0].device if self._flats else torch.device("cpu")
         owned = [s for s in self._shards if s is not None]
         # the inner optimizer needs at least one tensor: a rank owning no chunk gets an inert empty one
@@ -86,14 +84,9 @@ class ZeroAdamW:
         self._all_gather(self._flats)
 
     def _attach_grads(self) -> None:
-        for (name, p), flat, shard in zip(self.params, self._flats, self._shards):
-            if shard is None:
-                continue
-            if p.grad is None:
-                shard.grad = None
-                continue
-            lo, hi = chunk(flat.numel(), self.size, self.rank)
-            shard.grad = _flat(name, _laid_out_like(p, p.grad))[lo:hi]
+        for (name, p), (lo, hi), shard in zip(self.params, self._spans, self._shards):
+            if shard is not None:
+                shard.grad = None if p.grad is None else _flat(name, _laid_out_like(p, p.grad))[lo:hi]
 
     def _all_gather(self, flats: list[torch.Tensor]) -> None:
         """Every rank's chunk of each of ``flats`` into every rank's copy, a bucket of tensors per collective."""
@@ -132,7 +125,7 @@ class ZeroAdamW:
             for (i, _, _), buffer in zip(stepped, locals_):
                 shard = self._shards[i]
                 if shard is not None and shard in self.inner.state:
-                    lo, hi = chunk(buffer.numel(), self.size, self.rank)
+                    lo, hi = self._spans[i]
                     buffer[lo:hi] = self.inner.state[shard][key]
             self._all_gather(locals_)
             for (i, name, p), buffer in zip(stepped, locals_):
@@ -159,11 +152,10 @@ class ZeroAdamW:
         for key, value in groups[0].items():
             if key != "params":
                 self.inner.param_groups[0][key] = value
-        for (name, p), flat, shard in zip(self.params, self._flats, self._shards):
+        for (name, p), flat, (lo, hi), shard in zip(self.params, self._flats, self._spans, self._shards):
             saved = full["state"].get(name)
             if shard is None or saved is None:
                 continue
-            lo, hi = chunk(flat.numel(), self.size, self.rank)
             entry = {"step": torch.as_tensor(saved["step"], dtype=torch.float32).clone()}
             for key in _MOMENTS:
                 local = _local_of(p, saved[key])
