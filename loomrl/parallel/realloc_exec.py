@@ -49,7 +49,7 @@ import torch
 import torch.distributed as dist
 
 from loomrl.plan.realloc_plan import ReallocPlan, Transfer
-from loomrl.plan.shards import Interval, shard_numel, shard_shape
+from loomrl.plan.shards import Interval, interval_table, shard_numel, shard_shape
 
 Route = tuple[int, tuple[int, ...]]
 """``(sender, receivers)`` of a set of pieces that travel in one buffer."""
@@ -88,12 +88,7 @@ class _Locators:
 
     def offset(self, param: str, index: int) -> int:
         if param not in self._tables:
-            intervals = self._intervals_of(self._device, param)
-            starts = [lo for lo, _ in intervals]
-            offsets = [0]
-            for lo, hi in intervals[:-1]:
-                offsets.append(offsets[-1] + hi - lo)
-            self._tables[param] = starts, offsets
+            self._tables[param] = interval_table(self._intervals_of(self._device, param))
         starts, offsets = self._tables[param]
         i = bisect_right(starts, index) - 1
         return offsets[i] + index - starts[i]

@@ -39,8 +39,8 @@ from dataclasses import dataclass, field
 from functools import cached_property
 from typing import Callable, Hashable, Iterator, Mapping, NamedTuple, Sequence
 
-from loomrl.plan.shards import (Interval, Placement, as_placement, pp_stage, rank_coords, shard_intervals,
-                                 shard_numel, tp_dim)
+from loomrl.plan.shards import (Interval, Placement, as_placement, interval_table, pp_stage, rank_coords,
+                                 shard_intervals, shard_numel, tp_dim)
 
 
 @dataclass(frozen=True)
@@ -219,11 +219,7 @@ def _alias_offset(held: list[Interval] | None, needed: list[Interval]) -> int | 
     where the previous one ends in the source shard; None otherwise."""
     if not held:
         return None
-    starts, offsets, at = [], [], 0
-    for lo, hi in held:
-        starts.append(lo)
-        offsets.append(at)
-        at += hi - lo
+    starts, offsets = interval_table(held)
     first = end = None
     for lo, hi in needed:
         i = bisect_right(starts, lo) - 1

@@ -158,6 +158,17 @@ def shard_intervals(param_name: str, shape: Sequence[int], layout: Layout, rank:
     return intervals
 
 
+def interval_table(intervals: Sequence[Interval]) -> tuple[list[int], list[int]]:
+    """Where each of a shard's intervals starts in the flat index space and in the shard (the intervals'
+    concatenation): bisect the first list for a flat index, add the second for its place in the shard."""
+    starts, offsets, at = [], [], 0
+    for lo, hi in intervals:
+        starts.append(lo)
+        offsets.append(at)
+        at += hi - lo
+    return starts, offsets
+
+
 def shard_numel(intervals: Sequence[Interval]) -> int:
     """Elements held over ``intervals``."""
     return sum(hi - lo for lo, hi in intervals)
