@@ -150,7 +150,7 @@ def role_memory(plan: ExecutionPlan, workflow: Workflow, model_configs: Mapping[
         if canon is not None:
             for d in canon.mesh:
                 need[d] = shard_bytes(params, canon.layout.tp, canon.layout.pp, bytes_per_param, trained=True,
-                                      optimizer_shards=canon.layout.dp if canon.zero else 1)
+                                      optimizer_shards=canon.optimizer_shards)
         copies: dict[int, int] = {}
         for mfc in workflow.mfcs_of_role(role):
             alloc = plan[mfc.name]

@@ -189,6 +189,12 @@ class Allocation(ValidatedConfig):
         """The compact form :meth:`parse` reads, e.g. ``"0-7:dp4tp2mb2"``."""
         return f"{self.mesh.text}:{_layout_text(self.layout, self.micro_batches, self.recompute, self.zero)}"
 
+    @property
+    def optimizer_shards(self) -> int:
+        """Data-parallel ranks the optimizer state is divided over when this allocation trains: dp under ZeRO-1
+        (``zero``), else 1."""
+        return self.layout.dp if self.zero else 1
+
     def same_placement(self, other: Allocation) -> bool:
         """Same devices and same layout: the model's shards need not move between the two (micro-batches aside)."""
         return self.mesh == other.mesh and self.layout == other.layout

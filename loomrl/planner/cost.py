@@ -142,7 +142,7 @@ class CostModel:
         ``trainable``): :func:`loomrl.plan.shard_bytes`, the figure plan validation uses."""
         lay = alloc.layout
         return float(shard_bytes(self._shape(role).params, lay.tp, lay.pp, self.bytes_per_param, trainable,
-                                 optimizer_shards=lay.dp if alloc.zero and trainable else 1))
+                                 optimizer_shards=alloc.optimizer_shards if trainable else 1))
 
     def realloc_time(self, role: str, src: Allocation, dst: Allocation) -> float:
         """Seconds to move ``role``'s weights from ``src`` to ``dst``, priced from the real transfer plan of a
@@ -224,7 +224,7 @@ class CostModel:
         shard_params = shape.params / (lay.tp * lay.pp)
         step["dp_grad_allreduce"] = T.ring_allreduce_time(shard_params * self.bytes_per_param, lay.dp,
                                                           rates.dp_bw, rates.latency)
-        shards = lay.dp if alloc.zero else 1  # ZeRO-1: each dp rank updates 1/dp, then the weights are gathered
+        shards = alloc.optimizer_shards  # ZeRO-1: each dp rank updates 1/dp, then the weights are gathered
         step["optimizer"] = T.adam_step_bytes(shard_params / shards, self.bytes_per_param) / rates.mem
         step[_launch("optimizer_launch", lay.tp)] = self._launch_excess(
             T.optimizer_ops(shape, shape.layers / lay.pp) * rates.op, step["optimizer"])
