@@ -4,8 +4,9 @@ For a model with ``P`` parameters sharded ``tp`` × ``pp`` ways (data parallelis
 holds
 
 - weights: ``P / (tp·pp) · bytes_per_param``;
-- for a trained copy, additionally gradients ``P / (tp·pp) · bytes_per_param`` and two fp32 Adam moments
-  ``2 · 4 · P / (tp·pp)``, divided by ``dp`` too when the train allocation shards them (ZeRO-1, ``zero``).
+- for a trained copy, additionally gradients ``P / (tp·pp) · bytes_per_param`` and the optimizer's fp32 state
+  (:func:`optimizer_bytes_per_param`: two Adam moments, plus an fp32 master copy of the weights when they are
+  held in a 16-bit type), divided by ``dp`` too when the train allocation shards it (ZeRO-1, ``zero``).
 
 Activations, the KV cache and framework buffers are left out: the plan validator asks only whether the
 resident state fits, and the planner's memory model (a later issue) adds the rest. ``P`` is counted from
@@ -16,10 +17,21 @@ counted as causal LMs, an overestimate of ``vocab_size · hidden_size`` paramete
 
 from __future__ import annotations
 
-__all__ = ["ADAM_BYTES_PER_PARAM", "param_count", "shard_bytes"]
+__all__ = ["ADAM_BYTES_PER_PARAM", "MASTER_BYTES_PER_PARAM", "optimizer_bytes_per_param", "param_count",
+           "shard_bytes"]
 
 ADAM_BYTES_PER_PARAM = 8
 """Two fp32 moments (exp_avg, exp_avg_sq) per trained parameter."""
+MASTER_BYTES_PER_PARAM = 4
+"""The fp32 master copy of a weight trained in 16-bit mixed precision."""
+
+
+def optimizer_bytes_per_param(bytes_per_param: int) -> int:
+    """Optimizer state per trained parameter: the two fp32 Adam moments, plus an fp32 master copy of the weight
+    when the weights are held in fewer than 4 bytes (bf16/fp16 mixed precision updates the fp32 copy and casts
+    it back; ZeRO's accounting, Rajbhandari et al. 2020 §3.1: K = 12 bytes of optimizer state per parameter).
+    Weights trained in fp32, as the CPU runtime does, are their own master copy: 8 bytes."""
+    return ADAM_BYTES_PER_PARAM + (MASTER_BYTES_PER_PARAM if bytes_per_param < 4 else 0)
 
 
 def _field(config: object, name: str, default: int | None = None) -> int:
@@ -52,9 +64,10 @@ def param_count(config: object) -> int:
 
 def shard_bytes(params: int, tp: int, pp: int, bytes_per_param: int, trained: bool,
                 optimizer_shards: int = 1) -> int:
-    """Bytes of one device's shard: weights, plus gradients and Adam moments when ``trained``; the moments
-    divided over ``optimizer_shards`` data-parallel ranks under ZeRO-1 (the allocation's ``zero``)."""
+    """Bytes of one device's shard: weights, plus gradients and optimizer state when ``trained``; the optimizer
+    state divided over ``optimizer_shards`` data-parallel ranks under ZeRO-1 (the allocation's ``zero``)."""
     state = -(-params * bytes_per_param // (tp * pp))  # ceil: a shard never rounds down to fit
     if not trained:
         return state
-    return 2 * state + -(-params * ADAM_BYTES_PER_PARAM // (tp * pp * optimizer_shards))
+    optimizer = optimizer_bytes_per_param(bytes_per_param)
+    return 2 * state + -(-params * optimizer // (tp * pp * optimizer_shards))
