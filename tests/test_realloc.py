@@ -581,22 +581,22 @@ def _corrupted_run(device: int, full: dict[str, torch.Tensor]) -> str | None:
     """Device 0 corrupts every buffer it sends after checksumming it; returns this rank's error, if any."""
     plan = _plan("dp2tp2_to_tp4")
     src, _ = SCENARIOS["dp2tp2_to_tp4"]
-    original = realloc_exec._pack
+    original = realloc_exec._sum_sent
 
-    def corrupting_pack(rb: Any, src_flat: Any) -> None:
+    def corrupting_sums(rb: Any, src_flat: Any) -> None:  # runs once a route is packed
         original(rb, src_flat)
         rb.buffer[16 * (len(rb.placed) + len(rb.direct)):] += 1  # every packed data byte, not the checksums
         if rb.direct:  # direct entries travel from the parameters themselves: corrupt their sums instead
             rb.sums[len(rb.placed):] += 1
 
     if device == 0:
-        realloc_exec._pack = corrupting_pack
+        realloc_exec._sum_sent = corrupting_sums
     try:
         execute_reallocation(plan, _my_source(src, device, full), device, dtypes=_dtypes(), verify=True)
     except ReallocVerificationError as error:
         return str(error)
     finally:
-        realloc_exec._pack = original
+        realloc_exec._sum_sent = original
     return None
 
 
@@ -636,6 +636,41 @@ def _into_given_tensors(scenario: str, device: int, full: dict[str, torch.Tensor
         for n in expected)
 
 
+def _reused_bindings(device: int, full: dict[str, torch.Tensor]) -> list[str]:
+    """With the same tensors passed again (as the runtime's workers do), a call reuses the schedule's bound
+    views and copies: new values written in place into the source shards arrive, also after the given
+    tensors' storage was freed and taken back; new source tensors are bound anew (on devices holding any).
+    Returns what went wrong."""
+    wrong = []
+    for scenario, (src, dst) in SCENARIOS.items():
+        plan, groups = _plan(scenario), None
+        groups = build_broadcast_groups(plan)
+        source = _my_source(src, device, full)
+        given = {name: torch.zeros_like(tensor) for name, tensor in _my_source(dst, device, full).items()
+                 if not plan.aliased(device, name)}
+        schedule, bound = realloc_exec.compile_schedule(plan, device), None
+        for step in range(4):
+            scaled = {name: (tensor.double() * (step + 2)).to(tensor.dtype) for name, tensor in full.items()}
+            if step == 3:  # new source tensors (new storage): bound anew
+                source = {name: tensor.clone() for name, tensor in source.items()}
+            for name, tensor in _my_source(src, device, scaled).items():
+                source[name].copy_(tensor)
+            if step == 2:  # the copy freed and taken back, as the runtime does on CPU devices
+                for tensor in given.values():
+                    tensor.untyped_storage().resize_(0)
+                    tensor.untyped_storage().resize_(tensor.numel() * tensor.element_size())
+            out = execute_reallocation(plan, source, device, groups=groups, dtypes=_dtypes(), out=given)
+            expected = _my_source(dst, device, scaled)
+            if sorted(out) != sorted(expected) or not all(torch.equal(out[n], expected[n]) for n in expected):
+                wrong.append(f"{scenario} step {step}: values")
+            reused = schedule._bound is bound
+            rebinds = step == 0 or step == 3 and bool(schedule.src_numel)  # a device without source shards keeps it
+            if reused == rebinds:
+                wrong.append(f"{scenario} step {step}: reused={reused}")
+            bound = schedule._bound
+    return wrong
+
+
 def _body(rank: int) -> dict:
     full = _full_params()
     results = {name: _run_scenario(name, rank, full, use_groups=i % 2 == 0) for i, name in enumerate(SCENARIOS)}
@@ -648,6 +683,7 @@ def _body(rank: int) -> dict:
     realloc_exec.DIRECT_MIN_NUMEL = DEFAULT_DIRECT_MIN_NUMEL
     results["corrupted"] = _corrupted_run(rank, full)
     results["repeated"] = _repeated_runs(rank, full)
+    results["reused"] = _reused_bindings(rank, full)
     dist.barrier()
     return results
 
@@ -693,3 +729,8 @@ def test_gloo_verification_names_the_corrupted_parameter(ranks: list[dict]):
 def test_gloo_reallocation_reuses_its_schedule_across_calls(ranks: list[dict]):
     for rank, result in enumerate(ranks):
         assert result["repeated"] == [True] * 3 * len(SCENARIOS), rank
+
+
+def test_gloo_reallocation_reuses_bound_tensors_while_the_same_ones_return(ranks: list[dict]):
+    for rank, result in enumerate(ranks):
+        assert result["reused"] == [], rank

@@ -23,7 +23,11 @@ plan identity for as long as the plan lives). It groups a route's pieces by para
 describes where an entry's elements lie in the device's flat source or destination shard as a few strided
 runs (pieces of one length at a constant step: the rows of a row-split weight) or, when the pieces are too
 irregular for that, as an int64 index tensor. Packing, unpacking and local copies then take one strided
-``copy_`` per run, or one ``index_select`` / ``index_copy_`` per entry, however many pieces it has.
+``copy_`` per run, or one ``index_select`` / ``index_copy_`` per entry, however many pieces it has. A call
+then binds the caller's tensors to the schedule: flat views, messages and the copies of each phase (packing,
+local pieces, each message's landing), run as one ``torch._foreach_copy_`` per phase. The schedule keeps the
+last binding and reuses it while the same tensors come back (the runtime passes its parameters every
+iteration), so a repeated call makes no views and loops over no entries in Python.
 
 A route's buffer is raw bytes, so parameters of different dtypes share it: optionally a float64 header of
 ``(sum, sum of squares)`` per entry for verification (direct entries included, after the packed ones), then
@@ -43,6 +47,7 @@ import weakref
 from bisect import bisect_right
 from collections import defaultdict
 from dataclasses import dataclass, field
+from functools import partial
 from typing import Callable, Mapping, NamedTuple, Sequence
 
 import torch
@@ -219,6 +224,8 @@ class ReallocSchedule:
     local: tuple[_Entry, ...]
     """Pieces copied within the device into new (not aliased) destination shards, per parameter."""
     _buffers: tuple[tuple, dict[Route, _RouteBuffer]] | None = field(default=None, repr=False)
+    _bound: _Bound | None = field(default=None, repr=False)
+    """The last call's tensors bound to this schedule, reused while the same tensors come back."""
     _lock: threading.Lock = field(default_factory=threading.Lock, repr=False)
 
     def buffers(self, dtype_of: DtypeOf, verify: bool, device: torch.device) -> dict[Route, _RouteBuffer]:
@@ -384,24 +391,140 @@ def execute_reallocation(plan: ReallocPlan, src_tensors: Mapping[str, torch.Tens
     if groups is None:
         groups = build_broadcast_groups(plan, rank_of)
     schedule = compile_schedule(plan, my_device)
-    src_flat = _source_views(schedule, src_tensors, dtype_of)
-    out = _destination(schedule, src_flat, dtype_of, device, out)
-    dst_flat = {name: tensor.view(-1) for name, tensor in out.items()}
     device = torch.device(device)
     if schedule._lock.acquire(blocking=False):
         try:
             buffers = schedule.buffers(dtype_of, verify, device)
-            _transfer(schedule, buffers, src_flat, dst_flat, rank_of, groups, verify)
+            bound = _bound(schedule, buffers, src_tensors, out, dtype_of, device)
+            _transfer(schedule, buffers, bound, rank_of, groups, verify)
         finally:
             schedule._lock.release()
     else:  # another thread runs this plan on this device: its buffers are busy, so use new ones
         buffers = _bind(schedule.routes, schedule.direct, dtype_of, verify, device)
-        _transfer(schedule, buffers, src_flat, dst_flat, rank_of, groups, verify)
-    return out
+        bound = _bind_tensors(schedule, buffers, src_tensors, out, dtype_of, device)
+        _transfer(schedule, buffers, bound, rank_of, groups, verify)
+    return dict(bound.out)
 
 
-def _transfer(schedule: ReallocSchedule, buffers: Mapping[Route, _RouteBuffer],
-              src_flat: Mapping[str, torch.Tensor], dst_flat: Mapping[str, torch.Tensor],
+class _Copies:
+    """Copies to run together: pairs of same-shaped views, run by one ``torch._foreach_copy_`` (a single
+    dispatch, where a Python loop pays about a microsecond per copy: an executor call makes hundreds), and the
+    copies that need more than a view (index copies, two-step copies) as calls."""
+
+    __slots__ = ("dsts", "srcs", "calls")
+
+    def __init__(self) -> None:
+        self.dsts: list[torch.Tensor] = []
+        self.srcs: list[torch.Tensor] = []
+        self.calls: list[Callable[[], object]] = []
+
+    def copy(self, dst: torch.Tensor, src: torch.Tensor) -> None:
+        self.dsts.append(dst)
+        self.srcs.append(src)
+
+    def call(self, fn: Callable[..., object], *args: object) -> None:
+        self.calls.append(partial(fn, *args))
+
+    def run(self) -> None:
+        if self.dsts:
+            torch._foreach_copy_(self.dsts, self.srcs)
+        for call in self.calls:
+            call()
+
+
+@dataclass(eq=False)
+class _Bound:
+    """One call's tensors bound to a schedule: flat views, every message and every copy, made once.
+
+    Built per call from the caller's tensors; kept by the schedule (:func:`_bound`) and reused while the caller
+    passes the same tensors again (same storages at the same offsets and shapes), as the runtime's workers do
+    every iteration, so a call then makes no views and no Python loop over entries."""
+
+    key: tuple | None
+    buffers: Mapping[Route, _RouteBuffer]
+    src_flat: dict[str, torch.Tensor]
+    dst_flat: dict[str, torch.Tensor]
+    out: dict[str, torch.Tensor]
+    sends: dict[Route, list[Message]]
+    recvs: dict[Route, list[Message]]
+    early_sends: dict[Route, list[Message]]
+    """The sends that need no packing (unstaged direct entries), started with the receives on CPU buffers."""
+    late_sends: dict[Route, list[Message]]
+    """The rest: packed buffers and staged direct entries, started once packed."""
+    pack: _Copies
+    local: _Copies
+    land: dict[tuple[Route, int], _Copies]
+    """What to copy once a received message ``(route, tag)`` has arrived."""
+
+
+def _bound(schedule: ReallocSchedule, buffers: Mapping[Route, _RouteBuffer], src_tensors: Mapping[str, torch.Tensor],
+           out: Mapping[str, torch.Tensor] | None, dtype_of: DtypeOf, device: torch.device) -> _Bound:
+    """The schedule's bound call for these tensors: the kept one if the same tensors came back, else a new one,
+    kept when it may be (every destination shard is the caller's or a view: new ones must be new each call,
+    and every source shard is contiguous, so its flat view shares the given tensor's storage)."""
+    key = _identity(schedule, src_tensors, out)
+    kept = schedule._bound
+    if key is not None and kept is not None and kept.key == key and kept.buffers is buffers:
+        return kept
+    bound = _bind_tensors(schedule, buffers, src_tensors, out, dtype_of, device, key)
+    if key is not None:
+        schedule._bound = bound  # its views keep the storages alive, so no other storage takes their addresses
+    return bound
+
+
+def _identity(schedule: ReallocSchedule, src_tensors: Mapping[str, torch.Tensor],
+              out: Mapping[str, torch.Tensor] | None) -> tuple | None:
+    """What a bound call's views depend on: each given tensor's storage, offset, shape, strides and dtype; None
+    when the call may not be kept (a new destination shard to allocate, a non-contiguous source shard)."""
+    new_shards = any(alias is None for _, _, alias in schedule.dst_shapes)
+    if new_shards and out is None:
+        return None
+    key = []
+    for name in schedule.src_numel:
+        tensor = src_tensors.get(name)
+        if tensor is None or not tensor.is_contiguous():
+            return None
+        key.append(_tensor_key(tensor))
+    if new_shards:
+        for name, _, alias in schedule.dst_shapes:
+            if alias is None:
+                tensor = out.get(name)
+                if tensor is None:
+                    return None
+                key.append(_tensor_key(tensor))
+    return tuple(key)
+
+
+def _tensor_key(tensor: torch.Tensor) -> tuple:
+    return (tensor.untyped_storage()._cdata, tensor.storage_offset(), tensor.shape, tensor.stride(), tensor.dtype)
+
+
+def _bind_tensors(schedule: ReallocSchedule, buffers: Mapping[Route, _RouteBuffer],
+                  src_tensors: Mapping[str, torch.Tensor], out: Mapping[str, torch.Tensor] | None,
+                  dtype_of: DtypeOf, device: torch.device, key: tuple | None = None) -> _Bound:
+    """Check the caller's tensors against the schedule and make every view, message and copy of a call."""
+    me = schedule.device
+    src_flat = _source_views(schedule, src_tensors, dtype_of)
+    dst = _destination(schedule, src_flat, dtype_of, device, out)
+    dst_flat = {name: tensor.view(-1) for name, tensor in dst.items()}
+    pack, local, land = _Copies(), _Copies(), {}
+    sends, recvs = {}, {}
+    for route, rb in buffers.items():
+        if route[0] == me:
+            _pack_into(pack, rb, src_flat)
+            sends[route] = _messages(rb, src_flat, _src_view)
+        else:
+            recvs[route] = _messages(rb, dst_flat, _dst_view)
+            for tag, _ in recvs[route]:
+                land[(route, tag)] = _landing(rb, dst_flat, tag)
+    _local_into(local, schedule.local, src_flat, dst_flat)
+    early = {route: [m for m in msgs if m[0] > 0 and m[0] - 1 not in buffers[route].staged]
+             for route, msgs in sends.items()}
+    late = {route: [m for m in msgs if m[0] == 0 or m[0] - 1 in buffers[route].staged] for route, msgs in sends.items()}
+    return _Bound(key, buffers, src_flat, dst_flat, dst, sends, recvs, early, late, pack, local, land)
+
+
+def _transfer(schedule: ReallocSchedule, buffers: Mapping[Route, _RouteBuffer], bound: _Bound,
               rank_of: Mapping[int, int] | None, groups: Mapping[tuple[int, ...], dist.ProcessGroup],
               verify: bool) -> None:
     """Send, copy local pieces while the network works, and unpack each route's buffer once it has arrived.
@@ -412,41 +535,37 @@ def _transfer(schedule: ReallocSchedule, buffers: Mapping[Route, _RouteBuffer],
     posted first, so no sender waits for a receiver that is still packing; other backends (NCCL) take a
     device's sends and receives in one batch, in one order on both sides.
     """
-    me = schedule.device
-    recvs = {route: _messages(rb, dst_flat, _dst_view) for route, rb in buffers.items() if route[0] != me}
     early = all(rb.buffer.device.type == "cpu" for rb in buffers.values())
     started: Started = []
     if early:
-        unstaged = {route: [m for m in _messages(rb, src_flat, _src_view) if m[0] > 0 and m[0] - 1 not in rb.staged]
-                    for route, rb in buffers.items() if route[0] == me}
-        started += _start_point_to_point(unstaged, recvs, rank_of)
-    for route, rb in buffers.items():
-        if route[0] == me:
-            _pack(rb, src_flat)
-    sends = {route: _messages(rb, src_flat, _src_view) for route, rb in buffers.items() if route[0] == me}
+        started += _start_point_to_point(bound.early_sends, bound.recvs, rank_of)
+    bound.pack.run()
+    if verify:
+        for route in bound.sends:
+            _sum_sent(buffers[route], bound.src_flat)
     if early:
-        packed = {r: [m for m in msgs if m[0] == 0 or m[0] - 1 in buffers[r].staged] for r, msgs in sends.items()}
-        started += _start_point_to_point(packed, {}, rank_of)
+        started += _start_point_to_point(bound.late_sends, {}, rank_of)
     else:
-        started += _start_point_to_point(sends, recvs, rank_of)
-    started += _start_broadcasts(sends, recvs, rank_of, groups)
-    _copy_local(schedule.local, src_flat, dst_flat)
+        started += _start_point_to_point(bound.sends, bound.recvs, rank_of)
+    started += _start_broadcasts(bound.sends, bound.recvs, rank_of, groups)
+    bound.local.run()
     failed: ReallocVerificationError | None = None  # raised once every work is done: the buffers are reused
     for arrived, work in started:
         if work is not None:
             work.wait()
         for route, tag in arrived:
-            try:
-                _land(buffers[route], dst_flat, tag)
-            except ReallocVerificationError as error:
-                failed = failed or error
-    if verify:
-        for route, rb in buffers.items():
-            if route[0] != me:
+            bound.land[(route, tag)].run()
+            if verify and tag == 0:
                 try:
-                    _check_direct(rb, dst_flat)
+                    _check_packed(buffers[route], bound.dst_flat)
                 except ReallocVerificationError as error:
                     failed = failed or error
+    if verify:
+        for route in bound.recvs:
+            try:
+                _check_direct(buffers[route], bound.dst_flat)
+            except ReallocVerificationError as error:
+                failed = failed or error
     if failed is not None:
         raise failed
 
@@ -535,40 +654,71 @@ def _strided(flat: torch.Tensor, run: _Run) -> torch.Tensor:
 
 def _gather(flat: torch.Tensor, side: _Side, out: torch.Tensor) -> None:
     """Copy the side's elements of ``flat``, in entry order, into the contiguous 1-D ``out``."""
-    index = side.index(flat.device)
-    if index is not None:
-        torch.index_select(flat, 0, index, out=out)
-        return
-    for run in side.runs:
-        out[run.pos:run.pos + run.count * run.length].view(run.count, run.length).copy_(_strided(flat, run))
+    copies = _Copies()
+    _gather_into(copies, flat, side, out)
+    copies.run()
 
 
 def _scatter(flat: torch.Tensor, side: _Side, values: torch.Tensor) -> None:
     """Write ``values`` (1-D, entry order) to the side's elements of ``flat``."""
+    copies = _Copies()
+    _scatter_into(copies, flat, side, values)
+    copies.run()
+
+
+def _gather_into(copies: _Copies, flat: torch.Tensor, side: _Side, out: torch.Tensor) -> None:
+    """Add to ``copies`` what :func:`_gather` does."""
     index = side.index(flat.device)
     if index is not None:
-        flat.index_copy_(0, index, values)
+        copies.call(_index_select, flat, index, out)
         return
     for run in side.runs:
-        _strided(flat, run).copy_(values[run.pos:run.pos + run.count * run.length].view(run.count, run.length))
+        copies.copy(out[run.pos:run.pos + run.count * run.length].view(run.count, run.length), _strided(flat, run))
+
+
+def _scatter_into(copies: _Copies, flat: torch.Tensor, side: _Side, values: torch.Tensor) -> None:
+    """Add to ``copies`` what :func:`_scatter` does."""
+    index = side.index(flat.device)
+    if index is not None:
+        copies.call(flat.index_copy_, 0, index, values)
+        return
+    for run in side.runs:
+        copies.copy(_strided(flat, run), values[run.pos:run.pos + run.count * run.length].view(run.count, run.length))
+
+
+def _index_select(flat: torch.Tensor, index: torch.Tensor, out: torch.Tensor) -> None:
+    torch.index_select(flat, 0, index, out=out)
 
 
 def _pack(rb: _RouteBuffer, src_flat: Mapping[str, torch.Tensor]) -> None:
     """Fill the buffers of one route this device sends: every packed entry, every staged direct entry, and the
     checksums (if verifying) of every entry, direct ones included."""
-    for index, item in enumerate(rb.placed):
+    copies = _Copies()
+    _pack_into(copies, rb, src_flat)
+    copies.run()
+    _sum_sent(rb, src_flat)
+
+
+def _pack_into(copies: _Copies, rb: _RouteBuffer, src_flat: Mapping[str, torch.Tensor]) -> None:
+    """Add to ``copies`` the packing of one route this device sends (its packed and staged entries)."""
+    for item in rb.placed:
         flat = src_flat[item.entry.param]
         if item.index is not None:
-            torch.index_select(flat, 0, item.index, out=item.values)
+            copies.call(_index_select, flat, item.index, item.values)
         for view, run in item.chunks:
-            view.copy_(_strided(flat, run))
-        if rb.sums is not None:
-            rb.sums[index] = _checksum(item.values)
+            copies.copy(view, _strided(flat, run))
     for i, staging in rb.staged.items():
-        _gather(src_flat[rb.direct[i].param], rb.direct[i].src, staging)
-    if rb.sums is not None:
-        for i, entry in enumerate(rb.direct):
-            rb.sums[len(rb.placed) + i] = _checksum(rb.staged[i] if i in rb.staged else _src_view(src_flat, entry))
+        _gather_into(copies, src_flat[rb.direct[i].param], rb.direct[i].src, staging)
+
+
+def _sum_sent(rb: _RouteBuffer, src_flat: Mapping[str, torch.Tensor]) -> None:
+    """Checksum every entry of a packed route this device sends into its buffer's header (if verifying)."""
+    if rb.sums is None:
+        return
+    for index, item in enumerate(rb.placed):
+        rb.sums[index] = _checksum(item.values)
+    for i, entry in enumerate(rb.direct):
+        rb.sums[len(rb.placed) + i] = _checksum(rb.staged[i] if i in rb.staged else _src_view(src_flat, entry))
 
 
 def _checksum(values: torch.Tensor) -> torch.Tensor:
@@ -622,43 +772,64 @@ def _start_broadcasts(sends: Mapping[Route, Sequence[Message]], recvs: Mapping[R
 def _copy_local(entries: Sequence[_Entry], src_flat: Mapping[str, torch.Tensor],
                 dst_flat: Mapping[str, torch.Tensor]) -> None:
     """Copy the pieces this device already holds into its new destination shards."""
+    copies = _Copies()
+    _local_into(copies, entries, src_flat, dst_flat)
+    copies.run()
+
+
+def _local_into(copies: _Copies, entries: Sequence[_Entry], src_flat: Mapping[str, torch.Tensor],
+                dst_flat: Mapping[str, torch.Tensor]) -> None:
+    """Add to ``copies`` what :func:`_copy_local` does."""
     for entry in entries:
         src, dst = src_flat[entry.param], dst_flat[entry.param]
         if entry.src.contiguous:
             start = entry.src.runs[0].offset
-            _scatter(dst, entry.dst, src[start:start + entry.numel])
+            _scatter_into(copies, dst, entry.dst, src[start:start + entry.numel])
         elif entry.dst.contiguous:
             start = entry.dst.runs[0].offset
-            _gather(src, entry.src, dst[start:start + entry.numel])
-        else:
-            values = torch.empty(entry.numel, dtype=src.dtype, device=src.device)
-            _gather(src, entry.src, values)
-            _scatter(dst, entry.dst, values)
+            _gather_into(copies, src, entry.src, dst[start:start + entry.numel])
+        else:  # through a temporary, gathered then scattered
+            copies.call(_gather_scatter, src, entry.src, dst, entry.dst, entry.numel)
+
+
+def _gather_scatter(src: torch.Tensor, src_side: _Side, dst: torch.Tensor, dst_side: _Side, numel: int) -> None:
+    values = torch.empty(numel, dtype=src.dtype, device=src.device)
+    _gather(src, src_side, values)
+    _scatter(dst, dst_side, values)
 
 
 def _land(rb: _RouteBuffer, dst_flat: Mapping[str, torch.Tensor], tag: int) -> None:
     """Put a received message's elements in place: unpack the route buffer (tag 0), or scatter a staged
-    direct entry (an unstaged one was received in place)."""
+    direct entry (an unstaged one was received in place); check the packed entries (if verifying)."""
+    _landing(rb, dst_flat, tag).run()
     if tag == 0:
-        _unpack(rb, dst_flat)
+        _check_packed(rb, dst_flat)
+
+
+def _landing(rb: _RouteBuffer, dst_flat: Mapping[str, torch.Tensor], tag: int) -> _Copies:
+    """The copies that put a received message's elements in place (see :func:`_land`)."""
+    copies = _Copies()
+    if tag == 0:
+        for item in rb.placed:
+            target = dst_flat[item.entry.param]
+            if item.index is not None:
+                copies.call(target.index_copy_, 0, item.index, item.values)
+            for view, run in item.chunks:
+                copies.copy(_strided(target, run), view)
     elif tag - 1 in rb.staged:
         entry = rb.direct[tag - 1]
-        _scatter(dst_flat[entry.param], entry.dst, rb.staged[tag - 1])
+        _scatter_into(copies, dst_flat[entry.param], entry.dst, rb.staged[tag - 1])
+    return copies
 
 
-def _unpack(rb: _RouteBuffer, dst_flat: Mapping[str, torch.Tensor]) -> None:
-    """Place a received route's packed entries in the destination shards, checking them against the sender's
-    sums (if verifying)."""
+def _check_packed(rb: _RouteBuffer, dst_flat: Mapping[str, torch.Tensor]) -> None:
+    """Check a received route's packed entries, where they landed, against the sender's sums (if verifying)."""
+    if rb.sums is None:
+        return
     for index, item in enumerate(rb.placed):
-        target = dst_flat[item.entry.param]
-        if item.index is not None:
-            target.index_copy_(0, item.index, item.values)
-        for view, run in item.chunks:
-            _strided(target, run).copy_(view)
-        if rb.sums is not None:
-            landed = torch.empty_like(item.values)
-            _gather(target, item.entry.dst, landed)  # read back what landed, in the sender's order
-            _check(item.entry, rb.sums[index], _checksum(landed))
+        landed = torch.empty_like(item.values)
+        _gather(dst_flat[item.entry.param], item.entry.dst, landed)  # read back what landed, in the sender's order
+        _check(item.entry, rb.sums[index], _checksum(landed))
 
 
 def _check_direct(rb: _RouteBuffer, dst_flat: Mapping[str, torch.Tensor]) -> None:
