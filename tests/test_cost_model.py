@@ -195,9 +195,10 @@ def test_realloc_time_is_zero_for_the_same_placement_and_grows_with_bytes():
         assert 0 < little < big
 
 
-def test_realloc_prices_are_shared_by_pairs_shifted_by_whole_nodes_only():
-    """Shifting both placements by whole nodes (or within the one node holding both) keeps every link the same:
-    one priced plan serves them all; a shift that changes which pairs share a node is priced anew."""
+def test_realloc_prices_are_shared_by_pairs_with_the_same_node_relations_only():
+    """Renumbering the nodes a pair uses in their order (or shifting within the one node holding both) keeps
+    every link and the devices' order the same: one priced plan serves them all, and it prices each of them
+    exactly; a shift that changes which pairs share a node is priced anew."""
     from loomrl.planner.realloc_cost import realloc_seconds
 
     cluster = ClusterSpec.parse("h100:4x4")
@@ -208,8 +209,12 @@ def test_realloc_prices_are_shared_by_pairs_shifted_by_whole_nodes_only():
     assert len(model._reallocs) == 1
     model.realloc_time("actor", a("0-3:dp4"), a("4-7:dp4"))  # across nodes: another plan
     model.realloc_time("actor", a("8-11:dp4"), a("12-15:dp4"))  # the same, two nodes later
-    assert len(model._reallocs) == 2
-    for src, dst in [*same, ("0-3:dp4", "4-7:dp4"), ("2-5:dp4", "6-9:dp4")]:  # the last straddles nodes
+    model.realloc_time("actor", a("0-3:dp4"), a("12-15:dp4"))  # the same: nodes 0 and 3, in order
+    model.realloc_time("actor", a("4-7:dp2tp2"), a("12-15:tp4"))
+    model.realloc_time("actor", a("0-3:dp2tp2"), a("8-11:tp4"))
+    assert len(model._reallocs) == 3
+    gaps = [("0-3:dp4", "12-15:dp4"), ("4-7:dp2tp2", "12-15:tp4"), ("0-7:dp4tp2", "12-15:tp4")]
+    for src, dst in [*same, ("0-3:dp4", "4-7:dp4"), ("2-5:dp4", "6-9:dp4"), *gaps]:  # 2-5 straddles nodes
         direct = realloc_seconds(model._shape("actor"), a(src), a(dst), cluster, model.profile, model.bytes_per_param)
         assert model.realloc_time("actor", a(src), a(dst)) == pytest.approx(direct), (src, dst)
 

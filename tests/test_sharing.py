@@ -42,7 +42,7 @@ def test_with_enough_cores_it_is_the_simulators_list_schedule():
     deps = [(), (0,), (0,), (1, 2), (3,), (3,)]
     durations = [1.0, 2.0, 0.5, 1.5, 0.0, 3.0]
     nodes = [_Node(str(i), "train", 0, devices[i], durations[i], list(deps[i])) for i in range(6)]
-    assert schedule_shared(durations, devices, deps, one_node, cores=8.0) == _schedule(nodes)
+    assert schedule_shared(durations, devices, deps, one_node, cores=8.0) == _schedule(nodes, devices)
     # FIFO per device without back-filling: node 2 (ready at 1) waits for nothing, node 1 for node 0 only
-    start, end = _schedule(nodes)
+    start, end = _schedule(nodes, devices)
     assert start[:3] == [0.0, 1.0, 1.0] and end[3] == 4.5

@@ -237,3 +237,48 @@ def test_gantt_png_and_html(tmp_path: Path):
     assert "sync actor (sync), iteration 2" in text
     assert render_html(result).count("<rect") == len(result.timeline)
     assert not math.isnan(result.iteration_time)
+
+
+def test_device_classes_give_the_per_device_simulation(monkeypatch: pytest.MonkeyPatch):
+    """Devices every mesh treats alike are simulated once per class: on random PPO plans of 16 devices (the
+    real cost model, llama2-7b; some infeasible) every result equals the one simulated device by device."""
+    import random
+
+    from loomrl.planner import simulator
+    from loomrl.planner.cost import CostModel
+    from loomrl.planner.planning import model_config
+    from loomrl.planner.profiles import PROFILES
+    from loomrl.planner.search import candidate_allocations
+    from loomrl.planner.workload import ModelShape, Workload
+
+    ppo = build_workflow(AlgoConfig(name="ppo"), RolloutConfig())
+    cluster = ClusterSpec.parse("h100:2x8")
+    configs = {role: model_config("llama2-7b") for role in ppo.roles()}
+    cost = CostModel(cluster, PROFILES["h100-80g"], {r: ModelShape.from_config(c) for r, c in configs.items()},
+                     Workload(batch=256, prompt_len=128, response_lengths=(64, 256)))
+    options = {m.name: candidate_allocations(m, ppo, cluster, configs) for m in ppo}
+    rng = random.Random(0)
+    plans = []
+    while len(plans) < 40:
+        chosen = {name: rng.choice(allocs) for name, allocs in options.items()}
+        plan = ExecutionPlan(cluster, chosen)
+        try:
+            plan.validate(ppo)
+        except ConfigError:
+            continue
+        plans.append(plan)
+    fields = ("iteration_time", "busy_fraction", "peak_memory", "feasible", "reason", "iteration_ends",
+              "device_seconds", "makespan", "timeline")
+    grouped = [simulate(plan, ppo, cost, 80 * GB) for plan in plans]
+    real_classes = simulator._DeviceClasses
+    monkeypatch.setattr(simulator, "_DeviceClasses",
+                        lambda meshes, n, identity=False: real_classes(meshes, n, identity=True))
+    classes_seen = 0
+    for plan, result in zip(plans, grouped):
+        alone = simulate(plan, ppo, cost, 80 * GB)
+        for name in fields:
+            assert getattr(result, name) == getattr(alone, name), name
+        # a class's overflow is multiplied by its size rather than added per device: the same up to rounding
+        assert result.overflow_byte_seconds == pytest.approx(alone.overflow_byte_seconds, rel=1e-12)
+        classes_seen += len(real_classes([a.mesh.devices for a in plan.allocations.values()], 16).members) < 16
+    assert classes_seen > 30 and not all(r.feasible for r in grouped) and any(r.feasible for r in grouped)

@@ -18,6 +18,8 @@ The compact text of an allocation, ``0-3,6:dp2tp2pp1mb4``, is shared with the pl
 
 from __future__ import annotations
 
+import functools
+
 import json
 import os
 import re
@@ -90,9 +92,9 @@ class DeviceMesh(ValidatedConfig):
             devices.extend(range(first, last + 1))
         return cls(tuple(devices))
 
-    @property
+    @functools.cached_property
     def text(self) -> str:
-        """The compact form, e.g. ``"0-3,6"``."""
+        """The compact form, e.g. ``"0-3,6"`` (made once: a plan search asks for it millions of times)."""
         return format_devices(self.devices)
 
     def isdisjoint(self, other: DeviceMesh) -> bool:
@@ -184,9 +186,9 @@ class Allocation(ValidatedConfig):
             if layout_text.strip() else (Layout(dp=len(mesh)), 1, False, False)
         return cls(mesh, layout, micro_batches, recompute, zero)
 
-    @property
+    @functools.cached_property
     def text(self) -> str:
-        """The compact form :meth:`parse` reads, e.g. ``"0-7:dp4tp2mb2"``."""
+        """The compact form :meth:`parse` reads, e.g. ``"0-7:dp4tp2mb2"`` (made once)."""
         return f"{self.mesh.text}:{_layout_text(self.layout, self.micro_batches, self.recompute, self.zero)}"
 
     @property
@@ -358,18 +360,13 @@ class ExecutionPlan:
         so its memory goes to the calls running in between."""
         if self.offload is not None:
             return self.offload
-        users: dict[int, set[str]] = {}
+        devices: dict[str, set[int]] = {}  # role → the devices of its calls
         for mfc in workflow:
             if mfc.role is not None:
-                for d in self[mfc.name].mesh:
-                    users.setdefault(d, set()).add(mfc.role)
+                devices.setdefault(mfc.role, set()).update(self[mfc.name].mesh.devices)
         trained = set(self.trained_roles(workflow))
-        found = []
-        for role in workflow.roles():
-            devices = {d for m in workflow.mfcs_of_role(role) for d in self[m.name].mesh}
-            if role not in trained and any(users[d] - {role} for d in devices):
-                found.append(role)
-        return tuple(found)
+        return tuple(role for role in workflow.roles() if role not in trained and any(
+            not devices[role].isdisjoint(used) for other, used in devices.items() if other != role))
 
     def shadow_calls(self, workflow: Workflow, role: str) -> list[str]:
         """The calls of ``role`` its shadow copy serves: non-train calls on devices disjoint from training."""

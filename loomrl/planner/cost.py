@@ -156,14 +156,21 @@ class CostModel:
         return self.corrections.apply(REALLOC, seconds) if seconds > 0 else 0.0
 
     def _relative_placements(self, src: Allocation, dst: Allocation) -> tuple[tuple, tuple]:
-        """The two placements with their devices shifted together so the pair starts on device 0 or node 0: a
-        shift that keeps every device's node relations (by whole nodes, or within the one node holding both)
-        moves the same bytes over the same kinds of links, so translated pairs share one priced plan."""
+        """The two placements with their devices relabelled, keeping every relation the transfer planner and the
+        pricing look at, so that such pairs share one priced plan: the nodes the pair uses are numbered 0, 1, ...
+        in their order (each device keeping its place within its node), and a pair within one node is shifted
+        to start on device 0. Both keep the order of devices (the planner breaks ties by it) and which devices
+        share a node (which link a byte takes), so the plans are the same up to the labels."""
         devices = (*src.mesh.devices, *dst.mesh.devices)
         per_node = self.cluster.devices_per_node
-        low = min(devices)
-        shift = low if low // per_node == max(devices) // per_node else low // per_node * per_node
-        return tuple((tuple(d - shift for d in a.mesh.devices), _alloc_key(a)[1]) for a in (src, dst))
+        node_of = self.cluster.node_of
+        nodes = sorted({node_of(d) for d in devices})
+        if len(nodes) == 1:
+            low = min(devices)
+            return tuple((tuple(d - low for d in a.mesh.devices), _alloc_key(a)[1]) for a in (src, dst))
+        number = {node: i for i, node in enumerate(nodes)}
+        return tuple((tuple(number[node_of(d)] * per_node + d - node_of(d) * per_node for d in a.mesh.devices),
+                      _alloc_key(a)[1]) for a in (src, dst))
 
     def data_transfer_time(self, nbytes: float, src: Allocation, dst: Allocation) -> float:
         """Seconds to hand ``nbytes`` of batch columns from the devices of ``src`` to those of ``dst``: each

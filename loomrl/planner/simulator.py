@@ -200,8 +200,44 @@ def _build_graph(plan: ExecutionPlan, workflow: Workflow, cost: CostEstimator, i
     return nodes
 
 
-def _schedule(nodes: list[_Node]) -> tuple[list[float], list[float]]:
-    """Start and end time of every node (see the module docstring for the dispatch rule)."""
+class _DeviceClasses:
+    """Devices that every node and placement treats alike: each mesh given holds all of a class or none of it.
+
+    Such devices start and end every node together and hold the same memory throughout, so the schedule, the
+    memory intervals and the busy time are computed once per class (a class id stands for its devices) and
+    copied to each member: a 64-device plan of a few aligned meshes has a handful of classes. ``identity``
+    makes every device its own class."""
+
+    def __init__(self, meshes: Iterable[tuple[int, ...]], n_devices: int, identity: bool = False) -> None:
+        if identity:
+            self.members: list[list[int]] = [[d] for d in range(n_devices)]
+        else:
+            signature: list[list[int]] = [[] for _ in range(n_devices)]  # the distinct meshes holding each device
+            for k, mesh in enumerate(dict.fromkeys(meshes)):
+                for d in mesh:
+                    signature[d].append(k)
+            by_signature: dict[tuple[int, ...], list[int]] = {}
+            for d, sig in enumerate(signature):
+                by_signature.setdefault(tuple(sig), []).append(d)
+            self.members = list(by_signature.values())  # ordered by their lowest device
+        self._class = [0] * n_devices
+        for c, devices in enumerate(self.members):
+            for d in devices:
+                self._class[d] = c
+        self._on: dict[tuple[int, ...], tuple[int, ...]] = {}
+
+    def on(self, devices: Iterable[int]) -> tuple[int, ...]:
+        """The classes of ``devices`` (a mesh's devices: all members of each class)."""
+        devices = tuple(devices)
+        found = self._on.get(devices)
+        if found is None:
+            found = self._on[devices] = tuple(sorted({self._class[d] for d in devices}))
+        return found
+
+
+def _schedule(nodes: list[_Node], devices_of: list[tuple[int, ...]]) -> tuple[list[float], list[float]]:
+    """Start and end time of every node (see the module docstring for the dispatch rule) on the devices (or
+    device classes) ``devices_of[i]`` of node i."""
     successors: list[list[int]] = [[] for _ in nodes]
     for i, node in enumerate(nodes):
         for d in node.deps:
@@ -213,10 +249,10 @@ def _schedule(nodes: list[_Node]) -> tuple[list[float], list[float]]:
     free: dict[int, float] = {}
     while heap:
         ready, i = heapq.heappop(heap)
-        node = nodes[i]
-        start[i] = max([ready, *(free.get(d, 0.0) for d in node.devices)])
+        node, devices = nodes[i], devices_of[i]
+        start[i] = max([ready, *(free.get(d, 0.0) for d in devices)])
         end[i] = start[i] + node.duration
-        for d in node.devices:
+        for d in devices:
             free[d] = end[i]
         release(successors[i], end[i], ready_at, pending, heap)
     if any(math.isnan(s) for s in start):  # cannot happen for a validated workflow; guard the invariant
@@ -242,16 +278,18 @@ def _resident(plan: ExecutionPlan, workflow: Workflow, role: str) -> list[tuple[
 
 
 def _memory_intervals(plan: ExecutionPlan, workflow: Workflow, cost: CostEstimator, nodes: list[_Node],
-                      start: list[float], end: list[float]) -> dict[int, list[_Mem]]:
-    """Device → the memory intervals on it (see the module docstring)."""
+                      start: list[float], end: list[float],
+                      on: Callable[[Iterable[int]], tuple[int, ...]]) -> dict[int, list[_Mem]]:
+    """Device class (``on`` maps devices to their classes) → the memory intervals on each of its devices
+    (see the module docstring)."""
     out: dict[int, list[_Mem]] = {}
     cache: dict[tuple, float] = {}
 
     def add(devices: Iterable[int], s: float, e: float, key: tuple, fn, what: str) -> None:
         if key not in cache:
             cache[key] = _checked(fn(), f"{key[0]}({', '.join(map(str, key[1:]))})")
-        for d in devices:
-            out.setdefault(d, []).append((s, e, cache[key], what))
+        for c in on(devices):
+            out.setdefault(c, []).append((s, e, cache[key], what))
 
     def static(role: str, alloc: Allocation, trainable: bool):
         return ("static_memory", role, alloc.text, trainable), lambda: cost.static_memory(role, alloc, trainable)
@@ -309,37 +347,36 @@ def _overflow_reason(device: int, need: float, at: float, intervals: list[_Mem],
             f"but has {format_bytes(capacity)}")
 
 
-def _memory_check(memory: dict[int, list[_Mem]], n_devices: int,
+def _memory_check(memory: dict[int, list[_Mem]], classes: _DeviceClasses,
                   capacity: float) -> tuple[dict[int, float], bool, str, float]:
-    """Peak bytes per device, whether all fit, the reason naming the device that overflows most, and the
-    byte-seconds above capacity summed over devices."""
+    """Peak bytes per device, whether all fit, the reason naming the (lowest) device that overflows most, and
+    the byte-seconds above capacity summed over devices. ``memory`` is per device class."""
     peaks: dict[int, float] = {}
-    worst: tuple[float, int, float] | None = None
+    worst: tuple[float, int, int, float] | None = None
     total_excess = 0.0
-    known: dict[tuple[_Mem, ...], tuple[float, float, float]] = {}  # devices of one mesh share their intervals
-    for d in range(n_devices):
-        intervals = tuple(memory.get(d, ()))
-        if intervals not in known:
-            known[intervals] = _peak(list(intervals), capacity)
-        peak, at, excess = known[intervals]
-        peaks[d], total_excess = peak, total_excess + excess
+    for c, devices in enumerate(classes.members):
+        peak, at, excess = _peak(memory.get(c, []), capacity)
+        peaks.update(dict.fromkeys(devices, peak))
+        total_excess += excess * len(devices)
         if peak > capacity and (worst is None or peak > worst[0]):
-            worst = (peak, d, at)
+            worst = (peak, c, devices[0], at)
     if worst is None:
-        return peaks, True, "", 0.0
-    peak, d, at = worst
-    return peaks, False, _overflow_reason(d, peak, at, memory[d], capacity), total_excess
+        return dict(sorted(peaks.items())), True, "", 0.0
+    peak, c, d, at = worst
+    return dict(sorted(peaks.items())), False, _overflow_reason(d, peak, at, memory[c], capacity), total_excess
 
 
-def _busy_fractions(nodes: list[_Node], start: list[float], end: list[float], n_devices: int,
+def _busy_fractions(nodes: list[_Node], start: list[float], end: list[float], classes: _DeviceClasses,
                     window: tuple[float, float]) -> dict[int, float]:
     lo, hi = window
-    busy = dict.fromkeys(range(n_devices), 0.0)
+    busy = [0.0] * len(classes.members)
     for i, node in enumerate(nodes):
         inside = max(0.0, min(end[i], hi) - max(start[i], lo))
-        for d in node.devices:
-            busy[d] += inside
-    return {d: (b / (hi - lo) if hi > lo else 0.0) for d, b in busy.items()}
+        for c in classes.on(node.devices):
+            busy[c] += inside
+    fraction = {d: (busy[c] / (hi - lo) if hi > lo else 0.0) for c, devices in enumerate(classes.members)
+                for d in devices}
+    return dict(sorted(fraction.items()))
 
 
 def simulate(plan: ExecutionPlan, workflow: Workflow, cost: CostEstimator, memory_per_device: float,
@@ -358,9 +395,13 @@ def simulate(plan: ExecutionPlan, workflow: Workflow, cost: CostEstimator, memor
     nodes = _build_graph(plan, workflow, cost, iterations)
     shared = getattr(cost, "shared_cores", None)  # optional: devices sharing cores slow each other down
     cores = shared() if shared is not None else None
+    n_devices = plan.cluster.n_devices
     if cores is None:
-        start, end = _schedule(nodes)
-    else:
+        classes = _DeviceClasses([n.devices for n in nodes] + [a.mesh.devices for a in plan.allocations.values()],
+                                 n_devices)
+        start, end = _schedule(nodes, [classes.on(n.devices) for n in nodes])
+    else:  # the sharing simulation needs each device's node: no classes
+        classes = _DeviceClasses([], n_devices, identity=True)
         start, end = schedule_shared([n.duration for n in nodes], [n.devices for n in nodes],
                                      [n.deps for n in nodes], plan.cluster.node_of, cores)
     ends = [max(end[i] for i, n in enumerate(nodes) if n.iteration == it) for it in range(iterations)]
@@ -377,9 +418,8 @@ def simulate(plan: ExecutionPlan, workflow: Workflow, cost: CostEstimator, memor
         return [Interval(d, start[i], end[i], nodes[i].label, nodes[i].kind, nodes[i].iteration)
                 for i in order for d in nodes[i].devices]
 
-    n_devices = plan.cluster.n_devices
-    memory = _memory_intervals(plan, workflow, cost, nodes, start, end)
-    peaks, feasible, reason, excess = _memory_check(memory, n_devices, memory_per_device)
+    memory = _memory_intervals(plan, workflow, cost, nodes, start, end, classes.on)
+    peaks, feasible, reason, excess = _memory_check(memory, classes, memory_per_device)
     device_seconds = sum((end[i] - start[i]) * len(n.devices) for i, n in enumerate(nodes))
-    return SimResult(iteration_time, _busy_fractions(nodes, start, end, n_devices, window), peaks, timeline,
+    return SimResult(iteration_time, _busy_fractions(nodes, start, end, classes, window), peaks, timeline,
                      feasible, reason, ends, excess, device_seconds, max(end, default=0.0))
