@@ -375,3 +375,17 @@ def test_zero_divides_adam_state_and_step_over_dp_for_one_all_gather():
     assert z["zero_allgather"] == pytest.approx(steps * params / 2 * 2 * 3 / 4 / bw, rel=0.01)
     assert "zero_allgather" not in p and z["work"] == p["work"]
     assert model.mfc_memory(TRAIN, zero, True) == model.mfc_memory(TRAIN, plain, True)
+
+
+def test_reloading_an_offloaded_role_is_its_shard_over_the_host_link_on_accelerators_only():
+    model = llama_model()
+    alloc = a("0-7:dp4tp2")
+    shard = model.static_memory("actor", alloc, False)  # bf16 weights over tp=2
+    assert shard == pytest.approx(ModelShape.from_config(LLAMA_7B).params * 2 / 2, rel=1e-6)
+    h100 = PROFILES["h100-80g"]
+    assert model.offloads() and model.reload_time("actor", alloc) == pytest.approx(
+        shard / h100.host_bw + h100.link_latency)
+    assert model.reload_time("actor", a("0-7:dp2tp4")) < model.reload_time("actor", alloc)  # a smaller shard
+    cpu = llama_model("cpu:2")  # CPU devices are their own host: the runtime keeps every role resident
+    assert not cpu.offloads() and cpu.reload_time("actor", a("0-1:dp2")) == 0.0
+    assert all(p.host_offload for name, p in PROFILES.items() if name != "local")

@@ -13,7 +13,7 @@ import pytest
 from loomrl.algorithms.workflows import build_workflow
 from loomrl.config import AlgoConfig, RolloutConfig
 from loomrl.errors import ConfigError
-from loomrl.plan import GB, Allocation, ClusterSpec, DeviceMesh, colocate
+from loomrl.plan import GB, Allocation, ClusterSpec, DeviceMesh, ExecutionPlan, colocate
 from loomrl.plan.layout import Layout
 from loomrl.planner.search import (
     MICRO_BATCHES,
@@ -169,3 +169,30 @@ def test_search_argument_errors():
         search(PPO, CLUSTER, LayoutCost(), MEMORY, CONFIGS, seed=0, time_budget_s=1, chains=0)
     with pytest.raises(ConfigError, match="time_budget_s"):
         search(PPO, CLUSTER, LayoutCost(), MEMORY, CONFIGS, seed=0, time_budget_s=0)
+
+
+def test_frozen_roles_stay_resident_where_memory_allows_and_reloading_costs_time():
+    """On accelerators an offloaded role reloads before each call, so with room to spare the heuristics and the
+    search keep ref and reward resident; where memory is short they offload them (the default rule)."""
+    from loomrl.planner.cost import CostModel
+    from loomrl.planner.profiles import profile_for
+    from loomrl.planner.workload import ModelShape, Workload
+
+    cluster = ClusterSpec.parse("h100:4")
+    configs = {role: llama(heads=8, kv_heads=4, layers=4) for role in PPO.roles()}
+    cost = CostModel(cluster, profile_for(cluster), {r: ModelShape.from_config(c) for r, c in configs.items()},
+                     Workload(batch=64, prompt_len=32, response_lengths=(32,)))
+    roomy = best_heuristic_plans(PPO, cluster, cost, 80 * GB, configs)
+    plan, result = roomy["colocate"]
+    assert plan.offloaded_roles(PPO) == () and result.feasible
+    default = simulate(ExecutionPlan(cluster, plan.allocations), PPO, cost, 80 * GB)
+    assert set(ExecutionPlan(cluster, plan.allocations).offloaded_roles(PPO)) == {"ref", "reward"}
+    assert result.iteration_time < default.iteration_time  # the reloads it saves
+    found = search(PPO, cluster, cost, 80 * GB, configs, seed=0, time_budget_s=300, chains=2, max_steps=200,
+                   start=[p for p, _ in roomy.values()])
+    assert found[0][0].offloaded_roles(PPO) == ()
+    # room for the trained roles and one frozen role's weights at a time, not both: offloading is what fits
+    need = max(result.peak_memory.values())
+    frozen = max(cost.static_memory(r, plan[m.name], False) for r in ("ref", "reward") for m in PPO.mfcs_of_role(r))
+    tight = best_heuristic_plans(PPO, cluster, cost, need - frozen / 2, configs)
+    assert tight["colocate"][1].feasible and set(tight["colocate"][0].offloaded_roles(PPO)) & {"ref", "reward"}

@@ -172,6 +172,36 @@ def test_memory_is_resident_plus_the_running_call():
     assert simulate(sharded, CHAIN, cost, 48 * GB).peak_memory[0] == 15 * GB + 3 * GB + 4 * GB
 
 
+class ReloadingCost(FakeCost):
+    """FakeCost on devices that offload, reloading a role at 1 s per GB of its shard."""
+
+    def __init__(self, *args, offloads: bool = True, **kwargs) -> None:
+        super().__init__(*args, **kwargs)
+        self.offload = offloads
+
+    def offloads(self) -> bool:
+        return self.offload
+
+    def reload_time(self, role: str, alloc: Allocation) -> float:
+        return self.static_memory(role, alloc, False) / GB
+
+
+def test_an_offloaded_role_reloads_before_each_call_where_devices_offload():
+    # CHAIN on 0-1: gen 2 s, inf 1 s (+ ref's 6 GB shard reloaded: 6 s), train 3 s → 12 s an iteration.
+    static = {"actor": 10 * GB, "ref": 6 * GB}
+    shared = {"gen": "0-1", "inf": "0-1", "train": "0-1"}
+    cost = ReloadingCost({"gen": 4, "inf": 2, "train": 6}, static=static)
+    offloaded = simulate(plan_of(2, shared), CHAIN, cost, 48 * GB)
+    assert offloaded.iteration_time == pytest.approx(12) and spans(offloaded, "inf", 0)[0] == (2, 9)
+    assert offloaded.peak_memory[0] == 30 * GB + 6 * GB
+    resident = simulate(plan_of(2, shared, offload=()), CHAIN, cost, 48 * GB)
+    assert resident.iteration_time == pytest.approx(6) and resident.peak_memory[0] == 36 * GB
+    # on devices that never offload (CPU), the plan's offloaded role is resident and reloads nothing
+    cpu = simulate(plan_of(2, shared), CHAIN, ReloadingCost({"gen": 4, "inf": 2, "train": 6}, static=static,
+                                                           offloads=False), 48 * GB)
+    assert cpu.iteration_time == pytest.approx(6) and cpu.peak_memory[0] == 36 * GB
+
+
 def test_copy_memory_lives_from_the_copy_to_the_end_of_its_call():
     # Copy of the actor (10 GB) onto 2-3 plus gen's 2 GB there; training state 30 GB + train's 4 GB on 0-1.
     cost = FakeCost({"gen": 4, "train": 4}, static={"actor": 10 * GB}, transient={"gen": 2 * GB, "train": 4 * GB})

@@ -12,7 +12,9 @@ What is measured, and how (best of ``repeats`` after a warm-up, each):
 - **operator overhead**: the time of one tiny elementwise operator (8 floats), what the dispatcher and a kernel
   launch cost however little work an operator does;
 - **cores shared**: how many devices share each core (``ceil(devices / cores)``), from the process's CPU
-  affinity.
+  affinity;
+- **host to device** (CUDA only): a copy from pinned host memory, what reloading an offloaded role costs. CPU
+  devices are their own host: the runtime does not offload there, and the profile says so (``host_offload``).
 
 One machine has no inter-node link; the profile reuses the loopback figure for it.
 """
@@ -73,6 +75,12 @@ def _copy_bandwidth(torch, megabytes: int, device: str, repeats: int, sync) -> f
     src = torch.ones(megabytes * 2**20 // 4, dtype=torch.float32, device=device)
     dst = torch.empty_like(src)
     return 2 * src.numel() * 4 / _best_of(lambda: dst.copy_(src), repeats, sync)
+
+
+def _host_bandwidth(torch, megabytes: int, device: str, repeats: int, sync) -> float:
+    host = torch.ones(megabytes * 2**20 // 4, dtype=torch.float32).pin_memory()
+    dst = torch.empty(host.shape, dtype=host.dtype, device=device)
+    return host.numel() * 4 / _best_of(lambda: dst.copy_(host, non_blocking=True), repeats, sync)
 
 
 def _serve_messages(server: socket.socket) -> None:
@@ -149,6 +157,7 @@ def calibrate_local(devices: int | None = None, *, device: str = "cpu", matmul_n
         flops = _matmul_rate(torch, matmul_n, dtype, device, repeats, sync)
         memory_bw = _copy_bandwidth(torch, copy_mb, device, repeats, sync)
         op_overhead = _op_overhead(torch, device, repeats, sync)
+        host_bw = _host_bandwidth(torch, copy_mb, device, repeats, sync) if cuda else memory_bw
     finally:
         torch.set_num_threads(threads)
     link_bw, latency = loopback_bandwidth(transfer_mb, repeats)
@@ -158,4 +167,4 @@ def calibrate_local(devices: int | None = None, *, device: str = "cpu", matmul_n
         name="local", matmul_flops=flops, mem_bandwidth=memory_bw, memory_bytes=_memory_bytes(torch, device, devices),
         intra_node_bw=link_bw, inter_node_bw=link_bw,
         devices_share_cores=1 if cuda else max(1, math.ceil(devices / cores)), link_latency=latency,
-        op_overhead=op_overhead, async_launch=cuda)
+        op_overhead=op_overhead, async_launch=cuda, host_bw=host_bw, host_offload=cuda)

@@ -107,6 +107,18 @@ class CostModel:
         share = self.profile.devices_share_cores
         return self.cluster.devices_per_node / share if share > 1 else None
 
+    def offloads(self) -> bool:
+        """Whether the runtime offloads the plan's offloaded roles on these devices (accelerators: yes; CPU
+        devices keep them resident, so the simulator does too)."""
+        return self.profile.host_offload
+
+    def reload_time(self, role: str, alloc: Allocation) -> float:
+        """Seconds to bring an offloaded frozen role's weights back from pinned host memory before a call on
+        ``alloc``: each device's shard over its host link (0 where the runtime does not offload)."""
+        if not self.profile.host_offload:
+            return 0.0
+        return self.static_memory(role, alloc, False) / self.profile.host_bw + self.profile.link_latency
+
     def iteration_time(self, simulated_s: float) -> float:
         """A simulated iteration's seconds with the fitted whole-iteration correction (the controller's serial
         work around the calls); unchanged without one."""

@@ -69,11 +69,17 @@ class HardwareProfile:
     """Seconds to dispatch one operator, however small: a kernel launch on a GPU (~5 µs through the CUDA
     runtime and PyTorch's dispatcher), an eager operator call on a CPU (measured by ``calibrate_local``). It
     bounds small models and decode steps, where thousands of operators each do little work."""
+    host_bw: float = 32 * GBPS
+    """Bytes/s from pinned host memory to one device (one direction of its PCIe link): what reloading an
+    offloaded frozen role costs before each of its calls."""
+    host_offload: bool = True
+    """Whether the runtime offloads frozen roles to host memory on these devices (between their calls, when
+    the plan says so). False for CPU devices, which are their own host: offloading would free nothing."""
 
     def __post_init__(self) -> None:
         for f in fields(self):
             value = getattr(self, f.name)
-            if f.name not in ("name", "async_launch") and not (isinstance(value, (int, float)) and value > 0 and math.isfinite(value)):
+            if f.name not in ("name", "async_launch", "host_offload") and not (isinstance(value, (int, float)) and value > 0 and math.isfinite(value)):
                 raise ConfigError(f"profile {self.name}.{f.name}: {value!r} is not a positive finite number")
         if not isinstance(self.devices_share_cores, int):
             raise ConfigError(f"profile {self.name}.devices_share_cores: {self.devices_share_cores!r} is not an "
@@ -88,6 +94,7 @@ PROFILES: dict[str, HardwareProfile] = {
         memory_bytes=80 * GB,  # A100 80GB
         intra_node_bw=300 * GBPS,  # NVLink 3: 600 GB/s bidirectional per GPU → 300 GB/s each way
         inter_node_bw=25 * GBPS,  # DGX A100: one 200 Gb/s HDR InfiniBand NIC per GPU
+        host_bw=32 * GBPS,  # A100 datasheet: PCIe Gen4 64 GB/s (both directions) → 32 GB/s host to device
     ),
     "h100-80g": HardwareProfile(
         "h100-80g",
@@ -96,6 +103,7 @@ PROFILES: dict[str, HardwareProfile] = {
         memory_bytes=80 * GB,  # H100 SXM 80GB
         intra_node_bw=450 * GBPS,  # NVLink 4: 900 GB/s bidirectional per GPU → 450 GB/s each way
         inter_node_bw=50 * GBPS,  # DGX H100: one 400 Gb/s NDR ConnectX-7 NIC per GPU
+        host_bw=64 * GBPS,  # H100 SXM datasheet: PCIe Gen5 128 GB/s (both directions) → 64 GB/s each way
     ),
     "h200": HardwareProfile(
         "h200",
@@ -104,6 +112,7 @@ PROFILES: dict[str, HardwareProfile] = {
         memory_bytes=141 * GB,  # H200 SXM: 141 GB
         intra_node_bw=450 * GBPS,  # NVLink 4: 900 GB/s bidirectional per GPU → 450 GB/s each way
         inter_node_bw=50 * GBPS,  # HGX H200: one 400 Gb/s NDR NIC per GPU
+        host_bw=64 * GBPS,  # H200 SXM datasheet: PCIe Gen5 128 GB/s (both directions) → 64 GB/s each way
     ),
     "h20": HardwareProfile(
         "h20",
@@ -112,6 +121,7 @@ PROFILES: dict[str, HardwareProfile] = {
         memory_bytes=96 * GB,  # H20: 96 GB HBM3
         intra_node_bw=450 * GBPS,  # H20 datasheet: NVLink 900 GB/s bidirectional → 450 GB/s each way
         inter_node_bw=50 * GBPS,  # HGX H20 deployments: one 400 Gb/s NIC per GPU
+        host_bw=64 * GBPS,  # H20 datasheet: PCIe Gen5 x16 128 GB/s (both directions) → 64 GB/s each way
     ),
     "local": HardwareProfile(
         "local",
@@ -123,6 +133,7 @@ PROFILES: dict[str, HardwareProfile] = {
         link_latency=50e-6,  # loopback TCP round trip / 2, order of magnitude
         op_overhead=10e-6,  # nominal eager operator call of PyTorch on CPU; calibrate_local measures it
         async_launch=False,
+        host_offload=False,  # the worker keeps frozen roles resident on CPU devices (offload.py)
     ),
 }
 """Profile name (as in :data:`loomrl.plan.PROFILES`) → hardware figures."""

@@ -15,7 +15,9 @@
   two, another candidate, half the time on its current mesh (a layout or micro-batch move). Several
   independent chains share the wall-clock budget and a
   cache of simulated plans; the top-k distinct feasible plans seen by any chain are returned, fastest first.
-  Searched plans use the default shadow and offload rules of :class:`~loomrl.plan.ExecutionPlan`.
+  Searched plans use the default shadow rule of :class:`~loomrl.plan.ExecutionPlan`; which frozen roles are
+  offloaded between their calls is searched too (a move switches one; offloading saves memory, and costs a
+  reload before each call on accelerators).
 - :func:`best_heuristic_plans`: colocate, interleave and separate, each with its best layouts on the meshes
   the strategy chose (and, for separate, the best number of generation devices), so the search's gain over
   them is always visible. A heuristic's layouts are symmetric: every call of a role on a mesh uses the same
@@ -67,7 +69,8 @@ _PlanKey = tuple
 
 def plan_key(plan: ExecutionPlan) -> _PlanKey:
     """A hashable identity of a plan: its allocations' texts by MFC name, and its shadow and offload choices."""
-    return tuple(sorted((n, a.text) for n, a in plan.allocations.items())), plan.shadow, plan.offload
+    choices = tuple((chosen is not None, chosen or ()) for chosen in (plan.shadow, plan.offload))  # None: default
+    return tuple(sorted((n, a.text) for n, a in plan.allocations.items())), *choices
 
 
 def _powers_of_two(limit: int) -> list[int]:
@@ -237,7 +240,11 @@ class CachedCost:
     def realloc_time(self, role: str, src: Allocation, dst: Allocation) -> float:
         return self._ask(("r", role, src, dst), lambda: self.inner.realloc_time(role, src, dst))
 
-    def __getattr__(self, name: str):  # the estimator's optional methods (shared_cores, iteration_time)
+    def reload_time(self, role: str, alloc: Allocation) -> float:
+        inner = getattr(self.inner, "reload_time", None)  # optional: none means reloading costs nothing
+        return 0.0 if inner is None else self._ask(("l", role, alloc), lambda: inner(role, alloc))
+
+    def __getattr__(self, name: str):  # the estimator's other optional methods (shared_cores, iteration_time, ...)
         return getattr(self.inner, name)
 
 
@@ -251,14 +258,43 @@ def _move(plan: ExecutionPlan, unit: _Unit, rng: random.Random) -> dict[str, All
     return dict.fromkeys(unit.names, choice)
 
 
-def _propose(plan: ExecutionPlan, units: list[_Unit], rng: random.Random) -> ExecutionPlan:
+OFFLOAD_MOVES = 0.1
+"""Share of proposals that switch a frozen role between offloaded and resident instead of moving calls."""
+
+
+def _propose(plan: ExecutionPlan, units: list[_Unit], rng: random.Random, evaluate: _Evaluator) -> ExecutionPlan:
     """One MFC group moved to another candidate, or, a quarter of the time, two groups at once: moving two
-    calls side by side is often worse one at a time than together."""
+    calls side by side is often worse one at a time than together; sometimes (:data:`OFFLOAD_MOVES`) a frozen
+    role offloaded between its calls instead kept resident, or the reverse."""
+    frozen = _offload_choices(plan, evaluate)
+    if frozen and rng.random() < OFFLOAD_MOVES:
+        return _toggle_offload(plan, evaluate.workflow, frozen[rng.randrange(len(frozen))])
     count = 2 if len(units) > 1 and rng.random() < 0.25 else 1
     changes: dict[str, Allocation] = {}
     for index in rng.sample(range(len(units)), count):
         changes |= _move(plan, units[index], rng)
-    return ExecutionPlan(plan.cluster, {name: changes.get(name, alloc) for name, alloc in plan.allocations.items()})
+    return ExecutionPlan(plan.cluster, {name: changes.get(name, alloc) for name, alloc in plan.allocations.items()},
+                         plan.shadow, plan.offload)
+
+
+def _offload_choices(plan: ExecutionPlan, evaluate: _Evaluator) -> list[str]:
+    """Roles the search may offload or keep resident: those without a train call, when the estimator prices
+    reloading them (without a price, offloading only saves memory, so the default rule's choice is never worse)
+    and the devices offload at all (CPU devices do not: the choice would change nothing)."""
+    estimator = getattr(evaluate.cost, "inner", evaluate.cost)
+    offloads = getattr(estimator, "offloads", None)
+    if getattr(estimator, "reload_time", None) is None or (offloads is not None and not offloads()):
+        return []
+    trained = set(plan.trained_roles(evaluate.workflow))
+    return [role for role in evaluate.workflow.roles() if role not in trained]
+
+
+def _toggle_offload(plan: ExecutionPlan, workflow: Workflow, role: str) -> ExecutionPlan:
+    """``plan`` with ``role`` offloaded between its calls if it was not, resident if it was (the offloaded
+    set made explicit, in workflow order)."""
+    offloaded = set(plan.offloaded_roles(workflow)) ^ {role}
+    return ExecutionPlan(plan.cluster, plan.allocations, plan.shadow,
+                         tuple(r for r in workflow.roles() if r in offloaded))
 
 
 def _anneal(start: ExecutionPlan, units: list[_Unit], evaluate: _Evaluator, rng: random.Random,
@@ -274,7 +310,7 @@ def _anneal(start: ExecutionPlan, units: list[_Unit], evaluate: _Evaluator, rng:
             break
         progress = step / max_steps if max_steps else (now - began) / max(deadline - began, 1e-9)
         temperature = t_high * (t_low / t_high) ** min(progress, 1.0)
-        proposal = _propose(current, units, rng)
+        proposal = _propose(current, units, rng, evaluate)
         e_new = evaluate.energy(proposal)
         if e_new <= e_current or (e_new < math.inf and rng.random() < math.exp(-(e_new - e_current) / temperature)):
             current, e_current = proposal, e_new
@@ -293,10 +329,16 @@ def _polish(best: ExecutionPlan, units: list[_Unit], evaluate: _Evaluator, deadl
                 if time.monotonic() >= deadline:
                     return
                 trial = ExecutionPlan(current.cluster, {n: (alloc if n in unit.names else a)
-                                                        for n, a in current.allocations.items()})
+                                                        for n, a in current.allocations.items()},
+                                      current.shadow, current.offload)
                 trial_rank = evaluate.rank(trial)
                 if trial_rank < rank:
                     current, rank = trial, trial_rank
+        for role in _offload_choices(current, evaluate):  # offloaded or resident
+            trial = _toggle_offload(current, evaluate.workflow, role)
+            trial_rank = evaluate.rank(trial)
+            if trial_rank < rank:
+                current, rank = trial, trial_rank
         if rank >= before:
             return
 
@@ -486,6 +528,9 @@ def best_heuristic_plans(workflow: Workflow, cluster: ClusterSpec, cost: CostEst
     out: dict[str, tuple[ExecutionPlan, SimResult]] = {}
     for name, plans in starts.items():
         tuned = [_best_layouts(p, workflow, model_configs, evaluate, per_call) for p in plans]
+        # each tuned plan also with every frozen role resident (no reload before its calls), where it fits
+        tuned += [ExecutionPlan(p.cluster, p.allocations, p.shadow, ()) for p in tuned
+                  if _offload_choices(p, evaluate) and p.offloaded_roles(workflow)]
         best = min(tuned, key=evaluate.rank)
         result = evaluate(best)
         if result is None:  # a strategy's own plan is always structurally valid; guard the invariant

@@ -22,8 +22,12 @@ What :func:`simulate` models, and what it leaves out:
 - **Shared cores.** A cost estimator with a ``shared_cores()`` method returning a number (``CostModel`` on a
   CPU profile whose devices outnumber the cores) makes calls running side by side on a node share its cores
   (:mod:`loomrl.planner.sharing`); otherwise each node takes its predicted time whatever runs beside it.
-- **Left out:** data transfers between calls, reloading offloaded roles, and compute-communication overlap
-  inside a call (all belong to the cost estimator's numbers, if anywhere).
+- **Offloaded roles.** A call of a role the plan offloads first reloads its weights from host memory: the
+  estimator's optional ``reload_time(role, alloc)`` is added to the call's time. An estimator whose
+  ``offloads()`` says False (CPU devices, where the runtime keeps every role resident) makes the simulator
+  keep those roles resident too, at no reload cost.
+- **Left out:** data transfers between calls, and compute-communication overlap inside a call (both belong
+  to the cost estimator's numbers, if anywhere).
 
 Iteration time is the steady state ``(end of the last iteration − end of the first) / (iterations − 1)``, so
 pipeline fill and the first iteration's warm-up do not count; busy fractions are over the same window. A
@@ -165,8 +169,18 @@ def _realloc_node(move: Reallocation, iteration: int, deps: list[int], cost: Cos
     return _Node(f"{move.kind} {move.role}", move.kind, iteration, devices, seconds, deps, move.role, alloc=move.dst)
 
 
-def _build_graph(plan: ExecutionPlan, workflow: Workflow, cost: CostEstimator, iterations: int) -> list[_Node]:
-    """The unrolled calls and their reallocations as nodes, in dispatch priority order, with dependencies."""
+def _offloaded(plan: ExecutionPlan, workflow: Workflow, cost: CostEstimator) -> set[str]:
+    """The roles offloaded between their calls: the plan's, unless the estimator says the devices keep every
+    role resident."""
+    offloads = getattr(cost, "offloads", None)
+    return set() if offloads is not None and not offloads() else set(plan.offloaded_roles(workflow))
+
+
+def _build_graph(plan: ExecutionPlan, workflow: Workflow, cost: CostEstimator, iterations: int,
+                 offloaded: set[str]) -> list[_Node]:
+    """The unrolled calls and their reallocations as nodes, in dispatch priority order, with dependencies; a
+    call of an ``offloaded`` role takes its reload time too."""
+    reload = getattr(cost, "reload_time", None)
     moves = plan.reallocations(workflow)
     copies = {m.mfc: m for m in moves if m.kind == "copy"}
     syncs: dict[str, list[Reallocation]] = {}
@@ -189,6 +203,8 @@ def _build_graph(plan: ExecutionPlan, workflow: Workflow, cost: CostEstimator, i
             dep_ids.append(len(nodes) - 1)
         if mfc.name not in seconds:
             seconds[mfc.name] = _checked(cost.mfc_time(mfc, alloc), f"mfc_time({mfc.name}, {alloc.text})")
+            if mfc.role in offloaded and reload is not None:
+                seconds[mfc.name] += _checked(reload(mfc.role, alloc), f"reload_time({mfc.role}, {alloc.text})")
         nodes.append(_Node(mfc.name, mfc.kind.value, it, alloc.mesh.devices, seconds[mfc.name],
                            sorted(set(dep_ids)), mfc.role, mfc, alloc))
         index[(it, mfc.name)] = len(nodes) - 1
@@ -278,8 +294,8 @@ def _resident(plan: ExecutionPlan, workflow: Workflow, role: str) -> list[tuple[
 
 
 def _memory_intervals(plan: ExecutionPlan, workflow: Workflow, cost: CostEstimator, nodes: list[_Node],
-                      start: list[float], end: list[float],
-                      on: Callable[[Iterable[int]], tuple[int, ...]]) -> dict[int, list[_Mem]]:
+                      start: list[float], end: list[float], on: Callable[[Iterable[int]], tuple[int, ...]],
+                      offloaded: set[str]) -> dict[int, list[_Mem]]:
     """Device class (``on`` maps devices to their classes) → the memory intervals on each of its devices
     (see the module docstring)."""
     out: dict[int, list[_Mem]] = {}
@@ -294,7 +310,6 @@ def _memory_intervals(plan: ExecutionPlan, workflow: Workflow, cost: CostEstimat
     def static(role: str, alloc: Allocation, trainable: bool):
         return ("static_memory", role, alloc.text, trainable), lambda: cost.static_memory(role, alloc, trainable)
 
-    offloaded = set(plan.offloaded_roles(workflow))
     for role in workflow.roles():
         if role not in offloaded:
             for alloc, trainable in _resident(plan, workflow, role):
@@ -392,7 +407,8 @@ def simulate(plan: ExecutionPlan, workflow: Workflow, cost: CostEstimator, memor
     if not memory_per_device > 0:
         raise ConfigError(f"simulate: memory_per_device={memory_per_device!r}; expected bytes > 0")
     plan.validate(workflow)
-    nodes = _build_graph(plan, workflow, cost, iterations)
+    offloaded = _offloaded(plan, workflow, cost)
+    nodes = _build_graph(plan, workflow, cost, iterations, offloaded)
     shared = getattr(cost, "shared_cores", None)  # optional: devices sharing cores slow each other down
     cores = shared() if shared is not None else None
     n_devices = plan.cluster.n_devices
@@ -418,7 +434,7 @@ def simulate(plan: ExecutionPlan, workflow: Workflow, cost: CostEstimator, memor
         return [Interval(d, start[i], end[i], nodes[i].label, nodes[i].kind, nodes[i].iteration)
                 for i in order for d in nodes[i].devices]
 
-    memory = _memory_intervals(plan, workflow, cost, nodes, start, end, classes.on)
+    memory = _memory_intervals(plan, workflow, cost, nodes, start, end, classes.on, offloaded)
     peaks, feasible, reason, excess = _memory_check(memory, classes, memory_per_device)
     device_seconds = sum((end[i] - start[i]) * len(n.devices) for i, n in enumerate(nodes))
     return SimResult(iteration_time, _busy_fractions(nodes, start, end, classes, window), peaks, timeline,
