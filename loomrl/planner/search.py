@@ -16,8 +16,8 @@
   independent chains share the wall-clock budget and a
   cache of simulated plans; the top-k distinct feasible plans seen by any chain are returned, fastest first.
   Searched plans use the default shadow rule of :class:`~loomrl.plan.ExecutionPlan`; which frozen roles are
-  offloaded between their calls is searched too (a move switches one; offloading saves memory, and costs a
-  reload before each call on accelerators).
+  offloaded between their calls is settled by the polish (offloading saves memory, and costs a reload before
+  each call on accelerators), and the chains start from heuristic plans with either choice.
 - :func:`best_heuristic_plans`: colocate, interleave and separate, each with its best layouts on the meshes
   the strategy chose (and, for separate, the best number of generation devices), so the search's gain over
   them is always visible. A heuristic's layouts are symmetric: every call of a role on a mesh uses the same
@@ -258,17 +258,11 @@ def _move(plan: ExecutionPlan, unit: _Unit, rng: random.Random) -> dict[str, All
     return dict.fromkeys(unit.names, choice)
 
 
-OFFLOAD_MOVES = 0.1
-"""Share of proposals that switch a frozen role between offloaded and resident instead of moving calls."""
-
-
-def _propose(plan: ExecutionPlan, units: list[_Unit], rng: random.Random, evaluate: _Evaluator) -> ExecutionPlan:
+def _propose(plan: ExecutionPlan, units: list[_Unit], rng: random.Random) -> ExecutionPlan:
     """One MFC group moved to another candidate, or, a quarter of the time, two groups at once: moving two
-    calls side by side is often worse one at a time than together; sometimes (:data:`OFFLOAD_MOVES`) a frozen
-    role offloaded between its calls instead kept resident, or the reverse."""
-    frozen = _offload_choices(plan, evaluate)
-    if frozen and rng.random() < OFFLOAD_MOVES:
-        return _toggle_offload(plan, evaluate.workflow, frozen[rng.randrange(len(frozen))])
+    calls side by side is often worse one at a time than together. The plan's offload choice is kept (the
+    polish settles it: it hardly interacts with the layouts, and random switches would spend the walk's
+    steps)."""
     count = 2 if len(units) > 1 and rng.random() < 0.25 else 1
     changes: dict[str, Allocation] = {}
     for index in rng.sample(range(len(units)), count):
@@ -310,7 +304,7 @@ def _anneal(start: ExecutionPlan, units: list[_Unit], evaluate: _Evaluator, rng:
             break
         progress = step / max_steps if max_steps else (now - began) / max(deadline - began, 1e-9)
         temperature = t_high * (t_low / t_high) ** min(progress, 1.0)
-        proposal = _propose(current, units, rng, evaluate)
+        proposal = _propose(current, units, rng)
         e_new = evaluate.energy(proposal)
         if e_new <= e_current or (e_new < math.inf and rng.random() < math.exp(-(e_new - e_current) / temperature)):
             current, e_current = proposal, e_new
@@ -515,7 +509,8 @@ def best_heuristic_plans(workflow: Workflow, cluster: ClusterSpec, cost: CostEst
     Each strategy keeps its meshes and gets its best layouts by enumeration (see :func:`_best_layouts`):
     one layout per role and mesh, or with ``per_call`` one per call; interleave also tries both of its
     device splits (power-of-two and proportional ranges);
-    separate also tries each count of :func:`_generation_devices`. A strategy with no feasible plan maps to
+    separate also tries each count of :func:`_generation_devices`. Where reloading an offloaded role costs time,
+    each tuned plan is also tried with every frozen role resident. A strategy with no feasible plan maps to
     its least infeasible one (``feasible=False`` and the reason); ``separate`` is absent on one device.
     """
     evaluate = _Evaluator(workflow, cost, memory_per_device, iterations)
