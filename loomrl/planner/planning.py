@@ -110,6 +110,8 @@ def compare_plans(workflow: Workflow, cluster: ClusterSpec, configs: Mapping[str
         rows.append({"plan": name, "feasible": result.feasible,
                      "s/iteration": result.iteration_time if result.feasible else float("nan"),
                      "peak GB/device": max(result.peak_memory.values(), default=0.0) / 2**30,
+                     "offloaded": (", ".join(plan.offloaded_roles(workflow)) or "none")
+                     if profile.host_offload else "none (CPU)",
                      "speedup vs colocate": (base.iteration_time / result.iteration_time
                                              if base.feasible and result.feasible else float("nan"))})
     candidates = [(r.iteration_time, n, p, r) for n, (p, r) in heuristics.items() if r.feasible]
