@@ -19,7 +19,6 @@ The compact text of an allocation, ``0-3,6:dp2tp2pp1mb4``, is shared with the pl
 from __future__ import annotations
 
 import functools
-
 import json
 import os
 import re
@@ -163,8 +162,9 @@ class Allocation(ValidatedConfig):
     checkpointing): one more forward pass of compute for a fraction of the activation memory."""
     zero: bool = False
     """Train calls only (ZeRO stage 1): each data-parallel rank keeps the optimizer state of 1/dp of every
-    parameter and updates that part, then the parts are all-gathered; Adam's moments take 1/dp of the memory
-    for one more all-gather of the weights per step (:mod:`loomrl.parallel.zero`). Nothing to shard at dp=1."""
+    parameter and updates that part, then the parts are all-gathered; the optimizer state (Adam's moments, and
+    the fp32 master copy of 16-bit weights) takes 1/dp of the memory for one more all-gather of the weights per
+    step (:mod:`loomrl.parallel.zero`). Nothing to shard at dp=1."""
 
     def __post_init__(self) -> None:
         if isinstance(self.mesh, (list, tuple)):
