@@ -80,6 +80,7 @@ def _cmd_plan(args: argparse.Namespace) -> int:
     from loomrl.configtools import load_config
     from loomrl.plan import ClusterSpec
     from loomrl.planner.corrections import Corrections
+    from loomrl.planner.cost import PRECISION_BYTES
     from loomrl.planner.planning import compare_plans, model_config
     from loomrl.planner.profiles import load_profile
     from loomrl.planner.timeline import render_timeline
@@ -99,7 +100,8 @@ def _cmd_plan(args: argparse.Namespace) -> int:
     profile = load_profile(args.profile) if args.profile else None
     corrections = Corrections.load(args.corrections) if args.corrections else None
     report = compare_plans(workflow, cluster, configs, workload, seed=args.seed, time_budget_s=args.time_budget,
-                           profile=profile, corrections=corrections)
+                           profile=profile, corrections=corrections,
+                           bytes_per_param=PRECISION_BYTES.get(cfg.runtime.precision))
     console = Console()
     console.print(summary_table(report.rows, f"{cfg.algo.name} on {cluster}: {args.prompts} prompts × "
                                              f"{args.prompt_len} + {workload.max_response} tokens, {args.model}"))

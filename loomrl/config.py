@@ -184,6 +184,9 @@ class RuntimeConfig(ValidatedConfig):
     """Address of an existing Ray cluster to join; None starts a local Ray instance bound to this machine."""
     device: str = spec("auto", choices=("auto", "cpu", "cuda"))
     """Torch device kind; auto picks cuda when available."""
+    precision: str = spec("auto", choices=("auto", "fp32", "bf16"))
+    """Weights, activations and gradients in fp32, or in bf16 with fp32 master weights and Adam moments in the
+    optimizer (mixed precision; log-probs, values and losses stay fp32); auto is bf16 on cuda, fp32 on cpu."""
     threads: int = spec(0, ge=0)
     """Torch intra-op threads per process; 0 keeps torch's default (ray: cores / devices)."""
     timeout_s: float = spec(600.0, gt=0)
@@ -249,6 +252,9 @@ class SFTConfig(ValidatedConfig):
     """Generation budget of the evaluation."""
     device: str = spec("auto", choices=("auto", "cpu", "cuda"))
     """Torch device kind; auto picks cuda when available."""
+    precision: str = spec("auto", choices=("auto", "fp32", "bf16"))
+    """Weights, activations and gradients in fp32, or in bf16 with fp32 master weights and Adam moments in the
+    optimizer (mixed precision; log-probs, values and losses stay fp32); auto is bf16 on cuda, fp32 on cpu."""
 
 
 @dataclass(frozen=True)
@@ -273,3 +279,6 @@ class RMConfig(ValidatedConfig):
     """Optimizer."""
     device: str = spec("auto", choices=("auto", "cpu", "cuda"))
     """Torch device kind; auto picks cuda when available."""
+    precision: str = spec("auto", choices=("auto", "fp32", "bf16"))
+    """Weights, activations and gradients in fp32, or in bf16 with fp32 master weights and Adam moments in the
+    optimizer (mixed precision; log-probs, values and losses stay fp32); auto is bf16 on cuda, fp32 on cpu."""

@@ -149,8 +149,11 @@ def test_different_seed_gives_different_samples(tmp_path, monkeypatch):
 # ---------------------------------------------------------------------------------------------- resume
 
 
-def test_resume_continues_exactly_as_an_uninterrupted_run(tmp_path):
-    common = ("algo.name=ppo", "loop.save_every=2")
+@pytest.mark.parametrize("precision", ["fp32", "bf16"])
+def test_resume_continues_exactly_as_an_uninterrupted_run(tmp_path, precision):
+    """bf16: the checkpoint's optimizer state carries the fp32 master weights, so the resumed run does not
+    restart from the rounded bf16 weights."""
+    common = ("algo.name=ppo", "loop.save_every=2", f"runtime.precision={precision}")
     uninterrupted = RLTrainer(tiny_cfg(tmp_path / "a", *common, "loop.iterations=4"))
     uninterrupted.run()
     RLTrainer(tiny_cfg(tmp_path / "b", *common, "loop.iterations=2")).run()  # stops after iteration 1
@@ -165,6 +168,8 @@ def test_resume_continues_exactly_as_an_uninterrupted_run(tmp_path):
     for role in ("actor", "critic"):
         expected = snapshot(uninterrupted.executor.roles[role].model)
         assert same_weights(resumed.executor.roles[role].model, expected), f"{role} weights differ after resume"
+        dtype = {"fp32": torch.float32, "bf16": torch.bfloat16}[precision]
+        assert {p.dtype for p in resumed.executor.roles[role].model.parameters()} == {dtype}
 
 
 def _crash_on_save(trainer: RLTrainer, monkeypatch, crash_at: int) -> None:
@@ -260,3 +265,38 @@ def test_untruncated_sampling_uses_rollout_logprobs():
     names = {m.name for m in build_workflow(AlgoConfig(name="ppo"), RolloutConfig())}
     assert "actor_inf" not in names
     assert "actor_inf" in {m.name for m in build_workflow(AlgoConfig(name="grpo"), RolloutConfig(top_p=0.9))}
+
+
+def test_precision_auto_is_bf16_on_accelerators_and_fp32_on_cpu():
+    from loomrl.train.common import resolve_dtype
+
+    assert resolve_dtype("auto", torch.device("cpu")) == torch.float32
+    assert resolve_dtype("auto", torch.device("cuda")) == torch.bfloat16
+    assert resolve_dtype("fp32", torch.device("cuda")) == torch.float32
+    assert resolve_dtype("bf16", torch.device("cpu")) == torch.bfloat16
+
+
+def test_sft_and_rm_in_bf16_follow_their_fp32_runs(tmp_path):
+    """precision=bf16 for the SFT and reward-model stages: bf16 weights updated through fp32 master weights
+    follow the fp32 run from the same seed (mean loss of the last 5 steps within 5%; measured: under 1%), the
+    SFT loss falls, and the checkpoints are written in bf16."""
+    from loomrl.config import SFTConfig
+    from loomrl.train.sft import run_sft
+
+    tail = {}
+    for precision in ("fp32", "bf16"):
+        out = tmp_path / precision
+        run_sft(load_config(SFTConfig, None, [f"out_dir={out / 'sft'}", "steps=30", "batch_size=16", "eval_prompts=4",
+                                              f"precision={precision}", "device=cpu"]), progress=False)
+        run_rm(load_config(RMConfig, None, [f"out_dir={out / 'rm'}", "train_pairs=128", "eval_pairs=8", "epochs=3",
+                                            "batch_size=16", "optim.lr=3e-3", f"precision={precision}", "device=cpu"]),
+               progress=False)
+        for stage in ("sft", "rm"):
+            losses = [json.loads(line)["loss"] for line in (out / stage / f"{stage}_metrics.jsonl").open()]
+            tail[precision, stage] = sum(losses[-5:]) / 5
+            if stage == "sft":
+                assert tail[precision, stage] < 0.6 * sum(losses[:5]) / 5, (precision, losses)
+            saved = json.loads((out / stage / "config.json").read_text())
+            assert (saved.get("dtype") or saved.get("torch_dtype")) == {"fp32": "float32", "bf16": "bfloat16"}[precision]
+    for stage in ("sft", "rm"):
+        assert tail["bf16", stage] == pytest.approx(tail["fp32", stage], rel=0.05), tail

@@ -1,5 +1,6 @@
 """ZeRO-1 (loomrl/parallel/zero.py): AdamW with its state sharded over the data-parallel group computes the
-same updates and the same full checkpoint state as one unsharded AdamW."""
+same updates and the same full checkpoint state as one unsharded AdamW; with bf16 weights its fp32 master
+weights follow exactly what one fp32 AdamW does from the same bf16 start and bf16 gradients."""
 
 from __future__ import annotations
 
@@ -18,16 +19,19 @@ HYPER = {"lr": 1e-2, "betas": (0.9, 0.95), "weight_decay": 0.1}
 STEPS = 3
 
 
-def _model() -> torch.nn.Module:
-    return build_causal_lm("llama-1m", build_char_tokenizer(), 0)
+def _model(dtype: torch.dtype = torch.float32) -> torch.nn.Module:
+    return build_causal_lm("llama-1m", build_char_tokenizer(), 0).to(dtype)
 
 
-def _gradients(model: torch.nn.Module, step: int) -> None:
+def _gradients(model: torch.nn.Module, step: int, rounded_to: torch.dtype | None = None) -> None:
     """The same gradients on every rank (what the summed all-reduce leaves), different at each step; one
-    parameter gets none at step 0, so its state starts a step later."""
+    parameter gets none at step 0, so its state starts a step later. ``rounded_to``: values a gradient of that
+    dtype can hold (what a bf16 backward gives), in the parameter's dtype."""
     gen = torch.Generator().manual_seed(step)
     for name, p in model.named_parameters():
-        p.grad = None if step == 0 and name == "model.norm.weight" else torch.randn(p.shape, generator=gen)
+        grad = torch.randn(p.shape, generator=gen)
+        grad = grad if rounded_to is None else grad.to(rounded_to)
+        p.grad = None if step == 0 and name == "model.norm.weight" else grad.to(p.dtype)
 
 
 def _reference() -> tuple[torch.nn.Module, dict]:
@@ -116,3 +120,79 @@ def _single(rank: int) -> bool:
     mine, _ = _sharded_run()
     return _max_diff({n: p.detach() for n, p in mine.named_parameters()},
                      {n: p.detach() for n, p in model.named_parameters()}) < 1e-6
+
+
+# ------------------------------------------------------------------------------ bf16 weights, fp32 master weights
+def _mixed_reference() -> torch.nn.Module:
+    """One fp32 AdamW from the bf16 model's start, stepped with bf16-representable gradients."""
+    model = _model()
+    model.load_state_dict({k: v.float() for k, v in _model(torch.bfloat16).state_dict().items()})
+    opt = torch.optim.AdamW(model.parameters(), **HYPER)
+    for step in range(STEPS):
+        opt.zero_grad(set_to_none=True)
+        _gradients(model, step, torch.bfloat16)
+        opt.step()
+    return model
+
+
+def _mixed_body(rank: int, group=dist.group.WORLD) -> dict:
+    reference = {n: p.detach() for n, p in _mixed_reference().named_parameters()}
+    model = _model(torch.bfloat16)
+    opt = ZeroAdamW(model.named_parameters(), group, **HYPER)
+    for step in range(STEPS):
+        opt.zero_grad()
+        _gradients(model, step, torch.bfloat16)
+        opt.step()
+    full = opt.full_state_dict()
+    masters = {n: st["master"] for n, st in full["state"].items()}
+    weights = {n: p.detach().clone() for n, p in model.named_parameters()}
+    # resuming: weights first, then the state; the master weights come back from the state, not the bf16 weights
+    resumed_model = _model(torch.bfloat16)
+    resumed_model.load_state_dict(model.state_dict())
+    resumed = ZeroAdamW(resumed_model.named_parameters(), group, **HYPER)
+    resumed.load_full_state_dict(full)
+    for m, o in ((model, opt), (resumed_model, resumed)):
+        o.zero_grad()
+        _gradients(m, STEPS, torch.bfloat16)
+        o.step()
+    # an fp32 optimizer resumes a bf16 run's state (it has no master weights: its weights are the master)
+    from loomrl.runtime.state_io import FullOptimizerState
+
+    fp32_model = _model()
+    fp32_model.load_state_dict(masters, strict=False)
+    fp32_opt = torch.optim.AdamW(fp32_model.parameters(), **HYPER)
+    FullOptimizerState(fp32_model, fp32_opt).load_state_dict(full)
+    loaded_fp32 = {k for st in fp32_opt.state.values() for k in st}
+    return {
+        "weights": {n: w.dtype for n, w in weights.items()},
+        "master_dtypes": {m.dtype for m in masters.values()},
+        "master_vs_adamw": _max_diff(masters, reference),
+        "weights_are_rounded_master": max(float((weights[n].float() - m.bfloat16().float()).abs().max())
+                                          for n, m in masters.items()),
+        "every_param_has_master": set(masters) == set(weights),
+        "moments_fp32": all(st[k].dtype == torch.float32 for st in full["state"].values() for k in ("exp_avg",
+                                                                                                    "exp_avg_sq")),
+        "resumed_vs_original": _max_diff({n: p.detach() for n, p in resumed_model.named_parameters()},
+                                         {n: p.detach() for n, p in model.named_parameters()}),
+        "fp32_state_keys": sorted(loaded_fp32),
+    }
+
+
+def _mixed_single(rank: int) -> dict:
+    return _mixed_body(rank, group=None)
+
+
+@pytest.mark.parametrize("world", [1, 2], ids=["unsharded", "zero_dp2"])
+def test_bf16_weights_follow_fp32_master_weights(world):
+    """bf16 weights get fp32 master weights (unsharded, or ZeRO-sharded over dp2): the masters equal one fp32
+    AdamW's parameters, the weights are the masters rounded, the checkpoint state holds the masters, and a
+    resumed optimizer continues exactly."""
+    results = run_world(_mixed_single if world == 1 else _mixed_body, world, timeout_s=300)
+    for result in results:
+        assert set(result["weights"].values()) == {torch.bfloat16}, result
+        assert result["master_dtypes"] == {torch.float32} and result["every_param_has_master"], result
+        assert result["master_vs_adamw"] < 1e-6, result
+        assert result["weights_are_rounded_master"] == 0.0, result
+        assert result["moments_fp32"], result
+        assert result["resumed_vs_original"] == 0.0, result
+        assert result["fp32_state_keys"] == ["exp_avg", "exp_avg_sq", "step"], result

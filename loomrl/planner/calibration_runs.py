@@ -22,7 +22,7 @@ from loomrl.configtools import load_config
 from loomrl.errors import ConfigError, DataError
 from loomrl.plan import ClusterSpec, ExecutionPlan
 from loomrl.planner.corrections import ITERATION, Corrections, fit_corrections, fit_line
-from loomrl.planner.cost import CostModel
+from loomrl.planner.cost import PRECISION_BYTES, CostModel
 from loomrl.planner.planning import model_config
 from loomrl.planner.profiles import HardwareProfile
 from loomrl.planner.simulator import SimResult, simulate
@@ -63,6 +63,11 @@ class Run:
     def measured_iteration_s(self) -> float:
         """Median seconds per iteration after the first."""
         return statistics.median(r["time/iteration_s"] for r in self.steady_records())
+
+    @property
+    def bytes_per_param(self) -> int | None:
+        """The run's weight size (None: ``precision: auto``, the cost model's default on its profile)."""
+        return PRECISION_BYTES.get(self.cfg.runtime.precision)
 
     def workload(self) -> Workload:
         """The run's iteration shape: its batch, mean prompt length and response lengths (mean statistics)."""
@@ -115,14 +120,15 @@ def run_observations(run_dir: str | Path, profile: HardwareProfile,
 
 def _observations(run: Run, profile: HardwareProfile, cores: int | None) -> tuple[list[dict], object]:
     observations = observations_from_metrics(run.records, run.plan, run.workflow, run.batch, run.prompt_len)
-    return observations, trace_predictor(run.cluster, run.profile(profile, cores), run.shapes)
+    return observations, trace_predictor(run.cluster, run.profile(profile, cores), run.shapes,
+                                         bytes_per_param=run.bytes_per_param)
 
 
 def simulate_run(run: Run, profile: HardwareProfile, corrections: Corrections | None = None,
                  cores: int | None = None, iterations: int = 3) -> SimResult:
     """The simulator's prediction of ``run`` (its plan, models and workload) with ``corrections``."""
     prof = run.profile(profile, cores)
-    cost = CostModel(run.cluster, prof, run.shapes, run.workload(), corrections)
+    cost = CostModel(run.cluster, prof, run.shapes, run.workload(), corrections, bytes_per_param=run.bytes_per_param)
     return simulate(run.plan, run.workflow, cost, prof.memory_bytes, iterations=iterations)
 
 

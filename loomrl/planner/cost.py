@@ -77,11 +77,16 @@ class _Rates(NamedTuple):
     """Seconds to dispatch one operator (slowed like the rates when devices share cores)."""
 
 
+PRECISION_BYTES = {"fp32": 4, "bf16": 2}
+"""Bytes per weight of each explicit ``runtime.precision``; its ``auto`` (bf16 on accelerators, fp32 on CPU) is
+the cost model's default (``bytes_per_param=None``)."""
+
+
 class CostModel:
     """Prices MFCs, reallocations and memory for one cluster, hardware profile, set of models and workload.
 
     ``shapes`` maps each role to its model; ``bytes_per_param`` is the weights' (and activations') element
-    size, by default 2 (bf16) on accelerators and 4 (fp32, what the CPU runtime trains in) on ``local``.
+    size, by default 2 (bf16) on accelerators and 4 (fp32) on ``local``, as the runtime's ``precision: auto``.
     Results are cached per (call, allocation); the model is immutable once built.
     """
 

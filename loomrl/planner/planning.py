@@ -82,7 +82,8 @@ class PlanningReport:
 
 def compare_plans(workflow: Workflow, cluster: ClusterSpec, configs: Mapping[str, object], workload: Workload,
                   *, seed: int = 0, time_budget_s: float = 30.0, chains: int = 4,
-                  profile: HardwareProfile | None = None, corrections: Corrections | None = None) -> PlanningReport:
+                  profile: HardwareProfile | None = None, corrections: Corrections | None = None,
+                  bytes_per_param: int | None = None) -> PlanningReport:
     """Best layouts of each heuristic strategy, then a seeded, time-bounded search; all simulated.
 
     ``time_budget_s`` bounds the whole comparison: the search gets what the heuristics' enumeration leaves
@@ -90,11 +91,13 @@ def compare_plans(workflow: Workflow, cluster: ClusterSpec, configs: Mapping[str
     enumeration alone takes more than the rest). Both share one cache of priced calls and reallocations.
 
     ``profile`` replaces the cluster's named profile (e.g. this machine measured by ``loomrl calibrate``) and
-    ``corrections`` are fitted ones (``loomrl calibrate --from``); by default the datasheet profile, uncorrected."""
+    ``corrections`` are fitted ones (``loomrl calibrate --from``); by default the datasheet profile, uncorrected.
+    ``bytes_per_param``: the weights' element size (:data:`~loomrl.planner.cost.PRECISION_BYTES`); by default
+    the runtime's ``precision: auto`` on the profile's devices."""
     profile = profile or profile_for(cluster)
     shapes = {role: ModelShape.from_config(cfg) for role, cfg in configs.items()}
     began = time.monotonic()
-    cost = CachedCost(CostModel(cluster, profile, shapes, workload, corrections))
+    cost = CachedCost(CostModel(cluster, profile, shapes, workload, corrections, bytes_per_param=bytes_per_param))
     memory = profile.memory_bytes
     heuristics = best_heuristic_plans(workflow, cluster, cost, memory, configs)
     search_s = max(time_budget_s - (time.monotonic() - began), MIN_SEARCH_SHARE * time_budget_s)

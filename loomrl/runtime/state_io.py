@@ -17,7 +17,7 @@ from torch.distributed.checkpoint.state_dict import (
     set_optimizer_state_dict,
 )
 
-from loomrl.parallel.zero import ZeroAdamW
+from loomrl.parallel.zero import MASTER, ZeroAdamW
 
 # Not cpu_offload: with it, torch returns the full state on global rank 0 only, and the holder of a role's
 # weights may be any worker. Tensors are moved to the CPU here instead.
@@ -55,6 +55,8 @@ class FullOptimizerState:
         if isinstance(self.optimizer, ZeroAdamW):
             self.optimizer.load_full_state_dict(state)
             return
+        # an fp32 optimizer keeps no master weights: those of a bf16 run's state are its weights, loaded already
+        state["state"] = {k: {key: v for key, v in st.items() if key != MASTER} for k, st in state["state"].items()}
         set_optimizer_state_dict(self.model, self.optimizer, state, options=StateDictOptions(full_state_dict=True))
 
 

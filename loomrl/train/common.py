@@ -7,7 +7,7 @@ from pathlib import Path
 import torch
 from transformers import PreTrainedTokenizerBase
 
-from loomrl.config import TaskConfig
+from loomrl.config import OptimConfig, TaskConfig
 from loomrl.data.prompts import FilePrompts, FunctionTask, PromptSource, SyntheticPrompts, load_reward_fn
 from loomrl.data.tasks import Example, Task, make_task
 from loomrl.errors import ConfigError
@@ -21,6 +21,26 @@ def resolve_device(kind: str, field: str = "runtime.device") -> torch.device:
     if kind == "cuda" and not torch.cuda.is_available():
         raise ConfigError(f"{field}: 'cuda' requested but no CUDA device is available (valid here: auto, cpu)")
     return torch.device(kind)
+
+
+def resolve_dtype(precision: str, device: torch.device) -> torch.dtype:
+    """The weights' dtype of ``runtime.precision`` on ``device``: 'auto' is bf16 on accelerators (what their
+    matmul units and the planner's cost model assume), fp32 on CPU (where bf16 matmuls are emulated)."""
+    if precision == "auto":
+        return torch.bfloat16 if device.type == "cuda" else torch.float32
+    return {"fp32": torch.float32, "bf16": torch.bfloat16}[precision]
+
+
+def adamw(model: torch.nn.Module, optim: OptimConfig, zero_group=None):
+    """AdamW over ``model``'s parameters; with ``zero_group`` (a data-parallel process group) its state is
+    sharded over that group (ZeRO-1, :class:`loomrl.parallel.zero.ZeroAdamW`), with the same updates. 16-bit
+    weights (``precision: bf16``) get fp32 master weights in the optimizer, sharded or not."""
+    if zero_group is not None or any(p.dtype != torch.float32 for p in model.parameters() if p.requires_grad):
+        from loomrl.parallel.zero import ZeroAdamW
+
+        return ZeroAdamW(model.named_parameters(), zero_group, lr=optim.lr, betas=optim.betas,
+                         weight_decay=optim.weight_decay)
+    return torch.optim.AdamW(model.parameters(), lr=optim.lr, betas=optim.betas, weight_decay=optim.weight_decay)
 
 
 def tokenizer_for(model: str | None) -> PreTrainedTokenizerBase:

@@ -22,7 +22,7 @@ import torch
 from loomrl.algorithms.roles import Role
 from loomrl.algorithms.workflows import build_workflow
 from loomrl.checkpoint import latest_checkpoint
-from loomrl.config import OptimConfig, TrainConfig
+from loomrl.config import TrainConfig
 from loomrl.configtools import dump_yaml
 from loomrl.errors import ConfigError, DataError
 from loomrl.models.zoo import build_causal_lm, build_value_model, check_model_spec
@@ -35,17 +35,6 @@ from loomrl.train.progress import RunProgress
 from loomrl.workflow.batch import Batch
 
 GROUP_ALGORITHMS = ("grpo", "rloo")
-
-
-def adamw(model: torch.nn.Module, optim: OptimConfig, zero_group=None):
-    """AdamW over ``model``'s parameters; with ``zero_group`` (a data-parallel process group) its state is
-    sharded over that group (ZeRO-1, :class:`loomrl.parallel.zero.ZeroAdamW`), with the same updates."""
-    if zero_group is not None:
-        from loomrl.parallel.zero import ZeroAdamW
-
-        return ZeroAdamW(model.named_parameters(), zero_group, lr=optim.lr, betas=optim.betas,
-                         weight_decay=optim.weight_decay)
-    return torch.optim.AdamW(model.parameters(), lr=optim.lr, betas=optim.betas, weight_decay=optim.weight_decay)
 
 
 def check_models(cfg: TrainConfig) -> None:
@@ -64,15 +53,18 @@ def _named(field: str, build, *args):
 
 
 def build_role_model(cfg: TrainConfig, name: str, tokenizer, device: torch.device) -> torch.nn.Module | None:
-    """The initial model of one role (None for a rule-only reward); the same weights on every process."""
+    """The initial model of one role (None for a rule-only reward); the same weights on every process, in the
+    dtype of ``runtime.precision`` (drawn or loaded in fp32, then rounded, so every precision starts alike)."""
+    dtype = common.resolve_dtype(cfg.runtime.precision, device)
     if name in ("actor", "ref"):  # the reference policy is the actor's starting point
-        model = _named("actor.model", build_causal_lm, cfg.actor.model, tokenizer, cfg.seed).to(device)
+        model = _named("actor.model", build_causal_lm, cfg.actor.model, tokenizer, cfg.seed).to(device, dtype)
         return model.eval().requires_grad_(False) if name == "ref" else model
     if name == "critic":
         field = "critic.model" if cfg.critic.model else "actor.model"
-        return _named(field, build_value_model, cfg.critic.model or cfg.actor.model, tokenizer, cfg.seed + 1).to(device)
+        return _named(field, build_value_model, cfg.critic.model or cfg.actor.model, tokenizer,
+                      cfg.seed + 1).to(device, dtype)
     if name == "reward" and cfg.reward.source in ("model", "both"):
-        model = _named("reward.model", build_value_model, cfg.reward.model, tokenizer, cfg.seed).to(device)
+        model = _named("reward.model", build_value_model, cfg.reward.model, tokenizer, cfg.seed).to(device, dtype)
         return model.eval().requires_grad_(False)
     return None
 
@@ -88,7 +80,7 @@ def make_role(cfg: TrainConfig, name: str, model: torch.nn.Module | None, task, 
     optim = {"actor": cfg.actor.optim, "critic": cfg.critic.optim}.get(name)
     if not trainable or optim is None:
         return Role(name, model)
-    return Role(name, model, adamw(model, optim, zero_group), optim.grad_clip)
+    return Role(name, model, common.adamw(model, optim, zero_group), optim.grad_clip)
 
 
 def build_roles(cfg: TrainConfig, tokenizer, task, device: torch.device) -> dict[str, Role]:

@@ -56,9 +56,9 @@ def run_rm(cfg: RMConfig, progress: bool = True) -> dict[str, float]:
     task = common.build_task(cfg.task)
     train = preference_pairs(task, cfg.train_pairs, cfg.seed)
     held_out = preference_pairs(task, cfg.eval_pairs, cfg.seed + 1_000_003)
-    model = build_value_model(cfg.model, tokenizer, cfg.seed).to(device).train()
-    opt = torch.optim.AdamW(model.parameters(), lr=cfg.optim.lr, betas=cfg.optim.betas,
-                            weight_decay=cfg.optim.weight_decay)
+    dtype = common.resolve_dtype(cfg.precision, device)
+    model = build_value_model(cfg.model, tokenizer, cfg.seed).to(device, dtype).train()
+    opt = common.adamw(model, cfg.optim)
     steps_per_epoch = (len(train) + cfg.batch_size - 1) // cfg.batch_size
     out = Path(cfg.out_dir)
     out.mkdir(parents=True, exist_ok=True)

@@ -44,9 +44,9 @@ def run_sft(cfg: SFTConfig, progress: bool = True) -> dict[str, float]:
     task = common.build_task(cfg.task)
     train = common.prompt_source(cfg.task, task, cfg.seed, "train")
     held_out = common.examples_window(common.prompt_source(cfg.task, task, cfg.seed, "eval"), 0, cfg.eval_prompts)
-    model = build_causal_lm(cfg.model, tokenizer, cfg.seed).to(device).train()
-    opt = torch.optim.AdamW(model.parameters(), lr=cfg.optim.lr, betas=cfg.optim.betas,
-                            weight_decay=cfg.optim.weight_decay)
+    dtype = common.resolve_dtype(cfg.precision, device)
+    model = build_causal_lm(cfg.model, tokenizer, cfg.seed).to(device, dtype).train()
+    opt = common.adamw(model, cfg.optim)
     out = Path(cfg.out_dir)
     out.mkdir(parents=True, exist_ok=True)
     with open(out / "sft_metrics.jsonl", "w") as log, RunProgress(cfg.steps, enabled=progress, description="sft") as bar:
