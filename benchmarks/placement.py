@@ -1,6 +1,6 @@
 """Iteration time of the demo workload under each placement strategy on 2 devices.
 
-    .venv/bin/python benchmarks/placement.py [--iterations 6] [--prompts 64] [--devices 2]
+    .venv/bin/python benchmarks/placement.py [--iterations 6] [--prompts 64] [--devices 2] [--precision fp32]
 
 A short SFT warm start and a small reward model, then the demo's PPO workload for the same iterations from the
 same seed under colocate, interleave and separate plans (and the reference executor for scale). The first
@@ -32,11 +32,14 @@ def main() -> None:
     ap.add_argument("--iterations", type=int, default=6)
     ap.add_argument("--prompts", type=int, default=64)
     ap.add_argument("--devices", type=int, default=2)
+    ap.add_argument("--precision", default="auto", choices=("auto", "fp32", "bf16"),
+                    help="runtime.precision of every run (the SFT warm start stays fp32)")
     args = ap.parse_args()
     quiet_libraries()
-    ray_args = ("runtime.executor=ray", f"runtime.devices={args.devices}", "runtime.threads=1")
+    precision = f"runtime.precision={args.precision}"
+    ray_args = ("runtime.executor=ray", f"runtime.devices={args.devices}", "runtime.threads=1", precision)
     setups = {
-        "reference (1 process, 2 threads)": (None, ("runtime.executor=reference", "runtime.threads=2")),
+        "reference (1 process, 2 threads)": (None, ("runtime.executor=reference", "runtime.threads=2", precision)),
         "colocate": ("colocate", ray_args),
         "interleave": ("interleave", ray_args),
         "separate": ("separate", ray_args),
@@ -55,8 +58,8 @@ def main() -> None:
         ctrl = statistics.median(m.get("time/controller_s", 0.0) for m in metrics[1:])
         rows.append({"placement": name, "s/iteration": it, "vs colocate": it / base, "actor_gen s": gen,
                      "actor_train s": train, "controller share": ctrl / it})
-    Console().print(summary_table(rows, f"PPO demo workload, {args.prompts} prompts, {args.devices} devices, median "
-                                        f"of {args.iterations - 1} iterations"))
+    Console().print(summary_table(rows, f"PPO demo workload, {args.prompts} prompts, {args.devices} devices, "
+                                        f"precision {args.precision}, median of {args.iterations - 1} iterations"))
 
 
 if __name__ == "__main__":

@@ -52,6 +52,12 @@ class OptimConfig(ValidatedConfig):
     """Clip the global gradient norm to this value."""
     betas: tuple[float, float] = (0.9, 0.95)
     """AdamW betas."""
+    warmup_steps: int = spec(0, ge=0)
+    """Optimizer steps over which the learning rate rises linearly to lr (step k uses (k+1)/warmup_steps of it)."""
+    lr_schedule: str = spec("constant", choices=("constant", "cosine"))
+    """After the warm-up: a constant lr, or a cosine decay reaching min_lr_ratio × lr at the run's last step."""
+    min_lr_ratio: float = spec(0.0, ge=0, le=1)
+    """Where the cosine decay ends, as a fraction of lr."""
 
 
 @dataclass(frozen=True)

@@ -149,21 +149,30 @@ def test_different_seed_gives_different_samples(tmp_path, monkeypatch):
 # ---------------------------------------------------------------------------------------------- resume
 
 
-@pytest.mark.parametrize("precision", ["fp32", "bf16"])
-def test_resume_continues_exactly_as_an_uninterrupted_run(tmp_path, precision):
-    """bf16: the checkpoint's optimizer state carries the fp32 master weights, so the resumed run does not
-    restart from the rounded bf16 weights."""
-    common = ("algo.name=ppo", "loop.save_every=2", f"runtime.precision={precision}")
-    uninterrupted = RLTrainer(tiny_cfg(tmp_path / "a", *common, "loop.iterations=4"))
+COSINE = ("actor.optim.warmup_steps=3", "actor.optim.lr_schedule=cosine", "actor.optim.min_lr_ratio=0.1",
+          "critic.optim.lr_schedule=cosine")
+
+
+@pytest.mark.parametrize("precision,schedule", [("fp32", ()), ("bf16", ()), ("fp32", COSINE)],
+                         ids=["fp32", "bf16", "warmup_cosine"])
+def test_resume_continues_exactly_as_an_uninterrupted_run(tmp_path, monkeypatch, precision, schedule):
+    """A run that dies writing its last checkpoint resumes from the one before and repeats the uninterrupted run.
+    bf16: the checkpoint's optimizer state carries the fp32 master weights, so the resumed run does not restart
+    from the rounded bf16 weights. A learning-rate schedule is a function of the step index, which the
+    iteration gives: nothing to restore."""
+    common = ("algo.name=ppo", "loop.save_every=2", "loop.iterations=4", f"runtime.precision={precision}", *schedule)
+    uninterrupted = RLTrainer(tiny_cfg(tmp_path / "a", *common))
     uninterrupted.run()
-    RLTrainer(tiny_cfg(tmp_path / "b", *common, "loop.iterations=2")).run()  # stops after iteration 1
-    resumed = RLTrainer(tiny_cfg(tmp_path / "b", *common, "loop.iterations=4"))
+    crashed = RLTrainer(tiny_cfg(tmp_path / "b", *common))
+    _crash_on_save(crashed, monkeypatch, crash_at=3)  # the checkpoint after iteration 1 is the last one written
+    with pytest.raises(RuntimeError, match="simulated crash"):
+        crashed.run()
+    resumed = RLTrainer(tiny_cfg(tmp_path / "b", *common))
     resumed.run(resume=True)
 
     a, b = read_records(tmp_path / "a"), read_records(tmp_path / "b")
     assert [r["iteration"] for r in b] == [0, 1, 2, 3]
-    assert comparable(b[0]) == comparable(a[0])
-    for it in (2, 3):
+    for it in range(4):
         assert comparable(b[it]) == comparable(a[it]), f"iteration {it} differs after resume"
     for role in ("actor", "critic"):
         expected = snapshot(uninterrupted.executor.roles[role].model)
@@ -300,3 +309,34 @@ def test_sft_and_rm_in_bf16_follow_their_fp32_runs(tmp_path):
             assert (saved.get("dtype") or saved.get("torch_dtype")) == {"fp32": "float32", "bf16": "bfloat16"}[precision]
     for stage in ("sft", "rm"):
         assert tail["bf16", stage] == pytest.approx(tail["fp32", stage], rel=0.05), tail
+
+
+def test_learning_rate_warms_up_then_decays_by_cosine_to_its_floor():
+    from loomrl.algorithms.lr import learning_rate
+    from loomrl.config import OptimConfig
+
+    constant = OptimConfig(lr=1e-3, warmup_steps=4)
+    assert [learning_rate(constant, k, 100) for k in range(6)] == pytest.approx([2.5e-4, 5e-4, 7.5e-4, 1e-3, 1e-3,
+                                                                                  1e-3])
+    assert learning_rate(OptimConfig(lr=1e-3), 0, 10) == 1e-3  # no warm-up: the full rate from the first step
+    cosine = OptimConfig(lr=1e-3, warmup_steps=2, lr_schedule="cosine", min_lr_ratio=0.1)
+    rates = [learning_rate(cosine, k, 13) for k in range(13)]
+    assert rates[:2] == pytest.approx([5e-4, 1e-3])
+    assert rates[2] == pytest.approx(1e-3) and rates[12] == pytest.approx(1e-4)  # from lr to the floor
+    assert rates[7] == pytest.approx(0.55e-3)  # half-way through the decay: the mean of lr and the floor
+    assert all(a > b for a, b in zip(rates[2:], rates[3:]))
+    assert learning_rate(cosine, 50, 13) == pytest.approx(1e-4)  # steps past the planned end stay at the floor
+
+
+def test_each_optimizer_step_uses_its_scheduled_learning_rate(tmp_path):
+    """The logged lr of every iteration is the mean over its optimizer steps of the schedule (4 steps each)."""
+    from loomrl.algorithms.lr import learning_rate
+
+    trainer = RLTrainer(tiny_cfg(tmp_path, "algo.name=ppo", "loop.iterations=3", "algo.ppo_epochs=2",
+                                 "algo.minibatches=2", *COSINE))
+    trainer.run()
+    for record in read_records(tmp_path):
+        for role in ("actor", "critic"):  # the actor warms up, the critic starts at its full rate
+            optim = getattr(trainer.cfg, role).optim
+            want = sum(learning_rate(optim, record["iteration"] * 4 + k, 12) for k in range(4)) / 4
+            assert record[f"{role}/lr"] == pytest.approx(want, rel=1e-9), (role, record)

@@ -13,6 +13,7 @@ from loomrl.models.tokenizer import build_char_tokenizer
 from loomrl.models.zoo import build_causal_lm
 from loomrl.parallel.spawn import run_world
 from loomrl.parallel.zero import ZeroAdamW
+from loomrl.plan.memory import optimizer_bytes_per_param
 
 WORLD = 2
 HYPER = {"lr": 1e-2, "betas": (0.9, 0.95), "weight_decay": 0.1}
@@ -135,7 +136,8 @@ def _mixed_reference() -> torch.nn.Module:
     return model
 
 
-def _mixed_body(rank: int, group=dist.group.WORLD) -> dict:
+def _mixed_body(rank: int, sharded: bool = True) -> dict:
+    group = dist.group.WORLD if sharded else None  # read once the process group exists
     reference = {n: p.detach() for n, p in _mixed_reference().named_parameters()}
     model = _model(torch.bfloat16)
     opt = ZeroAdamW(model.named_parameters(), group, **HYPER)
@@ -175,11 +177,15 @@ def _mixed_body(rank: int, group=dist.group.WORLD) -> dict:
         "resumed_vs_original": _max_diff({n: p.detach() for n, p in resumed_model.named_parameters()},
                                          {n: p.detach() for n, p in model.named_parameters()}),
         "fp32_state_keys": sorted(loaded_fp32),
+        # what the optimizer holds on this rank: fp32 moments and master chunks (the memory model's 12 bytes)
+        "optimizer_bytes": sum(t.numel() * t.element_size() for shard, st in opt.inner.state.items()
+                               for t in (shard, st["exp_avg"], st["exp_avg_sq"])),
+        "params": sum(w.numel() for w in weights.values()),
     }
 
 
 def _mixed_single(rank: int) -> dict:
-    return _mixed_body(rank, group=None)
+    return _mixed_body(rank, sharded=False)
 
 
 @pytest.mark.parametrize("world", [1, 2], ids=["unsharded", "zero_dp2"])
@@ -196,3 +202,6 @@ def test_bf16_weights_follow_fp32_master_weights(world):
         assert result["moments_fp32"], result
         assert result["resumed_vs_original"] == 0.0, result
         assert result["fp32_state_keys"] == ["exp_avg", "exp_avg_sq", "step"], result
+        # the planner's memory model (plan/memory.py) counts exactly this: 12 bytes per parameter, over dp ranks
+        assert result["optimizer_bytes"] == pytest.approx(optimizer_bytes_per_param(2) * result["params"] / world,
+                                                          rel=1e-3), result

@@ -21,6 +21,7 @@ from typing import Callable
 
 import torch
 
+from loomrl.algorithms.lr import set_lr
 from loomrl.algorithms.roles import OpContext
 from loomrl.models.heads import last_real_index, logprobs_from_logits, model_outputs
 from loomrl.parallel.pipeline_schedule import clip_grad_norm_pp, micro_batch_slices
@@ -206,7 +207,9 @@ def _train_steps(ctx: OpContext, batch: Batch, loss_fn: LossFn) -> dict:
     role = ctx.role
     model = role.model
     totals: dict[str, float] = {}
-    for rows, weight in ctx.train_steps:
+    for k, (rows, weight) in enumerate(ctx.train_steps):
+        if role.lr_at is not None:  # every iteration of a run takes the same number of steps
+            set_lr(role.optimizer, role.lr_at(ctx.iteration * len(ctx.train_steps) + k))
         role.optimizer.zero_grad(set_to_none=True)
         stats = _backward(ctx, batch.select(list(rows)), loss_fn, weight) if rows else {}
         if ctx.sync_grads is not None:
@@ -217,6 +220,7 @@ def _train_steps(ctx: OpContext, batch: Batch, loss_fn: LossFn) -> dict:
         grad_norm = _clip(role)
         role.optimizer.step()
         stats[f"{role.name}/grad_norm"] = grad_norm
+        stats[f"{role.name}/lr"] = role.optimizer.param_groups[0]["lr"]
         for key, value in stats.items():
             totals[key] = totals.get(key, 0.0) + weight * float(value)
     n = max(len(ctx.train_steps), 1)

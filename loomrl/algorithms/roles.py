@@ -30,6 +30,9 @@ class Role:
     model_weight: float = 1.0
     pipeline: Any = None
     """A ``loomrl.parallel.PipelineRunner`` when ``model`` is one pipeline stage; calls then go through it."""
+    lr_at: Callable[[int], float] | None = None
+    """The learning rate of the run's optimizer step k of this role (numbered from 0 over all iterations);
+    None keeps the optimizer's own."""
 
     @property
     def device(self) -> torch.device:

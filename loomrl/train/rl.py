@@ -19,6 +19,7 @@ from pathlib import Path
 
 import torch
 
+from loomrl.algorithms.lr import learning_rate
 from loomrl.algorithms.roles import Role
 from loomrl.algorithms.workflows import build_workflow
 from loomrl.checkpoint import latest_checkpoint
@@ -80,7 +81,9 @@ def make_role(cfg: TrainConfig, name: str, model: torch.nn.Module | None, task, 
     optim = {"actor": cfg.actor.optim, "critic": cfg.critic.optim}.get(name)
     if not trainable or optim is None:
         return Role(name, model)
-    return Role(name, model, common.adamw(model, optim, zero_group), optim.grad_clip)
+    steps = cfg.loop.iterations * cfg.algo.ppo_epochs * cfg.algo.minibatches  # the run's optimizer steps
+    return Role(name, model, common.adamw(model, optim, zero_group), optim.grad_clip,
+                lr_at=partial(learning_rate, optim, total_steps=steps))
 
 
 def build_roles(cfg: TrainConfig, tokenizer, task, device: torch.device) -> dict[str, Role]:

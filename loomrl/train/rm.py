@@ -17,6 +17,7 @@ from pathlib import Path
 import torch
 
 from loomrl.algorithms.losses import bradley_terry_loss
+from loomrl.algorithms.lr import learning_rate, set_lr
 from loomrl.config import RMConfig
 from loomrl.data.preferences import preference_pairs
 from loomrl.models.heads import sequence_scores
@@ -72,6 +73,7 @@ def run_rm(cfg: RMConfig, progress: bool = True) -> dict[str, float]:
                 step = epoch * steps_per_epoch + i
                 batch = [train[j] for j in order[i * cfg.batch_size:(i + 1) * cfg.batch_size]]
                 loss, acc = bradley_terry_loss(*pair_scores(model, tokenizer, batch, device))
+                set_lr(opt, learning_rate(cfg.optim, step, cfg.epochs * steps_per_epoch))
                 opt.zero_grad(set_to_none=True)
                 loss.backward()
                 torch.nn.utils.clip_grad_norm_(model.parameters(), cfg.optim.grad_clip)

@@ -16,6 +16,7 @@ from pathlib import Path
 import torch
 
 from loomrl.algorithms.advantages import masked_mean
+from loomrl.algorithms.lr import learning_rate, set_lr
 from loomrl.config import SFTConfig
 from loomrl.models.heads import token_logprobs
 from loomrl.models.zoo import build_causal_lm
@@ -53,6 +54,7 @@ def run_sft(cfg: SFTConfig, progress: bool = True) -> dict[str, float]:
         for step in range(cfg.steps):
             examples = common.examples_window(train, step * cfg.batch_size, cfg.batch_size)
             loss = demonstration_loss(model, tokenizer, examples, task, device)
+            set_lr(opt, learning_rate(cfg.optim, step, cfg.steps))
             opt.zero_grad(set_to_none=True)
             loss.backward()
             torch.nn.utils.clip_grad_norm_(model.parameters(), cfg.optim.grad_clip)
