@@ -344,3 +344,29 @@ def _rank_one_is_killed(rank: int) -> int:
 def test_run_world_reports_a_killed_rank_instead_of_waiting():
     with pytest.raises(RuntimeError, match="rank 1 died without a result .*killed"):
         run_world(_rank_one_is_killed, 2, timeout_s=120)
+
+
+BF16_RANKS = 4
+
+
+def _bf16_gradient_sum(rank: int) -> dict:
+    """bf16 gradients of 4 ranks whose bf16 partial sums round differently from their exact sum."""
+    layer = torch.nn.Linear(64, 64, bias=False).to(torch.bfloat16)
+    grads = [torch.randn(64, 64, generator=torch.Generator().manual_seed(r)).mul(1 + 7 * r).bfloat16()
+             for r in range(BF16_RANKS)]
+    layer.weight.grad = grads[rank].clone()
+    sync_gradients(layer, dist.group.WORLD)
+    exact = sum(g.double() for g in grads).bfloat16()  # every rank's gradient summed exactly, rounded once
+    in_bf16 = grads[0]
+    for g in grads[1:]:
+        in_bf16 = in_bf16 + g  # what summing in bf16 hop by hop gives
+    got = layer.weight.grad
+    return {"dtype": got.dtype, "vs_exact": float((got.double() - exact.double()).abs().max()),
+            "bf16_sums_differ": bool((in_bf16 != exact).any())}
+
+
+def test_bf16_gradients_are_summed_in_fp32_and_rounded_once():
+    for result in run_world(_bf16_gradient_sum, BF16_RANKS, timeout_s=TIMEOUT_S):
+        assert result["dtype"] == torch.bfloat16
+        assert result["bf16_sums_differ"], "the case must tell a bf16 sum from an fp32 one"
+        assert result["vs_exact"] == 0.0, result

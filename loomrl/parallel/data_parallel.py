@@ -6,6 +6,10 @@ token-mean of the whole minibatch, the loss of the single-process reference, so 
 its gradient even when ranks hold different numbers of tokens (RL responses vary in length). DDP divides by the
 world size, which is right only when every rank holds the same number of tokens.
 
+Gradients are summed in fp32 at least: 16-bit (bf16) gradients are upcast for the all-reduce and rounded once
+after it, as verl's FSDP ``reduce_dtype`` and Megatron's fp32 gradient reduction do, so a sum over n ranks does
+not round at every hop of the ring (twice the bytes of a bf16 all-reduce, which the cost model prices).
+
 Gradients travel in a few flat buffers per dtype (one collective per bucket, not per parameter). For a
 tensor-parallel model each rank sums the gradient of its own shard with the ranks of its DP group, which hold
 the same shard, so DTensor parameters are handled through their local tensors.
@@ -36,13 +40,18 @@ def sync_gradients(model: nn.Module, dp_group: dist.ProcessGroup,
     params = [p for p in model.parameters() if p.requires_grad]
     _agree_on_gradients(params, dp_group)
     grads = [local_shard(p.grad) for p in params if p.grad is not None]
-    for bucket in buckets(grads, bucket_bytes):
-        flat = torch.cat([g.reshape(-1) for g in bucket])
+    for bucket in buckets(grads, bucket_bytes, lambda g: g.numel() * reduce_dtype(g.dtype).itemsize):
+        flat = torch.cat([g.reshape(-1) for g in bucket]).to(reduce_dtype(bucket[0].dtype))
         dist.all_reduce(flat, op=dist.ReduceOp.SUM, group=dp_group)
         offset = 0
         for g in bucket:
-            g.copy_(flat[offset: offset + g.numel()].view_as(g))
+            g.copy_(flat[offset: offset + g.numel()].view_as(g))  # rounds a 16-bit gradient once
             offset += g.numel()
+
+
+def reduce_dtype(dtype: torch.dtype) -> torch.dtype:
+    """The dtype gradients of ``dtype`` are summed in over the data-parallel group: fp32 or wider."""
+    return torch.promote_types(dtype, torch.float32)
 
 
 def local_shard(tensor: torch.Tensor) -> torch.Tensor:

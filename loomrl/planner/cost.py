@@ -77,6 +77,8 @@ class _Rates(NamedTuple):
     """Seconds to dispatch one operator (slowed like the rates when devices share cores)."""
 
 
+GRAD_REDUCE_BYTES = 4
+"""Gradients are summed over data-parallel ranks in fp32 at least (:mod:`loomrl.parallel.data_parallel`)."""
 PRECISION_BYTES = {"fp32": 4, "bf16": 2}
 """Bytes per weight of each explicit ``runtime.precision``; its ``auto`` (bf16 on accelerators, fp32 on CPU) is
 the cost model's default (``bytes_per_param=None``)."""
@@ -246,8 +248,8 @@ class CostModel:
                           op_passes=passes)
         rates = self._rates_of(alloc)
         shard_params = shape.params / (lay.tp * lay.pp)
-        step["dp_grad_allreduce"] = T.ring_allreduce_time(shard_params * self.bytes_per_param, lay.dp,
-                                                          rates.dp_bw, rates.latency)
+        grad_bytes = shard_params * max(self.bytes_per_param, GRAD_REDUCE_BYTES)  # summed in fp32
+        step["dp_grad_allreduce"] = T.ring_allreduce_time(grad_bytes, lay.dp, rates.dp_bw, rates.latency)
         shards = alloc.optimizer_shards  # ZeRO-1: each dp rank updates 1/dp, then the weights are gathered
         step["optimizer"] = T.adam_step_bytes(shard_params / shards, self.bytes_per_param) / rates.mem
         step[_launch("optimizer_launch", lay.tp)] = self._launch_excess(
