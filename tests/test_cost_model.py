@@ -94,8 +94,8 @@ def test_terms_against_hand_computed_values():
     assert T.ring_allreduce_time(100, 4, 10.0, 1.0) == 15 + 2  # volume/bw + log2(4) start-ups
     assert T.ring_allreduce_time(100, 1, 10.0, 1.0) == 0
     assert T.pipeline_slots(4, 8) == 11 and T.decode_step_slots(4, 2) == 4
-    # bf16 weights: read the grads, read and write the fp32 master and both moments, write the weights
-    assert T.adam_step_bytes(10, 2) == 10 * (2 + 2 * (4 + 8) + 2)
+    # bf16 weights: read the fp32 grads, read and write the fp32 master and both moments, write the weights
+    assert T.adam_step_bytes(10, 2) == 10 * (4 + 2 * (4 + 8) + 2)
     assert T.adam_step_bytes(10, 4) == 10 * (3 * 4 + 16)  # fp32 weights are their own master copy
 
 
@@ -359,14 +359,14 @@ def test_activation_recompute_trades_a_forward_for_activation_memory():
 
 
 def test_zero_divides_adam_state_and_step_over_dp_for_one_all_gather():
-    """ZeRO-1 on dp4 × tp2 (7B, bf16): the fp32 master weights and moments (12 of the 16 bytes per parameter
+    """ZeRO-1 on dp4 × tp2 (7B, bf16): the fp32 master weights and moments (12 of the 18 bytes per parameter
     of a trained copy) shrink 4×, the Adam step covers a quarter of the weights, and one all-gather of the tp
     shard is added."""
     model = llama_model()
     plain, zero = a("0-7:dp4tp2"), Allocation.parse("0-7:dp4tp2zero")
     params = model._shape("actor").params
-    assert model.static_memory("actor", plain, True) == pytest.approx(params * 16 / 2, rel=1e-6)
-    assert model.static_memory("actor", zero, True) == pytest.approx(params * (4 + 12 / 4) / 2, rel=1e-6)
+    assert model.static_memory("actor", plain, True) == pytest.approx(params * 18 / 2, rel=1e-6)
+    assert model.static_memory("actor", zero, True) == pytest.approx(params * (6 + 12 / 4) / 2, rel=1e-6)
     assert model.static_memory("actor", zero, False) == model.static_memory("actor", plain, False)
     p, z = model.time_terms(TRAIN, plain), model.time_terms(TRAIN, zero)
     assert z["optimizer"] == pytest.approx(p["optimizer"] / 4)

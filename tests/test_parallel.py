@@ -370,3 +370,31 @@ def test_bf16_gradients_are_summed_in_fp32_and_rounded_once():
         assert result["dtype"] == torch.bfloat16
         assert result["bf16_sums_differ"], "the case must tell a bf16 sum from an fp32 one"
         assert result["vs_exact"] == 0.0, result
+
+
+def test_bf16_gradients_accumulate_over_micro_batches_in_fp32():
+    """A hooked bf16 parameter sums its micro-batches' gradients in fp32 (``main_grad``; ``.grad`` stays
+    empty), where autograd alone would round the running sum to bf16 at each micro-batch."""
+    from loomrl.parallel.main_grad import accumulate_in_fp32, clear_grad, grad_of, zero_fill
+
+    torch.manual_seed(0)
+    hooked, plain = (torch.nn.Linear(32, 16, bias=False).to(torch.bfloat16) for _ in range(2))
+    plain.load_state_dict(hooked.state_dict())
+    assert accumulate_in_fp32(hooked) == 1 and accumulate_in_fp32(torch.nn.Linear(4, 4)) == 0  # fp32: untouched
+    xs = [torch.randn(8, 32).mul(1 + 5 * k).bfloat16() for k in range(4)]
+    singles = []
+    for x in xs:
+        one = torch.nn.Linear(32, 16, bias=False).to(torch.bfloat16)
+        one.load_state_dict(hooked.state_dict())
+        one(x).float().sum().backward()
+        singles.append(one.weight.grad)
+        hooked(x).float().sum().backward()
+        plain(x).float().sum().backward()
+    exact = sum(g.double() for g in singles).float()
+    assert hooked.weight.grad is None and grad_of(hooked.weight).dtype == torch.float32
+    assert torch.equal(grad_of(hooked.weight), exact)
+    assert not torch.equal(plain.weight.grad.float(), exact), "the case must tell bf16 accumulation apart"
+    clear_grad(hooked.weight)
+    assert grad_of(hooked.weight) is None
+    zero_fill(hooked.weight)
+    assert grad_of(hooked.weight).dtype == torch.float32 and not grad_of(hooked.weight).any()

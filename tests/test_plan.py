@@ -259,9 +259,10 @@ def test_zero_is_a_train_call_choice_that_round_trips_and_shrinks_the_optimizer_
     # the Adam moments (8 of the 16 bytes per fp32 parameter here) are divided over dp=4
     assert shard_bytes(1000, 2, 1, 4, trained=True, optimizer_shards=4) == 4000 + 1000
     assert shard_bytes(1000, 2, 1, 4, trained=True) == 4000 + 4000
-    # bf16 mixed precision adds an fp32 master copy: 2 + 2 + 12 bytes per parameter (ZeRO's 16Ψ), 12 sharded
-    assert shard_bytes(1000, 1, 1, 2, trained=True) == 16 * 1000
-    assert shard_bytes(1000, 1, 1, 2, trained=True, optimizer_shards=4) == 4 * 1000 + 12 * 1000 // 4
+    # bf16 mixed precision: fp32 gradients and an fp32 master copy, 2 + 4 + 12 bytes per parameter (Megatron's
+    # 18 with fp32 gradient accumulation), the 12 of the optimizer sharded
+    assert shard_bytes(1000, 1, 1, 2, trained=True) == 18 * 1000
+    assert shard_bytes(1000, 1, 1, 2, trained=True, optimizer_shards=4) == 6 * 1000 + 12 * 1000 // 4
     assert shard_bytes(1000, 1, 1, 2, trained=False) == 2000
     configs = {role: llama() for role in PPO.roles()}
     plain = parse_placement(EXAMPLE, PPO, c).role_memory(PPO, configs)

@@ -24,7 +24,8 @@ import torch
 from loomrl.algorithms.lr import set_lr
 from loomrl.algorithms.roles import OpContext
 from loomrl.models.heads import last_real_index, logprobs_from_logits, model_outputs
-from loomrl.parallel.pipeline_schedule import clip_grad_norm_pp, micro_batch_slices
+from loomrl.parallel.main_grad import grad_of, zero_fill
+from loomrl.parallel.pipeline_schedule import clip_grad_norm_pp, clip_grads, micro_batch_slices
 from loomrl.rollout import SamplingParams, generate, stream_keys
 from loomrl.workflow.batch import Batch, pack_sequences, pad_right, response_columns, response_mask
 
@@ -168,8 +169,8 @@ def _backward(ctx: OpContext, mb: Batch, loss_fn: LossFn, weight: float) -> dict
 
 def _clip(role) -> float:
     if role.pipeline is not None:
-        return float(clip_grad_norm_pp(role.pipeline.stage, role.grad_clip, role.pipeline.group))
-    return float(torch.nn.utils.clip_grad_norm_(role.model.parameters(), role.grad_clip))
+        return clip_grad_norm_pp(role.pipeline.stage, role.grad_clip, role.pipeline.group)
+    return clip_grads(role.model.parameters(), role.grad_clip, None, role.device)
 
 
 def train_loop(ctx: OpContext, batch: Batch, loss_fn: LossFn) -> dict:
@@ -214,8 +215,8 @@ def _train_steps(ctx: OpContext, batch: Batch, loss_fn: LossFn) -> dict:
         stats = _backward(ctx, batch.select(list(rows)), loss_fn, weight) if rows else {}
         if ctx.sync_grads is not None:
             for p in model.parameters():  # a rank without rows still joins the gradient sum
-                if p.requires_grad and p.grad is None:
-                    p.grad = torch.zeros_like(p)
+                if p.requires_grad and grad_of(p) is None:
+                    zero_fill(p)
             ctx.sync_grads(model)
         grad_norm = _clip(role)
         role.optimizer.step()

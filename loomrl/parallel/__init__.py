@@ -8,9 +8,11 @@
 - :func:`execute_reallocation`: runs a :class:`loomrl.plan.realloc_plan.ReallocPlan` (planned without torch in
   :mod:`loomrl.plan`) with batched point-to-point and broadcasts.
 
-Gradient clipping needs nothing extra: ``torch.nn.utils.clip_grad_norm_`` reduces the norms of DTensor shards
-over their mesh (the result is a replicated DTensor; ``float()`` of it is the global norm), and after
-:func:`sync_gradients` every DP rank holds the same gradients, hence the same norm.
+Gradient clipping (:func:`loomrl.parallel.pipeline_schedule.clip_grads`) takes ``torch.nn.utils.get_total_norm``
+of the gradients, which completes the norms of DTensor shards over their mesh, sums the squares over the
+pipeline stages, and after :func:`sync_gradients` every DP rank holds the same gradients, hence the same norm.
+A 16-bit parameter of a trained role keeps its gradient in fp32 (:mod:`loomrl.parallel.main_grad`); both
+read gradients through :func:`~loomrl.parallel.main_grad.grad_of`.
 """
 
 from loomrl.parallel.data_parallel import local_shard, sync_gradients

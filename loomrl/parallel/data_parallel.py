@@ -24,6 +24,8 @@ import torch.distributed as dist
 from torch import nn
 from torch.distributed.tensor import DTensor
 
+from loomrl.parallel.main_grad import grad_of, zero_fill
+
 DEFAULT_BUCKET_BYTES = 32 * 1024 * 1024
 """Largest flat buffer all-reduced at once: few collectives, bounded temporary memory."""
 
@@ -39,7 +41,7 @@ def sync_gradients(model: nn.Module, dp_group: dist.ProcessGroup,
         return
     params = [p for p in model.parameters() if p.requires_grad]
     _agree_on_gradients(params, dp_group)
-    grads = [local_shard(p.grad) for p in params if p.grad is not None]
+    grads = [local_shard(grad_of(p)) for p in params if grad_of(p) is not None]
     for bucket in buckets(grads, bucket_bytes, lambda g: g.numel() * reduce_dtype(g.dtype).itemsize):
         flat = torch.cat([g.reshape(-1) for g in bucket]).to(reduce_dtype(bucket[0].dtype))
         dist.all_reduce(flat, op=dist.ReduceOp.SUM, group=dp_group)
@@ -66,12 +68,12 @@ def _agree_on_gradients(params: list[nn.Parameter], dp_group: dist.ProcessGroup)
     """
     if not params:
         return
-    has_grad = torch.tensor([p.grad is not None for p in params], dtype=torch.int32,
+    has_grad = torch.tensor([grad_of(p) is not None for p in params], dtype=torch.int32,
                             device=local_shard(params[0]).device)
     dist.all_reduce(has_grad, op=dist.ReduceOp.MAX, group=dp_group)
     for p, anyone in zip(params, has_grad.tolist()):
-        if anyone and p.grad is None:
-            p.grad = torch.zeros_like(p)
+        if anyone and grad_of(p) is None:
+            zero_fill(p)
 
 
 def buckets(tensors: list[torch.Tensor], bucket_bytes: int,

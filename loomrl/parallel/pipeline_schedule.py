@@ -32,12 +32,13 @@ Legend: B rows, L tokens per row, H hidden size, V vocabulary, M micro-batches.
 from __future__ import annotations
 
 import math
-from typing import Callable
+from typing import Callable, Iterable
 
 import torch
 import torch.distributed as dist
 from torch.distributed.tensor import DTensor
 
+from loomrl.parallel.main_grad import grad_of
 from loomrl.parallel.pipeline import PipelineStage
 
 LossFn = Callable[[torch.Tensor, int], torch.Tensor]
@@ -274,13 +275,22 @@ def clip_grad_norm_pp(stage: PipelineStage, max_norm: float, pp_group: dist.Proc
     stage norm and the sum over ``pp_group`` (one TP rank per stage) counts each stage once. With pp×tp the
     call is also collective over each stage's TP group.
     """
-    grads = [p.grad for p in stage.parameters() if p.grad is not None]
+    return clip_grads(stage.parameters(), max_norm, pp_group, stage.device, eps)
+
+
+@torch.no_grad()
+def clip_grads(params: Iterable[torch.Tensor], max_norm: float, group: dist.ProcessGroup | None,
+               device: torch.device, eps: float = 1e-6) -> float:
+    """Clip the gradients of ``params`` (their fp32 ``main_grad`` where kept) to a global norm of
+    ``max_norm``, the norm completed over each DTensor's mesh and summed in squares over ``group`` (the
+    pipeline stages; None: this model is whole here); returns the norm before clipping."""
+    grads = [g for g in map(grad_of, params) if g is not None]
     local = torch.nn.utils.get_total_norm(grads) if grads else torch.zeros(())
     if isinstance(local, DTensor):
         local = local.full_tensor()
-    squared = local.to(device=stage.device, dtype=torch.float64) ** 2
-    if pp_group is not None and dist.get_world_size(pp_group) > 1:
-        dist.all_reduce(squared, op=dist.ReduceOp.SUM, group=pp_group)
+    squared = local.to(device=device, dtype=torch.float64) ** 2
+    if group is not None and dist.get_world_size(group) > 1:
+        dist.all_reduce(squared, op=dist.ReduceOp.SUM, group=group)
     total = math.sqrt(float(squared))
     coef = max_norm / (total + eps)
     if coef < 1.0:

@@ -37,6 +37,7 @@ from torch import nn
 from torch.distributed.tensor import DTensor, distribute_tensor
 
 from loomrl.parallel.data_parallel import DEFAULT_BUCKET_BYTES, buckets, local_shard
+from loomrl.parallel.main_grad import clear_grad, grad_of
 from loomrl.plan.shards import chunk
 
 __all__ = ["MASTER", "ZeroAdamW"]
@@ -82,9 +83,9 @@ class ZeroAdamW:
     def zero_grad(self, set_to_none: bool = True) -> None:
         for _, p in self.params:
             if set_to_none:
-                p.grad = None
-            elif p.grad is not None:
-                p.grad.zero_()
+                clear_grad(p)
+            elif grad_of(p) is not None:
+                grad_of(p).zero_()
         for shard in self._shards:
             if shard is not None:
                 shard.grad = None
@@ -103,7 +104,8 @@ class ZeroAdamW:
     def _attach_grads(self) -> None:
         for (name, p), (lo, hi), shard in zip(self.params, self._spans, self._shards):
             if shard is not None:
-                grad = None if p.grad is None else _flat(name, _laid_out_like(p, p.grad))[lo:hi]
+                grad = grad_of(p)
+                grad = None if grad is None else _flat(name, _laid_out_like(p, grad))[lo:hi]
                 shard.grad = None if grad is None else grad.to(shard.dtype)
 
     def _all_gather(self, flats: list[torch.Tensor]) -> None:

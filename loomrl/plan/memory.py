@@ -4,7 +4,8 @@ For a model with ``P`` parameters sharded ``tp`` × ``pp`` ways (data parallelis
 holds
 
 - weights: ``P / (tp·pp) · bytes_per_param``;
-- for a trained copy, additionally gradients ``P / (tp·pp) · bytes_per_param`` and the optimizer's fp32 state
+- for a trained copy, additionally gradients, always in fp32 (``P / (tp·pp) · 4``: a 16-bit weight's gradients
+  are summed in an fp32 ``main_grad``, :mod:`loomrl.parallel.main_grad`), and the optimizer's fp32 state
   (:func:`optimizer_bytes_per_param`: two Adam moments, plus an fp32 master copy of the weights when they are
   held in a 16-bit type), divided by ``dp`` too when the train allocation shards it (ZeRO-1, ``zero``).
 
@@ -17,13 +18,16 @@ counted as causal LMs, an overestimate of ``vocab_size · hidden_size`` paramete
 
 from __future__ import annotations
 
-__all__ = ["ADAM_BYTES_PER_PARAM", "MASTER_BYTES_PER_PARAM", "optimizer_bytes_per_param", "param_count",
-           "shard_bytes"]
+__all__ = ["ADAM_BYTES_PER_PARAM", "GRAD_BYTES_PER_PARAM", "MASTER_BYTES_PER_PARAM", "optimizer_bytes_per_param",
+           "param_count", "shard_bytes"]
 
 ADAM_BYTES_PER_PARAM = 8
 """Two fp32 moments (exp_avg, exp_avg_sq) per trained parameter."""
 MASTER_BYTES_PER_PARAM = 4
 """The fp32 master copy of a weight trained in 16-bit mixed precision."""
+GRAD_BYTES_PER_PARAM = 4
+"""A trained parameter's gradient, fp32 whatever the weights' type (bf16 training: 2 + 4 + 12 = 18 bytes per
+parameter, Megatron-LM's figure for bf16 with fp32 gradient accumulation)."""
 
 
 def optimizer_bytes_per_param(bytes_per_param: int) -> int:
@@ -70,4 +74,5 @@ def shard_bytes(params: int, tp: int, pp: int, bytes_per_param: int, trained: bo
     if not trained:
         return state
     optimizer = optimizer_bytes_per_param(bytes_per_param)
-    return 2 * state + -(-params * optimizer // (tp * pp * optimizer_shards))
+    grads = -(-params * GRAD_BYTES_PER_PARAM // (tp * pp))
+    return state + grads + -(-params * optimizer // (tp * pp * optimizer_shards))

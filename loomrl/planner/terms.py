@@ -106,9 +106,9 @@ def kv_bytes_per_token(shape: ModelShape, b: float) -> float:
 def adam_step_bytes(params: float, b: float) -> float:
     """Memory traffic of one Adam step over ``params`` parameters: read the weights, gradients and both fp32
     moments, write weights and moments back. Weights of fewer than 4 bytes are updated through their fp32 master
-    copy (read and written) and then cast: the ``b``-byte weights are only written."""
+    copy (read and written) from fp32 gradients and then cast: the ``b``-byte weights are only written."""
     if b < FP32:
-        return params * (2 * b + 6 * FP32)
+        return params * (b + 7 * FP32)
     return params * (3 * b + 4 * FP32)
 
 

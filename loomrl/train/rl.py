@@ -27,6 +27,7 @@ from loomrl.config import TrainConfig
 from loomrl.configtools import dump_yaml
 from loomrl.errors import ConfigError, DataError
 from loomrl.models.zoo import build_causal_lm, build_value_model, check_model_spec
+from loomrl.parallel.main_grad import accumulate_in_fp32
 from loomrl.report import MetricsLogger, plot_reward_curve
 from loomrl.runtime.reference import IterationResult, ReferenceExecutor
 from loomrl.train import common
@@ -81,6 +82,7 @@ def make_role(cfg: TrainConfig, name: str, model: torch.nn.Module | None, task, 
     optim = {"actor": cfg.actor.optim, "critic": cfg.critic.optim}.get(name)
     if not trainable or optim is None:
         return Role(name, model)
+    accumulate_in_fp32(model)  # 16-bit weights sum their gradients in fp32 (fp32 models are left alone)
     steps = cfg.loop.iterations * cfg.algo.ppo_epochs * cfg.algo.minibatches  # the run's optimizer steps
     return Role(name, model, common.adamw(model, optim, zero_group), optim.grad_clip,
                 lr_at=partial(learning_rate, optim, total_steps=steps))
