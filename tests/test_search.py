@@ -17,6 +17,7 @@ from loomrl.plan import GB, Allocation, ClusterSpec, DeviceMesh, ExecutionPlan, 
 from loomrl.plan.layout import Layout
 from loomrl.planner.search import (
     MICRO_BATCHES,
+    _crossovers,
     best_heuristic_plans,
     candidate_allocations,
     device_meshes,
@@ -25,7 +26,7 @@ from loomrl.planner.search import (
     search,
 )
 from loomrl.planner.simulator import simulate
-from loomrl.workflow import MFC
+from loomrl.workflow import MFC, MFCKind
 
 PPO = build_workflow(AlgoConfig(name="ppo"), RolloutConfig())
 CLUSTER = ClusterSpec.parse("cpu:4")
@@ -196,3 +197,21 @@ def test_frozen_roles_stay_resident_where_memory_allows_and_reloading_costs_time
     frozen = max(cost.static_memory(r, plan[m.name], False) for r in ("ref", "reward") for m in PPO.mfcs_of_role(r))
     tight = best_heuristic_plans(PPO, cluster, cost, need - frozen / 2, configs)
     assert tight["colocate"][1].feasible and set(tight["colocate"][0].offloaded_roles(PPO)) & {"ref", "reward"}
+
+
+def test_crossovers_take_the_calls_of_one_kind_from_another_start_and_seed_the_extra_chains():
+    heuristics = best_heuristic_plans(PPO, CLUSTER, LayoutCost(), MEMORY, CONFIGS)
+    a, b = heuristics["colocate"][0], heuristics["interleave"][0]
+    children = _crossovers([a, b], PPO)
+    assert len(children) == 2 * 3  # each start with the generation, inference or training calls of the other
+    train = {m.name for m in PPO if m.kind is MFCKind.TRAIN}
+    assert {n: alloc.text for n, alloc in children[2].allocations.items()} == {
+        n: (b[n] if n in train else a[n]).text for n in a.allocations}
+    assert children[2].offload == a.offload
+    # with more chains than starts, the best crossovers are walked too (and every one was simulated): the
+    # result is never worse than the best of them, even without a single annealing step
+    found = search(PPO, CLUSTER, LayoutCost(), MEMORY, CONFIGS, seed=0, time_budget_s=300, chains=4,
+                   max_steps=0, start=[a, b])
+    results = [simulate(c, PPO, LayoutCost(), MEMORY) for c in children]
+    best_child = min(r.iteration_time for r in results if r.feasible)
+    assert found[0][1].iteration_time <= best_child

@@ -337,6 +337,20 @@ def _polish(best: ExecutionPlan, units: list[_Unit], evaluate: _Evaluator, deadl
             return
 
 
+def _crossovers(starts: list[ExecutionPlan], workflow: Workflow) -> list[ExecutionPlan]:
+    """Each start with every call of one kind (generation, inference or training) placed as in another start,
+    in a fixed order: e.g. colocated generation and inference with interleave's actor and critic training side
+    by side. Such a plan combines the fast parts of two strategies; a walk of single moves reaches it only
+    through the slower plans between, which at 64 devices it rarely crosses in its budget."""
+    out = []
+    for a, b in itertools.permutations(starts, 2):
+        for kind in (MFCKind.GENERATE, MFCKind.INFERENCE, MFCKind.TRAIN):
+            moved = {m.name for m in workflow if m.kind is kind}
+            out.append(ExecutionPlan(a.cluster, {n: b[n] if n in moved else alloc for n, alloc in a.allocations.items()},
+                                     None, a.offload))
+    return out
+
+
 def _prune(names: tuple[str, ...], candidates: tuple[Allocation, ...], workflow: Workflow, cost: CostEstimator,
            memory_per_device: float, keep: set[Allocation]) -> tuple[Allocation, ...]:
     """The candidates of a unit worth searching: per device mesh, the :data:`TOP_PER_MESH` fastest alone (the
@@ -374,8 +388,9 @@ def search(workflow: Workflow, cluster: ClusterSpec, cost: CostEstimator, memory
     """The ``top_k`` fastest distinct feasible plans found by ``chains`` annealing chains, fastest first.
 
     Chains start at ``start`` (default: :func:`~loomrl.plan.colocate` with pure data parallelism); given a
-    list of plans (e.g. every heuristic's best), chain ``c`` starts at plan ``c`` modulo their number, so
-    the chains explore from different strategies. Every start is itself a candidate, so the best plan
+    list of plans (e.g. every heuristic's best), chain ``c`` starts at plan ``c``, so the chains explore from
+    different strategies; chains beyond the starts begin at the best of their crossovers (:func:`_crossovers`,
+    all of which are simulated), then cycle through the starts again. Every start is itself a candidate, so the best plan
     returned is never slower than a feasible start. The chains share ``(1 - POLISH_SHARE)`` of
     ``time_budget_s`` seconds of wall clock (chain ``c`` stops at ``(c + 1) / chains`` of it), then the
     :data:`POLISHED` best plans are polished by coordinate descent (:func:`_polish`), sharing what is left of the
@@ -403,10 +418,15 @@ def search(workflow: Workflow, cluster: ClusterSpec, cost: CostEstimator, memory
                                  workflow, evaluate.cost, memory_per_device, keep))
              for names in _units(workflow)]
     units = [u for u in units if len(u.candidates) > 1]
+    # chains beyond the starts start from the best of their crossovers, not from a start walked already
+    known = {plan_key(p) for p in starts}
+    children = sorted((c for c in _crossovers(starts, workflow) if plan_key(c) not in known and evaluate(c)),
+                      key=evaluate.rank)
+    firsts = starts + children[:max(0, chains - len(starts))]
     anneal_s = time_budget_s * (1.0 - POLISH_SHARE)
     for chain in range(chains if units else 0):
         rng = random.Random(f"loomrl-search:{seed}:{chain}")
-        _anneal(starts[chain % len(starts)], units, evaluate, rng, began + anneal_s * (chain + 1) / chains, max_steps)
+        _anneal(firsts[chain % len(firsts)], units, evaluate, rng, began + anneal_s * (chain + 1) / chains, max_steps)
     if units:  # the best plans from different regions (each chain's, roughly) settled on their local optima
         end = began + time_budget_s if max_steps is None else math.inf
         leads = [plan for plan, _ in evaluate.best(POLISHED)]
