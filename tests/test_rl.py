@@ -306,7 +306,8 @@ def test_sft_and_rm_in_bf16_follow_their_fp32_runs(tmp_path):
             if stage == "sft":
                 assert tail[precision, stage] < 0.6 * sum(losses[:5]) / 5, (precision, losses)
             saved = json.loads((out / stage / "config.json").read_text())
-            assert (saved.get("dtype") or saved.get("torch_dtype")) == {"fp32": "float32", "bf16": "bfloat16"}[precision]
+            want = {"fp32": "float32", "bf16": "bfloat16"}[precision]
+            assert (saved.get("dtype") or saved.get("torch_dtype")) == want
     for stage in ("sft", "rm"):
         assert tail["bf16", stage] == pytest.approx(tail["fp32", stage], rel=0.05), tail
 

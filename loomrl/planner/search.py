@@ -346,8 +346,8 @@ def _crossovers(starts: list[ExecutionPlan], workflow: Workflow) -> list[Executi
     for a, b in itertools.permutations(starts, 2):
         for kind in (MFCKind.GENERATE, MFCKind.INFERENCE, MFCKind.TRAIN):
             moved = {m.name for m in workflow if m.kind is kind}
-            out.append(ExecutionPlan(a.cluster, {n: b[n] if n in moved else alloc for n, alloc in a.allocations.items()},
-                                     None, a.offload))
+            allocations = {n: b[n] if n in moved else alloc for n, alloc in a.allocations.items()}
+            out.append(ExecutionPlan(a.cluster, allocations, None, a.offload))
     return out
 
 
@@ -390,8 +390,8 @@ def search(workflow: Workflow, cluster: ClusterSpec, cost: CostEstimator, memory
     Chains start at ``start`` (default: :func:`~loomrl.plan.colocate` with pure data parallelism); given a
     list of plans (e.g. every heuristic's best), chain ``c`` starts at plan ``c``, so the chains explore from
     different strategies; chains beyond the starts begin at the best of their crossovers (:func:`_crossovers`,
-    all of which are simulated), then cycle through the starts again. Every start is itself a candidate, so the best plan
-    returned is never slower than a feasible start. The chains share ``(1 - POLISH_SHARE)`` of
+    all of which are simulated), then cycle through the starts again. Every start is itself a candidate, so
+    the best plan returned is never slower than a feasible start. The chains share ``(1 - POLISH_SHARE)`` of
     ``time_budget_s`` seconds of wall clock (chain ``c`` stops at ``(c + 1) / chains`` of it), then the
     :data:`POLISHED` best plans are polished by coordinate descent (:func:`_polish`), sharing what is left of the
     budget; each chain also stops after ``max_steps`` proposals if given, and each polish then runs to its local
