@@ -191,8 +191,8 @@ class RuntimeConfig(ValidatedConfig):
     device: str = spec("auto", choices=("auto", "cpu", "cuda"))
     """Torch device kind; auto picks cuda when available."""
     precision: str = spec("auto", choices=("auto", "fp32", "bf16"))
-    """Weights, activations and gradients in fp32, or in bf16 with fp32 master weights and Adam moments in the
-    optimizer (mixed precision; log-probs, values and losses stay fp32); auto is bf16 on cuda, fp32 on cpu."""
+    """fp32 throughout, or bf16 weights and activations with fp32 gradient sums, master weights and Adam moments
+    (mixed precision; log-probs, values and losses stay fp32); auto is bf16 on cuda, fp32 on cpu."""
     threads: int = spec(0, ge=0)
     """Torch intra-op threads per process; 0 keeps torch's default (ray: cores / devices)."""
     timeout_s: float = spec(600.0, gt=0)
