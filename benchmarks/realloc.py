@@ -122,10 +122,10 @@ def direct_slice(full: torch.Tensor, name: str, placement: Placement, rank: int,
         step = -(-full.shape[dim] // layout.tp)  # torch.chunk's block size
         start = min(tp_rank * step, full.shape[dim])
         part = full.narrow(dim, start, min(step, full.shape[dim] - start))
-    if placement.fsdp and layout.dp > 1:
-        flat = part.reshape(-1)
-        step = -(-flat.numel() // layout.dp)
-        part = flat[dp_rank * step:(dp_rank + 1) * step]
+    if placement.fsdp and layout.dp > 1:  # FSDP2: a torch.chunk block of dim 0
+        step = -(-part.shape[0] // layout.dp)
+        start = min(dp_rank * step, part.shape[0])
+        part = part.narrow(0, start, min(step, part.shape[0] - start))
     return part.contiguous()
 
 

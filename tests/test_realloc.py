@@ -57,11 +57,10 @@ def reference_shard(full: torch.Tensor, name: str, placement: Placement, rank: i
         step = -(-full.shape[dim] // layout.tp)  # torch.chunk / DTensor Shard block size
         start = min(tp_rank * step, full.shape[dim])
         part = full.narrow(dim, start, min(step, full.shape[dim] - start))
-    if placement.fsdp:
-        flat = part.reshape(-1)
-        step = -(-flat.numel() // layout.dp)
-        start = min(dp_rank * step, flat.numel())
-        part = flat[start:start + step]
+    if placement.fsdp:  # FSDP2: a torch.chunk block of dim 0 of the (tp) local tensor
+        step = -(-part.shape[0] // layout.dp)
+        start = min(dp_rank * step, part.shape[0])
+        part = part.narrow(0, start, min(step, part.shape[0] - start))
     return part
 
 
@@ -90,8 +89,9 @@ def test_shard_intervals_hand_computed():
     assert shard_intervals(q, (4, 3), layout, 1, 1) == [(6, 12)]
     assert shard_intervals(q, (4, 3), layout, 3, 1) == [(6, 12)]  # dp replica of rank 1
     assert shard_intervals(o, (3, 4), layout, 1, 1) == [(2, 4), (6, 8), (10, 12)]
-    assert shard_intervals(o, (3, 4), layout, 1, 1, fsdp=True) == [(2, 4), (6, 7)]  # 6 elements, 3 each
-    assert shard_intervals(o, (3, 4), layout, 3, 1, fsdp=True) == [(7, 8), (10, 12)]
+    assert shard_intervals(o, (3, 4), layout, 1, 1, fsdp=True) == [(2, 4), (6, 8)]  # rows of 2: 2, 1
+    assert shard_intervals(o, (3, 4), layout, 3, 1, fsdp=True) == [(10, 12)]
+    assert shard_shape(o, (3, 4), layout, 3, 1, fsdp=True) == (1, 2)
     assert shard_intervals("model.norm.weight", (5,), layout, 2, 1) == [(0, 5)]
     assert shard_intervals(q, (5, 2), Layout(tp=4), 3, 1) == []  # blocks of 2 rows: 2, 2, 1, 0
     assert shard_shape(q, (5, 2), Layout(tp=4), 2, 1) == (1, 2)
@@ -118,8 +118,7 @@ def test_shard_intervals_match_tensor_slices_on_random_shapes():
         assert torch.equal(got, expected.reshape(-1)), (name, shape, layout, rank, fsdp)
         assert all(lo < hi for lo, hi in intervals)
         assert all(a[1] < b[0] for a, b in zip(intervals, intervals[1:]))  # sorted, disjoint, merged
-        if not fsdp:
-            assert shard_shape(name, shape, layout, rank, 1) == tuple(expected.shape)
+        assert shard_shape(name, shape, layout, rank, 1, fsdp) == tuple(expected.shape)
 
 
 # ---------------------------------------------------------------------------------------- planner properties

@@ -90,7 +90,7 @@ def execute_reallocation(plan: ReallocPlan, src_tensors: Mapping[str, torch.Tens
     """Run ``plan`` on ``my_device``; return its destination shards (parameter name → local tensor).
 
     ``src_tensors``: this device's source shards as it holds them (plain local tensors, e.g. a DTensor's
-    ``to_local()``, flat under FSDP); needed for every parameter the device holds in the source layout.
+    ``to_local()``: under FSDP its dim-0 block); needed for every parameter the device holds in the source layout.
     ``dtypes``: every parameter's dtype, which its source shards must have (all ranks must agree: a receiver
     may hold no source tensor to learn it from). ``groups``: from :func:`build_broadcast_groups`; built here
     (a world-wide collective) when None. ``device``: where new destination shards and buffers live.

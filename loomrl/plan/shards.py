@@ -16,7 +16,8 @@ The conventions, shared with :mod:`loomrl.parallel.tensor_parallel` and the exec
 - Both combine: a rank of a pp×tp layout holds its TP slice of the parameters of its stage only (as
   :func:`loomrl.parallel.pipeline.split_stages` followed by tensor parallelism leaves it).
 - Data-parallel replicas hold full copies of their (tp, pp) shard; with ``fsdp=True`` each dp rank holds
-  one ``torch.chunk``-style slice of the flattened (tp, pp) shard instead.
+  one ``torch.chunk``-style block of dim 0 of that shard instead, as FSDP2's ``fully_shard`` leaves it (its
+  ``Shard(0)`` placement: whole rows, so a row-major local tensor is still a run of whole rows).
 
 A rank's local tensor, flattened row-major, is the concatenation of the full parameter's flat elements over
 its intervals in increasing order; that is what lets the executor pack and unpack pieces by offsets alone.
@@ -47,7 +48,7 @@ class Placement(NamedTuple):
     """Global device id of every rank of the layout."""
     layout: Layout
     fsdp: bool = False
-    """The dp ranks hold 1/dp slices of their flattened (tp, pp) shard (a source layout only)."""
+    """The dp ranks hold dim-0 blocks of their (tp, pp) shard, as FSDP2 shards them (a source layout only)."""
 
 
 def as_placement(value: object, where: str) -> Placement:
@@ -151,11 +152,22 @@ def shard_intervals(param_name: str, shape: Sequence[int], layout: Layout, rank:
     pp_rank, dp_rank, tp_rank = rank_coords(layout, rank)
     if pp_stage(param_name, num_layers, layout.pp) != pp_rank:
         return []
-    intervals = tp_intervals(shape, tp_dim(param_name), layout.tp, tp_rank)
-    if fsdp and layout.dp > 1:
-        total = sum(hi - lo for lo, hi in intervals)
-        intervals = slice_intervals(intervals, *chunk(total, layout.dp, dp_rank))
+    dim = tp_dim(param_name)
+    intervals = tp_intervals(shape, dim, layout.tp, tp_rank)
+    if fsdp and layout.dp > 1:  # rows [a, b) of the local tensor: elements [a·row, b·row) of its flat form
+        local = _local_shape(shape, dim, layout.tp, tp_rank)
+        row = math.prod(local[1:])
+        start, end = chunk(local[0], layout.dp, dp_rank)
+        intervals = slice_intervals(intervals, start * row, end * row)
     return intervals
+
+
+def _local_shape(shape: Sequence[int], dim: int | None, tp: int, tp_rank: int) -> tuple[int, ...]:
+    """Shape of tensor-parallel block ``tp_rank`` of a tensor of ``shape`` split along ``dim``."""
+    if dim is None or tp == 1:
+        return tuple(shape)
+    start, end = chunk(shape[dim], tp, tp_rank)
+    return (*shape[:dim], end - start, *shape[dim + 1:])
 
 
 def interval_table(intervals: Sequence[Interval]) -> tuple[list[int], list[int]]:
@@ -176,14 +188,12 @@ def shard_numel(intervals: Sequence[Interval]) -> int:
 
 def shard_shape(param_name: str, shape: Sequence[int], layout: Layout, rank: int, num_layers: int,
                 fsdp: bool = False) -> tuple[int, ...] | None:
-    """Shape of the local tensor ``rank`` holds (1-D under FSDP), or None when the param is on another stage."""
-    pp_rank, _, tp_rank = rank_coords(layout, rank)
+    """Shape of the local tensor ``rank`` holds, or None when the param is on another stage."""
+    pp_rank, dp_rank, tp_rank = rank_coords(layout, rank)
     if pp_stage(param_name, num_layers, layout.pp) != pp_rank:
         return None
+    local = _local_shape(shape, tp_dim(param_name), layout.tp, tp_rank)
     if fsdp and layout.dp > 1:
-        return (shard_numel(shard_intervals(param_name, shape, layout, rank, num_layers, fsdp)),)
-    dim = tp_dim(param_name)
-    if dim is None or layout.tp == 1:
-        return tuple(shape)
-    start, end = chunk(shape[dim], layout.tp, tp_rank)
-    return (*shape[:dim], end - start, *shape[dim + 1:])
+        start, end = chunk(local[0], layout.dp, dp_rank)
+        return (end - start, *local[1:])
+    return local
