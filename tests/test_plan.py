@@ -270,6 +270,33 @@ def test_zero_is_a_train_call_choice_that_round_trips_and_shrinks_the_optimizer_
     assert plan.role_memory(PPO, configs)[0]["critic"] == plain[0]["critic"]
 
 
+def test_fsdp_is_a_train_call_choice_that_shards_everything_and_needs_a_copy_for_other_calls():
+    c = cluster(8)
+    text = EXAMPLE.replace("critic_train=0-7:dp8", "critic_train=0-7:dp8mb2fsdp").replace("critic_inf=4-7:dp4",
+                                                                                           "critic_inf=0-7:dp8")
+    plan = parse_placement(text, PPO, c)
+    assert plan["critic_train"] == Allocation(tuple(range(8)), Layout(dp=8), 2, fsdp=True)
+    assert plan["critic_train"].text == "0-7:dp8mb2fsdp" and plan["critic_train"].param_shards == 8
+    assert plan["critic_train"].optimizer_shards == 8 and plan["actor_train"].param_shards == 1
+    assert parse_placement(format_placement(plan, PPO), PPO, c) == plan
+    assert ExecutionPlan.from_dict(plan.to_dict()) == plan
+    # the critic's inference on the same devices and layout runs on a whole copy: a reallocation from the shards
+    assert not plan["critic_inf"].same_placement(plan["critic_train"])
+    moves = {(m.kind, m.mfc) for m in plan.reallocations(PPO) if m.role == "critic"}
+    assert ("copy", "critic_inf") in moves
+    one_line_error(lambda: parse_placement(text.replace("critic_inf=0-7:dp8", "critic_inf=0-7:dp8fsdp"), PPO, c),
+                   "plan.allocations.critic_inf", "fsdp is for train calls only")
+    one_line_error(lambda: Allocation.parse("0-7:dp4tp2fsdp"), "fsdp", "valid with fsdp: tp=1, pp=1")
+    one_line_error(lambda: Allocation.parse("0-7:dp8zerofsdp"), "zero", "give one of zero and fsdp")
+    # fp32 shards (their own master copy), fp32 gradients and Adam's moments: 16 bytes per parameter over dp,
+    # in either precision
+    assert shard_bytes(1000, 1, 1, 2, trained=True, optimizer_shards=4, param_shards=4) == 16 * 1000 // 4
+    assert shard_bytes(1000, 1, 1, 4, trained=True, optimizer_shards=4, param_shards=4) == 16 * 1000 // 4
+    configs = {role: llama() for role in PPO.roles()}
+    plain = parse_placement(EXAMPLE, PPO, c).role_memory(PPO, configs)
+    assert plan.role_memory(PPO, configs)[0]["critic"] < plain[0]["critic"] / 4
+
+
 @pytest.mark.parametrize("suffix", [".json", ".yaml", ".yml"])
 def test_file_round_trip(tmp_path: Path, suffix):
     plan = parse_placement(EXAMPLE + "; shadow=; offload=ref", PPO, cluster(8))

@@ -186,6 +186,10 @@ ZERO_PLAN_2 = ("actor_gen=0-1:tp2; actor_train=0-1:dp2zero; ref_inf=0:dp1; rewar
 ZERO_PLAN_4 = ("actor_gen=0-3:dp4; actor_train=0-3:dp2tp2zero; ref_inf=0-3:dp4; reward_inf=0-3:dp4; "
                "critic_inf=0-3:dp4; critic_train=0-3:pp2dp2zero; advantages=0:dp1")
 """ZeRO-1 with tensor parallelism (DTensor shards chunked over dp) and with pipeline stages."""
+FSDP_PLAN_2 = ("actor_gen=0-1:dp2; actor_train=0-1:dp2mb3fsdp; ref_inf=0:dp1; reward_inf=1:dp1; critic_inf=0-1:dp2; "
+               "critic_train=0-1:dp2mb2fsdp; advantages=0:dp1")
+"""Actor and critic fully sharded over dp2 (FSDP2), their other calls on reallocated whole copies on the same
+devices; the actor's 3 micro-batches exceed a rank's 2 rows per step, so ranks pad with idle passes."""
 
 
 @pytest.mark.parametrize("plan,devices", [
@@ -205,8 +209,9 @@ ZERO_PLAN_4 = ("actor_gen=0-3:dp4; actor_train=0-3:dp2tp2zero; ref_inf=0-3:dp4; 
     ("actor_gen=0-1:dp2; actor_train=0-1:tp2rc; ref_inf=0-1:dp2; reward_inf=0-1:dp2; critic_inf=0-1:pp2; "
      "critic_train=0-1:pp2mb2rc; advantages=0:dp1", 2),
     (ZERO_PLAN_2, 2),
+    (FSDP_PLAN_2, 2),
 ], ids=["colocate2", "interleave2", "separate2", "realloc_tp2", "pipeline2", "colocate4", "interleave4", "separate4",
-        "pipeline_dp4", "pipeline_tp4", "pipeline2_micro_batches", "dp2_micro_batches", "recompute", "zero2"])
+        "pipeline_dp4", "pipeline_tp4", "pipeline2_micro_batches", "dp2_micro_batches", "recompute", "zero2", "fsdp2"])
 def test_plans_match_the_reference(tmp_path, reference, plan, devices):
     """Every placement strategy computes the reference run: per-call meshes and layouts, reallocation of the
     actor between its training and generation layouts, shadow sync, concurrent calls on disjoint devices."""
@@ -285,6 +290,18 @@ def test_zero_runs_load_and_save_layout_independent_checkpoints(tmp_path, refere
     _assert_equivalent(got, reference)
 
 
+def test_fsdp_runs_load_and_save_layout_independent_checkpoints(tmp_path, reference):
+    """Reference → Ray with actor and critic under FSDP → reference, one iteration each: the FSDP workers take
+    their dim-0 blocks of the full weights and optimizer state, and gather them whole again."""
+    RLTrainer(_cfg(tmp_path, "f", "loop.iterations=1")).run()
+    cfg = _cfg(tmp_path, "f", "loop.iterations=2", "runtime.executor=ray", "runtime.devices=2")
+    RLTrainer(dataclasses.replace(cfg, runtime=dataclasses.replace(cfg.runtime, plan=FSDP_PLAN_2))).run(resume=True)
+    RLTrainer(_cfg(tmp_path, "f")).run(resume=True)
+    got = [json.loads(line) for line in (tmp_path / "f" / "metrics.jsonl").read_text().splitlines()]
+    assert [r["iteration"] for r in got] == [0, 1, 2]
+    _assert_equivalent(got, reference)
+
+
 BF16 = ("runtime.precision=bf16",)
 BF16_TOLERANCE = {"rel": 5e-2, "abs_": 5e-3, "clipfrac_abs": 0.05}
 """See the module docstring."""
@@ -299,10 +316,13 @@ def reference_bf16(tmp_path_factory):
     (ZERO_PLAN_2, 2),
     ("actor_gen=0-3:dp4; actor_train=0-3:pp2tp2; ref_inf=0-3:pp2tp2; reward_inf=0-3:dp4; critic_inf=0-3:dp2tp2; "
      "critic_train=0-3:pp2tp2; advantages=0:dp1", 4),
-], ids=["zero2_tp2_copy", "pipeline_tp4"])
+    (FSDP_PLAN_2, 2),
+], ids=["zero2_tp2_copy", "pipeline_tp4", "fsdp2"])
 def test_bf16_plans_match_the_bf16_reference(tmp_path, reference_bf16, plan, devices):
-    """Mixed precision under ZeRO-1 with a reallocated tp2 generation copy, and under pp × tp (bf16 DTensor
-    shards, bf16 activations between stages): the bf16 reference run within bf16's tolerance."""
+    """Mixed precision under ZeRO-1 with a reallocated tp2 generation copy, under pp × tp (bf16 DTensor
+    shards, bf16 activations between stages) and under FSDP (fp32 shards gathered as bf16, gradients
+    reduce-scattered in fp32, bf16 copies reallocated from the fp32 shards): the bf16 reference run within
+    bf16's tolerance."""
     cfg = _cfg(tmp_path, "plan", *BF16, "runtime.executor=ray", f"runtime.devices={devices}",
                "runtime.verify_reallocation=true")
     RLTrainer(dataclasses.replace(cfg, runtime=dataclasses.replace(cfg.runtime, plan=plan))).run()
@@ -326,6 +346,40 @@ def test_bf16_checkpoints_keep_the_master_weights_across_layouts(tmp_path, refer
     got = [json.loads(line) for line in (tmp_path / "z" / "metrics.jsonl").read_text().splitlines()]
     assert [r["iteration"] for r in got] == [0, 1, 2]
     _assert_equivalent(got, reference_bf16, **BF16_TOLERANCE)
+
+
+def test_bf16_fsdp_checkpoints_carry_the_fp32_shards_as_master_weights(tmp_path, reference_bf16):
+    """Reference → Ray under FSDP → reference, one bf16 iteration each: FSDP's fp32 shards are the master
+    weights; the checkpoint holds them as the optimizer's ``master`` state (the weights rounded to bf16), and
+    each side resumes from them, so the run follows the uninterrupted one."""
+    import torch
+
+    RLTrainer(_cfg(tmp_path, "f", *BF16, "loop.iterations=1")).run()
+    cfg = _cfg(tmp_path, "f", *BF16, "loop.iterations=2", "runtime.executor=ray", "runtime.devices=2")
+    RLTrainer(dataclasses.replace(cfg, runtime=dataclasses.replace(cfg.runtime, plan=FSDP_PLAN_2))).run(resume=True)
+    saved = torch.load(tmp_path / "f" / "checkpoints" / "iter_000001" / "optimizers.pt", weights_only=False)
+    critic = saved["optimizers"]["critic"]["state"]
+    assert critic and all(st["master"].dtype == torch.float32 for st in critic.values())
+    RLTrainer(_cfg(tmp_path, "f", *BF16)).run(resume=True)
+    got = [json.loads(line) for line in (tmp_path / "f" / "metrics.jsonl").read_text().splitlines()]
+    assert [r["iteration"] for r in got] == [0, 1, 2]
+    _assert_equivalent(got, reference_bf16, **BF16_TOLERANCE)
+
+
+def test_a_bf16_fsdp_run_resumes_exactly(tmp_path):
+    """Stopped after one iteration and resumed under the same FSDP plan, a bf16 run computes exactly what the
+    uninterrupted run does: the checkpoint's bf16 weights alone would lose the fp32 shards' low bits."""
+    def run(name, iterations, resume=False):
+        cfg = _cfg(tmp_path, name, *BF16, f"loop.iterations={iterations}", "runtime.executor=ray",
+                   "runtime.devices=2", "loop.save_every=1")
+        RLTrainer(dataclasses.replace(cfg, runtime=dataclasses.replace(cfg.runtime, plan=FSDP_PLAN_2))).run(resume)
+        return [json.loads(line) for line in (tmp_path / name / "metrics.jsonl").read_text().splitlines()]
+
+    whole = run("whole", 2)
+    run("parts", 1)
+    parts = run("parts", 2, resume=True)
+    assert [r["iteration"] for r in parts] == [0, 1]
+    assert {k: parts[1][k] for k in LOSS_KEYS} == {k: whole[1][k] for k in LOSS_KEYS}
 
 
 @pytest.mark.parametrize("gen", ["0-1:tp2", "0:dp1"], ids=["tp_copy", "plain_copy"])

@@ -138,9 +138,15 @@ def _backward(ctx: OpContext, mb: Batch, loss_fn: LossFn, weight: float) -> dict
     (:func:`loss_tokens`) and ``weight``: the shares sum to one, so the accumulated gradient is that of the
     minibatch's token-mean loss times ``weight``, whatever the micro-batching. Statistics (token means) are
     weighted by the same shares. A micro-batch without loss tokens adds nothing (and is not given to
-    ``loss_fn``, whose mean would be 0/0); a staged role still runs it, the schedule being collective.
+    ``loss_fn``, whose mean would be 0/0); a staged role still runs it, the schedule being collective. Under
+    ``ctx.lockstep`` (FSDP) a rank short of ``ctx.micro_batches`` micro-batches, or without rows, pads with
+    :func:`idle_pass`.
     """
     role = ctx.role
+    if len(mb) == 0:
+        for _ in range(ctx.micro_batches if ctx.lockstep else 0):
+            idle_pass(ctx)
+        return {}
     ids_BL, attn_BL, plen_B = _packed(ctx, mb)
     parts = micro_batch_rows(ctx, len(mb))
     tokens = loss_tokens(mb)
@@ -162,9 +168,19 @@ def _backward(ctx: OpContext, mb: Batch, loss_fn: LossFn, weight: float) -> dict
         role.pipeline.train_step_backward(ids_BL, attn_BL, micro_loss, len(parts))
         return stats
     for k, rows in enumerate(parts):
-        if shares[k]:
+        if shares[k] or ctx.lockstep:
             micro_loss(model_outputs(role.model, ids_BL[rows], attn_BL[rows]), k).backward()
+    for _ in range(ctx.micro_batches - len(parts) if ctx.lockstep else 0):
+        idle_pass(ctx)
     return stats
+
+
+def idle_pass(ctx: OpContext) -> None:
+    """A forward and backward of one padding token that adds nothing to any gradient: on an FSDP role every
+    data-parallel rank must run as many passes as the others, each gathering the weights and reduce-scattering
+    the gradients with them."""
+    ids_BL = torch.full((1, 1), ctx.pad_id, dtype=torch.long, device=ctx.role.device)
+    (model_outputs(ctx.role.model, ids_BL, torch.ones_like(ids_BL)).float().sum() * 0).backward()
 
 
 def _clip(role) -> float:
@@ -212,7 +228,7 @@ def _train_steps(ctx: OpContext, batch: Batch, loss_fn: LossFn) -> dict:
         if role.lr_at is not None:  # every iteration of a run takes the same number of steps
             set_lr(role.optimizer, role.lr_at(ctx.iteration * len(ctx.train_steps) + k))
         role.optimizer.zero_grad(set_to_none=True)
-        stats = _backward(ctx, batch.select(list(rows)), loss_fn, weight) if rows else {}
+        stats = _backward(ctx, batch.select(list(rows)), loss_fn, weight) if rows or ctx.lockstep else {}
         if ctx.sync_grads is not None:
             for p in model.parameters():  # a rank without rows still joins the gradient sum
                 if p.requires_grad and grad_of(p) is None:

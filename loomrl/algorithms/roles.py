@@ -63,3 +63,6 @@ class OpContext:
     recompute: bool = False
     """``train`` MFCs: recompute each decoder layer's activations in the backward instead of keeping them (the
     plan's ``rc``; activation checkpointing). Same gradients, less memory, one more forward."""
+    lockstep: bool = False
+    """``train`` MFCs of an FSDP role: every data-parallel rank runs exactly ``micro_batches`` forward and
+    backward passes per optimizer step (they are collective), padding with passes that add nothing."""

@@ -3,6 +3,7 @@
 - :class:`Layout`, :func:`check_layout`: the parallel degrees of a role and whether they fit a model;
 - :class:`AllocationGroups`: the one registry of a worker's communicators, per allocation of the plan;
 - :func:`apply_tensor_parallel`: DTensor tensor parallelism for Llama and Qwen2;
+- :func:`apply_fsdp`: FSDP2 full sharding of a trained role over its data-parallel group;
 - :func:`sync_gradients`: summed (not averaged) data-parallel gradients;
 - :func:`full_state_dict`, :func:`load_full_state_dict`: unsharded weights in and out;
 - :func:`execute_reallocation`: runs a :class:`loomrl.plan.realloc_plan.ReallocPlan` (planned without torch in
@@ -16,6 +17,7 @@ read gradients through :func:`~loomrl.parallel.main_grad.grad_of`.
 """
 
 from loomrl.parallel.data_parallel import local_shard, sync_gradients
+from loomrl.parallel.fsdp import apply_fsdp, is_fsdp
 from loomrl.parallel.realloc_exec import ReallocVerificationError, build_broadcast_groups, execute_reallocation
 from loomrl.parallel.allocations import AllocationGroups, AllocKey
 from loomrl.parallel.layout import TP_ARCHITECTURES, Layout, check_layout
@@ -28,11 +30,13 @@ __all__ = [
     "ReallocVerificationError",
     "TP_ARCHITECTURES",
     "Layout",
+    "apply_fsdp",
     "apply_tensor_parallel",
     "build_broadcast_groups",
     "execute_reallocation",
     "check_layout",
     "full_state_dict",
+    "is_fsdp",
     "load_full_state_dict",
     "local_shard",
     "sync_gradients",

@@ -29,6 +29,8 @@ class AllocKey:
     dp: int
     tp: int
     pp: int = 1
+    fsdp: bool = False
+    """The role's weights are sharded over dp (:mod:`loomrl.parallel.fsdp`): a placement of its own."""
 
     @property
     def layout(self) -> Layout:
@@ -51,6 +53,7 @@ class AllocGroups:
     dp_group: dist.ProcessGroup
     pp_group: dist.ProcessGroup
     tp_mesh: DeviceMesh
+    dp_mesh: DeviceMesh
     pp_rank: int
     dp_rank: int
     tp_rank: int
@@ -69,7 +72,7 @@ class AllocationGroups:
             if device in key.devices:
                 pp_rank, dp_rank, tp_rank = key.coords(device)
                 self._groups[key] = AllocGroups(key, mesh.get_group("dp"), mesh.get_group("pp"), mesh["tp"],
-                                                pp_rank, dp_rank, tp_rank)
+                                                mesh["dp"], pp_rank, dp_rank, tp_rank)
 
     def __getitem__(self, key: AllocKey) -> AllocGroups:
         return self._groups[key]

@@ -81,6 +81,9 @@ def _check_calls(plan: ExecutionPlan, workflow: Workflow) -> None:
         if plan[mfc.name].zero and mfc.kind is not MFCKind.TRAIN:
             raise ConfigError(f"plan.allocations.{mfc.name}: {plan[mfc.name].text} shards optimizer state (zero) "
                               f"but {mfc.kind.value} calls have no optimizer; zero is for train calls only")
+        if plan[mfc.name].fsdp and mfc.kind is not MFCKind.TRAIN:
+            raise ConfigError(f"plan.allocations.{mfc.name}: {plan[mfc.name].text} shards the weights (fsdp) but "
+                              f"{mfc.kind.value} calls run on a whole copy of them; fsdp is for train calls only")
     for role in workflow.roles():
         trains = [m.name for m in workflow.mfcs_of_role(role) if m.kind is MFCKind.TRAIN]
         for name in trains[1:]:
@@ -150,7 +153,7 @@ def role_memory(plan: ExecutionPlan, workflow: Workflow, model_configs: Mapping[
         if canon is not None:
             for d in canon.mesh:
                 need[d] = shard_bytes(params, canon.layout.tp, canon.layout.pp, bytes_per_param, trained=True,
-                                      optimizer_shards=canon.optimizer_shards)
+                                      optimizer_shards=canon.optimizer_shards, param_shards=canon.param_shards)
         copies: dict[int, int] = {}
         for mfc in workflow.mfcs_of_role(role):
             alloc = plan[mfc.name]

@@ -7,7 +7,8 @@ holds
 - for a trained copy, additionally gradients, always in fp32 (``P / (tp·pp) · 4``: a 16-bit weight's gradients
   are summed in an fp32 ``main_grad``, :mod:`loomrl.parallel.main_grad`), and the optimizer's fp32 state
   (:func:`optimizer_bytes_per_param`: two Adam moments, plus an fp32 master copy of the weights when they are
-  held in a 16-bit type), divided by ``dp`` too when the train allocation shards it (ZeRO-1, ``zero``).
+  held in a 16-bit type), divided by ``dp`` too when the train allocation shards it (ZeRO-1, ``zero``);
+- under FSDP (``fsdp``) the fp32 weights, gradients and optimizer state all divided by ``dp``.
 
 Activations, the KV cache and framework buffers are left out: the plan validator asks only whether the
 resident state fits, and the planner's memory model (a later issue) adds the rest. ``P`` is counted from
@@ -67,9 +68,16 @@ def param_count(config: object) -> int:
 
 
 def shard_bytes(params: int, tp: int, pp: int, bytes_per_param: int, trained: bool,
-                optimizer_shards: int = 1) -> int:
+                optimizer_shards: int = 1, param_shards: int = 1) -> int:
     """Bytes of one device's shard: weights, plus gradients and optimizer state when ``trained``; the optimizer
-    state divided over ``optimizer_shards`` data-parallel ranks under ZeRO-1 (the allocation's ``zero``)."""
+    state divided over ``optimizer_shards`` data-parallel ranks under ZeRO-1 (the allocation's ``zero``).
+
+    ``param_shards > 1`` (FSDP over that many ranks, trained only) divides everything: FSDP keeps the sharded
+    weights in fp32 whatever the compute type (the 16-bit copy is gathered one layer at a time, transient
+    memory of the call), so they are their own master copy: ``16 / param_shards`` bytes per parameter."""
+    if trained and param_shards > 1:
+        per_param = 4 + GRAD_BYTES_PER_PARAM + ADAM_BYTES_PER_PARAM
+        return -(-params * per_param // (tp * pp * param_shards))
     state = -(-params * bytes_per_param // (tp * pp))  # ceil: a shard never rounds down to fit
     if not trained:
         return state

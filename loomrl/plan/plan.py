@@ -39,9 +39,10 @@ from loomrl.workflow import MFCKind, Workflow
 __all__ = ["Allocation", "DeviceMesh", "ExecutionPlan", "Reallocation", "format_devices"]
 
 _RANGE_RE = re.compile(r"(\d+)(?:-(\d+))?")
-_LAYOUT_RE = re.compile(r"(dp|tp|pp|mb)(\d+)|(rc|zero)")
-_LAYOUT_TOKENS = ("expected tokens dp<N>, tp<N>, pp<N>, mb<N> (micro-batches), rc (recompute activations) and zero "
-                  "(optimizer state sharded over dp), e.g. dp4tp2, dp2mb4, pp2mb4rc or dp8zero")
+_LAYOUT_RE = re.compile(r"(dp|tp|pp|mb)(\d+)|(rc|zero|fsdp)")
+_LAYOUT_TOKENS = ("expected tokens dp<N>, tp<N>, pp<N>, mb<N> (micro-batches), rc (recompute activations), zero "
+                  "(optimizer state sharded over dp) and fsdp (weights, gradients and optimizer state sharded over "
+                  "dp), e.g. dp4tp2, dp2mb4, pp2mb4rc, dp8zero or dp8fsdp")
 
 
 def format_devices(devices: tuple[int, ...] | list[int]) -> str:
@@ -113,17 +114,18 @@ class DeviceMesh(ValidatedConfig):
         return device in self.devices
 
 
-def _layout_text(layout: Layout, micro_batches: int, recompute: bool = False, zero: bool = False) -> str:
+def _layout_text(layout: Layout, micro_batches: int, recompute: bool = False, zero: bool = False,
+                 fsdp: bool = False) -> str:
     text = f"dp{layout.dp}"
     text += f"tp{layout.tp}" if layout.tp > 1 else ""
     text += f"pp{layout.pp}" if layout.pp > 1 else ""
     return text + (f"mb{micro_batches}" if micro_batches > 1 else "") + ("rc" if recompute else "") + \
-        ("zero" if zero else "")
+        ("zero" if zero else "") + ("fsdp" if fsdp else "")
 
 
-def _parse_layout(text: str, devices: int) -> tuple[Layout, int, bool, bool]:
-    """``"dp2tp2mb4"`` → (Layout(2, 2, 1), 4, False, False); ``rc`` sets recompute and ``zero`` optimizer-state
-    sharding; an omitted dp fills the mesh: ``devices / (tp·pp)``."""
+def _parse_layout(text: str, devices: int) -> tuple[Layout, int, bool, bool, bool]:
+    """``"dp2tp2mb4"`` → (Layout(2, 2, 1), 4, False, False, False); ``rc`` sets recompute, ``zero`` optimizer-state
+    sharding and ``fsdp`` full sharding; an omitted dp fills the mesh: ``devices / (tp·pp)``."""
     tokens = _LAYOUT_RE.findall(text)
     if "".join(k + v + flag for k, v, flag in tokens) != text:
         fail("layout", f"{text!r} is not a layout; {_LAYOUT_TOKENS}")
@@ -144,7 +146,7 @@ def _parse_layout(text: str, devices: int) -> tuple[Layout, int, bool, bool]:
     for key in ("dp", "tp", "pp", "mb"):
         if values.get(key, 1) < 1:
             fail("layout", f"{key}{values[key]} in {text!r} is not a positive degree")
-    return Layout(values.get("dp", 1), tp, pp), values.get("mb", 1), "rc" in flags, "zero" in flags
+    return Layout(values.get("dp", 1), tp, pp), values.get("mb", 1), "rc" in flags, "zero" in flags, "fsdp" in flags
 
 
 @dataclass(frozen=True)
@@ -165,6 +167,12 @@ class Allocation(ValidatedConfig):
     parameter and updates that part, then the parts are all-gathered; the optimizer state (Adam's moments, and
     the fp32 master copy of 16-bit weights) takes 1/dp of the memory for one more all-gather of the weights per
     step (:mod:`loomrl.parallel.zero`). Nothing to shard at dp=1."""
+    fsdp: bool = False
+    """Train calls only (FSDP, ZeRO stage 3; :mod:`loomrl.parallel.fsdp`): each data-parallel rank keeps 1/dp of
+    the weights (in fp32), of their gradients and of the optimizer state; each decoder layer's weights are
+    all-gathered for its forward and again for its backward, and gradients are reduce-scattered. The role's
+    other calls then run on a reallocated whole copy, even on the same devices and layout. Pure data parallel
+    for now (tp = pp = 1); not combined with ``zero``, which it includes."""
 
     def __post_init__(self) -> None:
         if isinstance(self.mesh, (list, tuple)):
@@ -172,34 +180,45 @@ class Allocation(ValidatedConfig):
         super().__post_init__()
 
     def validate(self) -> None:
-        if self.layout.size != len(self.mesh):
-            lay = self.layout
+        lay = self.layout
+        if lay.size != len(self.mesh):
             fail("layout", f"dp={lay.dp} × tp={lay.tp} × pp={lay.pp} = {lay.size} device{'s' * (lay.size != 1)}, "
                            f"but the mesh {self.mesh.text} has {len(self.mesh)}")
+        if self.fsdp and (lay.tp > 1 or lay.pp > 1):
+            fail("fsdp", f"shards over data parallelism only; with tp={lay.tp}, pp={lay.pp} use zero instead "
+                         "(valid with fsdp: tp=1, pp=1)")
+        if self.fsdp and self.zero:
+            fail("zero", "fsdp shards the optimizer state already; give one of zero and fsdp")
 
     @classmethod
     def parse(cls, text: str) -> Allocation:
         """``"0-3:dp2tp2"``, ``"4-7"`` (dp fills the mesh), ``"0,2:dp2mb4"`` → an allocation."""
         devices, _, layout_text = str(text).partition(":")
         mesh = DeviceMesh.parse(devices)
-        layout, micro_batches, recompute, zero = _parse_layout(layout_text.strip(), len(mesh)) \
-            if layout_text.strip() else (Layout(dp=len(mesh)), 1, False, False)
-        return cls(mesh, layout, micro_batches, recompute, zero)
+        layout, micro_batches, recompute, zero, fsdp = _parse_layout(layout_text.strip(), len(mesh)) \
+            if layout_text.strip() else (Layout(dp=len(mesh)), 1, False, False, False)
+        return cls(mesh, layout, micro_batches, recompute, zero, fsdp)
 
     @functools.cached_property
     def text(self) -> str:
         """The compact form :meth:`parse` reads, e.g. ``"0-7:dp4tp2mb2"`` (made once)."""
-        return f"{self.mesh.text}:{_layout_text(self.layout, self.micro_batches, self.recompute, self.zero)}"
+        return f"{self.mesh.text}:{_layout_text(self.layout, self.micro_batches, self.recompute, self.zero, self.fsdp)}"
 
     @property
     def optimizer_shards(self) -> int:
         """Data-parallel ranks the optimizer state is divided over when this allocation trains: dp under ZeRO-1
-        (``zero``), else 1."""
-        return self.layout.dp if self.zero else 1
+        (``zero``) or FSDP, else 1."""
+        return self.layout.dp if self.zero or self.fsdp else 1
+
+    @property
+    def param_shards(self) -> int:
+        """Data-parallel ranks the weights and gradients are divided over: dp under FSDP, else 1."""
+        return self.layout.dp if self.fsdp else 1
 
     def same_placement(self, other: Allocation) -> bool:
-        """Same devices and same layout: the model's shards need not move between the two (micro-batches aside)."""
-        return self.mesh == other.mesh and self.layout == other.layout
+        """Same devices, layout and sharding: the model's shards need not move between the two (micro-batches
+        aside). An FSDP allocation holds no whole weights, so it shares its placement with no other kind."""
+        return self.mesh == other.mesh and self.layout == other.layout and self.fsdp == other.fsdp
 
     def device(self, dp_rank: int, tp_rank: int = 0, pp_rank: int = 0) -> int:
         """The device of the rank at these coordinates."""
@@ -435,7 +454,7 @@ class ExecutionPlan:
         """Plain data (JSON/YAML-ready); :meth:`from_dict` reads it back to an equal plan."""
         allocations = {name: {"devices": a.mesh.text, "dp": a.layout.dp, "tp": a.layout.tp, "pp": a.layout.pp,
                               "micro_batches": a.micro_batches, **({"recompute": True} if a.recompute else {}),
-                              **({"zero": True} if a.zero else {})}
+                              **({"zero": True} if a.zero else {}), **({"fsdp": True} if a.fsdp else {})}
                        for name, a in self.allocations.items()}
         return {"cluster": to_dict(self.cluster), "allocations": allocations,
                 "shadow": None if self.shadow is None else list(self.shadow),
@@ -452,7 +471,7 @@ class ExecutionPlan:
             try:
                 mesh = DeviceMesh.parse(item.devices) if isinstance(item.devices, str) else DeviceMesh(item.devices)
                 allocations[name] = Allocation(mesh, Layout(item.dp, item.tp, item.pp), item.micro_batches,
-                                               item.recompute, item.zero)
+                                               item.recompute, item.zero, item.fsdp)
             except FieldError as err:
                 raise err.under(f"plan.allocations.{name}") from None
         return cls(record.cluster, allocations, record.shadow, record.offload)
@@ -494,6 +513,8 @@ class _AllocationRecord:
     """Recompute activations in the backward (train calls only)."""
     zero: bool = False
     """Shard the optimizer state over dp, ZeRO stage 1 (train calls only)."""
+    fsdp: bool = False
+    """Shard weights, gradients and optimizer state over dp, FSDP (train calls only)."""
 
 
 @dataclass(frozen=True)

@@ -40,7 +40,7 @@ def execution_plan(cfg: TrainConfig, workflow: Workflow, cluster: ClusterSpec) -
 
 
 def _key(alloc) -> AllocKey:
-    return AllocKey(tuple(alloc.mesh.devices), alloc.layout.dp, alloc.layout.tp, alloc.layout.pp)
+    return AllocKey(tuple(alloc.mesh.devices), alloc.layout.dp, alloc.layout.tp, alloc.layout.pp, alloc.fsdp)
 
 
 def param_shapes(cfg: TrainConfig, role: str, tokenizer) -> tuple[dict[str, tuple[int, ...]], int] | None:
@@ -72,8 +72,8 @@ def runtime_placement(plan: ExecutionPlan, workflow: Workflow, cluster: ClusterS
         shapes = param_shapes(cfg, role, tokenizer) if others else None
         for key in others if shapes is not None else ():
             src, dst = canonical[role], key
-            transfer = plan_reallocation(shapes[0], shapes[1], (src.devices, src.layout), (dst.devices, dst.layout),
-                                         cluster.node_of)
+            transfer = plan_reallocation(shapes[0], shapes[1], (src.devices, src.layout, src.fsdp),
+                                         (dst.devices, dst.layout), cluster.node_of)
             reallocs.append((role, src, dst, transfer))
     micro_batches = {m.name: plan[m.name].micro_batches for m in workflow.topological_order()}
     recompute = frozenset(m.name for m in workflow.topological_order() if plan[m.name].recompute)

@@ -17,6 +17,7 @@ from torch.distributed.checkpoint.state_dict import (
     set_optimizer_state_dict,
 )
 
+from loomrl.parallel.state import load_full_state_dict
 from loomrl.parallel.zero import MASTER, ZeroAdamW
 
 # Not cpu_offload: with it, torch returns the full state on global rank 0 only, and the holder of a role's
@@ -55,9 +56,24 @@ class FullOptimizerState:
         if isinstance(self.optimizer, ZeroAdamW):
             self.optimizer.load_full_state_dict(state)
             return
-        # an fp32 optimizer keeps no master weights: those of a bf16 run's state are its weights, loaded already
+        # A plain optimizer steps the weights themselves (fp32, or FSDP's fp32 shards): a 16-bit run's master
+        # weights become them, exact where the checkpoint's weights were rounded.
+        masters = {k: st[MASTER] for k, st in state["state"].items() if MASTER in st}
+        if masters:
+            load_full_state_dict(self.model, masters, strict=False)
         state["state"] = {k: {key: v for key, v in st.items() if key != MASTER} for k, st in state["state"].items()}
         set_optimizer_state_dict(self.model, self.optimizer, state, options=StateDictOptions(full_state_dict=True))
+
+
+def with_masters(weights: dict[str, torch.Tensor], optim: dict[str, Any],
+                 dtype: torch.dtype) -> tuple[dict[str, torch.Tensor], dict[str, Any]]:
+    """The checkpoint form of an FSDP role run in 16-bit ``dtype``, whose fp32 shards are the master weights:
+    weights rounded to ``dtype`` and the fp32 ones as each parameter's ``master`` state (as
+    :class:`~loomrl.parallel.zero.ZeroAdamW` saves them), so every layout resumes them exactly."""
+    if dtype == torch.float32:
+        return weights, optim
+    state = {name: {**st, MASTER: weights[name]} for name, st in optim["state"].items()}
+    return {k: v.to(dtype) for k, v in weights.items()}, {**optim, "state": state}
 
 
 

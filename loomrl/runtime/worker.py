@@ -27,14 +27,14 @@ from loomrl.checkpoint import load_checkpoint, save_checkpoint
 from loomrl.algorithms.workflows import build_workflow
 from loomrl.config import TrainConfig
 from loomrl.launch import quiet_libraries
-from loomrl.parallel import (apply_tensor_parallel, build_broadcast_groups, check_layout, execute_reallocation,
-                             full_state_dict, local_shard, sync_gradients)
+from loomrl.parallel import (apply_fsdp, apply_tensor_parallel, build_broadcast_groups, check_layout,
+                             execute_reallocation, full_state_dict, local_shard, sync_gradients)
 from loomrl.parallel.allocations import AllocationGroups, AllocKey
 from loomrl.plan.realloc_plan import ReallocPlan
 from loomrl.parallel.pipeline import split_stages
 from loomrl.parallel.pipeline_schedule import PipelineRunner
 from loomrl.runtime.offload import HostCopy, bind_view, reclaim, release_storage
-from loomrl.runtime.state_io import FullOptimizerState, merge_optimizer_states
+from loomrl.runtime.state_io import FullOptimizerState, merge_optimizer_states, with_masters
 from loomrl.train import common
 from loomrl.train.evaluate import evaluate_policy
 from loomrl.train.metrics import rollout_metrics
@@ -119,6 +119,8 @@ class DeviceWorker:
         self.device = common.resolve_device(cfg.runtime.device)
         if self.device.type == "cuda":
             self.device = torch.device("cuda", torch.cuda.current_device())
+        self.dtype = common.resolve_dtype(cfg.runtime.precision, self.device)
+        """The run's weight type: that of every copy a reallocation fills (FSDP keeps fp32 shards)."""
 
     def pid(self) -> int:
         return os.getpid()
@@ -169,11 +171,14 @@ class DeviceWorker:
 
         pp > 1 keeps this device's stage (its layers, and the embedding / head where they live); tp > 1 then
         shards what is kept over the TP ranks of the stage, so a pp×tp device holds one TP slice of one stage.
+        An FSDP allocation (pure dp) shards every parameter over the data-parallel ranks instead.
         """
         if model is None:
             return None, None
         check_layout(key.layout, model.config, len(key.devices), where=f"runtime.plan ({role})")
         groups = self.groups[key]
+        if key.fsdp:
+            return apply_fsdp(model, groups.dp_mesh, self.dtype), None
         stage = split_stages(model, groups.pp_rank, key.pp) if key.pp > 1 else None
         if key.tp > 1:
             apply_tensor_parallel(model, groups.tp_mesh)
@@ -223,21 +228,23 @@ class DeviceWorker:
         key = self.placement.mfc_keys[mfc.name]
         role = self.roles[(mfc.role, key)] if mfc.role is not None else None
         sync = None
-        if mfc.kind == MFCKind.TRAIN and key.dp > 1:
+        if mfc.kind == MFCKind.TRAIN and key.dp > 1 and not key.fsdp:  # FSDP reduce-scatters in the backward
             sync = partial(sync_gradients, dp_group=self.groups[key].dp_group)
         tok = self.tokenizer
         return OpContext(role, self.cfg.seed, call.iteration, tok.pad_token_id, tok.eos_token_id, self.decode,
                          train_steps=call.train_steps, sync_grads=sync,
                          micro_batches=self.placement.mfc_micro_batches.get(mfc.name, 1),
-                         recompute=mfc.name in self.placement.mfc_recompute)
+                         recompute=mfc.name in self.placement.mfc_recompute,
+                         lockstep=mfc.kind == MFCKind.TRAIN and key.fsdp and key.dp > 1)
 
     def reallocate(self, index: int) -> dict:
         """Move a role's weights from its canonical layout to another (every source and destination calls)."""
         start = time.time()
         role, src, dst, plan = self.placement.reallocs[index]
         src_role, dst_role = self.roles.get((role, src)), self.roles.get((role, dst))
-        dtype = next((src_role or dst_role).model.parameters()).dtype
-        src_tensors = {n: local_shard(p).detach() for n, p in src_role.model.named_parameters()} if src_role else {}
+        dtype = self.dtype  # FSDP's fp32 shards are rounded to the copy's type (a no-op otherwise)
+        src_tensors = {n: local_shard(p).detach().to(dtype) for n, p in src_role.model.named_parameters()} \
+            if src_role else {}
         # the transfer writes straight into the copy's parameters, taking back their memory if freed; a shard
         # that is a contiguous span of the training shard here becomes a view of it instead (no copy, no memory)
         views = {n for n, _ in dst_role.model.named_parameters() if plan.aliased(self.rank, n)} if dst_role else set()
@@ -268,7 +275,7 @@ class DeviceWorker:
                 views = self.views.get((role, key), frozenset())  # storage of the training copy
                 held = sum(local_shard(p).untyped_storage().size() for n, p in handle.model.named_parameters()
                            if n not in views)
-                report[f"{role}@{key.devices}:dp{key.dp}tp{key.tp}pp{key.pp}"] = held
+                report[f"{role}@{key.devices}:dp{key.dp}tp{key.tp}pp{key.pp}{'fsdp' * key.fsdp}"] = held
         return report
 
     def metrics(self, sample_ids: Sequence[int], inputs: Sequence[Any]) -> dict[str, float]:
@@ -291,6 +298,8 @@ class DeviceWorker:
         handle = self.roles[(role, key)]
         weights = full_state_dict(handle.model)
         optim = FullOptimizerState(handle.model, handle.optimizer).state_dict()
+        if key.fsdp:  # its fp32 shards are the master weights of a 16-bit run
+            weights, optim = with_masters(weights, optim, self.dtype)
         pp_rank, dp_rank, tp_rank = key.coords(self.rank)
         if dp_rank or tp_rank:  # one device per pipeline stage publishes that stage's part
             return {}

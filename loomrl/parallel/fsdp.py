@@ -1,0 +1,69 @@
+"""Fully sharded data parallelism (FSDP, ZeRO stage 3) for a trained role, with PyTorch's FSDP2 ``fully_shard``.
+
+Each rank of the data-parallel group keeps one ``torch.chunk`` block of dim 0 of every parameter (a DTensor
+with placement ``Shard(0)``, the convention :mod:`loomrl.plan.shards` prices and reallocates from), its
+gradient and its optimizer state. Every decoder layer is its own FSDP unit: its weights are all-gathered for its
+forward and again for its backward, then freed, and its gradients are reduce-scattered as the backward leaves
+it, so a device never holds more than a few whole layers. The root unit holds the rest (embedding, final
+norm, head).
+
+Two settings make it compute what the single-process reference does:
+
+- **A sum, not a mean.** The training loop already scales each rank's loss by its share of the step's tokens
+  (:mod:`loomrl.parallel.data_parallel`), so the gradients must be *summed* over the group: every unit's
+  divide factor is 1, reduced with ``ReduceOp.SUM`` alone (gloo has no pre-multiplied sum).
+- **fp32 shards, 16-bit compute.** The sharded weights stay fp32 whatever ``runtime.precision`` says; under bf16
+  a :class:`~torch.distributed.fsdp.MixedPrecisionPolicy` gathers them as bf16 and reduces the gradients in
+  fp32. The fp32 shards are then the optimizer's master weights, so a plain AdamW steps them (no
+  :class:`~loomrl.parallel.zero.ZeroAdamW`, no ``main_grad`` hook), as verl's FSDP workers do.
+
+Collectives run inside every forward and backward, so all ranks of the group must run the same number of them:
+the training loop runs exactly the plan's micro-batches on every rank, a rank short of rows running passes that
+add nothing (:func:`loomrl.algorithms.ops.idle_pass`). Generation and inference, whose passes differ per rank,
+never run on an FSDP model: the plan gives them a reallocated whole copy.
+"""
+
+from __future__ import annotations
+
+import torch
+from torch import nn
+from torch.distributed.device_mesh import DeviceMesh
+from torch.distributed.fsdp import FSDPModule, MixedPrecisionPolicy, fully_shard
+
+from loomrl.models.heads import is_value_model, score_head
+
+__all__ = ["apply_fsdp", "is_fsdp"]
+
+
+def _units(model: nn.Module) -> list[nn.Module]:
+    """The submodules sharded as units of their own: the decoder layers (the classes an HF model lists in
+    ``_no_split_modules``), and for a value model its backbone and score head, which
+    :func:`~loomrl.models.heads.token_values` calls one after the other rather than through the root."""
+    names: set[str] = set()
+    for module in model.modules():
+        names.update(getattr(module, "_no_split_modules", None) or ())
+    units = [m for m in model.modules() if type(m).__name__ in names and m is not model]
+    if is_value_model(model):
+        units += [model.base_model, score_head(model)]
+    return units
+
+
+def apply_fsdp(model: nn.Module, dp_mesh: DeviceMesh, compute_dtype: torch.dtype) -> nn.Module:
+    """Shard ``model`` (in place, before any optimizer sees it) over the one-dimensional ``dp_mesh``; its
+    weights become fp32 shards, computed with in ``compute_dtype``. Returns the model."""
+    model.float()  # exact for bf16 weights: every precision starts from the same values
+    policy = MixedPrecisionPolicy(param_dtype=compute_dtype, reduce_dtype=torch.float32) \
+        if compute_dtype != torch.float32 else MixedPrecisionPolicy()
+    for unit in _units(model):
+        fully_shard(unit, mesh=dp_mesh, mp_policy=policy)
+    fully_shard(model, mesh=dp_mesh, mp_policy=policy)
+    for module in model.modules():
+        if isinstance(module, FSDPModule):
+            module.set_gradient_divide_factor(1.0)
+            module.set_force_sum_reduction_for_comms(True)
+    return model
+
+
+def is_fsdp(model: nn.Module | None) -> bool:
+    """Whether ``model`` is sharded by :func:`apply_fsdp` (its forward and backward are collective)."""
+    return isinstance(model, FSDPModule)
