@@ -377,6 +377,32 @@ def test_zero_divides_adam_state_and_step_over_dp_for_one_all_gather():
     assert model.mfc_memory(TRAIN, zero, True) == model.mfc_memory(TRAIN, plain, True)
 
 
+def test_fsdp_divides_the_whole_training_state_and_prices_gathers_overlapped_on_gpus_only():
+    """FSDP on dp8 (7B, bf16): 16 bytes per parameter over 8 (fp32 shards, gradients, moments); the step's Adam
+    covers an eighth of the fp32 weights; per micro-batch two all-gathers of the bf16 weights and one
+    reduce-scatter of fp32 gradients, hidden behind the pass on a GPU but for one layer's gather, all of them
+    on a CPU; the gathered layers and the root unit add transient memory."""
+    model = llama_model()
+    plain, fsdp = a("0-7:dp8"), Allocation.parse("0-7:dp8mb2fsdp")
+    params, layers = model._shape("actor").params, model._shape("actor").layers
+    assert model.static_memory("actor", fsdp, True) == pytest.approx(params * 16 / 8, rel=1e-6)
+    assert model.static_memory("actor", fsdp, False) == model.static_memory("actor", plain, False)
+    p, f = model.time_terms(TRAIN, a("0-7:dp8mb2")), model.time_terms(TRAIN, fsdp)
+    assert "dp_grad_allreduce" not in f and "fsdp_comm" in f and f["work"] == p["work"]
+    assert f["optimizer"] == pytest.approx(4 * T.adam_step_bytes(params / 8, 4) / PROFILES["h100-80g"].mem_bandwidth)
+    steps, bw = 4, PROFILES["h100-80g"].intra_node_bw
+    gather = params * 2 * 7 / 8 / bw  # per all-gather of the bf16 weights
+    comm = 2 * (2 * gather + 2 * gather)  # two micro-batches: two gathers and one fp32 (twice the bytes) scatter
+    pass_seconds = sum(v for k, v in p.items() if k not in ("dp_grad_allreduce", "optimizer", "optimizer_launch"))
+    assert f["fsdp_comm"] == pytest.approx(steps * (max(0.0, comm - pass_seconds / steps) + gather / layers),
+                                           rel=0.01)
+    assert model.mfc_memory(TRAIN, fsdp, True) > model.mfc_memory(TRAIN, a("0-7:dp8mb2"), True)
+    cpu = llama_model("cpu:2")
+    c = cpu.time_terms(TRAIN, Allocation.parse("0-1:dp2fsdp"))
+    assert c["fsdp_comm"] == pytest.approx(steps * 3 * T.ring_allgather_time(
+        params * 4, 2, PROFILES["local"].intra_node_bw, PROFILES["local"].link_latency), rel=1e-6)
+
+
 def test_reloading_an_offloaded_role_is_its_shard_over_the_host_link_on_accelerators_only():
     model = llama_model()
     alloc = a("0-7:dp4tp2")

@@ -13,7 +13,11 @@ every replica runs in parallel on equal shares, so a call takes as long as one r
   micro-batch; with activation recomputation one more forward: 4×, and its all-reduces) once per optimizer
   step, ``epochs × minibatches`` steps, each followed by the gradient all-reduce over dp (the runtime sums
   gradients after the backward, it does not overlap them) and the Adam step's memory traffic; under ZeRO-1
-  (``zero``) the step covers 1/dp of the weights and an all-gather of the weights over dp follows.
+  (``zero``) the step covers 1/dp of the weights and an all-gather of the weights over dp follows. Under FSDP
+  (``fsdp``) every micro-batch all-gathers the weights twice (forward, backward) and reduce-scatters fp32
+  gradients instead, overlapped with the pass's work where the devices run communication beside compute
+  (``async_launch``: GPU streams; FSDP prefetches the next layer) but for the first layer's gather; the Adam
+  step covers 1/dp of the fp32 weights.
 - **Inference**: one forward pass over every token of the share.
 - **Generate**: a prefill pass over the prompts, then decode steps priced from the response-length
   *distribution*: at step t, the live samples (those with length > t, scaled to the share) each produce one
@@ -161,7 +165,8 @@ class CostModel:
         ``trainable``): :func:`loomrl.plan.shard_bytes`, the figure plan validation uses."""
         lay = alloc.layout
         return float(shard_bytes(self._shape(role).params, lay.tp, lay.pp, self.bytes_per_param, trainable,
-                                 optimizer_shards=alloc.optimizer_shards if trainable else 1))
+                                 optimizer_shards=alloc.optimizer_shards if trainable else 1,
+                                 param_shards=alloc.param_shards if trainable else 1))
 
     def realloc_time(self, role: str, src: Allocation, dst: Allocation) -> float:
         """Seconds to move ``role``'s weights from ``src`` to ``dst``, priced from the real transfer plan of a
@@ -186,10 +191,10 @@ class CostModel:
         nodes = sorted({node_of(d) for d in devices})
         if len(nodes) == 1:
             low = min(devices)
-            return tuple((tuple(d - low for d in a.mesh.devices), _alloc_key(a)[1]) for a in (src, dst))
+            return tuple((tuple(d - low for d in a.mesh.devices), _alloc_key(a)[1], a.fsdp) for a in (src, dst))
         number = {node: i for i, node in enumerate(nodes)}
         return tuple((tuple(number[node_of(d)] * per_node + d - node_of(d) * per_node for d in a.mesh.devices),
-                      _alloc_key(a)[1]) for a in (src, dst))
+                      _alloc_key(a)[1], a.fsdp) for a in (src, dst))
 
     def data_transfer_time(self, nbytes: float, src: Allocation, dst: Allocation) -> float:
         """Seconds to hand ``nbytes`` of batch columns from the devices of ``src`` to those of ``dst``: each
@@ -248,6 +253,9 @@ class CostModel:
                           op_passes=passes)
         rates = self._rates_of(alloc)
         shard_params = shape.params / (lay.tp * lay.pp)
+        if alloc.fsdp:
+            step.update(self._fsdp_terms(shape, alloc, sum(step.values())))
+            return {name: seconds * epochs * minibatches for name, seconds in step.items()}
         grad_bytes = shard_params * max(self.bytes_per_param, GRAD_REDUCE_BYTES)  # summed in fp32
         step["dp_grad_allreduce"] = T.ring_allreduce_time(grad_bytes, lay.dp, rates.dp_bw, rates.latency)
         shards = alloc.optimizer_shards  # ZeRO-1: each dp rank updates 1/dp, then the weights are gathered
@@ -258,6 +266,20 @@ class CostModel:
             step["zero_allgather"] = T.ring_allgather_time(shard_params * self.bytes_per_param, lay.dp, rates.dp_bw,
                                                            rates.latency)
         return {name: seconds * epochs * minibatches for name, seconds in step.items()}
+
+    def _fsdp_terms(self, shape: ModelShape, alloc: Allocation, work: float) -> dict[str, float]:
+        """An FSDP optimizer step's communication (per micro-batch: two all-gathers of the weights in the
+        compute type, one reduce-scatter of fp32 gradients), exposed beyond ``work`` (the step's pass) where
+        the devices overlap them, and its Adam step over the 1/dp of fp32 weights the rank keeps."""
+        lay, rates, mb = alloc.layout, self._rates_of(alloc), alloc.micro_batches
+        gather = T.ring_allgather_time(shape.params * self.bytes_per_param, lay.dp, rates.dp_bw, rates.latency)
+        scatter = T.ring_allgather_time(shape.params * GRAD_REDUCE_BYTES, lay.dp, rates.dp_bw, rates.latency)
+        comm = mb * (2 * gather + scatter)
+        exposed = max(0.0, comm - work) + gather / shape.layers if self.profile.async_launch else comm
+        owned = shape.params / lay.dp
+        optimizer = T.adam_step_bytes(owned, T.FP32) / rates.mem
+        return {"fsdp_comm": exposed, "optimizer": optimizer,
+                "optimizer_launch": self._launch_excess(T.optimizer_ops(shape, shape.layers) * rates.op, optimizer)}
 
     def _generate_terms(self, role: str, alloc: Allocation) -> dict[str, float]:
         """Prefill of the share's prompts, then decode over the response-length distribution."""
@@ -356,10 +378,15 @@ class CostModel:
         _, minibatches = self._steps(mfc)
         tokens = w.batch / minibatches / lay.dp * w.mean_seq
         in_flight = tokens / alloc.micro_batches * min(lay.pp, alloc.micro_batches)
+        # FSDP: the root unit (embedding, head) gathered throughout, two layers at a time (one prefetched) and
+        # one layer's unsharded fp32 gradients before its reduce-scatter
+        gathered = 0.0 if not alloc.fsdp else (2 * shape.vocab * shape.hidden * self.bytes_per_param + (
+            2 * self.bytes_per_param + GRAD_REDUCE_BYTES) * shape.params / shape.layers)
         if alloc.recompute:
-            return T.recompute_activation_bytes(shape, in_flight, tokens / alloc.micro_batches, shape.layers / lay.pp,
-                                                lay.tp, self.bytes_per_param)
-        return T.train_activation_bytes(shape, in_flight, shape.layers / lay.pp, lay.tp, self.bytes_per_param)
+            return gathered + T.recompute_activation_bytes(shape, in_flight, tokens / alloc.micro_batches,
+                                                           shape.layers / lay.pp, lay.tp, self.bytes_per_param)
+        return gathered + T.train_activation_bytes(shape, in_flight, shape.layers / lay.pp, lay.tp,
+                                                   self.bytes_per_param)
 
     # ------------------------------------------------------------------------------------------------ helpers
 
@@ -420,4 +447,4 @@ def _launch(name: str, tp: int) -> str:
 
 def _alloc_key(alloc: Allocation) -> tuple:
     lay = alloc.layout
-    return alloc.mesh.devices, (lay.dp, lay.tp, lay.pp), alloc.micro_batches, alloc.recompute, alloc.zero
+    return alloc.mesh.devices, (lay.dp, lay.tp, lay.pp), alloc.micro_batches, alloc.recompute, alloc.zero, alloc.fsdp

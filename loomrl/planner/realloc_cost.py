@@ -53,7 +53,7 @@ def reduced_model(shape: ModelShape, src: Allocation, dst: Allocation
         layers = shape.layers  # the real planner will report the stage mismatch
     else:  # the most layers up to REDUCED_LAYERS that keep whole stages: more draws for the sender balance
         layers = max(n for n in range(step, max(step, REDUCED_LAYERS) + 1, step) if shape.layers % n == 0)
-    r = math.lcm(src.layout.tp, dst.layout.tp)
+    r = math.lcm(src.layout.tp, dst.layout.tp, src.layout.dp if src.fsdp else 1)  # FSDP: dp splits rows too
     unit = shape.hidden / REDUCED_HIDDEN_UNITS
     true_dims = {"hidden": shape.hidden, "kv": shape.kv_dim, "intermediate": shape.intermediate,
                  "vocab": shape.vocab}

@@ -122,15 +122,18 @@ def _config(mfc: MFC, model_configs: Mapping[str, object]) -> object:
 def _allocations_on(mfc: MFC, mesh: DeviceMesh, cluster: ClusterSpec,
                     model_configs: Mapping[str, object]) -> list[Allocation]:
     """Every layout of ``mfc`` on ``mesh`` (× micro-batches, recompute and, where dp > 1, ZeRO-1 for a train
-    call)."""
+    call, or FSDP for a pure data-parallel one)."""
     if mfc.kind is MFCKind.COMPUTE:
         return [Allocation(mesh, Layout(dp=len(mesh)))]
     train = mfc.kind is MFCKind.TRAIN
     counts, recompute = (MICRO_BATCHES, (False, True)) if train else ((1,), (False,))
     out = []
     for layout in layouts_on(mfc, mesh, cluster, _config(mfc, model_configs)):
-        zeros = (False, True) if train and layout.dp > 1 else (False,)
-        out += [Allocation(mesh, layout, mb, rc, zero) for mb in counts for rc in recompute for zero in zeros]
+        shardings = [(False, False)]  # (zero, fsdp)
+        if train and layout.dp > 1:
+            shardings += [(True, False)] + ([(False, True)] if layout.tp == layout.pp == 1 else [])
+        out += [Allocation(mesh, layout, mb, rc, zero, fsdp) for mb in counts for rc in recompute
+                for zero, fsdp in shardings]
     return out
 
 
