@@ -3,10 +3,10 @@
     .venv/bin/python benchmarks/placement.py [--iterations 6] [--prompts 64] [--devices 2] [--precision fp32]
 
 A short SFT warm start and a small reward model, then the demo's PPO workload for the same iterations from the
-same seed under colocate, interleave and separate plans (and the reference executor for scale). The first
-iteration (warm-up) is excluded; the table gives the median seconds per iteration, the ratio to colocate, the
-time spent in reallocation-dependent calls and the controller's share. All runs share this process and
-machine, side by side.
+same seed under colocate, interleave and separate plans and colocate with FSDP training (and the reference
+executor for scale). The first iteration (warm-up) is excluded; the table gives the median seconds per
+iteration, the ratio to colocate, the time spent in reallocation-dependent calls and the controller's share.
+All runs share this process and machine, side by side.
 """
 
 from __future__ import annotations
@@ -27,6 +27,14 @@ from loomrl.launch import quiet_libraries  # noqa: E402
 from loomrl.report import summary_table  # noqa: E402
 from demo_workload import prepare, run_ppo  # noqa: E402
 
+def _colocated_fsdp(devices: int) -> str:
+    """Every call on all devices, pure dp, with actor and critic trained under FSDP (their other calls on
+    whole copies reallocated from the shards)."""
+    every = f"0-{devices - 1}:dp{devices}"
+    return (f"actor_gen={every}; actor_train={every}fsdp; ref_inf={every}; reward_inf={every}; "
+            f"critic_inf={every}; critic_train={every}fsdp; advantages=0:dp1")
+
+
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--iterations", type=int, default=6)
@@ -43,6 +51,7 @@ def main() -> None:
         "colocate": ("colocate", ray_args),
         "interleave": ("interleave", ray_args),
         "separate": ("separate", ray_args),
+        "colocate, FSDP training": (_colocated_fsdp(args.devices), ray_args),
     }
     with tempfile.TemporaryDirectory() as d:
         tmp = Path(d)

@@ -6,7 +6,8 @@ Ray messages, tokenisation), and tensor-parallel operators (DTensor) cost more t
 Per MFC kind the cost model therefore predicts
 
     seconds = scale[kind] · roofline terms + scale[kind.launch] · launch terms
-              + scale[kind.launch_tp] · tensor-parallel launch terms + overhead_s[kind]
+              + scale[kind.launch_tp] · tensor-parallel launch terms
+              + scale[kind.launch_fsdp] · FSDP collective launch terms + overhead_s[kind]
 
 (the term groups are :func:`term_group`), every coefficient ≥ 0 and fitted by least squares on relative
 error, with a weak prior of 1 on each scale (:func:`fit_corrections`), from observations of measured seconds
@@ -33,7 +34,7 @@ ITERATION = "iteration"
 """Key of the whole-iteration correction: the controller's serial work that no call accounts for (building the
 batch, dispatching, metrics), applied to the simulated iteration time (not an MFC kind)."""
 
-GROUPS = ("roofline", "launch", "launch_tp")
+GROUPS = ("roofline", "launch", "launch_tp", "launch_fsdp")
 """Term groups, each with its own fitted scale (see :func:`term_group`)."""
 
 _MIN_SPREAD = 1.5
@@ -102,10 +103,14 @@ def _scale_key(kind: str, group: str) -> str:
 
 
 def term_group(name: str) -> str:
-    """The group of a cost term by its name: ``*launch_tp`` (tensor-parallel operator launches), ``*launch``
-    (plain operator launches) or ``roofline`` (compute, memory traffic and communication)."""
+    """The group of a cost term by its name: ``*launch_tp`` (tensor-parallel operator launches),
+    ``*launch_fsdp`` (FSDP's per-unit gathers and reduce-scatters: its hooks' Python work, fitted apart like
+    DTensor's), ``*launch`` (plain operator launches) or ``roofline`` (compute, memory traffic and
+    communication)."""
     if name.endswith("launch_tp"):
         return "launch_tp"
+    if name.endswith("launch_fsdp"):
+        return "launch_fsdp"
     if name.endswith("launch"):
         return "launch"
     return "roofline"

@@ -16,8 +16,9 @@ every replica runs in parallel on equal shares, so a call takes as long as one r
   (``zero``) the step covers 1/dp of the weights and an all-gather of the weights over dp follows. Under FSDP
   (``fsdp``) every micro-batch all-gathers the weights twice (forward, backward) and reduce-scatters fp32
   gradients instead, overlapped with the pass's work where the devices run communication beside compute
-  (``async_launch``: GPU streams; FSDP prefetches the next layer) but for the first layer's gather; the Adam
-  step covers 1/dp of the fp32 weights.
+  (``async_launch``: GPU streams; FSDP prefetches the next layer) but for the first layer's gather, and
+  dispatches a few operators per unit and collective (their own term group: FSDP's hooks run in Python);
+  the Adam step covers 1/dp of the fp32 weights.
 - **Inference**: one forward pass over every token of the share.
 - **Generate**: a prefill pass over the prompts, then decode steps priced from the response-length
   *distribution*: at step t, the live samples (those with length > t, scaled to the share) each produce one
@@ -279,7 +280,8 @@ class CostModel:
         owned = shape.params / lay.dp
         optimizer = T.adam_step_bytes(owned, T.FP32) / rates.mem
         return {"fsdp_comm": exposed, "optimizer": optimizer,
-                "optimizer_launch": self._launch_excess(T.optimizer_ops(shape, shape.layers) * rates.op, optimizer)}
+                "optimizer_launch": self._launch_excess(T.optimizer_ops(shape, shape.layers) * rates.op, optimizer),
+                "fsdp_launch_fsdp": self._launch_excess(mb * T.fsdp_round_ops(shape) * rates.op, work)}
 
     def _generate_terms(self, role: str, alloc: Allocation) -> dict[str, float]:
         """Prefill of the share's prompts, then decode over the response-length distribution."""

@@ -103,6 +103,18 @@ def kv_bytes_per_token(shape: ModelShape, b: float) -> float:
     return 2.0 * shape.layers * shape.kv_dim * b
 
 
+def fsdp_round_ops(shape) -> float:
+    """Operators FSDP dispatches per micro-batch for its three collectives (forward all-gather, backward
+    all-gather, gradient reduce-scatter) over all units: each unit (a decoder layer; the root with the
+    embedding, final norm and head) copies its shards into one buffer, runs the collective and copies out,
+    and handles each of its parameters once (FSDP2 swaps every parameter between its sharded and unsharded
+    tensors)."""
+    names = shape.param_shapes(layers=1)
+    per_layer = sum(".layers." in n for n in names)
+    root = len(names) - per_layer
+    return 3 * (shape.layers * (3 + per_layer) + 3 + root)
+
+
 def adam_step_bytes(params: float, b: float) -> float:
     """Memory traffic of one Adam step over ``params`` parameters: read the weights, gradients and both fp32
     moments, write weights and moments back. Weights of fewer than 4 bytes are updated through their fp32 master
