@@ -273,11 +273,12 @@ class CostModel:
         compute type, one reduce-scatter of fp32 gradients), exposed beyond ``work`` (the step's pass) where
         the devices overlap them, and its Adam step over the 1/dp of fp32 weights the rank keeps."""
         lay, rates, mb = alloc.layout, self._rates_of(alloc), alloc.micro_batches
-        gather = T.ring_allgather_time(shape.params * self.bytes_per_param, lay.dp, rates.dp_bw, rates.latency)
-        scatter = T.ring_allgather_time(shape.params * GRAD_REDUCE_BYTES, lay.dp, rates.dp_bw, rates.latency)
+        local = shape.params / lay.tp  # the tensor-parallel shard FSDP divides further
+        gather = T.ring_allgather_time(local * self.bytes_per_param, lay.dp, rates.dp_bw, rates.latency)
+        scatter = T.ring_allgather_time(local * GRAD_REDUCE_BYTES, lay.dp, rates.dp_bw, rates.latency)
         comm = mb * (2 * gather + scatter)
         exposed = max(0.0, comm - work) + gather / shape.layers if self.profile.async_launch else comm
-        owned = shape.params / lay.dp
+        owned = local / lay.dp
         optimizer = T.adam_step_bytes(owned, T.FP32) / rates.mem
         return {"fsdp_comm": exposed, "optimizer": optimizer,
                 "optimizer_launch": self._launch_excess(T.optimizer_ops(shape, shape.layers) * rates.op, optimizer),
@@ -383,7 +384,7 @@ class CostModel:
         # FSDP: the root unit (embedding, head) gathered throughout, two layers at a time (one prefetched) and
         # one layer's unsharded fp32 gradients before its reduce-scatter
         gathered = 0.0 if not alloc.fsdp else (2 * shape.vocab * shape.hidden * self.bytes_per_param + (
-            2 * self.bytes_per_param + GRAD_REDUCE_BYTES) * shape.params / shape.layers)
+            2 * self.bytes_per_param + GRAD_REDUCE_BYTES) * shape.params / shape.layers) / lay.tp
         if alloc.recompute:
             return gathered + T.recompute_activation_bytes(shape, in_flight, tokens / alloc.micro_batches,
                                                            shape.layers / lay.pp, lay.tp, self.bytes_per_param)
