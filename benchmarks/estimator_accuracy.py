@@ -41,8 +41,8 @@ CALIBRATION = {
                                               "critic_inf=0-1:tp2; actor_train=0-1; critic_train=0-1:tp2", ()),
     "cal: 4 dev, critic training on 2": (4, "actor_gen=0-3; ref_inf=0-3; reward_inf=0-3; critic_inf=0-3; "
                                             "actor_train=0-3; critic_train=0-1", ()),
-    "cal: critic trained under FSDP": (2, "actor_gen=0-1; ref_inf=0-1; reward_inf=0-1; critic_inf=0-1; "
-                                          "actor_train=0-1; critic_train=0-1:dp2fsdp", ()),
+    "cal: critic trained under FSDP": (2, ("actor_gen=0-1; ref_inf=0-1; reward_inf=0-1; critic_inf=0-1; "
+                                           "actor_train=0-1; critic_train=0-1:dp2fsdp"), ()),
 }
 EVALUATED = {
     "colocate dp2": (2, "colocate", ()),
@@ -57,10 +57,10 @@ EVALUATED = {
                                 "actor_train=0-1:dp2zero; critic_train=0-1:dp2zero", ()),
     "colocate dp4, ZeRO-1": (4, "actor_gen=0-3; ref_inf=0-3; reward_inf=0-3; critic_inf=0-3; "
                                 "actor_train=0-3:dp4zero; critic_train=0-3:dp4zero", ()),
-    "colocate dp2, FSDP": (2, "actor_gen=0-1; ref_inf=0-1; reward_inf=0-1; critic_inf=0-1; "
-                              "actor_train=0-1:dp2fsdp; critic_train=0-1:dp2fsdp", ()),
-    "colocate dp4, FSDP": (4, "actor_gen=0-3; ref_inf=0-3; reward_inf=0-3; critic_inf=0-3; "
-                              "actor_train=0-3:dp4fsdp; critic_train=0-3:dp4fsdp", ()),
+    "colocate dp2, FSDP": (2, ("actor_gen=0-1; ref_inf=0-1; reward_inf=0-1; critic_inf=0-1; "
+                               "actor_train=0-1:dp2fsdp; critic_train=0-1:dp2fsdp"), ()),
+    "colocate dp4, FSDP": (4, ("actor_gen=0-3; ref_inf=0-3; reward_inf=0-3; critic_inf=0-3; "
+                               "actor_train=0-3:dp4fsdp; critic_train=0-3:dp4fsdp"), ()),
 }
 
 
