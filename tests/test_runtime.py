@@ -290,6 +290,21 @@ def test_zero_runs_load_and_save_layout_independent_checkpoints(tmp_path, refere
     _assert_equivalent(got, reference)
 
 
+@pytest.mark.parametrize("sharding", ["", "fsdp"], ids=["dp4", "fsdp4"])
+def test_ranks_without_rows_match_the_reference(tmp_path, sharding):
+    """4 devices and 2 rows per optimizer step (4 minibatches of 8 samples): two data-parallel ranks get no rows
+    in the whole train call and still join every step's gradient sum (plain dp) or run its collective passes
+    (FSDP: idle ones, and the critic recomputes activations); the result is the reference run's."""
+    common = ("algo.minibatches=4",)
+    reference = _metrics(tmp_path, "ref", *common)
+    plan = (f"actor_gen=0-3:dp4; actor_train=0-3:dp4{sharding}; ref_inf=0-3:dp4; reward_inf=0-3:dp4; "
+            f"critic_inf=0-3:dp4; critic_train=0-3:dp4mb2rc{sharding}; advantages=0:dp1")
+    cfg = _cfg(tmp_path, "fsdp4", *common, "runtime.executor=ray", "runtime.devices=4")
+    RLTrainer(dataclasses.replace(cfg, runtime=dataclasses.replace(cfg.runtime, plan=plan))).run()
+    got = [json.loads(line) for line in (tmp_path / "fsdp4" / "metrics.jsonl").read_text().splitlines()]
+    _assert_equivalent(got, reference)
+
+
 def test_fsdp_runs_load_and_save_layout_independent_checkpoints(tmp_path, reference):
     """Reference → Ray with actor and critic under FSDP → reference, one iteration each: the FSDP workers take
     their dim-0 blocks of the full weights and optimizer state, and gather them whole again."""
