@@ -290,6 +290,15 @@ def test_zero_runs_load_and_save_layout_independent_checkpoints(tmp_path, refere
     _assert_equivalent(got, reference)
 
 
+def test_replicas_without_rows_compute_nothing(tmp_path):
+    """2 prompts on 4 data-parallel replicas: two replicas get no rows for every call, generation and inference
+    included, and the run is the reference run."""
+    common = ("rollout.prompts_per_iter=2", "algo.minibatches=1")
+    reference = _metrics(tmp_path, "ref", *common)
+    got = _metrics(tmp_path, "dp4", *common, "runtime.executor=ray", "runtime.devices=4")
+    _assert_equivalent(got, reference)
+
+
 @pytest.mark.parametrize("sharding", ["", "fsdp"], ids=["dp4", "fsdp4"])
 def test_ranks_without_rows_match_the_reference(tmp_path, sharding):
     """4 devices and 2 rows per optimizer step (4 minibatches of 8 samples): two data-parallel ranks get no rows

@@ -209,11 +209,14 @@ class DeviceWorker:
         try:
             shards = _get(list(call.inputs))
             batch = gather_rows(shards, call.sample_ids, mfc.inputs)
-            if offloaded is not None:
-                offloaded.restore()
-            out = mfc.op(self._context(mfc, call), batch)
-            if offloaded is not None:
-                offloaded.release()
+            if not call.sample_ids and mfc.kind != MFCKind.TRAIN:
+                out = {}  # a replica given no rows computes nothing (train calls still join the step's collectives)
+            else:
+                if offloaded is not None:
+                    offloaded.restore()
+                out = mfc.op(self._context(mfc, call), batch)
+                if offloaded is not None:
+                    offloaded.release()
         except Exception as exc:
             raise WorkerError(f"worker {self.rank} failed in MFC '{mfc.name}' (role {mfc.role}): "
                               f"{type(exc).__name__}: {exc}\n{traceback.format_exc()}") from None
