@@ -210,8 +210,11 @@ devices; the actor's 3 micro-batches exceed a rank's 2 rows per step, so ranks p
      "critic_train=0-1:pp2mb2rc; advantages=0:dp1", 2),
     (ZERO_PLAN_2, 2),
     (FSDP_PLAN_2, 2),
+    ("actor_gen=0-1:dp2; actor_train=2-3:dp2fsdp; ref_inf=2-3:dp2; reward_inf=2-3:dp2; critic_inf=2-3:dp2; "
+     "critic_train=2-3:dp2fsdp; advantages=2:dp1", 4),
 ], ids=["colocate2", "interleave2", "separate2", "realloc_tp2", "pipeline2", "colocate4", "interleave4", "separate4",
-        "pipeline_dp4", "pipeline_tp4", "pipeline2_micro_batches", "dp2_micro_batches", "recompute", "zero2", "fsdp2"])
+        "pipeline_dp4", "pipeline_tp4", "pipeline2_micro_batches", "dp2_micro_batches", "recompute", "zero2", "fsdp2",
+        "separate4_fsdp"])
 def test_plans_match_the_reference(tmp_path, reference, plan, devices):
     """Every placement strategy computes the reference run: per-call meshes and layouts, reallocation of the
     actor between its training and generation layouts, shadow sync, concurrent calls on disjoint devices."""
