@@ -281,12 +281,14 @@ def test_a_pp_tp_run_loads_and_saves_layout_independent_checkpoints(tmp_path, re
     _assert_equivalent(got, reference)
 
 
-def test_zero_runs_load_and_save_layout_independent_checkpoints(tmp_path, reference):
-    """Reference → Ray with ZeRO-1 over tp2 × dp2 and pp2 × dp2 → reference, one iteration each: the sharded
-    optimizers load their chunks of the full state and gather it whole again for the checkpoint."""
+@pytest.mark.parametrize("plan,devices", [(ZERO_PLAN_4, 4), (FSDP_PLAN_2, 2)], ids=["zero4", "fsdp2"])
+def test_sharded_runs_load_and_save_layout_independent_checkpoints(tmp_path, reference, plan, devices):
+    """Reference → Ray with sharded training state → reference, one iteration each: ZeRO-1 over tp2 × dp2 and
+    pp2 × dp2 (the optimizers load their chunks of the full state) and FSDP (dim-0 blocks of the weights and
+    the optimizer state); both gather the state whole again for the checkpoint."""
     RLTrainer(_cfg(tmp_path, "z", "loop.iterations=1")).run()
-    cfg = _cfg(tmp_path, "z", "loop.iterations=2", "runtime.executor=ray", "runtime.devices=4")
-    RLTrainer(dataclasses.replace(cfg, runtime=dataclasses.replace(cfg.runtime, plan=ZERO_PLAN_4))).run(resume=True)
+    cfg = _cfg(tmp_path, "z", "loop.iterations=2", "runtime.executor=ray", f"runtime.devices={devices}")
+    RLTrainer(dataclasses.replace(cfg, runtime=dataclasses.replace(cfg.runtime, plan=plan))).run(resume=True)
     RLTrainer(_cfg(tmp_path, "z")).run(resume=True)
     got = [json.loads(line) for line in (tmp_path / "z" / "metrics.jsonl").read_text().splitlines()]
     assert [r["iteration"] for r in got] == [0, 1, 2]
@@ -314,18 +316,6 @@ def test_ranks_without_rows_match_the_reference(tmp_path, sharding):
     cfg = _cfg(tmp_path, "fsdp4", *common, "runtime.executor=ray", "runtime.devices=4")
     RLTrainer(dataclasses.replace(cfg, runtime=dataclasses.replace(cfg.runtime, plan=plan))).run()
     got = [json.loads(line) for line in (tmp_path / "fsdp4" / "metrics.jsonl").read_text().splitlines()]
-    _assert_equivalent(got, reference)
-
-
-def test_fsdp_runs_load_and_save_layout_independent_checkpoints(tmp_path, reference):
-    """Reference → Ray with actor and critic under FSDP → reference, one iteration each: the FSDP workers take
-    their dim-0 blocks of the full weights and optimizer state, and gather them whole again."""
-    RLTrainer(_cfg(tmp_path, "f", "loop.iterations=1")).run()
-    cfg = _cfg(tmp_path, "f", "loop.iterations=2", "runtime.executor=ray", "runtime.devices=2")
-    RLTrainer(dataclasses.replace(cfg, runtime=dataclasses.replace(cfg.runtime, plan=FSDP_PLAN_2))).run(resume=True)
-    RLTrainer(_cfg(tmp_path, "f")).run(resume=True)
-    got = [json.loads(line) for line in (tmp_path / "f" / "metrics.jsonl").read_text().splitlines()]
-    assert [r["iteration"] for r in got] == [0, 1, 2]
     _assert_equivalent(got, reference)
 
 
@@ -357,38 +347,23 @@ def test_bf16_plans_match_the_bf16_reference(tmp_path, reference_bf16, plan, dev
     _assert_equivalent(got, reference_bf16, **BF16_TOLERANCE)
 
 
-def test_bf16_checkpoints_keep_the_master_weights_across_layouts(tmp_path, reference_bf16):
-    """Reference → Ray with ZeRO-1 over tp2 × dp2 and pp2 × dp2 → reference, one bf16 iteration each: the fp32
-    master weights travel in the optimizer state (sharded, gathered whole again), so the resumed run is the
-    uninterrupted one."""
+@pytest.mark.parametrize("plan,devices,role", [(ZERO_PLAN_4, 4, "actor"), (FSDP_PLAN_2, 2, "critic")],
+                         ids=["zero4", "fsdp2"])
+def test_bf16_checkpoints_keep_the_master_weights_across_layouts(tmp_path, reference_bf16, plan, devices, role):
+    """Reference → Ray → reference, one bf16 iteration each: the fp32 master weights travel in the optimizer
+    state, so the resumed run follows the uninterrupted one. Under ZeRO-1 (tp2 × dp2, pp2 × dp2) they are
+    sharded and gathered whole again; under FSDP the fp32 shards are the masters, saved as the ``master``
+    state beside weights rounded to bf16."""
     import torch
 
     RLTrainer(_cfg(tmp_path, "z", *BF16, "loop.iterations=1")).run()
-    cfg = _cfg(tmp_path, "z", *BF16, "loop.iterations=2", "runtime.executor=ray", "runtime.devices=4")
-    RLTrainer(dataclasses.replace(cfg, runtime=dataclasses.replace(cfg.runtime, plan=ZERO_PLAN_4))).run(resume=True)
+    cfg = _cfg(tmp_path, "z", *BF16, "loop.iterations=2", "runtime.executor=ray", f"runtime.devices={devices}")
+    RLTrainer(dataclasses.replace(cfg, runtime=dataclasses.replace(cfg.runtime, plan=plan))).run(resume=True)
     saved = torch.load(tmp_path / "z" / "checkpoints" / "iter_000001" / "optimizers.pt", weights_only=False)
-    actor = saved["optimizers"]["actor"]["state"]
-    assert actor and all(st["master"].dtype == torch.float32 for st in actor.values())
+    state = saved["optimizers"][role]["state"]
+    assert state and all(st["master"].dtype == torch.float32 for st in state.values())
     RLTrainer(_cfg(tmp_path, "z", *BF16)).run(resume=True)
     got = [json.loads(line) for line in (tmp_path / "z" / "metrics.jsonl").read_text().splitlines()]
-    assert [r["iteration"] for r in got] == [0, 1, 2]
-    _assert_equivalent(got, reference_bf16, **BF16_TOLERANCE)
-
-
-def test_bf16_fsdp_checkpoints_carry_the_fp32_shards_as_master_weights(tmp_path, reference_bf16):
-    """Reference → Ray under FSDP → reference, one bf16 iteration each: FSDP's fp32 shards are the master
-    weights; the checkpoint holds them as the optimizer's ``master`` state (the weights rounded to bf16), and
-    each side resumes from them, so the run follows the uninterrupted one."""
-    import torch
-
-    RLTrainer(_cfg(tmp_path, "f", *BF16, "loop.iterations=1")).run()
-    cfg = _cfg(tmp_path, "f", *BF16, "loop.iterations=2", "runtime.executor=ray", "runtime.devices=2")
-    RLTrainer(dataclasses.replace(cfg, runtime=dataclasses.replace(cfg.runtime, plan=FSDP_PLAN_2))).run(resume=True)
-    saved = torch.load(tmp_path / "f" / "checkpoints" / "iter_000001" / "optimizers.pt", weights_only=False)
-    critic = saved["optimizers"]["critic"]["state"]
-    assert critic and all(st["master"].dtype == torch.float32 for st in critic.values())
-    RLTrainer(_cfg(tmp_path, "f", *BF16)).run(resume=True)
-    got = [json.loads(line) for line in (tmp_path / "f" / "metrics.jsonl").read_text().splitlines()]
     assert [r["iteration"] for r in got] == [0, 1, 2]
     _assert_equivalent(got, reference_bf16, **BF16_TOLERANCE)
 
