@@ -4,8 +4,9 @@ Equivalence (3 PPO iterations, tiny model, float32): the runtime on 1 device, on
 devices with TP=2 for the actor, with PP=2 for actor and critic, and on 4 devices with PP=2 × TP=2 for both
 (generation reallocated to DP=2 × TP=2), and plans with several micro-batches per call (pipelined or
 accumulated), gives the same samples as the reference (so every sample-derived metric is identical) and the
-same losses within 1e-4 relative. Why 1e-4: the only differences are the order of floating-point sums
-(gradients summed over DP ranks and micro-batches, TP row-parallel reductions), about 1e-7 relative per
+same losses within 1e-4 relative; so do the placement plans below (ZeRO-1 and FSDP among them). Why 1e-4: the
+only differences are the order of floating-point sums (gradients summed over DP ranks and micro-batches, by an
+all-reduce or FSDP's reduce-scatter, TP row-parallel reductions), about 1e-7 relative per
 operation, which three iterations of Adam amplify to well under 1e-5; 1e-4 leaves room without hiding a
 real bug, which moves losses by orders of magnitude more.
 
