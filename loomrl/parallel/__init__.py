@@ -17,7 +17,7 @@ read gradients through :func:`~loomrl.parallel.main_grad.grad_of`.
 """
 
 from loomrl.parallel.data_parallel import local_shard, sync_gradients
-from loomrl.parallel.fsdp import apply_fsdp, is_fsdp
+from loomrl.parallel.fsdp import apply_fsdp
 from loomrl.parallel.realloc_exec import ReallocVerificationError, build_broadcast_groups, execute_reallocation
 from loomrl.parallel.allocations import AllocationGroups, AllocKey
 from loomrl.parallel.layout import TP_ARCHITECTURES, Layout, check_layout
@@ -36,7 +36,6 @@ __all__ = [
     "execute_reallocation",
     "check_layout",
     "full_state_dict",
-    "is_fsdp",
     "load_full_state_dict",
     "local_shard",
     "sync_gradients",

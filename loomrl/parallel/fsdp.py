@@ -32,7 +32,7 @@ from torch.distributed.fsdp import FSDPModule, MixedPrecisionPolicy, fully_shard
 
 from loomrl.models.heads import is_value_model, score_head
 
-__all__ = ["apply_fsdp", "is_fsdp"]
+__all__ = ["apply_fsdp"]
 
 
 def _units(model: nn.Module) -> list[nn.Module]:
@@ -62,8 +62,3 @@ def apply_fsdp(model: nn.Module, dp_mesh: DeviceMesh, compute_dtype: torch.dtype
             module.set_gradient_divide_factor(1.0)
             module.set_force_sum_reduction_for_comms(True)
     return model
-
-
-def is_fsdp(model: nn.Module | None) -> bool:
-    """Whether ``model`` is sharded by :func:`apply_fsdp` (its forward and backward are collective)."""
-    return isinstance(model, FSDPModule)

@@ -103,7 +103,7 @@ def kv_bytes_per_token(shape: ModelShape, b: float) -> float:
     return 2.0 * shape.layers * shape.kv_dim * b
 
 
-def fsdp_round_ops(shape) -> float:
+def fsdp_round_ops(shape: ModelShape) -> float:
     """Operators FSDP dispatches per micro-batch for its three collectives (forward all-gather, backward
     all-gather, gradient reduce-scatter) over all units: each unit (a decoder layer; the root with the
     embedding, final norm and head) copies its shards into one buffer, runs the collective and copies out,

@@ -68,7 +68,7 @@ def gather_rows(shards: Sequence[Batch], sample_ids: Sequence[int], keys: Sequen
 
     Per-token columns are response-aligned and right-padded; shards made by different workers are padded to
     their own longest response, so every 2-D column is padded again to one common width, as in the reference.
-    No rows (a data-parallel rank the train schedule gave none this call): an empty batch, with no inputs.
+    No rows (a data-parallel replica given none this call): an empty batch, with no inputs.
     """
     if not sample_ids:
         return Batch([])
