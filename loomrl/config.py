@@ -166,6 +166,15 @@ class LayoutConfig(ValidatedConfig):
     """Tensor-parallel shards (attention heads and MLP columns split over devices)."""
     pp: int = spec(1, ge=1)
     """Pipeline stages for train and inference calls (generation runs with pp=1: the weights are reallocated)."""
+    sharding: str = spec("none", choices=("none", "zero", "fsdp"))
+    """Trained roles (actor, critic): 'zero' shards the optimizer state over dp (ZeRO-1), 'fsdp' the weights,
+    gradients and optimizer state (FSDP, pure data parallel: tp = pp = 1; the role's other calls then run on a
+    whole copy reallocated from the shards). Applies to its train calls."""
+
+    def validate(self) -> None:
+        if self.sharding == "fsdp" and (self.tp > 1 or self.pp > 1):
+            fail("sharding", f"fsdp shards over data parallelism only; with tp={self.tp}, pp={self.pp} use zero "
+                             "(valid with fsdp: tp=1, pp=1)")
 
 
 @dataclass(frozen=True)
@@ -204,6 +213,9 @@ class RuntimeConfig(ValidatedConfig):
         for role, layout in self.layouts.items():
             if role not in ROLES:
                 fail(f"layouts.{role}", f"unknown role; valid roles: {', '.join(ROLES)}")
+            if layout.sharding != "none" and role not in ("actor", "critic"):
+                fail(f"layouts.{role}.sharding", f"{layout.sharding} shards a trained role's state; {role} is "
+                                                 "frozen (valid: none; actor and critic may shard)")
             if not self.devices:
                 continue  # checked once the device count is known (RayExecutor)
             dp = layout.dp or self.devices // (layout.tp * layout.pp)

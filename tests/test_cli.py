@@ -231,6 +231,11 @@ LOAD_ERRORS = [
     ("model-reward-without-model", lambda d: ["reward.source=model"], ["reward.model", "'model'"]),
     ("grpo-group-of-one", lambda d: ["algo.name=grpo", "algo.group_size=1"], ["algo.group_size", "1 is too small"]),
     ("yaml-value-overridden-badly", lambda d: [d / "good.yaml", "seed=zero"], ["seed", "'zero' is not an int"]),
+    ("sharding-a-frozen-role", lambda d: ["runtime.layouts={ref: {sharding: fsdp}}"],
+     ["runtime.layouts.ref.sharding", "ref is frozen", "valid: none"]),
+    ("fsdp-with-tp", lambda d: ["runtime.layouts={actor: {tp: 2, sharding: fsdp}}"],
+     ["sharding", "valid with fsdp: tp=1, pp=1"]),
+    ("bad-sharding", lambda d: ["runtime.layouts={actor: {sharding: zero3}}"], ["sharding", "'zero3' is not one of"]),
 ]
 
 

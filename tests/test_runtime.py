@@ -69,10 +69,11 @@ def reference(tmp_path_factory):
 @pytest.mark.parametrize("layout", [
     ("runtime.devices=1",),
     ("runtime.devices=2",),
+    ("runtime.devices=2", "runtime.layouts={actor: {sharding: fsdp}, critic: {sharding: zero}}"),
     ("runtime.devices=2", "runtime.layouts={actor: {tp: 2}}"),
     ("runtime.devices=2", "runtime.layouts={actor: {pp: 2}, critic: {pp: 2}}"),
     ("runtime.devices=4", "runtime.layouts={actor: {pp: 2, tp: 2}, critic: {pp: 2, tp: 2}}"),
-], ids=["1dev", "dp2", "actor_tp2", "actor_critic_pp2", "actor_critic_pp2tp2"])
+], ids=["1dev", "dp2", "dp2_fsdp_zero", "actor_tp2", "actor_critic_pp2", "actor_critic_pp2tp2"])
 def test_runtime_matches_the_reference(tmp_path, reference, layout):
     got = _metrics(tmp_path, "ray", "runtime.executor=ray", *layout)
     assert len(reference) == 3
@@ -230,6 +231,21 @@ def test_plans_match_the_reference(tmp_path, reference, plan, devices):
     got = [json.loads(line) for line in (tmp_path / "plan" / "metrics.jsonl").read_text().splitlines()]
     _assert_equivalent(got, reference)
     assert got[-1]["eval/exact_match"] == reference[-1]["eval/exact_match"]
+
+
+def test_a_roles_sharding_applies_to_its_train_calls_in_the_default_plan(tmp_path):
+    """``runtime.layouts.<role>.sharding`` (no plan string): the colocated default plan trains the actor under
+    FSDP and the critic under ZeRO-1; every other call keeps its whole layout."""
+    from loomrl.algorithms.workflows import build_workflow
+    from loomrl.plan import ClusterSpec
+    from loomrl.runtime.placement import execution_plan
+
+    cfg = _cfg(tmp_path, "s", "runtime.executor=ray", "runtime.devices=2",
+               "runtime.layouts={actor: {sharding: fsdp}, critic: {sharding: zero}}")
+    workflow = build_workflow(cfg.algo, cfg.rollout)
+    plan = execution_plan(cfg, workflow, ClusterSpec(nodes=1, devices_per_node=2))
+    assert plan["actor_train"].text == "0-1:dp2fsdp" and plan["critic_train"].text == "0-1:dp2zero"
+    assert {plan[m.name].text for m in workflow if m.kind.value != "train" and m.role} == {"0-1:dp2"}
 
 
 def test_workers_run_each_call_with_the_plans_micro_batches(tmp_path):

@@ -3,6 +3,8 @@ and the parameter transfers between a role's allocations (planned once, before a
 
 from __future__ import annotations
 
+import dataclasses
+
 from loomrl.config import TrainConfig
 from loomrl.errors import ConfigError
 from loomrl.models.zoo import parameter_shapes
@@ -33,10 +35,17 @@ def resolve_layouts(cfg: TrainConfig, workflow: Workflow, n: int) -> dict[str, L
 
 
 def execution_plan(cfg: TrainConfig, workflow: Workflow, cluster: ClusterSpec) -> ExecutionPlan:
-    """``runtime.plan`` if given, else every call on all devices with ``runtime.layouts`` (colocate)."""
+    """``runtime.plan`` if given, else every call on all devices with ``runtime.layouts`` (colocate; a role's
+    ``sharding`` applies to its train calls)."""
     if cfg.runtime.plan is not None:
         return make_plan(cfg.runtime.plan, workflow, cluster)
-    return colocate(workflow, cluster, layouts=resolve_layouts(cfg, workflow, cluster.n_devices))
+    plan = colocate(workflow, cluster, layouts=resolve_layouts(cfg, workflow, cluster.n_devices))
+    for mfc in workflow.topological_order():
+        given = cfg.runtime.layouts.get(mfc.role) if mfc.kind == MFCKind.TRAIN else None
+        if given is not None and given.sharding != "none":
+            plan = plan.with_allocation(mfc.name, dataclasses.replace(
+                plan[mfc.name], zero=given.sharding == "zero", fsdp=given.sharding == "fsdp"))
+    return plan
 
 
 def _key(alloc) -> AllocKey:
