@@ -71,6 +71,7 @@ def _cmd_demo(args: argparse.Namespace) -> int:
 
 
 def _cmd_plan(args: argparse.Namespace) -> int:
+    import math
     from pathlib import Path
 
     from rich.console import Console
@@ -113,6 +114,10 @@ def _cmd_plan(args: argparse.Namespace) -> int:
                     f"{result.iteration_time:.2f} s/iteration")
     if not result.feasible:
         console.print(f"no plan fits in memory: {result.reason}")
+    bound = report.bound.seconds
+    if math.isfinite(bound):
+        console.print(f"lower bound: no plan of the search's space runs faster than {bound:.3g} s/iteration "
+                      f"(best found: {result.iteration_time / bound:.3f}x of it; see loomrl.planner.bounds)")
     console.print(f"best: {name}, {result.iteration_time:.3g} s/iteration; search vs best heuristic: "
                   f"{report.search_speedup:.3f}x; wrote {out / 'best_plan.json'} (loomrl train --plan accepts it) "
                   f"and {out / 'timeline.png'}, {out / 'timeline.html'}")

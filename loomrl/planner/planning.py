@@ -14,6 +14,7 @@ from typing import Mapping
 
 from loomrl.errors import ConfigError
 from loomrl.plan import ClusterSpec, ExecutionPlan
+from loomrl.planner.bounds import IterationBound, iteration_bound
 from loomrl.planner.corrections import Corrections
 from loomrl.planner.cost import CostModel
 from loomrl.planner.profiles import HardwareProfile, profile_for
@@ -70,6 +71,8 @@ class PlanningReport:
     best: tuple[str, ExecutionPlan, SimResult]
     heuristics: dict[str, tuple[ExecutionPlan, SimResult]]
     searched: list[tuple[ExecutionPlan, SimResult]]
+    bound: IterationBound
+    """No plan of the search's space is faster than ``bound.seconds`` (:mod:`loomrl.planner.bounds`)."""
 
     @property
     def search_speedup(self) -> float:
@@ -84,7 +87,8 @@ def compare_plans(workflow: Workflow, cluster: ClusterSpec, configs: Mapping[str
                   *, seed: int = 0, time_budget_s: float = 30.0, chains: int = 4,
                   profile: HardwareProfile | None = None, corrections: Corrections | None = None,
                   bytes_per_param: int | None = None) -> PlanningReport:
-    """Best layouts of each heuristic strategy, then a seeded, time-bounded search; all simulated.
+    """Best layouts of each heuristic strategy, then a seeded, time-bounded search; all simulated; and the
+    lower bound on any plan's time (:func:`~loomrl.planner.bounds.iteration_bound`).
 
     ``time_budget_s`` bounds the whole comparison: the search gets what the heuristics' enumeration leaves
     of it, and at least :data:`MIN_SEARCH_SHARE` of it (so the total may exceed the budget only where the
@@ -99,6 +103,7 @@ def compare_plans(workflow: Workflow, cluster: ClusterSpec, configs: Mapping[str
     began = time.monotonic()
     cost = CachedCost(CostModel(cluster, profile, shapes, workload, corrections, bytes_per_param=bytes_per_param))
     memory = profile.memory_bytes
+    bound = iteration_bound(workflow, cluster, cost, memory, configs)  # its prices are the search's, cached
     heuristics = best_heuristic_plans(workflow, cluster, cost, memory, configs)
     search_s = max(time_budget_s - (time.monotonic() - began), MIN_SEARCH_SHARE * time_budget_s)
     feasible = sorted(((r.iteration_time, name, p) for name, (p, r) in heuristics.items() if r.feasible),
@@ -121,6 +126,6 @@ def compare_plans(workflow: Workflow, cluster: ClusterSpec, configs: Mapping[str
     candidates += [(r.iteration_time, "searched", p, r) for p, r in searched[:1]]
     if not candidates:  # report the least infeasible plan, with the reason, rather than nothing
         plan, result = heuristics["colocate"]
-        return PlanningReport(rows, ("colocate (infeasible)", plan, result), heuristics, searched)
+        return PlanningReport(rows, ("colocate (infeasible)", plan, result), heuristics, searched, bound)
     _, name, plan, result = min(candidates, key=lambda t: t[0])
-    return PlanningReport(rows, (name, plan, result), heuristics, searched)
+    return PlanningReport(rows, (name, plan, result), heuristics, searched, bound)

@@ -47,7 +47,7 @@ from loomrl.planner.simulator import CostEstimator, SimResult, simulate
 from loomrl.workflow import MFC, MFCKind, Workflow
 
 __all__ = ["CachedCost", "MICRO_BATCHES", "best_heuristic_plans", "candidate_allocations", "device_meshes",
-           "layouts_on", "plan_key", "search"]
+           "layouts_on", "plan_key", "search", "unit_names"]
 
 MICRO_BATCHES: tuple[int, ...] = (1, 2, 4, 8)
 """Micro-batch counts a train call may choose."""
@@ -155,7 +155,7 @@ class _Unit:
     candidates: tuple[Allocation, ...]
 
 
-def _units(workflow: Workflow) -> list[tuple[str, ...]]:
+def unit_names(workflow: Workflow) -> list[tuple[str, ...]]:
     """Groups of MFC names that share one allocation: a role's train calls together, every other MFC alone."""
     units: list[tuple[str, ...]] = []
     seen: set[str] = set()
@@ -419,7 +419,7 @@ def search(workflow: Workflow, cluster: ClusterSpec, cost: CostEstimator, memory
     units = [_Unit(names, _prune(names, tuple(candidate_allocations(workflow[names[0]], workflow, cluster,
                                                                     model_configs)),
                                  workflow, evaluate.cost, memory_per_device, keep))
-             for names in _units(workflow)]
+             for names in unit_names(workflow)]
     units = [u for u in units if len(u.candidates) > 1]
     # chains beyond the starts start from the best of their crossovers, not from a start walked already
     known = {plan_key(p) for p in starts}
@@ -479,7 +479,7 @@ def _per_call_units(plan: ExecutionPlan, workflow: Workflow,
     """Every call (a role's train calls together) with its own layout on its mesh: reallocation between a
     role's calls lets each pick its fastest, a stronger baseline than the symmetric one."""
     out = []
-    for names in _units(workflow):
+    for names in unit_names(workflow):
         if workflow[names[0]].kind is MFCKind.COMPUTE:
             continue
         options = _allocations_on(workflow[names[0]], plan[names[0]].mesh, plan.cluster, model_configs)
