@@ -61,6 +61,8 @@ EVALUATED = {
                                "actor_train=0-1:dp2fsdp; critic_train=0-1:dp2fsdp"), ()),
     "colocate dp4, FSDP": (4, ("actor_gen=0-3; ref_inf=0-3; reward_inf=0-3; critic_inf=0-3; "
                                "actor_train=0-3:dp4fsdp; critic_train=0-3:dp4fsdp"), ()),
+    "colocate dp2tp2, FSDP": (4, None, (("runtime.layouts={actor: {tp: 2, sharding: fsdp}, "
+                                         "critic: {tp: 2, sharding: fsdp}}"),)),
 }
 
 

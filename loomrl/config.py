@@ -168,13 +168,13 @@ class LayoutConfig(ValidatedConfig):
     """Pipeline stages for train and inference calls (generation runs with pp=1: the weights are reallocated)."""
     sharding: str = spec("none", choices=("none", "zero", "fsdp"))
     """Trained roles (actor, critic): 'zero' shards the optimizer state over dp (ZeRO-1), 'fsdp' the weights,
-    gradients and optimizer state (FSDP, pure data parallel: tp = pp = 1; the role's other calls then run on a
+    gradients and optimizer state (FSDP, each tp shard over dp; pp = 1; the role's other calls then run on a
     whole copy reallocated from the shards). Applies to its train calls."""
 
     def validate(self) -> None:
-        if self.sharding == "fsdp" and (self.tp > 1 or self.pp > 1):
-            fail("sharding", f"fsdp shards over data parallelism only; with tp={self.tp}, pp={self.pp} use zero "
-                             "(valid with fsdp: tp=1, pp=1)")
+        if self.sharding == "fsdp" and self.pp > 1:
+            fail("sharding", f"fsdp does not combine with pipeline stages; with pp={self.pp} use zero "
+                             "(valid with fsdp: pp=1, any dp and tp)")
 
 
 @dataclass(frozen=True)

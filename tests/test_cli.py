@@ -233,8 +233,8 @@ LOAD_ERRORS = [
     ("yaml-value-overridden-badly", lambda d: [d / "good.yaml", "seed=zero"], ["seed", "'zero' is not an int"]),
     ("sharding-a-frozen-role", lambda d: ["runtime.layouts={ref: {sharding: fsdp}}"],
      ["runtime.layouts.ref.sharding", "ref is frozen", "valid: none"]),
-    ("fsdp-with-tp", lambda d: ["runtime.layouts={actor: {tp: 2, sharding: fsdp}}"],
-     ["sharding", "valid with fsdp: tp=1, pp=1"]),
+    ("fsdp-with-pp", lambda d: ["runtime.layouts={actor: {pp: 2, sharding: fsdp}}"],
+     ["sharding", "valid with fsdp: pp=1, any dp and tp"]),
     ("bad-sharding", lambda d: ["runtime.layouts={actor: {sharding: zero3}}"], ["sharding", "'zero3' is not one of"]),
 ]
 

@@ -286,7 +286,8 @@ def test_fsdp_is_a_train_call_choice_that_shards_everything_and_needs_a_copy_for
     assert ("copy", "critic_inf") in moves
     one_line_error(lambda: parse_placement(text.replace("critic_inf=0-7:dp8", "critic_inf=0-7:dp8fsdp"), PPO, c),
                    "plan.allocations.critic_inf", "fsdp is for train calls only")
-    one_line_error(lambda: Allocation.parse("0-7:dp4tp2fsdp"), "fsdp", "valid with fsdp: tp=1, pp=1")
+    one_line_error(lambda: Allocation.parse("0-7:dp4pp2fsdp"), "fsdp", "valid with fsdp: pp=1, any dp and tp")
+    assert Allocation.parse("0-7:dp4tp2fsdp").param_shards == 4  # FSDP over dp of each tp shard
     one_line_error(lambda: Allocation.parse("0-7:dp8zerofsdp"), "zero", "give one of zero and fsdp")
     # fp32 shards (their own master copy), fp32 gradients and Adam's moments: 16 bytes per parameter over dp,
     # in either precision

@@ -192,6 +192,10 @@ FSDP_PLAN_2 = ("actor_gen=0-1:dp2; actor_train=0-1:dp2mb3fsdp; ref_inf=0:dp1; re
                "critic_train=0-1:dp2mb2fsdp; advantages=0:dp1")
 """Actor and critic fully sharded over dp2 (FSDP2), their other calls on reallocated whole copies on the same
 devices; the actor's 3 micro-batches exceed a rank's 2 rows per step, so ranks pad with idle passes."""
+FSDP_TP_PLAN_4 = ("actor_gen=0-3:dp4; actor_train=0-3:dp2tp2fsdp; ref_inf=0-3:dp4; reward_inf=0-3:dp4; "
+                  "critic_inf=0-3:dp2tp2; critic_train=0-3:dp2tp2mb2fsdp; advantages=0:dp1")
+"""FSDP over the dp dimension of a dp2 × tp2 mesh: each rank keeps a dim-0 block of its tensor-parallel shard;
+the critic's inference runs on a whole tp2 copy reallocated from those blocks on the same devices."""
 
 
 @pytest.mark.parametrize("plan,devices", [
@@ -214,9 +218,10 @@ devices; the actor's 3 micro-batches exceed a rank's 2 rows per step, so ranks p
     (FSDP_PLAN_2, 2),
     ("actor_gen=0-1:dp2; actor_train=2-3:dp2fsdp; ref_inf=2-3:dp2; reward_inf=2-3:dp2; critic_inf=2-3:dp2; "
      "critic_train=2-3:dp2fsdp; advantages=2:dp1", 4),
+    (FSDP_TP_PLAN_4, 4),
 ], ids=["colocate2", "interleave2", "separate2", "realloc_tp2", "pipeline2", "colocate4", "interleave4", "separate4",
         "pipeline_dp4", "pipeline_tp4", "pipeline2_micro_batches", "dp2_micro_batches", "recompute", "zero2", "fsdp2",
-        "separate4_fsdp"])
+        "separate4_fsdp", "fsdp_tp4"])
 def test_plans_match_the_reference(tmp_path, reference, plan, devices):
     """Every placement strategy computes the reference run: per-call meshes and layouts, reallocation of the
     actor between its training and generation layouts, shadow sync, concurrent calls on disjoint devices."""
@@ -246,6 +251,27 @@ def test_a_roles_sharding_applies_to_its_train_calls_in_the_default_plan(tmp_pat
     plan = execution_plan(cfg, workflow, ClusterSpec(nodes=1, devices_per_node=2))
     assert plan["actor_train"].text == "0-1:dp2fsdp" and plan["critic_train"].text == "0-1:dp2zero"
     assert {plan[m.name].text for m in workflow if m.kind.value != "train" and m.role} == {"0-1:dp2"}
+
+
+def test_fsdp_with_tensor_parallelism_shards_each_tp_shard_over_dp(tmp_path):
+    """``runtime.layouts.actor: {tp: 2, sharding: fsdp}`` on 4 devices trains the actor as dp2 × tp2 under FSDP:
+    a device keeps half of its tensor-parallel shard, a quarter of the weights, beside the whole tp2 copy its
+    other calls use (the run itself is checked against the reference with ``fsdp_tp4`` above)."""
+    from loomrl.algorithms.workflows import build_workflow
+    from loomrl.plan import ClusterSpec
+    from loomrl.runtime.placement import execution_plan
+
+    cfg = _cfg(tmp_path, "s", "runtime.executor=ray", "runtime.devices=4",
+               "runtime.layouts={actor: {tp: 2, sharding: fsdp}}")
+    plan = execution_plan(cfg, build_workflow(cfg.algo, cfg.rollout), ClusterSpec(nodes=1, devices_per_node=4))
+    assert plan["actor_train"].text == "0-3:dp2tp2fsdp" and plan["actor_gen"].text == "0-3:dp2tp2"
+    trainer = RLTrainer(cfg)
+    try:  # before the first iteration frees the copy
+        report = ray.get(trainer.executor.workers[0].memory_report.remote(), timeout=60)
+    finally:
+        trainer.close()
+    shards, copy = report["actor@(0, 1, 2, 3):dp2tp2pp1fsdp"], report["actor@(0, 1, 2, 3):dp2tp2pp1"]
+    assert 0.45 < shards / copy < 0.55, report  # dim-0 blocks may pad a little
 
 
 def test_workers_run_each_call_with_the_plans_micro_batches(tmp_path):
@@ -298,11 +324,12 @@ def test_a_pp_tp_run_loads_and_saves_layout_independent_checkpoints(tmp_path, re
     _assert_equivalent(got, reference)
 
 
-@pytest.mark.parametrize("plan,devices", [(ZERO_PLAN_4, 4), (FSDP_PLAN_2, 2)], ids=["zero4", "fsdp2"])
+@pytest.mark.parametrize("plan,devices", [(ZERO_PLAN_4, 4), (FSDP_PLAN_2, 2), (FSDP_TP_PLAN_4, 4)],
+                         ids=["zero4", "fsdp2", "fsdp_tp4"])
 def test_sharded_runs_load_and_save_layout_independent_checkpoints(tmp_path, reference, plan, devices):
     """Reference → Ray with sharded training state → reference, one iteration each: ZeRO-1 over tp2 × dp2 and
     pp2 × dp2 (the optimizers load their chunks of the full state) and FSDP (dim-0 blocks of the weights and
-    the optimizer state); both gather the state whole again for the checkpoint."""
+    the optimizer state, of tp2 shards too); all gather the state whole again for the checkpoint."""
     RLTrainer(_cfg(tmp_path, "z", "loop.iterations=1")).run()
     cfg = _cfg(tmp_path, "z", "loop.iterations=2", "runtime.executor=ray", f"runtime.devices={devices}")
     RLTrainer(dataclasses.replace(cfg, runtime=dataclasses.replace(cfg.runtime, plan=plan))).run(resume=True)
@@ -351,12 +378,13 @@ def reference_bf16(tmp_path_factory):
     ("actor_gen=0-3:dp4; actor_train=0-3:pp2tp2; ref_inf=0-3:pp2tp2; reward_inf=0-3:dp4; critic_inf=0-3:dp2tp2; "
      "critic_train=0-3:pp2tp2; advantages=0:dp1", 4),
     (FSDP_PLAN_2, 2),
-], ids=["zero2_tp2_copy", "pipeline_tp4", "fsdp2"])
+    (FSDP_TP_PLAN_4, 4),
+], ids=["zero2_tp2_copy", "pipeline_tp4", "fsdp2", "fsdp_tp4"])
 def test_bf16_plans_match_the_bf16_reference(tmp_path, reference_bf16, plan, devices):
     """Mixed precision under ZeRO-1 with a reallocated tp2 generation copy, under pp × tp (bf16 DTensor
     shards, bf16 activations between stages) and under FSDP (fp32 shards gathered as bf16, gradients
-    reduce-scattered in fp32, bf16 copies reallocated from the fp32 shards): the bf16 reference run within
-    bf16's tolerance."""
+    reduce-scattered in fp32, bf16 copies reallocated from the fp32 shards; also over tp2 shards): the bf16
+    reference run within bf16's tolerance."""
     cfg = _cfg(tmp_path, "plan", *BF16, "runtime.executor=ray", f"runtime.devices={devices}",
                "runtime.verify_reallocation=true")
     RLTrainer(dataclasses.replace(cfg, runtime=dataclasses.replace(cfg.runtime, plan=plan))).run()

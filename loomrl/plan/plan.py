@@ -171,8 +171,9 @@ class Allocation(ValidatedConfig):
     """Train calls only (FSDP, ZeRO stage 3; :mod:`loomrl.parallel.fsdp`): each data-parallel rank keeps 1/dp of
     the weights (in fp32), of their gradients and of the optimizer state; each decoder layer's weights are
     all-gathered for its forward and again for its backward, and gradients are reduce-scattered. The role's
-    other calls then run on a reallocated whole copy, even on the same devices and layout. Pure data parallel
-    for now (tp = pp = 1); not combined with ``zero``, which it includes."""
+    other calls then run on a reallocated whole copy, even on the same devices and layout. With tp > 1 each
+    rank's tensor-parallel shard is what is divided over dp (FSDP over the dp dimension of a dp × tp mesh, as
+    torchtitan does); not with pipeline stages (pp = 1), nor with ``zero``, which it includes."""
 
     def __post_init__(self) -> None:
         if isinstance(self.mesh, (list, tuple)):
@@ -184,9 +185,9 @@ class Allocation(ValidatedConfig):
         if lay.size != len(self.mesh):
             fail("layout", f"dp={lay.dp} × tp={lay.tp} × pp={lay.pp} = {lay.size} device{'s' * (lay.size != 1)}, "
                            f"but the mesh {self.mesh.text} has {len(self.mesh)}")
-        if self.fsdp and (lay.tp > 1 or lay.pp > 1):
-            fail("fsdp", f"shards over data parallelism only; with tp={lay.tp}, pp={lay.pp} use zero instead "
-                         "(valid with fsdp: tp=1, pp=1)")
+        if self.fsdp and lay.pp > 1:
+            fail("fsdp", f"does not combine with pipeline stages; with pp={lay.pp} use zero instead "
+                         "(valid with fsdp: pp=1, any dp and tp)")
         if self.fsdp and self.zero:
             fail("zero", "fsdp shards the optimizer state already; give one of zero and fsdp")
 

@@ -6,8 +6,8 @@
   size that the runtime can run (:func:`loomrl.plan.layout.check_layout`: tp divides the heads, key/value
   heads and MLP width, pp divides the layers), with every tensor-parallel group inside one node; generation
   runs with pp = 1. Train calls also choose micro-batches (:data:`MICRO_BATCHES`), whether to recompute
-  activations and, with dp > 1, whether to shard the optimizer state (ZeRO-1). A compute step may run on any
-  single device.
+  activations and, with dp > 1, whether to shard the optimizer state (ZeRO-1) or, without pipeline stages,
+  the weights, gradients and optimizer state too (FSDP). A compute step may run on any single device.
 - :func:`search`: the candidates are first pruned per device mesh to the few fastest layouts alone that fit
   the devices alone, and the leanest (:func:`_prune`, as ReaLHF prunes its search space); then Metropolis
   acceptance with a geometric cooling schedule, then the few best plans settled by coordinate descent; a
@@ -122,7 +122,7 @@ def _config(mfc: MFC, model_configs: Mapping[str, object]) -> object:
 def _allocations_on(mfc: MFC, mesh: DeviceMesh, cluster: ClusterSpec,
                     model_configs: Mapping[str, object]) -> list[Allocation]:
     """Every layout of ``mfc`` on ``mesh`` (× micro-batches, recompute and, where dp > 1, ZeRO-1 for a train
-    call, or FSDP for a pure data-parallel one)."""
+    call, or FSDP for one without pipeline stages)."""
     if mfc.kind is MFCKind.COMPUTE:
         return [Allocation(mesh, Layout(dp=len(mesh)))]
     train = mfc.kind is MFCKind.TRAIN
@@ -131,7 +131,7 @@ def _allocations_on(mfc: MFC, mesh: DeviceMesh, cluster: ClusterSpec,
     for layout in layouts_on(mfc, mesh, cluster, _config(mfc, model_configs)):
         shardings = [(False, False)]  # (zero, fsdp)
         if train and layout.dp > 1:
-            shardings += [(True, False)] + ([(False, True)] if layout.tp == layout.pp == 1 else [])
+            shardings += [(True, False)] + ([(False, True)] if layout.pp == 1 else [])
         out += [Allocation(mesh, layout, mb, rc, zero, fsdp) for mb in counts for rc in recompute
                 for zero, fsdp in shardings]
     return out

@@ -174,17 +174,18 @@ class DeviceWorker:
 
         pp > 1 keeps this device's stage (its layers, and the embedding / head where they live); tp > 1 then
         shards what is kept over the TP ranks of the stage, so a pp×tp device holds one TP slice of one stage.
-        An FSDP allocation (pure dp) shards every parameter over the data-parallel ranks instead.
+        An FSDP allocation (pp = 1) then shards each TP slice over the data-parallel ranks (FSDP2 on the dp
+        dimension of the dp × tp mesh).
         """
         if model is None:
             return None, None
         check_layout(key.layout, model.config, len(key.devices), where=f"runtime.plan ({role})")
         groups = self.groups[key]
-        if key.fsdp:
-            return apply_fsdp(model, groups.dp_mesh, self.dtype), None
         stage = split_stages(model, groups.pp_rank, key.pp) if key.pp > 1 else None
         if key.tp > 1:
             apply_tensor_parallel(model, groups.tp_mesh)
+        if key.fsdp:
+            return apply_fsdp(model, groups.dp_mesh, self.dtype), None
         if stage is None:
             return model, None
         return stage.model, PipelineRunner(stage, groups.pp_group, groups.pp_rank, key.pp)
