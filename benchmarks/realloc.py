@@ -91,11 +91,13 @@ def layout_pairs(world: int, num_layers: int) -> list[Pair]:
         (Layout(tp=world), False, Layout(dp=world), " (copy back)"),
         (Layout(dp=world), True, Layout(dp=half, tp=2), ""),
         (Layout(pp=2, dp=half), False, Layout(tp=world), ""),
+        (Layout(dp=half, tp=2), True, Layout(dp=half, tp=2), " (whole copy)"),
     ]
     pairs = []
     for src, fsdp, dst, note in candidates:
-        if src.size != world or dst.size != world or num_layers % src.pp or src == dst:
-            continue  # an odd world or a layer count the pipeline stages do not divide
+        if src.size != world or dst.size != world or num_layers % src.pp or (src == dst and not fsdp) \
+                or (fsdp and src.dp == 1):
+            continue  # an odd world, a layer count the pipeline stages do not divide, nothing to move
         pairs.append(Pair(f"{_name(src, fsdp)} → {_name(dst)}{note}", Placement(mesh, src, fsdp),
                           Placement(mesh, dst)))
     return pairs
