@@ -98,6 +98,16 @@ def test_only_allocations_that_fit_count():
     assert math.isinf(iteration_bound(PPO, CLUSTER, ScalingCost(trained=100 * GB), MEMORY, CONFIGS).seconds)
 
 
+def test_training_states_that_fit_only_apart_fit_no_plan():
+    # Actor and critic each keep 60 GB of training state, which fits the 4 devices of 24 GB (15 GB each) alone
+    # but not beside the other's 60 GB (120 GB > 96 GB): every plan overflows, and the bound says so; at 40 GB
+    # each (80 GB) both fit, and the bound is the work again.
+    assert math.isinf(iteration_bound(PPO, CLUSTER, ScalingCost(trained=60 * GB), MEMORY, CONFIGS).seconds)
+    assert iteration_bound(PPO, CLUSTER, ScalingCost(trained=40 * GB), MEMORY, CONFIGS).seconds == pytest.approx(
+        sum(WORK.values()) / 4)
+    assert not simulate(colocate(PPO, CLUSTER), PPO, ScalingCost(trained=60 * GB), MEMORY).feasible
+
+
 def test_no_simulated_plan_of_the_cost_model_is_below_the_bound():
     workflow = build_workflow(AlgoConfig(name="ppo", ppo_epochs=1, minibatches=4), RolloutConfig())
     cluster = ClusterSpec.parse("h100:1x8")

@@ -15,9 +15,10 @@ once per replica and step), so neither fact alone is tight. For a cycle ``P`` an
 allocations minimizing the right-hand side, which splits into one small minimum per call (a role's train calls
 share one allocation and are taken together). The bound is the largest such value over the cycles and a grid
 of ``λ``: ``λ = 0`` is the work bound with each call at its most frugal allocation, ``λ = 1`` the longest
-cycle with each call at its fastest. Only allocations whose own memory (resident state plus the call's
-transient memory) fits a device count, and the figure goes through the estimator's whole-iteration correction
-like the simulator's.
+cycle with each call at its fastest. Only allocations that can fit count: the call's own memory (resident state plus its
+transient memory) on each device of its mesh, plus the share of the trained roles' resident training state
+(at its smallest over their train allocations) that the devices outside the mesh cannot hold. The figure goes
+through the estimator's whole-iteration correction like the simulator's.
 
 The simulator's 3-iteration steady state may read slightly below the bound where iterations overlap (part of
 one iteration's work then runs before its window opens), so the bound is a yardstick for simulated times,
@@ -66,7 +67,8 @@ class IterationBound:
 def iteration_bound(workflow: Workflow, cluster: ClusterSpec, cost: CostEstimator, memory_per_device: float,
                     model_configs: Mapping[str, object]) -> IterationBound:
     """The lower bound on any searched plan's iteration time for ``workflow`` on ``cluster`` (module docstring)."""
-    options = {names: _options(names, workflow, cluster, cost, memory_per_device, model_configs)
+    states = _training_states(workflow, cluster, cost, memory_per_device, model_configs)
+    options = {names: _options(names, workflow, cluster, cost, memory_per_device, model_configs, states)
                for names in unit_names(workflow)}
     if not all(options.values()):  # some call fits nowhere: no plan of the space fits
         return IterationBound(math.inf, math.inf, math.inf, 0.0, ())
@@ -89,18 +91,42 @@ def iteration_bound(workflow: Workflow, cluster: ClusterSpec, cost: CostEstimato
     return IterationBound(seconds, work, cycle, best[1], best[2])
 
 
+def _training_states(workflow: Workflow, cluster: ClusterSpec, cost: CostEstimator, memory_per_device: float,
+                     model_configs: Mapping[str, object]) -> dict[str, float]:
+    """Trained role → the fewest bytes, summed over devices, its resident training state takes on any train
+    allocation that fits a device alone (FSDP's or ZeRO's sharding included)."""
+    states = {}
+    for names in unit_names(workflow):
+        mfc = workflow[names[0]]
+        if mfc.kind is MFCKind.TRAIN:
+            sizes = [cost.static_memory(mfc.role, a, True) * len(a.mesh)
+                     for a in candidate_allocations(mfc, workflow, cluster, model_configs)
+                     if cost.static_memory(mfc.role, a, True) <= memory_per_device]
+            states[mfc.role] = min(sizes, default=math.inf)
+    return states
+
+
 def _options(names: tuple[str, ...], workflow: Workflow, cluster: ClusterSpec, cost: CostEstimator,
-             memory_per_device: float, model_configs: Mapping[str, object]) -> list[tuple[tuple[float, ...], int]]:
-    """(each call's seconds, mesh size) of every allocation of the unit ``names`` that fits a device alone
-    (none: the unit fits nowhere)."""
+             memory_per_device: float, model_configs: Mapping[str, object],
+             states: Mapping[str, float]) -> list[tuple[tuple[float, ...], int]]:
+    """(each call's seconds, mesh size) of every allocation of the unit ``names`` that can fit (none: the unit
+    fits nowhere).
+
+    An allocation of ``k`` of the cluster's ``n`` devices fits only if the call's memory per device plus the
+    trained roles' training state that cannot sit elsewhere fits: the other ``n - k`` devices hold at most
+    ``(n - k) · capacity`` of the ``states`` bytes, so some device of the mesh holds an ``1 / k`` share of the
+    rest. The call's own role is counted once, as its weights on the allocation (its training state, for a
+    train call): a trained role's other calls may run on the training weights themselves."""
     mfcs = [workflow[name] for name in names]
-    trainable = mfcs[0].kind is MFCKind.TRAIN
-    out = set()
+    train = mfcs[0].kind is MFCKind.TRAIN
+    resident = sum(b for role, b in states.items() if role != mfcs[0].role)
+    n, out = cluster.n_devices, set()
     for alloc in candidate_allocations(mfcs[0], workflow, cluster, model_configs):
-        need = max((cost.static_memory(m.role, alloc, trainable) + cost.mfc_memory(m, alloc, trainable)
+        k = len(alloc.mesh)
+        need = max((cost.static_memory(m.role, alloc, train) + cost.mfc_memory(m, alloc, train)
                     for m in mfcs if m.role is not None), default=0.0)
-        if need <= memory_per_device:
-            out.add((tuple(cost.mfc_time(m, alloc) for m in mfcs), len(alloc.mesh)))
+        if need + max(0.0, resident - (n - k) * memory_per_device) / k <= memory_per_device:
+            out.add((tuple(cost.mfc_time(m, alloc) for m in mfcs), k))
     return sorted(out)
 
 
