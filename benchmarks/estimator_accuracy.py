@@ -43,6 +43,8 @@ CALIBRATION = {
                                             "actor_train=0-3; critic_train=0-1", ()),
     "cal: critic trained under FSDP": (2, ("actor_gen=0-1; ref_inf=0-1; reward_inf=0-1; critic_inf=0-1; "
                                            "actor_train=0-1; critic_train=0-1:dp2fsdp"), ()),
+    "cal: critic under FSDP over dp2 x tp2": (4, ("actor_gen=0-3; ref_inf=0-3; reward_inf=0-3; critic_inf=0-3; "
+                                                  "actor_train=0-3; critic_train=0-3:dp2tp2fsdp"), ()),
 }
 EVALUATED = {
     "colocate dp2": (2, "colocate", ()),

@@ -249,20 +249,24 @@ def test_fit_corrections_recovers_known_factors():
 
 
 def test_fit_corrections_from_a_trace_through_the_cost_model():
-    """Known factors per term group (roofline, launches, tensor-parallel launches, FSDP's collective launches)
-    and a per-call overhead are recovered from calls priced by the cost model itself."""
+    """Known factors per term group (roofline, launches, tensor-parallel launches, FSDP's collective launches,
+    over tensor-parallel shards too) and a per-call overhead are recovered from calls priced by the cost model
+    itself."""
     from loomrl.planner.corrections import group_sums
     cluster = ClusterSpec.parse("cpu:8")  # a small model on CPU: launches and roofline of similar size
     shapes = {"actor": SMALL}
     predict = trace_predictor(cluster, profile_for(cluster), shapes)
     truth = {"generate": ({"roofline": 1.5, "launch": 4.0, "launch_tp": 9.0}, 0.2),
-             "train": ({"roofline": 2.0, "launch": 3.0, "launch_tp": 6.0, "launch_fsdp": 40.0}, 0.5)}
+             "train": ({"roofline": 2.0, "launch": 3.0, "launch_tp": 6.0, "launch_fsdp": 40.0, "launch_fsdp_tp": 70.0},
+                       0.5)}
     observations = []
     calls = [(64, "0-7:dp8", GEN), (256, "0-7:dp4tp2", GEN), (128, "0-3:dp4", GEN), (512, "0-7:dp1tp8", GEN),
              (32, "0-1:dp2", GEN), (128, "0-3:dp2tp2", TRAIN), (512, "0-7:dp4tp2mb4", TRAIN), (256, "0-7:dp8", TRAIN),
              (64, "0:dp1", TRAIN), (512, "0-7:dp2tp4", TRAIN), (256, "0-7:dp8fsdp", TRAIN),
              (128, "0-3:dp4mb2fsdp", TRAIN), (64, "0-1:dp2fsdp", TRAIN), (512, "0-7:dp8mb4fsdp", TRAIN),
-             (128, "0-3:dp4mb2", TRAIN), (32, "0-1:dp2mb4", TRAIN)]
+             (128, "0-3:dp4mb2", TRAIN), (32, "0-1:dp2mb4", TRAIN), (256, "0-7:dp4tp2fsdp", TRAIN),
+             (128, "0-3:dp2tp2mb2fsdp", TRAIN), (512, "0-7:dp2tp4mb4fsdp", TRAIN), (64, "0-7:dp2tp4fsdp", TRAIN),
+             (256, "0-3:dp2tp2mb4fsdp", TRAIN), (256, "0-7:dp4tp2mb2", TRAIN), (64, "0-3:dp1tp4", TRAIN)]
     for i, (batch, alloc, mfc) in enumerate(calls):  # lengths and steps vary, so launches are not constant
         obs = {"mfc": mfc.name, "kind": mfc.kind.value, "role": "actor", "allocation": alloc, "batch": batch,
                "prompt_len": 256.0, "response_mean": 240.0, "response_p90": 500.0, "response_max": 600.0 + 150 * i,
@@ -277,7 +281,8 @@ def test_fit_corrections_from_a_trace_through_the_cost_model():
         assert fitted.scale[kind] == pytest.approx(factors["roofline"], rel=1e-3)
         assert fitted.scale[f"{kind}.launch"] == pytest.approx(factors["launch"], rel=1e-3)
         assert fitted.scale[f"{kind}.launch_tp"] == pytest.approx(factors["launch_tp"], rel=1e-3)
-        assert fitted.scale.get(f"{kind}.launch_fsdp", 1.0) == pytest.approx(factors.get("launch_fsdp", 1.0), rel=1e-3)
+        for group in ("launch_fsdp", "launch_fsdp_tp"):
+            assert fitted.scale.get(f"{kind}.{group}", 1.0) == pytest.approx(factors.get(group, 1.0), rel=1e-3)
         assert fitted.overhead_s[kind] == pytest.approx(overhead, rel=1e-3)
 
 

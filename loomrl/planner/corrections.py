@@ -7,7 +7,8 @@ Per MFC kind the cost model therefore predicts
 
     seconds = scale[kind] · roofline terms + scale[kind.launch] · launch terms
               + scale[kind.launch_tp] · tensor-parallel launch terms
-              + scale[kind.launch_fsdp] · FSDP collective launch terms + overhead_s[kind]
+              + scale[kind.launch_fsdp] · FSDP collective launch terms
+              + scale[kind.launch_fsdp_tp] · the same over tensor-parallel shards + overhead_s[kind]
 
 (the term groups are :func:`term_group`), every coefficient ≥ 0 and fitted by least squares on relative
 error, with a weak prior of 1 on each scale (:func:`fit_corrections`), from observations of measured seconds
@@ -34,7 +35,7 @@ ITERATION = "iteration"
 """Key of the whole-iteration correction: the controller's serial work that no call accounts for (building the
 batch, dispatching, metrics), applied to the simulated iteration time (not an MFC kind)."""
 
-GROUPS = ("roofline", "launch", "launch_tp", "launch_fsdp")
+GROUPS = ("roofline", "launch", "launch_tp", "launch_fsdp", "launch_fsdp_tp")
 """Term groups, each with its own fitted scale (see :func:`term_group`)."""
 
 _MIN_SPREAD = 1.5
@@ -105,8 +106,11 @@ def _scale_key(kind: str, group: str) -> str:
 def term_group(name: str) -> str:
     """The group of a cost term by its name: ``*launch_tp`` (tensor-parallel operator launches),
     ``*launch_fsdp`` (FSDP's per-unit gathers and reduce-scatters: its hooks' Python work, fitted apart like
-    DTensor's), ``*launch`` (plain operator launches) or ``roofline`` (compute, memory traffic and
-    communication)."""
+    DTensor's), ``*launch_fsdp_tp`` (the same over tensor-parallel shards: FSDP2 then handles 2-D DTensors,
+    more work per parameter), ``*launch`` (plain operator launches) or ``roofline`` (compute, memory traffic
+    and communication)."""
+    if name.endswith("launch_fsdp_tp"):
+        return "launch_fsdp_tp"
     if name.endswith("launch_tp"):
         return "launch_tp"
     if name.endswith("launch_fsdp"):

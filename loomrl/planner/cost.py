@@ -282,7 +282,7 @@ class CostModel:
         optimizer = T.adam_step_bytes(owned, T.FP32) / rates.mem
         return {"fsdp_comm": exposed, "optimizer": optimizer,
                 "optimizer_launch": self._launch_excess(T.optimizer_ops(shape, shape.layers) * rates.op, optimizer),
-                "fsdp_launch_fsdp": self._launch_excess(mb * T.fsdp_round_ops(shape) * rates.op, work)}
+                _launch("fsdp_launch_fsdp", lay.tp): self._launch_excess(mb * T.fsdp_round_ops(shape) * rates.op, work)}
 
     def _generate_terms(self, role: str, alloc: Allocation) -> dict[str, float]:
         """Prefill of the share's prompts, then decode over the response-length distribution."""

@@ -60,6 +60,13 @@ def model_config(name: str, tokenizer=None) -> object:
                       f"{', '.join(MODEL_PRESETS)}; zoo: {', '.join(ZOO)}")
 
 
+SEARCH_CHAINS = 8
+"""Annealing chains of :func:`compare_plans`: one from each heuristic's best plan, the rest from the best
+crossovers of them. In the plan_search benchmark (docs/benchmarks.md, eighth session) eight shorter walks found
+faster plans than four longer ones in 5 of 12 setups (13B on 16 GPUs, 384 tokens: 7.08 s, against 7.21 s with
+two of three seeds for four chains; 70B/128: 7.76 s against 7.94 s), a slower one in one (70B/384: 16.53 s
+against 16.35 s), the same in the others."""
+
 MIN_SEARCH_SHARE = 0.25
 """Least share of :func:`compare_plans`' time budget left to the search, however long the heuristics took."""
 
@@ -84,7 +91,7 @@ class PlanningReport:
 
 
 def compare_plans(workflow: Workflow, cluster: ClusterSpec, configs: Mapping[str, object], workload: Workload,
-                  *, seed: int = 0, time_budget_s: float = 30.0, chains: int = 4,
+                  *, seed: int = 0, time_budget_s: float = 30.0, chains: int = SEARCH_CHAINS,
                   profile: HardwareProfile | None = None, corrections: Corrections | None = None,
                   bytes_per_param: int | None = None) -> PlanningReport:
     """Best layouts of each heuristic strategy, then a seeded, time-bounded search; all simulated; and the
