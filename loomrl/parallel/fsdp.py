@@ -2,7 +2,9 @@
 
 Each rank of the data-parallel group keeps one ``torch.chunk`` block of dim 0 of every parameter (a DTensor
 with placement ``Shard(0)``, the convention :mod:`loomrl.plan.shards` prices and reallocates from), its
-gradient and its optimizer state. Every decoder layer is its own FSDP unit: its weights are all-gathered for its
+gradient and its optimizer state. On a model already split by tensor parallelism (DTensors on the tp mesh),
+the block is one of the rank's tensor-parallel shard: FSDP2 joins the dp and tp meshes of the allocation into
+2-D DTensors, as torchtitan does. Every decoder layer is its own FSDP unit: its weights are all-gathered for its
 forward and again for its backward, then freed, and its gradients are reduce-scattered as the backward leaves
 it, so a device never holds more than a few whole layers. The root unit holds the rest (embedding, final
 norm, head).
@@ -49,8 +51,9 @@ def _units(model: nn.Module) -> list[nn.Module]:
 
 
 def apply_fsdp(model: nn.Module, dp_mesh: DeviceMesh, compute_dtype: torch.dtype) -> nn.Module:
-    """Shard ``model`` (in place, before any optimizer sees it) over the one-dimensional ``dp_mesh``; its
-    weights become fp32 shards, computed with in ``compute_dtype``. Returns the model."""
+    """Shard ``model`` (in place, before any optimizer sees it, after tensor parallelism if any) over the
+    one-dimensional ``dp_mesh``; its weights become fp32 shards, computed with in ``compute_dtype``. Returns
+    the model."""
     model.float()  # exact for bf16 weights: every precision starts from the same values
     policy = MixedPrecisionPolicy(param_dtype=compute_dtype, reduce_dtype=torch.float32) \
         if compute_dtype != torch.float32 else MixedPrecisionPolicy()

@@ -15,10 +15,10 @@ once per replica and step), so neither fact alone is tight. For a cycle ``P`` an
 allocations minimizing the right-hand side, which splits into one small minimum per call (a role's train calls
 share one allocation and are taken together). The bound is the largest such value over the cycles and a grid
 of ``λ``: ``λ = 0`` is the work bound with each call at its most frugal allocation, ``λ = 1`` the longest
-cycle with each call at its fastest. Only allocations that can fit count: the call's own memory (resident state plus its
-transient memory) on each device of its mesh, plus the share of the trained roles' resident training state
-(at its smallest over their train allocations) that the devices outside the mesh cannot hold. The figure goes
-through the estimator's whole-iteration correction like the simulator's.
+cycle with each call at its fastest. Only allocations that can fit count: the call's own memory (resident
+state plus its transient memory) on each device of its mesh, plus the share of the trained roles' resident
+training state (at its smallest over their train allocations) that the devices outside the mesh cannot hold.
+The figure goes through the estimator's whole-iteration correction like the simulator's.
 
 The simulator's 3-iteration steady state may read slightly below the bound where iterations overlap (part of
 one iteration's work then runs before its window opens), so the bound is a yardstick for simulated times,
@@ -73,22 +73,18 @@ def iteration_bound(workflow: Workflow, cluster: ClusterSpec, cost: CostEstimato
     if not all(options.values()):  # some call fits nowhere: no plan of the space fits
         return IterationBound(math.inf, math.inf, math.inf, 0.0, ())
     n = cluster.n_devices
-    best = (0.0, 0.0, ())
-    work = cycle = 0.0
-    for path in _cycles(workflow):
-        on_path = set(path)
-        for step in range(LAMBDAS + 1):
-            weight = step / LAMBDAS
-            value = sum(min(weight * sum(t for name, t in zip(names, times) if name in on_path)
-                            + (1.0 - weight) * sum(times) * size / n for times, size in opts)
-                        for names, opts in options.items())
-            if value > best[0]:
-                best = (value, weight, path)
-            work = value if step == 0 else work
-        cycle = max(cycle, value)
+
+    def bound(weight: float, path: tuple[str, ...]) -> float:
+        return sum(min(weight * sum(t for name, t in zip(names, times) if name in path)
+                       + (1.0 - weight) * sum(times) * size / n for times, size in opts)
+                   for names, opts in options.items())
+
+    cycles = _cycles(workflow)
+    value, weight, path = max(((bound(step / LAMBDAS, path), step / LAMBDAS, path)
+                               for path in cycles for step in range(LAMBDAS + 1)), key=lambda t: t[0])
     corrected = getattr(cost, "iteration_time", None)
-    seconds = corrected(best[0]) if corrected is not None else best[0]
-    return IterationBound(seconds, work, cycle, best[1], best[2])
+    seconds = corrected(value) if corrected is not None else value
+    return IterationBound(seconds, bound(0.0, ()), max(bound(1.0, path) for path in cycles), weight, path)
 
 
 def _training_states(workflow: Workflow, cluster: ClusterSpec, cost: CostEstimator, memory_per_device: float,
