@@ -33,7 +33,7 @@ from collections.abc import Mapping
 from dataclasses import dataclass
 
 from loomrl.plan import ClusterSpec
-from loomrl.planner.search import candidate_allocations, unit_names
+from loomrl.planner.search import candidate_allocations, memory_alone, unit_names
 from loomrl.planner.simulator import CostEstimator
 from loomrl.workflow import MFCKind, Workflow
 
@@ -95,10 +95,9 @@ def _training_states(workflow: Workflow, cluster: ClusterSpec, cost: CostEstimat
     for names in unit_names(workflow):
         mfc = workflow[names[0]]
         if mfc.kind is MFCKind.TRAIN:
-            sizes = [cost.static_memory(mfc.role, a, True) * len(a.mesh)
-                     for a in candidate_allocations(mfc, workflow, cluster, model_configs)
-                     if cost.static_memory(mfc.role, a, True) <= memory_per_device]
-            states[mfc.role] = min(sizes, default=math.inf)
+            per_device = ((cost.static_memory(mfc.role, a, True), len(a.mesh))
+                          for a in candidate_allocations(mfc, workflow, cluster, model_configs))
+            states[mfc.role] = min((b * k for b, k in per_device if b <= memory_per_device), default=math.inf)
     return states
 
 
@@ -114,13 +113,11 @@ def _options(names: tuple[str, ...], workflow: Workflow, cluster: ClusterSpec, c
     rest. The call's own role is counted once, as its weights on the allocation (its training state, for a
     train call): a trained role's other calls may run on the training weights themselves."""
     mfcs = [workflow[name] for name in names]
-    train = mfcs[0].kind is MFCKind.TRAIN
     resident = sum(b for role, b in states.items() if role != mfcs[0].role)
     n, out = cluster.n_devices, set()
     for alloc in candidate_allocations(mfcs[0], workflow, cluster, model_configs):
         k = len(alloc.mesh)
-        need = max((cost.static_memory(m.role, alloc, train) + cost.mfc_memory(m, alloc, train)
-                    for m in mfcs if m.role is not None), default=0.0)
+        need = memory_alone(mfcs, alloc, cost)
         if need + max(0.0, resident - (n - k) * memory_per_device) / k <= memory_per_device:
             out.add((tuple(cost.mfc_time(m, alloc) for m in mfcs), k))
     return sorted(out)

@@ -47,7 +47,7 @@ from loomrl.planner.simulator import CostEstimator, SimResult, simulate
 from loomrl.workflow import MFC, MFCKind, Workflow
 
 __all__ = ["CachedCost", "MICRO_BATCHES", "best_heuristic_plans", "candidate_allocations", "device_meshes",
-           "layouts_on", "plan_key", "search", "unit_names"]
+           "layouts_on", "memory_alone", "plan_key", "search", "unit_names"]
 
 MICRO_BATCHES: tuple[int, ...] = (1, 2, 4, 8)
 """Micro-batch counts a train call may choose."""
@@ -354,6 +354,14 @@ def _crossovers(starts: list[ExecutionPlan], workflow: Workflow) -> list[Executi
     return out
 
 
+def memory_alone(mfcs: list[MFC], alloc: Allocation, cost: CostEstimator) -> float:
+    """Bytes per device the calls of one unit need on ``alloc`` with nothing else there: their role's weights
+    (its training state, for train calls) and the most transient memory any of them adds."""
+    trainable = mfcs[0].kind is MFCKind.TRAIN
+    return max((cost.static_memory(m.role, alloc, trainable) + cost.mfc_memory(m, alloc, trainable)
+                for m in mfcs if m.role is not None), default=0.0)
+
+
 def _prune(names: tuple[str, ...], candidates: tuple[Allocation, ...], workflow: Workflow, cost: CostEstimator,
            memory_per_device: float, keep: set[Allocation]) -> tuple[Allocation, ...]:
     """The candidates of a unit worth searching: per device mesh, the :data:`TOP_PER_MESH` fastest alone (the
@@ -362,13 +370,10 @@ def _prune(names: tuple[str, ...], candidates: tuple[Allocation, ...], workflow:
     micro-batches × recompute per train call, too many for a walk to try even once in its budget; an allocation
     slower alone than four others on the same devices rarely wins by its reallocations."""
     mfcs = [workflow[n] for n in names]
-    trainable = mfcs[0].kind is MFCKind.TRAIN
     by_mesh: dict[DeviceMesh, list[tuple[float, float, int]]] = defaultdict(list)
     for i, alloc in enumerate(candidates):
         seconds = sum(cost.mfc_time(m, alloc) for m in mfcs)
-        need = max(cost.static_memory(m.role, alloc, trainable) + cost.mfc_memory(m, alloc, trainable)
-                   if m.role is not None else 0.0 for m in mfcs)
-        by_mesh[alloc.mesh].append((seconds, need, i))
+        by_mesh[alloc.mesh].append((seconds, memory_alone(mfcs, alloc, cost), i))
     chosen = {i for i, alloc in enumerate(candidates) if alloc in keep}
     for scored in by_mesh.values():
         fitting = sorted((s, i) for s, need, i in scored if need <= memory_per_device)
