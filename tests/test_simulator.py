@@ -108,6 +108,30 @@ def test_parameter_version_edge_holds_the_next_generation_until_training_ends():
     assert one_iteration.iteration_time == 6 and one_iteration.busy_fraction == {0: 0.5, 1: 0.5}
 
 
+# generation, then the actor's and a critic's training side by side.
+TWO_TRAIN = Workflow([MFC("gen", "actor", GEN, ("p",), ("r",)), MFC("actor_train", "actor", TRAIN, ("r",), ()),
+                      MFC("critic_train", "critic", TRAIN, ("r",), ())], ["p"])
+
+
+def test_an_iteration_starts_once_the_previous_one_has_ended():
+    # gen (2 s) and actor_train (1 s) on device 0, critic_train (5 s) on device 1. The version edges alone would
+    # start the next gen at 3 while the critic still trains; the trainer runs iterations one after another, so
+    # it starts at 7: gen 0-2, 7-9, 14-16; actor_train 2-3, 9-10, 16-17; critic_train 2-7, 9-14, 16-21.
+    plan = plan_of(2, {"gen": "0", "actor_train": "0", "critic_train": "1"})
+    result = simulate(plan, TWO_TRAIN, FakeCost({"gen": 2, "actor_train": 1, "critic_train": 5}), 24 * GB)
+    assert spans(result, "gen", 0) == [(0, 2), (7, 9), (14, 16)]
+    assert spans(result, "actor_train", 0) == [(2, 3), (9, 10), (16, 17)]
+    assert spans(result, "critic_train", 1) == [(2, 7), (9, 14), (16, 21)]
+    assert result.iteration_ends == [7, 14, 21] and result.iteration_time == 7
+    # a copy waits too: the critic's training of the previous iteration ends before the actor's copy starts
+    plan = plan_of(3, {"gen": "2", "actor_train": "0", "critic_train": "1"}, shadow=())
+    result = simulate(plan, TWO_TRAIN, FakeCost({"gen": 2, "actor_train": 1, "critic_train": 5}, realloc=1.0),
+                      24 * GB)
+    assert spans(result, "copy actor", 2) == [(0, 1), (8, 9), (16, 17)]
+    assert spans(result, "critic_train", 1) == [(3, 8), (11, 16), (19, 24)]
+    assert result.iteration_time == 8
+
+
 def test_independent_calls_on_disjoint_meshes_overlap():
     # gen 0-2 on both devices; ref (3 s) on device 0 and reward (2 s) on device 1 both start at 2; train 5-7.
     plan = plan_of(2, {"gen": "0-1", "ref_inf": "0", "reward_inf": "1", "train": "0-1"})

@@ -20,10 +20,10 @@ state plus its transient memory) on each device of its mesh, plus the share of t
 training state (at its smallest over their train allocations) that the devices outside the mesh cannot hold.
 The figure goes through the estimator's whole-iteration correction like the simulator's.
 
-The simulator's 3-iteration steady state may read slightly below the bound where iterations overlap (part of
-one iteration's work then runs before its window opens), so the bound is a yardstick for simulated times,
-not a constraint on them. Its use: a heuristic plan within a factor ``f`` of the bound leaves no plan of the
-space more than ``f`` faster, whatever the search does.
+The simulator runs iterations one after another, as the runtime's trainer does, so each simulated iteration
+holds all of its calls' work and runs its cycles' calls one after another: no simulated time is below the
+bound. Its use: a heuristic plan within a factor ``f`` of the bound leaves no plan of the space more than ``f``
+faster, whatever the search does.
 """
 
 from __future__ import annotations

@@ -8,6 +8,11 @@ What :func:`simulate` models, and what it leaves out:
   (:meth:`ExecutionPlan.reallocations`) become nodes too: a ``copy`` runs right before the call it serves,
   once that call's dependencies are done; a ``sync`` runs right after the train call, and the shadow calls of
   the next iteration wait for it; a ``free`` costs nothing and is not a node.
+- **Iterations one after another.** The runtime's trainer runs an iteration only once the previous one has
+  ended (its calls, reallocations and syncs; metrics, evaluation and checkpoints come between), so every node
+  of iteration ``i + 1`` also waits for every node of iteration ``i``. The version edges alone would let, e.g.,
+  the critic's training of iteration ``i`` run beside the generation of ``i + 1`` on other devices: a
+  pipelined trainer could, this runtime does not.
 - **Resources.** A node occupies every device of its mesh (a reallocation: the source and destination meshes)
   for the time the :class:`CostEstimator` predicts. Dispatch follows the runtime: a node is sent when its last
   dependency ends, and each device runs the nodes in the order they were sent (no back-filling), so a node
@@ -213,7 +218,24 @@ def _build_graph(plan: ExecutionPlan, workflow: Workflow, cost: CostEstimator, i
         for move in syncs.get(mfc.name, ()):
             nodes.append(_realloc_node(move, it, [index[(it, mfc.name)]], cost))
             sync_index[(it, move.role, move.dst.text)] = len(nodes) - 1
+    _iteration_barriers(nodes)
     return nodes
+
+
+def _iteration_barriers(nodes: list[_Node]) -> None:
+    """Make every node of iteration ``i + 1`` wait for all of iteration ``i`` (module docstring): its first nodes
+    (those waiting on no node of their own iteration) wait for the last ones of ``i`` (those no node of ``i``
+    waits on); the rest wait through them."""
+    waited: set[int] = set()
+    for node in nodes:
+        waited.update(d for d in node.deps if nodes[d].iteration == node.iteration)
+    last: dict[int, list[int]] = {}
+    for i, node in enumerate(nodes):
+        if i not in waited:
+            last.setdefault(node.iteration, []).append(i)
+    for node in nodes:
+        if node.iteration > 0 and all(nodes[d].iteration < node.iteration for d in node.deps):
+            node.deps = sorted({*node.deps, *last[node.iteration - 1]})
 
 
 class _DeviceClasses:
