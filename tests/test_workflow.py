@@ -57,6 +57,15 @@ def test_ppo_edges_from_keys():
     assert wf.consumers("actor_stats") == []
 
 
+def test_independent_calls_share_no_data_path():
+    wf = Workflow(ppo_mfcs(), SOURCES)
+    assert wf.independent("ref_inf", "reward_inf") and wf.independent("actor_train", "critic_train")
+    assert not wf.independent("actor_gen", "critic_train")  # through a chain of edges, not only a direct one
+    assert not wf.independent("critic_train", "critic_inf") and not wf.independent("adv", "adv")
+    with pytest.raises(WorkflowError, match="no MFC named 'nope'"):
+        wf.independent("nope", "adv")
+
+
 def test_ppo_topological_order_and_lookup():
     wf = Workflow(ppo_mfcs(), SOURCES)
     expected = ["actor_gen", "ref_inf", "reward_inf", "critic_inf", "adv", "actor_train", "critic_train"]

@@ -261,17 +261,83 @@ def _move(plan: ExecutionPlan, unit: _Unit, rng: random.Random) -> dict[str, All
     return dict.fromkeys(unit.names, choice)
 
 
-def _propose(plan: ExecutionPlan, units: list[_Unit], rng: random.Random) -> ExecutionPlan:
+SPLIT_SHARE = 0.1
+"""Share of the annealing's proposals that interleave two independent calls (:class:`_Splitter`)."""
+
+
+class _Splitter:
+    """Interleaving moves: two independent units (no data path between their calls, e.g. the reference's and the
+    reward model's inference, or the actor's and the critic's training) leave the mesh of one of them for its
+    two halves, one each, each on its fastest candidate there that fits a device alone.
+
+    From two calls that share a mesh, moving either alone onto a half is uphill (the other still waits for the
+    whole mesh), and a random pair of moves rarely draws the two complementary allocations among hundreds; so
+    the walk seldom reaches such a plan at 64 devices. This is the adaptive-placement paper's interleaving as
+    one move; the polish then settles each unit's layout on its half."""
+
+    def __init__(self, units: list[_Unit], workflow: Workflow, cost: CostEstimator, memory_per_device: float):
+        self.units = units
+        self.pairs = [(i, j) for i, j in itertools.combinations(range(len(units)), 2)
+                      if all(workflow.independent(a, b) for a in units[i].names for b in units[j].names)]
+        self.fastest: dict[tuple[int, DeviceMesh], Allocation] = {}
+        for k, unit in enumerate(units):
+            mfcs = [workflow[n] for n in unit.names]
+            scored: dict[DeviceMesh, list[tuple[bool, float, float, int]]] = defaultdict(list)
+            for i, alloc in enumerate(unit.candidates):
+                need = memory_alone(mfcs, alloc, cost)
+                seconds = sum(cost.mfc_time(m, alloc) for m in mfcs)
+                scored[alloc.mesh].append((need > memory_per_device, seconds, need, i))
+            for mesh, options in scored.items():
+                self.fastest[(k, mesh)] = unit.candidates[min(options)[3]]
+
+    def halves(self, mesh: DeviceMesh, i: int, j: int) -> tuple[DeviceMesh, DeviceMesh] | None:
+        """The two halves of ``mesh`` when both units have candidates on both."""
+        n = len(mesh)
+        if n < 2 or n % 2:
+            return None
+        lo, hi = DeviceMesh(mesh.devices[:n // 2]), DeviceMesh(mesh.devices[n // 2:])
+        if all((k, half) in self.fastest for k in (i, j) for half in (lo, hi)):
+            return lo, hi
+        return None
+
+    def moves(self, plan: ExecutionPlan, i: int, j: int) -> list[ExecutionPlan]:
+        """``plan`` with units ``i`` and ``j`` on the halves of either one's mesh, in both orders."""
+        out = []
+        for mesh in dict.fromkeys(plan[self.units[k].names[0]].mesh for k in (i, j)):
+            halves = self.halves(mesh, i, j)
+            for first, second in ((i, j), (j, i)) if halves else ():
+                changes = dict.fromkeys(self.units[first].names, self.fastest[(first, halves[0])])
+                changes |= dict.fromkeys(self.units[second].names, self.fastest[(second, halves[1])])
+                out.append(_with(plan, changes))
+        return out
+
+    def propose(self, plan: ExecutionPlan, rng: random.Random) -> ExecutionPlan | None:
+        if not self.pairs:
+            return None
+        moves = self.moves(plan, *self.pairs[rng.randrange(len(self.pairs))])
+        return moves[rng.randrange(len(moves))] if moves else None
+
+
+def _with(plan: ExecutionPlan, changes: Mapping[str, Allocation]) -> ExecutionPlan:
+    return ExecutionPlan(plan.cluster, {name: changes.get(name, alloc) for name, alloc in plan.allocations.items()},
+                         plan.shadow, plan.offload)
+
+
+def _propose(plan: ExecutionPlan, units: list[_Unit], rng: random.Random,
+             splitter: _Splitter | None = None) -> ExecutionPlan:
     """One MFC group moved to another candidate, or, a quarter of the time, two groups at once: moving two
-    calls side by side is often worse one at a time than together. The plan's offload choice is kept (the
-    polish settles it: it hardly interacts with the layouts, and random switches would spend the walk's
-    steps)."""
+    calls side by side is often worse one at a time than together; or, :data:`SPLIT_SHARE` of the time, two
+    independent groups interleaved (:class:`_Splitter`). The plan's offload choice is kept (the polish settles
+    it: it hardly interacts with the layouts, and random switches would spend the walk's steps)."""
+    if splitter is not None and rng.random() < SPLIT_SHARE:
+        split = splitter.propose(plan, rng)
+        if split is not None:
+            return split
     count = 2 if len(units) > 1 and rng.random() < 0.25 else 1
     changes: dict[str, Allocation] = {}
     for index in rng.sample(range(len(units)), count):
         changes |= _move(plan, units[index], rng)
-    return ExecutionPlan(plan.cluster, {name: changes.get(name, alloc) for name, alloc in plan.allocations.items()},
-                         plan.shadow, plan.offload)
+    return _with(plan, changes)
 
 
 def _offload_choices(plan: ExecutionPlan, evaluate: _Evaluator) -> list[str]:
@@ -295,7 +361,7 @@ def _toggle_offload(plan: ExecutionPlan, workflow: Workflow, role: str) -> Execu
 
 
 def _anneal(start: ExecutionPlan, units: list[_Unit], evaluate: _Evaluator, rng: random.Random,
-            deadline: float, max_steps: int | None) -> None:
+            deadline: float, max_steps: int | None, splitter: _Splitter | None = None) -> None:
     """One Metropolis chain from ``start`` until ``max_steps`` or ``deadline``; results land in ``evaluate``."""
     current, e_current = start, evaluate.energy(start)
     scale = e_current if 0 < e_current < math.inf else 1.0
@@ -307,17 +373,20 @@ def _anneal(start: ExecutionPlan, units: list[_Unit], evaluate: _Evaluator, rng:
             break
         progress = step / max_steps if max_steps else (now - began) / max(deadline - began, 1e-9)
         temperature = t_high * (t_low / t_high) ** min(progress, 1.0)
-        proposal = _propose(current, units, rng)
+        proposal = _propose(current, units, rng, splitter)
         e_new = evaluate.energy(proposal)
         if e_new <= e_current or (e_new < math.inf and rng.random() < math.exp(-(e_new - e_current) / temperature)):
             current, e_current = proposal, e_new
         step += 1
 
 
-def _polish(best: ExecutionPlan, units: list[_Unit], evaluate: _Evaluator, deadline: float) -> None:
-    """Coordinate descent from ``best``: each unit in turn takes its best candidate with the others fixed,
-    sweeping until a sweep improves nothing or the deadline passes (results land in ``evaluate``). Annealing
-    finds the region; this settles it on the local optimum, which random proposals reach only by luck."""
+def _polish(best: ExecutionPlan, units: list[_Unit], evaluate: _Evaluator, deadline: float,
+            splitter: _Splitter | None = None) -> None:
+    """Coordinate descent from ``best``: each unit in turn takes its best candidate with the others fixed, then
+    each pair of independent units tries the halves of either one's mesh (``splitter``), then each frozen role
+    offloaded or resident, sweeping until a sweep improves nothing or the deadline passes (results land in
+    ``evaluate``). Annealing finds the region; this settles it on the local optimum, which random proposals
+    reach only by luck."""
     current, rank = best, evaluate.rank(best)
     while time.monotonic() < deadline:
         before = rank
@@ -328,6 +397,13 @@ def _polish(best: ExecutionPlan, units: list[_Unit], evaluate: _Evaluator, deadl
                 trial = ExecutionPlan(current.cluster, {n: (alloc if n in unit.names else a)
                                                         for n, a in current.allocations.items()},
                                       current.shadow, current.offload)
+                trial_rank = evaluate.rank(trial)
+                if trial_rank < rank:
+                    current, rank = trial, trial_rank
+        for i, j in splitter.pairs if splitter is not None else ():
+            for trial in splitter.moves(current, i, j):
+                if time.monotonic() >= deadline:
+                    return
                 trial_rank = evaluate.rank(trial)
                 if trial_rank < rank:
                     current, rank = trial, trial_rank
@@ -426,6 +502,7 @@ def search(workflow: Workflow, cluster: ClusterSpec, cost: CostEstimator, memory
                                  workflow, evaluate.cost, memory_per_device, keep))
              for names in unit_names(workflow)]
     units = [u for u in units if len(u.candidates) > 1]
+    splitter = _Splitter(units, workflow, evaluate.cost, memory_per_device)
     # chains beyond the starts start from the best of their crossovers, not from a start walked already
     known = {plan_key(p) for p in starts}
     children = sorted((c for c in _crossovers(starts, workflow) if plan_key(c) not in known and evaluate(c)),
@@ -434,13 +511,14 @@ def search(workflow: Workflow, cluster: ClusterSpec, cost: CostEstimator, memory
     anneal_s = time_budget_s * (1.0 - POLISH_SHARE)
     for chain in range(chains if units else 0):
         rng = random.Random(f"loomrl-search:{seed}:{chain}")
-        _anneal(firsts[chain % len(firsts)], units, evaluate, rng, began + anneal_s * (chain + 1) / chains, max_steps)
+        _anneal(firsts[chain % len(firsts)], units, evaluate, rng, began + anneal_s * (chain + 1) / chains, max_steps,
+                splitter)
     if units:  # the best plans from different regions (each chain's, roughly) settled on their local optima
         end = began + time_budget_s if max_steps is None else math.inf
         leads = [plan for plan, _ in evaluate.best(POLISHED)]
         for i, plan in enumerate(leads):
             now = time.monotonic()
-            _polish(plan, units, evaluate, now + (end - now) / (len(leads) - i) if end < math.inf else end)
+            _polish(plan, units, evaluate, now + (end - now) / (len(leads) - i) if end < math.inf else end, splitter)
     return evaluate.best(top_k)
 
 

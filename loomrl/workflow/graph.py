@@ -152,6 +152,11 @@ class Workflow:
     def _ordered(self, a: str, b: str) -> bool:
         return a in self._ancestors[b] or b in self._ancestors[a]
 
+    def independent(self, a: str, b: str) -> bool:
+        """Whether MFCs ``a`` and ``b`` of one iteration may run side by side: neither reads, through any chain
+        of data edges, what the other produces."""
+        return a != b and not self._ordered(self[a].name, self[b].name)
+
     @property
     def source_keys(self) -> frozenset[str]:
         """Keys the dataset provides."""
