@@ -261,19 +261,18 @@ def _move(plan: ExecutionPlan, unit: _Unit, rng: random.Random) -> dict[str, All
     return dict.fromkeys(unit.names, choice)
 
 
-SPLIT_SHARE = 0.1
-"""Share of the annealing's proposals that interleave two independent calls (:class:`_Splitter`)."""
-
-
 class _Splitter:
     """Interleaving moves: two independent units (no data path between their calls, e.g. the reference's and the
     reward model's inference, or the actor's and the critic's training) leave the mesh of one of them for its
-    two halves, one each, each on its fastest candidate there that fits a device alone.
+    two halves, one each, each on its fastest candidate there that fits a device alone; or, from two halves,
+    both move back onto the whole mesh.
 
     From two calls that share a mesh, moving either alone onto a half is uphill (the other still waits for the
     whole mesh), and a random pair of moves rarely draws the two complementary allocations among hundreds; so
     the walk seldom reaches such a plan at 64 devices. This is the adaptive-placement paper's interleaving as
-    one move; the polish then settles each unit's layout on its half."""
+    one move, made by the polish (:func:`_polish`), which keeps it only where it helps. (Made by the walk too, a
+    tenth of its proposals, it found faster plans at 34B and 70B and slower ones at 13B, whose walks had
+    converged: the moves spent steps and took the chains elsewhere; docs/benchmarks.md, ninth session.)"""
 
     def __init__(self, units: list[_Unit], workflow: Workflow, cost: CostEstimator, memory_per_device: float):
         self.units = units
@@ -301,21 +300,20 @@ class _Splitter:
         return None
 
     def moves(self, plan: ExecutionPlan, i: int, j: int) -> list[ExecutionPlan]:
-        """``plan`` with units ``i`` and ``j`` on the halves of either one's mesh, in both orders."""
+        """``plan`` with units ``i`` and ``j`` on the halves of either one's mesh, in both orders; and, when
+        they sit on the two halves of a mesh already, both on that whole mesh (the move back)."""
         out = []
-        for mesh in dict.fromkeys(plan[self.units[k].names[0]].mesh for k in (i, j)):
+        meshes = [plan[self.units[k].names[0]].mesh for k in (i, j)]
+        for mesh in dict.fromkeys(meshes):
             halves = self.halves(mesh, i, j)
             for first, second in ((i, j), (j, i)) if halves else ():
                 changes = dict.fromkeys(self.units[first].names, self.fastest[(first, halves[0])])
                 changes |= dict.fromkeys(self.units[second].names, self.fastest[(second, halves[1])])
                 out.append(_with(plan, changes))
+        whole = DeviceMesh(tuple(sorted({*meshes[0], *meshes[1]})))
+        if all((k, whole) in self.fastest for k in (i, j)) and set(self.halves(whole, i, j) or ()) == set(meshes):
+            out.append(_with(plan, {name: self.fastest[(k, whole)] for k in (i, j) for name in self.units[k].names}))
         return out
-
-    def propose(self, plan: ExecutionPlan, rng: random.Random) -> ExecutionPlan | None:
-        if not self.pairs:
-            return None
-        moves = self.moves(plan, *self.pairs[rng.randrange(len(self.pairs))])
-        return moves[rng.randrange(len(moves))] if moves else None
 
 
 def _with(plan: ExecutionPlan, changes: Mapping[str, Allocation]) -> ExecutionPlan:
@@ -323,16 +321,11 @@ def _with(plan: ExecutionPlan, changes: Mapping[str, Allocation]) -> ExecutionPl
                          plan.shadow, plan.offload)
 
 
-def _propose(plan: ExecutionPlan, units: list[_Unit], rng: random.Random,
-             splitter: _Splitter | None = None) -> ExecutionPlan:
+def _propose(plan: ExecutionPlan, units: list[_Unit], rng: random.Random) -> ExecutionPlan:
     """One MFC group moved to another candidate, or, a quarter of the time, two groups at once: moving two
-    calls side by side is often worse one at a time than together; or, :data:`SPLIT_SHARE` of the time, two
-    independent groups interleaved (:class:`_Splitter`). The plan's offload choice is kept (the polish settles
-    it: it hardly interacts with the layouts, and random switches would spend the walk's steps)."""
-    if splitter is not None and rng.random() < SPLIT_SHARE:
-        split = splitter.propose(plan, rng)
-        if split is not None:
-            return split
+    calls side by side is often worse one at a time than together. The plan's offload choice is kept (the
+    polish settles it: it hardly interacts with the layouts, and random switches would spend the walk's
+    steps)."""
     count = 2 if len(units) > 1 and rng.random() < 0.25 else 1
     changes: dict[str, Allocation] = {}
     for index in rng.sample(range(len(units)), count):
@@ -361,7 +354,7 @@ def _toggle_offload(plan: ExecutionPlan, workflow: Workflow, role: str) -> Execu
 
 
 def _anneal(start: ExecutionPlan, units: list[_Unit], evaluate: _Evaluator, rng: random.Random,
-            deadline: float, max_steps: int | None, splitter: _Splitter | None = None) -> None:
+            deadline: float, max_steps: int | None) -> None:
     """One Metropolis chain from ``start`` until ``max_steps`` or ``deadline``; results land in ``evaluate``."""
     current, e_current = start, evaluate.energy(start)
     scale = e_current if 0 < e_current < math.inf else 1.0
@@ -373,7 +366,7 @@ def _anneal(start: ExecutionPlan, units: list[_Unit], evaluate: _Evaluator, rng:
             break
         progress = step / max_steps if max_steps else (now - began) / max(deadline - began, 1e-9)
         temperature = t_high * (t_low / t_high) ** min(progress, 1.0)
-        proposal = _propose(current, units, rng, splitter)
+        proposal = _propose(current, units, rng)
         e_new = evaluate.energy(proposal)
         if e_new <= e_current or (e_new < math.inf and rng.random() < math.exp(-(e_new - e_current) / temperature)):
             current, e_current = proposal, e_new
@@ -511,8 +504,7 @@ def search(workflow: Workflow, cluster: ClusterSpec, cost: CostEstimator, memory
     anneal_s = time_budget_s * (1.0 - POLISH_SHARE)
     for chain in range(chains if units else 0):
         rng = random.Random(f"loomrl-search:{seed}:{chain}")
-        _anneal(firsts[chain % len(firsts)], units, evaluate, rng, began + anneal_s * (chain + 1) / chains, max_steps,
-                splitter)
+        _anneal(firsts[chain % len(firsts)], units, evaluate, rng, began + anneal_s * (chain + 1) / chains, max_steps)
     if units:  # the best plans from different regions (each chain's, roughly) settled on their local optima
         end = began + time_budget_s if max_steps is None else math.inf
         leads = [plan for plan, _ in evaluate.best(POLISHED)]
