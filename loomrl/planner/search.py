@@ -10,8 +10,8 @@
   the weights, gradients and optimizer state too (FSDP). A compute step may run on any single device.
 - :func:`search`: the candidates are first pruned per device mesh to the few fastest layouts alone that fit
   the devices alone, and the leanest (:func:`_prune`, as ReaLHF prunes its search space); then Metropolis
-  acceptance with a geometric cooling schedule, then the few best plans settled by coordinate descent; a
-  move gives one MFC (or all the train calls of a role together, since they share a placement), sometimes
+  acceptance with a geometric cooling schedule, then the few best plans settled by coordinate descent (with
+  interleaving moves, :class:`_Splitter`); a move gives one MFC (or all the train calls of a role together, since they share a placement), sometimes
   two, another candidate, half the time on its current mesh (a layout or micro-batch move). Several
   independent chains share the wall-clock budget and a
   cache of simulated plans; the top-k distinct feasible plans seen by any chain are returned, fastest first.
