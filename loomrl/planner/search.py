@@ -11,8 +11,9 @@
 - :func:`search`: the candidates are first pruned per device mesh to the few fastest layouts alone that fit
   the devices alone, and the leanest (:func:`_prune`, as ReaLHF prunes its search space); then Metropolis
   acceptance with a geometric cooling schedule, then the few best plans settled by coordinate descent (with
-  interleaving moves, :class:`_Splitter`); a move gives one MFC (or all the train calls of a role together, since they share a placement), sometimes
-  two, another candidate, half the time on its current mesh (a layout or micro-batch move). Several
+  interleaving moves, :class:`_Splitter`); a move gives one MFC (or all the train calls of a role together,
+  since they share a placement), sometimes two, another candidate, half the time on its current mesh (a
+  layout or micro-batch move). Several
   independent chains share the wall-clock budget and a
   cache of simulated plans; the top-k distinct feasible plans seen by any chain are returned, fastest first.
   Searched plans use the default shadow rule of :class:`~loomrl.plan.ExecutionPlan`; which frozen roles are
@@ -264,8 +265,8 @@ def _move(plan: ExecutionPlan, unit: _Unit, rng: random.Random) -> dict[str, All
 class _Splitter:
     """Interleaving moves: two independent units (no data path between their calls, e.g. the reference's and the
     reward model's inference, or the actor's and the critic's training) leave the mesh of one of them for its
-    two halves, one each, each on its fastest candidate there that fits a device alone; or, from two halves,
-    both move back onto the whole mesh.
+    two halves, one each, each on its fastest candidate there that fits a device alone (the fastest of all where
+    none fits); or, from two halves, both move back onto the whole mesh.
 
     From two calls that share a mesh, moving either alone onto a half is uphill (the other still waits for the
     whole mesh), and a random pair of moves rarely draws the two complementary allocations among hundreds; so
@@ -466,8 +467,9 @@ def search(workflow: Workflow, cluster: ClusterSpec, cost: CostEstimator, memory
 
     Chains start at ``start`` (default: :func:`~loomrl.plan.colocate` with pure data parallelism); given a
     list of plans (e.g. every heuristic's best), chain ``c`` starts at plan ``c``, so the chains explore from
-    different strategies; chains beyond the starts begin at the best of their crossovers (:func:`_crossovers`,
-    all of which are simulated), then cycle through the starts again. Every start is itself a candidate, so
+    different strategies; chains beyond the starts begin at the best of their crossovers (:func:`_crossovers`)
+    and of their interleavings (:class:`_Splitter`'s moves), all of which are simulated, then cycle through the
+    starts again. Every start is itself a candidate, so
     the best plan returned is never slower than a feasible start. The chains share ``(1 - POLISH_SHARE)`` of
     ``time_budget_s`` seconds of wall clock (chain ``c`` stops at ``(c + 1) / chains`` of it), then the
     :data:`POLISHED` best plans are polished by coordinate descent (:func:`_polish`), sharing what is left of the
@@ -496,10 +498,12 @@ def search(workflow: Workflow, cluster: ClusterSpec, cost: CostEstimator, memory
              for names in unit_names(workflow)]
     units = [u for u in units if len(u.candidates) > 1]
     splitter = _Splitter(units, workflow, evaluate.cost, memory_per_device)
-    # chains beyond the starts start from the best of their crossovers, not from a start walked already
+    # chains beyond the starts start from the best of their crossovers and interleavings, not from a start
+    # walked already
     known = {plan_key(p) for p in starts}
-    children = sorted((c for c in _crossovers(starts, workflow) if plan_key(c) not in known and evaluate(c)),
-                      key=evaluate.rank)
+    interleaved = [m for p in starts for i, j in splitter.pairs for m in splitter.moves(p, i, j)]
+    children = sorted((c for c in _crossovers(starts, workflow) + interleaved
+                       if plan_key(c) not in known and evaluate(c)), key=evaluate.rank)
     firsts = starts + children[:max(0, chains - len(starts))]
     anneal_s = time_budget_s * (1.0 - POLISH_SHARE)
     for chain in range(chains if units else 0):
