@@ -382,27 +382,21 @@ def _polish(best: ExecutionPlan, units: list[_Unit], evaluate: _Evaluator, deadl
     ``evaluate``). Annealing finds the region; this settles it on the local optimum, which random proposals
     reach only by luck."""
     current, rank = best, evaluate.rank(best)
-    while time.monotonic() < deadline:
-        before = rank
+
+    def trials():  # each built from the plan current when it is drawn
         for unit in units:
             for alloc in unit.candidates:
-                if time.monotonic() >= deadline:
-                    return
-                trial = ExecutionPlan(current.cluster, {n: (alloc if n in unit.names else a)
-                                                        for n, a in current.allocations.items()},
-                                      current.shadow, current.offload)
-                trial_rank = evaluate.rank(trial)
-                if trial_rank < rank:
-                    current, rank = trial, trial_rank
+                yield _with(current, dict.fromkeys(unit.names, alloc))
         for i, j in splitter.pairs if splitter is not None else ():
-            for trial in splitter.moves(current, i, j):
-                if time.monotonic() >= deadline:
-                    return
-                trial_rank = evaluate.rank(trial)
-                if trial_rank < rank:
-                    current, rank = trial, trial_rank
+            yield from splitter.moves(current, i, j)
         for role in _offload_choices(current, evaluate):  # offloaded or resident
-            trial = _toggle_offload(current, evaluate.workflow, role)
+            yield _toggle_offload(current, evaluate.workflow, role)
+
+    while time.monotonic() < deadline:
+        before = rank
+        for trial in trials():
+            if time.monotonic() >= deadline:
+                return
             trial_rank = evaluate.rank(trial)
             if trial_rank < rank:
                 current, rank = trial, trial_rank
