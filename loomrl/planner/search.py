@@ -281,14 +281,10 @@ class _Splitter:
                       if all(workflow.independent(a, b) for a in units[i].names for b in units[j].names)]
         self.fastest: dict[tuple[int, DeviceMesh], Allocation] = {}
         for k, unit in enumerate(units):
-            mfcs = [workflow[n] for n in unit.names]
-            scored: dict[DeviceMesh, list[tuple[bool, float, float, int]]] = defaultdict(list)
-            for i, alloc in enumerate(unit.candidates):
-                need = memory_alone(mfcs, alloc, cost)
-                seconds = sum(cost.mfc_time(m, alloc) for m in mfcs)
-                scored[alloc.mesh].append((need > memory_per_device, seconds, need, i))
-            for mesh, options in scored.items():
-                self.fastest[(k, mesh)] = unit.candidates[min(options)[3]]
+            by_mesh = _scored_by_mesh([workflow[n] for n in unit.names], unit.candidates, cost)
+            for mesh, scored in by_mesh.items():
+                best = min(scored, key=lambda t: (t[1] > memory_per_device, t))
+                self.fastest[(k, mesh)] = unit.candidates[best[2]]
 
     def halves(self, mesh: DeviceMesh, i: int, j: int) -> tuple[DeviceMesh, DeviceMesh] | None:
         """The two halves of ``mesh`` when both units have candidates on both."""
@@ -426,6 +422,16 @@ def memory_alone(mfcs: list[MFC], alloc: Allocation, cost: CostEstimator) -> flo
                 for m in mfcs if m.role is not None), default=0.0)
 
 
+def _scored_by_mesh(mfcs: list[MFC], candidates: tuple[Allocation, ...],
+                    cost: CostEstimator) -> dict[DeviceMesh, list[tuple[float, float, int]]]:
+    """Each candidate of one unit (its calls ``mfcs``) as (seconds of its calls alone, :func:`memory_alone`,
+    its index), grouped by device mesh."""
+    by_mesh: dict[DeviceMesh, list[tuple[float, float, int]]] = defaultdict(list)
+    for i, alloc in enumerate(candidates):
+        by_mesh[alloc.mesh].append((sum(cost.mfc_time(m, alloc) for m in mfcs), memory_alone(mfcs, alloc, cost), i))
+    return by_mesh
+
+
 def _prune(names: tuple[str, ...], candidates: tuple[Allocation, ...], workflow: Workflow, cost: CostEstimator,
            memory_per_device: float, keep: set[Allocation]) -> tuple[Allocation, ...]:
     """The candidates of a unit worth searching: per device mesh, the :data:`TOP_PER_MESH` fastest alone (the
@@ -433,11 +439,7 @@ def _prune(names: tuple[str, ...], candidates: tuple[Allocation, ...], workflow:
     least memory; plus ``keep`` (the start plans' allocations). A large cluster offers thousands of layouts ×
     micro-batches × recompute per train call, too many for a walk to try even once in its budget; an allocation
     slower alone than four others on the same devices rarely wins by its reallocations."""
-    mfcs = [workflow[n] for n in names]
-    by_mesh: dict[DeviceMesh, list[tuple[float, float, int]]] = defaultdict(list)
-    for i, alloc in enumerate(candidates):
-        seconds = sum(cost.mfc_time(m, alloc) for m in mfcs)
-        by_mesh[alloc.mesh].append((seconds, memory_alone(mfcs, alloc, cost), i))
+    by_mesh = _scored_by_mesh([workflow[n] for n in names], candidates, cost)
     chosen = {i for i, alloc in enumerate(candidates) if alloc in keep}
     for scored in by_mesh.values():
         fitting = sorted((s, i) for s, need, i in scored if need <= memory_per_device)
