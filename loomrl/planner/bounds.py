@@ -1,29 +1,33 @@
 """A lower bound on the iteration time of every plan the search can build, from the cost model alone.
 
-Two facts hold for every plan in the search's space (:func:`~loomrl.planner.search.candidate_allocations`),
+Three facts hold for every plan in the search's space (:func:`~loomrl.planner.search.candidate_allocations`),
 whatever its reallocations, reloads and scheduling add (they only add):
 
-- **Work**: a call occupies every device of its mesh for its whole time, so one iteration takes at least
-  ``Σ seconds × mesh size`` over the calls, divided by the cluster's device count.
-- **Dependencies**: each parameter-version edge of the unrolled workflow (a trained role's first call of
-  iteration ``i + 1`` waits for its last call of iteration ``i``) closes a cycle with any path of data edges
-  between those calls, and the calls of such a cycle run one after another once per iteration.
+- **Segments**: the simulator runs iterations one after another, as the runtime's trainer does, and a call
+  that every other call of the iteration reads from or feeds (a *cut*: PPO's generation and its advantages
+  step) runs alone. So the cuts split an iteration into segments that run one after another, and the
+  iteration takes at least the sum of the segments' own bounds. PPO's are generation; the three inferences;
+  advantages; the two train calls.
+- **Work**: a call occupies every device of its mesh for its whole time, so a segment takes at least
+  ``Σ seconds × mesh size`` over its calls, divided by the cluster's device count.
+- **Dependencies**: the calls of a path of data edges inside a segment run one after another.
 
 Fast calls on many devices are cheap in time and dear in device-seconds (generation's decode reads the weights
-once per replica and step), so neither fact alone is tight. For a cycle ``P`` and a weight ``λ`` in [0, 1],
-``T ≥ λ · Σ_P seconds + (1 − λ) · work / devices`` holds for the plan's own allocations, hence for the
-allocations minimizing the right-hand side, which splits into one small minimum per call (a role's train calls
-share one allocation and are taken together). The bound is the largest such value over the cycles and a grid
-of ``λ``: ``λ = 0`` is the work bound with each call at its most frugal allocation, ``λ = 1`` the longest
-cycle with each call at its fastest. Only allocations that can fit count: the call's own memory (resident
-state plus its transient memory) on each device of its mesh, plus the share of the trained roles' resident
-training state (at its smallest over their train allocations) that the devices outside the mesh cannot hold.
-The figure goes through the estimator's whole-iteration correction like the simulator's.
+once per replica and step), so neither of the last two alone is tight. For a path ``P`` of a segment and a weight
+``λ`` in [0, 1], ``T_segment ≥ λ · Σ_P seconds + (1 − λ) · work / devices`` holds for the plan's own allocations,
+hence for the allocations minimizing the right-hand side, which splits into one small minimum per call (a role's
+train calls share one allocation and are taken together). A segment's bound is the largest such value over its
+paths and a grid of ``λ`` (``λ = 0``: the work with each call at its most frugal allocation; ``λ = 1``: the
+longest path with each call at its fastest); each segment chooses its own. Only allocations that can fit count:
+the call's own memory (resident state plus its transient memory) on each device of its mesh, plus the share of
+the trained roles' resident training state (at its smallest over their train allocations) that the devices
+outside the mesh cannot hold. The figure goes through the estimator's whole-iteration correction like the
+simulator's.
 
-The simulator runs iterations one after another, as the runtime's trainer does, so each simulated iteration
-holds all of its calls' work and runs its cycles' calls one after another: no simulated time is below the
-bound. Its use: a heuristic plan within a factor ``f`` of the bound leaves no plan of the space more than ``f``
-faster, whatever the search does.
+Its use: a heuristic plan within a factor ``f`` of the bound leaves no plan of the space more than ``f``
+faster, whatever the search does. What it leaves out, so what separates it from the best plan: the
+reallocations and reloads between calls, and the memory the calls of a segment take *together* (each call is
+taken at its best allocation that fits beside the training states alone).
 """
 
 from __future__ import annotations
@@ -37,10 +41,29 @@ from loomrl.planner.search import candidate_allocations, memory_alone, unit_name
 from loomrl.planner.simulator import CostEstimator
 from loomrl.workflow import MFCKind, Workflow
 
-__all__ = ["IterationBound", "iteration_bound"]
+__all__ = ["IterationBound", "SegmentBound", "iteration_bound", "segments"]
 
 LAMBDAS = 200
-"""Steps of the grid of weights between the cycle and the work bound."""
+"""Steps of the grid of weights between the longest path and the work bound."""
+
+
+@dataclass(frozen=True)
+class SegmentBound:
+    """The bound on one segment of an iteration (see the module docstring)."""
+
+    calls: tuple[str, ...]
+    """The segment's calls, in topological order."""
+    seconds: float
+    """The bound on the segment's time, uncorrected."""
+    weight: float
+    """The ``λ`` that gave it."""
+    path: tuple[str, ...]
+    """The path of data edges that gave it, in order."""
+
+    @property
+    def limit(self) -> str:
+        """What binds: ``"work"`` (weight 0), ``"path"`` (weight 1) or ``"both"``."""
+        return {0.0: "work", 1.0: "path"}.get(self.weight, "both")
 
 
 @dataclass(frozen=True)
@@ -50,18 +73,31 @@ class IterationBound:
     seconds: float
     """The bound, with the estimator's whole-iteration correction (inf: some call fits no device on its own)."""
     work: float
-    """The work bound alone (λ = 0): least device-seconds of one iteration over the device count."""
+    """The work bound alone (λ = 0 everywhere): least device-seconds of one iteration over the device count."""
     cycle: float
-    """The dependency bound alone (λ = 1): the longest cycle with every call at its fastest."""
-    weight: float
-    """The ``λ`` that gave the bound."""
-    path: tuple[str, ...]
-    """The calls of the cycle that gave it, in order."""
+    """The dependency bound alone (λ = 1 everywhere): the longest path through the segments, each call at its
+    fastest."""
+    segments: tuple[SegmentBound, ...] = ()
+    """Each segment's own bound, in the order they run; their seconds sum to the bound before correction."""
 
-    @property
-    def limit(self) -> str:
-        """What binds: ``"work"`` (weight 0), ``"cycle"`` (weight 1) or ``"both"``."""
-        return {0.0: "work", 1.0: "cycle"}.get(self.weight, "both")
+
+def segments(workflow: Workflow) -> list[tuple[str, ...]]:
+    """The calls of one iteration split at its cuts (calls ordered with every other call), in running order:
+    each cut is a segment of its own, and the calls between two cuts form one."""
+    order = [m.name for m in workflow.topological_order()]
+    out: list[tuple[str, ...]] = []
+    current: list[str] = []
+    for name in order:
+        if any(workflow.independent(name, other) for other in order):
+            current.append(name)
+            continue
+        if current:
+            out.append(tuple(current))
+        out.append((name,))
+        current = []
+    if current:
+        out.append(tuple(current))
+    return out
 
 
 def iteration_bound(workflow: Workflow, cluster: ClusterSpec, cost: CostEstimator, memory_per_device: float,
@@ -71,20 +107,33 @@ def iteration_bound(workflow: Workflow, cluster: ClusterSpec, cost: CostEstimato
     options = {names: _options(names, workflow, cluster, cost, memory_per_device, model_configs, states)
                for names in unit_names(workflow)}
     if not all(options.values()):  # some call fits nowhere: no plan of the space fits
-        return IterationBound(math.inf, math.inf, math.inf, 0.0, ())
+        return IterationBound(math.inf, math.inf, math.inf)
     n = cluster.n_devices
-
-    def bound(weight: float, path: tuple[str, ...]) -> float:
-        return sum(min(weight * sum(t for name, t in zip(names, times) if name in path)
-                       + (1.0 - weight) * sum(times) * size / n for times, size in opts)
-                   for names, opts in options.items())
-
-    cycles = _cycles(workflow)
-    value, weight, path = max(((bound(step / LAMBDAS, path), step / LAMBDAS, path)
-                               for path in cycles for step in range(LAMBDAS + 1)), key=lambda t: t[0])
+    parts, work, cycle = [], 0.0, 0.0
+    for calls in segments(workflow):
+        # A unit's calls outside the segment do not count here. Letting a unit's allocation differ between
+        # segments only relaxes the bound (a role's train calls share one in every plan).
+        units = [(names, opts) for names, opts in options.items() if any(name in calls for name in names)]
+        paths = _paths(workflow, calls)
+        value, weight, path = max(((_segment_bound(units, calls, step / LAMBDAS, p, n), step / LAMBDAS, p)
+                                   for p in paths for step in range(LAMBDAS + 1)), key=lambda t: t[0])
+        parts.append(SegmentBound(calls, value, weight, path))
+        work += _segment_bound(units, calls, 0.0, (), n)
+        cycle += max(_segment_bound(units, calls, 1.0, p, n) for p in paths)
+    value = sum(part.seconds for part in parts)
     corrected = getattr(cost, "iteration_time", None)
     seconds = corrected(value) if corrected is not None else value
-    return IterationBound(seconds, bound(0.0, ()), max(bound(1.0, path) for path in cycles), weight, path)
+    return IterationBound(seconds, work, cycle, tuple(parts))
+
+
+def _segment_bound(units: list[tuple[tuple[str, ...], list[tuple[tuple[float, ...], int]]]], calls: tuple[str, ...],
+                   weight: float, path: tuple[str, ...], n: int) -> float:
+    """``weight`` × the path's seconds + (1 − ``weight``) × the segment's work / ``n``, each unit at the allocation
+    that minimizes its part."""
+    return sum(min(sum(t * (weight * (name in path) + (1.0 - weight) * size / n)
+                       for name, t in zip(names, times) if name in calls)
+                   for times, size in opts)
+               for names, opts in units)
 
 
 def _training_states(workflow: Workflow, cluster: ClusterSpec, cost: CostEstimator, memory_per_device: float,
@@ -123,23 +172,21 @@ def _options(names: tuple[str, ...], workflow: Workflow, cluster: ClusterSpec, c
     return sorted(out)
 
 
-def _cycles(workflow: Workflow) -> list[tuple[str, ...]]:
-    """Every path of data edges from a trained role's first call to its last call of the same iteration (the
-    cycle the version edge between them closes), as the calls in order; one-call paths included."""
-    successors: dict[str, list[str]] = {m.name: [] for m in workflow}
-    for m in workflow:
-        for d in workflow.deps(m.name):
-            successors[d].append(m.name)
-    edges = {(last, mfc.name) for it, mfc, deps in workflow.unroll(2) if it == 1 for i, last in deps if i == 0}
+def _paths(workflow: Workflow, calls: tuple[str, ...]) -> list[tuple[str, ...]]:
+    """Every maximal path of data edges among ``calls`` (from a call none of them feeds to one that feeds none of
+    them), as the calls in order; a lone call is a path of its own."""
+    inside = set(calls)
+    successors = {name: [m for m in calls if name in workflow.deps(m)] for name in calls}
     paths: list[tuple[str, ...]] = []
 
-    def walk(path: tuple[str, ...], goal: str) -> None:
-        if path[-1] == goal:
+    def walk(path: tuple[str, ...]) -> None:
+        if not successors[path[-1]]:
             paths.append(path)
             return
         for nxt in successors[path[-1]]:
-            walk(path + (nxt,), goal)
+            walk(path + (nxt,))
 
-    for last, first in sorted(edges):
-        walk((first,), last)
-    return paths or [()]
+    for name in calls:
+        if not inside.intersection(workflow.deps(name)):
+            walk((name,))
+    return paths
