@@ -80,6 +80,7 @@ def _cmd_plan(args: argparse.Namespace) -> int:
     from loomrl.config import TrainConfig
     from loomrl.configtools import load_config
     from loomrl.plan import ClusterSpec
+    from loomrl.planner.bounds import segment_seconds
     from loomrl.planner.corrections import Corrections
     from loomrl.planner.cost import PRECISION_BYTES
     from loomrl.planner.planning import compare_plans, model_config
@@ -118,6 +119,11 @@ def _cmd_plan(args: argparse.Namespace) -> int:
     if math.isfinite(bound):
         console.print(f"lower bound: no plan of the search's space runs faster than {bound:.3g} s/iteration "
                       f"(best found: {result.iteration_time / bound:.3f}x of it; see loomrl.planner.bounds)")
+        parts = report.bound.segments
+        spent = segment_seconds(result, [part.calls for part in parts])
+        rows = [{"segment (runs alone, in turn)": ", ".join(part.calls), "bound s": part.seconds, "best plan s": t,
+                 "plan / bound": t / part.seconds if part.seconds > 0 else math.nan} for part, t in zip(parts, spent)]
+        console.print(summary_table(rows, "where the best plan stands, segment by segment (uncorrected)"))
     console.print(f"best: {name}, {result.iteration_time:.3g} s/iteration; search vs best heuristic: "
                   f"{report.search_speedup:.3f}x; wrote {out / 'best_plan.json'} (loomrl train --plan accepts it) "
                   f"and {out / 'timeline.png'}, {out / 'timeline.html'}")

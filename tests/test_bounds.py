@@ -8,7 +8,7 @@ import pytest
 from loomrl.algorithms.workflows import build_workflow
 from loomrl.config import AlgoConfig, RolloutConfig
 from loomrl.plan import GB, Allocation, ClusterSpec, colocate
-from loomrl.planner.bounds import iteration_bound, segments
+from loomrl.planner.bounds import iteration_bound, segment_seconds, segments
 from loomrl.planner.planning import compare_plans, model_config
 from loomrl.planner.search import search
 from loomrl.planner.simulator import simulate
@@ -76,7 +76,12 @@ def test_generation_that_does_not_scale_runs_alone_before_everything_else():
     first = bound.segments[0]
     assert first.calls == ("actor_gen",) and first.seconds == pytest.approx(8.0) and first.limit == "path"
     assert [s.limit for s in bound.segments[1::2]] == ["work", "work"]
-    assert simulate(colocate(PPO, CLUSTER), PPO, cost, MEMORY).iteration_time == pytest.approx(12.5)
+    result = simulate(colocate(PPO, CLUSTER), PPO, cost, MEMORY)
+    assert result.iteration_time == pytest.approx(12.5)
+    # colocation takes each segment's bound: generation alone, then each other segment's work on all devices
+    parts = [s.calls for s in bound.segments]
+    assert segment_seconds(result, parts) == pytest.approx([s.seconds for s in bound.segments])
+    assert segment_seconds(result, parts) == pytest.approx([8.0, 1.5, 0.0, 3.0])
 
 
 # Both train calls take 4 + 4/n s on n devices: (8 s, 2 device-s per device of the cluster) on 1 device, (6, 3)
@@ -142,3 +147,9 @@ def test_no_simulated_plan_of_the_cost_model_is_below_the_bound():
     times += [r.iteration_time for _, r in report.searched]
     assert len(times) >= 3 and min(times) >= bound
     assert min(times) < 1.1 * bound  # not a vacuous bound: the best plan found is within 10% of it
+    # segment by segment too: each segment of a plan takes at least its bound, and together the iteration
+    parts = [s.calls for s in report.bound.segments]
+    for _, result in [*report.heuristics.values(), *report.searched]:
+        seconds = segment_seconds(result, parts)
+        assert sum(seconds) == pytest.approx(result.iteration_time)
+        assert all(t >= s.seconds - 1e-9 for t, s in zip(seconds, report.bound.segments))

@@ -38,10 +38,10 @@ from dataclasses import dataclass
 
 from loomrl.plan import ClusterSpec
 from loomrl.planner.search import candidate_allocations, memory_alone, unit_names
-from loomrl.planner.simulator import CostEstimator
+from loomrl.planner.simulator import CostEstimator, SimResult
 from loomrl.workflow import MFCKind, Workflow
 
-__all__ = ["IterationBound", "SegmentBound", "iteration_bound", "segments"]
+__all__ = ["IterationBound", "SegmentBound", "iteration_bound", "segment_seconds", "segments"]
 
 LAMBDAS = 200
 """Steps of the grid of weights between the longest path and the work bound."""
@@ -124,6 +124,30 @@ def iteration_bound(workflow: Workflow, cluster: ClusterSpec, cost: CostEstimato
     corrected = getattr(cost, "iteration_time", None)
     seconds = corrected(value) if corrected is not None else value
     return IterationBound(seconds, work, cycle, tuple(parts))
+
+
+def segment_seconds(result: SimResult, parts: list[tuple[str, ...]]) -> list[float]:
+    """Seconds each segment (``parts``, from :func:`segments`) takes in a simulated plan, to set beside its bound.
+
+    A segment runs from the end of the previous one's last call (the iteration's start, for the first) to the end
+    of its own last call, so the reallocations and reloads before a call count in its segment; the last segment
+    runs to the iteration's end (syncs after training included). Averaged over the iterations that give the
+    steady-state time, uncorrected like :attr:`SegmentBound.seconds`."""
+    ends = result.iteration_ends
+    iterations = range(1, len(ends)) if len(ends) > 1 else range(len(ends))
+    last: dict[tuple[int, str], float] = {}
+    for iv in result.timeline:
+        key = (iv.iteration, iv.label)
+        last[key] = max(last.get(key, 0.0), iv.end)
+    totals = [0.0] * len(parts)
+    for it in iterations:
+        previous = ends[it - 1] if it > 0 else 0.0
+        for j, calls in enumerate(parts):
+            end = ends[it] if j == len(parts) - 1 else max((last.get((it, c), previous) for c in calls),
+                                                            default=previous)
+            totals[j] += max(0.0, end - previous)
+            previous = max(previous, end)
+    return [t / max(len(iterations), 1) for t in totals]
 
 
 def _segment_bound(units: list[tuple[tuple[str, ...], list[tuple[tuple[float, ...], int]]]], calls: tuple[str, ...],
