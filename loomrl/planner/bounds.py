@@ -24,6 +24,10 @@ the trained roles' resident training state (at its smallest over their train all
 outside the mesh cannot hold. The figure goes through the estimator's whole-iteration correction like the
 simulator's.
 
+Giving every segment the same ``λ`` and the part of one path through the iteration that falls in it (extended
+to a maximal path of the segment) gives back the whole-iteration bound of that ``λ`` and path, so the sum is
+never below it: the segments only tighten.
+
 Its use: a heuristic plan within a factor ``f`` of the bound leaves no plan of the space more than ``f``
 faster, whatever the search does. What it leaves out, so what separates it from the best plan: the
 reallocations and reloads between calls, and the memory the calls of a segment take *together* (each call is
