@@ -119,6 +119,9 @@ def _cmd_plan(args: argparse.Namespace) -> int:
     if math.isfinite(bound):
         console.print(f"lower bound: no plan of the search's space runs faster than {bound:.3g} s/iteration "
                       f"(best found: {result.iteration_time / bound:.3f}x of it; see loomrl.planner.bounds)")
+        if report.bound.training:
+            console.print("the bound holds for every training placement; it is least for "
+                          + ", ".join(report.bound.training))
         parts = report.bound.segments
         spent = segment_seconds(result, [part.calls for part in parts])
         rows = [{"segment (runs alone, in turn)": ", ".join(part.calls), "bound s": part.seconds, "best plan s": t,

@@ -8,6 +8,7 @@ import pytest
 from loomrl.algorithms.workflows import build_workflow
 from loomrl.config import AlgoConfig, RolloutConfig
 from loomrl.plan import GB, Allocation, ClusterSpec, colocate
+from loomrl.planner import bounds
 from loomrl.planner.bounds import iteration_bound, segment_seconds, segments
 from loomrl.planner.planning import compare_plans, model_config
 from loomrl.planner.search import search
@@ -60,22 +61,21 @@ def test_perfectly_scaling_calls_are_bounded_by_their_work_which_colocation_reac
     cost = ScalingCost()
     bound = iteration_bound(PPO, CLUSTER, cost, MEMORY, CONFIGS)
     assert bound.seconds == pytest.approx(sum(WORK.values()) / 4)
-    assert bound.work == pytest.approx(bound.seconds)
     assert simulate(colocate(PPO, CLUSTER), PPO, cost, MEMORY).iteration_time == pytest.approx(bound.seconds)
+    assert len(bound.training) == 2 and bound.training[0].startswith("actor=")
 
 
 def test_generation_that_does_not_scale_runs_alone_before_everything_else():
     # Generation takes 8 s on any mesh, and nothing of its iteration can run beside it (everything reads its
     # output), nor anything of the next (iterations run one after another). So the bound is 8 s plus the rest's
-    # work, 6/4 + 12/4: colocation's 12.5 s. The longest path alone gives 8 + 2/4 + 0 + 6/4 = 10, the work alone
-    # 8/4 (generation on one device) + 18/4 = 6.5.
+    # work, 6/4 + 12/4: colocation's 12.5 s. (A whole-iteration bound gave 10: the longest path 8 + 2/4 + 0 +
+    # 6/4.)
     cost = ScalingCost(fixed={"actor_gen": 8.0}, work={"actor_gen": 0.0})
     bound = iteration_bound(PPO, CLUSTER, cost, MEMORY, CONFIGS)
     assert bound.seconds == pytest.approx(12.5)
-    assert bound.cycle == pytest.approx(10.0) and bound.work == pytest.approx(2.0 + 18.0 / 4)
     first = bound.segments[0]
     assert first.calls == ("actor_gen",) and first.seconds == pytest.approx(8.0) and first.limit == "path"
-    assert [s.limit for s in bound.segments[1::2]] == ["work", "work"]
+    assert bound.segments[1].limit == "work"
     result = simulate(colocate(PPO, CLUSTER), PPO, cost, MEMORY)
     assert result.iteration_time == pytest.approx(12.5)
     # colocation takes each segment's bound: generation alone, then each other segment's work on all devices
@@ -84,41 +84,52 @@ def test_generation_that_does_not_scale_runs_alone_before_everything_else():
     assert segment_seconds(result, parts) == pytest.approx([8.0, 1.5, 0.0, 3.0])
 
 
-# Both train calls take 4 + 4/n s on n devices: (8 s, 2 device-s per device of the cluster) on 1 device, (6, 3)
-# on 2, (5, 5) on 4. On the path through the actor's training, with weight w, the actor gives min(2 + 6w,
-# 3 + 3w, 5) and the critic, off the path, (1 - w)·2 at best (one device), so the train segment's bound is max
-# over w of min(4 + 4w, 5 + w, 7 - 2w): 17/3 at w = 2/3, above its work (4) and its longest path (5). Generation
-# adds 8/4 and the inferences 6/4.
-TRAINS_DO_NOT_SCALE = {"actor_train": 4.0, "critic_train": 4.0}
-TRAIN_WORK = {"actor_train": 4.0, "critic_train": 4.0}
-
-
 def test_the_weighted_bound_beats_both_pure_bounds():
-    cost = ScalingCost(fixed=TRAINS_DO_NOT_SCALE, work=TRAIN_WORK)
+    # The reference model's inference takes 4 + 4/n s on n devices: (8 s, 2 device-s per device of the cluster)
+    # on 1 device, (6, 3) on 2, (5, 5) on 4; the other two inferences 2/n. On the path through ref_inf, with
+    # weight w, ref_inf gives min(2 + 6w, 3 + 3w, 5) and each other inference (1 - w)/2, so the inference
+    # segment's bound is max over w of min(3 + 5w, 4 + 2w, 6 - w): 16/3 at w = 2/3, above its work (3) and its
+    # longest path (5). Generation adds 8/4 and training 12/4.
+    cost = ScalingCost(fixed={"ref_inf": 4.0}, work={"ref_inf": 4.0})
     bound = iteration_bound(PPO, CLUSTER, cost, MEMORY, CONFIGS)
-    train = bound.segments[-1]
-    assert train.calls == ("actor_train", "critic_train") and train.limit == "both"
-    assert train.seconds == pytest.approx(17 / 3, abs=3e-3) and train.seconds <= 17 / 3
-    assert train.weight == pytest.approx(2 / 3, abs=0.01)
-    assert bound.seconds == pytest.approx(2 + 1.5 + 17 / 3, abs=3e-3)
-    assert bound.work == pytest.approx(2 + 1.5 + 4) and bound.cycle == pytest.approx(2 + 0.5 + 5)
-    # the best plan trains actor and critic side by side on two devices each: 2 + 1.5 + 6 s
+    inference = bound.segments[1]
+    assert inference.calls == ("ref_inf", "reward_inf", "critic_inf") and inference.limit == "both"
+    assert inference.seconds == pytest.approx(16 / 3, abs=5e-3) and inference.seconds <= 16 / 3
+    assert inference.weight == pytest.approx(2 / 3, abs=0.01) and inference.path == ("ref_inf",)
+    assert bound.seconds == pytest.approx(2 + 16 / 3 + 3, abs=5e-3)
+    # the best plans take 2 + 6 + 3 s: ref_inf on two devices beside the other two inferences, or on all four
     for plan, result in search(PPO, CLUSTER, cost, MEMORY, CONFIGS, seed=0, time_budget_s=60, chains=2,
                                max_steps=150, top_k=3):
         assert result.iteration_time >= bound.seconds - 1e-9, plan.text
 
 
-def test_only_allocations_that_fit_count():
-    # As above, but the critic's 80 GB of training state fit the 24 GB devices only on all four (20 GB each,
-    # beside the actor's 10 GB spread there): off the path it now costs (1 - w)·5, so the train segment's bound
-    # is max over w of min(7 + w, 8 - 2w, 10 - 5w): 22/3 at w = 1/3.
-    cost = ScalingCost(fixed=TRAINS_DO_NOT_SCALE, work=TRAIN_WORK, states={"actor": 10 * GB, "critic": 80 * GB})
-    train = iteration_bound(PPO, CLUSTER, cost, MEMORY, CONFIGS).segments[-1]
-    assert train.seconds == pytest.approx(22 / 3, abs=5e-3) and train.weight == pytest.approx(1 / 3, abs=0.01)
-    # 10 GB each fit anywhere: the bound of 17/3 s is back.
+# Both train calls take 4 + 4/n s on n devices: 8 s on one, 6 on two, 5 on four.
+TRAINS_DO_NOT_SCALE = {"actor_train": 4.0, "critic_train": 4.0}
+TRAIN_WORK = {"actor_train": 4.0, "critic_train": 4.0}
+
+
+def test_a_training_placement_fixes_the_train_segment_and_what_fits_beside_it():
+    # 10 GB of training state each fit anywhere: actor and critic train side by side on two devices each, 6 s,
+    # the busiest device's time for that placement and no more for any other.
     cost = ScalingCost(fixed=TRAINS_DO_NOT_SCALE, work=TRAIN_WORK, states={"actor": 10 * GB, "critic": 10 * GB})
-    assert iteration_bound(PPO, CLUSTER, cost, MEMORY, CONFIGS).segments[-1].seconds == pytest.approx(17 / 3,
-                                                                                                      abs=3e-3)
+    bound = iteration_bound(PPO, CLUSTER, cost, MEMORY, CONFIGS)
+    assert bound.segments[-1].seconds == pytest.approx(6.0)
+    assert bound.seconds == pytest.approx(2 + 1.5 + 6)
+    # The critic's 80 GB fit the 24 GB devices only on all four (20 GB each), and beside them the actor's 10 GB
+    # only on all four too (2.5 GB each; 5 GB on two would make 25): the two train calls run in turn, 5 + 5 s.
+    cost = ScalingCost(fixed=TRAINS_DO_NOT_SCALE, work=TRAIN_WORK, states={"actor": 10 * GB, "critic": 80 * GB})
+    bound = iteration_bound(PPO, CLUSTER, cost, MEMORY, CONFIGS)
+    train = bound.segments[-1]
+    assert train.seconds == pytest.approx(10.0)  # = their work on all four devices, too
+    assert [t.split(":")[0] for t in bound.training] == ["actor=0-3", "critic=0-3"]
+    assert simulate(colocate(PPO, CLUSTER), PPO, cost, MEMORY).iteration_time == pytest.approx(bound.seconds)
+    # Without enumerating placements, each train call counts only its own fit beside the other's state at its
+    # smallest: the actor may then take two devices, and the segment's bound falls to max over w of
+    # min(7 + w, 8 - 2w, 10 - 5w) = 22/3 at w = 1/3. Valid, and looser.
+    with pytest.MonkeyPatch.context() as patch:
+        patch.setattr(bounds, "PLACEMENTS", 0)
+        loose = iteration_bound(PPO, CLUSTER, cost, MEMORY, CONFIGS)
+    assert loose.training == () and loose.segments[-1].seconds == pytest.approx(22 / 3, abs=5e-3)
     # 100 GB of training state fit nowhere: no plan fits, and the bound says so.
     assert math.isinf(iteration_bound(PPO, CLUSTER, ScalingCost(states={"critic": 100 * GB}), MEMORY,
                                       CONFIGS).seconds)
@@ -126,10 +137,13 @@ def test_only_allocations_that_fit_count():
 
 def test_training_states_that_fit_only_apart_fit_no_plan():
     # Actor and critic each keep 60 GB of training state, which fits the 4 devices of 24 GB (15 GB each) alone
-    # but not beside the other's 60 GB (120 GB > 96 GB): every plan overflows, and the bound says so; at 40 GB
-    # each (80 GB) both fit, and the bound is the work again.
+    # but not beside the other's 60 GB (120 GB > 96 GB): every plan overflows, and the bound says so, with its
+    # placements enumerated or not; at 40 GB each (80 GB) both fit, and the bound is the work again.
     big = {"actor": 60 * GB, "critic": 60 * GB}
     assert math.isinf(iteration_bound(PPO, CLUSTER, ScalingCost(states=big), MEMORY, CONFIGS).seconds)
+    with pytest.MonkeyPatch.context() as patch:
+        patch.setattr(bounds, "PLACEMENTS", 0)
+        assert math.isinf(iteration_bound(PPO, CLUSTER, ScalingCost(states=big), MEMORY, CONFIGS).seconds)
     fits = ScalingCost(states={"actor": 40 * GB, "critic": 40 * GB})
     assert iteration_bound(PPO, CLUSTER, fits, MEMORY, CONFIGS).seconds == pytest.approx(sum(WORK.values()) / 4)
     assert not simulate(colocate(PPO, CLUSTER), PPO, ScalingCost(states=big), MEMORY).feasible

@@ -19,6 +19,7 @@ def test_plan_prints_every_strategy_and_writes_a_plan_file_and_timeline(tmp_path
     for name in ("colocate", "interleave", "separate", "searched"):
         assert name in printed
     assert "lower bound" in printed and "segment by segment" in printed and "ref_inf, reward_inf" in printed
+    assert "training placement" in printed and "actor=" in printed
     plan = ExecutionPlan.load(out / "best_plan.json")
     assert plan.cluster.n_devices == 8
     assert (out / "timeline.png").stat().st_size > 1000

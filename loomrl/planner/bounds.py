@@ -1,6 +1,6 @@
 """A lower bound on the iteration time of every plan the search can build, from the cost model alone.
 
-Three facts hold for every plan in the search's space (:func:`~loomrl.planner.search.candidate_allocations`),
+Four facts hold for every plan in the search's space (:func:`~loomrl.planner.search.candidate_allocations`),
 whatever its reallocations, reloads and scheduling add (they only add):
 
 - **Segments**: the simulator runs iterations one after another, as the runtime's trainer does, and a call
@@ -9,46 +9,60 @@ whatever its reallocations, reloads and scheduling add (they only add):
   iteration takes at least the sum of the segments' own bounds. PPO's are generation; the three inferences;
   advantages; the two train calls.
 - **Work**: a call occupies every device of its mesh for its whole time, so a segment takes at least
-  ``Σ seconds × mesh size`` over its calls, divided by the cluster's device count.
+  ``Σ seconds × mesh size`` over its calls, divided by the cluster's device count; and, once the calls'
+  allocations are known, at least the most time any one device spends in them (calls sharing a device run in
+  turn).
 - **Dependencies**: the calls of a path of data edges inside a segment run one after another.
+- **Memory**: a trained role's training state stays on its training mesh the whole iteration (in the runtime
+  and in the simulator), so every call fits on its devices beside the training states placed there: its own
+  weights (unless it runs in its role's training placement, on those very weights) plus its transient memory.
 
-Fast calls on many devices are cheap in time and dear in device-seconds (generation's decode reads the weights
-once per replica and step), so neither of the last two alone is tight. For a path ``P`` of a segment and a weight
-``λ`` in [0, 1], ``T_segment ≥ λ · Σ_P seconds + (1 − λ) · work / devices`` holds for the plan's own allocations,
-hence for the allocations minimizing the right-hand side, which splits into one small minimum per call (a role's
-train calls share one allocation and are taken together). A segment's bound is the largest such value over its
-paths and a grid of ``λ`` (``λ = 0``: the work with each call at its most frugal allocation; ``λ = 1``: the
-longest path with each call at its fastest); each segment chooses its own. Only allocations that can fit count:
-the call's own memory (resident state plus its transient memory) on each device of its mesh, plus the share of
-the trained roles' resident training state (at its smallest over their train allocations) that the devices
-outside the mesh cannot hold. The figure goes through the estimator's whole-iteration correction like the
-simulator's.
+So the bound is taken for each *training placement* (one train allocation per trained role, a combination that
+fits), and the smallest over them is the bound, since every plan has one. For a placement, every other call
+counts only the allocations that fit beside it, and a segment whose allocations it fixes entirely (the train
+calls) also takes at least its busiest device's time. Train allocations that another on the same mesh matches
+or beats in training state, transient memory and every call's time are dropped first; when the placements
+still number more than :data:`PLACEMENTS`, they are not enumerated, and an allocation then counts if it fits
+beside the share of the training states (each at its smallest) that the devices outside its mesh cannot hold.
 
-Giving every segment the same ``λ`` and the part of one path through the iteration that falls in it (extended
-to a maximal path of the segment) gives back the whole-iteration bound of that ``λ`` and path, so the sum is
-never below it: the segments only tighten.
+Within a segment, fast calls on many devices are cheap in time and dear in device-seconds (generation's decode
+reads the weights once per replica and step), so neither the work nor a path alone is tight. For a path ``P``
+and a weight ``λ`` in [0, 1], ``T_segment ≥ λ · Σ_P seconds + (1 − λ) · work / devices`` holds for the plan's
+own allocations, hence for the allocations minimizing the right-hand side, which splits into one small minimum
+per call (a role's train calls share one allocation and are taken together). A segment's bound is the largest
+such value over its paths and a grid of ``λ`` (``λ = 0``: the work with each call at its most frugal
+allocation; ``λ = 1``: the longest path with each call at its fastest); each segment chooses its own. Giving
+every segment the same ``λ`` and the part of one path through the iteration that falls in it (extended to a
+maximal path of the segment) gives back the whole-iteration bound of that ``λ`` and path, so the segments only
+tighten it. The figure goes through the estimator's whole-iteration correction like the simulator's.
 
 Its use: a heuristic plan within a factor ``f`` of the bound leaves no plan of the space more than ``f``
 faster, whatever the search does. What it leaves out, so what separates it from the best plan: the
-reallocations and reloads between calls, and the memory the calls of a segment take *together* (each call is
-taken at its best allocation that fits beside the training states alone).
+reallocations and reloads between calls, and the memory that the calls of one segment take *together*.
 """
 
 from __future__ import annotations
 
+import itertools
 import math
+from collections import defaultdict
 from collections.abc import Mapping
 from dataclasses import dataclass
 
-from loomrl.plan import ClusterSpec
-from loomrl.planner.search import candidate_allocations, memory_alone, unit_names
+import numpy as np
+
+from loomrl.plan import Allocation, ClusterSpec
+from loomrl.planner.search import candidate_allocations, unit_names
 from loomrl.planner.simulator import CostEstimator, SimResult
 from loomrl.workflow import MFCKind, Workflow
 
-__all__ = ["IterationBound", "SegmentBound", "iteration_bound", "segment_seconds", "segments"]
+__all__ = ["PLACEMENTS", "IterationBound", "SegmentBound", "iteration_bound", "segment_seconds", "segments"]
 
 LAMBDAS = 200
 """Steps of the grid of weights between the longest path and the work bound."""
+_GRID = np.arange(LAMBDAS + 1) / LAMBDAS
+PLACEMENTS = 20_000
+"""Training placements enumerated at most (see the module docstring); a few thousand at 64 devices for PPO."""
 
 
 @dataclass(frozen=True)
@@ -63,11 +77,13 @@ class SegmentBound:
     """The ``λ`` that gave it."""
     path: tuple[str, ...]
     """The path of data edges that gave it, in order."""
+    busiest: bool = False
+    """Whether the busiest device's time (allocations fixed by the training placement) gave it instead."""
 
     @property
     def limit(self) -> str:
-        """What binds: ``"work"`` (weight 0), ``"path"`` (weight 1) or ``"both"``."""
-        return {0.0: "work", 1.0: "path"}.get(self.weight, "both")
+        """What binds: ``"work"`` (weight 0), ``"path"`` (weight 1), ``"both"``, or ``"device"`` (the busiest)."""
+        return "device" if self.busiest else {0.0: "work", 1.0: "path"}.get(self.weight, "both")
 
 
 @dataclass(frozen=True)
@@ -75,14 +91,33 @@ class IterationBound:
     """A lower bound on seconds per iteration (see the module docstring)."""
 
     seconds: float
-    """The bound, with the estimator's whole-iteration correction (inf: some call fits no device on its own)."""
-    work: float
-    """The work bound alone (λ = 0 everywhere): least device-seconds of one iteration over the device count."""
-    cycle: float
-    """The dependency bound alone (λ = 1 everywhere): the longest path through the segments, each call at its
-    fastest."""
+    """The bound, with the estimator's whole-iteration correction (inf: no plan of the space fits)."""
     segments: tuple[SegmentBound, ...] = ()
     """Each segment's own bound, in the order they run; their seconds sum to the bound before correction."""
+    training: tuple[str, ...] = ()
+    """The training placement that gave the bound (each trained role's train allocation, ``role=allocation``);
+    empty when placements were not enumerated."""
+
+
+@dataclass(frozen=True)
+class _Unit:
+    """A unit's allocations that fit a device alone, as arrays over them."""
+
+    names: tuple[str, ...]
+    allocs: list[Allocation]
+    times: np.ndarray
+    """allocations × calls: seconds."""
+    sizes: np.ndarray
+    devices: np.ndarray
+    """allocations × devices: whether the allocation's mesh holds the device."""
+    weights: np.ndarray
+    """Bytes per device of the role's weights on the allocation (its training state, for a train unit)."""
+    transient: np.ndarray
+    """Bytes per device the unit's calls add while they run (the most of them)."""
+
+    def subset(self, keep: list[int]) -> _Unit:
+        return _Unit(self.names, [self.allocs[i] for i in keep], self.times[keep], self.sizes[keep],
+                     self.devices[keep], self.weights[keep], self.transient[keep])
 
 
 def segments(workflow: Workflow) -> list[tuple[str, ...]]:
@@ -107,27 +142,157 @@ def segments(workflow: Workflow) -> list[tuple[str, ...]]:
 def iteration_bound(workflow: Workflow, cluster: ClusterSpec, cost: CostEstimator, memory_per_device: float,
                     model_configs: Mapping[str, object]) -> IterationBound:
     """The lower bound on any searched plan's iteration time for ``workflow`` on ``cluster`` (module docstring)."""
-    states = _training_states(workflow, cluster, cost, memory_per_device, model_configs)
-    options = {names: _options(names, workflow, cluster, cost, memory_per_device, model_configs, states)
-               for names in unit_names(workflow)}
-    if not all(options.values()):  # some call fits nowhere: no plan of the space fits
-        return IterationBound(math.inf, math.inf, math.inf)
+    units = [_unit(names, workflow, cluster, cost, memory_per_device, model_configs) for names in unit_names(workflow)]
+    if any(not u.allocs for u in units):  # some call fits nowhere: no plan of the space fits
+        return IterationBound(math.inf)
     n = cluster.n_devices
-    parts, work, cycle = [], 0.0, 0.0
-    for calls in segments(workflow):
-        # A unit's calls outside the segment do not count here. Letting a unit's allocation differ between
-        # segments only relaxes the bound (a role's train calls share one in every plan).
-        units = [(names, opts) for names, opts in options.items() if any(name in calls for name in names)]
-        paths = _paths(workflow, calls)
-        value, weight, path = max(((_segment_bound(units, calls, step / LAMBDAS, p, n), step / LAMBDAS, p)
-                                   for p in paths for step in range(LAMBDAS + 1)), key=lambda t: t[0])
-        parts.append(SegmentBound(calls, value, weight, path))
-        work += _segment_bound(units, calls, 0.0, (), n)
-        cycle += max(_segment_bound(units, calls, 1.0, p, n) for p in paths)
-    value = sum(part.seconds for part in parts)
+    parts = [(calls, _paths(workflow, calls)) for calls in segments(workflow)]
+    trains = [i for i, u in enumerate(units) if workflow[u.names[0]].kind is MFCKind.TRAIN]
+    choices = [_undominated(units[i]) for i in trains]
+    best: list[SegmentBound] | None = None
+    training: tuple[str, ...] = ()
+    if math.prod(len(c) for c in choices) <= PLACEMENTS:
+        for combo in itertools.product(*choices):
+            fixed = {i: units[i].subset([j]) for i, j in zip(trains, combo)}
+            masks = _fitting(units, fixed, workflow, n, memory_per_device)
+            limit = sum(p.seconds for p in best) if best is not None else math.inf
+            placed = [fixed.get(i, u) for i, u in enumerate(units)]
+            found = None if masks is None else _segments_bound(placed, masks, set(fixed), parts, n, limit)
+            if found is not None:
+                best = found
+                training = tuple(f"{workflow[units[i].names[0]].role}={units[i].allocs[j].text}"
+                                 for i, j in zip(trains, combo))
+    else:
+        masks = _fitting_anywhere(units, workflow, n, memory_per_device)
+        best = None if masks is None else _segments_bound(units, masks, set(), parts, n, math.inf)
+    if best is None:
+        return IterationBound(math.inf)
+    value = sum(p.seconds for p in best)
     corrected = getattr(cost, "iteration_time", None)
     seconds = corrected(value) if corrected is not None else value
-    return IterationBound(seconds, work, cycle, tuple(parts))
+    return IterationBound(seconds, tuple(best), training)
+
+
+def _unit(names: tuple[str, ...], workflow: Workflow, cluster: ClusterSpec, cost: CostEstimator, memory: float,
+          model_configs: Mapping[str, object]) -> _Unit:
+    """The allocations of the unit ``names`` whose weights and transient memory fit a device alone."""
+    mfcs = [workflow[name] for name in names]
+    role, train = mfcs[0].role, mfcs[0].kind is MFCKind.TRAIN
+    rows = []
+    for alloc in candidate_allocations(mfcs[0], workflow, cluster, model_configs):
+        weights = cost.static_memory(role, alloc, train) if role is not None else 0.0
+        transient = max((cost.mfc_memory(m, alloc, train) for m in mfcs if m.role is not None), default=0.0)
+        if weights + transient <= memory:
+            rows.append((alloc, [cost.mfc_time(m, alloc) for m in mfcs], weights, transient))
+    devices = np.zeros((len(rows), cluster.n_devices), dtype=bool)
+    for k, (alloc, *_) in enumerate(rows):
+        devices[k, list(alloc.mesh.devices)] = True
+    return _Unit(names, [r[0] for r in rows], np.array([r[1] for r in rows], dtype=float).reshape(len(rows), len(mfcs)),
+                 devices.sum(1).astype(float), devices, np.array([r[2] for r in rows], dtype=float),
+                 np.array([r[3] for r in rows], dtype=float))
+
+
+def _undominated(unit: _Unit) -> list[int]:
+    """Indices of the train allocations that no other on the same mesh matches or beats in training state,
+    transient memory and every call's time (of identical ones, the first): only they can give the least bound."""
+    keys = np.column_stack([unit.weights, unit.transient, unit.times])
+    by_mesh: dict = defaultdict(list)
+    for i, alloc in enumerate(unit.allocs):
+        by_mesh[alloc.mesh].append(i)
+    kept = []
+    for members in by_mesh.values():
+        for i in members:
+            beaten = any(np.all(keys[j] <= keys[i]) and (np.any(keys[j] < keys[i]) or j < i)
+                         for j in members if j != i)
+            if not beaten:
+                kept.append(i)
+    return sorted(kept)
+
+
+def _fitting(units: list[_Unit], fixed: dict[int, _Unit], workflow: Workflow, n: int,
+             memory: float) -> list[np.ndarray] | None:
+    """Per unit, which allocations fit beside the training placement ``fixed`` (unit index → its one train
+    allocation); None if the placement itself does not fit."""
+    resident = np.zeros(n)
+    for u in fixed.values():
+        resident[u.devices[0]] += u.weights[0]
+    if any(resident[u.devices[0]].max() + u.transient[0] > memory for u in fixed.values()):
+        return None
+    training = {workflow[u.names[0]].role: u.allocs[0] for u in fixed.values()}
+    masks = []
+    for i, u in enumerate(units):
+        if i in fixed:
+            masks.append(np.ones(1, dtype=bool))
+            continue
+        weights = u.weights.copy()
+        home = training.get(workflow[u.names[0]].role)
+        if home is not None:  # a call in its role's training placement runs on the training weights themselves
+            weights[[k for k, alloc in enumerate(u.allocs) if alloc.same_placement(home)]] = 0.0
+        held = np.where(u.devices, resident, 0.0).max(1)
+        masks.append(held + weights + u.transient <= memory)
+    return masks
+
+
+def _fitting_anywhere(units: list[_Unit], workflow: Workflow, n: int, memory: float) -> list[np.ndarray] | None:
+    """Per unit, which allocations fit beside the share of the other trained roles' training states (each at its
+    smallest) that the devices outside the mesh cannot hold: the rule when placements are not enumerated."""
+    states = {workflow[u.names[0]].role: float((u.weights * u.sizes).min()) for u in units
+              if workflow[u.names[0]].kind is MFCKind.TRAIN}
+    masks = []
+    for u in units:
+        role = workflow[u.names[0]].role
+        others = sum(b for r, b in states.items() if r != role)
+        spill = np.maximum(0.0, others - (n - u.sizes) * memory) / u.sizes
+        masks.append(u.weights + u.transient + spill <= memory)
+    return None if any(not m.any() for m in masks) else masks
+
+
+def _segments_bound(units: list[_Unit], masks: list[np.ndarray], fixed: set[int],
+                    parts: list[tuple[tuple[str, ...], list[tuple[str, ...]]]], n: int,
+                    limit: float) -> list[SegmentBound] | None:
+    """Each segment's bound with every unit restricted to ``masks``; the units in ``fixed`` hold their one
+    allocation already. None if some unit has no allocation left or the sum reaches ``limit``."""
+    out, total = [], 0.0
+    for calls, paths in parts:
+        inside = [(i, u) for i, u in enumerate(units) if any(name in calls for name in u.names)]
+        chosen = []
+        for i, u in inside:
+            rows = u if i in fixed else u.subset(list(np.flatnonzero(masks[i])))
+            if not rows.allocs:
+                return None
+            chosen.append(rows)
+        value, weight, path = _weighted(chosen, calls, paths, n)
+        busiest = False
+        if all(i in fixed for i, _ in inside):  # allocations known: calls sharing a device run in turn
+            busy = np.zeros(n)
+            for u in chosen:
+                busy[u.devices[0]] += sum(t for name, t in zip(u.names, u.times[0]) if name in calls)
+            if busy.max() > value:
+                value, busiest = float(busy.max()), True
+        out.append(SegmentBound(calls, value, weight, path, busiest))
+        total += value
+        if total >= limit:
+            return None
+    return out
+
+
+def _weighted(chosen: list[_Unit], calls: tuple[str, ...], paths: list[tuple[str, ...]],
+              n: int) -> tuple[float, float, tuple[str, ...]]:
+    """The largest over ``paths`` and the grid of λ of Σ over units of the least, over their allocations, of
+    λ · the path's seconds + (1 − λ) · the segment's seconds × mesh size / ``n``; with its λ and path."""
+    best = (-1.0, 0.0, ())
+    for path in paths:
+        total = np.zeros(LAMBDAS + 1)
+        for u in chosen:
+            in_segment = np.array([name in calls for name in u.names])
+            on_path = np.array([name in path for name in u.names])
+            work = u.times[:, in_segment].sum(1) * u.sizes / n
+            along = u.times[:, on_path].sum(1)
+            total += (np.outer(_GRID, along) + np.outer(1.0 - _GRID, work)).min(1)
+        k = int(total.argmax())
+        if total[k] > best[0]:
+            best = (float(total[k]), float(_GRID[k]), path)
+    return best
 
 
 def segment_seconds(result: SimResult, parts: list[tuple[str, ...]]) -> list[float]:
@@ -152,52 +317,6 @@ def segment_seconds(result: SimResult, parts: list[tuple[str, ...]]) -> list[flo
             totals[j] += max(0.0, end - previous)
             previous = max(previous, end)
     return [t / max(len(iterations), 1) for t in totals]
-
-
-def _segment_bound(units: list[tuple[tuple[str, ...], list[tuple[tuple[float, ...], int]]]], calls: tuple[str, ...],
-                   weight: float, path: tuple[str, ...], n: int) -> float:
-    """``weight`` × the path's seconds + (1 − ``weight``) × the segment's work / ``n``, each unit at the allocation
-    that minimizes its part."""
-    return sum(min(sum(t * (weight * (name in path) + (1.0 - weight) * size / n)
-                       for name, t in zip(names, times) if name in calls)
-                   for times, size in opts)
-               for names, opts in units)
-
-
-def _training_states(workflow: Workflow, cluster: ClusterSpec, cost: CostEstimator, memory_per_device: float,
-                     model_configs: Mapping[str, object]) -> dict[str, float]:
-    """Trained role → the fewest bytes, summed over devices, its resident training state takes on any train
-    allocation that fits a device alone (FSDP's or ZeRO's sharding included)."""
-    states = {}
-    for names in unit_names(workflow):
-        mfc = workflow[names[0]]
-        if mfc.kind is MFCKind.TRAIN:
-            per_device = ((cost.static_memory(mfc.role, a, True), len(a.mesh))
-                          for a in candidate_allocations(mfc, workflow, cluster, model_configs))
-            states[mfc.role] = min((b * k for b, k in per_device if b <= memory_per_device), default=math.inf)
-    return states
-
-
-def _options(names: tuple[str, ...], workflow: Workflow, cluster: ClusterSpec, cost: CostEstimator,
-             memory_per_device: float, model_configs: Mapping[str, object],
-             states: Mapping[str, float]) -> list[tuple[tuple[float, ...], int]]:
-    """(each call's seconds, mesh size) of every allocation of the unit ``names`` that can fit (none: the unit
-    fits nowhere).
-
-    An allocation of ``k`` of the cluster's ``n`` devices fits only if the call's memory per device plus the
-    trained roles' training state that cannot sit elsewhere fits: the other ``n - k`` devices hold at most
-    ``(n - k) · capacity`` of the ``states`` bytes, so some device of the mesh holds an ``1 / k`` share of the
-    rest. The call's own role is counted once, as its weights on the allocation (its training state, for a
-    train call): a trained role's other calls may run on the training weights themselves."""
-    mfcs = [workflow[name] for name in names]
-    resident = sum(b for role, b in states.items() if role != mfcs[0].role)
-    n, out = cluster.n_devices, set()
-    for alloc in candidate_allocations(mfcs[0], workflow, cluster, model_configs):
-        k = len(alloc.mesh)
-        need = memory_alone(mfcs, alloc, cost)
-        if need + max(0.0, resident - (n - k) * memory_per_device) / k <= memory_per_device:
-            out.add((tuple(cost.mfc_time(m, alloc) for m in mfcs), k))
-    return sorted(out)
 
 
 def _paths(workflow: Workflow, calls: tuple[str, ...]) -> list[tuple[str, ...]]:
