@@ -15,7 +15,8 @@ whatever its reallocations, reloads and scheduling add (they only add):
 - **Dependencies**: the calls of a path of data edges inside a segment run one after another.
 - **Memory**: a trained role's training state stays on its training mesh the whole iteration (in the runtime
   and in the simulator), so every call fits on its devices beside the training states placed there: its own
-  weights (unless it runs in its role's training placement, on those very weights) plus its transient memory.
+  weights (unless it runs in its role's training placement, on those very weights; any layout on the training
+  mesh is let off, which only loosens the bound) plus its transient memory.
 
 So the bound is taken for each *training placement* (one train allocation per trained role, a combination that
 fits), and the smallest over them is the bound, since every plan has one. For a placement, every other call
@@ -194,7 +195,9 @@ def _unit(names: tuple[str, ...], workflow: Workflow, cluster: ClusterSpec, cost
 
 def _undominated(unit: _Unit) -> list[int]:
     """Indices of the train allocations that no other on the same mesh matches or beats in training state,
-    transient memory and every call's time (of identical ones, the first): only they can give the least bound."""
+    transient memory and every call's time (of identical ones, the first): only they can give the least bound,
+    since what fits beside a placement depends on its allocations only through their meshes and states (see
+    :func:`_fitting`)."""
     keys = np.column_stack([unit.weights, unit.transient, unit.times])
     by_mesh: dict = defaultdict(list)
     for i, alloc in enumerate(unit.allocs):
@@ -226,8 +229,10 @@ def _fitting(units: list[_Unit], fixed: dict[int, _Unit], workflow: Workflow, n:
             continue
         weights = u.weights.copy()
         home = training.get(workflow[u.names[0]].role)
-        if home is not None:  # a call in its role's training placement runs on the training weights themselves
-            weights[[k for k, alloc in enumerate(u.allocs) if alloc.same_placement(home)]] = 0.0
+        if home is not None:
+            # A call in its role's training placement runs on the training weights themselves. Any layout on the
+            # training mesh is let off its weights: looser, but then only the mesh matters (:func:`_undominated`).
+            weights[[k for k, alloc in enumerate(u.allocs) if alloc.mesh == home.mesh]] = 0.0
         held = np.where(u.devices, resident, 0.0).max(1)
         masks.append(held + weights + u.transient <= memory)
     return masks
