@@ -147,7 +147,8 @@ def iteration_bound(workflow: Workflow, cluster: ClusterSpec, cost: CostEstimato
     if any(not u.allocs for u in units):  # some call fits nowhere: no plan of the space fits
         return IterationBound(math.inf)
     n = cluster.n_devices
-    parts = [(calls, _paths(workflow, calls)) for calls in segments(workflow)]
+    parts = [(calls, _paths(workflow, calls), [i for i, u in enumerate(units) if set(u.names) & set(calls)])
+             for calls in segments(workflow)]
     trains = [i for i, u in enumerate(units) if workflow[u.names[0]].kind is MFCKind.TRAIN]
     choices = [_undominated(units[i]) for i in trains]
     best: list[SegmentBound] | None = None
@@ -156,9 +157,11 @@ def iteration_bound(workflow: Workflow, cluster: ClusterSpec, cost: CostEstimato
         for combo in itertools.product(*choices):
             fixed = {i: units[i].subset([j]) for i, j in zip(trains, combo)}
             masks = _fitting(units, fixed, workflow, n, memory_per_device)
+            if masks is None:
+                continue
             limit = sum(p.seconds for p in best) if best is not None else math.inf
             placed = [fixed.get(i, u) for i, u in enumerate(units)]
-            found = None if masks is None else _segments_bound(placed, masks, set(fixed), parts, n, limit)
+            found = _segments_bound(placed, masks, set(fixed), parts, n, limit)
             if found is not None:
                 best = found
                 training = tuple(f"{workflow[units[i].names[0]].role}={units[i].allocs[j].text}"
@@ -221,18 +224,18 @@ def _fitting(units: list[_Unit], fixed: dict[int, _Unit], workflow: Workflow, n:
         resident[u.devices[0]] += u.weights[0]
     if any(resident[u.devices[0]].max() + u.transient[0] > memory for u in fixed.values()):
         return None
-    training = {workflow[u.names[0]].role: u.allocs[0] for u in fixed.values()}
+    training = {workflow[u.names[0]].role: u.devices[0] for u in fixed.values()}  # role → its training mesh
     masks = []
     for i, u in enumerate(units):
         if i in fixed:
             masks.append(np.ones(1, dtype=bool))
             continue
-        weights = u.weights.copy()
+        weights = u.weights
         home = training.get(workflow[u.names[0]].role)
         if home is not None:
             # A call in its role's training placement runs on the training weights themselves. Any layout on the
             # training mesh is let off its weights: looser, but then only the mesh matters (:func:`_undominated`).
-            weights[[k for k, alloc in enumerate(u.allocs) if alloc.mesh == home.mesh]] = 0.0
+            weights = np.where((u.devices == home).all(1), 0.0, weights)
         held = np.where(u.devices, resident, 0.0).max(1)
         masks.append(held + weights + u.transient <= memory)
     return masks
@@ -253,22 +256,22 @@ def _fitting_anywhere(units: list[_Unit], workflow: Workflow, n: int, memory: fl
 
 
 def _segments_bound(units: list[_Unit], masks: list[np.ndarray], fixed: set[int],
-                    parts: list[tuple[tuple[str, ...], list[tuple[str, ...]]]], n: int,
+                    parts: list[tuple[tuple[str, ...], list[tuple[str, ...]], list[int]]], n: int,
                     limit: float) -> list[SegmentBound] | None:
-    """Each segment's bound with every unit restricted to ``masks``; the units in ``fixed`` hold their one
-    allocation already. None if some unit has no allocation left or the sum reaches ``limit``."""
+    """Each segment's bound (``parts``: its calls, their paths and the indices of the units holding them) with
+    every unit restricted to ``masks``; the units in ``fixed`` hold their one allocation already. None if some
+    unit has no allocation left or the sum reaches ``limit``."""
     out, total = [], 0.0
-    for calls, paths in parts:
-        inside = [(i, u) for i, u in enumerate(units) if any(name in calls for name in u.names)]
+    for calls, paths, inside in parts:
         chosen = []
-        for i, u in inside:
-            rows = u if i in fixed else u.subset(list(np.flatnonzero(masks[i])))
+        for i in inside:
+            rows = units[i] if i in fixed else units[i].subset(list(np.flatnonzero(masks[i])))
             if not rows.allocs:
                 return None
             chosen.append(rows)
         value, weight, path = _weighted(chosen, calls, paths, n)
         busiest = False
-        if all(i in fixed for i, _ in inside):  # allocations known: calls sharing a device run in turn
+        if all(i in fixed for i in inside):  # allocations known: calls sharing a device run in turn
             busy = np.zeros(n)
             for u in chosen:
                 busy[u.devices[0]] += sum(t for name, t in zip(u.names, u.times[0]) if name in calls)
