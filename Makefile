@@ -4,7 +4,7 @@ VENV := .venv
 PY := $(VENV)/bin/python
 STAMP := $(VENV)/.installed
 
-.PHONY: demo test install bench clean
+.PHONY: demo test test-all install bench clean
 
 $(STAMP): requirements.txt pyproject.toml
 	test -x $(PY) || $(PYTHON) -m venv $(VENV)
@@ -20,6 +20,9 @@ demo: $(STAMP)
 	HF_HUB_OFFLINE=1 $(VENV)/bin/loomrl demo
 
 test: $(STAMP)
+	HF_HUB_OFFLINE=1 $(PY) -m pytest -o addopts="" -q --durations=15 -m "not slow"
+
+test-all: $(STAMP)
 	HF_HUB_OFFLINE=1 $(PY) -m pytest -o addopts="" -q --durations=15
 
 clean:

@@ -48,7 +48,8 @@ from loomrl.planner.planning import MODEL_PRESETS  # noqa: E402
 from loomrl.planner.workload import ModelShape  # noqa: E402
 from loomrl.plan.layout import Layout  # noqa: E402
 from loomrl.plan.realloc_plan import ReallocPlan, plan_reallocation  # noqa: E402
-from loomrl.plan.shards import Placement, pp_stage, tp_dim  # noqa: E402
+from loomrl.plan.plan import Allocation  # noqa: E402
+from loomrl.plan.shards import pp_stage, tp_dim  # noqa: E402
 from loomrl.parallel import realloc_exec  # noqa: E402
 from loomrl.parallel.realloc_exec import build_broadcast_groups, execute_reallocation  # noqa: E402
 from loomrl.parallel.spawn import run_world  # noqa: E402
@@ -61,8 +62,8 @@ class Pair(NamedTuple):
     """One benchmarked reallocation: a label and its source and destination placements."""
 
     label: str
-    src: Placement
-    dst: Placement
+    src: Allocation
+    dst: Allocation
 
 
 class Setup(NamedTuple):
@@ -98,8 +99,8 @@ def layout_pairs(world: int, num_layers: int) -> list[Pair]:
         if src.size != world or dst.size != world or num_layers % src.pp or (src == dst and not fsdp) \
                 or (fsdp and src.dp == 1):
             continue  # an odd world, a layer count the pipeline stages do not divide, nothing to move
-        pairs.append(Pair(f"{_name(src, fsdp)} → {_name(dst)}{note}", Placement(mesh, src, fsdp),
-                          Placement(mesh, dst)))
+        pairs.append(Pair(f"{_name(src, fsdp)} → {_name(dst)}{note}", Allocation(mesh, src, fsdp=fsdp),
+                          Allocation(mesh, dst)))
     return pairs
 
 
@@ -111,12 +112,11 @@ def make_plan(setup: Setup, pair: Pair) -> ReallocPlan:
     return plan_reallocation(setup.shapes, setup.num_layers, pair.src, pair.dst, _one_node)
 
 
-def direct_slice(full: torch.Tensor, name: str, placement: Placement, rank: int,
+def direct_slice(full: torch.Tensor, name: str, placement: Allocation, rank: int,
                  num_layers: int) -> torch.Tensor | None:
     """What ``rank`` of ``placement`` holds of ``full``, by tensor slicing (None: on another pipeline stage)."""
     layout = placement.layout
-    pp_rank, rest = divmod(rank, layout.dp * layout.tp)
-    dp_rank, tp_rank = divmod(rest, layout.tp)
+    pp_rank, dp_rank, tp_rank = layout.coords(rank)
     if pp_stage(name, num_layers, layout.pp) != pp_rank:
         return None
     part, dim = full, tp_dim(name)
@@ -137,7 +137,7 @@ def full_parameter(name: str, shape: tuple[int, ...]) -> torch.Tensor:
     return torch.randn(shape, generator=torch.Generator().manual_seed(zlib.crc32(name.encode())))
 
 
-def _shards(setup: Setup, placements: tuple[Placement, ...], rank: int) -> list[dict[str, torch.Tensor]]:
+def _shards(setup: Setup, placements: tuple[Allocation, ...], rank: int) -> list[dict[str, torch.Tensor]]:
     """What ``rank`` holds of every parameter in each placement, by slicing the parameter's full values."""
     out: list[dict[str, torch.Tensor]] = [{} for _ in placements]
     for name, shape in setup.shapes.items():

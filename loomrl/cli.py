@@ -31,7 +31,7 @@ def _cmd_train(args: argparse.Namespace) -> int:
     if args.ray_address:
         overrides.append(f"runtime.ray_address={args.ray_address}")
     cfg = load_config(TrainConfig, path, overrides)
-    if args.plan:  # set after parsing: placement strings hold '=' and ':' that YAML would misread
+    if args.plan:  # set after parsing: plan strings hold '=' and ':' that YAML would misread
         cfg = dataclasses.replace(cfg, runtime=dataclasses.replace(cfg.runtime, plan=args.plan))
     metrics = RLTrainer(cfg).run(resume=args.resume)
     print(_summary_line(metrics, ("reward/mean", "eval/exact_match", "kl/mean", "response/length")))
@@ -136,13 +136,26 @@ def _cmd_plan(args: argparse.Namespace) -> int:
 def _cmd_timeline(args: argparse.Namespace) -> int:
     from pathlib import Path
 
-    from loomrl.planner.run_timeline import read_traces, result_from_traces
-    from loomrl.planner.timeline import render_timeline
+    from loomrl.planner.calibrate import usable_cores
+    from loomrl.planner.corrections import Corrections
+    from loomrl.planner.profiles import PROFILES, load_profile
+    from loomrl.planner.run_timeline import predicted_run, read_traces, result_from_traces
+    from loomrl.planner.timeline import render_timelines
 
-    result = result_from_traces(read_traces(args.run_dir), last_iterations=args.iterations or None)
+    measured = result_from_traces(read_traces(args.run_dir), last_iterations=args.iterations or None)
+    panels = [(f"measured ({len(measured.iteration_ends)} iterations)", measured)]
+    if not args.measured_only:
+        profile = load_profile(args.profile) if args.profile else PROFILES["local"]
+        corrections = Corrections.load(args.corrections) if args.corrections else None
+        predicted = predicted_run(args.run_dir, profile, corrections, cores=usable_cores() if args.profile else None,
+                                  iterations=max(2, len(measured.iteration_ends)))
+        source = f"profile {profile.name}" + (", fitted corrections" if corrections else ", uncorrected")
+        panels.insert(0, (f"predicted ({source})", predicted))
     out = Path(args.run_dir)
-    render_timeline(result, out / "timeline.png", out / "timeline.html",
-                    title=f"measured: {result.iteration_time:.3g} s/iteration")
+    render_timelines(panels, out / "timeline.png", out / "timeline.html", title=f"{out.name}: each schedule step "
+                     "per device" + (", the simulator's prediction above the measured run" if len(panels) > 1 else ""))
+    for name, result in panels:
+        print(f"{name}: {result.iteration_time:.3g} s/iteration")
     print(f"wrote {out / 'timeline.png'} and {out / 'timeline.html'}")
     return 0
 
@@ -200,7 +213,7 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("config", nargs="*", help=cfg_help)
     p.add_argument("--resume", action="store_true", help="continue from the last checkpoint in run_dir")
     p.add_argument("--ray-address", help="join this Ray cluster (same as runtime.ray_address=...)")
-    p.add_argument("--plan", help="execution plan: colocate | interleave | separate[:N] | placement string | "
+    p.add_argument("--plan", help="execution plan: colocate | interleave | separate[:N] | plan string | "
                                   "plan file (same as runtime.plan)")
     p.set_defaults(fn=_cmd_train)
     for name, fn, what in (("sft", _cmd_sft, "supervised warm start on task demonstrations"),
@@ -231,9 +244,14 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--corrections", help="fitted corrections JSON (loomrl calibrate --from writes corrections.json)")
     p.add_argument("--out", default="runs/plan", help="where the best plan and its timeline are written")
     p.set_defaults(fn=_cmd_plan)
-    p = sub.add_parser("timeline", help="draw a run's measured per-MFC timeline (from RUN_DIR/traces.jsonl)")
+    p = sub.add_parser("timeline", help="draw a run's measured timeline, step by step (RUN_DIR/traces.jsonl), "
+                                        "below the simulator's prediction of the same run")
     p.add_argument("run_dir")
     p.add_argument("--iterations", type=int, default=3, help="draw the last N iterations (0: all)")
+    p.add_argument("--profile", help="hardware profile JSON to predict with (loomrl calibrate writes "
+                                     "local_profile.json; default: the nominal local profile)")
+    p.add_argument("--corrections", help="fitted corrections JSON to predict with (loomrl calibrate --from)")
+    p.add_argument("--measured-only", action="store_true", help="draw the measured run alone")
     p.set_defaults(fn=_cmd_timeline)
     p = sub.add_parser("calibrate", help="measure this machine, or fit cost-model corrections from runs")
     p.add_argument("--from", dest="runs", nargs="*", default=[], help="run directories to fit corrections from")

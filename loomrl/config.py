@@ -188,9 +188,13 @@ class RuntimeConfig(ValidatedConfig):
     layouts: dict[str, LayoutConfig] = field(default_factory=dict)
     """Parallel layout per role (actor, critic, ref, reward); a role not named gets dp = devices, tp = 1."""
     plan: str | None = None
-    """Execution plan of the 'ray' executor: colocate | interleave | separate[:N] | a placement string | a
-    .json/.yaml plan file (see loomrl/plan/placement.py); None places every call on all devices with
-    runtime.layouts. This runtime executes plans whose model calls each use all devices, one layout per role."""
+    """Execution plan of the 'ray' executor: colocate | interleave | separate[:N] | a plan string | a
+    .json/.yaml plan file (see loomrl/plan/plan_string.py); None places every call on all devices with
+    runtime.layouts. Each model call gets its own devices and layout; a role's weights move between them."""
+    plan_changes: dict[int, str] = field(default_factory=dict)
+    """Plans to switch to between iterations, by the iteration they start at, e.g. {4: separate:1, 8: interleave}
+    (each a strategy, plan string or plan file, as for plan); every role's state moves to the new layouts and
+    the run continues as it would have under the old plan."""
     verify_reallocation: bool = False
     """Check every reallocated parameter piece against a checksum sent by its sender (costs a little time)."""
     ray_dashboard: bool = False
@@ -210,6 +214,14 @@ class RuntimeConfig(ValidatedConfig):
     def validate(self) -> None:
         if self.plan is not None and self.executor != "ray":
             fail("plan", f"{self.plan!r} needs executor 'ray' (the reference executor runs everything in one process)")
+        for iteration, plan in self.plan_changes.items():
+            if self.executor != "ray":
+                fail(f"plan_changes.{iteration}", "needs executor 'ray' (the reference executor has no placement)")
+            if iteration < 1:
+                fail(f"plan_changes.{iteration}", "iterations of plan changes start at 1 (runtime.plan is the first)")
+            if not plan.strip():
+                fail(f"plan_changes.{iteration}", "'' is empty; give colocate, interleave, separate[:N], a plan string "
+                                                  "or a plan file")
         for role, layout in self.layouts.items():
             if role not in ROLES:
                 fail(f"layouts.{role}", f"unknown role; valid roles: {', '.join(ROLES)}")

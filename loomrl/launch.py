@@ -56,3 +56,14 @@ def available_devices() -> int:
     import torch
 
     return torch.cuda.device_count() or os.cpu_count() or 1
+
+
+def local_cluster(devices: int, device: str):
+    """The cluster the runtime runs on here: ``devices`` workers (0: :func:`available_devices`) on one node,
+    GPUs when there are any and ``device`` does not ask for the CPU."""
+    import torch
+
+    from loomrl.plan.cluster import ClusterSpec
+
+    gpu = torch.cuda.is_available() and device != "cpu"
+    return ClusterSpec(nodes=1, devices_per_node=devices or available_devices(), device_kind="cuda" if gpu else "cpu")

@@ -11,3 +11,33 @@ import torch  # noqa: E402
 
 # One thread per test process: CI has two cores, and multi-process tests run several processes at once.
 torch.set_num_threads(1)
+
+import pytest  # noqa: E402
+
+SLOW = {
+    # The slowest end-to-end cases, each a variant of one the default suite keeps: `make test` leaves them out to
+    # stay within its time, `make test-all` runs everything (README).
+    "tests/test_runtime.py::test_bf16_plans_match_the_bf16_reference[fsdp_tp4]",  # fp32 fsdp_tp4 stays
+    "tests/test_runtime.py::test_bf16_plans_match_the_bf16_reference[pipeline_tp4]",  # fp32 pipeline_tp4 stays
+    "tests/test_runtime.py::test_a_bf16_fsdp_run_resumes_exactly",  # bf16 checkpoints across layouts stay
+    "tests/test_runtime.py::test_ranks_without_rows_match_the_reference[fsdp4]",  # dp4 stays
+    "tests/test_runtime.py::test_sharded_runs_load_and_save_layout_independent_checkpoints[fsdp_tp4]",  # fsdp2 stays
+    "tests/test_runtime.py::test_plans_match_the_reference[pipeline_dp4]",  # pipeline2 and pipeline_tp4 stay
+}
+
+
+@pytest.fixture(scope="module")
+def ray_session():
+    """A local Ray instance for a module's runtime tests (one per module: a module's runs share it)."""
+    import ray
+
+    ray.init(num_cpus=4, include_dashboard=False, log_to_driver=False,
+             runtime_env={"env_vars": {"HF_HUB_OFFLINE": "1", "OMP_NUM_THREADS": "1"}})
+    yield
+    ray.shutdown()
+
+
+def pytest_collection_modifyitems(items):
+    for item in items:
+        if item.nodeid in SLOW:
+            item.add_marker(pytest.mark.slow)

@@ -9,6 +9,9 @@ import torch
 
 from loomrl.algorithms.ops import train_loop
 from loomrl.algorithms.roles import OpContext, Role
+from loomrl.engine import ModelEngine
+from loomrl.plan import ClusterSpec, colocate
+from loomrl.plan.schedule import build_schedule
 from loomrl.models.heads import token_logprobs, token_values
 from loomrl.models.tokenizer import build_char_tokenizer
 from loomrl.models.zoo import build_causal_lm, build_value_model
@@ -167,9 +170,14 @@ def test_response_aligned_values_are_state_before_each_token(tok):
 G, I, T, C = MFCKind.GENERATE, MFCKind.INFERENCE, MFCKind.TRAIN, MFCKind.COMPUTE
 
 
+def _calls(workflow: Workflow):
+    """The reference executor's schedule: the workflow on one device, nothing but its calls."""
+    return build_schedule(workflow, colocate(workflow, ClusterSpec.parse("cpu:1")))
+
+
 def _executor(mfcs: list[MFC], source=("prompt_ids",), roles=("actor", "ref")) -> ReferenceExecutor:
     workflow = Workflow(mfcs, source)
-    return ReferenceExecutor(workflow, {r: Role(r) for r in roles}, seed=3, pad_id=0, eos_id=2,
+    return ReferenceExecutor(_calls(workflow), {r: Role(r) for r in roles}, seed=3, pad_id=0, eos_id=2,
                              decode=lambda ids: "".join(map(str, ids)))
 
 
@@ -222,11 +230,12 @@ def test_executor_records_one_trace_per_mfc():
     calls: list = []
     executor = _executor(_toy_mfcs(calls))
     result = executor.run_iteration(2, Batch([0], {"prompt_ids": [[1, 9]]}))
-    names = [t.name for t in result.traces]
+    names = [t.step for t in result.traces]
     assert names == ["actor_gen", "ref_inf", "adv", "actor_train"]
     assert [t.role for t in result.traces] == ["actor", "ref", None, "actor"]
-    assert all(t.iteration == 2 and t.start <= t.end for t in result.traces)
-    assert all(a.end <= b.start for a, b in zip(result.traces, result.traces[1:]))
+    assert [t.kind for t in result.traces] == ["call"] * 4 and result.traces[0].mfc_kind == "generate"
+    assert all(t.iteration == 2 and t.start <= t.end and t.devices == (0,) for t in result.traces)
+    assert all(a.end[0] <= b.start[0] for a, b in zip(result.traces, result.traces[1:]))
 
 
 def test_executor_rejects_undeclared_or_missing_outputs():
@@ -256,7 +265,8 @@ def _sequence_role(name: str, value: bool) -> Role:
 
     build = build_value_model if value else build_causal_lm
     model = build("llama-1m", build_char_tokenizer(), seed=0)
-    return Role(name, model=model, optimizer=torch.optim.SGD(model.parameters(), lr=0.0), grad_clip=1e9)
+    return Role(name, model=model, optimizer=torch.optim.SGD(model.parameters(), lr=0.0), grad_clip=1e9,
+                engine=ModelEngine(model))
 
 
 def _output_loss(prefix: str, scale: float, mb: Batch, outputs: torch.Tensor, packed):
@@ -275,7 +285,7 @@ def test_two_train_mfcs_keep_both_grad_norms():
     seq = ("prompt_ids", "response_ids")
     mfcs = [MFC("actor_train", "actor", T, seq, (), partial(train, prefix="actor", scale=1.0)),
             MFC("critic_train", "critic", T, seq, (), partial(train, prefix="critic", scale=100.0))]
-    executor = ReferenceExecutor(Workflow(mfcs, seq), roles, seed=0, pad_id=0, eos_id=2, decode=str)
+    executor = ReferenceExecutor(_calls(Workflow(mfcs, seq)), roles, seed=0, pad_id=0, eos_id=2, decode=str)
     batch = Batch(range(4), {"prompt_ids": [[1, 5, 6]] * 4, "response_ids": [[7, 8], [9], [7, 7, 7], [8]]})
     result = executor.run_iteration(0, batch)
     assert {"actor/loss", "critic/loss"} <= set(result.stats)

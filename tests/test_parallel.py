@@ -23,7 +23,8 @@ from loomrl.errors import ConfigError
 from loomrl.models.heads import score_head, token_logprobs, token_values
 from loomrl.models.tokenizer import build_char_tokenizer
 from loomrl.models.zoo import build_causal_lm, build_value_model, zoo_config
-from loomrl.parallel.allocations import AllocationGroups, AllocKey
+from loomrl.parallel.allocations import AllocationGroups
+from loomrl.plan.plan import Allocation
 from loomrl.parallel import (
     Layout,
     apply_tensor_parallel,
@@ -105,10 +106,10 @@ def ranks() -> list[dict]:
 
 # ------------------------------------------------------------------------------- checks run on every rank
 def _all_checks(rank: int) -> dict:
-    keys = {"actor": AllocKey((0, 1), dp=1, tp=2), "critic": AllocKey((0, 1), dp=2, tp=1)}
+    keys = {"actor": Allocation.parse("0-1:tp2"), "critic": Allocation.parse("0-1:dp2")}
     registry = AllocationGroups(rank, list(keys.values()), device_type="cpu")
     groups = {role: registry[key] for role, key in keys.items()}
-    out: dict[str, Any] = {"groups": _describe_groups(groups)}
+    out: dict[str, Any] = {"groups": _describe_groups(groups, keys)}
     out["logits"] = {name: _tp_logits_diff(name, groups["actor"].tp_mesh) for name in ("llama-1m", "qwen2-1m")}
     out["engine"] = _tp_engine(groups["actor"].tp_mesh)
     out["values"] = _tp_values_diff(groups["actor"].tp_mesh)
@@ -120,12 +121,13 @@ def _all_checks(rank: int) -> dict:
     return out
 
 
-def _describe_groups(groups: dict) -> dict:
+def _describe_groups(groups: dict, keys: dict) -> dict:
     described = {}
     for role, g in groups.items():
+        layout = keys[role].layout
         described[role] = {
-            "dp": (g.dp_rank, g.key.dp, dist.get_process_group_ranks(g.dp_group)),
-            "tp": (g.tp_rank, g.key.tp, dist.get_process_group_ranks(g.tp_mesh.get_group())),
+            "dp": (g.dp_rank, layout.dp, dist.get_process_group_ranks(g.dp_group)),
+            "tp": (g.tp_rank, layout.tp, dist.get_process_group_ranks(g.tp_mesh.get_group())),
             "tp_mesh": g.tp_mesh.mesh.tolist(),
         }
     described["world"] = dist.get_process_group_ranks(dist.group.WORLD)

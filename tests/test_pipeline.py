@@ -30,12 +30,14 @@ from loomrl.algorithms.ops import logprob_op, train_loop, values_op
 from loomrl.algorithms.roles import OpContext, Role
 from loomrl.algorithms.workflows import _actor_loss, _critic_loss
 from loomrl.config import AlgoConfig
+from loomrl.engine import ModelEngine
 from loomrl.errors import ConfigError
 from loomrl.models.heads import token_logprobs
 from loomrl.models.tokenizer import build_char_tokenizer
 from loomrl.models.zoo import build_causal_lm
 from loomrl.parallel.pipeline import check_pipeline, split_stages
-from loomrl.parallel.pipeline_schedule import PipelineRunner, micro_batch_slices
+from loomrl.parallel.pipeline_schedule import PipelineRunner
+from loomrl.workflow.batch import micro_batch_slices
 from loomrl.parallel.spawn import run_world
 from loomrl.workflow.batch import Batch, pack_sequences, response_mask
 
@@ -194,7 +196,8 @@ def _op_role(name: str, model: torch.nn.Module, rank: int | None, group: Any) ->
     """A trainable role, staged when ``rank`` is given; its optimizer leaves the weights (and gradients) be."""
     pipeline = None if rank is None else _runner(model, rank, group)
     model = model if pipeline is None else pipeline.stage.model
-    return Role(name, model, torch.optim.SGD(model.parameters(), lr=0.0), grad_clip=1e9, pipeline=pipeline)
+    return Role(name, model, torch.optim.SGD(model.parameters(), lr=0.0), grad_clip=1e9,
+                engine=ModelEngine(model, pipeline=pipeline))
 
 
 def _op_context(role: Role, micro_batches: int, rows: int) -> OpContext:
@@ -354,12 +357,14 @@ def test_ops_run_the_contexts_micro_batches_through_the_pipeline(micro_batches, 
     """Inference and training ask the pipeline for ``ctx.micro_batches`` (at most one per row: 5 here)."""
     batch = _op_batch()
     actor = _SpyPipeline(build_causal_lm("llama-1m", build_char_tokenizer(), seed=0))
-    role = Role("actor", actor.stage.model, torch.optim.SGD(actor.stage.parameters(), lr=0.0), pipeline=actor)
+    role = Role("actor", actor.stage.model, torch.optim.SGD(actor.stage.parameters(), lr=0.0),
+                engine=ModelEngine(actor.stage.model, pipeline=actor))
     ctx = _op_context(role, micro_batches, len(batch))
     logprob_op(ctx, batch, "x", 1.0)
     train_loop(ctx, batch, _loss_fn(ctx))
     critic = _SpyPipeline(value_model())
-    values_op(_op_context(Role("critic", critic.stage.model, pipeline=critic), micro_batches, len(batch)), batch)
+    values_op(_op_context(Role("critic", critic.stage.model, engine=ModelEngine(critic.stage.model, pipeline=critic)),
+                          micro_batches, len(batch)), batch)
     assert actor.asked == [runs, runs] and critic.asked == [runs]
 
 

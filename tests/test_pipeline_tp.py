@@ -26,25 +26,25 @@ from torch.distributed.tensor import DTensor
 from loomrl.models.tokenizer import build_char_tokenizer
 from loomrl.models.zoo import build_causal_lm
 from loomrl.parallel import apply_tensor_parallel, full_state_dict
-from loomrl.parallel.allocations import AllocationGroups, AllocKey
+from loomrl.parallel.allocations import AllocationGroups
+from loomrl.plan.plan import Allocation
 from loomrl.parallel.pipeline import split_stages
 from loomrl.parallel.pipeline_schedule import PipelineRunner
 from loomrl.parallel.spawn import run_world
-from loomrl.plan.layout import Layout
 from loomrl.plan.shards import shard_intervals, shard_shape
 
 WORLD = 4
 TIMEOUT_S = 300
-KEY = AllocKey((0, 1, 2, 3), dp=1, tp=2, pp=2)
+KEY = Allocation.parse("0-3:dp1tp2pp2")
 NUM_LAYERS = 4
 """llama-1m's decoder layers: two per stage."""
 
 
 def _staged(model: torch.nn.Module, groups: Any) -> PipelineRunner:
     """What the runtime worker does for a pp×tp allocation: split the stage, then shard it over its TP mesh."""
-    stage = split_stages(model, groups.pp_rank, KEY.pp)
+    stage = split_stages(model, groups.pp_rank, KEY.layout.pp)
     apply_tensor_parallel(stage.model, groups.tp_mesh)
-    return PipelineRunner(stage, groups.pp_group, groups.pp_rank, KEY.pp)
+    return PipelineRunner(stage, groups.pp_group, groups.pp_rank, KEY.layout.pp)
 
 
 # ------------------------------------------------------------------------------- checks run on every rank
@@ -79,7 +79,7 @@ def _values_diff(groups: Any) -> float:
 
 def _shards_follow_the_plan(rank: int, stage_model: torch.nn.Module, full: dict[str, torch.Tensor]) -> list[str]:
     """Parameters whose local tensor is not the slice :func:`shard_intervals` assigns this rank (want none)."""
-    layout, wrong = Layout(dp=KEY.dp, tp=KEY.tp, pp=KEY.pp), []
+    layout, wrong = KEY.layout, []
     for name, param in stage_model.named_parameters():
         local = param.to_local() if isinstance(param, DTensor) else param
         flat = full[name].reshape(-1)

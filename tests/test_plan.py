@@ -17,20 +17,21 @@ import pytest
 from loomrl.algorithms.workflows import build_workflow
 from loomrl.config import AlgoConfig, RolloutConfig
 from loomrl.errors import ConfigError
-from loomrl.parallel.layout import Layout
+from loomrl.plan.layout import Coords, Layout
+from loomrl.plan.schedule import StepKind, build_schedule
 from loomrl.plan import (
     GB,
     PROFILES,
     Allocation,
     ClusterSpec,
-    DeviceMesh,
+    DeviceSet,
     ExecutionPlan,
     colocate,
-    format_placement,
+    format_plan_string,
     interleave,
     make_plan,
     param_count,
-    parse_placement,
+    parse_plan_string,
     separate,
     shard_bytes,
     split_devices,
@@ -54,6 +55,11 @@ LLAMA_7B = llama(hidden=4096, layers=32, heads=32, kv_heads=32, inter=11008, voc
 
 def cluster(n: int) -> ClusterSpec:
     return ClusterSpec.parse(f"cpu:{n}")
+
+
+def placement_steps(plan: ExecutionPlan, workflow=PPO) -> list[tuple[str, str]]:
+    """(kind, id) of every step of the plan's schedule that is not a call."""
+    return [(s.kind.value, s.id) for s in build_schedule(workflow, plan) if s.kind is not StepKind.CALL]
 
 
 def one_line_error(fn: Callable[[], object], *fragments: str) -> str:
@@ -85,27 +91,28 @@ def test_cluster_parse_and_nodes():
 
 
 def test_mesh_is_sorted_and_compact():
-    mesh = DeviceMesh.parse("6, 0-3")
+    mesh = DeviceSet.parse("6, 0-3")
     assert mesh.devices == (0, 1, 2, 3, 6) and mesh.text == "0-3,6" and len(mesh) == 5
-    assert DeviceMesh((5, 2, 0)).devices == (0, 2, 5) and DeviceMesh.parse("0,2,5").text == "0,2,5"
-    assert mesh.isdisjoint(DeviceMesh((4, 5))) and not mesh.isdisjoint(DeviceMesh((3,)))
-    one_line_error(lambda: DeviceMesh(()), "devices", "empty")
-    one_line_error(lambda: DeviceMesh((1, 2, 1)), "devices", "device 1 twice")
-    one_line_error(lambda: DeviceMesh.parse("3-1"), "'3-1'", "ends before it starts")
-    one_line_error(lambda: DeviceMesh.parse("0-x"), "'0-x'", "0-3")
+    assert DeviceSet((5, 2, 0)).devices == (0, 2, 5) and DeviceSet.parse("0,2,5").text == "0,2,5"
+    assert mesh.isdisjoint(DeviceSet((4, 5))) and not mesh.isdisjoint(DeviceSet((3,)))
+    one_line_error(lambda: DeviceSet(()), "devices", "empty")
+    one_line_error(lambda: DeviceSet((1, 2, 1)), "devices", "device 1 twice")
+    one_line_error(lambda: DeviceSet.parse("3-1"), "'3-1'", "ends before it starts")
+    one_line_error(lambda: DeviceSet.parse("0-x"), "'0-x'", "0-3")
 
 
 def test_rank_to_device_mapping():
-    # rank = pp_rank·(dp·tp) + dp_rank·tp + tp_rank, device = mesh[rank]
+    # rank = pp_rank·(dp·tp) + dp_rank·tp + tp_rank, device = mesh[rank]; coordinates are (pp, dp, tp)
     alloc = Allocation((2, 3, 5, 7, 8, 9, 10, 11), Layout(dp=2, tp=2, pp=2))
-    assert alloc.device(dp_rank=0, tp_rank=1, pp_rank=0) == 3  # rank 1
-    assert alloc.device(dp_rank=1, tp_rank=0, pp_rank=0) == 5  # rank 2
-    assert alloc.device(dp_rank=1, tp_rank=0, pp_rank=1) == 10  # rank 4 + 2
-    assert alloc.coords(10) == (1, 0, 1) and alloc.coords(11) == (1, 1, 1)
-    assert [alloc.device(*alloc.coords(d)) for d in alloc.mesh] == list(alloc.mesh)
+    assert alloc.device(Coords(pp=0, dp=0, tp=1)) == 3  # rank 1
+    assert alloc.device(Coords(pp=0, dp=1, tp=0)) == 5  # rank 2
+    assert alloc.device(Coords(pp=1, dp=1, tp=0)) == 10  # rank 4 + 2
+    assert alloc.coords(10) == Coords(pp=1, dp=1, tp=0) and alloc.coords(11) == (1, 1, 1)
+    assert [alloc.device(alloc.coords(d)) for d in alloc.mesh] == list(alloc.mesh)
+    assert [alloc.layout.coords(r) for r in range(4)] == [(0, 0, 0), (0, 0, 1), (0, 1, 0), (0, 1, 1)]
     assert Allocation.parse("0-7:tp2") == Allocation(tuple(range(8)), Layout(dp=4, tp=2))
     assert Allocation.parse("0,2:dp2mb4").micro_batches == 4 and Allocation.parse("0-3").layout == Layout(dp=4)
-    one_line_error(lambda: alloc.device(2, 0, 0), "dp_rank: 2", "0..1")
+    one_line_error(lambda: alloc.device(Coords(0, 2, 0)), "dp_rank: 2", "0..1")
 
 
 # --- strategies -------------------------------------------------------------------------------------------
@@ -125,15 +132,16 @@ def test_colocate_reallocates_only_when_generation_layout_differs():
     c = cluster(8)
     same = colocate(PPO, c)
     assert all(a.mesh.devices == tuple(range(8)) for n, a in same.allocations.items() if n != "advantages")
-    assert same.reallocations(PPO) == []
+    assert placement_steps(same) == []
     assert same.canonical_layout(PPO, "actor") == same["actor_train"] and same.canonical_layout(PPO, "ref") is None
     plan = colocate(PPO, c, {"actor": Layout(dp=4, tp=2), "actor_gen": Layout(dp=8)}, )
     plan.validate(PPO, TINY)
-    moves = plan.reallocations(PPO)
-    assert [(m.when, m.mfc, m.role, m.kind) for m in moves] == [
-        ("before", "actor_gen", "actor", "copy"), ("after", "actor_gen", "actor", "free")]
-    assert moves[0].src == plan["actor_train"] and moves[0].dst == plan["actor_gen"] and moves[0].moves_bytes
-    assert moves[1].dst == plan["actor_train"] and not moves[1].moves_bytes  # returning is a free, not a copy
+    steps = build_schedule(PPO, plan)
+    assert placement_steps(plan) == [("copy", "copy actor→0-7:dp8"), ("free", "free actor@0-7:dp8")]
+    copy, free = steps["copy actor→0-7:dp8"], steps["free actor@0-7:dp8"]
+    assert copy.src == plan["actor_train"].shards and copy.alloc == plan["actor_gen"] and copy.moves_bytes
+    assert steps["actor_gen"].deps == ("copy actor→0-7:dp8",) and copy.deps == ()
+    assert free.deps == ("actor_gen",) and not free.moves_bytes  # returning is a free, not a copy
     assert plan["actor_train"].layout == Layout(dp=4, tp=2) and plan.shadow_roles(PPO) == ()
     assert plan.offloaded_roles(PPO) == ("ref", "reward")  # frozen and time-shared
     one_line_error(lambda: colocate(PPO, c, {"actor": Layout(dp=2)}), "layouts.actor", "dp=2", "has 8")
@@ -187,9 +195,11 @@ def test_separate_gives_generation_its_own_devices_and_a_shadow(n):
     assert gen.devices == tuple(range(n // 2)) and gen.isdisjoint(train)
     assert set(gen) | set(train) == set(range(n))
     assert plan.shadow_roles(PPO) == ("actor",) and plan.shadow_calls(PPO, "actor") == ["actor_gen"]
-    moves = plan.reallocations(PPO)
-    assert [(m.when, m.mfc, m.kind) for m in moves] == [("after", "actor_train", "sync")]
-    assert moves[0].src == plan["actor_train"] and moves[0].dst == plan["actor_gen"]
+    schedule = build_schedule(PPO, plan)
+    sync = f"sync actor→{plan['actor_gen'].text}"
+    assert placement_steps(plan) == [("sync", sync)]
+    assert schedule[sync].src == plan["actor_train"].shards and schedule[sync].alloc == plan["actor_gen"]
+    assert schedule[sync].deps == ("actor_train",) and [s.id for s in schedule.prologue] == [sync]
     assert make_plan("separate:1", GRPO, cluster(n))["actor_gen"].mesh.devices == (0,)
     one_line_error(lambda: separate(PPO, cluster(n), gen_devices=n), f"gen_devices={n}", f"1-{n - 1}")
 
@@ -197,49 +207,49 @@ def test_separate_gives_generation_its_own_devices_and_a_shadow(n):
 def test_offload_rule_and_explicit_choices():
     c = cluster(4)
     text = "actor_gen=0-1; ref_inf=2; reward_inf=3; critic_inf=0-1; actor_train=0-1; critic_train=0-1"
-    plan = parse_placement(text, PPO, c)
+    plan = parse_plan_string(text, PPO, c)
     assert plan.offloaded_roles(PPO) == ()  # ref and reward each own a device nobody else uses
-    assert plan.reallocations(PPO) == []
-    explicit = parse_placement(text + "; offload=ref; shadow=", PPO, c)
+    assert placement_steps(plan) == []
+    explicit = parse_plan_string(text + "; offload=ref; shadow=", PPO, c)
     assert explicit.offloaded_roles(PPO) == ("ref",) and explicit.shadow_roles(PPO) == ()
-    no_shadow = parse_placement("actor_gen=0-1; ref_inf=2-3; reward_inf=2-3; critic_inf=2-3; actor_train=2-3; "
+    no_shadow = parse_plan_string("actor_gen=0-1; ref_inf=2-3; reward_inf=2-3; critic_inf=2-3; actor_train=2-3; "
                                 "critic_train=2-3; shadow=", PPO, c)
-    assert [(m.mfc, m.kind) for m in no_shadow.reallocations(PPO)] == [("actor_gen", "copy"), ("actor_gen", "free")]
+    assert placement_steps(no_shadow) == [("copy", "copy actor→0-1:dp2"), ("free", "free actor@0-1:dp2")]
 
 
-# --- placement strings and files -------------------------------------------------------------------------
+# --- plan strings and files -------------------------------------------------------------------------
 
 
 def test_placement_string_round_trip():
     c = cluster(8)
-    plan = parse_placement(EXAMPLE, PPO, c)
+    plan = parse_plan_string(EXAMPLE, PPO, c)
     assert plan["actor_train"] == Allocation(tuple(range(8)), Layout(dp=4, tp=2))
     assert plan["advantages"] == Allocation((0,), Layout())  # compute steps default to device 0
-    text = format_placement(plan, PPO)
+    text = format_plan_string(plan, PPO)
     assert text == EXAMPLE
-    assert parse_placement(text, PPO, c) == plan
-    assert parse_placement(format_placement(plan), PPO, c) == plan  # with the compute step spelled out
+    assert parse_plan_string(text, PPO, c) == plan
+    assert parse_plan_string(format_plan_string(plan), PPO, c) == plan  # with the compute step spelled out
     assert plan.concurrent_groups(PPO) == [frozenset({"ref_inf", "reward_inf"})]  # critic_inf overlaps both
     assert pickle.loads(pickle.dumps(plan)) == plan  # plans travel to workers
-    odd = parse_placement("actor_gen=0,2,4,6:dp2tp2mb3; ref_inf=1,3; reward_inf=5,7; critic_inf=0-7:pp2; "
+    odd = parse_plan_string("actor_gen=0,2,4,6:dp2tp2mb3; ref_inf=1,3; reward_inf=5,7; critic_inf=0-7:pp2; "
                           "advantages=7; actor_train=0-7:tp2pp2; critic_train=0-7; offload=reward,ref", PPO, c)
     assert odd["critic_inf"].layout == Layout(dp=4, pp=2) and odd.offload == ("ref", "reward")
-    assert parse_placement(format_placement(odd, PPO), PPO, c) == odd
+    assert parse_plan_string(format_plan_string(odd, PPO), PPO, c) == odd
     for strategy in ("colocate", "interleave", "separate"):
         made = make_plan(strategy, GRPO, c)
-        assert parse_placement(format_placement(made, GRPO), GRPO, c) == made
+        assert parse_plan_string(format_plan_string(made, GRPO), GRPO, c) == made
 
 
 def test_activation_recompute_is_a_train_call_choice_that_round_trips(tmp_path: Path):
     c = cluster(8)
     text = EXAMPLE.replace("actor_train=0-7:dp4tp2", "actor_train=0-7:dp4tp2mb2rc")
-    plan = parse_placement(text, PPO, c)
+    plan = parse_plan_string(text, PPO, c)
     assert plan["actor_train"] == Allocation(tuple(range(8)), Layout(dp=4, tp=2), 2, recompute=True)
     assert plan["actor_train"].text == "0-7:dp4tp2mb2rc" and not plan["critic_train"].recompute
-    assert parse_placement(format_placement(plan, PPO), PPO, c) == plan
+    assert parse_plan_string(format_plan_string(plan, PPO), PPO, c) == plan
     assert ExecutionPlan.from_dict(plan.to_dict()) == plan
-    assert plan["actor_train"].same_placement(Allocation(tuple(range(8)), Layout(dp=4, tp=2)))  # no transfer
-    one_line_error(lambda: parse_placement(text.replace("ref_inf=4-5:dp2", "ref_inf=4-5:dp2rc"), PPO, c),
+    assert plan["actor_train"].shards == Allocation(tuple(range(8)), Layout(dp=4, tp=2))  # no transfer
+    one_line_error(lambda: parse_plan_string(text.replace("ref_inf=4-5:dp2", "ref_inf=4-5:dp2rc"), PPO, c),
                    "plan.allocations.ref_inf", "rc is for train calls only")
     one_line_error(lambda: Allocation.parse("0-1:dp2rcrc"), "rc twice")
 
@@ -247,13 +257,13 @@ def test_activation_recompute_is_a_train_call_choice_that_round_trips(tmp_path: 
 def test_zero_is_a_train_call_choice_that_round_trips_and_shrinks_the_optimizer_state():
     c = cluster(8)
     text = EXAMPLE.replace("actor_train=0-7:dp4tp2", "actor_train=0-7:dp4tp2mb2rczero")
-    plan = parse_placement(text, PPO, c)
+    plan = parse_plan_string(text, PPO, c)
     assert plan["actor_train"] == Allocation(tuple(range(8)), Layout(dp=4, tp=2), 2, recompute=True, zero=True)
     assert plan["actor_train"].text == "0-7:dp4tp2mb2rczero" and not plan["critic_train"].zero
-    assert parse_placement(format_placement(plan, PPO), PPO, c) == plan
+    assert parse_plan_string(format_plan_string(plan, PPO), PPO, c) == plan
     assert ExecutionPlan.from_dict(plan.to_dict()) == plan
-    assert plan["actor_train"].same_placement(Allocation(tuple(range(8)), Layout(dp=4, tp=2)))  # no transfer
-    one_line_error(lambda: parse_placement(text.replace("ref_inf=4-5:dp2", "ref_inf=4-5:dp2zero"), PPO, c),
+    assert plan["actor_train"].shards == Allocation(tuple(range(8)), Layout(dp=4, tp=2))  # no transfer
+    one_line_error(lambda: parse_plan_string(text.replace("ref_inf=4-5:dp2", "ref_inf=4-5:dp2zero"), PPO, c),
                    "plan.allocations.ref_inf", "zero is for train calls only")
     one_line_error(lambda: Allocation.parse("0-1:dp2zerozero"), "zero twice")
     # the Adam moments (8 of the 16 bytes per fp32 parameter here) are divided over dp=4
@@ -265,7 +275,7 @@ def test_zero_is_a_train_call_choice_that_round_trips_and_shrinks_the_optimizer_
     assert shard_bytes(1000, 1, 1, 2, trained=True, optimizer_shards=4) == 6 * 1000 + 12 * 1000 // 4
     assert shard_bytes(1000, 1, 1, 2, trained=False) == 2000
     configs = {role: llama() for role in PPO.roles()}
-    plain = parse_placement(EXAMPLE, PPO, c).role_memory(PPO, configs)
+    plain = parse_plan_string(EXAMPLE, PPO, c).role_memory(PPO, configs)
     assert plan.role_memory(PPO, configs)[0]["actor"] < plain[0]["actor"]
     assert plan.role_memory(PPO, configs)[0]["critic"] == plain[0]["critic"]
 
@@ -274,17 +284,16 @@ def test_fsdp_is_a_train_call_choice_that_shards_everything_and_needs_a_copy_for
     c = cluster(8)
     text = EXAMPLE.replace("critic_train=0-7:dp8", "critic_train=0-7:dp8mb2fsdp").replace("critic_inf=4-7:dp4",
                                                                                            "critic_inf=0-7:dp8")
-    plan = parse_placement(text, PPO, c)
+    plan = parse_plan_string(text, PPO, c)
     assert plan["critic_train"] == Allocation(tuple(range(8)), Layout(dp=8), 2, fsdp=True)
     assert plan["critic_train"].text == "0-7:dp8mb2fsdp" and plan["critic_train"].param_shards == 8
     assert plan["critic_train"].optimizer_shards == 8 and plan["actor_train"].param_shards == 1
-    assert parse_placement(format_placement(plan, PPO), PPO, c) == plan
+    assert parse_plan_string(format_plan_string(plan, PPO), PPO, c) == plan
     assert ExecutionPlan.from_dict(plan.to_dict()) == plan
     # the critic's inference on the same devices and layout runs on a whole copy: a reallocation from the shards
-    assert not plan["critic_inf"].same_placement(plan["critic_train"])
-    moves = {(m.kind, m.mfc) for m in plan.reallocations(PPO) if m.role == "critic"}
-    assert ("copy", "critic_inf") in moves
-    one_line_error(lambda: parse_placement(text.replace("critic_inf=0-7:dp8", "critic_inf=0-7:dp8fsdp"), PPO, c),
+    assert plan["critic_inf"].shards != plan["critic_train"].shards
+    assert build_schedule(PPO, plan)["critic_inf"].deps == ("actor_gen", "copy critic→0-7:dp8")
+    one_line_error(lambda: parse_plan_string(text.replace("critic_inf=0-7:dp8", "critic_inf=0-7:dp8fsdp"), PPO, c),
                    "plan.allocations.critic_inf", "fsdp is for train calls only")
     one_line_error(lambda: Allocation.parse("0-7:dp4pp2fsdp"), "fsdp", "valid with fsdp: pp=1, any dp and tp")
     assert Allocation.parse("0-7:dp4tp2fsdp").param_shards == 4  # FSDP over dp of each tp shard
@@ -301,7 +310,7 @@ def test_fsdp_is_a_train_call_choice_that_shards_everything_and_needs_a_copy_for
 
 @pytest.mark.parametrize("suffix", [".json", ".yaml", ".yml"])
 def test_file_round_trip(tmp_path: Path, suffix):
-    plan = parse_placement(EXAMPLE + "; shadow=; offload=ref", PPO, cluster(8))
+    plan = parse_plan_string(EXAMPLE + "; shadow=; offload=ref", PPO, cluster(8))
     assert ExecutionPlan.from_dict(plan.to_dict()) == plan
     path = tmp_path / f"plan{suffix}"
     plan.save(path)
@@ -352,18 +361,18 @@ def test_structural_errors():
                    "cpu:1x8", "0-7")
     one_line_error(lambda: Allocation.parse("0-3:dp2tp4"), "dp=2 × tp=4 × pp=1 = 8 devices", "mesh 0-3 has 4")
     one_line_error(lambda: Allocation.parse("0-3:dp4mb0"), "layout", "mb0", "positive")
-    one_line_error(lambda: Allocation(DeviceMesh((0,)), Layout(), micro_batches=0), "micro_batches", "0", ">= 1")
+    one_line_error(lambda: Allocation(DeviceSet((0,)), Layout(), micro_batches=0), "micro_batches", "0", ">= 1")
     one_line_error(lambda: _with(plan, "advantages", "0-1:tp2").validate(PPO),
                    "plan.allocations.advantages.tp", "2", "compute step", "valid: 1")
-    one_line_error(lambda: parse_placement(EXAMPLE.replace("dp4tp2", "dp4tp3"), PPO, cluster(8)),
+    one_line_error(lambda: parse_plan_string(EXAMPLE.replace("dp4tp2", "dp4tp3"), PPO, cluster(8)),
                    "actor_train=0-7:dp4tp3", "actor_train.layout", "dp=4 × tp=3 × pp=1 = 12 devices", "has 8")
-    one_line_error(lambda: parse_placement(EXAMPLE.replace("critic_train=0-7:dp8", ""), PPO, cluster(8)),
+    one_line_error(lambda: parse_plan_string(EXAMPLE.replace("critic_train=0-7:dp8", ""), PPO, cluster(8)),
                    "MFC 'critic_train' is not placed")
-    one_line_error(lambda: parse_placement(EXAMPLE.replace("dp4tp2", "dp4tq2"), PPO, cluster(8)),
+    one_line_error(lambda: parse_plan_string(EXAMPLE.replace("dp4tp2", "dp4tq2"), PPO, cluster(8)),
                    "actor_train.layout", "'dp4tq2'", "dp<N>")
-    one_line_error(lambda: parse_placement("actr_gen=0-7", PPO, cluster(8)), "unknown MFC 'actr_gen'", "'actor_gen'")
-    one_line_error(lambda: parse_placement("actor_gen 0-7", PPO, cluster(8)), "'actor_gen 0-7'", "NAME=DEVICES")
-    one_line_error(lambda: parse_placement(EXAMPLE + "; ref_inf=0-7", PPO, cluster(8)), "'ref_inf' is placed twice")
+    one_line_error(lambda: parse_plan_string("actr_gen=0-7", PPO, cluster(8)), "unknown MFC 'actr_gen'", "'actor_gen'")
+    one_line_error(lambda: parse_plan_string("actor_gen 0-7", PPO, cluster(8)), "'actor_gen 0-7'", "NAME=DEVICES")
+    one_line_error(lambda: parse_plan_string(EXAMPLE + "; ref_inf=0-7", PPO, cluster(8)), "'ref_inf' is placed twice")
 
 
 def test_choice_errors():

@@ -38,11 +38,19 @@ def test_a_run_writes_traces_that_timeline_draws(tmp_path, capsys):
                                            "loop.progress=false", "loop.tensorboard=false", "rollout.max_new_tokens=4"])
     RLTrainer(cfg).run()
     traces = [json.loads(line) for line in (tmp_path / "run" / "traces.jsonl").read_text().splitlines()]
-    assert {t["mfc"] for t in traces} >= {"actor_gen", "actor_train", "critic_train"}
-    assert {t["iteration"] for t in traces} == {0, 1}
-    assert all(t["end"] >= t["start"] for t in traces)
+    assert {t["step"] for t in traces} >= {"actor_gen", "actor_train", "critic_train"}
+    assert {t["iteration"] for t in traces} == {0, 1} and {t["kind"] for t in traces} == {"call"}
+    assert all(e >= s for t in traces for s, e in zip(t["start"], t["end"]))
     assert main(["timeline", str(tmp_path / "run")]) == 0
     assert (tmp_path / "run" / "timeline.png").stat().st_size > 1000
+    printed = capsys.readouterr().out
+    assert "predicted (profile local, uncorrected)" in printed and "measured (2 iterations)" in printed
+    page = (tmp_path / "run" / "timeline.html").read_text()
+    assert page.count("<svg") == 2 and page.index("<h3>predicted") < page.index("<h3>measured")
+    for step in ("actor_gen", "critic_train"):  # the same step ids in both panels: 2 iterations each, 1 device
+        assert page.count(f"<title>{step} (") == 2 + 2
+    assert main(["timeline", str(tmp_path / "run"), "--measured-only"]) == 0
+    assert (tmp_path / "run" / "timeline.html").read_text().count("<svg") == 1
 
 
 def test_calibrate_fits_corrections_from_a_run(tmp_path, capsys):

@@ -27,8 +27,9 @@ from loomrl.parallel.realloc_exec import (
     execute_reallocation,
 )
 from loomrl.plan.realloc_plan import ReallocPlan, plan_reallocation
-from loomrl.plan.shards import Placement, pp_stage, shard_intervals, shard_shape, tp_dim
+from loomrl.errors import ConfigError
 from loomrl.plan import Allocation
+from loomrl.plan.shards import pp_stage, shard_intervals, shard_shape, tp_dim
 
 CASES = 300
 NODE_SIZE = 4
@@ -40,16 +41,17 @@ def node_of(device: int) -> int:
 
 
 # ------------------------------------------------------------------------------------- reference slicing
-def _coords(layout: Layout, rank: int) -> tuple[int, int, int]:
-    pp_rank, rest = divmod(rank, layout.dp * layout.tp)
-    return (pp_rank, *divmod(rest, layout.tp))
+def place(mesh, layout: Layout, fsdp: bool = False, zero: bool = False) -> Allocation:
+    """An allocation on ``mesh`` (its devices sorted: rank r runs on the r-th smallest)."""
+    return Allocation(tuple(sorted(mesh)), layout, fsdp=fsdp, zero=zero)
 
 
-def reference_shard(full: torch.Tensor, name: str, placement: Placement, rank: int,
-                    num_layers: int) -> torch.Tensor | None:
-    """What ``rank`` of ``placement`` must hold of ``full``, by tensor slicing (None: another PP stage)."""
-    layout = placement.layout
-    pp_rank, dp_rank, tp_rank = _coords(layout, rank)
+def reference_shard(full: torch.Tensor, name: str, alloc: Allocation, rank: int, num_layers: int,
+                    state: bool = False) -> torch.Tensor | None:
+    """What ``rank`` of ``alloc`` must hold of ``full`` (of its weights, or with ``state`` of its optimizer
+    state), by tensor slicing (None: another PP stage)."""
+    layout = alloc.layout
+    pp_rank, dp_rank, tp_rank = layout.coords(rank)
     if pp_stage(name, num_layers, layout.pp) != pp_rank:
         return None
     dim, part = tp_dim(name), full
@@ -57,10 +59,16 @@ def reference_shard(full: torch.Tensor, name: str, placement: Placement, rank: i
         step = -(-full.shape[dim] // layout.tp)  # torch.chunk / DTensor Shard block size
         start = min(tp_rank * step, full.shape[dim])
         part = full.narrow(dim, start, min(step, full.shape[dim] - start))
-    if placement.fsdp:  # FSDP2: a torch.chunk block of dim 0 of the (tp) local tensor
+    split = alloc.dp_split(state)
+    if split == "rows":  # FSDP2: a torch.chunk block of dim 0 of the (tp) local tensor
         step = -(-part.shape[0] // layout.dp)
         start = min(dp_rank * step, part.shape[0])
         part = part.narrow(0, start, min(step, part.shape[0] - start))
+    elif split == "flat":  # ZeRO-1's optimizer state: a torch.chunk block of the flattened local tensor
+        flat = part.reshape(-1)
+        step = -(-flat.numel() // layout.dp)
+        start = min(dp_rank * step, flat.numel())
+        part = flat[start:start + step]
     return part
 
 
@@ -89,9 +97,13 @@ def test_shard_intervals_hand_computed():
     assert shard_intervals(q, (4, 3), layout, 1, 1) == [(6, 12)]
     assert shard_intervals(q, (4, 3), layout, 3, 1) == [(6, 12)]  # dp replica of rank 1
     assert shard_intervals(o, (3, 4), layout, 1, 1) == [(2, 4), (6, 8), (10, 12)]
-    assert shard_intervals(o, (3, 4), layout, 1, 1, fsdp=True) == [(2, 4), (6, 8)]  # rows of 2: 2, 1
-    assert shard_intervals(o, (3, 4), layout, 3, 1, fsdp=True) == [(10, 12)]
-    assert shard_shape(o, (3, 4), layout, 3, 1, fsdp=True) == (1, 2)
+    assert shard_intervals(o, (3, 4), layout, 1, 1, "rows") == [(2, 4), (6, 8)]  # rows of 2: 2, 1
+    assert shard_intervals(o, (3, 4), layout, 3, 1, "rows") == [(10, 12)]
+    assert shard_shape(o, (3, 4), layout, 3, 1, "rows") == (1, 2)
+    # ZeRO-1's optimizer state: blocks of the flattened tp shard (6 elements: 3 and 3), whatever the rows
+    assert shard_intervals(o, (3, 4), layout, 1, 1, "flat") == [(2, 4), (6, 7)]
+    assert shard_intervals(o, (3, 4), layout, 3, 1, "flat") == [(7, 8), (10, 12)]
+    assert shard_shape(o, (3, 4), layout, 3, 1, "flat") == (3,)
     assert shard_intervals("model.norm.weight", (5,), layout, 2, 1) == [(0, 5)]
     assert shard_intervals(q, (5, 2), Layout(tp=4), 3, 1) == []  # blocks of 2 rows: 2, 2, 1, 0
     assert shard_shape(q, (5, 2), Layout(tp=4), 2, 1) == (1, 2)
@@ -110,15 +122,16 @@ def test_shard_intervals_match_tensor_slices_on_random_shapes():
         shape = (rng.randint(1, 7),) if name.endswith(("bias", "norm.weight")) else \
             (rng.randint(1, 7), rng.randint(1, 7))
         layout = Layout(dp=rng.randint(1, 3), tp=rng.randint(1, 4))
-        fsdp, rank = rng.random() < 0.5, rng.randrange(layout.size)
+        split, rank = rng.choice(["none", "rows", "flat"]), rng.randrange(layout.size)
+        alloc = place(range(layout.size), layout, fsdp=split == "rows", zero=split == "flat")
         full = torch.arange(math.prod(shape)).reshape(shape)
-        expected = reference_shard(full, name, Placement(tuple(range(layout.size)), layout, fsdp), rank, 1)
-        intervals = shard_intervals(name, shape, layout, rank, 1, fsdp)
+        expected = reference_shard(full, name, alloc, rank, 1, state=True)
+        intervals = shard_intervals(name, shape, layout, rank, 1, split)
         got = torch.cat([full.reshape(-1)[lo:hi] for lo, hi in intervals] + [full.new_empty(0)])
-        assert torch.equal(got, expected.reshape(-1)), (name, shape, layout, rank, fsdp)
+        assert torch.equal(got, expected.reshape(-1)), (name, shape, layout, rank, split)
         assert all(lo < hi for lo, hi in intervals)
         assert all(a[1] < b[0] for a, b in zip(intervals, intervals[1:]))  # sorted, disjoint, merged
-        assert shard_shape(name, shape, layout, rank, 1, fsdp) == tuple(expected.shape)
+        assert shard_shape(name, shape, layout, rank, 1, split) == tuple(expected.shape)
 
 
 # ---------------------------------------------------------------------------------------- planner properties
@@ -138,20 +151,21 @@ def _random_params(rng: random.Random, num_layers: int) -> dict[str, tuple[int, 
     return params
 
 
-def _random_placement(rng: random.Random, num_layers: int, devices: int, fsdp: bool) -> Placement:
+def _random_placement(rng: random.Random, num_layers: int, devices: int, fsdp: bool, zero: bool = False
+                      ) -> Allocation:
     while True:
-        layout = Layout(dp=rng.randint(1, 4), tp=rng.randint(1, 4), pp=rng.choice([1, 2, 4]))
+        layout = Layout(dp=rng.randint(1, 4), tp=rng.randint(1, 4), pp=1 if fsdp else rng.choice([1, 2, 4]))
         if layout.size <= devices and num_layers % layout.pp == 0:
-            return Placement(tuple(rng.sample(range(devices), layout.size)), layout, fsdp)
+            return place(rng.sample(range(devices), layout.size), layout, fsdp, zero and not fsdp)
 
 
-def _shards(full: dict[str, torch.Tensor], placement: Placement, num_layers: int
+def _shards(full: dict[str, torch.Tensor], alloc: Allocation, num_layers: int, state: bool = False
             ) -> dict[tuple[int, str], torch.Tensor]:
     """Reference flat shards per (device, param), for the devices holding one."""
     out = {}
-    for rank, device in enumerate(placement.mesh):
+    for rank, device in enumerate(alloc.mesh):
         for name, tensor in full.items():
-            part = reference_shard(tensor, name, placement, rank, num_layers)
+            part = reference_shard(tensor, name, alloc, rank, num_layers, state)
             if part is not None and part.numel():
                 out[(device, name)] = part.reshape(-1)
     return out
@@ -209,18 +223,20 @@ def _check_case(seed: int) -> ReallocPlan:
     rng = random.Random(seed)
     num_layers = rng.choice([1, 2, 4])
     params = _random_params(rng, num_layers)
-    src = _random_placement(rng, num_layers, 8, fsdp=rng.random() < 0.4)
-    dst = _random_placement(rng, num_layers, 8, fsdp=False)
-    return _check_plan(seed, params, num_layers, src, dst)
+    state = rng.random() < 0.3  # optimizer state, divided as ZeRO-1 or FSDP keep it, as a plan change moves it
+    src = _random_placement(rng, num_layers, 8, fsdp=rng.random() < 0.4, zero=state and rng.random() < 0.7)
+    dst = _random_placement(rng, num_layers, 8, fsdp=rng.random() < 0.2, zero=state and rng.random() < 0.7)
+    return _check_plan(seed, params, num_layers, src, dst, state)
 
 
-def _check_plan(seed: int, params: dict[str, tuple[int, ...]], num_layers: int, src: Placement,
-                dst: Placement) -> ReallocPlan:
+def _check_plan(seed: int, params: dict[str, tuple[int, ...]], num_layers: int, src: Allocation,
+                dst: Allocation, state: bool = False) -> ReallocPlan:
     """Plan ``src`` → ``dst`` and check properties (a)–(d) by simulating it on random full parameters."""
-    plan = plan_reallocation(params, num_layers, src, dst, node_of)
+    plan = plan_reallocation(params, num_layers, src, dst, node_of, state)
     full = {name: torch.randn(shape, dtype=torch.float64) for name, shape in params.items()}
-    simulated, counts, tally = _simulate(plan, _shards(full, src, num_layers), full)
-    expected = _shards(full, dst, num_layers)
+    held = _shards(full, src, num_layers, state)
+    simulated, counts, tally = _simulate(plan, held, full)
+    expected = _shards(full, dst, num_layers, state)
     assert simulated.keys() == expected.keys()
     for key, tensor in expected.items():  # (a) every destination shard is the direct slice
         assert torch.equal(simulated[key], tensor), (seed, key)
@@ -229,7 +245,7 @@ def _check_plan(seed: int, params: dict[str, tuple[int, ...]], num_layers: int, 
     assert plan.bytes_local(2) == 2 * tally["local"], seed
     assert sum(plan.recv_bytes(2).values()) == plan.bytes_moved(2)
     _check_sender_preference(plan)
-    _check_aliases(seed, plan, _shards(full, src, num_layers), expected)
+    _check_aliases(seed, plan, held, expected)
     return plan
 
 
@@ -251,15 +267,18 @@ def _check_aliases(seed: int, plan: ReallocPlan, src: dict, expected: dict) -> N
 
 
 def test_planner_properties_on_random_cases():
-    broadcasts = cross = fsdp = pp_tp = 0
+    broadcasts = cross = fsdp = fsdp_dst = flat = pp_tp = 0
     for seed in range(CASES):
         plan = _check_case(seed)
         broadcasts += any(len(t.receivers) > 1 for t in plan.transfers)
         cross += plan.cross_node_bytes(1) > 0
         fsdp += plan.src.fsdp
+        fsdp_dst += plan.dst.fsdp
+        flat += "flat" in (plan.src.dp_split(plan.state), plan.dst.dp_split(plan.state))
         pp_tp += any(p.layout.pp > 1 and p.layout.tp > 1 for p in (plan.src, plan.dst))
     # The random cases must reach the interesting paths, or the properties above prove little.
     assert broadcasts > CASES // 10 and cross > CASES // 10 and fsdp > CASES // 10 and pp_tp > CASES // 10
+    assert fsdp_dst > CASES // 20 and flat > CASES // 20
 
 
 # Pairs with a pp × tp side, as the runtime meets them: a pp×tp training layout and the pp=1 layout its role
@@ -272,7 +291,7 @@ PP_TP_PAIRS: list[tuple[tuple[int, ...], Layout, tuple[int, ...], Layout]] = [
     (tuple(range(8)), Layout(tp=2, pp=4), tuple(range(8)), Layout(dp=8)),
     (tuple(range(8)), Layout(tp=4, pp=2), tuple(range(8)), Layout(tp=2, pp=4)),
     ((0, 1, 2, 3), Layout(tp=2, pp=2), (4, 5), Layout(tp=2)),
-    ((4, 5, 6, 7), Layout(tp=4), (3, 1, 2, 0), Layout(tp=2, pp=2)),
+    ((4, 5, 6, 7), Layout(tp=4), (0, 1, 2, 3), Layout(tp=2, pp=2)),
     ((0, 1, 2, 3), Layout(tp=2, pp=2), (0, 1, 2, 3), Layout(tp=2, pp=2)),
 ]
 
@@ -283,46 +302,45 @@ def test_planner_properties_on_pp_tp_pairs(pair: int):
     src_mesh, src_layout, dst_mesh, dst_layout = PP_TP_PAIRS[pair]
     for seed in range(10):
         rng = random.Random(1000 * pair + seed)
-        shuffled = rng.sample(src_mesh, len(src_mesh))  # any device order: ranks are mesh positions
-        for fsdp in (False, True) if src_layout.dp > 1 else (False,):
-            plan = _check_plan(seed, _random_params(rng, 4), 4, Placement(tuple(shuffled), src_layout, fsdp),
-                               Placement(dst_mesh, dst_layout))
-            if (src_mesh, src_layout, fsdp) == (dst_mesh, dst_layout, False) and shuffled == list(src_mesh):
+        for fsdp in (False, True) if src_layout.dp > 1 and src_layout.pp == 1 else (False,):
+            plan = _check_plan(seed, _random_params(rng, 4), 4, place(src_mesh, src_layout, fsdp),
+                               place(dst_mesh, dst_layout))
+            if (src_mesh, src_layout, fsdp) == (dst_mesh, dst_layout, False):
                 assert plan.bytes_moved(1) == 0 and plan.free_after == ()
 
 
 def test_planner_balances_replicated_senders_and_counts_bytes():
     params = {"model.layers.0.mlp.up_proj.weight": (4, 2)}
     # Two replicas on node 0 (devices 0, 1); the destination is two devices of node 1, one shard each.
-    plan = plan_reallocation(params, 1, ((0, 1), Layout(dp=2)), ((4, 5), Layout(tp=2)), node_of)
+    plan = plan_reallocation(params, 1, place((0, 1), Layout(dp=2)), place((4, 5), Layout(tp=2)), node_of)
     assert [(t.start, t.end, t.sender, t.receivers) for t in plan.transfers] == [(0, 4, 0, (4,)), (4, 8, 1, (5,))]
     assert plan.send_bytes(4) == {0: 16, 1: 16} and plan.recv_bytes(4) == {4: 16, 5: 16}
     assert plan.cross_node_bytes(4) == plan.bytes_moved(4) == 32 and plan.bytes_local(4) == 0
     # A replicated destination on one node gets each piece in one broadcast from one sender.
-    plan = plan_reallocation(params, 1, ((0, 1), Layout(tp=2)), ((4, 5), Layout(dp=2)), node_of)
+    plan = plan_reallocation(params, 1, place((0, 1), Layout(tp=2)), place((4, 5), Layout(dp=2)), node_of)
     assert [(t.sender, t.receivers) for t in plan.transfers] == [(0, (4, 5)), (1, (4, 5))]
     assert plan.bytes_moved(1) == 16 and plan.send_bytes(1) == {0: 4, 1: 4}
     assert plan.broadcast_groups() == [(0, 4, 5), (1, 4, 5)]
 
 
-def test_planner_takes_plan_allocations():
+def test_a_calls_options_do_not_change_what_moves():
+    """Micro-batches, recompute and ZeRO decide nothing about where weights live: only devices, layout and FSDP."""
     params = _random_params(random.Random(5), 2)
-    src, dst = Allocation.parse("0-3:dp2tp2"), Allocation.parse("4-7:dp1tp2pp2")
-    from_allocations = plan_reallocation(params, 2, src, dst, node_of)
-    from_tuples = plan_reallocation(params, 2, ((0, 1, 2, 3), Layout(dp=2, tp=2)),
-                                    ((4, 5, 6, 7), Layout(tp=2, pp=2)), node_of)
-    assert from_allocations.transfers == from_tuples.transfers and from_allocations.bytes_moved(1) > 0
+    dst = Allocation.parse("4-7:dp1tp2pp2")
+    plain = plan_reallocation(params, 2, Allocation.parse("0-3:dp2tp2"), dst, node_of)
+    options = plan_reallocation(params, 2, Allocation.parse("0-3:dp2tp2mb4rczero"), dst, node_of)
+    assert options.transfers == plain.transfers and plain.bytes_moved(1) > 0
 
 
 def test_identical_layouts_alias_everything_and_free_nothing():
     rng = random.Random(3)
     params = _random_params(rng, 2)
-    placement = Placement((3, 1, 2, 0), Layout(dp=2, tp=2))
+    placement = place((0, 1, 2, 3), Layout(dp=2, tp=2))
     plan = plan_reallocation(params, 2, placement, placement, node_of)
     assert plan.bytes_moved(4) == plan.bytes_local(4) == 0
     assert plan.free_after == () and all(t.local for t in plan.transfers)
     # A new layout keeps only the shards that do not change as aliases; the rest is freed on the way back.
-    plan = plan_reallocation(params, 2, placement, (placement.mesh, Layout(dp=4)), node_of)
+    plan = plan_reallocation(params, 2, placement, place(placement.mesh, Layout(dp=4)), node_of)
     freed = {(b.device, b.param) for b in plan.free_after}
     assert ((3, "model.norm.weight") not in freed) and ((3, "lm_head.weight") in freed)
 
@@ -332,7 +350,7 @@ def test_a_row_block_of_a_replicated_weight_is_a_view_not_a_copy():
     row block of the replica each device holds, so it is aliased at its block's offset and nothing is copied;
     a weight split along dim 1 (o/down projections) is strided in the replica, so it is copied."""
     params = {"model.layers.0.self_attn.q_proj.weight": (8, 4), "model.layers.0.self_attn.o_proj.weight": (4, 8)}
-    plan = plan_reallocation(params, 1, ((0, 1), Layout(dp=2)), ((0, 1), Layout(tp=2)), node_of)
+    plan = plan_reallocation(params, 1, place((0, 1), Layout(dp=2)), place((0, 1), Layout(tp=2)), node_of)
     q, o = params
     assert [plan.alias_offset(d, q) for d in (0, 1)] == [0, 16]
     assert not plan.aliased(0, o) and not plan.aliased(1, o)
@@ -340,14 +358,11 @@ def test_a_row_block_of_a_replicated_weight_is_a_view_not_a_copy():
     assert {(b.device, b.param) for b in plan.free_after} == {(0, o), (1, o)}
 
 
-def test_planner_rejects_bad_placements():
-    params = {"model.norm.weight": (4,)}
-    with pytest.raises(ValueError, match="mesh has 3 devices"):
-        plan_reallocation(params, 1, ((0, 1, 2), Layout(dp=2)), ((0,), Layout()), node_of)
-    with pytest.raises(ValueError, match="dst: fsdp=True is supported for source layouts only"):
-        plan_reallocation(params, 1, ((0,), Layout()), ((0,), Layout(), True), node_of)
-    with pytest.raises(ValueError, match="names a device twice"):
-        plan_reallocation(params, 1, ((0, 0), Layout(dp=2)), ((0,), Layout()), node_of)
+def test_allocations_reject_bad_placements():
+    with pytest.raises(ConfigError, match="the mesh 0-2 has 3"):
+        Allocation((0, 1, 2), Layout(dp=2))
+    with pytest.raises(ConfigError, match="device 0 twice"):
+        Allocation((0, 0), Layout(dp=2))
 
 
 # ------------------------------------------------------------------------------- executor schedule, in process
@@ -524,16 +539,15 @@ def _full_params() -> dict[str, torch.Tensor]:
             for name, shape in _llama_params().items()}
 
 
-SCENARIOS: dict[str, tuple[Placement, Placement]] = {
-    "dp2tp2_to_tp4": (Placement((0, 1, 2, 3), Layout(dp=2, tp=2)), Placement((0, 1, 2, 3), Layout(tp=4))),
-    "dp2tp2_to_dp4": (Placement((0, 1, 2, 3), Layout(dp=2, tp=2)), Placement((0, 1, 2, 3), Layout(dp=4))),
-    "fsdp4_to_dp2tp2": (Placement((0, 1, 2, 3), Layout(dp=4), True),
-                        Placement((0, 1, 2, 3), Layout(dp=2, tp=2))),
-    # A separate generation mesh (another node), laid out in another device order: broadcasts to (2, 3).
-    "tp2_to_separate_dp2": (Placement((0, 1), Layout(tp=2)), Placement((3, 2), Layout(dp=2))),
-    "pp2_to_tp2dp2": (Placement((2, 0, 3, 1), Layout(tp=2, pp=2)), Placement((0, 1, 2, 3), Layout(dp=2, tp=2))),
-    "pp2tp2_to_dp4": (Placement((0, 1, 2, 3), Layout(tp=2, pp=2)), Placement((0, 1, 2, 3), Layout(dp=4))),
-    "dp2tp2_to_pp2tp2": (Placement((0, 1, 2, 3), Layout(dp=2, tp=2)), Placement((3, 1, 2, 0), Layout(tp=2, pp=2))),
+SCENARIOS: dict[str, tuple[Allocation, Allocation]] = {
+    "dp2tp2_to_tp4": (place((0, 1, 2, 3), Layout(dp=2, tp=2)), place((0, 1, 2, 3), Layout(tp=4))),
+    "dp2tp2_to_dp4": (place((0, 1, 2, 3), Layout(dp=2, tp=2)), place((0, 1, 2, 3), Layout(dp=4))),
+    "fsdp4_to_dp2tp2": (place((0, 1, 2, 3), Layout(dp=4), True), place((0, 1, 2, 3), Layout(dp=2, tp=2))),
+    # A separate generation mesh (another node): broadcasts to (2, 3).
+    "tp2_to_separate_dp2": (place((0, 1), Layout(tp=2)), place((2, 3), Layout(dp=2))),
+    "pp2_to_tp2dp2": (place((0, 1, 2, 3), Layout(tp=2, pp=2)), place((0, 1, 2, 3), Layout(dp=2, tp=2))),
+    "pp2tp2_to_dp4": (place((0, 1, 2, 3), Layout(tp=2, pp=2)), place((0, 1, 2, 3), Layout(dp=4))),
+    "dp2tp2_to_fsdp4": (place((0, 1, 2, 3), Layout(dp=2, tp=2)), place((0, 1, 2, 3), Layout(dp=4), True)),
 }
 
 
@@ -542,10 +556,10 @@ def _plan(scenario: str) -> ReallocPlan:
     return plan_reallocation(_llama_params(), NUM_LAYERS, src, dst, _gloo_node)
 
 
-def _my_source(placement: Placement, device: int, full: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
+def _my_source(placement: Allocation, device: int, full: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
     if device not in placement.mesh:
         return {}
-    rank = placement.mesh.index(device)
+    rank = placement.devices.index(device)
     parts = {name: reference_shard(t, name, placement, rank, NUM_LAYERS) for name, t in full.items()}
     return {name: part.clone() for name, part in parts.items() if part is not None}
 

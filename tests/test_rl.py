@@ -277,7 +277,7 @@ def test_untruncated_sampling_uses_rollout_logprobs():
 
 
 def test_precision_auto_is_bf16_on_accelerators_and_fp32_on_cpu():
-    from loomrl.train.common import resolve_dtype
+    from loomrl.engine import resolve_dtype
 
     assert resolve_dtype("auto", torch.device("cpu")) == torch.float32
     assert resolve_dtype("auto", torch.device("cuda")) == torch.bfloat16

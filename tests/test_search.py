@@ -13,7 +13,7 @@ import pytest
 from loomrl.algorithms.workflows import build_workflow
 from loomrl.config import AlgoConfig, RolloutConfig
 from loomrl.errors import ConfigError
-from loomrl.plan import GB, Allocation, ClusterSpec, DeviceMesh, ExecutionPlan, colocate
+from loomrl.plan import GB, Allocation, ClusterSpec, DeviceSet, ExecutionPlan, colocate
 from loomrl.plan.layout import Layout
 from loomrl.planner.search import (
     MICRO_BATCHES,
@@ -32,7 +32,7 @@ from loomrl.planner.simulator import simulate
 from loomrl.workflow import MFC, MFCKind
 
 PPO = build_workflow(AlgoConfig(name="ppo"), RolloutConfig())
-CLUSTER = ClusterSpec.parse("cpu:4")
+CLUSTER = ClusterSpec.parse("h100:4")  # accelerators: frozen roles sharing devices are offloaded (reloads free here)
 MEMORY = 24 * GB
 
 
@@ -76,7 +76,7 @@ def test_device_meshes_are_aligned_powers_of_two_and_whole_nodes():
 
 def test_layouts_fit_the_model_and_keep_tensor_parallel_groups_in_a_node():
     cluster = ClusterSpec.parse("cpu:2x4")
-    whole = DeviceMesh(tuple(range(8)))
+    whole = DeviceSet(tuple(range(8)))
     train = PPO["actor_train"]
     # heads 4, kv heads 2 → tp ∈ {1, 2}; layers 4 → pp ∈ {1, 2, 4}, combined with either tp.
     assert layouts_on(train, whole, cluster, llama()) == [Layout(8), Layout(4, 1, 2), Layout(2, 1, 4), Layout(4, 2),
@@ -85,7 +85,7 @@ def test_layouts_fit_the_model_and_keep_tensor_parallel_groups_in_a_node():
     assert Layout(2, 4) in layouts_on(train, whole, cluster, llama(heads=8, kv_heads=8))
     assert Layout(1, 8) not in layouts_on(train, whole, cluster, llama(heads=8, kv_heads=8))  # tp > devices per node
     # A mesh straddling nodes 0 and 1 (devices 3, 4) cannot hold a tp=2 group.
-    assert layouts_on(train, DeviceMesh((3, 4)), cluster, llama()) == [Layout(2), Layout(1, 1, 2)]
+    assert layouts_on(train, DeviceSet((3, 4)), cluster, llama()) == [Layout(2), Layout(1, 1, 2)]
     gpt2 = SimpleNamespace(model_type="gpt2", num_hidden_layers=4, num_attention_heads=4)
     assert layouts_on(train, whole, cluster, gpt2) == [Layout(8)]
 

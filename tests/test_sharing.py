@@ -3,6 +3,7 @@
 import pytest
 
 from loomrl.planner.sharing import schedule_shared
+from loomrl.plan.schedule import Step, StepKind
 from loomrl.planner.simulator import _Node, _schedule
 
 
@@ -41,8 +42,24 @@ def test_with_enough_cores_it_is_the_simulators_list_schedule():
     devices = [(0, 1), (0,), (1,), (0, 1), (0,), (1,)]
     deps = [(), (0,), (0,), (1, 2), (3,), (3,)]
     durations = [1.0, 2.0, 0.5, 1.5, 0.0, 3.0]
-    nodes = [_Node(str(i), "train", 0, devices[i], durations[i], list(deps[i])) for i in range(6)]
+    nodes = [_Node(Step(str(i), StepKind.SYNC, devices[i]), 0, durations[i], list(deps[i])) for i in range(6)]
     assert schedule_shared(durations, devices, deps, one_node, cores=8.0) == _schedule(nodes, devices)
     # FIFO per device without back-filling: node 2 (ready at 1) waits for nothing, node 1 for node 0 only
     start, end = _schedule(nodes, devices)
     assert start[:3] == [0.0, 1.0, 1.0] and end[3] == 4.5
+
+
+def test_a_step_sent_with_its_dependency_is_queued_right_behind_it():
+    # 0 on (0, 1) 1 s; 1 (after 0) on (1,) 2 s; 2 (after 0, sent with it) on (0,) 1 s; 3 (after 1) on (0, 1).
+    # Node 2 is sent with node 0, so it is queued on device 0 before anything sent later and starts at 1.
+    # Without that, both 1 and 2 are sent at 1: the same here. Node 4 (after 1, sent with it) on (1,) runs right
+    # behind 1 at 3, before 3, which was sent at 3 when 1 ended but queued after it.
+    devices = [(0, 1), (1,), (0,), (0, 1), (1,)]
+    deps = [(), (0,), (0,), (1,), (1,)]
+    carried = [(), (), (0,), (), (1,)]
+    durations = [1.0, 2.0, 1.0, 1.0, 0.5]
+    nodes = [_Node(Step(str(i), StepKind.SYNC, devices[i]), 0, durations[i], list(deps[i]), list(carried[i]))
+             for i in range(5)]
+    start, end = _schedule(nodes, devices)
+    assert start == [0.0, 1.0, 1.0, 3.5, 3.0] and end[3] == 4.5
+    assert schedule_shared(durations, devices, deps, one_node, cores=8.0, carried=carried) == (start, end)

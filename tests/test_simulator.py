@@ -46,8 +46,9 @@ class FakeCost:
         return self.realloc
 
 
-def plan_of(n: int, placement: dict[str, str], **choices) -> ExecutionPlan:
-    cluster = ClusterSpec.parse(f"cpu:{n}")
+def plan_of(n: int, placement: dict[str, str], kind: str = "cpu", **choices) -> ExecutionPlan:
+    """A plan on ``n`` devices of ``kind`` (cpu devices keep every role resident; accelerators offload)."""
+    cluster = ClusterSpec.parse(f"{kind}:{n}")
     return ExecutionPlan(cluster, {name: Allocation.parse(text) for name, text in placement.items()}, **choices)
 
 
@@ -127,7 +128,7 @@ def test_an_iteration_starts_once_the_previous_one_has_ended():
     plan = plan_of(3, {"gen": "2", "actor_train": "0", "critic_train": "1"}, shadow=())
     result = simulate(plan, TWO_TRAIN, FakeCost({"gen": 2, "actor_train": 1, "critic_train": 5}, realloc=1.0),
                       24 * GB)
-    assert spans(result, "copy actor", 2) == [(0, 1), (8, 9), (16, 17)]
+    assert spans(result, "copy actor→2:dp1", 2) == [(0, 1), (8, 9), (16, 17)]
     assert spans(result, "critic_train", 1) == [(3, 8), (11, 16), (19, 24)]
     assert result.iteration_time == 8
 
@@ -159,8 +160,10 @@ def test_copy_reallocation_occupies_both_meshes_before_the_call():
     cost = FakeCost({"gen": 4, "train": 4}, realloc=1.0)
     result = simulate(plan, GEN_TRAIN, cost, 24 * GB)
     for d in range(4):
-        assert spans(result, "copy actor", d) == [(0, 1), (5, 6), (10, 11)]
-    assert [iv.kind for iv in result.timeline if iv.label == "copy actor"] == ["copy"] * 12
+        assert spans(result, "copy actor→2-3:dp2", d) == [(0, 1), (5, 6), (10, 11)]
+    assert [iv.kind for iv in result.timeline if iv.label == "copy actor→2-3:dp2"] == ["copy"] * 12
+    for d in (2, 3):  # the copy is dropped once generation has used it: a step that takes no time
+        assert spans(result, "free actor@2-3:dp2", d) == [(3, 3), (8, 8), (13, 13)]
     assert spans(result, "gen", 2) == [(1, 3), (6, 8), (11, 13)]
     assert spans(result, "train", 0) == [(3, 5), (8, 10), (13, 15)]
     assert result.iteration_time == 5
@@ -175,7 +178,7 @@ def test_sync_follows_training_and_holds_the_next_shadow_call():
     assert spans(result, "gen", 3) == [(0, 2), (5, 7), (10, 12)]
     assert spans(result, "train", 1) == [(2, 4), (7, 9), (12, 14)]
     for d in range(4):
-        assert spans(result, "sync actor", d) == [(4, 5), (9, 10), (14, 15)]
+        assert spans(result, "sync actor→2-3:dp2", d) == [(4, 5), (9, 10), (14, 15)]
     assert result.iteration_ends == [5, 10, 15] and result.iteration_time == 5
 
 
@@ -188,42 +191,41 @@ def test_memory_is_resident_plus_the_running_call():
     plan = plan_of(2, {"gen": "0-1", "inf": "0-1", "train": "0-1"}, offload=())
     result = simulate(plan, CHAIN, cost, 48 * GB)
     assert result.peak_memory == {0: 40 * GB, 1: 40 * GB} and result.feasible
-    # Offloaded (the default for a frozen role sharing devices), ref's 6 GB are there only while inf runs.
-    offloaded = simulate(plan_of(2, {"gen": "0-1", "inf": "0-1", "train": "0-1"}), CHAIN, cost, 48 * GB)
+    # Offloaded (the default for a frozen role sharing devices that hold memory of their own), ref's 6 GB are
+    # there only from its reload (taking no time here) to its offload after inf.
+    offloaded = simulate(plan_of(2, {"gen": "0-1", "inf": "0-1", "train": "0-1"}, "h100"), CHAIN, cost, 48 * GB)
     assert offloaded.peak_memory == {0: 37 * GB, 1: 37 * GB}
+    # CPU devices are their host's memory: nothing is offloaded there, whatever the plan says
+    assert simulate(plan_of(2, {"gen": "0-1", "inf": "0-1", "train": "0-1"}), CHAIN, cost,
+                    48 * GB).peak_memory == {0: 40 * GB, 1: 40 * GB}
     # Tensor parallelism over both devices halves the resident memory (15 + 3 GB), not the transient.
     sharded = plan_of(2, {"gen": "0-1:tp2", "inf": "0-1:tp2", "train": "0-1:tp2"}, offload=())
     assert simulate(sharded, CHAIN, cost, 48 * GB).peak_memory[0] == 15 * GB + 3 * GB + 4 * GB
 
 
 class ReloadingCost(FakeCost):
-    """FakeCost on devices that offload, reloading a role at 1 s per GB of its shard."""
-
-    def __init__(self, *args, offloads: bool = True, **kwargs) -> None:
-        super().__init__(*args, **kwargs)
-        self.offload = offloads
-
-    def offloads(self) -> bool:
-        return self.offload
+    """FakeCost reloading a role at 1 s per GB of its shard."""
 
     def reload_time(self, role: str, alloc: Allocation) -> float:
         return self.static_memory(role, alloc, False) / GB
 
 
 def test_an_offloaded_role_reloads_before_each_call_where_devices_offload():
-    # CHAIN on 0-1: gen 2 s, inf 1 s (+ ref's 6 GB shard reloaded: 6 s), train 3 s → 12 s an iteration.
+    # CHAIN on 0-1 of an accelerator: gen 2 s, reload of ref's 6 GB shard 6 s, inf 1 s, train 3 s → 12 s.
     static = {"actor": 10 * GB, "ref": 6 * GB}
     shared = {"gen": "0-1", "inf": "0-1", "train": "0-1"}
     cost = ReloadingCost({"gen": 4, "inf": 2, "train": 6}, static=static)
-    offloaded = simulate(plan_of(2, shared), CHAIN, cost, 48 * GB)
-    assert offloaded.iteration_time == pytest.approx(12) and spans(offloaded, "inf", 0)[0] == (2, 9)
+    offloaded = simulate(plan_of(2, shared, "h100"), CHAIN, cost, 48 * GB)
+    assert offloaded.iteration_time == pytest.approx(12) and spans(offloaded, "inf", 0)[0] == (8, 9)
+    assert spans(offloaded, "reload ref for inf", 0)[0] == (2, 8)
+    assert spans(offloaded, "offload ref after inf", 1)[0] == (9, 9)
     assert offloaded.peak_memory[0] == 30 * GB + 6 * GB
-    resident = simulate(plan_of(2, shared, offload=()), CHAIN, cost, 48 * GB)
+    resident = simulate(plan_of(2, shared, "h100", offload=()), CHAIN, cost, 48 * GB)
     assert resident.iteration_time == pytest.approx(6) and resident.peak_memory[0] == 36 * GB
-    # on devices that never offload (CPU), the plan's offloaded role is resident and reloads nothing
-    cpu = simulate(plan_of(2, shared), CHAIN, ReloadingCost({"gen": 4, "inf": 2, "train": 6}, static=static,
-                                                           offloads=False), 48 * GB)
+    # on CPU devices the plan's offloaded role is resident and reloads nothing: the schedule has no such steps
+    cpu = simulate(plan_of(2, shared), CHAIN, cost, 48 * GB)
     assert cpu.iteration_time == pytest.approx(6) and cpu.peak_memory[0] == 36 * GB
+    assert {iv.label for iv in cpu.timeline} == {"gen", "inf", "train"}
 
 
 def test_copy_memory_lives_from_the_copy_to_the_end_of_its_call():
@@ -288,7 +290,7 @@ def test_gantt_png_and_html(tmp_path: Path):
     text = page.read_text()
     assert text.count('class="interval"') == len(result.timeline) == 24  # gen 2 + train 2 + sync 4 devices, × 3
     assert "separate &lt;gen&gt;" in text and "<script" not in text and "http://www.w3.org/2000/svg" in text
-    assert "sync actor (sync), iteration 2" in text
+    assert "sync actor→2-3:dp2 (sync), iteration 2" in text
     assert render_html(result).count("<rect") == len(result.timeline)
     assert not math.isnan(result.iteration_time)
 

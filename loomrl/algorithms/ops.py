@@ -6,9 +6,10 @@ under ``stats``). Hyper-parameters are bound with :func:`functools.partial` by t
 reference executor, one data-parallel shard on a worker.
 
 Inference and training ops cut their rows into ``ctx.micro_batches`` contiguous micro-batches (at most one per
-row; :func:`micro_batch_rows`), as the execution plan priced them: a pipeline-parallel role runs them through
-its pipeline schedule (1F1B for training), an unstaged role one after another (its training accumulating gradients). Generation
-ignores micro-batches: the rollout engine decodes all live samples together.
+row; :func:`micro_batch_rows`), as the execution plan priced them, and run them through the role's engine
+(:class:`~loomrl.algorithms.roles.Engine`): whether that streams them through pipeline stages (1F1B for
+training) or one after another, and how data-parallel ranks sum their gradients, is the engine's business, not
+the ops'. Generation ignores micro-batches: the rollout engine decodes all live samples together.
 
 Legend: B = samples, R = response tokens (right-padded), L = prompt + response (right-padded).
 """
@@ -23,11 +24,9 @@ import torch
 
 from loomrl.algorithms.lr import set_lr
 from loomrl.algorithms.roles import OpContext
-from loomrl.models.heads import last_real_index, logprobs_from_logits, model_outputs
-from loomrl.parallel.main_grad import grad_of, zero_fill
-from loomrl.parallel.pipeline_schedule import clip_grad_norm_pp, clip_grads, micro_batch_slices
+from loomrl.models.heads import last_real_index, logprobs_from_logits
 from loomrl.rollout import SamplingParams, generate, stream_keys
-from loomrl.workflow.batch import Batch, pack_sequences, pad_right, response_columns, response_mask
+from loomrl.workflow.batch import Batch, micro_batch_slices, pack_sequences, pad_right, response_columns, response_mask
 
 
 def generate_op(ctx: OpContext, batch: Batch, params: SamplingParams, out_prefix: str = "") -> dict:
@@ -53,7 +52,7 @@ def _packed(ctx: OpContext, batch: Batch, response_key: str = "response_ids"):
 
 def micro_batch_rows(ctx: OpContext, rows: int) -> list[slice]:
     """The contiguous row ranges an op over ``rows`` rows runs as: ``ctx.micro_batches`` of them, clipped to
-    one per row, in the pipeline schedule's order (:func:`~loomrl.parallel.pipeline_schedule.micro_batch_slices`)."""
+    one per row, in the pipeline schedule's order (:func:`~loomrl.workflow.batch.micro_batch_slices`)."""
     return micro_batch_slices(rows, max(1, min(ctx.micro_batches, rows)))
 
 
@@ -65,18 +64,10 @@ of the call's packed rows), e.g. log-probs of those rows' tokens instead of thei
 def role_outputs(ctx: OpContext, ids_BL: torch.Tensor, attn_BL: torch.Tensor,
                  output_fn: OutputFn | None = None) -> torch.Tensor:
     """The role's per-position outputs (logits for a policy, values for a value model) for all rows, each
-    micro-batch's reduced by ``output_fn`` and the results concatenated over rows; a pipeline-parallel role
-    computes them stage by stage and every stage gets the result."""
-    role = ctx.role
+    micro-batch's reduced by ``output_fn`` and the results concatenated over rows, on every rank of the role."""
     parts = micro_batch_rows(ctx, ids_BL.shape[0])
-    if role.pipeline is not None:
-        fn = (lambda out, k: output_fn(out, parts[k])) if output_fn is not None else None
-        return role.pipeline.forward(ids_BL, attn_BL, len(parts), output_fn=fn, broadcast_result=True)
-    kept = []
-    for rows in parts:
-        out = model_outputs(role.model, ids_BL[rows], attn_BL[rows])
-        kept.append(output_fn(out, rows) if output_fn is not None else out)
-    return torch.cat(kept) if len(kept) > 1 else kept[0]
+    keep = (lambda out, k: output_fn(out, parts[k])) if output_fn is not None else None
+    return ctx.role.engine.outputs(ids_BL, attn_BL, parts, keep)
 
 
 @torch.no_grad()
@@ -131,21 +122,19 @@ def loss_tokens(mb: Batch) -> list[int]:
 
 
 def _backward(ctx: OpContext, mb: Batch, loss_fn: LossFn, weight: float) -> dict:
-    """Forward, loss and backward of one minibatch, micro-batch by micro-batch (through the pipeline's 1F1B
-    schedule when the role is staged); returns its statistics (empty on pipeline stages but the last).
+    """Forward, loss and backward of one minibatch, micro-batch by micro-batch, through the role's engine;
+    returns its statistics (empty on pipeline stages but the last).
 
     Micro-batch ``k``'s loss is ``loss_fn`` of its rows alone, times its share of the minibatch's loss tokens
     (:func:`loss_tokens`) and ``weight``: the shares sum to one, so the accumulated gradient is that of the
     minibatch's token-mean loss times ``weight``, whatever the micro-batching. Statistics (token means) are
     weighted by the same shares. A micro-batch without loss tokens adds nothing (and is not given to
-    ``loss_fn``, whose mean would be 0/0); a staged role still runs it, the schedule being collective. Under
-    ``ctx.lockstep`` (FSDP) a rank short of ``ctx.micro_batches`` micro-batches, or without rows, pads with
-    :func:`idle_pass`.
+    ``loss_fn``, whose mean would be 0/0). A rank without rows still tells the engine, whose passes may be
+    collective.
     """
-    role = ctx.role
+    engine = ctx.role.engine
     if len(mb) == 0:
-        for _ in range(ctx.micro_batches if ctx.lockstep else 0):
-            idle_pass(ctx)
+        engine.backward(None, None, [], None, ctx.micro_batches)
         return {}
     ids_BL, attn_BL, plen_B = _packed(ctx, mb)
     parts = micro_batch_rows(ctx, len(mb))
@@ -154,45 +143,24 @@ def _backward(ctx: OpContext, mb: Batch, loss_fn: LossFn, weight: float) -> dict
     shares = [sum(tokens[rows]) / total for rows in parts]
     stats: dict[str, float] = {}
 
-    def micro_loss(out: torch.Tensor, k: int) -> torch.Tensor:
+    def micro_loss(out: torch.Tensor, k: int) -> torch.Tensor | None:
         rows = parts[k]
         if shares[k] == 0:
-            return (out * 0).sum()  # joins the graph, so the backward (and the pipeline's sends) still run
+            return None
         part = mb if len(parts) == 1 else mb.select(range(rows.start, rows.stop))
         loss, got = loss_fn(part, out, (ids_BL[rows], attn_BL[rows], plen_B[rows]))
         for key, value in got.items():
             stats[key] = stats.get(key, 0.0) + shares[k] * float(value)
         return loss * (shares[k] * weight)
 
-    if role.pipeline is not None:
-        role.pipeline.train_step_backward(ids_BL, attn_BL, micro_loss, len(parts))
-        return stats
-    for k, rows in enumerate(parts):
-        if shares[k] or ctx.lockstep:
-            micro_loss(model_outputs(role.model, ids_BL[rows], attn_BL[rows]), k).backward()
-    for _ in range(ctx.micro_batches - len(parts) if ctx.lockstep else 0):
-        idle_pass(ctx)
+    engine.backward(ids_BL, attn_BL, parts, micro_loss, ctx.micro_batches)
     return stats
-
-
-def idle_pass(ctx: OpContext) -> None:
-    """A forward and backward of one padding token that adds nothing to any gradient: on an FSDP role every
-    data-parallel rank must run as many passes as the others, each gathering the weights and reduce-scattering
-    the gradients with them."""
-    ids_BL = torch.full((1, 1), ctx.pad_id, dtype=torch.long, device=ctx.role.device)
-    (model_outputs(ctx.role.model, ids_BL, torch.ones_like(ids_BL)).float().sum() * 0).backward()
-
-
-def _clip(role) -> float:
-    if role.pipeline is not None:
-        return clip_grad_norm_pp(role.pipeline.stage, role.grad_clip, role.pipeline.group)
-    return clip_grads(role.model.parameters(), role.grad_clip, None, role.device)
 
 
 def train_loop(ctx: OpContext, batch: Batch, loss_fn: LossFn) -> dict:
     """The optimizer steps the executor scheduled (``ctx.train_steps``); returns token-weighted statistics.
 
-    Each step's loss is this rank's token-mean loss times its token share, so after ``ctx.sync_grads`` sums the
+    Each step's loss is this rank's token-mean loss times its token share, so once the engine has summed the
     ranks' gradients every rank holds the gradient of the whole minibatch's token-mean loss. Statistics are
     weighted the same way: summing them over the data-parallel ranks gives the whole batch's values.
     """
@@ -222,19 +190,13 @@ def activation_checkpointing(model: torch.nn.Module, on: bool):
 
 def _train_steps(ctx: OpContext, batch: Batch, loss_fn: LossFn) -> dict:
     role = ctx.role
-    model = role.model
     totals: dict[str, float] = {}
     for k, (rows, weight) in enumerate(ctx.train_steps):
         if role.lr_at is not None:  # every iteration of a run takes the same number of steps
             set_lr(role.optimizer, role.lr_at(ctx.iteration * len(ctx.train_steps) + k))
         role.optimizer.zero_grad(set_to_none=True)
-        stats = _backward(ctx, batch.select(list(rows)), loss_fn, weight) if rows or ctx.lockstep else {}
-        if ctx.sync_grads is not None:
-            for p in model.parameters():  # a rank without rows still joins the gradient sum
-                if p.requires_grad and grad_of(p) is None:
-                    zero_fill(p)
-            ctx.sync_grads(model)
-        grad_norm = _clip(role)
+        stats = _backward(ctx, batch.select(list(rows)), loss_fn, weight)
+        grad_norm = role.engine.reduce_and_clip(role.grad_clip)
         role.optimizer.step()
         stats[f"{role.name}/grad_norm"] = grad_norm
         stats[f"{role.name}/lr"] = role.optimizer.param_groups[0]["lr"]

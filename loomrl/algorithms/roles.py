@@ -1,19 +1,47 @@
 """What an MFC's function receives: the role it runs on and the iteration it belongs to.
 
-A :class:`Role` is a plain container of one named model (weights, optimizer, tokenizer); nothing here knows
-where the model lives or how it is sharded. Executors build roles and hand an :class:`OpContext` to each MFC
-function, so the same functions run in the reference executor and on distributed workers.
+A :class:`Role` is a plain container of one named model (weights, optimizer, the engine that runs it); nothing
+here knows where the model lives or how it is sharded. Executors build roles and hand an :class:`OpContext` to
+each MFC function, so the same functions run in the reference executor and on distributed workers. An op runs
+its model's forward and backward passes only through the role's :class:`Engine`, which hides whether the model
+is whole, one pipeline stage, or sharded over data-parallel ranks (:mod:`loomrl.engine`).
 """
 
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import Any, Callable
+from typing import Callable, Protocol
 
 import torch
 from transformers import PreTrainedModel
 
 ScoreFn = Callable[[str, str, "str | None"], float]
+
+KeepFn = Callable[[torch.Tensor, int], torch.Tensor]
+"""``keep(outputs, k)``: what to keep of micro-batch ``k``'s per-position outputs (e.g. its log-probs)."""
+LossFn = Callable[[torch.Tensor, int], "torch.Tensor | None"]
+"""``loss(outputs, k)``: micro-batch ``k``'s scaled loss, or None when it has no loss tokens."""
+
+
+class Engine(Protocol):
+    """How a role's model runs its passes on this process; ops call nothing else of the model's."""
+
+    def outputs(self, ids_BL: torch.Tensor, attn_BL: torch.Tensor, parts: list[slice],
+                keep: KeepFn | None = None) -> torch.Tensor:
+        """Per-position outputs (logits, or values) of every row, computed micro-batch by micro-batch (``parts``
+        of the rows), each reduced by ``keep``, concatenated over rows, on every rank of the model."""
+        ...
+
+    def backward(self, ids_BL: torch.Tensor | None, attn_BL: torch.Tensor | None, parts: list[slice],
+                 loss: LossFn | None, passes: int) -> None:
+        """Forward and backward of each micro-batch, gradients accumulating; ``passes`` is the plan's number of
+        micro-batches, which an engine whose passes are collective runs even without rows (``parts`` empty)."""
+        ...
+
+    def reduce_and_clip(self, max_norm: float) -> float:
+        """Sum the gradients over the data-parallel ranks (where the backward did not), clip them to a global
+        norm of ``max_norm`` and return the norm before clipping."""
+        ...
 
 
 @dataclass
@@ -28,8 +56,8 @@ class Role:
     """A rule-based scorer (reward role); combined with the model's score by ``rule_weight``/``model_weight``."""
     rule_weight: float = 1.0
     model_weight: float = 1.0
-    pipeline: Any = None
-    """A ``loomrl.parallel.PipelineRunner`` when ``model`` is one pipeline stage; calls then go through it."""
+    engine: Engine | None = None
+    """Runs the model's passes (:mod:`loomrl.engine`); None for a role without a model."""
     lr_at: Callable[[int], float] | None = None
     """The learning rate of the run's optimizer step k of this role (numbered from 0 over all iterations);
     None keeps the optimizer's own."""
@@ -55,14 +83,10 @@ class OpContext:
     train_steps: tuple[tuple[tuple[int, ...], float], ...] = ()
     """``train`` MFCs: per optimizer step, this executor's rows (positions in the given batch) and the weight
     of their token-mean loss (their share of the step's tokens over all data-parallel ranks)."""
-    sync_grads: Callable[[torch.nn.Module], None] | None = None
-    """Sums gradients over the data-parallel group before the optimizer step; None in a single process."""
     micro_batches: int = 1
     """Micro-batches the call's rows run as (the plan's ``micro_batches`` for its MFC; 1 in the reference
     executor). Inference and training ops clip it to their row count; generation ignores it."""
     recompute: bool = False
     """``train`` MFCs: recompute each decoder layer's activations in the backward instead of keeping them (the
     plan's ``rc``; activation checkpointing). Same gradients, less memory, one more forward."""
-    lockstep: bool = False
-    """``train`` MFCs of an FSDP role: every data-parallel rank runs exactly ``micro_batches`` forward and
-    backward passes per optimizer step (they are collective), padding with passes that add nothing."""
+

@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import os
 import string
+from pathlib import Path
 
 from tokenizers import Regex, Tokenizer, decoders, models, pre_tokenizers
 from transformers import AutoTokenizer, PreTrainedTokenizerBase, PreTrainedTokenizerFast
@@ -58,3 +59,23 @@ def load_tokenizer(path: str | os.PathLike[str]) -> PreTrainedTokenizerBase:
     except (OSError, ValueError) as exc:
         first = str(exc).strip().splitlines()[0] if str(exc).strip() else type(exc).__name__
         raise DataError(f"tokenizer path '{path}': cannot be loaded ({first})") from exc
+
+
+def tokenizer_for(model: str | None) -> PreTrainedTokenizerBase:
+    """The tokenizer saved with a checkpoint directory, else the built-in task alphabet tokenizer."""
+    if model and Path(model).is_dir() and (Path(model) / "tokenizer_config.json").exists():
+        return load_tokenizer(model)
+    return build_char_tokenizer()
+
+
+def encode_prompt(tokenizer: PreTrainedTokenizerBase, text: str) -> list[int]:
+    """A prompt's token ids: the tokenizer's bos, then the text's tokens."""
+    return [tokenizer.bos_token_id, *tokenizer.encode(text, add_special_tokens=False)]
+
+
+def decode_response(tokenizer: PreTrainedTokenizerBase, ids: list[int]) -> str:
+    """Text of a response up to (not including) its eos."""
+    eos = tokenizer.eos_token_id
+    if eos in ids:
+        ids = ids[: ids.index(eos)]
+    return tokenizer.decode(ids, skip_special_tokens=True).strip()

@@ -19,13 +19,12 @@ read gradients through :func:`~loomrl.parallel.main_grad.grad_of`.
 from loomrl.parallel.data_parallel import local_shard, sync_gradients
 from loomrl.parallel.fsdp import apply_fsdp
 from loomrl.parallel.realloc_exec import ReallocVerificationError, build_broadcast_groups, execute_reallocation
-from loomrl.parallel.allocations import AllocationGroups, AllocKey
+from loomrl.parallel.allocations import AllocationGroups
 from loomrl.parallel.layout import TP_ARCHITECTURES, Layout, check_layout
 from loomrl.parallel.state import full_state_dict, load_full_state_dict
 from loomrl.parallel.tensor_parallel import apply_tensor_parallel
 
 __all__ = [
-    "AllocKey",
     "AllocationGroups",
     "ReallocVerificationError",
     "TP_ARCHITECTURES",

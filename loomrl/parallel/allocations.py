@@ -2,80 +2,86 @@
 
 With per-call placement a role's calls may each use their own devices and layout, so groups are keyed by the
 allocation, not by the role. Creating a group is collective over the whole world: every rank builds every
-allocation's mesh, in the same (sorted) order, members or not; non-members just hold no coordinates.
-Ranks inside an allocation are tp-fastest, pp-slowest: the allocation's rank r runs on device ``devices[r]``
-with ``r = pp_rank * (dp * tp) + dp_rank * tp + tp_rank``.
+allocation's mesh, in the same (sorted) order, members or not; non-members just hold no coordinates. Ranks
+inside an allocation follow :meth:`loomrl.plan.layout.Layout.coords`: tp fastest, pp slowest.
 
 A device's groups are the lines of its allocation's (pp, dp, tp) mesh through it: ``tp_mesh`` the ranks of its
 stage and replica, ``dp_group`` those with its stage and TP rank, ``pp_group`` those with its replica and TP rank
 (one per stage, ordered by stage), so pipeline messages pass between equal TP ranks of neighbouring stages.
+Only the devices and the layout decide the groups: allocations differing in their options (micro-batches,
+FSDP, ...) share them.
 """
 
 from __future__ import annotations
 
+from collections.abc import Iterable
 from dataclasses import dataclass
 
 import torch.distributed as dist
 from torch.distributed.device_mesh import DeviceMesh
 
-from loomrl.plan.layout import Layout
+from loomrl.plan.layout import Coords, Layout
+from loomrl.plan.plan import Allocation
 
-
-@dataclass(frozen=True, order=True)
-class AllocKey:
-    """The identity of an allocation as far as communication and sharding go."""
-
-    devices: tuple[int, ...]
-    dp: int
-    tp: int
-    pp: int = 1
-    fsdp: bool = False
-    """The role's weights are sharded over dp (:mod:`loomrl.parallel.fsdp`): a placement of its own."""
-
-    @property
-    def layout(self) -> Layout:
-        return Layout(dp=self.dp, tp=self.tp, pp=self.pp)
-
-    def coords(self, device: int) -> tuple[int, int, int]:
-        """(pp_rank, dp_rank, tp_rank) of a member device."""
-        rank = self.devices.index(device)
-        return rank // (self.dp * self.tp), rank % (self.dp * self.tp) // self.tp, rank % self.tp
-
-    def publishes(self, device: int) -> bool:
-        """One device per data-parallel replica reports results: tensor rank 0 of the last pipeline stage."""
-        pp_rank, _, tp_rank = self.coords(device)
-        return tp_rank == 0 and pp_rank == self.pp - 1
+__all__ = ["AllocGroups", "AllocationGroups"]
 
 
 @dataclass(frozen=True)
 class AllocGroups:
-    key: AllocKey
+    """One device's communicators in one allocation."""
+
     dp_group: dist.ProcessGroup
     pp_group: dist.ProcessGroup
     tp_mesh: DeviceMesh
     dp_mesh: DeviceMesh
-    pp_rank: int
-    dp_rank: int
-    tp_rank: int
+    coords: Coords
+
+    @property
+    def pp_rank(self) -> int:
+        return self.coords.pp
+
+    @property
+    def dp_rank(self) -> int:
+        return self.coords.dp
+
+    @property
+    def tp_rank(self) -> int:
+        return self.coords.tp
+
+
+def _mesh_key(alloc: Allocation) -> tuple[tuple[int, ...], Layout]:
+    return alloc.devices, alloc.layout
 
 
 class AllocationGroups:
-    """``groups[key]`` for this device; every rank constructs it with the same keys."""
+    """``groups[alloc]`` for this device; every rank builds it, and each :meth:`add`, with the same allocations."""
 
-    def __init__(self, device: int, keys: list[AllocKey], device_type: str):
-        self._groups: dict[AllocKey, AllocGroups] = {}
-        for key in sorted(set(keys)):
-            size = key.dp * key.tp
-            grid = [[[key.devices[p * size + d * key.tp + t] for t in range(key.tp)] for d in range(key.dp)]
-                    for p in range(key.pp)]
-            mesh = DeviceMesh(device_type, grid, mesh_dim_names=("pp", "dp", "tp"))
-            if device in key.devices:
-                pp_rank, dp_rank, tp_rank = key.coords(device)
-                self._groups[key] = AllocGroups(key, mesh.get_group("dp"), mesh.get_group("pp"), mesh["tp"],
-                                                mesh["dp"], pp_rank, dp_rank, tp_rank)
+    def __init__(self, device: int, allocations: Iterable[Allocation], device_type: str):
+        self.device, self.device_type = device, device_type
+        self._groups: dict[tuple[tuple[int, ...], Layout], AllocGroups | None] = {}
+        self.add(allocations)
 
-    def __getitem__(self, key: AllocKey) -> AllocGroups:
-        return self._groups[key]
+    def add(self, allocations: Iterable[Allocation]) -> None:
+        """Create the communicators of the allocations not seen yet (collective over the world: every rank
+        calls it with the same allocations)."""
+        new = sorted({_mesh_key(a) for a in allocations} - set(self._groups),
+                     key=lambda k: (k[0], k[1].dp, k[1].tp, k[1].pp))
+        for devices, layout in new:
+            size = layout.dp * layout.tp
+            grid = [[[devices[p * size + d * layout.tp + t] for t in range(layout.tp)] for d in range(layout.dp)]
+                    for p in range(layout.pp)]
+            mesh = DeviceMesh(self.device_type, grid, mesh_dim_names=("pp", "dp", "tp"))
+            self._groups[(devices, layout)] = None
+            if self.device in devices:
+                coords = layout.coords(devices.index(self.device))
+                self._groups[(devices, layout)] = AllocGroups(mesh.get_group("dp"), mesh.get_group("pp"),
+                                                              mesh["tp"], mesh["dp"], coords)
 
-    def __contains__(self, key: AllocKey) -> bool:
-        return key in self._groups
+    def __getitem__(self, alloc: Allocation) -> AllocGroups:
+        groups = self._groups.get(_mesh_key(alloc))
+        if groups is None:
+            raise KeyError(f"device {self.device} has no communicators in allocation {alloc.text}")
+        return groups
+
+    def __contains__(self, alloc: Allocation) -> bool:
+        return self._groups.get(_mesh_key(alloc)) is not None

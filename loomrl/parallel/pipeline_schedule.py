@@ -40,6 +40,7 @@ from torch.distributed.tensor import DTensor
 
 from loomrl.parallel.main_grad import grad_of
 from loomrl.parallel.pipeline import PipelineStage
+from loomrl.workflow.batch import micro_batch_slices
 
 LossFn = Callable[[torch.Tensor, int], torch.Tensor]
 """(last-stage output of micro-batch k, k) → scalar loss of that micro-batch."""
@@ -51,19 +52,6 @@ OutputFn = Callable[[torch.Tensor, int], torch.Tensor]
 _DTYPES = (torch.float32, torch.bfloat16, torch.float16, torch.float64)
 _MAX_DIMS = 4
 _HEADER = 2 + _MAX_DIMS  # dtype code, ndim, shape padded with zeros
-
-
-def micro_batch_slices(rows: int, micro_batches: int) -> list[slice]:
-    """Contiguous row ranges of ``micro_batches`` near-equal micro-batches (sizes differ by at most one)."""
-    if not 1 <= micro_batches <= rows:
-        raise ValueError(f"micro_batches must be between 1 and the number of rows ({rows}), got {micro_batches}")
-    base, extra = divmod(rows, micro_batches)
-    slices, start = [], 0
-    for k in range(micro_batches):
-        stop = start + base + (1 if k < extra else 0)
-        slices.append(slice(start, stop))
-        start = stop
-    return slices
 
 
 class PipelineRunner:

@@ -248,9 +248,9 @@ def _compile(plan: ReallocPlan, me: int) -> ReallocSchedule:
     src_numel = {name: n for name in plan.shapes if (n := shard_numel(plan.src_intervals(me, name)))}
     dst_shapes = []
     if me in plan.dst.mesh:
-        rank = plan.dst.mesh.index(me)
+        rank, split = plan.dst.devices.index(me), plan.dst.dp_split(plan.state)
         for name, shape in plan.shapes.items():
-            local_shape = shard_shape(name, shape, plan.dst.layout, rank, plan.num_layers)
+            local_shape = shard_shape(name, shape, plan.dst.layout, rank, plan.num_layers, split)
             if local_shape is not None:
                 dst_shapes.append((name, local_shape, plan.alias_offset(me, name)))
     local_entries = tuple(_entry(pieces, src_at, dst_at) for pieces in local.values())

@@ -198,6 +198,34 @@ class ZeroAdamW:
             self.inner.state[shard] = entry
 
 
+    # ------------------------------------------------------------------------------------------ plan changes
+    def named_state(self, key: str) -> dict[str, torch.Tensor]:
+        """This rank's chunk of every parameter's ``key`` state (``exp_avg``, ``exp_avg_sq`` or ``master``), as
+        1-D fp32 tensors keyed by parameter name, for the parameters it owns a chunk of (and, but for the
+        master weights, that have stepped). The master weights of fp32 parameters are the weights themselves."""
+        out = {}
+        for (name, _), shard in zip(self.params, self._shards):
+            if shard is None:
+                continue
+            if key == MASTER:
+                out[name] = shard.detach()
+            elif shard in self.inner.state:
+                out[name] = self.inner.state[shard][key]
+        return out
+
+    def init_state(self, step: int) -> None:
+        """Zero moments at ``step`` optimizer steps for every chunk this rank owns: the tensors a moved state is
+        written into."""
+        for shard in self._shards:
+            if shard is not None:
+                self.inner.state[shard] = {"step": torch.tensor(float(step), dtype=torch.float32),
+                                           **{k: torch.zeros_like(shard) for k in _MOMENTS}}
+
+    def steps_taken(self) -> int:
+        """Optimizer steps taken so far (0 before the first; every chunk steps together)."""
+        return max((int(st["step"]) for st in self.inner.state.values() if "step" in st), default=0)
+
+
 def _master_of(chunk_: torch.Tensor) -> torch.Tensor:
     """What AdamW updates for a chunk of the weights: the chunk itself when it is fp32, else an fp32 copy."""
     return chunk_ if chunk_.dtype == _STATE_DTYPE else chunk_.to(_STATE_DTYPE)

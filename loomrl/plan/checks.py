@@ -87,7 +87,7 @@ def _check_calls(plan: ExecutionPlan, workflow: Workflow) -> None:
     for role in workflow.roles():
         trains = [m.name for m in workflow.mfcs_of_role(role) if m.kind is MFCKind.TRAIN]
         for name in trains[1:]:
-            if not plan[name].same_placement(plan[trains[0]]) or plan[name].zero != plan[trains[0]].zero:
+            if plan[name].shards != plan[trains[0]].shards or plan[name].zero != plan[trains[0]].zero:
                 raise ConfigError(f"plan.allocations.{name}: {plan[name].text} differs from {trains[0]} at "
                                   f"{plan[trains[0]].text}; the train calls of role '{role}' must share one placement "
                                   "(and one optimizer: zero or not)")
@@ -157,7 +157,7 @@ def role_memory(plan: ExecutionPlan, workflow: Workflow, model_configs: Mapping[
         copies: dict[int, int] = {}
         for mfc in workflow.mfcs_of_role(role):
             alloc = plan[mfc.name]
-            if mfc.kind is MFCKind.TRAIN or (canon is not None and alloc.same_placement(canon)):
+            if mfc.kind is MFCKind.TRAIN or (canon is not None and alloc.shards == canon.shards):
                 continue
             size = shard_bytes(params, alloc.layout.tp, alloc.layout.pp, bytes_per_param, trained=False)
             for d in alloc.mesh:

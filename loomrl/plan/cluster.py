@@ -63,6 +63,12 @@ class ClusterSpec(ValidatedConfig):
         """Devices in the whole cluster."""
         return self.nodes * self.devices_per_node
 
+    @property
+    def offloads(self) -> bool:
+        """Whether a device's memory is its own, so that moving a model to host memory frees some (not on CPU
+        devices, whose memory is the host's: the plan's offloaded roles stay resident there)."""
+        return self.device_kind != "cpu"
+
     def node_of(self, device: int) -> int:
         """The node holding global device index ``device``."""
         if isinstance(device, bool) or not isinstance(device, int) or not 0 <= device < self.n_devices:

@@ -9,6 +9,7 @@ neighbours, which on a GPU node puts them on the fastest links.
 from __future__ import annotations
 
 from dataclasses import dataclass
+from typing import NamedTuple
 
 from loomrl.errors import ConfigError
 
@@ -18,6 +19,14 @@ gate/up/down linears). GPT-2, for one, fuses q/k/v into a single Conv1D whose co
 
 # Config fields whose value must be a multiple of tp, in the order they are reported.
 _TP_DIVIDES = ("num_attention_heads", "num_key_value_heads", "intermediate_size")
+
+
+class Coords(NamedTuple):
+    """A rank's place in a layout, slowest-varying first: the order of its rank number and of its mesh dims."""
+
+    pp: int
+    dp: int
+    tp: int
 
 
 @dataclass(frozen=True)
@@ -42,6 +51,20 @@ class Layout:
     def size(self) -> int:
         """Devices the layout occupies."""
         return self.dp * self.tp * self.pp
+
+    def coords(self, rank: int) -> Coords:
+        """The pipeline, data and tensor rank of ``rank``."""
+        if not 0 <= rank < self.size:
+            raise ValueError(f"rank {rank} is outside a layout of {self.size} ranks")
+        pp_rank, rest = divmod(rank, self.dp * self.tp)
+        return Coords(pp_rank, *divmod(rest, self.tp))
+
+    def rank(self, coords: Coords) -> int:
+        """The rank at ``coords`` (:meth:`coords` inverted)."""
+        for name, value, size in zip(Coords._fields, coords, (self.pp, self.dp, self.tp)):
+            if not 0 <= value < size:
+                raise ConfigError(f"{name}_rank: {value} is outside 0..{size - 1} of layout dp{self.dp}tp{self.tp}pp{self.pp}")
+        return (coords[0] * self.dp + coords[1]) * self.tp + coords[2]
 
 
 def check_layout(layout: Layout, config: object, devices: int, where: str = "layout") -> None:

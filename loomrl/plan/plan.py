@@ -1,19 +1,23 @@
 """Execution plans as data: where each model function call runs and how its model is sharded there.
 
-- :class:`DeviceMesh`: a sorted tuple of global device indices of the cluster;
-- :class:`Allocation`: a mesh and a :class:`~loomrl.parallel.layout.Layout` (``dp × tp × pp``) for one MFC,
-  plus micro-batches. Rank ``r = pp_rank·(dp·tp) + dp_rank·tp + tp_rank`` (tp fastest, then dp, pp slowest)
-  runs on device ``mesh[r]``;
+- :class:`DeviceSet`: a sorted tuple of global device indices of the cluster (a *mesh* once a layout
+  arranges them; not torch's ``DeviceMesh``, which the runtime builds from it);
+- :class:`Allocation`: the one type for "a mesh and a layout": devices, a :class:`~loomrl.plan.layout.Layout`
+  (``dp × tp × pp``) and the options of the call running there (micro-batches, recompute, ZeRO, FSDP). Rank
+  ``r = pp_rank·(dp·tp) + dp_rank·tp + tp_rank`` (tp fastest, then dp, pp slowest) runs on device ``mesh[r]``,
+  and coordinates are always ``(pp, dp, tp)`` (:class:`~loomrl.plan.layout.Coords`). :attr:`Allocation.shards`
+  reduces an allocation to what decides which part of a model each device holds, the identity the runtime
+  keys models and communicators by;
 - :class:`ExecutionPlan`: the cluster, one allocation per MFC and two optional choices (which trained roles
-  keep a shadow copy, which roles are offloaded between calls). Everything else the runtime and the simulator
-  need is derived from these by methods taking the workflow: the canonical (training) allocation of each
-  trained role, the reallocations around its other calls, shadow syncs, offloaded roles, the groups of MFCs
-  that may run concurrently, and a memory estimate. :meth:`ExecutionPlan.validate` checks a plan against a
+  keep a shadow copy, which roles are offloaded between calls). Facts derived from these take the workflow:
+  the canonical (training) allocation of each trained role, shadowed calls, offloaded roles, the groups of
+  MFCs that may run concurrently, and a memory estimate. What runs around the calls (reallocations, frees,
+  shadow syncs, reloads) is the plan's schedule, :func:`loomrl.plan.schedule.build_schedule`. :meth:`ExecutionPlan.validate` checks a plan against a
   workflow and model configs, and fails with one line naming the MFC, the field and the values.
 
 Plans round-trip through plain dicts, JSON and YAML (:meth:`ExecutionPlan.save`, :meth:`ExecutionPlan.load`).
-The compact text of an allocation, ``0-3,6:dp2tp2pp1mb4``, is shared with the placement strings of
-:mod:`loomrl.plan.placement`.
+The compact text of an allocation, ``0-3,6:dp2tp2pp1mb4``, is shared with the plan strings of
+:mod:`loomrl.plan.plan_string`.
 """
 
 from __future__ import annotations
@@ -31,12 +35,12 @@ import yaml
 
 from loomrl.configtools import FieldError, ValidatedConfig, fail, from_dict, read_yaml, spec, to_dict
 from loomrl.errors import ConfigError
-from loomrl.plan.layout import Layout
+from loomrl.plan.layout import Coords, Layout
 from loomrl.plan import checks
 from loomrl.plan.cluster import ClusterSpec
 from loomrl.workflow import MFCKind, Workflow
 
-__all__ = ["Allocation", "DeviceMesh", "ExecutionPlan", "Reallocation", "format_devices"]
+__all__ = ["Allocation", "DeviceSet", "ExecutionPlan", "format_devices"]
 
 _RANGE_RE = re.compile(r"(\d+)(?:-(\d+))?")
 _LAYOUT_RE = re.compile(r"(dp|tp|pp|mb)(\d+)|(rc|zero|fsdp)")
@@ -61,7 +65,7 @@ def format_devices(devices: tuple[int, ...] | list[int]) -> str:
 
 
 @dataclass(frozen=True)
-class DeviceMesh(ValidatedConfig):
+class DeviceSet(ValidatedConfig):
     """A non-empty set of global device indices, stored sorted; ``mesh[rank]`` is the device of a rank."""
 
     devices: tuple[int, ...]
@@ -79,7 +83,7 @@ class DeviceMesh(ValidatedConfig):
         object.__setattr__(self, "devices", tuple(sorted(self.devices)))
 
     @classmethod
-    def parse(cls, text: str) -> DeviceMesh:
+    def parse(cls, text: str) -> DeviceSet:
         """``"0-3"``, ``"0,2,5"``, ``"0-3,6"`` → a mesh; errors are at path ``devices``."""
         devices: list[int] = []
         for part in str(text).split(","):
@@ -97,7 +101,7 @@ class DeviceMesh(ValidatedConfig):
         """The compact form, e.g. ``"0-3,6"`` (made once: a plan search asks for it millions of times)."""
         return format_devices(self.devices)
 
-    def isdisjoint(self, other: DeviceMesh) -> bool:
+    def isdisjoint(self, other: DeviceSet) -> bool:
         """True when the two meshes share no device."""
         return set(self.devices).isdisjoint(other.devices)
 
@@ -153,7 +157,7 @@ def _parse_layout(text: str, devices: int) -> tuple[Layout, int, bool, bool, boo
 class Allocation(ValidatedConfig):
     """Where and how one MFC runs: its devices and its model's parallel layout on them."""
 
-    mesh: DeviceMesh
+    mesh: DeviceSet
     """The devices; a list or tuple of indices is accepted and converted."""
     layout: Layout
     """Data × tensor × pipeline degrees; their product must equal the number of devices."""
@@ -177,7 +181,7 @@ class Allocation(ValidatedConfig):
 
     def __post_init__(self) -> None:
         if isinstance(self.mesh, (list, tuple)):
-            object.__setattr__(self, "mesh", DeviceMesh(tuple(self.mesh)))
+            object.__setattr__(self, "mesh", DeviceSet(tuple(self.mesh)))
         super().__post_init__()
 
     def validate(self) -> None:
@@ -195,7 +199,7 @@ class Allocation(ValidatedConfig):
     def parse(cls, text: str) -> Allocation:
         """``"0-3:dp2tp2"``, ``"4-7"`` (dp fills the mesh), ``"0,2:dp2mb4"`` → an allocation."""
         devices, _, layout_text = str(text).partition(":")
-        mesh = DeviceMesh.parse(devices)
+        mesh = DeviceSet.parse(devices)
         layout, micro_batches, recompute, zero, fsdp = _parse_layout(layout_text.strip(), len(mesh)) \
             if layout_text.strip() else (Layout(dp=len(mesh)), 1, False, False, False)
         return cls(mesh, layout, micro_batches, recompute, zero, fsdp)
@@ -216,64 +220,50 @@ class Allocation(ValidatedConfig):
         """Data-parallel ranks the weights and gradients are divided over: dp under FSDP, else 1."""
         return self.layout.dp if self.fsdp else 1
 
-    def same_placement(self, other: Allocation) -> bool:
-        """Same devices, layout and sharding: the model's shards need not move between the two (micro-batches
-        aside). An FSDP allocation holds no whole weights, so it shares its placement with no other kind."""
-        return self.mesh == other.mesh and self.layout == other.layout and self.fsdp == other.fsdp
-
-    def device(self, dp_rank: int, tp_rank: int = 0, pp_rank: int = 0) -> int:
-        """The device of the rank at these coordinates."""
-        lay = self.layout
-        for name, rank, size in (("dp_rank", dp_rank, lay.dp), ("tp_rank", tp_rank, lay.tp), ("pp_rank", pp_rank, lay.pp)):
-            if not 0 <= rank < size:
-                raise ConfigError(f"{name}: {rank} is outside 0..{size - 1} of layout {self.text}")
-        return self.mesh[pp_rank * lay.dp * lay.tp + dp_rank * lay.tp + tp_rank]
-
-    def coords(self, device: int) -> tuple[int, int, int]:
-        """``(dp_rank, tp_rank, pp_rank)`` of the rank on ``device``."""
-        if device not in self.mesh:
-            raise ConfigError(f"device {device} is not in the mesh {self.mesh.text}")
-        rank, lay = self.mesh.devices.index(device), self.layout
-        return (rank // lay.tp) % lay.dp, rank % lay.tp, rank // (lay.dp * lay.tp)
-
-
-@dataclass(frozen=True)
-class Reallocation:
-    """A change of a trained role's parameter layout around one call.
-
-    ``kind`` is ``"copy"`` (before ``mfc``: reshard the training weights into the call's layout, a transfer),
-    ``"free"`` (after ``mfc``: drop the call's copy; the training shards never left, so nothing moves) or
-    ``"sync"`` (after the train call ``mfc``: refresh a shadow copy, a transfer).
-    """
-
-    when: str
-    """``"before"`` or ``"after"`` the call."""
-    mfc: str
-    """The call it is attached to."""
-    role: str
-    """The model whose parameters move."""
-    src: Allocation
-    """Layout the parameters are in."""
-    dst: Allocation
-    """Layout they are needed in."""
-    kind: str
-    """``"copy"``, ``"free"`` or ``"sync"``."""
+    @functools.cached_property
+    def shards(self) -> Allocation:
+        """This allocation reduced to what decides which part of a model each device holds: devices, layout
+        and FSDP, with the call's options (micro-batches, recompute, ZeRO) at their defaults. Two allocations
+        with equal shards hold a model alike, so nothing moves between them; an FSDP allocation holds no whole
+        weights, so it shares its shards with no other kind."""
+        if self.micro_batches == 1 and not (self.recompute or self.zero):
+            return self
+        return Allocation(self.mesh, self.layout, fsdp=self.fsdp)
 
     @property
-    def moves_bytes(self) -> bool:
-        """Whether parameters travel (a copy or a sync) rather than being dropped."""
-        return self.kind != "free"
+    def devices(self) -> tuple[int, ...]:
+        """The mesh's device indices, sorted (``mesh[rank]`` is rank's device)."""
+        return self.mesh.devices
 
+    def device(self, coords: Coords) -> int:
+        """The device of the rank at ``coords`` (``(pp, dp, tp)``)."""
+        try:
+            return self.mesh[self.layout.rank(coords)]
+        except ConfigError as err:
+            raise ConfigError(f"{err} ({self.text})") from None
 
-def _ancestors(workflow: Workflow) -> dict[str, frozenset[str]]:
-    """MFC name → every MFC with a dependency path to it."""
-    ancestors: dict[str, frozenset[str]] = {}
-    for mfc in workflow.topological_order():
-        acc: set[str] = set()
-        for dep in workflow.deps(mfc.name):
-            acc |= {dep} | ancestors[dep]
-        ancestors[mfc.name] = frozenset(acc)
-    return ancestors
+    def coords(self, device: int) -> Coords:
+        """``(pp, dp, tp)`` of the rank on ``device``."""
+        if device not in self.mesh:
+            raise ConfigError(f"device {device} is not in the mesh {self.mesh.text}")
+        return self.layout.coords(self.mesh.devices.index(device))
+
+    def publishes(self, device: int) -> bool:
+        """Whether ``device`` reports a call's results: one per data-parallel replica, tensor rank 0 of the last
+        pipeline stage (the others hold the same results, or none)."""
+        coords = self.coords(device)
+        return coords.tp == 0 and coords.pp == self.layout.pp - 1
+
+    def dp_split(self, state: bool = False) -> str:
+        """How the data-parallel ranks divide what each (pp, tp) shard holds: ``"rows"`` (FSDP: dim-0 blocks),
+        ``"flat"`` (ZeRO-1's optimizer state: blocks of the flattened shard; ``state`` only) or ``"none"``
+        (every replica holds it whole). ``state``: of the optimizer state (Adam's moments, master weights)
+        rather than of the weights."""
+        if self.fsdp and self.layout.dp > 1:
+            return "rows"
+        if state and self.zero and self.layout.dp > 1:
+            return "flat"
+        return "none"
 
 
 def _maximal_cliques(order: list[str], adjacent: dict[str, set[str]]) -> list[frozenset[str]]:
@@ -396,33 +386,12 @@ class ExecutionPlan:
         return [m.name for m in workflow.mfcs_of_role(role)
                 if m.kind is not MFCKind.TRAIN and self[m.name].mesh.isdisjoint(canon.mesh)]
 
-    def reallocations(self, workflow: Workflow) -> list[Reallocation]:
-        """Parameter moves of trained roles, in workflow order.
-
-        A non-train call whose allocation differs from the canonical one gets a ``copy`` before it and a
-        ``free`` after it (the training shards stayed in place, so going back moves nothing), unless a shadow
-        serves it; each distinct shadow allocation gets a ``sync`` after the train call instead.
-        """
-        moves: list[Reallocation] = []
-        for mfc in workflow.topological_order():
-            if mfc.role is None or (canon := self.canonical_layout(workflow, mfc.role)) is None:
-                continue
-            alloc = self[mfc.name]
-            if mfc.kind is MFCKind.TRAIN:
-                served = {self[n].text: self[n] for n in self.shadow_calls(workflow, mfc.role)}
-                moves += [Reallocation("after", mfc.name, mfc.role, canon, a, "sync") for a in served.values()]
-            elif not alloc.same_placement(canon) and mfc.name not in self.shadow_calls(workflow, mfc.role):
-                moves.append(Reallocation("before", mfc.name, mfc.role, canon, alloc, "copy"))
-                moves.append(Reallocation("after", mfc.name, mfc.role, alloc, canon, "free"))
-        return moves
-
     def concurrent_groups(self, workflow: Workflow) -> list[frozenset[str]]:
         """Maximal sets (of two or more) of MFCs that may run at the same time: no dependency path between
         any two of them within an iteration, and pairwise disjoint meshes. Ordered by first member."""
         order = [m.name for m in workflow.topological_order()]
-        ancestors = _ancestors(workflow)
-        adjacent = {a: {b for b in order if b != a and a not in ancestors[b] and b not in ancestors[a]
-                        and self[a].mesh.isdisjoint(self[b].mesh)} for a in order}
+        adjacent = {a: {b for b in order if workflow.independent(a, b) and self[a].mesh.isdisjoint(self[b].mesh)}
+                    for a in order}
         groups = [g for g in _maximal_cliques(order, adjacent) if len(g) > 1]
         return sorted(groups, key=lambda g: min(order.index(n) for n in g))
 
@@ -470,7 +439,7 @@ class ExecutionPlan:
         allocations = {}
         for name, item in record.allocations.items():
             try:
-                mesh = DeviceMesh.parse(item.devices) if isinstance(item.devices, str) else DeviceMesh(item.devices)
+                mesh = DeviceSet.parse(item.devices) if isinstance(item.devices, str) else DeviceSet(item.devices)
                 allocations[name] = Allocation(mesh, Layout(item.dp, item.tp, item.pp), item.micro_batches,
                                                item.recompute, item.zero, item.fsdp)
             except FieldError as err:

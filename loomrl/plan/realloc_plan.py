@@ -39,8 +39,8 @@ from dataclasses import dataclass, field
 from functools import cached_property
 from typing import Callable, Hashable, Iterator, Mapping, NamedTuple, Sequence
 
-from loomrl.plan.shards import (Interval, Placement, as_placement, interval_table, pp_stage, rank_coords,
-                                 shard_intervals, shard_numel, tp_dim)
+from loomrl.plan.plan import Allocation
+from loomrl.plan.shards import Interval, interval_table, pp_stage, shard_intervals, shard_numel, tp_dim
 
 
 @dataclass(frozen=True)
@@ -83,14 +83,17 @@ class ShardBuffer:
 
 @dataclass(frozen=True)
 class ReallocPlan:
-    """Transfers taking every parameter from the ``src`` placement to the ``dst`` placement."""
+    """Transfers taking every parameter from the ``src`` allocation to the ``dst`` allocation."""
 
     transfers: tuple[Transfer, ...]
     shapes: Mapping[str, tuple[int, ...]] = field(repr=False)
     """Full shape of every parameter, in the planning order."""
     num_layers: int
-    src: Placement
-    dst: Placement
+    src: Allocation
+    dst: Allocation
+    state: bool
+    """Whether the tensors moved are optimizer state (Adam's moments, master weights), divided over the
+    data-parallel ranks as each allocation keeps them (:meth:`Allocation.dp_split`), rather than weights."""
     nodes: Mapping[int, Hashable] = field(repr=False)
     """Node of every device of either mesh."""
     dst_buffers: tuple[ShardBuffer, ...] = field(repr=False)
@@ -115,11 +118,11 @@ class ReallocPlan:
 
     def src_intervals(self, device: int, param: str) -> list[Interval]:
         """Flat intervals of ``param`` that ``device`` holds in the source layout (empty if none)."""
-        return _placement_intervals(self.src, device, param, self.shapes[param], self.num_layers)
+        return _intervals(self.src, self.state, device, param, self.shapes[param], self.num_layers)
 
     def dst_intervals(self, device: int, param: str) -> list[Interval]:
         """Flat intervals of ``param`` that ``device`` holds in the destination layout (empty if none)."""
-        return _placement_intervals(self.dst, device, param, self.shapes[param], self.num_layers)
+        return _intervals(self.dst, self.state, device, param, self.shapes[param], self.num_layers)
 
     def bytes_moved(self, bytes_per_elem: int) -> int:
         """Bytes crossing devices: every non-local piece counts once per receiver."""
@@ -157,30 +160,27 @@ class ReallocPlan:
         return sorted({tuple(sorted((t.sender, *t.receivers))) for t in self.transfers if len(t.receivers) > 1})
 
 
-def _placement_intervals(placement: Placement, device: int, param: str, shape: Sequence[int],
-                         num_layers: int) -> list[Interval]:
-    if device not in placement.mesh:
+def _intervals(alloc: Allocation, state: bool, device: int, param: str, shape: Sequence[int],
+               num_layers: int) -> list[Interval]:
+    if device not in alloc.mesh:
         return []
-    rank = placement.mesh.index(device)
-    return shard_intervals(param, shape, placement.layout, rank, num_layers, placement.fsdp)
+    rank = alloc.devices.index(device)
+    return shard_intervals(param, shape, alloc.layout, rank, num_layers, alloc.dp_split(state))
 
 
-def plan_reallocation(params: Mapping[str, Sequence[int]], num_layers: int, src: object, dst: object,
-                      nodes_of: Callable[[int], Hashable]) -> ReallocPlan:
-    """Plan moving ``params`` (name → full shape) from the ``src`` placement to the ``dst`` placement.
+def plan_reallocation(params: Mapping[str, Sequence[int]], num_layers: int, src: Allocation, dst: Allocation,
+                      nodes_of: Callable[[int], Hashable], state: bool = False) -> ReallocPlan:
+    """Plan moving ``params`` (name → full shape) from allocation ``src`` to allocation ``dst``.
 
-    ``src`` is ``(mesh, layout, fsdp)`` and ``dst`` ``(mesh, layout)``, or :class:`Placement` values, or
-    :class:`loomrl.plan.Allocation` values; ``nodes_of`` maps a device id to its node (any hashable), e.g.
-    ``ClusterSpec.node_of``. The order of ``params`` is the order pieces are planned and sent in.
+    What each device holds on either side is its shard of the allocation's layout, divided over its
+    data-parallel ranks as :meth:`Allocation.dp_split` says (FSDP rows; with ``state``, ZeRO-1's flat blocks of
+    optimizer state); micro-batches and recompute play no part. ``nodes_of`` maps a device id to its node (any
+    hashable), e.g. ``ClusterSpec.node_of``. The order of ``params`` is the order pieces are planned and sent in.
 
-    Raises ValueError when a mesh does not fit its layout, the layers do not divide into the pipeline stages,
-    or the destination is FSDP-sharded.
+    Raises ValueError when the layers do not divide into the pipeline stages.
     """
-    src_p, dst_p = as_placement(src, "src"), as_placement(dst, "dst")
-    if dst_p.fsdp:
-        raise ValueError("dst: fsdp=True is supported for source layouts only")
     shapes = {name: tuple(int(n) for n in shape) for name, shape in params.items()}
-    nodes = {device: nodes_of(device) for device in sorted({*src_p.mesh, *dst_p.mesh})}
+    nodes = {device: nodes_of(device) for device in sorted({*src.mesh, *dst.mesh})}
     load: dict[int, int] = defaultdict(int)
     transfers: list[Transfer] = []
     buffers: list[ShardBuffer] = []
@@ -191,10 +191,10 @@ def plan_reallocation(params: Mapping[str, Sequence[int]], num_layers: int, src:
     options: dict[tuple, _RouteOptions] = {}
     for name, shape in shapes.items():
         keys = tuple((side, tp_dim(name), pp_stage(name, num_layers, p.layout.pp), shape)
-                     for side, p in (("src", src_p), ("dst", dst_p)))
-        for key, placement in zip(keys, (src_p, dst_p)):
+                     for side, p in (("src", src), ("dst", dst)))
+        for key, placement in zip(keys, (src, dst)):
             if key not in intervals:
-                intervals[key] = _intervals_by_device(placement, name, shape, num_layers)
+                intervals[key] = _intervals_by_device(placement, state, name, shape, num_layers)
         held, needed = intervals[keys[0]], intervals[keys[1]]
         buffers.extend(ShardBuffer(device, name, shard_numel(ivs), _alias_offset(held.get(device), ivs))
                        for device, ivs in needed.items())
@@ -210,7 +210,7 @@ def plan_reallocation(params: Mapping[str, Sequence[int]], num_layers: int, src:
             for sender, receivers in _choose_senders(options[route], load, end - start):
                 pieces.append(Transfer(name, start, end, sender, receivers))
         transfers.extend(_merge_adjacent(pieces))
-    return ReallocPlan(tuple(transfers), shapes, num_layers, src_p, dst_p, nodes, tuple(buffers))
+    return ReallocPlan(tuple(transfers), shapes, num_layers, src, dst, state, nodes, tuple(buffers))
 
 
 def _alias_offset(held: list[Interval] | None, needed: list[Interval]) -> int | None:
@@ -233,23 +233,22 @@ def _alias_offset(held: list[Interval] | None, needed: list[Interval]) -> int | 
     return first
 
 
-def _intervals_by_device(placement: Placement, name: str, shape: tuple[int, ...],
+def _intervals_by_device(alloc: Allocation, state: bool, name: str, shape: tuple[int, ...],
                          num_layers: int) -> dict[int, list[Interval]]:
-    """Non-empty shard intervals of ``name`` per device of ``placement``, in device order. Ranks of other
-    pipeline stages hold nothing, and ranks differing only in their data-parallel rank hold the same intervals
-    (unless FSDP shards them): each distinct shard is computed once (pricing plans many large meshes)."""
-    layout = placement.layout
+    """Non-empty shard intervals of ``name`` per device of ``alloc``, in device order. Ranks of other pipeline
+    stages hold nothing, and ranks differing only in their data-parallel rank hold the same intervals (unless
+    they divide the shard): each distinct shard is computed once (pricing plans many large meshes)."""
+    layout, split = alloc.layout, alloc.dp_split(state)
     stage = pp_stage(name, num_layers, layout.pp)
-    by_dp = placement.fsdp and layout.dp > 1
     known: dict[tuple[int, int], list[Interval]] = {}
     out = {}
-    for rank, device in sorted(enumerate(placement.mesh), key=lambda item: item[1]):
-        pp_rank, dp_rank, tp_rank = rank_coords(layout, rank)
+    for rank, device in enumerate(alloc.devices):
+        pp_rank, dp_rank, tp_rank = layout.coords(rank)
         if pp_rank != stage:
             continue
-        key = (dp_rank if by_dp else 0, tp_rank)
+        key = (dp_rank if split != "none" else 0, tp_rank)
         if key not in known:
-            known[key] = shard_intervals(name, shape, layout, rank, num_layers, placement.fsdp)
+            known[key] = shard_intervals(name, shape, layout, rank, num_layers, split)
         if known[key]:
             out[device] = known[key]
     return out

@@ -4,8 +4,9 @@ Pure Python (no torch): the reallocation planner, the cost model and tests use i
 
 The conventions, shared with :mod:`loomrl.parallel.tensor_parallel` and the execution plan:
 
-- A layout ``Layout(dp, tp, pp)`` placed on a mesh (a tuple of global device ids) puts rank ``r`` on device
-  ``mesh[r]``, with ``r = pp_rank * (dp * tp) + dp_rank * tp + tp_rank`` (tp fastest, then dp).
+- A layout ``Layout(dp, tp, pp)`` placed on a mesh (an :class:`~loomrl.plan.plan.Allocation`'s sorted devices)
+  puts rank ``r`` on device ``mesh[r]``, with ``r = pp_rank * (dp * tp) + dp_rank * tp + tp_rank`` (tp
+  fastest, then dp: :meth:`Layout.coords`).
 - Pipeline stages own contiguous, equal ranges of the decoder layers ``...layers.{i}.``; the input embedding
   lives on stage 0, everything else outside the layers (final norm, ``lm_head``, ``score``) on the last stage.
 - Tensor parallelism splits q/k/v/gate/up projections column-wise (weight and bias along dim 0), o/down
@@ -15,9 +16,12 @@ The conventions, shared with :mod:`loomrl.parallel.tensor_parallel` and the exec
   equal blocks whenever it does.
 - Both combine: a rank of a pp×tp layout holds its TP slice of the parameters of its stage only (as
   :func:`loomrl.parallel.pipeline.split_stages` followed by tensor parallelism leaves it).
-- Data-parallel replicas hold full copies of their (tp, pp) shard; with ``fsdp=True`` each dp rank holds
-  one ``torch.chunk``-style block of dim 0 of that shard instead, as FSDP2's ``fully_shard`` leaves it (its
-  ``Shard(0)`` placement: whole rows, so a row-major local tensor is still a run of whole rows).
+- Data-parallel replicas hold full copies of their (tp, pp) shard (``split="none"``), or divide it
+  (:meth:`~loomrl.plan.plan.Allocation.dp_split`): under FSDP (``"rows"``) each dp rank holds one
+  ``torch.chunk``-style block of dim 0 of that shard, as FSDP2's ``fully_shard`` leaves it (its ``Shard(0)``
+  placement: whole rows, so a row-major local tensor is still a run of whole rows); ZeRO-1's optimizer state
+  (``"flat"``) is one ``torch.chunk``-style block of the shard's flattened elements per dp rank
+  (:mod:`loomrl.parallel.zero`).
 
 A rank's local tensor, flattened row-major, is the concatenation of the full parameter's flat elements over
 its intervals in increasing order; that is what lets the executor pack and unpack pieces by offsets alone.
@@ -27,7 +31,7 @@ from __future__ import annotations
 
 import math
 import re
-from typing import NamedTuple, Sequence
+from typing import Sequence
 
 from loomrl.plan.layout import Layout
 
@@ -39,44 +43,6 @@ _LAYER = re.compile(r"(?:^|\.)layers\.(\d+)\.")
 _COLUMN_WISE = ("q_proj", "k_proj", "v_proj", "gate_proj", "up_proj")
 _ROW_WISE = ("o_proj", "down_proj")
 _VOCAB = ("embed_tokens", "lm_head")
-
-
-class Placement(NamedTuple):
-    """A layout on a device mesh; a plain ``(mesh, layout)`` or ``(mesh, layout, fsdp)`` tuple also fits."""
-
-    mesh: tuple[int, ...]
-    """Global device id of every rank of the layout."""
-    layout: Layout
-    fsdp: bool = False
-    """The dp ranks hold dim-0 blocks of their (tp, pp) shard, as FSDP2 shards them (a source layout only)."""
-
-
-def as_placement(value: object, where: str) -> Placement:
-    """Normalise ``value`` to a :class:`Placement` and check that the mesh fits the layout.
-
-    ``value``: a Placement, a ``(mesh, layout[, fsdp])`` tuple, or any object with ``mesh`` and ``layout``
-    attributes (and optionally ``fsdp``), such as :class:`loomrl.plan.Allocation`.
-    """
-    if isinstance(value, tuple):
-        placement = Placement(tuple(value[0]), *value[1:])
-    else:
-        placement = Placement(tuple(value.mesh), value.layout, getattr(value, "fsdp", False))
-    mesh, layout = placement.mesh, placement.layout
-    if len(mesh) != layout.size:
-        raise ValueError(f"{where}: dp={layout.dp} × tp={layout.tp} × pp={layout.pp} = {layout.size} ranks, "
-                         f"but the mesh has {len(mesh)} devices")
-    if len(set(mesh)) != len(mesh):
-        raise ValueError(f"{where}: the mesh {mesh} names a device twice")
-    return placement
-
-
-def rank_coords(layout: Layout, rank: int) -> tuple[int, int, int]:
-    """``(pp_rank, dp_rank, tp_rank)`` of ``rank``."""
-    if not 0 <= rank < layout.size:
-        raise ValueError(f"rank {rank} is outside a layout of {layout.size} ranks")
-    pp_rank, rest = divmod(rank, layout.dp * layout.tp)
-    dp_rank, tp_rank = divmod(rest, layout.tp)
-    return pp_rank, dp_rank, tp_rank
 
 
 def tp_dim(param_name: str) -> int | None:
@@ -146,20 +112,29 @@ def slice_intervals(intervals: Sequence[Interval], start: int, end: int) -> list
     return out
 
 
+SPLITS = ("none", "rows", "flat")
+"""How data-parallel ranks divide a (pp, tp) shard (module docstring)."""
+
+
 def shard_intervals(param_name: str, shape: Sequence[int], layout: Layout, rank: int, num_layers: int,
-                    fsdp: bool = False) -> list[Interval]:
-    """Sorted, disjoint, non-adjacent flat intervals of the full parameter that ``rank`` of ``layout`` holds."""
-    pp_rank, dp_rank, tp_rank = rank_coords(layout, rank)
+                    split: str = "none") -> list[Interval]:
+    """Sorted, disjoint, non-adjacent flat intervals of the full parameter that ``rank`` of ``layout`` holds,
+    its data-parallel ranks dividing each (pp, tp) shard as ``split`` says."""
+    pp_rank, dp_rank, tp_rank = layout.coords(rank)
     if pp_stage(param_name, num_layers, layout.pp) != pp_rank:
         return []
     dim = tp_dim(param_name)
     intervals = tp_intervals(shape, dim, layout.tp, tp_rank)
-    if fsdp and layout.dp > 1:  # rows [a, b) of the local tensor: elements [a·row, b·row) of its flat form
-        local = _local_shape(shape, dim, layout.tp, tp_rank)
+    if split == "none" or layout.dp == 1:
+        return intervals
+    local = _local_shape(shape, dim, layout.tp, tp_rank)
+    if split == "rows":  # rows [a, b) of the local tensor: elements [a·row, b·row) of its flat form
         row = math.prod(local[1:])
         start, end = chunk(local[0], layout.dp, dp_rank)
-        intervals = slice_intervals(intervals, start * row, end * row)
-    return intervals
+        return slice_intervals(intervals, start * row, end * row)
+    if split == "flat":
+        return slice_intervals(intervals, *chunk(math.prod(local), layout.dp, dp_rank))
+    raise ValueError(f"split {split!r}; valid: {', '.join(SPLITS)}")
 
 
 def _local_shape(shape: Sequence[int], dim: int | None, tp: int, tp_rank: int) -> tuple[int, ...]:
@@ -187,13 +162,20 @@ def shard_numel(intervals: Sequence[Interval]) -> int:
 
 
 def shard_shape(param_name: str, shape: Sequence[int], layout: Layout, rank: int, num_layers: int,
-                fsdp: bool = False) -> tuple[int, ...] | None:
-    """Shape of the local tensor ``rank`` holds, or None when the param is on another stage."""
-    pp_rank, dp_rank, tp_rank = rank_coords(layout, rank)
+                split: str = "none") -> tuple[int, ...] | None:
+    """Shape of the local tensor ``rank`` holds, its data-parallel ranks dividing each (pp, tp) shard as
+    ``split`` says (``"rows"``: dim 0 divided; ``"flat"``: a 1-D block of the flattened shard), or None when the
+    param is on another stage."""
+    pp_rank, dp_rank, tp_rank = layout.coords(rank)
     if pp_stage(param_name, num_layers, layout.pp) != pp_rank:
         return None
     local = _local_shape(shape, tp_dim(param_name), layout.tp, tp_rank)
-    if fsdp and layout.dp > 1:
+    if split == "none" or layout.dp == 1:
+        return local
+    if split == "rows":
         start, end = chunk(local[0], layout.dp, dp_rank)
         return (end - start, *local[1:])
-    return local
+    if split == "flat":
+        start, end = chunk(math.prod(local), layout.dp, dp_rank)
+        return (end - start,)
+    raise ValueError(f"split {split!r}; valid: {', '.join(SPLITS)}")

@@ -8,14 +8,14 @@
   (see :func:`split_devices`); generation keeps all devices.
 - :func:`separate`: the generate calls on their own devices (the first ``gen_devices``) with a shadow actor
   synced after each actor train step; everything else colocated on the rest.
-- a placement string (:mod:`loomrl.plan.placement`) for hand-written plans, e.g. on 8 devices::
+- a plan string (:mod:`loomrl.plan.plan_string`) for hand-written plans, e.g. on 8 devices::
 
       actor_gen=0-3:dp4; ref_inf=4-5:dp2; reward_inf=6-7:dp2; critic_inf=4-7:dp4; actor_train=0-7:dp4tp2; critic_train=0-7:dp8
 
   (``a-b`` ranges or ``0,2,5`` lists; layout tokens ``dpN tpN ppN mbN``; unnamed compute steps on device 0).
 
 :func:`make_plan` turns the text of ``loomrl train --plan`` into a plan: a strategy name, ``separate:N``, a
-placement string, or the path of a ``.json``/``.yaml`` plan file. Compute steps (advantages) always run on
+plan string, or the path of a ``.json``/``.yaml`` plan file. Compute steps (advantages) always run on
 one device (device 0, or the first non-generation device for :func:`separate`): they need the whole batch.
 """
 
@@ -28,19 +28,19 @@ from loomrl.errors import ConfigError
 from loomrl.plan.layout import Layout
 from loomrl.plan.cluster import ClusterSpec
 from loomrl.plan.memory import param_count
-from loomrl.plan.placement import compute_allocation, parse_placement
-from loomrl.plan.plan import Allocation, DeviceMesh, ExecutionPlan
+from loomrl.plan.plan_string import compute_allocation, parse_plan_string
+from loomrl.plan.plan import Allocation, DeviceSet, ExecutionPlan
 from loomrl.workflow import MFC, MFCKind, Workflow
 
 __all__ = ["STRATEGIES", "colocate", "interleave", "make_plan", "separate", "split_devices"]
 
 STRATEGIES = ("colocate", "interleave", "separate", "separate:N")
-"""Strategy names :func:`make_plan` accepts (besides placement strings and plan files)."""
+"""Strategy names :func:`make_plan` accepts (besides plan strings and plan files)."""
 
 
 def _span(first: int, count: int) -> Allocation:
     """``count`` consecutive devices from ``first``, pure data parallel."""
-    return Allocation(DeviceMesh(tuple(range(first, first + count))), Layout(dp=count))
+    return Allocation(DeviceSet(tuple(range(first, first + count))), Layout(dp=count))
 
 
 def colocate(workflow: Workflow, cluster: ClusterSpec, layouts: Mapping[str, Layout] | None = None) -> ExecutionPlan:
@@ -52,7 +52,7 @@ def colocate(workflow: Workflow, cluster: ClusterSpec, layouts: Mapping[str, Lay
         if key not in valid:
             raise ConfigError(f"colocate: layouts.{key}: not a role or MFC of the workflow; valid: {', '.join(valid)}")
     n = cluster.n_devices
-    everything = DeviceMesh(tuple(range(n)))
+    everything = DeviceSet(tuple(range(n)))
     allocations: dict[str, Allocation] = {}
     for mfc in workflow.topological_order():
         if mfc.kind is MFCKind.COMPUTE:
@@ -184,7 +184,7 @@ _FILE_SUFFIXES = (".json", ".yaml", ".yml")
 
 
 def _choices() -> str:
-    return f"{', '.join(STRATEGIES)}, a placement string (e.g. 'actor_gen=0-3:dp4; ...') or a .json/.yaml plan file"
+    return f"{', '.join(STRATEGIES)}, a plan string (e.g. 'actor_gen=0-3:dp4; ...') or a .json/.yaml plan file"
 
 
 def _strategy(spec: str, workflow: Workflow, cluster: ClusterSpec, layouts: Mapping[str, Layout] | None,
@@ -217,7 +217,7 @@ def make_plan(spec: str, workflow: Workflow, cluster: ClusterSpec, *, layouts: M
               model_configs: Mapping[str, object] | None = None, gen_devices: int | None = None) -> ExecutionPlan:
     """The validated plan ``spec`` names (what ``loomrl train --plan FILE|STRATEGY`` passes).
 
-    ``spec``: ``colocate`` | ``interleave`` | ``separate`` | ``separate:N`` | a placement string (it contains
+    ``spec``: ``colocate`` | ``interleave`` | ``separate`` | ``separate:N`` | a plan string (it contains
     ``=``) | a path ending in .json, .yaml or .yml. ``layouts`` go to colocate, ``gen_devices`` to separate,
     ``model_configs`` weigh interleave's split and enable the divisibility and memory checks.
     """
@@ -225,7 +225,7 @@ def make_plan(spec: str, workflow: Workflow, cluster: ClusterSpec, *, layouts: M
     if ("=" in text or text.lower().endswith(_FILE_SUFFIXES)) and (layouts is not None or gen_devices is not None):
         raise ConfigError(f"plan {text!r}: layouts and gen_devices apply only to the colocate and separate strategies")
     if "=" in text:
-        plan = parse_placement(text, workflow, cluster)
+        plan = parse_plan_string(text, workflow, cluster)
     elif text.lower().endswith(_FILE_SUFFIXES):
         plan = _from_file(text, cluster)
     elif text.partition(":")[0] in ("colocate", "interleave", "separate"):

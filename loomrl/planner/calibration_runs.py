@@ -21,6 +21,7 @@ from loomrl.config import TrainConfig
 from loomrl.configtools import load_config
 from loomrl.errors import ConfigError, DataError
 from loomrl.plan import ClusterSpec, ExecutionPlan
+from loomrl.plan.from_config import plan_from_config
 from loomrl.planner.corrections import ITERATION, Corrections, fit_corrections, fit_line
 from loomrl.planner.cost import PRECISION_BYTES, CostModel
 from loomrl.planner.planning import model_config
@@ -83,8 +84,7 @@ class Run:
 def load_run(run_dir: str | Path) -> Run:
     """Read a run directory: its config, the plan it ran, its models' shapes and its metrics."""
     from loomrl.launch import available_devices
-    from loomrl.runtime.placement import execution_plan
-    from loomrl.train.common import tokenizer_for
+    from loomrl.models.tokenizer import tokenizer_for
 
     run = Path(run_dir)
     if not (run / "config.yaml").is_file() or not (run / "metrics.jsonl").is_file():
@@ -93,10 +93,8 @@ def load_run(run_dir: str | Path) -> Run:
     workflow = build_workflow(cfg.algo, cfg.rollout)
     devices = 1 if cfg.runtime.executor == "reference" else (cfg.runtime.devices or available_devices())
     cluster = ClusterSpec(nodes=1, devices_per_node=devices, device_kind="cpu", profile="local")
-    plan_cfg = cfg
-    if cfg.runtime.executor == "reference":
-        plan_cfg = dataclasses.replace(cfg, runtime=dataclasses.replace(cfg.runtime, executor="ray", plan=None))
-    plan = execution_plan(plan_cfg, workflow, cluster)
+    runtime = cfg.runtime if cfg.runtime.executor != "reference" else dataclasses.replace(cfg.runtime, plan=None)
+    plan = plan_from_config(runtime, workflow, cluster)
     tokenizer = tokenizer_for(cfg.actor.model)
     specs = {"actor": cfg.actor.model, "ref": cfg.actor.model, "critic": cfg.critic.model or cfg.actor.model,
              "reward": cfg.reward.model or cfg.actor.model}

@@ -53,6 +53,7 @@ from typing import Mapping, NamedTuple
 
 from loomrl.errors import ConfigError
 from loomrl.plan import Allocation, ClusterSpec, shard_bytes
+from loomrl.plan.layout import Coords
 from loomrl.planner import decode as D
 from loomrl.planner import terms as T
 from loomrl.planner.corrections import ITERATION, REALLOC, Corrections
@@ -424,9 +425,9 @@ class CostModel:
         cores/k of the per-device rate."""
         p, lay = self.profile, alloc.layout
         groups = {
-            "tp": [[alloc.device(d, t, s) for t in range(lay.tp)] for d in range(lay.dp) for s in range(lay.pp)],
-            "dp": [[alloc.device(d, t, s) for d in range(lay.dp)] for t in range(lay.tp) for s in range(lay.pp)],
-            "pp": [[alloc.device(d, t, s) for s in range(lay.pp)] for d in range(lay.dp) for t in range(lay.tp)],
+            "tp": [[alloc.device(Coords(s, d, t)) for t in range(lay.tp)] for d in range(lay.dp) for s in range(lay.pp)],
+            "dp": [[alloc.device(Coords(s, d, t)) for d in range(lay.dp)] for t in range(lay.tp) for s in range(lay.pp)],
+            "pp": [[alloc.device(Coords(s, d, t)) for s in range(lay.pp)] for d in range(lay.dp) for t in range(lay.tp)],
         }
         bw = {axis: p.inter_node_bw if any(self._spans_nodes(g) for g in gs) else p.intra_node_bw
               for axis, gs in groups.items()}

@@ -49,7 +49,7 @@ def model_config(name: str, tokenizer=None) -> object:
     from loomrl.models.zoo import ZOO, zoo_config
 
     if name in ZOO or Path(name, "config.json").is_file():
-        from loomrl.train.common import tokenizer_for
+        from loomrl.models.tokenizer import tokenizer_for
 
         if name in ZOO:
             return zoo_config(name, tokenizer or tokenizer_for(None))

@@ -122,7 +122,7 @@ def price_loads(loads: dict[int, DeviceLoad], profile: HardwareProfile) -> float
 def realloc_seconds(shape: ModelShape, src: Allocation, dst: Allocation, cluster: ClusterSpec,
                     profile: HardwareProfile, bytes_per_elem: float) -> float:
     """Seconds to move a model of ``shape`` from ``src`` to ``dst`` (0 when the placements are the same)."""
-    if src.same_placement(dst):
+    if src.shards == dst.shards:
         return 0.0
     params, layers, scale = reduced_model(shape, src, dst)
     plan = plan_reallocation(params, layers, src, dst, cluster.node_of)

@@ -1,7 +1,10 @@
-"""Draw a real run the way the simulator draws a plan: from the per-MFC traces the trainer saves.
+"""Draw a real run the way the simulator draws a plan: from the per-step traces the trainer saves, next to the
+simulator's prediction of the same run.
 
-``RUN_DIR/traces.jsonl`` has one line per MFC call (iteration, MFC, role, kind, start, end, devices); this turns
-them into the simulator's timeline so `render_timeline` draws measured and predicted runs alike.
+``RUN_DIR/traces.jsonl`` has one line per executed schedule step (iteration, phase, step id, kind, role, the
+devices and each device's start and end); :func:`result_from_traces` turns an iteration's steps into the
+simulator's timeline, and :func:`predicted_run` simulates the run's own plan, models and workload, so both
+carry the same step ids and :func:`loomrl.planner.timeline.render_timelines` lines them up.
 """
 
 from __future__ import annotations
@@ -10,33 +13,53 @@ import json
 from pathlib import Path
 
 from loomrl.errors import DataError
+from loomrl.planner.corrections import Corrections
+from loomrl.planner.profiles import HardwareProfile
 from loomrl.planner.simulator import Interval, SimResult
+
+__all__ = ["predicted_run", "read_traces", "result_from_traces"]
 
 
 def read_traces(run_dir: str | Path) -> list[dict]:
+    """Every step trace of a run, in the order written."""
     path = Path(run_dir) / "traces.jsonl"
     if not path.is_file():
         raise DataError(f"{path}: no traces (runs of `loomrl train` write them)")
-    return [json.loads(line) for line in path.read_text().splitlines() if line.strip()]
+    traces = []
+    for n, line in enumerate(path.read_text(encoding="utf-8").splitlines(), 1):
+        if line.strip():
+            record = json.loads(line)
+            if not {"iteration", "step", "kind", "devices", "start", "end"} <= record.keys():
+                raise DataError(f"{path}:{n}: not a step trace (written by an older loomrl?); run again to draw it")
+            traces.append(record)
+    return traces
 
 
 def result_from_traces(traces: list[dict], last_iterations: int | None = 3) -> SimResult:
-    """A measured run as a SimResult (intervals per device, busy fractions, time per iteration), by default
-    of its last three iterations so the calls stay readable; peak memory is not measured (left empty)."""
+    """A measured run's iterations as a SimResult (intervals per device, busy fractions, time per iteration),
+    by default its last three so the steps stay readable; peak memory is not measured (left empty)."""
+    traces = [t for t in traces if t.get("phase", "iteration") == "iteration"]
     if last_iterations:
         keep = sorted({t["iteration"] for t in traces})[-last_iterations:]
         traces = [t for t in traces if t["iteration"] in keep]
     if not traces:
-        raise DataError("traces: empty")
-    t0 = min(t["start"] for t in traces)
-    timeline = [Interval(device, t["start"] - t0, t["end"] - t0, t["mfc"], t["kind"], t["iteration"])
-                for t in traces for device in t["devices"]]
+        raise DataError("traces: no iteration steps")
+    t0 = min(min(t["start"]) for t in traces)
+    timeline = [Interval(device, start - t0, end - t0, t["step"], t.get("mfc_kind") or t["kind"], t["iteration"])
+                for t in traces for device, start, end in zip(t["devices"], t["start"], t["end"])]
     timeline.sort(key=lambda i: (i.start, i.device))
     span = max(i.end for i in timeline)
     devices = sorted({i.device for i in timeline})
     busy = {d: sum(i.end - i.start for i in timeline if i.device == d) / span for d in devices}
-    ends = []
-    for it in sorted({t["iteration"] for t in traces}):
-        ends.append(max(t["end"] for t in traces if t["iteration"] == it) - t0)
+    ends = [max(max(t["end"]) for t in traces if t["iteration"] == it) - t0
+            for it in sorted({t["iteration"] for t in traces})]
     per_iteration = (ends[-1] - ends[0]) / (len(ends) - 1) if len(ends) > 1 else ends[0]
     return SimResult(per_iteration, busy, {}, timeline, True, "", ends)
+
+
+def predicted_run(run_dir: str | Path, profile: HardwareProfile, corrections: Corrections | None = None,
+                  cores: int | None = None, iterations: int = 3) -> SimResult:
+    """The simulator's prediction of a finished run: its plan, models and measured workload."""
+    from loomrl.planner.calibration_runs import load_run, simulate_run
+
+    return simulate_run(load_run(run_dir), profile, corrections, cores, iterations=iterations)

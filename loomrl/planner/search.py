@@ -42,7 +42,7 @@ from collections.abc import Mapping
 from dataclasses import dataclass
 
 from loomrl.errors import ConfigError
-from loomrl.plan import Allocation, ClusterSpec, DeviceMesh, ExecutionPlan, colocate, interleave, separate
+from loomrl.plan import Allocation, ClusterSpec, DeviceSet, ExecutionPlan, colocate, interleave, separate
 from loomrl.plan.layout import Layout, check_layout
 from loomrl.planner.simulator import CostEstimator, SimResult, simulate
 from loomrl.workflow import MFC, MFCKind, Workflow
@@ -78,7 +78,7 @@ def _powers_of_two(limit: int) -> list[int]:
     return [1 << k for k in range(limit.bit_length()) if 1 << k <= limit]
 
 
-def device_meshes(cluster: ClusterSpec) -> list[DeviceMesh]:
+def device_meshes(cluster: ClusterSpec) -> list[DeviceSet]:
     """The candidate meshes of ``cluster`` (see the module docstring), smallest first, then by first device."""
     per_node, nodes = cluster.devices_per_node, cluster.nodes
     spans: set[tuple[int, int]] = {(0, cluster.n_devices)}
@@ -87,15 +87,15 @@ def device_meshes(cluster: ClusterSpec) -> list[DeviceMesh]:
             spans |= {(node * per_node + off, size) for off in range(0, per_node - size + 1, size)}
     for k in _powers_of_two(nodes):
         spans |= {(node * per_node, k * per_node) for node in range(0, nodes - k + 1, k)}
-    return [DeviceMesh(tuple(range(first, first + size))) for first, size in sorted(spans, key=lambda s: (s[1], s[0]))]
+    return [DeviceSet(tuple(range(first, first + size))) for first, size in sorted(spans, key=lambda s: (s[1], s[0]))]
 
 
-def _tp_within_nodes(mesh: DeviceMesh, tp: int, cluster: ClusterSpec) -> bool:
+def _tp_within_nodes(mesh: DeviceSet, tp: int, cluster: ClusterSpec) -> bool:
     """Whether each tensor-parallel group (``tp`` consecutive ranks) sits on one node."""
     return all(len({cluster.node_of(d) for d in mesh.devices[g:g + tp]}) == 1 for g in range(0, len(mesh), tp))
 
 
-def layouts_on(mfc: MFC, mesh: DeviceMesh, cluster: ClusterSpec, config: object) -> list[Layout]:
+def layouts_on(mfc: MFC, mesh: DeviceSet, cluster: ClusterSpec, config: object) -> list[Layout]:
     """Layouts of ``mfc``'s model on ``mesh`` that the runtime can run (module docstring); pure dp first."""
     n, found = len(mesh), []
     for tp in (t for t in range(1, min(n, cluster.devices_per_node) + 1) if n % t == 0):
@@ -120,7 +120,7 @@ def _config(mfc: MFC, model_configs: Mapping[str, object]) -> object:
     return model_configs[mfc.role]
 
 
-def _allocations_on(mfc: MFC, mesh: DeviceMesh, cluster: ClusterSpec,
+def _allocations_on(mfc: MFC, mesh: DeviceSet, cluster: ClusterSpec,
                     model_configs: Mapping[str, object]) -> list[Allocation]:
     """Every layout of ``mfc`` on ``mesh`` (× micro-batches, recompute and, where dp > 1, ZeRO-1 for a train
     call, or FSDP for one without pipeline stages)."""
@@ -144,7 +144,7 @@ def candidate_allocations(mfc: MFC, workflow: Workflow, cluster: ClusterSpec,
     its HF-config-like object (heads, key/value heads, MLP width, layers)."""
     mfc = workflow[mfc.name]
     if mfc.kind is MFCKind.COMPUTE:
-        return [Allocation(DeviceMesh((d,)), Layout()) for d in range(cluster.n_devices)]
+        return [Allocation(DeviceSet((d,)), Layout()) for d in range(cluster.n_devices)]
     return [a for mesh in device_meshes(cluster) for a in _allocations_on(mfc, mesh, cluster, model_configs)]
 
 
@@ -279,19 +279,19 @@ class _Splitter:
         self.units = units
         self.pairs = [(i, j) for i, j in itertools.combinations(range(len(units)), 2)
                       if all(workflow.independent(a, b) for a in units[i].names for b in units[j].names)]
-        self.fastest: dict[tuple[int, DeviceMesh], Allocation] = {}
+        self.fastest: dict[tuple[int, DeviceSet], Allocation] = {}
         for k, unit in enumerate(units):
             by_mesh = _scored_by_mesh([workflow[n] for n in unit.names], unit.candidates, cost)
             for mesh, scored in by_mesh.items():
                 best = min(scored, key=lambda t: (t[1] > memory_per_device, t))
                 self.fastest[(k, mesh)] = unit.candidates[best[2]]
 
-    def halves(self, mesh: DeviceMesh, i: int, j: int) -> tuple[DeviceMesh, DeviceMesh] | None:
+    def halves(self, mesh: DeviceSet, i: int, j: int) -> tuple[DeviceSet, DeviceSet] | None:
         """The two halves of ``mesh`` when both units have candidates on both."""
         n = len(mesh)
         if n < 2 or n % 2:
             return None
-        lo, hi = DeviceMesh(mesh.devices[:n // 2]), DeviceMesh(mesh.devices[n // 2:])
+        lo, hi = DeviceSet(mesh.devices[:n // 2]), DeviceSet(mesh.devices[n // 2:])
         if all((k, half) in self.fastest for k in (i, j) for half in (lo, hi)):
             return lo, hi
         return None
@@ -307,7 +307,7 @@ class _Splitter:
                 changes = dict.fromkeys(self.units[first].names, self.fastest[(first, halves[0])])
                 changes |= dict.fromkeys(self.units[second].names, self.fastest[(second, halves[1])])
                 out.append(_with(plan, changes))
-        whole = DeviceMesh(tuple(sorted({*meshes[0], *meshes[1]})))
+        whole = DeviceSet(tuple(sorted({*meshes[0], *meshes[1]})))
         if all((k, whole) in self.fastest for k in (i, j)) and set(self.halves(whole, i, j) or ()) == set(meshes):
             out.append(_with(plan, {name: self.fastest[(k, whole)] for k in (i, j) for name in self.units[k].names}))
         return out
@@ -423,10 +423,10 @@ def memory_alone(mfcs: list[MFC], alloc: Allocation, cost: CostEstimator) -> flo
 
 
 def _scored_by_mesh(mfcs: list[MFC], candidates: tuple[Allocation, ...],
-                    cost: CostEstimator) -> dict[DeviceMesh, list[tuple[float, float, int]]]:
+                    cost: CostEstimator) -> dict[DeviceSet, list[tuple[float, float, int]]]:
     """Each candidate of one unit (its calls ``mfcs``) as (seconds of its calls alone, :func:`memory_alone`,
     its index), grouped by device mesh."""
-    by_mesh: dict[DeviceMesh, list[tuple[float, float, int]]] = defaultdict(list)
+    by_mesh: dict[DeviceSet, list[tuple[float, float, int]]] = defaultdict(list)
     for i, alloc in enumerate(candidates):
         by_mesh[alloc.mesh].append((sum(cost.mfc_time(m, alloc) for m in mfcs), memory_alone(mfcs, alloc, cost), i))
     return by_mesh

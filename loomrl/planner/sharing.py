@@ -19,7 +19,7 @@ import math
 from collections import Counter, deque
 from typing import Callable, Sequence
 
-__all__ = ["release", "schedule_shared"]
+__all__ = ["release", "schedule_shared", "successors"]
 
 _EPS = 1e-12
 
@@ -34,24 +34,34 @@ def release(successors: Sequence[int], t: float, ready_at: list[float], pending:
             heapq.heappush(heap, (ready_at[j], j))
 
 
+def successors(deps: Sequence[Sequence[int]], carried: Sequence[Sequence[int]]) -> tuple[list[list[int]], list[list[int]]]:
+    """Per node, the nodes released when it ends and those released when it is sent (the ones that wait on it
+    but are sent together with it, ``carried``: :meth:`loomrl.plan.schedule.Step.sent_with`)."""
+    after: list[list[int]] = [[] for _ in deps]
+    with_it: list[list[int]] = [[] for _ in deps]
+    for i, (ds, cs) in enumerate(zip(deps, carried)):
+        for d in ds:
+            (with_it if d in cs else after)[d].append(i)
+    return after, with_it
+
+
 def _rate(devices: Sequence[int], running_busy: Counter, node_of: Callable[[int], int], cores: float) -> float:
     own = Counter(node_of(d) for d in devices)
     return min(max(1.0, own[n] / cores) / max(1.0, running_busy[n] / cores) for n in own)
 
 
 def schedule_shared(durations: Sequence[float], devices: Sequence[Sequence[int]], deps: Sequence[Sequence[int]],
-                    node_of: Callable[[int], int], cores: float) -> tuple[list[float], list[float]]:
+                    node_of: Callable[[int], int], cores: float,
+                    carried: Sequence[Sequence[int]] | None = None) -> tuple[list[float], list[float]]:
     """Start and end time of every node under processor sharing (module docstring).
 
     ``durations[i]``: seconds node ``i`` takes alone; ``devices[i]``: the devices it occupies; ``deps[i]``: the
-    nodes it waits for; ``cores``: cores per node shared by its devices.
+    nodes it waits for (``carried[i]``: those of them it is sent together with); ``cores``: cores per node
+    shared by its devices.
     """
     n = len(durations)
-    successors: list[list[int]] = [[] for _ in range(n)]
+    after, with_it = successors(deps, carried or [()] * n)
     pending = [len(d) for d in deps]
-    for i, ds in enumerate(deps):
-        for d in ds:
-            successors[d].append(i)
     ready_at = [0.0] * n
     heap = [(0.0, i) for i in range(n) if not deps[i]]
     heapq.heapify(heap)
@@ -70,6 +80,7 @@ def schedule_shared(durations: Sequence[float], devices: Sequence[Sequence[int]]
             _, i = heapq.heappop(heap)
             for d in devices[i]:
                 queues[d].append(i)
+            release(with_it[i], t, ready_at, pending, heap)
         started = True
         while started:  # start every node at the head of all its devices' queues whose devices are idle
             started = False
@@ -97,7 +108,7 @@ def schedule_shared(durations: Sequence[float], devices: Sequence[Sequence[int]]
             for d in devices[i]:
                 idle.add(d)
                 busy[node_of(d)] -= 1
-            release(successors[i], t, ready_at, pending, heap)
+            release(after[i], t, ready_at, pending, heap)
     if any(math.isnan(s) for s in end):  # cannot happen for a validated workflow; guard the invariant
         raise RuntimeError("simulator: some nodes were never scheduled (a cycle in the unrolled graph)")
     return start, end

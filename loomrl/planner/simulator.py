@@ -2,35 +2,31 @@
 
 What :func:`simulate` models, and what it leaves out:
 
-- **Graph.** The workflow unrolled over ``iterations`` training iterations (:meth:`Workflow.unroll`): data
-  edges inside an iteration and parameter-version edges across iterations (a trained role's first calls of
-  iteration ``i + 1`` wait for its train call of iteration ``i``). Reallocations of the plan
-  (:meth:`ExecutionPlan.reallocations`) become nodes too: a ``copy`` runs right before the call it serves,
-  once that call's dependencies are done; a ``sync`` runs right after the train call, and the shadow calls of
-  the next iteration wait for it; a ``free`` costs nothing and is not a node.
+- **Graph.** The plan's schedule (:func:`loomrl.plan.schedule.build_schedule`), the same steps the runtime
+  executes, repeated for ``iterations`` training iterations: each call, each reallocation ``copy`` (before the
+  first call needing that layout, once that call's dependencies are done), each ``free`` after its copy's last
+  use, each shadow ``sync`` after its role's train call, each ``reload`` and ``offload`` of an offloaded frozen
+  role. The schedule's prologue (filling shadows once before the first iteration) is not simulated: it is not
+  part of any iteration.
 - **Iterations one after another.** The runtime's trainer runs an iteration only once the previous one has
   ended (its calls, reallocations and syncs; metrics, evaluation and checkpoints come between), so every node
-  of iteration ``i + 1`` also waits for every node of iteration ``i``. The version edges alone would let, e.g.,
-  the critic's training of iteration ``i`` run beside the generation of ``i + 1`` on other devices: a
-  pipelined trainer could, this runtime does not.
-- **Resources.** A node occupies every device of its mesh (a reallocation: the source and destination meshes)
-  for the time the :class:`CostEstimator` predicts. Dispatch follows the runtime: a node is sent when its last
-  dependency ends, and each device runs the nodes in the order they were sent (no back-filling), so a node
-  starts when it is ready and every device of its mesh has finished the nodes sent before it. Ties in ready
-  time go to the earlier node of the unrolled order.
+  of iteration ``i + 1`` also waits for every node of iteration ``i``.
+- **Resources.** A step occupies every device it names for the time the :class:`CostEstimator` predicts (a
+  call: ``mfc_time``; a copy or sync: ``realloc_time``; a reload: ``reload_time`` where the estimator has it;
+  a free or offload: nothing). Dispatch follows the runtime: a step is sent when its last dependency ends, or
+  together with a copy, sync or reload it waits for whose devices cover its own
+  (:meth:`~loomrl.plan.schedule.Step.sent_with`), and each device runs the steps in the order they were sent
+  (no back-filling), so a step starts when it is ready and every device it names has finished the steps sent
+  before it. Ties in ready time go to the earlier step of the unrolled order.
 - **Memory per device over time.** The resident (static) memory of the roles placed on the device plus the
   transient memory of the call running there. Resident: a trained role's training state on its training mesh,
-  its shadow copies on theirs, and its reallocated copies from the start of the ``copy`` to the end of the call
-  it serves; a frozen role on each distinct placement of its calls, or, when the plan offloads it, only while
-  one of its calls runs. A plan whose peak exceeds ``memory_per_device`` on some device is infeasible, and the
-  result says which device needs how much, when, and for what.
+  its shadow copies on theirs, and each reallocated copy from the start of its ``copy`` to the end of its
+  ``free``; a frozen role on each distinct placement of its calls, or, when the schedule offloads it, from
+  each ``reload`` to the matching ``offload``. A plan whose peak exceeds ``memory_per_device`` on some device
+  is infeasible, and the result says which device needs how much, when, and for what.
 - **Shared cores.** A cost estimator with a ``shared_cores()`` method returning a number (``CostModel`` on a
   CPU profile whose devices outnumber the cores) makes calls running side by side on a node share its cores
   (:mod:`loomrl.planner.sharing`); otherwise each node takes its predicted time whatever runs beside it.
-- **Offloaded roles.** A call of a role the plan offloads first reloads its weights from host memory: the
-  estimator's optional ``reload_time(role, alloc)`` is added to the call's time. An estimator whose
-  ``offloads()`` says False (CPU devices, where the runtime keeps every role resident) makes the simulator
-  keep those roles resident too, at no reload cost.
 - **Left out:** data transfers between calls, and compute-communication overlap inside a call (both belong
   to the cost estimator's numbers, if anywhere).
 
@@ -50,8 +46,9 @@ from dataclasses import dataclass, field
 from typing import Protocol, runtime_checkable
 
 from loomrl.errors import ConfigError
-from loomrl.plan import GB, Allocation, ExecutionPlan, Reallocation
-from loomrl.planner.sharing import release, schedule_shared
+from loomrl.plan import GB, Allocation, ExecutionPlan
+from loomrl.plan.schedule import Schedule, Step, StepKind, build_schedule
+from loomrl.planner.sharing import release, schedule_shared, successors as _successors
 from loomrl.workflow import MFC, MFCKind, Workflow
 
 __all__ = ["CostEstimator", "Interval", "SimResult", "format_bytes", "simulate"]
@@ -89,9 +86,10 @@ class Interval:
     end: float
     """Seconds from the start of the simulation."""
     label: str
-    """The MFC name, or ``"copy ROLE"`` / ``"sync ROLE"`` for a reallocation."""
+    """The schedule step's id: the MFC name for a call, e.g. ``"copy actor→0-1:dp1tp2"`` otherwise."""
     kind: str
-    """An MFC kind (``generate``, ``inference``, ``train``, ``compute``) or a reallocation kind (``copy``, ``sync``)."""
+    """A call's MFC kind (``generate``, ``inference``, ``train``, ``compute``), else the step's kind (``copy``,
+    ``free``, ``sync``, ``reload``, ``offload``)."""
     iteration: int = 0
     """Training iteration of the unrolled workflow the node belongs to."""
 
@@ -136,20 +134,26 @@ class SimResult:
 
 @dataclass
 class _Node:
-    """A schedulable unit: one call of one iteration, or one reallocation."""
+    """A schedulable unit: one step of one iteration."""
 
-    label: str
-    kind: str
+    step: Step
     iteration: int
-    devices: tuple[int, ...]
     duration: float
     deps: list[int]
-    role: str | None = None
-    mfc: MFC | None = None
-    alloc: Allocation | None = None
-    """The call's allocation; for a reallocation, the destination."""
-    serves: int = -1
-    """For a copy: the index of the call node it is made for (the copy lives until that call ends)."""
+    carried: list[int] = field(default_factory=list)
+    """The dependencies this node is sent together with (:meth:`Step.sent_with`), a subset of ``deps``."""
+
+    @property
+    def label(self) -> str:
+        return self.step.id
+
+    @property
+    def kind(self) -> str:
+        return self.step.mfc.kind.value if self.step.kind is StepKind.CALL else self.step.kind.value
+
+    @property
+    def devices(self) -> tuple[int, ...]:
+        return self.step.devices
 
 
 def format_bytes(n: float) -> str:
@@ -167,57 +171,31 @@ def _checked(value: float, what: str) -> float:
     return value
 
 
-def _realloc_node(move: Reallocation, iteration: int, deps: list[int], cost: CostEstimator) -> _Node:
-    devices = tuple(sorted(set(move.src.mesh) | set(move.dst.mesh)))
-    seconds = _checked(cost.realloc_time(move.role, move.src, move.dst),
-                       f"realloc_time({move.role}, {move.src.text} -> {move.dst.text})")
-    return _Node(f"{move.kind} {move.role}", move.kind, iteration, devices, seconds, deps, move.role, alloc=move.dst)
+def _duration(step: Step, cost: CostEstimator) -> float:
+    """Seconds the estimator gives a step (module docstring)."""
+    if step.kind is StepKind.CALL:
+        return _checked(cost.mfc_time(step.mfc, step.alloc), f"mfc_time({step.id}, {step.alloc.text})")
+    if step.moves_bytes:
+        return _checked(cost.realloc_time(step.role, step.src, step.alloc),
+                        f"realloc_time({step.role}, {step.src.text} -> {step.alloc.text})")
+    reload = getattr(cost, "reload_time", None)  # optional: none means reloading costs nothing
+    if step.kind is StepKind.RELOAD and reload is not None:
+        return _checked(reload(step.role, step.alloc), f"reload_time({step.role}, {step.alloc.text})")
+    return 0.0
 
 
-def _offloaded(plan: ExecutionPlan, workflow: Workflow, cost: CostEstimator) -> set[str]:
-    """The roles offloaded between their calls: the plan's, unless the estimator says the devices keep every
-    role resident."""
-    offloads = getattr(cost, "offloads", None)
-    return set() if offloads is not None and not offloads() else set(plan.offloaded_roles(workflow))
-
-
-def _build_graph(plan: ExecutionPlan, workflow: Workflow, cost: CostEstimator, iterations: int,
-                 offloaded: set[str]) -> list[_Node]:
-    """The unrolled calls and their reallocations as nodes, in dispatch priority order, with dependencies; a
-    call of an ``offloaded`` role takes its reload time too."""
-    reload = getattr(cost, "reload_time", None)
-    moves = plan.reallocations(workflow)
-    copies = {m.mfc: m for m in moves if m.kind == "copy"}
-    syncs: dict[str, list[Reallocation]] = {}
-    for m in moves:
-        if m.kind == "sync":
-            syncs.setdefault(m.mfc, []).append(m)
-    shadowed = {name for role in plan.shadow_roles(workflow) for name in plan.shadow_calls(workflow, role)}
-    seconds: dict[str, float] = {}
+def _build_graph(schedule: Schedule, cost: CostEstimator, iterations: int) -> list[_Node]:
+    """The schedule's steps of every iteration as nodes, in dispatch priority order, with their dependencies."""
+    steps = schedule.steps
+    position = {step.id: i for i, step in enumerate(steps)}
+    deps = [[position[d] for d in step.deps] for step in steps]
+    carried = [[position[d] for d in step.deps if step.sent_with(steps[position[d]])] for step in steps]
+    seconds = [_duration(step, cost) for step in steps]
     nodes: list[_Node] = []
-    index: dict[tuple[int, str], int] = {}
-    sync_index: dict[tuple[int, str, str], int] = {}
-    for it, mfc, deps in workflow.unroll(iterations):
-        alloc = plan[mfc.name]
-        dep_ids = [index[d] for d in deps]
-        if mfc.name in shadowed and it > 0:  # the shadow must hold the weights the last train step wrote
-            dep_ids.append(sync_index[(it - 1, mfc.role, alloc.text)])
-        copy = copies.get(mfc.name)
-        if copy is not None:
-            nodes.append(_realloc_node(copy, it, sorted(set(dep_ids)), cost))
-            dep_ids.append(len(nodes) - 1)
-        if mfc.name not in seconds:
-            seconds[mfc.name] = _checked(cost.mfc_time(mfc, alloc), f"mfc_time({mfc.name}, {alloc.text})")
-            if mfc.role in offloaded and reload is not None:
-                seconds[mfc.name] += _checked(reload(mfc.role, alloc), f"reload_time({mfc.role}, {alloc.text})")
-        nodes.append(_Node(mfc.name, mfc.kind.value, it, alloc.mesh.devices, seconds[mfc.name],
-                           sorted(set(dep_ids)), mfc.role, mfc, alloc))
-        index[(it, mfc.name)] = len(nodes) - 1
-        if copy is not None:
-            nodes[-2].serves = len(nodes) - 1
-        for move in syncs.get(mfc.name, ()):
-            nodes.append(_realloc_node(move, it, [index[(it, mfc.name)]], cost))
-            sync_index[(it, move.role, move.dst.text)] = len(nodes) - 1
+    for it in range(iterations):
+        base = it * len(steps)
+        nodes += [_Node(step, it, seconds[i], [base + d for d in deps[i]], [base + d for d in carried[i]])
+                  for i, step in enumerate(steps)]
     _iteration_barriers(nodes)
     return nodes
 
@@ -276,10 +254,7 @@ class _DeviceClasses:
 def _schedule(nodes: list[_Node], devices_of: list[tuple[int, ...]]) -> tuple[list[float], list[float]]:
     """Start and end time of every node (see the module docstring for the dispatch rule) on the devices (or
     device classes) ``devices_of[i]`` of node i."""
-    successors: list[list[int]] = [[] for _ in nodes]
-    for i, node in enumerate(nodes):
-        for d in node.deps:
-            successors[d].append(i)
+    successors, carrying = _successors([node.deps for node in nodes], [node.carried for node in nodes])
     pending = [len(node.deps) for node in nodes]
     ready_at = [0.0] * len(nodes)
     start, end = [math.nan] * len(nodes), [math.nan] * len(nodes)
@@ -287,6 +262,7 @@ def _schedule(nodes: list[_Node], devices_of: list[tuple[int, ...]]) -> tuple[li
     free: dict[int, float] = {}
     while heap:
         ready, i = heapq.heappop(heap)
+        release(carrying[i], ready, ready_at, pending, heap)  # sent with it: queued right behind it
         node, devices = nodes[i], devices_of[i]
         start[i] = max([ready, *(free.get(d, 0.0) for d in devices)])
         end[i] = start[i] + node.duration
@@ -303,21 +279,18 @@ _Mem = tuple[float, float, float, str]
 
 
 def _resident(plan: ExecutionPlan, workflow: Workflow, role: str) -> list[tuple[Allocation, bool]]:
-    """The placements of a non-offloaded role that stay resident all along, with whether each is trainable."""
+    """The placements of a role that stay resident all along (unless offloaded), with whether each is trainable."""
     canon = plan.canonical_layout(workflow, role)
     if canon is not None:
-        shadows = {plan[n].text: plan[n] for n in plan.shadow_calls(workflow, role)}
-        return [(canon, True), *((a, False) for a in shadows.values())]
-    placements: list[Allocation] = []
-    for mfc in workflow.mfcs_of_role(role):
-        if not any(plan[mfc.name].same_placement(p) for p in placements):
-            placements.append(plan[mfc.name])
+        shadows = {plan[n].shards: None for n in plan.shadow_calls(workflow, role)}
+        return [(canon, True), *((a, False) for a in shadows)]
+    placements = {plan[mfc.name].shards: None for mfc in workflow.mfcs_of_role(role)}
     return [(a, False) for a in placements]
 
 
 def _memory_intervals(plan: ExecutionPlan, workflow: Workflow, cost: CostEstimator, nodes: list[_Node],
-                      start: list[float], end: list[float], on: Callable[[Iterable[int]], tuple[int, ...]],
-                      offloaded: set[str]) -> dict[int, list[_Mem]]:
+                      start: list[float], end: list[float],
+                      on: Callable[[Iterable[int]], tuple[int, ...]]) -> dict[int, list[_Mem]]:
     """Device class (``on`` maps devices to their classes) → the memory intervals on each of its devices
     (see the module docstring)."""
     out: dict[int, list[_Mem]] = {}
@@ -332,21 +305,25 @@ def _memory_intervals(plan: ExecutionPlan, workflow: Workflow, cost: CostEstimat
     def static(role: str, alloc: Allocation, trainable: bool):
         return ("static_memory", role, alloc.text, trainable), lambda: cost.static_memory(role, alloc, trainable)
 
+    offloaded = {n.step.role for n in nodes if n.step.kind is StepKind.RELOAD}
     for role in workflow.roles():
         if role not in offloaded:
             for alloc, trainable in _resident(plan, workflow, role):
                 add(alloc.mesh, 0.0, math.inf, *static(role, alloc, trainable), f"{role} weights")
+    opened: dict[tuple, int] = {}  # (role, shards) → the copy or reload node holding it now
     for i, node in enumerate(nodes):
-        if node.kind == "copy":
-            add(node.alloc.mesh, start[i], end[node.serves], *static(node.role, node.alloc, False), f"{node.role} copy")
-        if node.mfc is None:
-            continue
-        trainable = node.mfc.kind is MFCKind.TRAIN
-        if node.role in offloaded:
-            add(node.devices, start[i], end[i], *static(node.role, node.alloc, trainable), f"{node.role} weights")
-        key = ("mfc_memory", node.mfc.name, node.alloc.text, trainable)
-        add(node.devices, start[i], end[i], key, lambda n=node, t=trainable: cost.mfc_memory(n.mfc, n.alloc, t),
-            f"{node.label} running")
+        step = node.step
+        if step.kind in (StepKind.COPY, StepKind.RELOAD):
+            opened[(step.role, step.alloc)] = i
+        elif step.kind in (StepKind.FREE, StepKind.OFFLOAD):
+            held = opened.pop((step.role, step.alloc))
+            what = f"{step.role} copy" if step.kind is StepKind.FREE else f"{step.role} weights"
+            add(step.devices, start[held], end[i], *static(step.role, step.alloc, False), what)
+        elif step.kind is StepKind.CALL:
+            trainable = step.mfc.kind is MFCKind.TRAIN
+            key = ("mfc_memory", step.id, step.alloc.text, trainable)
+            add(step.devices, start[i], end[i], key, lambda m=step.mfc, a=step.alloc, t=trainable:
+                cost.mfc_memory(m, a, t), f"{step.id} running")
     return out
 
 
@@ -429,8 +406,7 @@ def simulate(plan: ExecutionPlan, workflow: Workflow, cost: CostEstimator, memor
     if not memory_per_device > 0:
         raise ConfigError(f"simulate: memory_per_device={memory_per_device!r}; expected bytes > 0")
     plan.validate(workflow)
-    offloaded = _offloaded(plan, workflow, cost)
-    nodes = _build_graph(plan, workflow, cost, iterations, offloaded)
+    nodes = _build_graph(build_schedule(workflow, plan), cost, iterations)
     shared = getattr(cost, "shared_cores", None)  # optional: devices sharing cores slow each other down
     cores = shared() if shared is not None else None
     n_devices = plan.cluster.n_devices
@@ -441,7 +417,8 @@ def simulate(plan: ExecutionPlan, workflow: Workflow, cost: CostEstimator, memor
     else:  # the sharing simulation needs each device's node: no classes
         classes = _DeviceClasses([], n_devices, identity=True)
         start, end = schedule_shared([n.duration for n in nodes], [n.devices for n in nodes],
-                                     [n.deps for n in nodes], plan.cluster.node_of, cores)
+                                     [n.deps for n in nodes], plan.cluster.node_of, cores,
+                                     [n.carried for n in nodes])
     ends = [max(end[i] for i, n in enumerate(nodes) if n.iteration == it) for it in range(iterations)]
     if iterations > 1:
         iteration_time, window = (ends[-1] - ends[0]) / (iterations - 1), (ends[0], ends[-1])
@@ -456,7 +433,7 @@ def simulate(plan: ExecutionPlan, workflow: Workflow, cost: CostEstimator, memor
         return [Interval(d, start[i], end[i], nodes[i].label, nodes[i].kind, nodes[i].iteration)
                 for i in order for d in nodes[i].devices]
 
-    memory = _memory_intervals(plan, workflow, cost, nodes, start, end, classes.on, offloaded)
+    memory = _memory_intervals(plan, workflow, cost, nodes, start, end, classes.on)
     peaks, feasible, reason, excess = _memory_check(memory, classes, memory_per_device)
     device_seconds = sum((end[i] - start[i]) * len(n.devices) for i, n in enumerate(nodes))
     return SimResult(iteration_time, _busy_fractions(nodes, start, end, classes, window), peaks, timeline,

@@ -1,9 +1,11 @@
-"""Gantt charts of a simulated schedule: a PNG (matplotlib, Agg canvas) and a self-contained HTML/SVG page.
+"""Gantt charts of schedules: a PNG (matplotlib, Agg canvas) and a self-contained HTML/SVG page.
 
-One row per device, one bar per :class:`~loomrl.planner.simulator.Interval`. Calls are coloured by MFC name
-(the same colour in every iteration), reallocations are grey and hatched. The HTML page needs nothing from
-the network: inline SVG, one ``<rect class="interval">`` per interval with a ``<title>`` tooltip giving the
-name, kind, iteration and times.
+One row per device, one bar per :class:`~loomrl.planner.simulator.Interval` (a schedule step on a device).
+Calls are coloured by MFC name (the same colour in every iteration), the steps that move models (copies,
+syncs, frees, reloads, offloads) are grey and hatched. Several timelines (a prediction above a measured run)
+are drawn one above the other on one time axis, with one colour per step id across them. The HTML page needs
+nothing from the network: inline SVG, one ``<rect class="interval">`` per interval with a ``<title>``
+tooltip giving the step, kind, iteration and times.
 """
 
 from __future__ import annotations
@@ -20,14 +22,15 @@ from matplotlib.patches import Patch
 
 from loomrl.planner.simulator import Interval, SimResult, format_bytes
 
-__all__ = ["interval_colors", "render_html", "render_timeline"]
+__all__ = ["interval_colors", "render_html", "render_timeline", "render_timelines"]
 
-_REALLOC_KINDS = ("copy", "sync")
+_REALLOC_KINDS = ("copy", "sync", "free", "reload", "offload")
 _REALLOC_COLOR = "#9e9e9e"
 
 
 def interval_colors(timeline: list[Interval]) -> dict[str, str]:
-    """Label → hex colour: calls in order of first appearance on the tab20 palette, reallocations grey."""
+    """Label → hex colour: calls in order of first appearance on the tab20 palette, the steps that move models
+    (copies, syncs, frees, reloads, offloads) grey."""
     palette = colormaps["tab20"]
     colors: dict[str, str] = {}
     calls = 0
@@ -53,39 +56,47 @@ def _devices(result: SimResult) -> list[int]:
     return sorted({iv.device for iv in result.timeline} | set(result.busy_fraction))
 
 
-def render_png(result: SimResult, png_path: str | os.PathLike[str], title: str = "") -> Path:
-    """Draw the Gantt chart of ``result`` into ``png_path``; return its path."""
-    devices = _devices(result)
-    colors = interval_colors(result.timeline)
-    fig = Figure(figsize=(10.0, 1.6 + 0.45 * max(len(devices), 1)), layout="constrained")
+Panel = tuple[str, SimResult]
+"""A timeline to draw and its title."""
+
+
+def render_png(panels: list[Panel], png_path: str | os.PathLike[str], title: str = "") -> Path:
+    """Draw each panel's Gantt chart, one above the other on one time axis, into ``png_path``."""
+    colors = interval_colors([iv for _, result in panels for iv in result.timeline])
+    heights = [1.2 + 0.45 * max(len(_devices(result)), 1) for _, result in panels]
+    fig = Figure(figsize=(10.0, 0.4 + sum(heights)), layout="constrained")
     FigureCanvasAgg(fig)
-    ax = fig.add_subplot(1, 1, 1)
-    span = result.makespan or 1.0
-    for iv in result.timeline:
-        realloc = iv.kind in _REALLOC_KINDS
-        ax.barh(iv.device, max(iv.end - iv.start, span * 1e-4), left=iv.start, height=0.8,
-                color=colors[iv.label], edgecolor="black", linewidth=0.3, hatch="//" if realloc else None)
-        if iv.end - iv.start > span * 0.06:
-            ax.text((iv.start + iv.end) / 2, iv.device, iv.label, ha="center", va="center", fontsize=6, clip_on=True)
-    ax.set_yticks(devices, [f"device {d}" for d in devices])
-    ax.set_ylim(max(devices, default=0) + 0.6, min(devices, default=0) - 0.6)  # device 0 on top
-    ax.set_xlim(0, span)
-    ax.set_xlabel("seconds")
-    ax.grid(axis="x", alpha=0.3)
+    axes = fig.subplots(len(panels), 1, sharex=True, squeeze=False, height_ratios=heights)[:, 0]
+    span = max((result.makespan or 0.0) for _, result in panels) or 1.0
+    for ax, (name, result) in zip(axes, panels):
+        devices = _devices(result)
+        for iv in result.timeline:
+            moves = iv.kind in _REALLOC_KINDS
+            ax.barh(iv.device, max(iv.end - iv.start, span * 1e-4), left=iv.start, height=0.8,
+                    color=colors[iv.label], edgecolor="black", linewidth=0.3, hatch="//" if moves else None)
+            if iv.end - iv.start > span * 0.06:
+                ax.text((iv.start + iv.end) / 2, iv.device, iv.label, ha="center", va="center", fontsize=6,
+                        clip_on=True)
+        ax.set_yticks(devices, [f"device {d}" for d in devices])
+        ax.set_ylim(max(devices, default=0) + 0.6, min(devices, default=0) - 0.6)  # device 0 on top
+        ax.set_xlim(0, span)
+        ax.grid(axis="x", alpha=0.3)
+        ax.set_title(f"{name + ': ' if name else ''}{_summary(result)}", fontsize=8)
+    axes[-1].set_xlabel("seconds")
     handles = [Patch(facecolor=c, edgecolor="black", label=label) for label, c in colors.items()]
     if handles:
-        ax.legend(handles=handles, fontsize=6, loc="upper left", bbox_to_anchor=(1.0, 1.0))
-    fig.suptitle(f"{title + ': ' if title else ''}{_summary(result)}", fontsize=9)
+        axes[0].legend(handles=handles, fontsize=6, loc="upper left", bbox_to_anchor=(1.0, 1.0))
+    if title:
+        fig.suptitle(title, fontsize=9)
     out = Path(png_path)
     out.parent.mkdir(parents=True, exist_ok=True)
     fig.savefig(out, dpi=100)
     return out
 
 
-def _svg(result: SimResult, width: int = 1000, row: int = 26, left: int = 80) -> str:
+def _svg(result: SimResult, colors: dict[str, str], span: float, width: int = 1000, row: int = 26,
+         left: int = 80) -> str:
     devices = _devices(result)
-    colors = interval_colors(result.timeline)
-    span = result.makespan or 1.0
     scale = (width - left - 10) / span
     height = row * len(devices) + 30
     y = {d: 5 + row * k for k, d in enumerate(devices)}
@@ -106,27 +117,41 @@ def _svg(result: SimResult, width: int = 1000, row: int = 26, left: int = 80) ->
     return "\n".join(parts)
 
 
-def render_html(result: SimResult, title: str = "") -> str:
-    """A self-contained HTML page with the Gantt chart as inline SVG, a legend and the per-device figures."""
-    colors = interval_colors(result.timeline)
+def render_html(panels: SimResult | list[Panel], title: str = "") -> str:
+    """A self-contained HTML page with each panel's Gantt chart as inline SVG on one time axis, a legend and
+    the per-device figures."""
+    if isinstance(panels, SimResult):
+        panels = [("", panels)]
+    colors = interval_colors([iv for _, result in panels for iv in result.timeline])
+    span = max((result.makespan or 0.0) for _, result in panels) or 1.0
     legend = "".join(f'<span class="key"><span class="swatch" style="background:{c}"></span>{html.escape(label)}'
                      "</span>" for label, c in colors.items())
-    rows = "".join(f"<tr><td>{d}</td><td>{result.busy_fraction.get(d, 0.0):.1%}</td>"
-                   f"<td>{format_bytes(result.peak_memory.get(d, 0.0))}</td></tr>" for d in _devices(result))
+    body = []
+    for name, result in panels:
+        rows = "".join(f"<tr><td>{d}</td><td>{result.busy_fraction.get(d, 0.0):.1%}</td>"
+                       f"<td>{format_bytes(result.peak_memory.get(d, 0.0))}</td></tr>" for d in _devices(result))
+        body.append(f"<h3>{html.escape(name)}</h3>\n<p>{html.escape(_summary(result))}</p>\n"
+                    f"{_svg(result, colors, span)}\n"
+                    f"<table><tr><th>device</th><th>busy</th><th>peak memory</th></tr>{rows}</table>")
     heading = html.escape(title or "simulated schedule")
     return (f"<!DOCTYPE html>\n<html><head><meta charset=\"utf-8\"><title>{heading}</title>\n<style>"
             "body{font-family:sans-serif;margin:1em} .key{margin-right:1em;white-space:nowrap} "
             ".swatch{display:inline-block;width:1em;height:1em;margin-right:.3em;vertical-align:middle} "
             "td,th{padding:0 .8em;text-align:right}</style></head><body>\n"
-            f"<h2>{heading}</h2>\n<p>{html.escape(_summary(result))}</p>\n{_svg(result)}\n<p>{legend}</p>\n"
-            f"<table><tr><th>device</th><th>busy</th><th>peak memory</th></tr>{rows}</table>\n</body></html>\n")
+            f"<h2>{heading}</h2>\n" + "\n".join(body) + f"\n<p>{legend}</p>\n</body></html>\n")
+
+
+def render_timelines(panels: list[Panel], png_path: str | os.PathLike[str],
+                     html_path: str | os.PathLike[str] | None = None, title: str = "") -> None:
+    """Write the panels' Gantt charts, one above the other, to ``png_path`` and, if given, ``html_path``."""
+    render_png(panels, png_path, title)
+    if html_path is not None:
+        out = Path(html_path)
+        out.parent.mkdir(parents=True, exist_ok=True)
+        out.write_text(render_html(panels, title), encoding="utf-8")
 
 
 def render_timeline(result: SimResult, png_path: str | os.PathLike[str],
                     html_path: str | os.PathLike[str] | None = None, title: str = "") -> None:
     """Write the Gantt chart of ``result`` to ``png_path`` and, if given, the HTML page to ``html_path``."""
-    render_png(result, png_path, title)
-    if html_path is not None:
-        out = Path(html_path)
-        out.parent.mkdir(parents=True, exist_ok=True)
-        out.write_text(render_html(result, title), encoding="utf-8")
+    render_timelines([(title, result)], png_path, html_path)

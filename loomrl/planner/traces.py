@@ -7,7 +7,7 @@ An observation is one MFC call of one iteration, as a plain dict (JSON-ready)::
      "response_max": 512, "epochs": 1, "minibatches": 4, "seconds": 12.3}
 
 The runtime logs ``time/<mfc>_s`` and the response-length statistics ``response/length``,
-``response/length_p90``, ``response/length_max`` per iteration (:mod:`loomrl.train.metrics`);
+``response/length_p90``, ``response/length_max`` per iteration (:mod:`loomrl.algorithms.metrics`);
 :func:`observations_from_metrics` joins them with the plan and the workflow that produced them. The first
 iteration of a run pays one-off costs (allocation, kernels' warm-up); pass ``skip_first`` to drop it.
 

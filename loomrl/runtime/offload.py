@@ -50,12 +50,17 @@ def _stored(param: torch.Tensor) -> torch.Tensor:
 
 
 def reclaim(param: torch.Tensor) -> torch.Tensor:
-    """A parameter's local shard, its storage taken back if :func:`release_storage` freed it (the values are
-    then undefined until written)."""
+    """A parameter's local shard with memory of its own, taken back if :func:`release_storage` freed it, or
+    given anew where it was bound to a view and then pointed at a placeholder (the values are undefined until
+    written). A copy aliased under one transfer plan may not be under the next, after a plan change."""
     local = local_shard(param).detach()
     storage = local.untyped_storage()
     if storage.size() == 0:
         storage.resize_(local.numel() * local.element_size())
+    elif not local.is_contiguous() or storage.size() < local.numel() * local.element_size():
+        with torch.no_grad():
+            _stored(param).set_(torch.empty(local.shape, dtype=local.dtype, device=local.device))
+        local = local_shard(param).detach()
     return local
 
 

@@ -1,13 +1,16 @@
 """The Ray executor: a controller that moves metadata, and one worker per device that moves bytes.
 
-The controller walks the workflow in order. For each MFC it splits the batch's sample ids over the
-data-parallel ranks of the role's layout (balanced by tokens; for train MFCs by the same per-step schedule as
-the reference executor), tells every worker of the mesh which rows to process and where their inputs are
-(Ray object references to other workers' output shards), and gets back only metadata: the references to the
-new shards, per-sample token counts, scalar statistics and timings. Every value a worker returns is checked:
-a tensor arriving at the controller is an error.
+The controller runs the plan's schedule (:mod:`loomrl.plan.schedule`), the same steps the simulator prices: it
+sends a step to every device the step names once the steps it waits for are done (or together with the one
+:meth:`~loomrl.plan.schedule.Step.sent_with` allows), and each worker runs its steps in the order they
+arrive. For a call it splits the batch's sample ids over the data-parallel ranks of the call's layout (balanced
+by tokens; for train calls by the same per-step schedule as the reference executor) and tells every worker which
+rows to process and where their inputs are (Ray object references to other workers' output shards); it gets back
+only metadata: references to the new shards, per-sample token counts, scalar statistics and each device's start
+and end. Every value a worker returns is checked: a tensor arriving at the controller is an error.
 
-Failures surface within ``runtime.timeout_s`` as one line naming the worker, its role and the MFC; ``close``
+:meth:`RayExecutor.apply_plan` switches to another plan between iterations (:mod:`loomrl.runtime.plan_change`).
+Failures surface within ``runtime.timeout_s`` as one line naming the worker, its role and the step; ``close``
 kills every worker and the local Ray instance, also after a failure or an interrupt.
 """
 
@@ -23,17 +26,22 @@ import torch
 from ray.util.placement_group import placement_group, remove_placement_group
 from ray.util.scheduling_strategies import PlacementGroupSchedulingStrategy
 
-from loomrl.config import TrainConfig
+from loomrl.config import RuntimeConfig
 from loomrl.errors import LoomError
-from loomrl.parallel.allocations import AllocKey
-from loomrl.plan import ClusterSpec
-from loomrl.launch import available_devices, ray_address, start_ray, stop_ray
-from loomrl.runtime.reference import IterationResult, MFCTrace, merge_stats
-from loomrl.runtime.placement import execution_plan, runtime_placement, trained_roles
-from loomrl.runtime.worker import DeviceWorker, MFCCall
-from loomrl.workflow import MFC, MFCKind, Workflow
+from loomrl.launch import ray_address, start_ray, stop_ray
+from loomrl.models.tokenizer import tokenizer_for
+from loomrl.models.zoo import parameter_shapes
+from loomrl.plan.plan import ExecutionPlan
+from loomrl.plan.realloc_plan import plan_reallocation
+from loomrl.plan.schedule import Step, StepKind, build_schedule
+from loomrl.engine.devices import resolve_dtype
+from loomrl.runtime.plan_change import plan_moves
+from loomrl.runtime.reference import IterationResult, StepTrace, merge_stats
+from loomrl.runtime.spec import CallData, WorkerPlan, WorkerSpec
+from loomrl.runtime.worker import DeviceWorker
+from loomrl.workflow import MFCKind, Workflow
 from loomrl.workflow.batch import Batch
-from loomrl.workflow.schedule import split_by_tokens, train_schedule
+from loomrl.workflow.minibatches import split_by_tokens, train_schedule
 
 
 @dataclass
@@ -47,7 +55,7 @@ class _IterationState:
 
 
 class RuntimeFailure(LoomError):
-    """A worker failed, died or stalled; the message names the worker, role and MFC."""
+    """A worker failed, died or stalled; the message names the worker, role and step."""
 
 
 def check_metadata(value: Any, path: str = "result") -> None:
@@ -66,75 +74,72 @@ def check_metadata(value: Any, path: str = "result") -> None:
 
 
 class RayExecutor:
-    """Executes a workflow on ``runtime.devices`` Ray workers (same interface as the reference executor)."""
+    """Executes a workflow's schedule under ``plan`` on one Ray worker per device of the plan's cluster (same
+    interface as the reference executor)."""
 
-    def __init__(self, cfg: TrainConfig, workflow: Workflow, tokenizer):
-        self.cfg, self.workflow = cfg, workflow
-        self.order = workflow.topological_order()
-        n = cfg.runtime.devices or available_devices()
-        gpu = torch.cuda.is_available() and cfg.runtime.device != "cpu"
-        self.cluster = ClusterSpec(nodes=1, devices_per_node=n, device_kind="cuda" if gpu else "cpu")
-        self.plan = execution_plan(cfg, workflow, self.cluster)
-        self.placement = runtime_placement(self.plan, workflow, self.cluster, cfg, tokenizer)
-        self.shadow = set(self.plan.shadow_roles(workflow))
-        self.trained = trained_roles(workflow)
-        self.versions = {role: 0 for role in workflow.roles()}
-        """Train steps each role has taken; a copy of its weights elsewhere is fresh at the same version."""
-        self.view_versions: dict[tuple[str, AllocKey], int] = {}
-        self.last_use = self._last_uses()
-        """MFC after which each copy of a trained role in a non-training layout is freed."""
+    def __init__(self, runtime: RuntimeConfig, spec: WorkerSpec, workflow: Workflow, plan: ExecutionPlan):
+        self.runtime, self.spec, self.workflow = runtime, spec, workflow
+        self.cluster = plan.cluster
+        self._tokenizer = tokenizer_for(spec.tokenizer)
+        self._shapes: dict[str, tuple] = {}
+        self.plan, self.worker_plan = plan, self.plan_for_workers(plan)
         self.workers: list[Any] = []
         self.pg = None
         self.received = 0
+        self.traces: list[StepTrace] = []
+        """Steps run outside an iteration (the prologue, evaluations, plan changes) since :meth:`drain_traces`."""
         self.waited_s = 0.0
         """Time spent waiting for workers; the rest of an iteration is the controller's own work."""
-        self.address = ray_address(cfg.runtime.ray_address)
-        self._started = start_ray(self.address, num_cpus=n + 1, dashboard=cfg.runtime.ray_dashboard)
+        n = self.cluster.n_devices
+        gpu = self.cluster.device_kind != "cpu"
+        self.address = ray_address(runtime.ray_address)
+        self._started = start_ray(self.address, num_cpus=n + 1, dashboard=runtime.ray_dashboard)
         try:
             self._spawn(n, gpu)
+            self.traces += self.run_steps(self.schedule.prologue, 0, "prologue")[0]
         except BaseException:
             self.close()
             raise
 
-    def _last_uses(self) -> dict[str, list[tuple[str, AllocKey]]]:
-        last: dict[tuple[str, AllocKey], str] = {}
-        for mfc in self.order:
-            key = self.placement.mfc_keys[mfc.name]
-            if mfc.role in self.trained and key != self.placement.canonical[mfc.role]:
-                last[(mfc.role, key)] = mfc.name
-        out: dict[str, list[tuple[str, AllocKey]]] = {}
-        for view, name in last.items():
-            out.setdefault(name, []).append(view)
-        return out
+    @property
+    def schedule(self):
+        return self.worker_plan.schedule
 
-    def _free_after(self, mfc: MFC, pending: dict) -> None:
-        for role, key in self.last_use.get(mfc.name, ()):
-            for device in key.devices:
-                pending[self.workers[device].free_view.remote(role, key)] = (f"freeing {role}", role, device)
-            self.view_versions[(role, key)] = -1  # stale: the next use reallocates
+    def plan_for_workers(self, plan: ExecutionPlan) -> WorkerPlan:
+        """``plan``'s schedule with the transfer plan of each of its reallocations (planned here, once, from the
+        roles' parameter shapes; the cluster's nodes decide the senders)."""
+        schedule = build_schedule(self.workflow, plan)
+        return WorkerPlan(schedule, {t: self._transfer_plan(*t, False) for t in schedule.transfers()})
+
+    def param_shapes(self, role: str) -> tuple[dict[str, tuple[int, ...]], int]:
+        """Full parameter shapes and layer count of a role's model, from its config alone (no weights)."""
+        if role not in self._shapes:
+            spec = self.spec.roles[role]
+            self._shapes[role] = parameter_shapes(spec.model, self._tokenizer, value=spec.value_head)
+        return self._shapes[role]
 
     def _spawn(self, n: int, gpu: bool) -> None:
         bundle = {"CPU": 1, "GPU": 1} if gpu else {"CPU": 1}
         self.pg = placement_group([bundle] * n, strategy="PACK")
         try:
-            ray.get(self.pg.ready(), timeout=self.cfg.runtime.timeout_s)
+            ray.get(self.pg.ready(), timeout=self.runtime.timeout_s)
         except ray.exceptions.GetTimeoutError:
             raise RuntimeFailure(f"runtime.devices: {n} devices could not be reserved within "
-                                 f"{self.cfg.runtime.timeout_s:g} s; Ray has {ray.cluster_resources()}") from None
+                                 f"{self.runtime.timeout_s:g} s; Ray has {ray.cluster_resources()}") from None
         remote = ray.remote(num_cpus=1, num_gpus=1 if gpu else 0, max_restarts=0)(DeviceWorker)
         self.workers = [
             remote.options(scheduling_strategy=PlacementGroupSchedulingStrategy(self.pg, placement_group_bundle_index=i))
-            .remote(i, n, self.cfg) for i in range(n)]
+            .remote(i, n, self.spec) for i in range(n)]
         addr = "127.0.0.1" if self.address is None else self._wait(
             [self.workers[0].node_ip.remote()], "setup", None)[0]
         port = self._wait([self.workers[0].free_port.remote()], "setup", None)[0]
-        metas = self._wait([w.setup.remote(addr, port, self.placement) for w in self.workers], "setup", None)
+        metas = self._wait([w.setup.remote(addr, port, self.worker_plan) for w in self.workers], "setup", None)
         self.pids = [m["pid"] for m in metas]
 
     # ---------------------------------------------------------------------------------- waiting
     def _wait_one(self, pending: dict, deadline: float) -> tuple[Any, Any]:
         """The next finished call among ``pending`` (ref → (what, role, rank)) and its checked value; a failure,
-        death or stall becomes a one-line RuntimeFailure naming the worker, role and call."""
+        death or stall becomes a one-line RuntimeFailure naming the worker, role and step."""
         t0 = time.perf_counter()
         ready, _ = ray.wait(list(pending), num_returns=1, timeout=max(0.0, deadline - time.monotonic()))
         self.waited_s += time.perf_counter() - t0
@@ -142,7 +147,7 @@ class RayExecutor:
             what, role, _ = next(iter(pending.values()))
             stuck = sorted({rank for _, _, rank in pending.values()})
             raise RuntimeFailure(f"worker(s) {stuck} did not finish {what} (role {role}) within "
-                                 f"{self.cfg.runtime.timeout_s:g} s (runtime.timeout_s)")
+                                 f"{self.runtime.timeout_s:g} s (runtime.timeout_s)")
         ref = ready[0]
         what, role, rank = pending.pop(ref)
         try:
@@ -153,7 +158,7 @@ class RayExecutor:
             # A peer that died makes the survivors' collectives fail too: name the dead worker, the root cause.
             self._raise_if_a_peer_died(pending)
             cause = str(err.cause if getattr(err, "cause", None) else err).strip().splitlines()
-            named = next((line for line in cause if "failed in MFC" in line), None)
+            named = next((line for line in cause if " failed in " in line and line.startswith("worker ")), None)
             if named is not None:  # the worker's own one-line account
                 raise RuntimeFailure(named) from None
             first = cause[-1] if cause else type(err).__name__
@@ -180,158 +185,172 @@ class RayExecutor:
         """Results of ``refs`` (one per rank), in order."""
         ranks = list(range(len(refs))) if ranks is None else list(ranks)
         pending = {ref: (what, role, rank) for ref, rank in zip(refs, ranks)}
-        deadline = time.monotonic() + self.cfg.runtime.timeout_s
+        deadline = time.monotonic() + self.runtime.timeout_s
         results = {}
         while pending:
             ref, value = self._wait_one(pending, deadline)
             results[ref] = value
         return [results[r] for r in refs]
 
+    # ----------------------------------------------------------------------------------------- steps
+    def run_steps(self, steps: Sequence[Step], iteration: int, phase: str, state: _IterationState | None = None,
+                  result: IterationResult | None = None, data: Mapping[str, dict] | None = None
+                  ) -> tuple[list[StepTrace], dict[str, dict[int, dict]]]:
+        """Run ``steps`` (one list of the schedule) to the end: each is sent to its devices once the steps it
+        waits for are done, or with the one it is sent with. Call steps take their rows from ``state`` and report
+        into ``result``; ``data`` gives other steps' per-device payloads. Returns the steps' traces, in the order
+        they ended, and every device's reply per step."""
+        by_id = {s.id: s for s in steps}
+        done: set[str] = set()
+        replies: dict[str, dict[int, dict]] = {}
+        payloads: dict[str, dict] = {}
+        pending: dict = {}
+        routed: dict = {}  # ref → (step id, device)
+        traces: list[StepTrace] = []
+        deadline = time.monotonic() + self.runtime.timeout_s
+        while len(done) < len(steps):
+            for step in steps:
+                if step.id not in replies and all(d in done or (d in replies and step.sent_with(by_id[d]))
+                                                  for d in step.deps):
+                    payloads[step.id] = self._payloads(step, state) if step.kind is StepKind.CALL else \
+                        (data or {}).get(step.id, {})
+                    what = f"MFC '{step.id}'" if step.kind is StepKind.CALL else f"step '{step.id}'"
+                    for device in step.devices:
+                        ref = self.workers[device].run_step.remote(step.id, payloads[step.id].get(device))
+                        pending[ref] = (what, step.role, device)
+                        routed[ref] = (step.id, device)
+                    replies[step.id] = {}
+            ref, meta = self._wait_one(pending, deadline)
+            step_id, device = routed.pop(ref)
+            replies[step_id][device] = meta
+            step = by_id[step_id]
+            if len(replies[step_id]) == len(step.devices):
+                done.add(step_id)
+                traces.append(StepTrace.of(step, iteration, phase, replies[step_id]))
+                if step.kind is StepKind.CALL:
+                    self._finish(step, replies[step_id], payloads[step_id], state, result)
+        if result is not None:
+            result.traces.extend(traces)
+        return traces, replies
+
+    def _payloads(self, step: Step, state: _IterationState) -> dict[int, CallData]:
+        """Per device of a call: its rows, their input shards, its optimizer steps, and whether it publishes."""
+        mfc, alloc = step.mfc, step.alloc
+        dp = alloc.layout.dp
+        ids = state.ids
+        counts = [state.tokens[s] for s in ids]
+        per_dp: list[tuple[tuple[int, ...], tuple]] = []
+        if mfc.kind == MFCKind.TRAIN:
+            schedule = train_schedule(counts, mfc.epochs, mfc.minibatches, self.spec.seed, state.iteration, dp)
+            for d in range(dp):
+                rows = list(dict.fromkeys(r for s in schedule for r in s.rows_per_rank[d]))
+                pos = {r: i for i, r in enumerate(rows)}
+                steps = tuple((tuple(pos[r] for r in s.rows_per_rank[d]), s.local(d, counts)[1]) for s in schedule)
+                per_dp.append((tuple(ids[r] for r in rows), steps))
+        else:
+            for part in split_by_tokens(range(len(ids)), counts, dp):
+                per_dp.append((tuple(ids[r] for r in part), ()))
+        out = {}
+        for device in alloc.devices:
+            rows, steps = per_dp[alloc.coords(device).dp]
+            out[device] = CallData(state.iteration, rows, _inputs(mfc.inputs, rows, state.where), steps,
+                                   alloc.publishes(device))
+        return out
+
+    def _finish(self, step: Step, metas: dict[int, dict], payloads: dict[int, CallData], state: _IterationState,
+                result: IterationResult) -> None:
+        stats: dict[str, float] = {}
+        for device, meta in sorted(metas.items()):
+            if not payloads[device].publish:
+                continue
+            for key, value in meta.get("stats", {}).items():
+                stats[key] = stats.get(key, 0.0) + value
+            if "shard" in meta:
+                for key in step.mfc.outputs:
+                    state.where.setdefault(key, []).append((payloads[device].sample_ids, meta["shard"][0]))
+            state.tokens.update({int(k): v for k, v in meta.get("tokens", {}).items()})
+        merge_stats(result.stats, stats, step.id)
+
     # ------------------------------------------------------------------------------ iterations
     def run_iteration(self, iteration: int, batch: Batch) -> IterationResult:
-        """Dataflow over the workflow: an MFC is sent the moment its inputs exist, so calls on disjoint
-        devices run concurrently; each worker executes its calls in the order they were sent."""
+        """Every step of the schedule's iteration; calls on disjoint devices run concurrently."""
         start, self.waited_s = time.perf_counter(), 0.0
         result = IterationResult()
         source = ray.put(batch)
         state = _IterationState(iteration, list(batch.ids), {k: [(tuple(batch.ids), source)] for k in batch.keys()},
                                 {sid: len(p) for sid, p in zip(batch.ids, batch["prompt_ids"])})
-        pending: dict = {}
-        calls: dict[str, dict] = {}  # MFC → {ref: (rows, publish)} of its calls still running
-        done: set[str] = set()
-        deadline = time.monotonic() + self.cfg.runtime.timeout_s
-        while len(done) < len(self.order):
-            for mfc in self.order:
-                if mfc.name not in calls and mfc.name not in done and all(d in done for d in self.workflow.deps(mfc.name)):
-                    calls[mfc.name] = self._submit(mfc, state, pending)
-            ref, meta = self._wait_one(pending, deadline)
-            name = next((n for n, c in calls.items() if ref in c), None)
-            if name is None:
-                continue  # a reallocation finished; the calls after it are already queued behind it
-            calls[name][ref] = (*calls[name][ref], meta)
-            if all(len(v) == 3 for v in calls[name].values()):
-                mfc = self.workflow[name]
-                self._finish(mfc, calls.pop(name), state, result)
-                done.add(name)
-                self._free_after(mfc, pending)
-                if mfc.kind == MFCKind.TRAIN and mfc.role in self.shadow:  # sync shadows right after training
-                    for m in self.workflow.mfcs_of_role(mfc.role):
-                        self._refresh(mfc.role, self.placement.mfc_keys[m.name], pending)
-        while pending:  # shadow syncs still in flight
-            self._wait_one(pending, deadline)
+        self.run_steps(self.schedule.steps, iteration, "iteration", state, result)
         keys = ("prompt_ids", "response_ids", "prompt_text", "answer", "score", "kl")
-        metrics = self._wait([self.workers[0].metrics.remote(batch.ids, self._inputs(keys, batch.ids, state.where))],
+        metrics = self._wait([self.workers[0].metrics.remote(batch.ids, _inputs(keys, batch.ids, state.where))],
                              "metrics", None)[0]
         merge_stats(result.stats, metrics, "metrics")
         result.stats["time/controller_s"] = time.perf_counter() - start - self.waited_s
         return result
 
-    def _inputs(self, keys: Sequence[str], ids: Sequence[int], where) -> tuple:
-        wanted = set(ids)
-        refs: list = []
-        for key in keys:
-            for shard_ids, ref in where[key]:
-                if ref not in refs and wanted.intersection(shard_ids):
-                    refs.append(ref)
-        return tuple(refs)
-
-    def _assignments(self, mfc: MFC, state: "_IterationState") -> dict[int, tuple]:
-        """Per device of the MFC's allocation: (sample ids, train steps, publish)."""
-        key = self.placement.mfc_keys[mfc.name]
-        ids = state.ids
-        counts = [state.tokens[s] for s in ids]
-        per_dp: list[tuple[tuple[int, ...], tuple]] = []
-        if mfc.kind == MFCKind.TRAIN:
-            schedule = train_schedule(counts, mfc.epochs, mfc.minibatches, self.cfg.seed, state.iteration, key.dp)
-            for d in range(key.dp):
-                rows = list(dict.fromkeys(r for step in schedule for r in step.rows_per_rank[d]))
-                pos = {r: i for i, r in enumerate(rows)}
-                steps = tuple((tuple(pos[r] for r in step.rows_per_rank[d]), step.local(d, counts)[1])
-                              for step in schedule)
-                per_dp.append((tuple(ids[r] for r in rows), steps))
-        else:
-            for part in split_by_tokens(range(len(ids)), counts, key.dp):
-                per_dp.append((tuple(ids[r] for r in part), ()))
-        return {device: (*per_dp[key.coords(device)[1]], key.publishes(device)) for device in key.devices}
-
-    def _refresh(self, role: str | None, key: AllocKey, pending: dict) -> None:
-        """Reallocate ``role``'s weights into allocation ``key`` if that copy is older than the weights."""
-        if role is None or key == self.placement.canonical[role]:
-            return
-        if self.view_versions.get((role, key), 0) == self.versions[role]:
-            return
-        for index, (r, src, dst, _) in enumerate(self.placement.reallocs):
-            if r == role and dst == key:
-                for device in sorted(set(src.devices) | set(dst.devices)):
-                    pending[self.workers[device].reallocate.remote(index)] = (f"reallocation of {role}", role, device)
-        self.view_versions[(role, key)] = self.versions[role]
-
-    def _submit(self, mfc: MFC, state: "_IterationState", pending: dict) -> dict:
-        self._refresh(mfc.role, self.placement.mfc_keys[mfc.name], pending)
-        calls = {}
-        for device, (rows, steps, publish) in self._assignments(mfc, state).items():
-            call = MFCCall(mfc.name, state.iteration, rows, self._inputs(mfc.inputs, rows, state.where), steps, publish)
-            ref = self.workers[device].run_mfc.remote(call)
-            pending[ref] = (f"MFC '{mfc.name}'", mfc.role, device)
-            calls[ref] = (rows, publish)
-        return calls
-
-    def _finish(self, mfc: MFC, calls: dict, state: "_IterationState", result: IterationResult) -> None:
-        stats: dict[str, float] = {}
-        metas = [meta for _, _, meta in calls.values()]
-        for rows, publish, meta in calls.values():
-            if not publish:
-                continue
-            for key, value in meta.get("stats", {}).items():
-                stats[key] = stats.get(key, 0.0) + value
-            if "shard" in meta:
-                for key in mfc.outputs:
-                    state.where.setdefault(key, []).append((rows, meta["shard"][0]))
-            state.tokens.update({int(k): v for k, v in meta.get("tokens", {}).items()})
-        merge_stats(result.stats, stats, mfc.name)
-        devices = tuple(sorted(m["rank"] for m in metas))
-        result.traces.append(MFCTrace(state.iteration, mfc.name, mfc.role, min(m["start"] for m in metas),
-                                      max(m["end"] for m in metas), devices))
-        if mfc.kind == MFCKind.TRAIN:
-            self.versions[mfc.role] += 1
-
-    # ---------------------------------------------------------------- evaluation, checkpoints, shutdown
-    def _eval_key(self) -> AllocKey:
-        gen = next(m for m in self.order if m.role == "actor" and m.kind == MFCKind.GENERATE)
-        return self.placement.mfc_keys[gen.name]
-
-    def evaluate(self, examples: Sequence) -> dict[str, float]:
-        """Greedy evaluation with the actor in its generation allocation (refreshed first)."""
-        key = self._eval_key()
-        pending: dict = {}
-        self._refresh("actor", key, pending)
-        deadline = time.monotonic() + self.cfg.runtime.timeout_s
-        while pending:
-            self._wait_one(pending, deadline)
-        shares = [list(examples[d::key.dp]) for d in range(key.dp)]
-        refs = [self.workers[dev].evaluate.remote(shares[key.coords(dev)[1]], key, key.publishes(dev))
-                for dev in key.devices]
+    def evaluate(self, examples: Sequence, iteration: int = 0) -> dict[str, float]:
+        """Greedy evaluation with the actor in its generation layout (copied there first where needed)."""
+        steps = self.schedule.evaluation
+        if not steps:
+            return {}
+        step = next(s for s in steps if s.kind is StepKind.EVALUATE)
+        dp = step.alloc.layout.dp
+        shares = [list(examples[d::dp]) for d in range(dp)]
+        data = {step.id: {dev: (shares[step.alloc.coords(dev).dp], step.alloc.publishes(dev))
+                          for dev in step.devices}}
+        traces, replies = self.run_steps(steps, iteration, "evaluation", data=data)
+        self.traces += traces
         sums: dict[str, float] = {}
-        for out in self._wait(refs, "evaluation", "actor", key.devices):
-            for name, value in (out or {}).items():
+        for meta in replies[step.id].values():
+            for name, value in meta.get("sums", {}).items():
                 sums[name] = sums.get(name, 0.0) + value
         return {name: value / len(examples) for name, value in sums.items()}
 
+    # ---------------------------------------------------------------- checkpoints, plan changes, shutdown
     def save(self, run_dir: Path, iteration: int, state: Mapping[str, Any], keep_last: int) -> Path:
         exports = {}
-        for role in sorted(self.trained):
-            devices = self.placement.canonical[role].devices
-            metas = self._wait([self.workers[d].export_role.remote(role) for d in devices], "checkpoint export",
-                               role, devices)
+        for role, alloc in sorted(self.worker_plan.training().items()):
+            metas = self._wait([self.workers[d].export_role.remote(role) for d in alloc.devices],
+                               "checkpoint export", role, alloc.devices)
             exports[role] = [m["state"] for m in metas if "state" in m]
         ref = self.workers[0].save.remote(str(run_dir), iteration, dict(state), keep_last, exports)
         return Path(self._wait([ref], "checkpoint save", None)[0])
 
     def load(self, path: Path) -> dict[str, Any]:
         states = self._wait([w.load.remote(str(path)) for w in self.workers], "checkpoint load", None)
-        self.view_versions.clear()  # every other copy of the weights is now stale
-        self.versions = {role: v + 1 for role, v in self.versions.items()}
+        self.traces += self.run_steps(self.schedule.prologue, 0, "prologue")[0]  # the shadows held the old weights
         return states[0]
+
+    def apply_plan(self, plan: ExecutionPlan) -> None:
+        """Continue the run under ``plan`` (on the same devices): every role's state moves to the new layouts
+        (:mod:`loomrl.runtime.plan_change`), then the new schedule's prologue fills its shadows. The next
+        iteration computes what it would have under the old plan."""
+        if plan == self.plan:
+            return
+        if plan.cluster.n_devices != self.cluster.n_devices:
+            raise LoomError(f"runtime.plan_changes: a plan for {plan.cluster.n_devices} devices cannot replace one "
+                            f"for {self.cluster.n_devices} (the run keeps its devices)")
+        new = self.plan_for_workers(plan)
+        steps = {}
+        for role, alloc in self.worker_plan.training().items():
+            counts = self._wait([self.workers[d].steps_taken.remote(role) for d in alloc.devices], "plan change",
+                                role, alloc.devices)
+            steps[role] = max(counts)
+        masters = resolve_dtype(self.spec.precision, torch.device(self.cluster.device_kind)) != torch.float32
+        moves = plan_moves(self.worker_plan, new, self.spec.roles, masters, steps, self._transfer_plan)
+        metas = self._wait([w.apply_plan.remote(new, moves) for w in self.workers], "plan change", None)
+        self.plan, self.worker_plan = plan, new
+        self.traces.append(StepTrace(0, "plan change", "plan change", None, None, tuple(range(len(metas))),
+                                     tuple(m["start"] for m in metas), tuple(m["end"] for m in metas), "plan change"))
+        self.traces += self.run_steps(self.schedule.prologue, 0, "prologue")[0]
+
+    def _transfer_plan(self, role: str, src, dst, state: bool):
+        shapes, layers = self.param_shapes(role)
+        return plan_reallocation(shapes, layers, src, dst, self.cluster.node_of, state)
+
+    def drain_traces(self) -> list[StepTrace]:
+        """The traces of steps run outside iterations since the last call (the caller stamps their iteration)."""
+        traces, self.traces = self.traces, []
+        return traces
 
     def close(self) -> None:
         """Kill every worker and release the devices; stop Ray if this executor started it."""
@@ -349,3 +368,14 @@ class RayExecutor:
             self.pg = None
         stop_ray(self._started)
         self._started = False
+
+
+def _inputs(keys: Sequence[str], ids: Sequence[int], where) -> tuple:
+    """Object references (each in a 1-tuple) of the output shards holding ``keys`` of any of ``ids``."""
+    wanted = set(ids)
+    refs: list = []
+    for key in keys:
+        for shard_ids, ref in where[key]:
+            if ref not in refs and wanted.intersection(shard_ids):
+                refs.append(ref)
+    return tuple(refs)

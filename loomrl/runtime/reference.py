@@ -14,28 +14,56 @@ from typing import Any, Callable, Mapping, Sequence
 from loomrl.algorithms.roles import OpContext, Role
 from loomrl.checkpoint import load_checkpoint, save_checkpoint
 from loomrl.runtime.state_io import FullOptimizerState
-from loomrl.workflow import MFC, MFCKind, Workflow
+from loomrl.plan.schedule import Schedule, Step, StepKind
+from loomrl.workflow import MFC, MFCKind
 from loomrl.workflow.batch import Batch
-from loomrl.workflow.schedule import train_schedule
+from loomrl.workflow.minibatches import train_schedule
 
 
 @dataclass
-class MFCTrace:
-    """When one MFC ran, and where, for timelines and cost-model calibration."""
+class StepTrace:
+    """When one schedule step ran on each of its devices, for timelines, calibration and order checks."""
 
     iteration: int
-    name: str
+    step: str
+    """The step's id in its schedule (the MFC's name for a call)."""
+    kind: str
+    """The step's kind: call, copy, free, sync, reload, offload or evaluate."""
     role: str | None
-    start: float
-    end: float
-    devices: tuple[int, ...] = (0,)
+    mfc_kind: str | None
+    """A call's MFC kind (generate, inference, train, compute); None for other steps."""
+    devices: tuple[int, ...]
+    start: tuple[float, ...]
+    """Per device of ``devices``: wall-clock seconds (``time.time()``) when the step started there."""
+    end: tuple[float, ...]
+    phase: str = "iteration"
+    """``iteration``, ``prologue`` (before the first iteration, after a load or a plan change) or ``evaluation``."""
+
+    @classmethod
+    def of(cls, step: Step, iteration: int, phase: str, metas: Mapping[int, Mapping[str, Any]]) -> StepTrace:
+        """The trace of ``step`` from each device's reply (``start``, ``end``)."""
+        devices = tuple(sorted(metas))
+        return cls(iteration, step.id, step.kind.value, step.role,
+                   step.mfc.kind.value if step.kind is StepKind.CALL else None, devices,
+                   tuple(metas[d]["start"] for d in devices), tuple(metas[d]["end"] for d in devices), phase)
+
+    @property
+    def seconds(self) -> float:
+        """From the first device's start to the last one's end."""
+        return max(self.end) - min(self.start)
+
+    def to_dict(self) -> dict[str, Any]:
+        return {"iteration": self.iteration, "phase": self.phase, "step": self.step, "kind": self.kind,
+                "role": self.role, "mfc_kind": self.mfc_kind, "devices": list(self.devices),
+                "start": list(self.start), "end": list(self.end)}
 
 
 @dataclass
 class IterationResult:
     stats: dict[str, float] = field(default_factory=dict)
     """Training statistics and rollout metrics, all scalars."""
-    traces: list[MFCTrace] = field(default_factory=list)
+    traces: list[StepTrace] = field(default_factory=list)
+    """Every step the iteration ran, in the order they ended."""
     batch: Batch | None = None
     """The whole batch, only where it exists in one process (the reference executor)."""
 
@@ -55,18 +83,19 @@ def response_tokens(batch: Batch) -> list[int]:
 
 
 class ReferenceExecutor:
-    """Runs a workflow's MFCs one after another on roles held in this process."""
+    """Runs a schedule's calls one after another, on roles held in this process; the schedule's other steps
+    (reallocations, frees, syncs, offloading) are placement, which one process does not have."""
 
-    def __init__(self, workflow: Workflow, roles: dict[str, Role], seed: int, pad_id: int, eos_id: int,
+    def __init__(self, schedule: Schedule, roles: dict[str, Role], seed: int, pad_id: int, eos_id: int,
                  decode: Callable[[list[int]], str], metrics_fn: Callable[[Batch], dict] | None = None,
                  evaluate_fn: Callable[[Any, Sequence], dict] | None = None, tokenizer: Any = None):
-        missing = sorted({m.role for m in workflow if m.role is not None} - set(roles))
+        calls = schedule.calls()
+        missing = sorted({s.role for s in calls if s.role is not None} - set(roles))
         if missing:
             raise ValueError(f"workflow needs roles {missing} that were not built")
-        self.workflow, self.roles = workflow, roles
+        self.calls, self.roles = calls, roles
         self.seed, self.pad_id, self.eos_id, self.decode = seed, pad_id, eos_id, decode
         self.metrics_fn, self.evaluate_fn, self.tokenizer = metrics_fn, evaluate_fn, tokenizer
-        self.order = workflow.topological_order()
 
     def _context(self, mfc: MFC, iteration: int, batch: Batch) -> OpContext:
         role = self.roles[mfc.role] if mfc.role is not None else None
@@ -78,18 +107,26 @@ class ReferenceExecutor:
 
     def run_iteration(self, iteration: int, batch: Batch) -> IterationResult:
         result = IterationResult(batch=batch)
-        for mfc in self.order:
-            start = time.perf_counter()
+        for step in self.calls:
+            mfc = step.mfc
+            start = time.time()
             out = mfc.op(self._context(mfc, iteration, batch), batch.columns(mfc.inputs))
             if mfc.kind == MFCKind.TRAIN:
                 merge_stats(result.stats, out.pop("stats", {}), mfc.name)
             if set(out) != set(mfc.outputs):
                 raise RuntimeError(f"MFC '{mfc.name}' returned {sorted(out)}, declared {sorted(mfc.outputs)}")
             batch.update(out)
-            result.traces.append(MFCTrace(iteration, mfc.name, mfc.role, start, time.perf_counter()))
+            result.traces.append(StepTrace.of(step, iteration, "iteration", {0: {"start": start, "end": time.time()}}))
         if self.metrics_fn is not None:
             merge_stats(result.stats, self.metrics_fn(batch), "metrics")
         return result
+
+    def apply_plan(self, plan: Any) -> None:
+        """Nothing moves in one process: a plan change never changes what is computed."""
+
+    def drain_traces(self) -> list[StepTrace]:
+        """No steps run outside iterations here."""
+        return []
 
     # ------------------------------------------------------------------ evaluation and checkpoints
     def trainable(self) -> dict[str, Role]:

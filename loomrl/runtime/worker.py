@@ -1,11 +1,12 @@
-"""One device's worker: the shards of every role placed on the device, and the MFC calls run on them.
+"""One device's worker: the models the plan puts on the device, and the schedule steps run on them.
 
 A plain class, so tests can build it without Ray; :mod:`loomrl.runtime.ray_executor` wraps it as one Ray actor
-per device. The worker builds its roles itself from the run's config (same seed, so data-parallel replicas
-start identical), applies each role's layout (pipeline stages, tensor parallelism, or both), and runs the
-workflow's MFC functions on the rows the controller assigns it. Inputs arrive as Ray object references to other
-workers' output shards, and outputs leave the same way: the controller sees references and scalars, never
-tokens.
+per device. The worker receives its roles' specs and the plan's schedule (:mod:`loomrl.runtime.spec`), builds
+the model of every (role, shards) the schedule places on its device, in the layout those shards say (pipeline
+stages, tensor parallelism, FSDP), and runs the steps the controller names: calls on the rows it is given,
+copies and syncs with their transfer plans, frees, reloads and offloads. Inputs arrive as Ray object
+references to other workers' output shards, and outputs leave the same way: the controller sees references and
+scalars, never tokens.
 """
 
 from __future__ import annotations
@@ -13,7 +14,6 @@ from __future__ import annotations
 import os
 import time
 import traceback
-from dataclasses import dataclass, field
 from datetime import timedelta
 from functools import partial
 from pathlib import Path
@@ -22,45 +22,35 @@ from typing import Any, Sequence
 import torch
 import torch.distributed as dist
 
-from loomrl.algorithms.roles import OpContext
+from loomrl.algorithms.evaluate import evaluate_policy
+from loomrl.algorithms.metrics import rollout_metrics
+from loomrl.algorithms.roles import OpContext, Role
 from loomrl.checkpoint import load_checkpoint, save_checkpoint
-from loomrl.algorithms.workflows import build_workflow
-from loomrl.config import TrainConfig
+from loomrl.data.sources import build_task
+from loomrl.engine import ModelEngine, build_model, make_role, resolve_device, resolve_dtype
 from loomrl.launch import quiet_libraries
+from loomrl.models.tokenizer import decode_response, tokenizer_for
 from loomrl.parallel import (apply_fsdp, apply_tensor_parallel, build_broadcast_groups, check_layout,
-                             execute_reallocation, full_state_dict, local_shard, sync_gradients)
-from loomrl.parallel.allocations import AllocationGroups, AllocKey
-from loomrl.plan.realloc_plan import ReallocPlan
+                             execute_reallocation, full_state_dict, local_shard)
+from loomrl.parallel.allocations import AllocationGroups
+from loomrl.parallel.optim_state import init_state, state_tensors, steps_taken
 from loomrl.parallel.pipeline import split_stages
 from loomrl.parallel.pipeline_schedule import PipelineRunner
+from loomrl.plan.plan import Allocation
+from loomrl.plan.schedule import Step, StepKind
 from loomrl.runtime.offload import HostCopy, bind_view, reclaim, release_storage
+from loomrl.runtime.plan_change import Move
+from loomrl.runtime.spec import CallData, WorkerPlan, WorkerSpec
 from loomrl.runtime.state_io import FullOptimizerState, merge_optimizer_states, with_masters
-from loomrl.train import common
-from loomrl.train.evaluate import evaluate_policy
-from loomrl.train.metrics import rollout_metrics
 from loomrl.workflow import MFCKind
 from loomrl.workflow.batch import Batch
 
+Holding = tuple[str, Allocation]
+"""``(role, shards)``: one model this device holds, in one layout."""
+
 
 class WorkerError(RuntimeError):
-    """An MFC failed on a worker; the message names the worker, the role and the MFC."""
-
-
-@dataclass(frozen=True)
-class MFCCall:
-    """What the controller sends a worker for one MFC: metadata only."""
-
-    mfc: str
-    iteration: int
-    sample_ids: tuple[int, ...]
-    """This worker's rows, in order."""
-    inputs: tuple[Any, ...]
-    """Object references to the output shards holding the rows' input columns (each wrapped in a 1-tuple so
-    Ray passes the reference, not its value)."""
-    train_steps: tuple[tuple[tuple[int, ...], float], ...] = ()
-    """Per optimizer step: positions in ``sample_ids`` and the loss weight (train MFCs)."""
-    publish: bool = True
-    """Whether this worker's outputs are published (one tensor-parallel rank per data-parallel group)."""
+    """A step failed on a worker; the message names the worker, the role and the step."""
 
 
 def gather_rows(shards: Sequence[Batch], sample_ids: Sequence[int], keys: Sequence[str]) -> Batch:
@@ -87,108 +77,34 @@ def gather_rows(shards: Sequence[Batch], sample_ids: Sequence[int], keys: Sequen
     return Batch(sample_ids, columns)
 
 
-@dataclass(frozen=True)
-class RuntimePlacement:
-    """What the controller derives from the execution plan and every worker needs to know."""
-
-    mfc_keys: dict[str, AllocKey]
-    """The allocation each MFC runs on."""
-    canonical: dict[str, AllocKey]
-    """Where each role's weights live: its train call's allocation, else its first call's."""
-    reallocs: tuple[tuple[str, AllocKey, AllocKey, ReallocPlan], ...]
-    """(role, from, to, transfer plan) for every other allocation of a role, in a fixed order."""
-    mfc_micro_batches: dict[str, int] = field(default_factory=dict)
-    """The micro-batches each MFC's rows on a rank run as (the plan's; 1 for an MFC not listed)."""
-    mfc_recompute: frozenset[str] = frozenset()
-    """Train MFCs that recompute activations in the backward (the plan's ``rc``)."""
-    offloaded: frozenset[str] = frozenset()
-    """Frozen roles kept in host memory between their calls (the plan's offloaded roles; on accelerators)."""
-    zero: frozenset[str] = frozenset()
-    """Trained roles whose optimizer state is sharded over their training allocation's dp group (ZeRO-1)."""
-
-    def keys_of(self, role: str, workflow) -> list[AllocKey]:
-        keys = [self.canonical[role]] + [self.mfc_keys[m.name] for m in workflow.mfcs_of_role(role)]
-        return sorted(set(keys))
-
-
 class DeviceWorker:
-    """The roles on one device, in every layout the plan gives them here, and the MFC calls run on them."""
+    """The models on one device, in every layout the plan gives them here, and the steps run on them."""
 
-    def __init__(self, rank: int, world: int, cfg: TrainConfig):
-        self.rank, self.world, self.cfg = rank, world, cfg
+    def __init__(self, rank: int, world: int, spec: WorkerSpec):
+        self.rank, self.world, self.spec = rank, world, spec
         quiet_libraries()
-        threads = cfg.runtime.threads or max(1, (os.cpu_count() or 1) // world)
+        threads = spec.threads or max(1, (os.cpu_count() or 1) // world)
         torch.set_num_threads(threads)
-        self.device = common.resolve_device(cfg.runtime.device)
+        self.device = resolve_device(spec.device)
         if self.device.type == "cuda":
             self.device = torch.device("cuda", torch.cuda.current_device())
-        self.dtype = common.resolve_dtype(cfg.runtime.precision, self.device)
+        self.dtype = resolve_dtype(spec.precision, self.device)
         """The run's weight type: that of every copy a reallocation fills (FSDP keeps fp32 shards)."""
+        self.tokenizer = tokenizer_for(spec.tokenizer)
+        self.task = build_task(spec.task)
+        self.decode = partial(decode_response, self.tokenizer)
+        self.holdings: dict[Holding, Role] = {}
+        self.views: dict[Holding, frozenset[str]] = {}
+        """Parameters of a copy bound to views of its role's training shards here by its latest reallocation
+        (see :meth:`_reallocate`), and pointed at placeholders when it is freed."""
+        self.host_copies: dict[Holding, HostCopy] = {}
+        self.kinds: dict[Holding, str] = {}
+        """What each holding is (:meth:`_kind`): a holding whose kind a plan change alters is built anew."""
+        self.transfers: dict[tuple, tuple] = {}
+        """(role, source, destination) → (its transfer plan, the broadcast groups it needs)."""
 
     def pid(self) -> int:
         return os.getpid()
-
-    def setup(self, master_addr: str, master_port: int, placement: RuntimePlacement) -> dict:
-        """Join the process group, build and shard this device's models, create every communicator."""
-        from loomrl.train.rl import build_role_model, make_role  # the reference executor's builders
-
-        backend = "nccl" if self.device.type == "cuda" else "gloo"
-        dist.init_process_group(backend, init_method=f"tcp://{master_addr}:{master_port}", rank=self.rank,
-                                world_size=self.world, timeout=timedelta(seconds=self.cfg.runtime.timeout_s))
-        self.placement = placement
-        all_keys = list(placement.mfc_keys.values()) + list(placement.canonical.values())
-        self.groups = AllocationGroups(self.rank, all_keys, self.device.type)
-        self.tokenizer = common.tokenizer_for(self.cfg.actor.model)
-        self.task = common.build_task(self.cfg.task)
-        self.workflow = build_workflow(self.cfg.algo, self.cfg.rollout)
-        self.decode = partial(common.decode_response, self.tokenizer)
-        trained = {m.role for m in self.workflow if m.kind == MFCKind.TRAIN}
-        self.roles: dict[tuple[str, AllocKey], Any] = {}
-        self.views: dict[tuple[str, AllocKey], frozenset[str]] = {}
-        """Parameters of a role's copy bound to views of its training shards here (see :meth:`reallocate`)."""
-        for role in self.workflow.roles():
-            for key in placement.keys_of(role, self.workflow):
-                if key in self.groups:
-                    model = build_role_model(self.cfg, role, self.tokenizer, self.device)
-                    model, pipeline = self._parallelize(role, key, model)
-                    if role in trained and key != placement.canonical[role] and model is not None:
-                        _own_storage(model)  # a copy that is freed and refilled every iteration
-                    trainable = role in trained and key == placement.canonical[role]
-                    zero_group = self.groups[key].dp_group if trainable and role in placement.zero and key.dp > 1 \
-                        else None
-                    self.roles[(role, key)] = make_role(self.cfg, role, model, self.task, trainable, zero_group)
-                    self.roles[(role, key)].pipeline = pipeline
-        # Offloading to host memory frees device memory only where the device is not the host itself.
-        self.host_copies = {} if self.device.type == "cpu" else {
-            (role, key): HostCopy(handle.model) for (role, key), handle in self.roles.items()
-            if role in placement.offloaded and handle.model is not None}
-        for copy in self.host_copies.values():
-            copy.release()
-        # Creating groups is collective: every rank builds every transfer's broadcast groups, in order.
-        self.bcast = [build_broadcast_groups(plan) for _, _, _, plan in placement.reallocs]
-        return {"rank": self.rank, "pid": os.getpid(), "device": str(self.device)}
-
-    def _parallelize(self, role: str, key: AllocKey, model: torch.nn.Module | None):
-        """Shard a freshly built model for allocation ``key`` (before any optimizer sees its parameters);
-        returns the model this device keeps and, for pipeline stages, the runner that drives them.
-
-        pp > 1 keeps this device's stage (its layers, and the embedding / head where they live); tp > 1 then
-        shards what is kept over the TP ranks of the stage, so a pp×tp device holds one TP slice of one stage.
-        An FSDP allocation (pp = 1) then shards each TP slice over the data-parallel ranks (FSDP2 on the dp
-        dimension of the dp × tp mesh).
-        """
-        if model is None:
-            return None, None
-        check_layout(key.layout, model.config, len(key.devices), where=f"runtime.plan ({role})")
-        groups = self.groups[key]
-        stage = split_stages(model, groups.pp_rank, key.pp) if key.pp > 1 else None
-        if key.tp > 1:
-            apply_tensor_parallel(model, groups.tp_mesh)
-        if key.fsdp:
-            return apply_fsdp(model, groups.dp_mesh, self.dtype), None
-        if stage is None:
-            return model, None
-        return stage.model, PipelineRunner(stage, groups.pp_group, groups.pp_rank, key.pp)
 
     def node_ip(self) -> str:
         import ray
@@ -202,27 +118,130 @@ class DeviceWorker:
             s.bind(("", 0))
             return s.getsockname()[1]
 
-    # -------------------------------------------------------------------------------------- MFC calls
-    def run_mfc(self, call: MFCCall) -> dict:
-        mfc = self.workflow[call.mfc]
+    # --------------------------------------------------------------------------------------------- set-up
+    def setup(self, master_addr: str, master_port: int, plan: WorkerPlan) -> dict:
+        """Join the process group, then install ``plan``: its communicators and this device's models."""
+        backend = "nccl" if self.device.type == "cuda" else "gloo"
+        dist.init_process_group(backend, init_method=f"tcp://{master_addr}:{master_port}", rank=self.rank,
+                                world_size=self.world, timeout=timedelta(seconds=self.spec.timeout_s))
+        self.groups = AllocationGroups(self.rank, (), self.device.type)
+        self.install(plan)
+        return {"rank": self.rank, "pid": os.getpid(), "device": str(self.device)}
+
+    def install(self, plan: WorkerPlan, extra: Sequence[Allocation] = ()) -> None:
+        """Make ``plan`` the one this worker executes: create the communicators of its allocations (and of
+        ``extra`` ones) and the broadcast groups of its transfers (collective: every worker installs the same
+        plan, in the same order) and build the models it places here that this device does not hold yet."""
+        self.plan, self.steps, self.training = plan, plan.steps(), plan.training()
+        holdings = plan.schedule.holdings()
+        self.groups.add([alloc for _, alloc in holdings] + list(self.training.values()) + list(extra))
+        self.transfers = {t: self.transfers[t] if t in self.transfers else (p, build_broadcast_groups(p))
+                          for t, p in plan.transfers.items()}
+        for role, alloc in holdings:
+            key = (role, alloc)
+            if self.rank in alloc.mesh and (key not in self.holdings or self.kinds[key] != self._kind(role, alloc)):
+                self.holdings[key] = self._build(role, alloc)
+        if self.device.type != "cpu":  # a CPU device is its host: offloading would free nothing
+            for key in plan.offloaded():
+                if key in self.holdings and key not in self.host_copies:
+                    self.host_copies[key] = HostCopy(self.holdings[key].model)
+                    self.host_copies[key].release()
+
+    def _kind(self, role: str, alloc: Allocation) -> str:
+        """What a holding is under the installed plan: the role's training state (with its optimizer's
+        sharding), a copy or shadow of a trained role's weights, or a frozen role's weights."""
+        training = self.training.get(role)
+        if training is not None and alloc == training.shards:
+            return f"training{'/zero' if training.zero else ''}"
+        return "copy" if self.spec.roles[role].trained else "frozen"
+
+    def _build(self, role: str, alloc: Allocation) -> Role:
+        """A role's model built from its spec and sharded for ``alloc`` here (before any optimizer exists); the
+        role's training allocation gets the optimizer and the engine that sums and clips its gradients; a copy
+        is left empty, to be filled before each use."""
+        spec = self.spec.roles[role]
+        training = self.training.get(role)
+        kind = self._kind(role, alloc)
+        trainable = kind.startswith("training")
+        model, pipeline = self._parallelize(role, alloc, build_model(spec, self.tokenizer, self.device, self.dtype))
+        self.kinds[(role, alloc)] = kind
+        if model is None:
+            return make_role(spec, None, self.task, None, trainable=False)
+        groups = self.groups[alloc]
+        sharded = alloc.layout.dp > 1
+        engine = ModelEngine(model, pipeline=pipeline,
+                             dp_group=groups.dp_group if trainable and sharded and not alloc.fsdp else None,
+                             lockstep=trainable and sharded and alloc.fsdp)
+        zero_group = groups.dp_group if trainable and sharded and training.zero else None
+        handle = make_role(spec, model, self.task, engine, trainable=trainable, zero_group=zero_group)
+        if kind == "copy":
+            _own_storage(model)  # freed and refilled around its uses
+            release_storage(model)
+        return handle
+
+    def _parallelize(self, role: str, alloc: Allocation, model: torch.nn.Module | None):
+        """Shard a freshly built model for ``alloc``; returns the model this device keeps and, for pipeline
+        stages, the runner that drives them.
+
+        pp > 1 keeps this device's stage (its layers, and the embedding / head where they live); tp > 1 then
+        shards what is kept over the TP ranks of the stage, so a pp×tp device holds one TP slice of one stage.
+        An FSDP allocation (pp = 1) then shards each TP slice over the data-parallel ranks (FSDP2 on the dp
+        dimension of the dp × tp mesh).
+        """
+        if model is None:
+            return None, None
+        layout = alloc.layout
+        check_layout(layout, model.config, len(alloc.mesh), where=f"runtime.plan ({role})")
+        groups = self.groups[alloc]
+        stage = split_stages(model, groups.pp_rank, layout.pp) if layout.pp > 1 else None
+        if layout.tp > 1:
+            apply_tensor_parallel(model, groups.tp_mesh)
+        if alloc.fsdp:
+            return apply_fsdp(model, groups.dp_mesh, self.dtype), None
+        if stage is None:
+            return model, None
+        return stage.model, PipelineRunner(stage, groups.pp_group, groups.pp_rank, layout.pp)
+
+    # --------------------------------------------------------------------------------------------- steps
+    def run_step(self, step_id: str, data: Any = None) -> dict:
+        """Run one step of the installed plan (``data``: a call's :class:`CallData`, an evaluation's examples)."""
+        step = self.steps[step_id]
         start = time.time()
-        offloaded = self.host_copies.get((mfc.role, self.placement.mfc_keys[mfc.name]))
         try:
-            shards = _get(list(call.inputs))
-            batch = gather_rows(shards, call.sample_ids, mfc.inputs)
-            if not call.sample_ids and mfc.kind != MFCKind.TRAIN:
-                out = {}  # a replica given no rows computes nothing (train calls still join the step's collectives)
-            else:
-                if offloaded is not None:
-                    offloaded.restore()
-                out = mfc.op(self._context(mfc, call), batch)
-                if offloaded is not None:
-                    offloaded.release()
+            out = self._run(step, data)
         except Exception as exc:
-            raise WorkerError(f"worker {self.rank} failed in MFC '{mfc.name}' (role {mfc.role}): "
+            what = f"MFC '{step.id}'" if step.kind is StepKind.CALL else f"step '{step.id}'"
+            raise WorkerError(f"worker {self.rank} failed in {what} (role {step.role}): "
                               f"{type(exc).__name__}: {exc}\n{traceback.format_exc()}") from None
+        return {"start": start, "end": time.time(), "rank": self.rank, **out}
+
+    def _run(self, step: Step, data: Any) -> dict:
+        kind = step.kind
+        if kind is StepKind.CALL:
+            return self._call(step, data)
+        if kind is StepKind.EVALUATE:
+            return self._evaluate(step, data)
+        if step.moves_bytes:
+            self._reallocate(step)
+        elif kind is StepKind.FREE:
+            handle = self.holdings[(step.role, step.alloc)]
+            release_storage(handle.model, self.views.get((step.role, step.alloc), frozenset()))
+        elif kind is StepKind.RELOAD and (step.role, step.alloc) in self.host_copies:
+            self.host_copies[(step.role, step.alloc)].restore()
+        elif kind is StepKind.OFFLOAD and (step.role, step.alloc) in self.host_copies:
+            self.host_copies[(step.role, step.alloc)].release()
+        return {}
+
+    def _call(self, step: Step, call: CallData) -> dict:
+        mfc = step.mfc
+        shards = _get(list(call.inputs))
+        batch = gather_rows(shards, call.sample_ids, mfc.inputs)
+        if not call.sample_ids and mfc.kind != MFCKind.TRAIN:
+            out = {}  # a replica given no rows computes nothing (train calls still join the step's collectives)
+        else:
+            out = mfc.op(self._context(step, call), batch)
         stats = out.pop("stats", {}) if mfc.kind == MFCKind.TRAIN else {}
-        meta: dict[str, Any] = {"start": start, "end": time.time(), "rank": self.rank}
+        meta: dict[str, Any] = {}
         if call.publish:
             meta["stats"] = stats
             if out:
@@ -231,24 +250,19 @@ class DeviceWorker:
                 meta["tokens"] = {sid: len(r) for sid, r in zip(call.sample_ids, out["response_ids"])}
         return meta
 
-    def _context(self, mfc, call: MFCCall) -> OpContext:
-        key = self.placement.mfc_keys[mfc.name]
-        role = self.roles[(mfc.role, key)] if mfc.role is not None else None
-        sync = None
-        if mfc.kind == MFCKind.TRAIN and key.dp > 1 and not key.fsdp:  # FSDP reduce-scatters in the backward
-            sync = partial(sync_gradients, dp_group=self.groups[key].dp_group)
+    def _context(self, step: Step, call: CallData) -> OpContext:
+        role = self.holdings[(step.role, step.alloc.shards)] if step.role is not None else None
         tok = self.tokenizer
-        return OpContext(role, self.cfg.seed, call.iteration, tok.pad_token_id, tok.eos_token_id, self.decode,
-                         train_steps=call.train_steps, sync_grads=sync,
-                         micro_batches=self.placement.mfc_micro_batches.get(mfc.name, 1),
-                         recompute=mfc.name in self.placement.mfc_recompute,
-                         lockstep=mfc.kind == MFCKind.TRAIN and key.fsdp and key.dp > 1)
+        return OpContext(role, self.spec.seed, call.iteration, tok.pad_token_id, tok.eos_token_id, self.decode,
+                         train_steps=call.train_steps, micro_batches=step.alloc.micro_batches,
+                         recompute=step.alloc.recompute)
 
-    def reallocate(self, index: int) -> dict:
-        """Move a role's weights from its canonical layout to another (every source and destination calls)."""
-        start = time.time()
-        role, src, dst, plan = self.placement.reallocs[index]
-        src_role, dst_role = self.roles.get((role, src)), self.roles.get((role, dst))
+    def _reallocate(self, step: Step) -> None:
+        """Move a role's weights from its training layout into a copy or shadow (every source and destination
+        device runs it)."""
+        role, src, dst = step.transfer
+        plan, groups = self.transfers[step.transfer]
+        src_role, dst_role = self.holdings.get((role, src)), self.holdings.get((role, dst))
         dtype = self.dtype  # FSDP's fp32 shards are rounded to the copy's type (a no-op otherwise)
         src_tensors = {n: local_shard(p).detach().to(dtype) for n, p in src_role.model.named_parameters()} \
             if src_role else {}
@@ -257,61 +271,93 @@ class DeviceWorker:
         views = {n for n, _ in dst_role.model.named_parameters() if plan.aliased(self.rank, n)} if dst_role else set()
         targets = None if dst_role is None else {n: reclaim(p) for n, p in dst_role.model.named_parameters()
                                                  if n not in views}
-        out = execute_reallocation(plan, src_tensors, self.rank, groups=self.bcast[index], dtypes=dtype,
-                                   device=self.device, verify=self.cfg.runtime.verify_reallocation, out=targets)
-        if views:
+        out = execute_reallocation(plan, src_tensors, self.rank, groups=groups, dtypes=dtype, device=self.device,
+                                   verify=self.spec.verify_reallocation, out=targets)
+        if dst_role is not None:
             params = dict(dst_role.model.named_parameters())
             for name in views:
                 bind_view(params[name], out[name])
-            self.views[(role, dst)] = frozenset(views)
-        return {"start": start, "end": time.time(), "rank": self.rank}
+            self.views[(role, dst)] = frozenset(views)  # bound to the training shards until freed
 
-    def free_view(self, role: str, key: AllocKey) -> dict:
-        """Release a trained role's copy in a non-training layout after its last use in an iteration: going back
-        to the training layout is a free, not a copy (the next reallocation refills it)."""
-        handle = self.roles.get((role, key))
-        if handle is not None:
-            release_storage(handle.model, self.views.get((role, key), frozenset()))
-        return {"rank": self.rank}
-
-    def memory_report(self) -> dict[str, int]:
-        """Bytes of parameters this device holds per (role, allocation), e.g. to see freed copies."""
-        report = {}
-        for (role, key), handle in self.roles.items():
-            if handle.model is not None:
-                views = self.views.get((role, key), frozenset())  # storage of the training copy
-                held = sum(local_shard(p).untyped_storage().size() for n, p in handle.model.named_parameters()
-                           if n not in views)
-                report[f"{role}@{key.devices}:dp{key.dp}tp{key.tp}pp{key.pp}{'fsdp' * key.fsdp}"] = held
-        return report
+    def _evaluate(self, step: Step, examples: tuple[Sequence, bool]) -> dict:
+        """Greedy evaluation of this worker's share of examples with the actor in the step's layout; sums."""
+        share, publish = examples
+        model = self.holdings[(step.role, step.alloc)].model
+        out = evaluate_policy(model, self.tokenizer, self.task, share, self.spec.eval_max_new_tokens) \
+            if share else {"exact_match": 0.0, "score": 0.0}
+        return {"sums": {k: v * len(share) for k, v in out.items()}} if publish else {}
 
     def metrics(self, sample_ids: Sequence[int], inputs: Sequence[Any]) -> dict[str, float]:
         shards = _get(list(inputs))
         keys = ("prompt_ids", "response_ids", "prompt_text", "answer", "score", "kl")
         return rollout_metrics(gather_rows(shards, sample_ids, keys), self.decode, self.task)
 
-    def evaluate(self, examples: Sequence, key: AllocKey, publish: bool) -> dict[str, float] | None:
-        """Greedy evaluation of this worker's share with the actor in allocation ``key``; sums."""
-        model = self.roles[("actor", key)].model
-        out = evaluate_policy(model, self.tokenizer, self.task, examples, self.cfg.rollout.max_new_tokens) \
-            if examples else {"exact_match": 0.0, "score": 0.0}
-        return {k: v * len(examples) for k, v in out.items()} if publish else None
+    def memory_report(self) -> dict[str, int]:
+        """Bytes of parameters this device holds per (role, shards), e.g. to see freed copies."""
+        report = {}
+        for (role, alloc), handle in self.holdings.items():
+            if handle.model is not None:
+                views = self.views.get((role, alloc), frozenset())  # storage of the training copy
+                report[f"{role}@{alloc.text}"] = sum(local_shard(p).untyped_storage().size()
+                                                     for n, p in handle.model.named_parameters() if n not in views)
+        return report
 
-    # ----------------------------------------------------------------------------------- checkpoints
+    # ---------------------------------------------------------------------------------------- plan changes
+    def steps_taken(self, role: str) -> int:
+        """Optimizer steps a trained role has taken (this device must hold its training state)."""
+        handle = self.holdings[(role, self.training[role].shards)]
+        return steps_taken(handle.optimizer)
+
+    def apply_plan(self, plan: WorkerPlan, moves: Sequence[Move]) -> dict:
+        """Switch to ``plan``: build the holdings it places here anew (a new training allocation, a new
+        placement of a frozen role), move every role's state into them (collective over each move's devices, in
+        the same order on every worker), drop what the new plan does not hold here, and install it."""
+        start = time.time()
+        old = dict(self.holdings)
+        kept = set(plan.schedule.holdings())
+        self.holdings = {k: v for k, v in old.items() if k in kept}
+        self.install(plan, extra=[a for m in moves for a in (m.src, m.dst)])
+        for move in moves:
+            self._move(move, old.get((move.role, move.src.shards)), self.holdings.get((move.role, move.dst.shards)))
+        for key, handle in old.items():  # gone, or built anew: what referred to the old model goes with it
+            if self.holdings.get(key) is not handle:
+                self.views.pop(key, None)
+                self.host_copies.pop(key, None)
+        return {"start": start, "end": time.time(), "rank": self.rank}
+
+    def _move(self, move: Move, src: Role | None, dst: Role | None) -> None:
+        """Run one role's move (:mod:`loomrl.runtime.plan_change`); ``src``/``dst``: this device's old and new
+        holding of the role, if any. Every worker runs every move: building its groups is collective."""
+        groups = {id(p): build_broadcast_groups(p) for p in (move.weights, move.state) if p is not None}
+        if dst is not None and dst.optimizer is not None and move.step > 0:
+            init_state(dst.model, dst.optimizer, move.step)
+        for kind in move.kinds:
+            plan = move.weights if kind == "weights" else move.state
+            dtype = self.dtype if kind == "weights" else torch.float32
+            sent = {n: t.detach().to(dtype) for n, t in state_tensors(src.model, src.optimizer, kind).items()} \
+                if src is not None else {}
+            targets = state_tensors(dst.model, dst.optimizer, kind) if dst is not None else None
+            got = execute_reallocation(plan, sent, self.rank, groups=groups[id(plan)], dtypes=dtype,
+                                       device=self.device, verify=self.spec.verify_reallocation, out=targets)
+            with torch.no_grad():
+                for name, tensor in got.items():  # shards the plan aliases come back as views of the old ones
+                    if targets is not None and name in targets and tensor.data_ptr() != targets[name].data_ptr():
+                        targets[name].copy_(tensor.view_as(targets[name]))
+
+    # ----------------------------------------------------------------------------------------- checkpoints
     def export_role(self, role: str) -> dict:
-        """Full weights and optimizer state of a trained role (collective over its canonical mesh); the mesh's
-        first device publishes them for the checkpoint writer."""
-        key = self.placement.canonical[role]
-        handle = self.roles[(role, key)]
+        """Full weights and optimizer state of a trained role (collective over its training mesh); the mesh's
+        first device of each pipeline stage publishes that stage's part for the checkpoint writer."""
+        alloc = self.training[role]
+        handle = self.holdings[(role, alloc.shards)]
         weights = full_state_dict(handle.model)
         optim = FullOptimizerState(handle.model, handle.optimizer).state_dict()
-        if key.fsdp:  # its fp32 shards are the master weights of a 16-bit run
+        if alloc.fsdp:  # its fp32 shards are the master weights of a 16-bit run
             weights, optim = with_masters(weights, optim, self.dtype)
-        pp_rank, dp_rank, tp_rank = key.coords(self.rank)
-        if dp_rank or tp_rank:  # one device per pipeline stage publishes that stage's part
+        coords = alloc.coords(self.rank)
+        if coords.dp or coords.tp:
             return {}
-        model_cls = type(handle.model)
-        return {"state": (_put({"weights": weights, "optim": optim, "cls": model_cls,
+        return {"state": (_put({"weights": weights, "optim": optim, "cls": type(handle.model),
                                 "config": handle.model.config}),)}
 
     def save(self, run_dir: str, iteration: int, state: dict, keep_last: int, exports: dict) -> str:
@@ -327,10 +373,9 @@ class DeviceWorker:
                                    keep_last=keep_last))
 
     def load(self, path: str) -> dict:
-        """Every holder of a trained role's canonical weights loads them (and its optimizer state)."""
-        trained = {m.role for m in self.workflow if m.kind == MFCKind.TRAIN}
-        mine = {role: self.roles[(role, key)] for role, key in self.placement.canonical.items()
-                if role in trained and (role, key) in self.roles}
+        """Every holder of a trained role's training weights loads them (and its optimizer state)."""
+        mine = {role: self.holdings[(role, alloc.shards)] for role, alloc in self.training.items()
+                if (role, alloc.shards) in self.holdings}
         return load_checkpoint(Path(path), {n: r.model for n, r in mine.items()},
                                {n: FullOptimizerState(r.model, r.optimizer) for n, r in mine.items()},
                                restore_rng=self.rank == 0)
@@ -368,4 +413,3 @@ def _put(value):
     import ray
 
     return ray.put(value)
-

@@ -11,6 +11,7 @@ Run:  loomrl train examples/ppo_sort.yaml loop.iterations=20
 
 from __future__ import annotations
 
+import dataclasses
 import json
 import time
 from dataclasses import dataclass
@@ -19,21 +20,28 @@ from pathlib import Path
 
 import torch
 
-from loomrl.algorithms.lr import learning_rate
+from loomrl.algorithms.evaluate import evaluate_policy
+from loomrl.algorithms.metrics import rollout_metrics
 from loomrl.algorithms.roles import Role
 from loomrl.algorithms.workflows import build_workflow
 from loomrl.checkpoint import latest_checkpoint
 from loomrl.config import TrainConfig
 from loomrl.configtools import dump_yaml
+from loomrl.data.sources import build_task, examples_window, prompt_source
+from loomrl.engine import (ModelEngine, RoleSpec, build_model, make_role, resolve_device, resolve_dtype, role_specs,
+                           set_threads)
 from loomrl.errors import ConfigError, DataError
-from loomrl.models.zoo import build_causal_lm, build_value_model, check_model_spec
-from loomrl.parallel.main_grad import accumulate_in_fp32
+from loomrl.launch import local_cluster
+from loomrl.models.tokenizer import decode_response, encode_prompt, tokenizer_for
+from loomrl.models.zoo import check_model_spec
+from loomrl.plan import ClusterSpec, ExecutionPlan, colocate
+from loomrl.plan.from_config import plan_from_config
+from loomrl.plan.schedule import build_schedule
 from loomrl.report import MetricsLogger, plot_reward_curve
 from loomrl.runtime.reference import IterationResult, ReferenceExecutor
-from loomrl.train import common
-from loomrl.train.evaluate import evaluate_policy
-from loomrl.train.metrics import rollout_metrics
+from loomrl.runtime.spec import WorkerSpec
 from loomrl.train.progress import RunProgress
+from loomrl.workflow import Workflow
 from loomrl.workflow.batch import Batch
 
 GROUP_ALGORITHMS = ("grpo", "rloo")
@@ -43,69 +51,50 @@ def check_models(cfg: TrainConfig) -> None:
     specs = {"actor.model": cfg.actor.model, "critic.model": cfg.critic.model, "reward.model": cfg.reward.model}
     for field, spec in specs.items():
         if spec is not None:
-            _named(field, check_model_spec, spec)
+            try:
+                check_model_spec(spec)
+            except DataError as err:
+                raise DataError(f"{field}: {err}") from None
 
 
-def _named(field: str, build, *args):
-    """Run a model builder; its one-line error gains the config field it came from."""
-    try:
-        return build(*args)
-    except DataError as err:
-        raise DataError(f"{field}: {err}") from None
+def worker_spec(cfg: TrainConfig, workflow: Workflow) -> WorkerSpec:
+    """What every worker of the run needs: its roles' specs and the settings that reach a device."""
+    rt = cfg.runtime
+    return WorkerSpec(role_specs(cfg, workflow.roles()), cfg.task, cfg.actor.model, cfg.seed, rt.device,
+                      rt.precision, rt.threads, rt.timeout_s, rt.verify_reallocation, cfg.rollout.max_new_tokens)
 
 
-def build_role_model(cfg: TrainConfig, name: str, tokenizer, device: torch.device) -> torch.nn.Module | None:
-    """The initial model of one role (None for a rule-only reward); the same weights on every process, in the
-    dtype of ``runtime.precision`` (drawn or loaded in fp32, then rounded, so every precision starts alike)."""
-    dtype = common.resolve_dtype(cfg.runtime.precision, device)
-    if name in ("actor", "ref"):  # the reference policy is the actor's starting point
-        model = _named("actor.model", build_causal_lm, cfg.actor.model, tokenizer, cfg.seed).to(device, dtype)
-        return model.eval().requires_grad_(False) if name == "ref" else model
-    if name == "critic":
-        field = "critic.model" if cfg.critic.model else "actor.model"
-        return _named(field, build_value_model, cfg.critic.model or cfg.actor.model, tokenizer,
-                      cfg.seed + 1).to(device, dtype)
-    if name == "reward" and cfg.reward.source in ("model", "both"):
-        model = _named("reward.model", build_value_model, cfg.reward.model, tokenizer, cfg.seed).to(device, dtype)
-        return model.eval().requires_grad_(False)
-    return None
+def build_roles(specs: dict[str, RoleSpec], tokenizer, task, device: torch.device, dtype: torch.dtype
+                ) -> dict[str, Role]:
+    """Every role whole in this process (the reference executor's): trained roles with their optimizers."""
+    roles = {}
+    for name, spec in specs.items():
+        model = build_model(spec, tokenizer, device, dtype)
+        roles[name] = make_role(spec, model, task, None if model is None else ModelEngine(model),
+                                trainable=spec.trained)
+    return roles
 
 
-def make_role(cfg: TrainConfig, name: str, model: torch.nn.Module | None, task, trainable: bool,
-              zero_group=None) -> Role:
-    """A role around an (already parallelised) model; trainable roles get their optimizer here (its state
-    sharded over ``zero_group`` when given: ZeRO-1)."""
-    if name == "reward":
-        rule = task.score if cfg.reward.source in ("rule", "both") else None
-        return Role("reward", model, rule=rule, rule_weight=cfg.reward.rule_weight,
-                    model_weight=cfg.reward.model_weight)
-    optim = {"actor": cfg.actor.optim, "critic": cfg.critic.optim}.get(name)
-    if not trainable or optim is None:
-        return Role(name, model)
-    accumulate_in_fp32(model)  # 16-bit weights sum their gradients in fp32 (fp32 models are left alone)
-    steps = cfg.loop.iterations * cfg.algo.ppo_epochs * cfg.algo.minibatches  # the run's optimizer steps
-    return Role(name, model, common.adamw(model, optim, zero_group), optim.grad_clip,
-                lr_at=partial(learning_rate, optim, total_steps=steps))
+def run_plan(cfg: TrainConfig, workflow: Workflow, text: str | None = None) -> ExecutionPlan:
+    """The plan the run's executor runs: ``text`` (by default the run's ``runtime.plan``) on the runtime's
+    devices, or the whole workflow on one device for the reference executor (which has no placement)."""
+    if cfg.runtime.executor == "reference":
+        return colocate(workflow, ClusterSpec(nodes=1, devices_per_node=1))
+    return plan_from_config(cfg.runtime, workflow, local_cluster(cfg.runtime.devices, cfg.runtime.device), text)
 
 
-def build_roles(cfg: TrainConfig, tokenizer, task, device: torch.device) -> dict[str, Role]:
-    """Actor (trainable), ref (frozen copy of the actor's start), critic (ppo), reward (rule and/or model)."""
-    names = ["actor", "ref"] + (["critic"] if cfg.algo.name == "ppo" else []) + ["reward"]
-    return {name: make_role(cfg, name, build_role_model(cfg, name, tokenizer, device), task,
-                            trainable=name in ("actor", "critic")) for name in names}
-
-
-def make_executor(cfg: TrainConfig, workflow, tokenizer, task, device: torch.device):
-    """The executor named by ``runtime.executor``, with every role built."""
+def make_executor(cfg: TrainConfig, workflow: Workflow, plan: ExecutionPlan, tokenizer, task, device: torch.device):
+    """The executor named by ``runtime.executor``, with every role built, running ``plan``."""
     if cfg.runtime.executor == "ray":
         from loomrl.runtime.ray_executor import RayExecutor  # imports Ray only when asked for
 
-        return RayExecutor(cfg, workflow, tokenizer)
-    roles = build_roles(cfg, tokenizer, task, device)
-    decode = partial(common.decode_response, tokenizer)
+        return RayExecutor(cfg.runtime, worker_spec(cfg, workflow), workflow, plan)
+    dtype = resolve_dtype(cfg.runtime.precision, device)
+    roles = build_roles(role_specs(cfg, workflow.roles()), tokenizer, task, device, dtype)
+    decode = partial(decode_response, tokenizer)
     evaluate = partial(_evaluate, tokenizer=tokenizer, task=task, max_new_tokens=cfg.rollout.max_new_tokens)
-    return ReferenceExecutor(workflow, roles, cfg.seed, tokenizer.pad_token_id, tokenizer.eos_token_id, decode,
-                             metrics_fn=partial(rollout_metrics, decode=decode, task=task),
+    return ReferenceExecutor(build_schedule(workflow, plan), roles, cfg.seed, tokenizer.pad_token_id,
+                             tokenizer.eos_token_id, decode, metrics_fn=partial(rollout_metrics, decode=decode, task=task),
                              evaluate_fn=evaluate, tokenizer=tokenizer)
 
 
@@ -123,19 +112,30 @@ class RLTrainer:
     """Builds everything a run needs from its config, then runs (or resumes) the loop."""
 
     def __init__(self, cfg: TrainConfig):
-        common.set_threads(cfg.runtime.threads)
+        set_threads(cfg.runtime.threads)
         self.cfg = cfg
-        self.device = common.resolve_device(cfg.runtime.device)
+        self.device = resolve_device(cfg.runtime.device)
         self.run_dir = Path(cfg.run_dir)
-        self.tokenizer = common.tokenizer_for(cfg.actor.model)
-        self.task = common.build_task(cfg.task)
-        self.train_prompts = common.prompt_source(cfg.task, self.task, cfg.seed, "train")
-        self.eval_examples = common.examples_window(
-            common.prompt_source(cfg.task, self.task, cfg.seed, "eval"), 0, cfg.loop.eval_prompts)
+        self.tokenizer = tokenizer_for(cfg.actor.model)
+        self.task = build_task(cfg.task)
+        self.train_prompts = prompt_source(cfg.task, self.task, cfg.seed, "train")
+        self.eval_examples = examples_window(prompt_source(cfg.task, self.task, cfg.seed, "eval"), 0,
+                                             cfg.loop.eval_prompts)
         self.workflow = build_workflow(cfg.algo, cfg.rollout)
         check_models(cfg)  # before any worker starts, so a typo costs nothing
-        self.executor = make_executor(cfg, self.workflow, self.tokenizer, self.task, self.device)
+        self.plans = {0: run_plan(cfg, self.workflow)}  # every plan checked before any worker starts
+        for iteration, text in sorted(cfg.runtime.plan_changes.items()):
+            try:
+                self.plans[iteration] = run_plan(cfg, self.workflow, text)
+            except ConfigError as err:
+                raise ConfigError(f"runtime.plan_changes.{iteration}: {err}") from None
+        self.plan = self.plans[0]
+        self.executor = make_executor(cfg, self.workflow, self.plan, self.tokenizer, self.task, self.device)
         self.state = RunState()
+
+    def plan_at(self, iteration: int) -> ExecutionPlan:
+        """The plan in force at ``iteration``: the latest change starting at or before it, else the first."""
+        return self.plans[max(k for k in self.plans if k <= iteration)]
 
     @property
     def group_size(self) -> int:
@@ -145,11 +145,11 @@ class RLTrainer:
         """The prompts of ``iteration``; sample ids are global (data position × group + member)."""
         n, g = self.cfg.rollout.prompts_per_iter, self.group_size
         start = iteration * n
-        examples = common.examples_window(self.train_prompts, start, n)
+        examples = examples_window(self.train_prompts, start, n)
         ids = [(start + i) * g + j for i in range(n) for j in range(g)]
         rows = [ex for ex in examples for _ in range(g)]
         return Batch(ids, {
-            "prompt_ids": [common.encode_prompt(self.tokenizer, ex.prompt) for ex in rows],
+            "prompt_ids": [encode_prompt(self.tokenizer, ex.prompt) for ex in rows],
             "prompt_text": [ex.prompt for ex in rows],
             "answer": [ex.answer for ex in rows],
         })
@@ -170,17 +170,17 @@ class RLTrainer:
     def iteration_metrics(self, result: IterationResult, seconds: float) -> dict[str, float]:
         metrics = {**result.stats, "perf/samples_per_s": self.cfg.rollout.prompts_per_iter * self.group_size / seconds,
                    "time/iteration_s": seconds}
-        for tr in result.traces:
-            metrics[f"time/{tr.name}_s"] = tr.end - tr.start
+        for trace in result.traces:
+            if trace.kind == "call":
+                metrics[f"time/{trace.step}_s"] = trace.seconds
         return metrics
 
-    def write_traces(self, result: IterationResult) -> None:
-        """Per-MFC start/end per device, so any run can be drawn like a simulated plan (`loomrl timeline`)."""
-        kinds = {m.name: m.kind.value for m in self.workflow}
-        with open(self.run_dir / "traces.jsonl", "a") as f:
-            for tr in result.traces:
-                f.write(json.dumps({"iteration": tr.iteration, "mfc": tr.name, "role": tr.role, "kind": kinds[tr.name],
-                                    "start": tr.start, "end": tr.end, "devices": list(tr.devices)}) + "\n")
+    def write_traces(self, traces) -> None:
+        """Each executed step's start and end per device, so any run can be drawn like a simulated plan and
+        checked against its schedule (`loomrl timeline`)."""
+        with open(self.run_dir / "traces.jsonl", "a", encoding="utf-8") as f:
+            for trace in traces:
+                f.write(json.dumps(trace.to_dict(), ensure_ascii=False) + "\n")
 
     def evaluate(self) -> dict[str, float]:
         return {f"eval/{k}": v for k, v in self.executor.evaluate(self.eval_examples).items()}
@@ -208,13 +208,18 @@ class RLTrainer:
         with MetricsLogger(self.run_dir, loop.tensorboard, resume_from_iteration=start - 1) as logger, \
                 RunProgress(loop.iterations, start, enabled=loop.progress) as progress:
             for it in range(start, loop.iterations):
+                if self.plan_at(it) is not self.plan:  # a change starts here (or a resumed run is past one)
+                    self.plan = self.plan_at(it)
+                    self.executor.apply_plan(self.plan)
+                before = self.executor.drain_traces()  # the prologue, or a plan change
                 t0 = time.perf_counter()
                 result = self.executor.run_iteration(it, self.make_batch(it))
                 last = self.iteration_metrics(result, time.perf_counter() - t0)
-                self.write_traces(result)
                 final = it == loop.iterations - 1
                 if final or (loop.eval_every and (it + 1) % loop.eval_every == 0):
                     last.update(self.evaluate())
+                self.write_traces([dataclasses.replace(t, iteration=it) for t in before] + result.traces +
+                                  [dataclasses.replace(t, iteration=it) for t in self.executor.drain_traces()])
                 logger.log(it, last)
                 progress.update(it, last)
                 if final or (loop.save_every and (it + 1) % loop.save_every == 0):

@@ -22,14 +22,16 @@ from loomrl.config import RMConfig
 from loomrl.data.preferences import preference_pairs
 from loomrl.models.heads import sequence_scores
 from loomrl.models.zoo import build_value_model
-from loomrl.train import common
+from loomrl.data.sources import build_task
+from loomrl.engine import adamw, resolve_device, resolve_dtype
+from loomrl.models.tokenizer import encode_prompt, tokenizer_for
 from loomrl.train.progress import RunProgress
 from loomrl.workflow.batch import pack_sequences
 
 
 def pair_scores(model, tokenizer, pairs, device) -> tuple[torch.Tensor, torch.Tensor]:
     """Scores of (chosen, rejected) for each (prompt, chosen, rejected) pair, in one forward pass."""
-    prompts = [common.encode_prompt(tokenizer, p) for p, _, _ in pairs]
+    prompts = [encode_prompt(tokenizer, p) for p, _, _ in pairs]
     eos = tokenizer.eos_token_id
     responses = [tokenizer.encode(c, add_special_tokens=False) + [eos] for _, c, _ in pairs]
     responses += [tokenizer.encode(r, add_special_tokens=False) + [eos] for _, _, r in pairs]
@@ -52,14 +54,14 @@ def pair_accuracy(model, tokenizer, pairs, device, batch_size: int = 256) -> flo
 def run_rm(cfg: RMConfig, progress: bool = True) -> dict[str, float]:
     """Train, evaluate held-out pair accuracy and save; returns the summary."""
     t0 = time.perf_counter()
-    device = common.resolve_device(cfg.device, "device")
-    tokenizer = common.tokenizer_for(cfg.model)
-    task = common.build_task(cfg.task)
+    device = resolve_device(cfg.device, "device")
+    tokenizer = tokenizer_for(cfg.model)
+    task = build_task(cfg.task)
     train = preference_pairs(task, cfg.train_pairs, cfg.seed)
     held_out = preference_pairs(task, cfg.eval_pairs, cfg.seed + 1_000_003)
-    dtype = common.resolve_dtype(cfg.precision, device)
+    dtype = resolve_dtype(cfg.precision, device)
     model = build_value_model(cfg.model, tokenizer, cfg.seed).to(device, dtype).train()
-    opt = common.adamw(model, cfg.optim)
+    opt = adamw(model, cfg.optim)
     steps_per_epoch = (len(train) + cfg.batch_size - 1) // cfg.batch_size
     out = Path(cfg.out_dir)
     out.mkdir(parents=True, exist_ok=True)

@@ -20,15 +20,17 @@ from loomrl.algorithms.lr import learning_rate, set_lr
 from loomrl.config import SFTConfig
 from loomrl.models.heads import token_logprobs
 from loomrl.models.zoo import build_causal_lm
-from loomrl.train import common
-from loomrl.train.evaluate import evaluate_policy
+from loomrl.data.sources import build_task, examples_window, prompt_source
+from loomrl.engine import adamw, resolve_device, resolve_dtype
+from loomrl.models.tokenizer import encode_prompt, tokenizer_for
+from loomrl.algorithms.evaluate import evaluate_policy
 from loomrl.train.progress import RunProgress
 from loomrl.workflow.batch import pack_sequences, response_columns, response_mask
 
 
 def demonstration_loss(model, tokenizer, examples, task, device: torch.device) -> torch.Tensor:
     """Mean NLL of answer + eos tokens given the prompt."""
-    prompts = [common.encode_prompt(tokenizer, ex.prompt) for ex in examples]
+    prompts = [encode_prompt(tokenizer, ex.prompt) for ex in examples]
     targets = [tokenizer.encode(task.demonstration(ex), add_special_tokens=False) + [tokenizer.eos_token_id]
                for ex in examples]
     ids_BL, attn_BL, plen_B = pack_sequences(prompts, targets, tokenizer.pad_token_id, device)
@@ -40,19 +42,19 @@ def demonstration_loss(model, tokenizer, examples, task, device: torch.device) -
 def run_sft(cfg: SFTConfig, progress: bool = True) -> dict[str, float]:
     """Train, evaluate and save; returns final loss, held-out exact match and score, and seconds."""
     t0 = time.perf_counter()
-    device = common.resolve_device(cfg.device, "device")
-    tokenizer = common.tokenizer_for(cfg.model)
-    task = common.build_task(cfg.task)
-    train = common.prompt_source(cfg.task, task, cfg.seed, "train")
-    held_out = common.examples_window(common.prompt_source(cfg.task, task, cfg.seed, "eval"), 0, cfg.eval_prompts)
-    dtype = common.resolve_dtype(cfg.precision, device)
+    device = resolve_device(cfg.device, "device")
+    tokenizer = tokenizer_for(cfg.model)
+    task = build_task(cfg.task)
+    train = prompt_source(cfg.task, task, cfg.seed, "train")
+    held_out = examples_window(prompt_source(cfg.task, task, cfg.seed, "eval"), 0, cfg.eval_prompts)
+    dtype = resolve_dtype(cfg.precision, device)
     model = build_causal_lm(cfg.model, tokenizer, cfg.seed).to(device, dtype).train()
-    opt = common.adamw(model, cfg.optim)
+    opt = adamw(model, cfg.optim)
     out = Path(cfg.out_dir)
     out.mkdir(parents=True, exist_ok=True)
     with open(out / "sft_metrics.jsonl", "w") as log, RunProgress(cfg.steps, enabled=progress, description="sft") as bar:
         for step in range(cfg.steps):
-            examples = common.examples_window(train, step * cfg.batch_size, cfg.batch_size)
+            examples = examples_window(train, step * cfg.batch_size, cfg.batch_size)
             loss = demonstration_loss(model, tokenizer, examples, task, device)
             set_lr(opt, learning_rate(cfg.optim, step, cfg.steps))
             opt.zero_grad(set_to_none=True)

@@ -116,3 +116,16 @@ def response_columns(x_BN: torch.Tensor, prompt_len_B: torch.Tensor, width: int)
 def response_mask(response_ids: Sequence[Sequence[int]], width: int | None = None) -> torch.Tensor:
     """1.0 on real response tokens, 0.0 on padding, shape B×R."""
     return pad_right([[1.0] * len(r) for r in response_ids], 0.0, torch.float32, width)
+
+
+def micro_batch_slices(rows: int, micro_batches: int) -> list[slice]:
+    """Contiguous row ranges of ``micro_batches`` near-equal micro-batches (sizes differ by at most one)."""
+    if not 1 <= micro_batches <= rows:
+        raise ValueError(f"micro_batches must be between 1 and the number of rows ({rows}), got {micro_batches}")
+    base, extra = divmod(rows, micro_batches)
+    slices, start = [], 0
+    for k in range(micro_batches):
+        stop = start + base + (1 if k < extra else 0)
+        slices.append(slice(start, stop))
+        start = stop
+    return slices

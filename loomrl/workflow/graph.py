@@ -152,6 +152,10 @@ class Workflow:
     def _ordered(self, a: str, b: str) -> bool:
         return a in self._ancestors[b] or b in self._ancestors[a]
 
+    def ancestors(self, name: str) -> frozenset[str]:
+        """Names of every MFC with a path of data edges to ``name`` within an iteration."""
+        return self._ancestors[self[name].name]
+
     def independent(self, a: str, b: str) -> bool:
         """Whether MFCs ``a`` and ``b`` of one iteration may run side by side: neither reads, through any chain
         of data edges, what the other produces."""

@@ -1,4 +1,4 @@
-"""Placement strings: a hand-written execution plan on one line.
+"""Plan strings: a hand-written execution plan on one line.
 
 Items are separated by ``;``; each places one MFC as ``NAME=DEVICES[:LAYOUT]``::
 
@@ -18,7 +18,7 @@ More examples, on a ``cpu:1x4`` cluster::
     actor_gen=0-3; ref_inf=0-3; reward_inf=0-3; actor_train=0-3:dp2tp2          # colocated GRPO, TP training
     actor_gen=0-1; ref_inf=2; reward_inf=3; actor_train=2-3; shadow=actor        # separated generation
 
-:func:`format_placement` prints a plan back in this form; ``parse_placement(format_placement(p), ...) == p``.
+:func:`format_plan_string` prints a plan back in this form; ``parse_plan_string(format_plan_string(p), ...) == p``.
 """
 
 from __future__ import annotations
@@ -29,10 +29,10 @@ from loomrl.configtools import FieldError
 from loomrl.errors import ConfigError
 from loomrl.plan.layout import Layout
 from loomrl.plan.cluster import ClusterSpec
-from loomrl.plan.plan import Allocation, DeviceMesh, ExecutionPlan
+from loomrl.plan.plan import Allocation, DeviceSet, ExecutionPlan
 from loomrl.workflow import MFCKind, Workflow
 
-__all__ = ["RESERVED_KEYS", "compute_allocation", "format_placement", "parse_placement"]
+__all__ = ["RESERVED_KEYS", "compute_allocation", "format_plan_string", "parse_plan_string"]
 
 RESERVED_KEYS = ("shadow", "offload")
 """Item names that set plan fields rather than place an MFC."""
@@ -40,28 +40,28 @@ RESERVED_KEYS = ("shadow", "offload")
 
 def compute_allocation() -> Allocation:
     """Where a compute step runs unless told otherwise: device 0, one rank (it needs the whole batch)."""
-    return Allocation(DeviceMesh((0,)), Layout())
+    return Allocation(DeviceSet((0,)), Layout())
 
 
 def _parse_item(item: str, workflow: Workflow) -> tuple[str, Allocation | tuple[str, ...]]:
     name, sep, rest = (part.strip() for part in item.partition("="))
     if not sep or not name:
-        raise ConfigError(f"placement item {item!r}: expected NAME=DEVICES[:LAYOUT], e.g. actor_gen=0-3:dp4")
+        raise ConfigError(f"plan item {item!r}: expected NAME=DEVICES[:LAYOUT], e.g. actor_gen=0-3:dp4")
     if name in RESERVED_KEYS:
         return name, tuple(r.strip() for r in rest.split(",") if r.strip())
     if name not in workflow:
         names = [m.name for m in workflow.topological_order()]
         close = difflib.get_close_matches(name, names, n=1)
         hint = f"; did you mean {close[0]!r}?" if close else ""
-        raise ConfigError(f"placement item {item!r}: unknown MFC '{name}'; MFCs: {', '.join(names)}{hint}")
+        raise ConfigError(f"plan item {item!r}: unknown MFC '{name}'; MFCs: {', '.join(names)}{hint}")
     try:
         return name, Allocation.parse(rest)
     except FieldError as err:
-        raise ConfigError(f"placement item {item!r}: {err.under(name)}") from None
+        raise ConfigError(f"plan item {item!r}: {err.under(name)}") from None
 
 
-def parse_placement(text: str, workflow: Workflow, cluster: ClusterSpec) -> ExecutionPlan:
-    """The plan a placement string describes, checked against ``workflow`` (see the module docstring)."""
+def parse_plan_string(text: str, workflow: Workflow, cluster: ClusterSpec) -> ExecutionPlan:
+    """The plan a plan string describes, checked against ``workflow`` (see the module docstring)."""
     given: dict[str, Allocation] = {}
     choices: dict[str, tuple[str, ...]] = {}
     for item in (part.strip() for part in str(text).split(";")):
@@ -69,7 +69,7 @@ def parse_placement(text: str, workflow: Workflow, cluster: ClusterSpec) -> Exec
             continue
         name, value = _parse_item(item, workflow)
         if name in given or name in choices:
-            raise ConfigError(f"placement item {item!r}: '{name}' is placed twice")
+            raise ConfigError(f"plan item {item!r}: '{name}' is placed twice")
         if isinstance(value, Allocation):
             given[name] = value
         else:
@@ -81,17 +81,17 @@ def parse_placement(text: str, workflow: Workflow, cluster: ClusterSpec) -> Exec
         elif mfc.kind is MFCKind.COMPUTE:
             allocations[mfc.name] = compute_allocation()
         else:
-            raise ConfigError(f"placement: MFC '{mfc.name}' is not placed; add e.g. '{mfc.name}=0-{cluster.n_devices - 1}'")
+            raise ConfigError(f"plan: MFC '{mfc.name}' is not placed; add e.g. '{mfc.name}=0-{cluster.n_devices - 1}'")
     try:
         plan = ExecutionPlan(cluster, allocations, choices.get("shadow"), choices.get("offload"))
     except ConfigError as err:
-        raise ConfigError(f"placement: {err}") from None
+        raise ConfigError(f"plan: {err}") from None
     plan.validate(workflow)
     return plan
 
 
-def format_placement(plan: ExecutionPlan, workflow: Workflow | None = None) -> str:
-    """The placement string of ``plan``; given the workflow, compute steps at the default are left out."""
+def format_plan_string(plan: ExecutionPlan, workflow: Workflow | None = None) -> str:
+    """The plan string of ``plan``; given the workflow, compute steps at the default are left out."""
     default = compute_allocation()
     items = []
     for name, alloc in plan.allocations.items():

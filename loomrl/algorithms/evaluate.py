@@ -9,7 +9,7 @@ from transformers import PreTrainedModel, PreTrainedTokenizerBase
 
 from loomrl.data.tasks import Example, Task
 from loomrl.rollout import SamplingParams, generate, stream_keys
-from loomrl.train.common import decode_response, encode_prompt
+from loomrl.models.tokenizer import decode_response, encode_prompt
 
 
 @torch.no_grad()

@@ -1,0 +1,31 @@
+"""The task and the prompts a run's ``task`` settings name, addressed by data position."""
+
+from __future__ import annotations
+
+from loomrl.config import TaskConfig
+from loomrl.data.prompts import FilePrompts, FunctionTask, PromptSource, SyntheticPrompts, load_reward_fn
+from loomrl.data.tasks import Example, Task, make_task
+
+__all__ = ["build_task", "examples_window", "prompt_source"]
+
+
+def build_task(cfg: TaskConfig) -> Task:
+    """The task (its scoring rule) of the ``task`` settings: a built-in one, or a user's reward function."""
+    if cfg.name == "file":
+        return FunctionTask(load_reward_fn(cfg.reward_fn))
+    if cfg.name == "add":
+        return make_task("add", max_digits=cfg.max_digits)
+    return make_task(cfg.name, min_len=cfg.min_len, max_len=cfg.max_len)
+
+
+def prompt_source(cfg: TaskConfig, task: Task, seed: int, split: str) -> PromptSource:
+    """Deterministic prompts by index; a prompt file serves both splits (held-out data is the user's call)."""
+    if cfg.name == "file":
+        return FilePrompts(cfg.prompt_file, prompt_key=cfg.prompt_key, answer_key=cfg.answer_key)
+    return SyntheticPrompts(task, seed, split)
+
+
+def examples_window(source: PromptSource, start: int, n: int) -> list[Example]:
+    """``n`` examples from data position ``start``, wrapping around a finite source."""
+    size = len(source)
+    return [source[(start + i) % size] for i in range(n)]

@@ -1,0 +1,314 @@
+"""The schedule: the steps an executor runs for one iteration of a workflow under a plan.
+
+A plan says where each model function call (MFC) runs; the schedule says everything that happens around the
+calls so that each finds its model where it needs it, derived once from (workflow, plan) by
+:func:`build_schedule`. Both executors take it as it is: the simulator prices each step
+(:mod:`loomrl.planner.simulator`), the Ray runtime runs each step on the devices it names
+(:mod:`loomrl.runtime.ray_executor`), and the single-process reference executor runs the calls and skips the
+rest. Their traces carry the step ids, so a predicted and a measured timeline line up step by step.
+
+Steps (:class:`StepKind`), each with the devices it occupies and the steps of its iteration it waits for:
+
+- ``call``: an MFC on its allocation.
+- ``copy``: a trained role's weights resharded from its training allocation into the layout of a call that
+  runs elsewhere or otherwise (a reallocation, ReaLHF's). Made before the first call that needs that layout
+  in an iteration (once its data dependencies are done) and reused by the role's later calls in the same
+  layout until the role trains again.
+- ``free``: the copy dropped after the last call that used it: going back to the training layout moves
+  nothing, the training shards never left.
+- ``sync``: a shadow copy (a separated call's persistent copy, e.g. a generation engine on its own devices)
+  refreshed right after the role's train call; the schedule's prologue fills every shadow before the first
+  iteration and whenever the weights are replaced (a checkpoint loaded, a plan change).
+- ``reload`` / ``offload``: a frozen role the plan keeps in host memory brought back before each of its calls
+  and released after it, only where devices have memory of their own (not on CPU devices, whose host memory
+  is the device's).
+- ``evaluate``: the between-iterations evaluation of the actor in its generation allocation (with the copy
+  and free it needs), listed apart from the iteration's steps.
+
+Iterations run one after another: every step of iteration ``i + 1`` waits for all of iteration ``i``.
+Within an iteration a step is sent once its dependencies are done, and every device runs the steps in the
+order they were sent; :meth:`Step.sent_with` names the exception, which both executors apply: a call is sent
+together with the copy, sync or reload that puts its model in place, and a free or offload together with the
+call that last uses the model, each queued right behind it on devices the other already occupies.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterator, Sequence
+from dataclasses import dataclass, field
+from enum import Enum
+
+from loomrl.plan.plan import Allocation, ExecutionPlan
+from loomrl.workflow import MFC, MFCKind, Workflow
+
+__all__ = ["Schedule", "Step", "StepKind", "build_schedule"]
+
+
+class StepKind(str, Enum):
+    """What a schedule step does (see the module docstring)."""
+
+    CALL = "call"
+    COPY = "copy"
+    FREE = "free"
+    SYNC = "sync"
+    RELOAD = "reload"
+    OFFLOAD = "offload"
+    EVALUATE = "evaluate"
+
+
+_PUT = (StepKind.COPY, StepKind.SYNC, StepKind.RELOAD)
+"""Steps that put a model where a call needs it."""
+_USE = (StepKind.CALL, StepKind.EVALUATE)
+"""Steps that use a model."""
+_DROP = (StepKind.FREE, StepKind.OFFLOAD)
+"""Steps that release a model after the calls that used it."""
+
+
+@dataclass(frozen=True)
+class Step:
+    """One step of a schedule."""
+
+    id: str
+    """Unique within its list: the MFC's name for a call, e.g. ``"copy actor→0-1:dp1tp2"`` otherwise."""
+    kind: StepKind
+    devices: tuple[int, ...]
+    """Sorted global device indices the step occupies."""
+    deps: tuple[str, ...] = ()
+    """Ids of the steps of the same list (iteration) it waits for."""
+    role: str | None = None
+    """The model it concerns; None for a compute call."""
+    alloc: Allocation | None = None
+    """A call's allocation; for the other steps the allocation of the copy they make, use or drop."""
+    src: Allocation | None = None
+    """``copy`` and ``sync``: the training allocation the weights come from."""
+    mfc: MFC | None = field(default=None, compare=False)
+    """``call``: the MFC itself (with its function), so that an executor needs nothing but the schedule."""
+
+    @property
+    def moves_bytes(self) -> bool:
+        """Whether parameters travel between devices or layouts (a copy or a sync)."""
+        return self.kind in (StepKind.COPY, StepKind.SYNC)
+
+    @property
+    def transfer(self) -> tuple[str, Allocation, Allocation] | None:
+        """``(role, source, destination)`` of a copy or sync, the destination reduced to its shards."""
+        return (self.role, self.src, self.alloc) if self.moves_bytes else None
+
+    def sent_with(self, dep: Step) -> bool:
+        """Whether this step is sent as soon as ``dep`` is (and queued behind it on every device) rather than
+        once ``dep`` has ended: a call after the copy, sync or reload that puts its model in place, and a free
+        or offload after a call that used the model, when every device of this step is one of ``dep``'s. Each
+        device runs its steps in the order sent, so the order holds, and the model is released as soon as the
+        call is done there, not after whatever else was sent meanwhile."""
+        pair = (dep.kind in _PUT and self.kind in _USE) or (dep.kind in _USE and self.kind in _DROP)
+        return pair and set(self.devices) <= set(dep.devices)
+
+
+@dataclass(frozen=True)
+class Schedule:
+    """The steps of one iteration, of the prologue and of an evaluation (see the module docstring)."""
+
+    steps: tuple[Step, ...]
+    """One iteration, in the order of sending priority: each step after the steps it waits for."""
+    prologue: tuple[Step, ...] = ()
+    """Run before the first iteration, and again whenever the weights are replaced: shadow fills."""
+    evaluation: tuple[Step, ...] = ()
+    """A greedy evaluation of the actor between iterations, with the copy it needs."""
+
+    def __post_init__(self) -> None:
+        for name, steps in (("steps", self.steps), ("prologue", self.prologue), ("evaluation", self.evaluation)):
+            seen: set[str] = set()
+            for step in steps:
+                missing = [d for d in step.deps if d not in seen]
+                if step.id in seen or missing:
+                    raise ValueError(f"schedule.{name}: step {step.id!r} "
+                                     + ("is listed twice" if step.id in seen else f"comes before {missing[0]!r}"))
+                seen.add(step.id)
+
+    def __iter__(self) -> Iterator[Step]:
+        return iter(self.steps)
+
+    def __len__(self) -> int:
+        return len(self.steps)
+
+    def __getitem__(self, step_id: str) -> Step:
+        for step in self.steps:
+            if step.id == step_id:
+                return step
+        raise KeyError(f"no step {step_id!r}; steps: {', '.join(s.id for s in self.steps)}")
+
+    def calls(self) -> list[Step]:
+        """The iteration's call steps, in order."""
+        return [s for s in self.steps if s.kind is StepKind.CALL]
+
+    def transfers(self) -> list[tuple[str, Allocation, Allocation]]:
+        """Every distinct ``(role, source, destination)`` the copies and syncs of all three lists move, in
+        first-use order: what an executor plans transfers for."""
+        found: dict[tuple, None] = {}
+        for step in (*self.prologue, *self.steps, *self.evaluation):
+            if step.transfer is not None:
+                found.setdefault(step.transfer)
+        return list(found)
+
+    def holdings(self) -> list[tuple[str, Allocation]]:
+        """Every distinct ``(role, shards)`` a device must be able to hold a model in: each call's, each copy's
+        and each shadow's, in first-use order (training allocations reduced to their shards too)."""
+        found: dict[tuple, None] = {}
+        for step in (*self.prologue, *self.steps, *self.evaluation):
+            if step.role is not None and step.alloc is not None:
+                found.setdefault((step.role, step.alloc.shards))
+            if step.src is not None:
+                found.setdefault((step.role, step.src.shards))
+        return list(found)
+
+
+def build_schedule(workflow: Workflow, plan: ExecutionPlan, evaluate_role: str | None = "actor") -> Schedule:
+    """The schedule of ``plan`` for ``workflow`` (module docstring); the plan is assumed valid
+    (:meth:`ExecutionPlan.validate`). ``evaluate_role`` (if it has a generate call) gets evaluation steps."""
+    builder = _Builder(workflow, plan)
+    for mfc in workflow.topological_order():
+        builder.add_call(mfc)
+    steps = builder.finish()
+    prologue = tuple(Step(s.id, s.kind, s.devices, (), s.role, s.alloc, s.src) for s in builder.fills)
+    return Schedule(steps, prologue, _evaluation(workflow, plan, evaluate_role))
+
+
+class _Builder:
+    """Walks the calls in topological order and emits each with the steps around it."""
+
+    def __init__(self, workflow: Workflow, plan: ExecutionPlan) -> None:
+        self.workflow, self.plan = workflow, plan
+        self.trained = set(plan.trained_roles(workflow))
+        self.offloaded = set(plan.offloaded_roles(workflow)) if plan.cluster.offloads else set()
+        self.shadow_calls = {role: plan.shadow_calls(workflow, role) for role in plan.shadow_roles(workflow)}
+        self.shadowed = {n for calls in self.shadow_calls.values() for n in calls}
+        self.steps: list[Step] = []
+        self.copy_of: dict[tuple, str] = {}
+        """(role, shards, version) → id of the copy step that made it."""
+        self.users: dict[tuple, list[str]] = {}
+        """(role, shards, version) → the calls using that copy, in order."""
+        self.last_free: dict[tuple, str] = {}
+        """(role, shards) → the free of its latest copy (the next copy into that buffer waits for it)."""
+        self.syncs: dict[tuple, str] = {}
+        """(role, shards, version) → the sync that filled the shadow for that version."""
+        self.fills: list[Step] = []
+        """The syncs after each role's first train call: the prologue fills the shadows the same way."""
+
+    def version(self, mfc: MFC) -> int:
+        """How many of its role's train calls precede ``mfc`` in the iteration (0 before any)."""
+        ancestors = self.workflow.ancestors(mfc.name)
+        return sum(1 for m in self.workflow.mfcs_of_role(mfc.role) if m.kind is MFCKind.TRAIN and m.name in ancestors)
+
+    def add_call(self, mfc: MFC) -> None:
+        alloc = self.plan[mfc.name]
+        deps = list(self.workflow.deps(mfc.name))
+        role = mfc.role
+        if role in self.trained and mfc.kind is not MFCKind.TRAIN:
+            deps += self._weights_for(mfc, alloc, deps)
+        if role in self.offloaded:
+            reload = self._add(Step(f"reload {role} for {mfc.name}", StepKind.RELOAD, _devices(alloc), tuple(deps),
+                                    role, alloc.shards))
+            deps.append(reload.id)
+        call = self._add(Step(mfc.name, StepKind.CALL, _devices(alloc), tuple(dict.fromkeys(deps)), role, alloc,
+                              mfc=mfc))
+        if role in self.offloaded:
+            self._add(Step(f"offload {role} after {mfc.name}", StepKind.OFFLOAD, _devices(alloc), (call.id,), role,
+                           alloc.shards))
+        if mfc.kind is MFCKind.TRAIN and role in self.trained:
+            version = self.version(mfc) + 1
+            for shadow in self._shadows(role):
+                step = self._add(Step(_suffix(f"sync {role}→{shadow.text}", version - 1), StepKind.SYNC,
+                                      _devices(alloc, shadow), (call.id,), role, shadow, alloc.shards))
+                self.syncs[(role, shadow, version)] = step.id
+                if version == 1:
+                    self.fills.append(step)
+
+    def _weights_for(self, mfc: MFC, alloc: Allocation, deps: list[str]) -> list[str]:
+        """The steps a non-train call of a trained role waits for to find the weights in its layout."""
+        role, canon = mfc.role, self.plan.canonical_layout(self.workflow, mfc.role)
+        shards, version = alloc.shards, self.version(mfc)
+        if shards == canon.shards:
+            return []
+        if mfc.name in self.shadowed:
+            sync = self.syncs.get((role, shards, version))
+            return [sync] if sync is not None else []  # version 0: filled by the previous iteration's sync
+        key = (role, shards, version)
+        if key not in self.copy_of:
+            after = [self.last_free[(role, shards)]] if (role, shards) in self.last_free else []
+            step = self._add(Step(_suffix(f"copy {role}→{shards.text}", version), StepKind.COPY,
+                                  _devices(canon, shards), tuple(dict.fromkeys(deps + after)), role, shards,
+                                  canon.shards))
+            self.copy_of[key] = step.id
+            self.users[key] = []
+            self.last_free[(role, shards)] = _suffix(f"free {role}@{shards.text}", version)
+        self.users[key].append(mfc.name)
+        return [self.copy_of[key]]
+
+    def _shadows(self, role: str) -> list[Allocation]:
+        return list(dict.fromkeys(self.plan[n].shards for n in self.shadow_calls.get(role, ())))
+
+    def _add(self, step: Step) -> Step:
+        self.steps.append(step)
+        return step
+
+    def finish(self) -> tuple[Step, ...]:
+        """The steps with each copy's free placed right after the last step it waits for."""
+        steps = list(self.steps)
+        for (role, shards, version), users in self.users.items():
+            free = Step(_suffix(f"free {role}@{shards.text}", version), StepKind.FREE, _devices(shards),
+                        tuple(users), role, shards)
+            last = max(i for i, s in enumerate(steps) if s.id in users)
+            steps.insert(last + 1, free)
+        return tuple(steps)
+
+
+def _evaluation(workflow: Workflow, plan: ExecutionPlan, role: str | None) -> tuple[Step, ...]:
+    gens = [m for m in workflow.topological_order() if m.role == role and m.kind is MFCKind.GENERATE] \
+        if role is not None and role in workflow.roles() else []
+    if not gens:
+        return ()
+    alloc = plan[gens[0].name]
+    canon = plan.canonical_layout(workflow, role)
+    shadowed = gens[0].name in plan.shadow_calls(workflow, role) if canon is not None else False
+    if canon is None or alloc.shards == canon.shards or shadowed:
+        return (Step("evaluate", StepKind.EVALUATE, _devices(alloc), (), role, alloc.shards),)
+    copy = Step(f"copy {role}→{alloc.shards.text}", StepKind.COPY, _devices(canon, alloc), (), role, alloc.shards,
+                canon.shards)
+    evaluate = Step("evaluate", StepKind.EVALUATE, _devices(alloc), (copy.id,), role, alloc.shards)
+    return copy, evaluate, Step(f"free {role}@{alloc.shards.text}", StepKind.FREE, _devices(alloc), (evaluate.id,),
+                                role, alloc.shards)
+
+
+def _devices(*allocs: Allocation) -> tuple[int, ...]:
+    return tuple(sorted({d for a in allocs for d in a.mesh.devices}))
+
+
+def _suffix(text: str, version: int) -> str:
+    """Ids of a role's copies after its first train call of an iteration carry the version: ``copy a→x#1``."""
+    return text if version == 0 else f"{text}#{version}"
+
+
+def check_trace(schedule: Sequence[Step], executed: Sequence[tuple[str, dict[int, tuple[float, float]]]]) -> None:
+    """Raise AssertionError unless ``executed`` (step id → device → (start, end), in the order the steps were
+    recorded) ran exactly ``schedule``'s steps, each on its devices, and in a valid order: no step started on
+    a device before every step it waits for had ended there, and a step not sent with its dependency started
+    only after that dependency had ended everywhere."""
+    by_id = {s.id: s for s in schedule}
+    times = dict(executed)
+    if len(times) != len(executed):
+        raise AssertionError("a step was executed twice")
+    if set(times) != set(by_id):
+        missing, extra = sorted(set(by_id) - set(times)), sorted(set(times) - set(by_id))
+        raise AssertionError(f"executed steps differ from the schedule: missing {missing}, not scheduled {extra}")
+    for step in schedule:
+        if tuple(sorted(times[step.id])) != step.devices:
+            raise AssertionError(f"step {step.id!r} ran on {sorted(times[step.id])}, scheduled on {step.devices}")
+        for dep_id in step.deps:
+            dep = by_id[dep_id]
+            if step.sent_with(dep):
+                late = [d for d in step.devices if times[step.id][d][0] < times[dep_id][d][1]]
+            else:
+                ended = max(end for _, end in times[dep_id].values())
+                late = [d for d in step.devices if times[step.id][d][0] < ended]
+            if late:
+                raise AssertionError(f"step {step.id!r} started on device {late[0]} before {dep_id!r} had ended")

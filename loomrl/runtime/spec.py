@@ -1,0 +1,92 @@
+"""What the controller hands its workers: the settings and roles of a device (:class:`WorkerSpec`), the steps
+it executes with their transfer plans (:class:`WorkerPlan`), and one call's rows (:class:`CallData`).
+
+A worker never sees the run's whole config: it gets the specs of the models it may host, the few settings that
+reach a device, and the schedule (:mod:`loomrl.plan.schedule`) whose steps it runs when told.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from typing import Any, Mapping
+
+from loomrl.config import TaskConfig
+from loomrl.engine.specs import RoleSpec
+from loomrl.plan.plan import Allocation
+from loomrl.plan.realloc_plan import ReallocPlan
+from loomrl.plan.schedule import Schedule, Step, StepKind
+
+__all__ = ["CallData", "WorkerPlan", "WorkerSpec"]
+
+Transfer = tuple[str, Allocation, Allocation]
+"""``(role, source, destination)`` of a reallocation (both reduced to their shards)."""
+
+
+@dataclass(frozen=True)
+class WorkerSpec:
+    """A worker's settings and the roles it may host (the same for every worker of a run)."""
+
+    roles: Mapping[str, RoleSpec]
+    task: TaskConfig
+    """The task: the reward role's rule, rollout metrics and evaluation score with it."""
+    tokenizer: str | None
+    """The checkpoint directory whose tokenizer the run uses (None: the built-in task tokenizer)."""
+    seed: int
+    device: str = "auto"
+    precision: str = "auto"
+    threads: int = 0
+    """torch threads per worker (0: the machine's cores divided among the workers)."""
+    timeout_s: float = 600.0
+    """Collective and point-to-point timeout."""
+    verify_reallocation: bool = False
+    """Check every reallocated shard against its sender's checksum."""
+    eval_max_new_tokens: int = 8
+    """Response budget of a greedy evaluation."""
+
+
+@dataclass(frozen=True)
+class WorkerPlan:
+    """What a plan asks of the workers: its schedule, and the transfer plan of every reallocation it makes."""
+
+    schedule: Schedule
+    transfers: Mapping[Transfer, ReallocPlan] = field(default_factory=dict)
+    """Every ``schedule.transfers()`` entry's plan, planned once by the controller from parameter shapes."""
+
+    def __post_init__(self) -> None:
+        missing = [t for t in self.schedule.transfers() if t not in self.transfers]
+        if missing:
+            role, src, dst = missing[0]
+            raise ValueError(f"no transfer plan for {role} from {src.text} to {dst.text}")
+
+    def steps(self) -> dict[str, Step]:
+        """Step id → step, over the prologue, the iteration and the evaluation (an id means one step)."""
+        return {s.id: s for s in (*self.schedule.prologue, *self.schedule.steps, *self.schedule.evaluation)}
+
+    def training(self) -> dict[str, Allocation]:
+        """Each trained role's training allocation (its train calls', options included)."""
+        return {s.role: s.alloc for s in self.schedule.calls() if s.mfc.kind.value == "train"}
+
+    def offloaded(self) -> set[tuple[str, Allocation]]:
+        """The (role, shards) the schedule reloads and offloads around calls."""
+        return {(s.role, s.alloc) for s in self.schedule.steps if s.kind is StepKind.RELOAD}
+
+    def shadows(self) -> set[tuple[str, Allocation]]:
+        """The (role, shards) of persistent shadow copies (filled by syncs, never freed)."""
+        return {(s.role, s.alloc) for s in (*self.schedule.prologue, *self.schedule.steps)
+                if s.kind is StepKind.SYNC}
+
+
+@dataclass(frozen=True)
+class CallData:
+    """What the controller sends one worker for one call step: metadata only."""
+
+    iteration: int
+    sample_ids: tuple[int, ...]
+    """This worker's rows, in order."""
+    inputs: tuple[Any, ...]
+    """Object references to the output shards holding the rows' input columns (each wrapped in a 1-tuple so
+    Ray passes the reference, not its value)."""
+    train_steps: tuple[tuple[tuple[int, ...], float], ...] = ()
+    """Per optimizer step: positions in ``sample_ids`` and the loss weight (train calls)."""
+    publish: bool = True
+    """Whether this worker's outputs are published (one tensor-parallel rank per data-parallel group)."""
