@@ -16,8 +16,8 @@ Legend: B = samples, R = response tokens (right-padded), L = prompt + response (
 
 from __future__ import annotations
 
+from collections.abc import Iterator
 from contextlib import contextmanager
-
 from typing import Callable
 
 import torch
@@ -25,24 +25,57 @@ import torch
 from loomrl.algorithms.lr import set_lr
 from loomrl.algorithms.roles import OpContext
 from loomrl.models.heads import last_real_index, logprobs_from_logits
-from loomrl.rollout import SamplingParams, generate, stream_keys
+from loomrl.rollout import Request, RolloutEngine, SamplingParams, stream_keys
 from loomrl.workflow.batch import Batch, micro_batch_slices, pack_sequences, pad_right, response_columns, response_mask
 
 
-def generate_op(ctx: OpContext, batch: Batch, params: SamplingParams, out_prefix: str = "") -> dict:
-    """Sample one response per row from the role's model; noise comes from each sample's own stream."""
-    model = ctx.role.model
+def generate_chunks(ctx: OpContext, batch: Batch, params: SamplingParams,
+                    out_prefix: str = "") -> Iterator[tuple[list[int], dict]]:
+    """Sample one response per row from the role's model, yielding ``(sample ids, columns)`` of finished rows:
+    in chunks of ``ctx.stream.chunk`` as they finish when the call is part of a fused stage (whose
+    ``after_step`` hook may migrate unfinished samples in or out), else all at once. Noise comes from each
+    sample's own stream, so a sample's tokens do not depend on where or with whom it was generated."""
+    model, control = ctx.role.model, ctx.stream
     was_training = model.training
     model.eval()
-    keys_B = stream_keys(ctx.seed, ctx.iteration, batch.ids)
-    gens = generate(model, batch["prompt_ids"], keys_B, params, eos_id=ctx.eos_id, pad_id=ctx.pad_id)
+    keys = stream_keys(ctx.seed, ctx.iteration, batch.ids).tolist()
+    prompts = batch["prompt_ids"] if len(batch) else []
+    longest = control.max_prompt if control else max(len(p) for p in prompts)
+    max_len = longest + params.max_new_tokens
+    slots = control.slots if control else min(256, len(prompts))
+    engine = RolloutEngine(model, params, ctx.eos_id, ctx.pad_id, slots=max(1, slots), max_len=max_len)
+    engine.submit(Request(sid, list(p), key) for sid, p, key in zip(batch.ids, prompts, keys))
+    finished: list = []
+    while engine.has_work() or (control is not None and control.in_step):
+        finished += engine.step()
+        stop = control is not None and control.after_step(engine)
+        last = stop or not (engine.has_work() or (control is not None and control.in_step))
+        if finished and (last or (control is not None and len(finished) >= control.chunk)):
+            yield [c.sample_id for c in finished], _generated_columns(finished, out_prefix)
+            finished = []
+        if stop:
+            break
     model.train(was_training)
-    responses = [g.tokens for g in gens]
+
+
+def _generated_columns(done: list, out_prefix: str) -> dict:
+    responses = [c.tokens for c in done]
     out = {f"{out_prefix}response_ids": responses}
     if not out_prefix:
-        out["logp"] = pad_right([g.logps for g in gens])
+        out["logp"] = pad_right([c.logps for c in done])
         out["mask"] = response_mask(responses)
     return out
+
+
+def generate_op(ctx: OpContext, batch: Batch, params: SamplingParams, out_prefix: str = "") -> dict:
+    """Sample one response per row from the role's model (:func:`generate_chunks`, all at once), in row order."""
+    chunks = [Batch(ids, cols) for ids, cols in generate_chunks(ctx, batch, params, out_prefix)]
+    if not chunks:
+        return {}
+    whole = Batch.concat(chunks) if len(chunks) > 1 else chunks[0]
+    index = {sid: i for i, sid in enumerate(whole.ids)}
+    rows = whole.select([index[s] for s in batch.ids])
+    return {key: rows[key] for key in rows.keys()}
 
 
 def _packed(ctx: OpContext, batch: Batch, response_key: str = "response_ids"):

@@ -23,6 +23,27 @@ LossFn = Callable[[torch.Tensor, int], "torch.Tensor | None"]
 """``loss(outputs, k)``: micro-batch ``k``'s scaled loss, or None when it has no loss tokens."""
 
 
+class StreamControl(Protocol):
+    """What a fused stage's executor tells a streaming generation op (:func:`loomrl.algorithms.ops.generate_chunks`):
+    how many finished samples make a chunk, and a hook run after every decode step, which may move this replica's
+    unfinished samples elsewhere (migration) or take others in, and says whether this replica is done."""
+
+    chunk: int
+    """Finished samples gathered before they are handed on."""
+    max_prompt: int
+    """Longest prompt of the whole batch (migrated samples may arrive with any of them)."""
+    slots: int
+    """Samples the engine decodes at once."""
+    in_step: bool
+    """Whether this replica must go on stepping in step with the others even with nothing left to decode (the
+    replicas agree on a migration step by step until it happens)."""
+
+    def after_step(self, engine) -> bool:
+        """Called after each decode step of ``engine`` (a :class:`~loomrl.rollout.RolloutEngine`); True when this
+        replica stops generating (its unfinished samples went elsewhere)."""
+        ...
+
+
 class Engine(Protocol):
     """How a role's model runs its passes on this process; ops call nothing else of the model's."""
 
@@ -89,4 +110,6 @@ class OpContext:
     recompute: bool = False
     """``train`` MFCs: recompute each decoder layer's activations in the backward instead of keeping them (the
     plan's ``rc``; activation checkpointing). Same gradients, less memory, one more forward."""
+    stream: StreamControl | None = None
+    """Generate calls of a fused stage: chunking and migration (None: generate everything, then return)."""
 

@@ -19,7 +19,7 @@ import torch
 
 from loomrl.algorithms import advantages as A
 from loomrl.algorithms import losses as L
-from loomrl.algorithms.ops import generate_op, logprob_op, reward_op, train_loop, values_op
+from loomrl.algorithms.ops import generate_chunks, generate_op, logprob_op, reward_op, train_loop, values_op
 from loomrl.algorithms.roles import OpContext
 from loomrl.config import AlgoConfig, RolloutConfig
 from loomrl.models.heads import logprobs_and_entropy_from_logits
@@ -130,7 +130,8 @@ def _rollout_mfcs(algo: AlgoConfig, rollout: RolloutConfig, recompute: bool) -> 
     temp = rollout.temperature
     mfcs = [
         MFC("actor_gen", "actor", gen, ("prompt_ids",), ("response_ids", "logp", "mask"),
-            partial(generate_op, params=sampling_params(rollout))),
+            partial(generate_op, params=sampling_params(rollout)),
+            stream=partial(generate_chunks, params=sampling_params(rollout))),
         MFC("ref_inf", "ref", inf, seq, ("ref_logp",), partial(logprob_op, out_key="ref_logp", temperature=temp)),
         MFC("reward_inf", "reward", inf, scored, ("score",), reward_op),
     ]
@@ -142,7 +143,8 @@ def _rollout_mfcs(algo: AlgoConfig, rollout: RolloutConfig, recompute: bool) -> 
     if algo.name == "remax":  # the greedy rollout is the baseline
         greedy = SamplingParams(rollout.max_new_tokens, 0.0)
         mfcs.append(MFC("actor_gen_greedy", "actor", gen, ("prompt_ids",), ("greedy_response_ids",),
-                        partial(generate_op, params=greedy, out_prefix="greedy_")))
+                        partial(generate_op, params=greedy, out_prefix="greedy_"),
+                        stream=partial(generate_chunks, params=greedy, out_prefix="greedy_")))
         mfcs.append(MFC("reward_inf_greedy", "reward", inf,
                         ("prompt_ids", "greedy_response_ids", "prompt_text", "answer"), ("greedy_score",),
                         partial(reward_op, response_key="greedy_response_ids", out_key="greedy_score")))

@@ -35,6 +35,8 @@ class AllocGroups:
     tp_mesh: DeviceMesh
     dp_mesh: DeviceMesh
     coords: Coords
+    mesh_group: dist.ProcessGroup
+    """Every rank of the allocation (e.g. for a fused stage's generation replicas to agree on a migration)."""
 
     @property
     def pp_rank(self) -> int:
@@ -71,11 +73,12 @@ class AllocationGroups:
             grid = [[[devices[p * size + d * layout.tp + t] for t in range(layout.tp)] for d in range(layout.dp)]
                     for p in range(layout.pp)]
             mesh = DeviceMesh(self.device_type, grid, mesh_dim_names=("pp", "dp", "tp"))
+            whole = dist.new_group(list(devices)) if len(devices) > 1 else None  # collective: every rank creates it
             self._groups[(devices, layout)] = None
             if self.device in devices:
                 coords = layout.coords(devices.index(self.device))
                 self._groups[(devices, layout)] = AllocGroups(mesh.get_group("dp"), mesh.get_group("pp"),
-                                                              mesh["tp"], mesh["dp"], coords)
+                                                              mesh["tp"], mesh["dp"], coords, whole)
 
     def __getitem__(self, alloc: Allocation) -> AllocGroups:
         groups = self._groups.get(_mesh_key(alloc))

@@ -94,6 +94,15 @@ def _check_calls(plan: ExecutionPlan, workflow: Workflow) -> None:
 
 
 def _check_choices(plan: ExecutionPlan, workflow: Workflow) -> None:
+    if plan.fuse is not None:
+        group = workflow.fusable()
+        if group is None:
+            raise ConfigError("plan.fuse: the workflow has no inference call that reads only generation's outputs, "
+                              "so there is nothing to fuse; remove fuse")
+        replicas = plan[group[0].name].layout.dp
+        if plan.fuse.migrate_to > replicas:
+            raise ConfigError(f"plan.fuse.migrate_to: {plan.fuse.migrate_to} exceeds the {replicas} generation "
+                              f"replica(s) of {group[0].name} at {plan[group[0].name].text} (valid: 1-{replicas})")
     roles = workflow.roles()
     for field, chosen in (("shadow", plan.shadow), ("offload", plan.offload)):
         for role in chosen or ():

@@ -22,6 +22,7 @@ The compact text of an allocation, ``0-3,6:dp2tp2pp1mb4``, is shared with the pl
 
 from __future__ import annotations
 
+import dataclasses
 import functools
 import json
 import os
@@ -40,7 +41,7 @@ from loomrl.plan import checks
 from loomrl.plan.cluster import ClusterSpec
 from loomrl.workflow import MFCKind, Workflow
 
-__all__ = ["Allocation", "DeviceSet", "ExecutionPlan", "format_devices"]
+__all__ = ["Allocation", "DeviceSet", "ExecutionPlan", "Fusion", "format_devices"]
 
 _RANGE_RE = re.compile(r"(\d+)(?:-(\d+))?")
 _LAYOUT_RE = re.compile(r"(dp|tp|pp|mb)(\d+)|(rc|zero|fsdp)")
@@ -283,6 +284,51 @@ def _maximal_cliques(order: list[str], adjacent: dict[str, set[str]]) -> list[fr
     return cliques
 
 
+@dataclass(frozen=True)
+class Fusion(ValidatedConfig):
+    """Inter-stage fusion (RLHFuse): the inference calls that read only generation's outputs start on finished
+    samples while the long tail still generates, and once few samples are left the tail moves onto a few
+    generation replicas so that the others can run inference (:mod:`loomrl.plan.schedule`, the fused stage).
+    Training still waits for the whole batch, so the run is the unfused run."""
+
+    migrate_at: float | str = 0.2
+    """Migrate the unfinished samples when at most this fraction of the batch is left (RLHFuse's R_t; 0 never
+    migrates), or ``auto``: chosen each iteration by simulating the run's observed response lengths."""
+    migrate_to: int = spec(1, ge=1)
+    """Generation replicas the tail moves onto: those with the most of it left."""
+    chunk: int = spec(0, ge=0)
+    """Finished samples a generation replica gathers before handing them on (0: a quarter of its share)."""
+
+    def validate(self) -> None:
+        if isinstance(self.migrate_at, str) and self.migrate_at != "auto":
+            fail("migrate_at", f"{self.migrate_at!r} is neither a fraction between 0 and 1 nor 'auto'")
+        if not isinstance(self.migrate_at, str) and not 0 <= self.migrate_at <= 1:
+            fail("migrate_at", f"{self.migrate_at} is outside 0..1 (a fraction of the batch) or 'auto'")
+
+    @classmethod
+    def parse(cls, text: str) -> Fusion:
+        """``on`` (the defaults) or comma-separated ``key:value`` pairs, e.g. ``migrate_at:0.2,migrate_to:1``."""
+        text = str(text).strip()
+        if text in ("on", ""):
+            return cls()
+        values: dict[str, object] = {}
+        for part in text.split(","):
+            key, sep, value = (p.strip() for p in part.partition(":"))
+            if not sep or key not in ("migrate_at", "migrate_to", "chunk"):
+                fail("fuse", f"{part.strip()!r} is not migrate_at:F|auto, migrate_to:N or chunk:N (e.g. "
+                             "migrate_at:0.2,migrate_to:1, or on for the defaults)")
+            try:
+                values[key] = value if value == "auto" else (float(value) if key == "migrate_at" else int(value))
+            except ValueError:
+                fail(f"fuse.{key}", f"{value!r} is not a number")
+        return cls(**values)
+
+    @property
+    def text(self) -> str:
+        """The plan string form :meth:`parse` reads."""
+        return f"migrate_at:{self.migrate_at},migrate_to:{self.migrate_to},chunk:{self.chunk}"
+
+
 def _roles_list(roles: object, field: str) -> tuple[str, ...] | None:
     if roles is None:
         return None
@@ -311,6 +357,8 @@ class ExecutionPlan:
     offload: tuple[str, ...] | None = None
     """Roles whose weights go to host memory between their calls; None applies the rule of
     :meth:`offloaded_roles`."""
+    fuse: Fusion | None = None
+    """Inter-stage fusion of generation with the inference calls that read only its outputs; None: unfused."""
 
     def __post_init__(self) -> None:
         if not isinstance(self.cluster, ClusterSpec):
@@ -327,10 +375,12 @@ class ExecutionPlan:
         object.__setattr__(self, "allocations", dict(self.allocations))
         object.__setattr__(self, "shadow", _roles_list(self.shadow, "shadow"))
         object.__setattr__(self, "offload", _roles_list(self.offload, "offload"))
+        if self.fuse is not None and not isinstance(self.fuse, Fusion):
+            raise ConfigError(f"plan.fuse: {self.fuse!r} is not a Fusion")
 
     def with_allocation(self, name: str, allocation: Allocation) -> ExecutionPlan:
         """A copy of the plan with ``name`` placed at ``allocation``."""
-        return ExecutionPlan(self.cluster, {**self.allocations, name: allocation}, self.shadow, self.offload)
+        return dataclasses.replace(self, allocations={**self.allocations, name: allocation})
 
     def __getitem__(self, name: str) -> Allocation:
         if name not in self.allocations:
@@ -428,7 +478,8 @@ class ExecutionPlan:
                        for name, a in self.allocations.items()}
         return {"cluster": to_dict(self.cluster), "allocations": allocations,
                 "shadow": None if self.shadow is None else list(self.shadow),
-                "offload": None if self.offload is None else list(self.offload)}
+                "offload": None if self.offload is None else list(self.offload),
+                "fuse": None if self.fuse is None else to_dict(self.fuse)}
 
     @classmethod
     def from_dict(cls, data: Mapping[str, Any]) -> ExecutionPlan:
@@ -444,7 +495,7 @@ class ExecutionPlan:
                                                item.recompute, item.zero, item.fsdp)
             except FieldError as err:
                 raise err.under(f"plan.allocations.{name}") from None
-        return cls(record.cluster, allocations, record.shadow, record.offload)
+        return cls(record.cluster, allocations, record.shadow, record.offload, record.fuse)
 
     def save(self, path: str | os.PathLike[str]) -> None:
         """Write the plan as JSON (``.json``) or YAML (``.yaml``, ``.yml``), atomically."""
@@ -497,6 +548,8 @@ class _PlanRecord:
     """Roles with a shadow copy (null: the default rule)."""
     offload: tuple[str, ...] | None = None
     """Roles offloaded between calls (null: the default rule)."""
+    fuse: Fusion | None = None
+    """Inter-stage fusion (null: none)."""
 
 
 def _plan_suffix(path: Path) -> str:

@@ -10,6 +10,9 @@ Items are separated by ``;``; each places one MFC as ``NAME=DEVICES[:LAYOUT]``::
   pure data parallel over its devices (``4-7`` is ``4-7:dp4``);
 - ``shadow=actor`` and ``offload=ref,reward`` set the plan's explicit shadow and offload roles (``offload=``
   means none); without them the default rules of :class:`~loomrl.plan.plan.ExecutionPlan` apply;
+- ``fuse=on`` or ``fuse=migrate_at:0.2,migrate_to:1`` (``migrate_at:auto``, ``chunk:N``) fuses generation with
+  the inference calls that read only its outputs (:class:`~loomrl.plan.plan.Fusion`); these items may also
+  follow a strategy's name (``colocate; fuse=on``, :func:`loomrl.plan.strategies.make_plan`);
 - a compute step (e.g. ``advantages``) that is not named runs on device 0 with no parallelism
   (``advantages=0:dp1``), where the runtime runs it; every model call must be named.
 
@@ -23,18 +26,19 @@ More examples, on a ``cpu:1x4`` cluster::
 
 from __future__ import annotations
 
+import dataclasses
 import difflib
 
 from loomrl.configtools import FieldError
 from loomrl.errors import ConfigError
 from loomrl.plan.layout import Layout
 from loomrl.plan.cluster import ClusterSpec
-from loomrl.plan.plan import Allocation, DeviceSet, ExecutionPlan
+from loomrl.plan.plan import Allocation, DeviceSet, ExecutionPlan, Fusion
 from loomrl.workflow import MFCKind, Workflow
 
-__all__ = ["RESERVED_KEYS", "compute_allocation", "format_plan_string", "parse_plan_string"]
+__all__ = ["RESERVED_KEYS", "compute_allocation", "format_plan_string", "parse_plan_string", "with_choices"]
 
-RESERVED_KEYS = ("shadow", "offload")
+RESERVED_KEYS = ("shadow", "offload", "fuse")
 """Item names that set plan fields rather than place an MFC."""
 
 
@@ -43,10 +47,15 @@ def compute_allocation() -> Allocation:
     return Allocation(DeviceSet((0,)), Layout())
 
 
-def _parse_item(item: str, workflow: Workflow) -> tuple[str, Allocation | tuple[str, ...]]:
+def _parse_item(item: str, workflow: Workflow) -> tuple[str, Allocation | Fusion | tuple[str, ...]]:
     name, sep, rest = (part.strip() for part in item.partition("="))
     if not sep or not name:
         raise ConfigError(f"plan item {item!r}: expected NAME=DEVICES[:LAYOUT], e.g. actor_gen=0-3:dp4")
+    if name == "fuse":
+        try:
+            return name, Fusion.parse(rest)
+        except FieldError as err:
+            raise ConfigError(f"plan item {item!r}: {err}") from None
     if name in RESERVED_KEYS:
         return name, tuple(r.strip() for r in rest.split(",") if r.strip())
     if name not in workflow:
@@ -83,11 +92,25 @@ def parse_plan_string(text: str, workflow: Workflow, cluster: ClusterSpec) -> Ex
         else:
             raise ConfigError(f"plan: MFC '{mfc.name}' is not placed; add e.g. '{mfc.name}=0-{cluster.n_devices - 1}'")
     try:
-        plan = ExecutionPlan(cluster, allocations, choices.get("shadow"), choices.get("offload"))
+        plan = ExecutionPlan(cluster, allocations, choices.get("shadow"), choices.get("offload"), choices.get("fuse"))
     except ConfigError as err:
         raise ConfigError(f"plan: {err}") from None
     plan.validate(workflow)
     return plan
+
+
+def with_choices(plan: ExecutionPlan, text: str, workflow: Workflow) -> ExecutionPlan:
+    """``plan`` with the ``shadow``, ``offload`` and ``fuse`` items of ``text`` (``;``-separated) applied."""
+    changes: dict[str, object] = {}
+    for item in (part.strip() for part in str(text).split(";")):
+        if not item:
+            continue
+        if item.partition("=")[0].strip() not in RESERVED_KEYS:
+            raise ConfigError(f"plan item {item!r}: after a strategy only {', '.join(RESERVED_KEYS)} items may "
+                              "follow (e.g. 'colocate; fuse=on'); place calls with a plan string instead")
+        name, value = _parse_item(item, workflow)
+        changes[name] = value
+    return dataclasses.replace(plan, **changes)
 
 
 def format_plan_string(plan: ExecutionPlan, workflow: Workflow | None = None) -> str:
@@ -101,4 +124,6 @@ def format_plan_string(plan: ExecutionPlan, workflow: Workflow | None = None) ->
     for key, roles in (("shadow", plan.shadow), ("offload", plan.offload)):
         if roles is not None:
             items.append(f"{key}={','.join(roles)}")
+    if plan.fuse is not None:
+        items.append(f"fuse={plan.fuse.text}")
     return "; ".join(items)

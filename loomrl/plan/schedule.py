@@ -24,6 +24,11 @@ Steps (:class:`StepKind`), each with the devices it occupies and the steps of it
   is the device's).
 - ``evaluate``: the between-iterations evaluation of the actor in its generation allocation (with the copy
   and free it needs), listed apart from the iteration's steps.
+- ``fused``: with the plan's :class:`~loomrl.plan.plan.Fusion`, generation and the inference calls that read
+  only its outputs (PPO's reference, reward and critic inference) as one stage, its member call steps inside:
+  the inference calls run on finished samples, chunk by chunk, while the tail still generates, and once few
+  samples are left the tail migrates onto a few generation replicas so the others can run inference. The
+  steps that put the members' models in place run before the stage; those that release them, after it.
 
 Iterations run one after another: every step of iteration ``i + 1`` waits for all of iteration ``i``.
 Within an iteration a step is sent once its dependencies are done, and every device runs the steps in the
@@ -34,11 +39,12 @@ call that last uses the model, each queued right behind it on devices the other 
 
 from __future__ import annotations
 
+import dataclasses
 from collections.abc import Iterator, Sequence
 from dataclasses import dataclass, field
 from enum import Enum
 
-from loomrl.plan.plan import Allocation, ExecutionPlan
+from loomrl.plan.plan import Allocation, ExecutionPlan, Fusion
 from loomrl.workflow import MFC, MFCKind, Workflow
 
 __all__ = ["Schedule", "Step", "StepKind", "build_schedule"]
@@ -54,6 +60,7 @@ class StepKind(str, Enum):
     RELOAD = "reload"
     OFFLOAD = "offload"
     EVALUATE = "evaluate"
+    FUSED = "fused"
 
 
 _PUT = (StepKind.COPY, StepKind.SYNC, StepKind.RELOAD)
@@ -83,6 +90,10 @@ class Step:
     """``copy`` and ``sync``: the training allocation the weights come from."""
     mfc: MFC | None = field(default=None, compare=False)
     """``call``: the MFC itself (with its function), so that an executor needs nothing but the schedule."""
+    members: tuple[Step, ...] = ()
+    """``fused``: its call steps, generation first."""
+    fusion: Fusion | None = None
+    """``fused``: the plan's fusion settings."""
 
     @property
     def moves_bytes(self) -> bool:
@@ -138,8 +149,9 @@ class Schedule:
         raise KeyError(f"no step {step_id!r}; steps: {', '.join(s.id for s in self.steps)}")
 
     def calls(self) -> list[Step]:
-        """The iteration's call steps, in order."""
-        return [s for s in self.steps if s.kind is StepKind.CALL]
+        """The iteration's call steps, in order (a fused stage's members in its place)."""
+        return [c for s in self.steps for c in (s.members if s.kind is StepKind.FUSED else (s,))
+                if c.kind is StepKind.CALL]
 
     def transfers(self) -> list[tuple[str, Allocation, Allocation]]:
         """Every distinct ``(role, source, destination)`` the copies and syncs of all three lists move, in
@@ -154,7 +166,7 @@ class Schedule:
         """Every distinct ``(role, shards)`` a device must be able to hold a model in: each call's, each copy's
         and each shadow's, in first-use order (training allocations reduced to their shards too)."""
         found: dict[tuple, None] = {}
-        for step in (*self.prologue, *self.steps, *self.evaluation):
+        for step in (*self.prologue, *self.steps, *self.calls(), *self.evaluation):
             if step.role is not None and step.alloc is not None:
                 found.setdefault((step.role, step.alloc.shards))
             if step.src is not None:
@@ -169,8 +181,50 @@ def build_schedule(workflow: Workflow, plan: ExecutionPlan, evaluate_role: str |
     for mfc in workflow.topological_order():
         builder.add_call(mfc)
     steps = builder.finish()
+    group = workflow.fusable() if plan.fuse is not None else None
+    if group is not None:
+        steps = _fuse(steps, group, plan.fuse)
     prologue = tuple(Step(s.id, s.kind, s.devices, (), s.role, s.alloc, s.src) for s in builder.fills)
     return Schedule(steps, prologue, _evaluation(workflow, plan, evaluate_role))
+
+
+def _fuse(steps: tuple[Step, ...], group: tuple[MFC, tuple[MFC, ...]], fusion: Fusion) -> tuple[Step, ...]:
+    """``steps`` with the group's call steps replaced by one fused stage (module docstring): the steps that
+    feed a member (copies, reloads) run before the stage; the steps that wait for a member wait for it."""
+    gen, consumers = group
+    names = {gen.name, *(c.name for c in consumers)}
+    members = tuple(s for s in steps if s.id in names)
+    fused_id = f"fused_{gen.name}"
+    feeding = {d for m in members for d in m.deps if d not in names}
+    devices = tuple(sorted({d for m in members for d in m.devices}))
+    out: list[Step] = []
+    for step in steps:
+        if step.id == gen.name:
+            out.append(Step(fused_id, StepKind.FUSED, devices, tuple(sorted(feeding, key=_position(steps))),
+                            members=members, fusion=fusion))
+        elif step.id not in names:
+            deps = tuple(dict.fromkeys(fused_id if d in names else d for d in step.deps))
+            out.append(dataclasses.replace(step, deps=tuple(d for d in deps if d != fused_id)
+                                           if step.id in feeding else deps))
+    return _stable_topological(out)
+
+
+def _position(steps: Sequence[Step]):
+    index = {s.id: i for i, s in enumerate(steps)}
+    return lambda step_id: index[step_id]
+
+
+def _stable_topological(steps: list[Step]) -> tuple[Step, ...]:
+    """``steps`` reordered so each follows the steps it waits for, otherwise keeping their order."""
+    placed: set[str] = set()
+    order: list[Step] = []
+    pending = list(steps)
+    while pending:
+        step = next(s for s in pending if all(d in placed for d in s.deps))
+        pending.remove(step)
+        order.append(step)
+        placed.add(step.id)
+    return tuple(order)
 
 
 class _Builder:

@@ -28,7 +28,7 @@ from loomrl.errors import ConfigError
 from loomrl.plan.layout import Layout
 from loomrl.plan.cluster import ClusterSpec
 from loomrl.plan.memory import param_count
-from loomrl.plan.plan_string import compute_allocation, parse_plan_string
+from loomrl.plan.plan_string import compute_allocation, parse_plan_string, with_choices
 from loomrl.plan.plan import Allocation, DeviceSet, ExecutionPlan
 from loomrl.workflow import MFC, MFCKind, Workflow
 
@@ -222,6 +222,12 @@ def make_plan(spec: str, workflow: Workflow, cluster: ClusterSpec, *, layouts: M
     ``model_configs`` weigh interleave's split and enable the divisibility and memory checks.
     """
     text = str(spec).strip()
+    strategy, _, extras = text.partition(";")
+    if "=" not in strategy and extras.strip():  # a strategy followed by shadow / offload / fuse items
+        plan = with_choices(make_plan(strategy, workflow, cluster, layouts=layouts, model_configs=model_configs,
+                                      gen_devices=gen_devices), extras, workflow)
+        plan.validate(workflow, model_configs)
+        return plan
     if ("=" in text or text.lower().endswith(_FILE_SUFFIXES)) and (layouts is not None or gen_devices is not None):
         raise ConfigError(f"plan {text!r}: layouts and gen_devices apply only to the colocate and separate strategies")
     if "=" in text:

@@ -173,6 +173,11 @@ def _checked(value: float, what: str) -> float:
 
 def _duration(step: Step, cost: CostEstimator) -> float:
     """Seconds the estimator gives a step (module docstring)."""
+    if step.kind is StepKind.FUSED:
+        fused = getattr(cost, "fused_time", None)  # optional: without it the stage runs its calls in turn
+        if fused is not None:
+            return _checked(fused(step), f"fused_time({step.id})")
+        return sum(_duration(member, cost) for member in step.members)
     if step.kind is StepKind.CALL:
         return _checked(cost.mfc_time(step.mfc, step.alloc), f"mfc_time({step.id}, {step.alloc.text})")
     if step.moves_bytes:

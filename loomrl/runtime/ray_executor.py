@@ -35,6 +35,7 @@ from loomrl.plan.plan import ExecutionPlan
 from loomrl.plan.realloc_plan import plan_reallocation
 from loomrl.plan.schedule import Step, StepKind, build_schedule
 from loomrl.engine.devices import resolve_dtype
+from loomrl.runtime.fused_stage import FusedStage, is_stream
 from loomrl.runtime.plan_change import plan_moves
 from loomrl.runtime.reference import IterationResult, StepTrace, merge_stats
 from loomrl.runtime.spec import CallData, WorkerPlan, WorkerSpec
@@ -151,7 +152,7 @@ class RayExecutor:
         ref = ready[0]
         what, role, rank = pending.pop(ref)
         try:
-            value = ray.get(ref)
+            value = ray.get(next(ref)) if is_stream(ref) else ray.get(ref)
         except ray.exceptions.RayActorError:
             raise RuntimeFailure(f"worker {rank} died during {what} (role {role})") from None
         except ray.exceptions.RayTaskError as err:
@@ -197,7 +198,8 @@ class RayExecutor:
                   result: IterationResult | None = None, data: Mapping[str, dict] | None = None
                   ) -> tuple[list[StepTrace], dict[str, dict[int, dict]]]:
         """Run ``steps`` (one list of the schedule) to the end: each is sent to its devices once the steps it
-        waits for are done, or with the one it is sent with. Call steps take their rows from ``state`` and report
+        waits for are done, or with the one it is sent with; a fused stage runs as its members' data arrives
+        (:class:`~loomrl.runtime.fused_stage.FusedStage`). Call steps take their rows from ``state`` and report
         into ``result``; ``data`` gives other steps' per-device payloads. Returns the steps' traces, in the order
         they ended, and every device's reply per step."""
         by_id = {s.id: s for s in steps}
@@ -205,35 +207,51 @@ class RayExecutor:
         replies: dict[str, dict[int, dict]] = {}
         payloads: dict[str, dict] = {}
         pending: dict = {}
-        routed: dict = {}  # ref → (step id, device)
+        routed: dict = {}  # ref → (step id, device), or (fused stage, its key)
         traces: list[StepTrace] = []
         deadline = time.monotonic() + self.runtime.timeout_s
         while len(done) < len(steps):
             for step in steps:
-                if step.id not in replies and all(d in done or (d in replies and step.sent_with(by_id[d]))
-                                                  for d in step.deps):
-                    payloads[step.id] = self._payloads(step, state) if step.kind is StepKind.CALL else \
-                        (data or {}).get(step.id, {})
-                    what = f"MFC '{step.id}'" if step.kind is StepKind.CALL else f"step '{step.id}'"
-                    for device in step.devices:
-                        ref = self.workers[device].run_step.remote(step.id, payloads[step.id].get(device))
-                        pending[ref] = (what, step.role, device)
-                        routed[ref] = (step.id, device)
-                    replies[step.id] = {}
+                if step.id in replies or not all(d in done or (d in replies and step.sent_with(by_id[d]))
+                                                 for d in step.deps):
+                    continue
+                replies[step.id] = {}
+                if step.kind is StepKind.FUSED:
+                    FusedStage(self, step, state, self.migrate_at(step, state)).start(pending, routed)
+                    continue
+                payloads[step.id] = self.payloads(step, state) if step.kind is StepKind.CALL else \
+                    (data or {}).get(step.id, {})
+                what = f"MFC '{step.id}'" if step.kind is StepKind.CALL else f"step '{step.id}'"
+                for device in step.devices:
+                    ref = self.workers[device].run_step.remote(step.id, payloads[step.id].get(device))
+                    pending[ref] = (what, step.role, device)
+                    routed[ref] = (step.id, device)
             ref, meta = self._wait_one(pending, deadline)
-            step_id, device = routed.pop(ref)
-            replies[step_id][device] = meta
-            step = by_id[step_id]
-            if len(replies[step_id]) == len(step.devices):
-                done.add(step_id)
-                traces.append(StepTrace.of(step, iteration, phase, replies[step_id]))
+            owner, key = routed.pop(ref)
+            if isinstance(owner, FusedStage):
+                owner.on_reply(key, meta, ref, pending, routed)
+                if owner.done:
+                    done.add(owner.step.id)
+                    traces.append(owner.trace(iteration, phase))
+                continue
+            step = by_id[owner]
+            replies[step.id][key] = meta
+            if len(replies[step.id]) == len(step.devices):
+                done.add(step.id)
+                traces.append(StepTrace.of(step, iteration, phase, replies[step.id]))
                 if step.kind is StepKind.CALL:
-                    self._finish(step, replies[step_id], payloads[step_id], state, result)
+                    self._finish(step, replies[step.id], payloads[step.id], state, result)
         if result is not None:
             result.traces.extend(traces)
         return traces, replies
 
-    def _payloads(self, step: Step, state: _IterationState) -> dict[int, CallData]:
+    def migrate_at(self, step: Step, state: _IterationState) -> float:
+        """A fused stage's migration threshold this iteration: the plan's fraction, or for ``auto`` the one the
+        simulator finds fastest for the response lengths observed so far (the default before any)."""
+        value = step.fusion.migrate_at
+        return value if not isinstance(value, str) else 0.2
+
+    def payloads(self, step: Step, state: _IterationState) -> dict[int, CallData]:
         """Per device of a call: its rows, their input shards, its optimizer steps, and whether it publishes."""
         mfc, alloc = step.mfc, step.alloc
         dp = alloc.layout.dp
@@ -253,9 +271,14 @@ class RayExecutor:
         out = {}
         for device in alloc.devices:
             rows, steps = per_dp[alloc.coords(device).dp]
-            out[device] = CallData(state.iteration, rows, _inputs(mfc.inputs, rows, state.where), steps,
+            out[device] = CallData(state.iteration, rows, self.inputs_of(mfc.inputs, rows, state), steps,
                                    alloc.publishes(device))
         return out
+
+    @staticmethod
+    def inputs_of(keys: Sequence[str], rows: Sequence[int], state: _IterationState) -> tuple:
+        """Object references (each in a 1-tuple) of the output shards holding ``keys`` of any of ``rows``."""
+        return _inputs(keys, rows, state.where)
 
     def _finish(self, step: Step, metas: dict[int, dict], payloads: dict[int, CallData], state: _IterationState,
                 result: IterationResult) -> None:

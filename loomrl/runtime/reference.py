@@ -38,6 +38,8 @@ class StepTrace:
     end: tuple[float, ...]
     phase: str = "iteration"
     """``iteration``, ``prologue`` (before the first iteration, after a load or a plan change) or ``evaluation``."""
+    parts: tuple[tuple[str, int, float, float], ...] = ()
+    """A fused stage's parts: ``(label, device, start, end)`` of its generation, migration and member calls."""
 
     @classmethod
     def of(cls, step: Step, iteration: int, phase: str, metas: Mapping[int, Mapping[str, Any]]) -> StepTrace:
@@ -53,9 +55,12 @@ class StepTrace:
         return max(self.end) - min(self.start)
 
     def to_dict(self) -> dict[str, Any]:
-        return {"iteration": self.iteration, "phase": self.phase, "step": self.step, "kind": self.kind,
-                "role": self.role, "mfc_kind": self.mfc_kind, "devices": list(self.devices),
-                "start": list(self.start), "end": list(self.end)}
+        out = {"iteration": self.iteration, "phase": self.phase, "step": self.step, "kind": self.kind,
+               "role": self.role, "mfc_kind": self.mfc_kind, "devices": list(self.devices),
+               "start": list(self.start), "end": list(self.end)}
+        if self.parts:
+            out["parts"] = [list(p) for p in self.parts]
+        return out
 
 
 @dataclass

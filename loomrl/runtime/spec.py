@@ -59,8 +59,10 @@ class WorkerPlan:
             raise ValueError(f"no transfer plan for {role} from {src.text} to {dst.text}")
 
     def steps(self) -> dict[str, Step]:
-        """Step id → step, over the prologue, the iteration and the evaluation (an id means one step)."""
-        return {s.id: s for s in (*self.schedule.prologue, *self.schedule.steps, *self.schedule.evaluation)}
+        """Step id → step, over the prologue, the iteration (a fused stage's members too) and the evaluation
+        (an id means one step)."""
+        schedule = self.schedule
+        return {s.id: s for s in (*schedule.prologue, *schedule.steps, *schedule.calls(), *schedule.evaluation)}
 
     def training(self) -> dict[str, Allocation]:
         """Each trained role's training allocation (its train calls', options included)."""

@@ -11,6 +11,7 @@ scalars, never tokens.
 
 from __future__ import annotations
 
+import dataclasses
 import os
 import time
 import traceback
@@ -38,6 +39,7 @@ from loomrl.parallel.pipeline import split_stages
 from loomrl.parallel.pipeline_schedule import PipelineRunner
 from loomrl.plan.plan import Allocation
 from loomrl.plan.schedule import Step, StepKind
+from loomrl.runtime.migration import MigrationControl, StreamSpec
 from loomrl.runtime.offload import HostCopy, bind_view, reclaim, release_storage
 from loomrl.runtime.plan_change import Move
 from loomrl.runtime.spec import CallData, WorkerPlan, WorkerSpec
@@ -231,6 +233,30 @@ class DeviceWorker:
         elif kind is StepKind.OFFLOAD and (step.role, step.alloc) in self.host_copies:
             self.host_copies[(step.role, step.alloc)].release()
         return {}
+
+    def run_stream(self, step_id: str, call: CallData, spec: StreamSpec):
+        """A fused stage's generation on this device, streamed (a Ray generator): yields the finished rows in
+        chunks as they come (references to their shards and their token counts), taking part in the tail's
+        migration (:mod:`loomrl.runtime.migration`), and last a marker with the stream's start and end."""
+        step = self.steps[step_id]
+        start = time.time()
+        coords = step.alloc.coords(self.rank)
+        control = MigrationControl(spec, self.groups[step.alloc].mesh_group, coords.dp, coords.tp == 0,
+                                   step.alloc.layout.dp, self.device)
+        try:
+            batch = gather_rows(_get(list(call.inputs)), call.sample_ids, step.mfc.inputs)
+            ctx = dataclasses.replace(self._context(step, call), stream=control)
+            for ids, columns in step.mfc.stream(ctx, batch):
+                meta: dict[str, Any] = {"rows": list(ids)}
+                if call.publish:
+                    meta["shard"] = (_put(Batch(ids, columns)),)
+                    responses = next(v for k, v in columns.items() if k.endswith("response_ids"))
+                    meta["tokens"] = {sid: len(r) for sid, r in zip(ids, responses)}
+                yield meta
+        except Exception as exc:
+            raise WorkerError(f"worker {self.rank} failed in MFC '{step.id}' (role {step.role}): "
+                              f"{type(exc).__name__}: {exc}\n{traceback.format_exc()}") from None
+        yield {"done": True, "start": start, "end": time.time(), "rank": self.rank, "migrated_at": control.migrated_at}
 
     def _call(self, step: Step, call: CallData) -> dict:
         mfc = step.mfc

@@ -171,7 +171,7 @@ class RLTrainer:
         metrics = {**result.stats, "perf/samples_per_s": self.cfg.rollout.prompts_per_iter * self.group_size / seconds,
                    "time/iteration_s": seconds}
         for trace in result.traces:
-            if trace.kind == "call":
+            if trace.kind in ("call", "fused"):
                 metrics[f"time/{trace.step}_s"] = trace.seconds
         return metrics
 

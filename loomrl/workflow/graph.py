@@ -51,6 +51,9 @@ class MFC:
     """Data keys written. A ``train`` call writes none: it returns statistics, merged into the metrics."""
     op: Callable | None = field(default=None, compare=False)
     """The function the executor calls; ignored by the graph and by equality and hashing."""
+    stream: Callable | None = field(default=None, compare=False)
+    """``generate`` calls: the op's streaming form for fused stages, ``stream(ctx, batch)`` yielding ``(sample
+    ids, columns)`` of samples as they finish; ignored by the graph."""
     doc: str = ""
     """One line for documentation and plan printouts."""
     epochs: int = 1
@@ -151,6 +154,16 @@ class Workflow:
 
     def _ordered(self, a: str, b: str) -> bool:
         return a in self._ancestors[b] or b in self._ancestors[a]
+
+    def fusable(self) -> tuple[MFC, tuple[MFC, ...]] | None:
+        """The calls an inter-stage fusion joins: the first generate call and the inference calls that read
+        nothing but its outputs and source keys (so they can run sample by sample as generation finishes
+        them); None when no inference call qualifies."""
+        gens = [m for m in self._order if m.kind is MFCKind.GENERATE]
+        if not gens:
+            return None
+        consumers = tuple(m for m in self._order if m.kind is MFCKind.INFERENCE and self._deps[m.name] == [gens[0].name])
+        return (gens[0], consumers) if consumers else None
 
     def ancestors(self, name: str) -> frozenset[str]:
         """Names of every MFC with a path of data edges to ``name`` within an iteration."""
