@@ -195,6 +195,11 @@ class RuntimeConfig(ValidatedConfig):
     """Plans to switch to between iterations, by the iteration they start at, e.g. {4: separate:1, 8: interleave}
     (each a strategy, plan string or plan file, as for plan); every role's state moves to the new layouts and
     the run continues as it would have under the old plan."""
+    cost_profile: str | None = None
+    """Hardware profile JSON the runtime's own decisions price with (``loomrl calibrate`` writes one; e.g. a fused
+    stage's ``migrate_at: auto``); None: the device kind's nominal profile."""
+    cost_corrections: str | None = None
+    """Fitted cost-model corrections JSON for those decisions (``loomrl calibrate --from``); None: uncorrected."""
     verify_reallocation: bool = False
     """Check every reallocated parameter piece against a checksum sent by its sender (costs a little time)."""
     ray_dashboard: bool = False

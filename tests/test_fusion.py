@@ -23,6 +23,7 @@ from loomrl.models.zoo import build_causal_lm
 from loomrl.plan import ClusterSpec, ExecutionPlan, format_plan_string, make_plan, parse_plan_string
 from loomrl.plan.plan import Fusion
 from loomrl.plan.schedule import StepKind, build_schedule
+from loomrl.planner.run_timeline import result_from_traces
 from loomrl.rollout import SamplingParams
 from loomrl.runtime.migration import assign_tail
 from loomrl.train.rl import RLTrainer
@@ -82,7 +83,7 @@ def test_the_tail_goes_to_the_replicas_with_the_most_left():
 class _Chunks:
     """A stream control without migration: chunks of two."""
 
-    chunk, max_prompt, slots, in_step = 2, 9, 64, False
+    chunk, max_prompt, max_budget, slots, in_step = 2, 9, 0, 64, False
 
     def after_step(self, engine) -> bool:
         return False
@@ -154,3 +155,6 @@ def test_a_fused_run_is_the_reference_run(tmp_path, warm, references, algo, plan
         assert {"ref_inf", "reward_inf"} <= set(labels)
         if plan == "colocate":  # the replicas agreed on a migration: some of them handed their tail over
             assert "migrate" in labels
+    drawn = result_from_traces(traces).timeline  # the measured timeline draws each part on its device
+    assert {(i.label, i.kind) for i in drawn} >= {("actor_gen", "generate"), ("ref_inf", "inference")}
+    assert not any(i.label == "fused_actor_gen" for i in drawn)

@@ -37,9 +37,8 @@ from loomrl.models.tokenizer import build_char_tokenizer
 from loomrl.models.zoo import build_causal_lm
 from loomrl.parallel.pipeline import check_pipeline, split_stages
 from loomrl.parallel.pipeline_schedule import PipelineRunner
-from loomrl.workflow.batch import micro_batch_slices
 from loomrl.parallel.spawn import run_world
-from loomrl.workflow.batch import Batch, pack_sequences, response_mask
+from loomrl.workflow.batch import Batch, micro_batch_slices, pack_sequences, response_mask
 
 WORLD = 2
 TIMEOUT_S = 240
@@ -366,6 +365,37 @@ def test_ops_run_the_contexts_micro_batches_through_the_pipeline(micro_batches, 
     values_op(_op_context(Role("critic", critic.stage.model, engine=ModelEngine(critic.stage.model, pipeline=critic)),
                           micro_batches, len(batch)), batch)
     assert actor.asked == [runs, runs] and critic.asked == [runs]
+
+
+class _WidthSpy(torch.nn.Module):
+    """A model that records the width of every input it is given."""
+
+    def __init__(self, model: torch.nn.Module):
+        super().__init__()
+        self.model, self.widths = model, []
+        self.config = model.config
+
+    def forward(self, input_ids, **kwargs):
+        self.widths.append(input_ids.shape[1])
+        return self.model(input_ids=input_ids, **kwargs)
+
+
+def test_inference_micro_batches_run_sorted_by_length_each_cut_to_its_longest_row():
+    """Several micro-batches: rows of similar length together, none computed past its longest row; the outputs
+    are those of one micro-batch over the whole padded batch, in the batch's order."""
+    batch = _op_batch()
+    model = build_causal_lm("llama-1m", build_char_tokenizer(), seed=0)
+    lengths = sorted(len(p) + len(r) for p, r in zip(batch["prompt_ids"], batch["response_ids"]))
+    whole = logprob_op(_op_context(Role("actor", model, engine=ModelEngine(model)), 1, len(batch)), batch, "x", 1.0)
+    spy = _WidthSpy(model)
+    split = logprob_op(_op_context(Role("actor", spy, engine=ModelEngine(spy)), 3, len(batch)), batch, "x", 1.0)
+    mask = response_mask(batch["response_ids"], split["x"].shape[1]).bool()  # past a row's end: not computed
+    assert torch.allclose(split["x"][mask], whole["x"][mask], atol=1e-6)
+    parts = micro_batch_slices(len(batch), 3)
+    assert spy.widths == [lengths[rows][-1] for rows in parts] and spy.widths[0] < max(lengths)
+    critic = value_model()
+    ctx = lambda m: _op_context(Role("critic", critic, engine=ModelEngine(critic)), m, len(batch))  # noqa: E731
+    assert torch.allclose(values_op(ctx(3), batch)["values"][mask], values_op(ctx(1), batch)["values"][mask], atol=1e-6)
 
 
 # ------------------------------------------------------------------------------------------ 1F1B on 4 stages

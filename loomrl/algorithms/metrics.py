@@ -17,7 +17,7 @@ def rollout_metrics(batch: Batch, decode: Callable[[list[int]], str], task: Task
     return {
         "reward/mean": float(batch["score"].mean()),
         "reward/exact_match": sum(exact) / len(exact),
-        "kl/mean": float(batch["kl"].sum(-1).mean()),
+        **({"kl/mean": float(batch["kl"].sum(-1).mean())} if "kl" in batch else {}),  # workflows without KL have none
         "response/length": lengths.mean,
         "response/length_p90": lengths.p90,
         "response/length_max": float(lengths.max),

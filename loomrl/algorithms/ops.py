@@ -5,8 +5,8 @@ under ``stats``). Hyper-parameters are bound with :func:`functools.partial` by t
 :mod:`loomrl.algorithms.workflows`. Ops see whatever rows the executor gives them: a whole batch in the
 reference executor, one data-parallel shard on a worker.
 
-Inference and training ops cut their rows into ``ctx.micro_batches`` contiguous micro-batches (at most one per
-row; :func:`micro_batch_rows`), as the execution plan priced them, and run them through the role's engine
+Inference and training ops cut their rows into ``ctx.micro_batches`` micro-batches (at most one per row;
+:func:`micro_batch_rows`), as the execution plan priced them, and run them through the role's engine
 (:class:`~loomrl.algorithms.roles.Engine`): whether that streams them through pipeline stages (1F1B for
 training) or one after another, and how data-parallel ranks sum their gradients, is the engine's business, not
 the ops'. Generation ignores micro-batches: the rollout engine decodes all live samples together.
@@ -31,7 +31,8 @@ from loomrl.workflow.batch import Batch, micro_batch_slices, pack_sequences, pad
 
 def generate_chunks(ctx: OpContext, batch: Batch, params: SamplingParams,
                     out_prefix: str = "") -> Iterator[tuple[list[int], dict]]:
-    """Sample one response per row from the role's model, yielding ``(sample ids, columns)`` of finished rows:
+    """Sample one response per row from the role's model (within its own ``max_new_tokens`` where the batch has
+    that column, else the sampling parameters'), yielding ``(sample ids, columns)`` of finished rows:
     in chunks of ``ctx.stream.chunk`` as they finish when the call is part of a fused stage (whose
     ``after_step`` hook may migrate unfinished samples in or out), else all at once. Noise comes from each
     sample's own stream, so a sample's tokens do not depend on where or with whom it was generated."""
@@ -40,11 +41,12 @@ def generate_chunks(ctx: OpContext, batch: Batch, params: SamplingParams,
     model.eval()
     keys = stream_keys(ctx.seed, ctx.iteration, batch.ids).tolist()
     prompts = batch["prompt_ids"] if len(batch) else []
+    budgets = batch["max_new_tokens"] if "max_new_tokens" in batch else [None] * len(batch)  # per-sample budgets
     longest = control.max_prompt if control else max(len(p) for p in prompts)
-    max_len = longest + params.max_new_tokens
+    budget = max([params.max_new_tokens, control.max_budget if control else 0, *(b for b in budgets if b)])
     slots = control.slots if control else min(256, len(prompts))
-    engine = RolloutEngine(model, params, ctx.eos_id, ctx.pad_id, slots=max(1, slots), max_len=max_len)
-    engine.submit(Request(sid, list(p), key) for sid, p, key in zip(batch.ids, prompts, keys))
+    engine = RolloutEngine(model, params, ctx.eos_id, ctx.pad_id, slots=max(1, slots), max_len=longest + budget)
+    engine.submit(Request(sid, list(p), key, b) for sid, p, key, b in zip(batch.ids, prompts, keys, budgets))
     finished: list = []
     while engine.has_work() or (control is not None and control.in_step):
         finished += engine.step()
@@ -89,18 +91,26 @@ def micro_batch_rows(ctx: OpContext, rows: int) -> list[slice]:
     return micro_batch_slices(rows, max(1, min(ctx.micro_batches, rows)))
 
 
-OutputFn = Callable[[torch.Tensor, slice], torch.Tensor]
-"""``output_fn(outputs, rows)``: what to keep of the per-position outputs of the micro-batch of ``rows`` (a slice
+OutputFn = Callable[[torch.Tensor, torch.Tensor], torch.Tensor]
+"""``output_fn(outputs, rows)``: what to keep of the per-position outputs of the micro-batch of ``rows`` (indices
 of the call's packed rows), e.g. log-probs of those rows' tokens instead of their logits."""
 
 
 def role_outputs(ctx: OpContext, ids_BL: torch.Tensor, attn_BL: torch.Tensor,
                  output_fn: OutputFn | None = None) -> torch.Tensor:
     """The role's per-position outputs (logits for a policy, values for a value model) for all rows, each
-    micro-batch's reduced by ``output_fn`` and the results concatenated over rows, on every rank of the role."""
+    micro-batch's reduced by ``output_fn`` and the results concatenated in row order, on every rank of the role.
+
+    With several micro-batches the rows run sorted by length, so each micro-batch holds rows of similar length
+    and the engine computes it only up to its own longest row (as verl's dynamic batching and OpenRLHF's packing
+    avoid computing padding): on a batch with a long tail, one long row no longer pads every micro-batch."""
     parts = micro_batch_rows(ctx, ids_BL.shape[0])
-    keep = (lambda out, k: output_fn(out, parts[k])) if output_fn is not None else None
-    return ctx.role.engine.outputs(ids_BL, attn_BL, parts, keep)
+    order = torch.argsort(attn_BL.sum(1), stable=True) if len(parts) > 1 else torch.arange(ids_BL.shape[0])
+    keep = (lambda out, k: output_fn(out, order[parts[k]].to(ids_BL.device))) if output_fn is not None else None
+    if len(parts) == 1:
+        return ctx.role.engine.outputs(ids_BL, attn_BL, parts, keep)
+    out = ctx.role.engine.outputs(ids_BL[order.to(ids_BL.device)], attn_BL[order.to(attn_BL.device)], parts, keep)
+    return out[torch.argsort(order).to(out.device)]
 
 
 @torch.no_grad()

@@ -32,6 +32,8 @@ class StreamControl(Protocol):
     """Finished samples gathered before they are handed on."""
     max_prompt: int
     """Longest prompt of the whole batch (migrated samples may arrive with any of them)."""
+    max_budget: int
+    """Largest per-sample token budget of the whole batch (0: none beyond the sampling parameters')."""
     slots: int
     """Samples the engine decodes at once."""
     in_step: bool

@@ -45,7 +45,7 @@ class ModelEngine:
             return self.pipeline.forward(ids_BL, attn_BL, len(parts), output_fn=keep, broadcast_result=True)
         kept = []
         for k, rows in enumerate(parts):
-            out = model_outputs(self.model, ids_BL[rows], attn_BL[rows])
+            out = _widened(model_outputs(self.model, *_trimmed(ids_BL[rows], attn_BL[rows])), ids_BL.shape[1])
             kept.append(keep(out, k) if keep is not None else out)
         return torch.cat(kept) if len(kept) > 1 else kept[0]
 
@@ -90,3 +90,20 @@ def _joined(loss: LossFn):
         value = loss(out, k)
         return (out * 0).sum() if value is None else value
     return fn
+
+
+def _trimmed(ids_BL: torch.Tensor, attn_BL: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """The rows cut after their last attended column: the causal mask keeps every real position's output the
+    same, and the padding past it is not computed."""
+    attended = attn_BL.any(0).nonzero()
+    width = int(attended.max()) + 1 if attended.numel() else 1
+    return ids_BL[:, :width], attn_BL[:, :width]
+
+
+def _widened(out: torch.Tensor, width: int) -> torch.Tensor:
+    """Per-position outputs padded back with zeros to ``width`` positions (what the caller indexes)."""
+    if out.shape[1] == width:
+        return out
+    full = out.new_zeros((out.shape[0], width, *out.shape[2:]))
+    full[:, :out.shape[1]] = out
+    return full

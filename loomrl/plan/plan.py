@@ -249,6 +249,13 @@ class Allocation(ValidatedConfig):
             raise ConfigError(f"device {device} is not in the mesh {self.mesh.text}")
         return self.layout.coords(self.mesh.devices.index(device))
 
+    def replicas(self) -> list[tuple[int, ...]]:
+        """The devices of each data-parallel replica, by dp rank (a replica can run rows on its own)."""
+        out: dict[int, list[int]] = {}
+        for device in self.devices:
+            out.setdefault(self.coords(device).dp, []).append(device)
+        return [tuple(out[r]) for r in sorted(out)]
+
     def publishes(self, device: int) -> bool:
         """Whether ``device`` reports a call's results: one per data-parallel replica, tensor rank 0 of the last
         pipeline stage (the others hold the same results, or none)."""

@@ -57,6 +57,7 @@ from loomrl.plan.layout import Coords
 from loomrl.planner import decode as D
 from loomrl.planner import terms as T
 from loomrl.planner.corrections import ITERATION, REALLOC, Corrections
+from loomrl.planner.fused import FusedPrice, price_fused
 from loomrl.planner.profiles import HardwareProfile
 from loomrl.planner.realloc_cost import realloc_seconds
 from loomrl.planner.workload import ModelShape, Workload
@@ -107,6 +108,7 @@ class CostModel:
         self._terms: dict[tuple, dict[str, float]] = {}
         self._reallocs: dict[tuple, float] = {}
         self._rates: dict[tuple, _Rates] = {}
+        self._fused: dict = {}
 
     # ------------------------------------------------------------------------------------------ public API
 
@@ -132,13 +134,26 @@ class CostModel:
             return 0.0
         return self.static_memory(role, alloc, False) / self.profile.host_bw + self.profile.link_latency
 
+    def fused_stage(self, step) -> FusedPrice:
+        """A fused stage's predicted time and parts (:mod:`loomrl.planner.fused`). Cached."""
+        if step not in self._fused:
+            self._fused[step] = price_fused(self, step)
+        return self._fused[step]
+
+    def fused_time(self, step) -> float:
+        """Seconds of a fused stage (the simulator's price of a ``fused`` schedule step)."""
+        return self.fused_stage(step).seconds
+
     def iteration_time(self, simulated_s: float) -> float:
         """A simulated iteration's seconds with the fitted whole-iteration correction (the controller's serial
         work around the calls); unchanged without one."""
         return self.corrections.apply(ITERATION, simulated_s)
 
     def time_terms(self, mfc: MFC, alloc: Allocation) -> dict[str, float]:
-        """The uncorrected terms of a call's time, by name (they sum to the analytic time)."""
+        """The uncorrected terms of a call's time, by name (they sum to the analytic time); none for a role the
+        model has no shape of (a rule-based reward: its calls cost their fitted per-call overhead alone)."""
+        if mfc.role is not None and mfc.role not in self.shapes:
+            return {}
         key = (mfc.name, mfc.kind, mfc.role, mfc.epochs, mfc.minibatches, _alloc_key(alloc))
         if key not in self._terms:
             self._terms[key] = self._compute_terms(mfc, alloc)
@@ -151,6 +166,8 @@ class CostModel:
         resident; :meth:`call_memory` is the sum of the two. ``trainable`` does not change the transient part."""
         if mfc.kind is MFCKind.COMPUTE:
             return self.workload.batch * self.workload.mean_seq * COMPUTE_BYTES_PER_TOKEN
+        if mfc.role not in self.shapes:
+            return 0.0
         if mfc.kind is MFCKind.GENERATE:
             return self._generate_memory(mfc.role, alloc)
         if mfc.kind is MFCKind.INFERENCE:
@@ -166,6 +183,8 @@ class CostModel:
         """Resident bytes per device of ``role``'s weights on ``alloc`` (plus gradients and Adam moments if
         ``trainable``): :func:`loomrl.plan.shard_bytes`, the figure plan validation uses."""
         lay = alloc.layout
+        if role not in self.shapes:
+            return 0.0
         return float(shard_bytes(self._shape(role).params, lay.tp, lay.pp, self.bytes_per_param, trainable,
                                  optimizer_shards=alloc.optimizer_shards if trainable else 1,
                                  param_shards=alloc.param_shards if trainable else 1))
@@ -230,13 +249,13 @@ class CostModel:
         if mfc.kind is MFCKind.GENERATE:
             return self._generate_terms(mfc.role, alloc)
         if mfc.kind is MFCKind.INFERENCE:
-            return self._inference_terms(mfc.role, alloc)
+            return self.inference_terms(mfc.role, alloc)
         return self._train_terms(mfc, alloc)
 
-    def _inference_terms(self, role: str, alloc: Allocation) -> dict[str, float]:
-        """One forward pass over every token of a replica's share."""
+    def inference_terms(self, role: str, alloc: Allocation, samples: float | None = None) -> dict[str, float]:
+        """One forward pass over every token of a replica's share (or of ``samples`` samples)."""
         shape, w = self._shape(role), self.workload
-        samples = D.share(w.batch, alloc.layout.dp)
+        samples = D.share(w.batch, alloc.layout.dp) if samples is None else samples
         flops = T.forward_flops(shape, samples * w.mean_seq, samples * w.mean_sq_seq)
         return self._pass(alloc, shape, flops, self._weight_bytes(role), samples * w.mean_seq,
                           allreduces_per_layer=2, hops=1, micro_batches=alloc.micro_batches)
@@ -287,15 +306,19 @@ class CostModel:
 
     def _generate_terms(self, role: str, alloc: Allocation) -> dict[str, float]:
         """Prefill of the share's prompts, then decode over the response-length distribution."""
-        shape, w = self._shape(role), self.workload
-        samples = D.share(w.batch, alloc.layout.dp)
-        flops = T.forward_flops(shape, samples * w.prompt_len, samples * w.prompt_len ** 2)
-        chunks = max(1, math.ceil(samples * w.prompt_len / PREFILL_CHUNK_TOKENS))
-        prefill = self._pass(alloc, shape, flops, chunks * self._weight_bytes(role), samples * w.prompt_len,
-                             allreduces_per_layer=2, hops=1, micro_batches=self._gen_micro_batches(alloc))
-        out = {f"prefill_{name}": seconds for name, seconds in prefill.items()}
+        w = self.workload
+        out = self.prefill_terms(role, alloc, D.share(w.batch, alloc.layout.dp), w.prompt_len)
         out.update(self._decode_terms(role, alloc, w.response_lengths, padded=False))
         return out
+
+    def prefill_terms(self, role: str, alloc: Allocation, samples: float, context: float) -> dict[str, float]:
+        """Uncorrected terms of prefilling ``samples`` samples of ``context`` tokens each on one replica."""
+        shape = self._shape(role)
+        flops = T.forward_flops(shape, samples * context, samples * context ** 2)
+        chunks = max(1, math.ceil(samples * context / PREFILL_CHUNK_TOKENS))
+        prefill = self._pass(alloc, shape, flops, chunks * self._weight_bytes(role), samples * context,
+                             allreduces_per_layer=2, hops=1, micro_batches=self._gen_micro_batches(alloc))
+        return {f"prefill_{name}": seconds for name, seconds in prefill.items()}
 
     # ------------------------------------------------------------------------------------------- building blocks
 
@@ -324,6 +347,10 @@ class CostModel:
 
     def _decode_terms(self, role: str, alloc: Allocation, lengths: tuple[int, ...], padded: bool) -> dict[str, float]:
         """Decode steps summed in closed form over occupancy segments (:mod:`loomrl.planner.decode`)."""
+        return self.decode_segment_terms(role, alloc, self._segments(lengths, alloc.layout.dp, padded))
+
+    def decode_segment_terms(self, role: str, alloc: Allocation, segments: list[D.Segment]) -> dict[str, float]:
+        """Uncorrected terms of the decode steps of ``segments`` on one replica of ``alloc``."""
         shape, lay, rates = self._shape(role), alloc.layout, self._rates_of(alloc)
         mb, b = self._gen_micro_batches(alloc), self.bytes_per_param
         split = lay.tp * lay.pp * mb  # the devices and micro-batches a step's live tokens are spread over
@@ -332,7 +359,7 @@ class CostModel:
         launch_key = _launch("decode_launch", lay.tp)
         out = {"decode": 0.0, "decode_tp_comm": 0.0, "decode_pp_p2p": 0.0, launch_key: 0.0}
         step_ops = T.forward_ops(shape, shape.layers / lay.pp) + T.SAMPLE_OPS
-        for seg in self._segments(lengths, lay.dp, padded):
+        for seg in segments:
             # per-slot compute and memory time, each linear in the step t: a + b·t
             attn = 4.0 * shape.layers * shape.hidden / (split * rates.flops)
             a = 2.0 * shape.matmul_params * seg.live / (split * rates.flops) + attn * seg.ctx_base

@@ -2,8 +2,8 @@
 simulator's prediction of the same run.
 
 ``RUN_DIR/traces.jsonl`` has one line per executed schedule step (iteration, phase, step id, kind, role, the
-devices and each device's start and end); :func:`result_from_traces` turns an iteration's steps into the
-simulator's timeline, and :func:`predicted_run` simulates the run's own plan, models and workload, so both
+devices and each device's start and end; a fused stage's parts too); :func:`result_from_traces` turns an
+iteration's steps into the simulator's timeline, and :func:`predicted_run` simulates the run's own plan, models and workload, so both
 carry the same step ids and :func:`loomrl.planner.timeline.render_timelines` lines them up.
 """
 
@@ -45,8 +45,7 @@ def result_from_traces(traces: list[dict], last_iterations: int | None = 3) -> S
     if not traces:
         raise DataError("traces: no iteration steps")
     t0 = min(min(t["start"]) for t in traces)
-    timeline = [Interval(device, start - t0, end - t0, t["step"], t.get("mfc_kind") or t["kind"], t["iteration"])
-                for t in traces for device, start, end in zip(t["devices"], t["start"], t["end"])]
+    timeline = [interval for t in traces for interval in _intervals(t, t0)]
     timeline.sort(key=lambda i: (i.start, i.device))
     span = max(i.end for i in timeline)
     devices = sorted({i.device for i in timeline})
@@ -55,6 +54,16 @@ def result_from_traces(traces: list[dict], last_iterations: int | None = 3) -> S
             for it in sorted({t["iteration"] for t in traces})]
     per_iteration = (ends[-1] - ends[0]) / (len(ends) - 1) if len(ends) > 1 else ends[0]
     return SimResult(per_iteration, busy, {}, timeline, True, "", ends)
+
+
+def _intervals(trace: dict, t0: float) -> list[Interval]:
+    """A step on each of its devices; a fused stage as its parts (generation, migration, each member call)."""
+    if trace.get("parts"):
+        kinds = trace.get("part_kinds", {})
+        return [Interval(int(device), start - t0, end - t0, label, kinds.get(label, "fused"), trace["iteration"])
+                for label, device, start, end in trace["parts"]]
+    return [Interval(device, start - t0, end - t0, trace["step"], trace.get("mfc_kind") or trace["kind"],
+                     trace["iteration"]) for device, start, end in zip(trace["devices"], trace["start"], trace["end"])]
 
 
 def predicted_run(run_dir: str | Path, profile: HardwareProfile, corrections: Corrections | None = None,

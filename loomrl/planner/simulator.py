@@ -142,6 +142,8 @@ class _Node:
     deps: list[int]
     carried: list[int] = field(default_factory=list)
     """The dependencies this node is sent together with (:meth:`Step.sent_with`), a subset of ``deps``."""
+    parts: tuple = ()
+    """A fused stage's parts, ``(label, device, start, end)`` from the node's start, where the estimator gives them."""
 
     @property
     def label(self) -> str:
@@ -196,13 +198,24 @@ def _build_graph(schedule: Schedule, cost: CostEstimator, iterations: int) -> li
     deps = [[position[d] for d in step.deps] for step in steps]
     carried = [[position[d] for d in step.deps if step.sent_with(steps[position[d]])] for step in steps]
     seconds = [_duration(step, cost) for step in steps]
+    stage = getattr(cost, "fused_stage", None)  # optional: the parts of a fused stage, for the timeline
+    parts = [stage(step).parts if stage is not None and step.kind is StepKind.FUSED else () for step in steps]
     nodes: list[_Node] = []
     for it in range(iterations):
         base = it * len(steps)
-        nodes += [_Node(step, it, seconds[i], [base + d for d in deps[i]], [base + d for d in carried[i]])
+        nodes += [_Node(step, it, seconds[i], [base + d for d in deps[i]], [base + d for d in carried[i]], parts[i])
                   for i, step in enumerate(steps)]
     _iteration_barriers(nodes)
     return nodes
+
+
+def _intervals(node: _Node, start: float, end: float) -> list[Interval]:
+    """A node on each of its devices: a fused stage as its parts (generation, migration, each member call)."""
+    if not node.parts:
+        return [Interval(d, start, end, node.label, node.kind, node.iteration) for d in node.devices]
+    kinds = {m.id: m.mfc.kind.value for m in node.step.members}
+    return [Interval(d, start + a, start + b, label, kinds.get(label, label), node.iteration)
+            for label, d, a, b in sorted(node.parts, key=lambda p: (p[2], p[1]))]
 
 
 def _iteration_barriers(nodes: list[_Node]) -> None:
@@ -435,8 +448,7 @@ def simulate(plan: ExecutionPlan, workflow: Workflow, cost: CostEstimator, memor
 
     def timeline() -> list[Interval]:
         order = sorted(range(len(nodes)), key=lambda i: (start[i], i))
-        return [Interval(d, start[i], end[i], nodes[i].label, nodes[i].kind, nodes[i].iteration)
-                for i in order for d in nodes[i].devices]
+        return [iv for i in order for iv in _intervals(nodes[i], start[i], end[i])]
 
     memory = _memory_intervals(plan, workflow, cost, nodes, start, end, classes.on)
     peaks, feasible, reason, excess = _memory_check(memory, classes, memory_per_device)

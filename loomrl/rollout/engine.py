@@ -147,8 +147,9 @@ class RolloutEngine:
         for lv, tok, lp in zip(lives, tok_B.tolist(), logp_B.tolist()):
             lv.tokens.append(tok)
             lv.logps.append(lp)
-            if tok == self.eos_id or tok in self.params.stop_ids or len(lv.tokens) >= lv.budget:
-                reason = "eos" if tok == self.eos_id else "stop" if tok in self.params.stop_ids else "length"
+            eos = tok == self.eos_id and not self.params.ignore_eos
+            if eos or tok in self.params.stop_ids or len(lv.tokens) >= lv.budget:
+                reason = "eos" if eos else "stop" if tok in self.params.stop_ids else "length"
                 done.append(Completion(lv.request.sample_id, lv.tokens, lv.logps, reason))
         return done
 

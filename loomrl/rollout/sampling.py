@@ -33,6 +33,8 @@ class SamplingParams:
     top_p: float = 1.0
     stop_ids: tuple[int, ...] = ()
     """Tokens besides eos that end a sample (kept as its last token, like eos)."""
+    ignore_eos: bool = False
+    """Decode every sample to its token budget, eos or not (serving benchmarks' setting, for set lengths)."""
 
     @property
     def greedy(self) -> bool:

@@ -18,7 +18,6 @@ from typing import TYPE_CHECKING, Any
 
 import ray
 
-from loomrl.plan.plan import Allocation
 from loomrl.plan.schedule import Step
 from loomrl.runtime.migration import StreamSpec
 from loomrl.runtime.reference import StepTrace
@@ -28,15 +27,7 @@ from loomrl.workflow.minibatches import split_by_tokens
 if TYPE_CHECKING:
     from loomrl.runtime.ray_executor import RayExecutor
 
-__all__ = ["FusedStage", "replicas"]
-
-
-def replicas(alloc: Allocation) -> list[tuple[int, ...]]:
-    """The devices of each data-parallel replica of ``alloc``, by dp rank (each replica runs rows on its own)."""
-    out: dict[int, list[int]] = {}
-    for device in alloc.devices:
-        out.setdefault(alloc.coords(device).dp, []).append(device)
-    return [tuple(out[r]) for r in sorted(out)]
+__all__ = ["FusedStage"]
 
 
 class FusedStage:
@@ -69,7 +60,8 @@ class FusedStage:
         payloads = self.ex.payloads(gen, self.state)
         share = max(1, self.rows // gen.alloc.layout.dp)
         spec = StreamSpec(self.threshold, fusion.migrate_to, fusion.chunk or max(1, share // 4),
-                          max(self.state.tokens[s] for s in self.state.ids), min(256, self.rows))
+                          max(self.state.tokens[s] for s in self.state.ids), self.state.max_budget,
+                          min(256, self.rows))
         for device in gen.devices:
             stream = self.ex.workers[device].run_stream.remote(gen.id, payloads[device], spec)
             pending[stream] = (f"MFC '{gen.id}'", gen.role, device)
@@ -120,7 +112,7 @@ class FusedStage:
         """Each member's ready rows to its free replicas (balanced by tokens), one sub-call per replica."""
         for member in self.members:
             rows = self.ready[member.id]
-            free = [r for r in replicas(member.alloc) if not set(r) & (self.generating | self.busy)]
+            free = [r for r in member.alloc.replicas() if not set(r) & (self.generating | self.busy)]
             if not rows or not free:
                 continue
             self.ready[member.id] = []
@@ -153,7 +145,8 @@ class FusedStage:
             starts.append(min((s for s, _ in mine), default=self.began))
             ends.append(max((e for _, e in mine), default=ended))
         return StepTrace(iteration, self.step.id, self.step.kind.value, None, None, self.step.devices,
-                         tuple(starts), tuple(ends), phase, tuple(sorted(self.parts, key=lambda p: p[2])))
+                         tuple(starts), tuple(ends), phase, tuple(sorted(self.parts, key=lambda p: p[2])),
+                         {"migrate": "migrate"} | {m.id: m.mfc.kind.value for m in self.step.members})
 
 
 def is_stream(waitable: Any) -> bool:

@@ -34,6 +34,7 @@ class StreamSpec:
     """Replicas the tail moves onto."""
     chunk: int
     max_prompt: int
+    max_budget: int
     slots: int
 
 
@@ -58,7 +59,7 @@ class MigrationControl:
     """One rank's :class:`~loomrl.algorithms.roles.StreamControl` in a fused stage (module docstring)."""
 
     def __init__(self, spec: StreamSpec, group, replica: int, counts: bool, replicas: int, device: torch.device):
-        self.chunk, self.max_prompt, self.slots = spec.chunk, spec.max_prompt, spec.slots
+        self.chunk, self.max_prompt, self.max_budget, self.slots = spec.chunk, spec.max_prompt, spec.max_budget, spec.slots
         self.spec, self.group, self.replica, self.counts, self.device = spec, group, replica, counts, device
         self.in_step = spec.threshold > 0 and spec.migrate_to < replicas and group is not None
         self.migrated_at: float | None = None

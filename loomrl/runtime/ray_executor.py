@@ -34,6 +34,12 @@ from loomrl.models.zoo import parameter_shapes
 from loomrl.plan.plan import ExecutionPlan
 from loomrl.plan.realloc_plan import plan_reallocation
 from loomrl.plan.schedule import Step, StepKind, build_schedule
+from loomrl.planner.corrections import Corrections
+from loomrl.planner.cost import CostModel
+from loomrl.planner.fused import best_migrate_at
+from loomrl.planner.planning import model_config
+from loomrl.planner.profiles import load_profile, profile_for
+from loomrl.planner.workload import ModelShape, Workload
 from loomrl.engine.devices import resolve_dtype
 from loomrl.runtime.fused_stage import FusedStage, is_stream
 from loomrl.runtime.plan_change import plan_moves
@@ -45,6 +51,12 @@ from loomrl.workflow.batch import Batch
 from loomrl.workflow.minibatches import split_by_tokens, train_schedule
 
 
+AUTO_START = 0.2
+"""``migrate_at: auto`` before any response length is known (RLHFuse's choice at scale)."""
+LENGTH_WINDOW = 2
+"""Iterations of observed response lengths the runtime's decisions are priced for."""
+
+
 @dataclass
 class _IterationState:
     iteration: int
@@ -53,6 +65,8 @@ class _IterationState:
     """Key → output shards holding it: (sample ids, object reference)."""
     tokens: dict[int, int]
     """Sample id → tokens that weight its work (prompt length, then response length once generated)."""
+    max_budget: int = 0
+    """The batch's largest per-sample token budget (its ``max_new_tokens`` column; 0 without one)."""
 
 
 class RuntimeFailure(LoomError):
@@ -87,6 +101,10 @@ class RayExecutor:
         self.workers: list[Any] = []
         self.pg = None
         self.received = 0
+        self.lengths: list[list[int]] = []
+        """Response lengths of the last iterations (at most :data:`LENGTH_WINDOW`): the workload the runtime's
+        own decisions are priced for, following the run's drift."""
+        self._cost_inputs = None
         self.traces: list[StepTrace] = []
         """Steps run outside an iteration (the prologue, evaluations, plan changes) since :meth:`drain_traces`."""
         self.waited_s = 0.0
@@ -217,7 +235,10 @@ class RayExecutor:
                     continue
                 replies[step.id] = {}
                 if step.kind is StepKind.FUSED:
-                    FusedStage(self, step, state, self.migrate_at(step, state)).start(pending, routed)
+                    migrate_at = self.migrate_at(step, state)
+                    if result is not None:
+                        result.stats["fusion/migrate_at"] = migrate_at
+                    FusedStage(self, step, state, migrate_at).start(pending, routed)
                     continue
                 payloads[step.id] = self.payloads(step, state) if step.kind is StepKind.CALL else \
                     (data or {}).get(step.id, {})
@@ -247,9 +268,27 @@ class RayExecutor:
 
     def migrate_at(self, step: Step, state: _IterationState) -> float:
         """A fused stage's migration threshold this iteration: the plan's fraction, or for ``auto`` the one the
-        simulator finds fastest for the response lengths observed so far (the default before any)."""
+        cost model finds fastest for the response lengths of the last iterations (RLHFuse's 0.2 before any)."""
         value = step.fusion.migrate_at
-        return value if not isinstance(value, str) else 0.2
+        if not isinstance(value, str):
+            return value
+        if not self.lengths:
+            return AUTO_START
+        prompt = sum(state.tokens[s] for s in state.ids) / len(state.ids)
+        workload = Workload(len(state.ids), prompt, tuple(n for past in self.lengths for n in past))
+        return best_migrate_at(self.cost_model(workload), step)
+
+    def cost_model(self, workload: Workload) -> CostModel:
+        """The planner's cost model of these devices and models for ``workload`` (``runtime.cost_profile`` and
+        ``runtime.cost_corrections`` where given), for the runtime's own decisions."""
+        if self._cost_inputs is None:
+            profile = load_profile(self.runtime.cost_profile) if self.runtime.cost_profile else profile_for(self.cluster)
+            corrections = Corrections.load(self.runtime.cost_corrections) if self.runtime.cost_corrections else None
+            shapes = {role: ModelShape.from_config(model_config(spec.model, self._tokenizer))
+                      for role, spec in self.spec.roles.items() if spec.model is not None}
+            self._cost_inputs = (profile, corrections, shapes)
+        profile, corrections, shapes = self._cost_inputs
+        return CostModel(self.cluster, profile, shapes, workload, corrections)
 
     def payloads(self, step: Step, state: _IterationState) -> dict[int, CallData]:
         """Per device of a call: its rows, their input shards, its optimizer steps, and whether it publishes."""
@@ -301,10 +340,12 @@ class RayExecutor:
         result = IterationResult()
         source = ray.put(batch)
         state = _IterationState(iteration, list(batch.ids), {k: [(tuple(batch.ids), source)] for k in batch.keys()},
-                                {sid: len(p) for sid, p in zip(batch.ids, batch["prompt_ids"])})
+                                {sid: len(p) for sid, p in zip(batch.ids, batch["prompt_ids"])},
+                                max(batch["max_new_tokens"]) if "max_new_tokens" in batch else 0)
         self.run_steps(self.schedule.steps, iteration, "iteration", state, result)
-        keys = ("prompt_ids", "response_ids", "prompt_text", "answer", "score", "kl")
-        metrics = self._wait([self.workers[0].metrics.remote(batch.ids, _inputs(keys, batch.ids, state.where))],
+        self.lengths = (self.lengths + [[state.tokens[s] for s in state.ids]])[-LENGTH_WINDOW:]
+        keys = [k for k in ("prompt_ids", "response_ids", "prompt_text", "answer", "score", "kl") if k in state.where]
+        metrics = self._wait([self.workers[0].metrics.remote(batch.ids, _inputs(keys, batch.ids, state.where), keys)],
                              "metrics", None)[0]
         merge_stats(result.stats, metrics, "metrics")
         result.stats["time/controller_s"] = time.perf_counter() - start - self.waited_s

@@ -40,6 +40,8 @@ class StepTrace:
     """``iteration``, ``prologue`` (before the first iteration, after a load or a plan change) or ``evaluation``."""
     parts: tuple[tuple[str, int, float, float], ...] = ()
     """A fused stage's parts: ``(label, device, start, end)`` of its generation, migration and member calls."""
+    part_kinds: Mapping[str, str] = field(default_factory=dict)
+    """A part's label → what it is: an MFC kind (``generate``, ``inference``) or ``migrate``."""
 
     @classmethod
     def of(cls, step: Step, iteration: int, phase: str, metas: Mapping[int, Mapping[str, Any]]) -> StepTrace:
@@ -60,6 +62,7 @@ class StepTrace:
                "start": list(self.start), "end": list(self.end)}
         if self.parts:
             out["parts"] = [list(p) for p in self.parts]
+            out["part_kinds"] = dict(self.part_kinds)
         return out
 
 

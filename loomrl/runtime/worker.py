@@ -153,9 +153,9 @@ class DeviceWorker:
         """What a holding is under the installed plan: the role's training state (with its optimizer's
         sharding), a copy or shadow of a trained role's weights, or a frozen role's weights."""
         training = self.training.get(role)
-        if training is not None and alloc == training.shards:
-            return f"training{'/zero' if training.zero else ''}"
-        return "copy" if self.spec.roles[role].trained else "frozen"
+        if training is None:
+            return "frozen"  # no train call in this workflow, whatever its spec could train
+        return f"training{'/zero' if training.zero else ''}" if alloc == training.shards else "copy"
 
     def _build(self, role: str, alloc: Allocation) -> Role:
         """A role's model built from its spec and sharded for ``alloc`` here (before any optimizer exists); the
@@ -313,10 +313,8 @@ class DeviceWorker:
             if share else {"exact_match": 0.0, "score": 0.0}
         return {"sums": {k: v * len(share) for k, v in out.items()}} if publish else {}
 
-    def metrics(self, sample_ids: Sequence[int], inputs: Sequence[Any]) -> dict[str, float]:
-        shards = _get(list(inputs))
-        keys = ("prompt_ids", "response_ids", "prompt_text", "answer", "score", "kl")
-        return rollout_metrics(gather_rows(shards, sample_ids, keys), self.decode, self.task)
+    def metrics(self, sample_ids: Sequence[int], inputs: Sequence[Any], keys: Sequence[str]) -> dict[str, float]:
+        return rollout_metrics(gather_rows(_get(list(inputs)), sample_ids, keys), self.decode, self.task)
 
     def memory_report(self) -> dict[str, int]:
         """Bytes of parameters this device holds per (role, shards), e.g. to see freed copies."""

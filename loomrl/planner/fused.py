@@ -1,0 +1,206 @@
+"""Pricing a fused stage (RLHFuse's inter-stage fusion): generation streamed into the inference calls, the
+long tail migrated onto a few replicas.
+
+What :func:`price_fused` models is what the runtime runs (:mod:`loomrl.runtime.fused_stage`,
+:mod:`loomrl.runtime.migration`), event by event, on the workload's response-length distribution:
+
+- **Generation.** The batch's samples take lengths from the distribution (its quantiles in a length-blind order,
+  :func:`~loomrl.planner.decode.admission_order`), dealt to the generation replicas in turn. A replica prefills
+  its prompts, then decodes its live samples step by step; a sample of length ``L`` finishes at step ``L``. Step
+  costs come from the cost model (:meth:`~loomrl.planner.cost.CostModel.decode_segment_terms`), corrected like
+  generation.
+- **Migration.** While a migration is pending the replicas step together (they agree on the unfinished count
+  after every step), so a step lasts as long as its slowest replica. After the first step ``t*`` at which at
+  most ``migrate_at × batch`` samples are unfinished, the ``migrate_to`` replicas with the most decoding left
+  keep their samples and receive the others' (re-prefilled over prompt + ``t*`` tokens, then decoding from step
+  ``t*``); the other replicas stop. Without a migration each replica decodes on its own until it is done.
+- **Chunks.** A replica hands its finished samples on ``chunk`` at a time (the last ones when it stops).
+- **Inference.** Each member call runs on the ready samples on the data-parallel replicas of its allocation
+  whose devices are neither generating nor busy, split evenly, one call per replica, each priced like an
+  inference call over those samples (corrected, with its per-call overhead). Members share devices in turn.
+
+The stage lasts until its last part ends; the parts are returned for the timeline.
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass
+from typing import TYPE_CHECKING
+
+from loomrl.plan.schedule import Step
+from loomrl.planner import decode as D
+from loomrl.workflow import MFCKind
+
+if TYPE_CHECKING:
+    from loomrl.planner.cost import CostModel
+
+__all__ = ["FusedPrice", "MIGRATE_AT_CANDIDATES", "best_migrate_at", "price_fused"]
+
+MIGRATE_AT_CANDIDATES = (0.0, 0.05, 0.1, 0.15, 0.2, 0.25, 0.3, 0.4, 0.5)
+"""The thresholds ``migrate_at: auto`` chooses among (RLHFuse found about 0.2 best at scale)."""
+
+Part = tuple[str, int, float, float]
+"""``(label, device, start, end)``, seconds from the stage's start."""
+
+
+@dataclass(frozen=True)
+class FusedPrice:
+    """A fused stage's predicted time and what each device runs in it."""
+
+    seconds: float
+    parts: tuple[Part, ...]
+    migrate_at: float
+    """The threshold priced (``auto`` resolved)."""
+
+
+def best_migrate_at(cost: CostModel, step: Step) -> float:
+    """The candidate threshold with the shortest predicted stage (the lowest on ties)."""
+    return min(MIGRATE_AT_CANDIDATES, key=lambda r: (price_fused(cost, step, r).seconds, r))
+
+
+def price_fused(cost: CostModel, step: Step, migrate_at: float | None = None) -> FusedPrice:
+    """The fused stage ``step`` on ``cost``'s workload (module docstring); ``migrate_at`` overrides the plan's."""
+    value = step.fusion.migrate_at if migrate_at is None else migrate_at
+    if isinstance(value, str):
+        return price_fused(cost, step, best_migrate_at(cost, step))
+    gen = _Generation(cost, step, value)
+    ready, gen_until = gen.run()
+    parts = list(gen.parts)
+    parts += _serve(cost, step, ready, gen_until)
+    return FusedPrice(max((end for *_, end in parts), default=0.0), tuple(parts), value)
+
+
+class _Generation:
+    """The generation replicas of a fused stage and when each of their samples is handed on."""
+
+    def __init__(self, cost: CostModel, step: Step, migrate_at: float):
+        self.cost, self.gen, self.fusion = cost, step.members[0], step.fusion
+        w = cost.workload
+        self.replicas = self.gen.alloc.replicas()
+        lengths = D.admission_order(w.response_lengths, w.batch)
+        self.lengths = [sorted(lengths[r::len(self.replicas)]) for r in range(len(self.replicas))]
+        self.prompt = w.prompt_len
+        self.threshold = math.floor(migrate_at * w.batch)
+        self.migrating = self.threshold > 0 and self.fusion.migrate_to < len(self.replicas)
+        share = max(1, w.batch // len(self.replicas))
+        self.chunk = self.fusion.chunk or max(1, share // 4)
+        self.parts: list[Part] = []
+
+    def _seconds(self, terms: dict[str, float]) -> float:
+        scaled = self.cost.corrections.apply_terms(MFCKind.GENERATE, terms)
+        return scaled - self.cost.corrections.overhead_s.get("generate", 0.0)
+
+    def _curve(self, lengths: list[int], context: float) -> dict[int, float]:
+        """Seconds after each distinct length's step (from the first decode step) for ``lengths`` decoding
+        together from a context of ``context`` tokens."""
+        at, total = {}, 0.0
+        for seg in D.continuous_segments(lengths, len(lengths), context):
+            total += self._seconds(self.cost.decode_segment_terms(self.gen.role, self.gen.alloc, [seg]))
+            at[seg.end] = total
+        return at
+
+    def _decoded(self, lengths: list[int], upto: int) -> float:
+        """Seconds a replica decoding ``lengths`` from the prompt spends on its first ``upto`` steps."""
+        clipped = [D.Segment(seg.start, min(seg.end, upto), seg.live, seg.ctx_base)
+                   for seg in D.continuous_segments(lengths, len(lengths), self.prompt) if seg.start < upto]
+        return self._seconds(self.cost.decode_segment_terms(self.gen.role, self.gen.alloc, clipped)) if clipped else 0.0
+
+    def _prefill(self, samples: float, context: float) -> float:
+        if samples <= 0:
+            return 0.0
+        return self._seconds(self.cost.prefill_terms(self.gen.role, self.gen.alloc, samples, context))
+
+    def run(self) -> tuple[list[tuple[float, float]], dict[int, float]]:
+        """(time, samples) of every hand-over, and when each generating device stops."""
+        overhead = self.cost.corrections.overhead_s.get("generate", 0.0)
+        starts = [overhead + self._prefill(len(ls), self.prompt) for ls in self.lengths]
+        curves = [self._curve(ls, self.prompt) for ls in self.lengths]
+        if not self.migrating:
+            finish = [[starts[r] + curves[r][n] for n in ls] for r, ls in enumerate(self.lengths)]
+            ends = [max(f, default=starts[r]) for r, f in enumerate(finish)]
+            return self._handed(finish, ends), self._stops(ends)
+        every = sorted(n for ls in self.lengths for n in ls)
+        step = next(n for n in every if sum(1 for m in every if m > n) <= self.threshold)
+        clock = {n: max(s + self._decoded(ls, n) for s, ls in zip(starts, self.lengths)) for n in set(every) if n <= step}
+        moment = clock[step]
+        tail = {r: [n - step for n in ls if n > step] for r, ls in enumerate(self.lengths)}
+        dests = sorted(sorted(tail), key=lambda r: -sum(tail[r]))[:self.fusion.migrate_to]
+        moving = sorted((n for r in tail if r not in dests for n in tail[r]), reverse=True)
+        kept = {r: list(tail[r]) for r in dests}
+        for n in moving:  # the longest first, to the least loaded destination, as the runtime assigns them
+            kept[min(dests, key=lambda r: (sum(kept[r]), r))].append(n)
+        finish = [[clock[n] for n in ls if n <= step] for ls in self.lengths]
+        ends = [moment] * len(self.replicas)
+        for r in dests:
+            arrived = len(kept[r]) - len(tail[r])
+            begin = moment + self._prefill(arrived, self.prompt + step)
+            curve = self._curve(kept[r], self.prompt + step) if kept[r] else {}
+            finish[r] += [begin + curve[n] for n in kept[r]]
+            ends[r] = max([moment, *finish[r]])
+        for device in (d for r, rep in enumerate(self.replicas) for d in rep):
+            self.parts.append(("migrate", device, moment, moment))
+        return self._handed(finish, ends), self._stops(ends)
+
+    def _handed(self, finish: list[list[float]], ends: list[float]) -> list[tuple[float, float]]:
+        """Each replica's samples, handed on ``chunk`` at a time, the rest when it stops."""
+        out = []
+        for times, end in zip(finish, ends):
+            times = sorted(times)
+            for k in range(0, len(times), self.chunk):
+                group = times[k:k + self.chunk]
+                out.append((group[-1] if len(group) == self.chunk else end, float(len(group))))
+        return out
+
+    def _stops(self, ends: list[float]) -> dict[int, float]:
+        stops = {}
+        for replica, end in zip(self.replicas, ends):
+            for device in replica:
+                stops[device] = end
+                self.parts.append((self.gen.id, device, 0.0, end))
+        return stops
+
+
+def _serve(cost: CostModel, step: Step, ready: list[tuple[float, float]], gen_until: dict[int, float]) -> list[Part]:
+    """The members' calls, each on its free replicas as samples become ready (module docstring)."""
+    members = step.members[1:]
+    events = sorted(ready)
+    waiting = {m.id: 0.0 for m in members}
+    busy: dict[int, float] = {}
+    parts: list[Part] = []
+    wakeups: list[float] = sorted(set(gen_until.values()))
+    now, k = 0.0, 0
+    while k < len(events) or any(v > 1e-9 for v in waiting.values()):
+        if k < len(events) and events[k][0] <= now + 1e-12:
+            for m in members:
+                waiting[m.id] += events[k][1]
+            k += 1
+            continue
+        for m in members:
+            free = [r for r in m.alloc.replicas()
+                    if all(gen_until.get(d, 0.0) <= now + 1e-12 and busy.get(d, 0.0) <= now + 1e-12 for d in r)]
+            if waiting[m.id] <= 1e-9 or not free:
+                continue
+            each = waiting[m.id] / len(free)
+            seconds = _inference(cost, m, each)
+            for replica in free:
+                for device in replica:
+                    busy[device] = now + seconds
+                    parts.append((m.id, device, now, now + seconds))
+            waiting[m.id] = 0.0
+        later = [t for t in [*busy.values(), *wakeups] if t > now + 1e-12]
+        if k < len(events):
+            later.append(events[k][0])
+        if not later:
+            break
+        now = min(later)
+    return parts
+
+
+def _inference(cost: CostModel, member: Step, samples: float) -> float:
+    """Seconds of one call of ``member`` over ``samples`` samples on one replica of its allocation (its per-call
+    overhead alone for a role the cost model has no model of: a rule)."""
+    terms = {} if member.role not in cost.shapes else \
+        cost.inference_terms(member.role, member.alloc, samples)
+    return cost.corrections.apply_terms(MFCKind.INFERENCE, terms)
+
