@@ -28,18 +28,33 @@ class TaskConfig(ValidatedConfig):
     """Largest operand size of the 'add' task, in digits."""
     prompt_file: str | None = None
     """JSONL or parquet file of prompts (task 'file'), one row per prompt."""
+    eval_file: str | None = None
+    """JSONL or parquet file of held-out prompts for evaluation, with the columns of prompt_file; None evaluates
+    a synthetic task on its own eval stream, and task 'file' on prompt_file itself."""
     prompt_key: str = "prompt"
-    """Column of prompt_file holding the prompt text."""
+    """Column of the prompt files holding each prompt: text, or a chat conversation so far (a list of
+    {role, content} messages, e.g. a 'messages' column; a final assistant turn becomes the answer)."""
     answer_key: str = "answer"
-    """Column of prompt_file holding the reference answer (optional in the file)."""
+    """Column of the prompt files holding the reference answer (optional in the file)."""
     reward_fn: str | None = None
-    """Reward function of task 'file' as 'module:function', called as fn(prompt, response, answer) -> float."""
+    """Reward function of task 'file' as 'module:function', called as fn(prompt, response, answer) -> float
+    (prompt is the text, or a chat row's last user message)."""
+    tokenizer: str = "auto"
+    """'auto': the tokenizer saved with the model checkpoint (the built-in task tokenizer for a zoo model);
+    'task': the built-in character tokenizer; or the directory of a saved tokenizer."""
+    chat_template: str = "auto"
+    """'auto': prompts go through the tokenizer's chat template when it has one; 'none': never (bos, when the
+    tokenizer has one, then the text); or a Jinja chat template file to apply instead."""
 
     def validate(self) -> None:
         if self.min_len > self.max_len:
             fail("min_len", f"{self.min_len} is greater than max_len {self.max_len}")
         if self.name == "file" and (self.prompt_file is None or self.reward_fn is None):
             fail("prompt_file", "task 'file' needs both prompt_file and reward_fn")
+        if not self.tokenizer.strip():
+            fail("tokenizer", "'' is empty; give auto, task or a tokenizer directory")
+        if not self.chat_template.strip():
+            fail("chat_template", "'' is empty; give auto, none or a Jinja template file")
 
 
 @dataclass(frozen=True)

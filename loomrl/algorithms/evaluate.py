@@ -28,7 +28,7 @@ def evaluate_policy(
     exact, score = 0, 0.0
     for start in range(0, len(examples), batch_size):
         chunk = examples[start : start + batch_size]
-        prompts = [encode_prompt(tokenizer, ex.prompt) for ex in chunk]
+        prompts = [encode_prompt(tokenizer, ex.model_input) for ex in chunk]
         keys = stream_keys(0, 0, range(len(chunk)))  # unused by greedy decoding
         gens = generate(model, prompts, keys, params, tokenizer.eos_token_id, tokenizer.pad_token_id)
         for ex, gen in zip(chunk, gens):

@@ -84,7 +84,7 @@ class Run:
 def load_run(run_dir: str | Path) -> Run:
     """Read a run directory: its config, the plan it ran, its models' shapes and its metrics."""
     from loomrl.launch import available_devices
-    from loomrl.models.tokenizer import tokenizer_for
+    from loomrl.models.tokenizer import task_tokenizer
 
     run = Path(run_dir)
     if not (run / "config.yaml").is_file() or not (run / "metrics.jsonl").is_file():
@@ -95,7 +95,7 @@ def load_run(run_dir: str | Path) -> Run:
     cluster = ClusterSpec(nodes=1, devices_per_node=devices, device_kind="cpu", profile="local")
     runtime = cfg.runtime if cfg.runtime.executor != "reference" else dataclasses.replace(cfg.runtime, plan=None)
     plan = plan_from_config(runtime, workflow, cluster)
-    tokenizer = tokenizer_for(cfg.actor.model)
+    tokenizer = task_tokenizer(cfg.task, cfg.actor.model)
     specs = {"actor": cfg.actor.model, "ref": cfg.actor.model, "critic": cfg.critic.model or cfg.actor.model,
              "reward": cfg.reward.model or cfg.actor.model}
     try:

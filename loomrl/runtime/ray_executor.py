@@ -29,7 +29,7 @@ from ray.util.scheduling_strategies import PlacementGroupSchedulingStrategy
 from loomrl.config import RuntimeConfig
 from loomrl.errors import LoomError
 from loomrl.launch import ray_address, start_ray, stop_ray
-from loomrl.models.tokenizer import tokenizer_for
+from loomrl.models.tokenizer import task_tokenizer
 from loomrl.models.zoo import parameter_shapes
 from loomrl.plan.plan import ExecutionPlan
 from loomrl.plan.realloc_plan import plan_reallocation
@@ -80,7 +80,7 @@ class RayExecutor:
     def __init__(self, runtime: RuntimeConfig, spec: WorkerSpec, workflow: Workflow, plan: ExecutionPlan):
         self.runtime, self.spec, self.workflow = runtime, spec, workflow
         self.cluster = plan.cluster
-        self._tokenizer = tokenizer_for(spec.tokenizer)
+        self._tokenizer = task_tokenizer(spec.task, spec.tokenizer)
         self._shapes: dict[str, tuple] = {}
         self.plan, self.worker_plan = plan, self.plan_for_workers(plan)
         self.workers: list[Any] = []

@@ -27,12 +27,12 @@ from loomrl.algorithms.workflows import build_workflow
 from loomrl.checkpoint import latest_checkpoint
 from loomrl.config import TrainConfig
 from loomrl.configtools import dump_yaml
-from loomrl.data.sources import build_task, examples_window, prompt_source
+from loomrl.data.sources import build_task, examples_window, held_out, prompt_source
 from loomrl.engine import (ModelEngine, RoleSpec, build_model, make_role, resolve_device, resolve_dtype, role_specs,
                            set_threads)
 from loomrl.errors import ConfigError, DataError
 from loomrl.launch import local_cluster
-from loomrl.models.tokenizer import decode_response, encode_prompt, tokenizer_for
+from loomrl.models.tokenizer import decode_response, encode_prompt, task_tokenizer
 from loomrl.models.zoo import check_model_spec
 from loomrl.plan import ClusterSpec, ExecutionPlan, colocate
 from loomrl.plan.from_config import plan_from_config
@@ -116,13 +116,12 @@ class RLTrainer:
         self.cfg = cfg
         self.device = resolve_device(cfg.runtime.device)
         self.run_dir = Path(cfg.run_dir)
-        self.tokenizer = tokenizer_for(cfg.actor.model)
+        check_models(cfg)  # before any worker starts, so a typo costs nothing
+        self.tokenizer = task_tokenizer(cfg.task, cfg.actor.model)
         self.task = build_task(cfg.task)
         self.train_prompts = prompt_source(cfg.task, self.task, cfg.seed, "train")
-        self.eval_examples = examples_window(prompt_source(cfg.task, self.task, cfg.seed, "eval"), 0,
-                                             cfg.loop.eval_prompts)
+        self.eval_examples = held_out(cfg.task, self.task, cfg.seed, cfg.loop.eval_prompts)
         self.workflow = build_workflow(cfg.algo, cfg.rollout)
-        check_models(cfg)  # before any worker starts, so a typo costs nothing
         self.plans = {0: run_plan(cfg, self.workflow)}  # every plan checked before any worker starts
         for iteration, text in sorted(cfg.runtime.plan_changes.items()):
             try:
@@ -149,7 +148,7 @@ class RLTrainer:
         ids = [(start + i) * g + j for i in range(n) for j in range(g)]
         rows = [ex for ex in examples for _ in range(g)]
         return Batch(ids, {
-            "prompt_ids": [encode_prompt(self.tokenizer, ex.prompt) for ex in rows],
+            "prompt_ids": [encode_prompt(self.tokenizer, ex.model_input) for ex in rows],
             "prompt_text": [ex.prompt for ex in rows],
             "answer": [ex.answer for ex in rows],
         })
