@@ -1,4 +1,4 @@
-"""The `loomrl` command: train | sft | rm | demo | plan | timeline | calibrate | config.
+"""The `loomrl` command: train | sft | rm | eval | demo | plan | timeline | calibrate | config.
 
 Every subcommand takes an optional YAML config followed by ``key.sub=value`` overrides. Any user error (bad
 config, missing file, unusable checkpoint) prints one line, ``loomrl: error: ...``, and exits with status 2;
@@ -60,6 +60,23 @@ def _cmd_rm(args: argparse.Namespace) -> int:
     cfg = load_config(RMConfig, path, overrides)
     print(_summary_line(run_rm(cfg, progress=not args.quiet), ("loss", "eval/pair_accuracy")))
     print(f"checkpoint: {cfg.out_dir}")
+    return 0
+
+
+def _cmd_eval(args: argparse.Namespace) -> int:
+    from rich.console import Console
+
+    from loomrl.report import summary_table
+    from loomrl.train.evaluation import eval_config, resolve_target, run_eval
+
+    target = resolve_target(args.checkpoint)
+    cfg = eval_config(target, args.overrides)
+    results = run_eval(cfg, target.out_dir)
+    rows = [{"metric": key, "value": value} for key, value in results.items()
+            if key.startswith(("greedy/", "pass@", "sampled_"))]
+    print(f"evaluated {cfg.model}")
+    Console().print(summary_table(rows, f"{results['prompts']} prompts, {cfg.samples} samples each"))
+    print(f"wrote {results['written_to']}")
     return 0
 
 
@@ -195,7 +212,7 @@ def _cmd_config(args: argparse.Namespace) -> int:
     from loomrl import config as C
     from loomrl.configtools import describe
 
-    cls = {"train": C.TrainConfig, "sft": C.SFTConfig, "rm": C.RMConfig}[args.command]
+    cls = {"train": C.TrainConfig, "sft": C.SFTConfig, "rm": C.RMConfig, "eval": C.EvalConfig}[args.command]
     for path, type_name, default, doc in describe(cls):
         print(f"{path:32} {type_name:18} {default:14} {doc}")
     return 0
@@ -222,6 +239,12 @@ def build_parser() -> argparse.ArgumentParser:
         p.add_argument("config", nargs="*", help=cfg_help)
         p.add_argument("--quiet", action="store_true", help="no progress bar")
         p.set_defaults(fn=fn)
+    p = sub.add_parser("eval", help="greedy accuracy and pass@k of a checkpoint (or a run's latest) on a prompt set")
+    p.add_argument("checkpoint", metavar="CHECKPOINT_OR_RUN", help="a model checkpoint directory, a run's "
+                   "checkpoints/iter_N, or a run directory (its latest checkpoint, its task settings)")
+    p.add_argument("overrides", nargs="*", help="key=value, e.g. samples=16 pass_k=[1,16] task.eval_file=x.jsonl "
+                                                "(see `loomrl config eval`)")
+    p.set_defaults(fn=_cmd_eval)
     p = sub.add_parser("demo", help="SFT warm start -> reward model -> PPO, with a summary")
     p.add_argument("--config-dir", default="examples/demo", help="directory with sft.yaml, rm.yaml, ppo.yaml")
     p.add_argument("--out", default="runs/demo", help="where every stage writes its outputs")
@@ -259,7 +282,7 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--out", default="runs/calibration", help="where local_profile.json / corrections.json go")
     p.set_defaults(fn=_cmd_calibrate)
     p = sub.add_parser("config", help="list every config field with its type, default and meaning")
-    p.add_argument("command", choices=("train", "sft", "rm"))
+    p.add_argument("command", choices=("train", "sft", "rm", "eval"))
     p.set_defaults(fn=_cmd_config)
     return parser
 

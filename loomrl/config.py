@@ -327,3 +327,42 @@ class RMConfig(ValidatedConfig):
     precision: str = spec("auto", choices=("auto", "fp32", "bf16"))
     """Weights, activations and gradients in fp32, or in bf16 with fp32 master weights and Adam moments in the
     optimizer (mixed precision; log-probs, values and losses stay fp32); auto is bf16 on cuda, fp32 on cpu."""
+
+
+@dataclass(frozen=True)
+class EvalConfig(ValidatedConfig):
+    model: str = ""
+    """The policy: a checkpoint directory (set from the command's CHECKPOINT_OR_RUN argument)."""
+    seed: int = 0
+    """Seed of every sampled response's random stream."""
+    task: TaskConfig = field(default_factory=TaskConfig)
+    """The prompts (task.eval_file, a prompt file or a synthetic task's eval stream) and the rule that scores
+    responses; a run's own task settings unless overridden."""
+    prompts: int = spec(128, ge=0)
+    """Prompts evaluated, the first of the evaluation set; 0 means all of a prompt file."""
+    samples: int = spec(8, ge=0)
+    """Responses sampled per prompt (n of the pass@k estimator); 0 evaluates greedily only."""
+    pass_k: tuple[int, ...] = (1, 4, 8)
+    """The k of each pass@k reported: the chance that at least one of k samples is exactly right, estimated
+    without bias from the n = samples drawn (each k must be <= samples)."""
+    temperature: float = spec(1.0, gt=0, le=10)
+    """Sampling temperature of the pass@k samples (the accuracy is greedy)."""
+    top_p: float = spec(1.0, gt=0, le=1)
+    """Nucleus sampling mass of the samples; 1.0 disables."""
+    max_new_tokens: int = spec(8, ge=1, le=1024)
+    """Longest response, in tokens; a run's own rollout.max_new_tokens unless overridden."""
+    batch_size: int = spec(128, ge=1)
+    """Sequences generated together."""
+    out: str | None = None
+    """JSON file of the results; None writes eval.json into the run (or checkpoint) directory."""
+    device: str = spec("auto", choices=("auto", "cpu", "cuda"))
+    """Torch device kind; auto picks cuda when available."""
+    precision: str = spec("auto", choices=("auto", "fp32", "bf16"))
+    """Weights and activations in fp32 or bf16 (log-probabilities in fp32); auto is bf16 on cuda, fp32 on cpu."""
+
+    def validate(self) -> None:
+        if not self.model:
+            fail("model", "no checkpoint given (loomrl eval CHECKPOINT_OR_RUN)")
+        bad = [k for k in self.pass_k if k < 1 or (self.samples and k > self.samples)]
+        if bad:  # with samples 0 there is no pass@k to report, whatever pass_k says
+            fail("pass_k", f"k={bad[0]} needs 1 <= k <= samples ({self.samples}); lower k or raise samples")
