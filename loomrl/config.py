@@ -14,6 +14,7 @@ from loomrl.configtools import ValidatedConfig, fail, spec
 ALGORITHMS = ("ppo", "grpo", "rloo", "remax", "reinforce_pp")
 TASK_NAMES = ("sort", "add", "reverse", "file")
 ROLES = ("actor", "critic", "ref", "reward")
+BACKENDS = ("tensorboard", "wandb", "mlflow")
 
 
 @dataclass(frozen=True)
@@ -167,10 +168,38 @@ class LoopConfig(ValidatedConfig):
     """Write a checkpoint every this many iterations; 0 only at the end."""
     keep_checkpoints: int = spec(2, ge=1)
     """Checkpoints kept on disk (older ones are deleted)."""
-    tensorboard: bool = True
-    """Also write TensorBoard scalars."""
     progress: bool = True
-    """Show a rich progress bar."""
+    """Show progress: a bar on a terminal; plain lines (every progress_every iterations) when output is not one
+    (a log file, `ray job submit`, a scheduler)."""
+    progress_every: int = spec(10, ge=1)
+    """Iterations between two plain progress lines when output is not a terminal (the last one is always shown)."""
+
+
+@dataclass(frozen=True)
+class ReportConfig(ValidatedConfig):
+    backends: tuple[str, ...] = ()
+    """Where metrics go besides RUN_DIR/metrics.jsonl and report.html: any of tensorboard (RUN_DIR/tb), wandb,
+    mlflow. Each needs its package, an optional extra: pip install 'loomrl[tensorboard,wandb,mlflow]'."""
+    project: str = "loomrl"
+    """The wandb project and MLflow experiment the run is logged under."""
+    run_name: str | None = None
+    """The run's name in wandb and MLflow; None: the last part of run_dir."""
+    wandb_mode: str = spec("auto", choices=("auto", "online", "offline"))
+    """'auto': online when wandb's server answers and an API key is set (WANDB_MODE, when set, decides), else
+    offline into RUN_DIR/wandb (upload later with `wandb sync`)."""
+    mlflow_tracking_uri: str | None = None
+    """MLflow tracking server or store (e.g. http://host:5000, sqlite:///mlflow.db); None: MLflow's own default
+    (MLFLOW_TRACKING_URI when set)."""
+    html: bool = True
+    """Write RUN_DIR/report.html (curves, measured and predicted timelines, the plan, the config), refreshed with
+    the plots every loop.save_every iterations and at the end."""
+
+    def validate(self) -> None:
+        for name in self.backends:
+            if name not in BACKENDS:
+                fail("backends", f"'{name}' is not a backend (valid: {', '.join(BACKENDS)})")
+        if len(set(self.backends)) != len(self.backends):
+            fail("backends", f"{list(self.backends)} names a backend twice")
 
 
 @dataclass(frozen=True)
@@ -270,7 +299,9 @@ class TrainConfig(ValidatedConfig):
     rollout: RolloutConfig = field(default_factory=RolloutConfig)
     """Generation settings of rollouts."""
     loop: LoopConfig = field(default_factory=LoopConfig)
-    """Iterations, evaluation, checkpoints and logging."""
+    """Iterations, evaluation, checkpoints and progress."""
+    report: ReportConfig = field(default_factory=ReportConfig)
+    """Where metrics are logged and the run report is written."""
     runtime: RuntimeConfig = field(default_factory=RuntimeConfig)
     """Where and how the workflow executes."""
 

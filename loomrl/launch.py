@@ -1,4 +1,4 @@
-"""Process-wide settings applied once at every entry point (the CLI, each runtime worker).
+"""Process-wide settings applied once at every entry point (the CLI, each runtime worker), and Ray start-up.
 
 This is where loomrl reads and sets environment variables: nothing may reach the network (models and
 tokenizers are local), and transformers' per-load reports and progress bars stay out of our output.
@@ -6,7 +6,10 @@ tokenizers are local), and transformers' per-load reports and progress bars stay
 
 from __future__ import annotations
 
+import netrc
 import os
+import socket
+from urllib.parse import urlparse
 
 
 def quiet_libraries() -> None:
@@ -67,3 +70,33 @@ def local_cluster(devices: int, device: str):
 
     gpu = torch.cuda.is_available() and device != "cpu"
     return ClusterSpec(nodes=1, devices_per_node=devices or available_devices(), device_kind="cuda" if gpu else "cpu")
+
+
+def wandb_mode(configured: str) -> str | None:
+    """The mode wandb runs in for ``report.wandb_mode``: 'online' or 'offline' as configured; for 'auto',
+    None when ``WANDB_MODE`` is set (wandb reads it itself), else online when wandb's server answers within
+    three seconds and an API key is set (``WANDB_API_KEY`` or a netrc entry), offline otherwise."""
+    if configured != "auto":
+        return configured
+    if os.environ.get("WANDB_MODE"):
+        return None
+    url = urlparse(os.environ.get("WANDB_BASE_URL") or "https://api.wandb.ai")
+    host, port = url.hostname or "api.wandb.ai", url.port or (443 if url.scheme == "https" else 80)
+    return "online" if _has_wandb_key(host) and _reachable(host, port, 3.0) else "offline"
+
+
+def _has_wandb_key(host: str) -> bool:
+    if os.environ.get("WANDB_API_KEY"):
+        return True
+    try:
+        return netrc.netrc().authenticators(host) is not None
+    except (OSError, netrc.NetrcParseError):
+        return False
+
+
+def _reachable(host: str, port: int, timeout_s: float) -> bool:
+    try:
+        with socket.create_connection((host, port), timeout=timeout_s):
+            return True
+    except OSError:
+        return False

@@ -26,7 +26,7 @@ from loomrl.algorithms.roles import Role
 from loomrl.algorithms.workflows import build_workflow
 from loomrl.checkpoint import latest_checkpoint
 from loomrl.config import TrainConfig
-from loomrl.configtools import dump_yaml
+from loomrl.configtools import dump_yaml, to_dict
 from loomrl.data.sources import build_task, examples_window, held_out, prompt_source
 from loomrl.engine import (ModelEngine, RoleSpec, build_model, make_role, resolve_device, resolve_dtype, role_specs,
                            set_threads)
@@ -38,6 +38,7 @@ from loomrl.plan import ClusterSpec, ExecutionPlan, colocate
 from loomrl.plan.from_config import plan_from_config
 from loomrl.plan.schedule import build_schedule
 from loomrl.report import MetricsLogger, plot_reward_curve
+from loomrl.report.backends import check_backends, open_backends
 from loomrl.runtime.reference import IterationResult, ReferenceExecutor
 from loomrl.runtime.spec import WorkerSpec
 from loomrl.train.progress import RunProgress
@@ -117,6 +118,7 @@ class RLTrainer:
         self.device = resolve_device(cfg.runtime.device)
         self.run_dir = Path(cfg.run_dir)
         check_models(cfg)  # before any worker starts, so a typo costs nothing
+        check_backends(cfg.report.backends)  # and so does a logging backend that is not installed
         self.tokenizer = task_tokenizer(cfg.task, cfg.actor.model)
         self.task = build_task(cfg.task)
         self.train_prompts = prompt_source(cfg.task, self.task, cfg.seed, "train")
@@ -204,8 +206,10 @@ class RLTrainer:
             traces.replace(self.run_dir / "traces.superseded.jsonl")
         last: dict[str, float] = {}
         start = self.state.iteration
-        with MetricsLogger(self.run_dir, loop.tensorboard, resume_from_iteration=start - 1) as logger, \
-                RunProgress(loop.iterations, start, enabled=loop.progress) as progress:
+        backends = open_backends(cfg.report.backends, self.run_dir, cfg.report, to_dict(cfg),
+                                 start - 1 if resumed else None)
+        with MetricsLogger(self.run_dir, backends, resume_from_iteration=start - 1) as logger, \
+                RunProgress(loop.iterations, start, enabled=loop.progress, every=loop.progress_every) as progress:
             for it in range(start, loop.iterations):
                 if self.plan_at(it) is not self.plan:  # a change starts here (or a resumed run is past one)
                     self.plan = self.plan_at(it)
@@ -223,8 +227,12 @@ class RLTrainer:
                 progress.update(it, last)
                 if final or (loop.save_every and (it + 1) % loop.save_every == 0):
                     self.save(it)
-        plot_reward_curve(self.run_dir)
+                    self.write_reports(running=not final)
         return last
+
+    def write_reports(self, running: bool) -> None:
+        """Refresh what a person looks at while the run goes: the reward curves (and the HTML run report)."""
+        plot_reward_curve(self.run_dir)
 
     def close(self) -> None:
         self.executor.close()
