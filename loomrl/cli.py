@@ -1,4 +1,4 @@
-"""The `loomrl` command: train | sft | rm | eval | demo | plan | timeline | calibrate | config.
+"""The `loomrl` command: train | sft | rm | eval | demo | plan | timeline | report | calibrate | config.
 
 Every subcommand takes an optional YAML config followed by ``key.sub=value`` overrides. Any user error (bad
 config, missing file, unusable checkpoint) prints one line, ``loomrl: error: ...``, and exits with status 2;
@@ -13,6 +13,8 @@ import sys
 from typing import Sequence
 
 from loomrl.errors import LoomError
+
+CHROME_TRACE_FILE = "timeline.trace.json"
 
 
 def _config_and_overrides(items: Sequence[str]) -> tuple[str | None, list[str]]:
@@ -159,7 +161,8 @@ def _cmd_timeline(args: argparse.Namespace) -> int:
     from loomrl.planner.run_timeline import predicted_run, read_traces, result_from_traces
     from loomrl.planner.timeline import render_timelines
 
-    measured = result_from_traces(read_traces(args.run_dir), last_iterations=args.iterations or None)
+    traces = read_traces(args.run_dir)
+    measured = result_from_traces(traces, last_iterations=args.iterations or None)
     panels = [(f"measured ({len(measured.iteration_ends)} iterations)", measured)]
     if not args.measured_only:
         profile = load_profile(args.profile) if args.profile else PROFILES["local"]
@@ -174,6 +177,19 @@ def _cmd_timeline(args: argparse.Namespace) -> int:
     for name, result in panels:
         print(f"{name}: {result.iteration_time:.3g} s/iteration")
     print(f"wrote {out / 'timeline.png'} and {out / 'timeline.html'}")
+    if args.chrome:
+        from loomrl.planner.chrome_trace import write_chrome_trace
+
+        predicted = panels[0][1] if len(panels) > 1 else None
+        path = write_chrome_trace(out / CHROME_TRACE_FILE, traces, predicted, title=out.name)
+        print(f"wrote {path} (open it in https://ui.perfetto.dev or chrome://tracing)")
+    return 0
+
+
+def _cmd_report(args: argparse.Namespace) -> int:
+    from loomrl.report.html import write_run_report
+
+    print(f"wrote {write_run_report(args.run_dir)}")
     return 0
 
 
@@ -275,7 +291,13 @@ def build_parser() -> argparse.ArgumentParser:
                                      "local_profile.json; default: the nominal local profile)")
     p.add_argument("--corrections", help="fitted corrections JSON to predict with (loomrl calibrate --from)")
     p.add_argument("--measured-only", action="store_true", help="draw the measured run alone")
+    p.add_argument("--chrome", action="store_true", help=f"also write RUN_DIR/{CHROME_TRACE_FILE}, every step of "
+                   "the run (and the prediction) in the Chrome trace format that Perfetto and chrome://tracing open")
     p.set_defaults(fn=_cmd_timeline)
+    p = sub.add_parser("report", help="write RUN_DIR/report.html: curves, timelines, plan and config in one page "
+                                      "(runs write it themselves as they go)")
+    p.add_argument("run_dir")
+    p.set_defaults(fn=_cmd_report)
     p = sub.add_parser("calibrate", help="measure this machine, or fit cost-model corrections from runs")
     p.add_argument("--from", dest="runs", nargs="*", default=[], help="run directories to fit corrections from")
     p.add_argument("--devices", type=int, help="devices to measure as (default: one per core)")

@@ -39,6 +39,7 @@ from loomrl.plan.from_config import plan_from_config
 from loomrl.plan.schedule import build_schedule
 from loomrl.report import MetricsLogger, plot_reward_curve
 from loomrl.report.backends import check_backends, open_backends
+from loomrl.report.html import PLAN_FILE, write_run_report
 from loomrl.runtime.reference import IterationResult, ReferenceExecutor
 from loomrl.runtime.spec import WorkerSpec
 from loomrl.train.progress import RunProgress
@@ -201,6 +202,7 @@ class RLTrainer:
                               "or choose another run_dir")
         self.run_dir.mkdir(parents=True, exist_ok=True)
         (self.run_dir / "config.yaml").write_text(dump_yaml(cfg))
+        self.plan.save(self.run_dir / PLAN_FILE)  # the plan in force, with the cluster it runs on
         traces = self.run_dir / "traces.jsonl"
         if not resumed and traces.exists():  # a restart from iteration 0 keeps the old traces aside
             traces.replace(self.run_dir / "traces.superseded.jsonl")
@@ -214,6 +216,7 @@ class RLTrainer:
                 if self.plan_at(it) is not self.plan:  # a change starts here (or a resumed run is past one)
                     self.plan = self.plan_at(it)
                     self.executor.apply_plan(self.plan)
+                    self.plan.save(self.run_dir / PLAN_FILE)
                 before = self.executor.drain_traces()  # the prologue, or a plan change
                 t0 = time.perf_counter()
                 result = self.executor.run_iteration(it, self.make_batch(it))
@@ -231,8 +234,10 @@ class RLTrainer:
         return last
 
     def write_reports(self, running: bool) -> None:
-        """Refresh what a person looks at while the run goes: the reward curves (and the HTML run report)."""
+        """Refresh what a person looks at while the run goes: the reward curves and the HTML run report."""
         plot_reward_curve(self.run_dir)
+        if self.cfg.report.html:
+            write_run_report(self.run_dir, running, self.cfg.loop.iterations)
 
     def close(self) -> None:
         self.executor.close()
