@@ -16,6 +16,7 @@ kills every worker and the local Ray instance, also after a failure or an interr
 
 from __future__ import annotations
 
+import os
 import time
 from dataclasses import dataclass
 from pathlib import Path
@@ -306,6 +307,22 @@ class RayExecutor:
         return {name: value / len(examples) for name, value in sums.items()}
 
     # ---------------------------------------------------------------- checkpoints, plan changes, shutdown
+    def check_shared_dir(self, path: Path) -> None:
+        """Every worker must see ``path`` (the run directory: worker 0 writes the checkpoints into it and every
+        worker reads them back on resume), so on a cluster of several machines it must be storage each one
+        mounts; a marker file the controller writes there is looked for by every worker."""
+        marker = Path(path) / f".visible-{os.getpid()}"
+        marker.write_text("")
+        try:
+            seen = self._wait([w.sees.remote(str(marker)) for w in self.workers], "storage check", None)
+        finally:
+            marker.unlink(missing_ok=True)
+        blind = [rank for rank, ok in enumerate(seen) if not ok]
+        if blind:
+            raise RuntimeFailure(f"run_dir: '{path}' is not visible to worker(s) {blind}, which run on other "
+                                 "machines; put run_dir on storage every node mounts (NFS or another shared file "
+                                 "system): worker 0 writes the checkpoints there and every worker reads them back")
+
     def save(self, run_dir: Path, iteration: int, state: Mapping[str, Any], keep_last: int) -> Path:
         exports = {}
         for role, alloc in sorted(self.worker_plan.training().items()):

@@ -111,6 +111,10 @@ class DeviceWorker:
 
         return ray.util.get_node_ip_address()
 
+    def sees(self, path: str) -> bool:
+        """Whether ``path`` exists on this worker's machine (the run directory must be shared storage)."""
+        return os.path.exists(path)
+
     def free_port(self) -> int:
         import socket
 
