@@ -262,7 +262,8 @@ def build_parser() -> argparse.ArgumentParser:
                                                 "(see `loomrl config eval`)")
     p.set_defaults(fn=_cmd_eval)
     p = sub.add_parser("demo", help="SFT warm start -> reward model -> PPO, with a summary")
-    p.add_argument("--config-dir", default="examples/demo", help="directory with sft.yaml, rm.yaml, ppo.yaml")
+    p.add_argument("--config-dir", help="directory with sft.yaml, rm.yaml, ppo.yaml (default: the demo's own, "
+                                        "shipped in the package as loomrl/examples/demo)")
     p.add_argument("--out", default="runs/demo", help="where every stage writes its outputs")
     p.add_argument("overrides", nargs="*", help="stage.key=value, e.g. ppo.loop.iterations=10 sft.steps=50")
     p.set_defaults(fn=_cmd_demo)
