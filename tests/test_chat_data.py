@@ -133,3 +133,57 @@ def test_eval_file_is_the_held_out_set_and_is_not_repeated(tmp_path):
     synthetic = TaskConfig(eval_file=str(held))  # a synthetic task evaluated on a fixed file
     assert [e.answer for e in held_out(synthetic, task, 0, 1)] == ["89"]
     assert len(held_out(TaskConfig(), task, 0, 5)) == 5  # without a file: the task's own eval stream
+
+
+def _chat_rows(n: int, seed: int, with_answer_turn: bool) -> list[dict]:
+    """Sort prompts as chat conversations: a system turn, the user's prompt, and (for SFT) the assistant's answer."""
+    import random
+
+    from loomrl.data.tasks import SortDigits
+
+    rng, task, rows = random.Random(seed), SortDigits(min_len=3, max_len=4), []
+    for _ in range(n):
+        ex = task.sample(rng)
+        messages = [{"role": "system", "content": "You sort digits."}, {"role": "user", "content": ex.prompt}]
+        if with_answer_turn:
+            rows.append({"messages": [*messages, {"role": "assistant", "content": ex.answer}]})
+        else:
+            rows.append({"messages": messages, "answer": ex.answer})
+    return rows
+
+
+def test_a_qwen2_chat_model_goes_through_sft_grpo_and_eval(chat_dir, tmp_path):
+    """The acceptance path for a user's own model: a Qwen2 checkpoint whose BPE tokenizer has a chat template and
+    no bos, chat data (a `messages` column; SFT conversations end with the answer), a held-out file, the Ray
+    runtime on two devices, and `loomrl eval` of the run."""
+    from test_cli import assert_ok, run_cli
+
+    sft_file, rl_file, held_file = tmp_path / "sft.jsonl", tmp_path / "rl.jsonl", tmp_path / "held.jsonl"
+    _write_jsonl(sft_file, _chat_rows(64, 0, with_answer_turn=True))
+    _write_jsonl(rl_file, _chat_rows(32, 1, with_answer_turn=False))
+    _write_jsonl(held_file, _chat_rows(6, 2, with_answer_turn=False))
+    task = ("task.name=file", "task.prompt_key=messages", "task.reward_fn=examples/user_task/reward.py:score",
+            f"task.eval_file={held_file}")
+    sft_dir = tmp_path / "sft"
+    proc = run_cli("sft", f"model={chat_dir}", f"out_dir={sft_dir}", f"task.prompt_file={sft_file}", *task,
+                   "steps=4", "batch_size=8", "eval_prompts=6", "--quiet", timeout=180)
+    assert_ok(proc)
+    saved = tokenizer_for(str(sft_dir))  # the policy keeps its BPE tokenizer and chat template
+    assert saved.bos_token_id is None and saved.chat_template == CHATML and len(saved) == len(build_chat_tokenizer())
+    run_dir = tmp_path / "grpo"
+    proc = run_cli("train", "examples/grpo_user_task.yaml", f"actor.model={sft_dir}", f"run_dir={run_dir}",
+                   f"task.prompt_file={rl_file}", *task, "runtime.devices=2", "runtime.threads=1",
+                   "loop.iterations=2", "loop.eval_every=1", "loop.eval_prompts=6", "rollout.prompts_per_iter=4",
+                   "algo.group_size=2", "algo.minibatches=1", "loop.progress=false", timeout=300)
+    assert_ok(proc)
+    records = [json.loads(line) for line in (run_dir / "metrics.jsonl").read_text().splitlines()]
+    assert [r["iteration"] for r in records] == [0, 1] and all("eval/score" in r for r in records)
+    # iteration 1's prompts (rows 4-7) went through the chat template of the checkpoint's own tokenizer
+    rows = [json.loads(line)["messages"] for line in rl_file.read_text().splitlines()[4:8]]
+    expected = sum(len(encode_prompt(saved, messages)) for messages in rows) / 4
+    assert records[-1]["prompt/length"] == pytest.approx(expected) and expected > 20  # plain text: ~6 tokens
+    proc = run_cli("eval", run_dir, "samples=4", "pass_k=[1,4]", timeout=180)
+    assert_ok(proc)
+    results = json.loads((run_dir / "eval.json").read_text())
+    assert results["prompts"] == 6  # the held-out file, from the run's own task settings
+    assert {"greedy/exact_match", "pass@1", "pass@4"} <= results.keys() and 0 <= results["pass@1"] <= results["pass@4"]
