@@ -69,9 +69,14 @@ def join_cluster(address: str) -> None:
 
     if not os.environ.get(AUTH_MODE):
         os.environ[AUTH_MODE] = "token"
-        from ray._raylet import Config
+        # Ray reads its settings once, when imported; its own token set-up re-reads them with this (private) call,
+        # and there is no public one. Rays older than token authentication have neither the call nor the need.
+        try:
+            from ray._raylet import Config
 
-        Config.initialize("")  # Ray caches its settings when imported: re-read them, as its own token set-up does
+            Config.initialize("")
+        except (ImportError, AttributeError):
+            pass
     host, _, port = address.removeprefix("ray://").rpartition(":")
     if not address.startswith("ray://") and host and port.isdigit() and not _reachable(host, int(port), 5.0):
         raise ConfigError(f"runtime.ray_address: nothing answers at {address} (start the cluster with "

@@ -119,6 +119,13 @@ def test_pass_k_beyond_samples_is_a_config_error():
     assert load_config(EvalConfig, None, ["model=x", "samples=0"]).samples == 0  # greedy only: pass_k unused
 
 
+def test_all_prompts_needs_a_file(tmp_path):
+    from loomrl.train.evaluation import run_eval
+
+    with pytest.raises(ConfigError, match="prompts: 0 means every prompt of a file"):
+        run_eval(load_config(EvalConfig, None, ["model=llama-1m", "prompts=0"]), tmp_path)
+
+
 def test_eval_command_writes_json_and_prints_a_table(tmp_path):
     model_dir = tmp_path / "policy"
     tok = build_char_tokenizer()

@@ -12,6 +12,7 @@ Run:  loomrl eval runs/grpo samples=8 pass_k=[1,4,8]
 from __future__ import annotations
 
 import json
+import sys
 import time
 from dataclasses import dataclass
 from pathlib import Path
@@ -23,7 +24,7 @@ from loomrl.config import EvalConfig, TrainConfig
 from loomrl.configtools import load_config, to_dict
 from loomrl.data.sources import build_task, held_out
 from loomrl.engine import resolve_device, resolve_dtype
-from loomrl.errors import DataError
+from loomrl.errors import ConfigError, DataError
 from loomrl.models.tokenizer import task_tokenizer
 from loomrl.models.zoo import build_causal_lm
 from loomrl.rollout import SamplingParams
@@ -81,7 +82,10 @@ def run_eval(cfg: EvalConfig, out_dir: Path) -> dict[str, Any]:
     device = resolve_device(cfg.device, "device")
     tokenizer = task_tokenizer(cfg.task, cfg.model)
     task = build_task(cfg.task)
-    examples = held_out(cfg.task, task, cfg.seed, cfg.prompts or 2**31)
+    if cfg.prompts == 0 and cfg.task.eval_file is None and cfg.task.name != "file":
+        raise ConfigError("prompts: 0 means every prompt of a file, but this task's eval prompts are an endless "
+                          "synthetic stream; give a number of prompts, or task.eval_file")
+    examples = held_out(cfg.task, task, cfg.seed, cfg.prompts or sys.maxsize)
     model = build_causal_lm(cfg.model, tokenizer, cfg.seed).to(device, resolve_dtype(cfg.precision, device))
     greedy = evaluate_policy(model, tokenizer, task, examples, cfg.max_new_tokens, cfg.batch_size)
     results: dict[str, Any] = {
