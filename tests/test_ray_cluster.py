@@ -184,3 +184,13 @@ def test_a_run_dir_that_some_worker_cannot_see_is_one_line(tmp_path):
     with pytest.raises(RuntimeFailure, match=r"run_dir: '.*' is not visible to worker\(s\) \[1\].*every node mounts"):
         RayExecutor.check_shared_dir(controller, tmp_path)
     assert list(tmp_path.iterdir()) == []  # the marker file is gone either way
+
+
+def test_a_finished_run_is_predicted_on_the_devices_it_ran_on(tmp_path):
+    """`loomrl timeline` and the report simulate a run on the devices its plan.json records (a cluster's), not
+    on the machine that reads it."""
+    from loomrl.planner.calibration_runs import _recorded_devices
+
+    assert _recorded_devices(tmp_path) is None  # a run from before plan.json: this machine's count is used
+    (tmp_path / "plan.json").write_text(json.dumps({"cluster": {"nodes": 2, "devices_per_node": 4}}))
+    assert _recorded_devices(tmp_path) == 8
