@@ -48,11 +48,15 @@ class Browser:
             stderr=subprocess.DEVNULL, preexec_fn=_fds_3_and_4(to_browser_r, from_browser_w))
         os.close(to_browser_r)
         os.close(from_browser_w)
-        target = self.call("Target.createTarget", url="about:blank")["targetId"]
-        self.session = self.call("Target.attachToTarget", targetId=target, flatten=True)["sessionId"]
-        self.call("Page.enable")
-        self.call("Emulation.setDeviceMetricsOverride", width=self.width, height=self.height,
-                  deviceScaleFactor=1, mobile=False)
+        try:
+            target = self.call("Target.createTarget", url="about:blank")["targetId"]
+            self.session = self.call("Target.attachToTarget", targetId=target, flatten=True)["sessionId"]
+            self.call("Page.enable")
+            self.call("Emulation.setDeviceMetricsOverride", width=self.width, height=self.height,
+                      deviceScaleFactor=1, mobile=False)
+        except BaseException:  # no browser left behind when the set-up fails
+            self.__exit__(None, None, None)
+            raise
         return self
 
     def __exit__(self, *exc: Any) -> None:
