@@ -30,7 +30,7 @@ def run_ppo(tmp: Path, name: str, iterations: int, prompts: int, *extra: str, pl
     cfg = load_config(TrainConfig, EXAMPLES / "ppo.yaml", [
         f"run_dir={tmp / name}", f"actor.model={tmp / 'sft'}", f"reward.model={tmp / 'rm'}",
         f"loop.iterations={iterations}", "loop.eval_every=0", "loop.save_every=0", "loop.eval_prompts=16",
-        "loop.progress=false", "loop.tensorboard=false", f"rollout.prompts_per_iter={prompts}", *extra])
+        "loop.progress=false", "report.html=false", f"rollout.prompts_per_iter={prompts}", *extra])
     if plan is not None:
         cfg = dataclasses.replace(cfg, runtime=dataclasses.replace(cfg.runtime, plan=plan))
     RLTrainer(cfg).run()

@@ -1,4 +1,4 @@
-"""The `loomrl` command: train | sft | rm | demo | plan | timeline | calibrate | config.
+"""The `loomrl` command: train | sft | rm | eval | demo | plan | timeline | report | calibrate | config.
 
 Every subcommand takes an optional YAML config followed by ``key.sub=value`` overrides. Any user error (bad
 config, missing file, unusable checkpoint) prints one line, ``loomrl: error: ...``, and exits with status 2;
@@ -13,6 +13,8 @@ import sys
 from typing import Sequence
 
 from loomrl.errors import LoomError
+
+CHROME_TRACE_FILE = "timeline.trace.json"
 
 
 def _config_and_overrides(items: Sequence[str]) -> tuple[str | None, list[str]]:
@@ -60,6 +62,23 @@ def _cmd_rm(args: argparse.Namespace) -> int:
     cfg = load_config(RMConfig, path, overrides)
     print(_summary_line(run_rm(cfg, progress=not args.quiet), ("loss", "eval/pair_accuracy")))
     print(f"checkpoint: {cfg.out_dir}")
+    return 0
+
+
+def _cmd_eval(args: argparse.Namespace) -> int:
+    from rich.console import Console
+
+    from loomrl.report import summary_table
+    from loomrl.train.evaluation import eval_config, resolve_target, run_eval
+
+    target = resolve_target(args.checkpoint)
+    cfg = eval_config(target, args.overrides)
+    results = run_eval(cfg, target.out_dir)
+    rows = [{"metric": key, "value": value} for key, value in results.items()
+            if key.startswith(("greedy/", "pass@", "sampled_"))]
+    print(f"evaluated {cfg.model}")
+    Console().print(summary_table(rows, f"{results['prompts']} prompts, {cfg.samples} samples each"))
+    print(f"wrote {results['written_to']}")
     return 0
 
 
@@ -142,7 +161,8 @@ def _cmd_timeline(args: argparse.Namespace) -> int:
     from loomrl.planner.run_timeline import predicted_run, read_traces, result_from_traces
     from loomrl.planner.timeline import render_timelines
 
-    measured = result_from_traces(read_traces(args.run_dir), last_iterations=args.iterations or None)
+    traces = read_traces(args.run_dir)
+    measured = result_from_traces(traces, last_iterations=args.iterations or None)
     panels = [(f"measured ({len(measured.iteration_ends)} iterations)", measured)]
     if not args.measured_only:
         profile = load_profile(args.profile) if args.profile else PROFILES["local"]
@@ -157,6 +177,19 @@ def _cmd_timeline(args: argparse.Namespace) -> int:
     for name, result in panels:
         print(f"{name}: {result.iteration_time:.3g} s/iteration")
     print(f"wrote {out / 'timeline.png'} and {out / 'timeline.html'}")
+    if args.chrome:
+        from loomrl.planner.chrome_trace import write_chrome_trace
+
+        predicted = panels[0][1] if len(panels) > 1 else None
+        path = write_chrome_trace(out / CHROME_TRACE_FILE, traces, predicted, title=out.name)
+        print(f"wrote {path} (open it in https://ui.perfetto.dev or chrome://tracing)")
+    return 0
+
+
+def _cmd_report(args: argparse.Namespace) -> int:
+    from loomrl.report.html import write_run_report
+
+    print(f"wrote {write_run_report(args.run_dir)}")
     return 0
 
 
@@ -195,7 +228,7 @@ def _cmd_config(args: argparse.Namespace) -> int:
     from loomrl import config as C
     from loomrl.configtools import describe
 
-    cls = {"train": C.TrainConfig, "sft": C.SFTConfig, "rm": C.RMConfig}[args.command]
+    cls = {"train": C.TrainConfig, "sft": C.SFTConfig, "rm": C.RMConfig, "eval": C.EvalConfig}[args.command]
     for path, type_name, default, doc in describe(cls):
         print(f"{path:32} {type_name:18} {default:14} {doc}")
     return 0
@@ -222,8 +255,15 @@ def build_parser() -> argparse.ArgumentParser:
         p.add_argument("config", nargs="*", help=cfg_help)
         p.add_argument("--quiet", action="store_true", help="no progress bar")
         p.set_defaults(fn=fn)
+    p = sub.add_parser("eval", help="greedy accuracy and pass@k of a checkpoint (or a run's latest) on a prompt set")
+    p.add_argument("checkpoint", metavar="CHECKPOINT_OR_RUN", help="a model checkpoint directory, a run's "
+                   "checkpoints/iter_N, or a run directory (its latest checkpoint, its task settings)")
+    p.add_argument("overrides", nargs="*", help="key=value, e.g. samples=16 pass_k=[1,16] task.eval_file=x.jsonl "
+                                                "(see `loomrl config eval`)")
+    p.set_defaults(fn=_cmd_eval)
     p = sub.add_parser("demo", help="SFT warm start -> reward model -> PPO, with a summary")
-    p.add_argument("--config-dir", default="examples/demo", help="directory with sft.yaml, rm.yaml, ppo.yaml")
+    p.add_argument("--config-dir", help="directory with sft.yaml, rm.yaml, ppo.yaml (default: the demo's own, "
+                                        "shipped in the package as loomrl/examples/demo)")
     p.add_argument("--out", default="runs/demo", help="where every stage writes its outputs")
     p.add_argument("overrides", nargs="*", help="stage.key=value, e.g. ppo.loop.iterations=10 sft.steps=50")
     p.set_defaults(fn=_cmd_demo)
@@ -252,14 +292,20 @@ def build_parser() -> argparse.ArgumentParser:
                                      "local_profile.json; default: the nominal local profile)")
     p.add_argument("--corrections", help="fitted corrections JSON to predict with (loomrl calibrate --from)")
     p.add_argument("--measured-only", action="store_true", help="draw the measured run alone")
+    p.add_argument("--chrome", action="store_true", help=f"also write RUN_DIR/{CHROME_TRACE_FILE}, every step of "
+                   "the run (and the prediction) in the Chrome trace format that Perfetto and chrome://tracing open")
     p.set_defaults(fn=_cmd_timeline)
+    p = sub.add_parser("report", help="write RUN_DIR/report.html: curves, timelines, plan and config in one page "
+                                      "(runs write it themselves as they go)")
+    p.add_argument("run_dir")
+    p.set_defaults(fn=_cmd_report)
     p = sub.add_parser("calibrate", help="measure this machine, or fit cost-model corrections from runs")
     p.add_argument("--from", dest="runs", nargs="*", default=[], help="run directories to fit corrections from")
     p.add_argument("--devices", type=int, help="devices to measure as (default: one per core)")
     p.add_argument("--out", default="runs/calibration", help="where local_profile.json / corrections.json go")
     p.set_defaults(fn=_cmd_calibrate)
     p = sub.add_parser("config", help="list every config field with its type, default and meaning")
-    p.add_argument("command", choices=("train", "sft", "rm"))
+    p.add_argument("command", choices=("train", "sft", "rm", "eval"))
     p.set_defaults(fn=_cmd_config)
     return parser
 

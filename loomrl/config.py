@@ -14,6 +14,7 @@ from loomrl.configtools import ValidatedConfig, fail, spec
 ALGORITHMS = ("ppo", "grpo", "rloo", "remax", "reinforce_pp")
 TASK_NAMES = ("sort", "add", "reverse", "file")
 ROLES = ("actor", "critic", "ref", "reward")
+BACKENDS = ("tensorboard", "wandb", "mlflow")
 
 
 @dataclass(frozen=True)
@@ -28,18 +29,33 @@ class TaskConfig(ValidatedConfig):
     """Largest operand size of the 'add' task, in digits."""
     prompt_file: str | None = None
     """JSONL or parquet file of prompts (task 'file'), one row per prompt."""
+    eval_file: str | None = None
+    """JSONL or parquet file of held-out prompts for evaluation, with the columns of prompt_file; None evaluates
+    a synthetic task on its own eval stream, and task 'file' on prompt_file itself."""
     prompt_key: str = "prompt"
-    """Column of prompt_file holding the prompt text."""
+    """Column of the prompt files holding each prompt: text, or a chat conversation so far (a list of
+    {role, content} messages, e.g. a 'messages' column; a final assistant turn becomes the answer)."""
     answer_key: str = "answer"
-    """Column of prompt_file holding the reference answer (optional in the file)."""
+    """Column of the prompt files holding the reference answer (optional in the file)."""
     reward_fn: str | None = None
-    """Reward function of task 'file' as 'module:function', called as fn(prompt, response, answer) -> float."""
+    """Reward function of task 'file' as 'module:function', called as fn(prompt, response, answer) -> float
+    (prompt is the text, or a chat row's last user message)."""
+    tokenizer: str = "auto"
+    """'auto': the tokenizer saved with the model checkpoint (the built-in task tokenizer for a zoo model);
+    'task': the built-in character tokenizer; or the directory of a saved tokenizer."""
+    chat_template: str = "auto"
+    """'auto': prompts go through the tokenizer's chat template when it has one; 'none': never (bos, when the
+    tokenizer has one, then the text); or a Jinja chat template file to apply instead."""
 
     def validate(self) -> None:
         if self.min_len > self.max_len:
             fail("min_len", f"{self.min_len} is greater than max_len {self.max_len}")
         if self.name == "file" and (self.prompt_file is None or self.reward_fn is None):
             fail("prompt_file", "task 'file' needs both prompt_file and reward_fn")
+        if not self.tokenizer.strip():
+            fail("tokenizer", "'' is empty; give auto, task or a tokenizer directory")
+        if not self.chat_template.strip():
+            fail("chat_template", "'' is empty; give auto, none or a Jinja template file")
 
 
 @dataclass(frozen=True)
@@ -152,10 +168,38 @@ class LoopConfig(ValidatedConfig):
     """Write a checkpoint every this many iterations; 0 only at the end."""
     keep_checkpoints: int = spec(2, ge=1)
     """Checkpoints kept on disk (older ones are deleted)."""
-    tensorboard: bool = True
-    """Also write TensorBoard scalars."""
     progress: bool = True
-    """Show a rich progress bar."""
+    """Show progress: a bar on a terminal; plain lines (every progress_every iterations) when output is not one
+    (a log file, `ray job submit`, a scheduler)."""
+    progress_every: int = spec(10, ge=1)
+    """Iterations between two plain progress lines when output is not a terminal (the last one is always shown)."""
+
+
+@dataclass(frozen=True)
+class ReportConfig(ValidatedConfig):
+    backends: tuple[str, ...] = ()
+    """Where metrics go besides RUN_DIR/metrics.jsonl and report.html: any of tensorboard (RUN_DIR/tb), wandb,
+    mlflow. Each needs its package, an optional extra: pip install 'loomrl[tensorboard,wandb,mlflow]'."""
+    project: str = "loomrl"
+    """The wandb project and MLflow experiment the run is logged under."""
+    run_name: str | None = None
+    """The run's name in wandb and MLflow; None: the last part of run_dir."""
+    wandb_mode: str = spec("auto", choices=("auto", "online", "offline"))
+    """'auto': online when wandb's server answers and an API key is set (WANDB_MODE, when set, decides), else
+    offline into RUN_DIR/wandb (upload later with `wandb sync`)."""
+    mlflow_tracking_uri: str | None = None
+    """MLflow tracking server or store (e.g. http://host:5000, sqlite:///mlflow.db); None: MLflow's own default
+    (MLFLOW_TRACKING_URI when set)."""
+    html: bool = True
+    """Write RUN_DIR/report.html (curves, measured and predicted timelines, the plan, the config), refreshed with
+    the plots every loop.save_every iterations and at the end."""
+
+    def validate(self) -> None:
+        for name in self.backends:
+            if name not in BACKENDS:
+                fail("backends", f"'{name}' is not a backend (valid: {', '.join(BACKENDS)})")
+        if len(set(self.backends)) != len(self.backends):
+            fail("backends", f"{list(self.backends)} names a backend twice")
 
 
 @dataclass(frozen=True)
@@ -260,7 +304,9 @@ class TrainConfig(ValidatedConfig):
     rollout: RolloutConfig = field(default_factory=RolloutConfig)
     """Generation settings of rollouts."""
     loop: LoopConfig = field(default_factory=LoopConfig)
-    """Iterations, evaluation, checkpoints and logging."""
+    """Iterations, evaluation, checkpoints and progress."""
+    report: ReportConfig = field(default_factory=ReportConfig)
+    """Where metrics are logged and the run report is written."""
     runtime: RuntimeConfig = field(default_factory=RuntimeConfig)
     """Where and how the workflow executes."""
 
@@ -317,3 +363,42 @@ class RMConfig(ValidatedConfig):
     precision: str = spec("auto", choices=("auto", "fp32", "bf16"))
     """Weights, activations and gradients in fp32, or in bf16 with fp32 master weights and Adam moments in the
     optimizer (mixed precision; log-probs, values and losses stay fp32); auto is bf16 on cuda, fp32 on cpu."""
+
+
+@dataclass(frozen=True)
+class EvalConfig(ValidatedConfig):
+    model: str = ""
+    """The policy: a checkpoint directory (set from the command's CHECKPOINT_OR_RUN argument)."""
+    seed: int = 0
+    """Seed of every sampled response's random stream."""
+    task: TaskConfig = field(default_factory=TaskConfig)
+    """The prompts (task.eval_file, a prompt file or a synthetic task's eval stream) and the rule that scores
+    responses; a run's own task settings unless overridden."""
+    prompts: int = spec(128, ge=0)
+    """Prompts evaluated, the first of the evaluation set; 0 means all of a prompt file."""
+    samples: int = spec(8, ge=0)
+    """Responses sampled per prompt (n of the pass@k estimator); 0 evaluates greedily only."""
+    pass_k: tuple[int, ...] = (1, 4, 8)
+    """The k of each pass@k reported: the chance that at least one of k samples is exactly right, estimated
+    without bias from the n = samples drawn (each k must be <= samples)."""
+    temperature: float = spec(1.0, gt=0, le=10)
+    """Sampling temperature of the pass@k samples (the accuracy is greedy)."""
+    top_p: float = spec(1.0, gt=0, le=1)
+    """Nucleus sampling mass of the samples; 1.0 disables."""
+    max_new_tokens: int = spec(8, ge=1, le=1024)
+    """Longest response, in tokens; a run's own rollout.max_new_tokens unless overridden."""
+    batch_size: int = spec(128, ge=1)
+    """Sequences generated together."""
+    out: str | None = None
+    """JSON file of the results; None writes eval.json into the run (or checkpoint) directory."""
+    device: str = spec("auto", choices=("auto", "cpu", "cuda"))
+    """Torch device kind; auto picks cuda when available."""
+    precision: str = spec("auto", choices=("auto", "fp32", "bf16"))
+    """Weights and activations in fp32 or bf16 (log-probabilities in fp32); auto is bf16 on cuda, fp32 on cpu."""
+
+    def validate(self) -> None:
+        if not self.model:
+            fail("model", "no checkpoint given (loomrl eval CHECKPOINT_OR_RUN)")
+        bad = [k for k in self.pass_k if k < 1 or (self.samples and k > self.samples)]
+        if bad:  # with samples 0 there is no pass@k to report, whatever pass_k says
+            fail("pass_k", f"k={bad[0]} needs 1 <= k <= samples ({self.samples}); lower k or raise samples")

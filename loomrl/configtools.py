@@ -569,12 +569,14 @@ def _blame(path: str, items: Sequence[str], parsed: Sequence[tuple[list[str], An
     return None
 
 
-def load_config(cls: type[T], yaml_path: str | Path | None = None, overrides: Sequence[str] = ()) -> T:
+def load_config(cls: type[T], yaml_path: str | Path | None = None, overrides: Sequence[str] = (),
+                base: Mapping[str, Any] | None = None) -> T:
     """Read ``yaml_path`` (None: all defaults), apply ``key.sub=value`` overrides, build and validate ``cls``.
+    ``base`` holds values below the file's (e.g. settings taken from a run's own config).
 
     An error is prefixed by its source: ``override 'a.b=1': a.b: ...`` or ``file.yaml: a.b: ...``.
     """
-    data = {} if yaml_path is None else read_yaml(yaml_path)
+    data = deep_merge(base or {}, {} if yaml_path is None else read_yaml(yaml_path))
     items = list(overrides)
     parsed = [_parse_override(item) for item in items]
     try:

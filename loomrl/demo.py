@@ -10,6 +10,7 @@ from __future__ import annotations
 import json
 import shutil
 import time
+from importlib import resources
 from pathlib import Path
 from typing import Sequence
 
@@ -59,9 +60,15 @@ def load_stage_configs(config_dir: str, out: Path, overrides: Sequence[str]):
     return sft, rm, ppo
 
 
-def run_demo(config_dir: str, out_dir: str, overrides: Sequence[str] = ()) -> dict:
+def demo_configs() -> Path:
+    """The demo's stage configs, shipped inside the package (so `loomrl demo` runs from an installed wheel)."""
+    return Path(str(resources.files("loomrl"))) / "examples" / "demo"
+
+
+def run_demo(config_dir: str | None, out_dir: str, overrides: Sequence[str] = ()) -> dict:
     console = Console()
     out = Path(out_dir)
+    config_dir = config_dir or str(demo_configs())
     sft_cfg, rm_cfg, ppo_cfg = load_stage_configs(config_dir, out, overrides)  # all validated before any work
     _fresh_dir(out)
     console.rule("[bold]1/3 SFT warm start")
@@ -90,8 +97,9 @@ def run_demo(config_dir: str, out_dir: str, overrides: Sequence[str] = ()) -> di
     console.print(summary_table(rows, "loomrl demo"))
     console.print(f"held-out exact match (greedy): SFT {sft['eval/exact_match']:.3f} -> PPO "
                   f"{ppo['eval/exact_match']:.3f} (gain {summary['exact_match_gain']:+.3f})")
-    console.print(f"outputs: SFT policy {sft_cfg.out_dir}; reward model {rm_cfg.out_dir}; PPO run {ppo_cfg.run_dir} "
-                  f"(metrics.jsonl, tb/, checkpoints/, traces.jsonl); reward curve {Path(ppo_cfg.run_dir) / 'reward_curve.png'}; "
-                  f"timeline {timeline} (.html); "
+    run = Path(ppo_cfg.run_dir)
+    console.print(f"outputs: SFT policy {sft_cfg.out_dir}; reward model {rm_cfg.out_dir}; PPO run {run} "
+                  f"(metrics.jsonl, checkpoints/, traces.jsonl); run report {run / 'report.html'} (open it in a "
+                  f"browser); reward curve {run / 'reward_curve.png'}; timeline {timeline} (.html); "
                   f"summary {out / 'summary.json'}")
     return summary

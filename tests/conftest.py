@@ -31,7 +31,8 @@ def ray_session():
     """A local Ray instance for a module's runtime tests (one per module: a module's runs share it)."""
     import ray
 
-    ray.init(num_cpus=4, include_dashboard=False, log_to_driver=False,
+    # address="local": a private instance, never a cluster that Ray's file of the last `ray start` names
+    ray.init(address="local", num_cpus=4, include_dashboard=False, log_to_driver=False,
              runtime_env={"env_vars": {"HF_HUB_OFFLINE": "1", "OMP_NUM_THREADS": "1"}})
     yield
     ray.shutdown()

@@ -21,7 +21,7 @@ import transformers
 from transformers.utils import logging as hf_logging
 
 from loomrl.cli import main
-from loomrl.config import RMConfig, SFTConfig, TrainConfig
+from loomrl.config import EvalConfig, RMConfig, SFTConfig, TrainConfig
 from loomrl.configtools import field_docs
 
 REPO = Path(__file__).resolve().parents[1]
@@ -129,27 +129,6 @@ def test_train_ppo_logs_plots_and_checkpoints(ppo_run):
     assert actor.config.model_type == "llama"
 
 
-def test_demo_runs_all_three_stages_and_prints_the_summary(tmp_path):
-    out = tmp_path / "demo"
-    proc = run_cli(
-        "demo", "--out", out,
-        "sft.steps=2", "sft.batch_size=4", "sft.eval_prompts=4",
-        "rm.train_pairs=8", "rm.eval_pairs=4", "rm.epochs=1", "rm.batch_size=8",
-        "ppo.loop.iterations=2", "ppo.rollout.prompts_per_iter=4", "ppo.loop.eval_prompts=4",
-        "ppo.loop.progress=false", "ppo.loop.tensorboard=false", "ppo.algo.minibatches=1",
-        timeout=300,
-    )
-    assert_ok(proc)
-    summary = json.loads((out / "summary.json").read_text())
-    assert set(summary) == {"sft", "rm", "ppo", "exact_match_gain"}
-    sft, ppo = summary["sft"]["eval/exact_match"], summary["ppo"]["eval/exact_match"]
-    assert summary["exact_match_gain"] == pytest.approx(ppo - sft)
-    assert "loomrl demo" in proc.stdout
-    assert f"held-out exact match (greedy): SFT {sft:.3f} -> PPO {ppo:.3f}" in proc.stdout
-    assert len((out / "ppo" / "metrics.jsonl").read_text().splitlines()) == 2
-    assert (out / "rm" / "rm_summary.json").is_file() and (out / "sft" / "config.json").is_file()
-
-
 def _leaf_fields(cls, prefix=""):
     """(dotted path, class, field name) of every non-section field, found by walking the dataclasses."""
     for f in dataclasses.fields(cls):
@@ -160,7 +139,8 @@ def _leaf_fields(cls, prefix=""):
             yield f"{prefix}{f.name}", cls, f.name
 
 
-@pytest.mark.parametrize("command, cls", [("train", TrainConfig), ("sft", SFTConfig), ("rm", RMConfig)])
+@pytest.mark.parametrize("command, cls", [("train", TrainConfig), ("sft", SFTConfig), ("rm", RMConfig),
+                                          ("eval", EvalConfig)])
 def test_config_lists_every_field_with_its_doc(command, cls):
     proc = run_cli("config", command)
     assert_ok(proc)
@@ -181,7 +161,7 @@ def test_config_lists_every_field_with_its_doc(command, cls):
 def test_train_on_a_user_prompt_file_with_a_reward_file(tmp_path):
     run_dir = tmp_path / "run"
     proc = run_cli("train", "examples/grpo_user_task.yaml", "loop.iterations=1", "rollout.prompts_per_iter=4",
-                   "loop.eval_prompts=4", "loop.progress=false", "loop.tensorboard=false", f"run_dir={run_dir}",
+                   "loop.eval_prompts=4", "loop.progress=false", "report.html=false", f"run_dir={run_dir}",
                    timeout=180)
     assert_ok(proc)
     (record,) = [json.loads(line) for line in (run_dir / "metrics.jsonl").read_text().splitlines()]
@@ -218,7 +198,7 @@ LOAD_ERRORS = [
     ("int-gets-float", lambda d: ["rollout.prompts_per_iter=2.5"], ["rollout.prompts_per_iter", "2.5 is not an int"]),
     ("float-gets-word", lambda d: ["algo.clip_eps=wide"], ["algo.clip_eps", "'wide' is not a float"]),
     ("bool-gets-word", lambda d: ["loop.progress=maybe"], ["loop.progress", "'maybe' is not a bool"]),
-    ("bool-gets-int", lambda d: ["loop.tensorboard=1"], ["loop.tensorboard", "1 is not a bool"]),
+    ("bool-gets-int", lambda d: ["report.html=1"], ["report.html", "1 is not a bool"]),
     ("out-of-range", lambda d: ["algo.clip_eps=1.5"], ["algo.clip_eps", "1.5 is out of range", "<= 1"]),
     ("bad-choice", lambda d: ["algo.name=ppoo"], ["algo.name", "'ppoo' is not one of", "did you mean 'ppo'?"]),
     ("missing-yaml", lambda d: [d / "nothere.yaml"], ["nothere.yaml", "file not found"]),

@@ -35,7 +35,7 @@ def test_plan_rejects_an_unknown_model_in_one_line(tmp_path, capsys):
 def test_a_run_writes_traces_that_timeline_draws(tmp_path, capsys):
     cfg = load_config(TrainConfig, None, [f"run_dir={tmp_path / 'run'}", "runtime.executor=reference",
                                            "loop.iterations=2", "rollout.prompts_per_iter=4", "loop.eval_prompts=4",
-                                           "loop.progress=false", "loop.tensorboard=false", "rollout.max_new_tokens=4"])
+                                           "loop.progress=false", "report.html=false", "rollout.max_new_tokens=4"])
     RLTrainer(cfg).run()
     traces = [json.loads(line) for line in (tmp_path / "run" / "traces.jsonl").read_text().splitlines()]
     assert {t["step"] for t in traces} >= {"actor_gen", "actor_train", "critic_train"}
@@ -56,7 +56,7 @@ def test_a_run_writes_traces_that_timeline_draws(tmp_path, capsys):
 def test_calibrate_fits_corrections_from_a_run(tmp_path, capsys):
     cfg = load_config(TrainConfig, None, [f"run_dir={tmp_path / 'run'}", "runtime.executor=reference",
                                            "loop.iterations=3", "rollout.prompts_per_iter=4", "loop.eval_prompts=4",
-                                           "loop.progress=false", "loop.tensorboard=false", "rollout.max_new_tokens=4"])
+                                           "loop.progress=false", "report.html=false", "rollout.max_new_tokens=4"])
     RLTrainer(cfg).run()
     assert main(["calibrate", "--from", str(tmp_path / "run"), "--out", str(tmp_path / "cal")]) == 0
     fitted = json.loads((tmp_path / "cal" / "corrections.json").read_text())

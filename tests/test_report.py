@@ -8,6 +8,7 @@ from tensorboard.backend.event_processing.event_accumulator import EventAccumula
 
 from loomrl.errors import DataError
 from loomrl.report import MetricsLogger, plot_metrics, plot_reward_curve, read_metrics, summary_table
+from loomrl.report.backends import TensorBoardBackend
 
 PNG_MAGIC = b"\x89PNG\r\n\x1a\n"
 
@@ -19,7 +20,7 @@ def tb_scalars(run_dir, tag):
 
 
 def test_lines_are_appended_and_flushed_before_close(tmp_path):
-    logger = MetricsLogger(tmp_path, tensorboard=False)
+    logger = MetricsLogger(tmp_path)
     logger.log(1, {"reward/mean": 0.5, "kl/mean": 0.01})
     # Read while the logger is still open: a crash right now must not lose the line.
     lines = (tmp_path / "metrics.jsonl").read_text().splitlines()
@@ -34,12 +35,16 @@ def test_lines_are_appended_and_flushed_before_close(tmp_path):
 
 
 def test_reserved_names_rejected(tmp_path):
-    with MetricsLogger(tmp_path, tensorboard=False) as logger, pytest.raises(ValueError, match="reserved"):
+    with MetricsLogger(tmp_path) as logger, pytest.raises(ValueError, match="reserved"):
         logger.log(1, {"iteration": 3.0})
 
 
+def tensorboard(run_dir, resume_from_iteration=None):
+    return [TensorBoardBackend(run_dir, None, {}, resume_from_iteration)]
+
+
 def test_tensorboard_event_file_has_scalars(tmp_path):
-    with MetricsLogger(tmp_path) as logger:
+    with MetricsLogger(tmp_path, tensorboard(tmp_path)) as logger:
         logger.log(1, {"reward/mean": 0.25})
         logger.log(2, {"reward/mean": 0.5})
     assert list((tmp_path / "tb").glob("events.out.tfevents.*"))
@@ -47,14 +52,14 @@ def test_tensorboard_event_file_has_scalars(tmp_path):
 
 
 def test_resume_moves_later_lines_to_superseded(tmp_path):
-    with MetricsLogger(tmp_path) as logger:
+    with MetricsLogger(tmp_path, tensorboard(tmp_path)) as logger:
         for it in range(1, 6):
             logger.log(it, {"reward/mean": float(it)})
     # Simulate a crash that tore the last write in half.
     with open(tmp_path / "metrics.jsonl", "a") as fh:
         fh.write('{"iteration": 6, "rew')
 
-    with MetricsLogger(tmp_path, resume_from_iteration=3) as logger:  # checkpoint was at iteration 3
+    with MetricsLogger(tmp_path, tensorboard(tmp_path, 3), resume_from_iteration=3) as logger:  # checkpoint at 3
         logger.log(4, {"reward/mean": 40.0})
 
     assert [(r["iteration"], r["reward/mean"]) for r in read_metrics(tmp_path / "metrics.jsonl")] == [
@@ -75,7 +80,7 @@ def test_read_metrics_rejects_corrupt_middle_line(tmp_path):
 
 
 def test_plot_writes_png_and_skips_missing_keys(tmp_path):
-    with MetricsLogger(tmp_path, tensorboard=False) as logger:
+    with MetricsLogger(tmp_path) as logger:
         for it in range(1, 4):
             logger.log(it, {"reward/mean": it * 0.1, "response/length": 10.0 + it})
     out = plot_metrics(tmp_path / "metrics.jsonl", tmp_path / "plots" / "m.png",

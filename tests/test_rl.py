@@ -19,7 +19,7 @@ from loomrl.train.rm import run_rm
 
 TINY = (
     "rollout.prompts_per_iter=4", "rollout.max_new_tokens=6", "algo.group_size=2", "algo.minibatches=2",
-    "loop.iterations=2", "loop.eval_prompts=4", "loop.progress=false", "loop.tensorboard=false",
+    "loop.iterations=2", "loop.eval_prompts=4", "loop.progress=false", "report.html=false",
     "runtime.device=cpu", "runtime.threads=1", "runtime.executor=reference",
 )
 

@@ -47,7 +47,7 @@ def _cfg(tmp_path, name, *extra):
     return load_config(TrainConfig, None, [
         f"run_dir={tmp_path / name}", "seed=3", "rollout.prompts_per_iter=8", "rollout.max_new_tokens=6",
         "loop.iterations=3", "loop.eval_every=0", "loop.save_every=0", "loop.eval_prompts=8",
-        "loop.progress=false", "loop.tensorboard=false", "runtime.threads=1", "runtime.timeout_s=120",
+        "loop.progress=false", "report.html=false", "runtime.threads=1", "runtime.timeout_s=120",
         "algo.minibatches=2", "algo.ppo_epochs=2", "actor.optim.lr=0.001", "runtime.executor=reference", *extra])
 
 

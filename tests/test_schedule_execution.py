@@ -32,7 +32,7 @@ def _cfg(tmp_path, devices: int) -> TrainConfig:
     return load_config(TrainConfig, None, [
         f"run_dir={tmp_path / 'run'}", "seed=3", "rollout.prompts_per_iter=8", "rollout.max_new_tokens=6",
         "loop.iterations=2", "loop.eval_every=0", "loop.save_every=0", "loop.eval_prompts=8", "loop.progress=false",
-        "loop.tensorboard=false", "runtime.threads=1", "runtime.timeout_s=120", "algo.minibatches=2",
+        "report.html=false", "runtime.threads=1", "runtime.timeout_s=120", "algo.minibatches=2",
         "algo.ppo_epochs=2", "runtime.executor=ray", f"runtime.devices={devices}"])
 
 

@@ -1,18 +1,49 @@
-"""Greedy held-out evaluation of a policy by the task's rule (exact match and mean score)."""
+"""Evaluating a policy by the task's rule: greedy exact match and mean score, and pass@k from sampled responses.
+
+pass@k is the chance that at least one of k responses to a prompt is exactly right. From n ≥ k samples of which c
+are right, the unbiased estimator (Chen et al., 2021, "Evaluating Large Language Models Trained on Code") is
+
+    pass@k = 1 − C(n − c, k) / C(n, k)
+
+averaged over prompts; it equals 1 when fewer than k samples are wrong. Sample j of prompt i draws from the
+random stream of sample id i·n + j, so a result does not depend on the batch size or the device.
+"""
 
 from __future__ import annotations
 
+from math import comb
 from typing import Sequence
 
 import torch
 from transformers import PreTrainedModel, PreTrainedTokenizerBase
 
 from loomrl.data.tasks import Example, Task
-from loomrl.rollout import SamplingParams, generate, stream_keys
 from loomrl.models.tokenizer import decode_response, encode_prompt
+from loomrl.rollout import SamplingParams, generate, stream_keys
+
+
+def pass_at_k(n: int, correct: int, k: int) -> float:
+    """The unbiased estimate of pass@k for one prompt from ``n`` samples of which ``correct`` were right."""
+    if not 0 <= correct <= n or not 1 <= k <= n:
+        raise ValueError(f"pass_at_k(n={n}, correct={correct}, k={k}): needs 0 <= correct <= n and 1 <= k <= n")
+    if n - correct < k:
+        return 1.0
+    return 1.0 - comb(n - correct, k) / comb(n, k)
 
 
 @torch.no_grad()
+def _responses(model: PreTrainedModel, tokenizer: PreTrainedTokenizerBase, prompts: Sequence[Sequence[int]],
+               sample_ids: Sequence[int], params: SamplingParams, seed: int, batch_size: int) -> list[str]:
+    """The decoded response to each prompt, sample ``sample_ids[b]`` drawing from its own stream."""
+    texts: list[str] = []
+    for start in range(0, len(prompts), batch_size):
+        chunk = prompts[start:start + batch_size]
+        keys = stream_keys(seed, 0, sample_ids[start:start + batch_size])
+        gens = generate(model, chunk, keys, params, tokenizer.eos_token_id, tokenizer.pad_token_id)
+        texts += [decode_response(tokenizer, gen.tokens) for gen in gens]
+    return texts
+
+
 def evaluate_policy(
     model: PreTrainedModel,
     tokenizer: PreTrainedTokenizerBase,
@@ -25,15 +56,38 @@ def evaluate_policy(
     was_training = model.training
     model.eval()
     params = SamplingParams(max_new_tokens=max_new_tokens, temperature=0.0)
-    exact, score = 0, 0.0
-    for start in range(0, len(examples), batch_size):
-        chunk = examples[start : start + batch_size]
-        prompts = [encode_prompt(tokenizer, ex.prompt) for ex in chunk]
-        keys = stream_keys(0, 0, range(len(chunk)))  # unused by greedy decoding
-        gens = generate(model, prompts, keys, params, tokenizer.eos_token_id, tokenizer.pad_token_id)
-        for ex, gen in zip(chunk, gens):
-            text = decode_response(tokenizer, gen.tokens)
-            exact += int(task.exact(ex.prompt, text, ex.answer))
-            score += task.score(ex.prompt, text, ex.answer)
+    prompts = [encode_prompt(tokenizer, ex.model_input) for ex in examples]
+    texts = _responses(model, tokenizer, prompts, range(len(prompts)), params, 0, batch_size)  # greedy: no noise
     model.train(was_training)
+    exact = sum(task.exact(ex.prompt, text, ex.answer) for ex, text in zip(examples, texts))
+    score = sum(task.score(ex.prompt, text, ex.answer) for ex, text in zip(examples, texts))
     return {"exact_match": exact / len(examples), "score": score / len(examples)}
+
+
+def evaluate_pass_at_k(
+    model: PreTrainedModel,
+    tokenizer: PreTrainedTokenizerBase,
+    task: Task,
+    examples: Sequence[Example],
+    params: SamplingParams,
+    samples: int,
+    ks: Sequence[int],
+    seed: int,
+    batch_size: int = 128,
+) -> dict[str, float]:
+    """``samples`` sampled responses per example: pass@k for each of ``ks`` (averaged over examples) and the
+    mean rule score of the samples."""
+    was_training = model.training
+    model.eval()
+    prompts = [encode_prompt(tokenizer, ex.model_input) for ex in examples]
+    rows = [p for p in prompts for _ in range(samples)]
+    texts = _responses(model, tokenizer, rows, range(len(rows)), params, seed, batch_size)
+    model.train(was_training)
+    correct, score = [], 0.0
+    for i, ex in enumerate(examples):
+        mine = texts[i * samples:(i + 1) * samples]
+        correct.append(sum(task.exact(ex.prompt, text, ex.answer) for text in mine))
+        score += sum(task.score(ex.prompt, text, ex.answer) for text in mine)
+    out = {f"pass@{k}": sum(pass_at_k(samples, c, k) for c in correct) / len(examples) for k in ks}
+    out["sampled_score"] = score / (len(examples) * samples)
+    return out

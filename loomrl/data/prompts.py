@@ -7,7 +7,8 @@ stores "next index" in its checkpoint and asks for ``batch(start, n)``.
   (seed, split, i). Splits are independent streams, but a task with a small prompt space (3-digit sort has
   1000 prompts) will have eval prompts that also occur in train: the eval split measures the policy on
   fresh draws from the task distribution, not on held-out prompts.
-- :class:`FilePrompts` reads a JSONL or parquet file with HF ``datasets`` (local files only).
+- :class:`FilePrompts` reads a JSONL or parquet file with HF ``datasets`` (local files only): a text prompt or
+  a chat conversation per row.
 
 :func:`load_reward_fn` and :class:`FunctionTask` let file prompts be scored by a user function.
 """
@@ -23,8 +24,9 @@ import os
 import random
 import sys
 from abc import ABC, abstractmethod
+from collections.abc import Mapping
 from pathlib import Path
-from typing import Callable
+from typing import Any, Callable
 
 from loomrl.data.tasks import Example, Task
 from loomrl.errors import DataError
@@ -90,26 +92,42 @@ class SyntheticPrompts(PromptSource):
 class FilePrompts(PromptSource):
     """Prompts (and optional answers) from a local .jsonl/.json/.parquet file, in file order.
 
-    Non-string answers (e.g. JSON numbers) are converted with ``str``; nulls stay None. Pass
-    ``answer_key=None`` for files without answers.
+    A prompt is text, or a conversation so far: a list of ``{"role", "content"}`` messages (a chat dataset's
+    ``messages`` column). A conversation that ends with an assistant turn (a complete chat demonstration) is
+    split: the turns before it are the prompt, and its content is the answer when the row has none. Non-string
+    answers (e.g. JSON numbers) are converted with ``str``; nulls, and a file without the answer column, give
+    None. Pass ``answer_key=None`` to ignore answers.
     """
 
     def __init__(self, path: str | os.PathLike[str], prompt_key: str = "prompt",
                  answer_key: str | None = "answer") -> None:
         self.path = os.fspath(path)
         columns = _load_columns(self.path)
-        for key in (prompt_key, answer_key):
-            if key is not None and key not in columns:
-                raise DataError(f"prompt file '{self.path}': no column '{key}' "
-                                f"(columns present: {', '.join(columns)})")
+        if prompt_key not in columns:
+            chat = " (a chat column: set task.prompt_key=messages)" if "messages" in columns else ""
+            raise DataError(f"prompt file '{self.path}': no column '{prompt_key}' "
+                            f"(columns present: {', '.join(columns)}){chat}")
         prompts = columns[prompt_key]
         if not prompts:
             raise DataError(f"prompt file '{self.path}': has no rows")
-        bad = next((p for p in prompts if not isinstance(p, str)), None)
-        if bad is not None:
-            raise DataError(f"prompt file '{self.path}': column '{prompt_key}' holds {bad!r}, not a string")
-        answers = columns[answer_key] if answer_key is not None else [None] * len(prompts)
-        self.examples = [Example(p, None if a is None else str(a)) for p, a in zip(prompts, answers)]
+        answers = columns[answer_key] if answer_key in columns else [None] * len(prompts)
+        self.examples = [self._example(i, p, a, prompt_key) for i, (p, a) in enumerate(zip(prompts, answers))]
+
+    def _example(self, row: int, prompt: Any, answer: Any, key: str) -> Example:
+        answer = None if answer is None else str(answer)
+        if isinstance(prompt, str):
+            return Example(prompt, answer)
+        turns = _turns(prompt)
+        if turns is None:
+            raise DataError(f"prompt file '{self.path}': row {row} of column '{key}' holds {prompt!r}, neither a "
+                            "string nor a list of {'role', 'content'} messages")
+        if turns and turns[-1][0] == "assistant" and len(turns) > 1:
+            answer = turns[-1][1] if answer is None else answer
+            turns = turns[:-1]
+        if not turns:
+            raise DataError(f"prompt file '{self.path}': row {row} of column '{key}' is an empty conversation")
+        text = next((content for role, content in reversed(turns) if role == "user"), turns[-1][1])
+        return Example(text, answer, tuple(turns))
 
     def __len__(self) -> int:
         return len(self.examples)
@@ -119,6 +137,19 @@ class FilePrompts(PromptSource):
 
     def __repr__(self) -> str:
         return f"FilePrompts({self.path!r}, {len(self)} rows)"
+
+
+def _turns(value: Any) -> list[tuple[str, str]] | None:
+    """(role, content) pairs of a list of chat messages, or None when ``value`` is not one."""
+    if not isinstance(value, (list, tuple)):
+        return None
+    turns = []
+    for message in value:
+        if not (isinstance(message, Mapping) and isinstance(message.get("role"), str)
+                and isinstance(message.get("content"), str)):
+            return None
+        turns.append((message["role"], message["content"]))
+    return turns
 
 
 def _load_columns(path: str) -> dict[str, list]:

@@ -6,7 +6,7 @@ from loomrl.config import TaskConfig
 from loomrl.data.prompts import FilePrompts, FunctionTask, PromptSource, SyntheticPrompts, load_reward_fn
 from loomrl.data.tasks import Example, Task, make_task
 
-__all__ = ["build_task", "examples_window", "prompt_source"]
+__all__ = ["build_task", "examples_window", "held_out", "prompt_source"]
 
 
 def build_task(cfg: TaskConfig) -> Task:
@@ -19,10 +19,20 @@ def build_task(cfg: TaskConfig) -> Task:
 
 
 def prompt_source(cfg: TaskConfig, task: Task, seed: int, split: str) -> PromptSource:
-    """Deterministic prompts by index; a prompt file serves both splits (held-out data is the user's call)."""
+    """Deterministic prompts by index: ``task.eval_file`` for evaluation when given, else the prompt file (task
+    'file', both splits) or the synthetic task's stream of that split."""
+    if split != "train" and cfg.eval_file is not None:
+        return FilePrompts(cfg.eval_file, prompt_key=cfg.prompt_key, answer_key=cfg.answer_key)
     if cfg.name == "file":
         return FilePrompts(cfg.prompt_file, prompt_key=cfg.prompt_key, answer_key=cfg.answer_key)
     return SyntheticPrompts(task, seed, split)
+
+
+def held_out(cfg: TaskConfig, task: Task, seed: int, n: int) -> list[Example]:
+    """The evaluation prompts: the first ``n`` of the eval source, and no more than a file holds (a row counted
+    twice would weigh twice in the accuracy)."""
+    source = prompt_source(cfg, task, seed, "eval")
+    return examples_window(source, 0, min(n, len(source)))
 
 
 def examples_window(source: PromptSource, start: int, n: int) -> list[Example]:

@@ -36,7 +36,18 @@ class Example:
     """One prompt and, when known, its reference answer (the SFT target; None for reward-only data)."""
 
     prompt: str
+    """The prompt's text; for a chat row, the content of its last user message (what rules and tables see)."""
     answer: str | None = None
+    messages: tuple[tuple[str, str], ...] | None = None
+    """A chat row's conversation so far, as (role, content) turns; None for a plain text prompt."""
+
+    @property
+    def model_input(self) -> str | list[dict[str, str]]:
+        """What the tokenizer encodes (:func:`loomrl.models.tokenizer.encode_prompt`): the conversation as
+        ``{"role", "content"}`` messages for a chat row, else the prompt text."""
+        if self.messages is None:
+            return self.prompt
+        return [{"role": role, "content": content} for role, content in self.messages]
 
 
 def partial_credit(response: str, answer: str) -> float:

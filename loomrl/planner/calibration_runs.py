@@ -10,6 +10,7 @@ predicts a run's iteration time with the simulator, which is how the estimator's
 from __future__ import annotations
 
 import dataclasses
+import json
 import math
 import statistics
 from dataclasses import dataclass
@@ -81,21 +82,32 @@ class Run:
                         ppo_epochs=algo.ppo_epochs, minibatches=algo.minibatches)
 
 
+def _recorded_devices(run: Path) -> int | None:
+    """The devices the run's plan was made for (the trainer writes plan.json; a run on a Ray cluster counted
+    them there, not on this machine), or None for a run from before plan.json."""
+    path = run / "plan.json"
+    if not path.is_file():
+        return None
+    cluster = json.loads(path.read_text(encoding="utf-8")).get("cluster", {})
+    return int(cluster.get("nodes", 1)) * int(cluster.get("devices_per_node", 0)) or None
+
+
 def load_run(run_dir: str | Path) -> Run:
     """Read a run directory: its config, the plan it ran, its models' shapes and its metrics."""
     from loomrl.launch import available_devices
-    from loomrl.models.tokenizer import tokenizer_for
+    from loomrl.models.tokenizer import task_tokenizer
 
     run = Path(run_dir)
     if not (run / "config.yaml").is_file() or not (run / "metrics.jsonl").is_file():
         raise DataError(f"{run}: not a run directory (config.yaml and metrics.jsonl are needed)")
     cfg = load_config(TrainConfig, run / "config.yaml")
     workflow = build_workflow(cfg.algo, cfg.rollout)
-    devices = 1 if cfg.runtime.executor == "reference" else (cfg.runtime.devices or available_devices())
+    devices = 1 if cfg.runtime.executor == "reference" else (cfg.runtime.devices or _recorded_devices(run)
+                                                             or available_devices())
     cluster = ClusterSpec(nodes=1, devices_per_node=devices, device_kind="cpu", profile="local")
     runtime = cfg.runtime if cfg.runtime.executor != "reference" else dataclasses.replace(cfg.runtime, plan=None)
     plan = plan_from_config(runtime, workflow, cluster)
-    tokenizer = tokenizer_for(cfg.actor.model)
+    tokenizer = task_tokenizer(cfg.task, cfg.actor.model)
     specs = {"actor": cfg.actor.model, "ref": cfg.actor.model, "critic": cfg.critic.model or cfg.actor.model,
              "reward": cfg.reward.model or cfg.actor.model}
     try:

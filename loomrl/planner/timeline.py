@@ -22,7 +22,7 @@ from matplotlib.patches import Patch
 
 from loomrl.planner.simulator import Interval, SimResult, format_bytes
 
-__all__ = ["interval_colors", "render_html", "render_timeline", "render_timelines"]
+__all__ = ["TIMELINE_CSS", "interval_colors", "render_html", "render_timeline", "render_timelines", "timeline_fragment"]
 
 _REALLOC_KINDS = ("copy", "sync", "free", "reload", "offload")
 _REALLOC_COLOR = "#9e9e9e"
@@ -100,7 +100,8 @@ def _svg(result: SimResult, colors: dict[str, str], span: float, width: int = 10
     scale = (width - left - 10) / span
     height = row * len(devices) + 30
     y = {d: 5 + row * k for k, d in enumerate(devices)}
-    parts = [f'<svg xmlns="http://www.w3.org/2000/svg" width="{width}" height="{height}" font-size="11">']
+    parts = [f'<svg xmlns="http://www.w3.org/2000/svg" class="timeline" width="{width}" height="{height}" '
+             'font-size="11">']
     for d in devices:
         parts.append(f'<text x="4" y="{y[d] + row / 2 + 4:.1f}">device {d}</text>')
     for k in range(11):  # time axis: ten equal ticks
@@ -117,11 +118,15 @@ def _svg(result: SimResult, colors: dict[str, str], span: float, width: int = 10
     return "\n".join(parts)
 
 
-def render_html(panels: SimResult | list[Panel], title: str = "") -> str:
-    """A self-contained HTML page with each panel's Gantt chart as inline SVG on one time axis, a legend and
-    the per-device figures."""
-    if isinstance(panels, SimResult):
-        panels = [("", panels)]
+TIMELINE_CSS = (".key{margin-right:1em;white-space:nowrap} "
+                ".swatch{display:inline-block;width:1em;height:1em;margin-right:.3em;vertical-align:middle} "
+                "td,th{padding:0 .8em;text-align:right}")
+"""The styles :func:`timeline_fragment` needs in the page that holds it."""
+
+
+def timeline_fragment(panels: list[Panel]) -> str:
+    """HTML of each panel's Gantt chart (inline SVG, one time axis for all), its per-device figures and the
+    legend, for a page that includes :data:`TIMELINE_CSS` (this page's, or the run report's)."""
     colors = interval_colors([iv for _, result in panels for iv in result.timeline])
     span = max((result.makespan or 0.0) for _, result in panels) or 1.0
     legend = "".join(f'<span class="key"><span class="swatch" style="background:{c}"></span>{html.escape(label)}'
@@ -133,12 +138,18 @@ def render_html(panels: SimResult | list[Panel], title: str = "") -> str:
         body.append(f"<h3>{html.escape(name)}</h3>\n<p>{html.escape(_summary(result))}</p>\n"
                     f"{_svg(result, colors, span)}\n"
                     f"<table><tr><th>device</th><th>busy</th><th>peak memory</th></tr>{rows}</table>")
+    return "\n".join(body) + f"\n<p>{legend}</p>"
+
+
+def render_html(panels: SimResult | list[Panel], title: str = "") -> str:
+    """A self-contained HTML page with each panel's Gantt chart as inline SVG on one time axis, a legend and
+    the per-device figures."""
+    if isinstance(panels, SimResult):
+        panels = [("", panels)]
     heading = html.escape(title or "simulated schedule")
     return (f"<!DOCTYPE html>\n<html><head><meta charset=\"utf-8\"><title>{heading}</title>\n<style>"
-            "body{font-family:sans-serif;margin:1em} .key{margin-right:1em;white-space:nowrap} "
-            ".swatch{display:inline-block;width:1em;height:1em;margin-right:.3em;vertical-align:middle} "
-            "td,th{padding:0 .8em;text-align:right}</style></head><body>\n"
-            f"<h2>{heading}</h2>\n" + "\n".join(body) + f"\n<p>{legend}</p>\n</body></html>\n")
+            f"body{{font-family:sans-serif;margin:1em}} {TIMELINE_CSS}</style></head><body>\n"
+            f"<h2>{heading}</h2>\n" + timeline_fragment(panels) + "\n</body></html>\n")
 
 
 def render_timelines(panels: list[Panel], png_path: str | os.PathLike[str],

@@ -1,8 +1,9 @@
-"""Per-iteration training metrics: an append-only JSON-lines file plus TensorBoard scalars.
+"""Per-iteration training metrics: an append-only JSON-lines file, copied to the run's logging backends.
 
 ``RUN_DIR/metrics.jsonl`` is the record of a run: one line per ``log`` call,
 ``{"iteration": k, "time": <unix seconds>, "reward/mean": ..., ...}``, flushed as it is written so a crash
-loses nothing already logged. TensorBoard events go to ``RUN_DIR/tb`` with the metric names as tags.
+loses nothing already logged. The same values go to every backend the run opened (TensorBoard, wandb, MLflow:
+:mod:`loomrl.report.backends`).
 
 A run resumed from the checkpoint of iteration k re-does iterations k+1.. that the crashed run may
 already have logged. Those lines are moved to ``metrics.superseded.jsonl`` (kept for forensics, never
@@ -16,26 +17,27 @@ import json
 import math
 import os
 import time
-from collections.abc import Mapping
+from collections.abc import Mapping, Sequence
 from pathlib import Path
 from types import TracebackType
 from typing import Any
 
 from loomrl.errors import DataError
+from loomrl.report.backends import Backend
 
 METRICS_FILE = "metrics.jsonl"
 SUPERSEDED_FILE = "metrics.superseded.jsonl"
-TB_DIR = "tb"
 _RESERVED = ("iteration", "time")
 
 
 class MetricsLogger:
-    """Appends one record per iteration to ``RUN_DIR/metrics.jsonl`` and, optionally, to TensorBoard."""
+    """Appends one record per iteration to ``RUN_DIR/metrics.jsonl`` and hands it to each backend (which the
+    logger closes with itself)."""
 
     def __init__(
         self,
         run_dir: str | os.PathLike,
-        tensorboard: bool = True,
+        backends: Sequence[Backend] = (),
         resume_from_iteration: int | None = None,
     ) -> None:
         self.run_dir = Path(run_dir)
@@ -45,13 +47,7 @@ class MetricsLogger:
             supersede_after(self.path, resume_from_iteration)
         # Line-buffered text: every record reaches the OS as soon as its newline is written.
         self._file = open(self.path, "a", buffering=1)
-        self._tb = None
-        if tensorboard:
-            # Imported lazily: TensorBoard is slow to import and unused when disabled.
-            from torch.utils.tensorboard import SummaryWriter
-
-            purge = None if resume_from_iteration is None else resume_from_iteration + 1
-            self._tb = SummaryWriter(log_dir=str(self.run_dir / TB_DIR), purge_step=purge)
+        self._backends = list(backends)
 
     def log(self, iteration: int, metrics: Mapping[str, float]) -> None:
         """Record ``metrics`` for ``iteration``; values must convert to float."""
@@ -62,18 +58,16 @@ class MetricsLogger:
         record = {"iteration": int(iteration), "time": time.time(), **values}
         self._file.write(json.dumps(record) + "\n")
         self._file.flush()
-        if self._tb is not None:
-            for name, value in values.items():
-                self._tb.add_scalar(name, value, global_step=int(iteration))
-            self._tb.flush()
+        for backend in self._backends:
+            backend.log(int(iteration), values)
 
     def close(self) -> None:
-        """Close the JSONL file and the TensorBoard writer; safe to call twice."""
+        """Close the JSONL file and every backend; safe to call twice."""
         if not self._file.closed:
             self._file.close()
-        if self._tb is not None:
-            self._tb.close()
-            self._tb = None
+        backends, self._backends = self._backends, []
+        for backend in backends:
+            backend.close()
 
     def __enter__(self) -> MetricsLogger:
         return self

@@ -16,6 +16,7 @@ kills every worker and the local Ray instance, also after a failure or an interr
 
 from __future__ import annotations
 
+import os
 import time
 from dataclasses import dataclass
 from pathlib import Path
@@ -29,7 +30,7 @@ from ray.util.scheduling_strategies import PlacementGroupSchedulingStrategy
 from loomrl.config import RuntimeConfig
 from loomrl.errors import LoomError
 from loomrl.launch import ray_address, start_ray, stop_ray
-from loomrl.models.tokenizer import tokenizer_for
+from loomrl.models.tokenizer import task_tokenizer
 from loomrl.models.zoo import parameter_shapes
 from loomrl.plan.plan import ExecutionPlan
 from loomrl.plan.realloc_plan import plan_reallocation
@@ -95,7 +96,7 @@ class RayExecutor:
     def __init__(self, runtime: RuntimeConfig, spec: WorkerSpec, workflow: Workflow, plan: ExecutionPlan):
         self.runtime, self.spec, self.workflow = runtime, spec, workflow
         self.cluster = plan.cluster
-        self._tokenizer = tokenizer_for(spec.tokenizer)
+        self._tokenizer = task_tokenizer(spec.task, spec.tokenizer)
         self._shapes: dict[str, tuple] = {}
         self.plan, self.worker_plan = plan, self.plan_for_workers(plan)
         self.workers: list[Any] = []
@@ -370,6 +371,22 @@ class RayExecutor:
         return {name: value / len(examples) for name, value in sums.items()}
 
     # ---------------------------------------------------------------- checkpoints, plan changes, shutdown
+    def check_shared_dir(self, path: Path) -> None:
+        """Every worker must see ``path`` (the run directory: worker 0 writes the checkpoints into it and every
+        worker reads them back on resume), so on a cluster of several machines it must be storage each one
+        mounts; a marker file the controller writes there is looked for by every worker."""
+        marker = Path(path) / f".visible-{os.getpid()}"
+        marker.write_text("")
+        try:
+            seen = self._wait([w.sees.remote(str(marker)) for w in self.workers], "storage check", None)
+        finally:
+            marker.unlink(missing_ok=True)
+        blind = [rank for rank, ok in enumerate(seen) if not ok]
+        if blind:
+            raise RuntimeFailure(f"run_dir: '{path}' is not visible to worker(s) {blind}, which run on other "
+                                 "machines; put run_dir on storage every node mounts (NFS or another shared file "
+                                 "system): worker 0 writes the checkpoints there and every worker reads them back")
+
     def save(self, run_dir: Path, iteration: int, state: Mapping[str, Any], keep_last: int) -> Path:
         exports = {}
         for role, alloc in sorted(self.worker_plan.training().items()):

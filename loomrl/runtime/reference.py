@@ -143,6 +143,9 @@ class ReferenceExecutor:
     def evaluate(self, examples: Sequence) -> dict[str, float]:
         return self.evaluate_fn(self.roles["actor"].model, examples)
 
+    def check_shared_dir(self, path: Path) -> None:
+        """One process writes and reads every checkpoint: any directory will do."""
+
     def save(self, run_dir: Path, iteration: int, state: Mapping[str, Any], keep_last: int) -> Path:
         roles = self.trainable()
         return save_checkpoint(run_dir, iteration, {n: r.model for n, r in roles.items()}, self.tokenizer,

@@ -30,7 +30,8 @@ class WorkerSpec:
     task: TaskConfig
     """The task: the reward role's rule, rollout metrics and evaluation score with it."""
     tokenizer: str | None
-    """The checkpoint directory whose tokenizer the run uses (None: the built-in task tokenizer)."""
+    """The policy's model, whose tokenizer the run uses as ``task.tokenizer`` and ``task.chat_template`` say
+    (:func:`loomrl.models.tokenizer.task_tokenizer`)."""
     seed: int
     device: str = "auto"
     precision: str = "auto"

@@ -30,7 +30,7 @@ from loomrl.checkpoint import load_checkpoint, save_checkpoint
 from loomrl.data.sources import build_task
 from loomrl.engine import ModelEngine, build_model, make_role, resolve_device, resolve_dtype
 from loomrl.launch import quiet_libraries
-from loomrl.models.tokenizer import decode_response, tokenizer_for
+from loomrl.models.tokenizer import decode_response, task_tokenizer
 from loomrl.parallel import (apply_fsdp, apply_tensor_parallel, build_broadcast_groups, check_layout,
                              execute_reallocation, full_state_dict, local_shard)
 from loomrl.parallel.allocations import AllocationGroups
@@ -92,7 +92,7 @@ class DeviceWorker:
             self.device = torch.device("cuda", torch.cuda.current_device())
         self.dtype = resolve_dtype(spec.precision, self.device)
         """The run's weight type: that of every copy a reallocation fills (FSDP keeps fp32 shards)."""
-        self.tokenizer = tokenizer_for(spec.tokenizer)
+        self.tokenizer = task_tokenizer(spec.task, spec.tokenizer)
         self.task = build_task(spec.task)
         self.decode = partial(decode_response, self.tokenizer)
         self.holdings: dict[Holding, Role] = {}
@@ -112,6 +112,10 @@ class DeviceWorker:
         import ray
 
         return ray.util.get_node_ip_address()
+
+    def sees(self, path: str) -> bool:
+        """Whether ``path`` exists on this worker's machine (the run directory must be shared storage)."""
+        return os.path.exists(path)
 
     def free_port(self) -> int:
         import socket

@@ -13,6 +13,7 @@ from __future__ import annotations
 
 import dataclasses
 import json
+import os
 import time
 from dataclasses import dataclass
 from functools import partial
@@ -26,18 +27,20 @@ from loomrl.algorithms.roles import Role
 from loomrl.algorithms.workflows import build_workflow
 from loomrl.checkpoint import latest_checkpoint
 from loomrl.config import TrainConfig
-from loomrl.configtools import dump_yaml
-from loomrl.data.sources import build_task, examples_window, prompt_source
+from loomrl.configtools import dump_yaml, to_dict
+from loomrl.data.sources import build_task, examples_window, held_out, prompt_source
 from loomrl.engine import (ModelEngine, RoleSpec, build_model, make_role, resolve_device, resolve_dtype, role_specs,
                            set_threads)
 from loomrl.errors import ConfigError, DataError
-from loomrl.launch import local_cluster
-from loomrl.models.tokenizer import decode_response, encode_prompt, tokenizer_for
+from loomrl.launch import ray_address, runtime_cluster
+from loomrl.models.tokenizer import decode_response, encode_prompt, task_tokenizer
 from loomrl.models.zoo import check_model_spec
 from loomrl.plan import ClusterSpec, ExecutionPlan, colocate
 from loomrl.plan.from_config import plan_from_config
 from loomrl.plan.schedule import build_schedule
 from loomrl.report import MetricsLogger, plot_reward_curve
+from loomrl.report.backends import check_backends, open_backends
+from loomrl.report.html import PLAN_FILE, write_run_report
 from loomrl.runtime.reference import IterationResult, ReferenceExecutor
 from loomrl.runtime.spec import WorkerSpec
 from loomrl.train.progress import RunProgress
@@ -75,12 +78,21 @@ def build_roles(specs: dict[str, RoleSpec], tokenizer, task, device: torch.devic
     return roles
 
 
-def run_plan(cfg: TrainConfig, workflow: Workflow, text: str | None = None) -> ExecutionPlan:
-    """The plan the run's executor runs: ``text`` (by default the run's ``runtime.plan``) on the runtime's
-    devices, or the whole workflow on one device for the reference executor (which has no placement)."""
+def run_cluster(cfg: TrainConfig) -> ClusterSpec:
+    """The devices of the run: one for the reference executor (which has no placement); for the Ray runtime,
+    this machine's, or those of the Ray cluster it joins (counted from the cluster's resources)."""
+    rt = cfg.runtime
+    if rt.executor == "reference":
+        return ClusterSpec(nodes=1, devices_per_node=1)
+    return runtime_cluster(rt.devices, rt.device, ray_address(rt.ray_address))
+
+
+def run_plan(cfg: TrainConfig, workflow: Workflow, cluster: ClusterSpec, text: str | None = None) -> ExecutionPlan:
+    """The plan the run's executor runs on ``cluster``: ``text`` (by default the run's ``runtime.plan``), or the
+    whole workflow colocated for the reference executor."""
     if cfg.runtime.executor == "reference":
-        return colocate(workflow, ClusterSpec(nodes=1, devices_per_node=1))
-    return plan_from_config(cfg.runtime, workflow, local_cluster(cfg.runtime.devices, cfg.runtime.device), text)
+        return colocate(workflow, cluster)
+    return plan_from_config(cfg.runtime, workflow, cluster, text)
 
 
 def make_executor(cfg: TrainConfig, workflow: Workflow, plan: ExecutionPlan, tokenizer, task, device: torch.device):
@@ -108,25 +120,48 @@ class RunState:
     """Next iteration to run; also fixes the data position (iteration × prompts_per_iter)."""
 
 
+def absolute_paths(cfg: TrainConfig) -> TrainConfig:
+    """``cfg`` with every file and directory it names made absolute against this process's working directory.
+
+    The workers of a run may start elsewhere (on a cluster started by ``ray start``, in the directory it ran
+    in), where a relative path would name another file or none; zoo names and keywords stay as they are."""
+    def path(value: str | None, keywords: tuple[str, ...] = ()) -> str | None:
+        return str(Path(value).resolve()) if value and value not in keywords and os.path.exists(value) else value
+
+    task = cfg.task
+    module, colon, function = (task.reward_fn or "").rpartition(":")
+    reward_fn = f"{path(module)}{colon}{function}" if colon and module.endswith(".py") else task.reward_fn
+    task = dataclasses.replace(task, prompt_file=path(task.prompt_file), eval_file=path(task.eval_file),
+                               tokenizer=path(task.tokenizer, ("auto", "task")),
+                               chat_template=path(task.chat_template, ("auto", "none")), reward_fn=reward_fn)
+    return dataclasses.replace(
+        cfg, run_dir=str(Path(cfg.run_dir).resolve()), task=task,
+        actor=dataclasses.replace(cfg.actor, model=path(cfg.actor.model)),
+        critic=dataclasses.replace(cfg.critic, model=path(cfg.critic.model)),
+        reward=dataclasses.replace(cfg.reward, model=path(cfg.reward.model)))
+
+
 class RLTrainer:
     """Builds everything a run needs from its config, then runs (or resumes) the loop."""
 
     def __init__(self, cfg: TrainConfig):
+        cfg = absolute_paths(cfg)
         set_threads(cfg.runtime.threads)
         self.cfg = cfg
         self.device = resolve_device(cfg.runtime.device)
         self.run_dir = Path(cfg.run_dir)
-        self.tokenizer = tokenizer_for(cfg.actor.model)
+        check_models(cfg)  # before any worker starts, so a typo costs nothing
+        check_backends(cfg.report.backends)  # and so does a logging backend that is not installed
+        self.tokenizer = task_tokenizer(cfg.task, cfg.actor.model)
         self.task = build_task(cfg.task)
         self.train_prompts = prompt_source(cfg.task, self.task, cfg.seed, "train")
-        self.eval_examples = examples_window(prompt_source(cfg.task, self.task, cfg.seed, "eval"), 0,
-                                             cfg.loop.eval_prompts)
+        self.eval_examples = held_out(cfg.task, self.task, cfg.seed, cfg.loop.eval_prompts)
         self.workflow = build_workflow(cfg.algo, cfg.rollout)
-        check_models(cfg)  # before any worker starts, so a typo costs nothing
-        self.plans = {0: run_plan(cfg, self.workflow)}  # every plan checked before any worker starts
+        cluster = run_cluster(cfg)
+        self.plans = {0: run_plan(cfg, self.workflow, cluster)}  # every plan checked before any worker starts
         for iteration, text in sorted(cfg.runtime.plan_changes.items()):
             try:
-                self.plans[iteration] = run_plan(cfg, self.workflow, text)
+                self.plans[iteration] = run_plan(cfg, self.workflow, cluster, text)
             except ConfigError as err:
                 raise ConfigError(f"runtime.plan_changes.{iteration}: {err}") from None
         self.plan = self.plans[0]
@@ -149,7 +184,7 @@ class RLTrainer:
         ids = [(start + i) * g + j for i in range(n) for j in range(g)]
         rows = [ex for ex in examples for _ in range(g)]
         return Batch(ids, {
-            "prompt_ids": [encode_prompt(self.tokenizer, ex.prompt) for ex in rows],
+            "prompt_ids": [encode_prompt(self.tokenizer, ex.model_input) for ex in rows],
             "prompt_text": [ex.prompt for ex in rows],
             "answer": [ex.answer for ex in rows],
         })
@@ -199,18 +234,23 @@ class RLTrainer:
             raise ConfigError(f"run_dir: '{self.run_dir}' already holds checkpoints; pass --resume to continue it "
                               "or choose another run_dir")
         self.run_dir.mkdir(parents=True, exist_ok=True)
+        self.executor.check_shared_dir(self.run_dir)
         (self.run_dir / "config.yaml").write_text(dump_yaml(cfg))
+        self.plan.save(self.run_dir / PLAN_FILE)  # the plan in force, with the cluster it runs on
         traces = self.run_dir / "traces.jsonl"
         if not resumed and traces.exists():  # a restart from iteration 0 keeps the old traces aside
             traces.replace(self.run_dir / "traces.superseded.jsonl")
         last: dict[str, float] = {}
         start = self.state.iteration
-        with MetricsLogger(self.run_dir, loop.tensorboard, resume_from_iteration=start - 1) as logger, \
-                RunProgress(loop.iterations, start, enabled=loop.progress) as progress:
+        backends = open_backends(cfg.report.backends, self.run_dir, cfg.report, to_dict(cfg),
+                                 start - 1 if resumed else None)
+        with MetricsLogger(self.run_dir, backends, resume_from_iteration=start - 1) as logger, \
+                RunProgress(loop.iterations, start, enabled=loop.progress, every=loop.progress_every) as progress:
             for it in range(start, loop.iterations):
                 if self.plan_at(it) is not self.plan:  # a change starts here (or a resumed run is past one)
                     self.plan = self.plan_at(it)
                     self.executor.apply_plan(self.plan)
+                    self.plan.save(self.run_dir / PLAN_FILE)
                 before = self.executor.drain_traces()  # the prologue, or a plan change
                 t0 = time.perf_counter()
                 result = self.executor.run_iteration(it, self.make_batch(it))
@@ -224,8 +264,14 @@ class RLTrainer:
                 progress.update(it, last)
                 if final or (loop.save_every and (it + 1) % loop.save_every == 0):
                     self.save(it)
-        plot_reward_curve(self.run_dir)
+                    self.write_reports(running=not final)
         return last
+
+    def write_reports(self, running: bool) -> None:
+        """Refresh what a person looks at while the run goes: the reward curves and the HTML run report."""
+        plot_reward_curve(self.run_dir)
+        if self.cfg.report.html:
+            write_run_report(self.run_dir, running, self.cfg.loop.iterations)
 
     def close(self) -> None:
         self.executor.close()

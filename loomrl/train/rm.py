@@ -24,7 +24,7 @@ from loomrl.models.heads import sequence_scores
 from loomrl.models.zoo import build_value_model
 from loomrl.data.sources import build_task
 from loomrl.engine import adamw, resolve_device, resolve_dtype
-from loomrl.models.tokenizer import encode_prompt, tokenizer_for
+from loomrl.models.tokenizer import encode_prompt, task_tokenizer
 from loomrl.train.progress import RunProgress
 from loomrl.workflow.batch import pack_sequences
 
@@ -55,7 +55,7 @@ def run_rm(cfg: RMConfig, progress: bool = True) -> dict[str, float]:
     """Train, evaluate held-out pair accuracy and save; returns the summary."""
     t0 = time.perf_counter()
     device = resolve_device(cfg.device, "device")
-    tokenizer = tokenizer_for(cfg.model)
+    tokenizer = task_tokenizer(cfg.task, cfg.model)
     task = build_task(cfg.task)
     train = preference_pairs(task, cfg.train_pairs, cfg.seed)
     held_out = preference_pairs(task, cfg.eval_pairs, cfg.seed + 1_000_003)

@@ -20,9 +20,9 @@ from loomrl.algorithms.lr import learning_rate, set_lr
 from loomrl.config import SFTConfig
 from loomrl.models.heads import token_logprobs
 from loomrl.models.zoo import build_causal_lm
-from loomrl.data.sources import build_task, examples_window, prompt_source
+from loomrl.data.sources import build_task, examples_window, held_out, prompt_source
 from loomrl.engine import adamw, resolve_device, resolve_dtype
-from loomrl.models.tokenizer import encode_prompt, tokenizer_for
+from loomrl.models.tokenizer import encode_prompt, task_tokenizer
 from loomrl.algorithms.evaluate import evaluate_policy
 from loomrl.train.progress import RunProgress
 from loomrl.workflow.batch import pack_sequences, response_columns, response_mask
@@ -30,7 +30,7 @@ from loomrl.workflow.batch import pack_sequences, response_columns, response_mas
 
 def demonstration_loss(model, tokenizer, examples, task, device: torch.device) -> torch.Tensor:
     """Mean NLL of answer + eos tokens given the prompt."""
-    prompts = [encode_prompt(tokenizer, ex.prompt) for ex in examples]
+    prompts = [encode_prompt(tokenizer, ex.model_input) for ex in examples]
     targets = [tokenizer.encode(task.demonstration(ex), add_special_tokens=False) + [tokenizer.eos_token_id]
                for ex in examples]
     ids_BL, attn_BL, plen_B = pack_sequences(prompts, targets, tokenizer.pad_token_id, device)
@@ -43,10 +43,10 @@ def run_sft(cfg: SFTConfig, progress: bool = True) -> dict[str, float]:
     """Train, evaluate and save; returns final loss, held-out exact match and score, and seconds."""
     t0 = time.perf_counter()
     device = resolve_device(cfg.device, "device")
-    tokenizer = tokenizer_for(cfg.model)
+    tokenizer = task_tokenizer(cfg.task, cfg.model)
     task = build_task(cfg.task)
     train = prompt_source(cfg.task, task, cfg.seed, "train")
-    held_out = examples_window(prompt_source(cfg.task, task, cfg.seed, "eval"), 0, cfg.eval_prompts)
+    held = held_out(cfg.task, task, cfg.seed, cfg.eval_prompts)
     dtype = resolve_dtype(cfg.precision, device)
     model = build_causal_lm(cfg.model, tokenizer, cfg.seed).to(device, dtype).train()
     opt = adamw(model, cfg.optim)
@@ -63,7 +63,7 @@ def run_sft(cfg: SFTConfig, progress: bool = True) -> dict[str, float]:
             opt.step()
             log.write(json.dumps({"step": step, "loss": loss.item()}) + "\n")
             bar.update(step, {"loss": loss.item()})
-    result = evaluate_policy(model, tokenizer, task, held_out, cfg.max_new_tokens)
+    result = evaluate_policy(model, tokenizer, task, held, cfg.max_new_tokens)
     model.save_pretrained(out, safe_serialization=True)
     tokenizer.save_pretrained(out)
     summary = {"loss": loss.item(), **{f"eval/{k}": v for k, v in result.items()}, "seconds": time.perf_counter() - t0}
