@@ -55,8 +55,8 @@ def reduced_model(shape: ModelShape, src: Allocation, dst: Allocation
         layers = max(n for n in range(step, max(step, REDUCED_LAYERS) + 1, step) if shape.layers % n == 0)
     r = math.lcm(src.layout.tp, dst.layout.tp, src.layout.dp if src.fsdp else 1)  # FSDP: dp splits rows too
     unit = shape.hidden / REDUCED_HIDDEN_UNITS
-    true_dims = {"hidden": shape.hidden, "kv": shape.kv_dim, "intermediate": shape.intermediate,
-                 "vocab": shape.vocab}
+    true_dims = {"hidden": shape.hidden, "q": shape.q_dim, "kv": shape.kv_dim, "intermediate": shape.intermediate,
+                 "vocab": shape.vocab, "experts": shape.experts * shape.expert_intermediate}
     reduced = shape.param_shapes(layers, {k: r * max(1, round(d / unit)) for k, d in true_dims.items()})
     true = shape.param_shapes(layers)
     per_layer = shape.layers / layers
