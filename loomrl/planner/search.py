@@ -244,9 +244,18 @@ class CachedCost:
     def realloc_time(self, role: str, src: Allocation, dst: Allocation) -> float:
         return self._ask(("r", role, src, dst), lambda: self.inner.realloc_time(role, src, dst))
 
-    def reload_time(self, role: str, alloc: Allocation) -> float:
+    def reload_time(self, role: str, alloc: Allocation, trainable: bool = False) -> float:
         inner = getattr(self.inner, "reload_time", None)  # optional: none means reloading costs nothing
-        return 0.0 if inner is None else self._ask(("l", role, alloc), lambda: inner(role, alloc))
+        if inner is None:
+            return 0.0
+        return self._ask(("l", role, alloc, trainable),
+                         lambda: inner(role, alloc, True) if trainable else inner(role, alloc))
+
+    def offload_time(self, role: str, alloc: Allocation, trainable: bool = False) -> float:
+        inner = getattr(self.inner, "offload_time", None)  # optional: none means offloading costs nothing
+        if inner is None or not trainable:
+            return 0.0
+        return self._ask(("o", role, alloc), lambda: inner(role, alloc, True))
 
     def __getattr__(self, name: str):  # the estimator's other optional methods (shared_cores, iteration_time, ...)
         return getattr(self.inner, name)
