@@ -72,6 +72,9 @@ ENGINE_BATCHED_TOKENS = 8192
 the activation buffers it reserves beside its KV cache."""
 LOGIT_CHUNK_TOKENS = 4096
 """Tokens whose logits a chunked (fused) cross-entropy holds at once (:attr:`EngineSettings.logits`)."""
+GENERATING_ROLE = "actor"
+"""The role every workflow generates with (:mod:`loomrl.algorithms.workflows`): its copies outside training are
+the serving engine's."""
 MOE_REFERENCE_EXPERT = 4096 * 1536
 """The expert size (hidden × width) the profiles' ``moe_efficiency`` is measured at (Qwen3-235B-A22B's)."""
 COMPUTE_BYTES_PER_TOKEN = 64
@@ -189,8 +192,12 @@ class CostModel:
             return 0.0
         shape, lay = self._shape(role), alloc.layout
         params = shape.params
-        if trainable and shape.moe:  # experts over ep·pp ranks instead of tp·pp: scaled into tp·pp terms
-            params += round(shape.expert_params * (lay.tp / self.settings.expert_parallel - 1))
+        ep = min(self.settings.expert_parallel, lay.dp * lay.tp)
+        if shape.moe and ep > 1 and (trainable or role != GENERATING_ROLE):
+            # the training engine's layouts (every trained role's state, every frozen role's placements) hold the
+            # experts over ep·pp ranks instead of tp·pp, scaled here into tp·pp terms; the generating role's
+            # other copies are the serving engine's, which splits experts by tp like every other weight
+            params += round(shape.expert_params * (lay.tp / ep - 1))
         return float(shard_bytes(params, lay.tp, lay.pp, self.bytes_per_param, trainable,
                                  optimizer_shards=alloc.optimizer_shards if trainable else 1,
                                  param_shards=alloc.param_shards if trainable else 1,

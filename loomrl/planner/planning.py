@@ -18,6 +18,7 @@ from loomrl.planner.bounds import IterationBound, iteration_bound
 from loomrl.planner.corrections import Corrections
 from loomrl.planner.cost import CostModel
 from loomrl.planner.profiles import HardwareProfile, profile_for
+from loomrl.planner.settings import EngineSettings
 from loomrl.planner.search import CachedCost, best_heuristic_plans, search
 from loomrl.planner.simulator import SimResult
 from loomrl.planner.workload import ModelShape, Workload
@@ -128,6 +129,15 @@ against 16.35 s), the same in the others."""
 
 MIN_SEARCH_SHARE = 0.25
 """Least share of :func:`compare_plans`' time budget left to the search, however long the heuristics took."""
+BOUND_SHARE = 0.25
+"""Share of :func:`compare_plans`' time budget the lower bound may take (past it, it falls back to its looser
+rule, which holds for every plan), but at least :data:`MIN_BOUND_S`."""
+MIN_BOUND_S = 1.0
+"""Seconds the lower bound may always take: enumerating an 8-GPU cluster's training placements takes ~0.7 s
+here, so a budget of a few seconds still gets the placement-wise bound (the stated minimum of the budget)."""
+HEURISTIC_SHARE = 0.35
+"""Share of the budget the heuristics' layout enumeration may take, after the bound (past it, each keeps the
+best layouts it has simulated)."""
 
 
 @dataclass
@@ -152,25 +162,32 @@ class PlanningReport:
 def compare_plans(workflow: Workflow, cluster: ClusterSpec, configs: Mapping[str, object], workload: Workload,
                   *, seed: int = 0, time_budget_s: float = 30.0, chains: int = SEARCH_CHAINS,
                   profile: HardwareProfile | None = None, corrections: Corrections | None = None,
-                  bytes_per_param: int | None = None) -> PlanningReport:
+                  bytes_per_param: int | None = None, settings: EngineSettings | None = None) -> PlanningReport:
     """Best layouts of each heuristic strategy, then a seeded, time-bounded search; all simulated; and the
     lower bound on any plan's time (:func:`~loomrl.planner.bounds.iteration_bound`).
 
-    ``time_budget_s`` bounds the whole comparison: the search gets what the heuristics' enumeration leaves
-    of it, and at least :data:`MIN_SEARCH_SHARE` of it (so the total may exceed the budget only where the
-    enumeration alone takes more than the rest). Both share one cache of priced calls and reallocations.
+    ``time_budget_s`` bounds the whole comparison: the bound may take :data:`BOUND_SHARE` of it (at least
+    :data:`MIN_BOUND_S`), the heuristics' enumeration up to :data:`HEURISTIC_SHARE` more, and the search what is
+    left, at least :data:`MIN_SEARCH_SHARE`; each stops at its deadline with what it has (the total then exceeds
+    the budget by at most the bound's minimum and the pricing of the candidate allocations, which all three
+    share through one cache).
 
     ``profile`` replaces the cluster's named profile (e.g. this machine measured by ``loomrl calibrate``) and
     ``corrections`` are fitted ones (``loomrl calibrate --from``); by default the datasheet profile, uncorrected.
     ``bytes_per_param``: the weights' element size (:data:`~loomrl.planner.cost.PRECISION_BYTES`); by default
-    the runtime's ``precision: auto`` on the profile's devices."""
+    the runtime's ``precision: auto`` on the profile's devices. ``settings``: how the system runs the calls
+    (:class:`~loomrl.planner.settings.EngineSettings`; loomrl's runtime by default)."""
     profile = profile or profile_for(cluster)
-    shapes = {role: ModelShape.from_config(cfg) for role, cfg in configs.items()}
+    shapes = {role: None if cfg is None else ModelShape.from_config(cfg) for role, cfg in configs.items()}
     began = time.monotonic()
-    cost = CachedCost(CostModel(cluster, profile, shapes, workload, corrections, bytes_per_param=bytes_per_param))
+    cost = CachedCost(CostModel(cluster, profile, shapes, workload, corrections, bytes_per_param=bytes_per_param,
+                                settings=settings))
     memory = profile.memory_bytes
-    bound = iteration_bound(workflow, cluster, cost, memory, configs)  # its prices are the search's, cached
-    heuristics = best_heuristic_plans(workflow, cluster, cost, memory, configs)
+    # their prices are the search's, cached
+    bound_s = max(BOUND_SHARE * time_budget_s, MIN_BOUND_S)
+    bound = iteration_bound(workflow, cluster, cost, memory, configs, deadline=began + bound_s)
+    heuristics = best_heuristic_plans(workflow, cluster, cost, memory, configs,
+                                      deadline=began + bound_s + HEURISTIC_SHARE * time_budget_s)
     search_s = max(time_budget_s - (time.monotonic() - began), MIN_SEARCH_SHARE * time_budget_s)
     feasible = sorted(((r.iteration_time, name, p) for name, (p, r) in heuristics.items() if r.feasible),
                       key=lambda t: t[0])
@@ -195,3 +212,38 @@ def compare_plans(workflow: Workflow, cluster: ClusterSpec, configs: Mapping[str
         return PlanningReport(rows, ("colocate (infeasible)", plan, result), heuristics, searched, bound)
     _, name, plan, result = min(candidates, key=lambda t: t[0])
     return PlanningReport(rows, (name, plan, result), heuristics, searched, bound)
+
+
+@dataclass
+class FixedPlanReport:
+    """A given plan simulated: its result, the stages of one iteration, and each call's seconds."""
+
+    plan: ExecutionPlan
+    result: SimResult
+    stages: dict[str, float]
+    """Stage → seconds in one steady iteration (:func:`~loomrl.planner.describe.stage_seconds`)."""
+    calls: dict[str, float]
+    """Step id → seconds it runs in that iteration (on its busiest device)."""
+
+
+def simulate_fixed(plan: ExecutionPlan, workflow: Workflow, configs: Mapping[str, object], workload: Workload, *,
+                   profile: HardwareProfile | None = None, corrections: Corrections | None = None,
+                   bytes_per_param: int | None = None, settings: EngineSettings | None = None,
+                   stages: Mapping[str, tuple[str, ...]] | None = None) -> FixedPlanReport:
+    """Simulate ``plan`` as it is (a published run's, or one to compare with a run of one's own) and read its
+    iteration back as stages (``stages``: stage → step-id prefixes; by default
+    :data:`~loomrl.planner.describe.STAGES`)."""
+    from loomrl.planner.describe import STAGES, stage_seconds
+    from loomrl.planner.simulator import simulate
+
+    profile = profile or profile_for(plan.cluster)
+    shapes = {role: None if cfg is None else ModelShape.from_config(cfg) for role, cfg in configs.items()}
+    cost = CostModel(plan.cluster, profile, shapes, workload, corrections, bytes_per_param=bytes_per_param,
+                     settings=settings)
+    result = simulate(plan, workflow, cost, profile.memory_bytes)
+    middle = len(result.iteration_ends) // 2
+    calls: dict[str, float] = {}
+    for interval in result.timeline:
+        if interval.iteration == middle:
+            calls[interval.label] = max(calls.get(interval.label, 0.0), interval.end - interval.start)
+    return FixedPlanReport(plan, result, stage_seconds(result, stages or STAGES), calls)

@@ -44,11 +44,12 @@ from dataclasses import dataclass
 from loomrl.errors import ConfigError
 from loomrl.plan import Allocation, ClusterSpec, DeviceSet, ExecutionPlan, colocate, interleave, separate
 from loomrl.plan.layout import Layout, check_layout
+from loomrl.plan.memory import model_dims
 from loomrl.planner.simulator import CostEstimator, SimResult, simulate
 from loomrl.workflow import MFC, MFCKind, Workflow
 
-__all__ = ["CachedCost", "MICRO_BATCHES", "best_heuristic_plans", "candidate_allocations", "device_meshes",
-           "layouts_on", "memory_alone", "plan_key", "search", "unit_names"]
+__all__ = ["CachedCost", "MICRO_BATCHES", "RUNTIME_ARCHITECTURES", "best_heuristic_plans", "candidate_allocations",
+           "device_meshes", "layouts_on", "memory_alone", "plan_key", "search", "shardable", "unit_names"]
 
 MICRO_BATCHES: tuple[int, ...] = (1, 2, 4, 8)
 """Micro-batch counts a train call may choose."""
@@ -95,9 +96,14 @@ def _tp_within_nodes(mesh: DeviceSet, tp: int, cluster: ClusterSpec) -> bool:
     return all(len({cluster.node_of(d) for d in mesh.devices[g:g + tp]}) == 1 for g in range(0, len(mesh), tp))
 
 
-def layouts_on(mfc: MFC, mesh: DeviceSet, cluster: ClusterSpec, config: object) -> list[Layout]:
-    """Layouts of ``mfc``'s model on ``mesh`` that the runtime can run (module docstring); pure dp first."""
+def layouts_on(mfc: MFC, mesh: DeviceSet, cluster: ClusterSpec, config: object | None) -> list[Layout]:
+    """Layouts of ``mfc``'s model on ``mesh`` that the runtime can run (module docstring); pure dp first. A role
+    with no model (``config`` None: a rule reward) runs data-parallel only; an architecture loomrl's runtime
+    does not build (Qwen3, OPT, mixtures of experts: described for planning) takes the layouts serving and
+    training systems run it in (:func:`shardable`)."""
     n, found = len(mesh), []
+    if config is None:
+        return [Layout(dp=n)]
     for tp in (t for t in range(1, min(n, cluster.devices_per_node) + 1) if n % t == 0):
         if not _tp_within_nodes(mesh, tp, cluster):
             continue
@@ -105,12 +111,31 @@ def layouts_on(mfc: MFC, mesh: DeviceSet, cluster: ClusterSpec, config: object) 
             if pp > 1 and mfc.kind is MFCKind.GENERATE:
                 continue
             layout = Layout(n // (tp * pp), tp, pp)
-            try:
-                check_layout(layout, config, n)
-            except ConfigError:
-                continue
-            found.append(layout)
+            if shardable(layout, config, n):
+                found.append(layout)
     return found
+
+
+RUNTIME_ARCHITECTURES = ("llama", "qwen2", "gpt2")
+"""``model_type`` values loomrl's runtime builds (its zoo's): their layouts must pass the runtime's own check."""
+
+
+def shardable(layout: Layout, config: object, devices: int) -> bool:
+    """Whether ``layout`` can shard the model of ``config``: the runtime's check (:func:`check_layout`) for the
+    architectures it builds; for others, what vLLM and Megatron accept: tp divides the query heads and the MLP
+    (or expert) width, and divides or is a multiple of the key/value heads (which are then replicated); pp
+    divides the layers."""
+    if getattr(config, "model_type", None) in RUNTIME_ARCHITECTURES:
+        try:
+            check_layout(layout, config, devices)
+        except ConfigError:
+            return False
+        return True
+    d = model_dims(config)
+    width = d.expert_intermediate if d.experts else d.intermediate
+    tp_ok = d.heads % layout.tp == 0 and width % layout.tp == 0 and (
+        d.kv_heads % layout.tp == 0 or layout.tp % d.kv_heads == 0)
+    return layout.size == devices and tp_ok and d.layers % layout.pp == 0
 
 
 def _config(mfc: MFC, model_configs: Mapping[str, object]) -> object:
@@ -339,16 +364,17 @@ def _propose(plan: ExecutionPlan, units: list[_Unit], rng: random.Random) -> Exe
     return _with(plan, changes)
 
 
-def _offload_choices(plan: ExecutionPlan, evaluate: _Evaluator) -> list[str]:
-    """Roles the search may offload or keep resident: those without a train call, when the estimator prices
-    reloading them (without a price, offloading only saves memory, so the default rule's choice is never worse)
-    and the devices offload at all (CPU devices do not: the choice would change nothing)."""
+def _offload_choices(plan: ExecutionPlan, evaluate: _Evaluator, trained: bool = True) -> list[str]:
+    """Roles the search may offload or keep resident, when the estimator prices reloading them (without a price,
+    offloading only saves memory, so the default rule's choice is never worse) and the devices offload at all
+    (CPU devices do not: the choice would change nothing): those without a train call, and with ``trained``
+    the trained ones too, whose state then sleeps through the generations on their devices."""
     estimator = getattr(evaluate.cost, "inner", evaluate.cost)
     offloads = getattr(estimator, "offloads", None)
     if getattr(estimator, "reload_time", None) is None or (offloads is not None and not offloads()):
         return []
-    trained = set(plan.trained_roles(evaluate.workflow))
-    return [role for role in evaluate.workflow.roles() if role not in trained]
+    frozen = set(evaluate.workflow.roles()) - set(plan.trained_roles(evaluate.workflow))
+    return [role for role in evaluate.workflow.roles() if trained or role in frozen]
 
 
 def _toggle_offload(plan: ExecutionPlan, workflow: Workflow, role: str) -> ExecutionPlan:
@@ -572,26 +598,36 @@ def _per_call_units(plan: ExecutionPlan, workflow: Workflow,
 
 
 def _best_layouts(plan: ExecutionPlan, workflow: Workflow, model_configs: Mapping[str, object],
-                  evaluate: _Evaluator, per_call: bool = False) -> ExecutionPlan:
+                  evaluate: _Evaluator, per_call: bool = False, deadline: float = math.inf) -> ExecutionPlan:
     """``plan`` with the fastest layouts (and micro-batches) of its model calls on the meshes it chose:
     symmetric (:func:`_symmetric_units`) or, with ``per_call``, one layout per call (:func:`_per_call_units`).
 
     Exhaustive up to :data:`ENUMERATION_LIMIT` combinations; beyond, coordinate-wise: each unit in turn takes
     its best layout with the others fixed, sweeping until a sweep changes nothing (at most ``_MAX_SWEEPS``).
+    Past ``deadline`` (``time.monotonic()``) it returns the best it has simulated (the first option of each
+    unit at least).
     """
     units = (_per_call_units if per_call else _symmetric_units)(plan, workflow, model_configs)
     choices = [options for _, options in units]
     if math.prod(len(c) for c in choices) <= ENUMERATION_LIMIT:
         combos = (_assign(plan, combo) for combo in itertools.product(*choices))
-        return min(combos, key=evaluate.rank)
+        return min(_until(combos, deadline), key=evaluate.rank)
     best = plan
     for _ in range(_MAX_SWEEPS):
         before = plan_key(best)
         for options in choices:
-            best = min((_assign(best, (option,)) for option in options), key=evaluate.rank)
-        if plan_key(best) == before:
+            best = min(_until((_assign(best, (option,)) for option in options), deadline), key=evaluate.rank)
+        if plan_key(best) == before or time.monotonic() > deadline:
             break
     return best
+
+
+def _until(plans, deadline: float):
+    """``plans`` until ``deadline`` passes, the first always (a minimum needs one)."""
+    for i, plan in enumerate(plans):
+        if i and time.monotonic() > deadline:
+            return
+        yield plan
 
 
 def _assign(plan: ExecutionPlan, combo: tuple[dict[str, Allocation], ...]) -> ExecutionPlan:
@@ -609,8 +645,8 @@ def _generation_devices(cluster: ClusterSpec) -> list[int]:
 
 
 def best_heuristic_plans(workflow: Workflow, cluster: ClusterSpec, cost: CostEstimator, memory_per_device: float,
-                         model_configs: Mapping[str, object], *, iterations: int = 3,
-                         per_call: bool = False) -> dict[str, tuple[ExecutionPlan, SimResult]]:
+                         model_configs: Mapping[str, object], *, iterations: int = 3, per_call: bool = False,
+                         deadline: float = math.inf) -> dict[str, tuple[ExecutionPlan, SimResult]]:
     """Strategy name (``colocate``, ``interleave``, ``separate``) → its fastest feasible plan and simulation.
 
     Each strategy keeps its meshes and gets its best layouts by enumeration (see :func:`_best_layouts`):
@@ -619,6 +655,8 @@ def best_heuristic_plans(workflow: Workflow, cluster: ClusterSpec, cost: CostEst
     separate also tries each count of :func:`_generation_devices`. Where reloading an offloaded role costs time,
     each tuned plan is also tried with every frozen role resident. A strategy with no feasible plan maps to
     its least infeasible one (``feasible=False`` and the reason); ``separate`` is absent on one device.
+    ``deadline`` (``time.monotonic()``) is shared by the strategies in turn: each gets an equal part of what is
+    left, and past its part keeps the best layouts simulated so far.
     """
     evaluate = _Evaluator(workflow, cost, memory_per_device, iterations)
     pow2 = cluster.n_devices & (cluster.n_devices - 1) == 0
@@ -628,11 +666,15 @@ def best_heuristic_plans(workflow: Workflow, cluster: ClusterSpec, cost: CostEst
     if cluster.n_devices > 1:
         starts["separate"] = [separate(workflow, cluster, g) for g in _generation_devices(cluster)]
     out: dict[str, tuple[ExecutionPlan, SimResult]] = {}
-    for name, plans in starts.items():
-        tuned = [_best_layouts(p, workflow, model_configs, evaluate, per_call) for p in plans]
+    for k, (name, plans) in enumerate(starts.items()):
+        now = time.monotonic()
+        part = now + (deadline - now) / (len(starts) - k) if deadline < math.inf else math.inf
+        tuned = [_best_layouts(p, workflow, model_configs, evaluate, per_call,
+                               now + (part - now) * (i + 1) / len(plans) if part < math.inf else math.inf)
+                 for i, p in enumerate(plans)]
         # each tuned plan also with every frozen role resident (no reload before its calls), where it fits
         tuned += [ExecutionPlan(p.cluster, p.allocations, p.shadow, ()) for p in tuned
-                  if _offload_choices(p, evaluate) and p.offloaded_roles(workflow)]
+                  if _offload_choices(p, evaluate, trained=False) and p.offloaded_roles(workflow)]
         best = min(tuned, key=evaluate.rank)
         result = evaluate(best)
         if result is None:  # a strategy's own plan is always structurally valid; guard the invariant
