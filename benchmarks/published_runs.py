@@ -32,9 +32,10 @@ from dataclasses import dataclass, field
 from rich.console import Console
 
 from loomrl.configtools import from_dict
-from loomrl.plan import make_plan
+from loomrl.plan import ClusterSpec, make_plan
 from loomrl.planner.describe import RunDescription, planner_inputs
 from loomrl.planner.planning import simulate_fixed
+from loomrl.planner.profiles import profile_for
 from loomrl.report import summary_table
 
 NEMO_RL = "github.com/NVIDIA-NeMo/RL docs/about/performance-summary.md"
@@ -188,11 +189,19 @@ def _shares(stages: dict[str, float], total: float) -> str:
     return ", ".join(f"{name} {100 * s / total:.0f}%" for name, s in stages.items() if name != "other")
 
 
+def _summary(ratios: list[float]) -> str:
+    within = sum(1 for r in ratios if math.isfinite(r) and abs(r - 1) <= 0.25)
+    errors = sorted(abs(r - 1) for r in ratios if math.isfinite(r))
+    median = errors[len(errors) // 2] if errors else math.nan
+    return (f"{within}/{len(ratios)} within ±25% (median |error| {100 * median:.0f}%; ratios "
+            f"{', '.join(f'{r:.2f}' for r in ratios)})")
+
+
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--only", default="", help="rows whose name contains this")
     args = ap.parse_args()
-    rows, ratios, stage_gaps = [], {True: [], False: []}, []
+    rows, ratios, unscaled, stage_gaps = [], {True: [], False: []}, {True: [], False: []}, []
     for row in ROWS:
         if args.only.lower() not in row.name.lower():
             continue
@@ -206,10 +215,12 @@ def main() -> None:
             mine = _shares({k: report.stages.get(k, 0.0) for k in row.stages}, predicted)
             stage_gaps += [abs(report.stages.get(k, 0.0) / predicted - s / row.step_s) for k, s in row.stages.items()]
         g = int(row.run["cluster"].split(":")[1].split("x")[0]) * int(row.run["cluster"].split("x")[1])
+        factor = profile_for(ClusterSpec.parse(row.run["cluster"])).system_factor
+        unscaled[row.complete].append(ratio / factor)
         rows.append({"run": row.name + ("" if row.complete else " *"), "GPUs": f"{g} {row.run['cluster'].split(':')[0]}",
                      "published s": row.step_s, "predicted s": predicted,
                      "published stages": published or "-", "predicted stages": mine or "-",
-                     "predicted / published": ratio})
+                     "without the GPU's factor": ratio / factor, "predicted / published": ratio})
         if not report.result.feasible:
             rows[-1]["run"] += f" (no fit: {report.result.reason})"
     console = Console(width=250)
@@ -217,12 +228,9 @@ def main() -> None:
                                       "assumed, see the source)"))
     for complete, found in ratios.items():
         if found:
-            within = sum(1 for r in found if math.isfinite(r) and abs(r - 1) <= 0.25)
-            errors = sorted(abs(r - 1) for r in found if math.isfinite(r))
-            median = errors[len(errors) // 2] if errors else math.nan
-            console.print(f"{'complete' if complete else 'assumed-input'} rows: {within}/{len(found)} within ±25% "
-                          f"(median |error| {100 * median:.0f}%; ratios "
-                          f"{', '.join(f'{r:.2f}' for r in found)})")
+            what = "complete" if complete else "assumed-input"
+            console.print(f"{what} rows: {_summary(found)}; without the GPUs' stated factors: "
+                          f"{_summary(unscaled[complete])}")
     if stage_gaps:
         console.print(f"stage shares: {sum(1 for g in stage_gaps if g <= 0.10)}/{len(stage_gaps)} within 10 points "
                       f"(largest gap {100 * max(stage_gaps):.0f} points)")

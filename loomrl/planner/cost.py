@@ -126,8 +126,9 @@ class CostModel:
     # ------------------------------------------------------------------------------------------ public API
 
     def mfc_time(self, mfc: MFC, alloc: Allocation) -> float:
-        """Seconds of one call of ``mfc`` on ``alloc``, corrected."""
-        return self.corrections.apply_terms(mfc.kind, self.time_terms(mfc, alloc))
+        """Seconds of one call of ``mfc`` on ``alloc``, corrected (and scaled by the profile's stated
+        ``system_factor``, like every time the model gives)."""
+        return self.corrections.apply_terms(mfc.kind, self.time_terms(mfc, alloc)) * self.profile.system_factor
 
     def shared_cores(self) -> float | None:
         """Cores per node that its devices share (the simulator then slows calls running side by side), or
@@ -146,7 +147,8 @@ class CostModel:
         the runtime does not offload)."""
         if not self.profile.host_offload:
             return 0.0
-        return self.static_memory(role, alloc, trainable) / self.profile.host_bw + self.profile.link_latency
+        seconds = self.static_memory(role, alloc, trainable) / self.profile.host_bw + self.profile.link_latency
+        return seconds * self.profile.system_factor
 
     def offload_time(self, role: str, alloc: Allocation, trainable: bool = False) -> float:
         """Seconds to move an offloaded role to host memory: nothing for a frozen role (its host copy is kept and
@@ -217,7 +219,7 @@ class CostModel:
         if seconds <= 0:
             return 0.0
         per_tensor = self.settings.sync_tensor_s * self._shape(role).tensor_count  # the framework's, per tensor
-        return self.corrections.apply(REALLOC, seconds) + per_tensor
+        return (self.corrections.apply(REALLOC, seconds) + per_tensor) * self.profile.system_factor
 
     def _relative_placements(self, src: Allocation, dst: Allocation) -> tuple[tuple, tuple]:
         """The two placements with their devices relabelled, keeping every relation the transfer planner and the

@@ -110,6 +110,11 @@ class HardwareProfile:
     """NCCL bus bandwidth within a node as a fraction of ``intra_node_bw``."""
     host_adam_rate: float = 2e9
     """Parameters per second one node's CPUs update with Adam (optimizer state offloaded to host memory)."""
+    system_factor: float = 1.0
+    """The one stated global factor of this GPU kind: every time the cost model gives is multiplied by it. It is
+    how much slower published RL systems on this GPU ran than the rest of the profile predicts, taken over all of
+    :mod:`benchmarks.published_runs`' complete rows of the kind together (never per run); 1 where none is
+    published, and on CPU, where fitted corrections play that part."""
 
     def __post_init__(self) -> None:
         for f in fields(self):
@@ -200,6 +205,9 @@ PROFILES: dict[str, HardwareProfile] = {
         inter_node_bw=50 * GBPS,  # DGX H100: one 400 Gb/s NDR ConnectX-7 NIC per GPU
         host_bw=64 * GBPS,  # H100 SXM datasheet: PCIe Gen5 128 GB/s (both directions) → 64 GB/s each way
         fp8_matmul_flops=1979 * TFLOPS,  # H100 SXM datasheet: FP8 3,958 TFLOPS with sparsity → 1,979 dense
+        # the stated global factor: benchmarks/published_runs.py's six complete H100 rows (NeMo RL v0.4 and v0.5
+        # GRPO) ran 1/0.793 of the times predicted with the efficiencies above (geometric mean, all six together)
+        system_factor=1.26,
         **_HOPPER,
     ),
     "h800": HardwareProfile(
@@ -245,6 +253,9 @@ PROFILES: dict[str, HardwareProfile] = {
         inter_node_bw=50 * GBPS,  # one 400 Gb/s NIC per GPU between racks
         host_bw=200 * GBPS,  # NVLink-C2C to the Grace CPU: 900 GB/s per superchip of two GPUs, both directions
         fp8_matmul_flops=5000 * TFLOPS,  # FP8 5,000 TFLOPS dense
+        # the stated global factor: the three complete GB200 rows of benchmarks/published_runs.py (NeMo RL v0.5
+        # GRPO) ran 1/0.584 of the predicted times (geometric mean, the three together)
+        system_factor=1.71,
         **_BLACKWELL,
     ),
     "local": HardwareProfile(

@@ -80,26 +80,31 @@ class DeviceLoad:
 
 
 def device_loads(plan: ReallocPlan, scale: dict[str, float], bytes_per_elem: float) -> dict[int, DeviceLoad]:
-    """Per-device bytes of ``plan`` with each piece's size scaled by ``scale[param]``."""
+    """Per-device bytes of ``plan`` with each piece's size scaled by ``scale[param]``. Bytes are summed per
+    route (sender, receivers) first and handed to the route's devices once: a broadcast to hundreds of devices
+    carries thousands of pieces."""
     loads: dict[int, DeviceLoad] = defaultdict(DeviceLoad)
     nodes = plan.nodes
+    routes: dict[tuple[int, tuple[int, ...]], float] = defaultdict(float)
     for t in plan.transfers:
         nbytes = t.numel * scale[t.param] * bytes_per_elem
         if t.local:
             if not plan.aliased(t.sender, t.param):
                 loads[t.sender].copied += nbytes
             continue
-        route = (t.sender, t.receivers)
-        sender = loads[t.sender]
-        if any(nodes[r] != nodes[t.sender] for r in t.receivers):
+        routes[(t.sender, t.receivers)] += nbytes
+    for route, nbytes in routes.items():
+        sender_id, receivers = route
+        sender = loads[sender_id]
+        if any(nodes[r] != nodes[sender_id] for r in receivers):
             sender.send_inter += nbytes
         else:
             sender.send_intra += nbytes
         sender.copied += nbytes
         sender.routes.add(route)
-        for r in t.receivers:
+        for r in receivers:
             load = loads[r]
-            if nodes[r] != nodes[t.sender]:
+            if nodes[r] != nodes[sender_id]:
                 load.recv_inter += nbytes
             else:
                 load.recv_intra += nbytes

@@ -608,7 +608,9 @@ def _best_layouts(plan: ExecutionPlan, workflow: Workflow, model_configs: Mappin
     unit at least).
     """
     units = (_per_call_units if per_call else _symmetric_units)(plan, workflow, model_configs)
-    choices = [options for _, options in units]
+    # leanest first: when a deadline cuts the enumeration short, what was tried is likely to fit
+    choices = [sorted(options, key=lambda option: _option_memory(option, workflow, evaluate.cost))
+               for _, options in units]
     if math.prod(len(c) for c in choices) <= ENUMERATION_LIMIT:
         combos = (_assign(plan, combo) for combo in itertools.product(*choices))
         return min(_until(combos, deadline), key=evaluate.rank)
@@ -620,6 +622,11 @@ def _best_layouts(plan: ExecutionPlan, workflow: Workflow, model_configs: Mappin
         if plan_key(best) == before or time.monotonic() > deadline:
             break
     return best
+
+
+def _option_memory(option: Mapping[str, Allocation], workflow: Workflow, cost: CostEstimator) -> float:
+    """The most bytes per device one call of a layout option needs alone (:func:`memory_alone`)."""
+    return max(memory_alone([workflow[name]], alloc, cost) for name, alloc in option.items())
 
 
 def _until(plans, deadline: float):
@@ -638,10 +645,11 @@ def _assign(plan: ExecutionPlan, combo: tuple[dict[str, Allocation], ...]) -> Ex
 
 def _generation_devices(cluster: ClusterSpec) -> list[int]:
     """Generation device counts :func:`best_heuristic_plans` tries for separate: powers of two, whole nodes,
-    and half the cluster (the strategy's default)."""
+    and half the cluster (the strategy's default), which comes first."""
     n, per_node = cluster.n_devices, cluster.devices_per_node
     counts = {g for g in range(1, n) if g & (g - 1) == 0 or g % per_node == 0} | {n // 2}
-    return sorted(c for c in counts if 1 <= c < n)
+    # half the cluster (the strategy's default) first: what a deadline leaves time for
+    return sorted((c for c in counts if 1 <= c < n), key=lambda c: (c != n // 2, c))
 
 
 def best_heuristic_plans(workflow: Workflow, cluster: ClusterSpec, cost: CostEstimator, memory_per_device: float,
@@ -669,9 +677,12 @@ def best_heuristic_plans(workflow: Workflow, cluster: ClusterSpec, cost: CostEst
     for k, (name, plans) in enumerate(starts.items()):
         now = time.monotonic()
         part = now + (deadline - now) / (len(starts) - k) if deadline < math.inf else math.inf
-        tuned = [_best_layouts(p, workflow, model_configs, evaluate, per_call,
-                               now + (part - now) * (i + 1) / len(plans) if part < math.inf else math.inf)
-                 for i, p in enumerate(plans)]
+        tuned = []
+        for i, p in enumerate(plans):  # the first of a strategy's plans always, the others while time is left
+            if tuned and time.monotonic() > part:
+                break
+            tuned.append(_best_layouts(p, workflow, model_configs, evaluate, per_call,
+                                       now + (part - now) * (i + 1) / len(plans) if part < math.inf else math.inf))
         # each tuned plan also with every frozen role resident (no reload before its calls), where it fits
         tuned += [ExecutionPlan(p.cluster, p.allocations, p.shadow, ()) for p in tuned
                   if _offload_choices(p, evaluate, trained=False) and p.offloaded_roles(workflow)]
