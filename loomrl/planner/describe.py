@@ -137,13 +137,15 @@ def raise_rule(role: str) -> None:
 
 STAGES: dict[str, tuple[str, ...]] = {
     "generation": ("actor_gen",),
-    "weight sync": ("copy actor", "sync actor", "free actor"),
+    "weight sync": ("copy actor", "sync actor", "free actor", "offload actor state", "reload actor state",
+                    "offload critic state", "reload critic state"),
     "scoring": ("actor_inf", "ref_inf", "reward_inf", "critic_inf", "advantages", "reload ", "offload "),
     "training": ("actor_train", "critic_train", "copy critic", "free critic"),
 }
 """The stages publications break an RL step into, each the steps whose ids start with one of its prefixes: the
-actor's generation; moving its weights into the generation engine (copies, shadow syncs); the scoring passes
-(log-probs, reward, values, advantages, and moving frozen models in and out); training."""
+actor's generation; moving its weights into the generation engine (copies, shadow syncs) and the trainers' state
+out of its way and back; the scoring passes (log-probs, reward, values, advantages, and moving frozen models in
+and out); training."""
 
 
 def stage_seconds(result: SimResult, stages: Mapping[str, Sequence[str]] = STAGES,

@@ -5,7 +5,8 @@
   of whole nodes (aligned likewise), plus the whole cluster. Layouts are ``dp × tp × pp`` equal to the mesh
   size that the runtime can run (:func:`loomrl.plan.layout.check_layout`: tp divides the heads, key/value
   heads and MLP width, pp divides the layers), with every tensor-parallel group inside one node; generation
-  runs with pp = 1. Train calls also choose micro-batches (:data:`MICRO_BATCHES`), whether to recompute
+  runs with pp = 1. Train and inference calls also choose micro-batches (:data:`MICRO_BATCHES`: memory for
+  inference, pipelining too for both); train calls whether to recompute
   activations and, with dp > 1, whether to shard the optimizer state (ZeRO-1) or, without pipeline stages,
   the weights, gradients and optimizer state too (FSDP). A compute step may run on any single device.
 - :func:`search`: the candidates are first pruned per device mesh to the few fastest layouts alone that fit
@@ -147,12 +148,13 @@ def _config(mfc: MFC, model_configs: Mapping[str, object]) -> object:
 
 def _allocations_on(mfc: MFC, mesh: DeviceSet, cluster: ClusterSpec,
                     model_configs: Mapping[str, object]) -> list[Allocation]:
-    """Every layout of ``mfc`` on ``mesh`` (× micro-batches, recompute and, where dp > 1, ZeRO-1 for a train
-    call, or FSDP for one without pipeline stages)."""
+    """Every layout of ``mfc`` on ``mesh`` (× micro-batches for train and inference calls; × recompute and, where
+    dp > 1, ZeRO-1 for a train call, or FSDP for one without pipeline stages)."""
     if mfc.kind is MFCKind.COMPUTE:
         return [Allocation(mesh, Layout(dp=len(mesh)))]
     train = mfc.kind is MFCKind.TRAIN
-    counts, recompute = (MICRO_BATCHES, (False, True)) if train else ((1,), (False,))
+    counts = MICRO_BATCHES if mfc.kind in (MFCKind.TRAIN, MFCKind.INFERENCE) else (1,)  # scoring is micro-batched
+    recompute = (False, True) if train else (False,)
     out = []
     for layout in layouts_on(mfc, mesh, cluster, _config(mfc, model_configs)):
         shardings = [(False, False)]  # (zero, fsdp)
