@@ -148,7 +148,7 @@ _RUN_FLAGS = ("cluster", "prompts", "responses_per_prompt", "prompt_len", "respo
               "response_spread", "optimizer_steps", "ppo_epochs", "recompute_logprobs", "plan", "decode_slots")
 """Flags of ``loomrl plan`` that set a field of :class:`~loomrl.planner.describe.RunDescription` (same names)."""
 _ENGINE_FLAGS = ("gen_memory_fraction", "gen_max_seqs", "gen_request_batch", "gen_precision", "train_precision",
-                 "optimizer_offload", "logits", "sync_tensor_s", "expert_parallel")
+                 "optimizer_offload", "packing", "logits", "sync_tensor_s", "expert_parallel")
 """Flags that set a field of :class:`~loomrl.planner.settings.EngineSettings` (same names)."""
 
 
@@ -321,6 +321,8 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--gen-precision", choices=("auto", "bf16", "fp8"), help="generation weights")
     p.add_argument("--train-precision", choices=("auto", "bf16", "fp8"), help="training and scoring matmuls")
     p.add_argument("--optimizer-offload", action="store_const", const=True, help="Adam state in host memory")
+    p.add_argument("--no-packing", dest="packing", action="store_const", const=False,
+                   help="pad each training/scoring micro-batch to its longest sample (default: packed)")
     p.add_argument("--logits", choices=("fp32", "chunked"), help="logits held for every token or chunked")
     p.add_argument("--sync-tensor-s", type=float, help="seconds per parameter tensor of a weight sync")
     p.add_argument("--expert-parallel", type=int, help="ranks the experts of a MoE model are divided over in training")

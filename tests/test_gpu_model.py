@@ -188,3 +188,17 @@ def test_a_trained_roles_state_moves_over_the_host_link_both_ways():
     assert model.reload_time("actor", alloc, True) == pytest.approx(want)
     assert model.offload_time("actor", alloc, True) == pytest.approx(want)
     assert model.offload_time("actor", alloc) == 0.0  # a frozen role's host copy is kept
+
+
+def test_padded_micro_batches_are_as_long_as_their_longest_sample():
+    """Lengths 100 and 300 in equal shares: of 2 samples the longer is 300 with probability 3/4 (E = 250); a
+    padded micro-batch of 2 processes 2 × (100 + 250) tokens where a packed one processes 2 × (100 + 200): 7/6
+    the matmul work (attention, quadratic, a little more), compute-bound at 600 tokens per micro-batch."""
+    assert D.expected_longest([1, 3], 2) == pytest.approx(2.5) and D.expected_longest([1, 3], 1) == 2.0
+    assert D.expected_longest([100, 300], 2) == pytest.approx(250)
+    shape = ModelShape.from_config(MODEL_PRESETS["llama3.1-8b"])
+    cluster = ClusterSpec.parse("h100:1")
+    models = [CostModel(cluster, profile_for(cluster), {"reward": shape}, Workload(4096, 100, (100, 300)),
+                        settings=EngineSettings(packing=packing)) for packing in (True, False)]
+    packed, padded = (m.time_terms(INF, a("0:dp1mb2048"))["work"] for m in models)
+    assert padded / packed == pytest.approx(7 / 6, rel=0.02)

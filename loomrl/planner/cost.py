@@ -277,8 +277,9 @@ class CostModel:
         """One forward pass over every token of a replica's share."""
         shape, w = self._shape(role), self.workload
         samples = D.share(w.batch, alloc.layout.dp)
-        flops = T.forward_flops(shape, samples * w.mean_seq, samples * w.mean_sq_seq)
-        return self._pass(alloc, shape, flops, self._weight_bytes(role), samples * w.mean_seq,
+        seq, sq = self._pass_lengths(samples / alloc.micro_batches)
+        flops = T.forward_flops(shape, samples * seq, samples * sq)
+        return self._pass(alloc, shape, flops, self._weight_bytes(role), samples * seq,
                           allreduces_per_layer=2, hops=1, micro_batches=alloc.micro_batches,
                           flops_scale=self._flops_scale(shape, MFCKind.INFERENCE))
 
@@ -288,9 +289,10 @@ class CostModel:
         shape, w, lay = self._shape(mfc.role), self.workload, alloc.layout
         epochs, minibatches = self._steps(mfc)
         samples = w.batch / minibatches / lay.dp
-        tokens = samples * w.mean_seq
+        seq, sq = self._pass_lengths(samples / alloc.micro_batches)
+        tokens = samples * seq
         passes = 4.0 if alloc.recompute else 3.0  # recomputation runs each forward once more in the backward
-        flops = T.train_flops(shape, tokens, samples * w.mean_sq_seq) * passes / 3.0
+        flops = T.train_flops(shape, tokens, samples * sq) * passes / 3.0
         step = self._pass(alloc, shape, flops, passes * self._weight_bytes(mfc.role), tokens,
                           allreduces_per_layer=2 * passes - 2, hops=2, micro_batches=alloc.micro_batches,
                           op_passes=passes, flops_scale=self._flops_scale(shape, MFCKind.TRAIN))
@@ -487,7 +489,8 @@ class CostModel:
         """Working buffers of one micro-batch's forward pass (its logits a chunk at a time when the settings say
         so)."""
         shape, lay, w = self._shape(role), alloc.layout, self.workload
-        tokens = D.share(w.batch, lay.dp) * w.mean_seq / alloc.micro_batches
+        samples = D.share(w.batch, lay.dp)
+        tokens = samples * self._pass_lengths(samples / alloc.micro_batches)[0] / alloc.micro_batches
         return T.inference_activation_bytes(shape, tokens, lay.tp, self.bytes_per_param, self._logit_tokens(tokens))
 
     def _train_memory(self, mfc: MFC, alloc: Allocation) -> float:
@@ -495,7 +498,8 @@ class CostModel:
         1F1B pipeline schedule, stage 0 (the most loaded) keeps ``min(pp, micro_batches)`` micro-batches."""
         shape, lay, w = self._shape(mfc.role), alloc.layout, self.workload
         _, minibatches = self._steps(mfc)
-        tokens = w.batch / minibatches / lay.dp * w.mean_seq
+        samples = w.batch / minibatches / lay.dp
+        tokens = samples * self._pass_lengths(samples / alloc.micro_batches)[0]
         in_flight = tokens / alloc.micro_batches * min(lay.pp, alloc.micro_batches)
         # FSDP: the root unit (embedding, head) gathered throughout, two layers at a time (one prefetched) and
         # one layer's unsharded fp32 gradients before its reduce-scatter
@@ -507,6 +511,16 @@ class CostModel:
                                                            self.bytes_per_param, self._logit_tokens(per_micro))
         return gathered + T.train_activation_bytes(shape, in_flight, shape.layers / lay.pp, lay.tp,
                                                    self.bytes_per_param, self._logit_tokens(in_flight))
+
+    def _pass_lengths(self, per_micro_batch: float) -> tuple[float, float]:
+        """(mean, mean square) length of a sample as a pass processes it: packed (the settings' default), its own
+        length; padded, the longest of the ``per_micro_batch`` samples it shares a micro-batch with
+        (:func:`loomrl.planner.decode.expected_longest`)."""
+        w = self.workload
+        if self.settings.packing or per_micro_batch <= 1:
+            return w.mean_seq, w.mean_sq_seq
+        padded = w.prompt_len + D.expected_longest(w.response_lengths, per_micro_batch)
+        return padded, padded * padded
 
     def _logit_tokens(self, tokens: float) -> float:
         """Tokens whose fp32 logits a pass over ``tokens`` holds at once (:attr:`EngineSettings.logits`)."""

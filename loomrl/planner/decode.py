@@ -27,7 +27,8 @@ import math
 from collections import Counter
 from typing import NamedTuple, Sequence
 
-__all__ = ["Segment", "admission_order", "continuous_segments", "decode_steps", "live_context", "padded_segments",
+__all__ = ["Segment", "admission_order", "continuous_segments", "decode_steps", "expected_longest", "live_context",
+           "padded_segments",
            "peak_context", "peak_live", "round_segments", "share", "slot_segments", "whole_share"]
 
 
@@ -108,6 +109,14 @@ def live_context(lengths: Sequence[int], prompt_len: float) -> float:
     KV cache of a given size must hold per sample in the steady state of continuous batching."""
     total = sum(lengths)
     return prompt_len + (sum(n * n for n in lengths) / (2 * total) if total else 0.0)
+
+
+def expected_longest(lengths: Sequence[int], k: float) -> float:
+    """Expected longest of ``k`` samples drawn from ``lengths`` (with replacement): the i-th smallest of n is
+    the longest with probability (i/n)^k − ((i−1)/n)^k. What a padded micro-batch of k samples is as long as."""
+    ordered = sorted(lengths)
+    n = len(ordered)
+    return sum(x * (((i + 1) / n) ** k - (i / n) ** k) for i, x in enumerate(ordered))
 
 
 def admission_order(lengths: Sequence[int], samples: int) -> list[int]:

@@ -46,6 +46,9 @@ class EngineSettings(ValidatedConfig):
     """Adam's state and the fp32 master weights live in host memory and the optimizer step runs on the CPUs
     (DeepSpeed's ``offload_optimizer``, Megatron's ``optimizer_cpu_offload``): gradients go down and weights come
     back over the host link every step."""
+    packing: bool = True
+    """Training and scoring passes pack samples without padding (sequence packing, or padding removed); False
+    pads each micro-batch to its longest sample."""
     logits: str = spec("fp32", choices=("fp32", "chunked"))
     """How passes hold their logits: ``fp32`` for every token of a micro-batch (loomrl's runtime), ``chunked``
     a few thousand tokens at a time (fused or chunked cross-entropy, Megatron's and NeMo RL's)."""
