@@ -34,7 +34,7 @@ from rich.console import Console
 from loomrl.configtools import from_dict
 from loomrl.plan import ClusterSpec, make_plan
 from loomrl.planner.describe import RunDescription, planner_inputs
-from loomrl.planner.planning import simulate_fixed
+from loomrl.planner.describe import simulate_fixed
 from loomrl.planner.profiles import profile_for
 from loomrl.report import summary_table
 

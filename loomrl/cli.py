@@ -90,7 +90,7 @@ def _cmd_plan(args: argparse.Namespace) -> int:
     title = (f"{run.algo} on {cluster}: {run.prompts} prompts × {run.responses_per_prompt}, {run.prompt_len:g} + "
              f"{workload.mean_response:.0f} (max {workload.max_response}) tokens, {run.models.actor}")
     if run.plan:
-        from loomrl.planner.planning import simulate_fixed
+        from loomrl.planner.describe import simulate_fixed
 
         plan = make_plan(run.plan, workflow, cluster)
         report = simulate_fixed(plan, workflow, configs, workload, profile=profile, corrections=corrections,

@@ -14,7 +14,7 @@ from loomrl.plan import ExecutionPlan, make_plan
 from loomrl.planner import CostModel, ModelShape, profile_for
 from loomrl.planner.bounds import iteration_bound
 from loomrl.planner.describe import RunDescription, planner_inputs, stage_seconds
-from loomrl.planner.planning import simulate_fixed
+from loomrl.planner.describe import simulate_fixed
 from loomrl.planner.search import CachedCost, best_heuristic_plans, candidate_allocations
 from loomrl.planner.simulator import Interval, SimResult
 

@@ -4,8 +4,9 @@
 fields), and what ``benchmarks/published_runs.py`` writes down for each published run: everything the
 simulator needs to price a run as its publication states it. :func:`planner_inputs` turns it into the
 planner's objects (workflow, cluster, model configs, :class:`~loomrl.planner.workload.Workload`,
-:class:`~loomrl.planner.settings.EngineSettings`); :func:`stage_seconds` reads a simulated iteration back as
-the stages publications report (generation, weight sync, scoring, training).
+:class:`~loomrl.planner.settings.EngineSettings`); :func:`simulate_fixed` simulates a given plan and
+:func:`stage_seconds` reads a simulated iteration back as the stages publications report (generation, weight
+sync, scoring, training).
 
 Models are names of :data:`~loomrl.planner.planning.MODEL_PRESETS`, HF ``config.json`` files, zoo models or
 checkpoint directories; a reward of ``rule`` has no model (a verifier scoring on the host).
@@ -19,14 +20,19 @@ from dataclasses import dataclass, field
 
 from loomrl.config import ALGORITHMS, AlgoConfig, RolloutConfig
 from loomrl.configtools import ValidatedConfig, fail, spec
-from loomrl.plan import ClusterSpec
+from loomrl.errors import ConfigError
+from loomrl.plan import ClusterSpec, ExecutionPlan
+from loomrl.planner.corrections import Corrections
+from loomrl.planner.cost import CostModel
 from loomrl.planner.planning import model_config
+from loomrl.planner.profiles import HardwareProfile, profile_for
 from loomrl.planner.settings import EngineSettings
-from loomrl.planner.simulator import SimResult
-from loomrl.planner.workload import DEFAULT_SPREAD, Workload, lengths_from_mean_max
-from loomrl.workflow import MFCKind, Workflow
+from loomrl.planner.simulator import SimResult, simulate
+from loomrl.planner.workload import DEFAULT_SPREAD, ModelShape, Workload, lengths_from_mean_max
+from loomrl.workflow import Workflow
 
-__all__ = ["RULE", "ModelsConfig", "RunDescription", "planner_inputs", "stage_seconds"]
+__all__ = ["RULE", "STAGES", "FixedPlanReport", "ModelsConfig", "RunDescription", "planner_inputs", "simulate_fixed",
+           "stage_seconds"]
 
 RULE = "rule"
 """The model name of a reward with no model: a rule (a verifier) scores on the host."""
@@ -122,17 +128,13 @@ def planner_inputs(run: RunDescription) -> tuple[Workflow, ClusterSpec, dict[str
     """The planner's inputs for ``run``: its workflow, cluster, each role's model config (None for a rule
     reward), workload and engine settings."""
     workflow = run.workflow()
+    for role in workflow.roles():
+        if role != "reward" and run.models.of(role) == RULE:
+            raise ConfigError(f"models.{role}: '{RULE}' means no model, which only a reward may be; give an "
+                              "architecture (a preset, a config.json, a zoo model or a checkpoint directory)")
     configs = {role: None if run.models.of(role) == RULE else model_config(run.models.of(role))
                for role in workflow.roles()}
-    if configs.get("actor") is None:
-        raise_rule("actor")
     return workflow, ClusterSpec.parse(run.cluster), configs, run.workload(), run.engine
-
-
-def raise_rule(role: str) -> None:
-    from loomrl.errors import ConfigError
-
-    raise ConfigError(f"models.{role}: '{RULE}' means no model, which only a reward may be; give an architecture")
 
 
 STAGES: dict[str, tuple[str, ...]] = {
@@ -172,3 +174,35 @@ def _union(intervals: list[tuple[float, float]]) -> float:
             total += end - max(start, reach)
             reach = end
     return total
+
+
+@dataclass
+class FixedPlanReport:
+    """A given plan simulated: its result, the stages of one iteration, and each call's seconds."""
+
+    plan: ExecutionPlan
+    result: SimResult
+    stages: dict[str, float]
+    """Stage → seconds in one steady iteration (:func:`stage_seconds`)."""
+    calls: dict[str, float]
+    """Step id → seconds it runs in that iteration (on its busiest device)."""
+
+
+def simulate_fixed(plan: ExecutionPlan, workflow: Workflow, configs: Mapping[str, object], workload: Workload, *,
+                   profile: HardwareProfile | None = None, corrections: Corrections | None = None,
+                   bytes_per_param: int | None = None, settings: EngineSettings | None = None,
+                   stages: Mapping[str, tuple[str, ...]] | None = None) -> FixedPlanReport:
+    """Simulate ``plan`` as it is (a published run's, or one to compare with a run of one's own) and read its
+    iteration back as stages (``stages``: stage → step-id prefixes; by default
+    :data:`STAGES`)."""
+    profile = profile or profile_for(plan.cluster)
+    shapes = {role: None if cfg is None else ModelShape.from_config(cfg) for role, cfg in configs.items()}
+    cost = CostModel(plan.cluster, profile, shapes, workload, corrections, bytes_per_param=bytes_per_param,
+                     settings=settings)
+    result = simulate(plan, workflow, cost, profile.memory_bytes)
+    middle = len(result.iteration_ends) // 2
+    calls: dict[str, float] = {}
+    for interval in result.timeline:
+        if interval.iteration == middle:
+            calls[interval.label] = max(calls.get(interval.label, 0.0), interval.end - interval.start)
+    return FixedPlanReport(plan, result, stage_seconds(result, stages or STAGES), calls)

@@ -213,37 +213,3 @@ def compare_plans(workflow: Workflow, cluster: ClusterSpec, configs: Mapping[str
     _, name, plan, result = min(candidates, key=lambda t: t[0])
     return PlanningReport(rows, (name, plan, result), heuristics, searched, bound)
 
-
-@dataclass
-class FixedPlanReport:
-    """A given plan simulated: its result, the stages of one iteration, and each call's seconds."""
-
-    plan: ExecutionPlan
-    result: SimResult
-    stages: dict[str, float]
-    """Stage → seconds in one steady iteration (:func:`~loomrl.planner.describe.stage_seconds`)."""
-    calls: dict[str, float]
-    """Step id → seconds it runs in that iteration (on its busiest device)."""
-
-
-def simulate_fixed(plan: ExecutionPlan, workflow: Workflow, configs: Mapping[str, object], workload: Workload, *,
-                   profile: HardwareProfile | None = None, corrections: Corrections | None = None,
-                   bytes_per_param: int | None = None, settings: EngineSettings | None = None,
-                   stages: Mapping[str, tuple[str, ...]] | None = None) -> FixedPlanReport:
-    """Simulate ``plan`` as it is (a published run's, or one to compare with a run of one's own) and read its
-    iteration back as stages (``stages``: stage → step-id prefixes; by default
-    :data:`~loomrl.planner.describe.STAGES`)."""
-    from loomrl.planner.describe import STAGES, stage_seconds
-    from loomrl.planner.simulator import simulate
-
-    profile = profile or profile_for(plan.cluster)
-    shapes = {role: None if cfg is None else ModelShape.from_config(cfg) for role, cfg in configs.items()}
-    cost = CostModel(plan.cluster, profile, shapes, workload, corrections, bytes_per_param=bytes_per_param,
-                     settings=settings)
-    result = simulate(plan, workflow, cost, profile.memory_bytes)
-    middle = len(result.iteration_ends) // 2
-    calls: dict[str, float] = {}
-    for interval in result.timeline:
-        if interval.iteration == middle:
-            calls[interval.label] = max(calls.get(interval.label, 0.0), interval.end - interval.start)
-    return FixedPlanReport(plan, result, stage_seconds(result, stages or STAGES), calls)
