@@ -372,3 +372,11 @@ def test_device_classes_give_the_per_device_simulation(monkeypatch: pytest.Monke
         assert result.overflow_byte_seconds == pytest.approx(alone.overflow_byte_seconds, rel=1e-12)
         classes_seen += len(real_classes([a.mesh.devices for a in plan.allocations.values()], 16).members) < 16
     assert classes_seen > 30 and not all(r.feasible for r in grouped) and any(r.feasible for r in grouped)
+
+
+def test_a_trained_role_generating_on_its_training_shards_stays_awake():
+    """Generation in the training layout has no copy to run on: the state the plan offloads stays resident."""
+    cost = MovingCost({"gen": 4, "inf": 2, "train": 6}, static={"actor": 10 * GB, "ref": 6 * GB})
+    result = simulate(plan_of(2, {"gen": "0-1", "inf": "0-1", "train": "0-1"}, "h100", offload=("actor",)), CHAIN,
+                      cost, 48 * GB)
+    assert not any("actor state" in iv.label for iv in result.timeline) and result.iteration_time == pytest.approx(6)

@@ -243,12 +243,13 @@ class _Builder:
 
     def _put_to_sleep(self, mfc: MFC, alloc: Allocation, deps: list[str]) -> list[Step]:
         """The offloads of the trained roles whose training state shares devices with generate call ``mfc``
-        (module docstring), each once the call's own dependencies (its weights' copy included) are done."""
+        (module docstring), each once the call's own dependencies (its weights' copy included) are done; not the
+        generating role's when the call runs on its training shards (there is no copy to generate with)."""
         out = []
         for role in self.sleeping:
             canon = self.plan.canonical_layout(self.workflow, role)
-            if canon.mesh.isdisjoint(alloc.mesh):
-                continue
+            if canon.mesh.isdisjoint(alloc.mesh) or (role == mfc.role and alloc.shards == canon.shards):
+                continue  # elsewhere, or generating on the training shards themselves: they must stay
             after = deps + ([self.reloaded[role]] if role in self.reloaded else [])
             out.append(self._add(Step(f"offload {role} state for {mfc.name}", StepKind.OFFLOAD, _devices(canon),
                                       tuple(dict.fromkeys(after)), role, canon.shards)))
