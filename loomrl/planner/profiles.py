@@ -254,8 +254,8 @@ PROFILES: dict[str, HardwareProfile] = {
         host_bw=200 * GBPS,  # NVLink-C2C to the Grace CPU: 900 GB/s per superchip of two GPUs, both directions
         fp8_matmul_flops=5000 * TFLOPS,  # FP8 5,000 TFLOPS dense
         # the stated global factor: the three complete GB200 rows of benchmarks/published_runs.py (NeMo RL v0.5
-        # GRPO) ran 1/0.584 of the predicted times (geometric mean, the three together)
-        system_factor=1.71,
+        # GRPO) ran 1/0.578 of the predicted times (geometric mean, the three together)
+        system_factor=1.73,
         **_BLACKWELL,
     ),
     "local": HardwareProfile(
