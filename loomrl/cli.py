@@ -90,50 +90,113 @@ def _cmd_demo(args: argparse.Namespace) -> int:
 
 
 def _cmd_plan(args: argparse.Namespace) -> int:
-    import math
     from pathlib import Path
 
     from rich.console import Console
 
-    from loomrl.algorithms.workflows import build_workflow
-    from loomrl.config import TrainConfig
-    from loomrl.configtools import load_config
-    from loomrl.plan import ClusterSpec
-    from loomrl.planner.bounds import segment_seconds
+    from loomrl.plan import make_plan
     from loomrl.planner.corrections import Corrections
-    from loomrl.planner.cost import PRECISION_BYTES
-    from loomrl.planner.planning import compare_plans, model_config
+    from loomrl.planner.describe import planner_inputs
     from loomrl.planner.profiles import load_profile
-    from loomrl.planner.timeline import render_timeline
-    from loomrl.planner.workload import Workload
-    from loomrl.report import summary_table
 
-    path, overrides = _config_and_overrides(args.config)
-    cfg = load_config(TrainConfig, path, overrides)
-    workflow = build_workflow(cfg.algo, cfg.rollout)
-    cluster = ClusterSpec.parse(args.cluster)
-    # Every role is priced as a model of its architecture (a rule-only reward is then a conservative estimate).
-    configs = {role: model_config(getattr(args, f"{role}_model") or args.model) for role in workflow.roles()}
-    group = cfg.algo.group_size if cfg.algo.name in ("grpo", "rloo") else 1
-    workload = Workload(batch=args.prompts * group, prompt_len=args.prompt_len,
-                        response_lengths=(args.response_len or cfg.rollout.max_new_tokens,),
-                        ppo_epochs=cfg.algo.ppo_epochs, minibatches=cfg.algo.minibatches)
+    run, bytes_per_param = _run_description(args)
+    workflow, cluster, configs, workload, settings = planner_inputs(run)
     profile = load_profile(args.profile) if args.profile else None
     corrections = Corrections.load(args.corrections) if args.corrections else None
-    report = compare_plans(workflow, cluster, configs, workload, seed=args.seed, time_budget_s=args.time_budget,
-                           profile=profile, corrections=corrections,
-                           bytes_per_param=PRECISION_BYTES.get(cfg.runtime.precision))
-    console = Console()
-    console.print(summary_table(report.rows, f"{cfg.algo.name} on {cluster}: {args.prompts} prompts × "
-                                             f"{args.prompt_len} + {workload.max_response} tokens, {args.model}"))
     out = Path(args.out)
     out.mkdir(parents=True, exist_ok=True)
-    name, plan, result = report.best
+    console = Console(width=max(120, Console().width))
+    title = (f"{run.algo} on {cluster}: {run.prompts} prompts × {run.responses_per_prompt}, {run.prompt_len:g} + "
+             f"{workload.mean_response:.0f} (max {workload.max_response}) tokens, {run.models.actor}")
+    if run.plan:
+        from loomrl.planner.describe import simulate_fixed
+
+        plan = make_plan(run.plan, workflow, cluster)
+        report = simulate_fixed(plan, workflow, configs, workload, profile=profile, corrections=corrections,
+                                bytes_per_param=bytes_per_param, settings=settings)
+        _print_fixed(console, title, report)
+        name, plan, result = "given plan", plan, report.result
+    else:
+        name, plan, result = _compare(console, title, run, (workflow, cluster, configs, workload, settings),
+                                      profile, corrections, bytes_per_param, args)
+    from loomrl.planner.timeline import render_timeline
+
     plan.save(out / "best_plan.json")
     render_timeline(result, out / "timeline.png", out / "timeline.html", title=f"{name}: "
                     f"{result.iteration_time:.2f} s/iteration")
     if not result.feasible:
-        console.print(f"no plan fits in memory: {result.reason}")
+        console.print(f"the plan does not fit in memory: {result.reason}")
+    console.print(f"{name}: {result.iteration_time:.3g} s/iteration; wrote {out / 'best_plan.json'} (loomrl train "
+                  f"--plan accepts it) and {out / 'timeline.png'}, {out / 'timeline.html'}")
+    return 0
+
+
+def _run_description(args: argparse.Namespace):
+    """The run ``loomrl plan`` prices: a train config's algorithm (the positional config), then a workload file
+    (``--workload``), then the flags given; and the weights' element size of the config's precision."""
+    from loomrl.config import TrainConfig
+    from loomrl.configtools import deep_merge, from_dict, load_config, read_yaml
+    from loomrl.planner.cost import PRECISION_BYTES
+    from loomrl.planner.describe import RunDescription
+
+    path, overrides = _config_and_overrides(args.config)
+    cfg = load_config(TrainConfig, path, overrides)
+    algo, rollout = cfg.algo, cfg.rollout
+    group = algo.group_size if algo.name in ("grpo", "rloo") else 1
+    data: dict = {"algo": algo.name, "ppo_epochs": algo.ppo_epochs, "optimizer_steps": algo.minibatches,
+                  "responses_per_prompt": group, "response_max": rollout.max_new_tokens,
+                  "recompute_logprobs": algo.recompute_logprobs or rollout.top_k > 0 or rollout.top_p < 1.0}
+    if args.workload:
+        data = deep_merge(data, read_yaml(args.workload))
+    flags = {key: getattr(args, key) for key in _RUN_FLAGS if getattr(args, key, None) is not None}
+    if args.response_len is not None and args.response_max is None and not args.workload:
+        flags["response_max"] = None  # a mean alone: every response that long, as before
+    engine = {key: getattr(args, key) for key in _ENGINE_FLAGS if getattr(args, key, None) is not None}
+    models = {role: getattr(args, f"{role}_model") for role in ("actor", "critic", "ref", "reward")
+              if getattr(args, f"{role}_model", None)}
+    if args.model:
+        models.setdefault("actor", args.model)
+    data = deep_merge(data, {**flags, **({"engine": engine} if engine else {}), **({"models": models} if models else {})})
+    if "models" not in data:
+        data["models"] = {"actor": "llama2-7b"}
+    run = from_dict(RunDescription, data, "run")
+    return run, PRECISION_BYTES.get(cfg.runtime.precision)
+
+
+_RUN_FLAGS = ("cluster", "prompts", "responses_per_prompt", "prompt_len", "response_len", "response_max",
+              "response_spread", "optimizer_steps", "ppo_epochs", "recompute_logprobs", "plan", "decode_slots")
+"""Flags of ``loomrl plan`` that set a field of :class:`~loomrl.planner.describe.RunDescription` (same names)."""
+_ENGINE_FLAGS = ("gen_memory_fraction", "gen_max_seqs", "gen_request_batch", "gen_precision", "train_precision",
+                 "optimizer_offload", "packing", "logits", "sync_tensor_s", "expert_parallel")
+"""Flags that set a field of :class:`~loomrl.planner.settings.EngineSettings` (same names)."""
+
+
+def _print_fixed(console, title: str, report) -> None:
+    from loomrl.report import summary_table
+
+    total = report.result.iteration_time
+    rows = [{"stage": stage, "seconds": seconds, "share of the iteration": seconds / total if total else 0.0}
+            for stage, seconds in report.stages.items()]
+    rows.append({"stage": "iteration", "seconds": total, "share of the iteration": 1.0})
+    console.print(summary_table(rows, f"{title}: the given plan, stage by stage (one steady iteration)"))
+    calls = [{"step": step, "seconds": seconds} for step, seconds in report.calls.items() if seconds > 0]
+    console.print(summary_table(calls, "each step of that iteration (on its busiest device)"))
+
+
+def _compare(console, title: str, run, inputs, profile, corrections, bytes_per_param, args):
+    """Heuristics, search and bound side by side (no fixed plan): the best plan found."""
+    import math
+
+    from loomrl.planner.bounds import segment_seconds
+    from loomrl.planner.planning import compare_plans
+    from loomrl.report import summary_table
+
+    workflow, cluster, configs, workload, settings = inputs
+    report = compare_plans(workflow, cluster, configs, workload, seed=args.seed, time_budget_s=args.time_budget,
+                           profile=profile, corrections=corrections, bytes_per_param=bytes_per_param,
+                           settings=settings)
+    console.print(summary_table(report.rows, title))
+    name, plan, result = report.best
     bound = report.bound.seconds
     if math.isfinite(bound):
         console.print(f"lower bound: no plan of the search's space runs faster than {bound:.3g} s/iteration "
@@ -146,10 +209,8 @@ def _cmd_plan(args: argparse.Namespace) -> int:
         rows = [{"segment (runs alone, in turn)": ", ".join(part.calls), "bound s": part.seconds, "best plan s": t,
                  "plan / bound": t / part.seconds if part.seconds > 0 else math.nan} for part, t in zip(parts, spent)]
         console.print(summary_table(rows, "where the best plan stands, segment by segment (uncorrected)"))
-    console.print(f"best: {name}, {result.iteration_time:.3g} s/iteration; search vs best heuristic: "
-                  f"{report.search_speedup:.3f}x; wrote {out / 'best_plan.json'} (loomrl train --plan accepts it) "
-                  f"and {out / 'timeline.png'}, {out / 'timeline.html'}")
-    return 0
+    console.print(f"search vs best heuristic: {report.search_speedup:.3f}x")
+    return f"best: {name}", plan, result
 
 
 def _cmd_timeline(args: argparse.Namespace) -> int:
@@ -267,22 +328,51 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--out", default="runs/demo", help="where every stage writes its outputs")
     p.add_argument("overrides", nargs="*", help="stage.key=value, e.g. ppo.loop.iterations=10 sft.steps=50")
     p.set_defaults(fn=_cmd_demo)
-    p = sub.add_parser("plan", help="compare colocate/interleave/separate with a searched plan on a cluster")
+    p = sub.add_parser("plan", help="compare colocate/interleave/separate with a searched plan on a cluster, or "
+                                    "simulate a given plan (--plan) stage by stage")
     p.add_argument("config", nargs="*", help=cfg_help)
-    p.add_argument("--cluster", default="h100:1x8", help="device kind:nodes x devices, e.g. h100:8x8, a100:2x8")
-    p.add_argument("--model", default="llama2-7b", help="architecture of every role: llama2-7b|13b|34b|70b, a zoo "
-                                                       "model (llama-1m...) or a checkpoint directory")
+    p.add_argument("--workload", help="YAML run description (the fields of loomrl.planner.describe.RunDescription: "
+                                      "models, cluster, lengths, engine, plan); the flags below override it")
+    p.add_argument("--cluster", help="device kind:nodes x devices, e.g. h100:8x8, a800:4x8, gb200:1x16 "
+                                     "(default h100:1x8)")
+    p.add_argument("--plan", help="simulate this plan as given (strategy, plan string or plan file) and print its "
+                                  "stage breakdown instead of searching")
+    p.add_argument("--model", help="architecture of every role: a preset (llama2-7b, llama3.1-8b, qwen3-32b, "
+                                   "qwen3-30b-a3b, opt-13b, ...), an HF config.json, a zoo model or a checkpoint dir")
     for role in ("actor", "critic", "ref", "reward"):
-        p.add_argument(f"--{role}-model", help=f"architecture of the {role} (default: --model)")
-    p.add_argument("--prompts", type=int, default=512, help="prompts per iteration")
-    p.add_argument("--prompt-len", type=int, default=128, help="prompt tokens")
-    p.add_argument("--response-len", type=int, help="response tokens (default: rollout.max_new_tokens)")
-    p.add_argument("--time-budget", type=float, default=30.0, help="seconds for planning: the heuristics' layout enumeration, then the search in what is left")
+        extra = "; 'rule' for a rule-based reward with no model" if role == "reward" else ""
+        p.add_argument(f"--{role}-model", help=f"architecture of the {role} (default: --model){extra}")
+    p.add_argument("--prompts", type=int, help="prompts per iteration (default 512)")
+    p.add_argument("--responses-per-prompt", type=int, help="samples per prompt (default: the algorithm's group)")
+    p.add_argument("--prompt-len", type=float, help="mean prompt tokens (default 128)")
+    p.add_argument("--response-len", type=float, help="mean response tokens (alone: every response that long)")
+    p.add_argument("--response-max", type=int, help="longest response (the limit; default rollout.max_new_tokens)")
+    p.add_argument("--response-spread", type=float, help="σ of the log-normal response lengths between mean and "
+                                                         "limit (default 0.75, a stated assumption)")
+    p.add_argument("--optimizer-steps", type=int, help="optimizer steps per epoch (default: algo.minibatches)")
+    p.add_argument("--ppo-epochs", type=int, help="passes over the samples per iteration")
+    p.add_argument("--recompute-logprobs", action="store_const", const=True, help="an actor_inf call recomputes "
+                                                                                  "the behaviour log-probs")
+    p.add_argument("--decode-slots", type=int, help="samples one generation replica decodes at once")
+    p.add_argument("--gen-memory-fraction", type=float, help="serving engine's share of device memory "
+                                                             "(vLLM gpu_memory_utilization)")
+    p.add_argument("--gen-max-seqs", type=int, help="serving engine's max concurrent sequences (vLLM max_num_seqs)")
+    p.add_argument("--gen-request-batch", type=int, help="samples per synchronous request to a generation replica")
+    p.add_argument("--gen-precision", choices=("auto", "bf16", "fp8"), help="generation weights")
+    p.add_argument("--train-precision", choices=("auto", "bf16", "fp8"), help="training and scoring matmuls")
+    p.add_argument("--optimizer-offload", action="store_const", const=True, help="Adam state in host memory")
+    p.add_argument("--no-packing", dest="packing", action="store_const", const=False,
+                   help="pad each training/scoring micro-batch to its longest sample (default: packed)")
+    p.add_argument("--logits", choices=("fp32", "chunked"), help="logits held for every token or chunked")
+    p.add_argument("--sync-tensor-s", type=float, help="seconds per parameter tensor of a weight sync")
+    p.add_argument("--expert-parallel", type=int, help="ranks the experts of a MoE model are divided over in training")
+    p.add_argument("--time-budget", type=float, default=30.0, help="seconds for planning: the bound, the heuristics' "
+                                                                   "layout enumeration and the search together")
     p.add_argument("--seed", type=int, default=0, help="search seed")
     p.add_argument("--profile", help="hardware profile JSON replacing the cluster's (loomrl calibrate writes "
                                      "local_profile.json)")
     p.add_argument("--corrections", help="fitted corrections JSON (loomrl calibrate --from writes corrections.json)")
-    p.add_argument("--out", default="runs/plan", help="where the best plan and its timeline are written")
+    p.add_argument("--out", default="runs/plan", help="where the plan and its timeline are written")
     p.set_defaults(fn=_cmd_plan)
     p = sub.add_parser("timeline", help="draw a run's measured timeline, step by step (RUN_DIR/traces.jsonl), "
                                         "below the simulator's prediction of the same run")

@@ -136,6 +136,9 @@ class AlgoConfig(ValidatedConfig):
     """Normalise advantages over the batch (ppo)."""
     entropy_coef: float = spec(0.0, ge=0)
     """Entropy bonus weight in the actor loss."""
+    recompute_logprobs: bool = False
+    """Recompute the behaviour log-probs with the actor's own forward pass after generation (an ``actor_inf``
+    call, as verl, OpenRLHF and NeMo RL do) rather than take the sampler's; top-k / top-p sampling implies it."""
 
     def validate(self) -> None:
         if self.name in ("grpo", "rloo") and self.group_size < 2:
@@ -146,7 +149,7 @@ class AlgoConfig(ValidatedConfig):
 class RolloutConfig(ValidatedConfig):
     prompts_per_iter: int = spec(32, ge=1)
     """Prompts drawn per iteration (each sampled group_size times for grpo/rloo)."""
-    max_new_tokens: int = spec(8, ge=1, le=1024)
+    max_new_tokens: int = spec(8, ge=1, le=131072)
     """Longest response, in tokens (eos included)."""
     temperature: float = spec(1.0, gt=0, le=10)
     """Sampling temperature of rollouts (evaluation is greedy)."""
@@ -329,7 +332,7 @@ class SFTConfig(ValidatedConfig):
     """Optimizer."""
     eval_prompts: int = spec(128, ge=1)
     """Held-out prompts for the final greedy exact-match evaluation."""
-    max_new_tokens: int = spec(8, ge=1, le=1024)
+    max_new_tokens: int = spec(8, ge=1, le=131072)
     """Generation budget of the evaluation."""
     device: str = spec("auto", choices=("auto", "cpu", "cuda"))
     """Torch device kind; auto picks cuda when available."""

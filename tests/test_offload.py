@@ -83,3 +83,35 @@ def test_bind_view_points_a_dtensors_local_shard_at_the_view():
 
     assert run_world(_bind_a_dtensor_parameter, 1, timeout_s=120) == [True]
 
+
+
+def test_a_trained_roles_state_leaves_and_returns_and_training_goes_on_as_if_it_never_left():
+    """A trained role offloaded during generation (TrainingState): weights, gradients and Adam's moments are
+    copied to the host and freed, then restored; the next optimizer step matches a model that never moved."""
+    from loomrl.runtime.offload import TrainingState
+
+    tok = build_char_tokenizer()
+    models = [build_value_model("llama-1m", tok, seed=0) for _ in range(2)]
+    opts = [torch.optim.AdamW(m.parameters(), lr=1e-2) for m in models]
+    ids = torch.randint(3, 20, (2, 7))
+
+    def step(model, opt):
+        opt.zero_grad()
+        model(input_ids=ids).logits.float().pow(2).mean().backward()
+        opt.step()
+
+    for model, opt in zip(models, opts):
+        step(model, opt)  # the optimizer now holds its moments
+    moved = TrainingState(models[1], opts[1])
+    full = moved.device_bytes()
+    moments = sum(t.numel() * t.element_size() for s in opts[1].state.values() for t in s.values() if t.dim())
+    assert full >= sum(p.numel() * p.element_size() for p in models[1].parameters()) + moments
+    moved.release()
+    assert moved.device_bytes() == 0 and not moved.resident
+    moved.release()  # offloaded already: nothing happens
+    moved.restore()
+    assert moved.device_bytes() == full and moved.resident
+    for model, opt in zip(models, opts):
+        step(model, opt)
+    for (name, a), b in zip(models[0].named_parameters(), models[1].parameters()):
+        assert torch.equal(a, b), name

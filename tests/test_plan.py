@@ -82,7 +82,9 @@ def test_cluster_parse_and_nodes():
     assert ClusterSpec.parse("cpu:2") == ClusterSpec(1, 2)
     assert ClusterSpec.parse("cpu:1x4").n_devices == 4 and str(ClusterSpec.parse("cpu:1x4")) == "cpu:1x4"
     assert ClusterSpec.parse("h200:2").memory_gb == PROFILES["h200"] == 141.0
-    assert set(PROFILES) == {"a100-80g", "h100-80g", "h200", "h20", "local"}
+    # the A800 and H800 (NVLink cut to 400 GB/s) and the GB200 joined the datasheet profiles for published runs
+    assert set(PROFILES) == {"a100-80g", "a800", "h100-80g", "h800", "h200", "h20", "gb200", "local"}
+    assert ClusterSpec.parse("gb200:1x72").memory_gb == PROFILES["gb200"] == 186.0
     one_line_error(lambda: ClusterSpec.parse("tpu:8"), "unknown device kind 'tpu'", "h100")
     one_line_error(lambda: ClusterSpec.parse("cpu-8"), "cpu-8", "KIND:NODESxDEVICES")
     one_line_error(lambda: ClusterSpec.parse("cpu:0"), "at least one")

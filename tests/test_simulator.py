@@ -228,6 +228,40 @@ def test_an_offloaded_role_reloads_before_each_call_where_devices_offload():
     assert {iv.label for iv in cpu.timeline} == {"gen", "inf", "train"}
 
 
+class MovingCost(FakeCost):
+    """FakeCost moving a shard to or from the host at 10 GB/s (a trained role's whole state when trainable)."""
+
+    def reload_time(self, role: str, alloc: Allocation, trainable: bool = False) -> float:
+        return self.static_memory(role, alloc, trainable) / GB / 10
+
+    def offload_time(self, role: str, alloc: Allocation, trainable: bool = False) -> float:
+        return self.reload_time(role, alloc, True) if trainable else 0.0
+
+
+def test_a_trained_role_offloaded_sleeps_through_generation_and_its_later_steps_wait_for_it():
+    """The actor's training state (10 GB of weights × 3 = 30 GB over dp2) leaves devices 0-1 while its
+    generation runs there in another layout (a 5 GB tp2 copy), and comes back before training. Copy 1 s;
+    offload of the 30 GB at 10 GB/s 3 s, after the copy (which reads it); gen 2 s; the reload (3 s) right after
+    gen, the copy's free sent with gen; inf (1 s, ref resident: explicitly not offloaded) waits behind the
+    reload in dispatch order, train (3 s) for both: 0-1 copy, 1-4 offload, 4-6 gen, 6-9 reload, 9-10 inf,
+    10-13 train. Memory: 30 + 5 + 6 (ref) = 41 GB until the offload ends, then 5 + 2 + 6 during gen; resident
+    throughout it would need 43 GB."""
+    cost = MovingCost({"gen": 4, "inf": 2, "train": 6}, static={"actor": 10 * GB, "ref": 6 * GB},
+                      transient={"gen": 2 * GB, "train": 4 * GB})
+    placement = {"gen": "0-1:tp2", "inf": "0-1", "train": "0-1"}
+    asleep = simulate(plan_of(2, placement, "h100", offload=("actor",)), CHAIN, cost, 42 * GB)
+    for label, want in (("copy actor→0-1:dp1tp2", (0, 1)), ("offload actor state for gen", (1, 4)), ("gen", (4, 6)),
+                        ("reload actor state after gen", (6, 9)), ("inf", (9, 10)), ("train", (10, 13))):
+        assert spans(asleep, label, 0)[0] == want, label
+    assert asleep.iteration_time == pytest.approx(13) and asleep.feasible
+    assert asleep.peak_memory[0] == 41 * GB
+    awake = simulate(plan_of(2, placement, "h100", offload=()), CHAIN, cost, 42 * GB)
+    assert not awake.feasible and awake.peak_memory[0] == 43 * GB and awake.iteration_time == pytest.approx(7)
+    # CPU devices hold their host's memory: the schedule has no such steps there
+    cpu = simulate(plan_of(2, placement, offload=("actor",)), CHAIN, cost, 48 * GB)
+    assert not any("state" in iv.label for iv in cpu.timeline)
+
+
 def test_copy_memory_lives_from_the_copy_to_the_end_of_its_call():
     # Copy of the actor (10 GB) onto 2-3 plus gen's 2 GB there; training state 30 GB + train's 4 GB on 0-1.
     cost = FakeCost({"gen": 4, "train": 4}, static={"actor": 10 * GB}, transient={"gen": 2 * GB, "train": 4 * GB})
@@ -338,3 +372,11 @@ def test_device_classes_give_the_per_device_simulation(monkeypatch: pytest.Monke
         assert result.overflow_byte_seconds == pytest.approx(alone.overflow_byte_seconds, rel=1e-12)
         classes_seen += len(real_classes([a.mesh.devices for a in plan.allocations.values()], 16).members) < 16
     assert classes_seen > 30 and not all(r.feasible for r in grouped) and any(r.feasible for r in grouped)
+
+
+def test_a_trained_role_generating_on_its_training_shards_stays_awake():
+    """Generation in the training layout has no copy to run on: the state the plan offloads stays resident."""
+    cost = MovingCost({"gen": 4, "inf": 2, "train": 6}, static={"actor": 10 * GB, "ref": 6 * GB})
+    result = simulate(plan_of(2, {"gen": "0-1", "inf": "0-1", "train": "0-1"}, "h100", offload=("actor",)), CHAIN,
+                      cost, 48 * GB)
+    assert not any("actor state" in iv.label for iv in result.timeline) and result.iteration_time == pytest.approx(6)

@@ -153,8 +153,9 @@ def _rollout_mfcs(algo: AlgoConfig, rollout: RolloutConfig, recompute: bool) -> 
 
 def build_workflow(algo: AlgoConfig, rollout: RolloutConfig) -> Workflow:
     """The MFC graph of one iteration of ``algo.name``."""
-    # Truncated sampling (top-k/top-p) is not the distribution the actor trains; recompute behaviour log-probs.
-    recompute = rollout.top_k > 0 or rollout.top_p < 1.0
+    # Truncated sampling (top-k/top-p) is not the distribution the actor trains; recompute behaviour log-probs
+    # (also on request: frameworks whose sampler's log-probs differ from the trainer's recompute them always).
+    recompute = rollout.top_k > 0 or rollout.top_p < 1.0 or algo.recompute_logprobs
     old_key = "old_logp" if recompute else "logp"
     mfcs = _rollout_mfcs(algo, rollout, recompute)
     adv_inputs = ("logp", "ref_logp", "score", "mask") + {"ppo": ("values",), "remax": ("greedy_score",)}.get(

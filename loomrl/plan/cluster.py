@@ -5,6 +5,7 @@ A cluster is written ``KIND:DEVICES`` (one node) or ``KIND:NODESxDEVICES``::
     cpu:2        one node, two CPU device slots (the local profile)
     cpu:1x4      one node, four slots
     h100:8x8     eight nodes of eight H100s (profile h100-80g)
+    gb200:1x72   one GB200 NVL72 rack: 72 GPUs in one NVLink domain, which is what a "node" means here
 
 Devices are numbered globally, node-major: device ``d`` sits on node ``d // devices_per_node``. A profile
 names the hardware; here it fixes only the memory per device (:data:`PROFILES`). Compute rates and
@@ -26,14 +27,18 @@ GB = 2**30
 
 PROFILES: dict[str, float] = {
     "a100-80g": 80.0,
+    "a800": 80.0,
     "h100-80g": 80.0,
+    "h800": 80.0,
     "h200": 141.0,
     "h20": 96.0,
+    "gb200": 186.0,
     "local": 24.0,
 }
 """Hardware profile → memory per device in GB, from datasheets; ``local`` is a CPU slot's share of RAM."""
 
-DEVICE_KINDS: dict[str, str] = {"cpu": "local", "a100": "a100-80g", "h100": "h100-80g", "h200": "h200", "h20": "h20"}
+DEVICE_KINDS: dict[str, str] = {"cpu": "local", "a100": "a100-80g", "a800": "a800", "h100": "h100-80g", "h800": "h800",
+                                "h200": "h200", "h20": "h20", "gb200": "gb200"}
 """Device kind accepted by :meth:`ClusterSpec.parse` → its profile (profile names are accepted as kinds too)."""
 
 _CLUSTER_RE = re.compile(r"(?P<kind>[A-Za-z][\w-]*):(?:(?P<nodes>\d+)x)?(?P<devices>\d+)")
@@ -48,7 +53,7 @@ class ClusterSpec(ValidatedConfig):
     devices_per_node: int = spec(ge=1)
     """Accelerators (or CPU worker slots) per machine."""
     device_kind: str = "cpu"
-    """What a device is: cpu, a100, h100, h200, h20."""
+    """What a device is: cpu, a100, a800, h100, h800, h200, h20, gb200."""
     profile: str = spec("local", choices=tuple(PROFILES))
     """Hardware profile (see PROFILES) the cost model prices the devices with."""
     memory_gb: float = spec(24.0, gt=0)

@@ -362,8 +362,9 @@ class ExecutionPlan:
     """Trained roles that keep a persistent copy for their calls off the training devices, synced after each
     train step; None applies the rule of :meth:`shadow_roles`."""
     offload: tuple[str, ...] | None = None
-    """Roles whose weights go to host memory between their calls; None applies the rule of
-    :meth:`offloaded_roles`."""
+    """Roles whose weights go to host memory between their calls, and trained roles whose whole training state
+    goes there while a generate call runs on their training devices (:mod:`loomrl.plan.schedule`); None applies
+    the rule of :meth:`offloaded_roles` (frozen roles only)."""
     fuse: Fusion | None = None
     """Inter-stage fusion of generation with the inference calls that read only its outputs; None: unfused."""
 

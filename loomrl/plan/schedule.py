@@ -21,7 +21,11 @@ Steps (:class:`StepKind`), each with the devices it occupies and the steps of it
   iteration and whenever the weights are replaced (a checkpoint loaded, a plan change).
 - ``reload`` / ``offload``: a frozen role the plan keeps in host memory brought back before each of its calls
   and released after it, only where devices have memory of their own (not on CPU devices, whose host memory
-  is the device's).
+  is the device's). A *trained* role the plan offloads moves its training state (weights, gradients,
+  optimizer) the other way around each generate call that shares its training devices: out once that
+  call's weights are in place (``offload <role> state for <call>``), back once it has ended (``reload <role>
+  state after <call>``), as RL systems put their trainers to sleep while the serving engine generates; the
+  role's later steps on its training shards wait for the reload.
 - ``evaluate``: the between-iterations evaluation of the actor in its generation allocation (with the copy
   and free it needs), listed apart from the iteration's steps.
 - ``fused``: with the plan's :class:`~loomrl.plan.plan.Fusion`, generation and the inference calls that read
@@ -233,7 +237,13 @@ class _Builder:
     def __init__(self, workflow: Workflow, plan: ExecutionPlan) -> None:
         self.workflow, self.plan = workflow, plan
         self.trained = set(plan.trained_roles(workflow))
-        self.offloaded = set(plan.offloaded_roles(workflow)) if plan.cluster.offloads else set()
+        offloaded = set(plan.offloaded_roles(workflow)) if plan.cluster.offloads else set()
+        self.offloaded = offloaded - self.trained
+        """Frozen roles reloaded before each of their calls and offloaded after."""
+        self.sleeping = [r for r in plan.trained_roles(workflow) if r in offloaded]
+        """Trained roles whose training state leaves the devices while a generate call runs there."""
+        self.reloaded: dict[str, str] = {}
+        """Trained role → the reload of its training state its next steps on those shards wait for."""
         self.shadow_calls = {role: plan.shadow_calls(workflow, role) for role in plan.shadow_roles(workflow)}
         self.shadowed = {n for calls in self.shadow_calls.values() for n in calls}
         self.steps: list[Step] = []
@@ -257,8 +267,12 @@ class _Builder:
         alloc = self.plan[mfc.name]
         deps = list(self.workflow.deps(mfc.name))
         role = mfc.role
+        if role in self.reloaded:
+            deps.append(self.reloaded[role])
         if role in self.trained and mfc.kind is not MFCKind.TRAIN:
             deps += self._weights_for(mfc, alloc, deps)
+        asleep = self._put_to_sleep(mfc, alloc, deps) if mfc.kind is MFCKind.GENERATE else []
+        deps += [s.id for s in asleep]
         if role in self.offloaded:
             reload = self._add(Step(f"reload {role} for {mfc.name}", StepKind.RELOAD, _devices(alloc), tuple(deps),
                                     role, alloc.shards))
@@ -268,6 +282,10 @@ class _Builder:
         if role in self.offloaded:
             self._add(Step(f"offload {role} after {mfc.name}", StepKind.OFFLOAD, _devices(alloc), (call.id,), role,
                            alloc.shards))
+        for sleep in asleep:
+            reload = self._add(Step(f"reload {sleep.role} state after {mfc.name}", StepKind.RELOAD, sleep.devices,
+                                    (call.id,), sleep.role, sleep.alloc))
+            self.reloaded[sleep.role] = reload.id
         if mfc.kind is MFCKind.TRAIN and role in self.trained:
             version = self.version(mfc) + 1
             for shadow in self._shadows(role):
@@ -276,6 +294,20 @@ class _Builder:
                 self.syncs[(role, shadow, version)] = step.id
                 if version == 1:
                     self.fills.append(step)
+
+    def _put_to_sleep(self, mfc: MFC, alloc: Allocation, deps: list[str]) -> list[Step]:
+        """The offloads of the trained roles whose training state shares devices with generate call ``mfc``
+        (module docstring), each once the call's own dependencies (its weights' copy included) are done; not the
+        generating role's when the call runs on its training shards (there is no copy to generate with)."""
+        out = []
+        for role in self.sleeping:
+            canon = self.plan.canonical_layout(self.workflow, role)
+            if canon.mesh.isdisjoint(alloc.mesh) or (role == mfc.role and alloc.shards == canon.shards):
+                continue  # elsewhere, or generating on the training shards themselves: they must stay
+            after = deps + ([self.reloaded[role]] if role in self.reloaded else [])
+            out.append(self._add(Step(f"offload {role} state for {mfc.name}", StepKind.OFFLOAD, _devices(canon),
+                                      tuple(dict.fromkeys(after)), role, canon.shards)))
+        return out
 
     def _weights_for(self, mfc: MFC, alloc: Allocation, deps: list[str]) -> list[str]:
         """The steps a non-train call of a trained role waits for to find the weights in its layout."""
@@ -289,6 +321,7 @@ class _Builder:
         key = (role, shards, version)
         if key not in self.copy_of:
             after = [self.last_free[(role, shards)]] if (role, shards) in self.last_free else []
+            after += [self.reloaded[role]] if role in self.reloaded else []  # the copy reads the training shards
             step = self._add(Step(_suffix(f"copy {role}→{shards.text}", version), StepKind.COPY,
                                   _devices(canon, shards), tuple(dict.fromkeys(deps + after)), role, shards,
                                   canon.shards))

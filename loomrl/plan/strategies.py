@@ -150,7 +150,8 @@ def interleave(workflow: Workflow, cluster: ClusterSpec,
             elif mfc.kind is MFCKind.GENERATE or not 1 < len(models) <= n:
                 placed[mfc.name] = _span(0, n)
         if 1 < len(models) <= n:
-            weights = [param_count(model_configs[m.role]) if model_configs else 1.0 for m in models]
+            weights = [param_count(model_configs[m.role]) if model_configs and model_configs.get(m.role) is not None
+                       else 1.0 for m in models]  # a role with no model (a rule reward) weighs least
             first = 0
             counts = (split_devices_pow2 if pow2 else split_devices)(n, weights)
             for mfc, count in zip(models, counts):

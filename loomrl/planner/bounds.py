@@ -46,6 +46,7 @@ from __future__ import annotations
 
 import itertools
 import math
+import time
 from collections import defaultdict
 from collections.abc import Mapping
 from dataclasses import dataclass
@@ -141,8 +142,13 @@ def segments(workflow: Workflow) -> list[tuple[str, ...]]:
 
 
 def iteration_bound(workflow: Workflow, cluster: ClusterSpec, cost: CostEstimator, memory_per_device: float,
-                    model_configs: Mapping[str, object]) -> IterationBound:
-    """The lower bound on any searched plan's iteration time for ``workflow`` on ``cluster`` (module docstring)."""
+                    model_configs: Mapping[str, object], deadline: float = math.inf) -> IterationBound:
+    """The lower bound on any searched plan's iteration time for ``workflow`` on ``cluster`` (module docstring).
+
+    Where devices offload (``cluster.offloads``) a plan may put its trained roles' states to sleep while a
+    generation runs, so a generate call need not fit beside them. ``deadline`` (``time.monotonic()`` seconds)
+    stops the enumeration of training placements: the bound then falls back to the rule for unenumerated
+    placements, which holds for every plan (looser, never wrong)."""
     units = [_unit(names, workflow, cluster, cost, memory_per_device, model_configs) for names in unit_names(workflow)]
     if any(not u.allocs for u in units):  # some call fits nowhere: no plan of the space fits
         return IterationBound(math.inf)
@@ -153,10 +159,15 @@ def iteration_bound(workflow: Workflow, cluster: ClusterSpec, cost: CostEstimato
     choices = [_undominated(units[i]) for i in trains]
     best: list[SegmentBound] | None = None
     training: tuple[str, ...] = ()
-    if math.prod(len(c) for c in choices) <= PLACEMENTS:
+    sleeps = cluster.offloads
+    enumerated = math.prod(len(c) for c in choices) <= PLACEMENTS
+    if enumerated:
         for combo in itertools.product(*choices):
+            if time.monotonic() > deadline:
+                enumerated, best, training = False, None, ()
+                break
             fixed = {i: units[i].subset([j]) for i, j in zip(trains, combo)}
-            masks = _fitting(units, fixed, workflow, n, memory_per_device)
+            masks = _fitting(units, fixed, workflow, n, memory_per_device, sleeps)
             if masks is None:
                 continue
             limit = sum(p.seconds for p in best) if best is not None else math.inf
@@ -166,8 +177,8 @@ def iteration_bound(workflow: Workflow, cluster: ClusterSpec, cost: CostEstimato
                 best = found
                 training = tuple(f"{workflow[units[i].names[0]].role}={units[i].allocs[j].text}"
                                  for i, j in zip(trains, combo))
-    else:
-        masks = _fitting_anywhere(units, workflow, n, memory_per_device)
+    if not enumerated:
+        masks = _fitting_anywhere(units, workflow, n, memory_per_device, sleeps)
         best = None if masks is None else _segments_bound(units, masks, set(), parts, n, math.inf)
     if best is None:
         return IterationBound(math.inf)
@@ -216,9 +227,10 @@ def _undominated(unit: _Unit) -> list[int]:
 
 
 def _fitting(units: list[_Unit], fixed: dict[int, _Unit], workflow: Workflow, n: int,
-             memory: float) -> list[np.ndarray] | None:
+             memory: float, sleeps: bool = False) -> list[np.ndarray] | None:
     """Per unit, which allocations fit beside the training placement ``fixed`` (unit index → its one train
-    allocation); None if the placement itself does not fit."""
+    allocation); None if the placement itself does not fit. With ``sleeps`` a generate call fits alone (the
+    training states may be asleep while it runs)."""
     resident = np.zeros(n)
     for u in fixed.values():
         resident[u.devices[0]] += u.weights[0]
@@ -237,19 +249,25 @@ def _fitting(units: list[_Unit], fixed: dict[int, _Unit], workflow: Workflow, n:
             # training mesh is let off its weights: looser, but then only the mesh matters (:func:`_undominated`).
             weights = np.where((u.devices == home).all(1), 0.0, weights)
         held = np.where(u.devices, resident, 0.0).max(1)
+        if sleeps and workflow[u.names[0]].kind is MFCKind.GENERATE:
+            held = np.zeros_like(held)
         masks.append(held + weights + u.transient <= memory)
     return masks
 
 
-def _fitting_anywhere(units: list[_Unit], workflow: Workflow, n: int, memory: float) -> list[np.ndarray] | None:
+def _fitting_anywhere(units: list[_Unit], workflow: Workflow, n: int, memory: float,
+                      sleeps: bool = False) -> list[np.ndarray] | None:
     """Per unit, which allocations fit beside the share of the other trained roles' training states (each at its
-    smallest) that the devices outside the mesh cannot hold: the rule when placements are not enumerated."""
+    smallest) that the devices outside the mesh cannot hold: the rule when placements are not enumerated (with
+    ``sleeps``, generate calls fit alone)."""
     states = {workflow[u.names[0]].role: float((u.weights * u.sizes).min()) for u in units
               if workflow[u.names[0]].kind is MFCKind.TRAIN}
     masks = []
     for u in units:
         role = workflow[u.names[0]].role
         others = sum(b for r, b in states.items() if r != role)
+        if sleeps and workflow[u.names[0]].kind is MFCKind.GENERATE:
+            others = 0.0
         spill = np.maximum(0.0, others - (n - u.sizes) * memory) / u.sizes
         masks.append(u.weights + u.transient + spill <= memory)
     return None if any(not m.any() for m in masks) else masks

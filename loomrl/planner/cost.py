@@ -60,13 +60,24 @@ from loomrl.planner.corrections import ITERATION, REALLOC, Corrections
 from loomrl.planner.fused import FusedPrice, price_fused
 from loomrl.planner.profiles import HardwareProfile
 from loomrl.planner.realloc_cost import realloc_seconds
+from loomrl.planner.settings import EngineSettings, default_max_seqs
 from loomrl.planner.workload import ModelShape, Workload
 from loomrl.workflow import MFC, MFCKind
 
-__all__ = ["CostModel", "PREFILL_CHUNK_TOKENS"]
+__all__ = ["CostModel", "ENGINE_BATCHED_TOKENS", "LOGIT_CHUNK_TOKENS", "PREFILL_CHUNK_TOKENS"]
 
 PREFILL_CHUNK_TOKENS = 4096
 """Prompt tokens the rollout engine prefills at once (its ``prefill_tokens`` default): bounds prefill buffers."""
+ENGINE_BATCHED_TOKENS = 8192
+"""Tokens a serving engine's forward pass handles at most (vLLM's ``max_num_batched_tokens`` of 8192 to 16384):
+the activation buffers it reserves beside its KV cache."""
+LOGIT_CHUNK_TOKENS = 4096
+"""Tokens whose logits a chunked (fused) cross-entropy holds at once (:attr:`EngineSettings.logits`)."""
+GENERATING_ROLE = "actor"
+"""The role every workflow generates with (:mod:`loomrl.algorithms.workflows`): its copies outside training are
+the serving engine's."""
+MOE_REFERENCE_EXPERT = 4096 * 1536
+"""The expert size (hidden × width) the profiles' ``moe_efficiency`` is measured at (Qwen3-235B-A22B's)."""
 COMPUTE_BYTES_PER_TOKEN = 64
 """Bytes a compute step (advantages) reads and writes per token: a few fp32 columns, in and out."""
 
@@ -94,15 +105,19 @@ the cost model's default (``bytes_per_param=None``)."""
 class CostModel:
     """Prices MFCs, reallocations and memory for one cluster, hardware profile, set of models and workload.
 
-    ``shapes`` maps each role to its model; ``bytes_per_param`` is the weights' (and activations') element
-    size, by default 2 (bf16) on accelerators and 4 (fp32) on ``local``, as the runtime's ``precision: auto``.
-    Results are cached per (call, allocation); the model is immutable once built.
+    ``shapes`` maps each role to its model, or to None for a role with no model (a rule reward: its calls
+    score on the host, priced like a compute step); ``bytes_per_param`` is the weights' (and activations')
+    element size, by default 2 (bf16) on accelerators and 4 (fp32) on ``local``, as the runtime's ``precision:
+    auto``; ``settings`` say how the system runs the calls (:class:`~loomrl.planner.settings.EngineSettings`:
+    by default loomrl's runtime). Results are cached per (call, allocation); the model is immutable once built.
     """
 
-    def __init__(self, cluster: ClusterSpec, profile: HardwareProfile, shapes: Mapping[str, ModelShape],
-                 workload: Workload, corrections: Corrections | None = None, *, bytes_per_param: int | None = None):
+    def __init__(self, cluster: ClusterSpec, profile: HardwareProfile, shapes: Mapping[str, ModelShape | None],
+                 workload: Workload, corrections: Corrections | None = None, *, bytes_per_param: int | None = None,
+                 settings: EngineSettings | None = None):
         self.cluster, self.profile, self.workload = cluster, profile, workload
         self.shapes = dict(shapes)
+        self.settings = settings or EngineSettings()
         self.corrections = corrections or Corrections()
         self.bytes_per_param = bytes_per_param or (4 if profile.name == "local" else 2)
         self._terms: dict[tuple, dict[str, float]] = {}
@@ -113,8 +128,9 @@ class CostModel:
     # ------------------------------------------------------------------------------------------ public API
 
     def mfc_time(self, mfc: MFC, alloc: Allocation) -> float:
-        """Seconds of one call of ``mfc`` on ``alloc``, corrected."""
-        return self.corrections.apply_terms(mfc.kind, self.time_terms(mfc, alloc))
+        """Seconds of one call of ``mfc`` on ``alloc``, corrected (and scaled by the profile's stated
+        ``system_factor``, like every time the model gives)."""
+        return self.corrections.apply_terms(mfc.kind, self.time_terms(mfc, alloc)) * self.profile.system_factor
 
     def shared_cores(self) -> float | None:
         """Cores per node that its devices share (the simulator then slows calls running side by side), or
@@ -127,12 +143,19 @@ class CostModel:
         devices keep them resident, so the simulator does too)."""
         return self.profile.host_offload
 
-    def reload_time(self, role: str, alloc: Allocation) -> float:
-        """Seconds to bring an offloaded frozen role's weights back from pinned host memory before a call on
-        ``alloc``: each device's shard over its host link (0 where the runtime does not offload)."""
+    def reload_time(self, role: str, alloc: Allocation, trainable: bool = False) -> float:
+        """Seconds to bring an offloaded role back from pinned host memory before a call on ``alloc``: each
+        device's shard over its host link (a trained role's whole training state when ``trainable``; 0 where
+        the runtime does not offload)."""
         if not self.profile.host_offload:
             return 0.0
-        return self.static_memory(role, alloc, False) / self.profile.host_bw + self.profile.link_latency
+        seconds = self.static_memory(role, alloc, trainable) / self.profile.host_bw + self.profile.link_latency
+        return seconds * self.profile.system_factor
+
+    def offload_time(self, role: str, alloc: Allocation, trainable: bool = False) -> float:
+        """Seconds to move an offloaded role to host memory: nothing for a frozen role (its host copy is kept and
+        never changes), a trained role's training state copied out when ``trainable``."""
+        return self.reload_time(role, alloc, True) if trainable else 0.0
 
     def fused_stage(self, step) -> FusedPrice:
         """A fused stage's predicted time and parts (:mod:`loomrl.planner.fused`). Cached."""
@@ -164,7 +187,7 @@ class CostModel:
         backward (train), working buffers (inference), KV cache and buffers (generate). The role's weights
         (and optimizer state) are :meth:`static_memory`, which the simulator holds for as long as they are
         resident; :meth:`call_memory` is the sum of the two. ``trainable`` does not change the transient part."""
-        if mfc.kind is MFCKind.COMPUTE:
+        if mfc.kind is MFCKind.COMPUTE or self._is_rule(mfc.role):
             return self.workload.batch * self.workload.mean_seq * COMPUTE_BYTES_PER_TOKEN
         if mfc.role not in self.shapes:
             return 0.0
@@ -181,24 +204,39 @@ class CostModel:
 
     def static_memory(self, role: str, alloc: Allocation, trainable: bool) -> float:
         """Resident bytes per device of ``role``'s weights on ``alloc`` (plus gradients and Adam moments if
-        ``trainable``): :func:`loomrl.plan.shard_bytes`, the figure plan validation uses."""
-        lay = alloc.layout
-        if role not in self.shapes:
+        ``trainable``): :func:`loomrl.plan.shard_bytes`, the figure plan validation uses; a trained mixture of
+        experts divides its experts over the settings' expert-parallel ranks rather than tp, and an offloaded
+        optimizer keeps its state on the host. A rule (no model) holds nothing."""
+        if self._is_rule(role) or role not in self.shapes:
             return 0.0
-        return float(shard_bytes(self._shape(role).params, lay.tp, lay.pp, self.bytes_per_param, trainable,
+        shape, lay = self._shape(role), alloc.layout
+        params = shape.params
+        ep = min(self.settings.expert_parallel, lay.dp * lay.tp)
+        if shape.moe and ep > 1 and (trainable or role != GENERATING_ROLE):
+            # the training engine's layouts (every trained role's state, every frozen role's placements) hold the
+            # experts over ep·pp ranks instead of tp·pp, scaled here into tp·pp terms; the generating role's
+            # other copies are the serving engine's, which splits experts by tp like every other weight
+            params += round(shape.expert_params * (lay.tp / ep - 1))
+        return float(shard_bytes(params, lay.tp, lay.pp, self.bytes_per_param, trainable,
                                  optimizer_shards=alloc.optimizer_shards if trainable else 1,
-                                 param_shards=alloc.param_shards if trainable else 1))
+                                 param_shards=alloc.param_shards if trainable else 1,
+                                 optimizer_on_host=trainable and self.settings.optimizer_offload))
 
     def realloc_time(self, role: str, src: Allocation, dst: Allocation) -> float:
         """Seconds to move ``role``'s weights from ``src`` to ``dst``, priced from the real transfer plan of a
         reduced copy of the model (exact received bytes when tp divides the split dimensions; see
         :mod:`loomrl.planner.realloc_cost`). 0 for the same placement. Cached."""
+        if self._is_rule(role):
+            return 0.0
         key = (self._shape(role), *self._relative_placements(src, dst))  # roles of one shape share plans
         if key not in self._reallocs:
             self._reallocs[key] = realloc_seconds(self._shape(role), src, dst, self.cluster, self.profile,
                                                   self.bytes_per_param)
         seconds = self._reallocs[key]
-        return self.corrections.apply(REALLOC, seconds) if seconds > 0 else 0.0
+        if seconds <= 0:
+            return 0.0
+        per_tensor = self.settings.sync_tensor_s * self._shape(role).tensor_count  # the framework's, per tensor
+        return (self.corrections.apply(REALLOC, seconds) + per_tensor) * self.profile.system_factor
 
     def _relative_placements(self, src: Allocation, dst: Allocation) -> tuple[tuple, tuple]:
         """The two placements with their devices relabelled, keeping every relation the transfer planner and the
@@ -243,7 +281,7 @@ class CostModel:
     # ------------------------------------------------------------------------------------- per-kind terms
 
     def _compute_terms(self, mfc: MFC, alloc: Allocation) -> dict[str, float]:
-        if mfc.kind is MFCKind.COMPUTE:
+        if mfc.kind is MFCKind.COMPUTE or self._is_rule(mfc.role):
             nbytes = self.workload.batch * self.workload.mean_seq * COMPUTE_BYTES_PER_TOKEN
             return {"compute": nbytes / self._rates_of(alloc).mem}
         if mfc.kind is MFCKind.GENERATE:
@@ -256,9 +294,11 @@ class CostModel:
         """One forward pass over every token of a replica's share (or of ``samples`` samples)."""
         shape, w = self._shape(role), self.workload
         samples = D.share(w.batch, alloc.layout.dp) if samples is None else samples
-        flops = T.forward_flops(shape, samples * w.mean_seq, samples * w.mean_sq_seq)
-        return self._pass(alloc, shape, flops, self._weight_bytes(role), samples * w.mean_seq,
-                          allreduces_per_layer=2, hops=1, micro_batches=alloc.micro_batches)
+        seq, sq = self._pass_lengths(samples / alloc.micro_batches)
+        flops = T.forward_flops(shape, samples * seq, samples * sq)
+        return self._pass(alloc, shape, flops, self._weight_bytes(role), samples * seq,
+                          allreduces_per_layer=2, hops=1, micro_batches=alloc.micro_batches,
+                          flops_scale=self._flops_scale(shape, MFCKind.INFERENCE))
 
     def _train_terms(self, mfc: MFC, alloc: Allocation) -> dict[str, float]:
         """Per optimizer step: a forward+backward pass over the step's share, the dp gradient all-reduce and
@@ -266,27 +306,40 @@ class CostModel:
         shape, w, lay = self._shape(mfc.role), self.workload, alloc.layout
         epochs, minibatches = self._steps(mfc)
         samples = w.batch / minibatches / lay.dp
-        tokens = samples * w.mean_seq
+        seq, sq = self._pass_lengths(samples / alloc.micro_batches)
+        tokens = samples * seq
         passes = 4.0 if alloc.recompute else 3.0  # recomputation runs each forward once more in the backward
-        flops = T.train_flops(shape, tokens, samples * w.mean_sq_seq) * passes / 3.0
+        flops = T.train_flops(shape, tokens, samples * sq) * passes / 3.0
         step = self._pass(alloc, shape, flops, passes * self._weight_bytes(mfc.role), tokens,
                           allreduces_per_layer=2 * passes - 2, hops=2, micro_batches=alloc.micro_batches,
-                          op_passes=passes)
+                          op_passes=passes, flops_scale=self._flops_scale(shape, MFCKind.TRAIN))
         rates = self._rates_of(alloc)
         shard_params = shape.params / (lay.tp * lay.pp)
         if alloc.fsdp:
             step.update(self._fsdp_terms(shape, alloc, sum(step.values())))
-            return {name: seconds * epochs * minibatches for name, seconds in step.items()}
-        grad_bytes = shard_params * max(self.bytes_per_param, GRAD_REDUCE_BYTES)  # summed in fp32
-        step["dp_grad_allreduce"] = T.ring_allreduce_time(grad_bytes, lay.dp, rates.dp_bw, rates.latency)
-        shards = alloc.optimizer_shards  # ZeRO-1: each dp rank updates 1/dp, then the weights are gathered
-        step["optimizer"] = T.adam_step_bytes(shard_params / shards, self.bytes_per_param) / rates.mem
-        step[_launch("optimizer_launch", lay.tp)] = self._launch_excess(
-            T.optimizer_ops(shape, shape.layers / lay.pp) * rates.op, step["optimizer"])
-        if shards > 1:
-            step["zero_allgather"] = T.ring_allgather_time(shard_params * self.bytes_per_param, lay.dp, rates.dp_bw,
-                                                           rates.latency)
+        else:
+            grad_bytes = shard_params * max(self.bytes_per_param, GRAD_REDUCE_BYTES)  # summed in fp32
+            step["dp_grad_allreduce"] = T.ring_allreduce_time(grad_bytes, lay.dp, rates.dp_bw, rates.latency)
+            shards = alloc.optimizer_shards  # ZeRO-1: each dp rank updates 1/dp, then the weights are gathered
+            step["optimizer"] = T.adam_step_bytes(shard_params / shards, self.bytes_per_param) / rates.mem
+            step[_launch("optimizer_launch", lay.tp)] = self._launch_excess(
+                T.optimizer_ops(shape, shape.layers / lay.pp) * rates.op, step["optimizer"])
+            if shards > 1:
+                step["zero_allgather"] = T.ring_allgather_time(shard_params * self.bytes_per_param, lay.dp,
+                                                               rates.dp_bw, rates.latency)
+        if self.settings.optimizer_offload:
+            step.update(self._host_optimizer_terms(shard_params / alloc.optimizer_shards, alloc))
         return {name: seconds * epochs * minibatches for name, seconds in step.items()}
+
+    def _host_optimizer_terms(self, owned: float, alloc: Allocation) -> dict[str, float]:
+        """An optimizer step whose state lives in host memory, for ``owned`` parameters per device: fp32
+        gradients down and 16-bit weights back over the host link, and Adam on the node's CPUs, which every
+        device of the allocation on that node shares."""
+        p = self.profile
+        per_node = max(Counter(self.cluster.node_of(d) for d in alloc.mesh).values())
+        return {"optimizer": owned * per_node / p.host_adam_rate,
+                "optimizer_host_link": owned * (GRAD_REDUCE_BYTES + self.bytes_per_param) / p.host_bw,
+                "optimizer_launch": 0.0}
 
     def _fsdp_terms(self, shape: ModelShape, alloc: Allocation, work: float) -> dict[str, float]:
         """An FSDP optimizer step's communication (per micro-batch: two all-gathers of the weights in the
@@ -316,20 +369,24 @@ class CostModel:
         shape = self._shape(role)
         flops = T.forward_flops(shape, samples * context, samples * context ** 2)
         chunks = max(1, math.ceil(samples * context / PREFILL_CHUNK_TOKENS))
-        prefill = self._pass(alloc, shape, flops, chunks * self._weight_bytes(role), samples * context,
-                             allreduces_per_layer=2, hops=1, micro_batches=self._gen_micro_batches(alloc))
+        prefill = self._pass(alloc, shape, flops, chunks * self._gen_weight_bytes(role), samples * context,
+                             allreduces_per_layer=2, hops=1, micro_batches=self._gen_micro_batches(alloc),
+                             flops_scale=self._flops_scale(shape, MFCKind.GENERATE))
         return {f"prefill_{name}": seconds for name, seconds in prefill.items()}
 
     # ------------------------------------------------------------------------------------------- building blocks
 
     def _pass(self, alloc: Allocation, shape: ModelShape, flops: float, weight_traffic: float, tokens: float,
-              allreduces_per_layer: int, hops: int, micro_batches: int, op_passes: float = 1.0) -> dict[str, float]:
+              allreduces_per_layer: int, hops: int, micro_batches: int, op_passes: float = 1.0,
+              flops_scale: float = 1.0) -> dict[str, float]:
         """One pipelined pass of a replica's share (see the module docstring): work, bubble, tp all-reduces,
         pp hops and operator launches (``op_passes`` forward passes' worth of operators per slot: 3 when
-        training). ``weight_traffic`` is the whole model's weight bytes moved per micro-batch."""
+        training). ``weight_traffic`` is the whole model's weight bytes moved per micro-batch; ``flops_scale``
+        scales the matmul rate (:meth:`_flops_scale`)."""
         lay, rates = alloc.layout, self._rates_of(alloc)
         mb = micro_batches
-        slot = T.roofline(flops / (lay.tp * lay.pp * mb), weight_traffic / (lay.tp * lay.pp), rates.flops, rates.mem)
+        slot = T.roofline(flops / (lay.tp * lay.pp * mb), weight_traffic / (lay.tp * lay.pp),
+                          rates.flops * flops_scale, rates.mem)
         act = tokens / mb * shape.hidden * self.bytes_per_param  # one micro-batch's hidden states
         tp = allreduces_per_layer * shape.layers / lay.pp * T.ring_allreduce_time(act, lay.tp, rates.tp_bw,
                                                                                    rates.latency)
@@ -345,51 +402,108 @@ class CostModel:
         what exceeds the work when the host queues ahead of the device (``HardwareProfile.async_launch``)."""
         return max(0.0, launch - work) if self.profile.async_launch else launch
 
+    def _flops_scale(self, shape: ModelShape, kind: MFCKind) -> float:
+        """The matmul rate of ``kind``'s passes relative to the profile's bf16 one: FP8 where the settings ask
+        for it (generation's or training's precision) and the device has it, and a mixture of experts'
+        utilisation relative to a dense model's (the profile's ``moe_efficiency``, less for experts smaller
+        than the one it was measured on: √ of their size ratio)."""
+        p, settings = self.profile, self.settings
+        scale = 1.0
+        if shape.moe:
+            size = shape.hidden * shape.expert_intermediate
+            scale *= p.moe_efficiency * min(1.0, math.sqrt(size / MOE_REFERENCE_EXPERT))
+        precision = settings.gen_precision if kind is MFCKind.GENERATE else settings.train_precision
+        if precision == "fp8" and p.fp8_matmul_flops > 0:
+            scale *= p.fp8_matmul_flops * p.fp8_efficiency / (p.matmul_flops * p.matmul_efficiency)
+        return scale
+
     def _decode_terms(self, role: str, alloc: Allocation, lengths: tuple[int, ...], padded: bool) -> dict[str, float]:
         """Decode steps summed in closed form over occupancy segments (:mod:`loomrl.planner.decode`)."""
-        return self.decode_segment_terms(role, alloc, self._segments(lengths, alloc.layout.dp, padded))
+        return self.decode_segment_terms(role, alloc, self._segments(role, alloc, lengths, padded))
 
     def decode_segment_terms(self, role: str, alloc: Allocation, segments: list[D.Segment]) -> dict[str, float]:
-        """Uncorrected terms of the decode steps of ``segments`` on one replica of ``alloc``."""
-        shape, lay, rates = self._shape(role), alloc.layout, self._rates_of(alloc)
+        """Uncorrected terms of the decode steps of ``segments`` on one replica of ``alloc``: a step reads the
+        weights its tokens touch and every live sample's KV cache at the profile's decode bandwidth
+        (``decode_bw_efficiency``), computes at the matmul rate, and adds the engine's fixed step time."""
+        shape, lay, rates, p = self._shape(role), alloc.layout, self._rates_of(alloc), self.profile
         mb, b = self._gen_micro_batches(alloc), self.bytes_per_param
         split = lay.tp * lay.pp * mb  # the devices and micro-batches a step's live tokens are spread over
         kv_split = min(lay.tp, shape.kv_heads) * lay.pp * mb  # kv heads are replicated beyond kv_heads
         slots = T.decode_step_slots(lay.pp, mb)
+        flops, mem = rates.flops * self._flops_scale(shape, MFCKind.GENERATE), rates.mem * p.decode_bw_efficiency
         launch_key = _launch("decode_launch", lay.tp)
-        out = {"decode": 0.0, "decode_tp_comm": 0.0, "decode_pp_p2p": 0.0, launch_key: 0.0}
+        out = {"decode": 0.0, "decode_tp_comm": 0.0, "decode_pp_p2p": 0.0, "decode_step": 0.0, launch_key: 0.0}
         step_ops = T.forward_ops(shape, shape.layers / lay.pp) + T.SAMPLE_OPS
         for seg in segments:
             # per-slot compute and memory time, each linear in the step t: a + b·t
-            attn = 4.0 * shape.layers * shape.hidden / (split * rates.flops)
-            a = 2.0 * shape.matmul_params * seg.live / (split * rates.flops) + attn * seg.ctx_base
-            kv = T.kv_bytes_per_token(shape, b) / (kv_split * rates.mem)
-            c = self._weight_bytes(role) / (lay.tp * lay.pp * rates.mem) + kv * seg.ctx_base
+            attn = 4.0 * shape.layers * shape.q_dim / (split * flops)
+            a = 2.0 * shape.matmul_params * seg.live / (split * flops) + attn * seg.ctx_base
+            kv = T.kv_bytes_per_token(shape, b) / (kv_split * mem)
+            weights = T.decode_weight_bytes(shape, seg.live / mb, self._gen_bytes())
+            c = weights / (lay.tp * lay.pp * mem) + kv * seg.ctx_base
             work = slots * T.sum_max_linear(a, attn * seg.live, c, kv * seg.live, seg.start, seg.end)
             out["decode"] += work
             act = seg.live / mb * shape.hidden * b
             steps = seg.end - seg.start
             tp = 2 * shape.layers / lay.pp * T.ring_allreduce_time(act, lay.tp, rates.tp_bw, rates.latency)
             out["decode_tp_comm"] += slots * tp * steps
+            out["decode_step"] += p.decode_step_s * steps
             out[launch_key] += self._launch_excess(slots * step_ops * rates.op * steps, work)
             if lay.pp > 1:
                 out["decode_pp_p2p"] += slots * T.transfer_time(act, rates.pp_bw, rates.latency) * steps
         return out
 
-    def _segments(self, lengths: tuple[int, ...], dp: int, padded: bool) -> list[D.Segment]:
-        w = self.workload
+    def _segments(self, role: str, alloc: Allocation, lengths: tuple[int, ...], padded: bool) -> list[D.Segment]:
+        """Occupancy of one replica's decode: static batching (``padded``), synchronous request batches
+        (``gen_request_batch``), a bounded number of slots (:meth:`decode_slots`), or every sample at once."""
+        w, dp = self.workload, alloc.layout.dp
         if padded:
             return D.padded_segments(lengths, D.share(w.batch, dp), w.prompt_len)
-        if w.decode_slots is not None and D.whole_share(w.batch, dp) > w.decode_slots:
-            return D.slot_segments(lengths, D.whole_share(w.batch, dp), w.decode_slots, w.prompt_len)
+        whole, slots = D.whole_share(w.batch, dp), self.decode_slots(role, alloc, lengths)
+        batch = self.settings.gen_request_batch
+        if batch is not None and whole > batch:
+            return D.round_segments(lengths, whole, batch, w.prompt_len, slots)
+        if slots is not None and whole > slots:
+            return D.slot_segments(lengths, whole, slots, w.prompt_len)
         return D.continuous_segments(lengths, D.share(w.batch, dp), w.prompt_len)
+
+    def decode_slots(self, role: str, alloc: Allocation, lengths: tuple[int, ...] | None = None) -> int | None:
+        """Samples one generation replica on ``alloc`` decodes at once at most, or None for all of its share:
+        the workload's ``decode_slots``, the engine's ``max_num_seqs`` and, for a serving engine, what its KV
+        cache holds at the mean context of a live sample (:func:`loomrl.planner.decode.live_context`)."""
+        w, settings = self.workload, self.settings
+        limits = [n for n in (w.decode_slots, settings.gen_max_seqs) if n is not None]
+        if settings.serving_engine:
+            if settings.gen_max_seqs is None:
+                limits.append(default_max_seqs(self.profile))
+            shape, lay = self._shape(role), alloc.layout
+            per_token = T.kv_bytes_per_token(shape, self.bytes_per_param) / (min(lay.tp, shape.kv_heads) * lay.pp)
+            context = D.live_context(lengths or w.response_lengths, w.prompt_len)
+            limits.append(max(1, int(self._engine_kv_bytes(role, alloc) / (per_token * context))))
+        return min(limits) if limits else None
+
+    def _engine_kv_bytes(self, role: str, alloc: Allocation) -> float:
+        """Bytes per device a serving engine's KV cache gets: its memory share less its weights and the
+        activation buffers of one batched forward pass (:data:`ENGINE_BATCHED_TOKENS`); 0 when the weights
+        alone do not fit in the share."""
+        shape, lay = self._shape(role), alloc.layout
+        pool = self.settings.gen_memory_fraction * self.profile.memory_bytes
+        weights = self._gen_weight_bytes(role) / (lay.tp * lay.pp)
+        buffers = ENGINE_BATCHED_TOKENS * (4 * shape.hidden + 2 * T.mlp_width(shape) / lay.tp) * self.bytes_per_param
+        return max(0.0, pool - weights - buffers)
 
     # ---------------------------------------------------------------------------------------------- memory
 
     def _generate_memory(self, role: str, alloc: Allocation) -> float:
-        """KV cache at its fullest, plus the larger of a prefill chunk's buffers and the decode logits."""
+        """KV cache at its fullest, plus the larger of a prefill chunk's buffers and the decode logits; a serving
+        engine holds its whole memory share (less the weights, which are the resident copy) instead, or more
+        than the device has when its weights alone exceed the share (it would not start)."""
         shape, lay, w, b = self._shape(role), alloc.layout, self.workload, self.bytes_per_param
-        segments = self._segments(w.response_lengths, lay.dp, padded=False)
+        if self.settings.serving_engine:
+            pool = self.settings.gen_memory_fraction * self.profile.memory_bytes
+            weights = self._gen_weight_bytes(role) / (lay.tp * lay.pp)
+            return pool - weights if pool > weights else self.profile.memory_bytes
+        segments = self._segments(role, alloc, w.response_lengths, padded=False)
         kv = T.kv_bytes_per_token(shape, b) * D.peak_context(segments) / (min(lay.tp, shape.kv_heads) * lay.pp)
         prefill_tokens = min(D.share(w.batch, lay.dp) * w.prompt_len, PREFILL_CHUNK_TOKENS)
         prefill = T.inference_activation_bytes(shape, prefill_tokens, lay.tp, b)
@@ -397,38 +511,67 @@ class CostModel:
         return kv + max(prefill, logits)
 
     def _inference_memory(self, role: str, alloc: Allocation) -> float:
-        """Working buffers of one micro-batch's forward pass."""
+        """Working buffers of one micro-batch's forward pass (its logits a chunk at a time when the settings say
+        so)."""
         shape, lay, w = self._shape(role), alloc.layout, self.workload
-        tokens = D.share(w.batch, lay.dp) * w.mean_seq / alloc.micro_batches
-        return T.inference_activation_bytes(shape, tokens, lay.tp, self.bytes_per_param)
+        samples = D.share(w.batch, lay.dp)
+        tokens = samples * self._pass_lengths(samples / alloc.micro_batches)[0] / alloc.micro_batches
+        return T.inference_activation_bytes(shape, tokens, lay.tp, self.bytes_per_param, self._logit_tokens(tokens))
 
     def _train_memory(self, mfc: MFC, alloc: Allocation) -> float:
         """Activations kept for the backward: one micro-batch at a time without pipelining; under the runtime's
         1F1B pipeline schedule, stage 0 (the most loaded) keeps ``min(pp, micro_batches)`` micro-batches."""
         shape, lay, w = self._shape(mfc.role), alloc.layout, self.workload
         _, minibatches = self._steps(mfc)
-        tokens = w.batch / minibatches / lay.dp * w.mean_seq
+        samples = w.batch / minibatches / lay.dp
+        tokens = samples * self._pass_lengths(samples / alloc.micro_batches)[0]
         in_flight = tokens / alloc.micro_batches * min(lay.pp, alloc.micro_batches)
         # FSDP: the root unit (embedding, head) gathered throughout, two layers at a time (one prefetched) and
         # one layer's unsharded fp32 gradients before its reduce-scatter
         gathered = 0.0 if not alloc.fsdp else (2 * shape.vocab * shape.hidden * self.bytes_per_param + (
             2 * self.bytes_per_param + GRAD_REDUCE_BYTES) * shape.params / shape.layers) / lay.tp
+        per_micro = tokens / alloc.micro_batches
         if alloc.recompute:
-            return gathered + T.recompute_activation_bytes(shape, in_flight, tokens / alloc.micro_batches,
-                                                           shape.layers / lay.pp, lay.tp, self.bytes_per_param)
+            return gathered + T.recompute_activation_bytes(shape, in_flight, per_micro, shape.layers / lay.pp, lay.tp,
+                                                           self.bytes_per_param, self._logit_tokens(per_micro))
         return gathered + T.train_activation_bytes(shape, in_flight, shape.layers / lay.pp, lay.tp,
-                                                   self.bytes_per_param)
+                                                   self.bytes_per_param, self._logit_tokens(in_flight))
+
+    def _pass_lengths(self, per_micro_batch: float) -> tuple[float, float]:
+        """(mean, mean square) length of a sample as a pass processes it: packed (the settings' default), its own
+        length; padded, the longest of the ``per_micro_batch`` samples it shares a micro-batch with
+        (:func:`loomrl.planner.decode.expected_longest`)."""
+        w = self.workload
+        if self.settings.packing or per_micro_batch <= 1:
+            return w.mean_seq, w.mean_sq_seq
+        padded = w.prompt_len + D.expected_longest(w.response_lengths, per_micro_batch)
+        return padded, padded * padded
+
+    def _logit_tokens(self, tokens: float) -> float:
+        """Tokens whose fp32 logits a pass over ``tokens`` holds at once (:attr:`EngineSettings.logits`)."""
+        return min(tokens, LOGIT_CHUNK_TOKENS) if self.settings.logits == "chunked" else tokens
 
     # ------------------------------------------------------------------------------------------------ helpers
 
+    def _is_rule(self, role: str | None) -> bool:
+        """Whether ``role`` has no model (a rule reward): its calls are priced as host work."""
+        return role is not None and role in self.shapes and self.shapes[role] is None
+
     def _shape(self, role: str | None) -> ModelShape:
-        if role not in self.shapes:
-            known = ", ".join(self.shapes) or "none"
+        if role not in self.shapes or self.shapes[role] is None:
+            known = ", ".join(r for r, s in self.shapes.items() if s is not None) or "none"
             raise ConfigError(f"cost model: no model shape for role {role!r}; known: {known}")
         return self.shapes[role]
 
     def _weight_bytes(self, role: str) -> float:
         return self._shape(role).params * self.bytes_per_param
+
+    def _gen_bytes(self) -> float:
+        """Bytes per weight of the generation engine (FP8 where the settings ask for it)."""
+        return 1 if self.settings.gen_precision == "fp8" else self.bytes_per_param
+
+    def _gen_weight_bytes(self, role: str) -> float:
+        return self._shape(role).params * self._gen_bytes()
 
     def _steps(self, mfc: MFC) -> tuple[int, int]:
         """(epochs, minibatches) of a train call: the MFC's own when set (not 1), else the workload's."""
@@ -447,24 +590,25 @@ class CostModel:
         return self._rates[key]
 
     def _measure_rates(self, alloc: Allocation) -> _Rates:
-        """Links per parallel axis (inter-node if any group of that axis spans nodes) and the slowdown of
-        devices sharing cores: a call keeping k devices of a node busy on a node with fewer cores runs at
-        cores/k of the per-device rate."""
+        """Links per parallel axis (inter-node if any group of that axis spans nodes; within a node at NCCL's
+        bus bandwidth) and the slowdown of devices sharing cores: a call keeping k devices of a node busy on a
+        node with fewer cores runs at cores/k of the per-device rate. The matmul rate is what passes reach
+        (``matmul_efficiency`` of the peak)."""
         p, lay = self.profile, alloc.layout
         groups = {
             "tp": [[alloc.device(Coords(s, d, t)) for t in range(lay.tp)] for d in range(lay.dp) for s in range(lay.pp)],
             "dp": [[alloc.device(Coords(s, d, t)) for d in range(lay.dp)] for t in range(lay.tp) for s in range(lay.pp)],
             "pp": [[alloc.device(Coords(s, d, t)) for s in range(lay.pp)] for d in range(lay.dp) for t in range(lay.tp)],
         }
-        bw = {axis: p.inter_node_bw if any(self._spans_nodes(g) for g in gs) else p.intra_node_bw
-              for axis, gs in groups.items()}
+        intra = p.intra_node_bw * p.intra_bus_efficiency
+        bw = {axis: p.inter_node_bw if any(self._spans_nodes(g) for g in gs) else intra for axis, gs in groups.items()}
         slowdown = 1.0
         if p.devices_share_cores > 1:
             busiest = max(Counter(self.cluster.node_of(d) for d in alloc.mesh).values())
             cores = self.cluster.devices_per_node / p.devices_share_cores
             slowdown = max(1.0, busiest / cores)
-        return _Rates(p.matmul_flops / slowdown, p.mem_bandwidth / slowdown, bw["tp"], bw["dp"], bw["pp"],
-                      p.link_latency, p.op_overhead * slowdown)
+        return _Rates(p.matmul_flops * p.matmul_efficiency / slowdown, p.mem_bandwidth / slowdown, bw["tp"],
+                      bw["dp"], bw["pp"], p.link_latency, p.op_overhead * slowdown)
 
     def _spans_nodes(self, devices: list[int]) -> bool:
         return len({self.cluster.node_of(d) for d in devices}) > 1

@@ -15,6 +15,9 @@ Three schedules:
   length-blind order (:func:`admission_order`).
 - :func:`padded_segments`: static batching: every sample occupies its row until the longest finishes. The
   baseline continuous batching is compared with.
+- :func:`round_segments`: synchronous requests: the samples arrive in batches of ``round_size`` (in admission
+  order) and each batch decodes, by continuous batching within it, until its longest sample ends before the
+  next batch is sent.
 """
 
 from __future__ import annotations
@@ -24,8 +27,9 @@ import math
 from collections import Counter
 from typing import NamedTuple, Sequence
 
-__all__ = ["Segment", "admission_order", "continuous_segments", "decode_steps", "padded_segments", "peak_context",
-           "peak_live", "share", "slot_segments", "whole_share"]
+__all__ = ["Segment", "admission_order", "continuous_segments", "decode_steps", "expected_longest", "live_context",
+           "padded_segments",
+           "peak_context", "peak_live", "round_segments", "share", "slot_segments", "whole_share"]
 
 
 class Segment(NamedTuple):
@@ -80,6 +84,39 @@ def slot_segments(lengths: Sequence[int], samples: int, slots: int, prompt_len: 
         if live > 0:
             out.append(Segment(point, following, float(live), base))
     return out
+
+
+def round_segments(lengths: Sequence[int], samples: int, round_size: int, prompt_len: float,
+                   slots: int | None = None) -> list[Segment]:
+    """``samples`` samples sent ``round_size`` at a time (module docstring), each batch decoding through at most
+    ``slots`` slots (all of it when None); a batch starts when the previous one has ended."""
+    order = admission_order(lengths, samples)
+    out: list[Segment] = []
+    offset = 0
+    for first in range(0, samples, round_size):
+        batch = order[first:first + round_size]
+        inner = slot_segments(batch, len(batch), slots, prompt_len) if slots and len(batch) > slots \
+            else continuous_segments(batch, len(batch), prompt_len)
+        # shifted by ``offset`` steps: a sample's context at step t is what it was at step t − offset
+        out += [Segment(g.start + offset, g.end + offset, g.live, g.ctx_base - g.live * offset) for g in inner]
+        offset = decode_steps(out)
+    return out
+
+
+def live_context(lengths: Sequence[int], prompt_len: float) -> float:
+    """Mean context of a sample while it decodes, over the steps it is live: the prompt plus half its response,
+    weighted by how long it stays (``E[L²] / 2E[L]``; long samples are live longer, so they weigh more). What a
+    KV cache of a given size must hold per sample in the steady state of continuous batching."""
+    total = sum(lengths)
+    return prompt_len + (sum(n * n for n in lengths) / (2 * total) if total else 0.0)
+
+
+def expected_longest(lengths: Sequence[int], k: float) -> float:
+    """Expected longest of ``k`` samples drawn from ``lengths`` (with replacement): the i-th smallest of n is
+    the longest with probability (i/n)^k − ((i−1)/n)^k. What a padded micro-batch of k samples is as long as."""
+    ordered = sorted(lengths)
+    n = len(ordered)
+    return sum(x * (((i + 1) / n) ** k - (i / n) ** k) for i, x in enumerate(ordered))
 
 
 def admission_order(lengths: Sequence[int], samples: int) -> list[int]:

@@ -18,34 +18,71 @@ from loomrl.planner.bounds import IterationBound, iteration_bound
 from loomrl.planner.corrections import Corrections
 from loomrl.planner.cost import CostModel
 from loomrl.planner.profiles import HardwareProfile, profile_for
+from loomrl.planner.settings import EngineSettings
 from loomrl.planner.search import CachedCost, best_heuristic_plans, search
 from loomrl.planner.simulator import SimResult
 from loomrl.planner.workload import ModelShape, Workload
 from loomrl.workflow import Workflow
 
 
-def _llama2(hidden: int, layers: int, heads: int, kv_heads: int, intermediate: int) -> SimpleNamespace:
-    return SimpleNamespace(model_type="llama", hidden_size=hidden, num_hidden_layers=layers,
+def _decoder(model_type: str, hidden: int, layers: int, heads: int, kv_heads: int, intermediate: int, vocab: int,
+             **extra: object) -> SimpleNamespace:
+    """An HF ``config.json`` as attributes (the fields :func:`loomrl.plan.memory.model_dims` reads)."""
+    return SimpleNamespace(model_type=model_type, hidden_size=hidden, num_hidden_layers=layers,
                            num_attention_heads=heads, num_key_value_heads=kv_heads, intermediate_size=intermediate,
-                           vocab_size=32000, tie_word_embeddings=False)
+                           vocab_size=vocab, **{"tie_word_embeddings": False, **extra})
 
 
-# Published LLaMA-2 / Code Llama architectures (the models of ReaLHF's weak-scaling experiments).
+def _opt(hidden: int, layers: int, heads: int) -> SimpleNamespace:
+    """OPT: plain (two-matrix) MLP of 4·hidden, tied embeddings, 50272-token vocabulary."""
+    return SimpleNamespace(model_type="opt", hidden_size=hidden, num_hidden_layers=layers, num_attention_heads=heads,
+                           ffn_dim=4 * hidden, vocab_size=50272, tie_word_embeddings=True)
+
+
+# Published architectures, each the fields of its Hugging Face config.json (huggingface.co/<repo>/blob/main/
+# config.json for the repo named beside it); any other model: give its config.json (--model path/config.json).
 MODEL_PRESETS: dict[str, SimpleNamespace] = {
-    "llama2-7b": _llama2(4096, 32, 32, 32, 11008),
-    "llama2-13b": _llama2(5120, 40, 40, 40, 13824),
-    "llama2-34b": _llama2(8192, 48, 64, 8, 22016),  # Code Llama 34B: the 34B LLaMA-2 architecture
-    "llama2-70b": _llama2(8192, 80, 64, 8, 28672),
+    # meta-llama/Llama-2-{7b,13b,70b}-hf, codellama/CodeLlama-34b-hf (the models of ReaLHF's experiments)
+    "llama2-7b": _decoder("llama", 4096, 32, 32, 32, 11008, 32000),
+    "llama2-13b": _decoder("llama", 5120, 40, 40, 40, 13824, 32000),
+    "llama2-34b": _decoder("llama", 8192, 48, 64, 8, 22016, 32000),
+    "llama2-70b": _decoder("llama", 8192, 80, 64, 8, 28672, 32000),
+    # meta-llama/Llama-3.1-8B, meta-llama/Meta-Llama-3-70B (Llama 3.1 70B has the same shape), Llama-3.1-405B
+    "llama3.1-8b": _decoder("llama", 4096, 32, 32, 8, 14336, 128256),
+    "llama3-70b": _decoder("llama", 8192, 80, 64, 8, 28672, 128256),
+    "llama3.1-70b": _decoder("llama", 8192, 80, 64, 8, 28672, 128256),
+    "llama3.1-405b": _decoder("llama", 16384, 126, 128, 8, 53248, 128256),
+    # Qwen/Qwen2.5-7B (Qwen2.5-Math-7B: the same shape), Qwen/Qwen2.5-32B
+    "qwen2.5-7b": _decoder("qwen2", 3584, 28, 28, 4, 18944, 152064),
+    "qwen2.5-32b": _decoder("qwen2", 5120, 64, 40, 8, 27648, 152064),
+    # Qwen/Qwen3-8B, Qwen/Qwen3-32B: head_dim 128 whatever the hidden size
+    "qwen3-8b": _decoder("qwen3", 4096, 36, 32, 8, 12288, 151936, head_dim=128),
+    "qwen3-32b": _decoder("qwen3", 5120, 64, 64, 8, 25600, 151936, head_dim=128),
+    # Qwen/Qwen3-30B-A3B, Qwen/Qwen3-235B-A22B: 128 routed experts, 8 per token, no shared expert
+    "qwen3-30b-a3b": _decoder("qwen3_moe", 2048, 48, 32, 4, 6144, 151936, head_dim=128, num_experts=128,
+                              num_experts_per_tok=8, moe_intermediate_size=768),
+    "qwen3-235b-a22b": _decoder("qwen3_moe", 4096, 94, 64, 4, 12288, 151936, head_dim=128, num_experts=128,
+                                num_experts_per_tok=8, moe_intermediate_size=1536),
+    # facebook/opt-{350m,1.3b,6.7b,13b,30b,66b} (DeepSpeed-Chat's models)
+    "opt-350m": _opt(1024, 24, 16),
+    "opt-1.3b": _opt(2048, 24, 32),
+    "opt-6.7b": _opt(4096, 32, 32),
+    "opt-13b": _opt(5120, 40, 40),
+    "opt-30b": _opt(7168, 48, 56),
+    "opt-66b": _opt(9216, 64, 72),
 }
 
 
 def model_config(name: str, tokenizer=None) -> object:
-    """An architecture to plan with: a preset above, a zoo model (``llama-1m``; its vocabulary from
-    ``tokenizer``, by default the built-in one) or a local HF checkpoint directory (its ``config.json``)."""
+    """An architecture to plan with: a preset above, an HF ``config.json`` file (read as it is: no weights, no
+    network), a zoo model (``llama-1m``; its vocabulary from ``tokenizer``, by default the built-in one) or a
+    local HF checkpoint directory (its ``config.json``)."""
     from pathlib import Path
 
     if name in MODEL_PRESETS:
         return MODEL_PRESETS[name]
+    if name.endswith(".json"):
+        return read_config_json(name)
     from loomrl.models.zoo import ZOO, zoo_config
 
     if name in ZOO or Path(name, "config.json").is_file():
@@ -56,8 +93,31 @@ def model_config(name: str, tokenizer=None) -> object:
         from transformers import AutoConfig
 
         return AutoConfig.from_pretrained(name)
-    raise ConfigError(f"model: '{name}' is not a preset, a zoo model or a checkpoint directory; presets: "
-                      f"{', '.join(MODEL_PRESETS)}; zoo: {', '.join(ZOO)}")
+    raise ConfigError(f"model: '{name}' is not a preset, a config.json, a zoo model or a checkpoint directory; "
+                      f"presets: {', '.join(MODEL_PRESETS)}; zoo: {', '.join(ZOO)}")
+
+
+def read_config_json(path: str) -> SimpleNamespace:
+    """An HF ``config.json`` as attributes; one-line errors name the file and what is missing."""
+    import json
+    from pathlib import Path
+
+    from loomrl.errors import DataError
+    from loomrl.plan.memory import model_dims
+
+    try:
+        data = json.loads(Path(path).read_text())
+    except (OSError, json.JSONDecodeError) as err:
+        raise DataError(f"{path}: cannot read a model config ({err})") from None
+    if not isinstance(data, dict):
+        raise DataError(f"{path}: a model config is a JSON object (an HF config.json)")
+    config = SimpleNamespace(**data)
+    try:
+        model_dims(config)
+    except (AttributeError, TypeError, ValueError) as err:
+        raise DataError(f"{path}: not a decoder config ({err}); needed: hidden_size, num_hidden_layers, "
+                        "num_attention_heads, vocab_size") from None
+    return config
 
 
 SEARCH_CHAINS = 8
@@ -69,6 +129,15 @@ against 16.35 s), the same in the others."""
 
 MIN_SEARCH_SHARE = 0.25
 """Least share of :func:`compare_plans`' time budget left to the search, however long the heuristics took."""
+BOUND_SHARE = 0.25
+"""Share of :func:`compare_plans`' time budget the lower bound may take (past it, it falls back to its looser
+rule, which holds for every plan), but at least :data:`MIN_BOUND_S`."""
+MIN_BOUND_S = 3.0
+"""Seconds the lower bound may always take: enumerating an 8-GPU cluster's training placements takes ~0.7 s
+here (more on a loaded machine), so a budget of a few seconds still gets the placement-wise bound."""
+HEURISTIC_SHARE = 0.35
+"""Share of the budget the heuristics' layout enumeration may take, after the bound (past it, each keeps the
+best layouts it has simulated)."""
 
 
 @dataclass
@@ -93,25 +162,32 @@ class PlanningReport:
 def compare_plans(workflow: Workflow, cluster: ClusterSpec, configs: Mapping[str, object], workload: Workload,
                   *, seed: int = 0, time_budget_s: float = 30.0, chains: int = SEARCH_CHAINS,
                   profile: HardwareProfile | None = None, corrections: Corrections | None = None,
-                  bytes_per_param: int | None = None) -> PlanningReport:
+                  bytes_per_param: int | None = None, settings: EngineSettings | None = None) -> PlanningReport:
     """Best layouts of each heuristic strategy, then a seeded, time-bounded search; all simulated; and the
     lower bound on any plan's time (:func:`~loomrl.planner.bounds.iteration_bound`).
 
-    ``time_budget_s`` bounds the whole comparison: the search gets what the heuristics' enumeration leaves
-    of it, and at least :data:`MIN_SEARCH_SHARE` of it (so the total may exceed the budget only where the
-    enumeration alone takes more than the rest). Both share one cache of priced calls and reallocations.
+    ``time_budget_s`` bounds the whole comparison: the bound may take :data:`BOUND_SHARE` of it (at least
+    :data:`MIN_BOUND_S`), the heuristics' enumeration up to :data:`HEURISTIC_SHARE` more, and the search what is
+    left, at least :data:`MIN_SEARCH_SHARE`; each stops at its deadline with what it has (the total then exceeds
+    the budget by at most the bound's minimum and the pricing of the candidate allocations, which all three
+    share through one cache).
 
     ``profile`` replaces the cluster's named profile (e.g. this machine measured by ``loomrl calibrate``) and
     ``corrections`` are fitted ones (``loomrl calibrate --from``); by default the datasheet profile, uncorrected.
     ``bytes_per_param``: the weights' element size (:data:`~loomrl.planner.cost.PRECISION_BYTES`); by default
-    the runtime's ``precision: auto`` on the profile's devices."""
+    the runtime's ``precision: auto`` on the profile's devices. ``settings``: how the system runs the calls
+    (:class:`~loomrl.planner.settings.EngineSettings`; loomrl's runtime by default)."""
     profile = profile or profile_for(cluster)
-    shapes = {role: ModelShape.from_config(cfg) for role, cfg in configs.items()}
+    shapes = {role: None if cfg is None else ModelShape.from_config(cfg) for role, cfg in configs.items()}
     began = time.monotonic()
-    cost = CachedCost(CostModel(cluster, profile, shapes, workload, corrections, bytes_per_param=bytes_per_param))
+    cost = CachedCost(CostModel(cluster, profile, shapes, workload, corrections, bytes_per_param=bytes_per_param,
+                                settings=settings))
     memory = profile.memory_bytes
-    bound = iteration_bound(workflow, cluster, cost, memory, configs)  # its prices are the search's, cached
-    heuristics = best_heuristic_plans(workflow, cluster, cost, memory, configs)
+    # their prices are the search's, cached
+    bound_s = max(BOUND_SHARE * time_budget_s, MIN_BOUND_S)
+    bound = iteration_bound(workflow, cluster, cost, memory, configs, deadline=began + bound_s)
+    heuristics = best_heuristic_plans(workflow, cluster, cost, memory, configs,
+                                      deadline=began + bound_s + HEURISTIC_SHARE * time_budget_s)
     search_s = max(time_budget_s - (time.monotonic() - began), MIN_SEARCH_SHARE * time_budget_s)
     feasible = sorted(((r.iteration_time, name, p) for name, (p, r) in heuristics.items() if r.feasible),
                       key=lambda t: t[0])
@@ -136,3 +212,4 @@ def compare_plans(workflow: Workflow, cluster: ClusterSpec, configs: Mapping[str
         return PlanningReport(rows, ("colocate (infeasible)", plan, result), heuristics, searched, bound)
     _, name, plan, result = min(candidates, key=lambda t: t[0])
     return PlanningReport(rows, (name, plan, result), heuristics, searched, bound)
+

@@ -55,8 +55,8 @@ def reduced_model(shape: ModelShape, src: Allocation, dst: Allocation
         layers = max(n for n in range(step, max(step, REDUCED_LAYERS) + 1, step) if shape.layers % n == 0)
     r = math.lcm(src.layout.tp, dst.layout.tp, src.layout.dp if src.fsdp else 1)  # FSDP: dp splits rows too
     unit = shape.hidden / REDUCED_HIDDEN_UNITS
-    true_dims = {"hidden": shape.hidden, "kv": shape.kv_dim, "intermediate": shape.intermediate,
-                 "vocab": shape.vocab}
+    true_dims = {"hidden": shape.hidden, "q": shape.q_dim, "kv": shape.kv_dim, "intermediate": shape.intermediate,
+                 "vocab": shape.vocab, "experts": shape.experts * shape.expert_intermediate}
     reduced = shape.param_shapes(layers, {k: r * max(1, round(d / unit)) for k, d in true_dims.items()})
     true = shape.param_shapes(layers)
     per_layer = shape.layers / layers
@@ -80,26 +80,31 @@ class DeviceLoad:
 
 
 def device_loads(plan: ReallocPlan, scale: dict[str, float], bytes_per_elem: float) -> dict[int, DeviceLoad]:
-    """Per-device bytes of ``plan`` with each piece's size scaled by ``scale[param]``."""
+    """Per-device bytes of ``plan`` with each piece's size scaled by ``scale[param]``. Bytes are summed per
+    route (sender, receivers) first and handed to the route's devices once: a broadcast to hundreds of devices
+    carries thousands of pieces."""
     loads: dict[int, DeviceLoad] = defaultdict(DeviceLoad)
     nodes = plan.nodes
+    routes: dict[tuple[int, tuple[int, ...]], float] = defaultdict(float)
     for t in plan.transfers:
         nbytes = t.numel * scale[t.param] * bytes_per_elem
         if t.local:
             if not plan.aliased(t.sender, t.param):
                 loads[t.sender].copied += nbytes
             continue
-        route = (t.sender, t.receivers)
-        sender = loads[t.sender]
-        if any(nodes[r] != nodes[t.sender] for r in t.receivers):
+        routes[(t.sender, t.receivers)] += nbytes
+    for route, nbytes in routes.items():
+        sender_id, receivers = route
+        sender = loads[sender_id]
+        if any(nodes[r] != nodes[sender_id] for r in receivers):
             sender.send_inter += nbytes
         else:
             sender.send_intra += nbytes
         sender.copied += nbytes
         sender.routes.add(route)
-        for r in t.receivers:
+        for r in receivers:
             load = loads[r]
-            if nodes[r] != nodes[t.sender]:
+            if nodes[r] != nodes[sender_id]:
                 load.recv_inter += nbytes
             else:
                 load.recv_intra += nbytes

@@ -5,7 +5,8 @@
   of whole nodes (aligned likewise), plus the whole cluster. Layouts are ``dp × tp × pp`` equal to the mesh
   size that the runtime can run (:func:`loomrl.plan.layout.check_layout`: tp divides the heads, key/value
   heads and MLP width, pp divides the layers), with every tensor-parallel group inside one node; generation
-  runs with pp = 1. Train calls also choose micro-batches (:data:`MICRO_BATCHES`), whether to recompute
+  runs with pp = 1. Train and inference calls also choose micro-batches (:data:`MICRO_BATCHES`: memory for
+  inference, pipelining too for both); train calls whether to recompute
   activations and, with dp > 1, whether to shard the optimizer state (ZeRO-1) or, without pipeline stages,
   the weights, gradients and optimizer state too (FSDP). A compute step may run on any single device.
 - :func:`search`: the candidates are first pruned per device mesh to the few fastest layouts alone that fit
@@ -44,11 +45,12 @@ from dataclasses import dataclass
 from loomrl.errors import ConfigError
 from loomrl.plan import Allocation, ClusterSpec, DeviceSet, ExecutionPlan, colocate, interleave, separate
 from loomrl.plan.layout import Layout, check_layout
+from loomrl.plan.memory import model_dims
 from loomrl.planner.simulator import CostEstimator, SimResult, simulate
 from loomrl.workflow import MFC, MFCKind, Workflow
 
-__all__ = ["CachedCost", "MICRO_BATCHES", "best_heuristic_plans", "candidate_allocations", "device_meshes",
-           "layouts_on", "memory_alone", "plan_key", "search", "unit_names"]
+__all__ = ["CachedCost", "MICRO_BATCHES", "RUNTIME_ARCHITECTURES", "best_heuristic_plans", "candidate_allocations",
+           "device_meshes", "layouts_on", "memory_alone", "plan_key", "search", "shardable", "unit_names"]
 
 MICRO_BATCHES: tuple[int, ...] = (1, 2, 4, 8)
 """Micro-batch counts a train call may choose."""
@@ -95,9 +97,14 @@ def _tp_within_nodes(mesh: DeviceSet, tp: int, cluster: ClusterSpec) -> bool:
     return all(len({cluster.node_of(d) for d in mesh.devices[g:g + tp]}) == 1 for g in range(0, len(mesh), tp))
 
 
-def layouts_on(mfc: MFC, mesh: DeviceSet, cluster: ClusterSpec, config: object) -> list[Layout]:
-    """Layouts of ``mfc``'s model on ``mesh`` that the runtime can run (module docstring); pure dp first."""
+def layouts_on(mfc: MFC, mesh: DeviceSet, cluster: ClusterSpec, config: object | None) -> list[Layout]:
+    """Layouts of ``mfc``'s model on ``mesh`` that the runtime can run (module docstring); pure dp first. A role
+    with no model (``config`` None: a rule reward) runs data-parallel only; an architecture loomrl's runtime
+    does not build (Qwen3, OPT, mixtures of experts: described for planning) takes the layouts serving and
+    training systems run it in (:func:`shardable`)."""
     n, found = len(mesh), []
+    if config is None:
+        return [Layout(dp=n)]
     for tp in (t for t in range(1, min(n, cluster.devices_per_node) + 1) if n % t == 0):
         if not _tp_within_nodes(mesh, tp, cluster):
             continue
@@ -105,12 +112,31 @@ def layouts_on(mfc: MFC, mesh: DeviceSet, cluster: ClusterSpec, config: object) 
             if pp > 1 and mfc.kind is MFCKind.GENERATE:
                 continue
             layout = Layout(n // (tp * pp), tp, pp)
-            try:
-                check_layout(layout, config, n)
-            except ConfigError:
-                continue
-            found.append(layout)
+            if shardable(layout, config, n):
+                found.append(layout)
     return found
+
+
+RUNTIME_ARCHITECTURES = ("llama", "qwen2", "gpt2")
+"""``model_type`` values loomrl's runtime builds (its zoo's): their layouts must pass the runtime's own check."""
+
+
+def shardable(layout: Layout, config: object, devices: int) -> bool:
+    """Whether ``layout`` can shard the model of ``config``: the runtime's check (:func:`check_layout`) for the
+    architectures it builds; for others, what vLLM and Megatron accept: tp divides the query heads and the MLP
+    (or expert) width, and divides or is a multiple of the key/value heads (which are then replicated); pp
+    divides the layers."""
+    if getattr(config, "model_type", None) in RUNTIME_ARCHITECTURES:
+        try:
+            check_layout(layout, config, devices)
+        except ConfigError:
+            return False
+        return True
+    d = model_dims(config)
+    width = d.expert_intermediate if d.experts else d.intermediate
+    tp_ok = d.heads % layout.tp == 0 and width % layout.tp == 0 and (
+        d.kv_heads % layout.tp == 0 or layout.tp % d.kv_heads == 0)
+    return layout.size == devices and tp_ok and d.layers % layout.pp == 0
 
 
 def _config(mfc: MFC, model_configs: Mapping[str, object]) -> object:
@@ -122,12 +148,13 @@ def _config(mfc: MFC, model_configs: Mapping[str, object]) -> object:
 
 def _allocations_on(mfc: MFC, mesh: DeviceSet, cluster: ClusterSpec,
                     model_configs: Mapping[str, object]) -> list[Allocation]:
-    """Every layout of ``mfc`` on ``mesh`` (× micro-batches, recompute and, where dp > 1, ZeRO-1 for a train
-    call, or FSDP for one without pipeline stages)."""
+    """Every layout of ``mfc`` on ``mesh`` (× micro-batches for train and inference calls; × recompute and, where
+    dp > 1, ZeRO-1 for a train call, or FSDP for one without pipeline stages)."""
     if mfc.kind is MFCKind.COMPUTE:
         return [Allocation(mesh, Layout(dp=len(mesh)))]
     train = mfc.kind is MFCKind.TRAIN
-    counts, recompute = (MICRO_BATCHES, (False, True)) if train else ((1,), (False,))
+    counts = MICRO_BATCHES if mfc.kind in (MFCKind.TRAIN, MFCKind.INFERENCE) else (1,)  # scoring is micro-batched
+    recompute = (False, True) if train else (False,)
     out = []
     for layout in layouts_on(mfc, mesh, cluster, _config(mfc, model_configs)):
         shardings = [(False, False)]  # (zero, fsdp)
@@ -244,9 +271,18 @@ class CachedCost:
     def realloc_time(self, role: str, src: Allocation, dst: Allocation) -> float:
         return self._ask(("r", role, src, dst), lambda: self.inner.realloc_time(role, src, dst))
 
-    def reload_time(self, role: str, alloc: Allocation) -> float:
+    def reload_time(self, role: str, alloc: Allocation, trainable: bool = False) -> float:
         inner = getattr(self.inner, "reload_time", None)  # optional: none means reloading costs nothing
-        return 0.0 if inner is None else self._ask(("l", role, alloc), lambda: inner(role, alloc))
+        if inner is None:
+            return 0.0
+        return self._ask(("l", role, alloc, trainable),
+                         lambda: inner(role, alloc, True) if trainable else inner(role, alloc))
+
+    def offload_time(self, role: str, alloc: Allocation, trainable: bool = False) -> float:
+        inner = getattr(self.inner, "offload_time", None)  # optional: none means offloading costs nothing
+        if inner is None or not trainable:
+            return 0.0
+        return self._ask(("o", role, alloc), lambda: inner(role, alloc, True))
 
     def __getattr__(self, name: str):  # the estimator's other optional methods (shared_cores, iteration_time, ...)
         return getattr(self.inner, name)
@@ -330,16 +366,17 @@ def _propose(plan: ExecutionPlan, units: list[_Unit], rng: random.Random) -> Exe
     return _with(plan, changes)
 
 
-def _offload_choices(plan: ExecutionPlan, evaluate: _Evaluator) -> list[str]:
-    """Roles the search may offload or keep resident: those without a train call, when the estimator prices
-    reloading them (without a price, offloading only saves memory, so the default rule's choice is never worse)
-    and the devices offload at all (CPU devices do not: the choice would change nothing)."""
+def _offload_choices(plan: ExecutionPlan, evaluate: _Evaluator, trained: bool = True) -> list[str]:
+    """Roles the search may offload or keep resident, when the estimator prices reloading them (without a price,
+    offloading only saves memory, so the default rule's choice is never worse) and the devices offload at all
+    (CPU devices do not: the choice would change nothing): those without a train call, and with ``trained``
+    the trained ones too, whose state then sleeps through the generations on their devices."""
     estimator = getattr(evaluate.cost, "inner", evaluate.cost)
     offloads = getattr(estimator, "offloads", None)
     if getattr(estimator, "reload_time", None) is None or (offloads is not None and not offloads()):
         return []
-    trained = set(plan.trained_roles(evaluate.workflow))
-    return [role for role in evaluate.workflow.roles() if role not in trained]
+    frozen = set(evaluate.workflow.roles()) - set(plan.trained_roles(evaluate.workflow))
+    return [role for role in evaluate.workflow.roles() if trained or role in frozen]
 
 
 def _toggle_offload(plan: ExecutionPlan, workflow: Workflow, role: str) -> ExecutionPlan:
@@ -563,26 +600,43 @@ def _per_call_units(plan: ExecutionPlan, workflow: Workflow,
 
 
 def _best_layouts(plan: ExecutionPlan, workflow: Workflow, model_configs: Mapping[str, object],
-                  evaluate: _Evaluator, per_call: bool = False) -> ExecutionPlan:
+                  evaluate: _Evaluator, per_call: bool = False, deadline: float = math.inf) -> ExecutionPlan:
     """``plan`` with the fastest layouts (and micro-batches) of its model calls on the meshes it chose:
     symmetric (:func:`_symmetric_units`) or, with ``per_call``, one layout per call (:func:`_per_call_units`).
 
     Exhaustive up to :data:`ENUMERATION_LIMIT` combinations; beyond, coordinate-wise: each unit in turn takes
     its best layout with the others fixed, sweeping until a sweep changes nothing (at most ``_MAX_SWEEPS``).
+    Past ``deadline`` (``time.monotonic()``) it returns the best it has simulated (the first option of each
+    unit at least).
     """
     units = (_per_call_units if per_call else _symmetric_units)(plan, workflow, model_configs)
-    choices = [options for _, options in units]
+    # leanest first: when a deadline cuts the enumeration short, what was tried is likely to fit
+    choices = [sorted(options, key=lambda option: _option_memory(option, workflow, evaluate.cost))
+               for _, options in units]
     if math.prod(len(c) for c in choices) <= ENUMERATION_LIMIT:
         combos = (_assign(plan, combo) for combo in itertools.product(*choices))
-        return min(combos, key=evaluate.rank)
+        return min(_until(combos, deadline), key=evaluate.rank)
     best = plan
     for _ in range(_MAX_SWEEPS):
         before = plan_key(best)
         for options in choices:
-            best = min((_assign(best, (option,)) for option in options), key=evaluate.rank)
-        if plan_key(best) == before:
+            best = min(_until((_assign(best, (option,)) for option in options), deadline), key=evaluate.rank)
+        if plan_key(best) == before or time.monotonic() > deadline:
             break
     return best
+
+
+def _option_memory(option: Mapping[str, Allocation], workflow: Workflow, cost: CostEstimator) -> float:
+    """The most bytes per device one call of a layout option needs alone (:func:`memory_alone`)."""
+    return max(memory_alone([workflow[name]], alloc, cost) for name, alloc in option.items())
+
+
+def _until(plans, deadline: float):
+    """``plans`` until ``deadline`` passes, the first always (a minimum needs one)."""
+    for i, plan in enumerate(plans):
+        if i and time.monotonic() > deadline:
+            return
+        yield plan
 
 
 def _assign(plan: ExecutionPlan, combo: tuple[dict[str, Allocation], ...]) -> ExecutionPlan:
@@ -593,15 +647,16 @@ def _assign(plan: ExecutionPlan, combo: tuple[dict[str, Allocation], ...]) -> Ex
 
 def _generation_devices(cluster: ClusterSpec) -> list[int]:
     """Generation device counts :func:`best_heuristic_plans` tries for separate: powers of two, whole nodes,
-    and half the cluster (the strategy's default)."""
+    and half the cluster (the strategy's default), which comes first."""
     n, per_node = cluster.n_devices, cluster.devices_per_node
     counts = {g for g in range(1, n) if g & (g - 1) == 0 or g % per_node == 0} | {n // 2}
-    return sorted(c for c in counts if 1 <= c < n)
+    # half the cluster (the strategy's default) first: what a deadline leaves time for
+    return sorted((c for c in counts if 1 <= c < n), key=lambda c: (c != n // 2, c))
 
 
 def best_heuristic_plans(workflow: Workflow, cluster: ClusterSpec, cost: CostEstimator, memory_per_device: float,
-                         model_configs: Mapping[str, object], *, iterations: int = 3,
-                         per_call: bool = False) -> dict[str, tuple[ExecutionPlan, SimResult]]:
+                         model_configs: Mapping[str, object], *, iterations: int = 3, per_call: bool = False,
+                         deadline: float = math.inf) -> dict[str, tuple[ExecutionPlan, SimResult]]:
     """Strategy name (``colocate``, ``interleave``, ``separate``) → its fastest feasible plan and simulation.
 
     Each strategy keeps its meshes and gets its best layouts by enumeration (see :func:`_best_layouts`):
@@ -610,6 +665,8 @@ def best_heuristic_plans(workflow: Workflow, cluster: ClusterSpec, cost: CostEst
     separate also tries each count of :func:`_generation_devices`. Where reloading an offloaded role costs time,
     each tuned plan is also tried with every frozen role resident. A strategy with no feasible plan maps to
     its least infeasible one (``feasible=False`` and the reason); ``separate`` is absent on one device.
+    ``deadline`` (``time.monotonic()``) is shared by the strategies in turn: each gets an equal part of what is
+    left, and past its part keeps the best layouts simulated so far.
     """
     evaluate = _Evaluator(workflow, cost, memory_per_device, iterations)
     pow2 = cluster.n_devices & (cluster.n_devices - 1) == 0
@@ -619,11 +676,18 @@ def best_heuristic_plans(workflow: Workflow, cluster: ClusterSpec, cost: CostEst
     if cluster.n_devices > 1:
         starts["separate"] = [separate(workflow, cluster, g) for g in _generation_devices(cluster)]
     out: dict[str, tuple[ExecutionPlan, SimResult]] = {}
-    for name, plans in starts.items():
-        tuned = [_best_layouts(p, workflow, model_configs, evaluate, per_call) for p in plans]
+    for k, (name, plans) in enumerate(starts.items()):
+        now = time.monotonic()
+        part = now + (deadline - now) / (len(starts) - k) if deadline < math.inf else math.inf
+        tuned = []
+        for i, p in enumerate(plans):  # the first of a strategy's plans always, the others while time is left
+            if tuned and time.monotonic() > part:
+                break
+            tuned.append(_best_layouts(p, workflow, model_configs, evaluate, per_call,
+                                       now + (part - now) * (i + 1) / len(plans) if part < math.inf else math.inf))
         # each tuned plan also with every frozen role resident (no reload before its calls), where it fits
         tuned += [ExecutionPlan(p.cluster, p.allocations, p.shadow, ()) for p in tuned
-                  if _offload_choices(p, evaluate) and p.offloaded_roles(workflow)]
+                  if _offload_choices(p, evaluate, trained=False) and p.offloaded_roles(workflow)]
         best = min(tuned, key=evaluate.rank)
         result = evaluate(best)
         if result is None:  # a strategy's own plan is always structurally valid; guard the invariant

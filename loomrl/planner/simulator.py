@@ -173,31 +173,45 @@ def _checked(value: float, what: str) -> float:
     return value
 
 
-def _duration(step: Step, cost: CostEstimator) -> float:
-    """Seconds the estimator gives a step (module docstring)."""
+def _duration(step: Step, cost: CostEstimator, trained: frozenset[str] = frozenset()) -> float:
+    """Seconds the estimator gives a step (module docstring); a fused stage's from the estimator's optional
+    ``fused_time`` (without it the stage runs its calls in turn); a reload or offload of a ``trained`` role
+    moves its training state (:func:`_move_time`)."""
     if step.kind is StepKind.FUSED:
         fused = getattr(cost, "fused_time", None)  # optional: without it the stage runs its calls in turn
         if fused is not None:
             return _checked(fused(step), f"fused_time({step.id})")
-        return sum(_duration(member, cost) for member in step.members)
+        return sum(_duration(member, cost, trained) for member in step.members)
     if step.kind is StepKind.CALL:
         return _checked(cost.mfc_time(step.mfc, step.alloc), f"mfc_time({step.id}, {step.alloc.text})")
     if step.moves_bytes:
         return _checked(cost.realloc_time(step.role, step.src, step.alloc),
                         f"realloc_time({step.role}, {step.src.text} -> {step.alloc.text})")
-    reload = getattr(cost, "reload_time", None)  # optional: none means reloading costs nothing
-    if step.kind is StepKind.RELOAD and reload is not None:
-        return _checked(reload(step.role, step.alloc), f"reload_time({step.role}, {step.alloc.text})")
+    if step.kind in (StepKind.RELOAD, StepKind.OFFLOAD):
+        return _move_time(step, cost, step.role in trained)
     return 0.0
 
 
-def _build_graph(schedule: Schedule, cost: CostEstimator, iterations: int) -> list[_Node]:
+def _move_time(step: Step, cost: CostEstimator, trained: bool) -> float:
+    """A reload or offload: the estimator's optional ``reload_time`` / ``offload_time`` (none: free). A frozen
+    role's offload keeps its host copy and takes no time; a trained role's state is copied each way, and the
+    estimator is told so (``trainable``)."""
+    name = "reload_time" if step.kind is StepKind.RELOAD else "offload_time"
+    fn = getattr(cost, name, None)
+    if fn is None or (step.kind is StepKind.OFFLOAD and not trained):
+        return 0.0
+    seconds = fn(step.role, step.alloc, True) if trained else fn(step.role, step.alloc)
+    return _checked(seconds, f"{name}({step.role}, {step.alloc.text})")
+
+
+def _build_graph(schedule: Schedule, cost: CostEstimator, iterations: int,
+                 trained: frozenset[str] = frozenset()) -> list[_Node]:
     """The schedule's steps of every iteration as nodes, in dispatch priority order, with their dependencies."""
     steps = schedule.steps
     position = {step.id: i for i, step in enumerate(steps)}
     deps = [[position[d] for d in step.deps] for step in steps]
     carried = [[position[d] for d in step.deps if step.sent_with(steps[position[d]])] for step in steps]
-    seconds = [_duration(step, cost) for step in steps]
+    seconds = [_duration(step, cost, trained) for step in steps]
     stage = getattr(cost, "fused_stage", None)  # optional: the parts of a fused stage, for the timeline
     parts = [stage(step).parts if stage is not None and step.kind is StepKind.FUSED else () for step in steps]
     nodes: list[_Node] = []
@@ -323,14 +337,20 @@ def _memory_intervals(plan: ExecutionPlan, workflow: Workflow, cost: CostEstimat
     def static(role: str, alloc: Allocation, trainable: bool):
         return ("static_memory", role, alloc.text, trainable), lambda: cost.static_memory(role, alloc, trainable)
 
-    offloaded = {n.step.role for n in nodes if n.step.kind is StepKind.RELOAD}
+    trained = set(plan.trained_roles(workflow))
+    moved = {n.step.role for n in nodes if n.step.kind is StepKind.RELOAD}
     for role in workflow.roles():
-        if role not in offloaded:
-            for alloc, trainable in _resident(plan, workflow, role):
-                add(alloc.mesh, 0.0, math.inf, *static(role, alloc, trainable), f"{role} weights")
+        if role in moved and role not in trained:
+            continue  # a frozen role offloaded between its calls: resident from each reload to its offload
+        for alloc, trainable in _resident(plan, workflow, role):
+            spans = _state_spans(nodes, role, start, end) if trainable and role in moved else [(0.0, math.inf)]
+            for s, e in spans:
+                add(alloc.mesh, s, e, *static(role, alloc, trainable), f"{role} weights")
     opened: dict[tuple, int] = {}  # (role, shards) → the copy or reload node holding it now
     for i, node in enumerate(nodes):
         step = node.step
+        if step.role in trained and step.kind in (StepKind.RELOAD, StepKind.OFFLOAD):
+            continue  # a trained role's training state: its spans are above
         if step.kind in (StepKind.COPY, StepKind.RELOAD):
             opened[(step.role, step.alloc)] = i
         elif step.kind in (StepKind.FREE, StepKind.OFFLOAD):
@@ -343,6 +363,23 @@ def _memory_intervals(plan: ExecutionPlan, workflow: Workflow, cost: CostEstimat
             add(step.devices, start[i], end[i], key, lambda m=step.mfc, a=step.alloc, t=trainable:
                 cost.mfc_memory(m, a, t), f"{step.id} running")
     return out
+
+
+def _state_spans(nodes: list[_Node], role: str, start: list[float], end: list[float]) -> list[tuple[float, float]]:
+    """When a trained role whose state the schedule offloads holds it on its training devices: from the start
+    until the end of its first offload, then from each reload's start to the next offload's end, and from the
+    last reload on."""
+    spans: list[tuple[float, float]] = []
+    since: float | None = 0.0
+    for i, node in enumerate(nodes):
+        if node.step.role != role:
+            continue
+        if node.step.kind is StepKind.OFFLOAD and since is not None:
+            spans.append((since, end[i]))
+            since = None
+        elif node.step.kind is StepKind.RELOAD and since is None:
+            since = start[i]
+    return spans + ([(since, math.inf)] if since is not None else [])
 
 
 def _peak(intervals: list[_Mem], capacity: float = math.inf) -> tuple[float, float, float]:
@@ -424,7 +461,7 @@ def simulate(plan: ExecutionPlan, workflow: Workflow, cost: CostEstimator, memor
     if not memory_per_device > 0:
         raise ConfigError(f"simulate: memory_per_device={memory_per_device!r}; expected bytes > 0")
     plan.validate(workflow)
-    nodes = _build_graph(build_schedule(workflow, plan), cost, iterations)
+    nodes = _build_graph(build_schedule(workflow, plan), cost, iterations, frozenset(plan.trained_roles(workflow)))
     shared = getattr(cost, "shared_cores", None)  # optional: devices sharing cores slow each other down
     cores = shared() if shared is not None else None
     n_devices = plan.cluster.n_devices

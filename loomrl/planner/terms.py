@@ -23,11 +23,13 @@ __all__ = [
     "optimizer_ops",
     "attention_flops",
     "decode_step_flops",
+    "decode_weight_bytes",
     "decode_step_slots",
     "forward_flops",
     "inference_activation_bytes",
     "recompute_activation_bytes",
     "kv_bytes_per_token",
+    "mlp_width",
     "pipeline_slots",
     "ring_allreduce_bytes",
     "ring_allreduce_time",
@@ -72,10 +74,10 @@ def optimizer_ops(shape: ModelShape, layers: float) -> float:
 def attention_flops(shape: ModelShape, sum_sq_len: float) -> float:
     """Causal self-attention FLOPs of a forward pass over sequences whose squared lengths sum to ``sum_sq_len``.
 
-    Per layer and sequence of length S, QKᵀ and AV each multiply S²/2 (query, key) pairs over ``hidden``
-    channels at 2 FLOPs a multiply-add: 2·hidden·S² in all.
+    Per layer and sequence of length S, QKᵀ and AV each multiply S²/2 (query, key) pairs over the query width
+    (``heads · head_dim``, the hidden size in most models) at 2 FLOPs a multiply-add: 2·width·S² in all.
     """
-    return 2.0 * shape.layers * shape.hidden * sum_sq_len
+    return 2.0 * shape.layers * shape.q_dim * sum_sq_len
 
 
 def forward_flops(shape: ModelShape, tokens: float, sum_sq_len: float) -> float:
@@ -93,9 +95,20 @@ def decode_step_flops(shape: ModelShape, live: float, ctx_sum: float) -> float:
     """FLOPs of one decode step: ``live`` new tokens through the matmuls, each attending to its context.
 
     ``ctx_sum`` is the total context (cached tokens) over the live samples; a new token's QKᵀ and AV over a
-    context of c tokens cost 2·hidden·c FLOPs each per layer.
+    context of c tokens cost 2·width·c FLOPs each per layer (width: ``heads · head_dim``).
     """
-    return 2.0 * shape.matmul_params * live + 4.0 * shape.layers * shape.hidden * ctx_sum
+    return 2.0 * shape.matmul_params * live + 4.0 * shape.layers * shape.q_dim * ctx_sum
+
+
+def decode_weight_bytes(shape: ModelShape, tokens: float, b: float) -> float:
+    """Weight bytes a decode step over ``tokens`` tokens reads: all of a dense model's; of a mixture of experts,
+    everything but the experts, and of each layer's experts those some token is routed to, ``E·(1 − (1 −
+    k/E)^tokens)`` of E with k per token (uniform routing): a few tokens touch few experts, hundreds all."""
+    if not shape.moe:
+        return shape.params * b
+    touched = shape.experts * (1.0 - (1.0 - shape.active_experts / shape.experts) ** max(tokens, 1.0))
+    per_expert = shape.expert_params / shape.experts
+    return (shape.params - shape.expert_params + per_expert * touched) * b
 
 
 def kv_bytes_per_token(shape: ModelShape, b: float) -> float:
@@ -171,32 +184,44 @@ def decode_step_slots(pp: int, micro_batches: int) -> int:
     return max(pp, micro_batches)
 
 
-def train_activation_bytes(shape: ModelShape, tokens: float, layers: float, tp: int, b: float) -> float:
+def train_activation_bytes(shape: ModelShape, tokens: float, layers: float, tp: int, b: float,
+                           logit_tokens: float | None = None) -> float:
     """Activation bytes a training pass keeps for its backward over ``tokens`` tokens and ``layers`` layers.
 
     Per layer and token hidden·(10 + 24/tp) bytes at 2-byte activations (scaled by b/2): the tp-split parts
     (projections' inputs and outputs, MLP activations) and the replicated ones (norms' inputs, dropout-free
-    residuals). The fp32 logits over the vocabulary shard and their gradient come on top.
+    residuals). The fp32 logits over the vocabulary shard and their gradient come on top, for ``logit_tokens``
+    tokens (all of them unless a chunked cross-entropy holds fewer at once).
     """
     per_token_layer = shape.hidden * (10 + 24 / tp) * b / 2
-    logits = 2 * tokens * shape.vocab / tp * FP32
+    logits = 2 * (tokens if logit_tokens is None else logit_tokens) * shape.vocab / tp * FP32
     return tokens * layers * per_token_layer + logits
 
 
 def recompute_activation_bytes(shape: ModelShape, tokens: float, layer_tokens: float, layers: float, tp: int,
-                               b: float) -> float:
+                               b: float, logit_tokens: float | None = None) -> float:
     """Activation bytes a training pass with activation checkpointing keeps: each layer's input for the
     ``tokens`` tokens in flight (hidden·b per token, replicated over tp), plus one layer's full activations
     (:func:`train_activation_bytes`) for the ``layer_tokens`` of the micro-batch being recomputed, with its
     logits."""
-    return tokens * layers * shape.hidden * b + train_activation_bytes(shape, layer_tokens, 1, tp, b)
+    return tokens * layers * shape.hidden * b + train_activation_bytes(shape, layer_tokens, 1, tp, b, logit_tokens)
 
 
-def inference_activation_bytes(shape: ModelShape, tokens: float, tp: int, b: float) -> float:
+def inference_activation_bytes(shape: ModelShape, tokens: float, tp: int, b: float,
+                               logit_tokens: float | None = None) -> float:
     """Working set of a forward pass without gradients over ``tokens`` tokens: one layer's buffers (residual,
-    normalised input, attention output, the MLP's gated intermediate shard) and the fp32 logits shard."""
-    per_token = (4 * shape.hidden + 2 * shape.intermediate / tp) * b + shape.vocab / tp * FP32
-    return tokens * per_token
+    normalised input, attention output, the MLP's gated intermediate shard) and the fp32 logits shard of
+    ``logit_tokens`` tokens (all of them by default)."""
+    per_token = (4 * shape.hidden + 2 * mlp_width(shape) / tp) * b
+    logits = (tokens if logit_tokens is None else logit_tokens) * shape.vocab / tp * FP32
+    return tokens * per_token + logits
+
+
+def mlp_width(shape: ModelShape) -> int:
+    """The MLP width one token passes through: the dense MLP's, or its routed experts' and the shared ones'."""
+    if shape.moe:
+        return shape.active_experts * shape.expert_intermediate + shape.shared_intermediate
+    return shape.intermediate
 
 
 def sum_linear(a: float, b: float, t0: int, t1: int) -> float:

@@ -8,6 +8,12 @@ role's copies), reloading takes the storage back and copies the host values in, 
 memory on CUDA. Parameters stay the same tensors, so DTensor (tensor-parallel) and pipeline-stage models
 need nothing special: only the local shard a device holds moves.
 
+A *trained* role the plan offloads (:class:`TrainingState`) puts its whole training state in host memory while
+a generation runs on its devices: every storage its weights, gradients and optimizer hold (fp32 masters and
+Adam's moments included) is copied out whole and freed, then taken back and refilled. Its values change every
+step, so it is copied out at each offload rather than kept; working on storages rather than tensors covers
+views and tensors sharing one storage (ZeRO's masters of fp32 weights) without knowing how they share it.
+
 On a CPU device the "host" is the device itself: offloading would free nothing, so the worker does not
 offload there (the mechanism is still exercised by the unit tests on CPU).
 """
@@ -18,7 +24,7 @@ import torch
 
 from loomrl.parallel.data_parallel import local_shard
 
-__all__ = ["HostCopy", "bind_view", "reclaim", "release_storage"]
+__all__ = ["HostCopy", "TrainingState", "bind_view", "reclaim", "release_storage"]
 
 
 def release_storage(model: torch.nn.Module, views: frozenset[str] | set[str] = frozenset()) -> None:
@@ -92,3 +98,74 @@ class HostCopy:
     def device_bytes(self) -> int:
         """Bytes of device storage the parameters hold now (0 when released)."""
         return sum(local_shard(p).untyped_storage().size() for p in self.model.parameters())
+
+
+class TrainingState:
+    """A trained role's training state moved to host memory and back (see the module docstring): its parameters'
+    local shards, their gradients (``grad``, ``main_grad``) and every tensor its optimizer holds (state and
+    parameter groups, which are the fp32 masters when they are not the weights themselves). What these are is
+    read at each offload: gradients and the optimizer's state appear lazily, at the first backward and step."""
+
+    def __init__(self, model: torch.nn.Module, optimizer: object | None):
+        self.model, self.optimizer = model, optimizer
+        self.host: dict[int, torch.Tensor] = {}
+        self.moved: list[tuple[torch.UntypedStorage, int, torch.Tensor]] = []
+        self.resident = True
+
+    def tensors(self) -> list[torch.Tensor]:
+        """The tensors the state is made of now."""
+        out = []
+        for param in self.model.parameters():
+            out.append(local_shard(param))
+            out += [local_shard(g) for g in (param.grad, getattr(param, "main_grad", None)) if g is not None]
+        return out + _optimizer_tensors(self.optimizer)
+
+    def release(self) -> None:
+        """Copy every distinct storage of the state to host memory (pinned on CUDA) and free it on the device."""
+        if not self.resident:
+            return
+        seen: set[int] = set()
+        self.moved = []
+        for tensor in self.tensors():
+            storage = tensor.untyped_storage()
+            key, nbytes = storage.data_ptr(), storage.nbytes()
+            if nbytes == 0 or key in seen:
+                continue
+            seen.add(key)
+            data = torch.empty(0, dtype=torch.uint8, device=tensor.device).set_(storage)
+            host = self.host.get(len(self.moved))
+            if host is None or host.numel() != nbytes:  # buffers are kept between offloads
+                host = torch.empty(nbytes, dtype=torch.uint8, pin_memory=tensor.is_cuda)
+                self.host[len(self.moved)] = host
+            host.copy_(data)
+            self.moved.append((storage, nbytes, host))
+        for storage, _, _ in self.moved:
+            storage.resize_(0)
+        self.resident = False
+
+    def restore(self) -> None:
+        """Take every storage back at its size and copy its bytes in (a no-op when resident)."""
+        if self.resident:
+            return
+        for storage, nbytes, host in self.moved:
+            storage.resize_(nbytes)
+            data = torch.empty(0, dtype=torch.uint8, device=storage.device).set_(storage)
+            data.copy_(host, non_blocking=True)
+        self.resident = True
+
+    def device_bytes(self) -> int:
+        """Bytes of device storage the state holds now (each storage once)."""
+        storages = {t.untyped_storage().data_ptr(): t.untyped_storage().nbytes() for t in self.tensors()}
+        return sum(storages.values())
+
+
+def _optimizer_tensors(optimizer: object | None) -> list[torch.Tensor]:
+    """Every tensor an optimizer holds: its state's and its parameter groups' (a wrapper such as ZeRO-1's keeps a
+    torch optimizer over its fp32 shards as ``inner``)."""
+    if optimizer is None:
+        return []
+    inner = getattr(optimizer, "inner", optimizer)
+    out = [local_shard(p) for group in getattr(inner, "param_groups", ()) for p in group["params"]]
+    for state in getattr(inner, "state", {}).values():
+        out += [local_shard(t) for t in state.values() if isinstance(t, torch.Tensor)]
+    return out

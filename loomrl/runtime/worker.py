@@ -40,7 +40,7 @@ from loomrl.parallel.pipeline_schedule import PipelineRunner
 from loomrl.plan.plan import Allocation
 from loomrl.plan.schedule import Step, StepKind
 from loomrl.runtime.migration import MigrationControl, StreamSpec
-from loomrl.runtime.offload import HostCopy, bind_view, reclaim, release_storage
+from loomrl.runtime.offload import HostCopy, TrainingState, bind_view, reclaim, release_storage
 from loomrl.runtime.plan_change import Move
 from loomrl.runtime.spec import CallData, WorkerPlan, WorkerSpec
 from loomrl.runtime.state_io import FullOptimizerState, merge_optimizer_states, with_masters
@@ -99,7 +99,7 @@ class DeviceWorker:
         self.views: dict[Holding, frozenset[str]] = {}
         """Parameters of a copy bound to views of its role's training shards here by its latest reallocation
         (see :meth:`_reallocate`), and pointed at placeholders when it is freed."""
-        self.host_copies: dict[Holding, HostCopy] = {}
+        self.host_copies: dict[Holding, HostCopy | TrainingState] = {}
         self.kinds: dict[Holding, str] = {}
         """What each holding is (:meth:`_kind`): a holding whose kind a plan change alters is built anew."""
         self.transfers: dict[tuple, tuple] = {}
@@ -150,8 +150,17 @@ class DeviceWorker:
         if self.device.type != "cpu":  # a CPU device is its host: offloading would free nothing
             for key in plan.offloaded():
                 if key in self.holdings and key not in self.host_copies:
-                    self.host_copies[key] = HostCopy(self.holdings[key].model)
-                    self.host_copies[key].release()
+                    self.host_copies[key] = self._host_copy(key)
+
+    def _host_copy(self, key: tuple[str, Allocation]) -> HostCopy | TrainingState:
+        """What offloads a holding: a trained role's whole training state, moved out at each offload (it is
+        resident until then), or a frozen role's weights, copied to the host once and released at once."""
+        handle = self.holdings[key]
+        if self.kinds[key].startswith("training"):
+            return TrainingState(handle.model, handle.optimizer)
+        copy = HostCopy(handle.model)
+        copy.release()
+        return copy
 
     def _kind(self, role: str, alloc: Allocation) -> str:
         """What a holding is under the installed plan: the role's training state (with its optimizer's

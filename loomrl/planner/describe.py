@@ -1,0 +1,208 @@
+"""A run described for the planner: models, cluster, data shape, optimizer steps, engine settings and a plan.
+
+:class:`RunDescription` is what ``loomrl plan`` reads from its flags or from a workload file (YAML, the same
+fields), and what ``benchmarks/published_runs.py`` writes down for each published run: everything the
+simulator needs to price a run as its publication states it. :func:`planner_inputs` turns it into the
+planner's objects (workflow, cluster, model configs, :class:`~loomrl.planner.workload.Workload`,
+:class:`~loomrl.planner.settings.EngineSettings`); :func:`simulate_fixed` simulates a given plan and
+:func:`stage_seconds` reads a simulated iteration back as the stages publications report (generation, weight
+sync, scoring, training).
+
+Models are names of :data:`~loomrl.planner.planning.MODEL_PRESETS`, HF ``config.json`` files, zoo models or
+checkpoint directories; a reward of ``rule`` has no model (a verifier scoring on the host).
+"""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Mapping, Sequence
+from dataclasses import dataclass, field
+
+from loomrl.config import ALGORITHMS, AlgoConfig, RolloutConfig
+from loomrl.configtools import ValidatedConfig, fail, spec
+from loomrl.errors import ConfigError
+from loomrl.plan import ClusterSpec, ExecutionPlan
+from loomrl.planner.corrections import Corrections
+from loomrl.planner.cost import CostModel
+from loomrl.planner.planning import model_config
+from loomrl.planner.profiles import HardwareProfile, profile_for
+from loomrl.planner.settings import EngineSettings
+from loomrl.planner.simulator import SimResult, simulate
+from loomrl.planner.workload import DEFAULT_SPREAD, ModelShape, Workload, lengths_from_mean_max
+from loomrl.workflow import Workflow
+
+__all__ = ["RULE", "STAGES", "FixedPlanReport", "ModelsConfig", "RunDescription", "planner_inputs", "simulate_fixed",
+           "stage_seconds"]
+
+RULE = "rule"
+"""The model name of a reward with no model: a rule (a verifier) scores on the host."""
+
+
+@dataclass(frozen=True)
+class ModelsConfig(ValidatedConfig):
+    """Each role's architecture: a preset, an HF ``config.json``, a zoo model or a checkpoint directory."""
+
+    actor: str = "llama2-7b"
+    """The policy (and, unless given, every other role)."""
+    critic: str | None = None
+    """The value model (PPO); default: the actor's architecture."""
+    ref: str | None = None
+    """The reference policy; default: the actor's architecture."""
+    reward: str | None = None
+    """The reward model, or ``rule`` for a rule-based reward with no model; default: the actor's architecture."""
+
+    def of(self, role: str) -> str:
+        """The model name of ``role``."""
+        return getattr(self, role, None) or self.actor
+
+
+@dataclass(frozen=True)
+class RunDescription(ValidatedConfig):
+    """One RL run as the planner sees it (see the module docstring)."""
+
+    algo: str = spec("ppo", choices=ALGORITHMS)
+    """RL algorithm: its workflow (PPO has a critic; GRPO and RLOO sample groups)."""
+    cluster: str = "h100:1x8"
+    """Devices: KIND:NODESxDEVICES, e.g. h100:4x8, a800:4x8, gb200:1x16 (a node is an NVLink domain)."""
+    models: ModelsConfig = field(default_factory=ModelsConfig)
+    """Architectures of the roles."""
+    prompts: int = spec(512, ge=1)
+    """Prompts per iteration."""
+    responses_per_prompt: int = spec(1, ge=1)
+    """Responses sampled per prompt (a group of GRPO/RLOO, or several samples for any algorithm)."""
+    prompt_len: float = spec(128.0, ge=0)
+    """Mean prompt length in tokens."""
+    response_len: float | None = spec(None, ge=1)
+    """Mean response length in tokens; default: ``response_max`` (every response that long)."""
+    response_max: int | None = spec(None, ge=1)
+    """Longest response (the generation limit); default: ``response_len`` (every response that long)."""
+    response_spread: float = spec(DEFAULT_SPREAD, gt=0)
+    """σ of the log-normal response lengths between the mean and the limit (a stated shape, see
+    :data:`~loomrl.planner.workload.DEFAULT_SPREAD`)."""
+    optimizer_steps: int = spec(1, ge=1)
+    """Optimizer steps per epoch over an iteration's samples (its minibatches)."""
+    ppo_epochs: int = spec(1, ge=1)
+    """Passes over the samples per iteration."""
+    recompute_logprobs: bool = False
+    """An ``actor_inf`` call recomputes the behaviour log-probs after generation (verl, OpenRLHF, NeMo RL)."""
+    decode_slots: int | None = spec(None, ge=1)
+    """Samples one generation replica decodes at once (loomrl's rollout engine); see also ``engine``."""
+    plan: str | None = None
+    """A fixed plan to simulate (a strategy, a plan string or a plan file); None: compare and search."""
+    engine: EngineSettings = field(default_factory=EngineSettings)
+    """How the system runs the calls: serving engine, precisions, offloading (loomrl's runtime by default)."""
+
+    def validate(self) -> None:
+        if self.response_len is None and self.response_max is None:
+            fail("response_len", "None with response_max None: give the mean, the limit or both")
+        if self.response_len is not None and self.response_max is not None and self.response_len > self.response_max:
+            fail("response_len", f"{self.response_len} is above response_max={self.response_max}")
+        if self.algo in ("grpo", "rloo") and self.responses_per_prompt < 2:
+            fail("responses_per_prompt", f"{self.responses_per_prompt} is too small for {self.algo} (must be >= 2)")
+        ClusterSpec.parse(self.cluster)
+
+    def response_lengths(self) -> tuple[int, ...]:
+        """A sample of the response lengths: one length when only the mean or the limit is given (or they are
+        equal), else the cut log-normal of :func:`~loomrl.planner.workload.lengths_from_mean_max`."""
+        if self.response_max is None or self.response_len is None:
+            return (max(1, round(self.response_len or self.response_max)),)
+        return lengths_from_mean_max(self.response_len, self.response_max, self.response_spread)
+
+    def workflow(self) -> Workflow:
+        """The workflow of ``algo`` with this run's steps per iteration and log-prob recomputation."""
+        from loomrl.algorithms.workflows import build_workflow
+
+        group = max(2, self.responses_per_prompt) if self.algo in ("grpo", "rloo") else 4
+        algo = AlgoConfig(name=self.algo, ppo_epochs=self.ppo_epochs, minibatches=self.optimizer_steps,
+                          group_size=group, recompute_logprobs=self.recompute_logprobs)
+        return build_workflow(algo, RolloutConfig())
+
+    def workload(self) -> Workload:
+        """One iteration's data: prompts × responses per prompt samples of the described lengths."""
+        return Workload(batch=self.prompts * self.responses_per_prompt, prompt_len=self.prompt_len,
+                        response_lengths=self.response_lengths(), ppo_epochs=self.ppo_epochs,
+                        minibatches=self.optimizer_steps, decode_slots=self.decode_slots)
+
+
+def planner_inputs(run: RunDescription) -> tuple[Workflow, ClusterSpec, dict[str, object], Workload, EngineSettings]:
+    """The planner's inputs for ``run``: its workflow, cluster, each role's model config (None for a rule
+    reward), workload and engine settings."""
+    workflow = run.workflow()
+    for role in workflow.roles():
+        if role != "reward" and run.models.of(role) == RULE:
+            raise ConfigError(f"models.{role}: '{RULE}' means no model, which only a reward may be; give an "
+                              "architecture (a preset, a config.json, a zoo model or a checkpoint directory)")
+    configs = {role: None if run.models.of(role) == RULE else model_config(run.models.of(role))
+               for role in workflow.roles()}
+    return workflow, ClusterSpec.parse(run.cluster), configs, run.workload(), run.engine
+
+
+STAGES: dict[str, tuple[str, ...]] = {
+    "generation": ("actor_gen",),
+    "weight sync": ("copy actor", "sync actor", "free actor", "offload actor state", "reload actor state",
+                    "offload critic state", "reload critic state"),
+    "scoring": ("actor_inf", "ref_inf", "reward_inf", "critic_inf", "advantages", "reload ", "offload "),
+    "training": ("actor_train", "critic_train", "copy critic", "free critic"),
+}
+"""The stages publications break an RL step into, each the steps whose ids start with one of its prefixes: the
+actor's generation; moving its weights into the generation engine (copies, shadow syncs) and the trainers' state
+out of its way and back; the scoring passes (log-probs, reward, values, advantages, and moving frozen models in
+and out); training."""
+
+
+def stage_seconds(result: SimResult, stages: Mapping[str, Sequence[str]] = STAGES,
+                  iteration: int | None = None) -> dict[str, float]:
+    """Seconds of each stage in one simulated iteration (the middle one by default): the time some device runs
+    one of the stage's steps (the union of their intervals, so overlapping steps count once). Steps no stage
+    names fall in ``other``; a trained role's training state moved out and back (``offload``/``reload`` of a
+    trained role) counts where its prefix puts it."""
+    ends = result.iteration_ends
+    it = (len(ends) // 2 if ends else 0) if iteration is None else iteration
+    spans: dict[str, list[tuple[float, float]]] = {name: [] for name in (*stages, "other")}
+    for interval in result.timeline:
+        if interval.iteration != it:
+            continue
+        name = next((s for s, prefixes in stages.items() if interval.label.startswith(tuple(prefixes))), "other")
+        spans[name].append((interval.start, interval.end))
+    return {name: _union(found) for name, found in spans.items() if found or name != "other"}
+
+
+def _union(intervals: list[tuple[float, float]]) -> float:
+    total, reach = 0.0, -math.inf
+    for start, end in sorted(intervals):
+        if end > reach:
+            total += end - max(start, reach)
+            reach = end
+    return total
+
+
+@dataclass
+class FixedPlanReport:
+    """A given plan simulated: its result, the stages of one iteration, and each call's seconds."""
+
+    plan: ExecutionPlan
+    result: SimResult
+    stages: dict[str, float]
+    """Stage → seconds in one steady iteration (:func:`stage_seconds`)."""
+    calls: dict[str, float]
+    """Step id → seconds it runs in that iteration (on its busiest device)."""
+
+
+def simulate_fixed(plan: ExecutionPlan, workflow: Workflow, configs: Mapping[str, object], workload: Workload, *,
+                   profile: HardwareProfile | None = None, corrections: Corrections | None = None,
+                   bytes_per_param: int | None = None, settings: EngineSettings | None = None,
+                   stages: Mapping[str, tuple[str, ...]] | None = None) -> FixedPlanReport:
+    """Simulate ``plan`` as it is (a published run's, or one to compare with a run of one's own) and read its
+    iteration back as stages (``stages``: stage → step-id prefixes; by default
+    :data:`STAGES`)."""
+    profile = profile or profile_for(plan.cluster)
+    shapes = {role: None if cfg is None else ModelShape.from_config(cfg) for role, cfg in configs.items()}
+    cost = CostModel(plan.cluster, profile, shapes, workload, corrections, bytes_per_param=bytes_per_param,
+                     settings=settings)
+    result = simulate(plan, workflow, cost, profile.memory_bytes)
+    middle = len(result.iteration_ends) // 2
+    calls: dict[str, float] = {}
+    for interval in result.timeline:
+        if interval.iteration == middle:
+            calls[interval.label] = max(calls.get(interval.label, 0.0), interval.end - interval.start)
+    return FixedPlanReport(plan, result, stage_seconds(result, stages or STAGES), calls)
