@@ -138,6 +138,7 @@ def _run_description(args: argparse.Namespace):
     from loomrl.configtools import deep_merge, from_dict, load_config, read_yaml
     from loomrl.planner.cost import PRECISION_BYTES
     from loomrl.planner.describe import RunDescription
+    from loomrl.planner.lengths import length_fields
 
     path, overrides = _config_and_overrides(args.config)
     cfg = load_config(TrainConfig, path, overrides)
@@ -149,8 +150,14 @@ def _run_description(args: argparse.Namespace):
     if args.workload:
         data = deep_merge(data, read_yaml(args.workload))
     flags = {key: getattr(args, key) for key in _RUN_FLAGS if getattr(args, key, None) is not None}
-    if args.response_len is not None and args.response_max is None and not args.workload:
-        flags["response_max"] = None  # a mean alone: every response that long, as before
+    if args.response_len is not None:
+        lengths = length_fields(flags.pop("response_len"))
+        if "response_len" in lengths and "response_spread" not in lengths and args.response_max is None \
+                and not args.workload:
+            lengths["response_max"] = None  # a mean alone: every response that long, as before
+        if "observed_lengths" not in lengths:
+            lengths["observed_lengths"] = None  # a distribution given here replaces observed lengths of the file
+        flags.update({key: value for key, value in lengths.items() if key not in flags})
     engine = {key: getattr(args, key) for key in _ENGINE_FLAGS if getattr(args, key, None) is not None}
     models = {role: getattr(args, f"{role}_model") for role in ("actor", "critic", "ref", "reward")
               if getattr(args, f"{role}_model", None)}
@@ -345,7 +352,9 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--prompts", type=int, help="prompts per iteration (default 512)")
     p.add_argument("--responses-per-prompt", type=int, help="samples per prompt (default: the algorithm's group)")
     p.add_argument("--prompt-len", type=float, help="mean prompt tokens (default 128)")
-    p.add_argument("--response-len", type=float, help="mean response tokens (alone: every response that long)")
+    p.add_argument("--response-len", help="response lengths: a mean in tokens (alone: every response that long), "
+                                          "lognormal:mean=M,sigma=S,max=N, or a JSONL of observed lengths (or a "
+                                          "run directory: its metrics)")
     p.add_argument("--response-max", type=int, help="longest response (the limit; default rollout.max_new_tokens)")
     p.add_argument("--response-spread", type=float, help="σ of the log-normal response lengths between mean and "
                                                          "limit (default 0.75, a stated assumption)")

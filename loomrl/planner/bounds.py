@@ -37,6 +37,15 @@ every segment the same ``λ`` and the part of one path through the iteration tha
 maximal path of the segment) gives back the whole-iteration bound of that ``λ`` and path, so the segments only
 tighten it. The figure goes through the estimator's whole-iteration correction like the simulator's.
 
+**Fused stages.** Where the estimator prices inter-stage fusion (``fused_time``, :mod:`loomrl.planner.fused`) and
+the workflow has calls to fuse, a plan may run generation and the inference calls that read it as one stage, so
+the two segments are one and the inference overlaps the generation's tail. The merged segment takes at least the
+larger of two figures, each from the estimator's ``fused_floor`` of every generation allocation
+(:func:`~loomrl.planner.fused.generation_floor`): for each response length ``k``, the time before which no sample
+of length at least ``k`` is ready plus that share of the inference calls' least device-seconds over the
+cluster; and the generation's least device-seconds plus all of the inference's, over the cluster. The bound of
+a training placement is the least of its unfused and fused sums.
+
 Its use: a heuristic plan within a factor ``f`` of the bound leaves no plan of the space more than ``f``
 faster, whatever the search does. What it leaves out, so what separates it from the best plan: the
 reallocations and reloads between calls, and the memory that the calls of one segment take *together*.
@@ -155,6 +164,7 @@ def iteration_bound(workflow: Workflow, cluster: ClusterSpec, cost: CostEstimato
     n = cluster.n_devices
     parts = [(calls, _paths(workflow, calls), [i for i, u in enumerate(units) if set(u.names) & set(calls)])
              for calls in segments(workflow)]
+    fused = _fused_segments(workflow, cost, units, [calls for calls, *_ in parts], n)
     trains = [i for i, u in enumerate(units) if workflow[u.names[0]].kind is MFCKind.TRAIN]
     choices = [_undominated(units[i]) for i in trains]
     best: list[SegmentBound] | None = None
@@ -172,14 +182,14 @@ def iteration_bound(workflow: Workflow, cluster: ClusterSpec, cost: CostEstimato
                 continue
             limit = sum(p.seconds for p in best) if best is not None else math.inf
             placed = [fixed.get(i, u) for i, u in enumerate(units)]
-            found = _segments_bound(placed, masks, set(fixed), parts, n, limit)
+            found = _segments_bound(placed, masks, set(fixed), parts, n, limit, fused)
             if found is not None:
                 best = found
                 training = tuple(f"{workflow[units[i].names[0]].role}={units[i].allocs[j].text}"
                                  for i, j in zip(trains, combo))
     if not enumerated:
         masks = _fitting_anywhere(units, workflow, n, memory_per_device, sleeps)
-        best = None if masks is None else _segments_bound(units, masks, set(), parts, n, math.inf)
+        best = None if masks is None else _segments_bound(units, masks, set(), parts, n, math.inf, fused)
     if best is None:
         return IterationBound(math.inf)
     value = sum(p.seconds for p in best)
@@ -273,13 +283,66 @@ def _fitting_anywhere(units: list[_Unit], workflow: Workflow, n: int, memory: fl
     return None if any(not m.any() for m in masks) else masks
 
 
+@dataclass(frozen=True)
+class _FusedSegment:
+    """Two segments a fused stage runs as one (module docstring), and the bound on it."""
+
+    first: int
+    """Index of the generation's segment; the inference segment follows it."""
+    calls: tuple[str, ...]
+    seconds: float
+    path_bound: bool
+    """Whether the longest sample (rather than the work) gave ``seconds``."""
+
+
+def _fused_segments(workflow: Workflow, cost: CostEstimator, units: list[_Unit], parts: list[tuple[str, ...]],
+                    n: int) -> _FusedSegment | None:
+    """The merged segment of a fused stage and its bound, when the estimator prices fusion and gives
+    ``fused_floor``; None otherwise, or when generation and its readers are not two adjacent segments."""
+    group, floor = workflow.fusable(), getattr(cost, "fused_floor", None)
+    if group is None or floor is None or getattr(cost, "fused_time", None) is None:
+        return None
+    gen, readers = group[0].name, {m.name for m in group[1]}
+    first = next((k for k, calls in enumerate(parts) if gen in calls), None)
+    if first is None or parts[first] != (gen,) or first + 1 >= len(parts) \
+            or not readers <= set(parts[first + 1]):
+        return None
+    gen_unit = next(u for u in units if gen in u.names)
+    role = workflow[gen].role
+    floors = [floor(role, alloc) for alloc in gen_unit.allocs]
+    scoring = 0.0  # the inference calls' least device-seconds
+    for u in units:
+        inside = np.array([name in parts[first + 1] for name in u.names])
+        if inside.any() and gen not in u.names:
+            scoring += float((u.times[:, inside].sum(1) * u.sizes).min())
+    # the samples ready no sooner than t still need their share of the scoring (a call's time over a part of the
+    # batch is at least that part of its time over the whole: its fixed costs do not shrink)
+    ready = min(max(t + fraction * scoring / n for t, fraction in f.ready) for f in floors)
+    work = (min(f.device_seconds for f in floors) + scoring) / n
+    return _FusedSegment(first, parts[first] + parts[first + 1], max(ready, work), ready >= work)
+
+
+def _merged(out: list[SegmentBound], fused: _FusedSegment | None) -> list[SegmentBound]:
+    """``out`` with the fused stage's two segments replaced by its one where that is less."""
+    if fused is None:
+        return out
+    k = fused.first
+    if fused.seconds >= out[k].seconds + out[k + 1].seconds:
+        return out
+    weight = 1.0 if fused.path_bound else 0.0
+    merged = SegmentBound(fused.calls, fused.seconds, weight, fused.calls[:1])
+    return [*out[:k], merged, *out[k + 2:]]
+
+
 def _segments_bound(units: list[_Unit], masks: list[np.ndarray], fixed: set[int],
                     parts: list[tuple[tuple[str, ...], list[tuple[str, ...]], list[int]]], n: int,
-                    limit: float) -> list[SegmentBound] | None:
+                    limit: float, fused: _FusedSegment | None = None) -> list[SegmentBound] | None:
     """Each segment's bound (``parts``: its calls, their paths and the indices of the units holding them) with
-    every unit restricted to ``masks``; the units in ``fixed`` hold their one allocation already. None if some
-    unit has no allocation left or the sum reaches ``limit``."""
+    every unit restricted to ``masks``; the units in ``fixed`` hold their one allocation already; the segments of
+    a fused stage merged where that is less (``fused``). None if some unit has no allocation left or the sum
+    reaches ``limit``."""
     out, total = [], 0.0
+    slack = 0.0 if fused is None else math.inf  # merging may lower the sum: compare with the limit at the end
     for calls, paths, inside in parts:
         chosen = []
         for i in inside:
@@ -297,9 +360,10 @@ def _segments_bound(units: list[_Unit], masks: list[np.ndarray], fixed: set[int]
                 value, busiest = float(busy.max()), True
         out.append(SegmentBound(calls, value, weight, path, busiest))
         total += value
-        if total >= limit:
+        if total - slack >= limit:
             return None
-    return out
+    out = _merged(out, fused)
+    return None if sum(p.seconds for p in out) >= limit else out
 
 
 def _weighted(chosen: list[_Unit], calls: tuple[str, ...], paths: list[tuple[str, ...]],

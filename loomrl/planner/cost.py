@@ -57,7 +57,7 @@ from loomrl.plan.layout import Coords
 from loomrl.planner import decode as D
 from loomrl.planner import terms as T
 from loomrl.planner.corrections import ITERATION, REALLOC, Corrections
-from loomrl.planner.fused import FusedPrice, price_fused
+from loomrl.planner.fused import FusedPrice, GenerationFloor, generation_floor, price_fused
 from loomrl.planner.profiles import HardwareProfile
 from loomrl.planner.realloc_cost import realloc_seconds
 from loomrl.planner.settings import EngineSettings, default_max_seqs
@@ -124,6 +124,7 @@ class CostModel:
         self._reallocs: dict[tuple, float] = {}
         self._rates: dict[tuple, _Rates] = {}
         self._fused: dict = {}
+        self._fused_generations: dict = {}  # a fused stage's generation, shared by stages around the same one
 
     # ------------------------------------------------------------------------------------------ public API
 
@@ -162,6 +163,13 @@ class CostModel:
         if step not in self._fused:
             self._fused[step] = price_fused(self, step)
         return self._fused[step]
+
+    def fused_floor(self, role: str, alloc: Allocation) -> GenerationFloor:
+        """What no fused stage's generation on ``alloc`` beats (:func:`loomrl.planner.fused.generation_floor`)."""
+        key = ("floor", role, alloc)
+        if key not in self._fused:
+            self._fused[key] = generation_floor(self, role, alloc)
+        return self._fused[key]
 
     def fused_time(self, step) -> float:
         """Seconds of a fused stage (the simulator's price of a ``fused`` schedule step)."""

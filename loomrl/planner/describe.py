@@ -79,6 +79,9 @@ class RunDescription(ValidatedConfig):
     response_spread: float = spec(DEFAULT_SPREAD, gt=0)
     """σ of the log-normal response lengths between the mean and the limit (a stated shape, see
     :data:`~loomrl.planner.workload.DEFAULT_SPREAD`)."""
+    observed_lengths: tuple[int, ...] | None = spec(None, ge=1)
+    """Observed response lengths (e.g. a run's), used as they are; they replace ``response_len``,
+    ``response_max`` and ``response_spread`` (:mod:`loomrl.planner.lengths`)."""
     optimizer_steps: int = spec(1, ge=1)
     """Optimizer steps per epoch over an iteration's samples (its minibatches)."""
     ppo_epochs: int = spec(1, ge=1)
@@ -93,7 +96,9 @@ class RunDescription(ValidatedConfig):
     """How the system runs the calls: serving engine, precisions, offloading (loomrl's runtime by default)."""
 
     def validate(self) -> None:
-        if self.response_len is None and self.response_max is None:
+        if self.observed_lengths is not None and not self.observed_lengths:
+            fail("observed_lengths", "is empty: give at least one length, or null to use response_len")
+        if self.response_len is None and self.response_max is None and self.observed_lengths is None:
             fail("response_len", "None with response_max None: give the mean, the limit or both")
         if self.response_len is not None and self.response_max is not None and self.response_len > self.response_max:
             fail("response_len", f"{self.response_len} is above response_max={self.response_max}")
@@ -103,7 +108,10 @@ class RunDescription(ValidatedConfig):
 
     def response_lengths(self) -> tuple[int, ...]:
         """A sample of the response lengths: one length when only the mean or the limit is given (or they are
-        equal), else the cut log-normal of :func:`~loomrl.planner.workload.lengths_from_mean_max`."""
+        equal), else the cut log-normal of :func:`~loomrl.planner.workload.lengths_from_mean_max`; observed
+        ``observed_lengths`` as they are."""
+        if self.observed_lengths is not None:
+            return tuple(int(n) for n in self.observed_lengths)
         if self.response_max is None or self.response_len is None:
             return (max(1, round(self.response_len or self.response_max)),)
         return lengths_from_mean_max(self.response_len, self.response_max, self.response_spread)

@@ -35,7 +35,7 @@ from loomrl.workflow import MFCKind
 if TYPE_CHECKING:
     from loomrl.planner.cost import CostModel
 
-__all__ = ["FusedPrice", "MIGRATE_AT_CANDIDATES", "best_migrate_at", "price_fused"]
+__all__ = ["FusedPrice", "MIGRATE_AT_CANDIDATES", "best_migrate_at", "GenerationFloor", "generation_floor", "price_fused"]
 
 MIGRATE_AT_CANDIDATES = (0.0, 0.05, 0.1, 0.15, 0.2, 0.25, 0.3, 0.4, 0.5)
 """The thresholds ``migrate_at: auto`` chooses among (RLHFuse found about 0.2 best at scale)."""
@@ -59,14 +59,61 @@ def best_migrate_at(cost: CostModel, step: Step) -> float:
     return min(MIGRATE_AT_CANDIDATES, key=lambda r: (price_fused(cost, step, r).seconds, r))
 
 
+@dataclass(frozen=True)
+class GenerationFloor:
+    """What no fused stage's generation on one allocation beats (:mod:`loomrl.planner.bounds` uses it)."""
+
+    ready: tuple[tuple[float, float], ...]
+    """``(seconds, fraction)`` pairs: the ``fraction`` of the batch with the longest responses is handed on no
+    sooner than ``seconds`` (its shortest sample decoded alone)."""
+    device_seconds: float
+    """The least device-seconds the generation occupies."""
+
+
+def generation_floor(cost: CostModel, role: str, alloc) -> GenerationFloor:
+    """Lower bounds on a fused stage's generation on ``alloc``, whatever its migration threshold and chunks.
+
+    - **Ready times.** The runtime deals the batch evenly over the ``dp`` replicas and migration only gathers
+      samples onto fewer, so the ``c`` samples of length at least ``k`` leave some replica holding at least
+      ``⌈c / dp⌉`` of them through ``k`` decode steps, after prefilling at least ``⌊batch / dp⌋`` prompts (a
+      step with more samples live costs no less; migration re-prefills and skips no step). So those samples
+      are ready no sooner than that, for each length ``k`` of the distribution.
+    - **Work.** A decode step's cost per replica is a maximum of terms affine in its live samples (weights and KV
+      read, matmuls), plus fixed parts, so the replicas' steps at one step index cost together at least one
+      replica's step with every live sample of the batch (the sum of maxima is at least the maximum of sums).
+      The generation so occupies at least a replica's devices for the whole batch decoded on one replica.
+
+    Both are corrected like generation, the per-call overhead included once."""
+    w, dp = cost.workload, alloc.layout.dp
+    lengths = sorted(D.admission_order(w.response_lengths, w.batch))
+    prefill = cost.prefill_terms(role, alloc, max(1, len(lengths) // dp), w.prompt_len)
+    ready = []
+    for index, k in enumerate(lengths):
+        if index and k == lengths[index - 1]:
+            continue
+        live = math.ceil((len(lengths) - index) / dp)
+        terms = dict(prefill)
+        for name, seconds in cost.decode_segment_terms(role, alloc, [D.Segment(0, k, live, live * w.prompt_len)]).items():
+            terms[name] = terms.get(name, 0.0) + seconds
+        ready.append((cost.corrections.apply_terms(MFCKind.GENERATE, terms), (len(lengths) - index) / len(lengths)))
+    whole = cost.decode_segment_terms(role, alloc, D.continuous_segments(lengths, len(lengths), w.prompt_len))
+    replica = alloc.layout.tp * alloc.layout.pp
+    return GenerationFloor(tuple(ready), replica * cost.corrections.apply_terms(MFCKind.GENERATE, whole))
+
+
 def price_fused(cost: CostModel, step: Step, migrate_at: float | None = None) -> FusedPrice:
     """The fused stage ``step`` on ``cost``'s workload (module docstring); ``migrate_at`` overrides the plan's."""
     value = step.fusion.migrate_at if migrate_at is None else migrate_at
     if isinstance(value, str):
         return price_fused(cost, step, best_migrate_at(cost, step))
-    gen = _Generation(cost, step, value)
-    ready, gen_until = gen.run()
-    parts = list(gen.parts)
+    gen, fusion = step.members[0], step.fusion
+    key = (gen.role, gen.alloc, value, fusion.migrate_to, fusion.chunk)
+    runs = getattr(cost, "_fused_generations", {})  # the search prices many stages around one generation
+    if key not in runs:
+        generation = _Generation(cost, step, value)
+        runs[key] = (*generation.run(), tuple(generation.parts))
+    ready, gen_until, gen_parts = runs[key]
+    parts = list(gen_parts)
     parts += _serve(cost, step, ready, gen_until)
     return FusedPrice(max((end for *_, end in parts), default=0.0), tuple(parts), value)
 
@@ -100,11 +147,23 @@ class _Generation:
             at[seg.end] = total
         return at
 
-    def _decoded(self, lengths: list[int], upto: int) -> float:
-        """Seconds a replica decoding ``lengths`` from the prompt spends on its first ``upto`` steps."""
-        clipped = [D.Segment(seg.start, min(seg.end, upto), seg.live, seg.ctx_base)
-                   for seg in D.continuous_segments(lengths, len(lengths), self.prompt) if seg.start < upto]
-        return self._seconds(self.cost.decode_segment_terms(self.gen.role, self.gen.alloc, clipped)) if clipped else 0.0
+    def _decoded(self, lengths: list[int], points: list[int]) -> dict[int, float]:
+        """Seconds a replica decoding ``lengths`` from the prompt spends on its first ``n`` steps, for each ``n``
+        of ``points``: one sweep over the occupancy segments, a point inside a segment priced as the segments
+        before it plus that segment cut at the point."""
+        out, done = {}, 0.0
+        segments = iter(D.continuous_segments(lengths, len(lengths), self.prompt))
+        seg = next(segments, None)
+        for n in sorted(points):
+            while seg is not None and seg.end <= n:
+                done += self._seconds(self.cost.decode_segment_terms(self.gen.role, self.gen.alloc, [seg]))
+                seg = next(segments, None)
+            partial = 0.0
+            if seg is not None and seg.start < n:
+                cut = D.Segment(seg.start, n, seg.live, seg.ctx_base)
+                partial = self._seconds(self.cost.decode_segment_terms(self.gen.role, self.gen.alloc, [cut]))
+            out[n] = done + partial
+        return out
 
     def _prefill(self, samples: float, context: float) -> float:
         if samples <= 0:
@@ -122,7 +181,9 @@ class _Generation:
             return self._handed(finish, ends), self._stops(ends)
         every = sorted(n for ls in self.lengths for n in ls)
         step = next(n for n in every if sum(1 for m in every if m > n) <= self.threshold)
-        clock = {n: max(s + self._decoded(ls, n) for s, ls in zip(starts, self.lengths)) for n in set(every) if n <= step}
+        points = sorted({n for n in every if n <= step})
+        decoded = [self._decoded(ls, points) for ls in self.lengths]
+        clock = {n: max(s + d[n] for s, d in zip(starts, decoded)) for n in points}
         moment = clock[step]
         tail = {r: [n - step for n in ls if n > step] for r, ls in enumerate(self.lengths)}
         dests = sorted(sorted(tail), key=lambda r: -sum(tail[r]))[:self.fusion.migrate_to]

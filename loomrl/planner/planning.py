@@ -203,6 +203,7 @@ def compare_plans(workflow: Workflow, cluster: ClusterSpec, configs: Mapping[str
                      "peak GB/device": max(result.peak_memory.values(), default=0.0) / 2**30,
                      "offloaded": (", ".join(plan.offloaded_roles(workflow)) or "none")
                      if profile.host_offload else "none (CPU)",
+                     "fused": "no" if plan.fuse is None else f"at {plan.fuse.migrate_at}, to {plan.fuse.migrate_to}",
                      "speedup vs colocate": (base.iteration_time / result.iteration_time
                                              if base.feasible and result.feasible else float("nan"))})
     candidates = [(r.iteration_time, n, p, r) for n, (p, r) in heuristics.items() if r.feasible]

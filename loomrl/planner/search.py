@@ -34,6 +34,7 @@ are never returned.
 
 from __future__ import annotations
 
+import dataclasses
 import itertools
 import math
 import random
@@ -44,6 +45,7 @@ from dataclasses import dataclass
 
 from loomrl.errors import ConfigError
 from loomrl.plan import Allocation, ClusterSpec, DeviceSet, ExecutionPlan, colocate, interleave, separate
+from loomrl.plan.plan import Fusion
 from loomrl.plan.layout import Layout, check_layout
 from loomrl.plan.memory import model_dims
 from loomrl.planner.simulator import CostEstimator, SimResult, simulate
@@ -71,9 +73,11 @@ _PlanKey = tuple
 
 
 def plan_key(plan: ExecutionPlan) -> _PlanKey:
-    """A hashable identity of a plan: its allocations' texts by MFC name, and its shadow and offload choices."""
+    """A hashable identity of a plan: its allocations' texts by MFC name, its shadow and offload choices and its
+    fusion."""
     choices = tuple((chosen is not None, chosen or ()) for chosen in (plan.shadow, plan.offload))  # None: default
-    return tuple(sorted((n, a.text) for n, a in plan.allocations.items())), *choices
+    fusion = None if plan.fuse is None else plan.fuse.text
+    return tuple(sorted((n, a.text) for n, a in plan.allocations.items())), *choices, fusion
 
 
 def _powers_of_two(limit: int) -> list[int]:
@@ -350,8 +354,8 @@ class _Splitter:
 
 
 def _with(plan: ExecutionPlan, changes: Mapping[str, Allocation]) -> ExecutionPlan:
-    return ExecutionPlan(plan.cluster, {name: changes.get(name, alloc) for name, alloc in plan.allocations.items()},
-                         plan.shadow, plan.offload)
+    return dataclasses.replace(plan, allocations={name: changes.get(name, alloc)
+                                                  for name, alloc in plan.allocations.items()})
 
 
 def _propose(plan: ExecutionPlan, units: list[_Unit], rng: random.Random) -> ExecutionPlan:
@@ -383,8 +387,22 @@ def _toggle_offload(plan: ExecutionPlan, workflow: Workflow, role: str) -> Execu
     """``plan`` with ``role`` offloaded between its calls if it was not, resident if it was (the offloaded
     set made explicit, in workflow order)."""
     offloaded = set(plan.offloaded_roles(workflow)) ^ {role}
-    return ExecutionPlan(plan.cluster, plan.allocations, plan.shadow,
-                         tuple(r for r in workflow.roles() if r in offloaded))
+    return dataclasses.replace(plan, offload=tuple(r for r in workflow.roles() if r in offloaded))
+
+
+def fusion_choices(plan: ExecutionPlan, evaluate: _Evaluator) -> list[Fusion | None]:
+    """The fusions the search tries on ``plan`` (the current one left out), when the estimator prices fused
+    stages and the workflow has calls to fuse: none, and ``migrate_at: auto`` onto one replica or, with four or
+    more generation replicas, onto a quarter of them (RLHFuse moves the tail onto a few instances)."""
+    estimator = getattr(evaluate.cost, "inner", evaluate.cost)
+    group = evaluate.workflow.fusable()
+    if getattr(estimator, "fused_time", None) is None or group is None:
+        return []
+    replicas = plan[group[0].name].layout.dp
+    options: list[Fusion | None] = [None, Fusion(migrate_at="auto", migrate_to=1)]
+    if replicas >= 4:
+        options.append(Fusion(migrate_at="auto", migrate_to=replicas // 4))
+    return [f for f in options if f != plan.fuse]
 
 
 def _anneal(start: ExecutionPlan, units: list[_Unit], evaluate: _Evaluator, rng: random.Random,
@@ -411,7 +429,7 @@ def _polish(best: ExecutionPlan, units: list[_Unit], evaluate: _Evaluator, deadl
             splitter: _Splitter | None = None) -> None:
     """Coordinate descent from ``best``: each unit in turn takes its best candidate with the others fixed, then
     each pair of independent units tries the halves of either one's mesh (``splitter``), then each frozen role
-    offloaded or resident, sweeping until a sweep improves nothing or the deadline passes (results land in
+    offloaded or resident, then generation fused with the inference that reads it or not (:func:`fusion_choices`), sweeping until a sweep improves nothing or the deadline passes (results land in
     ``evaluate``). Annealing finds the region; this settles it on the local optimum, which random proposals
     reach only by luck."""
     current, rank = best, evaluate.rank(best)
@@ -424,6 +442,8 @@ def _polish(best: ExecutionPlan, units: list[_Unit], evaluate: _Evaluator, deadl
             yield from splitter.moves(current, i, j)
         for role in _offload_choices(current, evaluate):  # offloaded or resident
             yield _toggle_offload(current, evaluate.workflow, role)
+        for fusion in fusion_choices(current, evaluate):  # fused or not
+            yield dataclasses.replace(current, fuse=fusion)
 
     while time.monotonic() < deadline:
         before = rank
@@ -447,7 +467,7 @@ def _crossovers(starts: list[ExecutionPlan], workflow: Workflow) -> list[Executi
         for kind in (MFCKind.GENERATE, MFCKind.INFERENCE, MFCKind.TRAIN):
             moved = {m.name for m in workflow if m.kind is kind}
             allocations = {n: b[n] if n in moved else alloc for n, alloc in a.allocations.items()}
-            out.append(ExecutionPlan(a.cluster, allocations, None, a.offload))
+            out.append(dataclasses.replace(a, allocations=allocations, shadow=None))
     return out
 
 
@@ -641,8 +661,7 @@ def _until(plans, deadline: float):
 
 def _assign(plan: ExecutionPlan, combo: tuple[dict[str, Allocation], ...]) -> ExecutionPlan:
     chosen = {n: a for option in combo for n, a in option.items()}
-    return ExecutionPlan(plan.cluster, {n: chosen.get(n, a) for n, a in plan.allocations.items()},
-                         plan.shadow, plan.offload)
+    return dataclasses.replace(plan, allocations={n: chosen.get(n, a) for n, a in plan.allocations.items()})
 
 
 def _generation_devices(cluster: ClusterSpec) -> list[int]:
