@@ -50,6 +50,7 @@ from loomrl.planner.calibrate import calibrate_local, usable_cores  # noqa: E402
 from loomrl.planner.corrections import fit_corrections  # noqa: E402
 from loomrl.planner.cost import CostModel  # noqa: E402
 from loomrl.planner.planning import model_config  # noqa: E402
+from loomrl.planner.settings import RUNTIME  # noqa: E402
 from loomrl.planner.simulator import simulate  # noqa: E402
 from loomrl.planner.traces import trace_predictor  # noqa: E402
 from loomrl.planner.workload import ModelShape, Workload  # noqa: E402
@@ -167,10 +168,11 @@ def main() -> None:
             uniform = make_batch(args.prompts, [length] * args.prompts)
             _, traces, _ = run("colocate", workflow, uniform, spec, runtime, 3)
             found += observations(traces, Workload(args.prompts, prompt, (length,)), f"0-{args.devices - 1}")
-        corrections = fit_corrections(found, trace_predictor(cluster, profile, shapes))
+        corrections = fit_corrections(found, trace_predictor(cluster, profile, shapes, settings=RUNTIME))
         (tmp / "profile.json").write_text(json.dumps(dataclasses.asdict(profile)))
         (tmp / "corrections.json").write_text(corrections.dumps())
-        cost = CostModel(cluster, profile, shapes, Workload(args.prompts, prompt, tuple(heavy)), corrections)
+        cost = CostModel(cluster, profile, shapes, Workload(args.prompts, prompt, tuple(heavy)), corrections,
+                         settings=RUNTIME)
         auto = RuntimeConfig(devices=args.devices, timeout_s=1800, cost_profile=str(tmp / "profile.json"),
                              cost_corrections=str(tmp / "corrections.json"))
         dp = f"0-{args.devices - 1}:dp{args.devices}"

@@ -20,7 +20,7 @@ class _StubCost:
     sample; the reward role (a rule) has no model and costs nothing."""
 
     def __init__(self, workload: Workload):
-        self.workload, self.corrections, self.shapes = workload, Corrections(), {"actor": None, "ref": None}
+        self.workload, self.corrections, self.shapes = workload, Corrections(), {"actor": "stub", "ref": "stub"}
 
     def decode_segment_terms(self, role, alloc, segments):
         return {"decode": float(sum(s.end - s.start for s in segments))}
@@ -28,7 +28,7 @@ class _StubCost:
     def prefill_terms(self, role, alloc, samples, context):
         return {"prefill": 0.1 * samples}
 
-    def inference_terms(self, role, alloc, samples=None):
+    def inference_terms(self, role, alloc, samples=None, lengths=None):
         return {"inference": 0.25 * samples}
 
 

@@ -56,7 +56,7 @@ class ModelEngine:
                 self.pipeline.train_step_backward(ids_BL, attn_BL, _joined(loss), len(parts))
             return
         for k, rows in enumerate(parts):
-            out = model_outputs(self.model, ids_BL[rows], attn_BL[rows])
+            out = _widened(model_outputs(self.model, *_trimmed(ids_BL[rows], attn_BL[rows])), ids_BL.shape[1])
             value = loss(out, k)
             if value is None and self.lockstep:
                 value = (out * 0).sum()  # joins the graph: the backward's collectives still run

@@ -25,6 +25,7 @@ from loomrl.plan import ClusterSpec, ExecutionPlan
 from loomrl.plan.from_config import plan_from_config
 from loomrl.planner.corrections import ITERATION, Corrections, fit_corrections, fit_line
 from loomrl.planner.cost import PRECISION_BYTES, CostModel
+from loomrl.planner.settings import RUNTIME
 from loomrl.planner.planning import model_config
 from loomrl.planner.profiles import HardwareProfile
 from loomrl.planner.simulator import SimResult, simulate
@@ -131,14 +132,15 @@ def run_observations(run_dir: str | Path, profile: HardwareProfile,
 def _observations(run: Run, profile: HardwareProfile, cores: int | None) -> tuple[list[dict], object]:
     observations = observations_from_metrics(run.records, run.plan, run.workflow, run.batch, run.prompt_len)
     return observations, trace_predictor(run.cluster, run.profile(profile, cores), run.shapes,
-                                         bytes_per_param=run.bytes_per_param)
+                                         bytes_per_param=run.bytes_per_param, settings=RUNTIME)
 
 
 def simulate_run(run: Run, profile: HardwareProfile, corrections: Corrections | None = None,
                  cores: int | None = None, iterations: int = 3) -> SimResult:
     """The simulator's prediction of ``run`` (its plan, models and workload) with ``corrections``."""
     prof = run.profile(profile, cores)
-    cost = CostModel(run.cluster, prof, run.shapes, run.workload(), corrections, bytes_per_param=run.bytes_per_param)
+    cost = CostModel(run.cluster, prof, run.shapes, run.workload(), corrections, bytes_per_param=run.bytes_per_param,
+                     settings=RUNTIME)
     return simulate(run.plan, run.workflow, cost, prof.memory_bytes, iterations=iterations)
 
 

@@ -298,11 +298,13 @@ class CostModel:
             return self.inference_terms(mfc.role, alloc)
         return self._train_terms(mfc, alloc)
 
-    def inference_terms(self, role: str, alloc: Allocation, samples: float | None = None) -> dict[str, float]:
-        """One forward pass over every token of a replica's share (or of ``samples`` samples)."""
+    def inference_terms(self, role: str, alloc: Allocation, samples: float | None = None,
+                        lengths: tuple[int, ...] | None = None) -> dict[str, float]:
+        """One forward pass over every token of a replica's share (or of ``samples`` samples, whose response
+        lengths are ``lengths`` where known: a fused stage's chunk; else the workload's distribution)."""
         shape, w = self._shape(role), self.workload
         samples = D.share(w.batch, alloc.layout.dp) if samples is None else samples
-        seq, sq = self._pass_lengths(samples / alloc.micro_batches)
+        seq, sq = self._pass_lengths(samples, alloc.micro_batches, scoring=True, lengths=lengths)
         flops = T.forward_flops(shape, samples * seq, samples * sq)
         return self._pass(alloc, shape, flops, self._weight_bytes(role), samples * seq,
                           allreduces_per_layer=2, hops=1, micro_batches=alloc.micro_batches,
@@ -314,7 +316,7 @@ class CostModel:
         shape, w, lay = self._shape(mfc.role), self.workload, alloc.layout
         epochs, minibatches = self._steps(mfc)
         samples = w.batch / minibatches / lay.dp
-        seq, sq = self._pass_lengths(samples / alloc.micro_batches)
+        seq, sq = self._pass_lengths(samples, alloc.micro_batches)
         tokens = samples * seq
         passes = 4.0 if alloc.recompute else 3.0  # recomputation runs each forward once more in the backward
         flops = T.train_flops(shape, tokens, samples * sq) * passes / 3.0
@@ -523,7 +525,7 @@ class CostModel:
         so)."""
         shape, lay, w = self._shape(role), alloc.layout, self.workload
         samples = D.share(w.batch, lay.dp)
-        tokens = samples * self._pass_lengths(samples / alloc.micro_batches)[0] / alloc.micro_batches
+        tokens = samples * self._pass_lengths(samples, alloc.micro_batches, scoring=True)[0] / alloc.micro_batches
         return T.inference_activation_bytes(shape, tokens, lay.tp, self.bytes_per_param, self._logit_tokens(tokens))
 
     def _train_memory(self, mfc: MFC, alloc: Allocation) -> float:
@@ -532,7 +534,7 @@ class CostModel:
         shape, lay, w = self._shape(mfc.role), alloc.layout, self.workload
         _, minibatches = self._steps(mfc)
         samples = w.batch / minibatches / lay.dp
-        tokens = samples * self._pass_lengths(samples / alloc.micro_batches)[0]
+        tokens = samples * self._pass_lengths(samples, alloc.micro_batches)[0]
         in_flight = tokens / alloc.micro_batches * min(lay.pp, alloc.micro_batches)
         # FSDP: the root unit (embedding, head) gathered throughout, two layers at a time (one prefetched) and
         # one layer's unsharded fp32 gradients before its reduce-scatter
@@ -545,14 +547,26 @@ class CostModel:
         return gathered + T.train_activation_bytes(shape, in_flight, shape.layers / lay.pp, lay.tp,
                                                    self.bytes_per_param, self._logit_tokens(in_flight))
 
-    def _pass_lengths(self, per_micro_batch: float) -> tuple[float, float]:
+    def _pass_lengths(self, samples: float, micro_batches: int, scoring: bool = False,
+                      lengths: tuple[int, ...] | None = None) -> tuple[float, float]:
         """(mean, mean square) length of a sample as a pass processes it: packed (the settings' default), its own
-        length; padded, the longest of the ``per_micro_batch`` samples it shares a micro-batch with
-        (:func:`loomrl.planner.decode.expected_longest`)."""
+        length; padded, the longest of the ``samples / micro_batches`` samples it shares a micro-batch with
+        (:func:`loomrl.planner.decode.expected_longest`), or for a ``scoring`` pass whose samples are sorted
+        first (``sorted_scoring``) the longest of its sorted group (:func:`loomrl.planner.decode.sorted_longest`).
+        ``lengths``: the responses of the pass's samples where known, else the workload's distribution."""
         w = self.workload
+        known = lengths is not None
+        lengths = w.response_lengths if lengths is None else lengths
+        prompt, per_micro_batch = w.prompt_len, samples / micro_batches
         if self.settings.packing or per_micro_batch <= 1:
-            return w.mean_seq, w.mean_sq_seq
-        padded = w.prompt_len + D.expected_longest(w.response_lengths, per_micro_batch)
+            n = len(lengths)
+            return prompt + sum(lengths) / n, sum((prompt + x) ** 2 for x in lengths) / n
+        if scoring and self.settings.sorted_scoring:
+            # the pass's own samples: their lengths where known, else the distribution's quantiles for as many
+            share = lengths if known else D.admission_order(lengths, max(1, round(samples)))
+            mean, mean_sq = D.sorted_longest(share, micro_batches)
+            return prompt + mean, mean_sq + 2 * prompt * mean + prompt * prompt
+        padded = prompt + D.expected_longest(lengths, per_micro_batch)
         return padded, padded * padded
 
     def _logit_tokens(self, tokens: float) -> float:

@@ -119,6 +119,16 @@ def expected_longest(lengths: Sequence[int], k: float) -> float:
     return sum(x * (((i + 1) / n) ** k - (i / n) ** k) for i, x in enumerate(ordered))
 
 
+def sorted_longest(lengths: Sequence[int], groups: int) -> tuple[float, float]:
+    """Mean and mean square, over the samples, of the longest of their group when ``lengths`` are sorted and cut
+    into ``groups`` contiguous groups (a sample of a micro-batch padded to its own longest)."""
+    ordered = sorted(lengths)
+    n, groups = len(ordered), max(1, min(int(groups), len(ordered)))
+    bounds = [round(j * n / groups) for j in range(groups + 1)]
+    tops = [(ordered[hi - 1], hi - lo) for lo, hi in zip(bounds, bounds[1:]) if hi > lo]
+    return sum(x * k for x, k in tops) / n, sum(x * x * k for x, k in tops) / n
+
+
 def admission_order(lengths: Sequence[int], samples: int) -> list[int]:
     """``samples`` lengths drawn evenly from the quantiles of ``lengths``, in an order blind to length.
 

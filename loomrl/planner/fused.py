@@ -170,14 +170,14 @@ class _Generation:
             return 0.0
         return self._seconds(self.cost.prefill_terms(self.gen.role, self.gen.alloc, samples, context))
 
-    def run(self) -> tuple[list[tuple[float, float]], dict[int, float]]:
-        """(time, samples) of every hand-over, and when each generating device stops."""
+    def run(self) -> tuple[list[tuple[float, tuple[int, ...]]], dict[int, float]]:
+        """(time, response lengths) of every hand-over, and when each generating device stops."""
         overhead = self.cost.corrections.overhead_s.get("generate", 0.0)
         starts = [overhead + self._prefill(len(ls), self.prompt) for ls in self.lengths]
         curves = [self._curve(ls, self.prompt) for ls in self.lengths]
         if not self.migrating:
-            finish = [[starts[r] + curves[r][n] for n in ls] for r, ls in enumerate(self.lengths)]
-            ends = [max(f, default=starts[r]) for r, f in enumerate(finish)]
+            finish = [[(starts[r] + curves[r][n], n) for n in ls] for r, ls in enumerate(self.lengths)]
+            ends = [max((t for t, _ in f), default=starts[r]) for r, f in enumerate(finish)]
             return self._handed(finish, ends), self._stops(ends)
         every = sorted(n for ls in self.lengths for n in ls)
         step = next(n for n in every if sum(1 for m in every if m > n) <= self.threshold)
@@ -191,26 +191,27 @@ class _Generation:
         kept = {r: list(tail[r]) for r in dests}
         for n in moving:  # the longest first, to the least loaded destination, as the runtime assigns them
             kept[min(dests, key=lambda r: (sum(kept[r]), r))].append(n)
-        finish = [[clock[n] for n in ls if n <= step] for ls in self.lengths]
+        finish = [[(clock[n], n) for n in ls if n <= step] for ls in self.lengths]
         ends = [moment] * len(self.replicas)
         for r in dests:
             arrived = len(kept[r]) - len(tail[r])
             begin = moment + self._prefill(arrived, self.prompt + step)
             curve = self._curve(kept[r], self.prompt + step) if kept[r] else {}
-            finish[r] += [begin + curve[n] for n in kept[r]]
-            ends[r] = max([moment, *finish[r]])
+            finish[r] += [(begin + curve[n], n + step) for n in kept[r]]
+            ends[r] = max([moment, *(t for t, _ in finish[r])])
         for device in (d for r, rep in enumerate(self.replicas) for d in rep):
             self.parts.append(("migrate", device, moment, moment))
         return self._handed(finish, ends), self._stops(ends)
 
-    def _handed(self, finish: list[list[float]], ends: list[float]) -> list[tuple[float, float]]:
-        """Each replica's samples, handed on ``chunk`` at a time, the rest when it stops."""
+    def _handed(self, finish: list[list[tuple[float, int]]], ends: list[float]) -> list[tuple[float, tuple[int, ...]]]:
+        """Each replica's samples (when each finishes, its response length), handed on ``chunk`` at a time, the
+        rest when it stops: (time, the chunk's response lengths)."""
         out = []
-        for times, end in zip(finish, ends):
-            times = sorted(times)
-            for k in range(0, len(times), self.chunk):
-                group = times[k:k + self.chunk]
-                out.append((group[-1] if len(group) == self.chunk else end, float(len(group))))
+        for done, end in zip(finish, ends):
+            done = sorted(done)
+            for k in range(0, len(done), self.chunk):
+                group = done[k:k + self.chunk]
+                out.append((group[-1][0] if len(group) == self.chunk else end, tuple(n for _, n in group)))
         return out
 
     def _stops(self, ends: list[float]) -> dict[int, float]:
@@ -222,16 +223,17 @@ class _Generation:
         return stops
 
 
-def _serve(cost: CostModel, step: Step, ready: list[tuple[float, float]], gen_until: dict[int, float]) -> list[Part]:
+def _serve(cost: CostModel, step: Step, ready: list[tuple[float, tuple[int, ...]]],
+           gen_until: dict[int, float]) -> list[Part]:
     """The members' calls, each on its free replicas as samples become ready (module docstring)."""
     members = step.members[1:]
-    events = sorted(ready)
-    waiting = {m.id: 0.0 for m in members}
+    events = sorted(ready, key=lambda event: event[0])
+    waiting: dict[str, list[int]] = {m.id: [] for m in members}
     busy: dict[int, float] = {}
     parts: list[Part] = []
     wakeups: list[float] = sorted(set(gen_until.values()))
     now, k = 0.0, 0
-    while k < len(events) or any(v > 1e-9 for v in waiting.values()):
+    while k < len(events) or any(waiting.values()):
         if k < len(events) and events[k][0] <= now + 1e-12:
             for m in members:
                 waiting[m.id] += events[k][1]
@@ -240,15 +242,18 @@ def _serve(cost: CostModel, step: Step, ready: list[tuple[float, float]], gen_un
         for m in members:
             free = [r for r in m.alloc.replicas()
                     if all(gen_until.get(d, 0.0) <= now + 1e-12 and busy.get(d, 0.0) <= now + 1e-12 for d in r)]
-            if waiting[m.id] <= 1e-9 or not free:
+            if not waiting[m.id] or not free:
                 continue
-            each = waiting[m.id] / len(free)
-            seconds = _inference(cost, m, each)
-            for replica in free:
+            ordered = sorted(waiting[m.id])  # dealt in turn: each replica gets a like mix of lengths
+            for index, replica in enumerate(free):
+                share = ordered[index::len(free)]
+                if not share:
+                    continue
+                seconds = _inference(cost, m, tuple(share))
                 for device in replica:
                     busy[device] = now + seconds
                     parts.append((m.id, device, now, now + seconds))
-            waiting[m.id] = 0.0
+            waiting[m.id] = []
         later = [t for t in [*busy.values(), *wakeups] if t > now + 1e-12]
         if k < len(events):
             later.append(events[k][0])
@@ -258,10 +263,9 @@ def _serve(cost: CostModel, step: Step, ready: list[tuple[float, float]], gen_un
     return parts
 
 
-def _inference(cost: CostModel, member: Step, samples: float) -> float:
-    """Seconds of one call of ``member`` over ``samples`` samples on one replica of its allocation (its per-call
-    overhead alone for a role the cost model has no model of: a rule)."""
-    terms = {} if member.role not in cost.shapes else \
-        cost.inference_terms(member.role, member.alloc, samples)
+def _inference(cost: CostModel, member: Step, lengths: tuple[int, ...]) -> float:
+    """Seconds of one call of ``member`` over samples of response ``lengths`` on one replica of its allocation
+    (its per-call overhead alone for a role the cost model has no model of: a rule)."""
+    terms = {} if member.role not in cost.shapes or cost.shapes[member.role] is None else \
+        cost.inference_terms(member.role, member.alloc, float(len(lengths)), lengths)
     return cost.corrections.apply_terms(MFCKind.INFERENCE, terms)
-

@@ -15,7 +15,7 @@ from dataclasses import dataclass
 from loomrl.configtools import ValidatedConfig, spec
 from loomrl.planner.profiles import HardwareProfile
 
-__all__ = ["EngineSettings", "default_max_seqs"]
+__all__ = ["RUNTIME", "EngineSettings", "default_max_seqs"]
 
 PRECISIONS = ("auto", "bf16", "fp8")
 """Precisions of generation and of training/scoring passes: ``auto`` is bf16 on accelerators (fp32 on CPU)."""
@@ -49,6 +49,10 @@ class EngineSettings(ValidatedConfig):
     packing: bool = True
     """Training and scoring passes pack samples without padding (sequence packing, or padding removed); False
     pads each micro-batch to its longest sample."""
+    sorted_scoring: bool = False
+    """Unpacked scoring passes sort their samples by length before cutting micro-batches, so a micro-batch is
+    as long as its own longest and long samples share one (loomrl's runtime); False: micro-batches of samples in
+    arrival order."""
     logits: str = spec("fp32", choices=("fp32", "chunked"))
     """How passes hold their logits: ``fp32`` for every token of a micro-batch (loomrl's runtime), ``chunked``
     a few thousand tokens at a time (fused or chunked cross-entropy, Megatron's and NeMo RL's)."""
@@ -71,3 +75,8 @@ def default_max_seqs(profile: HardwareProfile) -> int:
     the A100 by name, so the A800, its variant, falls in the same branch here)."""
     large = profile.memory_bytes >= 70 * 2**30 and not profile.name.startswith(("a100", "a800"))
     return 1024 if large else 256
+
+
+RUNTIME = EngineSettings(packing=False, sorted_scoring=True)
+"""loomrl's own runtime: each training and scoring micro-batch is computed to its own longest sample (no
+packing), and scoring passes sort their samples by length first (:func:`loomrl.algorithms.ops.role_outputs`)."""

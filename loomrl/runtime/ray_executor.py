@@ -37,6 +37,7 @@ from loomrl.plan.realloc_plan import plan_reallocation
 from loomrl.plan.schedule import Step, StepKind, build_schedule
 from loomrl.planner.corrections import Corrections
 from loomrl.planner.cost import CostModel
+from loomrl.planner.settings import RUNTIME
 from loomrl.planner.fused import best_migrate_at
 from loomrl.planner.planning import model_config
 from loomrl.planner.profiles import load_profile, profile_for
@@ -289,7 +290,7 @@ class RayExecutor:
                       for role, spec in self.spec.roles.items() if spec.model is not None}
             self._cost_inputs = (profile, corrections, shapes)
         profile, corrections, shapes = self._cost_inputs
-        return CostModel(self.cluster, profile, shapes, workload, corrections)
+        return CostModel(self.cluster, profile, shapes, workload, corrections, settings=RUNTIME)
 
     def payloads(self, step: Step, state: _IterationState) -> dict[int, CallData]:
         """Per device of a call: its rows, their input shards, its optimizer steps, and whether it publishes."""
