@@ -76,7 +76,7 @@ def plan_key(plan: ExecutionPlan) -> _PlanKey:
     """A hashable identity of a plan: its allocations' texts by MFC name, its shadow and offload choices and its
     fusion."""
     choices = tuple((chosen is not None, chosen or ()) for chosen in (plan.shadow, plan.offload))  # None: default
-    fusion = None if plan.fuse is None else plan.fuse.text
+    fusion = "" if plan.fuse is None else plan.fuse.text  # a string either way: keys are compared on ties
     return tuple(sorted((n, a.text) for n, a in plan.allocations.items())), *choices, fusion
 
 
@@ -427,14 +427,17 @@ def _anneal(start: ExecutionPlan, units: list[_Unit], evaluate: _Evaluator, rng:
 
 def _polish(best: ExecutionPlan, units: list[_Unit], evaluate: _Evaluator, deadline: float,
             splitter: _Splitter | None = None) -> None:
-    """Coordinate descent from ``best``: each unit in turn takes its best candidate with the others fixed, then
-    each pair of independent units tries the halves of either one's mesh (``splitter``), then each frozen role
-    offloaded or resident, then generation fused with the inference that reads it or not (:func:`fusion_choices`), sweeping until a sweep improves nothing or the deadline passes (results land in
+    """Coordinate descent from ``best``: generation fused with the inference that reads it or not
+    (:func:`fusion_choices`), then each unit in turn takes its best candidate with the others fixed, then each
+    pair of independent units tries the halves of either one's mesh (``splitter``), then each frozen role
+    offloaded or resident, sweeping until a sweep improves nothing or the deadline passes (results land in
     ``evaluate``). Annealing finds the region; this settles it on the local optimum, which random proposals
     reach only by luck."""
     current, rank = best, evaluate.rank(best)
 
     def trials():  # each built from the plan current when it is drawn
+        for fusion in fusion_choices(current, evaluate):  # fused or not: cheap to try, and it moves a lot
+            yield dataclasses.replace(current, fuse=fusion)
         for unit in units:
             for alloc in unit.candidates:
                 yield _with(current, dict.fromkeys(unit.names, alloc))
@@ -442,8 +445,6 @@ def _polish(best: ExecutionPlan, units: list[_Unit], evaluate: _Evaluator, deadl
             yield from splitter.moves(current, i, j)
         for role in _offload_choices(current, evaluate):  # offloaded or resident
             yield _toggle_offload(current, evaluate.workflow, role)
-        for fusion in fusion_choices(current, evaluate):  # fused or not
-            yield dataclasses.replace(current, fuse=fusion)
 
     while time.monotonic() < deadline:
         before = rank
@@ -544,6 +545,10 @@ def search(workflow: Workflow, cluster: ClusterSpec, cost: CostEstimator, memory
     for plan in starts:
         if evaluate(plan) is None:
             plan.validate(workflow)  # raises the one-line reason
+    # each start fused or not, whichever is faster, where the estimator prices fusion: the walks then explore
+    # around it (a polish toggling fusion at the end may not reach it on a large cluster's budget)
+    starts = [min([plan, *(dataclasses.replace(plan, fuse=f) for f in fusion_choices(plan, evaluate))],
+                  key=evaluate.rank) for plan in starts]
     keep = {a for plan in starts for a in plan.allocations.values()}
     units = [_Unit(names, _prune(names, tuple(candidate_allocations(workflow[names[0]], workflow, cluster,
                                                                     model_configs)),
