@@ -95,10 +95,10 @@ def generation_floor(cost: CostModel, role: str, alloc) -> GenerationFloor:
         terms = dict(prefill)
         for name, seconds in cost.decode_segment_terms(role, alloc, [D.Segment(0, k, live, live * w.prompt_len)]).items():
             terms[name] = terms.get(name, 0.0) + seconds
-        ready.append((cost.corrections.apply_terms(MFCKind.GENERATE, terms), (len(lengths) - index) / len(lengths)))
+        ready.append((_corrected(cost, MFCKind.GENERATE, terms), (len(lengths) - index) / len(lengths)))
     whole = cost.decode_segment_terms(role, alloc, D.continuous_segments(lengths, len(lengths), w.prompt_len))
     replica = alloc.layout.tp * alloc.layout.pp
-    return GenerationFloor(tuple(ready), replica * cost.corrections.apply_terms(MFCKind.GENERATE, whole))
+    return GenerationFloor(tuple(ready), replica * _corrected(cost, MFCKind.GENERATE, whole))
 
 
 def price_fused(cost: CostModel, step: Step, migrate_at: float | None = None) -> FusedPrice:
@@ -133,10 +133,10 @@ class _Generation:
         share = max(1, w.batch // len(self.replicas))
         self.chunk = self.fusion.chunk or max(1, share // 4)
         self.parts: list[Part] = []
+        self.overhead = _corrected(cost, MFCKind.GENERATE, {})  # the call's fixed seconds, paid once
 
     def _seconds(self, terms: dict[str, float]) -> float:
-        scaled = self.cost.corrections.apply_terms(MFCKind.GENERATE, terms)
-        return scaled - self.cost.corrections.overhead_s.get("generate", 0.0)
+        return _corrected(self.cost, MFCKind.GENERATE, terms) - self.overhead
 
     def _curve(self, lengths: list[int], context: float) -> dict[int, float]:
         """Seconds after each distinct length's step (from the first decode step) for ``lengths`` decoding
@@ -172,7 +172,7 @@ class _Generation:
 
     def run(self) -> tuple[list[tuple[float, tuple[int, ...]]], dict[int, float]]:
         """(time, response lengths) of every hand-over, and when each generating device stops."""
-        overhead = self.cost.corrections.overhead_s.get("generate", 0.0)
+        overhead = self.overhead
         starts = [overhead + self._prefill(len(ls), self.prompt) for ls in self.lengths]
         curves = [self._curve(ls, self.prompt) for ls in self.lengths]
         if not self.migrating:
@@ -268,4 +268,11 @@ def _inference(cost: CostModel, member: Step, lengths: tuple[int, ...]) -> float
     (its per-call overhead alone for a role the cost model has no model of: a rule)."""
     terms = {} if member.role not in cost.shapes or cost.shapes[member.role] is None else \
         cost.inference_terms(member.role, member.alloc, float(len(lengths)), lengths)
-    return cost.corrections.apply_terms(MFCKind.INFERENCE, terms)
+    return _corrected(cost, MFCKind.INFERENCE, terms)
+
+
+def _corrected(cost: CostModel, kind: MFCKind, terms: dict[str, float]) -> float:
+    """Seconds of ``terms`` as the cost model gives a call's: corrected, its per-call overhead included, times the
+    profile's stated system factor (:meth:`~loomrl.planner.cost.CostModel.mfc_time`)."""
+    factor = getattr(getattr(cost, "profile", None), "system_factor", 1.0)
+    return cost.corrections.apply_terms(kind, terms) * factor
