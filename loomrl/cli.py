@@ -337,6 +337,38 @@ def build_parser() -> argparse.ArgumentParser:
     p.set_defaults(fn=_cmd_demo)
     p = sub.add_parser("plan", help="compare colocate/interleave/separate with a searched plan on a cluster, or "
                                     "simulate a given plan (--plan) stage by stage")
+    _add_plan_arguments(p, cfg_help)
+    p.set_defaults(fn=_cmd_plan)
+    p = sub.add_parser("timeline", help="draw a run's measured timeline, step by step (RUN_DIR/traces.jsonl), "
+                                        "below the simulator's prediction of the same run")
+    p.add_argument("run_dir")
+    p.add_argument("--iterations", type=int, default=3, help="draw the last N iterations (0: all)")
+    p.add_argument("--profile", help="hardware profile JSON to predict with (loomrl calibrate writes "
+                                     "local_profile.json; default: the nominal local profile)")
+    p.add_argument("--corrections", help="fitted corrections JSON to predict with (loomrl calibrate --from)")
+    p.add_argument("--measured-only", action="store_true", help="draw the measured run alone")
+    p.add_argument("--chrome", action="store_true", help=f"also write RUN_DIR/{CHROME_TRACE_FILE}, every step of "
+                   "the run (and the prediction) in the Chrome trace format that Perfetto and chrome://tracing open")
+    p.set_defaults(fn=_cmd_timeline)
+    p = sub.add_parser("report", help="write RUN_DIR/report.html: curves, timelines, plan and config in one page "
+                                      "(runs write it themselves as they go)")
+    p.add_argument("run_dir")
+    p.set_defaults(fn=_cmd_report)
+    p = sub.add_parser("calibrate", help="measure this machine, or fit cost-model corrections from runs")
+    p.add_argument("--from", dest="runs", nargs="*", default=[], help="run directories to fit corrections from")
+    p.add_argument("--devices", type=int, help="devices to measure as (default: one per core)")
+    p.add_argument("--out", default="runs/calibration", help="where local_profile.json / corrections.json go")
+    p.set_defaults(fn=_cmd_calibrate)
+    p = sub.add_parser("config", help="list every config field with its type, default and meaning")
+    p.add_argument("command", choices=("train", "sft", "rm", "eval"))
+    p.set_defaults(fn=_cmd_config)
+    return parser
+
+
+
+def _add_plan_arguments(p: argparse.ArgumentParser, cfg_help: str) -> None:
+    """The flags of ``loomrl plan``: the run's description (:class:`~loomrl.planner.describe.RunDescription`), its
+    engine settings, and the planning budget and outputs."""
     p.add_argument("config", nargs="*", help=cfg_help)
     p.add_argument("--workload", help="YAML run description (the fields of loomrl.planner.describe.RunDescription: "
                                       "models, cluster, lengths, engine, plan); the flags below override it")
@@ -382,32 +414,6 @@ def build_parser() -> argparse.ArgumentParser:
                                      "local_profile.json)")
     p.add_argument("--corrections", help="fitted corrections JSON (loomrl calibrate --from writes corrections.json)")
     p.add_argument("--out", default="runs/plan", help="where the plan and its timeline are written")
-    p.set_defaults(fn=_cmd_plan)
-    p = sub.add_parser("timeline", help="draw a run's measured timeline, step by step (RUN_DIR/traces.jsonl), "
-                                        "below the simulator's prediction of the same run")
-    p.add_argument("run_dir")
-    p.add_argument("--iterations", type=int, default=3, help="draw the last N iterations (0: all)")
-    p.add_argument("--profile", help="hardware profile JSON to predict with (loomrl calibrate writes "
-                                     "local_profile.json; default: the nominal local profile)")
-    p.add_argument("--corrections", help="fitted corrections JSON to predict with (loomrl calibrate --from)")
-    p.add_argument("--measured-only", action="store_true", help="draw the measured run alone")
-    p.add_argument("--chrome", action="store_true", help=f"also write RUN_DIR/{CHROME_TRACE_FILE}, every step of "
-                   "the run (and the prediction) in the Chrome trace format that Perfetto and chrome://tracing open")
-    p.set_defaults(fn=_cmd_timeline)
-    p = sub.add_parser("report", help="write RUN_DIR/report.html: curves, timelines, plan and config in one page "
-                                      "(runs write it themselves as they go)")
-    p.add_argument("run_dir")
-    p.set_defaults(fn=_cmd_report)
-    p = sub.add_parser("calibrate", help="measure this machine, or fit cost-model corrections from runs")
-    p.add_argument("--from", dest="runs", nargs="*", default=[], help="run directories to fit corrections from")
-    p.add_argument("--devices", type=int, help="devices to measure as (default: one per core)")
-    p.add_argument("--out", default="runs/calibration", help="where local_profile.json / corrections.json go")
-    p.set_defaults(fn=_cmd_calibrate)
-    p = sub.add_parser("config", help="list every config field with its type, default and meaning")
-    p.add_argument("command", choices=("train", "sft", "rm", "eval"))
-    p.set_defaults(fn=_cmd_config)
-    return parser
-
 
 def main(argv: Sequence[str] | None = None) -> int:
     args = build_parser().parse_args(argv)

@@ -342,7 +342,6 @@ def _segments_bound(units: list[_Unit], masks: list[np.ndarray], fixed: set[int]
     a fused stage merged where that is less (``fused``). None if some unit has no allocation left or the sum
     reaches ``limit``."""
     out, total = [], 0.0
-    slack = 0.0 if fused is None else math.inf  # merging may lower the sum: compare with the limit at the end
     for calls, paths, inside in parts:
         chosen = []
         for i in inside:
@@ -360,7 +359,7 @@ def _segments_bound(units: list[_Unit], masks: list[np.ndarray], fixed: set[int]
                 value, busiest = float(busy.max()), True
         out.append(SegmentBound(calls, value, weight, path, busiest))
         total += value
-        if total - slack >= limit:
+        if fused is None and total >= limit:  # merging may lower the sum: then compare with the limit at the end
             return None
     out = _merged(out, fused)
     return None if sum(p.seconds for p in out) >= limit else out

@@ -47,6 +47,7 @@ fullest (generate).
 
 from __future__ import annotations
 
+import dataclasses
 import math
 from collections import Counter
 from typing import Mapping, NamedTuple
@@ -554,19 +555,17 @@ class CostModel:
         (:func:`loomrl.planner.decode.expected_longest`), or for a ``scoring`` pass whose samples are sorted
         first (``sorted_scoring``) the longest of its sorted group (:func:`loomrl.planner.decode.sorted_longest`).
         ``lengths``: the responses of the pass's samples where known, else the workload's distribution."""
-        w = self.workload
-        known = lengths is not None
-        lengths = w.response_lengths if lengths is None else lengths
-        prompt, per_micro_batch = w.prompt_len, samples / micro_batches
+        w = self.workload if lengths is None else dataclasses.replace(self.workload, response_lengths=tuple(lengths))
+        per_micro_batch = samples / micro_batches
         if self.settings.packing or per_micro_batch <= 1:
-            n = len(lengths)
-            return prompt + sum(lengths) / n, sum((prompt + x) ** 2 for x in lengths) / n
+            return w.mean_seq, w.mean_sq_seq
+        prompt = w.prompt_len
         if scoring and self.settings.sorted_scoring:
             # the pass's own samples: their lengths where known, else the distribution's quantiles for as many
-            share = lengths if known else D.admission_order(lengths, max(1, round(samples)))
+            share = lengths if lengths is not None else D.admission_order(w.response_lengths, max(1, round(samples)))
             mean, mean_sq = D.sorted_longest(share, micro_batches)
             return prompt + mean, mean_sq + 2 * prompt * mean + prompt * prompt
-        padded = prompt + D.expected_longest(lengths, per_micro_batch)
+        padded = prompt + D.expected_longest(w.response_lengths, per_micro_batch)
         return padded, padded * padded
 
     def _logit_tokens(self, tokens: float) -> float:

@@ -138,21 +138,12 @@ class _Generation:
     def _seconds(self, terms: dict[str, float]) -> float:
         return _corrected(self.cost, MFCKind.GENERATE, terms) - self.overhead
 
-    def _curve(self, lengths: list[int], context: float) -> dict[int, float]:
-        """Seconds after each distinct length's step (from the first decode step) for ``lengths`` decoding
-        together from a context of ``context`` tokens."""
-        at, total = {}, 0.0
-        for seg in D.continuous_segments(lengths, len(lengths), context):
-            total += self._seconds(self.cost.decode_segment_terms(self.gen.role, self.gen.alloc, [seg]))
-            at[seg.end] = total
-        return at
-
-    def _decoded(self, lengths: list[int], points: list[int]) -> dict[int, float]:
-        """Seconds a replica decoding ``lengths`` from the prompt spends on its first ``n`` steps, for each ``n``
-        of ``points``: one sweep over the occupancy segments, a point inside a segment priced as the segments
-        before it plus that segment cut at the point."""
+    def _decoded(self, lengths: list[int], points: set[int] | list[int], context: float) -> dict[int, float]:
+        """Seconds a replica decoding ``lengths`` from a context of ``context`` tokens spends on its first ``n``
+        steps, for each ``n`` of ``points``: one sweep over the occupancy segments, a point inside a segment
+        priced as the segments before it plus that segment cut at the point."""
         out, done = {}, 0.0
-        segments = iter(D.continuous_segments(lengths, len(lengths), self.prompt))
+        segments = iter(D.continuous_segments(lengths, len(lengths), context))
         seg = next(segments, None)
         for n in sorted(points):
             while seg is not None and seg.end <= n:
@@ -174,7 +165,7 @@ class _Generation:
         """(time, response lengths) of every hand-over, and when each generating device stops."""
         overhead = self.overhead
         starts = [overhead + self._prefill(len(ls), self.prompt) for ls in self.lengths]
-        curves = [self._curve(ls, self.prompt) for ls in self.lengths]
+        curves = [self._decoded(ls, set(ls), self.prompt) for ls in self.lengths]
         if not self.migrating:
             finish = [[(starts[r] + curves[r][n], n) for n in ls] for r, ls in enumerate(self.lengths)]
             ends = [max((t for t, _ in f), default=starts[r]) for r, f in enumerate(finish)]
@@ -182,7 +173,7 @@ class _Generation:
         every = sorted(n for ls in self.lengths for n in ls)
         step = next(n for n in every if sum(1 for m in every if m > n) <= self.threshold)
         points = sorted({n for n in every if n <= step})
-        decoded = [self._decoded(ls, points) for ls in self.lengths]
+        decoded = [self._decoded(ls, points, self.prompt) for ls in self.lengths]
         clock = {n: max(s + d[n] for s, d in zip(starts, decoded)) for n in points}
         moment = clock[step]
         tail = {r: [n - step for n in ls if n > step] for r, ls in enumerate(self.lengths)}
@@ -196,7 +187,7 @@ class _Generation:
         for r in dests:
             arrived = len(kept[r]) - len(tail[r])
             begin = moment + self._prefill(arrived, self.prompt + step)
-            curve = self._curve(kept[r], self.prompt + step) if kept[r] else {}
+            curve = self._decoded(kept[r], set(kept[r]), self.prompt + step) if kept[r] else {}
             finish[r] += [(begin + curve[n], n + step) for n in kept[r]]
             ends[r] = max([moment, *(t for t, _ in finish[r])])
         for device in (d for r, rep in enumerate(self.replicas) for d in rep):
