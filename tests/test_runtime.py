@@ -33,6 +33,7 @@ import ray
 
 from loomrl.config import TrainConfig
 from loomrl.configtools import load_config
+from loomrl.plan.schedule import StepKind
 from loomrl.train.rl import RLTrainer
 
 SAMPLE_KEYS = ("reward/mean", "reward/exact_match", "response/length", "response/length_max")
@@ -194,6 +195,16 @@ FSDP_TP_PLAN_4 = ("actor_gen=0-3:dp4; actor_train=0-3:dp2tp2fsdp; ref_inf=0-3:dp
 the critic's inference runs on a whole tp2 copy reallocated from those blocks on the same devices."""
 
 
+FUSED_TRAIN_2 = ("actor_gen=0-1:dp2; actor_train=0-1:pp2mb2; ref_inf=0-1:dp2; reward_inf=0-1:dp2; critic_inf=0-1:dp2; "
+                 "critic_train=0-1:pp2revmb2; advantages=0:dp1; fuse_train=on")
+"""Intra-stage fusion: the actor's and the critic's pipelines in opposite directions on two devices, trained as one
+fused pipeline step per pair of optimizer steps."""
+FUSED_TRAIN_4 = ("actor_gen=0-3:dp4; actor_train=0-3:pp4mb2; ref_inf=0-3:dp4; reward_inf=0-3:dp4; critic_inf=0-3:dp4; "
+                 "critic_train=0-3:dp2pp2revmb2; advantages=0:dp1; fuse_train=on")
+"""Fused pipelines of different depths: the actor in four stages, the critic in two replicas of two (each replica
+on its own rows, their gradients summed), two micro-batches a step on rows some ranks have fewer of."""
+
+
 @pytest.mark.parametrize("plan,devices", [
     ("colocate", 2), ("interleave", 2), ("separate", 2),
     ("actor_gen=0-1:tp2; actor_train=0-1:dp2; ref_inf=0:dp1; reward_inf=1:dp1; critic_inf=0-1:dp2; "
@@ -215,9 +226,11 @@ the critic's inference runs on a whole tp2 copy reallocated from those blocks on
     ("actor_gen=0-1:dp2; actor_train=2-3:dp2fsdp; ref_inf=2-3:dp2; reward_inf=2-3:dp2; critic_inf=2-3:dp2; "
      "critic_train=2-3:dp2fsdp; advantages=2:dp1", 4),
     (FSDP_TP_PLAN_4, 4),
+    (FUSED_TRAIN_2, 2),
+    (FUSED_TRAIN_4, 4),
 ], ids=["colocate2", "interleave2", "separate2", "realloc_tp2", "pipeline2", "colocate4", "interleave4", "separate4",
         "pipeline_dp4", "pipeline_tp4", "pipeline2_micro_batches", "dp2_micro_batches", "recompute", "zero2", "fsdp2",
-        "separate4_fsdp", "fsdp_tp4"])
+        "separate4_fsdp", "fsdp_tp4", "fused_train2", "fused_train4"])
 def test_plans_match_the_reference(tmp_path, reference, plan, devices):
     """Every placement strategy computes the reference run: per-call meshes and layouts, reallocation of the
     actor between its training and generation layouts, shadow sync, concurrent calls on disjoint devices."""
@@ -228,6 +241,9 @@ def test_plans_match_the_reference(tmp_path, reference, plan, devices):
     if plan == "separate":
         assert trainer.plan.shadow_roles(trainer.workflow) == ("actor",)
     assert trainer.executor.schedule.transfers() or plan == "colocate"
+    if "fuse_train=on" in plan:  # the two train calls run as one fused stage
+        assert [s.id for s in trainer.executor.schedule if s.kind is StepKind.FUSED_TRAIN] == \
+            ["fused_train_actor_train"]
     trainer.run()
     got = [json.loads(line) for line in (tmp_path / "plan" / "metrics.jsonl").read_text().splitlines()]
     _assert_equivalent(got, reference)

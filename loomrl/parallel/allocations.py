@@ -37,6 +37,11 @@ class AllocGroups:
     coords: Coords
     mesh_group: dist.ProcessGroup
     """Every rank of the allocation (e.g. for a fused stage's generation replicas to agree on a migration)."""
+    pp_back_group: dist.ProcessGroup | None = None
+    """A second communicator over ``pp_group``'s ranks (pp > 1), for the gradients of a fused pipeline step
+    (:mod:`loomrl.parallel.fused_pipeline`): one communicator per direction."""
+    stage_ranks: tuple[int, ...] = ()
+    """The device (global rank) of each pipeline stage of this device's replica and TP rank, in stage order."""
 
     @property
     def pp_rank(self) -> int:
@@ -67,18 +72,25 @@ class AllocationGroups:
         """Create the communicators of the allocations not seen yet (collective over the world: every rank
         calls it with the same allocations)."""
         new = sorted({_mesh_key(a) for a in allocations} - set(self._groups),
-                     key=lambda k: (k[0], k[1].dp, k[1].tp, k[1].pp))
+                     key=lambda k: (k[0], k[1].dp, k[1].tp, k[1].pp, k[1].reverse))
         for devices, layout in new:
-            size = layout.dp * layout.tp
-            grid = [[[devices[p * size + d * layout.tp + t] for t in range(layout.tp)] for d in range(layout.dp)]
+            grid = [[[devices[layout.rank(Coords(p, d, t))] for t in range(layout.tp)] for d in range(layout.dp)]
                     for p in range(layout.pp)]
             mesh = DeviceMesh(self.device_type, grid, mesh_dim_names=("pp", "dp", "tp"))
             whole = dist.new_group(list(devices)) if len(devices) > 1 else None  # collective: every rank creates it
+            back = {}
+            if layout.pp > 1:  # collective too: every rank creates every line's group, in the same order
+                for d in range(layout.dp):
+                    for t in range(layout.tp):
+                        line = tuple(grid[p][d][t] for p in range(layout.pp))
+                        back[line] = dist.new_group(sorted(line))
             self._groups[(devices, layout)] = None
             if self.device in devices:
                 coords = layout.coords(devices.index(self.device))
+                line = tuple(grid[p][coords.dp][coords.tp] for p in range(layout.pp))
                 self._groups[(devices, layout)] = AllocGroups(mesh.get_group("dp"), mesh.get_group("pp"),
-                                                              mesh["tp"], mesh["dp"], coords, whole)
+                                                              mesh["tp"], mesh["dp"], coords, whole,
+                                                              back.get(line), line)
 
     def __getitem__(self, alloc: Allocation) -> AllocGroups:
         groups = self._groups.get(_mesh_key(alloc))

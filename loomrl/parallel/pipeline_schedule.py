@@ -32,7 +32,7 @@ Legend: B rows, L tokens per row, H hidden size, V vocabulary, M micro-batches.
 from __future__ import annotations
 
 import math
-from typing import Callable, Iterable
+from typing import Callable, Iterable, Sequence
 
 import torch
 import torch.distributed as dist
@@ -57,11 +57,17 @@ _HEADER = 2 + _MAX_DIMS  # dtype code, ndim, shape padded with zeros
 class PipelineRunner:
     """Pipelined inference and 1F1B training of one stage, in step with the other ranks of ``pp_group``."""
 
-    def __init__(self, stage: PipelineStage, pp_group: dist.ProcessGroup | None, pp_rank: int, pp_size: int):
-        """``pp_group`` may be None only when ``pp_size`` is 1 (nothing is communicated then)."""
+    def __init__(self, stage: PipelineStage, pp_group: dist.ProcessGroup | None, pp_rank: int, pp_size: int,
+                 stage_ranks: Sequence[int] | None = None):
+        """``pp_group`` may be None only when ``pp_size`` is 1 (nothing is communicated then). ``stage_ranks``: the
+        global rank holding each stage, in stage order, for a group whose rank order is not the stage order (a
+        reversed layout puts stage 0 on the group's last rank); None: stage ``s`` is group rank ``s``."""
         if (stage.pp_rank, stage.pp_size) != (pp_rank, pp_size):
             raise ValueError(f"stage {stage.pp_rank} of {stage.pp_size} given to runner rank {pp_rank} of {pp_size}")
-        if pp_size > 1 and (dist.get_rank(pp_group), dist.get_world_size(pp_group)) != (pp_rank, pp_size):
+        self.peers = tuple(range(pp_size)) if stage_ranks is None or pp_size == 1 else \
+            tuple(dist.get_group_rank(pp_group, r) for r in stage_ranks)
+        """The ``pp_group`` rank of each stage."""
+        if pp_size > 1 and (dist.get_rank(pp_group), dist.get_world_size(pp_group)) != (self.peers[pp_rank], pp_size):
             raise ValueError(f"pipeline rank {pp_rank} of {pp_size} disagrees with the group (rank "
                              f"{dist.get_rank(pp_group)} of {dist.get_world_size(pp_group)})")
         self.stage, self.group = stage, pp_group
@@ -203,30 +209,31 @@ class PipelineRunner:
         return received
 
     def _batch(self, ops: list[tuple[Callable, torch.Tensor]], peer: int) -> None:
-        works = dist.batch_isend_irecv([dist.P2POp(op, t, group=self.group, group_peer=peer) for op, t in ops])
+        works = dist.batch_isend_irecv([dist.P2POp(op, t, group=self.group, group_peer=self.peers[peer])
+                                        for op, t in ops])
         for work in works:
             work.wait()
 
     def _send(self, tensor: torch.Tensor, to: int) -> None:
-        dist.send(_header(tensor, self.stage.device), group=self.group, group_dst=to)
-        dist.send(tensor.contiguous(), group=self.group, group_dst=to)
+        dist.send(_header(tensor, self.stage.device), group=self.group, group_dst=self.peers[to])
+        dist.send(tensor.contiguous(), group=self.group, group_dst=self.peers[to])
 
     def _recv(self, source: int, expected: tuple[int, ...]) -> torch.Tensor:
         header = torch.empty(_HEADER, dtype=torch.int64, device=self.stage.device)
-        dist.recv(header, group=self.group, group_src=source)
+        dist.recv(header, group=self.group, group_src=self.peers[source])
         dtype, shape = _decode(header)
         if shape != expected:
             raise RuntimeError(f"pipeline stage {self.pp_rank}: got a tensor of shape {shape} from stage {source}, "
                                f"expected {expected} (do all stages have the same rows?)")
         tensor = torch.empty(shape, dtype=dtype, device=self.stage.device)
-        dist.recv(tensor, group=self.group, group_src=source)
+        dist.recv(tensor, group=self.group, group_src=self.peers[source])
         return tensor
 
     def _broadcast(self, tensor: torch.Tensor | None) -> torch.Tensor:
         """The last stage's ``tensor`` on every stage (header first: only the last stage knows its shape)."""
         if self.pp_size == 1:
             return tensor
-        last, device = self.pp_size - 1, self.stage.device
+        last, device = self.peers[self.pp_size - 1], self.stage.device
         header = _header(tensor, device) if tensor is not None else torch.empty(_HEADER, dtype=torch.int64,
                                                                                device=device)
         dist.broadcast(header, group=self.group, group_src=last)

@@ -3,7 +3,10 @@
 A :class:`Layout` is a plain value; :func:`check_layout` decides whether it fits a model config and a number of
 devices, and says why not in one line. Ranks of a layout are ordered tp-fastest, pp-slowest
 (``rank = pp_rank * (dp * tp) + dp_rank * tp + tp_rank``) so that the ranks of one tensor-parallel group are
-neighbours, which on a GPU node puts them on the fastest links.
+neighbours, which on a GPU node puts them on the fastest links. A *reversed* layout numbers its pipeline stages
+from the other end of the mesh (``pp_rank`` replaced by ``pp - 1 - pp_rank`` above): stage 0 on the last ranks.
+Two models whose pipelines run in opposite directions over the same devices pair one's first stages with the
+other's last ones, as intra-stage fusion wants (:mod:`loomrl.plan.fused_pipeline`).
 """
 
 from __future__ import annotations
@@ -40,12 +43,18 @@ class Layout:
     pp: int = 1
     """Pipeline stages: contiguous, equal ranges of decoder layers (Llama, Qwen2); combines with tp, each stage
     then being tensor-parallel over its own ``tp`` ranks."""
+    reverse: bool = False
+    """Stage 0 on the mesh's last ranks, stage ``pp - 1`` on its first (module docstring); no effect at pp=1."""
 
     def __post_init__(self) -> None:
         for name in ("dp", "tp", "pp"):
             value = getattr(self, name)
             if isinstance(value, bool) or not isinstance(value, int) or value < 1:
                 raise ConfigError(f"layout.{name}: {value!r} is not a positive integer")
+        if not isinstance(self.reverse, bool):
+            raise ConfigError(f"layout.reverse: {self.reverse!r} is not true or false")
+        if self.pp == 1 and self.reverse:
+            object.__setattr__(self, "reverse", False)  # one stage has no direction: equal to the plain layout
 
     @property
     def size(self) -> int:
@@ -57,14 +66,15 @@ class Layout:
         if not 0 <= rank < self.size:
             raise ValueError(f"rank {rank} is outside a layout of {self.size} ranks")
         pp_rank, rest = divmod(rank, self.dp * self.tp)
-        return Coords(pp_rank, *divmod(rest, self.tp))
+        return Coords(self.pp - 1 - pp_rank if self.reverse else pp_rank, *divmod(rest, self.tp))
 
     def rank(self, coords: Coords) -> int:
         """The rank at ``coords`` (:meth:`coords` inverted)."""
         for name, value, size in zip(Coords._fields, coords, (self.pp, self.dp, self.tp)):
             if not 0 <= value < size:
                 raise ConfigError(f"{name}_rank: {value} is outside 0..{size - 1} of layout dp{self.dp}tp{self.tp}pp{self.pp}")
-        return (coords[0] * self.dp + coords[1]) * self.tp + coords[2]
+        pp_rank = self.pp - 1 - coords[0] if self.reverse else coords[0]
+        return (pp_rank * self.dp + coords[1]) * self.tp + coords[2]
 
 
 def check_layout(layout: Layout, config: object, devices: int, where: str = "layout") -> None:

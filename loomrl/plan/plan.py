@@ -44,10 +44,11 @@ from loomrl.workflow import MFCKind, Workflow
 __all__ = ["Allocation", "DeviceSet", "ExecutionPlan", "Fusion", "format_devices"]
 
 _RANGE_RE = re.compile(r"(\d+)(?:-(\d+))?")
-_LAYOUT_RE = re.compile(r"(dp|tp|pp|mb)(\d+)|(rc|zero|fsdp)")
+_LAYOUT_RE = re.compile(r"(dp|tp|pp|mb)(\d+)|(rc|zero|fsdp|rev)")
 _LAYOUT_TOKENS = ("expected tokens dp<N>, tp<N>, pp<N>, mb<N> (micro-batches), rc (recompute activations), zero "
-                  "(optimizer state sharded over dp) and fsdp (weights, gradients and optimizer state sharded over "
-                  "dp), e.g. dp4tp2, dp2mb4, pp2mb4rc, dp8zero or dp8fsdp")
+                  "(optimizer state sharded over dp), fsdp (weights, gradients and optimizer state sharded over "
+                  "dp) and rev (pipeline stages from the mesh's last device), e.g. dp4tp2, dp2mb4, pp2mb4rc, "
+                  "dp8zero, dp8fsdp or pp4rev")
 
 
 def format_devices(devices: tuple[int, ...] | list[int]) -> str:
@@ -124,6 +125,7 @@ def _layout_text(layout: Layout, micro_batches: int, recompute: bool = False, ze
     text = f"dp{layout.dp}"
     text += f"tp{layout.tp}" if layout.tp > 1 else ""
     text += f"pp{layout.pp}" if layout.pp > 1 else ""
+    text += "rev" if layout.reverse else ""
     return text + (f"mb{micro_batches}" if micro_batches > 1 else "") + ("rc" if recompute else "") + \
         ("zero" if zero else "") + ("fsdp" if fsdp else "")
 
@@ -151,7 +153,10 @@ def _parse_layout(text: str, devices: int) -> tuple[Layout, int, bool, bool, boo
     for key in ("dp", "tp", "pp", "mb"):
         if values.get(key, 1) < 1:
             fail("layout", f"{key}{values[key]} in {text!r} is not a positive degree")
-    return Layout(values.get("dp", 1), tp, pp), values.get("mb", 1), "rc" in flags, "zero" in flags, "fsdp" in flags
+    if "rev" in flags and pp == 1:
+        fail("layout", f"{text!r} reverses a pipeline of one stage; rev needs pp > 1 (e.g. pp4rev)")
+    layout = Layout(values.get("dp", 1), tp, pp, "rev" in flags)
+    return layout, values.get("mb", 1), "rc" in flags, "zero" in flags, "fsdp" in flags
 
 
 @dataclass(frozen=True)
@@ -367,6 +372,11 @@ class ExecutionPlan:
     the rule of :meth:`offloaded_roles` (frozen roles only)."""
     fuse: Fusion | None = None
     """Inter-stage fusion of generation with the inference calls that read only its outputs; None: unfused."""
+    fuse_train: bool = False
+    """Intra-stage fusion (RLHFuse): the workflow's two independent train calls (PPO's actor and critic), placed
+    on the same devices with pipeline stages, run as one fused pipeline schedule, each device alternating
+    between its stage of either model so that one model's work fills the other's pipeline bubbles
+    (:mod:`loomrl.plan.fused_pipeline`); opposite directions (one layout ``rev``) pair their bubbles best."""
 
     def __post_init__(self) -> None:
         if not isinstance(self.cluster, ClusterSpec):
@@ -385,6 +395,8 @@ class ExecutionPlan:
         object.__setattr__(self, "offload", _roles_list(self.offload, "offload"))
         if self.fuse is not None and not isinstance(self.fuse, Fusion):
             raise ConfigError(f"plan.fuse: {self.fuse!r} is not a Fusion")
+        if not isinstance(self.fuse_train, bool):
+            raise ConfigError(f"plan.fuse_train: {self.fuse_train!r} is not true or false")
 
     def with_allocation(self, name: str, allocation: Allocation) -> ExecutionPlan:
         """A copy of the plan with ``name`` placed at ``allocation``."""
@@ -482,12 +494,14 @@ class ExecutionPlan:
         """Plain data (JSON/YAML-ready); :meth:`from_dict` reads it back to an equal plan."""
         allocations = {name: {"devices": a.mesh.text, "dp": a.layout.dp, "tp": a.layout.tp, "pp": a.layout.pp,
                               "micro_batches": a.micro_batches, **({"recompute": True} if a.recompute else {}),
-                              **({"zero": True} if a.zero else {}), **({"fsdp": True} if a.fsdp else {})}
+                              **({"zero": True} if a.zero else {}), **({"fsdp": True} if a.fsdp else {}),
+                              **({"reverse": True} if a.layout.reverse else {})}
                        for name, a in self.allocations.items()}
         return {"cluster": to_dict(self.cluster), "allocations": allocations,
                 "shadow": None if self.shadow is None else list(self.shadow),
                 "offload": None if self.offload is None else list(self.offload),
-                "fuse": None if self.fuse is None else to_dict(self.fuse)}
+                "fuse": None if self.fuse is None else to_dict(self.fuse),
+                **({"fuse_train": True} if self.fuse_train else {})}
 
     @classmethod
     def from_dict(cls, data: Mapping[str, Any]) -> ExecutionPlan:
@@ -499,11 +513,11 @@ class ExecutionPlan:
         for name, item in record.allocations.items():
             try:
                 mesh = DeviceSet.parse(item.devices) if isinstance(item.devices, str) else DeviceSet(item.devices)
-                allocations[name] = Allocation(mesh, Layout(item.dp, item.tp, item.pp), item.micro_batches,
+                allocations[name] = Allocation(mesh, Layout(item.dp, item.tp, item.pp, item.reverse), item.micro_batches,
                                                item.recompute, item.zero, item.fsdp)
             except FieldError as err:
                 raise err.under(f"plan.allocations.{name}") from None
-        return cls(record.cluster, allocations, record.shadow, record.offload, record.fuse)
+        return cls(record.cluster, allocations, record.shadow, record.offload, record.fuse, record.fuse_train)
 
     def save(self, path: str | os.PathLike[str]) -> None:
         """Write the plan as JSON (``.json``) or YAML (``.yaml``, ``.yml``), atomically."""
@@ -544,6 +558,8 @@ class _AllocationRecord:
     """Shard the optimizer state over dp, ZeRO stage 1 (train calls only)."""
     fsdp: bool = False
     """Shard weights, gradients and optimizer state over dp, FSDP (train calls only)."""
+    reverse: bool = False
+    """Pipeline stages numbered from the mesh's last device (pp > 1)."""
 
 
 @dataclass(frozen=True)
@@ -558,6 +574,8 @@ class _PlanRecord:
     """Roles offloaded between calls (null: the default rule)."""
     fuse: Fusion | None = None
     """Inter-stage fusion (null: none)."""
+    fuse_train: bool = False
+    """Intra-stage fusion of two train calls' pipelines."""
 
 
 def _plan_suffix(path: Path) -> str:

@@ -6,13 +6,17 @@ Items are separated by ``;``; each places one MFC as ``NAME=DEVICES[:LAYOUT]``::
 
 - ``DEVICES``: global device indices as ranges and singles, comma-separated: ``0-3``, ``0,2,5``, ``0-3,6``;
 - ``LAYOUT``: tokens ``dpN``, ``tpN``, ``ppN`` and ``mbN`` (micro-batches) in any order, each optional:
-  ``dp4tp2``, ``tp2`` (dp then fills the mesh: 8 devices → dp4), ``dp2mb4``; without a layout the MFC is
-  pure data parallel over its devices (``4-7`` is ``4-7:dp4``);
+  ``dp4tp2``, ``tp2`` (dp then fills the mesh: 8 devices → dp4), ``dp2mb4``; ``rev`` numbers pipeline stages
+  from the mesh's last device (``pp4rev``); without a layout the MFC is pure data parallel over its devices
+  (``4-7`` is ``4-7:dp4``);
 - ``shadow=actor`` and ``offload=ref,reward`` set the plan's explicit shadow and offload roles (``offload=``
   means none); without them the default rules of :class:`~loomrl.plan.plan.ExecutionPlan` apply;
 - ``fuse=on`` or ``fuse=migrate_at:0.2,migrate_to:1`` (``migrate_at:auto``, ``chunk:N``) fuses generation with
   the inference calls that read only its outputs (:class:`~loomrl.plan.plan.Fusion`); these items may also
   follow a strategy's name (``colocate; fuse=on``, :func:`loomrl.plan.strategies.make_plan`);
+- ``fuse_train=on`` (or ``off``) runs the two train calls as one fused pipeline (intra-stage fusion,
+  :attr:`~loomrl.plan.plan.ExecutionPlan.fuse_train`), e.g. ``actor_train=0-3:pp4mb4;
+  critic_train=0-3:pp4revmb4; fuse_train=on``;
 - a compute step (e.g. ``advantages``) that is not named runs on device 0 with no parallelism
   (``advantages=0:dp1``), where the runtime runs it; every model call must be named.
 
@@ -38,7 +42,7 @@ from loomrl.workflow import MFCKind, Workflow
 
 __all__ = ["RESERVED_KEYS", "compute_allocation", "format_plan_string", "parse_plan_string", "with_choices"]
 
-RESERVED_KEYS = ("shadow", "offload", "fuse")
+RESERVED_KEYS = ("shadow", "offload", "fuse", "fuse_train")
 """Item names that set plan fields rather than place an MFC."""
 
 
@@ -47,7 +51,7 @@ def compute_allocation() -> Allocation:
     return Allocation(DeviceSet((0,)), Layout())
 
 
-def _parse_item(item: str, workflow: Workflow) -> tuple[str, Allocation | Fusion | tuple[str, ...]]:
+def _parse_item(item: str, workflow: Workflow) -> tuple[str, Allocation | Fusion | bool | tuple[str, ...]]:
     name, sep, rest = (part.strip() for part in item.partition("="))
     if not sep or not name:
         raise ConfigError(f"plan item {item!r}: expected NAME=DEVICES[:LAYOUT], e.g. actor_gen=0-3:dp4")
@@ -56,6 +60,10 @@ def _parse_item(item: str, workflow: Workflow) -> tuple[str, Allocation | Fusion
             return name, Fusion.parse(rest)
         except FieldError as err:
             raise ConfigError(f"plan item {item!r}: {err}") from None
+    if name == "fuse_train":
+        if rest not in ("on", "off"):
+            raise ConfigError(f"plan item {item!r}: fuse_train is on or off, not {rest!r}")
+        return name, rest == "on"
     if name in RESERVED_KEYS:
         return name, tuple(r.strip() for r in rest.split(",") if r.strip())
     if name not in workflow:
@@ -92,7 +100,8 @@ def parse_plan_string(text: str, workflow: Workflow, cluster: ClusterSpec) -> Ex
         else:
             raise ConfigError(f"plan: MFC '{mfc.name}' is not placed; add e.g. '{mfc.name}=0-{cluster.n_devices - 1}'")
     try:
-        plan = ExecutionPlan(cluster, allocations, choices.get("shadow"), choices.get("offload"), choices.get("fuse"))
+        plan = ExecutionPlan(cluster, allocations, choices.get("shadow"), choices.get("offload"), choices.get("fuse"),
+                             choices.get("fuse_train", False))
     except ConfigError as err:
         raise ConfigError(f"plan: {err}") from None
     plan.validate(workflow)
@@ -100,7 +109,7 @@ def parse_plan_string(text: str, workflow: Workflow, cluster: ClusterSpec) -> Ex
 
 
 def with_choices(plan: ExecutionPlan, text: str, workflow: Workflow) -> ExecutionPlan:
-    """``plan`` with the ``shadow``, ``offload`` and ``fuse`` items of ``text`` (``;``-separated) applied."""
+    """``plan`` with the ``shadow``, ``offload``, ``fuse`` and ``fuse_train`` items of ``text`` (``;``-separated) applied."""
     changes: dict[str, object] = {}
     for item in (part.strip() for part in str(text).split(";")):
         if not item:
@@ -126,4 +135,6 @@ def format_plan_string(plan: ExecutionPlan, workflow: Workflow | None = None) ->
             items.append(f"{key}={','.join(roles)}")
     if plan.fuse is not None:
         items.append(f"fuse={plan.fuse.text}")
+    if plan.fuse_train:
+        items.append("fuse_train=on")
     return "; ".join(items)

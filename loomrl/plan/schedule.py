@@ -33,6 +33,9 @@ Steps (:class:`StepKind`), each with the devices it occupies and the steps of it
   the inference calls run on finished samples, chunk by chunk, while the tail still generates, and once few
   samples are left the tail migrates onto a few generation replicas so the others can run inference. The
   steps that put the members' models in place run before the stage; those that release them, after it.
+- ``fused_train``: with the plan's ``fuse_train``, the two train calls (PPO's actor and critic) as one stage on
+  their shared devices, its member call steps inside: each pair of their optimizer steps runs as one fused
+  pipeline step (:mod:`loomrl.plan.fused_pipeline`); what waits for either call waits for the stage.
 
 Iterations run one after another: every step of iteration ``i + 1`` waits for all of iteration ``i``.
 Within an iteration a step is sent once its dependencies are done, and every device runs the steps in the
@@ -65,6 +68,11 @@ class StepKind(str, Enum):
     OFFLOAD = "offload"
     EVALUATE = "evaluate"
     FUSED = "fused"
+    FUSED_TRAIN = "fused_train"
+
+
+STAGES = (StepKind.FUSED, StepKind.FUSED_TRAIN)
+"""Steps that run member call steps as one stage."""
 
 
 _PUT = (StepKind.COPY, StepKind.SYNC, StepKind.RELOAD)
@@ -95,7 +103,7 @@ class Step:
     mfc: MFC | None = field(default=None, compare=False)
     """``call``: the MFC itself (with its function), so that an executor needs nothing but the schedule."""
     members: tuple[Step, ...] = ()
-    """``fused``: its call steps, generation first."""
+    """``fused``: its call steps, generation first; ``fused_train``: its two train calls, in workflow order."""
     fusion: Fusion | None = None
     """``fused``: the plan's fusion settings."""
 
@@ -154,7 +162,7 @@ class Schedule:
 
     def calls(self) -> list[Step]:
         """The iteration's call steps, in order (a fused stage's members in its place)."""
-        return [c for s in self.steps for c in (s.members if s.kind is StepKind.FUSED else (s,))
+        return [c for s in self.steps for c in (s.members if s.kind in STAGES else (s,))
                 if c.kind is StepKind.CALL]
 
     def transfers(self) -> list[tuple[str, Allocation, Allocation]]:
@@ -187,24 +195,29 @@ def build_schedule(workflow: Workflow, plan: ExecutionPlan, evaluate_role: str |
     steps = builder.finish()
     group = workflow.fusable() if plan.fuse is not None else None
     if group is not None:
-        steps = _fuse(steps, group, plan.fuse)
+        steps = _fuse(steps, (group[0], *group[1]), StepKind.FUSED, plan.fuse)
+    pair = workflow.train_pair() if plan.fuse_train else None
+    if pair is not None:
+        steps = _fuse(steps, pair, StepKind.FUSED_TRAIN)
     prologue = tuple(Step(s.id, s.kind, s.devices, (), s.role, s.alloc, s.src) for s in builder.fills)
     return Schedule(steps, prologue, _evaluation(workflow, plan, evaluate_role))
 
 
-def _fuse(steps: tuple[Step, ...], group: tuple[MFC, tuple[MFC, ...]], fusion: Fusion) -> tuple[Step, ...]:
-    """``steps`` with the group's call steps replaced by one fused stage (module docstring): the steps that
-    feed a member (copies, reloads) run before the stage; the steps that wait for a member wait for it."""
-    gen, consumers = group
-    names = {gen.name, *(c.name for c in consumers)}
+def _fuse(steps: tuple[Step, ...], group: tuple[MFC, ...], kind: StepKind,
+          fusion: Fusion | None = None) -> tuple[Step, ...]:
+    """``steps`` with the group's call steps replaced by one stage of ``kind`` (module docstring), in the place
+    of its first member, named after it: the steps that feed a member (copies, reloads) run before the stage;
+    the steps that wait for a member wait for it."""
+    names = {m.name for m in group}
     members = tuple(s for s in steps if s.id in names)
-    fused_id = f"fused_{gen.name}"
+    first = group[0]
+    fused_id = f"{kind.value}_{first.name}"
     feeding = {d for m in members for d in m.deps if d not in names}
     devices = tuple(sorted({d for m in members for d in m.devices}))
     out: list[Step] = []
     for step in steps:
-        if step.id == gen.name:
-            out.append(Step(fused_id, StepKind.FUSED, devices, tuple(sorted(feeding, key=_position(steps))),
+        if step.id == first.name:
+            out.append(Step(fused_id, kind, devices, tuple(sorted(feeding, key=_position(steps))),
                             members=members, fusion=fusion))
         elif step.id not in names:
             deps = tuple(dict.fromkeys(fused_id if d in names else d for d in step.deps))

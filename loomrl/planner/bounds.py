@@ -46,6 +46,13 @@ of length at least ``k`` is ready plus that share of the inference calls' least 
 cluster; and the generation's least device-seconds plus all of the inference's, over the cluster. The bound of
 a training placement is the least of its unfused and fused sums.
 
+**Fused training.** Where the estimator prices intra-stage fusion (``fused_train_time``,
+:mod:`loomrl.planner.fused_train`), two train calls pipelined on the same devices may fill each other's bubbles,
+so a device is busy with a call for at least its time without its pipeline bubble
+(:func:`~loomrl.planner.fused_train.fused_floor`: a fused step is no shorter than the busiest device's
+forwards and backwards), which the work and busiest-device figures count instead of its time; a call's own
+time still bounds any path through it (one pipeline alone cannot beat its own 1F1B).
+
 Its use: a heuristic plan within a factor ``f`` of the bound leaves no plan of the space more than ``f``
 faster, whatever the search does. What it leaves out, so what separates it from the best plan: the
 reallocations and reloads between calls, and the memory that the calls of one segment take *together*.
@@ -63,6 +70,7 @@ from dataclasses import dataclass
 import numpy as np
 
 from loomrl.plan import Allocation, ClusterSpec
+from loomrl.planner.fused_train import can_fuse, fused_floor
 from loomrl.planner.search import candidate_allocations, unit_names
 from loomrl.planner.simulator import CostEstimator, SimResult
 from loomrl.workflow import MFCKind, Workflow
@@ -125,10 +133,13 @@ class _Unit:
     """Bytes per device of the role's weights on the allocation (its training state, for a train unit)."""
     transient: np.ndarray
     """Bytes per device the unit's calls add while they run (the most of them)."""
+    busy: np.ndarray
+    """allocations × calls: seconds the call keeps each device of its mesh busy, at least: its time, or for a
+    train call that may fuse with another, its time without its pipeline bubble (module docstring)."""
 
     def subset(self, keep: list[int]) -> _Unit:
         return _Unit(self.names, [self.allocs[i] for i in keep], self.times[keep], self.sizes[keep],
-                     self.devices[keep], self.weights[keep], self.transient[keep])
+                     self.devices[keep], self.weights[keep], self.transient[keep], self.busy[keep])
 
 
 def segments(workflow: Workflow) -> list[tuple[str, ...]]:
@@ -203,18 +214,24 @@ def _unit(names: tuple[str, ...], workflow: Workflow, cluster: ClusterSpec, cost
     """The allocations of the unit ``names`` whose weights and transient memory fit a device alone."""
     mfcs = [workflow[name] for name in names]
     role, train = mfcs[0].role, mfcs[0].kind is MFCKind.TRAIN
+    pair = workflow.train_pair()
+    fusable = train and getattr(cost, "fused_train_time", None) is not None and pair is not None and \
+        any(m.name in names for m in pair)
     rows = []
     for alloc in candidate_allocations(mfcs[0], workflow, cluster, model_configs):
         weights = cost.static_memory(role, alloc, train) if role is not None else 0.0
         transient = max((cost.mfc_memory(m, alloc, train) for m in mfcs if m.role is not None), default=0.0)
         if weights + transient <= memory:
-            rows.append((alloc, [cost.mfc_time(m, alloc) for m in mfcs], weights, transient))
+            times = [cost.mfc_time(m, alloc) for m in mfcs]
+            busy = [fused_floor(cost, m, alloc) if fusable and can_fuse(alloc) else t for m, t in zip(mfcs, times)]
+            rows.append((alloc, times, weights, transient, busy))
     devices = np.zeros((len(rows), cluster.n_devices), dtype=bool)
     for k, (alloc, *_) in enumerate(rows):
         devices[k, list(alloc.mesh.devices)] = True
-    return _Unit(names, [r[0] for r in rows], np.array([r[1] for r in rows], dtype=float).reshape(len(rows), len(mfcs)),
+    shape = (len(rows), len(mfcs))
+    return _Unit(names, [r[0] for r in rows], np.array([r[1] for r in rows], dtype=float).reshape(shape),
                  devices.sum(1).astype(float), devices, np.array([r[2] for r in rows], dtype=float),
-                 np.array([r[3] for r in rows], dtype=float))
+                 np.array([r[3] for r in rows], dtype=float), np.array([r[4] for r in rows], dtype=float).reshape(shape))
 
 
 def _undominated(unit: _Unit) -> list[int]:
@@ -354,7 +371,7 @@ def _segments_bound(units: list[_Unit], masks: list[np.ndarray], fixed: set[int]
         if all(i in fixed for i in inside):  # allocations known: calls sharing a device run in turn
             busy = np.zeros(n)
             for u in chosen:
-                busy[u.devices[0]] += sum(t for name, t in zip(u.names, u.times[0]) if name in calls)
+                busy[u.devices[0]] += sum(t for name, t in zip(u.names, u.busy[0]) if name in calls)
             if busy.max() > value:
                 value, busiest = float(busy.max()), True
         out.append(SegmentBound(calls, value, weight, path, busiest))
@@ -375,7 +392,7 @@ def _weighted(chosen: list[_Unit], calls: tuple[str, ...], paths: list[tuple[str
         for u in chosen:
             in_segment = np.array([name in calls for name in u.names])
             on_path = np.array([name in path for name in u.names])
-            work = u.times[:, in_segment].sum(1) * u.sizes / n
+            work = u.busy[:, in_segment].sum(1) * u.sizes / n
             along = u.times[:, on_path].sum(1)
             total += (np.outer(_GRID, along) + np.outer(1.0 - _GRID, work)).min(1)
         k = int(total.argmax())

@@ -59,6 +59,7 @@ from loomrl.planner import decode as D
 from loomrl.planner import terms as T
 from loomrl.planner.corrections import ITERATION, REALLOC, Corrections
 from loomrl.planner.fused import FusedPrice, GenerationFloor, generation_floor, price_fused
+from loomrl.planner.fused_train import price_fused_train
 from loomrl.planner.profiles import HardwareProfile
 from loomrl.planner.realloc_cost import realloc_seconds
 from loomrl.planner.settings import EngineSettings, default_max_seqs
@@ -175,6 +176,19 @@ class CostModel:
     def fused_time(self, step) -> float:
         """Seconds of a fused stage (the simulator's price of a ``fused`` schedule step)."""
         return self.fused_stage(step).seconds
+
+    def fused_train_time(self, step) -> float:
+        """Seconds of a ``fused_train`` stage: two train calls as one fused pipeline
+        (:func:`loomrl.planner.fused_train.price_fused_train`). Cached."""
+        key = ("train", step)
+        if key not in self._fused:
+            self._fused[key] = price_fused_train(self, step)
+        return self._fused[key].seconds
+
+    def train_steps(self, mfc: MFC) -> int:
+        """Optimizer steps of one call of train MFC ``mfc``: ``epochs × minibatches``."""
+        epochs, minibatches = self._steps(mfc)
+        return epochs * minibatches
 
     def iteration_time(self, simulated_s: float) -> float:
         """A simulated iteration's seconds with the fitted whole-iteration correction (the controller's serial
@@ -643,4 +657,4 @@ def _launch(name: str, tp: int) -> str:
 
 def _alloc_key(alloc: Allocation) -> tuple:
     lay = alloc.layout
-    return alloc.mesh.devices, (lay.dp, lay.tp, lay.pp), alloc.micro_batches, alloc.recompute, alloc.zero, alloc.fsdp
+    return alloc.mesh.devices, (lay.dp, lay.tp, lay.pp, lay.reverse), alloc.micro_batches, alloc.recompute, alloc.zero, alloc.fsdp

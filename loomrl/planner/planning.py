@@ -159,6 +159,12 @@ class PlanningReport:
         return min(feasible) / self.searched[0][1].iteration_time
 
 
+def _fusions(plan: ExecutionPlan) -> str:
+    """The plan's fusions in a few words: inter-stage (its migration), intra-stage (train), or no."""
+    parts = [] if plan.fuse is None else [f"at {plan.fuse.migrate_at}, to {plan.fuse.migrate_to}"]
+    return "; ".join(parts + (["train"] if plan.fuse_train else [])) or "no"
+
+
 def compare_plans(workflow: Workflow, cluster: ClusterSpec, configs: Mapping[str, object], workload: Workload,
                   *, seed: int = 0, time_budget_s: float = 30.0, chains: int = SEARCH_CHAINS,
                   profile: HardwareProfile | None = None, corrections: Corrections | None = None,
@@ -203,7 +209,7 @@ def compare_plans(workflow: Workflow, cluster: ClusterSpec, configs: Mapping[str
                      "peak GB/device": max(result.peak_memory.values(), default=0.0) / 2**30,
                      "offloaded": (", ".join(plan.offloaded_roles(workflow)) or "none")
                      if profile.host_offload else "none (CPU)",
-                     "fused": "no" if plan.fuse is None else f"at {plan.fuse.migrate_at}, to {plan.fuse.migrate_to}",
+                     "fused": _fusions(plan),
                      "speedup vs colocate": (base.iteration_time / result.iteration_time
                                              if base.feasible and result.feasible else float("nan"))})
     candidates = [(r.iteration_time, n, p, r) for n, (p, r) in heuristics.items() if r.feasible]

@@ -48,6 +48,7 @@ from loomrl.plan import Allocation, ClusterSpec, DeviceSet, ExecutionPlan, coloc
 from loomrl.plan.plan import Fusion
 from loomrl.plan.layout import Layout, check_layout
 from loomrl.plan.memory import model_dims
+from loomrl.planner.fused_train import can_fuse
 from loomrl.planner.simulator import CostEstimator, SimResult, simulate
 from loomrl.workflow import MFC, MFCKind, Workflow
 
@@ -74,10 +75,10 @@ _PlanKey = tuple
 
 def plan_key(plan: ExecutionPlan) -> _PlanKey:
     """A hashable identity of a plan: its allocations' texts by MFC name, its shadow and offload choices and its
-    fusion."""
+    fusions."""
     choices = tuple((chosen is not None, chosen or ()) for chosen in (plan.shadow, plan.offload))  # None: default
     fusion = "" if plan.fuse is None else plan.fuse.text  # a string either way: keys are compared on ties
-    return tuple(sorted((n, a.text) for n, a in plan.allocations.items())), *choices, fusion
+    return tuple(sorted((n, a.text) for n, a in plan.allocations.items())), *choices, fusion, plan.fuse_train
 
 
 def _powers_of_two(limit: int) -> list[int]:
@@ -405,6 +406,27 @@ def fusion_choices(plan: ExecutionPlan, evaluate: _Evaluator) -> list[Fusion | N
     return [f for f in options if f != plan.fuse]
 
 
+def train_fusion_twin(plan: ExecutionPlan, evaluate: _Evaluator) -> ExecutionPlan | None:
+    """``plan`` with its train calls fused if they are not and could be, unfused if they are; None when the
+    estimator does not price fused training or the workflow has no train pair. Fusing reverses the second call's
+    pipeline (its stage 0 on the mesh's last device), so the two run in opposite directions; unfusing restores
+    its plain order."""
+    estimator = getattr(evaluate.cost, "inner", evaluate.cost)
+    pair = evaluate.workflow.train_pair()
+    if getattr(estimator, "fused_train_time", None) is None or pair is None:
+        return None
+    first, second = (plan[m.name] for m in pair)
+    if plan.fuse_train:
+        plain = dataclasses.replace(second.layout, reverse=False)
+        return dataclasses.replace(_with(plan, {pair[1].name: dataclasses.replace(second, layout=plain)}),
+                                   fuse_train=False)
+    if first.mesh != second.mesh or not (can_fuse(first) and can_fuse(second)):
+        return None
+    flipped = dataclasses.replace(second.layout, reverse=not first.layout.reverse)
+    return dataclasses.replace(_with(plan, {pair[1].name: dataclasses.replace(second, layout=flipped)}),
+                               fuse_train=True)
+
+
 def _anneal(start: ExecutionPlan, units: list[_Unit], evaluate: _Evaluator, rng: random.Random,
             deadline: float, max_steps: int | None) -> None:
     """One Metropolis chain from ``start`` until ``max_steps`` or ``deadline``; results land in ``evaluate``."""
@@ -438,9 +460,14 @@ def _polish(best: ExecutionPlan, units: list[_Unit], evaluate: _Evaluator, deadl
     def trials():  # each built from the plan current when it is drawn
         for fusion in fusion_choices(current, evaluate):  # fused or not: cheap to try, and it moves a lot
             yield dataclasses.replace(current, fuse=fusion)
+        if (twin := train_fusion_twin(current, evaluate)) is not None:
+            yield twin
         for unit in units:
             for alloc in unit.candidates:
-                yield _with(current, dict.fromkeys(unit.names, alloc))
+                trial = _with(current, dict.fromkeys(unit.names, alloc))
+                yield trial
+                if not trial.fuse_train and (twin := train_fusion_twin(trial, evaluate)) is not None:
+                    yield twin  # pipelines that could fuse: fused too
         for i, j in splitter.pairs if splitter is not None else ():
             yield from splitter.moves(current, i, j)
         for role in _offload_choices(current, evaluate):  # offloaded or resident
@@ -549,6 +576,7 @@ def search(workflow: Workflow, cluster: ClusterSpec, cost: CostEstimator, memory
     # around it (a polish toggling fusion at the end may not reach it on a large cluster's budget)
     starts = [min([plan, *(dataclasses.replace(plan, fuse=f) for f in fusion_choices(plan, evaluate))],
                   key=evaluate.rank) for plan in starts]
+    starts = [min([plan, *filter(None, [train_fusion_twin(plan, evaluate)])], key=evaluate.rank) for plan in starts]
     keep = {a for plan in starts for a in plan.allocations.values()}
     units = [_Unit(names, _prune(names, tuple(candidate_allocations(workflow[names[0]], workflow, cluster,
                                                                     model_configs)),

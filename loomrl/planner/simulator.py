@@ -47,7 +47,7 @@ from typing import Protocol, runtime_checkable
 
 from loomrl.errors import ConfigError
 from loomrl.plan import GB, Allocation, ExecutionPlan
-from loomrl.plan.schedule import Schedule, Step, StepKind, build_schedule
+from loomrl.plan.schedule import STAGES, Schedule, Step, StepKind, build_schedule
 from loomrl.planner.sharing import release, schedule_shared, successors as _successors
 from loomrl.workflow import MFC, MFCKind, Workflow
 
@@ -177,10 +177,11 @@ def _duration(step: Step, cost: CostEstimator, trained: frozenset[str] = frozens
     """Seconds the estimator gives a step (module docstring); a fused stage's from the estimator's optional
     ``fused_time`` (without it the stage runs its calls in turn); a reload or offload of a ``trained`` role
     moves its training state (:func:`_move_time`)."""
-    if step.kind is StepKind.FUSED:
-        fused = getattr(cost, "fused_time", None)  # optional: without it the stage runs its calls in turn
+    if step.kind in STAGES:  # optional prices: without them a stage runs its calls in turn
+        name = "fused_time" if step.kind is StepKind.FUSED else "fused_train_time"
+        fused = getattr(cost, name, None)
         if fused is not None:
-            return _checked(fused(step), f"fused_time({step.id})")
+            return _checked(fused(step), f"{name}({step.id})")
         return sum(_duration(member, cost, trained) for member in step.members)
     if step.kind is StepKind.CALL:
         return _checked(cost.mfc_time(step.mfc, step.alloc), f"mfc_time({step.id}, {step.alloc.text})")
@@ -357,11 +358,12 @@ def _memory_intervals(plan: ExecutionPlan, workflow: Workflow, cost: CostEstimat
             held = opened.pop((step.role, step.alloc))
             what = f"{step.role} copy" if step.kind is StepKind.FREE else f"{step.role} weights"
             add(step.devices, start[held], end[i], *static(step.role, step.alloc, False), what)
-        elif step.kind is StepKind.CALL:
-            trainable = step.mfc.kind is MFCKind.TRAIN
-            key = ("mfc_memory", step.id, step.alloc.text, trainable)
-            add(step.devices, start[i], end[i], key, lambda m=step.mfc, a=step.alloc, t=trainable:
-                cost.mfc_memory(m, a, t), f"{step.id} running")
+        elif step.kind in (StepKind.CALL, StepKind.FUSED_TRAIN):  # a fused train stage holds both calls' buffers
+            for call in step.members or (step,):
+                trainable = call.mfc.kind is MFCKind.TRAIN
+                key = ("mfc_memory", call.id, call.alloc.text, trainable)
+                add(call.devices, start[i], end[i], key, lambda m=call.mfc, a=call.alloc, t=trainable:
+                    cost.mfc_memory(m, a, t), f"{call.id} running")
     return out
 
 

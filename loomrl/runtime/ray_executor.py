@@ -39,6 +39,7 @@ from loomrl.planner.corrections import Corrections
 from loomrl.planner.cost import CostModel
 from loomrl.planner.settings import RUNTIME
 from loomrl.planner.fused import best_migrate_at
+from loomrl.planner.fused_train import fused_train_orders
 from loomrl.planner.planning import model_config
 from loomrl.planner.profiles import load_profile, profile_for
 from loomrl.planner.workload import ModelShape, Workload
@@ -46,7 +47,7 @@ from loomrl.engine.devices import resolve_dtype
 from loomrl.runtime.fused_stage import FusedStage, is_stream
 from loomrl.runtime.plan_change import plan_moves
 from loomrl.runtime.reference import IterationResult, StepTrace, merge_stats
-from loomrl.runtime.spec import CallData, WorkerPlan, WorkerSpec
+from loomrl.runtime.spec import CallData, FusedTrainData, WorkerPlan, WorkerSpec
 from loomrl.runtime.worker import DeviceWorker
 from loomrl.workflow import MFCKind, Workflow
 from loomrl.workflow.batch import Batch
@@ -107,6 +108,8 @@ class RayExecutor:
         """Response lengths of the last iterations (at most :data:`LENGTH_WINDOW`): the workload the runtime's
         own decisions are priced for, following the run's drift."""
         self._cost_inputs = None
+        self._fused_orders: dict[str, dict[int, tuple]] = {}
+        """A ``fused_train`` step's id → each device's order of the plan's fused pipeline schedule."""
         self.traces: list[StepTrace] = []
         """Steps run outside an iteration (the prologue, evaluations, plan changes) since :meth:`drain_traces`."""
         self.waited_s = 0.0
@@ -242,8 +245,12 @@ class RayExecutor:
                         result.stats["fusion/migrate_at"] = migrate_at
                     FusedStage(self, step, state, migrate_at).start(pending, routed)
                     continue
-                payloads[step.id] = self.payloads(step, state) if step.kind is StepKind.CALL else \
-                    (data or {}).get(step.id, {})
+                if step.kind is StepKind.CALL:
+                    payloads[step.id] = self.payloads(step, state)
+                elif step.kind is StepKind.FUSED_TRAIN:
+                    payloads[step.id] = self.fused_train_payloads(step, state)
+                else:
+                    payloads[step.id] = (data or {}).get(step.id, {})
                 what = f"MFC '{step.id}'" if step.kind is StepKind.CALL else f"step '{step.id}'"
                 for device in step.devices:
                     ref = self.workers[device].run_step.remote(step.id, payloads[step.id].get(device))
@@ -264,6 +271,10 @@ class RayExecutor:
                 traces.append(StepTrace.of(step, iteration, phase, replies[step.id]))
                 if step.kind is StepKind.CALL:
                     self._finish(step, replies[step.id], payloads[step.id], state, result)
+                elif step.kind is StepKind.FUSED_TRAIN:
+                    for member in step.members:
+                        self._finish(member, {d: meta["members"][member.id] for d, meta in replies[step.id].items()},
+                                     {d: p.calls[member.id] for d, p in payloads[step.id].items()}, state, result)
         if result is not None:
             result.traces.extend(traces)
         return traces, replies
@@ -315,6 +326,18 @@ class RayExecutor:
             out[device] = CallData(state.iteration, rows, self.inputs_of(mfc.inputs, rows, state), steps,
                                    alloc.publishes(device))
         return out
+
+    def fused_train_payloads(self, step: Step, state: _IterationState) -> dict[int, FusedTrainData]:
+        """Per device of a ``fused_train`` step: each member call's payload and the device's order of the fused
+        pipeline schedule (made once per plan, for the first batch it runs on: see
+        :func:`loomrl.planner.fused_train.fused_train_orders`)."""
+        if step.id not in self._fused_orders:
+            lengths = tuple(max(1, state.tokens[s]) for s in state.ids)  # by now, the response lengths
+            workload = Workload(len(state.ids), sum(lengths) / len(lengths), lengths)
+            self._fused_orders[step.id] = fused_train_orders(self.cost_model(workload), step)
+        orders = self._fused_orders[step.id]
+        calls = {member.id: self.payloads(member, state) for member in step.members}
+        return {d: FusedTrainData({m: per[d] for m, per in calls.items()}, orders[d]) for d in step.devices}
 
     @staticmethod
     def inputs_of(keys: Sequence[str], rows: Sequence[int], state: _IterationState) -> tuple:
@@ -421,6 +444,7 @@ class RayExecutor:
         moves = plan_moves(self.worker_plan, new, self.spec.roles, masters, steps, self._transfer_plan)
         metas = self._wait([w.apply_plan.remote(new, moves) for w in self.workers], "plan change", None)
         self.plan, self.worker_plan = plan, new
+        self._fused_orders.clear()
         self.traces.append(StepTrace(0, "plan change", "plan change", None, None, tuple(range(len(metas))),
                                      tuple(m["start"] for m in metas), tuple(m["end"] for m in metas), "plan change"))
         self.traces += self.run_steps(self.schedule.prologue, 0, "prologue")[0]

@@ -93,3 +93,14 @@ class CallData:
     """Per optimizer step: positions in ``sample_ids`` and the loss weight (train calls)."""
     publish: bool = True
     """Whether this worker's outputs are published (one tensor-parallel rank per data-parallel group)."""
+
+
+@dataclass(frozen=True)
+class FusedTrainData:
+    """What the controller sends one worker for a ``fused_train`` step: each member call's data, and this
+    device's order of one fused pipeline step (:mod:`loomrl.runtime.fused_train`)."""
+
+    calls: Mapping[str, CallData]
+    """Member call id → its data."""
+    order: tuple[tuple[int, int, bool], ...]
+    """This device's tasks, ``(member index, micro-batch, backward?)``."""

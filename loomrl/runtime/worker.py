@@ -42,7 +42,8 @@ from loomrl.plan.schedule import Step, StepKind
 from loomrl.runtime.migration import MigrationControl, StreamSpec
 from loomrl.runtime.offload import HostCopy, TrainingState, bind_view, reclaim, release_storage
 from loomrl.runtime.plan_change import Move
-from loomrl.runtime.spec import CallData, WorkerPlan, WorkerSpec
+from loomrl.runtime.fused_train import run_fused_train
+from loomrl.runtime.spec import CallData, FusedTrainData, WorkerPlan, WorkerSpec
 from loomrl.runtime.state_io import FullOptimizerState, merge_optimizer_states, with_masters
 from loomrl.workflow import MFCKind
 from loomrl.workflow.batch import Batch
@@ -215,7 +216,7 @@ class DeviceWorker:
             return apply_fsdp(model, groups.dp_mesh, self.dtype), None
         if stage is None:
             return model, None
-        return stage.model, PipelineRunner(stage, groups.pp_group, groups.pp_rank, layout.pp)
+        return stage.model, PipelineRunner(stage, groups.pp_group, groups.pp_rank, layout.pp, groups.stage_ranks)
 
     # --------------------------------------------------------------------------------------------- steps
     def run_step(self, step_id: str, data: Any = None) -> dict:
@@ -234,6 +235,8 @@ class DeviceWorker:
         kind = step.kind
         if kind is StepKind.CALL:
             return self._call(step, data)
+        if kind is StepKind.FUSED_TRAIN:
+            return self._fused_train(step, data)
         if kind is StepKind.EVALUATE:
             return self._evaluate(step, data)
         if step.moves_bytes:
@@ -279,6 +282,29 @@ class DeviceWorker:
             out = {}  # a replica given no rows computes nothing (train calls still join the step's collectives)
         else:
             out = mfc.op(self._context(step, call), batch)
+        return self._published(step, call, out)
+
+    def _fused_train(self, step: Step, data: FusedTrainData) -> dict:
+        """The two train calls of a ``fused_train`` step as one fused pipeline (:mod:`loomrl.runtime.fused_train`);
+        each member's metadata as its own call's would be."""
+        ops, roles, back_groups, stage_ranks = [], [], [], []
+        for member in step.members:
+            call = data.calls[member.id]
+            ctx = self._context(member, call)
+            batch = gather_rows(_get(list(call.inputs)), call.sample_ids, member.mfc.inputs)
+            ops.append(partial(member.mfc.op, ctx, batch))
+            roles.append(ctx.role)
+            groups = self.groups[member.alloc]
+            back_groups.append(groups.pp_back_group)
+            stage_ranks.append(groups.stage_ranks)
+        results = run_fused_train(ops, roles, data.order, back_groups, stage_ranks)
+        return {"members": {m.id: self._published(m, data.calls[m.id], out)
+                            for m, out in zip(step.members, results)}}
+
+    def _published(self, step: Step, call: CallData, out: dict) -> dict:
+        """A call's reply: its statistics, a reference to its output shard and its rows' token counts, where this
+        worker publishes."""
+        mfc = step.mfc
         stats = out.pop("stats", {}) if mfc.kind == MFCKind.TRAIN else {}
         meta: dict[str, Any] = {}
         if call.publish:

@@ -206,7 +206,7 @@ class RLTrainer:
         metrics = {**result.stats, "perf/samples_per_s": self.cfg.rollout.prompts_per_iter * self.group_size / seconds,
                    "time/iteration_s": seconds}
         for trace in result.traces:
-            if trace.kind in ("call", "fused"):
+            if trace.kind in ("call", "fused", "fused_train"):
                 metrics[f"time/{trace.step}_s"] = trace.seconds
         return metrics
 

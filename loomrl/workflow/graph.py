@@ -165,6 +165,15 @@ class Workflow:
         consumers = tuple(m for m in self._order if m.kind is MFCKind.INFERENCE and self._deps[m.name] == [gens[0].name])
         return (gens[0], consumers) if consumers else None
 
+    def train_pair(self) -> tuple[MFC, MFC] | None:
+        """The calls an intra-stage fusion joins: the workflow's two train calls (PPO's actor and critic) when it
+        has exactly two, of two roles, neither reading what the other produces; None otherwise."""
+        trains = [m for m in self._order if m.kind is MFCKind.TRAIN]
+        if len(trains) != 2 or trains[0].role == trains[1].role or not self.independent(trains[0].name,
+                                                                                          trains[1].name):
+            return None
+        return trains[0], trains[1]
+
     def ancestors(self, name: str) -> frozenset[str]:
         """Names of every MFC with a path of data edges to ``name`` within an iteration."""
         return self._ancestors[self[name].name]
