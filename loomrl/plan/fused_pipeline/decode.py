@@ -11,15 +11,20 @@ Memory: a forward is admitted only if the device's live activations stay under t
 for one activation of the other model when that model has none live and forwards still to run. That reserve
 makes the decoder deadlock-free: the earliest unfinished micro-batch of any pipeline always finds its stage's
 memory free of its own model (earlier micro-batches are done, later ones wait behind it in stream order), so its
-forward fits, and backwards need no memory. ``shares`` optionally caps each model's own live activations per
-device as well (1F1B keeps stage ``s`` of depth ``P`` at ``P - s``), which stops one model from taking memory
-the other needs later; the search tries both.
+forward fits, and backwards need no memory. Under a cap close to one activation of each model the reserve holds
+each model to one micro-batch per device, so the search also decodes without it (a decode that gets stuck then
+returns None). ``shares`` optionally caps each model's own live activations per device as well (1F1B keeps stage
+``s`` of depth ``P`` at ``P - s``), which stops one model from taking memory the other needs later.
 
 The same decoder runs the problem *reversed* (every edge turned round, streams in reverse micro-batch order,
 backwards allocating and forwards freeing): a reversed schedule read backwards is a forward one, which gives the
 forward-backward improvement of :func:`justify` and lets the search rebuild the beginning of a schedule while
 keeping its end. A decode may also continue from a *prefix* of every device's order (tasks already placed, with
 their end times), which is how the search rebuilds the rest of a schedule after a cut.
+
+What it cannot produce: schedules where a device waits although a task it could run is ready and would end
+before anything more urgent arrives. Under a memory cap the best schedule is sometimes of that kind (a forward
+held back to keep memory for the other model), which is the main reason the search stops short of the bound.
 """
 
 from __future__ import annotations
@@ -29,9 +34,10 @@ from collections.abc import Sequence
 
 from loomrl.plan.fused_pipeline.graph import Graph, finish_times
 
-__all__ = ["Decoder", "justify"]
+__all__ = ["Decoder", "forward_orders", "justify"]
 
 Orders = list[list[int]]
+"""Per device, task ids in execution order."""
 
 
 class Decoder:
@@ -40,12 +46,9 @@ class Decoder:
     def __init__(self, graph: Graph, reverse: bool = False) -> None:
         problem = graph.problem
         self.graph, self.reverse = graph, reverse
-        self.devices = problem.devices
-        self.hop, self.dur, self.device = problem.hop_s, graph.dur, graph.device
         self.cap = problem.memory_cap
         self.activation = (problem.actor.activation, problem.critic.activation)
         self.model = [s >> 1 for s in graph.stream]
-        self.stream = graph.stream
         if not reverse:
             self.streams = [[list(s) for s in per] for per in graph.streams]
             self.xpred, self.xsucc, self.pair, self.mem = graph.xpred, graph.xsucc, graph.fwd, graph.mem
@@ -57,179 +60,93 @@ class Decoder:
                 if f >= 0:
                     self.pair[f] = i
             self.mem = [-m for m in graph.mem]
-        # the allocating stream of each model on each device (forwards; backwards when reversed)
-        self.alloc_stream = [[2 * m + reverse for m in (0, 1)] for _ in range(self.devices)]
+        self.allocating = (int(reverse), 2 + int(reverse))
+        """Each model's allocating stream on a device: its forwards (its backwards when reversed)."""
 
     def run(self, priority: Sequence[float], *, shares: Sequence[Sequence[float]] | None = None,
-            non_delay: bool = False, reserve: bool = True, faithful: bool = False, prefix: Orders | None = None,
+            non_delay: bool = False, reserve: bool = True, prefix: Orders | None = None,
             prefix_end: Sequence[float] | None = None) -> tuple[Orders, list[float]] | None:
-        """Each device's order (task ids) and every task's end time; None if a prefix leaves no way on.
-
-        ``faithful``: a device runs its highest-priority next task that memory admits, waiting for it if need
-        be, and fills the wait only with tasks that end before that one can arrive; when every device waits,
-        one Giffler–Thompson step breaks the tie. Given a valid schedule's start times (negated) as priorities,
-        this rebuilds that schedule, which the active schedules of the default may not contain under a memory
-        cap."""
-        n, devices = self.graph.size, self.devices
-        xpred, dur, pair, mem, streams, model = self.xpred, self.dur, self.pair, self.mem, self.streams, self.model
-        cap, act, hop, alloc, device = self.cap, self.activation, self.hop, self.alloc_stream, self.device
+        """Each device's order and every task's end time, continuing after ``prefix`` (whose tasks end at
+        ``prefix_end``) if given; None if the decode gets stuck (possible without ``reserve``, or after a prefix
+        decoded without it)."""
+        graph = self.graph
+        devices, n = graph.problem.devices, graph.size
         end = [-1.0] * n
-        ptr = [[0, 0, 0, 0] for _ in range(devices)]
+        at = [[0, 0, 0, 0] for _ in range(devices)]
         free, live = [0.0] * devices, [0.0] * devices
         live_of = [[0, 0] for _ in range(devices)]
         orders: Orders = [[] for _ in range(devices)]
-        placed = 0
-        if prefix is not None:
-            for d, tasks in enumerate(prefix):
-                for t in tasks:
-                    end[t] = prefix_end[t]
-                    ptr[d][self.stream[t]] += 1
-                    live[d] += mem[t]
-                    live_of[d][model[t]] += 1 if mem[t] > 0 else -1
-                orders[d] = list(tasks)
-                placed += len(tasks)
-                if tasks:
-                    free[d] = prefix_end[tasks[-1]]
+        for d, tasks in enumerate(prefix or ()):
+            for t in tasks:
+                end[t] = prefix_end[t]
+                at[d][graph.stream[t]] += 1
+                live[d] += self.mem[t]
+                live_of[d][self.model[t]] += 1 if self.mem[t] > 0 else -1
+            orders[d] = list(tasks)
+            free[d] = prefix_end[tasks[-1]] if tasks else 0.0
+        state = (end, at, free, live, live_of, orders)
+        self._schedule(state, priority, shares, non_delay, reserve)
+        return (orders, end) if sum(map(len, orders)) == n else None
 
-        def heads(d: int) -> list[tuple[float, int]]:
-            """(earliest start, task) of each next task memory admits; start -1 while its input is unknown."""
-            out = []
-            per, at = streams[d], ptr[d]
+    def _schedule(self, state, priority, shares, non_delay, reserve) -> None:
+        """The Giffler–Thompson loop over ``state`` (module docstring), in place."""
+        end, at, free, live, live_of, orders = state
+        xpred, xsucc, pair, mem, streams, model = self.xpred, self.xsucc, self.pair, self.mem, self.streams, self.model
+        dur, device, stream, cap, act, allocating = (self.graph.dur, self.graph.device, self.graph.stream, self.cap,
+                                                     self.activation, self.allocating)
+        hop = self.graph.problem.hop_s
+
+        def candidates(d: int) -> list[tuple[float, int]]:
+            """(earliest start, task) of each next task of ``d`` that can run once the device is free."""
+            out, per, here = [], streams[d], at[d]
             for j in range(4):
-                stream = per[j]
-                if at[j] >= len(stream):
+                if here[j] >= len(per[j]):
                     continue
-                t = stream[at[j]]
-                q = pair[t]
-                if q >= 0 and end[q] < 0:
+                t = per[j][here[j]]
+                x, q = xpred[t], pair[t]
+                if (x >= 0 and end[x] < 0) or (q >= 0 and end[q] < 0):
                     continue
                 if mem[t] > 0:
-                    m = model[t]
-                    other = alloc[d][1 - m]
-                    room = act[1 - m] if reserve and live_of[d][1 - m] == 0 and at[other] < len(per[other]) else 0.0
-                    if live[d] + act[m] + room > cap[d] + 1e-9:
+                    m, other = model[t], allocating[1 - model[t]]
+                    room = act[1 - m] if reserve and live_of[d][1 - m] == 0 and here[other] < len(per[other]) else 0.0
+                    if live[d] + act[m] + room > cap[d] + 1e-9 or \
+                            (shares is not None and (live_of[d][m] + 1) * act[m] > shares[d][m] + 1e-9):
                         continue
-                    if shares is not None and (live_of[d][m] + 1) * act[m] > shares[d][m] + 1e-9:
-                        continue
-                x = xpred[t]
-                ready = free[d]
-                if x >= 0:
-                    if end[x] < 0:
-                        out.append((-1.0, t))
-                        continue
-                    ready = max(ready, end[x] + hop)
-                out.append((ready, t))
+                ready = end[x] + hop if x >= 0 else 0.0
+                out.append((ready if ready > free[d] else free[d], t))
             return out
 
-        def active(found: list[tuple[float, int]]) -> tuple[float, float, int] | None:
-            """Giffler–Thompson (or non-delay) choice among the known heads: (key, start, task)."""
-            known = [(s, t) for s, t in found if s >= 0]
-            if not known:
-                return None
-            key = min(s for s, _ in known) if non_delay else min(s + dur[t] for s, t in known)
-            best = None
-            for s, t in known:
-                if (s <= key + 1e-12 if non_delay else s < key - 1e-12) and \
-                        (best is None or priority[t] > priority[best[1]] or
-                         (priority[t] == priority[best[1]] and t < best[1])):
-                    best = (s, t)
-            return key, best[0], best[1]
-
-        def waiting(d: int, found: list[tuple[float, int]]) -> tuple[float, float, int] | None:
-            """Faithful choice: (start, start, task), or None to wait for the top task's input."""
-            if not found:
-                return None
-            top = max(found, key=lambda h: (priority[h[1]], -h[1]))
-            if top[0] >= 0:
-                return top[0], top[0], top[1]
-            x = xpred[top[1]]
-            arrives = free[device[x]] + dur[x] + hop  # the earliest the top task's input can come
-            fill = [(s, t) for s, t in found if s >= 0 and mem[t] <= 0 and s + dur[t] <= arrives + 1e-12]
-            if not fill:
-                return None
-            s, t = max(fill, key=lambda h: (priority[h[1]], -h[1]))
-            return s, s, t
-
         heap: list[tuple[float, int, int]] = []
-        version = [0] * devices
-        chosen: list[tuple[float, float, int] | None] = [None] * devices
+        version = [0] * len(free)
+        found: list[list[tuple[float, int]]] = [[] for _ in free]
 
         def push(d: int) -> None:
             version[d] += 1
-            found = heads(d)
-            chosen[d] = pick = waiting(d, found) if faithful else active(found)
-            if pick is not None:
-                heapq.heappush(heap, (pick[0], d, version[d]))
+            found[d] = here = candidates(d)
+            if here:
+                key = min(s for s, _ in here) if non_delay else min(s + dur[t] for s, t in here)
+                heapq.heappush(heap, (key, d, version[d]))
 
-        def place(d: int, start: float, t: int) -> None:
-            nonlocal placed
-            end[t] = free[d] = start + dur[t]
-            orders[d].append(t)
-            ptr[d][self.stream[t]] += 1
-            live[d] += mem[t]
-            live_of[d][model[t]] += 1 if mem[t] > 0 else -1
-            placed += 1
+        for d in range(len(free)):
             push(d)
-            y = self.xsucc[t]
-            if y >= 0:
-                push(device[y])
-
-        for d in range(devices):
-            push(d)
-        while placed < n:
-            if not heap:  # every device waits for another: one active step
-                picks = [(p, d) for d in range(devices) if (p := active(heads(d))) is not None]
-                if not picks:
-                    return None
-                (_, start, t), d = min(picks)
-                place(d, start, t)
+        while heap:
+            key, d, v = heapq.heappop(heap)
+            if v != version[d]:
                 continue
-            _, d, v = heapq.heappop(heap)
-            if v == version[d]:
-                _, start, t = chosen[d]
-                place(d, start, t)
-        return orders, end
-
-    def merge(self, priority: Sequence[float], *, shares: Sequence[Sequence[float]] | None = None,
-              prefix: Orders | None = None) -> Orders:
-        """Each device's order when it always takes its highest-priority next task that memory admits, timing
-        ignored: any valid order is the merge of some priorities (its own positions), so unlike :meth:`run` this
-        reaches every schedule, but it can deadlock (check with :func:`~loomrl.plan.fused_pipeline.graph.
-        finish_times`)."""
-        mem, pair, model, act, cap = self.mem, self.pair, self.model, self.activation, self.cap
-        done = [False] * self.graph.size
-        orders: Orders = []
-        for d in range(self.devices):
-            order = list(prefix[d]) if prefix is not None else []
-            at, live, live_of = [0, 0, 0, 0], 0.0, [0.0, 0.0]
-            for t in order:
-                done[t] = True
-                at[self.stream[t]] += 1
-                live += mem[t]
-                live_of[model[t]] += mem[t]
-            heads = self.streams[d]
-            while True:
-                best = -1
-                for j in range(4):
-                    if at[j] >= len(heads[j]):
-                        continue
-                    t = heads[j][at[j]]
-                    if pair[t] >= 0 and not done[pair[t]]:
-                        continue
-                    if mem[t] > 0 and (live + mem[t] > cap[d] + 1e-9 or (
-                            shares is not None and live_of[model[t]] + mem[t] > shares[d][model[t]] + 1e-9)):
-                        continue
-                    if best < 0 or priority[t] > priority[best]:
-                        best = t
-                if best < 0:
-                    break
-                done[best] = True
-                order.append(best)
-                at[self.stream[best]] += 1
-                live += mem[best]
-                live_of[model[best]] += mem[best]
-            orders.append(order)
-        return orders
+            best_t, best_s = -1, 0.0
+            for s, t in found[d]:
+                in_conflict = s <= key + 1e-12 if non_delay else s < key - 1e-12
+                if in_conflict and (best_t < 0 or priority[t] > priority[best_t] or
+                                    (priority[t] == priority[best_t] and t < best_t)):
+                    best_t, best_s = t, s
+            end[best_t] = free[d] = best_s + dur[best_t]
+            orders[d].append(best_t)
+            at[d][stream[best_t]] += 1
+            live[d] += mem[best_t]
+            live_of[d][model[best_t]] += 1 if mem[best_t] > 0 else -1
+            push(d)
+            if xsucc[best_t] >= 0:
+                push(device[xsucc[best_t]])
 
 
 def forward_orders(reversed_orders: Orders) -> Orders:
@@ -249,9 +166,9 @@ def justify(forward: Decoder, backward: Decoder, orders: Orders, passes: int,
         done = backward.run(end, shares=shares, reserve=reserve)
         if done is None:
             break
-        rev_orders, rev_end = done
+        rev_end = done[1]
         span = max(rev_end)
-        done = forward.run([rev_end[i] - span for i in range(graph.size)], shares=shares, reserve=reserve)
+        done = forward.run([e - span for e in rev_end], shares=shares, reserve=reserve)  # minus the start
         if done is None:
             break
         orders = done[0]
