@@ -157,8 +157,7 @@ def check(schedule: Schedule) -> Timing:
     orders = _ids(schedule, graph)
     for d, order in enumerate(orders):
         _check_order(graph, d, order)
-    timing = _timing(graph, orders)
-    return timing
+    return _timing(graph, orders)
 
 
 def _check_order(graph: Graph, d: int, order: list[int]) -> None:
