@@ -15,7 +15,6 @@ by the ratio of its corrected to its analytic time.
 
 from __future__ import annotations
 
-import functools
 from dataclasses import dataclass
 
 from loomrl.plan.fused_pipeline import FusionProblem, PipelineSpec, fused_schedule
@@ -140,6 +139,6 @@ def local_orders(problem: FusionProblem, devices_tasks, devices: tuple[int, ...]
                  ) -> dict[int, tuple[tuple[int, int, bool], ...]]:
     """A schedule's per-device task lists as local orders keyed by global device: micro-batches counted within
     the replica's own block."""
-    first = functools.lru_cache(None)(lambda m, r: problem.micro_batches_of(m, r).start)
-    return {devices[i]: tuple((t.model, t.micro_batch - first(t.model, t.replica), t.backward) for t in tasks)
+    return {devices[i]: tuple((t.model, t.micro_batch - problem.micro_batches_of(t.model, t.replica).start,
+                               t.backward) for t in tasks)
             for i, tasks in enumerate(devices_tasks)}
