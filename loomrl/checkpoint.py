@@ -7,15 +7,25 @@ A checkpoint is one directory, ``RUN_DIR/checkpoints/iter_000010/``, holding:
   ``AutoModelForCausalLM.from_pretrained(".../iter_000010/actor")`` loads the trained policy;
 - ``optimizers.pt``: ``{"optimizers": {role: state_dict}, "schedulers": {role: state_dict}}``;
 - ``state.json``: the iteration and whatever JSON-serialisable progress the trainer passes (data position...);
-- ``rng.pt``: Python, NumPy (when importable), torch CPU and CUDA (when available) generator states.
+- ``rng.pt``: Python, NumPy (when importable), torch CPU and CUDA (when available) generator states;
+- ``manifest.json``: every other file of the checkpoint with its size and SHA-256, written last.
 
 Everything is written into ``iter_XXXXXX.tmp-<pid>`` and renamed into place, so a directory with a final
-name is always complete; a crash mid-write leaves only a ``.tmp-`` directory, which is ignored.
-``checkpoints/latest`` names the newest checkpoint and is itself replaced atomically.
+name is always complete; a crash mid-write leaves only a ``.tmp-`` directory, which is ignored (and removed by
+the next save once its writer is gone). ``checkpoints/latest`` names the newest checkpoint and is itself
+replaced atomically; pruned checkpoints are renamed away before they are deleted, so a crash mid-deletion never
+leaves a half-deleted directory under a final name.
+
+The manifest guards against what atomic renames cannot: a file damaged or truncated after the save (a disk, a
+copy, a sync to object storage, someone's editor). Loading checks every listed file's size and checksum first
+and fails with one line naming the file. Checkpoints written before manifests existed have none and still load,
+unverified (with a warning), so older runs keep resuming. A checkpoint never holds NaN or inf: the save refuses
+non-finite weights or optimizer state before touching the disk, leaving the previous checkpoint in place.
 """
 
 from __future__ import annotations
 
+import hashlib
 import json
 import os
 import random
@@ -45,7 +55,12 @@ LATEST_FILE = "latest"
 STATE_FILE = "state.json"
 OPTIMIZERS_FILE = "optimizers.pt"
 RNG_FILE = "rng.pt"
+MANIFEST_FILE = "manifest.json"
 _NAME_RE = re.compile(r"^iter_(\d+)$")
+_LEFTOVER_RE = re.compile(r"^(iter_\d+|latest)\.(tmp|stale)-(\d+)$")
+"""A save's unfinished directory or ``latest``, or a pruned checkpoint being deleted, of the process with that
+pid."""
+_HASH_CHUNK = 1 << 20
 
 
 class CheckpointError(LoomError):
@@ -71,12 +86,19 @@ def save_checkpoint(
 
     ``tokenizer`` (may be None) is saved into every role directory so each one loads on its own.
     After the new checkpoint is in place, all but the ``keep_last`` newest are deleted; the one just
-    written is never deleted.
+    written is never deleted. Non-finite weights or optimizer state raise a :class:`CheckpointError` naming
+    the role and tensor before anything is written.
     """
     if keep_last < 1:
         raise CheckpointError(f"save_checkpoint: keep_last must be >= 1, got {keep_last}")
-    # Serialise first so a non-JSON value fails before anything touches the disk.
+    # Serialise and check first so a non-JSON or non-finite value fails before anything touches the disk.
     state_json = json.dumps({**state, "iteration": iteration}, indent=2, sort_keys=True)
+    opt_states = {role: opt.state_dict() for role, opt in optimizers.items()}
+    sched_states = {role: sch.state_dict() for role, sch in (schedulers or {}).items()}
+    for role, model in models.items():
+        _check_finite(model.state_dict(), f"{role} weight", "")
+    for role, opt_state in opt_states.items():
+        _check_finite(opt_state, f"{role} optimizer state", "")
     ckpt_root = Path(run_dir) / CHECKPOINTS_DIR
     ckpt_root.mkdir(parents=True, exist_ok=True)
     final = ckpt_root / checkpoint_name(iteration)
@@ -90,15 +112,10 @@ def save_checkpoint(
         model.save_pretrained(role_dir, safe_serialization=True)
         if tokenizer is not None:
             tokenizer.save_pretrained(role_dir)
-    torch.save(
-        {
-            "optimizers": {role: opt.state_dict() for role, opt in optimizers.items()},
-            "schedulers": {role: sch.state_dict() for role, sch in (schedulers or {}).items()},
-        },
-        tmp / OPTIMIZERS_FILE,
-    )
+    torch.save({"optimizers": opt_states, "schedulers": sched_states}, tmp / OPTIMIZERS_FILE)
     torch.save(_capture_rng(), tmp / RNG_FILE)
     _write_text_synced(tmp / STATE_FILE, state_json)
+    _write_manifest(tmp)
 
     _move_into_place(tmp, final)
     _write_atomic(ckpt_root / LATEST_FILE, final.name + "\n")
@@ -111,6 +128,7 @@ def latest_checkpoint(run_dir: str | os.PathLike) -> Path | None:
 
     Trusts ``checkpoints/latest`` when it names a complete checkpoint; otherwise (file missing, corrupt,
     or naming a deleted directory) falls back to the highest-numbered complete ``iter_*`` directory.
+    Choosing reads no file contents; :func:`load_checkpoint` (or :func:`verify_checkpoint`) checks them.
     """
     ckpt_root = Path(run_dir) / CHECKPOINTS_DIR
     if not ckpt_root.is_dir():
@@ -135,11 +153,12 @@ def load_checkpoint(
     """Load a checkpoint in place into ``models``, ``optimizers`` (and ``schedulers``); return its state.
 
     The returned dict is the saved ``state`` plus ``"iteration"``. Roles present in the checkpoint but
-    not passed are left alone, so a run may resume only the models it still trains.
+    not passed are left alone, so a run may resume only the models it still trains. Every file is checked
+    against the manifest (:func:`verify_checkpoint`) before anything is loaded, so a damaged checkpoint
+    changes nothing.
     """
     path = Path(path)
-    if not _is_complete(path):
-        raise CheckpointError(f"{path}: not a complete checkpoint (missing directory or {STATE_FILE})")
+    verify_checkpoint(path)
     try:
         state = json.loads((path / STATE_FILE).read_text())
     except (OSError, UnicodeDecodeError, json.JSONDecodeError) as exc:
@@ -152,6 +171,82 @@ def load_checkpoint(
     if restore_rng:
         _restore_rng(_torch_load(path / RNG_FILE), path / RNG_FILE)
     return state
+
+
+def verify_checkpoint(path: str | os.PathLike, role: str | None = None) -> None:
+    """Check every file the checkpoint's manifest lists (only ``role``'s directory when given): present, of its
+    size, of its SHA-256.
+
+    Raises a one-line :class:`CheckpointError` naming the first file that is missing or damaged. Files not in
+    the manifest (an ``eval.json`` written next to the models later) are not checked. A checkpoint without a
+    manifest (written before manifests existed) passes unverified, with a warning.
+    """
+    path = Path(path)
+    if not _is_complete(path):
+        raise CheckpointError(f"{path}: not a complete checkpoint (missing directory or {STATE_FILE})")
+    manifest = path / MANIFEST_FILE
+    if not manifest.is_file():
+        warnings.warn(f"{path}: no {MANIFEST_FILE} (saved before checkpoints had one); loading it unverified",
+                      stacklevel=2)
+        return
+    try:
+        files = json.loads(manifest.read_text())["files"]
+        listed = [(name, int(entry["size"]), str(entry["sha256"])) for name, entry in files.items()]
+    except (OSError, UnicodeDecodeError, ValueError, KeyError, TypeError, AttributeError) as exc:
+        raise CheckpointError(f"{manifest}: unreadable manifest ({type(exc).__name__}: {exc})") from None
+    fallback = f"delete {path.name} to resume from the checkpoint before it"
+    if role is not None:
+        listed = [entry for entry in listed if entry[0].startswith(f"{role}/")]
+    for name, size, digest in listed:
+        file = path / name
+        if not file.is_file():
+            raise CheckpointError(f"{file}: missing from checkpoint (listed in {MANIFEST_FILE}); {fallback}")
+        actual = file.stat().st_size
+        if actual != size:
+            raise CheckpointError(f"{file}: {actual} bytes, {MANIFEST_FILE} says {size} (damaged since it was "
+                                  f"saved); {fallback}")
+        if _sha256(file) != digest:
+            raise CheckpointError(f"{file}: SHA-256 does not match {MANIFEST_FILE} (damaged since it was saved); "
+                                  f"{fallback}")
+
+
+# --- integrity ------------------------------------------------------------------------------------
+
+
+def _write_manifest(directory: Path) -> None:
+    """List every file under ``directory`` with its size and SHA-256, flushing each to disk on the way, so the
+    rename that follows publishes only durable data."""
+    files = {}
+    for file in sorted(p for p in directory.rglob("*") if p.is_file()):
+        files[file.relative_to(directory).as_posix()] = {"size": file.stat().st_size,
+                                                          "sha256": _sha256(file, sync=True)}
+    for sub in {p.parent for p in directory.rglob("*")}:
+        _fsync_dir(sub)
+    _write_text_synced(directory / MANIFEST_FILE, json.dumps({"format": 1, "files": files}, indent=1))
+
+
+def _sha256(file: Path, sync: bool = False) -> str:
+    digest = hashlib.sha256()
+    with open(file, "rb") as fh:
+        while chunk := fh.read(_HASH_CHUNK):
+            digest.update(chunk)
+        if sync:
+            os.fsync(fh.fileno())
+    return digest.hexdigest()
+
+
+def _check_finite(value: Any, what: str, where: str) -> None:
+    """Raise naming the first floating-point tensor in ``value`` (nested dicts and lists) holding NaN or inf."""
+    if isinstance(value, torch.Tensor):
+        if value.is_floating_point() and not bool(torch.isfinite(value).all()):
+            raise CheckpointError(f"save_checkpoint: {what} '{where}' holds NaN or inf; refusing to save it "
+                                  "(nothing written; earlier checkpoints are kept)")
+    elif isinstance(value, Mapping):
+        for key, item in value.items():
+            _check_finite(item, what, f"{where}.{key}" if where else str(key))
+    elif isinstance(value, (list, tuple)):
+        for i, item in enumerate(value):
+            _check_finite(item, what, f"{where}[{i}]")
 
 
 # --- weights ---------------------------------------------------------------------------------------
@@ -245,7 +340,8 @@ def _as_tuples(value: Any) -> Any:
 
 
 def _is_complete(path: Path) -> bool:
-    # state.json is the last file written before the rename, so its presence marks a whole checkpoint.
+    # Only a finished save is renamed to a final name; state.json (in every checkpoint, with or without a
+    # manifest) tells a checkpoint from some other directory.
     return path.is_dir() and (path / STATE_FILE).is_file()
 
 
@@ -274,10 +370,37 @@ def _move_into_place(tmp: Path, final: Path) -> None:
 
 
 def _prune(ckpt_root: Path, keep: Path, keep_last: int) -> None:
-    """Delete all but the ``keep_last`` newest checkpoints, never ``keep``."""
+    """Delete all but the ``keep_last`` newest checkpoints, never ``keep``, and what crashed saves left.
+
+    A checkpoint is renamed out of the ``iter_*`` names before its files go, so a crash mid-deletion leaves a
+    ``.stale-`` directory, never a partial checkpoint that :func:`latest_checkpoint` could choose."""
     others = [p for _, p in _list_checkpoints(ckpt_root) if p != keep]
-    for stale in others[: max(len(others) - (keep_last - 1), 0)]:
+    for old in others[: max(len(others) - (keep_last - 1), 0)]:
+        stale = old.with_name(f"{old.name}.stale-{os.getpid()}")
+        if stale.exists():  # left by an earlier crash of a process that happened to have our pid
+            shutil.rmtree(stale)
+        os.replace(old, stale)
         shutil.rmtree(stale, ignore_errors=True)
+    for child in ckpt_root.iterdir():
+        match = _LEFTOVER_RE.match(child.name)
+        if match and not _alive(int(match.group(3))):
+            if child.is_dir():
+                shutil.rmtree(child, ignore_errors=True)
+            else:
+                child.unlink(missing_ok=True)
+
+
+def _alive(pid: int) -> bool:
+    """Whether process ``pid`` exists on this machine (ours counts as alive: its directories are in use)."""
+    if pid == os.getpid():
+        return True
+    try:
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        return False
+    except PermissionError:
+        return True
+    return True
 
 
 def _write_text_synced(file: Path, text: str) -> None:

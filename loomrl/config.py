@@ -7,6 +7,8 @@ becomes one line naming the field path, the value and what is valid.
 
 from __future__ import annotations
 
+import dataclasses
+import warnings
 from dataclasses import dataclass, field
 
 from loomrl.configtools import ValidatedConfig, fail, spec
@@ -15,6 +17,7 @@ ALGORITHMS = ("ppo", "grpo", "rloo", "remax", "reinforce_pp")
 TASK_NAMES = ("sort", "add", "reverse", "file")
 ROLES = ("actor", "critic", "ref", "reward")
 BACKENDS = ("tensorboard", "wandb", "mlflow")
+NONFINITE_ACTIONS = ("skip", "stop")
 
 
 @dataclass(frozen=True)
@@ -40,6 +43,10 @@ class TaskConfig(ValidatedConfig):
     reward_fn: str | None = None
     """Reward function of task 'file' as 'module:function', called as fn(prompt, response, answer) -> float
     (prompt is the text, or a chat row's last user message)."""
+    reward_timeout_s: float = spec(30.0, ge=0)
+    """Longest one call of reward_fn may take, in seconds: the function then runs in a process of its own, killed
+    past this, and the run stops with an error naming the function and the sample (so does an exception). 0 calls
+    it in the run's own process, without a limit."""
     tokenizer: str = "auto"
     """'auto': the tokenizer saved with the model checkpoint (the built-in task tokenizer for a zoo model);
     'task': the built-in character tokenizer; or the directory of a saved tokenizer."""
@@ -169,13 +176,28 @@ class LoopConfig(ValidatedConfig):
     """Held-out prompts per evaluation."""
     save_every: int = spec(10, ge=0)
     """Write a checkpoint every this many iterations; 0 only at the end."""
-    keep_checkpoints: int = spec(2, ge=1)
-    """Checkpoints kept on disk (older ones are deleted)."""
+    keep_checkpoints: int | None = spec(None, ge=1)
+    """Old name of checkpoint.keep_last, kept so configs written before it still load (with a warning; its value
+    moves to checkpoint.keep_last); leave it unset."""
     progress: bool = True
     """Show progress: a bar on a terminal; plain lines (every progress_every iterations) when output is not one
     (a log file, `ray job submit`, a scheduler)."""
     progress_every: int = spec(10, ge=1)
     """Iterations between two plain progress lines when output is not a terminal (the last one is always shown)."""
+
+
+@dataclass(frozen=True)
+class CheckpointConfig(ValidatedConfig):
+    keep_last: int = spec(2, ge=1)
+    """Checkpoints kept on disk (older ones are deleted once a newer one is complete)."""
+
+
+@dataclass(frozen=True)
+class StepConfig(ValidatedConfig):
+    on_nonfinite: str = spec("skip", choices=NONFINITE_ACTIONS)
+    """An optimizer step of a trained role (actor, critic) whose loss or gradient norm is NaN or inf: 'skip' zeros
+    its gradients and leaves weights and optimizer state as they were (a warning; <role>/skipped_steps in the
+    metrics counts them); 'stop' ends the run with an error naming the role, iteration and step."""
 
 
 @dataclass(frozen=True)
@@ -262,8 +284,15 @@ class RuntimeConfig(ValidatedConfig):
     """Torch intra-op threads per process; 0 keeps torch's default (ray: cores / devices)."""
     timeout_s: float = spec(600.0, gt=0)
     """Longest wait for one MFC on the workers before the run fails with an error naming the stuck worker."""
+    controllers: int = spec(1, ge=1)
+    """Parallel controllers of the 'ray' executor (G-Core): each is a Ray actor that drives a shard of every
+    iteration's prompts (whole groups) through the data-parallel replicas serving it; they agree through a small
+    coordinator on what is global (training schedules, batch statistics). 1 is a single controller; it must
+    divide every call's data-parallel degree."""
 
     def validate(self) -> None:
+        if self.controllers > 1 and self.executor != "ray":
+            fail("controllers", f"{self.controllers} needs executor 'ray' (the reference executor has no controllers)")
         if self.plan is not None and self.executor != "ray":
             fail("plan", f"{self.plan!r} needs executor 'ray' (the reference executor runs everything in one process)")
         for iteration, plan in self.plan_changes.items():
@@ -308,10 +337,34 @@ class TrainConfig(ValidatedConfig):
     """Generation settings of rollouts."""
     loop: LoopConfig = field(default_factory=LoopConfig)
     """Iterations, evaluation, checkpoints and progress."""
+    checkpoint: CheckpointConfig = field(default_factory=CheckpointConfig)
+    """What is kept of the run's checkpoints (loop.save_every says when one is written)."""
+    train: StepConfig = field(default_factory=StepConfig)
+    """How the trained roles' optimizer steps meet numerical faults."""
     report: ReportConfig = field(default_factory=ReportConfig)
     """Where metrics are logged and the run report is written."""
     runtime: RuntimeConfig = field(default_factory=RuntimeConfig)
     """Where and how the workflow executes."""
+
+    def __post_init__(self) -> None:
+        super().__post_init__()
+        old = self.loop.keep_checkpoints
+        if old is None:
+            return
+        # The one rename this tree has: configs (and runs' config.yaml) written before checkpoint.keep_last load,
+        # their value moved to where it is read now, once and loudly, so nothing reads two fields for it.
+        if self.checkpoint.keep_last not in (old, CheckpointConfig().keep_last):
+            fail("loop.keep_checkpoints", f"{old} conflicts with checkpoint.keep_last {self.checkpoint.keep_last}; "
+                                          "loop.keep_checkpoints is its old name: give checkpoint.keep_last only")
+        warnings.warn(f"loop.keep_checkpoints is the old name of checkpoint.keep_last; using checkpoint.keep_last="
+                      f"{old} (write that instead)", FutureWarning, stacklevel=2)
+        object.__setattr__(self, "checkpoint", dataclasses.replace(self.checkpoint, keep_last=old))
+        object.__setattr__(self, "loop", dataclasses.replace(self.loop, keep_checkpoints=None))
+
+    def validate(self) -> None:
+        if self.runtime.controllers > self.rollout.prompts_per_iter:
+            fail("runtime.controllers", f"{self.runtime.controllers} controllers need at least as many prompts an "
+                                        f"iteration (rollout.prompts_per_iter is {self.rollout.prompts_per_iter})")
 
 
 @dataclass(frozen=True)

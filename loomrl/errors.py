@@ -19,3 +19,7 @@ class DataError(LoomError):
 
 class WorkflowError(LoomError):
     """A workflow graph is malformed (cycle, missing producer, duplicate output)."""
+
+
+class TrainingError(LoomError):
+    """Training cannot go on: a numerical fault (NaN or inf) the run was told to stop on."""

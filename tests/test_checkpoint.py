@@ -1,7 +1,13 @@
-"""Checkpoints: exact round trip of weights, optimizer and RNG; HF loadability; pruning; crash safety."""
+"""Checkpoints: exact round trip of weights, optimizer and RNG; HF loadability; pruning; crash safety; the
+manifest's checks of every file; no non-finite state on disk."""
 
+import hashlib
 import json
+import os
 import random
+import subprocess
+import sys
+import textwrap
 from pathlib import Path
 
 import numpy as np
@@ -10,8 +16,9 @@ import torch
 import transformers
 from tokenizers import Tokenizer, models, pre_tokenizers
 
-from loomrl.checkpoint import CheckpointError, latest_checkpoint, load_checkpoint, save_checkpoint
+from loomrl.checkpoint import CheckpointError, latest_checkpoint, load_checkpoint, save_checkpoint, verify_checkpoint
 from loomrl.errors import LoomError
+from loomrl.train.evaluation import resolve_target
 
 
 def tiny_llama(seed: int) -> transformers.LlamaForCausalLM:
@@ -90,7 +97,8 @@ def test_role_dir_is_a_plain_hf_checkpoint(tmp_path):
     assert torch.equal(loaded.model.embed_tokens.weight, model.model.embed_tokens.weight)
     tok = transformers.AutoTokenizer.from_pretrained(ckpt / "critic")
     assert tok("abc")["input_ids"] == [2, 3, 4]
-    assert sorted(p.name for p in ckpt.iterdir()) == ["actor", "critic", "optimizers.pt", "rng.pt", "state.json"]
+    assert sorted(p.name for p in ckpt.iterdir()) == ["actor", "critic", "manifest.json", "optimizers.pt", "rng.pt",
+                                                      "state.json"]
 
 
 def test_keep_last_prunes_older_and_latest_points_at_newest(tmp_path):
@@ -153,3 +161,277 @@ def test_non_json_state_fails_before_writing(tmp_path):
         save_checkpoint(tmp_path, 1, {"actor": model}, None, {"actor": opt}, {"bad": object()})
     assert not (tmp_path / "checkpoints").exists()
     assert not Path(tmp_path / "checkpoints" / "latest").exists()
+
+
+# --- integrity: the manifest, non-finite state, crashes -------------------------------------------------
+
+
+def _one_line(info: pytest.ExceptionInfo) -> str:
+    message = str(info.value)
+    assert message and "\n" not in message, message
+    return message
+
+
+def test_manifest_lists_every_other_file_with_its_size_and_sha256(tmp_path):
+    model, opt, _ = make_run()
+    ckpt = save_checkpoint(tmp_path, 1, {"actor": model}, tiny_tokenizer(), {"actor": opt}, {})
+    listed = json.loads((ckpt / "manifest.json").read_text())["files"]
+    on_disk = sorted(p.relative_to(ckpt).as_posix() for p in ckpt.rglob("*") if p.is_file())
+    assert sorted(listed) == [name for name in on_disk if name != "manifest.json"]
+    for name, entry in listed.items():
+        data = (ckpt / name).read_bytes()
+        assert entry == {"size": len(data), "sha256": hashlib.sha256(data).hexdigest()}, name
+
+
+def test_one_corrupted_byte_of_the_weights_is_named_and_nothing_is_loaded(tmp_path):
+    model, opt, _ = make_run()
+    ckpt = save_checkpoint(tmp_path, 1, {"actor": model}, None, {"actor": opt}, {})
+    weights = ckpt / "actor" / "model.safetensors"
+    data = bytearray(weights.read_bytes())
+    data[len(data) // 2] ^= 0x01  # one bit, same size: only the checksum can tell
+    weights.write_bytes(bytes(data))
+    fresh, fresh_opt, _ = make_run(seed=5)
+    before = {k: v.clone() for k, v in fresh.state_dict().items()}
+    with pytest.raises(CheckpointError) as info:
+        load_checkpoint(ckpt, {"actor": fresh}, {"actor": fresh_opt})
+    message = _one_line(info)
+    assert str(weights) in message and "SHA-256" in message
+    assert all(torch.equal(v, before[k]) for k, v in fresh.state_dict().items()), "a damaged checkpoint loaded"
+
+
+def test_a_missing_or_truncated_file_is_named(tmp_path):
+    model, opt, _ = make_run()
+    ckpt = save_checkpoint(tmp_path, 1, {"actor": model}, None, {"actor": opt}, {})
+    (ckpt / "rng.pt").unlink()
+    with pytest.raises(CheckpointError) as info:
+        load_checkpoint(ckpt, {"actor": model}, {"actor": opt})
+    assert f"{ckpt / 'rng.pt'}: missing" in _one_line(info)
+    ckpt = save_checkpoint(tmp_path, 2, {"actor": model}, None, {"actor": opt}, {})
+    config = ckpt / "actor" / "config.json"
+    config.write_text(config.read_text()[:-5])
+    with pytest.raises(CheckpointError) as info:
+        verify_checkpoint(ckpt)
+    assert str(config) in _one_line(info) and "bytes" in str(info.value)
+
+
+def test_a_checkpoint_saved_before_manifests_still_loads_with_a_warning(tmp_path):
+    model, opt, _ = make_run()
+    ckpt = save_checkpoint(tmp_path, 1, {"actor": model}, None, {"actor": opt}, {"data_position": 3})
+    (ckpt / "manifest.json").unlink()
+    fresh, fresh_opt, _ = make_run(seed=5)
+    with pytest.warns(UserWarning, match="unverified"):
+        state = load_checkpoint(ckpt, {"actor": fresh}, {"actor": fresh_opt})
+    assert state["data_position"] == 3
+    assert all(torch.equal(a, b) for a, b in zip(model.parameters(), fresh.parameters()))
+
+
+def test_eval_of_a_run_checks_its_actor_against_the_manifest(tmp_path):
+    model, opt, _ = make_run()
+    ckpt = save_checkpoint(tmp_path, 1, {"actor": model}, None, {"actor": opt}, {})
+    (tmp_path / "config.yaml").write_text("{}\n")
+    assert resolve_target(tmp_path).model == ckpt / "actor"
+    (ckpt / "optimizers.pt").write_bytes(b"damaged")  # eval reads the actor only: not its concern
+    assert resolve_target(tmp_path).model == ckpt / "actor"
+    (ckpt / "actor" / "model.safetensors").write_bytes(b"damaged")
+    for target in (tmp_path, ckpt):
+        with pytest.raises(CheckpointError, match="model.safetensors"):
+            resolve_target(target)
+
+
+@pytest.mark.parametrize("where", ["weight", "optimizer"])
+def test_non_finite_state_is_never_saved_and_the_previous_checkpoint_stays(tmp_path, where):
+    model, opt, sched = make_run()
+    train_steps(model, opt, sched, 1, seed=1)
+    good = save_checkpoint(tmp_path, 1, {"actor": model}, None, {"actor": opt}, {})
+    with torch.no_grad():
+        if where == "weight":
+            model.model.norm.weight[3] = float("nan")
+        else:
+            opt.state[model.lm_head.weight]["exp_avg"][0, 0] = float("inf")
+    with pytest.raises(CheckpointError) as info:
+        save_checkpoint(tmp_path, 2, {"actor": model}, None, {"actor": opt}, {}, keep_last=1)
+    message = _one_line(info)
+    assert "NaN or inf" in message
+    if where == "weight":
+        assert "actor weight 'model.norm.weight'" in message
+    else:
+        assert "actor optimizer state" in message and "exp_avg" in message
+    root = tmp_path / "checkpoints"
+    assert sorted(p.name for p in root.iterdir()) == ["iter_000001", "latest"]
+    assert latest_checkpoint(tmp_path) == good
+    load_checkpoint(good, {}, {})
+
+
+def test_leftovers_of_crashed_saves_are_removed_by_the_next_save(tmp_path):
+    model, opt, _ = make_run()
+    save_checkpoint(tmp_path, 1, {"actor": model}, None, {"actor": opt}, {})
+    dead = subprocess.run([sys.executable, "-c", "import os; print(os.getpid())"], capture_output=True, text=True)
+    root = tmp_path / "checkpoints"
+    for name in (f"iter_000002.tmp-{dead.stdout.strip()}", f"iter_000000.stale-{dead.stdout.strip()}",
+                 f"iter_000002.tmp-{os.getpid()}x"):
+        (root / name / "actor").mkdir(parents=True)
+    (root / f"latest.tmp-{dead.stdout.strip()}").write_text("iter_000002\n")
+    save_checkpoint(tmp_path, 3, {"actor": model}, None, {"actor": opt}, {})
+    assert sorted(p.name for p in root.iterdir()) == ["iter_000001", f"iter_000002.tmp-{os.getpid()}x",
+                                                      "iter_000003", "latest"]
+
+
+CRASH_SERVER = textwrap.dedent('''
+    """Saves iteration 1 of a run per trial, then forks a child saving iteration 2 (weights + 0.5) and kills
+    it with SIGKILL: where a hook pauses it, or after a random delay."""
+    import json, os, random, shutil, signal, sys, threading, time
+    from pathlib import Path
+    import torch, tqdm, transformers, transformers.modeling_utils
+    import loomrl.checkpoint as ck
+
+    torch.set_num_threads(1)
+    # tqdm (save_pretrained's progress bars) locks a semaphore shared with forked children, which a child killed
+    # while holding it would leave locked for good: a lock of this process only, and no monitor thread
+    tqdm.tqdm.set_lock(threading.RLock())
+    tqdm.tqdm.monitor_interval = 0
+    transformers.utils.logging.disable_progress_bar()
+    base, points, random_trials = Path(sys.argv[1]), json.loads(sys.argv[2]), int(sys.argv[3])
+
+    def pause(marker, tag):
+        marker.write_text(tag)
+        time.sleep(600)
+
+    def hook(owner, name, marker, tag, match, partial=None):
+        original = getattr(owner, name)
+        def wrapper(*args, **kwargs):
+            if match(*args):
+                if partial is not None:
+                    partial(*args)
+                pause(marker, tag)
+            return original(*args, **kwargs)
+        setattr(owner, name, wrapper)
+
+    def nth_call(n):
+        calls = [0]
+        def match(*args):
+            calls[0] += 1
+            return calls[0] == n
+        return match
+
+    def delete_one_file(path, *rest):
+        next(p for p in Path(path).rglob("*") if p.is_file()).unlink()
+
+    HOOKS = {
+        "weights": (transformers.modeling_utils, "safe_save_file", lambda *a: True, None),
+        "optimizers": (torch, "save", nth_call(1), None),
+        "rng": (torch, "save", nth_call(2), None),
+        "state": (ck, "_write_text_synced", lambda f, t: Path(f).name == "state.json", None),
+        "manifest": (ck, "_write_text_synced", lambda f, t: Path(f).name == "manifest.json", None),
+        "rename": (os, "replace", lambda src, dst: Path(dst).name == "iter_000002", None),
+        "latest": (os, "replace", lambda src, dst: Path(dst).name == "latest", None),
+        "prune": (shutil, "rmtree", lambda path, *r, **k: ".stale-" in str(path), delete_one_file),
+    }
+
+    def model_and_optimizer():
+        torch.manual_seed(0)
+        model = transformers.LlamaForCausalLM(transformers.LlamaConfig(
+            vocab_size=32, hidden_size=32, intermediate_size=64, num_hidden_layers=2, num_attention_heads=2,
+            num_key_value_heads=2, max_position_embeddings=64))
+        opt = torch.optim.AdamW(model.parameters(), lr=1e-2)
+        ids = torch.arange(16).view(2, 8)
+        model(input_ids=ids, labels=ids).loss.backward()
+        opt.step()
+        return model, opt
+
+    rng = random.Random(0)
+    trials = [(p, None) for p in points] + [(None, i) for i in range(random_trials)]
+    for k, (point, _) in enumerate(trials):
+        run = base / f"trial_{k}"
+        model, opt = model_and_optimizer()
+        sums = {1: sum(float(p.detach().double().sum()) for p in model.parameters())}
+        sums[2] = sums[1] + 0.5 * sum(p.numel() for p in model.parameters())
+        start = time.perf_counter()
+        ck.save_checkpoint(run, 1, {"actor": model}, None, {"actor": opt}, {"tag": 1}, keep_last=1)
+        took = time.perf_counter() - start
+        marker = run / "paused"
+        pid = os.fork()
+        if pid == 0:
+            try:
+                if point is not None:
+                    owner, name, match, partial = HOOKS[point]
+                    hook(owner, name, marker, point, match, partial)
+                with torch.no_grad():
+                    for p in model.parameters():
+                        p.add_(0.5)
+                ck.save_checkpoint(run, 2, {"actor": model}, None, {"actor": opt}, {"tag": 2}, keep_last=1)
+            finally:
+                os._exit(0)
+        if point is not None:
+            deadline = time.monotonic() + 60
+            while not marker.exists() and time.monotonic() < deadline and os.waitpid(pid, os.WNOHANG) == (0, 0):
+                time.sleep(0.01)
+        else:
+            time.sleep(rng.uniform(0, 1.5 * took))
+        try:
+            os.kill(pid, signal.SIGKILL)
+            os.waitpid(pid, 0)
+        except (ProcessLookupError, ChildProcessError):
+            pass
+        print(json.dumps({"run": str(run), "point": point, "paused": marker.exists(), "sums": sums}), flush=True)
+''')
+
+CRASH_POINTS = ["weights", "optimizers", "rng", "state", "manifest", "rename", "latest", "prune"]
+
+
+def test_a_save_killed_at_any_point_leaves_a_loadable_checkpoint(tmp_path):
+    """SIGKILL at each step of a save (and after random delays): the chosen checkpoint is complete, passes its
+    manifest, and holds the weights of its own iteration; no partial directory is ever chosen."""
+    proc = subprocess.run([sys.executable, "-c", CRASH_SERVER, str(tmp_path), json.dumps(CRASH_POINTS), "4"],
+                          capture_output=True, text=True, timeout=300)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    trials = [json.loads(line) for line in proc.stdout.splitlines()]
+    assert len(trials) == len(CRASH_POINTS) + 4
+    for trial in trials:
+        run, point = Path(trial["run"]), trial["point"]
+        if point is not None:
+            assert trial["paused"], f"the save never reached {point}"
+        chosen = latest_checkpoint(run)
+        assert chosen is not None and chosen.name in ("iter_000001", "iter_000002"), (point, chosen)
+        expected = {"weights": 1, "optimizers": 1, "rng": 1, "state": 1, "manifest": 1, "rename": 1, "prune": 2}
+        if point in expected:
+            assert chosen.name == f"iter_00000{expected[point]}", (point, chosen)
+        if point in ("weights", "optimizers", "rng", "state", "manifest", "rename"):
+            assert any(".tmp-" in p.name for p in (run / "checkpoints").iterdir()), "the partial save is gone"
+        fresh, fresh_opt, _ = make_run(seed=7)
+        state = load_checkpoint(chosen, {"actor": fresh}, {"actor": fresh_opt})
+        assert state["tag"] == state["iteration"] == int(chosen.name[-1]), (point, state)
+        total = sum(float(p.detach().double().sum()) for p in fresh.parameters())
+        assert total == pytest.approx(trial["sums"][str(state["iteration"])], rel=1e-9, abs=1e-6), point
+        save_checkpoint(run, 3, {"actor": fresh}, None, {"actor": fresh_opt}, {"tag": 3}, keep_last=1)
+        assert sorted(p.name for p in (run / "checkpoints").iterdir()) == ["iter_000003", "latest"], point
+
+
+def test_checkpoint_keep_last_and_its_old_name_loop_keep_checkpoints(tmp_path):
+    from loomrl.config import TrainConfig
+    from loomrl.configtools import dump_yaml, load_config
+    from loomrl.errors import ConfigError
+
+    assert load_config(TrainConfig, None, []).checkpoint.keep_last == 2
+    old_run = tmp_path / "config.yaml"  # what runs wrote before checkpoint.keep_last existed
+    old_run.write_text("loop:\n  keep_checkpoints: 5\n")
+    with pytest.warns(FutureWarning, match="old name of checkpoint.keep_last"):
+        cfg = load_config(TrainConfig, old_run)
+    assert cfg.checkpoint.keep_last == 5 and cfg.loop.keep_checkpoints is None
+    assert "keep_last: 5" in dump_yaml(cfg)
+    with pytest.raises(ConfigError) as info:
+        load_config(TrainConfig, old_run, ["checkpoint.keep_last=3"])
+    assert "loop.keep_checkpoints: 5 conflicts with checkpoint.keep_last 3" in _one_line(info)
+    with pytest.raises(ConfigError, match="checkpoint.keep_last: 0 is out of range"):
+        load_config(TrainConfig, None, ["checkpoint.keep_last=0"])
+
+
+def test_a_run_keeps_checkpoint_keep_last_checkpoints(tmp_path):
+    from test_rl import tiny_cfg
+
+    from loomrl.train.rl import RLTrainer
+
+    run_dir = tmp_path / "run"
+    RLTrainer(tiny_cfg(run_dir, "algo.name=grpo", "loop.iterations=3", "loop.save_every=1", "loop.eval_every=0",
+                       "checkpoint.keep_last=1")).run()
+    assert sorted(p.name for p in (run_dir / "checkpoints").iterdir()) == ["iter_000002", "latest"]
+    verify_checkpoint(run_dir / "checkpoints" / "iter_000002")

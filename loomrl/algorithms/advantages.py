@@ -16,6 +16,8 @@ Padding positions never influence a result, and every ``_BT`` result is 0 on pad
 
 from __future__ import annotations
 
+from typing import Callable
+
 import torch
 from torch import Tensor
 
@@ -71,16 +73,35 @@ def masked_var(x: Tensor, mask: Tensor, unbiased: bool = True) -> Tensor:
     return var
 
 
-def masked_whiten(x: Tensor, mask: Tensor, shift_mean: bool = True, eps: float = 1e-8) -> Tensor:
+def masked_whiten(x: Tensor, mask: Tensor, shift_mean: bool = True, eps: float = 1e-8,
+                  reduce: Callable[[Tensor], Tensor] | None = None) -> Tensor:
     """Normalise ``x`` to unit variance (and zero mean if ``shift_mean``) over its masked elements.
 
-    With ``shift_mean=False`` the mean is kept, so only the scale changes (as for PPO's rewards).
+    With ``shift_mean=False`` the mean is kept, so only the scale changes (as for PPO's rewards). ``reduce``:
+    ``x`` is one shard of the batch and ``reduce`` sums a tensor over every shard, so the mean and variance are
+    the whole batch's (the same as unsharded, up to the order of the sums).
     """
-    mean = masked_mean(x, mask)
-    whitened = (x - mean) * torch.rsqrt(masked_var(x, mask) + eps)
+    if reduce is None:
+        mean, var = masked_mean(x, mask), masked_var(x, mask)
+    else:
+        mean, var = _sharded_moments(x, mask, reduce)
+    whitened = (x - mean) * torch.rsqrt(var + eps)
     if not shift_mean:
         whitened = whitened + mean
     return _zero_padding(whitened, mask)
+
+
+def _sharded_moments(x: Tensor, mask: Tensor, reduce: Callable[[Tensor], Tensor]) -> tuple[Tensor, Tensor]:
+    """The masked mean and unbiased variance of the union of every shard's ``x`` (two reductions: the sum and
+    count, then the squared deviations from the global mean, as :func:`masked_var` computes them)."""
+    mask_b = _bool_mask(mask)
+    sums = reduce(torch.stack([_zero_padding(x, mask_b).sum(), mask_b.sum().to(x.dtype)]))
+    total, count = sums[0], sums[1]
+    if count < 2:
+        raise ValueError(f"masked_var needs at least 2 masked elements, got {int(count)}")
+    mean = total / count
+    centred = _zero_padding(x - mean, mask_b)
+    return mean, reduce((centred * centred).sum()) / (count - 1)
 
 
 def _last_token_index(mask_BT: Tensor) -> tuple[Tensor, Tensor]:
@@ -188,7 +209,8 @@ def broadcast_to_tokens(adv_B: Tensor, mask_BT: Tensor) -> Tensor:
 
 
 def reinforce_pp_advantage(
-    score_B: Tensor, kl_BT: Tensor, mask_BT: Tensor, kl_coef: float, gamma: float = 1.0
+    score_B: Tensor, kl_BT: Tensor, mask_BT: Tensor, kl_coef: float, gamma: float = 1.0,
+    reduce: Callable[[Tensor], Tensor] | None = None,
 ) -> Tensor:
     """REINFORCE++ advantage: discounted returns of the PPO token rewards, whitened over the batch.
 
@@ -196,4 +218,4 @@ def reinforce_pp_advantage(
     REINFORCE++ from GRPO.
     """
     ret_BT = discounted_returns(token_rewards(score_B, kl_BT, mask_BT, kl_coef), mask_BT, gamma)
-    return masked_whiten(ret_BT, mask_BT)
+    return masked_whiten(ret_BT, mask_BT, reduce=reduce)

@@ -11,11 +11,16 @@ Inference and training ops cut their rows into ``ctx.micro_batches`` micro-batch
 training) or one after another, and how data-parallel ranks sum their gradients, is the engine's business, not
 the ops'. Generation ignores micro-batches: the rollout engine decodes all live samples together.
 
+A training step whose loss or gradient norm is NaN or inf is skipped or stops the run, as the role's
+``on_nonfinite`` says (``train.on_nonfinite``); every rank of the step decides alike (:func:`_train_steps`).
+
 Legend: B = samples, R = response tokens (right-padded), L = prompt + response (right-padded).
 """
 
 from __future__ import annotations
 
+import math
+import warnings
 from collections.abc import Iterator
 from contextlib import contextmanager
 from typing import Callable
@@ -24,6 +29,7 @@ import torch
 
 from loomrl.algorithms.lr import set_lr
 from loomrl.algorithms.roles import OpContext
+from loomrl.errors import TrainingError
 from loomrl.models.heads import last_real_index, logprobs_from_logits
 from loomrl.rollout import Request, RolloutEngine, SamplingParams, stream_keys
 from loomrl.workflow.batch import Batch, micro_batch_slices, pack_sequences, pad_right, response_columns, response_mask
@@ -164,9 +170,10 @@ def loss_tokens(mb: Batch) -> list[int]:
     return [1] * len(mb)
 
 
-def _backward(ctx: OpContext, mb: Batch, loss_fn: LossFn, weight: float) -> dict:
+def _backward(ctx: OpContext, mb: Batch, loss_fn: LossFn, weight: float) -> tuple[dict, bool]:
     """Forward, loss and backward of one minibatch, micro-batch by micro-batch, through the role's engine;
-    returns its statistics (empty on pipeline stages but the last).
+    returns its statistics (empty on pipeline stages but the last) and whether every loss this rank computed
+    was finite.
 
     Micro-batch ``k``'s loss is ``loss_fn`` of its rows alone, times its share of the minibatch's loss tokens
     (:func:`loss_tokens`) and ``weight``: the shares sum to one, so the accumulated gradient is that of the
@@ -174,17 +181,23 @@ def _backward(ctx: OpContext, mb: Batch, loss_fn: LossFn, weight: float) -> dict
     weighted by the same shares. A micro-batch without loss tokens adds nothing (and is not given to
     ``loss_fn``, whose mean would be 0/0). A rank without rows still tells the engine, whose passes may be
     collective.
+
+    A non-finite loss is back-propagated times NaN: every gradient it reaches becomes NaN, and with it the norm
+    the engine reduces over all ranks of the step (data-parallel sum, pipeline stages, shards), so every rank
+    sees the fault, even where the loss itself exists on one rank only (a pipeline's last stage). A finite
+    loss can have finite gradients (log of a negative number), so the loss is checked, not only the norm.
     """
     engine = ctx.role.engine
     if len(mb) == 0:
         engine.backward(None, None, [], None, ctx.micro_batches)
-        return {}
+        return {}, True
     ids_BL, attn_BL, plen_B = _packed(ctx, mb)
     parts = micro_batch_rows(ctx, len(mb))
     tokens = loss_tokens(mb)
     total = max(sum(tokens), 1)
     shares = [sum(tokens[rows]) / total for rows in parts]
     stats: dict[str, float] = {}
+    finite = [True]
 
     def micro_loss(out: torch.Tensor, k: int) -> torch.Tensor | None:
         rows = parts[k]
@@ -194,10 +207,13 @@ def _backward(ctx: OpContext, mb: Batch, loss_fn: LossFn, weight: float) -> dict
         loss, got = loss_fn(part, out, (ids_BL[rows], attn_BL[rows], plen_B[rows]))
         for key, value in got.items():
             stats[key] = stats.get(key, 0.0) + shares[k] * float(value)
+        if not bool(torch.isfinite(loss).all()):
+            finite[0] = False
+            loss = loss * float("nan")
         return loss * (shares[k] * weight)
 
     engine.backward(ids_BL, attn_BL, parts, micro_loss, ctx.micro_batches)
-    return stats
+    return stats, finite[0]
 
 
 def train_loop(ctx: OpContext, batch: Batch, loss_fn: LossFn) -> dict:
@@ -205,7 +221,10 @@ def train_loop(ctx: OpContext, batch: Batch, loss_fn: LossFn) -> dict:
 
     Each step's loss is this rank's token-mean loss times its token share, so once the engine has summed the
     ranks' gradients every rank holds the gradient of the whole minibatch's token-mean loss. Statistics are
-    weighted the same way: summing them over the data-parallel ranks gives the whole batch's values.
+    weighted the same way: summing them over the data-parallel ranks gives the whole batch's values. Skipped
+    steps (a NaN or inf loss or gradient norm, ``role.on_nonfinite == "skip"``) add no statistics; they are
+    counted in ``<role>/skipped_steps`` (each rank adds its share, so the sum over ranks is the count), present
+    only when a step was skipped.
     """
     role = ctx.role
     model = role.model
@@ -234,16 +253,36 @@ def activation_checkpointing(model: torch.nn.Module, on: bool):
 def _train_steps(ctx: OpContext, batch: Batch, loss_fn: LossFn) -> dict:
     role = ctx.role
     totals: dict[str, float] = {}
+    skipped, skipped_share = 0, 0.0
     for k, (rows, weight) in enumerate(ctx.train_steps):
         if role.lr_at is not None:  # every iteration of a run takes the same number of steps
             set_lr(role.optimizer, role.lr_at(ctx.iteration * len(ctx.train_steps) + k))
         role.optimizer.zero_grad(set_to_none=True)
-        stats = _backward(ctx, batch.select(list(rows)), loss_fn, weight)
+        stats, finite_loss = _backward(ctx, batch.select(list(rows)), loss_fn, weight)
         grad_norm = role.engine.reduce_and_clip(role.grad_clip)
+        if not math.isfinite(grad_norm):  # the same global norm on every rank: all skip (or stop) together
+            _nonfinite_step(ctx, k, finite_loss, grad_norm)
+            role.optimizer.zero_grad(set_to_none=True)
+            skipped, skipped_share = skipped + 1, skipped_share + weight
+            continue
         role.optimizer.step()
         stats[f"{role.name}/grad_norm"] = grad_norm
         stats[f"{role.name}/lr"] = role.optimizer.param_groups[0]["lr"]
         for key, value in stats.items():
             totals[key] = totals.get(key, 0.0) + weight * float(value)
-    n = max(len(ctx.train_steps), 1)
-    return {"stats": {key: value / n for key, value in totals.items()}}
+    n = max(len(ctx.train_steps) - skipped, 1)
+    out = {key: value / n for key, value in totals.items()}
+    if skipped:
+        out[f"{role.name}/skipped_steps"] = skipped_share
+    return {"stats": out}
+
+
+def _nonfinite_step(ctx: OpContext, step: int, finite_loss: bool, grad_norm: float) -> None:
+    """Stop the run (``on_nonfinite == "stop"``) or warn that optimizer step ``step`` is skipped."""
+    role = ctx.role
+    what = "gradient norm" if finite_loss else "loss (and so gradient norm)"
+    where = f"{role.name}: non-finite {what} ({grad_norm}) at iteration {ctx.iteration}, optimizer step {step}"
+    if role.on_nonfinite == "stop":
+        raise TrainingError(f"{where}; stopping (train.on_nonfinite=stop; 'skip' would drop such steps)")
+    warnings.warn(f"{where}; step skipped, weights and optimizer state unchanged (train.on_nonfinite=skip)",
+                  RuntimeWarning, stacklevel=3)

@@ -84,6 +84,9 @@ class Role:
     lr_at: Callable[[int], float] | None = None
     """The learning rate of the run's optimizer step k of this role (numbered from 0 over all iterations);
     None keeps the optimizer's own."""
+    on_nonfinite: str = "skip"
+    """An optimizer step whose loss or gradient norm is NaN or inf: 'skip' it (gradients zeroed, weights and
+    optimizer state untouched) or 'stop' the run (``train.on_nonfinite``)."""
 
     @property
     def device(self) -> torch.device:
@@ -114,4 +117,7 @@ class OpContext:
     plan's ``rc``; activation checkpointing). Same gradients, less memory, one more forward."""
     stream: StreamControl | None = None
     """Generate calls of a fused stage: chunking and migration (None: generate everything, then return)."""
+    reduce: Callable[[torch.Tensor], torch.Tensor] | None = None
+    """Compute MFCs given one shard of the batch (one per parallel controller): sums a tensor over every shard,
+    for batch-level statistics such as advantage whitening. None: the call sees the whole batch."""
 

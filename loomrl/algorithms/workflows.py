@@ -40,7 +40,7 @@ def ppo_advantages(ctx: OpContext, batch: Batch, algo: AlgoConfig) -> dict:
     reward_BR = A.token_rewards(batch["score"], kl_BR, mask_BR, algo.kl_coef)
     adv_BR, ret_BR = A.gae(reward_BR, batch["values"] * mask_BR, mask_BR, algo.gamma, algo.lam)
     if algo.whiten_advantages:
-        adv_BR = A.masked_whiten(adv_BR, mask_BR) * mask_BR
+        adv_BR = A.masked_whiten(adv_BR, mask_BR, reduce=ctx.reduce) * mask_BR
     return {"advantages": adv_BR, "returns": ret_BR, "kl": kl_BR}
 
 
@@ -63,7 +63,8 @@ def remax_advantages(ctx: OpContext, batch: Batch, algo: AlgoConfig) -> dict:
 
 def reinforce_pp_advantages(ctx: OpContext, batch: Batch, algo: AlgoConfig) -> dict:
     kl_BR = _seq_kl(batch, algo.kl_estimator)
-    adv_BR = A.reinforce_pp_advantage(batch["score"], kl_BR, batch["mask"], algo.kl_coef, algo.gamma)
+    adv_BR = A.reinforce_pp_advantage(batch["score"], kl_BR, batch["mask"], algo.kl_coef, algo.gamma,
+                                      reduce=ctx.reduce)
     return {"advantages": adv_BR, "kl": kl_BR}
 
 

@@ -10,14 +10,13 @@ stores "next index" in its checkpoint and asks for ``batch(start, n)``.
 - :class:`FilePrompts` reads a JSONL or parquet file with HF ``datasets`` (local files only): a text prompt or
   a chat conversation per row.
 
-:func:`load_reward_fn` and :class:`FunctionTask` let file prompts be scored by a user function.
+:func:`load_reward_fn` and :class:`FunctionTask` let file prompts be scored by a user function (in a process
+of its own, each call under a time limit: :mod:`loomrl.data.reward_functions`).
 """
 
 from __future__ import annotations
 
 import hashlib
-import importlib
-import importlib.util
 import json
 import numbers
 import os
@@ -25,9 +24,9 @@ import random
 import sys
 from abc import ABC, abstractmethod
 from collections.abc import Mapping
-from pathlib import Path
-from typing import Any, Callable
+from typing import Any
 
+from loomrl.data.reward_functions import RewardFn, RewardProcess, describe_sample, load_reward_fn, one_line
 from loomrl.data.tasks import Example, Task
 from loomrl.errors import DataError
 
@@ -35,10 +34,6 @@ SPLITS = ("train", "eval", "test")
 """Names of the independent streams of a synthetic source."""
 
 _FILE_FORMATS = {".jsonl": "json", ".json": "json", ".parquet": "parquet"}
-
-RewardFn = Callable[[str, str, "str | None"], float]
-"""reward(prompt, response, answer) → a float in [0, 1]."""
-
 
 def stable_hash(*parts: int | str) -> int:
     """A 64-bit hash of ints and strings that is the same in every process (unlike the salted ``hash``)."""
@@ -170,45 +165,28 @@ def _load_columns(path: str) -> dict[str, list]:
     return {name: ds[name] for name in ds.column_names}
 
 
-def load_reward_fn(spec: str) -> RewardFn:
-    """Import a reward function named 'package.module:function' or 'path/to/file.py:function'.
-
-    Module names resolve against the current directory first, as ``python -m`` would.
-    """
-    module_name, colon, attr = spec.rpartition(":")
-    if not (colon and module_name and attr):
-        raise DataError(f"reward function '{spec}': expected the form 'module:function' or 'file.py:function'")
-    try:
-        if module_name.endswith(".py"):
-            module = _module_from_file(module_name)
-        else:
-            if os.getcwd() not in sys.path:
-                sys.path.insert(0, os.getcwd())
-            module = importlib.import_module(module_name)
-    except (ImportError, FileNotFoundError) as exc:
-        raise DataError(f"reward function '{spec}': cannot import module '{module_name}' ({exc})") from exc
-    fn = getattr(module, attr, None)
-    if not callable(fn):
-        raise DataError(f"reward function '{spec}': module '{module_name}' has no callable '{attr}'")
-    return fn
-
-
-def _module_from_file(path: str):
-    location = importlib.util.spec_from_file_location(Path(path).stem, path)
-    if location is None or not Path(path).is_file():
-        raise FileNotFoundError(f"no such file: {path}")
-    module = importlib.util.module_from_spec(location)
-    location.loader.exec_module(module)
-    return module
-
-
 class FunctionTask(Task):
-    """A task whose score is a user function, for prompts from a file; it cannot sample prompts itself."""
+    """A task whose score is a user function, for prompts from a file; it cannot sample prompts itself.
 
-    def __init__(self, fn: RewardFn | str, name: str = "function") -> None:
+    With ``timeout_s`` > 0 the function runs in a process of its own (:class:`~loomrl.data.reward_functions.
+    RewardProcess`), each call limited to that many seconds; 0 calls it here, without a limit. Either way a
+    call that raises, hangs past the limit or returns something other than a number in [0, 1] raises a one-line
+    :class:`DataError` naming the function and the sample. The function is also imported here, so a wrong name
+    fails before any call.
+    """
+
+    def __init__(self, fn: RewardFn | str, name: str = "function", timeout_s: float = 0.0) -> None:
         self.spec = fn if isinstance(fn, str) else getattr(fn, "__qualname__", repr(fn))
         self.fn = load_reward_fn(fn) if isinstance(fn, str) else fn
         self.name = name  # type: ignore[misc]  # an instance attribute shadows Task's ClassVar on purpose
+        self.timeout_s = timeout_s
+        self.process: RewardProcess | None = None
+        if timeout_s > 0:
+            target = fn if isinstance(fn, str) else f"{fn.__module__}:{fn.__qualname__}"
+            if not isinstance(fn, str) and "<" in fn.__qualname__:
+                raise DataError(f"reward function '{self.spec}': a time limit runs it in its own process, which "
+                                "imports it by name: give a module-level function (or timeout_s=0)")
+            self.process = RewardProcess(target, timeout_s)
 
     def sample(self, rng: random.Random) -> Example:
         raise DataError(f"task '{self.name}': a reward-function task has no prompt generator (use FilePrompts)")
@@ -217,13 +195,25 @@ class FunctionTask(Task):
         raise DataError(f"task '{self.name}': no reference answer for prompt {prompt!r} (add an answer column)")
 
     def score(self, prompt: str, response: str, answer: str | None) -> float:
-        value = self.fn(prompt, response, answer)
+        if self.process is not None:
+            value = self.process(prompt, response, answer)
+        else:
+            try:
+                value = self.fn(prompt, response, answer)
+            except Exception as exc:  # noqa: BLE001 - user code: any failure stops the run with one line
+                raise DataError(f"reward function '{self.spec}': raised {one_line(exc)} "
+                                f"{describe_sample(prompt, response)}") from exc
         # A reward outside [0, 1] would silently change the scale every advantage is computed on;
         # the chained comparison is also False for NaN.
         if not (isinstance(value, numbers.Real) and 0.0 <= float(value) <= 1.0):
             raise DataError(f"reward function '{self.spec}': returned {value!r} for prompt {prompt!r} "
                             "(must be a number in [0, 1])")
         return float(value)
+
+    def close(self) -> None:
+        """End the function's process, if it has one (a later call starts another)."""
+        if self.process is not None:
+            self.process.close()
 
     def __repr__(self) -> str:
         return f"FunctionTask({self.spec!r})"

@@ -3,7 +3,7 @@
 from __future__ import annotations
 
 from loomrl.config import TaskConfig
-from loomrl.data.prompts import FilePrompts, FunctionTask, PromptSource, SyntheticPrompts, load_reward_fn
+from loomrl.data.prompts import FilePrompts, FunctionTask, PromptSource, SyntheticPrompts
 from loomrl.data.tasks import Example, Task, make_task
 
 __all__ = ["build_task", "examples_window", "held_out", "prompt_source"]
@@ -12,7 +12,7 @@ __all__ = ["build_task", "examples_window", "held_out", "prompt_source"]
 def build_task(cfg: TaskConfig) -> Task:
     """The task (its scoring rule) of the ``task`` settings: a built-in one, or a user's reward function."""
     if cfg.name == "file":
-        return FunctionTask(load_reward_fn(cfg.reward_fn))
+        return FunctionTask(cfg.reward_fn, timeout_s=cfg.reward_timeout_s)
     if cfg.name == "add":
         return make_task("add", max_digits=cfg.max_digits)
     return make_task(cfg.name, min_len=cfg.min_len, max_len=cfg.max_len)

@@ -59,4 +59,4 @@ def make_role(spec: RoleSpec, model: torch.nn.Module | None, task: Task, engine:
         return Role(spec.name, model, engine=engine)
     accumulate_in_fp32(model)  # 16-bit weights sum their gradients in fp32 (fp32 models are left alone)
     return Role(spec.name, model, adamw(model, spec.optim, zero_group), spec.optim.grad_clip, engine=engine,
-                lr_at=partial(learning_rate, spec.optim, total_steps=spec.total_steps))
+                lr_at=partial(learning_rate, spec.optim, total_steps=spec.total_steps), on_nonfinite=spec.on_nonfinite)

@@ -33,6 +33,9 @@ class RoleSpec:
     """The optimizer of a trained role; None for a frozen one."""
     total_steps: int = 0
     """Optimizer steps of the whole run (the learning-rate schedule's length)."""
+    on_nonfinite: str = "skip"
+    """A trained role's optimizer step with a NaN or inf loss or gradient norm: 'skip' or 'stop'
+    (``train.on_nonfinite``)."""
     rule: bool = False
     """Reward only: add the task's rule-based score."""
     rule_weight: float = 1.0
@@ -52,10 +55,11 @@ def role_specs(cfg: TrainConfig, roles: Iterable[str]) -> dict[str, RoleSpec]:
     uses_model = cfg.reward.source in ("model", "both")
     known = {
         "actor": RoleSpec("actor", cfg.actor.model, "actor.model", seed=cfg.seed, optim=cfg.actor.optim,
-                          total_steps=steps),
+                          total_steps=steps, on_nonfinite=cfg.train.on_nonfinite),
         "ref": RoleSpec("ref", cfg.actor.model, "actor.model", seed=cfg.seed),
         "critic": RoleSpec("critic", cfg.critic.model or cfg.actor.model, critic_field, value_head=True,
-                           seed=cfg.seed + 1, optim=cfg.critic.optim, total_steps=steps),
+                           seed=cfg.seed + 1, optim=cfg.critic.optim, total_steps=steps,
+                           on_nonfinite=cfg.train.on_nonfinite),
         "reward": RoleSpec("reward", cfg.reward.model if uses_model else None, "reward.model", value_head=True,
                            seed=cfg.seed, rule=cfg.reward.source in ("rule", "both"),
                            rule_weight=cfg.reward.rule_weight, model_weight=cfg.reward.model_weight),

@@ -133,7 +133,10 @@ class DeviceWorker:
                                 world_size=self.world, timeout=timedelta(seconds=self.spec.timeout_s))
         self.groups = AllocationGroups(self.rank, (), self.device.type)
         self.install(plan)
-        return {"rank": self.rank, "pid": os.getpid(), "device": str(self.device)}
+        import ray
+
+        return {"rank": self.rank, "pid": os.getpid(), "device": str(self.device),
+                "node": ray.get_runtime_context().get_node_id()}
 
     def install(self, plan: WorkerPlan, extra: Sequence[Allocation] = ()) -> None:
         """Make ``plan`` the one this worker executes: create the communicators of its allocations (and of
@@ -141,7 +144,8 @@ class DeviceWorker:
         plan, in the same order) and build the models it places here that this device does not hold yet."""
         self.plan, self.steps, self.training = plan, plan.steps(), plan.training()
         holdings = plan.schedule.holdings()
-        self.groups.add([alloc for _, alloc in holdings] + list(self.training.values()) + list(extra))
+        computes = [s.alloc for s in plan.schedule.calls() if s.role is None and s.alloc.layout.dp > 1]
+        self.groups.add([alloc for _, alloc in holdings] + list(self.training.values()) + computes + list(extra))
         self.transfers = {t: self.transfers[t] if t in self.transfers else (p, build_broadcast_groups(p))
                           for t, p in plan.transfers.items()}
         for role, alloc in holdings:
@@ -318,9 +322,12 @@ class DeviceWorker:
     def _context(self, step: Step, call: CallData) -> OpContext:
         role = self.holdings[(step.role, step.alloc.shards)] if step.role is not None else None
         tok = self.tokenizer
+        reduce = None
+        if step.role is None and step.alloc.layout.dp > 1:  # a compute call on one shard per controller
+            reduce = partial(_summed, group=self.groups[step.alloc].dp_group, device=self.device)
         return OpContext(role, self.spec.seed, call.iteration, tok.pad_token_id, tok.eos_token_id, self.decode,
                          train_steps=call.train_steps, micro_batches=step.alloc.micro_batches,
-                         recompute=step.alloc.recompute)
+                         recompute=step.alloc.recompute, reduce=reduce)
 
     def _reallocate(self, step: Step) -> None:
         """Move a role's weights from its training layout into a copy or shadow (every source and destination
@@ -446,6 +453,14 @@ class DeviceWorker:
     def shutdown(self) -> None:
         if dist.is_initialized():
             dist.destroy_process_group()
+
+
+def _summed(tensor: torch.Tensor, group, device: torch.device) -> torch.Tensor:
+    """``tensor`` summed over ``group``, reduced on this worker's device (NCCL reduces CUDA tensors only) and
+    returned where ``tensor`` lives (a new tensor; the argument is left as it is)."""
+    out = tensor.detach().to(device, copy=True)
+    dist.all_reduce(out, group=group)
+    return out.to(tensor.device)
 
 
 def _own_storage(model: torch.nn.Module) -> None:

@@ -100,7 +100,8 @@ def make_executor(cfg: TrainConfig, workflow: Workflow, plan: ExecutionPlan, tok
     if cfg.runtime.executor == "ray":
         from loomrl.runtime.ray_executor import RayExecutor  # imports Ray only when asked for
 
-        return RayExecutor(cfg.runtime, worker_spec(cfg, workflow), workflow, plan)
+        group = cfg.algo.group_size if cfg.algo.name in GROUP_ALGORITHMS else 1
+        return RayExecutor(cfg.runtime, worker_spec(cfg, workflow), workflow, plan, group_size=group)
     dtype = resolve_dtype(cfg.runtime.precision, device)
     roles = build_roles(role_specs(cfg, workflow.roles()), tokenizer, task, device, dtype)
     decode = partial(decode_response, tokenizer)
@@ -200,7 +201,7 @@ class RLTrainer:
 
     def save(self, iteration: int) -> Path:
         state = {"data_position": (iteration + 1) * self.cfg.rollout.prompts_per_iter}
-        return self.executor.save(self.run_dir, iteration, state, self.cfg.loop.keep_checkpoints)
+        return self.executor.save(self.run_dir, iteration, state, self.cfg.checkpoint.keep_last)
 
     def iteration_metrics(self, result: IterationResult, seconds: float) -> dict[str, float]:
         metrics = {**result.stats, "perf/samples_per_s": self.cfg.rollout.prompts_per_iter * self.group_size / seconds,

@@ -46,15 +46,20 @@ def split_by_tokens(rows: Sequence[int], token_counts: Sequence[int], parts: int
     return tuple(tuple(sorted(m, key=order.__getitem__)) for m in members)
 
 
-def train_schedule(token_counts: Sequence[int], epochs: int, minibatches: int, seed: int, iteration: int,
-                   dp: int = 1) -> list[TrainStep]:
-    """Every optimizer step of one train MFC: a seeded shuffle per epoch, cut into near-equal minibatches."""
-    n = len(token_counts)
+def minibatch_rows(n: int, epochs: int, minibatches: int, seed: int, iteration: int) -> list[tuple[int, list[int]]]:
+    """``(epoch, rows)`` of every optimizer step over a batch of ``n`` rows: a seeded shuffle per epoch, cut into
+    near-equal minibatches. Which rows train together depends on nothing else, so every executor and every
+    data-parallel split of a minibatch trains on the same minibatches."""
     steps = []
     for epoch in range(epochs):
         order = torch.randperm(n, generator=torch.Generator().manual_seed(_seed(seed, iteration, epoch))).tolist()
         for part in torch.tensor_split(torch.tensor(order, dtype=torch.long), min(minibatches, n)):
-            rows = part.tolist()
-            steps.append(TrainStep(epoch, split_by_tokens(rows, token_counts, dp),
-                                   sum(token_counts[r] for r in rows)))
+            steps.append((epoch, part.tolist()))
     return steps
+
+
+def train_schedule(token_counts: Sequence[int], epochs: int, minibatches: int, seed: int, iteration: int,
+                   dp: int = 1) -> list[TrainStep]:
+    """Every optimizer step of one train MFC (:func:`minibatch_rows`), each minibatch split over ``dp`` ranks."""
+    return [TrainStep(epoch, split_by_tokens(rows, token_counts, dp), sum(token_counts[r] for r in rows))
+            for epoch, rows in minibatch_rows(len(token_counts), epochs, minibatches, seed, iteration)]

@@ -1,0 +1,444 @@
+"""A controller: the control path of one shard of an iteration, moving metadata while the workers move bytes.
+
+A :class:`Controller` runs the plan's schedule (:mod:`loomrl.plan.schedule`), the same steps the simulator
+prices, on the devices it owns: it sends a step to each of them once the steps it waits for are done (or
+together with the one :meth:`~loomrl.plan.schedule.Step.sent_with` allows), and each worker runs its steps in
+the order they arrive. For a call it splits its shard's sample ids over the data-parallel ranks it owns
+(balanced by tokens; for train calls by the same per-step schedule as the reference executor, over the whole
+batch) and tells every worker which rows to process and where their inputs are (Ray object references to other
+workers' output shards); it gets back only metadata: references to the new shards, per-sample token counts,
+scalar statistics and each device's start and end. Every value a worker returns is checked: a tensor arriving
+at a controller is an error.
+
+With one controller (``runtime.controllers: 1``) it owns every device and the whole batch and runs in the
+driver (:class:`~loomrl.runtime.ray_executor.RayExecutor`). With K of them (:mod:`loomrl.runtime.controllers`)
+each is a Ray actor owning a shard of the prompts and the replicas that serve it; what must be global they
+agree on through a coordinator: the whole batch's token counts before the first train call (its optimizer steps
+are the reference's minibatches over every shard), and a fused training schedule.
+
+Failures surface within ``runtime.timeout_s`` as one line naming the worker, its role and the step.
+"""
+
+from __future__ import annotations
+
+import time
+from dataclasses import dataclass, field
+from typing import Any, Mapping, Sequence
+
+import ray
+
+from loomrl.config import RuntimeConfig
+from loomrl.errors import LoomError
+from loomrl.models.tokenizer import task_tokenizer
+from loomrl.plan.plan import Allocation
+from loomrl.plan.schedule import Step, StepKind
+from loomrl.planner.corrections import Corrections
+from loomrl.planner.cost import CostModel
+from loomrl.planner.fused import best_migrate_at
+from loomrl.planner.fused_train import fused_train_orders
+from loomrl.planner.planning import model_config
+from loomrl.planner.profiles import load_profile, profile_for
+from loomrl.planner.settings import RUNTIME
+from loomrl.planner.workload import ModelShape, Workload
+from loomrl.plan.cluster import ClusterSpec
+from loomrl.runtime.fused_stage import FusedStage, is_stream
+from loomrl.runtime.reference import IterationResult, StepTrace, merge_stats
+from loomrl.runtime.spec import CallData, FusedTrainData, WorkerPlan, WorkerSpec
+from loomrl.workflow import MFCKind
+from loomrl.workflow.minibatches import minibatch_rows, split_by_tokens
+
+AUTO_START = 0.2
+"""``migrate_at: auto`` before any response length is known (RLHFuse's choice at scale)."""
+LENGTH_WINDOW = 2
+"""Iterations of observed response lengths the runtime's decisions are priced for."""
+METRIC_KEYS = ("prompt_ids", "response_ids", "prompt_text", "answer", "score", "kl")
+"""The columns the rollout metrics read (:func:`loomrl.algorithms.metrics.rollout_metrics`)."""
+
+Shards = dict[str, list[tuple[tuple[int, ...], Any]]]
+"""Key → output shards holding it: (sample ids, object reference in a 1-tuple)."""
+
+
+class RuntimeFailure(LoomError):
+    """A worker failed, died or stalled; the message names the worker, role and step."""
+
+
+def check_metadata(value: Any, path: str = "result") -> None:
+    """A controller accepts scalars, strings, object references and containers of them: never tensors."""
+    if isinstance(value, (int, float, str, bool, type(None), ray.ObjectRef)):
+        return
+    if isinstance(value, dict):
+        for key, item in value.items():
+            check_metadata(item, f"{path}.{key}")
+        return
+    if isinstance(value, (list, tuple)):
+        for i, item in enumerate(value):
+            check_metadata(item, f"{path}[{i}]")
+        return
+    raise RuntimeError(f"the controller received {type(value).__name__} at {path}; only metadata may reach it")
+
+
+@dataclass(frozen=True)
+class ShardInput:
+    """One controller's share of an iteration's prompts, as metadata: the rows stay in the object store."""
+
+    ids: tuple[int, ...]
+    prompt_tokens: tuple[int, ...]
+    """Per sample of ``ids``: its prompt's length (what weighs its work until it has a response)."""
+    source: tuple[Any, ...]
+    """The shard's batch, as an object reference in a 1-tuple (so Ray passes the reference, not the rows)."""
+    keys: tuple[str, ...]
+    """The batch's columns."""
+    max_budget: int = 0
+    """The batch's largest per-sample token budget (its ``max_new_tokens`` column; 0 without one)."""
+
+
+@dataclass
+class ShardOutput:
+    """What a controller reports of its shard's iteration: metadata only."""
+
+    result: IterationResult
+    where: Shards
+    """The output shards of the metric columns (:data:`METRIC_KEYS`) of this controller's rows."""
+    lengths: list[int]
+    """Response length of each of its samples."""
+    own_s: float = 0.0
+    """Wall-clock seconds of its own work (the iteration less the time spent waiting for workers)."""
+    cpu_s: float = 0.0
+    """CPU seconds its process used during the iteration (every thread: Ray's messaging too)."""
+
+
+@dataclass
+class _IterationState:
+    iteration: int
+    ids: list[int]
+    where: Shards
+    tokens: dict[int, int]
+    """Sample id → tokens that weight its work (prompt length, then response length once generated)."""
+    max_budget: int = 0
+    """The batch's largest per-sample token budget (its ``max_new_tokens`` column; 0 without one)."""
+    whole: tuple[list[int], int] | None = field(default=None, repr=False)
+    """The whole batch's token counts and this shard's offset in it, once the controllers have exchanged them."""
+
+
+class Controller:
+    """The control path of one shard of every iteration: controller ``index`` of ``count``, dispatching to the
+    devices it owns (every device with one controller) through the workers' Ray handles."""
+
+    def __init__(self, workers: Sequence[Any], runtime: RuntimeConfig, spec: WorkerSpec, cluster: ClusterSpec,
+                 plan: WorkerPlan, devices: Sequence[int] | None = None, index: int = 0, count: int = 1,
+                 coordinator: Any = None):
+        self.workers, self.runtime, self.spec, self.cluster = list(workers), runtime, spec, cluster
+        self.index, self.count, self.coordinator = index, count, coordinator
+        self.received = 0
+        self.waited_s = 0.0
+        """Time spent waiting for workers; the rest of an iteration is the controller's own work."""
+        self.lengths: list[list[int]] = []
+        """Response lengths of the last iterations (at most :data:`LENGTH_WINDOW`): the workload the runtime's
+        own decisions are priced for, following the run's drift."""
+        self._cost_inputs = None
+        self.install(plan, devices)
+
+    def install(self, plan: WorkerPlan, devices: Sequence[int] | None = None) -> None:
+        """Run ``plan`` from now on, owning ``devices`` (all of them by default)."""
+        self.worker_plan = plan
+        self.devices = frozenset(range(len(self.workers)) if devices is None else devices)
+        self._fused_orders: dict[str, dict[int, tuple]] = {}
+        """A ``fused_train`` step's id → each device's order of the plan's fused pipeline schedule."""
+
+    @property
+    def schedule(self):
+        return self.worker_plan.schedule
+
+    # ---------------------------------------------------------------------------------- waiting
+    def _wait_ready(self, pending: dict, deadline: float) -> list[tuple[Any, Any]]:
+        """Every finished call among ``pending`` (ref → (what, role, rank)), at least one, with its checked value
+        (one wait for the first, one more that does not block for the others that are done: a controller with
+        many workers does not wait once per reply); a failure, death or stall becomes a one-line RuntimeFailure
+        naming the worker, role and step."""
+        t0 = time.perf_counter()
+        refs = list(pending)
+        ready, rest = ray.wait(refs, num_returns=1, timeout=max(0.0, deadline - time.monotonic()))
+        if ready and rest:
+            ready += ray.wait(rest, num_returns=len(rest), timeout=0)[0]
+        self.waited_s += time.perf_counter() - t0
+        if not ready:
+            what, role, _ = next(iter(pending.values()))
+            stuck = sorted({rank for _, _, rank in pending.values()})
+            raise RuntimeFailure(f"worker(s) {stuck} did not finish {what} (role {role}) within "
+                                 f"{self.runtime.timeout_s:g} s (runtime.timeout_s)")
+        return [(ref, self._value(ref, pending)) for ref in ready]
+
+    def _value(self, ref: Any, pending: dict) -> Any:
+        what, role, rank = pending.pop(ref)
+        try:
+            value = ray.get(next(ref)) if is_stream(ref) else ray.get(ref)
+        except ray.exceptions.RayActorError:
+            raise RuntimeFailure(f"worker {rank} died during {what} (role {role})") from None
+        except ray.exceptions.RayTaskError as err:
+            # A peer that died makes the survivors' collectives fail too: name the dead worker, the root cause.
+            self._raise_if_a_peer_died(pending)
+            cause = str(err.cause if getattr(err, "cause", None) else err).strip().splitlines()
+            named = next((line for line in cause if " failed in " in line and line.startswith("worker ")), None)
+            if named is not None:  # the worker's own one-line account
+                raise RuntimeFailure(named) from None
+            first = cause[-1] if cause else type(err).__name__
+            raise RuntimeFailure(f"worker {rank} failed during {what} (role {role}): {first}") from None
+        check_metadata(value)
+        self.received += 1
+        return value
+
+    def _raise_if_a_peer_died(self, pending: dict, grace_s: float = 5.0) -> None:
+        """Give the other calls in flight a moment to report; raise for the first worker found dead."""
+        if not pending:
+            return
+        ready, _ = ray.wait(list(pending), num_returns=len(pending), timeout=grace_s)
+        for ref in ready:
+            try:
+                ray.get(ref)
+            except ray.exceptions.RayActorError:
+                what, role, rank = pending[ref]
+                raise RuntimeFailure(f"worker {rank} died during {what} (role {role})") from None
+            except ray.exceptions.RayTaskError:
+                continue
+
+    def wait(self, refs: list, what: str, role: str | None, ranks: Sequence[int] | None = None) -> list:
+        """Results of ``refs`` (one per rank), in order."""
+        ranks = list(range(len(refs))) if ranks is None else list(ranks)
+        pending = {ref: (what, role, rank) for ref, rank in zip(refs, ranks)}
+        deadline = time.monotonic() + self.runtime.timeout_s
+        results = {}
+        while pending:
+            results.update(self._wait_ready(pending, deadline))
+        return [results[r] for r in refs]
+
+    def exchange(self, key: tuple, value: Any) -> list:
+        """Every controller's ``value`` for ``key``, in controller order (through the coordinator; with one
+        controller, just this one's)."""
+        if self.count == 1:
+            return [value]
+        t0 = time.perf_counter()
+        try:
+            return ray.get(self.coordinator.exchange.remote(key, self.index, value), timeout=self.runtime.timeout_s)
+        except ray.exceptions.GetTimeoutError:
+            raise RuntimeFailure(f"controller {self.index} waited over {self.runtime.timeout_s:g} s "
+                                 f"(runtime.timeout_s) for the other controllers at {key[-1]}") from None
+        finally:
+            self.waited_s += time.perf_counter() - t0
+
+    # ----------------------------------------------------------------------------------------- steps
+    def run_steps(self, steps: Sequence[Step], iteration: int, phase: str, state: _IterationState | None = None,
+                  result: IterationResult | None = None, data: Mapping[str, dict] | None = None
+                  ) -> tuple[list[StepTrace], dict[str, dict[int, dict]]]:
+        """Run ``steps`` (one list of the schedule) to the end on this controller's devices: each is sent to them
+        once the steps it waits for are done here, or with the one it is sent with; a fused stage runs as its
+        members' data arrives (:class:`~loomrl.runtime.fused_stage.FusedStage`). Call steps take their rows from
+        ``state`` and report into ``result``; ``data`` gives other steps' per-device payloads. Returns the steps'
+        traces, in the order they ended, and every device's reply per step.
+
+        With several controllers, each device gets its steps in the schedule's order (a step waits until the
+        earlier ones on its devices were sent): two controllers then never send collectives to the devices
+        they share in opposite orders."""
+        by_id = {s.id: s for s in steps}
+        mine = {s.id: tuple(d for d in s.devices if d in self.devices) for s in steps}
+        queues = {d: [s.id for s in steps if d in mine[s.id]] for d in self.devices} if self.count > 1 else {}
+        done: set[str] = set()
+        replies: dict[str, dict[int, dict]] = {}
+        payloads: dict[str, dict] = {}
+        pending: dict = {}
+        routed: dict = {}  # ref → (step id, device), or (fused stage, its key)
+        traces: list[StepTrace] = []
+        deadline = time.monotonic() + self.runtime.timeout_s
+        while len(done) < len(steps):
+            for step in steps:
+                if step.id in replies or not all(d in done or (d in replies and step.sent_with(by_id[d]))
+                                                 for d in step.deps):
+                    continue
+                if queues and any(queues[d][0] != step.id for d in mine[step.id]):
+                    continue
+                for d in mine[step.id] if queues else ():
+                    queues[d].pop(0)
+                replies[step.id] = {}
+                if not mine[step.id]:  # none of this controller's devices take part
+                    done.add(step.id)
+                    continue
+                if step.kind is StepKind.FUSED:
+                    migrate_at = self.migrate_at(step, state)
+                    if result is not None:
+                        result.stats["fusion/migrate_at"] = migrate_at
+                    FusedStage(self, step, state, migrate_at).start(pending, routed)
+                    continue
+                if step.kind is StepKind.CALL:
+                    payloads[step.id] = self.payloads(step, state)
+                elif step.kind is StepKind.FUSED_TRAIN:
+                    payloads[step.id] = self.fused_train_payloads(step, state)
+                else:
+                    payloads[step.id] = (data or {}).get(step.id, {})
+                what = f"MFC '{step.id}'" if step.kind is StepKind.CALL else f"step '{step.id}'"
+                for device in mine[step.id]:
+                    ref = self.workers[device].run_step.remote(step.id, payloads[step.id].get(device))
+                    pending[ref] = (what, step.role, device)
+                    routed[ref] = (step.id, device)
+            if len(done) == len(steps):
+                break
+            for ref, meta in self._wait_ready(pending, deadline):
+                owner, key = routed.pop(ref)
+                if isinstance(owner, FusedStage):
+                    owner.on_reply(key, meta, ref, pending, routed)
+                    if owner.done:
+                        done.add(owner.step.id)
+                        traces.append(owner.trace(iteration, phase))
+                    continue
+                step = by_id[owner]
+                replies[step.id][key] = meta
+                if len(replies[step.id]) == len(mine[step.id]):
+                    done.add(step.id)
+                    traces.append(StepTrace.of(step, iteration, phase, replies[step.id]))
+                    if step.kind is StepKind.CALL:
+                        self._finish(step, replies[step.id], payloads[step.id], state, result)
+                    elif step.kind is StepKind.FUSED_TRAIN:
+                        for member in step.members:
+                            self._finish(member, {d: m["members"][member.id] for d, m in replies[step.id].items()},
+                                         {d: p.calls[member.id] for d, p in payloads[step.id].items()}, state,
+                                         result)
+        if result is not None:
+            result.traces.extend(traces)
+        return traces, replies
+
+    def migrate_at(self, step: Step, state: _IterationState) -> float:
+        """A fused stage's migration threshold this iteration: the plan's fraction, or for ``auto`` the one the
+        cost model finds fastest for the response lengths of the last iterations (RLHFuse's 0.2 before any)."""
+        value = step.fusion.migrate_at
+        if not isinstance(value, str):
+            return value
+        if not self.lengths:
+            return AUTO_START
+        prompt = sum(state.tokens[s] for s in state.ids) / len(state.ids)
+        workload = Workload(len(state.ids), prompt, tuple(n for past in self.lengths for n in past))
+        return best_migrate_at(self.cost_model(workload), step)
+
+    def cost_model(self, workload: Workload) -> CostModel:
+        """The planner's cost model of these devices and models for ``workload`` (``runtime.cost_profile`` and
+        ``runtime.cost_corrections`` where given), for the runtime's own decisions."""
+        if self._cost_inputs is None:
+            profile = load_profile(self.runtime.cost_profile) if self.runtime.cost_profile else profile_for(self.cluster)
+            corrections = Corrections.load(self.runtime.cost_corrections) if self.runtime.cost_corrections else None
+            tokenizer = task_tokenizer(self.spec.task, self.spec.tokenizer)
+            shapes = {role: ModelShape.from_config(model_config(spec.model, tokenizer))
+                      for role, spec in self.spec.roles.items() if spec.model is not None}
+            self._cost_inputs = (profile, corrections, shapes)
+        profile, corrections, shapes = self._cost_inputs
+        return CostModel(self.cluster, profile, shapes, workload, corrections, settings=RUNTIME)
+
+    def _my_ranks(self, alloc: Allocation) -> list[int]:
+        """The data-parallel ranks of ``alloc`` this controller serves, in order."""
+        return sorted({alloc.coords(d).dp for d in alloc.devices if d in self.devices})
+
+    def payloads(self, step: Step, state: _IterationState) -> dict[int, CallData]:
+        """Per device of a call that this controller owns: its rows, their input shards, its optimizer steps, and
+        whether it publishes. A train call's optimizer steps are the reference's minibatches over the whole batch
+        (:func:`~loomrl.workflow.minibatches.minibatch_rows`); this controller's ranks train the rows of each that
+        are in its shard, split by tokens, each rank's loss weighted by its share of the minibatch's tokens, so the
+        ranks' gradients still sum to the reference's. With one controller that is the whole minibatch."""
+        mfc, alloc = step.mfc, step.alloc
+        ranks = self._my_ranks(alloc)
+        per_dp: dict[int, tuple[tuple[int, ...], tuple]] = {}
+        if mfc.kind == MFCKind.TRAIN:
+            counts, offset = self.batch_tokens(state)
+            mine = range(offset, offset + len(state.ids))
+            local = [[] for _ in ranks]
+            for _, rows in minibatch_rows(len(counts), mfc.epochs, mfc.minibatches, self.spec.seed, state.iteration):
+                total = max(sum(counts[r] for r in rows), 1)
+                for held, part in zip(local, split_by_tokens([r for r in rows if r in mine], counts, len(ranks))):
+                    held.append((part, sum(counts[r] for r in part) / total))
+            for d, steps_of in zip(ranks, local):
+                rows = list(dict.fromkeys(r for part, _ in steps_of for r in part))
+                pos = {r: i for i, r in enumerate(rows)}
+                steps = tuple((tuple(pos[r] for r in part), weight) for part, weight in steps_of)
+                per_dp[d] = (tuple(state.ids[r - offset] for r in rows), steps)
+            where = state.where
+        else:
+            ids, where = state.ids, state.where
+            counts = [state.tokens[s] for s in ids]
+            for d, part in zip(ranks, split_by_tokens(range(len(ids)), counts, len(ranks))):
+                per_dp[d] = (tuple(ids[r] for r in part), ())
+        out = {}
+        for device in alloc.devices:
+            if device in self.devices:
+                rows, steps = per_dp[alloc.coords(device).dp]
+                out[device] = CallData(state.iteration, rows, _inputs(mfc.inputs, rows, where), steps,
+                                       alloc.publishes(device))
+        return out
+
+    def batch_tokens(self, state: _IterationState) -> tuple[list[int], int]:
+        """Every sample's token count over the whole batch (in batch order) and where this controller's shard
+        starts in it: this controller's own with one controller; with several, every controller's, exchanged once
+        an iteration before training (the barrier each controller reaches once its shard is ready to train). Only
+        counts are exchanged: each minibatch is the reference's, and each controller's ranks train the rows of it
+        that are in its own shard, weighted by their share of the minibatch's tokens (:meth:`payloads`), so no
+        controller needs another's output shards."""
+        if state.whole is None:
+            parts = self.exchange((state.iteration, "training"), [state.tokens[s] for s in state.ids])
+            state.whole = ([n for part in parts for n in part], sum(len(part) for part in parts[:self.index]))
+        return state.whole
+
+    def fused_train_payloads(self, step: Step, state: _IterationState) -> dict[int, FusedTrainData]:
+        """Per device of a ``fused_train`` step: each member call's payload and the device's order of the fused
+        pipeline schedule (made once per plan, for the first batch it runs on, by the first controller: see
+        :func:`loomrl.planner.fused_train.fused_train_orders`; its search is time-bounded, so the others take
+        its result rather than their own)."""
+        if step.id not in self._fused_orders:
+            orders = None
+            counts = self.batch_tokens(state)[0]  # every controller: the exchange is collective
+            if self.index == 0:
+                lengths = tuple(max(1, n) for n in counts)  # by now, the response lengths
+                workload = Workload(len(lengths), sum(lengths) / len(lengths), lengths)
+                orders = fused_train_orders(self.cost_model(workload), step)
+            self._fused_orders[step.id] = self.exchange((state.iteration, f"orders of {step.id}"), orders)[0]
+        orders = self._fused_orders[step.id]
+        calls = {member.id: self.payloads(member, state) for member in step.members}
+        return {d: FusedTrainData({m: per[d] for m, per in calls.items()}, orders[d])
+                for d in step.devices if d in self.devices}
+
+    def inputs_of(self, keys: Sequence[str], rows: Sequence[int], state: _IterationState) -> tuple:
+        """Object references (each in a 1-tuple) of the output shards holding ``keys`` of any of ``rows``."""
+        return _inputs(keys, rows, state.where)
+
+    def _finish(self, step: Step, metas: dict[int, dict], payloads: dict[int, CallData], state: _IterationState,
+                result: IterationResult) -> None:
+        stats: dict[str, float] = {}
+        for device, meta in sorted(metas.items()):
+            if not payloads[device].publish:
+                continue
+            for key, value in meta.get("stats", {}).items():
+                stats[key] = stats.get(key, 0.0) + value
+            if "shard" in meta:
+                for key in step.mfc.outputs:
+                    state.where.setdefault(key, []).append((payloads[device].sample_ids, meta["shard"][0]))
+            state.tokens.update({int(k): v for k, v in meta.get("tokens", {}).items()})
+        merge_stats(result.stats, stats, step.id)
+
+    # ------------------------------------------------------------------------------ iterations
+    def run_iteration(self, iteration: int, shard: ShardInput) -> ShardOutput:
+        """Every step of the schedule's iteration for this controller's shard; calls on disjoint devices run
+        concurrently."""
+        start, cpu, self.waited_s = time.perf_counter(), time.process_time(), 0.0
+        result = IterationResult()
+        state = _IterationState(iteration, list(shard.ids), {k: [(shard.ids, shard.source[0])] for k in shard.keys},
+                                dict(zip(shard.ids, shard.prompt_tokens)), shard.max_budget)
+        self.run_steps(self.schedule.steps, iteration, "iteration", state, result)
+        lengths = [state.tokens[s] for s in state.ids]
+        self.lengths = (self.lengths + [lengths])[-LENGTH_WINDOW:]
+        where = {k: v for k, v in state.where.items() if k in METRIC_KEYS}
+        return ShardOutput(result, where, lengths, time.perf_counter() - start - self.waited_s,
+                           time.process_time() - cpu)
+
+
+def _inputs(keys: Sequence[str], ids: Sequence[int], where: Shards) -> tuple:
+    """Object references (each in a 1-tuple) of the output shards holding ``keys`` of any of ``ids``."""
+    wanted = set(ids)
+    refs: list = []
+    for key in keys:
+        for shard_ids, ref in where[key]:
+            if ref not in refs and wanted.intersection(shard_ids):
+                refs.append(ref)
+    return tuple(refs)
