@@ -289,6 +289,11 @@ class RuntimeConfig(ValidatedConfig):
     iteration's prompts (whole groups) through the data-parallel replicas serving it; they agree through a small
     coordinator on what is global (training schedules, batch statistics). 1 is a single controller; it must
     divide every call's data-parallel degree."""
+    max_failures: int = spec(0, ge=0)
+    """Times the run recovers from a lost worker or controller (a process that died or stalled past timeout_s):
+    every worker is replaced and the run continues from its latest checkpoint (from the start without one),
+    each recovery logged to RUN_DIR/failures.jsonl and the metrics. 0 stops at the first failure; an error
+    raised by a model call itself (a bug, bad data) always stops the run, since it would recur."""
 
     def validate(self) -> None:
         if self.controllers > 1 and self.executor != "ray":

@@ -59,7 +59,13 @@ Shards = dict[str, list[tuple[tuple[int, ...], Any]]]
 
 
 class RuntimeFailure(LoomError):
-    """A worker failed, died or stalled; the message names the worker, role and step."""
+    """A worker failed, died or stalled; the message names the worker, role and step. ``recoverable``: a process
+    was lost (died or stalled), which new workers resuming from a checkpoint may get past; an error raised by
+    the step itself would recur."""
+
+    def __init__(self, message: str, recoverable: bool = False):
+        super().__init__(message)
+        self.recoverable = recoverable
 
 
 def check_metadata(value: Any, path: str = "result") -> None:
@@ -165,7 +171,7 @@ class Controller:
             what, role, _ = next(iter(pending.values()))
             stuck = sorted({rank for _, _, rank in pending.values()})
             raise RuntimeFailure(f"worker(s) {stuck} did not finish {what} (role {role}) within "
-                                 f"{self.runtime.timeout_s:g} s (runtime.timeout_s)")
+                                 f"{self.runtime.timeout_s:g} s (runtime.timeout_s)", recoverable=True)
         return [(ref, self._value(ref, pending)) for ref in ready]
 
     def _value(self, ref: Any, pending: dict) -> Any:
@@ -173,7 +179,7 @@ class Controller:
         try:
             value = ray.get(next(ref)) if is_stream(ref) else ray.get(ref)
         except ray.exceptions.RayActorError:
-            raise RuntimeFailure(f"worker {rank} died during {what} (role {role})") from None
+            raise RuntimeFailure(f"worker {rank} died during {what} (role {role})", recoverable=True) from None
         except ray.exceptions.RayTaskError as err:
             # A peer that died makes the survivors' collectives fail too: name the dead worker, the root cause.
             self._raise_if_a_peer_died(pending)
@@ -197,7 +203,7 @@ class Controller:
                 ray.get(ref)
             except ray.exceptions.RayActorError:
                 what, role, rank = pending[ref]
-                raise RuntimeFailure(f"worker {rank} died during {what} (role {role})") from None
+                raise RuntimeFailure(f"worker {rank} died during {what} (role {role})", recoverable=True) from None
             except ray.exceptions.RayTaskError:
                 continue
 
@@ -221,7 +227,8 @@ class Controller:
             return ray.get(self.coordinator.exchange.remote(key, self.index, value), timeout=self.runtime.timeout_s)
         except ray.exceptions.GetTimeoutError:
             raise RuntimeFailure(f"controller {self.index} waited over {self.runtime.timeout_s:g} s "
-                                 f"(runtime.timeout_s) for the other controllers at {key[-1]}") from None
+                                 f"(runtime.timeout_s) for the other controllers at {key[-1]}", recoverable=True
+                                 ) from None
         finally:
             self.waited_s += time.perf_counter() - t0
 

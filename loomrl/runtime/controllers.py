@@ -212,12 +212,12 @@ def wait_controllers(refs: Sequence[Any], what: str) -> list[ShardOutput]:
         try:
             results[k] = ray.get(ref)
         except ray.exceptions.RayActorError:
-            raise RuntimeFailure(f"controller {k} died during {what}") from None
+            raise RuntimeFailure(f"controller {k} died during {what}", recoverable=True) from None
         except ray.exceptions.RayTaskError as err:
             cause = err.cause if getattr(err, "cause", None) is not None else err
             lines = str(cause).strip().splitlines()
-            raise RuntimeFailure(f"controller {k} failed during {what}: {lines[0] if lines else type(cause).__name__}"
-                                 ) from None
+            raise RuntimeFailure(f"controller {k} failed during {what}: {lines[0] if lines else type(cause).__name__}",
+                                 recoverable=getattr(cause, "recoverable", False)) from None
     return [results[k] for k in range(len(refs))]
 
 
@@ -231,7 +231,7 @@ def spawn_controllers(workers: Sequence[Any], node_of_worker: Sequence[str], run
     coordinator = ray.remote(num_cpus=0, max_restarts=0)(Coordinator).remote(count)
     remote = ray.remote(num_cpus=0, max_restarts=0)(ControllerActor)
     controllers = [remote.options(scheduling_strategy=NodeAffinitySchedulingStrategy(node_of_worker[own[0]],
-                                                                                     soft=True))
+                                                                                     soft=False))
                    .remote(workers, runtime, spec, cluster, plan, own, k, count, coordinator)
                    for k, own in enumerate(devices)]
     wait_controllers([c.pid.remote() for c in controllers], "setup")

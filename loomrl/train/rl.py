@@ -31,7 +31,7 @@ from loomrl.configtools import dump_yaml, to_dict
 from loomrl.data.sources import build_task, examples_window, held_out, prompt_source
 from loomrl.engine import (ModelEngine, RoleSpec, build_model, make_role, resolve_device, resolve_dtype, role_specs,
                            set_threads)
-from loomrl.errors import ConfigError, DataError
+from loomrl.errors import ConfigError, DataError, LoomError
 from loomrl.launch import ray_address, runtime_cluster
 from loomrl.models.tokenizer import decode_response, encode_prompt, task_tokenizer
 from loomrl.models.zoo import check_model_spec
@@ -48,6 +48,8 @@ from loomrl.workflow import Workflow
 from loomrl.workflow.batch import Batch
 
 GROUP_ALGORITHMS = ("grpo", "rloo")
+FAILURES_FILE = "failures.jsonl"
+"""One line per recovery from a lost worker or controller (``runtime.max_failures``)."""
 
 
 def check_models(cfg: TrainConfig) -> None:
@@ -168,6 +170,10 @@ class RLTrainer:
         self.plan = self.plans[0]
         self.executor = make_executor(cfg, self.workflow, self.plan, self.tokenizer, self.task, self.device)
         self.state = RunState()
+        self.running, self.completed = 0, -1
+        """The iteration under way (a failure's), and the last one logged."""
+        self.recovery: dict[str, float] = {}
+        """What the next logged iteration reports of a recovery just made."""
 
     def plan_at(self, iteration: int) -> ExecutionPlan:
         """The plan in force at ``iteration``: the latest change starting at or before it, else the first."""
@@ -205,7 +211,8 @@ class RLTrainer:
 
     def iteration_metrics(self, result: IterationResult, seconds: float) -> dict[str, float]:
         metrics = {**result.stats, "perf/samples_per_s": self.cfg.rollout.prompts_per_iter * self.group_size / seconds,
-                   "time/iteration_s": seconds}
+                   "time/iteration_s": seconds, **self.recovery}
+        self.recovery = {}
         for trace in result.traces:
             if trace.kind in ("call", "fused", "fused_train"):
                 metrics[f"time/{trace.step}_s"] = trace.seconds
@@ -222,11 +229,43 @@ class RLTrainer:
         return {f"eval/{k}": v for k, v in self.executor.evaluate(self.eval_examples).items()}
 
     def run(self, resume: bool = False) -> dict[str, float]:
-        """Run the remaining iterations, then release the executor; returns the last iteration's metrics."""
+        """Run the remaining iterations, then release the executor; returns the last iteration's metrics. A lost
+        worker or controller is recovered from up to ``runtime.max_failures`` times (:meth:`_recover`)."""
+        failures = 0
         try:
-            return self._run(resume)
+            while True:
+                try:
+                    return self._run(resume)
+                except LoomError as err:
+                    if not getattr(err, "recoverable", False) or failures >= self.cfg.runtime.max_failures:
+                        raise
+                    failures += 1
+                    self._recover(err, failures)
+                    resume = True
         finally:
             self.close()
+
+    def _recover(self, err: LoomError, failures: int) -> None:
+        """After a lost process: every worker replaced (the executor closed and made anew, on the run's first
+        plan: the loop applies the plan in force where it resumes), the run resumed from its latest checkpoint or
+        restarted without one; the failure goes to ``failures.jsonl`` and, with the iterations it replays, to the
+        metrics of the next iteration logged."""
+        failed_at = self.running
+        self.executor.close()
+        checkpoint = latest_checkpoint(self.run_dir)
+        resumes_after = int(json.loads((checkpoint / "state.json").read_text())["iteration"]) if checkpoint else -1
+        record = {"failure": failures, "iteration": failed_at, "resumes_after": resumes_after,
+                  "replayed_iterations": max(self.completed - resumes_after, 0), "error": str(err), "time": time.time()}
+        with open(self.run_dir / FAILURES_FILE, "a") as f:
+            f.write(json.dumps(record) + "\n")
+        print(f"loomrl: recovering ({failures} of {self.cfg.runtime.max_failures}) from: {err}; "
+              + (f"resuming after iteration {resumes_after}" if checkpoint else "restarting from the start"),
+              flush=True)
+        self.recovery = {"recovery/failures": float(failures),
+                         "recovery/replayed_iterations": float(record["replayed_iterations"])}
+        self.state = RunState()
+        self.plan = self.plans[0]
+        self.executor = make_executor(self.cfg, self.workflow, self.plan, self.tokenizer, self.task, self.device)
 
     def _run(self, resume: bool) -> dict[str, float]:
         cfg, loop = self.cfg, self.cfg.loop
@@ -248,6 +287,7 @@ class RLTrainer:
         with MetricsLogger(self.run_dir, backends, resume_from_iteration=start - 1) as logger, \
                 RunProgress(loop.iterations, start, enabled=loop.progress, every=loop.progress_every) as progress:
             for it in range(start, loop.iterations):
+                self.running = it
                 if self.plan_at(it) is not self.plan:  # a change starts here (or a resumed run is past one)
                     self.plan = self.plan_at(it)
                     self.executor.apply_plan(self.plan)
@@ -262,6 +302,7 @@ class RLTrainer:
                 self.write_traces([dataclasses.replace(t, iteration=it) for t in before] + result.traces +
                                   [dataclasses.replace(t, iteration=it) for t in self.executor.drain_traces()])
                 logger.log(it, last)
+                self.completed = it
                 progress.update(it, last)
                 if final or (loop.save_every and (it + 1) % loop.save_every == 0):
                     self.save(it)

@@ -1,0 +1,94 @@
+"""Automatic recovery (runtime.max_failures): a lost worker is replaced and the run continues from its latest
+checkpoint (or from the start without one), computing the run it would have computed without the failure; an
+error a model call raises itself is never retried.
+
+A worker is killed (SIGKILL) between two iterations, so the next iteration's first call finds it dead: the same
+failure every time, unlike a kill at a wall-clock moment. The recovered run is held to the reference executor's
+metrics with the tolerances of tests/test_runtime.py.
+"""
+
+import json
+import os
+import signal
+
+import pytest
+
+from loomrl.config import TrainConfig
+from loomrl.configtools import load_config
+from loomrl.train.rl import FAILURES_FILE, RLTrainer
+
+SAMPLE_KEYS = ("reward/mean", "reward/exact_match", "response/length")
+LOSS_KEYS = ("kl/mean", "actor/pg_loss", "critic/value_loss", "actor/grad_norm", "critic/grad_norm")
+
+pytestmark = pytest.mark.usefixtures("ray_session")
+
+
+def _cfg(tmp_path, name, *extra):
+    return load_config(TrainConfig, None, [
+        f"run_dir={tmp_path / name}", "seed=3", "rollout.prompts_per_iter=8", "rollout.max_new_tokens=6",
+        "loop.iterations=4", "loop.eval_every=0", "loop.eval_prompts=8", "loop.progress=false",
+        "report.html=false", "runtime.threads=1", "runtime.timeout_s=120", "actor.optim.lr=0.001", *extra])
+
+
+def _lines(path):
+    return [json.loads(line) for line in path.read_text().splitlines()]
+
+
+@pytest.mark.parametrize("save_every", [1, 0], ids=["from-checkpoint", "from-start"])
+def test_a_lost_worker_is_replaced_and_the_run_is_the_reference_run(tmp_path, save_every):
+    reference = _cfg(tmp_path, "ref", "runtime.executor=reference", "loop.save_every=0")
+    RLTrainer(reference).run()
+    expected = _lines(tmp_path / "ref" / "metrics.jsonl")
+
+    trainer = RLTrainer(_cfg(tmp_path, "run", "runtime.executor=ray", "runtime.devices=2", "runtime.max_failures=1",
+                             f"loop.save_every={save_every}"))
+    original = trainer.write_traces
+    first_pids = list(trainer.executor.pids)
+
+    def write_traces(traces):  # the last thing an iteration does before logging: kill worker 1 after iteration 1
+        original(traces)
+        if trainer.running == 1 and trainer.executor.pids == first_pids:
+            os.kill(first_pids[1], signal.SIGKILL)
+
+    trainer.write_traces = write_traces
+    trainer.run()
+    got = _lines(tmp_path / "run" / "metrics.jsonl")
+    assert [m["iteration"] for m in got] == [0, 1, 2, 3]  # the replayed iterations superseded, not repeated
+    for it, (a, b) in enumerate(zip(got, expected)):
+        for key in SAMPLE_KEYS:
+            assert a[key] == pytest.approx(b[key], rel=1e-6, abs=1e-9), (it, key)
+        for key in LOSS_KEYS:
+            assert a[key] == pytest.approx(b[key], rel=1e-4, abs=1e-6), (it, key, a[key], b[key])
+    (failure,) = _lines(tmp_path / "run" / FAILURES_FILE)
+    # with checkpoints, iteration 1's own save finds the worker dead (iteration 0's checkpoint is the latest);
+    # without, iteration 2's first call does, and the run starts again
+    failed_at, resumes_after, replayed = (1, 0, 1) if save_every else (2, -1, 2)
+    assert (failure["failure"], failure["iteration"], failure["resumes_after"]) == (1, failed_at, resumes_after)
+    assert "worker 1 died during" in failure["error"]
+    first = got[resumes_after + 1]  # the first iteration after the recovery reports it
+    assert first["recovery/failures"] == 1 and first["recovery/replayed_iterations"] == replayed
+    assert not any("recovery/failures" in m for m in got if m is not first)
+    assert not any(_alive(p) for p in first_pids)
+
+
+def test_an_error_raised_by_a_call_is_not_retried(tmp_path):
+    from loomrl.runtime.ray_executor import RuntimeFailure
+
+    (tmp_path / "prompts.jsonl").write_text("".join(f'{{"prompt": "add {i}+1=", "answer": "{i + 1}"}}\n'
+                                                    for i in range(8)))
+    (tmp_path / "bad_reward.py").write_text("def score(prompt, response, answer):\n"
+                                            "    raise ValueError('reward service unavailable')\n")
+    cfg = _cfg(tmp_path, "boom", "runtime.executor=ray", "runtime.devices=2", "runtime.max_failures=3",
+               "task.name=file", f"task.prompt_file={tmp_path / 'prompts.jsonl'}",
+               f"task.reward_fn={tmp_path / 'bad_reward.py'}:score", "loop.save_every=0")
+    with pytest.raises(RuntimeFailure, match="reward service unavailable"):
+        RLTrainer(cfg).run()
+    assert not (tmp_path / "boom" / FAILURES_FILE).exists()
+
+
+def _alive(pid: int) -> bool:
+    try:
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        return False
+    return True
