@@ -216,12 +216,12 @@ def test_run_callable_runs_a_function_by_name_and_returns_its_output():
         where.chmod(0o755)  # readable by the sandbox user
         (where / "judge_helpers.py").write_text("def shout(word, times):\n    print(word.upper() * times)\n")
         (where / "judge_helpers.py").chmod(0o644)
+        import importlib
         import sys
 
         sys.path.insert(0, str(where))
         try:
-            import judge_helpers
-
+            judge_helpers = importlib.import_module("judge_helpers")  # written just above, not a dependency
             result = run_callable(judge_helpers.shout, "ab", 3, limits=SandboxLimits(wall_s=60))
         finally:
             sys.path.remove(str(where))
