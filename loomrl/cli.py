@@ -226,12 +226,13 @@ def _cmd_timeline(args: argparse.Namespace) -> int:
     from loomrl.planner.calibrate import usable_cores
     from loomrl.planner.corrections import Corrections
     from loomrl.planner.profiles import PROFILES, load_profile
-    from loomrl.planner.run_timeline import predicted_run, read_traces, result_from_traces
+    from loomrl.planner.run_timeline import placement_marks, predicted_run, read_traces, result_from_traces
     from loomrl.planner.timeline import render_timelines
 
     traces = read_traces(args.run_dir)
     measured = result_from_traces(traces, last_iterations=args.iterations or None)
     panels = [(f"measured ({len(measured.iteration_ends)} iterations)", measured)]
+    marks = {panels[0][0]: placement_marks(args.run_dir, traces, args.iterations or None)}  # dynamic placement's
     if not args.measured_only:
         profile = load_profile(args.profile) if args.profile else PROFILES["local"]
         corrections = Corrections.load(args.corrections) if args.corrections else None
@@ -241,7 +242,8 @@ def _cmd_timeline(args: argparse.Namespace) -> int:
         panels.insert(0, (f"predicted ({source})", predicted))
     out = Path(args.run_dir)
     render_timelines(panels, out / "timeline.png", out / "timeline.html", title=f"{out.name}: each schedule step "
-                     "per device" + (", the simulator's prediction above the measured run" if len(panels) > 1 else ""))
+                     "per device" + (", the simulator's prediction above the measured run" if len(panels) > 1 else ""),
+                     marks=marks)
     for name, result in panels:
         print(f"{name}: {result.iteration_time:.3g} s/iteration")
     print(f"wrote {out / 'timeline.png'} and {out / 'timeline.html'}")

@@ -247,6 +247,33 @@ class LayoutConfig(ValidatedConfig):
 
 
 @dataclass(frozen=True)
+class DynamicPlacementConfig(ValidatedConfig):
+    window: int = spec(10, ge=1)
+    """Iterations over which a better plan's predicted gain per iteration is weighed against the cost of switching
+    to it (fewer when the run ends sooner)."""
+    margin_s: float = spec(0.0, ge=0)
+    """Seconds by which that gain must exceed the priced switch cost."""
+    min_gain: float = spec(0.1, ge=0, lt=1)
+    """Least predicted gain per iteration, as a fraction of the current plan's time (a hysteresis band: two plans
+    closer than this never trade places)."""
+    confirm: int = spec(2, ge=1)
+    """Consecutive checks (one after each iteration) a better plan must win before the run switches to it."""
+    dwell: int = spec(5, ge=0)
+    """Least iterations a plan runs before the run may switch away from it."""
+    search_s: float = spec(5.0, gt=0)
+    """Most seconds a search for candidate plans may take (heuristics, then a short annealing search); it runs
+    between iterations, at the first check and whenever the workload has drifted (drift)."""
+    search_share: float = spec(0.25, gt=0)
+    """A search also takes at most this share of the latest iteration's time, so that searching stays a small part
+    of a run whose iterations are short."""
+    drift: float = spec(0.5, gt=0)
+    """Search again when the observed mean sample length (prompt + response) has moved by more than this fraction
+    since the last search; between searches the candidates found are re-priced at every check."""
+    history: int = spec(8, ge=1)
+    """Latest iterations whose per-call times the cost model's corrections are refitted on."""
+
+
+@dataclass(frozen=True)
 class RuntimeConfig(ValidatedConfig):
     executor: str = spec("ray", choices=("ray", "reference"))
     """'reference' runs every MFC in this process, in workflow order (the ground truth); 'ray' runs them on
@@ -264,6 +291,13 @@ class RuntimeConfig(ValidatedConfig):
     """Plans to switch to between iterations, by the iteration they start at, e.g. {4: separate:1, 8: interleave}
     (each a strategy, plan string or plan file, as for plan); every role's state moves to the new layouts and
     the run continues as it would have under the old plan."""
+    placement: str = spec("static", choices=("static", "dynamic"))
+    """'static' keeps runtime.plan (and its plan_changes); 'dynamic' (G-Core) re-plans between iterations from the
+    run's own per-call times and observed response lengths, and switches plans when the predicted gain over
+    runtime.dynamic.window iterations beats the priced switch (runtime.dynamic sets the rule); each decision goes
+    to the metrics (placement/*) and RUN_DIR/placement.jsonl."""
+    dynamic: DynamicPlacementConfig = field(default_factory=DynamicPlacementConfig)
+    """The switch rule and re-planning budget of placement 'dynamic'."""
     cost_profile: str | None = None
     """Hardware profile JSON the runtime's own decisions price with (``loomrl calibrate`` writes one; e.g. a fused
     stage's ``migrate_at: auto``); None: the device kind's nominal profile."""
@@ -300,6 +334,15 @@ class RuntimeConfig(ValidatedConfig):
             fail("controllers", f"{self.controllers} needs executor 'ray' (the reference executor has no controllers)")
         if self.plan is not None and self.executor != "ray":
             fail("plan", f"{self.plan!r} needs executor 'ray' (the reference executor runs everything in one process)")
+        if self.placement == "dynamic":
+            if self.executor != "ray":
+                fail("placement", "'dynamic' needs executor 'ray' (the reference executor has no placement)")
+            if self.controllers > 1:
+                fail("placement", f"'dynamic' needs one controller, not {self.controllers} (its candidate plans are "
+                                  "searched for one; valid with dynamic: controllers=1)")
+            if self.plan_changes:
+                fail("plan_changes", "fixed plan changes do not combine with placement 'dynamic', which chooses its "
+                                     "own; give one or the other")
         for iteration, plan in self.plan_changes.items():
             if self.executor != "ray":
                 fail(f"plan_changes.{iteration}", "needs executor 'ray' (the reference executor has no placement)")

@@ -34,14 +34,20 @@ def _lines(path):
     return [json.loads(line) for line in path.read_text().splitlines()]
 
 
-@pytest.mark.parametrize("save_every", [1, 0], ids=["from-checkpoint", "from-start"])
-def test_a_lost_worker_is_replaced_and_the_run_is_the_reference_run(tmp_path, save_every):
+DYNAMIC = ("runtime.placement=dynamic", "runtime.dynamic.min_gain=0", "runtime.dynamic.confirm=1",
+           "runtime.dynamic.dwell=1")
+"""Dynamic placement free to switch after every iteration: recovery must re-point it at the new executor."""
+
+
+@pytest.mark.parametrize("save_every,extra", [(1, ()), (0, ()), (1, DYNAMIC)],
+                         ids=["from-checkpoint", "from-start", "dynamic-placement"])
+def test_a_lost_worker_is_replaced_and_the_run_is_the_reference_run(tmp_path, save_every, extra):
     reference = _cfg(tmp_path, "ref", "runtime.executor=reference", "loop.save_every=0")
     RLTrainer(reference).run()
     expected = _lines(tmp_path / "ref" / "metrics.jsonl")
 
     trainer = RLTrainer(_cfg(tmp_path, "run", "runtime.executor=ray", "runtime.devices=2", "runtime.max_failures=1",
-                             f"loop.save_every={save_every}"))
+                             f"loop.save_every={save_every}", *extra))
     original = trainer.write_traces
     first_pids = list(trainer.executor.pids)
 
@@ -69,6 +75,9 @@ def test_a_lost_worker_is_replaced_and_the_run_is_the_reference_run(tmp_path, sa
     assert first["recovery/failures"] == 1 and first["recovery/replayed_iterations"] == replayed
     assert not any("recovery/failures" in m for m in got if m is not first)
     assert not any(_alive(p) for p in first_pids)
+    if extra:  # decisions after the recovery were made on the new executor, from its own iterations
+        assert trainer.placement.executor is trainer.executor
+        assert [d["iteration"] for d in _lines(tmp_path / "run" / "placement.jsonl")][-1] == 2
 
 
 def test_an_error_raised_by_a_call_is_not_retried(tmp_path):

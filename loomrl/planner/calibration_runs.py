@@ -15,7 +15,7 @@ import math
 import statistics
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Sequence
+from typing import Callable, Sequence
 
 from loomrl.algorithms.workflows import build_workflow
 from loomrl.config import TrainConfig
@@ -34,7 +34,8 @@ from loomrl.planner.workload import ModelShape, Workload
 from loomrl.report import read_metrics
 from loomrl.workflow import Workflow
 
-__all__ = ["Run", "fit_from_runs", "load_run", "run_observations", "simulate_run"]
+__all__ = ["Run", "fit_from_runs", "fit_observations", "load_run", "run_observations", "sharing_profile",
+           "simulate_run"]
 
 
 @dataclass
@@ -55,9 +56,7 @@ class Run:
 
     def profile(self, profile: HardwareProfile, cores: int | None) -> HardwareProfile:
         """``profile`` with the run's devices sharing ``cores`` cores (on CPU, when known)."""
-        if cores is None or profile.name != "local":
-            return profile
-        return dataclasses.replace(profile, devices_share_cores=max(1, math.ceil(self.cluster.n_devices / cores)))
+        return sharing_profile(profile, self.cluster, cores)
 
     def steady_records(self) -> list[dict]:
         """Every iteration but the first (one-off costs: allocation, warm-up)."""
@@ -155,10 +154,25 @@ def fit_from_runs(run_dirs: Sequence[str | Path], profile: HardwareProfile, core
         observations += [{**o, "predicted_terms": predict(o)} for o in found]
     if not observations:
         raise DataError(f"{', '.join(map(str, run_dirs))}: no timed calls to fit (runs need 2+ iterations)")
+    return fit_observations(observations, lambda calls: [simulate_run(r, profile, calls, cores).iteration_time
+                                                         for r in runs], [r.measured_iteration_s() for r in runs])
+
+
+def fit_observations(observations: Sequence[dict], simulated: Callable[[Corrections], list[float]],
+                     measured: Sequence[float]) -> Corrections:
+    """Corrections fitted over ``observations`` (each with its ``predicted_terms``), then the whole-iteration
+    line from the iteration times ``simulated`` predicts with those call corrections to the ``measured`` ones
+    (the same iterations, in order)."""
     calls = fit_corrections(observations)
-    simulated = [simulate_run(r, profile, calls, cores).iteration_time for r in runs]
-    measured = [r.measured_iteration_s() for r in runs]
-    scale, overhead = fit_line(simulated, measured)
+    scale, overhead = fit_line(simulated(calls), list(measured))
     return dataclasses.replace(calls, scale={**calls.scale, ITERATION: scale},
                                overhead_s={**calls.overhead_s, ITERATION: overhead},
-                               observations={**calls.observations, ITERATION: len(runs)})
+                               observations={**calls.observations, ITERATION: len(measured)})
+
+
+def sharing_profile(profile: HardwareProfile, cluster: ClusterSpec, cores: int | None) -> HardwareProfile:
+    """``profile`` with ``cluster``'s devices sharing ``cores`` cores: a CPU machine (the ``local`` profile)
+    running more worker processes than it has cores; unchanged when ``cores`` is unknown or for accelerators."""
+    if cores is None or profile.name != "local":
+        return profile
+    return dataclasses.replace(profile, devices_share_cores=max(1, math.ceil(cluster.n_devices / cores)))

@@ -112,18 +112,21 @@ class CostModel:
     element size, by default 2 (bf16) on accelerators and 4 (fp32) on ``local``, as the runtime's ``precision:
     auto``; ``settings`` say how the system runs the calls (:class:`~loomrl.planner.settings.EngineSettings`:
     by default loomrl's runtime). Results are cached per (call, allocation); the model is immutable once built.
+    ``realloc_cache`` shares priced reallocations between models of the same cluster, profile, shapes and
+    ``bytes_per_param`` (they depend on nothing else: a run re-planned after each iteration builds one model per
+    workload and corrections, and planning a transfer is what pricing a plan spends most on).
     """
 
     def __init__(self, cluster: ClusterSpec, profile: HardwareProfile, shapes: Mapping[str, ModelShape | None],
                  workload: Workload, corrections: Corrections | None = None, *, bytes_per_param: int | None = None,
-                 settings: EngineSettings | None = None):
+                 settings: EngineSettings | None = None, realloc_cache: dict | None = None):
         self.cluster, self.profile, self.workload = cluster, profile, workload
         self.shapes = dict(shapes)
         self.settings = settings or EngineSettings()
         self.corrections = corrections or Corrections()
         self.bytes_per_param = bytes_per_param or (4 if profile.name == "local" else 2)
         self._terms: dict[tuple, dict[str, float]] = {}
-        self._reallocs: dict[tuple, float] = {}
+        self._reallocs: dict[tuple, float] = {} if realloc_cache is None else realloc_cache
         self._rates: dict[tuple, _Rates] = {}
         self._fused: dict = {}
         self._fused_generations: dict = {}  # a fused stage's generation, shared by stages around the same one

@@ -5,7 +5,8 @@ Calls are coloured by MFC name (the same colour in every iteration), the steps t
 syncs, frees, reloads, offloads) are grey and hatched. Several timelines (a prediction above a measured run)
 are drawn one above the other on one time axis, with one colour per step id across them. The HTML page needs
 nothing from the network: inline SVG, one ``<rect class="interval">`` per interval with a ``<title>``
-tooltip giving the step, kind, iteration and times.
+tooltip giving the step, kind, iteration and times. A panel may carry marks: a vertical line at an instant with
+a short label and a tooltip (dynamic placement's decisions, at the end of the iteration each followed).
 """
 
 from __future__ import annotations
@@ -13,6 +14,7 @@ from __future__ import annotations
 import html
 import os
 from pathlib import Path
+from typing import Mapping, NamedTuple, Sequence
 
 from matplotlib import colormaps
 from matplotlib.backends.backend_agg import FigureCanvasAgg
@@ -22,7 +24,8 @@ from matplotlib.patches import Patch
 
 from loomrl.planner.simulator import Interval, SimResult, format_bytes
 
-__all__ = ["TIMELINE_CSS", "interval_colors", "render_html", "render_timeline", "render_timelines", "timeline_fragment"]
+__all__ = ["TIMELINE_CSS", "Mark", "interval_colors", "render_html", "render_timeline", "render_timelines",
+           "timeline_fragment"]
 
 _REALLOC_KINDS = ("copy", "sync", "free", "reload", "offload")
 _REALLOC_COLOR = "#9e9e9e"
@@ -60,7 +63,22 @@ Panel = tuple[str, SimResult]
 """A timeline to draw and its title."""
 
 
-def render_png(panels: list[Panel], png_path: str | os.PathLike[str], title: str = "") -> Path:
+class Mark(NamedTuple):
+    """An instant of a panel worth a line: ``label`` beside it, ``detail`` in its tooltip."""
+
+    at: float
+    label: str
+    detail: str = ""
+    strong: bool = False
+    """Drawn solid and red (e.g. a plan switch) rather than dotted grey."""
+
+
+Marks = Mapping[str, Sequence[Mark]]
+"""Marks by the title of the panel they belong to."""
+
+
+def render_png(panels: list[Panel], png_path: str | os.PathLike[str], title: str = "", marks: Marks | None = None
+               ) -> Path:
     """Draw each panel's Gantt chart, one above the other on one time axis, into ``png_path``."""
     colors = interval_colors([iv for _, result in panels for iv in result.timeline])
     heights = [1.2 + 0.45 * max(len(_devices(result)), 1) for _, result in panels]
@@ -82,6 +100,11 @@ def render_png(panels: list[Panel], png_path: str | os.PathLike[str], title: str
         ax.set_xlim(0, span)
         ax.grid(axis="x", alpha=0.3)
         ax.set_title(f"{name + ': ' if name else ''}{_summary(result)}", fontsize=8)
+        for mark in (marks or {}).get(name, ()):
+            ax.axvline(mark.at, color="red" if mark.strong else "#555", linestyle="-" if mark.strong else ":",
+                       linewidth=1.0)
+            ax.text(mark.at, min(devices, default=0) - 0.5, f" {mark.label}", fontsize=6, va="top",
+                    color="red" if mark.strong else "#333", clip_on=True)
     axes[-1].set_xlabel("seconds")
     handles = [Patch(facecolor=c, edgecolor="black", label=label) for label, c in colors.items()]
     if handles:
@@ -94,8 +117,8 @@ def render_png(panels: list[Panel], png_path: str | os.PathLike[str], title: str
     return out
 
 
-def _svg(result: SimResult, colors: dict[str, str], span: float, width: int = 1000, row: int = 26,
-         left: int = 80) -> str:
+def _svg(result: SimResult, colors: dict[str, str], span: float, marks: Sequence[Mark] = (), width: int = 1000,
+         row: int = 26, left: int = 80) -> str:
     devices = _devices(result)
     scale = (width - left - 10) / span
     height = row * len(devices) + 30
@@ -114,6 +137,12 @@ def _svg(result: SimResult, colors: dict[str, str], span: float, width: int = 10
         parts.append(f'<rect class="interval" x="{x:.2f}" y="{y[iv.device] + 2}" width="{w:.2f}" '
                      f'height="{row - 4}" fill="{colors[iv.label]}" stroke="#333" stroke-width="0.4">'
                      f"<title>{tip}</title></rect>")
+    for mark in marks:
+        x, color = left + mark.at * scale, "red" if mark.strong else "#555"
+        dash = "" if mark.strong else ' stroke-dasharray="2,2"'
+        parts.append(f'<g class="mark"><title>{html.escape(mark.detail or mark.label)}</title>'
+                     f'<line x1="{x:.1f}" y1="0" x2="{x:.1f}" y2="{height - 20}" stroke="{color}"{dash}/>'
+                     f'<text x="{x + 2:.1f}" y="10" fill="{color}">{html.escape(mark.label)}</text></g>')
     parts.append("</svg>")
     return "\n".join(parts)
 
@@ -124,7 +153,7 @@ TIMELINE_CSS = (".key{margin-right:1em;white-space:nowrap} "
 """The styles :func:`timeline_fragment` needs in the page that holds it."""
 
 
-def timeline_fragment(panels: list[Panel]) -> str:
+def timeline_fragment(panels: list[Panel], marks: Marks | None = None) -> str:
     """HTML of each panel's Gantt chart (inline SVG, one time axis for all), its per-device figures and the
     legend, for a page that includes :data:`TIMELINE_CSS` (this page's, or the run report's)."""
     colors = interval_colors([iv for _, result in panels for iv in result.timeline])
@@ -136,12 +165,12 @@ def timeline_fragment(panels: list[Panel]) -> str:
         rows = "".join(f"<tr><td>{d}</td><td>{result.busy_fraction.get(d, 0.0):.1%}</td>"
                        f"<td>{format_bytes(result.peak_memory.get(d, 0.0))}</td></tr>" for d in _devices(result))
         body.append(f"<h3>{html.escape(name)}</h3>\n<p>{html.escape(_summary(result))}</p>\n"
-                    f"{_svg(result, colors, span)}\n"
+                    f"{_svg(result, colors, span, (marks or {}).get(name, ()))}\n"
                     f"<table><tr><th>device</th><th>busy</th><th>peak memory</th></tr>{rows}</table>")
     return "\n".join(body) + f"\n<p>{legend}</p>"
 
 
-def render_html(panels: SimResult | list[Panel], title: str = "") -> str:
+def render_html(panels: SimResult | list[Panel], title: str = "", marks: Marks | None = None) -> str:
     """A self-contained HTML page with each panel's Gantt chart as inline SVG on one time axis, a legend and
     the per-device figures."""
     if isinstance(panels, SimResult):
@@ -149,17 +178,17 @@ def render_html(panels: SimResult | list[Panel], title: str = "") -> str:
     heading = html.escape(title or "simulated schedule")
     return (f"<!DOCTYPE html>\n<html><head><meta charset=\"utf-8\"><title>{heading}</title>\n<style>"
             f"body{{font-family:sans-serif;margin:1em}} {TIMELINE_CSS}</style></head><body>\n"
-            f"<h2>{heading}</h2>\n" + timeline_fragment(panels) + "\n</body></html>\n")
+            f"<h2>{heading}</h2>\n" + timeline_fragment(panels, marks) + "\n</body></html>\n")
 
 
 def render_timelines(panels: list[Panel], png_path: str | os.PathLike[str],
-                     html_path: str | os.PathLike[str] | None = None, title: str = "") -> None:
+                     html_path: str | os.PathLike[str] | None = None, title: str = "", marks: Marks | None = None) -> None:
     """Write the panels' Gantt charts, one above the other, to ``png_path`` and, if given, ``html_path``."""
-    render_png(panels, png_path, title)
+    render_png(panels, png_path, title, marks)
     if html_path is not None:
         out = Path(html_path)
         out.parent.mkdir(parents=True, exist_ok=True)
-        out.write_text(render_html(panels, title), encoding="utf-8")
+        out.write_text(render_html(panels, title, marks), encoding="utf-8")
 
 
 def render_timeline(result: SimResult, png_path: str | os.PathLike[str],

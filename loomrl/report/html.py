@@ -115,14 +115,16 @@ def _plan_table(run_dir: Path) -> str:
 def _timelines(run_dir: Path, predict: bool) -> str:
     """The measured timeline of the last iterations, below the simulator's prediction where one is made."""
     from loomrl.planner.profiles import PROFILES
-    from loomrl.planner.run_timeline import predicted_run, read_traces, result_from_traces
+    from loomrl.planner.run_timeline import placement_marks, predicted_run, read_traces, result_from_traces
     from loomrl.planner.timeline import timeline_fragment
 
     try:
-        measured = result_from_traces(read_traces(run_dir), last_iterations=3)
+        traces = read_traces(run_dir)
+        measured = result_from_traces(traces, last_iterations=3)
     except LoomError as err:
         return f'<p class="note">no measured timeline yet ({html.escape(str(err))})</p>'
     panels = [(f"measured (last {len(measured.iteration_ends)} iterations)", measured)]
+    marks = {panels[0][0]: placement_marks(run_dir, traces, last_iterations=3)}  # dynamic placement's decisions
     note = ""
     if predict:
         try:
@@ -133,7 +135,7 @@ def _timelines(run_dir: Path, predict: bool) -> str:
     else:
         note = ('<p class="note">no prediction: the simulator prices this machine\'s CPU devices only without a '
                 "measured profile (loomrl calibrate, then loomrl timeline RUN --profile)</p>")
-    return note + timeline_fragment(panels)
+    return note + timeline_fragment(panels, marks)
 
 
 def _predictable(run_dir: Path) -> bool:

@@ -43,6 +43,7 @@ from loomrl.report.backends import check_backends, open_backends
 from loomrl.report.html import PLAN_FILE, write_run_report
 from loomrl.runtime.reference import IterationResult, ReferenceExecutor
 from loomrl.runtime.spec import WorkerSpec
+from loomrl.train.placement import PLACEMENT_FILE, DynamicPlacement, timed_check
 from loomrl.train.progress import RunProgress
 from loomrl.workflow import Workflow
 from loomrl.workflow.batch import Batch
@@ -169,11 +170,19 @@ class RLTrainer:
                 raise ConfigError(f"runtime.plan_changes.{iteration}: {err}") from None
         self.plan = self.plans[0]
         self.executor = make_executor(cfg, self.workflow, self.plan, self.tokenizer, self.task, self.device)
+        self.placement = self._placement()
         self.state = RunState()
         self.running, self.completed = 0, -1
         """The iteration under way (a failure's), and the last one logged."""
         self.recovery: dict[str, float] = {}
         """What the next logged iteration reports of a recovery just made."""
+
+    def _placement(self) -> DynamicPlacement | None:
+        """Dynamic placement of the current executor (``runtime.placement: dynamic``), or None."""
+        if self.cfg.runtime.placement != "dynamic":
+            return None
+        return DynamicPlacement(self.cfg, self.workflow, self.executor, self.cfg.rollout.prompts_per_iter *
+                                self.group_size)
 
     def plan_at(self, iteration: int) -> ExecutionPlan:
         """The plan in force at ``iteration``: the latest change starting at or before it, else the first."""
@@ -264,8 +273,11 @@ class RLTrainer:
         self.recovery = {"recovery/failures": float(failures),
                          "recovery/replayed_iterations": float(record["replayed_iterations"])}
         self.state = RunState()
+        if self.placement is not None:  # dynamic placement's switches are forgotten: it decides anew from plans[0]
+            self.plans = {0: self.plans[0]}
         self.plan = self.plans[0]
         self.executor = make_executor(self.cfg, self.workflow, self.plan, self.tokenizer, self.task, self.device)
+        self.placement = self._placement()
 
     def _run(self, resume: bool) -> dict[str, float]:
         cfg, loop = self.cfg, self.cfg.loop
@@ -280,6 +292,8 @@ class RLTrainer:
         traces = self.run_dir / "traces.jsonl"
         if not resumed and traces.exists():  # a restart from iteration 0 keeps the old traces aside
             traces.replace(self.run_dir / "traces.superseded.jsonl")
+        if not resumed:  # the decisions of an earlier start of this run are not this run's
+            (self.run_dir / PLACEMENT_FILE).unlink(missing_ok=True)
         last: dict[str, float] = {}
         start = self.state.iteration
         backends = open_backends(cfg.report.backends, self.run_dir, cfg.report, to_dict(cfg),
@@ -288,19 +302,30 @@ class RLTrainer:
                 RunProgress(loop.iterations, start, enabled=loop.progress, every=loop.progress_every) as progress:
             for it in range(start, loop.iterations):
                 self.running = it
+                switch_s = None
                 if self.plan_at(it) is not self.plan:  # a change starts here (or a resumed run is past one)
                     self.plan = self.plan_at(it)
+                    t0 = time.perf_counter()
                     self.executor.apply_plan(self.plan)
+                    switch_s = time.perf_counter() - t0
+                    if self.placement is not None:
+                        self.placement.switched(switch_s)
                     self.plan.save(self.run_dir / PLAN_FILE)
                 before = self.executor.drain_traces()  # the prologue, or a plan change
                 t0 = time.perf_counter()
                 result = self.executor.run_iteration(it, self.make_batch(it))
                 last = self.iteration_metrics(result, time.perf_counter() - t0)
+                if switch_s is not None:
+                    last["time/plan_change_s"] = switch_s
                 final = it == loop.iterations - 1
                 if final or (loop.eval_every and (it + 1) % loop.eval_every == 0):
                     last.update(self.evaluate())
                 self.write_traces([dataclasses.replace(t, iteration=it) for t in before] + result.traces +
                                   [dataclasses.replace(t, iteration=it) for t in self.executor.drain_traces()])
+                if self.placement is not None and not final:  # decides the plan of the next iteration
+                    new = timed_check(self.placement, it, self.plan, last, loop.iterations - it - 1)
+                    if new is not None:
+                        self.plans[it + 1] = new
                 logger.log(it, last)
                 self.completed = it
                 progress.update(it, last)
