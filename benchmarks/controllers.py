@@ -99,7 +99,7 @@ def _batch(prompts: int, image: bool):
     from loomrl.workflow.batch import Batch
 
     columns = {"prompt_ids": [[1, 2, 3, 4, 5, 6, 7, 8]] * prompts, "prompt_text": ["p"] * prompts,
-               "answer": ["a"] * prompts}
+               "answer": ["a"] * prompts, "row": [{}] * prompts}
     if image:
         columns["image"] = torch.zeros(prompts, *IMAGE)
     return Batch(list(range(prompts)), columns)

@@ -8,12 +8,15 @@ becomes one line naming the field path, the value and what is valid.
 from __future__ import annotations
 
 import dataclasses
+import math
 import warnings
 from dataclasses import dataclass, field
 
 from loomrl.configtools import ValidatedConfig, fail, spec
 
 ALGORITHMS = ("ppo", "grpo", "rloo", "remax", "reinforce_pp")
+POLICY_LOSSES = ("ppo", "gspo")  # loomrl.algorithms.losses.POLICY_LOSSES
+LOSS_AGGS = ("token-mean", "seq-mean-token-mean", "seq-mean-token-sum")  # loomrl.algorithms.losses.LOSS_AGGS
 TASK_NAMES = ("sort", "add", "reverse", "file")
 ROLES = ("actor", "critic", "ref", "reward")
 BACKENDS = ("tensorboard", "wandb", "mlflow")
@@ -41,12 +44,21 @@ class TaskConfig(ValidatedConfig):
     answer_key: str = "answer"
     """Column of the prompt files holding the reference answer (optional in the file)."""
     reward_fn: str | None = None
-    """Reward function of task 'file' as 'module:function', called as fn(prompt, response, answer) -> float
-    (prompt is the text, or a chat row's last user message)."""
+    """Reward function of task 'file' as 'module:function' or 'file.py:function', in one of three forms read from
+    its signature: loomrl's fn(prompt, response, answer) -> float (prompt is the text, or a chat row's last user
+    message); TRL's f(prompts, completions, **columns) -> list[float], a batch per call, the prompt file's other
+    columns as lists by name; verl's compute_score(data_source, solution_str, ground_truth, extra_info) -> float or
+    a dict with a 'score'. Any finite number is a reward."""
+    reward_fns: tuple[str, ...] = ()
+    """Several reward functions of task 'file' (each as reward_fn says), instead of reward_fn: the reward is their
+    weighted sum, and each one's mean goes to the metrics as reward/<function> (a name that repeats gets its
+    position in this list appended)."""
+    reward_weights: tuple[float, ...] = ()
+    """Weight of each of reward_fns, in their order (any sign); empty weighs every function 1.0."""
     reward_timeout_s: float = spec(30.0, ge=0)
-    """Longest one call of reward_fn may take, in seconds: the function then runs in a process of its own, killed
-    past this, and the run stops with an error naming the function and the sample (so does an exception). 0 calls
-    it in the run's own process, without a limit."""
+    """Longest one call of a reward function may take, in seconds (one sample, or one batch for TRL's form): the
+    function then runs in a process of its own, killed past this, and the run stops with an error naming the
+    function and the sample (so does an exception). 0 calls it in the run's own process, without a limit."""
     tokenizer: str = "auto"
     """'auto': the tokenizer saved with the model checkpoint (the built-in task tokenizer for a zoo model);
     'task': the built-in character tokenizer; or the directory of a saved tokenizer."""
@@ -54,11 +66,23 @@ class TaskConfig(ValidatedConfig):
     """'auto': prompts go through the tokenizer's chat template when it has one; 'none': never (bos, when the
     tokenizer has one, then the text); or a Jinja chat template file to apply instead."""
 
+    @property
+    def reward_functions(self) -> tuple[str, ...]:
+        """The task's reward functions: reward_fns, or reward_fn alone."""
+        return self.reward_fns or ((self.reward_fn,) if self.reward_fn is not None else ())
+
     def validate(self) -> None:
         if self.min_len > self.max_len:
             fail("min_len", f"{self.min_len} is greater than max_len {self.max_len}")
-        if self.name == "file" and (self.prompt_file is None or self.reward_fn is None):
-            fail("prompt_file", "task 'file' needs both prompt_file and reward_fn")
+        if self.reward_fn is not None and self.reward_fns:
+            fail("reward_fns", "give either reward_fn (one function) or reward_fns (several), not both")
+        if self.reward_weights and len(self.reward_weights) != len(self.reward_fns):
+            fail("reward_weights", f"{len(self.reward_weights)} weights for {len(self.reward_fns)} functions of "
+                                   "reward_fns (valid: one weight per function, or none for 1.0 each)")
+        if not all(math.isfinite(w) for w in self.reward_weights):
+            fail("reward_weights", f"{list(self.reward_weights)} holds a weight that is not finite")
+        if self.name == "file" and (self.prompt_file is None or not self.reward_functions):
+            fail("prompt_file", "task 'file' needs both prompt_file and reward_fn (or reward_fns)")
         if not self.tokenizer.strip():
             fail("tokenizer", "'' is empty; give auto, task or a tokenizer directory")
         if not self.chat_template.strip():
@@ -127,6 +151,21 @@ class AlgoConfig(ValidatedConfig):
     """PPO ratio clip range (lower side; also the upper side unless clip_eps_high is set)."""
     clip_eps_high: float | None = spec(None, gt=0, le=1)
     """Upper ratio clip (DAPO's clip-higher); None uses clip_eps."""
+    policy_loss: str = spec("ppo", choices=POLICY_LOSSES)
+    """Actor objective: 'ppo' clips each token's importance ratio; 'gspo' (Group Sequence Policy Optimization)
+    clips each response's, the geometric mean of its tokens' ratios, and suits clip ranges near 3e-4/4e-4
+    (clip_eps/clip_eps_high). Either takes any algorithm's advantages."""
+    loss_agg: str = spec("token-mean", choices=LOSS_AGGS)
+    """How the actor's per-token losses (and its entropy and KL terms) make a minibatch's loss: 'token-mean' over
+    all its response tokens (DAPO's: a long response weighs more); 'seq-mean-token-mean' per response, then over
+    responses (the GRPO paper's); 'seq-mean-token-sum' summed per response, then averaged over responses (Dr.
+    GRPO's). Exact whatever the micro-batches and data-parallel split. The critic's loss stays a token-mean."""
+    overlong_buffer: int = spec(0, ge=0)
+    """DAPO's soft overlong punishment: a response longer than rollout.max_new_tokens - overlong_buffer tokens
+    loses overlong_penalty x (its excess / overlong_buffer) of its reward before advantages are computed
+    (reward/overlong_penalty in the metrics is the mean reward lost); 0 disables."""
+    overlong_penalty: float = spec(1.0, ge=0)
+    """Reward lost by a response of rollout.max_new_tokens tokens under overlong_buffer."""
     value_clip_eps: float = spec(0.2, gt=0)
     """Clip range of the critic's value update around the rollout's values."""
     gamma: float = spec(1.0, ge=0, le=1)
@@ -410,6 +449,10 @@ class TrainConfig(ValidatedConfig):
         object.__setattr__(self, "loop", dataclasses.replace(self.loop, keep_checkpoints=None))
 
     def validate(self) -> None:
+        longest = self.rollout.max_new_tokens
+        if self.algo.overlong_buffer > longest:
+            fail("algo.overlong_buffer", f"{self.algo.overlong_buffer} is more than rollout.max_new_tokens {longest} "
+                                         f"(valid: 0 to {longest})")
         if self.runtime.controllers > self.rollout.prompts_per_iter:
             fail("runtime.controllers", f"{self.runtime.controllers} controllers need at least as many prompts an "
                                         f"iteration (rollout.prompts_per_iter is {self.rollout.prompts_per_iter})")

@@ -236,7 +236,7 @@ def test_file_prompts_errors_are_one_line(tmp_path):
 def reward_module(tmp_path, monkeypatch):
     (tmp_path / "my_rewards.py").write_text(
         "def contains(prompt, response, answer):\n    return float(answer in response)\n"
-        "def broken(prompt, response, answer):\n    return 2.0\n"
+        "def broken(prompt, response, answer):\n    return float('nan')\n"
         "NOT_CALLABLE = 3\n")
     monkeypatch.syspath_prepend(str(tmp_path))
     return "my_rewards"
@@ -249,7 +249,7 @@ def test_function_task(reward_module):
     assert FunctionTask(lambda p, r, a: 0.25).score("p", "r", None) == 0.25
     with pytest.raises(DataError) as exc:
         FunctionTask(f"{reward_module}:broken").score("p", "r", None)
-    assert "returned 2.0" in _one_line(exc)
+    assert "returned nan" in _one_line(exc)
     with pytest.raises(DataError):
         task.sample(random.Random(0))
 

@@ -2,8 +2,9 @@
 
 PPO uses per-token rewards (KL penalty plus the sequence score on the last token) and GAE against a
 critic; GRPO, RLOO and ReMax replace the critic with a baseline computed from other samples of the same
-prompt; REINFORCE++ uses discounted returns whitened over the whole batch. Every function here is a pure
-function of tensors: no models, no I/O, no hidden state.
+prompt; REINFORCE++ uses discounted returns whitened over the whole batch. Scores may first be shaped
+(:func:`overlong_penalty`, DAPO's soft overlong punishment). Every function here is a pure function of tensors:
+no models, no I/O, no hidden state.
 
 Shape legend (suffixes on tensor names):
     B  batch of samples (one response each)
@@ -29,6 +30,7 @@ __all__ = [
     "masked_mean",
     "masked_var",
     "masked_whiten",
+    "overlong_penalty",
     "reinforce_pp_advantage",
     "remax_advantage",
     "rloo_baseline",
@@ -102,6 +104,20 @@ def _sharded_moments(x: Tensor, mask: Tensor, reduce: Callable[[Tensor], Tensor]
     mean = total / count
     centred = _zero_padding(x - mean, mask_b)
     return mean, reduce((centred * centred).sum()) / (count - 1)
+
+
+def overlong_penalty(length_B: Tensor, max_new_tokens: int, buffer: int, penalty: float) -> Tensor:
+    """DAPO's soft overlong punishment, as the amount to subtract from each response's reward: 0 up to
+    ``max_new_tokens - buffer`` tokens, then ``penalty * (length - (max_new_tokens - buffer)) / buffer``, rising
+    linearly to ``penalty`` at ``max_new_tokens`` (and staying there beyond it). ``buffer`` 0 punishes nothing.
+    """
+    if buffer < 0 or buffer > max_new_tokens:
+        raise ValueError(f"overlong buffer must be in [0, max_new_tokens={max_new_tokens}], got {buffer}")
+    dtype = length_B.dtype if length_B.is_floating_point() else torch.float32
+    if buffer == 0:
+        return torch.zeros(length_B.shape, dtype=dtype, device=length_B.device)
+    excess_B = (length_B.to(dtype) - (max_new_tokens - buffer)).clamp(min=0, max=buffer)
+    return penalty * excess_B / buffer
 
 
 def _last_token_index(mask_BT: Tensor) -> tuple[Tensor, Tensor]:

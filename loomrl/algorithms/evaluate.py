@@ -17,7 +17,7 @@ from typing import Sequence
 import torch
 from transformers import PreTrainedModel, PreTrainedTokenizerBase
 
-from loomrl.data.tasks import Example, Task
+from loomrl.data.tasks import BatchScores, Example, Task
 from loomrl.models.tokenizer import decode_response, encode_prompt
 from loomrl.rollout import SamplingParams, generate, stream_keys
 
@@ -59,9 +59,8 @@ def evaluate_policy(
     prompts = [encode_prompt(tokenizer, ex.model_input) for ex in examples]
     texts = _responses(model, tokenizer, prompts, range(len(prompts)), params, 0, batch_size)  # greedy: no noise
     model.train(was_training)
-    exact = sum(task.exact(ex.prompt, text, ex.answer) for ex, text in zip(examples, texts))
-    score = sum(task.score(ex.prompt, text, ex.answer) for ex, text in zip(examples, texts))
-    return {"exact_match": exact / len(examples), "score": score / len(examples)}
+    scores = _scores(task, examples, texts)
+    return {"exact_match": sum(scores.exact) / len(examples), "score": sum(scores.total) / len(examples)}
 
 
 def evaluate_pass_at_k(
@@ -83,11 +82,14 @@ def evaluate_pass_at_k(
     rows = [p for p in prompts for _ in range(samples)]
     texts = _responses(model, tokenizer, rows, range(len(rows)), params, seed, batch_size)
     model.train(was_training)
-    correct, score = [], 0.0
-    for i, ex in enumerate(examples):
-        mine = texts[i * samples:(i + 1) * samples]
-        correct.append(sum(task.exact(ex.prompt, text, ex.answer) for text in mine))
-        score += sum(task.score(ex.prompt, text, ex.answer) for text in mine)
+    scores = _scores(task, [ex for ex in examples for _ in range(samples)], texts)
+    correct = [sum(scores.exact[i * samples:(i + 1) * samples]) for i in range(len(examples))]
     out = {f"pass@{k}": sum(pass_at_k(samples, c, k) for c in correct) / len(examples) for k in ks}
-    out["sampled_score"] = score / (len(examples) * samples)
+    out["sampled_score"] = sum(scores.total) / (len(examples) * samples)
     return out
+
+
+def _scores(task: Task, examples: Sequence[Example], texts: Sequence[str]) -> BatchScores:
+    """The task's rule on each example's response, in one batch (a batched reward function is called once)."""
+    return task.score_batch([ex.prompt for ex in examples], texts, [ex.answer for ex in examples],
+                            [ex.row for ex in examples])

@@ -1,9 +1,11 @@
 """Loss functions for RLHF training: PPO's clipped policy and value losses, KL estimators, entropy, and
 the Bradley-Terry loss of reward-model training.
 
-Pure functions over tensors. Token losses are averaged over all real tokens of the batch ("token-mean"),
-so a long response weighs more than a short one, as in DAPO. Statistics are returned as plain floats,
-detached from the graph, ready to log.
+Pure functions over tensors. Token losses become one number by :func:`aggregate`: by default averaged over all
+real tokens of the batch ("token-mean"), so a long response weighs more than a short one, as in DAPO; or per
+response first ("seq-mean-token-mean", the GRPO paper's; "seq-mean-token-sum", Dr. GRPO's). The policy objective
+is PPO's token-level clipped ratio or GSPO's sequence-level one (:func:`gspo_loss`). Statistics are returned as
+plain floats, detached from the graph, ready to log.
 
 Shape legend (suffixes on tensor names):
     B  batch of samples (one response each)
@@ -16,6 +18,8 @@ gradient.
 
 from __future__ import annotations
 
+from typing import Callable
+
 import torch
 import torch.nn.functional as F
 from torch import Tensor
@@ -24,15 +28,27 @@ from loomrl.algorithms.advantages import masked_mean
 
 __all__ = [
     "KL_ESTIMATORS",
+    "LOSS_AGGS",
+    "LOSS_AGG_UNITS",
+    "POLICY_LOSSES",
+    "aggregate",
     "bradley_terry_loss",
     "entropy_from_logits",
+    "gspo_loss",
     "kl_estimate",
     "kl_penalty_loss",
     "policy_loss",
+    "policy_objective",
+    "token_stat",
     "value_loss",
 ]
 
 KL_ESTIMATORS = ("k1", "k2", "k3")
+LOSS_AGG_UNITS = {"token-mean": "token", "seq-mean-token-mean": "sequence", "seq-mean-token-sum": "sequence"}
+"""Per aggregation, what one row of a batch counts for in its mean (the weight a micro-batch's or a data-parallel
+rank's loss takes in the whole minibatch's): its real tokens, or one per sequence
+(:func:`loomrl.workflow.minibatches.loss_weights`)."""
+LOSS_AGGS = tuple(LOSS_AGG_UNITS)
 
 
 def _masked_diff(a_BT: Tensor, b_BT: Tensor, mask_BT: Tensor) -> Tensor:
@@ -59,6 +75,59 @@ def kl_estimate(logp_BT: Tensor, ref_logp_BT: Tensor, kind: str) -> Tensor:
     raise ValueError(f"unknown KL estimator {kind!r}; valid: {', '.join(KL_ESTIMATORS)}")
 
 
+def aggregate(loss_BT: Tensor, mask_BT: Tensor, loss_agg: str = "token-mean") -> Tensor:
+    """One number from per-token values over the real tokens: ``token-mean`` averages all of the batch's tokens;
+    ``seq-mean-token-mean`` averages each row's tokens, then the rows; ``seq-mean-token-sum`` sums each row's
+    tokens, then averages the rows (Dr. GRPO's objective; its code also divides by a constant, the longest
+    response allowed, which only rescales it).
+
+    A row without real tokens counts as 0 in the sequence means. The mean of a split batch is the weighted mean
+    of its parts' with weights from :data:`LOSS_AGG_UNITS` (tokens or rows), which is how micro-batches and
+    data-parallel ranks recombine it exactly.
+    """
+    if loss_agg == "token-mean":
+        return masked_mean(loss_BT, mask_BT)
+    if loss_agg == "seq-mean-token-mean":
+        return masked_mean(loss_BT, mask_BT, dim=1).mean()
+    if loss_agg == "seq-mean-token-sum":
+        keep = mask_BT if mask_BT.dtype == torch.bool else mask_BT != 0
+        return loss_BT.masked_fill(~keep, 0.0).sum(dim=1).mean()
+    raise ValueError(f"unknown loss aggregation {loss_agg!r}; valid: {', '.join(LOSS_AGGS)}")
+
+
+def token_stat(x_BT: Tensor, mask_BT: Tensor, loss_agg: str = "token-mean") -> Tensor:
+    """A per-token statistic's mean (for logging) over the units the loss is averaged over: every token for
+    ``token-mean``, else each sequence's tokens, then the sequences. Either way a split batch's value is its parts'
+    weighted by the loss's own weights (:data:`LOSS_AGG_UNITS`), so micro-batches and ranks recombine it exactly."""
+    unit = LOSS_AGG_UNITS.get(loss_agg)
+    if unit is None:
+        raise ValueError(f"unknown loss aggregation {loss_agg!r}; valid: {', '.join(LOSS_AGGS)}")
+    return masked_mean(x_BT, mask_BT) if unit == "token" else masked_mean(x_BT, mask_BT, dim=1).mean()
+
+
+def _clip_range(clip_eps: float, clip_eps_high: float | None) -> float:
+    eps_high = clip_eps if clip_eps_high is None else clip_eps_high
+    if clip_eps <= 0 or eps_high <= 0:
+        raise ValueError(f"clip_eps and clip_eps_high must be > 0, got {clip_eps} and {eps_high}")
+    return eps_high
+
+
+def _clipped_surrogate(log_ratio_BT: Tensor, token_log_ratio_BT: Tensor, adv_BT: Tensor, mask_BT: Tensor,
+                       clip_eps: float, eps_high: float, loss_agg: str) -> tuple[Tensor, dict[str, float]]:
+    """``-min(r * A, clip(r) * A)`` aggregated, with ``r = exp(log_ratio_BT)``; ``token_log_ratio_BT`` (each
+    token's own ``logp - old_logp``) only feeds the ``approx_kl`` statistic."""
+    ratio_BT = torch.exp(log_ratio_BT)
+    surr_BT = ratio_BT * adv_BT
+    clipped_surr_BT = ratio_BT.clamp(1.0 - clip_eps, 1.0 + eps_high) * adv_BT
+    loss = aggregate(-torch.minimum(surr_BT, clipped_surr_BT), mask_BT, loss_agg)
+    with torch.no_grad():
+        stats = {
+            "clipfrac": token_stat((clipped_surr_BT < surr_BT).to(surr_BT.dtype), mask_BT, loss_agg).item(),
+            "approx_kl": token_stat(0.5 * token_log_ratio_BT.square(), mask_BT, loss_agg).item(),
+        }
+    return loss, stats
+
+
 def policy_loss(
     logp_BT: Tensor,
     old_logp_BT: Tensor,
@@ -66,27 +135,60 @@ def policy_loss(
     mask_BT: Tensor,
     clip_eps: float,
     clip_eps_high: float | None = None,
+    loss_agg: str = "token-mean",
 ) -> tuple[Tensor, dict[str, float]]:
-    """PPO clipped surrogate ``-min(r * A, clip(r, 1 - eps, 1 + eps_high) * A)``, token-mean.
+    """PPO clipped surrogate ``-min(r * A, clip(r, 1 - eps, 1 + eps_high) * A)`` per token, ``r`` the token's
+    importance ratio, aggregated by ``loss_agg`` (:func:`aggregate`).
 
     ``clip_eps_high`` (DAPO's clip-higher) widens only the upper bound; it defaults to ``clip_eps``.
     Stats: ``clipfrac``, the fraction of real tokens where the clipped term is the smaller one (so the
-    token gives no gradient), and ``approx_kl``, the mean of ``0.5 * (logp - old_logp)^2``.
+    token gives no gradient), and ``approx_kl``, the mean of ``0.5 * (logp - old_logp)^2``, both per token
+    (:func:`token_stat`: over the batch's tokens, or each sequence's and then the sequences').
     """
-    eps_high = clip_eps if clip_eps_high is None else clip_eps_high
-    if clip_eps <= 0 or eps_high <= 0:
-        raise ValueError(f"clip_eps and clip_eps_high must be > 0, got {clip_eps} and {eps_high}")
+    eps_high = _clip_range(clip_eps, clip_eps_high)
     log_ratio_BT = _masked_diff(logp_BT, old_logp_BT, mask_BT)
-    ratio_BT = torch.exp(log_ratio_BT)
-    surr_BT = ratio_BT * adv_BT
-    clipped_surr_BT = ratio_BT.clamp(1.0 - clip_eps, 1.0 + eps_high) * adv_BT
-    loss = masked_mean(-torch.minimum(surr_BT, clipped_surr_BT), mask_BT)
-    with torch.no_grad():
-        stats = {
-            "clipfrac": masked_mean((clipped_surr_BT < surr_BT).to(surr_BT.dtype), mask_BT).item(),
-            "approx_kl": masked_mean(0.5 * log_ratio_BT.square(), mask_BT).item(),
-        }
-    return loss, stats
+    return _clipped_surrogate(log_ratio_BT, log_ratio_BT, adv_BT, mask_BT, clip_eps, eps_high, loss_agg)
+
+
+def gspo_loss(
+    logp_BT: Tensor,
+    old_logp_BT: Tensor,
+    adv_BT: Tensor,
+    mask_BT: Tensor,
+    clip_eps: float,
+    clip_eps_high: float | None = None,
+    loss_agg: str = "token-mean",
+) -> tuple[Tensor, dict[str, float]]:
+    """GSPO (Zheng et al. 2025): PPO's clipped surrogate on each response's importance ratio
+    ``s = exp(mean over its tokens of (logp - old_logp))``, clipped per response to ``[1 - eps, 1 + eps_high]``.
+
+    Written in the paper's GSPO-token form: every token's ratio is ``sg(s) * p(token) / sg(p(token))``, equal to
+    ``s`` in value, so a response is clipped as a whole, and with one advantage per response (grpo, rloo, remax)
+    the gradient is GSPO's exactly: ``A * grad s`` spread over the tokens as ``A * s * grad logp``. With
+    ``loss_agg="seq-mean-token-mean"`` the loss is the paper's mean over responses; ``token-mean`` weighs each
+    response by its length. Per-token advantages (ppo, reinforce_pp) weight each token's gradient by its own.
+    Clip ranges are the paper's scale, e.g. ``clip_eps=3e-4, clip_eps_high=4e-4``. Stats as :func:`policy_loss`
+    (``clipfrac`` counts the tokens of clipped responses).
+    """
+    eps_high = _clip_range(clip_eps, clip_eps_high)
+    token_log_ratio_BT = _masked_diff(logp_BT, old_logp_BT, mask_BT)
+    seq_log_ratio_B = masked_mean(token_log_ratio_BT, mask_BT, dim=1)
+    # logp - sg(logp) is 0 in value and carries each token's gradient; the sequence ratio is a constant
+    log_ratio_BT = seq_log_ratio_B.detach().unsqueeze(1) + _masked_diff(logp_BT, logp_BT.detach(), mask_BT)
+    return _clipped_surrogate(log_ratio_BT, token_log_ratio_BT, adv_BT, mask_BT, clip_eps, eps_high, loss_agg)
+
+
+POLICY_LOSSES = ("ppo", "gspo")
+
+
+def policy_objective(name: str) -> Callable[..., tuple[Tensor, dict[str, float]]]:
+    """The policy loss named ``name`` (``algo.policy_loss``), with :func:`policy_loss`'s signature: ``ppo``
+    (:func:`policy_loss`) or ``gspo`` (:func:`gspo_loss`)."""
+    if name == "ppo":
+        return policy_loss
+    if name == "gspo":
+        return gspo_loss
+    raise ValueError(f"unknown policy loss {name!r}; valid: {', '.join(POLICY_LOSSES)}")
 
 
 def value_loss(
@@ -120,11 +222,12 @@ def entropy_from_logits(logits_BTV: Tensor) -> Tensor:
 
 
 def kl_penalty_loss(
-    logp_BT: Tensor, ref_logp_BT: Tensor, mask_BT: Tensor, kind: str = "k3"
+    logp_BT: Tensor, ref_logp_BT: Tensor, mask_BT: Tensor, kind: str = "k3", loss_agg: str = "token-mean"
 ) -> Tensor:
-    """Token-mean of a KL estimator, used as a loss term (GRPO puts the KL in the loss, not the reward)."""
+    """A KL estimator aggregated as the policy loss is (:func:`aggregate`; token-mean by default), used as a loss
+    term (GRPO puts the KL in the loss, not the reward)."""
     log_ratio_BT = _masked_diff(logp_BT, ref_logp_BT, mask_BT)
-    return masked_mean(kl_estimate(log_ratio_BT, torch.zeros_like(log_ratio_BT), kind), mask_BT)
+    return aggregate(kl_estimate(log_ratio_BT, torch.zeros_like(log_ratio_BT), kind), mask_BT, loss_agg)
 
 
 def bradley_terry_loss(chosen_B: Tensor, rejected_B: Tensor) -> tuple[Tensor, float]:

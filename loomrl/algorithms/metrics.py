@@ -4,22 +4,45 @@ from __future__ import annotations
 
 from typing import Callable
 
-from loomrl.data.tasks import Task
+from loomrl.data.tasks import BatchScores, Task
 from loomrl.rollout.backend import length_stats
 from loomrl.workflow.batch import Batch
 
 
 def rollout_metrics(batch: Batch, decode: Callable[[list[int]], str], task: Task) -> dict[str, float]:
-    """Reward, exact match (by the task's rule), KL to the reference and response-length statistics."""
+    """Reward, exact match (by the task's rule), each reward function's mean (``reward/<function>``), KL to the
+    reference, the overlong penalty (where the workflow shapes rewards) and response-length statistics."""
     texts = [decode(r) for r in batch["response_ids"]]
-    exact = [task.exact(p, t, a) for p, t, a in zip(batch["prompt_text"], texts, batch["answer"])]
+    rule = rule_scores(batch, texts, task)
+    exact = rule.exact
     lengths = length_stats(len(r) for r in batch["response_ids"])
+    shaped = "overlong_penalty" in batch  # workflows with overlong reward shaping (algo.overlong_buffer)
     return {
         "reward/mean": float(batch["score"].mean()),
         "reward/exact_match": sum(exact) / len(exact),
+        **{f"reward/{name}": mean for name, mean in part_means(rule.parts).items()},
         **({"kl/mean": float(batch["kl"].sum(-1).mean())} if "kl" in batch else {}),  # workflows without KL have none
+        **({"reward/overlong_penalty": float(batch["overlong_penalty"].mean())} if shaped else {}),
         "response/length": lengths.mean,
         "response/length_p90": lengths.p90,
         "response/length_max": float(lengths.max),
         "prompt/length": sum(len(p) for p in batch["prompt_ids"]) / len(batch),  # for the planner's traces
     }
+
+
+def rule_scores(batch: Batch, texts: list[str], task: Task) -> BatchScores:
+    """The task's rule on the batch: as the reward call computed it (its ``rule_scores`` column), else (a reward
+    from a model alone) computed here."""
+    if "rule_scores" in batch and all(s is not None for s in batch["rule_scores"]):
+        return BatchScores.of_samples(batch["rule_scores"])
+    rows = batch["row"] if "row" in batch else [{} for _ in texts]
+    return task.score_batch(batch["prompt_text"], texts, batch["answer"], rows)
+
+
+def part_means(parts: list[dict[str, float]]) -> dict[str, float]:
+    """Each named part's mean over the samples that have it."""
+    values_of: dict[str, list[float]] = {}
+    for sample in parts:
+        for name, value in sample.items():
+            values_of.setdefault(name, []).append(value)
+    return {name: sum(values) / len(values) for name, values in values_of.items()}

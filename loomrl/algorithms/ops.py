@@ -33,6 +33,7 @@ from loomrl.errors import TrainingError
 from loomrl.models.heads import last_real_index, logprobs_from_logits
 from loomrl.rollout import Request, RolloutEngine, SamplingParams, stream_keys
 from loomrl.workflow.batch import Batch, micro_batch_slices, pack_sequences, pad_right, response_columns, response_mask
+from loomrl.workflow.minibatches import loss_weights
 
 
 def generate_chunks(ctx: OpContext, batch: Batch, params: SamplingParams,
@@ -139,25 +140,35 @@ def values_op(ctx: OpContext, batch: Batch) -> dict:
 
 
 @torch.no_grad()
-def reward_op(ctx: OpContext, batch: Batch, response_key: str = "response_ids", out_key: str = "score") -> dict:
-    """Scalar reward per sample: the task's rule, a reward model, or their weighted sum."""
+def reward_op(ctx: OpContext, batch: Batch, response_key: str = "response_ids", out_key: str = "score",
+              rule_key: str | None = None) -> dict:
+    """Scalar reward per sample: the task's rule, a reward model, or their weighted sum. With ``rule_key``, also
+    the rule's own scores per sample (:meth:`~loomrl.data.tasks.BatchScores.per_sample`; None without a rule), for
+    the rollout metrics. The rule scores the op's rows together: a batched reward function is called once per
+    call of the op (the whole batch, a data-parallel shard or a streamed chunk)."""
     role = ctx.role
     score_B = torch.zeros(len(batch))
+    rule = None
     if role.rule is not None:
         texts = [ctx.decode(r) for r in batch[response_key]]
-        rule_B = torch.tensor([role.rule(p, t, a) for p, t, a in zip(batch["prompt_text"], texts, batch["answer"])])
+        rows = batch["row"] if "row" in batch else [{} for _ in texts]  # workflows without prompt-file rows
+        rule = role.rule(batch["prompt_text"], texts, batch["answer"], rows)
+        rule_B = torch.tensor(rule.total, dtype=torch.float32)
         score_B += (role.rule_weight if role.model is not None else 1.0) * rule_B
     if role.model is not None:
         ids_BL, attn_BL, _ = _packed(ctx, batch, response_key)
         values_BL = role_outputs(ctx, ids_BL, attn_BL)
         model_B = values_BL.gather(1, last_real_index(attn_BL).unsqueeze(1)).squeeze(1).float().cpu()
         score_B += (role.model_weight if role.rule is not None else 1.0) * model_B
-    return {out_key: score_B}
+    if rule_key is None:
+        return {out_key: score_B}
+    return {out_key: score_B, rule_key: rule.per_sample() if rule is not None else [None] * len(batch)}
 
 
 LossFn = Callable[[Batch, torch.Tensor, tuple], tuple[torch.Tensor, dict]]
-"""``loss_fn(minibatch, outputs, packed)``: the minibatch's token-mean loss from the model's per-position
-outputs (logits or values) and the packed sequences ``(ids_BL, attn_BL, prompt_len_B)``."""
+"""``loss_fn(minibatch, outputs, packed)``: the minibatch's mean loss (a token-mean, or a mean over sequences as
+``ctx.loss_unit`` says) from the model's per-position outputs (logits or values) and the packed sequences
+``(ids_BL, attn_BL, prompt_len_B)``."""
 
 
 def loss_tokens(mb: Batch) -> list[int]:
@@ -175,12 +186,12 @@ def _backward(ctx: OpContext, mb: Batch, loss_fn: LossFn, weight: float) -> tupl
     returns its statistics (empty on pipeline stages but the last) and whether every loss this rank computed
     was finite.
 
-    Micro-batch ``k``'s loss is ``loss_fn`` of its rows alone, times its share of the minibatch's loss tokens
-    (:func:`loss_tokens`) and ``weight``: the shares sum to one, so the accumulated gradient is that of the
-    minibatch's token-mean loss times ``weight``, whatever the micro-batching. Statistics (token means) are
-    weighted by the same shares. A micro-batch without loss tokens adds nothing (and is not given to
-    ``loss_fn``, whose mean would be 0/0). A rank without rows still tells the engine, whose passes may be
-    collective.
+    Micro-batch ``k``'s loss is ``loss_fn`` of its rows alone, times its share of the minibatch's loss weight
+    (its loss tokens, :func:`loss_tokens`, or its rows, as ``ctx.loss_unit`` says) and ``weight``: the shares
+    sum to one, so the accumulated gradient is that of the minibatch's mean loss times ``weight``, whatever the
+    micro-batching. Statistics (means) are weighted by the same shares. A micro-batch without loss weight adds
+    nothing (and is not given to ``loss_fn``, whose mean would be 0/0). A rank without rows still tells the
+    engine, whose passes may be collective.
 
     A non-finite loss is back-propagated times NaN: every gradient it reaches becomes NaN, and with it the norm
     the engine reduces over all ranks of the step (data-parallel sum, pipeline stages, shards), so every rank
@@ -193,9 +204,9 @@ def _backward(ctx: OpContext, mb: Batch, loss_fn: LossFn, weight: float) -> tupl
         return {}, True
     ids_BL, attn_BL, plen_B = _packed(ctx, mb)
     parts = micro_batch_rows(ctx, len(mb))
-    tokens = loss_tokens(mb)
-    total = max(sum(tokens), 1)
-    shares = [sum(tokens[rows]) / total for rows in parts]
+    weights = loss_weights(loss_tokens(mb), ctx.loss_unit)
+    total = max(sum(weights), 1)
+    shares = [sum(weights[rows]) / total for rows in parts]
     stats: dict[str, float] = {}
     finite = [True]
 
@@ -217,14 +228,14 @@ def _backward(ctx: OpContext, mb: Batch, loss_fn: LossFn, weight: float) -> tupl
 
 
 def train_loop(ctx: OpContext, batch: Batch, loss_fn: LossFn) -> dict:
-    """The optimizer steps the executor scheduled (``ctx.train_steps``); returns token-weighted statistics.
+    """The optimizer steps the executor scheduled (``ctx.train_steps``); returns weighted statistics.
 
-    Each step's loss is this rank's token-mean loss times its token share, so once the engine has summed the
-    ranks' gradients every rank holds the gradient of the whole minibatch's token-mean loss. Statistics are
-    weighted the same way: summing them over the data-parallel ranks gives the whole batch's values. Skipped
-    steps (a NaN or inf loss or gradient norm, ``role.on_nonfinite == "skip"``) add no statistics; they are
-    counted in ``<role>/skipped_steps`` (each rank adds its share, so the sum over ranks is the count), present
-    only when a step was skipped.
+    Each step's loss is this rank's mean loss times its share of the minibatch's loss weight (tokens, or rows:
+    ``ctx.loss_unit``), so once the engine has summed the ranks' gradients every rank holds the gradient of the
+    whole minibatch's mean loss. Statistics are weighted the same way: summing them over the data-parallel
+    ranks gives the whole batch's values. Skipped steps (a NaN or inf loss or gradient norm,
+    ``role.on_nonfinite == "skip"``) add no statistics; they are counted in ``<role>/skipped_steps`` (each rank
+    adds its share, so the sum over ranks is the count), present only when a step was skipped.
     """
     role = ctx.role
     model = role.model

@@ -9,13 +9,17 @@ is whole, one pipeline stage, or sharded over data-parallel ranks (:mod:`loomrl.
 
 from __future__ import annotations
 
+from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
-from typing import Callable, Protocol
+from typing import Any, Callable, Protocol
 
 import torch
 from transformers import PreTrainedModel
 
-ScoreFn = Callable[[str, str, "str | None"], float]
+from loomrl.data.tasks import BatchScores
+
+ScoreFn = Callable[[Sequence[str], Sequence[str], Sequence["str | None"], Sequence[Mapping[str, Any]]], BatchScores]
+"""``rule(prompts, responses, answers, rows)``: a task's scores of a batch (``Task.score_batch``)."""
 
 KeepFn = Callable[[torch.Tensor, int], torch.Tensor]
 """``keep(outputs, k)``: what to keep of micro-batch ``k``'s per-position outputs (e.g. its log-probs)."""
@@ -108,7 +112,10 @@ class OpContext:
     """Token ids → text (the tokenizer's decode without special tokens)."""
     train_steps: tuple[tuple[tuple[int, ...], float], ...] = ()
     """``train`` MFCs: per optimizer step, this executor's rows (positions in the given batch) and the weight
-    of their token-mean loss (their share of the step's tokens over all data-parallel ranks)."""
+    of their mean loss (their share of the step's loss weight over all data-parallel ranks: tokens, or rows)."""
+    loss_unit: str = "token"
+    """``train`` MFCs: the MFC's ``loss_unit``, what a row weighs in its minibatch's mean loss (``token``: its
+    response tokens; ``sequence``: one), by which the op weights each micro-batch's loss."""
     micro_batches: int = 1
     """Micro-batches the call's rows run as (the plan's ``micro_batches`` for its MFC; 1 in the reference
     executor). Inference and training ops clip it to their row count; generation ignores it."""

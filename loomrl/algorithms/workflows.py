@@ -2,11 +2,15 @@
 
 The algorithms differ only in which MFCs they have and in the pure functions of
 :mod:`loomrl.algorithms.advantages` and :mod:`loomrl.algorithms.losses` they bind; one training loop and any
-executor run them all. Source keys (provided by the prompt batch): ``prompt_ids``, ``prompt_text``, ``answer``.
+executor run them all. Source keys (provided by the prompt batch): ``prompt_ids``, ``prompt_text``, ``answer``,
+``row`` (the prompt file's other columns, for reward functions).
 
 Departures from the papers, all standard in open-source RLHF: PPO, RLOO, ReMax and REINFORCE++ put the KL to
 the reference in the reward (per token for PPO/REINFORCE++, summed per sequence for RLOO/ReMax); GRPO puts it
-in the loss (k3 by default in the paper; the configured estimator here).
+in the loss (k3 by default in the paper; the configured estimator here). The actor's objective (PPO's or GSPO's
+clipped ratio), how its token losses are averaged (``algo.loss_agg``) and DAPO's overlong reward shaping
+are settings of any algorithm, not algorithms of their own; DAPO is grpo with some of them
+(``examples/dapo_sort.yaml``).
 
 Legend: B = samples, R = response tokens (right-padded), G = samples per prompt.
 """
@@ -27,7 +31,7 @@ from loomrl.rollout import SamplingParams
 from loomrl.workflow import MFC, MFCKind, Workflow
 from loomrl.workflow.batch import Batch, response_columns
 
-SOURCE_KEYS = ("prompt_ids", "prompt_text", "answer")
+SOURCE_KEYS = ("prompt_ids", "prompt_text", "answer", "row")
 
 
 def _seq_kl(batch: Batch, kind: str) -> torch.Tensor:
@@ -78,14 +82,17 @@ def _actor_loss(ctx: OpContext, mb: Batch, logits_BLV: torch.Tensor, packed: tup
     logp_BR = response_columns(logp_BL1, plen_B, width)
     adv_BR = mb["advantages"].to(device)
     old_BR = mb[old_key].to(device)
-    loss, stats = L.policy_loss(logp_BR, old_BR, adv_BR, mask_BR, algo.clip_eps, algo.clip_eps_high)
+    loss, stats = L.policy_objective(algo.policy_loss)(logp_BR, old_BR, adv_BR, mask_BR, algo.clip_eps,
+                                                       algo.clip_eps_high, algo.loss_agg)
     stats = {f"actor/{k}": v for k, v in stats.items()}
     stats["actor/pg_loss"] = loss.item()
-    entropy = A.masked_mean(response_columns(ent_BL1, plen_B, width), mask_BR)
-    stats["actor/entropy"] = entropy.item()
+    ent_BR = response_columns(ent_BL1, plen_B, width)
+    entropy = L.aggregate(ent_BR, mask_BR, algo.loss_agg)
+    # the logged entropy is per token whatever the aggregation (a token sum per response is no entropy)
+    stats["actor/entropy"] = L.token_stat(ent_BR.detach(), mask_BR, algo.loss_agg).item()
     loss = loss - algo.entropy_coef * entropy
     if kl_in_loss:
-        kl = L.kl_penalty_loss(logp_BR, mb["ref_logp"].to(device), mask_BR, algo.kl_estimator)
+        kl = L.kl_penalty_loss(logp_BR, mb["ref_logp"].to(device), mask_BR, algo.kl_estimator, algo.loss_agg)
         stats["actor/kl_loss"] = kl.item()
         loss = loss + algo.kl_coef * kl
     return loss, stats
@@ -120,6 +127,23 @@ _ADVANTAGES = {
 }
 
 
+def advantages_op(ctx: OpContext, batch: Batch, algo: AlgoConfig, max_new_tokens: int) -> dict:
+    """``algo.name``'s advantages from the rewards: the scores, less DAPO's overlong penalty where
+    ``algo.overlong_buffer`` is set (then also a column ``overlong_penalty``, the amount taken; ReMax's greedy
+    baseline is shaped alike, so baseline and sample are rewarded by one rule)."""
+    if not algo.overlong_buffer:
+        return _ADVANTAGES[algo.name](ctx, batch, algo)
+    penalty = partial(A.overlong_penalty, max_new_tokens=max_new_tokens, buffer=algo.overlong_buffer,
+                      penalty=algo.overlong_penalty)
+    penalty_B = penalty(batch["mask"].sum(dim=-1))
+    shaped = {"score": batch["score"] - penalty_B}
+    if "greedy_score" in batch:
+        greedy_len_B = torch.tensor([len(r) for r in batch["greedy_response_ids"]], device=penalty_B.device)
+        shaped["greedy_score"] = batch["greedy_score"] - penalty(greedy_len_B)
+    rewarded = Batch(batch.ids, {**batch.as_dict(), **shaped})
+    return {**_ADVANTAGES[algo.name](ctx, rewarded, algo), "overlong_penalty": penalty_B}
+
+
 def sampling_params(rollout: RolloutConfig) -> SamplingParams:
     return SamplingParams(rollout.max_new_tokens, rollout.temperature, rollout.top_k, rollout.top_p)
 
@@ -127,14 +151,14 @@ def sampling_params(rollout: RolloutConfig) -> SamplingParams:
 def _rollout_mfcs(algo: AlgoConfig, rollout: RolloutConfig, recompute: bool) -> list[MFC]:
     """Generation and the inference calls that score it (shared by every algorithm)."""
     gen, inf = MFCKind.GENERATE, MFCKind.INFERENCE
-    seq, scored = ("prompt_ids", "response_ids"), ("prompt_ids", "response_ids", "prompt_text", "answer")
+    seq, scored = ("prompt_ids", "response_ids"), ("prompt_ids", "response_ids", "prompt_text", "answer", "row")
     temp = rollout.temperature
     mfcs = [
         MFC("actor_gen", "actor", gen, ("prompt_ids",), ("response_ids", "logp", "mask"),
             partial(generate_op, params=sampling_params(rollout)),
             stream=partial(generate_chunks, params=sampling_params(rollout))),
         MFC("ref_inf", "ref", inf, seq, ("ref_logp",), partial(logprob_op, out_key="ref_logp", temperature=temp)),
-        MFC("reward_inf", "reward", inf, scored, ("score",), reward_op),
+        MFC("reward_inf", "reward", inf, scored, ("score", "rule_scores"), partial(reward_op, rule_key="rule_scores")),
     ]
     if recompute:
         mfcs.append(MFC("actor_inf", "actor", inf, seq, ("old_logp",),
@@ -147,7 +171,7 @@ def _rollout_mfcs(algo: AlgoConfig, rollout: RolloutConfig, recompute: bool) -> 
                         partial(generate_op, params=greedy, out_prefix="greedy_"),
                         stream=partial(generate_chunks, params=greedy, out_prefix="greedy_")))
         mfcs.append(MFC("reward_inf_greedy", "reward", inf,
-                        ("prompt_ids", "greedy_response_ids", "prompt_text", "answer"), ("greedy_score",),
+                        ("prompt_ids", "greedy_response_ids", "prompt_text", "answer", "row"), ("greedy_score",),
                         partial(reward_op, response_key="greedy_response_ids", out_key="greedy_score")))
     return mfcs
 
@@ -162,15 +186,18 @@ def build_workflow(algo: AlgoConfig, rollout: RolloutConfig) -> Workflow:
     adv_inputs = ("logp", "ref_logp", "score", "mask") + {"ppo": ("values",), "remax": ("greedy_score",)}.get(
         algo.name, ())
     adv_outputs = ("advantages", "returns", "kl") if algo.name == "ppo" else ("advantages", "kl")
+    if algo.overlong_buffer:
+        adv_inputs += ("greedy_response_ids",) if algo.name == "remax" else ()
+        adv_outputs += ("overlong_penalty",)
     mfcs.append(MFC("advantages", None, MFCKind.COMPUTE, adv_inputs, adv_outputs,
-                    partial(_ADVANTAGES[algo.name], algo=algo)))
+                    partial(advantages_op, algo=algo, max_new_tokens=rollout.max_new_tokens)))
     seq = ("prompt_ids", "response_ids")
     kl_in_loss = algo.name == "grpo"
     actor_inputs = (*seq, old_key, "advantages", "mask") + (("ref_logp",) if kl_in_loss else ())
     steps = {"epochs": algo.ppo_epochs, "minibatches": algo.minibatches}
     mfcs.append(MFC("actor_train", "actor", MFCKind.TRAIN, actor_inputs, (),
                     partial(actor_train_op, algo=algo, temperature=rollout.temperature, old_key=old_key,
-                            kl_in_loss=kl_in_loss), **steps))
+                            kl_in_loss=kl_in_loss), loss_unit=L.LOSS_AGG_UNITS[algo.loss_agg], **steps))
     if algo.name == "ppo":
         mfcs.append(MFC("critic_train", "critic", MFCKind.TRAIN, (*seq, "values", "returns", "mask"), (),
                         partial(critic_train_op, algo=algo), **steps))

@@ -8,9 +8,9 @@ from loomrl.data.prompts import (
     PromptSource,
     RewardFn,
     SyntheticPrompts,
-    load_reward_fn,
     stable_hash,
 )
+from loomrl.data.reward_functions import load_reward_fn
 from loomrl.data.tasks import (
     TASKS,
     AddNumbers,

@@ -10,24 +10,25 @@ stores "next index" in its checkpoint and asks for ``batch(start, n)``.
 - :class:`FilePrompts` reads a JSONL or parquet file with HF ``datasets`` (local files only): a text prompt or
   a chat conversation per row.
 
-:func:`load_reward_fn` and :class:`FunctionTask` let file prompts be scored by a user function (in a process
-of its own, each call under a time limit: :mod:`loomrl.data.reward_functions`).
+:func:`load_reward_fn` and :class:`FunctionTask` let file prompts be scored by user reward functions, in loomrl's,
+TRL's or verl's form (:mod:`loomrl.data.reward_forms`), each in a process of its own with every call under a time
+limit (:mod:`loomrl.data.reward_functions`).
 """
 
 from __future__ import annotations
 
 import hashlib
 import json
-import numbers
 import os
 import random
 import sys
 from abc import ABC, abstractmethod
-from collections.abc import Mapping
+from collections.abc import Mapping, Sequence
 from typing import Any
 
-from loomrl.data.reward_functions import RewardFn, RewardProcess, describe_sample, load_reward_fn, one_line
-from loomrl.data.tasks import Example, Task
+from loomrl.data.reward_forms import RewardFunction
+from loomrl.data.reward_functions import RewardFn, RewardProcess
+from loomrl.data.tasks import EXACT_SCORE, BatchScores, Example, Task
 from loomrl.errors import DataError
 
 SPLITS = ("train", "eval", "test")
@@ -91,7 +92,8 @@ class FilePrompts(PromptSource):
     ``messages`` column). A conversation that ends with an assistant turn (a complete chat demonstration) is
     split: the turns before it are the prompt, and its content is the answer when the row has none. Non-string
     answers (e.g. JSON numbers) are converted with ``str``; nulls, and a file without the answer column, give
-    None. Pass ``answer_key=None`` to ignore answers.
+    None. Pass ``answer_key=None`` to ignore answers. Every column but the prompt's is kept, as read, in the
+    example's ``row``, for reward functions that ask for them by name.
     """
 
     def __init__(self, path: str | os.PathLike[str], prompt_key: str = "prompt",
@@ -106,12 +108,14 @@ class FilePrompts(PromptSource):
         if not prompts:
             raise DataError(f"prompt file '{self.path}': has no rows")
         answers = columns[answer_key] if answer_key in columns else [None] * len(prompts)
-        self.examples = [self._example(i, p, a, prompt_key) for i, (p, a) in enumerate(zip(prompts, answers))]
+        others = [name for name in columns if name != prompt_key]
+        self.examples = [self._example(i, p, a, prompt_key, {name: columns[name][i] for name in others})
+                         for i, (p, a) in enumerate(zip(prompts, answers))]
 
-    def _example(self, row: int, prompt: Any, answer: Any, key: str) -> Example:
+    def _example(self, row: int, prompt: Any, answer: Any, key: str, others: dict[str, Any]) -> Example:
         answer = None if answer is None else str(answer)
         if isinstance(prompt, str):
-            return Example(prompt, answer)
+            return Example(prompt, answer, row=others)
         turns = _turns(prompt)
         if turns is None:
             raise DataError(f"prompt file '{self.path}': row {row} of column '{key}' holds {prompt!r}, neither a "
@@ -122,7 +126,7 @@ class FilePrompts(PromptSource):
         if not turns:
             raise DataError(f"prompt file '{self.path}': row {row} of column '{key}' is an empty conversation")
         text = next((content for role, content in reversed(turns) if role == "user"), turns[-1][1])
-        return Example(text, answer, tuple(turns))
+        return Example(text, answer, tuple(turns), others)
 
     def __len__(self) -> int:
         return len(self.examples)
@@ -166,27 +170,36 @@ def _load_columns(path: str) -> dict[str, list]:
 
 
 class FunctionTask(Task):
-    """A task whose score is a user function, for prompts from a file; it cannot sample prompts itself.
+    """A task whose score is one user reward function, or the weighted sum of several, for prompts from a file; it
+    cannot sample prompts itself.
 
-    With ``timeout_s`` > 0 the function runs in a process of its own (:class:`~loomrl.data.reward_functions.
-    RewardProcess`), each call limited to that many seconds; 0 calls it here, without a limit. Either way a
-    call that raises, hangs past the limit or returns something other than a number in [0, 1] raises a one-line
-    :class:`DataError` naming the function and the sample. The function is also imported here, so a wrong name
-    fails before any call.
+    Each function may take any of the forms of :mod:`loomrl.data.reward_forms` (loomrl's per sample, TRL's batched,
+    verl's ``compute_score``), read from its signature. With ``timeout_s`` > 0 each runs in a process of its own
+    (:class:`~loomrl.data.reward_functions.RewardProcess`), each call limited to that many seconds; 0 calls them
+    here, without a limit. Either way a call that raises, hangs past the limit or returns something other than a
+    finite number raises a one-line :class:`DataError` naming the function and the sample. The functions are
+    also imported here, so a wrong name or signature fails before any call.
     """
 
-    def __init__(self, fn: RewardFn | str, name: str = "function", timeout_s: float = 0.0) -> None:
-        self.spec = fn if isinstance(fn, str) else getattr(fn, "__qualname__", repr(fn))
-        self.fn = load_reward_fn(fn) if isinstance(fn, str) else fn
+    def __init__(self, fn: RewardFn | str | Sequence[RewardFn | str], name: str = "function", timeout_s: float = 0.0,
+                 weights: Sequence[float] | None = None) -> None:
+        fns = [fn] if isinstance(fn, str) or callable(fn) else list(fn)
+        weights = [1.0] * len(fns) if weights is None else [float(w) for w in weights]
+        if not fns or len(weights) != len(fns):
+            raise DataError(f"reward functions: {len(fns)} given with {len(weights)} weights (give at least one "
+                            "function, and one weight per function)")
+        self.functions = [RewardFunction(f, timeout_s) for f in fns]
+        self.weights = weights
+        self.labels = _labels([f.name for f in self.functions])
+        """Per function: its name in the metrics (``reward/<label>``)."""
+        self.spec = ", ".join(f.spec for f in self.functions)
         self.name = name  # type: ignore[misc]  # an instance attribute shadows Task's ClassVar on purpose
         self.timeout_s = timeout_s
-        self.process: RewardProcess | None = None
-        if timeout_s > 0:
-            target = fn if isinstance(fn, str) else f"{fn.__module__}:{fn.__qualname__}"
-            if not isinstance(fn, str) and "<" in fn.__qualname__:
-                raise DataError(f"reward function '{self.spec}': a time limit runs it in its own process, which "
-                                "imports it by name: give a module-level function (or timeout_s=0)")
-            self.process = RewardProcess(target, timeout_s)
+
+    @property
+    def process(self) -> RewardProcess | None:
+        """The (first) function's process; None when the functions run here."""
+        return self.functions[0].process
 
     def sample(self, rng: random.Random) -> Example:
         raise DataError(f"task '{self.name}': a reward-function task has no prompt generator (use FilePrompts)")
@@ -195,25 +208,35 @@ class FunctionTask(Task):
         raise DataError(f"task '{self.name}': no reference answer for prompt {prompt!r} (add an answer column)")
 
     def score(self, prompt: str, response: str, answer: str | None) -> float:
-        if self.process is not None:
-            value = self.process(prompt, response, answer)
-        else:
-            try:
-                value = self.fn(prompt, response, answer)
-            except Exception as exc:  # noqa: BLE001 - user code: any failure stops the run with one line
-                raise DataError(f"reward function '{self.spec}': raised {one_line(exc)} "
-                                f"{describe_sample(prompt, response)}") from exc
-        # A reward outside [0, 1] would silently change the scale every advantage is computed on;
-        # the chained comparison is also False for NaN.
-        if not (isinstance(value, numbers.Real) and 0.0 <= float(value) <= 1.0):
-            raise DataError(f"reward function '{self.spec}': returned {value!r} for prompt {prompt!r} "
-                            "(must be a number in [0, 1])")
-        return float(value)
+        """The reward of one sample (without the row's other columns: :meth:`score_batch` passes those)."""
+        return self.score_batch([prompt], [response], [answer], [{}]).total[0]
+
+    def score_batch(self, prompts: Sequence[str], responses: Sequence[str], answers: Sequence[str | None],
+                    rows: Sequence[Mapping[str, Any]]) -> BatchScores:
+        """Each function on the batch; a sample's reward is their weighted sum, its parts their own values."""
+        total = [0.0] * len(prompts)
+        parts: list[dict[str, float]] = [{} for _ in prompts]
+        for fn, weight, label in zip(self.functions, self.weights, self.labels):
+            rewards = fn(prompts, responses, answers, rows, self.name)
+            for i, (value, extras) in enumerate(zip(rewards.values, rewards.extras)):
+                total[i] += weight * value
+                parts[i][label] = value
+                parts[i].update({f"{label}/{key}": v for key, v in extras.items()})
+        return BatchScores(total, [t >= EXACT_SCORE for t in total], parts)  # as Task.exact, without calling again
 
     def close(self) -> None:
-        """End the function's process, if it has one (a later call starts another)."""
-        if self.process is not None:
-            self.process.close()
+        """End the functions' processes, if they have them (a later call starts others)."""
+        for fn in self.functions:
+            fn.close()
 
     def __repr__(self) -> str:
         return f"FunctionTask({self.spec!r})"
+
+
+_TAKEN = ("mean", "exact_match", "overlong_penalty")
+"""Names under ``reward/`` that the rollout metrics give their own values (:mod:`loomrl.algorithms.metrics`)."""
+
+
+def _labels(names: Sequence[str]) -> list[str]:
+    """The functions' names, each made unique by its position in the list where it repeats or is taken."""
+    return [f"{n}_{i}" if names.count(n) > 1 or n in _TAKEN else n for i, n in enumerate(names)]

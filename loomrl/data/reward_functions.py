@@ -1,5 +1,6 @@
 """User reward functions: imported by name (:func:`load_reward_fn`), called in a process of their own, each call
-under a time limit (``task.reward_timeout_s``, :class:`RewardProcess`).
+under a time limit (``task.reward_timeout_s``, :class:`RewardProcess`). Which arguments a function takes, and what
+it must return, is :mod:`loomrl.data.reward_forms`' business.
 
 A reward function is user code: it may raise, loop forever, or block inside C code that holds the GIL (a regular
 expression that backtracks), which no thread-based timeout can interrupt. So :class:`RewardProcess` runs it in a
@@ -7,8 +8,9 @@ child Python process, started at the first call and kept for the next ones. A ca
 the child (the next call starts a new one) and raises a one-line :class:`~loomrl.errors.DataError` naming the
 function and the sample; so does a call that raises, or a child that dies.
 
-The child speaks JSON lines on its stdin and stdout (strings in; a number, a repr or an error out); the
-function's own prints go to stderr. It ignores Ctrl-C (its parent decides) and exits at the end of its input, or
+The child speaks JSON lines on its stdin and stdout (the arguments in; the value, made :func:`plain`, or an error
+out); the function's own prints go to stderr. One call may be one sample or a whole batch (a batched function):
+the limit is per call. It ignores Ctrl-C (its parent decides) and exits at the end of its input, or
 once its parent is gone even in the middle of a call: at once on Linux when the parent's main thread started it
 (``PR_SET_PDEATHSIG`` follows the starting thread, which may be a short-lived one), else within a second (a
 watchdog thread, which a call holding the GIL in C code delays).
@@ -28,15 +30,16 @@ import sys
 import threading
 import time
 import weakref
+from collections.abc import Mapping, Sequence
 from pathlib import Path
 from typing import Any, Callable
 
 from loomrl.errors import DataError
 
-__all__ = ["RewardFn", "RewardProcess", "describe_sample", "load_reward_fn", "one_line"]
+__all__ = ["RewardFn", "RewardProcess", "describe_batch", "describe_sample", "load_reward_fn", "one_line", "plain"]
 
-RewardFn = Callable[[str, str, "str | None"], float]
-"""reward(prompt, response, answer) → a float in [0, 1]."""
+RewardFn = Callable[..., Any]
+"""A user reward function, of one of the forms of :mod:`loomrl.data.reward_forms`."""
 
 LOAD_TIMEOUT_S = 60.0
 """Least time the child is given to start and import the function (imports may be slow; calls are limited)."""
@@ -88,19 +91,16 @@ class RewardProcess:
         self._buffer = b""
         self._finalizer: weakref.finalize | None = None
 
-    def __call__(self, prompt: str, response: str, answer: str | None) -> Any:
-        """The function's value for one sample: a float, or (for a value that is not a number) an object whose
-        repr is the value's, for the caller's check to name."""
-        sample = describe_sample(prompt, response)
+    def call(self, args: Sequence[Any], kwargs: Mapping[str, Any], sample: str) -> Any:
+        """The function's value for ``fn(*args, **kwargs)``, made :func:`plain`; ``sample`` names the sample (or
+        batch) in errors. A value a JSON line cannot carry (a date in a row) is sent as its ``str``."""
         if self._proc is None:
             self._start(sample)
-        reply = self._exchange({"args": [prompt, response, answer]}, self.timeout_s, sample,
+        reply = self._exchange({"args": list(args), "kwargs": dict(kwargs)}, self.timeout_s, sample,
                                f"took longer than task.reward_timeout_s={self.timeout_s:g} s")
         if "raised" in reply:
             raise DataError(f"reward function '{self.spec}': raised {reply['raised']} {sample}")
-        if "value" in reply:
-            return reply["value"]
-        return _Repr(reply["repr"])
+        return _reprs(reply["value"])
 
     def close(self) -> None:
         """End the child (it exits at the end of its input; one that does not is killed)."""
@@ -129,7 +129,7 @@ class RewardProcess:
     def _exchange(self, message: dict, timeout_s: float, sample: str, late: str) -> dict:
         proc = self._proc
         try:
-            proc.stdin.write((json.dumps(message) + "\n").encode())
+            proc.stdin.write((json.dumps(message, default=str) + "\n").encode())
             proc.stdin.flush()
             line = self._read_line(time.monotonic() + timeout_s)
         except (BrokenPipeError, EOFError):
@@ -166,6 +166,35 @@ class _Repr(str):
         return str(self)
 
 
+def plain(value: Any) -> Any:
+    """A returned value as numbers (floats), lists and str-keyed dicts of them (sequences with ``tolist``, such as
+    numpy arrays, become lists), anything else as an object whose repr is its own, for the caller's check to name.
+    The same in the run's process and through the child's JSON line."""
+    if isinstance(value, numbers.Real):
+        return float(value)
+    if isinstance(value, Mapping):
+        return {str(k): plain(v) for k, v in value.items()}
+    if isinstance(value, (list, tuple)):
+        return [plain(v) for v in value]
+    tolist = getattr(value, "tolist", None)  # numpy arrays and scalars, tensors
+    if callable(tolist) and not isinstance(value, str):
+        converted = tolist()
+        if converted is not value:
+            return plain(converted)
+    return _Repr(repr(value)[:200])
+
+
+def _reprs(value: Any) -> Any:
+    """A plain value read back from JSON: its strings were reprs."""
+    if isinstance(value, str):
+        return _Repr(value)
+    if isinstance(value, dict):
+        return {k: _reprs(v) for k, v in value.items()}
+    if isinstance(value, list):
+        return [_reprs(v) for v in value]
+    return value
+
+
 def _stop(proc: subprocess.Popen) -> None:
     try:
         proc.stdin.close()
@@ -178,6 +207,14 @@ def _stop(proc: subprocess.Popen) -> None:
 def describe_sample(prompt: str, response: str) -> str:
     """The sample a reward call was about, for error messages: its prompt and response, shortened."""
     return f"(sample: prompt {_short(prompt)}, response {_short(response)})"
+
+
+def describe_batch(prompts: Sequence[str], responses: Sequence[str]) -> str:
+    """The batch a batched reward call was about, for error messages: its size and first sample."""
+    if not prompts:
+        return "(an empty batch)"
+    size = f"{len(prompts)} samples" if len(prompts) != 1 else "1 sample"
+    return f"(batch of {size}, the first: prompt {_short(prompts[0])}, response {_short(responses[0])})"
 
 
 def _short(text: Any, limit: int = 60) -> str:
@@ -208,15 +245,13 @@ def main(started_by_main_thread: bool, parent: int) -> None:
         return
     replies.write(json.dumps({"ready": True}) + "\n")
     for line in sys.stdin:
+        call = json.loads(line)
         try:
-            value = fn(*json.loads(line)["args"])
+            value = plain(fn(*call["args"], **call["kwargs"]))
         except Exception as exc:  # noqa: BLE001 - reported to the parent, which stops the run naming it
             replies.write(json.dumps({"raised": one_line(exc)}) + "\n")
             continue
-        if isinstance(value, numbers.Real):
-            replies.write(json.dumps({"value": float(value)}) + "\n")
-        else:
-            replies.write(json.dumps({"repr": repr(value)[:200]}) + "\n")
+        replies.write(json.dumps({"value": value}) + "\n")
 
 
 def _die_with_parent(started_by_main_thread: bool, parent: int) -> None:

@@ -10,9 +10,10 @@ __all__ = ["build_task", "examples_window", "held_out", "prompt_source"]
 
 
 def build_task(cfg: TaskConfig) -> Task:
-    """The task (its scoring rule) of the ``task`` settings: a built-in one, or a user's reward function."""
+    """The task (its scoring rule) of the ``task`` settings: a built-in one, or the user's reward functions."""
     if cfg.name == "file":
-        return FunctionTask(cfg.reward_fn, timeout_s=cfg.reward_timeout_s)
+        return FunctionTask(cfg.reward_functions, name=cfg.name, timeout_s=cfg.reward_timeout_s,
+                            weights=cfg.reward_weights or None)
     if cfg.name == "add":
         return make_task("add", max_digits=cfg.max_digits)
     return make_task(cfg.name, min_len=cfg.min_len, max_len=cfg.max_len)

@@ -25,7 +25,8 @@ import dataclasses
 import random
 import string
 from abc import ABC, abstractmethod
-from dataclasses import dataclass
+from collections.abc import Mapping, Sequence
+from dataclasses import dataclass, field
 from typing import Any, ClassVar
 
 from loomrl.errors import DataError
@@ -40,6 +41,9 @@ class Example:
     answer: str | None = None
     messages: tuple[tuple[str, str], ...] | None = None
     """A chat row's conversation so far, as (role, content) turns; None for a plain text prompt."""
+    row: Mapping[str, Any] = field(default_factory=dict)
+    """A prompt file's row: its columns but the prompt's, by name, as read (what reward functions may ask for:
+    ``solution``, verl's ``data_source``, ``reward_model``, ``extra_info``...); empty for a synthetic task."""
 
     @property
     def model_input(self) -> str | list[dict[str, str]]:
@@ -58,6 +62,34 @@ def partial_credit(response: str, answer: str) -> float:
         return 1.0  # both empty: equal
     matched = sum(1 for x, y in zip(r, answer) if x == y)
     return 0.5 * matched / longest + 0.5 * min(len(r), len(answer)) / longest
+
+
+EXACT_SCORE = 1.0
+"""A response is exactly right when its rule score is at least this (:meth:`Task.exact`): a built-in task's partial
+credit is 1.0 only for the exact answer, and a user reward function gives 1.0 (or more) for a right one."""
+
+
+@dataclass(frozen=True)
+class BatchScores:
+    """A task's rule on a batch of samples: each sample's reward, whether it is exactly right, and the named parts
+    its reward is made of."""
+
+    total: list[float]
+    """Per sample: the reward (a reward-function task's weighted sum of its functions' values)."""
+    exact: list[bool]
+    """Per sample: whether the response is exactly right (:meth:`Task.exact`)."""
+    parts: list[dict[str, float]]
+    """Per sample: named values for the metrics (``reward/<name>``): each reward function's own (unweighted)
+    value, and the other numbers of a verl function's dict as ``<function>/<key>``; empty for a built-in task."""
+
+    def per_sample(self) -> list[tuple[float, bool, dict[str, float]]]:
+        """``(total, exact, parts)`` of each sample: a batch column, which moves with its rows."""
+        return list(zip(self.total, self.exact, self.parts))
+
+    @classmethod
+    def of_samples(cls, samples: Sequence[tuple[float, bool, dict[str, float]]]) -> BatchScores:
+        """The scores of a :meth:`per_sample` column (of any rows, in any order)."""
+        return cls([s[0] for s in samples], [s[1] for s in samples], [s[2] for s in samples])
 
 
 class Task(ABC):
@@ -81,7 +113,14 @@ class Task(ABC):
 
     def exact(self, prompt: str, response: str, answer: str | None) -> bool:
         """Whether the response is exactly correct (the success rate counts these)."""
-        return self.score(prompt, response, answer) >= 1.0
+        return self.score(prompt, response, answer) >= EXACT_SCORE
+
+    def score_batch(self, prompts: Sequence[str], responses: Sequence[str], answers: Sequence[str | None],
+                    rows: Sequence[Mapping[str, Any]]) -> BatchScores:
+        """The rule on a batch: ``score`` and ``exact`` of each sample (``rows``, the prompt file's other columns,
+        serve tasks whose reward functions read them)."""
+        samples = list(zip(prompts, responses, answers))
+        return BatchScores([self.score(*s) for s in samples], [self.exact(*s) for s in samples], [{} for _ in samples])
 
     def demonstration(self, example: Example) -> str:
         """The target response for supervised fine-tuning: the answer (eos is added by the caller)."""

@@ -53,7 +53,7 @@ def make_role(spec: RoleSpec, model: torch.nn.Module | None, task: Task, engine:
     """A role around an (already parallelised) model and the engine that runs it; a trainable role gets its
     optimizer here (its state sharded over ``zero_group`` when given: ZeRO-1)."""
     if spec.name == "reward":
-        return Role("reward", model, rule=task.score if spec.rule else None, rule_weight=spec.rule_weight,
+        return Role("reward", model, rule=task.score_batch if spec.rule else None, rule_weight=spec.rule_weight,
                     model_weight=spec.model_weight, engine=engine)
     if not trainable or spec.optim is None:
         return Role(spec.name, model, engine=engine)

@@ -45,13 +45,14 @@ from loomrl.runtime.fused_stage import FusedStage, is_stream
 from loomrl.runtime.reference import IterationResult, StepTrace, merge_stats
 from loomrl.runtime.spec import CallData, FusedTrainData, WorkerPlan, WorkerSpec
 from loomrl.workflow import MFCKind
-from loomrl.workflow.minibatches import minibatch_rows, split_by_tokens
+from loomrl.workflow.minibatches import loss_weights, minibatch_rows, split_by_tokens
 
 AUTO_START = 0.2
 """``migrate_at: auto`` before any response length is known (RLHFuse's choice at scale)."""
 LENGTH_WINDOW = 2
 """Iterations of observed response lengths the runtime's decisions are priced for."""
-METRIC_KEYS = ("prompt_ids", "response_ids", "prompt_text", "answer", "score", "kl")
+METRIC_KEYS = ("prompt_ids", "response_ids", "prompt_text", "answer", "row", "score", "rule_scores", "kl",
+               "overlong_penalty")
 """The columns the rollout metrics read (:func:`loomrl.algorithms.metrics.rollout_metrics`)."""
 
 Shards = dict[str, list[tuple[tuple[int, ...], Any]]]
@@ -344,19 +345,21 @@ class Controller:
         """Per device of a call that this controller owns: its rows, their input shards, its optimizer steps, and
         whether it publishes. A train call's optimizer steps are the reference's minibatches over the whole batch
         (:func:`~loomrl.workflow.minibatches.minibatch_rows`); this controller's ranks train the rows of each that
-        are in its shard, split by tokens, each rank's loss weighted by its share of the minibatch's tokens, so the
-        ranks' gradients still sum to the reference's. With one controller that is the whole minibatch."""
+        are in its shard, split by tokens, each rank's loss weighted by its share of the minibatch's loss weight
+        (tokens, or rows: :func:`~loomrl.workflow.minibatches.loss_weights`), so the ranks' gradients still sum to
+        the reference's. With one controller that is the whole minibatch."""
         mfc, alloc = step.mfc, step.alloc
         ranks = self._my_ranks(alloc)
         per_dp: dict[int, tuple[tuple[int, ...], tuple]] = {}
         if mfc.kind == MFCKind.TRAIN:
             counts, offset = self.batch_tokens(state)
+            weights = loss_weights(counts, mfc.loss_unit)
             mine = range(offset, offset + len(state.ids))
             local = [[] for _ in ranks]
             for _, rows in minibatch_rows(len(counts), mfc.epochs, mfc.minibatches, self.spec.seed, state.iteration):
-                total = max(sum(counts[r] for r in rows), 1)
+                total = max(sum(weights[r] for r in rows), 1)
                 for held, part in zip(local, split_by_tokens([r for r in rows if r in mine], counts, len(ranks))):
-                    held.append((part, sum(counts[r] for r in part) / total))
+                    held.append((part, sum(weights[r] for r in part) / total))
             for d, steps_of in zip(ranks, local):
                 rows = list(dict.fromkeys(r for part, _ in steps_of for r in part))
                 pos = {r: i for i, r in enumerate(rows)}

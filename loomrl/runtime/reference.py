@@ -111,7 +111,8 @@ class ReferenceExecutor:
         if mfc.kind == MFCKind.TRAIN:
             schedule = train_schedule(response_tokens(batch), mfc.epochs, mfc.minibatches, self.seed, iteration)
             steps = tuple((s.rows_per_rank[0], 1.0) for s in schedule)
-        return OpContext(role, self.seed, iteration, self.pad_id, self.eos_id, self.decode, train_steps=steps)
+        return OpContext(role, self.seed, iteration, self.pad_id, self.eos_id, self.decode, train_steps=steps,
+                         loss_unit=mfc.loss_unit)
 
     def run_iteration(self, iteration: int, batch: Batch) -> IterationResult:
         result = IterationResult(batch=batch)

@@ -327,7 +327,7 @@ class DeviceWorker:
             reduce = partial(_summed, group=self.groups[step.alloc].dp_group, device=self.device)
         return OpContext(role, self.spec.seed, call.iteration, tok.pad_token_id, tok.eos_token_id, self.decode,
                          train_steps=call.train_steps, micro_batches=step.alloc.micro_batches,
-                         recompute=step.alloc.recompute, reduce=reduce)
+                         recompute=step.alloc.recompute, reduce=reduce, loss_unit=step.mfc.loss_unit)
 
     def _reallocate(self, step: Step) -> None:
         """Move a role's weights from its training layout into a copy or shadow (every source and destination

@@ -132,12 +132,15 @@ def absolute_paths(cfg: TrainConfig) -> TrainConfig:
     def path(value: str | None, keywords: tuple[str, ...] = ()) -> str | None:
         return str(Path(value).resolve()) if value and value not in keywords and os.path.exists(value) else value
 
+    def reward(spec: str | None) -> str | None:  # 'file.py:function' names a file; 'module:function' does not
+        module, colon, function = (spec or "").rpartition(":")
+        return f"{path(module)}{colon}{function}" if colon and module.endswith(".py") else spec
+
     task = cfg.task
-    module, colon, function = (task.reward_fn or "").rpartition(":")
-    reward_fn = f"{path(module)}{colon}{function}" if colon and module.endswith(".py") else task.reward_fn
     task = dataclasses.replace(task, prompt_file=path(task.prompt_file), eval_file=path(task.eval_file),
                                tokenizer=path(task.tokenizer, ("auto", "task")),
-                               chat_template=path(task.chat_template, ("auto", "none")), reward_fn=reward_fn)
+                               chat_template=path(task.chat_template, ("auto", "none")),
+                               reward_fn=reward(task.reward_fn), reward_fns=tuple(reward(s) for s in task.reward_fns))
     return dataclasses.replace(
         cfg, run_dir=str(Path(cfg.run_dir).resolve()), task=task,
         actor=dataclasses.replace(cfg.actor, model=path(cfg.actor.model)),
@@ -203,6 +206,7 @@ class RLTrainer:
             "prompt_ids": [encode_prompt(self.tokenizer, ex.model_input) for ex in rows],
             "prompt_text": [ex.prompt for ex in rows],
             "answer": [ex.answer for ex in rows],
+            "row": [ex.row for ex in rows],
         })
 
     def resume(self) -> bool:

@@ -18,6 +18,7 @@ from dataclasses import dataclass, field
 from enum import Enum
 
 from loomrl.errors import WorkflowError
+from loomrl.workflow.minibatches import LOSS_UNITS
 
 __all__ = ["MFC", "MFCKind", "UnrolledCall", "Workflow"]
 
@@ -61,6 +62,10 @@ class MFC:
     minibatches: int = 1
     """``train`` only: optimizer steps per pass; the executor splits the batch (and each minibatch over the
     data-parallel ranks), so every executor takes the same steps on the same samples."""
+    loss_unit: str = "token"
+    """``train`` only: what each row weighs in its minibatch's mean loss, ``token`` (its response tokens) or
+    ``sequence`` (one): the executor weights each rank's loss, and the op each micro-batch's, by their rows'
+    share of it (:func:`~loomrl.workflow.minibatches.loss_weights`)."""
 
     def __post_init__(self) -> None:
         # Accept plain strings and lists from hand-written or config-built MFCs; store canonical types
@@ -79,6 +84,9 @@ class MFC:
             raise WorkflowError(f"MFC {self.name!r}: a {kind.value} call must produce at least one key")
         for what, keys in (("input", self.inputs), ("output", self.outputs)):
             _check_keys(self.name, what, keys)
+        if self.loss_unit not in LOSS_UNITS:
+            raise WorkflowError(f"MFC {self.name!r}: unknown loss_unit {self.loss_unit!r}; valid: "
+                                f"{', '.join(LOSS_UNITS)}")
 
 
 def _parse_kind(kind: object, name: str) -> MFCKind:

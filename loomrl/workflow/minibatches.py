@@ -2,8 +2,9 @@
 
 The schedule is a function of (seed, iteration, sample token counts, epochs, minibatches, dp) only, so the
 single-process reference and any data-parallel layout take the same optimizer steps on the same samples.
-Each step's minibatch is split over the DP ranks balanced by tokens; a rank weights its local token-mean loss
-by its share of the minibatch's tokens, so the sum of the ranks' gradients is the reference's gradient.
+Each step's minibatch is split over the DP ranks balanced by tokens; a rank weights its local mean loss by its
+share of the minibatch's loss weight (:func:`loss_weights`: its tokens for a token-mean loss, its rows for a mean
+over sequences), so the sum of the ranks' gradients is the reference's gradient.
 """
 
 from __future__ import annotations
@@ -13,6 +14,21 @@ from dataclasses import dataclass
 from typing import Sequence
 
 import torch
+
+
+LOSS_UNITS = ("token", "sequence")
+"""What one row counts for in a train call's mean loss: its real tokens (a token-mean) or one (a mean over
+sequences); a train MFC's ``loss_unit``."""
+
+
+def loss_weights(token_counts: Sequence[int], unit: str) -> list[int]:
+    """Each row's weight in its minibatch's mean loss, from its token count: the count itself for ``token``, 1
+    for ``sequence``. A micro-batch's or a rank's loss is weighted by its rows' share of the minibatch's sum."""
+    if unit == "token":
+        return list(token_counts)
+    if unit == "sequence":
+        return [1] * len(token_counts)
+    raise ValueError(f"unknown loss unit {unit!r}; valid: {', '.join(LOSS_UNITS)}")
 
 
 @dataclass(frozen=True)
