@@ -305,6 +305,11 @@ class DynamicPlacementConfig(ValidatedConfig):
     search_share: float = spec(0.25, gt=0)
     """A search also takes at most this share of the latest iteration's time, so that searching stays a small part
     of a run whose iterations are short."""
+    check_share: float = spec(0.01, ge=0)
+    """Most share of the run's iteration time so far that the checks between searches (refit and re-pricing, some
+    milliseconds each) may take: a check that finds them over it is skipped (its iteration is still recorded and
+    fitted later), so their cost stays bounded when iterations are short. Searches are bounded by search_s and
+    search_share instead; 0 re-prices only when a search runs."""
     drift: float = spec(0.5, gt=0)
     """Search again when the observed mean sample length (prompt + response) has moved by more than this fraction
     since the last search; between searches the candidates found are re-priced at every check."""

@@ -19,7 +19,7 @@ from loomrl.errors import ConfigError
 from loomrl.plan import ClusterSpec, make_plan
 from loomrl.plan.schedule import build_schedule
 from loomrl.planner.corrections import ITERATION, Corrections
-from loomrl.planner.placement_policy import SwitchPolicy, SwitchRule, Telemetry
+from loomrl.planner.placement_policy import CheckBudget, SwitchPolicy, SwitchRule, Telemetry
 from loomrl.planner.planning import model_config
 from loomrl.planner.profiles import PROFILES
 from loomrl.planner.replanning import Observed, RunModel, price_plans, refit, switch_seconds
@@ -132,6 +132,23 @@ def test_decisions_carry_their_figures_for_the_metrics():
                            "placement/predicted_gain_s": 10.0, "placement/switch_cost_s": 0.25,
                            "placement/switched": 1.0, "placement/streak": 1.0}
     assert json.loads(json.dumps(d.to_dict()))["reason"].startswith("gain 10 s over 10 iterations exceeds switch")
+
+
+def test_checks_between_searches_stay_within_their_share_of_the_run():
+    """1 s iterations, checks of 0.75 s under a share of one half (numbers exact in binary): a check is allowed
+    while the checks so far took less than half the iterations' time, so two iterations in three are checked and
+    the checks never take more than the share plus one check; share 0 allows none."""
+    budget, checked = CheckBudget(0.5), []
+    for k in range(99):
+        budget.ran(1.0)
+        if budget.allows():
+            budget.spent(0.75)
+            checked.append(k)
+    assert checked[:6] == [0, 1, 3, 4, 6, 7] and len(checked) == 66
+    assert budget.checks_s <= 0.5 * budget.run_s + 0.75
+    never = CheckBudget(0.0)
+    never.ran(10.0)
+    assert not never.allows()
 
 
 # ---------------------------------------------------------------------------------------------- re-planning

@@ -21,7 +21,7 @@ from __future__ import annotations
 
 from dataclasses import asdict, dataclass
 
-__all__ = ["Decision", "SwitchPolicy", "SwitchRule", "Telemetry"]
+__all__ = ["CheckBudget", "Decision", "SwitchPolicy", "SwitchRule", "Telemetry"]
 
 
 @dataclass(frozen=True)
@@ -128,3 +128,23 @@ class SwitchPolicy:
         if switch:
             self.streak, self.since = 0, t.iteration + 1
         return decision
+
+
+class CheckBudget:
+    """Keeps the checks that do not search within ``share`` of the run's iteration time: each iteration adds its
+    seconds (:meth:`ran`), each such check its own (:meth:`spent`); a check is allowed while they took less than
+    ``share`` of the iterations' (share 0: none). Searches are bounded on their own (``runtime.dynamic.search_s``)."""
+
+    def __init__(self, share: float):
+        self.share = share
+        self.run_s = 0.0
+        self.checks_s = 0.0
+
+    def ran(self, iteration_s: float) -> None:
+        self.run_s += iteration_s
+
+    def spent(self, seconds: float) -> None:
+        self.checks_s += seconds
+
+    def allows(self) -> bool:
+        return self.checks_s < self.share * self.run_s

@@ -17,6 +17,10 @@ After each iteration the trainer hands :class:`DynamicPlacement` the iteration's
 5. asks the switch rule (:mod:`loomrl.planner.placement_policy`) and appends the decision to
    ``RUN_DIR/placement.jsonl``.
 
+A check that would not search is skipped while the checks so far took more than ``runtime.dynamic.check_share``
+of the run's iteration time (steps 2 to 5; the iteration is still recorded): on short iterations, re-pricing
+after every one would cost more than the run can gain.
+
 The trainer applies a switch with ``apply_plan`` before the next iteration. Placement never changes the math:
 the run computes what it would under any plan. A resumed run starts again from ``runtime.plan``.
 """
@@ -41,7 +45,7 @@ from loomrl.planner.calibrate import usable_cores
 from loomrl.planner.calibration_runs import sharing_profile
 from loomrl.planner.corrections import Corrections
 from loomrl.planner.cost import PRECISION_BYTES
-from loomrl.planner.placement_policy import Decision, SwitchPolicy, SwitchRule, Telemetry
+from loomrl.planner.placement_policy import CheckBudget, Decision, SwitchPolicy, SwitchRule, Telemetry
 from loomrl.planner.planning import model_config
 from loomrl.planner.profiles import load_profile, profile_for
 from loomrl.planner.replanning import Observed, RunModel, price_plans, refit, search_candidates, switch_seconds
@@ -84,6 +88,8 @@ class DynamicPlacement:
         """Per switch so far: measured seconds beyond the priced ones."""
         self.priced_s = 0.0
         """The priced seconds of the switch just decided (compared with its measured time afterwards)."""
+        self.budget = CheckBudget(d.check_share)
+        """What the checks that do not search may still take (``runtime.dynamic.check_share``)."""
 
     def switched(self, measured_s: float) -> None:
         """The switch decided last took ``measured_s`` seconds (``apply_plan``, measured by the trainer)."""
@@ -92,15 +98,21 @@ class DynamicPlacement:
     def check(self, iteration: int, plan: ExecutionPlan, metrics: Mapping[str, float], remaining: int
               ) -> tuple[Decision, ExecutionPlan | None] | None:
         """Record iteration ``iteration`` (run under ``plan``) and decide for the next one: the decision and the
-        plan to switch to (None to stay); None before any iteration was measured without one-off costs."""
+        plan to switch to (None to stay); None before any iteration was measured without one-off costs, and for a
+        check the budget skips (``runtime.dynamic.check_share``)."""
+        began = time.perf_counter()
         first = not self.records or self.records[-1].plan != plan
         self.records = (self.records + [Observed(iteration, plan, dict(metrics), first)])[-self.settings.history:]
+        self.budget.ran(metrics.get("time/iteration_s", 0.0))
+        lengths = [n for past in self.executor.response_lengths[-OBSERVED_ITERATIONS:] for n in past]
+        workload = self.model.workload(lengths, metrics.get("prompt/length", 0.0))
+        searched = not self.searched_seq or abs(workload.mean_seq / self.searched_seq - 1) > self.settings.drift
+        if not searched and not self.budget.allows():
+            return None
         corrections = refit(self.model, self.records, self.prior)
         if corrections is None:
             return None
-        lengths = [n for past in self.executor.response_lengths[-OBSERVED_ITERATIONS:] for n in past]
-        cost = self.model.cost(self.model.workload(lengths, metrics.get("prompt/length", 0.0)), corrections)
-        searched = not self.searched_seq or abs(cost.workload.mean_seq / self.searched_seq - 1) > self.settings.drift
+        cost = self.model.cost(workload, corrections)
         if searched:
             budget = min(self.settings.search_s, self.settings.search_share * metrics["time/iteration_s"])
             self.pool = search_candidates(self.model, cost, plan, budget, self.seed + iteration)
@@ -117,6 +129,8 @@ class DynamicPlacement:
         decision = self.policy.decide(telemetry)
         self.priced_s = switch_s - self._extra()
         self._log(decision, searched, len(self.pool), corrections)
+        if not searched:
+            self.budget.spent(time.perf_counter() - began)
         return decision, candidate if decision.switch else None
 
     def _switch_price(self, cost, candidate: ExecutionPlan) -> float:
