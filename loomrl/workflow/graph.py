@@ -18,9 +18,12 @@ from dataclasses import dataclass, field
 from enum import Enum
 
 from loomrl.errors import WorkflowError
-from loomrl.workflow.minibatches import LOSS_UNITS
 
-__all__ = ["MFC", "MFCKind", "UnrolledCall", "Workflow"]
+LOSS_UNITS = ("token", "sequence")
+"""What one row counts for in a train call's mean loss: its real tokens (a token-mean) or one (a mean over
+sequences); a train MFC's ``loss_unit`` (:func:`loomrl.workflow.minibatches.loss_weights`)."""
+
+__all__ = ["LOSS_UNITS", "MFC", "MFCKind", "UnrolledCall", "Workflow"]
 
 
 class MFCKind(str, Enum):

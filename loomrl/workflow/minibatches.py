@@ -15,10 +15,7 @@ from typing import Sequence
 
 import torch
 
-
-LOSS_UNITS = ("token", "sequence")
-"""What one row counts for in a train call's mean loss: its real tokens (a token-mean) or one (a mean over
-sequences); a train MFC's ``loss_unit``."""
+from loomrl.workflow.graph import LOSS_UNITS
 
 
 def loss_weights(token_counts: Sequence[int], unit: str) -> list[int]:
