@@ -1,8 +1,8 @@
 """Intra-stage fusion (RLHFuse): fused actor+critic pipeline schedules against the separate 1F1B baseline and the
 lower bound.
 
-    .venv/bin/python benchmarks/fused_pipeline.py [--part schedules|measured|all] [--time-limit 60] [--seed 0]
-        [--quick] [--steps 8]
+    .venv/bin/python benchmarks/fused_pipeline.py [--part schedules|ceiling|measured|all] [--time-limit 60]
+        [--seed 0] [--quick] [--no-exact] [--steps 8] [--cases 16/8/16/1,...] [--proof-limit 300]
 
 ``schedules`` (pure Python, no devices): an actor of depth ``pp_actor`` in {8, 16} and a critic of depth
 ``pp_critic`` in {4, 8, 16} (at most the actor's) train on ``D = pp_actor`` devices, the critic replicated
@@ -12,8 +12,15 @@ the two models' 1F1B peaks there (the default). On top of that grid, every depth
 critic's stage costs 0.5x and 2x the actor's. For each case: the makespan of the separate schedule (each device
 runs the actor's 1F1B, then the critic's), of :func:`~loomrl.plan.fused_pipeline.fused_schedule` (seeded search,
 ``--time-limit`` seconds at most per case, stopping at the bound), the lower bound
-(:mod:`loomrl.plan.fused_pipeline.bound`), the fused schedule's gap to it, the seconds spent and whether it is
-within 1% (the target). ``--quick``: M in {8, 16}, no cost ratios, 5 seconds per case.
+(:mod:`loomrl.plan.fused_pipeline.bound`, raised by CP-SAT's proofs when OR-Tools is installed: the ``schedule``
+extra; ``--no-exact`` leaves it out), the fused schedule's gap to it, the seconds spent and whether it is within 1%
+(the target). ``--quick``: M in {8, 16}, no cost ratios, 5 seconds per case.
+
+``ceiling`` (needs OR-Tools): for each of ``--cases`` (pp_actor/pp_critic/M/critic cost ratio), what the optimum
+is: CP-SAT asked, from the bound up one grid step at a time, whether a schedule of that makespan exists
+(:func:`~loomrl.plan.fused_pipeline.exact.exact_ladder`, ``--proof-limit`` seconds per call, a call asking on while
+its time lasts, and a new call after each proof); the proven bound and, when it found one, the optimum. Long:
+minutes per question on two cores.
 
 ``measured``: fused and separate actor + critic training steps run on 2 and 4 gloo processes, side by side in one
 run, with the cost model's predictions for both (``benchmarks/fused_pipeline_measured.py`` says how).
@@ -31,7 +38,10 @@ from rich.console import Console
 
 os.environ.setdefault("HF_HUB_OFFLINE", "1")
 
-from loomrl.plan.fused_pipeline import FusionProblem, PipelineSpec, check, fused_schedule, separate_schedule
+from loomrl.plan.fused_pipeline import (FusionProblem, PipelineSpec, check, fused_schedule, lower_bound,
+                                        separate_schedule)
+from loomrl.plan.fused_pipeline.exact import available, exact_ladder
+from loomrl.plan.fused_pipeline.graph import build_graph
 from loomrl.report import summary_table
 
 DEPTHS = ((8, 4), (8, 8), (16, 4), (16, 8), (16, 16))
@@ -62,23 +72,55 @@ def schedules_part(args: argparse.Namespace) -> None:
     for pp_actor, pp_critic, micro_batches, ratio in cases(args.quick):
         fusion = problem(pp_actor, pp_critic, micro_batches, ratio)
         separate = check(separate_schedule(fusion)).makespan
-        result = fused_schedule(fusion, seed=args.seed, time_limit_s=limit)
+        result = fused_schedule(fusion, seed=args.seed, time_limit_s=limit, exact=False if args.no_exact else None)
         check(result.schedule)
         rows.append({"case": f"pp {pp_actor}/{pp_critic}, M {micro_batches}" + (f", critic x{ratio:g}"
                                                                               if ratio != 1.0 else ""),
                      "separate 1F1B": separate, "fused": result.makespan, "bound": result.bound,
+                     "CP-SAT proofs": result.exact_proofs,
                      "gap %": 100 * result.gap, "seconds": round(result.seconds, 1),
                      "within 1%": "yes" if result.gap <= TARGET_GAP + 1e-12 else "no"})
         Console().print(f"{rows[-1]['case']}: fused {result.makespan:g}, bound {result.bound:g}, "
                         f"{result.seconds:.1f} s", style="dim")
+    exact = "off" if args.no_exact else ("on" if available() else "not installed")
     Console(width=160).print(summary_table(rows, f"fused pipeline schedules (time units; search limit {limit:g} s "
-                                                 f"per case, seed {args.seed})"))
+                                                 f"per case, seed {args.seed}; CP-SAT {exact})"))
     within = sum(r["within 1%"] == "yes" for r in rows)
     worst = max(rows, key=lambda r: r["gap %"])
     longest = max(rows, key=lambda r: r["seconds"])
     Console().print(f"within 1% of the bound: {within} of {len(rows)} cases")
     Console().print(f"worst gap: {worst['gap %']:.2f}% ({worst['case']})")
     Console().print(f"longest search: {longest['seconds']:.1f} s ({longest['case']})")
+
+
+def ceiling_part(args: argparse.Namespace) -> None:
+    """The optimum of each of ``--cases`` as far as CP-SAT proves it (module docstring)."""
+    if not available():
+        raise SystemExit("--part ceiling needs OR-Tools: pip install 'loomrl[schedule]'")
+    rows = []
+    for spec in args.cases.split(","):
+        pp_actor, pp_critic, micro_batches, ratio = spec.split("/")
+        fusion = problem(int(pp_actor), int(pp_critic), int(micro_batches), float(ratio))
+        graph, bound = build_graph(fusion), lower_bound(fusion)
+        best = fused_schedule(fusion, seed=args.seed, time_limit_s=args.time_limit or 60.0, exact=False)
+        hint = [[graph.index[t] for t in order] for order in best.schedule.devices]
+        proven, optimum, began = bound, None, time.perf_counter()
+        while optimum is None and proven < best.makespan - 1e-9:
+            found = exact_ladder(graph, proven, best.makespan, deadline=time.perf_counter() + args.proof_limit,
+                                 seed=args.seed, hint=hint, workers=os.cpu_count() or 1)
+            if found.orders is not None:
+                optimum = found.bound
+            elif found.proofs == 0:
+                break
+            proven = found.bound
+        if optimum is None and proven >= best.makespan - 1e-9:
+            optimum = best.makespan
+        rows.append({"case": spec, "fused (search)": best.makespan, "bound": bound, "proven bound": proven,
+                     "optimum": optimum if optimum is not None else "?", "seconds": round(time.perf_counter() - began),
+                     "optimum > 1.01 bound": "?" if optimum is None else ("yes" if optimum > 1.01 * bound else "no")})
+        Console().print(f"{spec}: proven >= {proven:g}, optimum {optimum}", style="dim")
+    Console(width=160).print(summary_table(rows, f"how far each case's optimum lies above the bound (CP-SAT, "
+                                                 f"{args.proof_limit:g} s per question)"))
 
 
 def measured_part(args: argparse.Namespace) -> None:
@@ -104,16 +146,22 @@ def measured_part(args: argparse.Namespace) -> None:
 
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    ap.add_argument("--part", choices=("schedules", "measured", "all"), default="all",
-                    help="schedules: simulated makespans and bounds; measured: training steps run on this machine")
+    ap.add_argument("--part", choices=("schedules", "ceiling", "measured", "all"), default="all",
+                    help="schedules: simulated makespans and bounds; ceiling: CP-SAT's optimum of --cases; "
+                         "measured: training steps run on this machine (all: schedules and measured)")
     ap.add_argument("--steps", type=int, default=8, help="measured training steps of each kind per setup")
     ap.add_argument("--time-limit", type=float, default=None, help="search seconds per case (default 60; 5 quick)")
     ap.add_argument("--seed", type=int, default=0)
     ap.add_argument("--quick", action="store_true", help="M in {8, 16}, no cost ratios, 5 s per case")
+    ap.add_argument("--no-exact", action="store_true", help="schedules without CP-SAT even when it is installed")
+    ap.add_argument("--cases", default="16/8/16/1", help="ceiling: pp_actor/pp_critic/M/critic cost ratio, ...")
+    ap.add_argument("--proof-limit", type=float, default=300.0, help="ceiling: CP-SAT seconds per call")
     args = ap.parse_args()
     began = time.perf_counter()
     if args.part in ("schedules", "all"):
         schedules_part(args)
+    if args.part == "ceiling":
+        ceiling_part(args)
     if args.part in ("measured", "all"):
         measured_part(args)
     Console().print(f"total {time.perf_counter() - began:.0f} s")

@@ -122,7 +122,7 @@ def read_config_json(path: str) -> SimpleNamespace:
 
 SEARCH_CHAINS = 8
 """Annealing chains of :func:`compare_plans`: one from each heuristic's best plan, the rest from the best
-crossovers of them. In the plan_search benchmark (docs/benchmarks.md, eighth session) eight shorter walks found
+crossovers of them. In the plan_search benchmark (docs/benchmarks.md) eight shorter walks found
 faster plans than four longer ones in 5 of 12 setups (13B on 16 GPUs, 384 tokens: 7.08 s, against 7.21 s with
 two of three seeds for four chains; 70B/128: 7.76 s against 7.94 s), a slower one in one (70B/384: 16.53 s
 against 16.35 s), the same in the others."""

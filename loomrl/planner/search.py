@@ -314,7 +314,7 @@ class _Splitter:
     the walk seldom reaches such a plan at 64 devices. This is the adaptive-placement paper's interleaving as
     one move, made by the polish (:func:`_polish`), which keeps it only where it helps. (Made by the walk too, a
     tenth of its proposals, it found faster plans at 34B and 70B and slower ones at 13B, whose walks had
-    converged: the moves spent steps and took the chains elsewhere; docs/benchmarks.md, ninth session.)"""
+    converged: the moves spent steps and took the chains elsewhere; the plan_search benchmark.)"""
 
     def __init__(self, units: list[_Unit], workflow: Workflow, cost: CostEstimator, memory_per_device: float):
         self.units = units

@@ -8,7 +8,10 @@ micro-batches fill the other's pipeline bubbles.
   executor relies on (:func:`check`, :class:`ScheduleError`);
 - :mod:`~loomrl.plan.fused_pipeline.bound`: a lower bound on every valid schedule's makespan;
 - :mod:`~loomrl.plan.fused_pipeline.decode`, :mod:`~loomrl.plan.fused_pipeline.search`: list scheduling and the
-  search (:func:`separate_schedule`, :func:`merged_schedule`, :func:`fused_schedule`).
+  search (:func:`separate_schedule`, :func:`merged_schedule`, :func:`fused_schedule`);
+- :mod:`~loomrl.plan.fused_pipeline.polish`: local improvement of a schedule (tabu search on critical tasks);
+- :mod:`~loomrl.plan.fused_pipeline.exact`: CP-SAT, when OR-Tools is installed: proofs that raise the bound, and
+  schedules at it.
 
 Pure Python: the plan layer knows nothing of torch.distributed or Ray.
 """

@@ -26,7 +26,10 @@ hops on the edges between devices, every task gets a *head* ``r`` (the longest p
   the first backwards come back; the memory-free bounds do not see it.
 
 The bound is the largest of these. What it leaves out: how devices delay one another (each device is bounded
-alone, with heads and tails that ignore contention), and that forwards and backwards cannot be preempted.
+alone, with heads and tails that ignore contention), and that forwards and backwards cannot be preempted. On the
+benchmark's cases that miss it, the second does not matter (the exact non-preemptive one-device optimum with
+memory, solved by CP-SAT for 16/8 M16, 8/8 critic ×0.5 and 16/16 critic ×2, equals this bound): what is missing
+is between devices, which :mod:`~loomrl.plan.fused_pipeline.exact` proves when OR-Tools is installed.
 """
 
 from __future__ import annotations

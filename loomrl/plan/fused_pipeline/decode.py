@@ -16,16 +16,24 @@ each model to one micro-batch per device, so the search also decodes without it 
 returns None). ``shares`` optionally caps each model's own live activations per device as well (1F1B keeps stage
 ``s`` of depth ``P`` at ``P - s``), which stops one model from taking memory the other needs later.
 
+``hold`` lets the priorities decide memory too: a forward is not admitted when the other model's next forward on
+the device has the higher priority, fits now and would no longer fit after it, even if that one has not arrived
+yet and the device would otherwise idle. Without it the decoder only makes schedules in which a forward that fits
+and is ready runs unless a task of higher priority can start before it would end; under a tight cap the best
+schedules often hold a forward back for longer, to keep its memory for the other model's next micro-batch. On four
+devices with both models four stages deep, 8 micro-batches and the critic at half cost, an optimal schedule (39,
+the bound; found by CP-SAT) decodes from its own start times with ``hold`` and to 40.5 at best without it, with
+or without reserve and shares (``tests/test_fused_schedule.py``). A hold can deadlock a decode, which then
+returns None.
+
 The same decoder runs the problem *reversed* (every edge turned round, streams in reverse micro-batch order,
 backwards allocating and forwards freeing): a reversed schedule read backwards is a forward one, which gives the
 forward-backward improvement of :func:`justify` and lets the search rebuild the beginning of a schedule while
 keeping its end. A decode may also continue from a *prefix* of every device's order (tasks already placed, with
 their end times), which is how the search rebuilds the rest of a schedule after a cut.
 
-What it cannot produce: schedules where a device waits although a task it could run is ready and would end
-before anything more urgent arrives. Under a memory cap the best schedule is sometimes of that kind (a forward
-held back to keep memory for the other model), which is the main reason the search stops short of the bound.
-"""
+What it still cannot produce: schedules that are not *active* in that sense for reasons other than memory (a device
+idle while a ready task would end before anything more urgent arrives)."""
 
 from __future__ import annotations
 
@@ -64,11 +72,11 @@ class Decoder:
         """Each model's allocating stream on a device: its forwards (its backwards when reversed)."""
 
     def run(self, priority: Sequence[float], *, shares: Sequence[Sequence[float]] | None = None,
-            non_delay: bool = False, reserve: bool = True, prefix: Orders | None = None,
+            non_delay: bool = False, reserve: bool = True, hold: bool = False, prefix: Orders | None = None,
             prefix_end: Sequence[float] | None = None) -> tuple[Orders, list[float]] | None:
         """Each device's order and every task's end time, continuing after ``prefix`` (whose tasks end at
-        ``prefix_end``) if given; None if the decode gets stuck (possible without ``reserve``, or after a prefix
-        decoded without it)."""
+        ``prefix_end``) if given; None if the decode gets stuck (possible without ``reserve``, with ``hold``, or
+        after a prefix decoded so)."""
         graph = self.graph
         devices, n = graph.problem.devices, graph.size
         end = [-1.0] * n
@@ -85,10 +93,10 @@ class Decoder:
             orders[d] = list(tasks)
             free[d] = prefix_end[tasks[-1]] if tasks else 0.0
         state = (end, at, free, live, live_of, orders)
-        self._schedule(state, priority, shares, non_delay, reserve)
+        self._schedule(state, priority, shares, non_delay, reserve, hold)
         return (orders, end) if sum(map(len, orders)) == n else None
 
-    def _schedule(self, state, priority, shares, non_delay, reserve) -> None:
+    def _schedule(self, state, priority, shares, non_delay, reserve, hold) -> None:
         """The Giffler–Thompson loop over ``state`` (module docstring), in place."""
         end, at, free, live, live_of, orders = state
         xpred, xsucc, pair, mem, streams, model = self.xpred, self.xsucc, self.pair, self.mem, self.streams, self.model
@@ -112,6 +120,9 @@ class Decoder:
                     if live[d] + act[m] + room > cap[d] + 1e-9 or \
                             (shares is not None and (live_of[d][m] + 1) * act[m] > shares[d][m] + 1e-9):
                         continue
+                    if hold and here[other] < len(per[other]) and priority[per[other][here[other]]] > priority[t] \
+                            and live[d] + act[1 - m] <= cap[d] + 1e-9 < live[d] + act[m] + act[1 - m]:
+                        continue  # the other model's next forward comes first and would no longer fit
                 ready = end[x] + hop if x >= 0 else 0.0
                 out.append((ready if ready > free[d] else free[d], t))
             return out
@@ -155,7 +166,8 @@ def forward_orders(reversed_orders: Orders) -> Orders:
 
 
 def justify(forward: Decoder, backward: Decoder, orders: Orders, passes: int,
-            shares: Sequence[Sequence[float]] | None = None, reserve: bool = True) -> tuple[Orders, float]:
+            shares: Sequence[Sequence[float]] | None = None, reserve: bool = True,
+            hold: bool = False) -> tuple[Orders, float]:
     """Forward-backward improvement: schedule the reversed problem with priority to the tasks that end last,
     then the forward one with priority to the tasks that start first in that, ``passes`` times; the best orders
     met and their makespan (never worse than ``orders``)."""
@@ -163,12 +175,12 @@ def justify(forward: Decoder, backward: Decoder, orders: Orders, passes: int,
     end, _ = finish_times(graph, orders)
     best = (max(end), orders)
     for _ in range(passes):
-        done = backward.run(end, shares=shares, reserve=reserve)
+        done = backward.run(end, shares=shares, reserve=reserve, hold=hold)
         if done is None:
             break
         rev_end = done[1]
         span = max(rev_end)
-        done = forward.run([e - span for e in rev_end], shares=shares, reserve=reserve)  # minus the start
+        done = forward.run([e - span for e in rev_end], shares=shares, reserve=reserve, hold=hold)  # minus the start
         if done is None:
             break
         orders = done[0]

@@ -6,22 +6,31 @@
 - :func:`merged_schedule`: list scheduling (:class:`~loomrl.plan.fused_pipeline.decode.Decoder`) with Jackson's
   priority, the task with the longest path still behind it first (ties to the earlier head), in active and
   non-delay form, with memory shared by the two models or held to each one's own 1F1B share, with and without
-  the deadlock reserve, each followed by forward-backward improvement
+  the deadlock reserve, with and without holding a forward back for the other model's more urgent one, each
+  followed by forward-backward improvement
   (:func:`~loomrl.plan.fused_pipeline.decode.justify`). The best of these (or the separate schedule, if better)
   is the search's start.
 - :func:`fused_schedule`: large-neighbourhood search from that start. Each step cuts the current schedule at a
   random time, keeps one side of the cut as it is and rebuilds the other by list scheduling with perturbed
   priorities (each task's current start, or its Jackson priority, plus Gaussian noise), memory shared or held
-  to 1F1B shares and the reserve on or off at random: keeping the beginning, the decoder runs forwards from the
-  kept prefix of every device's order; keeping the end, it rebuilds the beginning on the reversed problem. A
+  to 1F1B shares, the reserve and the hold on or off at random: keeping the beginning, the decoder runs forwards
+  from the kept prefix of every device's order; keeping the end, it rebuilds the beginning on the reversed
+  problem. A
   rebuilt schedule replaces the current one by the simulated-annealing rule (always when no longer, else with
   probability ``exp(-increase / temperature)``, the temperature falling geometrically), in :data:`ROUNDS`
-  rounds that each restart the temperature from the best schedule so far. The search stops at the lower bound.
+  rounds that each restart the temperature from the best schedule so far, and each ends with local improvement
+  (:func:`~loomrl.plan.fused_pipeline.polish.polish`, tabu search over moves of critical tasks) for
+  :data:`POLISH_SHARE` of its time. Then, when OR-Tools is installed and the problem lies on a time grid, CP-SAT
+  (:func:`~loomrl.plan.fused_pipeline.exact.exact_ladder`) gets :data:`EXACT_SHARE` of the time to prove
+  makespans below the best one out of reach, which raises the bound, or to find a schedule at the bound. The
+  search stops at the lower bound.
 
 Why not RLHFuse's annealing over swaps of two tasks on a device: under the memory cap a better schedule usually
 needs a micro-batch moved on several devices at once, which single swaps only reach through long runs of worse
 or deadlocking orders; a rebuild moves whole paths and is valid by construction. A step costs one list-scheduling
-pass over part of the tasks plus one simulation (a few milliseconds for a few thousand tasks).
+pass over part of the tasks plus one simulation (a few milliseconds for a few thousand tasks). Swaps do help at
+the end, near a schedule the rebuilds found, where the last idle half-units sit on one critical path: that is the
+local improvement, which only moves critical tasks.
 """
 
 from __future__ import annotations
@@ -29,13 +38,16 @@ from __future__ import annotations
 import functools
 import itertools
 import math
+import os
 import random
 import time
 from dataclasses import dataclass
 
+from loomrl.plan.fused_pipeline import exact as exact_module
 from loomrl.plan.fused_pipeline.bound import heads_and_tails, lower_bound
 from loomrl.plan.fused_pipeline.decode import Decoder, Orders, forward_orders, justify
 from loomrl.plan.fused_pipeline.graph import Graph, build_graph, finish_times
+from loomrl.plan.fused_pipeline.polish import polish
 from loomrl.plan.fused_pipeline.problem import MODELS, FusionProblem, Schedule
 
 __all__ = ["FusionResult", "fused_schedule", "merged_schedule", "separate_schedule"]
@@ -48,6 +60,12 @@ ROUNDS = 3
 """Annealing rounds, each restarting from the best schedule so far (the budget split evenly)."""
 NOISE = (0.5, 1.0, 2.0, 4.0)
 """Standard deviations of the priority noise a rebuild draws from, in units of the mean task duration."""
+POLISH_SHARE = 0.25
+"""Share of each round's time (or rebuilds) given to local improvement at its end."""
+EXACT_SHARE = 0.5
+"""Share of the time limit left to CP-SAT when it is used (the list-scheduling search plateaus within seconds)."""
+EXACT_WORKERS = min(8, os.cpu_count() or 1)
+"""CP-SAT's parallel workers."""
 
 
 @dataclass(frozen=True)
@@ -62,11 +80,14 @@ class FusionResult:
     """``makespan / bound - 1``."""
     seconds: float
     iterations: int
-    """Rebuilds the search tried (0: the start was kept)."""
+    """Search steps tried: rebuilds and local-improvement moves (0: the start was kept)."""
     evaluations: int
     """Schedules decoded and simulated in all, the start's included."""
     start_makespan: float
     """The start's makespan (the better of :func:`merged_schedule` and :func:`separate_schedule`)."""
+    exact_proofs: int = 0
+    """Makespans CP-SAT proved out of reach (each raising ``bound`` one grid step above
+    :func:`~loomrl.plan.fused_pipeline.bound.lower_bound`); 0 when it was not used."""
 
 
 def _schedule(graph: Graph, orders: Orders) -> Schedule:
@@ -118,11 +139,12 @@ class _Context:
     def greedy(self) -> tuple[Orders, int]:
         """The best list schedule of the module docstring's start, and the schedules decoded for it."""
         best, best_span, decoded = None, math.inf, 0
-        for shares, non_delay, reserve in itertools.product((None, self.shares), (False, True), (True, False)):
-            done = self.forward.run(self.jackson, shares=shares, non_delay=non_delay, reserve=reserve)
+        for shares, non_delay, reserve, hold in itertools.product((None, self.shares), (False, True), (True, False),
+                                                                  (False, True)):
+            done = self.forward.run(self.jackson, shares=shares, non_delay=non_delay, reserve=reserve, hold=hold)
             decoded += 1
             if done is not None:
-                orders, span = justify(self.forward, self.backward, done[0], JUSTIFY_PASSES, shares, reserve)
+                orders, span = justify(self.forward, self.backward, done[0], JUSTIFY_PASSES, shares, reserve, hold)
                 decoded += 2 * JUSTIFY_PASSES
                 if span < best_span:
                     best, best_span = orders, span
@@ -136,6 +158,7 @@ class _Context:
         cut = rng.uniform(0.0, span)
         shares = self.shares if rng.random() < 0.5 else None
         reserve = rng.random() < 0.75
+        hold = rng.random() < 0.5
         sigma = self.scale * rng.choice(NOISE)
         by_time = rng.random() < 0.5
         gauss = rng.gauss
@@ -143,12 +166,12 @@ class _Context:
             prefix = [[t for t in order if start[t] < cut] for order in orders]
             base = [-s for s in start] if by_time else self.jackson
             done = self.forward.run([b + gauss(0.0, sigma) for b in base], shares=shares, reserve=reserve,
-                                    prefix=prefix, prefix_end=end)
+                                    hold=hold, prefix=prefix, prefix_end=end)
             return None if done is None else done[0]
         prefix = [[t for t in reversed(order) if start[t] >= cut] for order in orders]
         base = end if by_time else self.reversed_jackson
         done = self.backward.run([b + gauss(0.0, sigma) for b in base], shares=shares, reserve=reserve,
-                                 prefix=prefix, prefix_end=[span - s for s in start])
+                                 hold=hold, prefix=prefix, prefix_end=[span - s for s in start])
         return None if done is None else forward_orders(done[0])
 
 
@@ -170,37 +193,61 @@ def merged_schedule(problem: FusionProblem) -> Schedule:
 
 
 def fused_schedule(problem: FusionProblem, *, seed: int = 0, time_limit_s: float = 60.0,
-                   iterations: int | None = None) -> FusionResult:
+                   iterations: int | None = None, exact: bool | None = None) -> FusionResult:
     """The greedy start improved by the search of the module docstring until it reaches the lower bound, has
-    tried ``iterations`` rebuilds or has run ``time_limit_s``, whichever comes first. With ``iterations`` the
+    tried ``iterations`` search steps or has run ``time_limit_s``, whichever comes first. With ``iterations`` the
     result depends on ``seed`` alone (the time limit is then only a safety cap); ``iterations=0`` is the cheap
-    path: the start alone. Results are cached per arguments."""
+    path: the start alone. ``exact``: whether CP-SAT gets the end of the time limit (None: when OR-Tools is
+    installed and no ``iterations`` are given; its answers then depend on the time it gets). Results are cached
+    per arguments."""
     if iterations is not None and (not isinstance(iterations, int) or iterations < 0):
         raise ValueError(f"iterations: {iterations!r} is not an integer >= 0")
     if not time_limit_s > 0:
         raise ValueError(f"time_limit_s: {time_limit_s!r} is not > 0")
-    return _fused(problem, seed, float(time_limit_s), iterations)
+    if exact and not exact_module.available():
+        raise ValueError("exact: True needs OR-Tools (pip install 'loomrl[schedule]'), which is not installed")
+    use_exact = exact if exact is not None else iterations is None and exact_module.available()
+    return _fused(problem, seed, float(time_limit_s), iterations, bool(use_exact))
 
 
 @functools.lru_cache(maxsize=256)
-def _fused(problem: FusionProblem, seed: int, time_limit_s: float, iterations: int | None) -> FusionResult:
+def _fused(problem: FusionProblem, seed: int, time_limit_s: float, iterations: int | None,
+           use_exact: bool) -> FusionResult:
     began = time.perf_counter()
     graph, bound, context = build_graph(problem), lower_bound(problem), _context(problem)
     greedy, decoded = _greedy(problem)
     separate = [[graph.index[t] for t in order] for order in separate_schedule(problem).devices]
     orders = min(([list(o) for o in greedy], separate), key=lambda o: _span(graph, o)[1])
     start_span = _span(graph, orders)[1]
-    rng, steps, deadline = random.Random(seed), 0, began + time_limit_s
+    rng, steps = random.Random(seed), 0
+    search_s = time_limit_s * (1 - EXACT_SHARE) if use_exact and iterations is None else time_limit_s
     for round_ in range(ROUNDS):
+        round_end = began + search_s * (round_ + 1) / ROUNDS
         if iterations is None:
-            budget, round_deadline = None, began + time_limit_s * (round_ + 1) / ROUNDS
+            now = time.perf_counter()
+            budget, polish_budget = None, None
+            anneal_end = now + (round_end - now) * (1 - POLISH_SHARE)
         else:
-            budget, round_deadline = iterations * (round_ + 1) // ROUNDS - steps, deadline
-        orders, tried = _anneal(context, orders, bound, rng, round_deadline, budget)
+            budget = iterations * (round_ + 1) // ROUNDS - steps
+            polish_budget = int(budget * POLISH_SHARE)
+            budget, anneal_end, round_end = budget - polish_budget, began + search_s, began + search_s
+        orders, tried = _anneal(context, orders, bound, rng, anneal_end, budget)
         steps += tried
+        if polish_budget != 0 and not _reached(_span(graph, orders)[1], bound):
+            orders, tried = polish(graph, orders, context.tail, bound, rng=rng, deadline=round_end,
+                                   budget=polish_budget)
+            steps += tried
     span = _span(graph, orders)[1]
+    proofs = 0
+    if use_exact and not _reached(span, bound):
+        found = exact_module.exact_ladder(graph, bound, span, deadline=began + time_limit_s, seed=seed,
+                                          hint=orders, workers=EXACT_WORKERS)
+        bound, proofs = found.bound, found.proofs
+        if found.orders is not None and _span(graph, found.orders)[1] < span:
+            orders = found.orders
+            span = _span(graph, orders)[1]
     return FusionResult(_schedule(graph, orders), span, bound, span / bound - 1 if bound > 0 else 0.0,
-                        time.perf_counter() - began, steps, decoded + 1 + steps, start_span)
+                        time.perf_counter() - began, steps, decoded + 1 + steps, start_span, proofs)
 
 
 def _reached(span: float, bound: float) -> bool:
