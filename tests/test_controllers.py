@@ -28,6 +28,7 @@ from loomrl.plan.strategies import make_plan
 from loomrl.runtime.controllers import Coordinator, controller_devices, plan_for_controllers, shard_batch
 from loomrl.train.rl import RLTrainer
 from loomrl.workflow.batch import Batch
+from test_runtime import _alive
 
 SAMPLE_KEYS = ("reward/mean", "reward/exact_match", "response/length", "response/length_max")
 LOSS_KEYS = ("kl/mean", "actor/pg_loss", "critic/value_loss", "actor/clipfrac", "actor/approx_kl", "actor/grad_norm",
@@ -208,13 +209,6 @@ def test_whitening_over_shards_is_whitening_over_the_batch():
 
 
 # ------------------------------------------------------------------------------------------- failure
-def _alive(pid: int) -> bool:
-    try:
-        os.kill(pid, 0)
-    except ProcessLookupError:
-        return False
-    return True
-
 
 @pytest.mark.usefixtures("ray_session")
 def test_a_failing_controller_stops_the_run_in_one_line_and_leaves_nothing(tmp_path):

@@ -16,6 +16,7 @@ import pytest
 from loomrl.config import TrainConfig
 from loomrl.configtools import load_config
 from loomrl.train.rl import FAILURES_FILE, RLTrainer
+from test_runtime import _alive, failing_reward
 
 SAMPLE_KEYS = ("reward/mean", "reward/exact_match", "response/length")
 LOSS_KEYS = ("kl/mean", "actor/pg_loss", "critic/value_loss", "actor/grad_norm", "critic/grad_norm")
@@ -83,21 +84,8 @@ def test_a_lost_worker_is_replaced_and_the_run_is_the_reference_run(tmp_path, sa
 def test_an_error_raised_by_a_call_is_not_retried(tmp_path):
     from loomrl.runtime.ray_executor import RuntimeFailure
 
-    (tmp_path / "prompts.jsonl").write_text("".join(f'{{"prompt": "add {i}+1=", "answer": "{i + 1}"}}\n'
-                                                    for i in range(8)))
-    (tmp_path / "bad_reward.py").write_text("def score(prompt, response, answer):\n"
-                                            "    raise ValueError('reward service unavailable')\n")
     cfg = _cfg(tmp_path, "boom", "runtime.executor=ray", "runtime.devices=2", "runtime.max_failures=3",
-               "task.name=file", f"task.prompt_file={tmp_path / 'prompts.jsonl'}",
-               f"task.reward_fn={tmp_path / 'bad_reward.py'}:score", "loop.save_every=0")
+               *failing_reward(tmp_path), "loop.save_every=0")
     with pytest.raises(RuntimeFailure, match="reward service unavailable"):
         RLTrainer(cfg).run()
     assert not (tmp_path / "boom" / FAILURES_FILE).exists()
-
-
-def _alive(pid: int) -> bool:
-    try:
-        os.kill(pid, 0)
-    except ProcessLookupError:
-        return False
-    return True

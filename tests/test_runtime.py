@@ -114,6 +114,16 @@ def _alive(pid: int) -> bool:
     return True
 
 
+def failing_reward(tmp_path) -> tuple[str, ...]:
+    """Overrides for a prompt file of 8 rows and a reward function that raises 'reward service unavailable'."""
+    (tmp_path / "prompts.jsonl").write_text("".join(f'{{"prompt": "add {i}+1=", "answer": "{i + 1}"}}\n'
+                                                    for i in range(8)))
+    (tmp_path / "bad_reward.py").write_text("def score(prompt, response, answer):\n"
+                                            "    raise ValueError('reward service unavailable')\n")
+    return ("task.name=file", f"task.prompt_file={tmp_path / 'prompts.jsonl'}",
+            f"task.reward_fn={tmp_path / 'bad_reward.py'}:score")
+
+
 def test_a_killed_worker_is_a_clear_error_and_nothing_is_left(tmp_path):
     from loomrl.runtime.ray_executor import RuntimeFailure
 
@@ -152,12 +162,7 @@ def test_the_controller_receives_only_metadata(tmp_path):
 def test_an_exception_in_an_mfc_names_worker_role_and_mfc(tmp_path):
     from loomrl.runtime.ray_executor import RuntimeFailure
 
-    (tmp_path / "prompts.jsonl").write_text("".join(f'{{"prompt": "add {i}+1=", "answer": "{i + 1}"}}\n'
-                                                    for i in range(8)))
-    (tmp_path / "bad_reward.py").write_text("def score(prompt, response, answer):\n"
-                                            "    raise ValueError('reward service unavailable')\n")
-    cfg = _cfg(tmp_path, "boom", "runtime.executor=ray", "runtime.devices=2", "task.name=file",
-               f"task.prompt_file={tmp_path / 'prompts.jsonl'}", f"task.reward_fn={tmp_path / 'bad_reward.py'}:score")
+    cfg = _cfg(tmp_path, "boom", "runtime.executor=ray", "runtime.devices=2", *failing_reward(tmp_path))
     trainer = RLTrainer(cfg)
     pids = list(trainer.executor.pids)
     with pytest.raises(RuntimeFailure) as err:
