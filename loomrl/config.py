@@ -140,6 +140,29 @@ class RewardConfig(ValidatedConfig):
 
 
 @dataclass(frozen=True)
+class DynamicSamplingConfig(ValidatedConfig):
+    enabled: bool = False
+    """DAPO's dynamic sampling (grpo, rloo): groups the filter drops carry no learning signal; waves of extra
+    prompts are generated and scored until rollout.prompts_per_iter groups are kept, and only those train."""
+    filter: str = "equal_rewards"
+    """Which groups are kept: 'equal_rewards' drops a group whose responses all got the same reward (DAPO's); or a
+    function 'module:function' / 'file.py:function' given a group's rewards (a list of floats) that returns
+    whether to keep it."""
+    max_waves: int = spec(4, ge=1)
+    """Most waves an iteration generates; when they have kept too few groups, dropped groups fill the batch (in
+    the order generated: sampling/filled_groups in the metrics)."""
+    max_wave_factor: float = spec(4.0, ge=1)
+    """A wave has ceil(groups still missing / estimated kept fraction) prompts, at most this many times
+    rollout.prompts_per_iter."""
+
+    def validate(self) -> None:
+        module, colon, function = self.filter.rpartition(":")
+        if self.filter != "equal_rewards" and not (colon and module and function):
+            fail("filter", f"'{self.filter}' is neither 'equal_rewards' nor a function 'module:function' or "
+                           "'file.py:function'")
+
+
+@dataclass(frozen=True)
 class AlgoConfig(ValidatedConfig):
     name: str = spec("ppo", choices=ALGORITHMS)
     """RL algorithm: ppo, grpo, rloo, remax or reinforce_pp."""
@@ -185,10 +208,15 @@ class AlgoConfig(ValidatedConfig):
     recompute_logprobs: bool = False
     """Recompute the behaviour log-probs with the actor's own forward pass after generation (an ``actor_inf``
     call, as verl, OpenRLHF and NeMo RL do) rather than take the sampler's; top-k / top-p sampling implies it."""
+    dynamic_sampling: DynamicSamplingConfig = field(default_factory=DynamicSamplingConfig)
+    """DAPO's dynamic sampling: drop groups without learning signal and generate more until the batch is full."""
 
     def validate(self) -> None:
         if self.name in ("grpo", "rloo") and self.group_size < 2:
             fail("group_size", f"{self.group_size} is too small for {self.name} (must be >= 2)")
+        if self.dynamic_sampling.enabled and self.name not in ("grpo", "rloo"):
+            fail("dynamic_sampling.enabled", f"dynamic sampling filters groups of samples; {self.name} has none "
+                                             "(valid with it: grpo, rloo)")
 
 
 @dataclass(frozen=True)
@@ -458,6 +486,13 @@ class TrainConfig(ValidatedConfig):
         if self.algo.overlong_buffer > longest:
             fail("algo.overlong_buffer", f"{self.algo.overlong_buffer} is more than rollout.max_new_tokens {longest} "
                                          f"(valid: 0 to {longest})")
+        if self.algo.dynamic_sampling.enabled and self.runtime.controllers > 1:
+            fail("algo.dynamic_sampling.enabled", f"dynamic sampling runs with one controller, not "
+                                                  f"{self.runtime.controllers} (valid with it: runtime.controllers=1)")
+        if self.algo.dynamic_sampling.enabled and self.runtime.placement == "dynamic":
+            fail("algo.dynamic_sampling.enabled", "dynamic sampling does not combine with runtime.placement "
+                                                  "'dynamic', whose per-call timings assume one batch an iteration "
+                                                  "(valid with it: runtime.placement=static)")
         if self.runtime.controllers > self.rollout.prompts_per_iter:
             fail("runtime.controllers", f"{self.runtime.controllers} controllers need at least as many prompts an "
                                         f"iteration (rollout.prompts_per_iter is {self.rollout.prompts_per_iter})")

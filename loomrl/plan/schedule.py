@@ -412,3 +412,37 @@ def check_trace(schedule: Sequence[Step], executed: Sequence[tuple[str, dict[int
                 late = [d for d in step.devices if times[step.id][d][0] < ended]
             if late:
                 raise AssertionError(f"step {step.id!r} started on device {late[0]} before {dep_id!r} had ended")
+
+
+def split_for_sampling(steps: Sequence[Step], producer: str) -> tuple[tuple[Step, ...], tuple[Step, ...],
+                                                                        tuple[Step, ...]]:
+    """An iteration's steps cut for dynamic sampling, where the calls that make the rewards run again on waves of
+    extra prompts before the rest of the iteration runs on the samples kept.
+
+    Returns ``(head, again, tail)``: ``head``, the steps the call ``producer`` needs (itself included, or the
+    stage it is a member of), in order, run on the first wave; ``again``, its call and stage steps, run on each
+    later wave with the models where the first wave's steps put them (no step of ``head`` releases one); and
+    ``tail``, every other step. Steps of ``again`` and ``tail`` keep only their dependencies on the steps of their
+    own list (the others are done by the time they run)."""
+    by_id = {s.id: s for s in steps}
+    owner = next((s.id for s in steps if s.id == producer or producer in {m.id for m in s.members}), None)
+    if owner is None:
+        raise ValueError(f"no step makes {producer!r}; steps: {', '.join(by_id)}")
+    needed, todo = set(), [owner]
+    while todo:
+        step_id = todo.pop()
+        if step_id not in needed:
+            needed.add(step_id)
+            todo.extend(d for d in by_id[step_id].deps if d in by_id)
+    head = tuple(s for s in steps if s.id in needed)
+    released = [s.id for s in head if s.kind in _DROP]
+    if released:
+        raise ValueError(f"the rewards are made after {released[0]!r}, which releases a model they need again on "
+                         "the next wave")
+
+    def only(kept: Sequence[Step]) -> tuple[Step, ...]:
+        ids = {s.id for s in kept}
+        return tuple(dataclasses.replace(s, deps=tuple(d for d in s.deps if d in ids)) for s in kept)
+
+    again = only([s for s in head if s.kind is StepKind.CALL or s.kind in STAGES])
+    return head, again, only([s for s in steps if s.id not in needed])

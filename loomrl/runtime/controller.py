@@ -31,7 +31,7 @@ from loomrl.config import RuntimeConfig
 from loomrl.errors import LoomError
 from loomrl.models.tokenizer import task_tokenizer
 from loomrl.plan.plan import Allocation
-from loomrl.plan.schedule import Step, StepKind
+from loomrl.plan.schedule import Step, StepKind, split_for_sampling
 from loomrl.planner.corrections import Corrections
 from loomrl.planner.cost import CostModel
 from loomrl.planner.fused import best_migrate_at
@@ -428,19 +428,50 @@ class Controller:
         merge_stats(result.stats, stats, step.id)
 
     # ------------------------------------------------------------------------------ iterations
-    def run_iteration(self, iteration: int, shard: ShardInput) -> ShardOutput:
+    def run_iteration(self, iteration: int, shard: ShardInput, waves: Any = None) -> ShardOutput:
         """Every step of the schedule's iteration for this controller's shard; calls on disjoint devices run
-        concurrently."""
+        concurrently. With ``waves`` (dynamic sampling), ``shard`` is the first wave (:meth:`run_waves`)."""
         start, cpu, self.waited_s = time.perf_counter(), time.process_time(), 0.0
         result = IterationResult()
         state = _IterationState(iteration, list(shard.ids), {k: [(shard.ids, shard.source[0])] for k in shard.keys},
                                 dict(zip(shard.ids, shard.prompt_tokens)), shard.max_budget)
-        self.run_steps(self.schedule.steps, iteration, "iteration", state, result)
+        if waves is None:
+            self.run_steps(self.schedule.steps, iteration, "iteration", state, result)
+        else:
+            self.run_waves(state, result, waves)
         lengths = [state.tokens[s] for s in state.ids]
         self.lengths = (self.lengths + [lengths])[-LENGTH_WINDOW:]
         where = {k: v for k, v in state.where.items() if k in METRIC_KEYS}
         return ShardOutput(result, where, lengths, time.perf_counter() - start - self.waited_s,
                            time.process_time() - cpu)
+
+    def run_waves(self, state: _IterationState, result: IterationResult, waves: Any) -> None:
+        """Dynamic sampling (:mod:`loomrl.algorithms.dynamic_sampling`): the steps that make the rewards on each
+        wave (:func:`~loomrl.plan.schedule.split_for_sampling`; the first wave also puts the models in place),
+        each wave's rewards read from the workers, then the rest of the schedule on the samples kept. ``waves``
+        gives the next wave as a :class:`ShardInput` (``offer(ids, rewards)``, None when done) and the samples
+        kept (``kept()``). Every wave's output shards stay where they were made; the rest reads the kept rows of
+        any of them."""
+        head, again, tail = split_for_sampling(self.schedule.steps, waves.producer)
+        steps = head
+        reader = self.workers[min(self.devices)]
+        while True:
+            wave = IterationResult()
+            self.run_steps(steps, state.iteration, "iteration", state, wave)
+            result.traces.extend(wave.traces)
+            result.stats.update(wave.stats)  # a fused stage's migration threshold: the last wave's
+            scores = self.wait([reader.column.remote(state.ids, _inputs((waves.key,), state.ids, state.where),
+                                                     waves.key)], "the wave's rewards", None)[0]
+            shard = waves.offer(state.ids, scores)
+            if shard is None:
+                break
+            state.ids, state.max_budget = list(shard.ids), shard.max_budget
+            for key in shard.keys:
+                state.where.setdefault(key, []).append((shard.ids, shard.source[0]))
+            state.tokens.update(zip(shard.ids, shard.prompt_tokens))
+            steps = again
+        state.ids = list(waves.kept())
+        self.run_steps(tail, state.iteration, "iteration", state, result)
 
 
 def _inputs(keys: Sequence[str], ids: Sequence[int], where: Shards) -> tuple:

@@ -18,7 +18,7 @@ from __future__ import annotations
 import dataclasses
 import os
 from pathlib import Path
-from typing import Any, Mapping, Sequence
+from typing import TYPE_CHECKING, Any, Mapping, Sequence
 
 import ray
 import torch
@@ -34,8 +34,8 @@ from loomrl.plan.plan import ExecutionPlan
 from loomrl.plan.realloc_plan import plan_reallocation
 from loomrl.plan.schedule import StepKind, build_schedule
 from loomrl.engine.devices import resolve_dtype
-from loomrl.runtime.controller import (METRIC_KEYS, Controller, RuntimeFailure, ShardOutput, _inputs,
-                                       check_metadata)
+from loomrl.runtime.controller import (METRIC_KEYS, Controller, RuntimeFailure, ShardInput, ShardOutput,
+                                       _inputs, check_metadata)
 from loomrl.runtime.controllers import (plan_for_controllers, shard_batch, shard_input, spawn_controllers,
                                         wait_controllers)
 from loomrl.runtime.plan_change import plan_moves
@@ -44,6 +44,9 @@ from loomrl.runtime.spec import WorkerPlan, WorkerSpec
 from loomrl.runtime.worker import DeviceWorker
 from loomrl.workflow import Workflow
 from loomrl.workflow.batch import Batch
+
+if TYPE_CHECKING:
+    from loomrl.algorithms.dynamic_sampling import Waves
 
 __all__ = ["RayExecutor", "RuntimeFailure", "check_metadata"]
 
@@ -144,11 +147,18 @@ class RayExecutor:
         return self.control.run_steps(steps, iteration, phase, data=data)
 
     # ------------------------------------------------------------------------------ iterations
-    def run_iteration(self, iteration: int, batch: Batch) -> IterationResult:
+    def run_iteration(self, iteration: int, batch: Batch, waves: Waves | None = None) -> IterationResult:
         """Every step of the schedule's iteration, through the run's controllers; calls on disjoint devices run
-        concurrently. The statistics add ``time/controller_s`` (the busiest controller's own wall-clock time:
-        the iteration less its waits) and ``time/controller_cpu_s`` (the busiest controller's process CPU time)."""
-        max_budget = max(batch["max_new_tokens"]) if "max_new_tokens" in batch else 0
+        concurrently. With ``waves`` (dynamic sampling, one controller), ``batch`` is the first wave
+        (:meth:`Controller.run_waves <loomrl.runtime.controller.Controller.run_waves>`). The statistics add
+        ``time/controller_s`` (the busiest controller's own wall-clock time: the iteration less its waits) and
+        ``time/controller_cpu_s`` (the busiest controller's process CPU time)."""
+        if waves is not None:
+            if self.controllers:
+                raise RuntimeError("dynamic sampling runs with one controller")
+            output = self.control.run_iteration(iteration, shard_input(batch, _budget(batch)), _ShardWaves(waves))
+            return self._result(iteration, [output], waves.kept(), waves.stats())
+        max_budget = _budget(batch)
         if self.controllers:
             shards = shard_batch(batch, len(self.controllers), self.group_size)
             refs = [c.run_iteration.remote(iteration, shard_input(shard, max_budget))
@@ -156,14 +166,21 @@ class RayExecutor:
             outputs = wait_controllers(refs, f"iteration {iteration}")
         else:
             outputs = [self.control.run_iteration(iteration, shard_input(batch, max_budget))]
+        return self._result(iteration, outputs, batch.ids)
+
+    def _result(self, iteration: int, outputs: Sequence[ShardOutput], ids: Sequence[int],
+                stats: Mapping[str, float] | None = None) -> IterationResult:
+        """The iteration's result from the controllers' outputs, with the rollout metrics of samples ``ids``."""
         result = _merged(outputs, iteration)
+        if stats:
+            merge_stats(result.stats, stats, "dynamic sampling")
         self.response_lengths.append([n for out in outputs for n in out.lengths])
         where: dict[str, list] = {}
         for out in outputs:
             for key, shards in out.where.items():
                 where.setdefault(key, []).extend(shards)
         keys = [k for k in METRIC_KEYS if k in where]
-        metrics = self._wait([self.workers[0].metrics.remote(batch.ids, _inputs(keys, batch.ids, where), keys)],
+        metrics = self._wait([self.workers[0].metrics.remote(list(ids), _inputs(keys, ids, where), keys)],
                              "metrics", None)[0]
         merge_stats(result.stats, metrics, "metrics")
         result.stats["time/controller_s"] = max(out.own_s for out in outputs)
@@ -271,6 +288,26 @@ class RayExecutor:
         stop_ray(self._started)
         self._started = False
 
+
+
+def _budget(batch: Batch) -> int:
+    """The batch's largest per-sample token budget (its ``max_new_tokens`` column; 0 without one)."""
+    return max(batch["max_new_tokens"]) if "max_new_tokens" in batch else 0
+
+
+class _ShardWaves:
+    """A run's :class:`~loomrl.algorithms.dynamic_sampling.Waves` as the controller takes them: each next wave's
+    rows put in the object store, given as a :class:`ShardInput`."""
+
+    def __init__(self, waves: Waves):
+        self.waves, self.producer, self.key = waves, waves.producer, waves.key
+
+    def offer(self, ids: Sequence[int], scores: Sequence[float]) -> ShardInput | None:
+        batch = self.waves.offer(ids, scores)
+        return None if batch is None else shard_input(batch, _budget(batch))
+
+    def kept(self) -> list[int]:
+        return self.waves.kept()
 
 
 def _merged(outputs: Sequence[ShardOutput], iteration: int) -> IterationResult:

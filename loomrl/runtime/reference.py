@@ -9,15 +9,18 @@ from __future__ import annotations
 import time
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any, Callable, Mapping, Sequence
+from typing import TYPE_CHECKING, Any, Callable, Mapping, Sequence
 
 from loomrl.algorithms.roles import OpContext, Role
 from loomrl.checkpoint import load_checkpoint, save_checkpoint
 from loomrl.runtime.state_io import FullOptimizerState
-from loomrl.plan.schedule import Schedule, Step, StepKind
+from loomrl.plan.schedule import Schedule, Step, StepKind, split_for_sampling
 from loomrl.workflow import MFC, MFCKind
 from loomrl.workflow.batch import Batch
 from loomrl.workflow.minibatches import train_schedule
+
+if TYPE_CHECKING:
+    from loomrl.algorithms.dynamic_sampling import Waves
 
 
 @dataclass
@@ -114,9 +117,30 @@ class ReferenceExecutor:
         return OpContext(role, self.seed, iteration, self.pad_id, self.eos_id, self.decode, train_steps=steps,
                          loss_unit=mfc.loss_unit)
 
-    def run_iteration(self, iteration: int, batch: Batch) -> IterationResult:
+    def run_iteration(self, iteration: int, batch: Batch, waves: Waves | None = None) -> IterationResult:
+        """Every call on ``batch``; with ``waves`` (dynamic sampling), ``batch`` is the first wave: the calls that
+        make the rewards run on each wave, the others on the samples the waves keep."""
         result = IterationResult(batch=batch)
-        for step in self.calls:
+        calls = self.calls
+        if waves is not None:
+            head, _, tail = split_for_sampling(self.calls, waves.producer)
+            parts = []
+            while batch is not None:
+                self._run_calls(head, iteration, batch, result)
+                parts.append(batch)
+                batch = waves.offer(batch.ids, batch[waves.key].tolist())
+            whole = Batch.concat(parts)
+            index = {sid: i for i, sid in enumerate(whole.ids)}
+            batch = result.batch = whole.select([index[s] for s in waves.kept()])
+            merge_stats(result.stats, waves.stats(), "dynamic sampling")
+            calls = tail
+        self._run_calls(calls, iteration, batch, result)
+        if self.metrics_fn is not None:
+            merge_stats(result.stats, self.metrics_fn(batch), "metrics")
+        return result
+
+    def _run_calls(self, calls: Sequence[Step], iteration: int, batch: Batch, result: IterationResult) -> None:
+        for step in calls:
             mfc = step.mfc
             start = time.time()
             out = mfc.op(self._context(mfc, iteration, batch), batch.columns(mfc.inputs))
@@ -126,9 +150,6 @@ class ReferenceExecutor:
                 raise RuntimeError(f"MFC '{mfc.name}' returned {sorted(out)}, declared {sorted(mfc.outputs)}")
             batch.update(out)
             result.traces.append(StepTrace.of(step, iteration, "iteration", {0: {"start": start, "end": time.time()}}))
-        if self.metrics_fn is not None:
-            merge_stats(result.stats, self.metrics_fn(batch), "metrics")
-        return result
 
     def apply_plan(self, plan: Any) -> None:
         """Nothing moves in one process: a plan change never changes what is computed."""

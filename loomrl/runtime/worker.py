@@ -362,6 +362,10 @@ class DeviceWorker:
     def metrics(self, sample_ids: Sequence[int], inputs: Sequence[Any], keys: Sequence[str]) -> dict[str, float]:
         return rollout_metrics(gather_rows(_get(list(inputs)), sample_ids, keys), self.decode, self.task)
 
+    def column(self, sample_ids: Sequence[int], inputs: Sequence[Any], key: str) -> list[float]:
+        """A per-sample scalar column of ``sample_ids``, as numbers (the rewards dynamic sampling filters on)."""
+        return [float(x) for x in gather_rows(_get(list(inputs)), sample_ids, [key])[key].tolist()]
+
     def memory_report(self) -> dict[str, int]:
         """Bytes of parameters this device holds per (role, shards), e.g. to see freed copies."""
         report = {}

@@ -21,6 +21,7 @@ from pathlib import Path
 
 import torch
 
+from loomrl.algorithms.dynamic_sampling import DynamicSampler
 from loomrl.algorithms.evaluate import evaluate_policy
 from loomrl.algorithms.metrics import rollout_metrics
 from loomrl.algorithms.roles import Role
@@ -141,8 +142,10 @@ def absolute_paths(cfg: TrainConfig) -> TrainConfig:
                                tokenizer=path(task.tokenizer, ("auto", "task")),
                                chat_template=path(task.chat_template, ("auto", "none")),
                                reward_fn=reward(task.reward_fn), reward_fns=tuple(reward(s) for s in task.reward_fns))
+    sampling = cfg.algo.dynamic_sampling
+    algo = dataclasses.replace(cfg.algo, dynamic_sampling=dataclasses.replace(sampling, filter=reward(sampling.filter)))
     return dataclasses.replace(
-        cfg, run_dir=str(Path(cfg.run_dir).resolve()), task=task,
+        cfg, run_dir=str(Path(cfg.run_dir).resolve()), task=task, algo=algo,
         actor=dataclasses.replace(cfg.actor, model=path(cfg.actor.model)),
         critic=dataclasses.replace(cfg.critic, model=path(cfg.critic.model)),
         reward=dataclasses.replace(cfg.reward, model=path(cfg.reward.model)))
@@ -174,6 +177,7 @@ class RLTrainer:
         self.plan = self.plans[0]
         self.executor = make_executor(cfg, self.workflow, self.plan, self.tokenizer, self.task, self.device)
         self.placement = self._placement()
+        self.sampler = self._sampler()
         self.state = RunState()
         self.running, self.completed = 0, -1
         """The iteration under way (a failure's), and the last one logged."""
@@ -187,6 +191,13 @@ class RLTrainer:
         return DynamicPlacement(self.cfg, self.workflow, self.executor, self.cfg.rollout.prompts_per_iter *
                                 self.group_size)
 
+    def _sampler(self) -> DynamicSampler | None:
+        """Dynamic sampling's waves across iterations (``algo.dynamic_sampling``), or None."""
+        settings = self.cfg.algo.dynamic_sampling
+        if not settings.enabled:
+            return None
+        return DynamicSampler(settings, self.cfg.rollout.prompts_per_iter, self.group_size, self.prompt_batch)
+
     def plan_at(self, iteration: int) -> ExecutionPlan:
         """The plan in force at ``iteration``: the latest change starting at or before it, else the first."""
         return self.plans[max(k for k in self.plans if k <= iteration)]
@@ -196,9 +207,13 @@ class RLTrainer:
         return self.cfg.algo.group_size if self.cfg.algo.name in GROUP_ALGORITHMS else 1
 
     def make_batch(self, iteration: int) -> Batch:
-        """The prompts of ``iteration``; sample ids are global (data position × group + member)."""
-        n, g = self.cfg.rollout.prompts_per_iter, self.group_size
-        start = iteration * n
+        """The prompts of ``iteration`` (without dynamic sampling, whose waves draw prompts as they go)."""
+        n = self.cfg.rollout.prompts_per_iter
+        return self.prompt_batch(iteration * n, n)
+
+    def prompt_batch(self, start: int, n: int) -> Batch:
+        """``n`` prompts from data position ``start``; sample ids are global (data position × group + member)."""
+        g = self.group_size
         examples = examples_window(self.train_prompts, start, n)
         ids = [(start + i) * g + j for i in range(n) for j in range(g)]
         rows = [ex for ex in examples for _ in range(g)]
@@ -216,10 +231,19 @@ class RLTrainer:
             return False
         state = self.executor.load(path)
         self.state = RunState(iteration=int(state["iteration"]) + 1)
+        if self.sampler is not None:
+            if "sampler" not in state:
+                raise ConfigError(f"algo.dynamic_sampling: checkpoint '{path}' was written without dynamic sampling "
+                                  "and has no sampler state to resume (valid: resume it with "
+                                  "algo.dynamic_sampling.enabled=false)")
+            self.sampler.load_state_dict(state["sampler"])
         return True
 
     def save(self, iteration: int) -> Path:
         state = {"data_position": (iteration + 1) * self.cfg.rollout.prompts_per_iter}
+        if self.sampler is not None:  # the waves drew prompts as they went
+            state["data_position"] = self.sampler.cursor
+            state["sampler"] = self.sampler.state_dict()
         return self.executor.save(self.run_dir, iteration, state, self.cfg.checkpoint.keep_last)
 
     def iteration_metrics(self, result: IterationResult, seconds: float) -> dict[str, float]:
@@ -227,8 +251,9 @@ class RLTrainer:
                    "time/iteration_s": seconds, **self.recovery}
         self.recovery = {}
         for trace in result.traces:
-            if trace.kind in ("call", "fused", "fused_train"):
-                metrics[f"time/{trace.step}_s"] = trace.seconds
+            if trace.kind in ("call", "fused", "fused_train"):  # every wave's, with dynamic sampling
+                key = f"time/{trace.step}_s"
+                metrics[key] = metrics.get(key, 0.0) + trace.seconds
         return metrics
 
     def write_traces(self, traces) -> None:
@@ -286,6 +311,8 @@ class RLTrainer:
     def _run(self, resume: bool) -> dict[str, float]:
         cfg, loop = self.cfg, self.cfg.loop
         resumed = resume and self.resume()
+        if not resumed and self.sampler is not None:
+            self.sampler = self._sampler()  # a restart from the start draws the first prompts again
         if not resumed and latest_checkpoint(self.run_dir) is not None:
             raise ConfigError(f"run_dir: '{self.run_dir}' already holds checkpoints; pass --resume to continue it "
                               "or choose another run_dir")
@@ -317,7 +344,11 @@ class RLTrainer:
                     self.plan.save(self.run_dir / PLAN_FILE)
                 before = self.executor.drain_traces()  # the prologue, or a plan change
                 t0 = time.perf_counter()
-                result = self.executor.run_iteration(it, self.make_batch(it))
+                if self.sampler is None:
+                    result = self.executor.run_iteration(it, self.make_batch(it))
+                else:
+                    waves = self.sampler.waves()
+                    result = self.executor.run_iteration(it, waves.first(), waves)
                 last = self.iteration_metrics(result, time.perf_counter() - t0)
                 if switch_s is not None:
                     last["time/plan_change_s"] = switch_s
