@@ -439,7 +439,7 @@ class RuntimeConfig(ValidatedConfig):
 
 @dataclass(frozen=True)
 class TrainConfig(ValidatedConfig):
-    seed: int = 0
+    seed: int = spec(0, ge=0, lt=2**63)
     """Seed of model init, data order and every sample's random stream."""
     run_dir: str = "runs/train"
     """Where metrics, checkpoints and plots are written."""
@@ -500,7 +500,7 @@ class TrainConfig(ValidatedConfig):
 
 @dataclass(frozen=True)
 class SFTConfig(ValidatedConfig):
-    seed: int = 0
+    seed: int = spec(0, ge=0, lt=2**63)
     """Seed of model init and data order."""
     out_dir: str = "runs/sft"
     """The HF checkpoint (model + tokenizer) is written here."""
@@ -527,7 +527,7 @@ class SFTConfig(ValidatedConfig):
 
 @dataclass(frozen=True)
 class RMConfig(ValidatedConfig):
-    seed: int = 0
+    seed: int = spec(0, ge=0, lt=2**63)
     """Seed of head init, pair generation and data order."""
     out_dir: str = "runs/rm"
     """The HF sequence-classification checkpoint is written here."""
@@ -556,7 +556,7 @@ class RMConfig(ValidatedConfig):
 class EvalConfig(ValidatedConfig):
     model: str = ""
     """The policy: a checkpoint directory (set from the command's CHECKPOINT_OR_RUN argument)."""
-    seed: int = 0
+    seed: int = spec(0, ge=0, lt=2**63)
     """Seed of every sampled response's random stream."""
     task: TaskConfig = field(default_factory=TaskConfig)
     """The prompts (task.eval_file, a prompt file or a synthetic task's eval stream) and the rule that scores
