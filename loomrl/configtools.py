@@ -56,6 +56,7 @@ __all__ = [
     "field_docs",
     "from_dict",
     "load_config",
+    "nesting_problem",
     "parse_overrides",
     "read_yaml",
     "spec",
@@ -70,6 +71,8 @@ _MISSING = dataclasses.MISSING
 _FLOAT_RE = re.compile(r"[-+]?(\d+(\.\d*)?|\.\d+)([eE][-+]?\d+)?")
 _OVERRIDE_KEY_RE = re.compile(r"[^\s.=]+(\.[^\s.=]+)*")
 _MAX_SHOWN = 80
+MAX_NESTING = 50
+"""Deepest nesting of lists and mappings a YAML file or an override value may have (a config is a few levels)."""
 
 
 # ----------------------------------------------------------------------------------------------- errors
@@ -488,6 +491,41 @@ def _yaml_problem(err: yaml.YAMLError) -> tuple[int | None, str]:
     return None, _one_line(str(err))
 
 
+def nesting_problem(value: Any, limit: int = MAX_NESTING) -> str | None:
+    """Why ``value`` (lists and mappings, as YAML or JSON loads them) is nested too deeply to be data, or None.
+
+    Iterative, and each shared node (a YAML alias) is measured once, so neither deep nor aliased input costs
+    more than its distinct nodes."""
+    def kids(node: Any) -> list[Any]:
+        items = node.values() if isinstance(node, dict) else node
+        return [item for item in items if isinstance(item, (dict, list))]
+
+    if not isinstance(value, (dict, list)):
+        return None
+    height: dict[int, int] = {}
+    on_path = {id(value)}
+    stack = [(value, iter(kids(value)))]
+    while stack:
+        node, pending = stack[-1]
+        child = next(pending, None)
+        if child is None:
+            stack.pop()
+            on_path.discard(id(node))
+            height[id(node)] = 1 + max((height[id(k)] for k in kids(node)), default=0)
+            continue
+        if id(child) in height:
+            if len(stack) + height[id(child)] > limit:
+                return f"nested more than {limit} levels deep"
+            continue
+        if id(child) in on_path:
+            return "holds itself (an alias inside its own anchor)"
+        if len(stack) >= limit:
+            return f"nested more than {limit} levels deep"
+        on_path.add(id(child))
+        stack.append((child, iter(kids(child))))
+    return None
+
+
 def read_yaml(path: str | Path) -> dict[str, Any]:
     """The mapping at the top of a YAML file (empty file → ``{}``); errors name the file."""
     try:
@@ -506,10 +544,14 @@ def read_yaml(path: str | Path) -> dict[str, Any]:
         line, problem = _yaml_problem(err)
         where = f" at line {line}" if line is not None else ""
         raise ConfigError(f"{path}: invalid YAML{where}: {problem}") from None
+    except RecursionError:  # the parser recurses once per level of nesting
+        raise ConfigError(f"{path}: invalid YAML: nested more than {MAX_NESTING} levels deep") from None
     if data is None:
         return {}
     if not isinstance(data, dict):
         raise ConfigError(f"{path}: top level must be a mapping, got {type(data).__name__}")
+    if (problem := nesting_problem(data)) is not None:
+        raise ConfigError(f"{path}: invalid YAML: {problem}")
     return data
 
 
@@ -525,6 +567,10 @@ def _parse_override(item: str) -> tuple[list[str], Any]:
         value = yaml.load(text, Loader=_StrictLoader)  # noqa: S506 - a SafeLoader subclass
     except yaml.YAMLError as err:
         raise ConfigError(f"override {item!r}: invalid value ({_yaml_problem(err)[1]})") from None
+    except RecursionError:
+        raise ConfigError(f"override {item!r}: invalid value (nested more than {MAX_NESTING} levels deep)") from None
+    if (problem := nesting_problem(value)) is not None:
+        raise ConfigError(f"override {item!r}: invalid value ({problem})")
     return key.split("."), value
 
 

@@ -44,6 +44,8 @@ from loomrl.workflow import MFCKind, Workflow
 __all__ = ["Allocation", "DeviceSet", "ExecutionPlan", "Fusion", "format_devices"]
 
 _RANGE_RE = re.compile(r"(\d+)(?:-(\d+))?")
+MAX_MESH = 1 << 20
+"""Most devices one mesh may list (a bound far above any cluster, so a typo such as 0-99999999 fails at once)."""
 _LAYOUT_RE = re.compile(r"(dp|tp|pp|mb)(\d+)|(rc|zero|fsdp|rev)")
 _LAYOUT_TOKENS = ("expected tokens dp<N>, tp<N>, pp<N>, mb<N> (micro-batches), rc (recompute activations), zero "
                   "(optimizer state sharded over dp), fsdp (weights, gradients and optimizer state sharded over "
@@ -95,6 +97,8 @@ class DeviceSet(ValidatedConfig):
             first, last = int(match[1]), int(match[2] if match[2] is not None else match[1])
             if last < first:
                 fail("devices", f"range {part.strip()!r} ends before it starts")
+            if last - first + 1 + len(devices) > MAX_MESH:
+                fail("devices", f"{text!r} lists more than {MAX_MESH} devices; a mesh lists devices of the cluster")
             devices.extend(range(first, last + 1))
         return cls(tuple(devices))
 
@@ -603,6 +607,8 @@ def _read_json(path: Path) -> dict[str, Any]:
         raise ConfigError(f"{path}: cannot read ({err.strerror})") from None
     except json.JSONDecodeError as err:
         raise ConfigError(f"{path}: invalid JSON at line {err.lineno}: {err.msg}") from None
+    except RecursionError:  # the decoder recurses once per level of nesting
+        raise ConfigError(f"{path}: invalid JSON: nested too deeply for a plan") from None
     except ValueError as err:  # a duplicate key, from the hook
         raise ConfigError(f"{path}: invalid JSON: {err}") from None
     if not isinstance(data, dict):
