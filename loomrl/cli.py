@@ -171,7 +171,8 @@ def _run_description(args: argparse.Namespace):
 
 
 _RUN_FLAGS = ("cluster", "prompts", "responses_per_prompt", "prompt_len", "response_len", "response_max",
-              "response_spread", "optimizer_steps", "ppo_epochs", "recompute_logprobs", "plan", "decode_slots")
+              "response_spread", "optimizer_steps", "ppo_epochs", "recompute_logprobs", "plan", "decode_slots",
+              "generated_per_kept")
 """Flags of ``loomrl plan`` that set a field of :class:`~loomrl.planner.describe.RunDescription` (same names)."""
 _ENGINE_FLAGS = ("gen_memory_fraction", "gen_max_seqs", "gen_request_batch", "gen_precision", "train_precision",
                  "optimizer_offload", "packing", "logits", "sync_tensor_s", "expert_parallel")
@@ -397,6 +398,9 @@ def _add_plan_arguments(p: argparse.ArgumentParser, cfg_help: str) -> None:
     p.add_argument("--recompute-logprobs", action="store_const", const=True, help="an actor_inf call recomputes "
                                                                                   "the behaviour log-probs")
     p.add_argument("--decode-slots", type=int, help="samples one generation replica decodes at once")
+    p.add_argument("--generated-per-kept", type=float, help="prompts generated per prompt trained (dynamic "
+                                                            "sampling's waves; a run's sampling/prompts over "
+                                                            "rollout.prompts_per_iter; default 1)")
     p.add_argument("--gen-memory-fraction", type=float, help="serving engine's share of device memory "
                                                              "(vLLM gpu_memory_utilization)")
     p.add_argument("--gen-max-seqs", type=int, help="serving engine's max concurrent sequences (vLLM max_num_seqs)")

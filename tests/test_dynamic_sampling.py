@@ -11,7 +11,7 @@ from loomrl.checkpoint import latest_checkpoint
 from loomrl.config import AlgoConfig, DynamicSamplingConfig, RolloutConfig, RuntimeConfig, TrainConfig
 from loomrl.configtools import load_config
 from loomrl.errors import ConfigError, DataError
-from loomrl.plan import ClusterSpec
+from loomrl.plan import ClusterSpec, make_plan
 from loomrl.plan.from_config import plan_from_config
 from loomrl.plan.schedule import Step, StepKind, build_schedule, split_for_sampling
 from loomrl.train.rl import RLTrainer
@@ -209,3 +209,39 @@ def test_the_ray_runtime_samples_as_the_reference_does(tmp_path, spread_filter, 
     for a, b in zip(got, expected):
         assert {k: v for k, v in a.items() if k.startswith("sampling/")} == \
             {k: v for k, v in b.items() if k.startswith("sampling/")}
+
+
+# ---------------------------------------------------------------------------------------------- the planner
+
+def test_the_planner_prices_the_waves_generation_and_rewards(tmp_path, capsys):
+    """Dynamic sampling's waves generate and score more samples than train: generation and the reward call
+    cost that many times over, nothing else does; `loomrl plan --generated-per-kept` says how many."""
+    from loomrl.cli import main
+    from loomrl.configtools import from_dict
+    from loomrl.planner import CostModel, profile_for
+    from loomrl.planner.describe import RunDescription, planner_inputs
+    from loomrl.planner.workload import ModelShape
+
+    run = {"algo": "grpo", "cluster": "h100:1x8", "models": {"actor": "llama3.1-8b", "reward": "llama3.1-8b"},
+           "prompts": 32, "responses_per_prompt": 8, "prompt_len": 100, "response_len": 500, "response_max": 2000}
+    prices = []
+    for scale in (1.0, 2.5):
+        workflow, cluster, configs, workload, _ = planner_inputs(
+            from_dict(RunDescription, {**run, "generated_per_kept": scale}, "run"))
+        assert workload.rollout_scale == scale
+        cost = CostModel(cluster, profile_for(cluster), {r: ModelShape.from_config(c) for r, c in configs.items()},
+                         workload)
+        plan = make_plan("colocate", workflow, cluster)
+        prices.append({m.name: cost.mfc_time(m, plan[m.name]) for m in workflow.topological_order()})
+    one, more = prices
+    assert {name for name in one if more[name] != pytest.approx(one[name])} == {"actor_gen", "reward_inf"}
+    assert more["actor_gen"] == pytest.approx(2.5 * one["actor_gen"])
+    with pytest.raises(ConfigError, match="generated_per_kept"):
+        from_dict(RunDescription, {**run, "generated_per_kept": 0.5}, "run")
+
+    times = []
+    for scale in ("1", "3"):
+        assert main(["plan", "--cluster", "h100:1x8", "--model", "llama2-7b", "--prompts", "64", "--response-len",
+                     "256", "--plan", "colocate", "--generated-per-kept", scale, "--out", str(tmp_path / scale)]) == 0
+        times.append(capsys.readouterr().out)
+    assert times[0] != times[1]

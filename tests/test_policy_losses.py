@@ -348,9 +348,10 @@ def test_the_dapo_recipe_loads_and_trains(tmp_path):
     algo = cfg.algo
     assert (algo.name, algo.clip_eps, algo.clip_eps_high, algo.loss_agg, algo.kl_coef) == \
         ("grpo", 0.2, 0.28, "token-mean", 0.0)
-    assert algo.overlong_buffer > 0 and algo.overlong_penalty > 0
+    assert algo.overlong_buffer > 0 and algo.overlong_penalty > 0 and algo.dynamic_sampling.enabled
     metrics = RLTrainer(cfg).run()
     assert "reward/overlong_penalty" in metrics and math.isfinite(metrics["actor/pg_loss"])
+    assert metrics["sampling/waves"] >= 1 and 0 <= metrics["sampling/kept_fraction"] <= 1
 
 
 @pytest.mark.usefixtures("ray_session")

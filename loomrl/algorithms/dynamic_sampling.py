@@ -24,6 +24,7 @@ from loomrl.config import DynamicSamplingConfig
 from loomrl.data.reward_functions import load_reward_fn
 from loomrl.errors import DataError
 from loomrl.workflow.batch import Batch
+from loomrl.workflow.graph import REWARD_KEY
 
 __all__ = ["DynamicSampler", "GroupFilter", "Waves", "equal_rewards", "group_filter"]
 
@@ -32,7 +33,7 @@ GroupFilter = Callable[[list[float]], bool]
 
 PRODUCER = "reward_inf"
 """The call whose output the filter reads."""
-SCORE_KEY = "score"
+SCORE_KEY = REWARD_KEY
 """The column the filter reads: each sample's reward (before overlong shaping)."""
 EQUAL_TOLERANCE = 1e-6
 """Rewards closer than this count as equal (an executor's reward model may differ from another's by rounding)."""

@@ -205,7 +205,10 @@ class CostModel:
             return {}
         key = (mfc.name, mfc.kind, mfc.role, mfc.epochs, mfc.minibatches, _alloc_key(alloc))
         if key not in self._terms:
-            self._terms[key] = self._compute_terms(mfc, alloc)
+            terms = self._compute_terms(mfc, alloc)
+            if self.workload.rollout_scale != 1 and mfc.per_wave:
+                terms = {name: seconds * self.workload.rollout_scale for name, seconds in terms.items()}
+            self._terms[key] = terms
         return dict(self._terms[key])
 
     def mfc_memory(self, mfc: MFC, alloc: Allocation, trainable: bool) -> float:

@@ -90,6 +90,9 @@ class RunDescription(ValidatedConfig):
     """An ``actor_inf`` call recomputes the behaviour log-probs after generation (verl, OpenRLHF, NeMo RL)."""
     decode_slots: int | None = spec(None, ge=1)
     """Samples one generation replica decodes at once (loomrl's rollout engine); see also ``engine``."""
+    generated_per_kept: float = spec(1.0, ge=1)
+    """Samples generated and scored per sample trained: above 1 with dynamic sampling (a run's sampling/prompts over
+    rollout.prompts_per_iter); generation and the reward call are priced that many times over."""
     plan: str | None = None
     """A fixed plan to simulate (a strategy, a plan string or a plan file); None: compare and search."""
     engine: EngineSettings = field(default_factory=EngineSettings)
@@ -129,7 +132,8 @@ class RunDescription(ValidatedConfig):
         """One iteration's data: prompts × responses per prompt samples of the described lengths."""
         return Workload(batch=self.prompts * self.responses_per_prompt, prompt_len=self.prompt_len,
                         response_lengths=self.response_lengths(), ppo_epochs=self.ppo_epochs,
-                        minibatches=self.optimizer_steps, decode_slots=self.decode_slots)
+                        minibatches=self.optimizer_steps, decode_slots=self.decode_slots,
+                        rollout_scale=self.generated_per_kept)
 
 
 def planner_inputs(run: RunDescription) -> tuple[Workflow, ClusterSpec, dict[str, object], Workload, EngineSettings]:

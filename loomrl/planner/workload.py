@@ -192,6 +192,12 @@ class Workload:
     """Optimizer steps per pass of a train call, unless the MFC sets its own ``minibatches``."""
     decode_slots: int | None = None
     """Samples one generation replica decodes at once (the rollout engine's slots); None: all of its share."""
+    rollout_scale: float = 1.0
+    """Samples generated and scored per sample trained: above 1 under dynamic sampling, whose waves generate and
+    score more prompts than the batch keeps (a run's ``sampling/prompts`` over ``rollout.prompts_per_iter``). The
+    generate calls and the call that makes the rewards are priced that many times over (waves run one after
+    another, each about a batch or less: linear in the waves, which slightly overprices a memory-bound decode
+    whose steps cost little more for more samples)."""
 
     def __post_init__(self) -> None:
         _positive_int("workload", "batch", self.batch)
@@ -199,6 +205,10 @@ class Workload:
         _positive_int("workload", "minibatches", self.minibatches)
         if self.decode_slots is not None:
             _positive_int("workload", "decode_slots", self.decode_slots)
+        scale = self.rollout_scale
+        if isinstance(scale, bool) or not (isinstance(scale, (int, float)) and math.isfinite(scale) and scale >= 1):
+            raise ConfigError(f"workload.rollout_scale: {scale!r} is not a number >= 1 (samples generated per sample "
+                              "trained)")
         prompt = self.prompt_len
         if isinstance(prompt, bool) or not (isinstance(prompt, (int, float)) and prompt >= 0 and math.isfinite(prompt)):
             raise ConfigError(f"workload.prompt_len: {self.prompt_len!r} is not a non-negative number")

@@ -20,6 +20,8 @@ from enum import Enum
 from loomrl.errors import WorkflowError
 
 LOSS_UNITS = ("token", "sequence")
+REWARD_KEY = "score"
+"""The key of each sample's reward (before shaping): what dynamic sampling's group filter reads."""
 """What one row counts for in a train call's mean loss: its real tokens (a token-mean) or one (a mean over
 sequences); a train MFC's ``loss_unit`` (:func:`loomrl.workflow.minibatches.loss_weights`)."""
 
@@ -90,6 +92,13 @@ class MFC:
         if self.loss_unit not in LOSS_UNITS:
             raise WorkflowError(f"MFC {self.name!r}: unknown loss_unit {self.loss_unit!r}; valid: "
                                 f"{', '.join(LOSS_UNITS)}")
+
+
+    @property
+    def per_wave(self) -> bool:
+        """Whether dynamic sampling runs the call on every wave of prompts: generation, and the call that makes
+        the rewards its group filter reads (:data:`REWARD_KEY`)."""
+        return self.kind is MFCKind.GENERATE or REWARD_KEY in self.outputs
 
 
 def _parse_kind(kind: object, name: str) -> MFCKind:
