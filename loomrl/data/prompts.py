@@ -152,7 +152,8 @@ def _turns(value: Any) -> list[tuple[str, str]] | None:
 
 
 def _load_columns(path: str) -> dict[str, list]:
-    """All columns of a local JSONL/parquet file, loaded with HF ``datasets``."""
+    """All columns of a local JSONL/parquet file, loaded with HF ``datasets`` (without its progress bars: an error
+    is one line); a file it cannot read is looked at again to say where it is malformed."""
     suffix = os.path.splitext(path)[1].lower()
     if suffix not in _FILE_FORMATS:
         raise DataError(f"prompt file '{path}': unsupported extension '{suffix}' "
@@ -160,13 +161,70 @@ def _load_columns(path: str) -> dict[str, list]:
     if not os.path.isfile(path):
         raise DataError(f"prompt file '{path}': does not exist")
     import datasets  # deferred: importing datasets costs ~1 s and only file sources need it
+    from datasets.utils import are_progress_bars_disabled, disable_progress_bars, enable_progress_bars
 
+    quiet = are_progress_bars_disabled()
+    disable_progress_bars()
     try:
         ds = datasets.load_dataset(_FILE_FORMATS[suffix], data_files=path, split="train")
+        return ds.to_dict()  # here, where text that is not UTF-8 fails (the JSON reader passes it through)
     except Exception as exc:  # noqa: BLE001 — datasets raises many types for a malformed file
         first = (str(exc).strip().splitlines() or [type(exc).__name__])[0]
-        raise DataError(f"prompt file '{path}': cannot be read ({first})") from exc
-    return {name: ds[name] for name in ds.column_names}
+        reason = (_json_problem(path) if suffix != ".parquet" else None) or first
+        raise DataError(f"prompt file '{path}': cannot be read ({reason})") from exc
+    finally:
+        if not quiet:
+            enable_progress_bars()
+
+
+def _json_problem(path: str) -> str | None:
+    """Where a JSON or JSONL prompt file that ``datasets`` could not read is malformed, in words; None when this
+    finds nothing wrong."""
+    data = open(path, "rb").read()
+    try:
+        text = data.decode("utf-8")
+    except UnicodeDecodeError as err:
+        line = data[:err.start].count(b"\n") + 1
+        return f"not UTF-8 text: byte {err.start} on line {line}"
+    if not text.strip():
+        return "the file is empty; a prompt file holds one JSON object per line, e.g. {\"prompt\": \"...\"}"
+    try:
+        whole = json.loads(text, object_pairs_hook=_unique_keys)
+    except RecursionError:
+        return "nested too deeply"
+    except ValueError:
+        whole = None  # JSON lines, read line by line below
+    else:
+        rows = whole if isinstance(whole, list) else [whole]
+        if not rows:
+            return "an empty list: no rows"
+        bad = next((i for i, row in enumerate(rows) if not isinstance(row, dict)), None)
+        return None if bad is None else f"row {bad} is {_short_json(rows[bad])}, not an object {{\"prompt\": ...}}"
+    for number, line in enumerate(text.split("\n"), 1):  # JSON strings may hold other line breaks
+        if not line.strip():
+            continue
+        try:
+            row = json.loads(line, object_pairs_hook=_unique_keys)
+        except RecursionError:
+            return f"line {number}: nested too deeply"
+        except ValueError as err:
+            return f"line {number}: {getattr(err, 'msg', err)}"
+        if not isinstance(row, dict):
+            return f"line {number}: {_short_json(row)} is not an object {{\"prompt\": ...}}"
+    return None
+
+
+def _unique_keys(pairs: list[tuple[str, Any]]) -> dict[str, Any]:
+    keys = [key for key, _ in pairs]
+    twice = next((key for key in keys if keys.count(key) > 1), None)
+    if twice is not None:
+        raise ValueError(f"key {twice!r} appears twice in one object")
+    return dict(pairs)
+
+
+def _short_json(value: Any) -> str:
+    text = json.dumps(value)
+    return text if len(text) <= 40 else text[:37] + "..."
 
 
 class FunctionTask(Task):
