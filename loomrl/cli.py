@@ -10,9 +10,10 @@ from __future__ import annotations
 import argparse
 import dataclasses
 import sys
-from typing import Sequence
+from pathlib import Path
+from typing import NoReturn, Sequence
 
-from loomrl.errors import LoomError
+from loomrl.errors import ConfigError, LoomError
 
 CHROME_TRACE_FILE = "timeline.trace.json"
 
@@ -90,7 +91,7 @@ def _cmd_demo(args: argparse.Namespace) -> int:
 
 
 def _cmd_plan(args: argparse.Namespace) -> int:
-    from pathlib import Path
+    import math
 
     from rich.console import Console
 
@@ -99,12 +100,15 @@ def _cmd_plan(args: argparse.Namespace) -> int:
     from loomrl.planner.describe import planner_inputs
     from loomrl.planner.profiles import load_profile
 
+    if not (math.isfinite(args.time_budget) and args.time_budget > 0):
+        raise ConfigError(f"--time-budget: {args.time_budget:g} is not a number of seconds > 0")
+    out = Path(args.out)
+    if out.exists() and not out.is_dir():
+        raise ConfigError(f"--out: '{out}' is a file; give a directory for the plan and its timeline")
     run, bytes_per_param = _run_description(args)
     workflow, cluster, configs, workload, settings = planner_inputs(run)
     profile = load_profile(args.profile) if args.profile else None
     corrections = Corrections.load(args.corrections) if args.corrections else None
-    out = Path(args.out)
-    out.mkdir(parents=True, exist_ok=True)
     console = Console(width=max(120, Console().width))
     title = (f"{run.algo} on {cluster}: {run.prompts} prompts × {run.responses_per_prompt}, {run.prompt_len:g} + "
              f"{workload.mean_response:.0f} (max {workload.max_response}) tokens, {run.models.actor}")
@@ -121,6 +125,10 @@ def _cmd_plan(args: argparse.Namespace) -> int:
                                       profile, corrections, bytes_per_param, args)
     from loomrl.planner.timeline import render_timeline
 
+    try:  # made only now: a rejected plan leaves no directory behind
+        out.mkdir(parents=True, exist_ok=True)
+    except OSError as err:
+        raise ConfigError(f"--out: cannot create '{out}' ({err.strerror})") from None
     plan.save(out / "best_plan.json")
     render_timeline(result, out / "timeline.png", out / "timeline.html", title=f"{name}: "
                     f"{result.iteration_time:.2f} s/iteration")
@@ -309,8 +317,16 @@ def _summary_line(metrics: dict, keys: Sequence[str]) -> str:
     return "  ".join(f"{k}={metrics[k]:.4g}" for k in keys if k in metrics)
 
 
+class _Parser(argparse.ArgumentParser):
+    """argparse with the command's own errors: one line, ``loomrl: error: ...``, and status 2 (no usage block);
+    the subcommands' parsers are of this class too."""
+
+    def error(self, message: str) -> NoReturn:
+        self.exit(2, f"loomrl: error: {' '.join(message.split())} (see `{self.prog} --help`)\n")
+
+
 def build_parser() -> argparse.ArgumentParser:
-    parser = argparse.ArgumentParser(prog="loomrl", description="RLHF as a dataflow of model function calls.")
+    parser = _Parser(prog="loomrl", description="RLHF as a dataflow of model function calls.")
     sub = parser.add_subparsers(dest="cmd", required=True)
     cfg_help = "optional YAML config, then key.sub=value overrides (see `loomrl config train`)"
     p = sub.add_parser("train", help="RL training (ppo, grpo, rloo, remax, reinforce_pp)")
