@@ -97,7 +97,7 @@ class OptimConfig(ValidatedConfig):
     """AdamW weight decay."""
     grad_clip: float = spec(1.0, gt=0)
     """Clip the global gradient norm to this value."""
-    betas: tuple[float, float] = (0.9, 0.95)
+    betas: tuple[float, float] = spec((0.9, 0.95), ge=0, lt=1)
     """AdamW betas."""
     warmup_steps: int = spec(0, ge=0)
     """Optimizer steps over which the learning rate rises linearly to lr (step k uses (k+1)/warmup_steps of it)."""
