@@ -171,6 +171,8 @@ def _run_description(args: argparse.Namespace):
               if getattr(args, f"{role}_model", None)}
     if args.model:
         models.setdefault("actor", args.model)
+    if getattr(args, "judge_model", None):
+        models["judges"] = list(args.judge_model)
     data = deep_merge(data, {**flags, **({"engine": engine} if engine else {}), **({"models": models} if models else {})})
     if "models" not in data:
         data["models"] = {"actor": "llama2-7b"}
@@ -180,7 +182,7 @@ def _run_description(args: argparse.Namespace):
 
 _RUN_FLAGS = ("cluster", "prompts", "responses_per_prompt", "prompt_len", "response_len", "response_max",
               "response_spread", "optimizer_steps", "ppo_epochs", "recompute_logprobs", "plan", "decode_slots",
-              "generated_per_kept")
+              "generated_per_kept", "judge_tokens")
 """Flags of ``loomrl plan`` that set a field of :class:`~loomrl.planner.describe.RunDescription` (same names)."""
 _ENGINE_FLAGS = ("gen_memory_fraction", "gen_max_seqs", "gen_request_batch", "gen_precision", "train_precision",
                  "optimizer_offload", "packing", "logits", "sync_tensor_s", "expert_parallel")
@@ -400,6 +402,9 @@ def _add_plan_arguments(p: argparse.ArgumentParser, cfg_help: str) -> None:
     for role in ("actor", "critic", "ref", "reward"):
         extra = "; 'rule' for a rule-based reward with no model" if role == "reward" else ""
         p.add_argument(f"--{role}-model", help=f"architecture of the {role} (default: --model){extra}")
+    p.add_argument("--judge-model", action="append", help="a generative reward model (a judge): its architecture, as "
+                                                           "--model; repeat for several judges")
+    p.add_argument("--judge-tokens", type=int, help="tokens of each judge's verdict (default 8)")
     p.add_argument("--prompts", type=int, help="prompts per iteration (default 512)")
     p.add_argument("--responses-per-prompt", type=int, help="samples per prompt (default: the algorithm's group)")
     p.add_argument("--prompt-len", type=float, help="mean prompt tokens (default 128)")

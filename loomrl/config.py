@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import dataclasses
 import math
+import re
 import warnings
 from dataclasses import dataclass, field
 
@@ -17,7 +18,8 @@ from loomrl.configtools import ValidatedConfig, fail, spec
 ALGORITHMS = ("ppo", "grpo", "rloo", "remax", "reinforce_pp")
 POLICY_LOSSES = ("ppo", "gspo")  # loomrl.algorithms.losses.POLICY_LOSSES
 LOSS_AGGS = ("token-mean", "seq-mean-token-mean", "seq-mean-token-sum")  # loomrl.algorithms.losses.LOSS_AGGS
-TASK_NAMES = ("sort", "add", "reverse", "file")
+TASK_NAMES = ("sort", "add", "reverse", "judge", "file")
+JUDGED_TASKS = ("sort", "add", "reverse")
 ROLES = ("actor", "critic", "ref", "reward")
 BACKENDS = ("tensorboard", "wandb", "mlflow")
 NONFINITE_ACTIONS = ("skip", "stop")
@@ -26,7 +28,11 @@ NONFINITE_ACTIONS = ("skip", "stop")
 @dataclass(frozen=True)
 class TaskConfig(ValidatedConfig):
     name: str = spec("sort", choices=TASK_NAMES)
-    """Synthetic task (sort, add, reverse) or 'file' for a user prompt file with a reward function."""
+    """Synthetic task (sort, add, reverse), 'judge' (verdicts yes/no on responses to task judged, right half of the
+    time: what a generative reward model is trained on, loomrl.data.judges) or 'file' for a user prompt file with
+    a reward function."""
+    judged: str = spec("sort", choices=JUDGED_TASKS)
+    """Task 'judge': the task whose responses are judged (its options min_len, max_len, max_digits apply)."""
     min_len: int = spec(3, ge=1, le=32)
     """Shortest input (digits to sort, letters to reverse)."""
     max_len: int = spec(5, ge=1, le=32)
@@ -124,9 +130,41 @@ class CriticConfig(ValidatedConfig):
 
 
 @dataclass(frozen=True)
+class JudgeConfig(ValidatedConfig):
+    model: str = ""
+    """The judge: a causal LM (a checkpoint directory, e.g. from `loomrl sft task.name=judge`, or a zoo name)."""
+    weight: float = 1.0
+    """Weight of this judge's score in the reward (the judges' weighted sum)."""
+    template: str = "judge {prompt}{response}|{answer}:"
+    """The judge's prompt, from the sample's {prompt}, {response} and reference {answer}."""
+    verdict: str = "yes-no"
+    """How a verdict becomes a score: 'yes-no' (1 for yes, 0 for no), 'regex:PATTERN' (its first group, as a
+    number) or a function 'module:function' / 'file.py:function' of the verdict's text returning a number or None.
+    An unreadable verdict scores 0 (judge<i>/unreadable in the metrics)."""
+    max_new_tokens: int = spec(4, ge=1, le=131072)
+    """Longest verdict, in tokens (written greedily)."""
+
+    def validate(self) -> None:
+        from loomrl.data.judges import check_template, check_verdict
+
+        if not self.model:
+            fail("model", "is empty: give the judge's checkpoint directory or a zoo model")
+        problem = check_template(self.template)
+        if problem:
+            fail("template", f"{self.template!r}: {problem}")
+        problem = check_verdict(self.verdict)
+        if problem:
+            fail("verdict", f"{self.verdict!r} {problem}")
+
+
+@dataclass(frozen=True)
 class RewardConfig(ValidatedConfig):
-    source: str = spec("rule", choices=("rule", "model", "both"))
-    """Where the scalar reward comes from: the task's rule, a trained reward model, or their weighted sum."""
+    source: str = spec("rule", choices=("rule", "model", "both", "judge"))
+    """Where the scalar reward comes from: the task's rule, a trained reward model, their weighted sum, or
+    generative reward models (judges) that write a verdict per sample."""
+    judges: tuple[JudgeConfig, ...] = ()
+    """Source 'judge': the judges (roles judge0, judge1, ...), each a generate call of its own in the workflow,
+    placed like any call; the reward is their weighted sum."""
     model: str | None = None
     """Reward-model checkpoint directory (from `loomrl rm`), needed for source 'model' or 'both'."""
     rule_weight: float = spec(1.0, ge=0)
@@ -137,6 +175,10 @@ class RewardConfig(ValidatedConfig):
     def validate(self) -> None:
         if self.source in ("model", "both") and not self.model:
             fail("model", f"reward source '{self.source}' needs a reward-model checkpoint directory")
+        if self.source == "judge" and not self.judges:
+            fail("judges", "reward source 'judge' needs at least one judge, e.g. reward.judges=[{model: runs/judge}]")
+        if self.judges and self.source != "judge":
+            fail("judges", f"judges are given but reward.source is '{self.source}' (valid with judges: judge)")
 
 
 @dataclass(frozen=True)
@@ -424,8 +466,8 @@ class RuntimeConfig(ValidatedConfig):
                 fail(f"plan_changes.{iteration}", "'' is empty; give colocate, interleave, separate[:N], a plan string "
                                                   "or a plan file")
         for role, layout in self.layouts.items():
-            if role not in ROLES:
-                fail(f"layouts.{role}", f"unknown role; valid roles: {', '.join(ROLES)}")
+            if role not in ROLES and not re.fullmatch(r"judge\d+", role):
+                fail(f"layouts.{role}", f"unknown role; valid roles: {', '.join(ROLES)}, judge0, judge1, ...")
             if layout.sharding != "none" and role not in ("actor", "critic"):
                 fail(f"layouts.{role}.sharding", f"{layout.sharding} shards a trained role's state; {role} is "
                                                  "frozen (valid: none; actor and critic may shard)")
@@ -482,6 +524,11 @@ class TrainConfig(ValidatedConfig):
         object.__setattr__(self, "loop", dataclasses.replace(self.loop, keep_checkpoints=None))
 
     def validate(self) -> None:
+        judges = [role for role in self.runtime.layouts if role.startswith("judge")]
+        for role in judges:
+            if int(role[len("judge"):]) >= len(self.reward.judges):
+                fail(f"runtime.layouts.{role}", f"no such judge: reward.judges has {len(self.reward.judges)} "
+                                                f"(valid: {', '.join(f'judge{i}' for i in range(len(self.reward.judges))) or 'none'})")
         longest = self.rollout.max_new_tokens
         if self.algo.overlong_buffer > longest:
             fail("algo.overlong_buffer", f"{self.algo.overlong_buffer} is more than rollout.max_new_tokens {longest} "

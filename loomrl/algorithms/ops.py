@@ -165,6 +165,43 @@ def reward_op(ctx: OpContext, batch: Batch, response_key: str = "response_ids", 
     return {out_key: score_B, rule_key: rule.per_sample() if rule is not None else [None] * len(batch)}
 
 
+@torch.no_grad()
+def judge_op(ctx: OpContext, batch: Batch, template: str, max_new_tokens: int, out_key: str) -> dict:
+    """A judge's verdict on each sample, written greedily: the judge's prompt made from the sample's prompt,
+    response and answer by ``template`` (:func:`loomrl.data.judges.judge_prompt`), its verdict's token ids in
+    ``out_key``."""
+    from loomrl.data.judges import judge_prompt
+
+    if ctx.encode is None:
+        raise RuntimeError("a judge call needs the executor's tokenizer (OpContext.encode)")
+    texts = [judge_prompt(template, p, ctx.decode(r), a)
+             for p, r, a in zip(batch["prompt_text"], batch["response_ids"], batch["answer"])]
+    prompts = Batch(batch.ids, {"prompt_ids": [ctx.encode(t) for t in texts]})
+    out = generate_op(ctx, prompts, SamplingParams(max_new_tokens, 0.0), out_prefix="judge_")
+    return {out_key: out["judge_response_ids"]} if out else {out_key: []}
+
+
+def verdict_op(ctx: OpContext, batch: Batch, judges: tuple[tuple[str, str, float], ...], out_key: str = "score",
+               rule_key: str | None = None) -> dict:
+    """The reward from the judges' verdicts: per judge ``(verdict key, verdict reader, weight)``, the reader's
+    score of each verdict (0 when unreadable), weighted and summed; with ``rule_key``, no rule scores (the
+    judges replace the rule). Each judge's unreadable verdicts go to the column ``judge<i>/unreadable`` (1 per
+    sample), read by the rollout metrics."""
+    from loomrl.data.judges import verdict_reader
+
+    score_B = torch.zeros(len(batch))
+    out = {}
+    for i, (key, spec, weight) in enumerate(judges):
+        read = verdict_reader(spec)
+        values = [read(ctx.decode(ids)) for ids in batch[key]]
+        score_B += weight * torch.tensor([0.0 if v is None else v for v in values], dtype=torch.float32)
+        out[f"judge{i}_unreadable"] = torch.tensor([float(v is None) for v in values])
+    out[out_key] = score_B
+    if rule_key is not None:
+        out[rule_key] = [None] * len(batch)
+    return out
+
+
 LossFn = Callable[[Batch, torch.Tensor, tuple], tuple[torch.Tensor, dict]]
 """``loss_fn(minibatch, outputs, packed)``: the minibatch's mean loss (a token-mean, or a mean over sequences as
 ``ctx.loss_unit`` says) from the model's per-position outputs (logits or values) and the packed sequences

@@ -110,6 +110,8 @@ class OpContext:
     eos_id: int
     decode: Callable[[list[int]], str]
     """Token ids → text (the tokenizer's decode without special tokens)."""
+    encode: Callable[[str], list[int]] | None = None
+    """A prompt's text → its token ids (:func:`loomrl.models.tokenizer.encode_prompt`): what a judge reads."""
     train_steps: tuple[tuple[tuple[int, ...], float], ...] = ()
     """``train`` MFCs: per optimizer step, this executor's rows (positions in the given batch) and the weight
     of their mean loss (their share of the step's loss weight over all data-parallel ranks: tokens, or rows)."""

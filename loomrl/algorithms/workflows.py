@@ -23,9 +23,11 @@ import torch
 
 from loomrl.algorithms import advantages as A
 from loomrl.algorithms import losses as L
-from loomrl.algorithms.ops import generate_chunks, generate_op, logprob_op, reward_op, train_loop, values_op
+from loomrl.algorithms.ops import (generate_chunks, generate_op, judge_op, logprob_op, reward_op, train_loop,
+                                   values_op, verdict_op)
 from loomrl.algorithms.roles import OpContext
-from loomrl.config import AlgoConfig, RolloutConfig
+from loomrl.config import AlgoConfig, RewardConfig, RolloutConfig
+from loomrl.errors import ConfigError
 from loomrl.models.heads import logprobs_and_entropy_from_logits
 from loomrl.rollout import SamplingParams
 from loomrl.workflow import MFC, MFCKind, Workflow
@@ -148,7 +150,27 @@ def sampling_params(rollout: RolloutConfig) -> SamplingParams:
     return SamplingParams(rollout.max_new_tokens, rollout.temperature, rollout.top_k, rollout.top_p)
 
 
-def _rollout_mfcs(algo: AlgoConfig, rollout: RolloutConfig, recompute: bool) -> list[MFC]:
+def judge_mfcs(reward: RewardConfig | None) -> tuple[list[MFC], MFC | None]:
+    """With ``reward.source`` 'judge': each judge's generate call (role ``judge<i>``, its verdicts in
+    ``verdict<i>_ids``) and the compute call that turns the verdicts into the reward (``reward_inf``, in place of
+    the reward role's inference call); ``([], None)`` otherwise."""
+    if reward is None or reward.source != "judge":
+        return [], None
+    scored = ("prompt_text", "response_ids", "answer")
+    gens = [MFC(f"judge{i}_gen", f"judge{i}", MFCKind.GENERATE, scored, (f"verdict{i}_ids",),
+                partial(judge_op, template=j.template, max_new_tokens=j.max_new_tokens, out_key=f"verdict{i}_ids"),
+                doc=f"judge {i}'s verdict on each response", max_new_tokens=j.max_new_tokens, reads_response=True)
+            for i, j in enumerate(reward.judges)]
+    keys = tuple(f"verdict{i}_ids" for i in range(len(gens)))
+    readers = tuple((f"verdict{i}_ids", j.verdict, j.weight) for i, j in enumerate(reward.judges))
+    score = MFC("reward_inf", None, MFCKind.COMPUTE, ("prompt_ids", "response_ids", *keys),
+                ("score", "rule_scores", *(f"judge{i}_unreadable" for i in range(len(gens)))),
+                partial(verdict_op, judges=readers, rule_key="rule_scores"), doc="the judges' verdicts as rewards")
+    return gens, score
+
+
+def _rollout_mfcs(algo: AlgoConfig, rollout: RolloutConfig, recompute: bool,
+                  reward: RewardConfig | None = None) -> list[MFC]:
     """Generation and the inference calls that score it (shared by every algorithm)."""
     gen, inf = MFCKind.GENERATE, MFCKind.INFERENCE
     seq, scored = ("prompt_ids", "response_ids"), ("prompt_ids", "response_ids", "prompt_text", "answer", "row")
@@ -160,6 +182,12 @@ def _rollout_mfcs(algo: AlgoConfig, rollout: RolloutConfig, recompute: bool) -> 
         MFC("ref_inf", "ref", inf, seq, ("ref_logp",), partial(logprob_op, out_key="ref_logp", temperature=temp)),
         MFC("reward_inf", "reward", inf, scored, ("score", "rule_scores"), partial(reward_op, rule_key="rule_scores")),
     ]
+    judges, judged = judge_mfcs(reward)
+    if judged is not None:
+        if algo.name == "remax":
+            raise ConfigError("reward.source: 'judge' scores sampled responses; remax's greedy baseline needs a "
+                              "rule or reward model (valid with judge: ppo, grpo, rloo, reinforce_pp)")
+        mfcs[2:3] = [*judges, judged]
     if recompute:
         mfcs.append(MFC("actor_inf", "actor", inf, seq, ("old_logp",),
                         partial(logprob_op, out_key="old_logp", temperature=temp)))
@@ -176,13 +204,13 @@ def _rollout_mfcs(algo: AlgoConfig, rollout: RolloutConfig, recompute: bool) -> 
     return mfcs
 
 
-def build_workflow(algo: AlgoConfig, rollout: RolloutConfig) -> Workflow:
-    """The MFC graph of one iteration of ``algo.name``."""
+def build_workflow(algo: AlgoConfig, rollout: RolloutConfig, reward: RewardConfig | None = None) -> Workflow:
+    """The MFC graph of one iteration of ``algo.name``, with ``reward``'s judges where it has them."""
     # Truncated sampling (top-k/top-p) is not the distribution the actor trains; recompute behaviour log-probs
     # (also on request: frameworks whose sampler's log-probs differ from the trainer's recompute them always).
     recompute = rollout.top_k > 0 or rollout.top_p < 1.0 or algo.recompute_logprobs
     old_key = "old_logp" if recompute else "logp"
-    mfcs = _rollout_mfcs(algo, rollout, recompute)
+    mfcs = _rollout_mfcs(algo, rollout, recompute, reward)
     adv_inputs = ("logp", "ref_logp", "score", "mask") + {"ppo": ("values",), "remax": ("greedy_score",)}.get(
         algo.name, ())
     adv_outputs = ("advantages", "returns", "kl") if algo.name == "ppo" else ("advantages", "kl")

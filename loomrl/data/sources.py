@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import dataclasses
+
 from loomrl.config import TaskConfig
 from loomrl.data.prompts import FilePrompts, FunctionTask, PromptSource, SyntheticPrompts
 from loomrl.data.tasks import Example, Task, make_task
@@ -14,6 +16,10 @@ def build_task(cfg: TaskConfig) -> Task:
     if cfg.name == "file":
         return FunctionTask(cfg.reward_functions, name=cfg.name, timeout_s=cfg.reward_timeout_s,
                             weights=cfg.reward_weights or None)
+    if cfg.name == "judge":
+        from loomrl.data.judges import JudgeTask
+
+        return JudgeTask(build_task(dataclasses.replace(cfg, name=cfg.judged)))
     if cfg.name == "add":
         return make_task("add", max_digits=cfg.max_digits)
     return make_task(cfg.name, min_len=cfg.min_len, max_len=cfg.max_len)

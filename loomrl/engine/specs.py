@@ -64,6 +64,8 @@ def role_specs(cfg: TrainConfig, roles: Iterable[str]) -> dict[str, RoleSpec]:
                            seed=cfg.seed, rule=cfg.reward.source in ("rule", "both"),
                            rule_weight=cfg.reward.rule_weight, model_weight=cfg.reward.model_weight),
     }
+    for i, judge in enumerate(cfg.reward.judges):  # generative reward models: frozen language models
+        known[f"judge{i}"] = RoleSpec(f"judge{i}", judge.model, f"reward.judges[{i}].model", seed=cfg.seed + 2 + i)
     unknown = [r for r in roles if r not in known]
     if unknown:
         raise ValueError(f"no model spec for role(s) {unknown}; known roles: {', '.join(known)}")

@@ -101,7 +101,7 @@ def load_run(run_dir: str | Path) -> Run:
     if not (run / "config.yaml").is_file() or not (run / "metrics.jsonl").is_file():
         raise DataError(f"{run}: not a run directory (config.yaml and metrics.jsonl are needed)")
     cfg = load_config(TrainConfig, run / "config.yaml")
-    workflow = build_workflow(cfg.algo, cfg.rollout)
+    workflow = build_workflow(cfg.algo, cfg.rollout, cfg.reward)
     devices = 1 if cfg.runtime.executor == "reference" else (cfg.runtime.devices or _recorded_devices(run)
                                                              or available_devices())
     cluster = ClusterSpec(nodes=1, devices_per_node=devices, device_kind="cpu", profile="local")

@@ -314,7 +314,7 @@ class CostModel:
             nbytes = self.workload.batch * self.workload.mean_seq * COMPUTE_BYTES_PER_TOKEN
             return {"compute": nbytes / self._rates_of(alloc).mem}
         if mfc.kind is MFCKind.GENERATE:
-            return self._generate_terms(mfc.role, alloc)
+            return self._generate_terms(mfc.role, alloc, mfc)
         if mfc.kind is MFCKind.INFERENCE:
             return self.inference_terms(mfc.role, alloc)
         return self._train_terms(mfc, alloc)
@@ -388,11 +388,15 @@ class CostModel:
                 "optimizer_launch": self._launch_excess(T.optimizer_ops(shape, shape.layers) * rates.op, optimizer),
                 _launch("fsdp_launch_fsdp", lay.tp): self._launch_excess(mb * T.fsdp_round_ops(shape) * rates.op, work)}
 
-    def _generate_terms(self, role: str, alloc: Allocation) -> dict[str, float]:
-        """Prefill of the share's prompts, then decode over the response-length distribution."""
+    def _generate_terms(self, role: str, alloc: Allocation, mfc: MFC | None = None) -> dict[str, float]:
+        """Prefill of the share's prompts, then decode over the response-length distribution; a call that reads
+        the policy's responses (a judge) prefills them too, and a call with its own budget (a judge's verdict)
+        decodes that many tokens per sample."""
         w = self.workload
-        out = self.prefill_terms(role, alloc, D.share(w.batch, alloc.layout.dp), w.prompt_len)
-        out.update(self._decode_terms(role, alloc, w.response_lengths, padded=False))
+        context = w.prompt_len + (w.mean_response if mfc is not None and mfc.reads_response else 0.0)
+        lengths = (mfc.max_new_tokens,) if mfc is not None and mfc.max_new_tokens else w.response_lengths
+        out = self.prefill_terms(role, alloc, D.share(w.batch, alloc.layout.dp), context)
+        out.update(self._decode_terms(role, alloc, lengths, padded=False))
         return out
 
     def prefill_terms(self, role: str, alloc: Allocation, samples: float, context: float) -> dict[str, float]:

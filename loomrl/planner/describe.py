@@ -18,7 +18,7 @@ import math
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field
 
-from loomrl.config import ALGORITHMS, AlgoConfig, RolloutConfig
+from loomrl.config import ALGORITHMS, AlgoConfig, JudgeConfig, RewardConfig, RolloutConfig
 from loomrl.configtools import ValidatedConfig, fail, spec
 from loomrl.errors import ConfigError
 from loomrl.plan import ClusterSpec, ExecutionPlan
@@ -50,9 +50,14 @@ class ModelsConfig(ValidatedConfig):
     """The reference policy; default: the actor's architecture."""
     reward: str | None = None
     """The reward model, or ``rule`` for a rule-based reward with no model; default: the actor's architecture."""
+    judges: tuple[str, ...] = ()
+    """Generative reward models (G-Core's): each a role ``judge<i>`` whose generate call reads the prompt and the
+    response and writes a verdict of ``judge_tokens`` tokens; they replace the reward model."""
 
     def of(self, role: str) -> str:
         """The model name of ``role``."""
+        if role.startswith("judge") and role[len("judge"):].isdigit():
+            return self.judges[int(role[len("judge"):])]
         return getattr(self, role, None) or self.actor
 
 
@@ -90,6 +95,8 @@ class RunDescription(ValidatedConfig):
     """An ``actor_inf`` call recomputes the behaviour log-probs after generation (verl, OpenRLHF, NeMo RL)."""
     decode_slots: int | None = spec(None, ge=1)
     """Samples one generation replica decodes at once (loomrl's rollout engine); see also ``engine``."""
+    judge_tokens: int = spec(8, ge=1)
+    """Tokens of each judge's verdict (models.judges)."""
     generated_per_kept: float = spec(1.0, ge=1)
     """Samples generated and scored per sample trained: above 1 with dynamic sampling (a run's sampling/prompts over
     rollout.prompts_per_iter); generation and the reward call are priced that many times over."""
@@ -126,7 +133,11 @@ class RunDescription(ValidatedConfig):
         group = max(2, self.responses_per_prompt) if self.algo in ("grpo", "rloo") else 4
         algo = AlgoConfig(name=self.algo, ppo_epochs=self.ppo_epochs, minibatches=self.optimizer_steps,
                           group_size=group, recompute_logprobs=self.recompute_logprobs)
-        return build_workflow(algo, RolloutConfig())
+        reward = None
+        if self.models.judges:
+            reward = RewardConfig(source="judge", judges=tuple(JudgeConfig(model=name, max_new_tokens=self.judge_tokens)
+                                                               for name in self.models.judges))
+        return build_workflow(algo, RolloutConfig(), reward)
 
     def workload(self) -> Workload:
         """One iteration's data: prompts × responses per prompt samples of the described lengths."""
@@ -153,7 +164,8 @@ STAGES: dict[str, tuple[str, ...]] = {
     "generation": ("actor_gen",),
     "weight sync": ("copy actor", "sync actor", "free actor", "offload actor state", "reload actor state",
                     "offload critic state", "reload critic state"),
-    "scoring": ("actor_inf", "ref_inf", "reward_inf", "critic_inf", "advantages", "reload ", "offload "),
+    "scoring": ("actor_inf", "ref_inf", "reward_inf", "critic_inf", "advantages", "reload ", "offload ", "judge",
+                "copy judge", "free judge"),
     "training": ("actor_train", "critic_train", "copy critic", "free critic"),
 }
 """The stages publications break an RL step into, each the steps whose ids start with one of its prefixes: the

@@ -53,7 +53,13 @@ LENGTH_WINDOW = 2
 """Iterations of observed response lengths the runtime's decisions are priced for."""
 METRIC_KEYS = ("prompt_ids", "response_ids", "prompt_text", "answer", "row", "score", "rule_scores", "kl",
                "overlong_penalty")
-"""The columns the rollout metrics read (:func:`loomrl.algorithms.metrics.rollout_metrics`)."""
+"""The columns the rollout metrics read (:func:`loomrl.algorithms.metrics.rollout_metrics`), besides each judge's
+``judge<i>_unreadable`` (:func:`is_metric_key`)."""
+
+
+def is_metric_key(key: str) -> bool:
+    """Whether the rollout metrics read column ``key``."""
+    return key in METRIC_KEYS or (key.startswith("judge") and key.endswith("_unreadable"))
 
 Shards = dict[str, list[tuple[tuple[int, ...], Any]]]
 """Key → output shards holding it: (sample ids, object reference in a 1-tuple)."""
@@ -441,7 +447,7 @@ class Controller:
             self.run_waves(state, result, waves)
         lengths = [state.tokens[s] for s in state.ids]
         self.lengths = (self.lengths + [lengths])[-LENGTH_WINDOW:]
-        where = {k: v for k, v in state.where.items() if k in METRIC_KEYS}
+        where = {k: v for k, v in state.where.items() if is_metric_key(k)}
         return ShardOutput(result, where, lengths, time.perf_counter() - start - self.waited_s,
                            time.process_time() - cpu)
 

@@ -34,8 +34,8 @@ from loomrl.plan.plan import ExecutionPlan
 from loomrl.plan.realloc_plan import plan_reallocation
 from loomrl.plan.schedule import StepKind, build_schedule
 from loomrl.engine.devices import resolve_dtype
-from loomrl.runtime.controller import (METRIC_KEYS, Controller, RuntimeFailure, ShardInput, ShardOutput,
-                                       _inputs, check_metadata)
+from loomrl.runtime.controller import (Controller, RuntimeFailure, ShardInput, ShardOutput, _inputs,
+                                       check_metadata, is_metric_key)
 from loomrl.runtime.controllers import (plan_for_controllers, shard_batch, shard_input, spawn_controllers,
                                         wait_controllers)
 from loomrl.runtime.plan_change import plan_moves
@@ -179,7 +179,7 @@ class RayExecutor:
         for out in outputs:
             for key, shards in out.where.items():
                 where.setdefault(key, []).extend(shards)
-        keys = [k for k in METRIC_KEYS if k in where]
+        keys = [k for k in where if is_metric_key(k)]
         metrics = self._wait([self.workers[0].metrics.remote(list(ids), _inputs(keys, ids, where), keys)],
                              "metrics", None)[0]
         merge_stats(result.stats, metrics, "metrics")

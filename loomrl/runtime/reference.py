@@ -8,11 +8,13 @@ from __future__ import annotations
 
 import time
 from dataclasses import dataclass, field
+from functools import partial
 from pathlib import Path
 from typing import TYPE_CHECKING, Any, Callable, Mapping, Sequence
 
 from loomrl.algorithms.roles import OpContext, Role
 from loomrl.checkpoint import load_checkpoint, save_checkpoint
+from loomrl.models.tokenizer import encode_prompt
 from loomrl.runtime.state_io import FullOptimizerState
 from loomrl.plan.schedule import Schedule, Step, StepKind, split_for_sampling
 from loomrl.workflow import MFC, MFCKind
@@ -114,8 +116,9 @@ class ReferenceExecutor:
         if mfc.kind == MFCKind.TRAIN:
             schedule = train_schedule(response_tokens(batch), mfc.epochs, mfc.minibatches, self.seed, iteration)
             steps = tuple((s.rows_per_rank[0], 1.0) for s in schedule)
-        return OpContext(role, self.seed, iteration, self.pad_id, self.eos_id, self.decode, train_steps=steps,
-                         loss_unit=mfc.loss_unit)
+        encode = None if self.tokenizer is None else partial(encode_prompt, self.tokenizer)
+        return OpContext(role, self.seed, iteration, self.pad_id, self.eos_id, self.decode, encode=encode,
+                         train_steps=steps, loss_unit=mfc.loss_unit)
 
     def run_iteration(self, iteration: int, batch: Batch, waves: Waves | None = None) -> IterationResult:
         """Every call on ``batch``; with ``waves`` (dynamic sampling), ``batch`` is the first wave: the calls that

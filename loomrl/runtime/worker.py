@@ -30,7 +30,7 @@ from loomrl.checkpoint import load_checkpoint, save_checkpoint
 from loomrl.data.sources import build_task
 from loomrl.engine import ModelEngine, build_model, make_role, resolve_device, resolve_dtype
 from loomrl.launch import quiet_libraries
-from loomrl.models.tokenizer import decode_response, task_tokenizer
+from loomrl.models.tokenizer import decode_response, encode_prompt, task_tokenizer
 from loomrl.parallel import (apply_fsdp, apply_tensor_parallel, build_broadcast_groups, check_layout,
                              execute_reallocation, full_state_dict, local_shard)
 from loomrl.parallel.allocations import AllocationGroups
@@ -326,6 +326,7 @@ class DeviceWorker:
         if step.role is None and step.alloc.layout.dp > 1:  # a compute call on one shard per controller
             reduce = partial(_summed, group=self.groups[step.alloc].dp_group, device=self.device)
         return OpContext(role, self.spec.seed, call.iteration, tok.pad_token_id, tok.eos_token_id, self.decode,
+                         encode=partial(encode_prompt, tok),
                          train_steps=call.train_steps, micro_batches=step.alloc.micro_batches,
                          recompute=step.alloc.recompute, reduce=reduce, loss_unit=step.mfc.loss_unit)
 

@@ -55,7 +55,8 @@ FAILURES_FILE = "failures.jsonl"
 
 
 def check_models(cfg: TrainConfig) -> None:
-    specs = {"actor.model": cfg.actor.model, "critic.model": cfg.critic.model, "reward.model": cfg.reward.model}
+    specs = {"actor.model": cfg.actor.model, "critic.model": cfg.critic.model, "reward.model": cfg.reward.model,
+             **{f"reward.judges[{i}].model": j.model for i, j in enumerate(cfg.reward.judges)}}
     for field, spec in specs.items():
         if spec is not None:
             try:
@@ -148,7 +149,8 @@ def absolute_paths(cfg: TrainConfig) -> TrainConfig:
         cfg, run_dir=str(Path(cfg.run_dir).resolve()), task=task, algo=algo,
         actor=dataclasses.replace(cfg.actor, model=path(cfg.actor.model)),
         critic=dataclasses.replace(cfg.critic, model=path(cfg.critic.model)),
-        reward=dataclasses.replace(cfg.reward, model=path(cfg.reward.model)))
+        reward=dataclasses.replace(cfg.reward, model=path(cfg.reward.model), judges=tuple(
+            dataclasses.replace(j, model=path(j.model), verdict=reward(j.verdict)) for j in cfg.reward.judges)))
 
 
 class RLTrainer:
@@ -166,7 +168,7 @@ class RLTrainer:
         self.task = build_task(cfg.task)
         self.train_prompts = prompt_source(cfg.task, self.task, cfg.seed, "train")
         self.eval_examples = held_out(cfg.task, self.task, cfg.seed, cfg.loop.eval_prompts)
-        self.workflow = build_workflow(cfg.algo, cfg.rollout)
+        self.workflow = build_workflow(cfg.algo, cfg.rollout, cfg.reward)
         cluster = run_cluster(cfg)
         self.plans = {0: run_plan(cfg, self.workflow, cluster)}  # every plan checked before any worker starts
         for iteration, text in sorted(cfg.runtime.plan_changes.items()):

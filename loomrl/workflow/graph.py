@@ -71,6 +71,12 @@ class MFC:
     """``train`` only: what each row weighs in its minibatch's mean loss, ``token`` (its response tokens) or
     ``sequence`` (one): the executor weights each rank's loss, and the op each micro-batch's, by their rows'
     share of it (:func:`~loomrl.workflow.minibatches.loss_weights`)."""
+    max_new_tokens: int | None = None
+    """``generate`` only: the call's own response budget (a judge's verdict); None: the run's responses, whose
+    lengths the workload gives."""
+    reads_response: bool = False
+    """``generate`` only: its prompt holds the policy's response too (a judge reads prompt and response), so the
+    planner prices its prefill over both."""
 
     def __post_init__(self) -> None:
         # Accept plain strings and lists from hand-written or config-built MFCs; store canonical types
