@@ -607,10 +607,11 @@ def deep_merge(base: Mapping[str, Any], override: Mapping[str, Any]) -> dict[str
 
 
 def _blame(path: str, items: Sequence[str], parsed: Sequence[tuple[list[str], Any]]) -> str | None:
-    """The last override that set ``path`` or one of its ancestors, if any did."""
+    """The last override that set ``path``, one of its ancestors or something inside it (an unknown key is reported
+    at its first unknown part: ``runtime`` for ``runtime.device=cpu`` where there is no runtime), if any did."""
     for item, (keys, _) in reversed(list(zip(items, parsed))):
         key = ".".join(keys)
-        if path == key or path.startswith((key + ".", key + "[", key + " ")):
+        if path == key or path.startswith((key + ".", key + "[", key + " ")) or key.startswith(path + "."):
             return item
     return None
 
