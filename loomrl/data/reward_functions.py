@@ -14,6 +14,14 @@ the limit is per call. It ignores Ctrl-C (its parent decides) and exits at the e
 once its parent is gone even in the middle of a call: at once on Linux when the parent's main thread started it
 (``PR_SET_PDEATHSIG`` follows the starting thread, which may be a short-lived one), else within a second (a
 watchdog thread, which a call holding the GIL in C code delays).
+
+The child leads a process group of its own: whatever it leaves running (a subprocess it started) is killed with
+it, when it is stopped, killed past the limit or found dead; a process that starts a session of its own escapes
+that. It is the kernel's first choice when memory runs out (``oom_score_adj`` 1000), so a function that
+allocates without bound loses its process rather than the run's. A reply that is not the child's own (the
+function replaced ``json.dumps``, say) fails like a crash. The function otherwise runs as the run does: same user,
+environment, files and network (it may need them, e.g. a remote reward service). Code that is not to be trusted
+with those, such as a model's output, belongs in :mod:`loomrl.data.sandbox`.
 """
 
 from __future__ import annotations
@@ -118,7 +126,8 @@ class RewardProcess:
     def _start(self, sample: str) -> None:
         starter = "main" if threading.current_thread() is threading.main_thread() else "thread"
         self._proc = subprocess.Popen([sys.executable, "-c", _CHILD, json.dumps(sys.path), starter, str(os.getpid())],
-                                      stdin=subprocess.PIPE, stdout=subprocess.PIPE, cwd=os.getcwd())
+                                      stdin=subprocess.PIPE, stdout=subprocess.PIPE, cwd=os.getcwd(),
+                                      start_new_session=True)  # its group: what it leaves running dies with it
         self._finalizer = weakref.finalize(self, _stop, self._proc)
         reply = self._exchange({"spec": self.spec}, max(LOAD_TIMEOUT_S, self.timeout_s), sample,
                                "did not load in its process")
@@ -140,10 +149,20 @@ class RewardProcess:
             self.close()
             raise DataError(f"reward function '{self.spec}': its process died (exit status {code}) {sample}") from None
         except TimeoutError:
-            proc.kill()  # stuck in the call: it would not read the end of its input
+            _kill_group(proc)  # stuck in the call: it would not read the end of its input
             self.close()
             raise DataError(f"reward function '{self.spec}': {late} {sample}") from None
-        return json.loads(line)
+        try:
+            reply = json.loads(line)
+        except ValueError:
+            reply = None
+        if not (isinstance(reply, dict) and reply.keys() & {"ready", "error", "value", "raised"}):
+            _kill_group(proc)
+            self.close()
+            raise DataError(f"reward function '{self.spec}': its process replied {_short(line.decode('utf-8', 'replace'))}"
+                            f", not a reward (did the function replace something the replies are written with?) "
+                            f"{sample}")
+        return reply
 
     def _read_line(self, deadline: float) -> bytes:
         fd = self._proc.stdout.fileno()
@@ -202,6 +221,15 @@ def _stop(proc: subprocess.Popen) -> None:
     except (OSError, subprocess.TimeoutExpired):
         proc.kill()
         proc.wait()
+    _kill_group(proc)  # what the function left running in the child's group
+
+
+def _kill_group(proc: subprocess.Popen) -> None:
+    """SIGKILL to the child's process group (it leads one: ``start_new_session``)."""
+    try:
+        os.killpg(proc.pid, signal.SIGKILL)
+    except (ProcessLookupError, PermissionError):
+        pass  # none of the group is left
 
 
 def describe_sample(prompt: str, response: str) -> str:
@@ -235,6 +263,11 @@ def main(started_by_main_thread: bool, parent: int) -> None:
     """The child's loop: load the function named by the first message, then answer one call per line."""
     _die_with_parent(started_by_main_thread, parent)
     signal.signal(signal.SIGINT, signal.SIG_IGN)
+    try:  # when memory runs out, the kernel kills this process (and what it starts) before the run's
+        with open("/proc/self/oom_score_adj", "w") as adj:
+            adj.write("1000")
+    except OSError:
+        pass  # not Linux, or /proc is not there
     replies = os.fdopen(os.dup(1), "w", buffering=1)
     os.dup2(2, 1)  # the function's prints go to stderr, never into the replies
     sys.stdout = sys.stderr
@@ -248,7 +281,7 @@ def main(started_by_main_thread: bool, parent: int) -> None:
         call = json.loads(line)
         try:
             value = plain(fn(*call["args"], **call["kwargs"]))
-        except Exception as exc:  # noqa: BLE001 - reported to the parent, which stops the run naming it
+        except (Exception, SystemExit, KeyboardInterrupt) as exc:  # noqa: BLE001 - the parent stops the run naming it
             replies.write(json.dumps({"raised": one_line(exc)}) + "\n")
             continue
         replies.write(json.dumps({"value": value}) + "\n")
