@@ -22,6 +22,7 @@ from __future__ import annotations
 
 import dataclasses
 import os
+import re
 import socket
 import tempfile
 import textwrap
@@ -153,7 +154,11 @@ def hostile(prompt, response, answer):
 '''
 
 
-@pytest.mark.parametrize("case", REWARD_CASES, ids=[c.name.replace(" ", "-") for c in REWARD_CASES])
+def _id(name: str) -> str:
+    return re.sub(r"[^a-z0-9]+", "-", name.lower()).strip("-")
+
+
+@pytest.mark.parametrize("case", REWARD_CASES, ids=[_id(c.name) for c in REWARD_CASES])
 def test_a_hostile_reward_function_is_stopped_and_the_run_goes_on(case, tmp_path, capfd):
     mark = f"loomrl-hostile-{tmp_path.name}"
     path = tmp_path / "hostile.py"
@@ -280,7 +285,7 @@ def outside():
     where.rmdir()
 
 
-@pytest.mark.parametrize("case", SANDBOX_CASES, ids=[c.name.replace(" ", "-") for c in SANDBOX_CASES])
+@pytest.mark.parametrize("case", SANDBOX_CASES, ids=[_id(c.name) for c in SANDBOX_CASES])
 def test_hostile_code_in_the_sandbox_is_contained(case, gaps, outside, monkeypatch):
     reason = _missing(case.needs, gaps)
     if reason is not None:
