@@ -140,11 +140,18 @@ class JudgeTask(Task):
         raise DataError("task 'judge': an example needs its verdict (answer); it is not computed from the prompt")
 
 
+WRONG_KINDS = (0, 0, 0, 1, 1, 1, 2, 3, 4, 5, 5, 6)
+"""How often each kind of wrong response is drawn (:func:`wrong_answer`): mostly of the answer's length (a changed
+or swapped character), so that a judge cannot tell right from wrong by length alone, and cut short, as a policy's
+near misses are (a judge never shown short answers learned to call them right, and GRPO found that out)."""
+
+
 def wrong_answer(answer: str, chars: str, rng: random.Random) -> str:
-    """A plausible wrong response: one character changed, two swapped, one dropped or added, or another string of
-    the same characters; never ``answer`` itself."""
+    """A plausible wrong response, never ``answer`` itself: by kind (:data:`WRONG_KINDS`), 0 one character
+    changed, 1 two swapped, 2 one dropped, 3 one added, 4 another string of the same characters, 5 the answer cut
+    short (down to nothing), 6 the answer with more after it."""
     for _ in range(100):
-        kind = rng.randrange(5)
+        kind = rng.choice(WRONG_KINDS)
         s = list(answer)
         if kind == 0 and s:
             s[rng.randrange(len(s))] = rng.choice(chars)
@@ -155,8 +162,12 @@ def wrong_answer(answer: str, chars: str, rng: random.Random) -> str:
             del s[rng.randrange(len(s))]
         elif kind == 3:
             s.insert(rng.randrange(len(s) + 1), rng.choice(chars))
-        else:
+        elif kind == 4:
             s = [rng.choice(chars) for _ in range(rng.randint(1, max(1, len(answer) + 1)))]
+        elif kind == 5:
+            s = s[:rng.randrange(len(s))] if s else s
+        else:
+            s = s + [rng.choice(chars) for _ in range(rng.randint(1, 3))]
         if "".join(s) != answer:
             return "".join(s)
     return answer + chars[0]
