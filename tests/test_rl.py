@@ -276,6 +276,29 @@ def test_untruncated_sampling_uses_rollout_logprobs():
     assert "actor_inf" in {m.name for m in build_workflow(AlgoConfig(name="grpo"), RolloutConfig(top_p=0.9))}
 
 
+@pytest.mark.parametrize("algo", ["grpo", "ppo"])
+def test_kl_coef_zero_drops_the_reference_and_learns_exactly_as_with_it(algo, tmp_path, monkeypatch):
+    """At kl_coef 0 the reference's log-probs weigh nothing: the workflow has no ref_inf, the run no reference
+    model, and the run is the run that computed them anyway (same samples, metrics and final weights)."""
+    from loomrl.algorithms import workflows
+
+    overrides = (f"algo.name={algo}", "algo.kl_coef=0", "seed=5")
+    lean = RLTrainer(tiny_cfg(tmp_path / "lean", *overrides))
+    assert "ref_inf" not in {m.name for m in lean.workflow} and "ref" not in lean.executor.roles
+    assert "ref_logp" not in lean.workflow["advantages"].inputs
+    lean.run()
+    monkeypatch.setattr(workflows, "uses_reference", lambda algo: True)
+    full = RLTrainer(tiny_cfg(tmp_path / "full", *overrides))
+    assert "ref" in full.executor.roles
+    full.run()
+    kl_keys = ("kl/mean", "actor/kl_loss")
+    records = [[{k: v for k, v in comparable(r).items() if k not in kl_keys} for r in read_records(tmp_path / run)]
+               for run in ("lean", "full")]
+    assert records[0] == records[1]
+    assert "kl/mean" in read_records(tmp_path / "full")[0] and "kl/mean" not in read_records(tmp_path / "lean")[0]
+    assert same_weights(lean.executor.roles["actor"].model, snapshot(full.executor.roles["actor"].model))
+
+
 def test_precision_auto_is_bf16_on_accelerators_and_fp32_on_cpu():
     from loomrl.engine import resolve_dtype
 

@@ -40,38 +40,34 @@ def _seq_kl(batch: Batch, kind: str) -> torch.Tensor:
     return L.kl_estimate(batch["logp"], batch["ref_logp"], kind) * batch["mask"]
 
 
-def ppo_advantages(ctx: OpContext, batch: Batch, algo: AlgoConfig) -> dict:
-    kl_BR = _seq_kl(batch, algo.kl_estimator)
+def ppo_advantages(ctx: OpContext, batch: Batch, algo: AlgoConfig, kl_BR: torch.Tensor) -> dict:
     mask_BR = batch["mask"]
     reward_BR = A.token_rewards(batch["score"], kl_BR, mask_BR, algo.kl_coef)
     adv_BR, ret_BR = A.gae(reward_BR, batch["values"] * mask_BR, mask_BR, algo.gamma, algo.lam)
     if algo.whiten_advantages:
         adv_BR = A.masked_whiten(adv_BR, mask_BR, reduce=ctx.reduce) * mask_BR
-    return {"advantages": adv_BR, "returns": ret_BR, "kl": kl_BR}
+    return {"advantages": adv_BR, "returns": ret_BR}
 
 
-def grpo_advantages(ctx: OpContext, batch: Batch, algo: AlgoConfig) -> dict:
+def grpo_advantages(ctx: OpContext, batch: Batch, algo: AlgoConfig, kl_BR: torch.Tensor) -> dict:
     adv_B = A.group_normalized(batch["score"], algo.group_size)
-    return {"advantages": A.broadcast_to_tokens(adv_B, batch["mask"]), "kl": _seq_kl(batch, algo.kl_estimator)}
+    return {"advantages": A.broadcast_to_tokens(adv_B, batch["mask"])}
 
 
-def rloo_advantages(ctx: OpContext, batch: Batch, algo: AlgoConfig) -> dict:
-    kl_BR = _seq_kl(batch, algo.kl_estimator)
+def rloo_advantages(ctx: OpContext, batch: Batch, algo: AlgoConfig, kl_BR: torch.Tensor) -> dict:
     adv_B = A.rloo_baseline(batch["score"] - algo.kl_coef * kl_BR.sum(-1), algo.group_size)
-    return {"advantages": A.broadcast_to_tokens(adv_B, batch["mask"]), "kl": kl_BR}
+    return {"advantages": A.broadcast_to_tokens(adv_B, batch["mask"])}
 
 
-def remax_advantages(ctx: OpContext, batch: Batch, algo: AlgoConfig) -> dict:
-    kl_BR = _seq_kl(batch, algo.kl_estimator)
+def remax_advantages(ctx: OpContext, batch: Batch, algo: AlgoConfig, kl_BR: torch.Tensor) -> dict:
     adv_B = A.remax_advantage(batch["score"] - algo.kl_coef * kl_BR.sum(-1), batch["greedy_score"])
-    return {"advantages": A.broadcast_to_tokens(adv_B, batch["mask"]), "kl": kl_BR}
+    return {"advantages": A.broadcast_to_tokens(adv_B, batch["mask"])}
 
 
-def reinforce_pp_advantages(ctx: OpContext, batch: Batch, algo: AlgoConfig) -> dict:
-    kl_BR = _seq_kl(batch, algo.kl_estimator)
+def reinforce_pp_advantages(ctx: OpContext, batch: Batch, algo: AlgoConfig, kl_BR: torch.Tensor) -> dict:
     adv_BR = A.reinforce_pp_advantage(batch["score"], kl_BR, batch["mask"], algo.kl_coef, algo.gamma,
                                       reduce=ctx.reduce)
-    return {"advantages": adv_BR, "kl": kl_BR}
+    return {"advantages": adv_BR}
 
 
 def _actor_loss(ctx: OpContext, mb: Batch, logits_BLV: torch.Tensor, packed: tuple, algo: AlgoConfig,
@@ -129,12 +125,15 @@ _ADVANTAGES = {
 }
 
 
-def advantages_op(ctx: OpContext, batch: Batch, algo: AlgoConfig, max_new_tokens: int) -> dict:
+def advantages_op(ctx: OpContext, batch: Batch, algo: AlgoConfig, max_new_tokens: int, kl: bool = True) -> dict:
     """``algo.name``'s advantages from the rewards: the scores, less DAPO's overlong penalty where
     ``algo.overlong_buffer`` is set (then also a column ``overlong_penalty``, the amount taken; ReMax's greedy
-    baseline is shaped alike, so baseline and sample are rewarded by one rule)."""
+    baseline is shaped alike, so baseline and sample are rewarded by one rule). With ``kl`` the per-token KL
+    to the reference is a column ``kl`` too; without it (a workflow with no reference call) it is zero."""
+    kl_BR = _seq_kl(batch, algo.kl_estimator) if kl else torch.zeros_like(batch["logp"])
+    extra = {"kl": kl_BR} if kl else {}
     if not algo.overlong_buffer:
-        return _ADVANTAGES[algo.name](ctx, batch, algo)
+        return {**_ADVANTAGES[algo.name](ctx, batch, algo, kl_BR), **extra}
     penalty = partial(A.overlong_penalty, max_new_tokens=max_new_tokens, buffer=algo.overlong_buffer,
                       penalty=algo.overlong_penalty)
     penalty_B = penalty(batch["mask"].sum(dim=-1))
@@ -143,7 +142,7 @@ def advantages_op(ctx: OpContext, batch: Batch, algo: AlgoConfig, max_new_tokens
         greedy_len_B = torch.tensor([len(r) for r in batch["greedy_response_ids"]], device=penalty_B.device)
         shaped["greedy_score"] = batch["greedy_score"] - penalty(greedy_len_B)
     rewarded = Batch(batch.ids, {**batch.as_dict(), **shaped})
-    return {**_ADVANTAGES[algo.name](ctx, rewarded, algo), "overlong_penalty": penalty_B}
+    return {**_ADVANTAGES[algo.name](ctx, rewarded, algo, kl_BR), **extra, "overlong_penalty": penalty_B}
 
 
 def sampling_params(rollout: RolloutConfig) -> SamplingParams:
@@ -171,7 +170,8 @@ def judge_mfcs(reward: RewardConfig | None) -> tuple[list[MFC], MFC | None]:
 
 def _rollout_mfcs(algo: AlgoConfig, rollout: RolloutConfig, recompute: bool,
                   reward: RewardConfig | None = None) -> list[MFC]:
-    """Generation and the inference calls that score it (shared by every algorithm)."""
+    """Generation and the inference calls that score it (shared by every algorithm); the reference's only
+    where its log-probs weigh in (:func:`uses_reference`)."""
     gen, inf = MFCKind.GENERATE, MFCKind.INFERENCE
     seq, scored = ("prompt_ids", "response_ids"), ("prompt_ids", "response_ids", "prompt_text", "answer", "row")
     temp = rollout.temperature
@@ -182,12 +182,15 @@ def _rollout_mfcs(algo: AlgoConfig, rollout: RolloutConfig, recompute: bool,
         MFC("ref_inf", "ref", inf, seq, ("ref_logp",), partial(logprob_op, out_key="ref_logp", temperature=temp)),
         MFC("reward_inf", "reward", inf, scored, ("score", "rule_scores"), partial(reward_op, rule_key="rule_scores")),
     ]
+    if not uses_reference(algo):
+        del mfcs[1]
     judges, judged = judge_mfcs(reward)
     if judged is not None:
         if algo.name == "remax":
             raise ConfigError("reward.source: 'judge' scores sampled responses; remax's greedy baseline needs a "
                               "rule or reward model (valid with judge: ppo, grpo, rloo, reinforce_pp)")
-        mfcs[2:3] = [*judges, judged]
+        at = [m.name for m in mfcs].index("reward_inf")
+        mfcs[at:at + 1] = [*judges, judged]
     if recompute:
         mfcs.append(MFC("actor_inf", "actor", inf, seq, ("old_logp",),
                         partial(logprob_op, out_key="old_logp", temperature=temp)))
@@ -204,6 +207,14 @@ def _rollout_mfcs(algo: AlgoConfig, rollout: RolloutConfig, recompute: bool,
     return mfcs
 
 
+def uses_reference(algo: AlgoConfig) -> bool:
+    """Whether the reference policy's log-probs change anything: only through the KL term, weighted by
+    ``algo.kl_coef``. At 0 the workflow has no reference call and the run no reference model (the KL column and
+    ``kl/mean`` metric go with it): the same updates for a forward pass less a batch, and one model less in
+    memory."""
+    return algo.kl_coef > 0
+
+
 def build_workflow(algo: AlgoConfig, rollout: RolloutConfig, reward: RewardConfig | None = None) -> Workflow:
     """The MFC graph of one iteration of ``algo.name``, with ``reward``'s judges where it has them."""
     # Truncated sampling (top-k/top-p) is not the distribution the actor trains; recompute behaviour log-probs
@@ -211,16 +222,17 @@ def build_workflow(algo: AlgoConfig, rollout: RolloutConfig, reward: RewardConfi
     recompute = rollout.top_k > 0 or rollout.top_p < 1.0 or algo.recompute_logprobs
     old_key = "old_logp" if recompute else "logp"
     mfcs = _rollout_mfcs(algo, rollout, recompute, reward)
-    adv_inputs = ("logp", "ref_logp", "score", "mask") + {"ppo": ("values",), "remax": ("greedy_score",)}.get(
-        algo.name, ())
-    adv_outputs = ("advantages", "returns", "kl") if algo.name == "ppo" else ("advantages", "kl")
+    kl = uses_reference(algo)
+    adv_inputs = ("logp", *(("ref_logp",) if kl else ()), "score", "mask") + {
+        "ppo": ("values",), "remax": ("greedy_score",)}.get(algo.name, ())
+    adv_outputs = ("advantages", *(("returns",) if algo.name == "ppo" else ()), *(("kl",) if kl else ()))
     if algo.overlong_buffer:
         adv_inputs += ("greedy_response_ids",) if algo.name == "remax" else ()
         adv_outputs += ("overlong_penalty",)
     mfcs.append(MFC("advantages", None, MFCKind.COMPUTE, adv_inputs, adv_outputs,
-                    partial(advantages_op, algo=algo, max_new_tokens=rollout.max_new_tokens)))
+                    partial(advantages_op, algo=algo, max_new_tokens=rollout.max_new_tokens, kl=kl)))
     seq = ("prompt_ids", "response_ids")
-    kl_in_loss = algo.name == "grpo"
+    kl_in_loss = algo.name == "grpo" and kl
     actor_inputs = (*seq, old_key, "advantages", "mask") + (("ref_logp",) if kl_in_loss else ())
     steps = {"epochs": algo.ppo_epochs, "minibatches": algo.minibatches}
     mfcs.append(MFC("actor_train", "actor", MFCKind.TRAIN, actor_inputs, (),
