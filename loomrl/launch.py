@@ -41,15 +41,20 @@ def start_ray(address: str | None, num_cpus: int, dashboard: bool = False) -> bo
 
     Without an address this is always a new, private instance on 127.0.0.1 (``address="local"``): a bare
     ``ray.init()`` would follow Ray's file of the last ``ray start`` cluster to a cluster nobody named, or to a
-    dead one. Token authentication stays on (Ray's default). With an address, see :func:`join_cluster`.
+    dead one. Token authentication stays on (Ray's default). With an address, see :func:`join_cluster`. A driver
+    killed before it shuts its instance down leaves nothing behind for long: :mod:`loomrl.reaper` removes what
+    Ray's own processes would leave for a minute.
     """
     import ray
+
+    from loomrl import reaper
 
     if ray.is_initialized():
         return False
     if address:
         join_cluster(address)
         return True
+    reaper.watch()
     ray.init(address="local", num_cpus=num_cpus, include_dashboard=dashboard, log_to_driver=True,
              _node_ip_address="127.0.0.1",
              runtime_env={"env_vars": {"HF_HUB_OFFLINE": "1", "TOKENIZERS_PARALLELISM": "false"}})

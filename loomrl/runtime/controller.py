@@ -177,7 +177,7 @@ class Controller:
         if not ready:
             what, role, _ = next(iter(pending.values()))
             stuck = sorted({rank for _, _, rank in pending.values()})
-            raise RuntimeFailure(f"worker(s) {stuck} did not finish {what} (role {role}) within "
+            raise RuntimeFailure(f"worker(s) {stuck} did not finish {_step(what, role)} within "
                                  f"{self.runtime.timeout_s:g} s (runtime.timeout_s)", recoverable=True)
         return [(ref, self._value(ref, pending)) for ref in ready]
 
@@ -186,7 +186,7 @@ class Controller:
         try:
             value = ray.get(next(ref)) if is_stream(ref) else ray.get(ref)
         except ray.exceptions.RayActorError:
-            raise RuntimeFailure(f"worker {rank} died during {what} (role {role})", recoverable=True) from None
+            raise RuntimeFailure(f"worker {rank} died during {_step(what, role)}", recoverable=True) from None
         except ray.exceptions.RayTaskError as err:
             # A peer that died makes the survivors' collectives fail too: name the dead worker, the root cause.
             self._raise_if_a_peer_died(pending)
@@ -195,7 +195,7 @@ class Controller:
             if named is not None:  # the worker's own one-line account
                 raise RuntimeFailure(named) from None
             first = cause[-1] if cause else type(err).__name__
-            raise RuntimeFailure(f"worker {rank} failed during {what} (role {role}): {first}") from None
+            raise RuntimeFailure(f"worker {rank} failed during {_step(what, role)}: {first}") from None
         check_metadata(value)
         self.received += 1
         return value
@@ -210,7 +210,7 @@ class Controller:
                 ray.get(ref)
             except ray.exceptions.RayActorError:
                 what, role, rank = pending[ref]
-                raise RuntimeFailure(f"worker {rank} died during {what} (role {role})", recoverable=True) from None
+                raise RuntimeFailure(f"worker {rank} died during {_step(what, role)}", recoverable=True) from None
             except ray.exceptions.RayTaskError:
                 continue
 
@@ -489,3 +489,8 @@ def _inputs(keys: Sequence[str], ids: Sequence[int], where: Shards) -> tuple:
             if ref not in refs and wanted.intersection(shard_ids):
                 refs.append(ref)
     return tuple(refs)
+
+
+def _step(what: str, role: str | None) -> str:
+    """A step named in an error: its role, where it has one (a checkpoint save or a plan change has none)."""
+    return what if role is None else f"{what} (role {role})"
