@@ -89,3 +89,46 @@ def test_an_error_raised_by_a_call_is_not_retried(tmp_path):
     with pytest.raises(RuntimeFailure, match="reward service unavailable"):
         RLTrainer(cfg).run()
     assert not (tmp_path / "boom" / FAILURES_FILE).exists()
+
+
+def test_a_run_that_lost_devices_continues_on_those_left(tmp_path, monkeypatch):
+    """A worker lost with its device (a GPU or a node; simulated: the devices counted after the failure are 2 of 4):
+    the run continues on a plan for the devices left, from the checkpoint, and computes the same run."""
+    from loomrl.plan import ClusterSpec
+    from loomrl.train import rl
+
+    reference = _cfg(tmp_path, "ref", "runtime.executor=reference", "loop.save_every=0")
+    RLTrainer(reference).run()
+    expected = _lines(tmp_path / "ref" / "metrics.jsonl")
+
+    trainer = RLTrainer(_cfg(tmp_path, "run", "runtime.executor=ray", "runtime.devices=4", "runtime.max_failures=1",
+                             "loop.save_every=1", "runtime.plan=separate:1"))
+    assert trainer.plan.cluster.n_devices == 4
+    original, first_pids = trainer.write_traces, list(trainer.executor.pids)
+
+    def write_traces(traces):
+        original(traces)
+        if trainer.running == 1 and trainer.executor.pids == first_pids:
+            os.kill(first_pids[3], signal.SIGKILL)
+
+    trainer.write_traces = write_traces
+    monkeypatch.setattr(rl, "surviving_cluster", lambda cfg, cluster: ClusterSpec(nodes=1, devices_per_node=2))
+    trainer.run()
+    assert trainer.plan.cluster.n_devices == 2 and len(trainer.executor.pids) == 2
+    got = _lines(tmp_path / "run" / "metrics.jsonl")
+    assert [m["iteration"] for m in got] == [0, 1, 2, 3]
+    for it, (a, b) in enumerate(zip(got, expected)):
+        for key in SAMPLE_KEYS:
+            assert a[key] == pytest.approx(b[key], rel=1e-6, abs=1e-9), (it, key)
+        for key in LOSS_KEYS:
+            assert a[key] == pytest.approx(b[key], rel=1e-4, abs=1e-6), (it, key, a[key], b[key])
+    assert got[1]["recovery/devices"] == 2 and got[1]["recovery/failures"] == 1
+    assert not any(_alive(p) for p in first_pids)
+
+
+def test_devices_on_this_machines_cpus_are_never_lost(tmp_path):
+    from loomrl.plan import ClusterSpec
+    from loomrl.train.rl import surviving_cluster
+
+    cluster = ClusterSpec(nodes=1, devices_per_node=4)
+    assert surviving_cluster(_cfg(tmp_path, "x", "runtime.executor=ray", "runtime.devices=4"), cluster) == cluster

@@ -38,6 +38,7 @@ from loomrl.models.tokenizer import decode_response, encode_prompt, task_tokeniz
 from loomrl.models.zoo import check_model_spec
 from loomrl.plan import ClusterSpec, ExecutionPlan, colocate
 from loomrl.plan.from_config import plan_from_config
+from loomrl.plan.plan_string import format_plan_string
 from loomrl.plan.schedule import build_schedule
 from loomrl.report import MetricsLogger, plot_reward_curve
 from loomrl.report.backends import check_backends, open_backends
@@ -90,6 +91,18 @@ def run_cluster(cfg: TrainConfig) -> ClusterSpec:
     if rt.executor == "reference":
         return ClusterSpec(nodes=1, devices_per_node=1)
     return runtime_cluster(rt.devices, rt.device, ray_address(rt.ray_address))
+
+
+def surviving_cluster(cfg: TrainConfig, cluster: ClusterSpec) -> ClusterSpec:
+    """The devices a recovery can run on after losing a worker of ``cluster``: ``cluster`` itself where its devices
+    are processes on this machine's CPUs (a lost one is started again); else the GPUs or the Ray cluster's nodes
+    counted anew, when fewer are left than ``cluster`` has (a GPU or a node lost with its worker)."""
+    rt = cfg.runtime
+    address = ray_address(rt.ray_address)
+    if rt.executor == "reference" or (address is None and cluster.device_kind == "cpu"):
+        return cluster
+    now = runtime_cluster(0, rt.device, address)
+    return now if now.n_devices < cluster.n_devices else cluster
 
 
 def run_plan(cfg: TrainConfig, workflow: Workflow, cluster: ClusterSpec, text: str | None = None) -> ExecutionPlan:
@@ -169,13 +182,7 @@ class RLTrainer:
         self.train_prompts = prompt_source(cfg.task, self.task, cfg.seed, "train")
         self.eval_examples = held_out(cfg.task, self.task, cfg.seed, cfg.loop.eval_prompts)
         self.workflow = build_workflow(cfg.algo, cfg.rollout, cfg.reward)
-        cluster = run_cluster(cfg)
-        self.plans = {0: run_plan(cfg, self.workflow, cluster)}  # every plan checked before any worker starts
-        for iteration, text in sorted(cfg.runtime.plan_changes.items()):
-            try:
-                self.plans[iteration] = run_plan(cfg, self.workflow, cluster, text)
-            except ConfigError as err:
-                raise ConfigError(f"runtime.plan_changes.{iteration}: {err}") from None
+        self.plans = self._plans(run_cluster(cfg))  # every plan checked before any worker starts
         self.plan = self.plans[0]
         self.executor = make_executor(cfg, self.workflow, self.plan, self.tokenizer, self.task, self.device)
         self.placement = self._placement()
@@ -185,6 +192,25 @@ class RLTrainer:
         """The iteration under way (a failure's), and the last one logged."""
         self.recovery: dict[str, float] = {}
         """What the next logged iteration reports of a recovery just made."""
+
+    def _plans(self, cluster: ClusterSpec, recovering: bool = False) -> dict[int, ExecutionPlan]:
+        """The run's plans on ``cluster`` by the iteration they start at: ``runtime.plan`` and its
+        ``plan_changes``. When a recovery continues on fewer devices than the plans were given for, a plan that
+        does not fit them falls back to every call colocated on all of them, and such a plan change is dropped."""
+        cfg = self.cfg
+        try:
+            plans = {0: run_plan(cfg, self.workflow, cluster)}
+        except ConfigError:
+            if not recovering:
+                raise
+            plans = {0: colocate(self.workflow, cluster)}
+        for iteration, text in sorted(cfg.runtime.plan_changes.items()):
+            try:
+                plans[iteration] = run_plan(cfg, self.workflow, cluster, text)
+            except ConfigError as err:
+                if not recovering:
+                    raise ConfigError(f"runtime.plan_changes.{iteration}: {err}") from None
+        return plans
 
     def _placement(self) -> DynamicPlacement | None:
         """Dynamic placement of the current executor (``runtime.placement: dynamic``), or None."""
@@ -246,7 +272,8 @@ class RLTrainer:
         if self.sampler is not None:  # the waves drew prompts as they went
             state["data_position"] = self.sampler.cursor
             state["sampler"] = self.sampler.state_dict()
-        return self.executor.save(self.run_dir, iteration, state, self.cfg.checkpoint.keep_last)
+        return self.executor.save(self.run_dir, iteration, state, self.cfg.checkpoint.keep_last,
+                                  sharded=self.cfg.checkpoint.format == "sharded")
 
     def iteration_metrics(self, result: IterationResult, seconds: float) -> dict[str, float]:
         metrics = {**result.stats, "perf/samples_per_s": self.cfg.rollout.prompts_per_iter * self.group_size / seconds,
@@ -306,6 +333,12 @@ class RLTrainer:
         self.state = RunState()
         if self.placement is not None:  # dynamic placement's switches are forgotten: it decides anew from plans[0]
             self.plans = {0: self.plans[0]}
+        cluster = surviving_cluster(self.cfg, self.plans[0].cluster)
+        if cluster != self.plans[0].cluster:  # a device or node was lost with the worker: plan for those left
+            self.plans = self._plans(cluster, recovering=True)
+            self.recovery["recovery/devices"] = float(cluster.n_devices)
+            print(f"loomrl: {cluster.n_devices} of {self.plan.cluster.n_devices} devices left; continuing on them "
+                  f"with the plan {format_plan_string(self.plans[0], self.workflow)}", flush=True)
         self.plan = self.plans[0]
         self.executor = make_executor(self.cfg, self.workflow, self.plan, self.tokenizer, self.task, self.device)
         self.placement = self._placement()
