@@ -33,7 +33,7 @@ from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
 from loomrl.cli import main
-from loomrl.config import ALGORITHMS, SFTConfig, RMConfig, TrainConfig
+from loomrl.config import SFTConfig, RMConfig, TrainConfig
 
 REPO = Path(__file__).resolve().parents[1]
 EXAMPLES = int(os.environ.get("LOOMRL_FUZZ_EXAMPLES", "6"))
@@ -1281,6 +1281,14 @@ def workload_file_malformed(data, files):
     return _plan_command(files, "--workload", path), (path, "run.")
 
 
+@kind("plan command")
+def planner_file_not_text_or_nested_too_deeply(data, files):
+    flag = data.draw(st.sampled_from(["--response-len", "--profile", "--corrections"]))
+    content = data.draw(st.sampled_from([b"\xff\xfe1\n", b"\xff{}", b"[" * 100_000 + b"]" * 100_000]))
+    path = files.write(".jsonl" if flag == "--response-len" else ".json", content)
+    return _plan_command(files, flag, path), (path,)
+
+
 # ------------------------------------------------------------------------------------------------ the tests
 
 
@@ -1323,35 +1331,6 @@ def test_two_malformed_overrides_together_still_give_one_line(files):
         assert_one_line_error(code, err, (*names_a, *names_b, "override"), argv)
 
     check()
-
-
-KNOWN_DEFECTS = [
-    ("response-len-file-not-utf8", "--response-len", b"\xff\xfe1\n", ".jsonl",
-     "loomrl/planner/lengths.py reads the file without catching UnicodeDecodeError"),
-    ("profile-not-utf8", "--profile", b"\xff{}", ".json",
-     "loomrl/planner/profiles.py reads the file without catching UnicodeDecodeError"),
-    ("corrections-not-utf8", "--corrections", b"\xff{}", ".json",
-     "loomrl/planner/corrections.py reads the file without catching UnicodeDecodeError"),
-    ("profile-nested-too-deeply", "--profile", b"[" * 100_000 + b"]" * 100_000, ".json",
-     "loomrl/planner/profiles.py does not catch the JSON decoder's RecursionError"),
-    ("corrections-nested-too-deeply", "--corrections", b"[" * 100_000 + b"]" * 100_000, ".json",
-     "loomrl/planner/corrections.py does not catch the JSON decoder's RecursionError"),
-]
-"""Malformed inputs the fuzzer found that still end in a traceback: their fix belongs to the planner's file readers.
-Strict: once one is fixed, its test fails until it moves into KINDS."""
-
-
-@pytest.mark.parametrize("flag, content, suffix",
-                         [pytest.param(*d[1:4], id=d[0], marks=pytest.mark.xfail(strict=True, reason=d[4]))
-                          for d in KNOWN_DEFECTS])
-def test_known_defects_outside_the_validated_readers(flag, content, suffix, files):
-    path = files.write(suffix, content)
-    argv = ["plan", "--model", "llama-1m", flag, path, "--out", files.path("-plan")]
-    try:
-        code, _, err = run_main(argv)
-    except (UnicodeDecodeError, RecursionError) as exc:
-        pytest.fail(f"{type(exc).__name__} escaped for {argv!r}")
-    assert_one_line_error(code, err, (path,), argv)
 
 
 # ------------------------------------------------------------------------------------------ real processes

@@ -81,9 +81,13 @@ class Corrections:
         """Corrections saved by ``loomrl calibrate --from`` (``corrections.json``); one-line errors."""
         path = Path(path)
         try:
-            data = json.loads(path.read_text())
+            data = json.loads(path.read_text(encoding="utf-8"))
         except (OSError, json.JSONDecodeError) as err:
             raise DataError(f"{path}: cannot read corrections ({err})") from None
+        except UnicodeDecodeError:
+            raise DataError(f"{path}: cannot read corrections (not UTF-8 text)") from None
+        except RecursionError:  # the decoder recurses once per level of nesting
+            raise DataError(f"{path}: cannot read corrections (JSON nested too deeply)") from None
         if not isinstance(data, dict) or not isinstance(data.get("scale", {}), dict) \
                 or not isinstance(data.get("overhead_s", {}), dict):
             raise DataError(f"{path}: corrections are a JSON object with 'scale' and 'overhead_s' maps "

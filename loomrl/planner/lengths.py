@@ -68,27 +68,34 @@ def observed_lengths(path: Path) -> tuple[int, ...]:
     from loomrl.planner.traces import lengths_from_summary
 
     out: list[int] = []
-    with open(path) as f:
-        for number, line in enumerate(f, 1):
-            if not line.strip():
-                continue
-            try:
-                record = json.loads(line)
-            except json.JSONDecodeError as e:
-                raise ConfigError(f"{path}:{number}: not JSON ({e.msg})") from None
-            if isinstance(record, dict) and "response/length" in record:
-                if "response/length_p90" in record and "response/length_max" in record:
-                    out += lengths_from_summary(record["response/length"], record["response/length_p90"],
-                                                record["response/length_max"])
-                continue
-            values = record.get("lengths", record.get("length", record.get("response_length"))) \
-                if isinstance(record, dict) else record
-            for value in values if isinstance(values, list) else [values]:
-                if isinstance(value, bool) or not isinstance(value, (int, float)) or not math.isfinite(value) \
-                        or value < 1:
-                    raise ConfigError(f"{path}:{number}: {value!r} is not a response length (a number >= 1); a line "
-                                      "is an integer or an object with length, response_length or lengths")
-                out.append(round(value))
+    try:
+        lines = path.read_text(encoding="utf-8").splitlines()
+    except UnicodeDecodeError:
+        raise ConfigError(f"{path}: not UTF-8 text; response lengths are a JSONL file") from None
+    except OSError as err:
+        raise ConfigError(f"{path}: cannot read ({err.strerror})") from None
+    for number, line in enumerate(lines, 1):
+        if not line.strip():
+            continue
+        try:
+            record = json.loads(line)
+        except json.JSONDecodeError as e:
+            raise ConfigError(f"{path}:{number}: not JSON ({e.msg})") from None
+        except RecursionError:  # the decoder recurses once per level of nesting
+            raise ConfigError(f"{path}:{number}: not JSON (nested too deeply)") from None
+        if isinstance(record, dict) and "response/length" in record:
+            if "response/length_p90" in record and "response/length_max" in record:
+                out += lengths_from_summary(record["response/length"], record["response/length_p90"],
+                                            record["response/length_max"])
+            continue
+        values = record.get("lengths", record.get("length", record.get("response_length"))) \
+            if isinstance(record, dict) else record
+        for value in values if isinstance(values, list) else [values]:
+            if isinstance(value, bool) or not isinstance(value, (int, float)) or not math.isfinite(value) \
+                    or value < 1:
+                raise ConfigError(f"{path}:{number}: {value!r} is not a response length (a number >= 1); a line "
+                                  "is an integer or an object with length, response_length or lengths")
+            out.append(round(value))
     if not out:
         raise ConfigError(f"{path}: no response lengths (lines of integers, objects with length or lengths, or a "
                           "run's metrics with response/length, response/length_p90 and response/length_max)")

@@ -288,9 +288,13 @@ def load_profile(path: str | Path) -> HardwareProfile:
     file and the field."""
     path = Path(path)
     try:
-        data = json.loads(path.read_text())
+        data = json.loads(path.read_text(encoding="utf-8"))
     except (OSError, json.JSONDecodeError) as err:
         raise DataError(f"{path}: cannot read a hardware profile ({err})") from None
+    except UnicodeDecodeError:
+        raise DataError(f"{path}: cannot read a hardware profile (not UTF-8 text)") from None
+    except RecursionError:  # the decoder recurses once per level of nesting
+        raise DataError(f"{path}: cannot read a hardware profile (JSON nested too deeply)") from None
     names = [f.name for f in fields(HardwareProfile)]
     if not isinstance(data, dict) or set(data) - set(names) or "name" not in data:
         raise DataError(f"{path}: a hardware profile is a JSON object with keys {', '.join(names)} "
