@@ -1,6 +1,15 @@
 """Atomic, resumable checkpoints of a training run.
 
-A checkpoint is one directory, ``RUN_DIR/checkpoints/iter_000010/``, holding:
+A checkpoint is one directory, ``RUN_DIR/checkpoints/iter_000010/``. Sharded (:func:`save_sharded_checkpoint`,
+the form the executors write) it holds:
+
+- per trained role (``actor/``, ``critic/``...) the shards every process wrote of the part of the weights and
+  optimizer state it owns, and the model's config, described by ``index.json``
+  (:mod:`loomrl.checkpoint_shards`); ``loomrl export`` writes a role's Hugging Face form from them;
+- ``tokenizer/``, ``state.json``, ``rng.pt`` and ``manifest.json``, as below.
+
+In the full form (:func:`save_checkpoint`: every role gathered whole onto one process, as runs wrote before
+sharded checkpoints; still loaded) it holds:
 
 - one sub-directory per model role (``actor/``, ``critic/``, ...), each a self-contained Hugging Face
   checkpoint (``save_pretrained`` with safetensors, plus the tokenizer), so
@@ -25,7 +34,6 @@ non-finite weights or optimizer state before touching the disk, leaving the prev
 
 from __future__ import annotations
 
-import hashlib
 import json
 import os
 import random
@@ -43,7 +51,9 @@ from torch.optim import Optimizer
 from torch.optim.lr_scheduler import LRScheduler
 from transformers import PreTrainedModel
 
-from loomrl.errors import LoomError
+from loomrl.checkpoint_shards import (INDEX_FILE, TOKENIZER_DIR, WHOLE, check_finite, check_pieces, export_role,
+                                     file_entry, merge_index, read_role, role_pieces, write_role_shards)
+from loomrl.errors import CheckpointError
 
 try:  # NumPy is optional: only its global generator is captured, and only when it is installed.
     import numpy as np
@@ -56,15 +66,13 @@ STATE_FILE = "state.json"
 OPTIMIZERS_FILE = "optimizers.pt"
 RNG_FILE = "rng.pt"
 MANIFEST_FILE = "manifest.json"
+EXPORT_DIR = "hf"
+"""Where a sharded checkpoint's roles are exported by default (``iter_N/hf/actor``), outside its manifest."""
+SCHEDULERS_FILE = "schedulers.pt"
 _NAME_RE = re.compile(r"^iter_(\d+)$")
 _LEFTOVER_RE = re.compile(r"^(iter_\d+|latest)\.(tmp|stale)-(\d+)$")
 """A save's unfinished directory or ``latest``, or a pruned checkpoint being deleted, of the process with that
 pid."""
-_HASH_CHUNK = 1 << 20
-
-
-class CheckpointError(LoomError):
-    """A checkpoint is missing, incomplete or does not match the models it is loaded into."""
 
 
 def checkpoint_name(iteration: int) -> str:
@@ -89,34 +97,88 @@ def save_checkpoint(
     written is never deleted. Non-finite weights or optimizer state raise a :class:`CheckpointError` naming
     the role and tensor before anything is written.
     """
-    if keep_last < 1:
-        raise CheckpointError(f"save_checkpoint: keep_last must be >= 1, got {keep_last}")
     # Serialise and check first so a non-JSON or non-finite value fails before anything touches the disk.
-    state_json = json.dumps({**state, "iteration": iteration}, indent=2, sort_keys=True)
+    state_json = state_json_of(state, iteration, keep_last)
     opt_states = {role: opt.state_dict() for role, opt in optimizers.items()}
     sched_states = {role: sch.state_dict() for role, sch in (schedulers or {}).items()}
     for role, model in models.items():
-        _check_finite(model.state_dict(), f"{role} weight", "")
+        check_finite(model.state_dict(), f"{role} weight", "")
     for role, opt_state in opt_states.items():
-        _check_finite(opt_state, f"{role} optimizer state", "")
-    ckpt_root = Path(run_dir) / CHECKPOINTS_DIR
-    ckpt_root.mkdir(parents=True, exist_ok=True)
-    final = ckpt_root / checkpoint_name(iteration)
-    tmp = ckpt_root / f"{final.name}.tmp-{os.getpid()}"
-    if tmp.exists():  # left by an earlier crash of a process that happened to have our pid
-        shutil.rmtree(tmp)
-    tmp.mkdir()
-
+        check_finite(opt_state, f"{role} optimizer state", "")
+    tmp = begin_save(run_dir, iteration)
     for role, model in models.items():
         role_dir = tmp / role
         model.save_pretrained(role_dir, safe_serialization=True)
         if tokenizer is not None:
             tokenizer.save_pretrained(role_dir)
     torch.save({"optimizers": opt_states, "schedulers": sched_states}, tmp / OPTIMIZERS_FILE)
+    return _finish(tmp, iteration, state_json, keep_last, {})
+
+
+def save_sharded_checkpoint(
+    run_dir: str | os.PathLike,
+    iteration: int,
+    roles: Mapping[str, tuple[torch.nn.Module, Any]],
+    tokenizer: Any | None,
+    state: Mapping[str, Any],
+    keep_last: int = 2,
+    schedulers: Mapping[str, LRScheduler] | None = None,
+) -> Path:
+    """Write a sharded checkpoint of ``roles`` (role → (model, optimizer), held whole by this one process, as
+    the reference executor holds them) and return its directory; the executors on several processes use
+    :func:`begin_save`, :func:`~loomrl.checkpoint_shards.write_role_shards` and :func:`finish_sharded_save`.
+    Non-finite values raise before anything is written, as in :func:`save_checkpoint`."""
+    state_json = state_json_of(state, iteration, keep_last)
+    pieces = {}
+    for role, (model, optimizer) in roles.items():
+        pieces[role] = role_pieces(model, optimizer, WHOLE, next(model.parameters()).dtype)
+        check_pieces(role, pieces[role])
+    tmp = begin_save(run_dir, iteration)
+    parts = {role: [write_role_shards(tmp, role, model, optimizer, WHOLE, pieces[role])]
+             for role, (model, optimizer) in roles.items()}
+    if schedulers:
+        torch.save({"schedulers": {role: sch.state_dict() for role, sch in schedulers.items()}},
+                   tmp / SCHEDULERS_FILE)
+    return finish_sharded_save(tmp, iteration, state_json, tokenizer, parts, keep_last)
+
+
+def begin_save(run_dir: str | os.PathLike, iteration: int) -> Path:
+    """The empty ``iter_N.tmp-<pid>`` directory a save writes into (this process's pid: it finishes the save)."""
+    ckpt_root = Path(run_dir) / CHECKPOINTS_DIR
+    ckpt_root.mkdir(parents=True, exist_ok=True)
+    tmp = ckpt_root / f"{checkpoint_name(iteration)}.tmp-{os.getpid()}"
+    if tmp.exists():  # left by an earlier crash of a process that happened to have our pid
+        shutil.rmtree(tmp)
+    tmp.mkdir()
+    return tmp
+
+
+def finish_sharded_save(tmp: Path, iteration: int, state_json: str, tokenizer: Any | None,
+                        parts: Mapping[str, list[Mapping[str, Any]]], keep_last: int) -> Path:
+    """Complete a sharded save whose shards are in ``tmp`` (``parts``: every writer's results, by role): the
+    index, tokenizer, RNG, state and manifest (the shards' checksums as their writers computed them), then the
+    rename into place, ``latest`` and pruning."""
+    if tokenizer is not None:
+        tokenizer.save_pretrained(tmp / TOKENIZER_DIR)
+    _write_text_synced(tmp / INDEX_FILE, json.dumps(merge_index(parts), indent=1))
+    known = {rel: entry for results in parts.values() for result in results for rel, entry in result["manifest"].items()}
+    return _finish(tmp, iteration, state_json, keep_last, known)
+
+
+def state_json_of(state: Mapping[str, Any], iteration: int, keep_last: int) -> str:
+    """``state.json``'s text (raises for a value JSON cannot hold, or a ``keep_last`` below 1)."""
+    if keep_last < 1:
+        raise CheckpointError(f"save_checkpoint: keep_last must be >= 1, got {keep_last}")
+    return json.dumps({**state, "iteration": iteration}, indent=2, sort_keys=True)
+
+
+def _finish(tmp: Path, iteration: int, state_json: str, keep_last: int, known: Mapping[str, Any]) -> Path:
+    """The RNG, state and manifest files of a save in ``tmp``, then its rename into place, ``latest``, pruning."""
     torch.save(_capture_rng(), tmp / RNG_FILE)
     _write_text_synced(tmp / STATE_FILE, state_json)
-    _write_manifest(tmp)
-
+    _write_manifest(tmp, known)
+    ckpt_root = tmp.parent
+    final = ckpt_root / checkpoint_name(iteration)
     _move_into_place(tmp, final)
     _write_atomic(ckpt_root / LATEST_FILE, final.name + "\n")
     _prune(ckpt_root, keep=final, keep_last=keep_last)
@@ -152,7 +214,9 @@ def load_checkpoint(
 ) -> dict[str, Any]:
     """Load a checkpoint in place into ``models``, ``optimizers`` (and ``schedulers``); return its state.
 
-    The returned dict is the saved ``state`` plus ``"iteration"``. Roles present in the checkpoint but
+    The returned dict is the saved ``state`` plus ``"iteration"``. A sharded checkpoint's optimizer state is the
+    full, name-keyed form (``optimizers`` take it: :class:`~loomrl.runtime.state_io.FullOptimizerState`), each
+    model reading only its own parameters' shards (a pipeline stage's). Roles present in the checkpoint but
     not passed are left alone, so a run may resume only the models it still trains. Every file is checked
     against the manifest (:func:`verify_checkpoint`) before anything is loaded, so a damaged checkpoint
     changes nothing.
@@ -163,11 +227,14 @@ def load_checkpoint(
         state = json.loads((path / STATE_FILE).read_text())
     except (OSError, UnicodeDecodeError, json.JSONDecodeError) as exc:
         raise CheckpointError(f"{path / STATE_FILE}: unreadable checkpoint state ({exc})") from None
-    for role, model in models.items():
-        _load_model_weights(path / role, model)
-    opt_states = _torch_load(path / OPTIMIZERS_FILE)
-    _load_state_dicts(path / OPTIMIZERS_FILE, "optimizers", opt_states, optimizers)
-    _load_state_dicts(path / OPTIMIZERS_FILE, "schedulers", opt_states, schedulers or {})
+    if (path / INDEX_FILE).is_file():
+        _load_sharded(path, models, optimizers, schedulers or {})
+    else:
+        for role, model in models.items():
+            _load_model_weights(path / role, model)
+        opt_states = _torch_load(path / OPTIMIZERS_FILE)
+        _load_state_dicts(path / OPTIMIZERS_FILE, "optimizers", opt_states, optimizers)
+        _load_state_dicts(path / OPTIMIZERS_FILE, "schedulers", opt_states, schedulers or {})
     if restore_rng:
         _restore_rng(_torch_load(path / RNG_FILE), path / RNG_FILE)
     return state
@@ -195,8 +262,9 @@ def verify_checkpoint(path: str | os.PathLike, role: str | None = None) -> None:
     except (OSError, UnicodeDecodeError, ValueError, KeyError, TypeError, AttributeError) as exc:
         raise CheckpointError(f"{manifest}: unreadable manifest ({type(exc).__name__}: {exc})") from None
     fallback = f"delete {path.name} to resume from the checkpoint before it"
-    if role is not None:
-        listed = [entry for entry in listed if entry[0].startswith(f"{role}/")]
+    if role is not None:  # with what reading a role needs besides its own files
+        listed = [entry for entry in listed if entry[0].startswith((f"{role}/", f"{TOKENIZER_DIR}/"))
+                  or entry[0] == INDEX_FILE]
     for name, size, digest in listed:
         file = path / name
         if not file.is_file():
@@ -205,48 +273,74 @@ def verify_checkpoint(path: str | os.PathLike, role: str | None = None) -> None:
         if actual != size:
             raise CheckpointError(f"{file}: {actual} bytes, {MANIFEST_FILE} says {size} (damaged since it was "
                                   f"saved); {fallback}")
-        if _sha256(file) != digest:
+        if file_entry(file)["sha256"] != digest:
             raise CheckpointError(f"{file}: SHA-256 does not match {MANIFEST_FILE} (damaged since it was saved); "
                                   f"{fallback}")
+
+
+def export_checkpoint(path: str | os.PathLike, role: str, out: str | os.PathLike | None = None) -> Path:
+    """Verify ``role``'s files of the checkpoint ``path`` and write the role as a Hugging Face directory that
+    ``from_pretrained`` loads: ``out``, by default ``path/hf/role``, kept there for later calls (a checkpoint
+    in the full form has it as ``path/role`` already, copied to ``out`` when one is given)."""
+    path = Path(path)
+    verify_checkpoint(path, role)
+    sharded = (path / INDEX_FILE).is_file()
+    if out is None:
+        out = path / EXPORT_DIR / role if sharded else path / role
+        if (out / "config.json").is_file() and (not sharded or (out / "model.safetensors").is_file()
+                                                 or (out / "model.safetensors.index.json").is_file()):
+            return out
+    out = Path(out)
+    out.parent.mkdir(parents=True, exist_ok=True)
+    if sharded:
+        return export_role(path, role, out)
+    if not (path / role / "config.json").is_file():
+        raise CheckpointError(f"{path / role}: no saved model for role '{role}' (config.json missing)")
+    tmp = out.with_name(f"{out.name}.tmp-{os.getpid()}")
+    shutil.rmtree(tmp, ignore_errors=True)
+    shutil.copytree(path / role, tmp)
+    if out.exists():
+        shutil.rmtree(out)
+    os.replace(tmp, out)
+    return out
 
 
 # --- integrity ------------------------------------------------------------------------------------
 
 
-def _write_manifest(directory: Path) -> None:
+def _write_manifest(directory: Path, known: Mapping[str, Any]) -> None:
     """List every file under ``directory`` with its size and SHA-256, flushing each to disk on the way, so the
-    rename that follows publishes only durable data."""
+    rename that follows publishes only durable data; ``known``: files their writers hashed and flushed already
+    (the shards of other processes)."""
     files = {}
     for file in sorted(p for p in directory.rglob("*") if p.is_file()):
-        files[file.relative_to(directory).as_posix()] = {"size": file.stat().st_size,
-                                                          "sha256": _sha256(file, sync=True)}
+        rel = file.relative_to(directory).as_posix()
+        files[rel] = dict(known[rel]) if rel in known else file_entry(file, sync=True)
     for sub in {p.parent for p in directory.rglob("*")}:
         _fsync_dir(sub)
     _write_text_synced(directory / MANIFEST_FILE, json.dumps({"format": 1, "files": files}, indent=1))
 
 
-def _sha256(file: Path, sync: bool = False) -> str:
-    digest = hashlib.sha256()
-    with open(file, "rb") as fh:
-        while chunk := fh.read(_HASH_CHUNK):
-            digest.update(chunk)
-        if sync:
-            os.fsync(fh.fileno())
-    return digest.hexdigest()
-
-
-def _check_finite(value: Any, what: str, where: str) -> None:
-    """Raise naming the first floating-point tensor in ``value`` (nested dicts and lists) holding NaN or inf."""
-    if isinstance(value, torch.Tensor):
-        if value.is_floating_point() and not bool(torch.isfinite(value).all()):
-            raise CheckpointError(f"save_checkpoint: {what} '{where}' holds NaN or inf; refusing to save it "
-                                  "(nothing written; earlier checkpoints are kept)")
-    elif isinstance(value, Mapping):
-        for key, item in value.items():
-            _check_finite(item, what, f"{where}.{key}" if where else str(key))
-    elif isinstance(value, (list, tuple)):
-        for i, item in enumerate(value):
-            _check_finite(item, what, f"{where}[{i}]")
+def _load_sharded(path: Path, models: Mapping[str, torch.nn.Module], optimizers: Mapping[str, Any],
+                  schedulers: Mapping[str, LRScheduler]) -> None:
+    """Each role's own parameters' weights and optimizer state from the shards, in place."""
+    for role in sorted(set(models) | set(optimizers)):
+        model = models.get(role)
+        names = [name for name, _ in model.named_parameters()] if model is not None else None
+        weights, optim = read_role(path, role, names)
+        if model is not None:
+            try:  # the full-state-dict setter copies into plain, tensor-parallel and FSDP parameters alike
+                set_model_state_dict(model, weights, options=StateDictOptions(full_state_dict=True, strict=False))
+            except (ValueError, RuntimeError, KeyError) as exc:
+                raise CheckpointError(f"{path / role}: cannot load weights into {type(model).__name__} "
+                                      f"({str(exc).strip().splitlines()[0] if str(exc).strip() else exc!r})") from None
+        if role in optimizers:
+            try:
+                optimizers[role].load_state_dict(optim)
+            except (ValueError, KeyError, RuntimeError) as exc:
+                raise CheckpointError(f"{path / role}: optimizer state for '{role}' does not fit ({exc})") from None
+    if schedulers:
+        _load_state_dicts(path / SCHEDULERS_FILE, "schedulers", _torch_load(path / SCHEDULERS_FILE), schedulers)
 
 
 # --- weights ---------------------------------------------------------------------------------------

@@ -13,7 +13,7 @@ import sys
 from pathlib import Path
 from typing import NoReturn, Sequence
 
-from loomrl.errors import ConfigError, LoomError
+from loomrl.errors import ConfigError, DataError, LoomError
 
 CHROME_TRACE_FILE = "timeline.trace.json"
 
@@ -80,6 +80,20 @@ def _cmd_eval(args: argparse.Namespace) -> int:
     print(f"evaluated {cfg.model}")
     Console().print(summary_table(rows, f"{results['prompts']} prompts, {cfg.samples} samples each"))
     print(f"wrote {results['written_to']}")
+    return 0
+
+
+def _cmd_export(args: argparse.Namespace) -> int:
+    from loomrl.checkpoint import CHECKPOINTS_DIR, export_checkpoint, latest_checkpoint
+
+    path = Path(args.checkpoint)
+    if (path / CHECKPOINTS_DIR).is_dir():
+        latest = latest_checkpoint(path)
+        if latest is None:
+            raise DataError(f"run '{path}': has no complete checkpoint to export")
+        path = latest
+    out = export_checkpoint(path, args.role, args.out)
+    print(f"wrote {out}")
     return 0
 
 
@@ -350,6 +364,13 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("overrides", nargs="*", help="key=value, e.g. samples=16 pass_k=[1,16] task.eval_file=x.jsonl "
                                                 "(see `loomrl config eval`)")
     p.set_defaults(fn=_cmd_eval)
+    p = sub.add_parser("export", help="write a role of a checkpoint (sharded or not) as a Hugging Face directory "
+                                      "that from_pretrained loads")
+    p.add_argument("checkpoint", metavar="CHECKPOINT_OR_RUN", help="a run's checkpoints/iter_N, or a run directory "
+                   "(its latest checkpoint)")
+    p.add_argument("--role", default="actor", help="the trained role to export (default: actor)")
+    p.add_argument("--out", help="the directory to write (default: CHECKPOINT/hf/ROLE)")
+    p.set_defaults(fn=_cmd_export)
     p = sub.add_parser("demo", help="SFT warm start -> reward model -> PPO, with a summary")
     p.add_argument("--config-dir", help="directory with sft.yaml, rm.yaml, ppo.yaml (default: the demo's own, "
                                         "shipped in the package as loomrl/examples/demo)")

@@ -299,6 +299,10 @@ class LoopConfig(ValidatedConfig):
 class CheckpointConfig(ValidatedConfig):
     keep_last: int = spec(2, ge=1)
     """Checkpoints kept on disk (older ones are deleted once a newer one is complete)."""
+    format: str = spec("sharded", choices=("sharded", "full"))
+    """'sharded': every worker writes its own shards of the weights and optimizer state, nothing is gathered
+    (`loomrl export RUN_DIR/checkpoints/iter_N --role actor` writes a role's Hugging Face form); 'full': each role
+    gathered whole onto one worker and written as a Hugging Face directory (memory: the whole roles there)."""
 
 
 @dataclass(frozen=True)

@@ -23,3 +23,7 @@ class WorkflowError(LoomError):
 
 class TrainingError(LoomError):
     """Training cannot go on: a numerical fault (NaN or inf) the run was told to stop on."""
+
+
+class CheckpointError(LoomError):
+    """A checkpoint is missing, incomplete or does not match the models it is loaded into."""

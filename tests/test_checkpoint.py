@@ -283,6 +283,7 @@ CRASH_SERVER = textwrap.dedent('''
     from pathlib import Path
     import torch, tqdm, transformers, transformers.modeling_utils
     import loomrl.checkpoint as ck
+    import loomrl.checkpoint_shards as shards
 
     torch.set_num_threads(1)
     # tqdm (save_pretrained's progress bars) locks a semaphore shared with forked children, which a child killed
@@ -291,6 +292,7 @@ CRASH_SERVER = textwrap.dedent('''
     tqdm.tqdm.monitor_interval = 0
     transformers.utils.logging.disable_progress_bar()
     base, points, random_trials = Path(sys.argv[1]), json.loads(sys.argv[2]), int(sys.argv[3])
+    sharded = sys.argv[4] == "sharded"
 
     def pause(marker, tag):
         marker.write_text(tag)
@@ -326,6 +328,15 @@ CRASH_SERVER = textwrap.dedent('''
         "latest": (os, "replace", lambda src, dst: Path(dst).name == "latest", None),
         "prune": (shutil, "rmtree", lambda path, *r, **k: ".stale-" in str(path), delete_one_file),
     }
+    if sharded:  # the weights' shard, then the optimizer's; rng.pt is then the only torch.save
+        HOOKS.update({"weights": (shards, "save_file", nth_call(1), None),
+                      "optimizers": (shards, "save_file", nth_call(2), None), "rng": (torch, "save", nth_call(1), None)})
+
+    def save(run, iteration, model, opt):
+        if sharded:
+            ck.save_sharded_checkpoint(run, iteration, {"actor": (model, opt)}, None, {"tag": iteration}, keep_last=1)
+        else:
+            ck.save_checkpoint(run, iteration, {"actor": model}, None, {"actor": opt}, {"tag": iteration}, keep_last=1)
 
     def model_and_optimizer():
         torch.manual_seed(0)
@@ -346,7 +357,7 @@ CRASH_SERVER = textwrap.dedent('''
         sums = {1: sum(float(p.detach().double().sum()) for p in model.parameters())}
         sums[2] = sums[1] + 0.5 * sum(p.numel() for p in model.parameters())
         start = time.perf_counter()
-        ck.save_checkpoint(run, 1, {"actor": model}, None, {"actor": opt}, {"tag": 1}, keep_last=1)
+        save(run, 1, model, opt)
         took = time.perf_counter() - start
         marker = run / "paused"
         pid = os.fork()
@@ -358,7 +369,7 @@ CRASH_SERVER = textwrap.dedent('''
                 with torch.no_grad():
                     for p in model.parameters():
                         p.add_(0.5)
-                ck.save_checkpoint(run, 2, {"actor": model}, None, {"actor": opt}, {"tag": 2}, keep_last=1)
+                save(run, 2, model, opt)
             finally:
                 os._exit(0)
         if point is not None:
@@ -378,10 +389,15 @@ CRASH_SERVER = textwrap.dedent('''
 CRASH_POINTS = ["weights", "optimizers", "rng", "state", "manifest", "rename", "latest", "prune"]
 
 
-def test_a_save_killed_at_any_point_leaves_a_loadable_checkpoint(tmp_path):
-    """SIGKILL at each step of a save (and after random delays): the chosen checkpoint is complete, passes its
-    manifest, and holds the weights of its own iteration; no partial directory is ever chosen."""
-    proc = subprocess.run([sys.executable, "-c", CRASH_SERVER, str(tmp_path), json.dumps(CRASH_POINTS), "4"],
+@pytest.mark.parametrize("form", ["full", "sharded"])
+def test_a_save_killed_at_any_point_leaves_a_loadable_checkpoint(tmp_path, form):
+    """SIGKILL at each step of a save (and after random delays), whole or sharded: the chosen checkpoint is
+    complete, passes its manifest, and holds the weights of its own iteration; no partial directory is ever
+    chosen."""
+    from loomrl.checkpoint import save_sharded_checkpoint
+    from loomrl.runtime.state_io import FullOptimizerState
+
+    proc = subprocess.run([sys.executable, "-c", CRASH_SERVER, str(tmp_path), json.dumps(CRASH_POINTS), "4", form],
                           capture_output=True, text=True, timeout=300)
     assert proc.returncode == 0, proc.stderr[-3000:]
     trials = [json.loads(line) for line in proc.stdout.splitlines()]
@@ -398,11 +414,15 @@ def test_a_save_killed_at_any_point_leaves_a_loadable_checkpoint(tmp_path):
         if point in ("weights", "optimizers", "rng", "state", "manifest", "rename"):
             assert any(".tmp-" in p.name for p in (run / "checkpoints").iterdir()), "the partial save is gone"
         fresh, fresh_opt, _ = make_run(seed=7)
-        state = load_checkpoint(chosen, {"actor": fresh}, {"actor": fresh_opt})
+        optimizer = FullOptimizerState(fresh, fresh_opt) if form == "sharded" else fresh_opt
+        state = load_checkpoint(chosen, {"actor": fresh}, {"actor": optimizer})
         assert state["tag"] == state["iteration"] == int(chosen.name[-1]), (point, state)
         total = sum(float(p.detach().double().sum()) for p in fresh.parameters())
         assert total == pytest.approx(trial["sums"][str(state["iteration"])], rel=1e-9, abs=1e-6), point
-        save_checkpoint(run, 3, {"actor": fresh}, None, {"actor": fresh_opt}, {"tag": 3}, keep_last=1)
+        if form == "sharded":
+            save_sharded_checkpoint(run, 3, {"actor": (fresh, fresh_opt)}, None, {"tag": 3}, keep_last=1)
+        else:
+            save_checkpoint(run, 3, {"actor": fresh}, None, {"actor": fresh_opt}, {"tag": 3}, keep_last=1)
         assert sorted(p.name for p in (run / "checkpoints").iterdir()) == ["iter_000003", "latest"], point
 
 

@@ -125,7 +125,10 @@ def test_train_ppo_logs_plots_and_checkpoints(ppo_run):
     assert (run_dir / "config.yaml").is_file()
     latest = run_dir / "checkpoints" / (run_dir / "checkpoints" / "latest").read_text().strip()
     assert latest.name == "iter_000001"
-    actor = transformers.AutoModelForCausalLM.from_pretrained(latest / "actor")
+    exported = run_cli("export", run_dir, "--role", "actor", timeout=120)  # the shards as from_pretrained reads
+    assert_ok(exported)
+    assert exported.stdout.strip() == f"wrote {latest / 'hf' / 'actor'}"
+    actor = transformers.AutoModelForCausalLM.from_pretrained(latest / "hf" / "actor")
     assert actor.config.model_type == "llama"
 
 

@@ -15,7 +15,7 @@ import torch
 from loomrl.parallel.data_parallel import local_shard
 from loomrl.parallel.zero import MASTER, ZeroAdamW
 
-__all__ = ["MOMENTS", "init_state", "state_tensors", "steps_taken"]
+__all__ = ["MOMENTS", "init_state", "state_steps", "state_tensors", "steps_taken"]
 
 MOMENTS = ("exp_avg", "exp_avg_sq")
 """Adam's per-parameter moments."""
@@ -63,3 +63,16 @@ def steps_taken(optimizer) -> int:
     if isinstance(optimizer, ZeroAdamW):
         return optimizer.steps_taken()
     return max((int(st["step"]) for st in optimizer.state.values() if "step" in st), default=0)
+
+
+def state_steps(model: torch.nn.Module, optimizer) -> dict[str, float]:
+    """Steps taken by each trained parameter this device holds optimizer state of, by parameter name (a parameter
+    never stepped has none)."""
+    if isinstance(optimizer, ZeroAdamW):
+        return optimizer.named_steps()
+    out = {}
+    for name, p in model.named_parameters():
+        state = optimizer.state.get(p)
+        if state and "step" in state:
+            out[name] = float(state["step"])
+    return out

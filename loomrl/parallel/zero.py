@@ -213,6 +213,12 @@ class ZeroAdamW:
                 out[name] = self.inner.state[shard][key]
         return out
 
+    def named_steps(self) -> dict[str, float]:
+        """Optimizer steps taken by each parameter this rank owns a stepped chunk of (a sharded checkpoint's
+        record of them; a rank owning none of a parameter leaves it to the others)."""
+        return {name: float(self.inner.state[shard]["step"]) for (name, _), shard in zip(self.params, self._shards)
+                if shard is not None and shard in self.inner.state}
+
     def init_state(self, step: int) -> None:
         """Zero moments at ``step`` optimizer steps for every chunk this rank owns: the tensors a moved state is
         written into."""

@@ -25,6 +25,7 @@ import torch
 from ray.util.placement_group import placement_group, remove_placement_group
 from ray.util.scheduling_strategies import PlacementGroupSchedulingStrategy
 
+from loomrl.checkpoint import state_json_of
 from loomrl.config import RuntimeConfig
 from loomrl.errors import LoomError
 from loomrl.launch import ray_address, start_ray, stop_ray
@@ -222,13 +223,29 @@ class RayExecutor:
                                  "machines; put run_dir on storage every node mounts (NFS or another shared file "
                                  "system): worker 0 writes the checkpoints there and every worker reads them back")
 
-    def save(self, run_dir: Path, iteration: int, state: Mapping[str, Any], keep_last: int) -> Path:
+    def save(self, run_dir: Path, iteration: int, state: Mapping[str, Any], keep_last: int,
+             sharded: bool = True) -> Path:
+        """Checkpoint the trained roles. ``sharded``: every worker writes the pieces it owns and worker 0 completes
+        the save (:mod:`loomrl.checkpoint_shards`); otherwise the roles are gathered whole onto worker 0 first."""
+        if sharded:
+            return self._save_sharded(run_dir, iteration, state, keep_last)
         exports = {}
         for role, alloc in sorted(self.worker_plan.training().items()):
             metas = self._wait([self.workers[d].export_role.remote(role) for d in alloc.devices],
                                "checkpoint export", role, alloc.devices)
             exports[role] = [m["state"] for m in metas if "state" in m]
         ref = self.workers[0].save.remote(str(run_dir), iteration, dict(state), keep_last, exports)
+        return Path(self._wait([ref], "checkpoint save", None)[0])
+
+    def _save_sharded(self, run_dir: Path, iteration: int, state: Mapping[str, Any], keep_last: int) -> Path:
+        state_json = state_json_of(state, iteration, keep_last)  # fails before any worker writes
+        self._wait([w.check_shards.remote() for w in self.workers], "checkpoint save", None)
+        tmp = self._wait([self.workers[0].begin_save.remote(str(run_dir), iteration)], "checkpoint save", None)[0]
+        parts: dict[str, list] = {}
+        for written in self._wait([w.save_shards.remote(tmp) for w in self.workers], "checkpoint save", None):
+            for role, part in written.items():
+                parts.setdefault(role, []).append(part)
+        ref = self.workers[0].finish_save.remote(tmp, iteration, state_json, keep_last, parts)
         return Path(self._wait([ref], "checkpoint save", None)[0])
 
     def load(self, path: Path) -> dict[str, Any]:

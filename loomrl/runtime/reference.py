@@ -13,7 +13,7 @@ from pathlib import Path
 from typing import TYPE_CHECKING, Any, Callable, Mapping, Sequence
 
 from loomrl.algorithms.roles import OpContext, Role
-from loomrl.checkpoint import load_checkpoint, save_checkpoint
+from loomrl.checkpoint import load_checkpoint, save_checkpoint, save_sharded_checkpoint
 from loomrl.models.tokenizer import encode_prompt
 from loomrl.runtime.state_io import FullOptimizerState
 from loomrl.plan.schedule import Schedule, Step, StepKind, split_for_sampling
@@ -171,8 +171,14 @@ class ReferenceExecutor:
     def check_shared_dir(self, path: Path) -> None:
         """One process writes and reads every checkpoint: any directory will do."""
 
-    def save(self, run_dir: Path, iteration: int, state: Mapping[str, Any], keep_last: int) -> Path:
+    def save(self, run_dir: Path, iteration: int, state: Mapping[str, Any], keep_last: int,
+             sharded: bool = True) -> Path:
+        """Checkpoint the trained roles, sharded (one shard per role: the same form the Ray executor writes) or
+        whole (``sharded=False``)."""
         roles = self.trainable()
+        if sharded:
+            return save_sharded_checkpoint(run_dir, iteration, {n: (r.model, r.optimizer) for n, r in roles.items()},
+                                           self.tokenizer, state, keep_last=keep_last)
         return save_checkpoint(run_dir, iteration, {n: r.model for n, r in roles.items()}, self.tokenizer,
                                {n: FullOptimizerState(r.model, r.optimizer) for n, r in roles.items()}, state,
                                keep_last=keep_last)

@@ -26,7 +26,8 @@ import torch.distributed as dist
 from loomrl.algorithms.evaluate import evaluate_policy
 from loomrl.algorithms.metrics import rollout_metrics
 from loomrl.algorithms.roles import OpContext, Role
-from loomrl.checkpoint import load_checkpoint, save_checkpoint
+from loomrl.checkpoint import begin_save, finish_sharded_save, load_checkpoint, save_checkpoint
+from loomrl.checkpoint_shards import check_pieces, place_of, role_pieces, write_role_shards
 from loomrl.data.sources import build_task
 from loomrl.engine import ModelEngine, build_model, make_role, resolve_device, resolve_dtype
 from loomrl.launch import quiet_libraries
@@ -446,6 +447,35 @@ class DeviceWorker:
                 [part["optim"] for part in parts]))
         return str(save_checkpoint(Path(run_dir), iteration, models, self.tokenizer, optims, state,
                                    keep_last=keep_last))
+
+    def _pieces(self) -> dict[str, tuple[Role, dict, dict]]:
+        """Per trained role this device holds training state of: its holding, where its pieces sit and the
+        pieces themselves (views of the state where it is on the CPU already)."""
+        out = {}
+        for role, alloc in sorted(self.training.items()):
+            handle = self.holdings.get((role, alloc.shards))
+            if handle is not None and handle.model is not None:
+                place = place_of(alloc, self.rank)
+                out[role] = (handle, place, role_pieces(handle.model, handle.optimizer, place, self.dtype))
+        return out
+
+    def check_shards(self) -> None:
+        """Refuse non-finite pieces before any worker writes (a save's first round)."""
+        for role, (_, _, pieces) in self._pieces().items():
+            check_pieces(role, pieces)
+
+    def begin_save(self, run_dir: str, iteration: int) -> str:
+        """The temporary directory of a sharded save, named for this worker, which finishes it."""
+        return str(begin_save(Path(run_dir), iteration))
+
+    def save_shards(self, tmp: str) -> dict:
+        """Write this device's pieces of every trained role into the save's directory (no communication)."""
+        return {role: write_role_shards(Path(tmp), role, handle.model, handle.optimizer, place, pieces)
+                for role, (handle, place, pieces) in self._pieces().items()}
+
+    def finish_save(self, tmp: str, iteration: int, state_json: str, keep_last: int, parts: dict) -> str:
+        """Index, tokenizer, RNG, state and manifest of a sharded save, then its rename into place."""
+        return str(finish_sharded_save(Path(tmp), iteration, state_json, self.tokenizer, parts, keep_last))
 
     def load(self, path: str) -> dict:
         """Every holder of a trained role's training weights loads them (and its optimizer state)."""

@@ -19,7 +19,7 @@ from pathlib import Path
 from typing import Any, Sequence
 
 from loomrl.algorithms.evaluate import evaluate_pass_at_k, evaluate_policy
-from loomrl.checkpoint import CHECKPOINTS_DIR, STATE_FILE, latest_checkpoint, verify_checkpoint
+from loomrl.checkpoint import CHECKPOINTS_DIR, STATE_FILE, export_checkpoint, latest_checkpoint
 from loomrl.config import EvalConfig, TrainConfig
 from loomrl.configtools import load_config, to_dict
 from loomrl.data.sources import build_task, held_out
@@ -46,17 +46,17 @@ class Target:
 
 def resolve_target(path: str | Path) -> Target:
     """A run directory → its latest checkpoint's actor; ``iter_N`` → its actor; a model directory → itself.
-    A run's checkpoint has its actor's files checked against its manifest first."""
+    A run's checkpoint has its actor's files checked against its manifest first; a sharded one's actor is
+    exported to ``iter_N/hf/actor`` on first use (:func:`~loomrl.checkpoint.export_checkpoint`)."""
     path = Path(path)
     if (path / CHECKPOINTS_DIR).is_dir() or ((path / "config.yaml").is_file() and not (path / "config.json").is_file()):
         ckpt = latest_checkpoint(path)
         if ckpt is None:
             raise DataError(f"run '{path}': has no complete checkpoint to evaluate (checkpoints/iter_N/actor)")
-        verify_checkpoint(ckpt, "actor")
-        return Target(ckpt / "actor", path, path)
+        return Target(export_checkpoint(ckpt, "actor"), path, path)
     if (path / "actor" / "config.json").is_file():
         if (path / STATE_FILE).is_file():  # a run's checkpoint: its manifest covers the actor
-            verify_checkpoint(path, "actor")
+            return Target(export_checkpoint(path, "actor"), _run_of(path), path)
         return Target(path / "actor", _run_of(path), path)
     if (path / "config.json").is_file():
         run = _run_of(path.parent) if path.name == "actor" else None

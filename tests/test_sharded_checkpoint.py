@@ -1,0 +1,191 @@
+"""Sharded checkpoints (loomrl.checkpoint_shards): exact round trips, pieces placed from any layout, the export's
+from_pretrained form, damaged and missing shards named in one line, old checkpoints still resuming."""
+
+import json
+import os
+import subprocess
+import sys
+
+import pytest
+import torch
+import transformers
+from test_checkpoint import make_run, tiny_llama, tiny_tokenizer, train_steps
+
+from loomrl.checkpoint import (CheckpointError, export_checkpoint, latest_checkpoint, load_checkpoint,
+                               save_sharded_checkpoint, verify_checkpoint)
+from loomrl.checkpoint_shards import read_role
+from loomrl.parallel.zero import ZeroAdamW
+from loomrl.runtime.state_io import FullOptimizerState
+
+
+def _one_line(info: pytest.ExceptionInfo) -> str:
+    message = str(info.value)
+    assert message and "\n" not in message, message
+    return message
+
+
+def test_a_sharded_round_trip_continues_bitwise_identically(tmp_path):
+    model, opt, sched = make_run()
+    train_steps(model, opt, sched, 2, seed=1)
+    ckpt = save_sharded_checkpoint(tmp_path, 2, {"actor": (model, opt)}, tiny_tokenizer(), {"data_position": 17},
+                                   schedulers={"actor": sched})
+    train_steps(model, opt, sched, 3, seed=2)
+
+    fresh, fresh_opt, fresh_sched = make_run(seed=99)
+    state = load_checkpoint(ckpt, {"actor": fresh}, {"actor": FullOptimizerState(fresh, fresh_opt)},
+                            schedulers={"actor": fresh_sched})
+    assert state == {"iteration": 2, "data_position": 17}
+    train_steps(fresh, fresh_opt, fresh_sched, 3, seed=2)
+    for (name, ref), (_, got) in zip(model.named_parameters(), fresh.named_parameters()):
+        assert torch.equal(ref, got), name
+    assert sorted(p.name for p in ckpt.iterdir()) == ["actor", "index.json", "manifest.json", "rng.pt",
+                                                      "schedulers.pt", "state.json", "tokenizer"]
+
+
+def test_bf16_master_weights_are_saved_beside_the_rounded_weights(tmp_path):
+    model = tiny_llama(0).to(torch.bfloat16)
+    opt = ZeroAdamW(model.named_parameters(), None, lr=1e-2, betas=(0.9, 0.999), weight_decay=0.0)
+    ids = torch.arange(16).view(2, 8)
+    model(input_ids=ids, labels=ids).loss.backward()
+    opt.step()
+    ckpt = save_sharded_checkpoint(tmp_path, 1, {"actor": (model, opt)}, None, {})
+    weights, optim = read_role(ckpt, "actor")
+    assert all(w.dtype == torch.bfloat16 for w in weights.values())
+    assert optim["state"] and all(st["master"].dtype == torch.float32 for st in optim["state"].values())
+    want = opt.full_state_dict()  # the full form the old checkpoints held
+    assert optim["state"].keys() == want["state"].keys()
+    for name, st in want["state"].items():
+        for key, value in st.items():
+            assert torch.equal(optim["state"][name][key], value), (name, key)
+
+
+def _pieces_of(full: torch.Tensor, intervals: list) -> torch.Tensor:
+    return torch.cat([full.reshape(-1)[lo:hi] for lo, hi in intervals]) if intervals else full.new_zeros(0)
+
+
+def test_pieces_written_under_a_layout_are_placed_whole_again(tmp_path):
+    """Shard files as dp2 × tp2 ranks write them (ZeRO-1 flat blocks of the moments, tensor-parallel slices,
+    replicated norms written by tp rank 0 only) are assembled into the full tensors by the reader."""
+    from safetensors.torch import save_file
+
+    from loomrl.checkpoint_shards import FORMAT, _duplicate
+    from loomrl.plan.layout import Layout
+    from loomrl.plan.shards import shard_intervals
+
+    model = tiny_llama(3)
+    full = {n: p.detach() for n, p in model.named_parameters()}
+    moments = {n: torch.randn_like(p) for n, p in full.items()}
+    layout = {"dp": 2, "tp": 2, "pp": 1, "reverse": False}
+    files = {}
+    (tmp_path / "actor").mkdir()
+    for rank in range(4):
+        place = {"layout": layout, "rank": rank, "weights_split": "none", "state_split": "flat"}
+        tensors, shapes = {}, {}
+        for kind, source, split in (("weights", full, "none"), ("exp_avg", moments, "flat")):
+            for name, tensor in source.items():
+                intervals = shard_intervals(name, tensor.shape, Layout(**layout), rank, 2, split)
+                if intervals and not _duplicate(name, place, split):
+                    tensors[f"{kind}/{name}"] = _pieces_of(tensor, intervals).clone()
+                    shapes[f"{kind}/{name}"] = list(tensor.shape)
+        rel = f"actor/r{rank}.safetensors"
+        save_file(tensors, tmp_path / rel)
+        files[rel] = {**place, "num_layers": 2, "tensors": shapes, "params": list(full), "trainable": list(full),
+                      "steps": {n: 3.0 for n in full}}
+    (tmp_path / "index.json").write_text(json.dumps({"format": FORMAT, "roles": {"actor": {
+        "class": "LlamaForCausalLM", "param_groups": [{"lr": 0.1, "betas": [0.9, 0.99]}], "files": files}}}))
+    weights, optim = read_role(tmp_path, "actor")
+    assert weights.keys() == full.keys() and all(torch.equal(weights[n], full[n]) for n in full)
+    assert all(torch.equal(optim["state"][n]["exp_avg"], moments[n]) for n in full)
+    assert optim["param_groups"][0]["betas"] == (0.9, 0.99) and float(optim["state"]["lm_head.weight"]["step"]) == 3
+    stage, _ = read_role(tmp_path, "actor", ["model.layers.1.mlp.down_proj.weight"])  # a pipeline stage's share
+    assert list(stage) == ["model.layers.1.mlp.down_proj.weight"]
+
+
+def test_the_export_loads_with_from_pretrained_and_the_cli_writes_it(tmp_path):
+    model, opt, sched = make_run()
+    train_steps(model, opt, sched, 1, seed=1)
+    ckpt = save_sharded_checkpoint(tmp_path / "run", 1, {"actor": (model, opt)}, tiny_tokenizer(), {})
+    out = export_checkpoint(ckpt, "actor")
+    assert out == ckpt / "hf" / "actor"
+    loaded = transformers.AutoModelForCausalLM.from_pretrained(out)
+    assert all(torch.equal(a, b) for a, b in zip(model.state_dict().values(), loaded.state_dict().values()))
+    assert transformers.AutoTokenizer.from_pretrained(out)("abc")["input_ids"] == [2, 3, 4]
+    verify_checkpoint(ckpt)  # the export lies outside the manifest
+
+    proc = subprocess.run([sys.executable, "-m", "loomrl.cli", "export", str(tmp_path / "run"), "--role", "actor",
+                           "--out", str(tmp_path / "exported")], capture_output=True, text=True, timeout=300,
+                          env={**os.environ, "HF_HUB_OFFLINE": "1"})
+    assert proc.returncode == 0, proc.stderr[-2000:]
+    assert proc.stdout.strip().endswith(str(tmp_path / "exported"))
+    again = transformers.AutoModelForCausalLM.from_pretrained(tmp_path / "exported")
+    assert all(torch.equal(a, b) for a, b in zip(model.state_dict().values(), again.state_dict().values()))
+    bad = subprocess.run([sys.executable, "-m", "loomrl.cli", "export", str(ckpt), "--role", "critic"],
+                         capture_output=True, text=True, timeout=300, env={**os.environ, "HF_HUB_OFFLINE": "1"})
+    assert bad.returncode == 2 and bad.stderr.count("\n") == 1 and "role 'critic'" in bad.stderr, bad.stderr
+
+
+def _saved(tmp_path):
+    model, opt, sched = make_run()
+    train_steps(model, opt, sched, 1, seed=1)
+    return save_sharded_checkpoint(tmp_path, 1, {"actor": (model, opt)}, None, {})
+
+
+def test_a_flipped_byte_of_a_shard_is_named_and_nothing_is_loaded(tmp_path):
+    ckpt = _saved(tmp_path)
+    shard = ckpt / "actor" / "optim-r00000.safetensors"
+    data = bytearray(shard.read_bytes())
+    data[len(data) // 2] ^= 0x10
+    shard.write_bytes(bytes(data))
+    fresh, fresh_opt, _ = make_run(seed=5)
+    before = {k: v.clone() for k, v in fresh.state_dict().items()}
+    with pytest.raises(CheckpointError) as info:
+        load_checkpoint(ckpt, {"actor": fresh}, {"actor": FullOptimizerState(fresh, fresh_opt)})
+    assert str(shard) in _one_line(info) and "SHA-256" in str(info.value)
+    assert all(torch.equal(v, before[k]) for k, v in fresh.state_dict().items()), "a damaged checkpoint loaded"
+
+
+def test_a_missing_shard_is_named(tmp_path):
+    ckpt = _saved(tmp_path)
+    shard = ckpt / "actor" / "weights-r00000.safetensors"
+    shard.unlink()
+    with pytest.raises(CheckpointError) as info:
+        verify_checkpoint(ckpt)
+    assert f"{shard}: missing" in _one_line(info)
+    (ckpt / "manifest.json").unlink()  # unverified: the index still tells what is missing
+    with pytest.warns(UserWarning, match="unverified"), pytest.raises(CheckpointError) as info:
+        load_checkpoint(ckpt, {"actor": make_run()[0]}, {})
+    assert str(shard) in _one_line(info)
+
+
+def test_non_finite_pieces_are_refused_before_anything_is_written(tmp_path):
+    model, opt, sched = make_run()
+    train_steps(model, opt, sched, 1, seed=1)
+    good = save_sharded_checkpoint(tmp_path, 1, {"actor": (model, opt)}, None, {})
+    with torch.no_grad():
+        opt.state[model.lm_head.weight]["exp_avg"][0, 0] = float("nan")
+    with pytest.raises(CheckpointError) as info:
+        save_sharded_checkpoint(tmp_path, 2, {"actor": (model, opt)}, None, {}, keep_last=1)
+    assert "actor optimizer state 'lm_head.weight.exp_avg' holds NaN or inf" in _one_line(info)
+    assert sorted(p.name for p in (tmp_path / "checkpoints").iterdir()) == ["iter_000001", "latest"]
+    assert latest_checkpoint(tmp_path) == good
+
+
+def test_a_run_resumes_a_full_checkpoint_and_continues_sharded(tmp_path):
+    """A run whose checkpoints were written whole (as before sharded checkpoints) resumes, and its next
+    checkpoints are sharded; the metrics are those of the uninterrupted run."""
+    from test_rl import tiny_cfg
+
+    from loomrl.train.rl import RLTrainer
+
+    common = ("algo.name=ppo", "loop.save_every=1", "loop.eval_every=0")
+    RLTrainer(tiny_cfg(tmp_path / "whole", *common, "loop.iterations=2")).run()
+    RLTrainer(tiny_cfg(tmp_path / "parts", *common, "loop.iterations=1", "checkpoint.format=full")).run()
+    assert (tmp_path / "parts" / "checkpoints" / "iter_000000" / "optimizers.pt").is_file()
+    RLTrainer(tiny_cfg(tmp_path / "parts", *common, "loop.iterations=2")).run(resume=True)
+    assert (tmp_path / "parts" / "checkpoints" / "iter_000001" / "index.json").is_file()
+    whole, parts = ([json.loads(line) for line in (tmp_path / d / "metrics.jsonl").read_text().splitlines()]
+                    for d in ("whole", "parts"))
+    loss = [k for k in whole[-1] if k.endswith("loss")]
+    assert len(loss) > 1 and {k: parts[-1][k] for k in loss} == {k: whole[-1][k] for k in loss}
+    critic = export_checkpoint(tmp_path / "parts" / "checkpoints" / "iter_000001", "critic")
+    assert transformers.AutoModelForSequenceClassification.from_pretrained(critic).config.num_labels == 1
