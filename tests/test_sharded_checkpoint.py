@@ -5,6 +5,7 @@ import json
 import os
 import subprocess
 import sys
+from pathlib import Path
 
 import pytest
 import torch
@@ -189,3 +190,49 @@ def test_a_run_resumes_a_full_checkpoint_and_continues_sharded(tmp_path):
     assert len(loss) > 1 and {k: parts[-1][k] for k in loss} == {k: whole[-1][k] for k in loss}
     critic = export_checkpoint(tmp_path / "parts" / "checkpoints" / "iter_000001", "critic")
     assert transformers.AutoModelForSequenceClassification.from_pretrained(critic).config.num_labels == 1
+
+
+@pytest.mark.usefixtures("ray_session")
+def test_a_worker_killed_during_a_sharded_save_leaves_the_checkpoint_before(tmp_path):
+    """Worker 1 (it owns half of the FSDP and ZeRO-1 shards) is killed with SIGKILL once worker 0 has begun the
+    save after iteration 1: the run recovers from iteration 0's checkpoint, computes the reference run, and the
+    unfinished save's directory is gone by the end."""
+    import signal
+
+    from test_recovery import LOSS_KEYS, SAMPLE_KEYS, _cfg, _lines
+
+    from loomrl.train.rl import FAILURES_FILE, RLTrainer
+
+    common = ("loop.iterations=3", "loop.save_every=1")
+    RLTrainer(_cfg(tmp_path, "ref", *common, "runtime.executor=reference")).run()
+    trainer = RLTrainer(_cfg(tmp_path, "run", *common, "runtime.executor=ray", "runtime.devices=2",
+                             "runtime.max_failures=1", "runtime.layouts={actor: {sharding: fsdp}, critic: "
+                             "{sharding: zero}}"))
+    executor, waits, begun = trainer.executor, [], []
+    original = executor._wait
+
+    def wait(refs, what, role, ranks=None):
+        out = original(refs, what, role, ranks)
+        if what == "checkpoint save" and trainer.running == 1:
+            waits.append(what)
+            if len(waits) == 2:  # worker 0 has made the save's .tmp- directory; worker 1 has written nothing yet
+                begun.append(Path(out[0]))
+                os.kill(executor.pids[1], signal.SIGKILL)
+        return out
+
+    executor._wait = wait
+    trainer.run()
+    (failure,) = _lines(tmp_path / "run" / FAILURES_FILE)
+    assert (failure["iteration"], failure["resumes_after"]) == (1, 0)
+    assert "worker 1 died during checkpoint save" in failure["error"], failure
+    assert begun and begun[0].name.startswith("iter_000001.tmp-") and not begun[0].exists()
+    root = tmp_path / "run" / "checkpoints"
+    assert sorted(p.name for p in root.iterdir()) == ["iter_000001", "iter_000002", "latest"]
+    verify_checkpoint(root / "iter_000002")
+    got, expected = _lines(tmp_path / "run" / "metrics.jsonl"), _lines(tmp_path / "ref" / "metrics.jsonl")
+    assert [m["iteration"] for m in got] == [0, 1, 2]
+    for it, (a, b) in enumerate(zip(got, expected)):
+        for key in SAMPLE_KEYS:
+            assert a[key] == pytest.approx(b[key], rel=1e-6, abs=1e-9), (it, key)
+        for key in LOSS_KEYS:
+            assert a[key] == pytest.approx(b[key], rel=1e-4, abs=1e-6), (it, key, a[key], b[key])
