@@ -5,20 +5,21 @@ uninterrupted run of the same seed.
 
 Every run is PPO or GRPO on llama-1m, 4 iterations of 8 prompts (GRPO: 4 prompts × a group of 4), 6 new tokens,
 a checkpoint after every iteration (``checkpoint.keep_last=2``), ``runtime.max_failures=3``,
-``runtime.timeout_s=60``, one thread per process. The fault kinds (``--trials`` each; ``--quick``: 2 each, a
-smoke check):
+``runtime.timeout_s=180`` (a worker that starts slowly on a loaded machine is not a fault), one thread per
+process. The fault kinds (``--trials`` each; ``--quick``: 2 each, a smoke check):
 
 - ``worker``: a random worker of a Ray run is killed with SIGKILL after a random delay, uniform over the
   uninterrupted run's length (its iterations, saves and final evaluation), so at a random point of a random
   iteration. The trials take PPO and GRPO on 2 and 4 devices in turn. The run must finish by itself: it
   recovers (``RLTrainer._recover``: new workers, resumed from the latest checkpoint).
-- ``save-worker``: worker 0 of a Ray run, the process that writes the checkpoints, is killed while the save of a
-  random iteration after the first is under way (its ``checkpoints/iter_N.tmp-<pid>`` directory exists, after a
-  random delay of up to 80 ms: a save lasts 75 to 170 ms here). Same configurations in turn, same recovery.
+- ``save-worker``: worker 0 of a Ray run, which writes its own shards and completes every save (index, RNG,
+  manifest, the rename into place), is killed while the save of a random iteration after the first is under
+  way (its ``checkpoints/iter_N.tmp-<pid>`` directory exists, after a random delay of up to 80 ms: a save lasts
+  75 to 170 ms here). Same configurations in turn, same recovery.
 - ``save-driver``: the driver, ``loomrl train`` in a process of its own, is killed while a save is under way,
   alternately on the Ray executor and on the reference executor, PPO and GRPO on 2 devices. On the reference
-  executor the driver writes the checkpoint itself, so its save is cut short; on Ray worker 0 writes it and
-  lives on for a few seconds after the driver (until the dead driver's Ray instance takes it along), time
+  executor the driver writes the checkpoint itself, so its save is cut short; on Ray the workers write it and
+  live on for a few seconds after the driver (until the dead driver's Ray instance takes it along), time
   enough to finish the save most often. The latest checkpoint must then be the one before that save (or that
   save's, when it was finished) and pass its manifest, and ``--resume`` (``RLTrainer.run(resume=True)``, in
   this process, once the killed run's processes are gone) must finish the run.
@@ -80,7 +81,7 @@ from loomrl.report import summary_table  # noqa: E402
 from loomrl.train.rl import FAILURES_FILE, RLTrainer  # noqa: E402
 
 KINDS = ("worker", "save-worker", "save-driver", "flip")
-TITLES = {"worker": "kill -9 of a worker mid-iteration", "save-worker": "kill -9 of the writing worker mid-save",
+TITLES = {"worker": "kill -9 of a worker mid-iteration", "save-worker": "kill -9 of worker 0 mid-save",
           "save-driver": "kill -9 of the driver mid-save", "flip": "a flipped byte in a checkpoint"}
 RAY_CONFIGS = (("ppo", 2), ("grpo", 2), ("ppo", 4), ("grpo", 4))
 """(algorithm, devices) of the Ray runs the ``worker`` and ``save-worker`` trials take in turn."""
@@ -109,7 +110,7 @@ def overrides(run_dir: Path, algo: str, executor: str, devices: int) -> list[str
             f"loop.iterations={ITERATIONS}", "loop.save_every=1", "loop.eval_every=0", "loop.eval_prompts=8",
             "loop.progress=false", "report.html=false", "actor.optim.lr=0.001", "checkpoint.keep_last=2",
             f"runtime.executor={executor}", f"runtime.devices={devices}", "runtime.threads=1",
-            "runtime.timeout_s=60", "runtime.max_failures=3"]
+            "runtime.timeout_s=180", "runtime.max_failures=3"]
 
 
 # ------------------------------------------------------------------------------------------------ processes
