@@ -5,7 +5,8 @@ the backward of a minibatch and for the gradients' sum and clipping; :class:`Mod
 model, a pipeline stage (through its :class:`~loomrl.parallel.pipeline_schedule.PipelineRunner`), a
 data-parallel replica (gradients summed over its group) or an FSDP shard (every pass collective, so each rank
 runs the plan's micro-batches, padding with passes that add nothing). The reference executor's engine is the
-plain case: a whole model and no group.
+plain case: a whole model and no group. Outside FSDP a micro-batch's rows run in length buckets
+(:mod:`loomrl.engine.length_buckets`), so short rows are not padded to the longest one's width.
 """
 
 from __future__ import annotations
@@ -14,6 +15,7 @@ import torch
 import torch.distributed as dist
 
 from loomrl.algorithms.roles import KeepFn, LossFn
+from loomrl.engine.length_buckets import bucketed_outputs
 from loomrl.models.heads import model_outputs
 from loomrl.parallel.data_parallel import sync_gradients
 from loomrl.parallel.main_grad import grad_of, zero_fill
@@ -45,9 +47,12 @@ class ModelEngine:
             return self.pipeline.forward(ids_BL, attn_BL, len(parts), output_fn=keep, broadcast_result=True)
         kept = []
         for k, rows in enumerate(parts):
-            out = _widened(model_outputs(self.model, *_trimmed(ids_BL[rows], attn_BL[rows])), ids_BL.shape[1])
+            out = bucketed_outputs(self._forward, ids_BL[rows], attn_BL[rows], split=not self.lockstep)
             kept.append(keep(out, k) if keep is not None else out)
         return torch.cat(kept) if len(kept) > 1 else kept[0]
+
+    def _forward(self, ids_BL: torch.Tensor, attn_BL: torch.Tensor) -> torch.Tensor:
+        return model_outputs(self.model, ids_BL, attn_BL)
 
     def backward(self, ids_BL: torch.Tensor | None, attn_BL: torch.Tensor | None, parts: list[slice],
                  loss: LossFn | None, passes: int) -> None:
@@ -56,7 +61,7 @@ class ModelEngine:
                 self.pipeline.train_step_backward(ids_BL, attn_BL, _joined(loss), len(parts))
             return
         for k, rows in enumerate(parts):
-            out = _widened(model_outputs(self.model, *_trimmed(ids_BL[rows], attn_BL[rows])), ids_BL.shape[1])
+            out = bucketed_outputs(self._forward, ids_BL[rows], attn_BL[rows], split=not self.lockstep)
             value = loss(out, k)
             if value is None and self.lockstep:
                 value = (out * 0).sum()  # joins the graph: the backward's collectives still run
@@ -90,20 +95,3 @@ def _joined(loss: LossFn):
         value = loss(out, k)
         return (out * 0).sum() if value is None else value
     return fn
-
-
-def _trimmed(ids_BL: torch.Tensor, attn_BL: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-    """The rows cut after their last attended column: the causal mask keeps every real position's output the
-    same, and the padding past it is not computed."""
-    attended = attn_BL.any(0).nonzero()
-    width = int(attended.max()) + 1 if attended.numel() else 1
-    return ids_BL[:, :width], attn_BL[:, :width]
-
-
-def _widened(out: torch.Tensor, width: int) -> torch.Tensor:
-    """Per-position outputs padded back with zeros to ``width`` positions (what the caller indexes)."""
-    if out.shape[1] == width:
-        return out
-    full = out.new_zeros((out.shape[0], width, *out.shape[2:]))
-    full[:, :out.shape[1]] = out
-    return full
