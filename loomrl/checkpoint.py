@@ -52,7 +52,7 @@ from torch.optim.lr_scheduler import LRScheduler
 from transformers import PreTrainedModel
 
 from loomrl.checkpoint_shards import (INDEX_FILE, TOKENIZER_DIR, WHOLE, check_finite, check_pieces, export_role,
-                                     file_entry, merge_index, read_role, role_pieces, write_role_shards)
+                                     file_entry, load_role_shards, merge_index, role_pieces, write_role_shards)
 from loomrl.errors import CheckpointError
 
 try:  # NumPy is optional: only its global generator is captured, and only when it is installed.
@@ -211,12 +211,13 @@ def load_checkpoint(
     optimizers: Mapping[str, Optimizer],
     restore_rng: bool = True,
     schedulers: Mapping[str, LRScheduler] | None = None,
+    places: Mapping[str, Mapping[str, Any]] | None = None,
 ) -> dict[str, Any]:
     """Load a checkpoint in place into ``models``, ``optimizers`` (and ``schedulers``); return its state.
 
-    The returned dict is the saved ``state`` plus ``"iteration"``. A sharded checkpoint's optimizer state is the
-    full, name-keyed form (``optimizers`` take it: :class:`~loomrl.runtime.state_io.FullOptimizerState`), each
-    model reading only its own parameters' shards (a pipeline stage's). Roles present in the checkpoint but
+    The returned dict is the saved ``state`` plus ``"iteration"``. From a sharded checkpoint each process reads only
+    the part of the state it holds: ``places`` says, per role, where the process sits in the role's training
+    layout (:func:`~loomrl.checkpoint_shards.place_of`; by default it holds the whole role). Roles present in the checkpoint but
     not passed are left alone, so a run may resume only the models it still trains. Every file is checked
     against the manifest (:func:`verify_checkpoint`) before anything is loaded, so a damaged checkpoint
     changes nothing.
@@ -228,7 +229,7 @@ def load_checkpoint(
     except (OSError, UnicodeDecodeError, json.JSONDecodeError) as exc:
         raise CheckpointError(f"{path / STATE_FILE}: unreadable checkpoint state ({exc})") from None
     if (path / INDEX_FILE).is_file():
-        _load_sharded(path, models, optimizers, schedulers or {})
+        _load_sharded(path, models, optimizers, schedulers or {}, places or {})
     else:
         for role, model in models.items():
             _load_model_weights(path / role, model)
@@ -322,28 +323,17 @@ def _write_manifest(directory: Path, known: Mapping[str, Any]) -> None:
 
 
 def _load_sharded(path: Path, models: Mapping[str, torch.nn.Module], optimizers: Mapping[str, Any],
-                  schedulers: Mapping[str, LRScheduler]) -> None:
-    """Each role's own parameters' weights and optimizer state from the shards, in place."""
+                  schedulers: Mapping[str, LRScheduler], places: Mapping[str, Mapping[str, Any]]) -> None:
+    """Each role's part of the saved state, in place (:func:`~loomrl.checkpoint_shards.load_role_shards`)."""
     for role in sorted(set(models) | set(optimizers)):
-        model = models.get(role)
-        names = [name for name, _ in model.named_parameters()] if model is not None else None
-        weights, optim = read_role(path, role, names)
-        if model is not None:
-            try:  # the full-state-dict setter copies into plain, tensor-parallel and FSDP parameters alike
-                set_model_state_dict(model, weights, options=StateDictOptions(full_state_dict=True, strict=False))
-            except (ValueError, RuntimeError, KeyError) as exc:
-                raise CheckpointError(f"{path / role}: cannot load weights into {type(model).__name__} "
-                                      f"({str(exc).strip().splitlines()[0] if str(exc).strip() else exc!r})") from None
-        if role in optimizers:
-            try:
-                optimizers[role].load_state_dict(optim)
-            except (ValueError, KeyError, RuntimeError) as exc:
-                raise CheckpointError(f"{path / role}: optimizer state for '{role}' does not fit ({exc})") from None
+        # optimizers may come wrapped for the full form (FullOptimizerState): the shards go into what it wraps
+        optimizer = getattr(optimizers.get(role), "optimizer", optimizers.get(role))
+        model = models.get(role, getattr(optimizers.get(role), "model", None))
+        if model is None:
+            raise CheckpointError(f"{path}: loading the optimizer state of '{role}' needs its model")
+        load_role_shards(path, role, model, optimizer, places.get(role, WHOLE))
     if schedulers:
         _load_state_dicts(path / SCHEDULERS_FILE, "schedulers", _torch_load(path / SCHEDULERS_FILE), schedulers)
-
-
-# --- weights ---------------------------------------------------------------------------------------
 
 
 def _load_model_weights(role_dir: Path, model: PreTrainedModel) -> None:

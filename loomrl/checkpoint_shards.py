@@ -21,8 +21,10 @@ The files of role ``R`` inside a checkpoint directory:
 
 ``index.json`` (written once every shard is, by :mod:`loomrl.checkpoint`) holds per role the model class, the
 optimizer's hyper-parameters and each file's description. :func:`export_role` assembles a role into the
-``save_pretrained`` form (``loomrl export``). Peak memory of a writer is its own pieces (one file's worth of
-bytes more while safetensors serialises it); a reader builds the full tensors of the parameters it asks for.
+``save_pretrained`` form (``loomrl export``). A writer holds nothing but its own pieces (on CPU devices they
+are its state itself, written without a copy); a resuming process reads only the ranges of the files that hold
+its own part in the layout it resumes on (:func:`load_role_shards`). :func:`read_role` (the export, inspection)
+assembles whole tensors.
 """
 
 from __future__ import annotations
@@ -32,7 +34,8 @@ import json
 import os
 import shutil
 import zlib
-from collections.abc import Collection, Mapping
+from collections.abc import Callable, Collection, Mapping
+from contextlib import ExitStack
 from pathlib import Path
 from typing import Any
 
@@ -42,7 +45,7 @@ from safetensors import SafetensorError, safe_open
 from safetensors.torch import save_file
 
 from loomrl.errors import CheckpointError
-from loomrl.parallel.optim_state import MOMENTS, state_steps, state_tensors
+from loomrl.parallel.optim_state import MOMENTS, init_state, state_steps, state_tensors
 from loomrl.parallel.zero import MASTER
 from loomrl.plan.layout import Layout
 from loomrl.plan.shards import shard_intervals, shard_numel, tp_dim
@@ -92,7 +95,8 @@ def role_pieces(model: torch.nn.Module, optimizer: Any, place: Mapping[str, Any]
         for name, tensor in state_tensors(model, optimizer, kind).items():
             if tensor.numel() == 0 or _duplicate(name, place, split):
                 continue
-            tensor = tensor.detach().to("cpu", dtype if kind == "weights" else None).contiguous()
+            # flat, so that a reader takes just the ranges it needs (safetensors slices the first dim)
+            tensor = tensor.detach().to("cpu", dtype if kind == "weights" else None).contiguous().view(-1)
             out["weights" if kind == "weights" else "optim"][f"{kind}/{name}"] = tensor
     return out
 
@@ -217,14 +221,113 @@ def read_index(path: Path) -> dict[str, Any]:
         raise CheckpointError(f"{file}: unreadable checkpoint index ({type(exc).__name__}: {exc})") from None
 
 
+def _role_entry(path: Path, role: str) -> dict[str, Any]:
+    roles = read_index(path)["roles"]
+    if role not in roles:
+        raise CheckpointError(f"{path / INDEX_FILE}: no saved model for role '{role}' (has {sorted(roles)})")
+    return roles[role]
+
+
+def load_role_shards(path: Path, role: str, model: torch.nn.Module, optimizer: Any,
+                     place: Mapping[str, Any]) -> None:
+    """Copy into ``model`` and ``optimizer``, in place, the part of ``role``'s saved state this process holds
+    where ``place`` puts it, whatever layout saved it: only the ranges it needs are read from the shard files,
+    so a load holds this process's own shards and no more. The optimizer's state is made first
+    (:func:`~loomrl.parallel.optim_state.init_state`, at the saved step), as a plan change makes it."""
+    entry = _role_entry(path, role)
+    saved: dict[str, list] = {}
+    steps: dict[str, float] = {}
+    for rel, desc in entry["files"].items():
+        for name, step in desc.get("steps", {}).items():
+            steps[name] = max(step, steps.get(name, step))
+        for key, shape in desc["tensors"].items():
+            saved.setdefault(key, []).append((rel, desc))
+    if optimizer is not None and steps:
+        init_state(model, optimizer, int(max(steps.values())))
+        for group in optimizer.param_groups:
+            for key, value in (entry["param_groups"] or [{}])[0].items():
+                group[key] = tuple(value) if isinstance(value, list) else value
+    layout, rank, layers = Layout(**place["layout"]), place["rank"], int(model.config.num_hidden_layers)
+    shapes = {name: tuple(p.shape) for name, p in model.named_parameters()}
+    with ExitStack() as stack:
+        handles: dict[str, Any] = {}
+
+        def opened(rel: str):
+            if rel not in handles:
+                handles[rel] = stack.enter_context(safe_open(path / rel, "pt"))
+            return handles[rel]
+
+        for kind in ("weights", *MOMENTS, MASTER) if optimizer is not None else ("weights",):
+            split = place["weights_split"] if kind == "weights" else place["state_split"]
+            for name, target in state_tensors(model, optimizer, kind).items():
+                key = f"{kind}/{name}"
+                if key not in saved:
+                    if kind == "weights":
+                        raise CheckpointError(f"{path / INDEX_FILE}: no shard holds {role} weight '{name}'")
+                    continue  # master weights of an fp32 run, moments of a parameter never stepped
+                mine = shard_intervals(name, shapes[name], layout, rank, layers, split)
+                with torch.no_grad():
+                    target.copy_(_gathered(path, key, shapes[name], mine, saved[key], opened).view(target.shape))
+
+
+def _gathered(path: Path, key: str, shape: tuple, mine: list, sources: list, opened: Callable) -> torch.Tensor:
+    """The elements at ``mine`` (intervals of the full tensor) of ``key``, read from the files that hold them."""
+    kind, name = key.split("/", 1)
+    out, filled = None, 0
+    for rel, desc in sources:
+        split = desc["weights_split"] if kind == "weights" else desc["state_split"]
+        theirs = shard_intervals(name, shape, Layout(**desc["layout"]), desc["rank"], desc["num_layers"], split)
+        runs = _overlaps(mine, theirs)
+        if not runs:
+            continue
+        try:
+            piece = opened(rel).get_slice(key)
+            if len(piece.get_shape()) != 1:  # not written flat: read it whole
+                piece = opened(rel).get_tensor(key).reshape(-1)
+            for at, start, n in runs:
+                chunk = piece[start:start + n]
+                if out is None:
+                    out = torch.empty(shard_numel(mine), dtype=chunk.dtype)
+                out[at:at + n] = chunk
+                filled += n
+        except (OSError, SafetensorError, ValueError, KeyError, RuntimeError) as exc:
+            first = str(exc).strip().splitlines()[0] if str(exc).strip() else type(exc).__name__
+            raise CheckpointError(f"{path / rel}: unreadable shard ({first})") from None
+    if filled != shard_numel(mine):
+        raise CheckpointError(f"{path / INDEX_FILE}: the shards hold {filled} of the {shard_numel(mine)} elements of "
+                              f"'{key}' this process needs")
+    return out if out is not None else torch.empty(0)
+
+
+def _overlaps(mine: list, theirs: list) -> list[tuple[int, int, int]]:
+    """``(position in mine, position in theirs, length)`` of the elements two sorted interval lists share (runs
+    contiguous in both merged), positions counted in each list's concatenation."""
+    runs: list[list[int]] = []
+    i = j = pos_m = pos_t = 0
+    while i < len(mine) and j < len(theirs):
+        (lo_m, hi_m), (lo_t, hi_t) = mine[i], theirs[j]
+        lo, hi = max(lo_m, lo_t), min(hi_m, hi_t)
+        if lo < hi:
+            at, start = pos_m + lo - lo_m, pos_t + lo - lo_t
+            if runs and runs[-1][0] + runs[-1][2] == at and runs[-1][1] + runs[-1][2] == start:
+                runs[-1][2] += hi - lo
+            else:
+                runs.append([at, start, hi - lo])
+        if hi_m <= hi_t:
+            pos_m += hi_m - lo_m
+            i += 1
+        else:
+            pos_t += hi_t - lo_t
+            j += 1
+    return [tuple(r) for r in runs]
+
+
 def read_role(path: Path, role: str, names: Collection[str] | None = None
               ) -> tuple[dict[str, torch.Tensor], dict[str, Any]]:
     """Full weights and the full, name-keyed optimizer state (``FullOptimizerState``'s form) of ``role``, or of
-    its parameters ``names`` only (a pipeline stage's), assembled from the shards of any layout."""
-    entry = read_index(path)["roles"].get(role)
-    if entry is None:
-        raise CheckpointError(f"{path / INDEX_FILE}: no saved model for role '{role}' "
-                              f"(has {sorted(read_index(path)['roles'])})")
+    its parameters ``names`` only (a pipeline stage's), assembled from the shards of any layout (for the
+    export and for inspection; a resumed run loads with :func:`load_role_shards`)."""
+    entry = _role_entry(path, role)
     fulls, filled, params, trainable, steps = {}, {}, [], [], {}
     for rel, desc in entry["files"].items():
         params += [n for n in desc.get("params", ()) if n not in params]
@@ -284,10 +387,7 @@ def _read_file(file: Path, desc: Mapping[str, Any], wanted: list, fulls: dict, f
 def export_role(path: Path, role: str, out: Path) -> Path:
     """Write ``role`` of the sharded checkpoint ``path`` as a ``save_pretrained`` directory ``out`` (with the
     tokenizer), which ``from_pretrained`` loads; written into ``out.tmp-<pid>`` and renamed into place."""
-    entry = read_index(path)["roles"].get(role)
-    if entry is None:
-        raise CheckpointError(f"{path / INDEX_FILE}: no saved model for role '{role}' "
-                              f"(has {sorted(read_index(path)['roles'])})")
+    entry = _role_entry(path, role)
     cls = getattr(transformers, entry["class"], None)
     if not (isinstance(cls, type) and issubclass(cls, transformers.PreTrainedModel)):
         raise CheckpointError(f"{path / INDEX_FILE}: '{entry['class']}' is not a transformers model class")

@@ -14,7 +14,7 @@ from test_checkpoint import make_run, tiny_llama, tiny_tokenizer, train_steps
 
 from loomrl.checkpoint import (CheckpointError, export_checkpoint, latest_checkpoint, load_checkpoint,
                                save_sharded_checkpoint, verify_checkpoint)
-from loomrl.checkpoint_shards import read_role
+from loomrl.checkpoint_shards import WHOLE, _overlaps, load_role_shards, read_role
 from loomrl.parallel.zero import ZeroAdamW
 from loomrl.runtime.state_io import FullOptimizerState
 
@@ -100,6 +100,22 @@ def test_pieces_written_under_a_layout_are_placed_whole_again(tmp_path):
     assert optim["param_groups"][0]["betas"] == (0.9, 0.99) and float(optim["state"]["lm_head.weight"]["step"]) == 3
     stage, _ = read_role(tmp_path, "actor", ["model.layers.1.mlp.down_proj.weight"])  # a pipeline stage's share
     assert list(stage) == ["model.layers.1.mlp.down_proj.weight"]
+
+    fresh = tiny_llama(4)  # one process holding the whole role reads just as well from those shards
+    fresh_opt = torch.optim.AdamW(fresh.parameters(), lr=1.0)
+    load_role_shards(tmp_path, "actor", fresh, fresh_opt, WHOLE)
+    assert all(torch.equal(p, full[n]) for n, p in fresh.named_parameters())
+    assert all(torch.equal(fresh_opt.state[p]["exp_avg"], moments[n]) for n, p in fresh.named_parameters())
+    assert fresh_opt.param_groups[0]["lr"] == 0.1 and fresh_opt.param_groups[0]["betas"] == (0.9, 0.99)
+    assert {float(st["step"]) for st in fresh_opt.state.values()} == {3.0}
+
+
+def test_overlapping_runs_of_two_shards():
+    """Elements 2-3 and 8-9 are in both: at 2 and 4 of mine, at 0 and 6 of theirs; a run contiguous in both
+    lists is one."""
+    assert _overlaps([(0, 4), (8, 12)], [(2, 10)]) == [(2, 0, 2), (4, 6, 2)]
+    assert _overlaps([(0, 4), (4, 6)], [(0, 6)]) == [(0, 0, 6)]
+    assert _overlaps([(0, 2)], [(2, 4)]) == []
 
 
 def test_the_export_loads_with_from_pretrained_and_the_cli_writes_it(tmp_path):

@@ -483,7 +483,8 @@ class DeviceWorker:
                 if (role, alloc.shards) in self.holdings}
         return load_checkpoint(Path(path), {n: r.model for n, r in mine.items()},
                                {n: FullOptimizerState(r.model, r.optimizer) for n, r in mine.items()},
-                               restore_rng=self.rank == 0)
+                               restore_rng=self.rank == 0,
+                               places={n: place_of(self.training[n], self.rank) for n in mine})
 
     def shutdown(self) -> None:
         if dist.is_initialized():
