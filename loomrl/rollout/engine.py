@@ -118,12 +118,14 @@ class RolloutEngine:
         if self.cache is None:
             self.cache = SlotKVCache(self.slots, self.max_len)
         was_training = self.model.training
-        self.model.eval()
+        if was_training:  # a call per module: callers decoding many steps set eval mode once, around them all
+            self.model.eval()
         decoded = len(self.live)
         with torch.no_grad():
             done = self._decode()
             done += self._admit()
-        self.model.train(was_training)
+        if was_training:
+            self.model.train()
         self.step_log.append((decoded, *self._last_prefill))
         return done
 
