@@ -15,6 +15,8 @@ from test_checkpoint import make_run, tiny_llama, tiny_tokenizer, train_steps
 from loomrl.checkpoint import (CheckpointError, export_checkpoint, latest_checkpoint, load_checkpoint,
                                save_sharded_checkpoint, verify_checkpoint)
 from loomrl.checkpoint_shards import WHOLE, _overlaps, load_role_shards, read_role
+from loomrl.errors import DataError
+from loomrl.models.zoo import check_model_spec
 from loomrl.parallel.zero import ZeroAdamW
 from loomrl.runtime.state_io import FullOptimizerState
 
@@ -128,6 +130,10 @@ def test_the_export_loads_with_from_pretrained_and_the_cli_writes_it(tmp_path):
     assert all(torch.equal(a, b) for a, b in zip(model.state_dict().values(), loaded.state_dict().values()))
     assert transformers.AutoTokenizer.from_pretrained(out)("abc")["input_ids"] == [2, 3, 4]
     verify_checkpoint(ckpt)  # the export lies outside the manifest
+    with pytest.raises(DataError, match="loomrl export CHECKPOINT --role ROLE") as info:
+        check_model_spec(str(ckpt / "actor"))  # shards, not a model to start a run from
+    _one_line(info)
+    check_model_spec(str(out))
 
     proc = subprocess.run([sys.executable, "-m", "loomrl.cli", "export", str(tmp_path / "run"), "--role", "actor",
                            "--out", str(tmp_path / "exported")], capture_output=True, text=True, timeout=300,

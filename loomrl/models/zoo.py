@@ -111,9 +111,20 @@ def parameter_shapes(name_or_path: str, tokenizer: PreTrainedTokenizerBase, valu
 
 
 def check_model_spec(name_or_path: str) -> None:
-    """Raise the one-line DataError for a spec that is neither a zoo name nor a checkpoint directory."""
+    """Raise the one-line DataError for a spec that is neither a zoo name nor a checkpoint directory with
+    weights."""
     if name_or_path not in ZOO and not _is_checkpoint_dir(name_or_path):
         raise _unknown_model(name_or_path)
+    if name_or_path not in ZOO and not any(os.path.isfile(os.path.join(name_or_path, f)) for f in _WEIGHT_FILES):
+        # e.g. a role directory of a run's sharded checkpoint, which holds shards, not a Hugging Face model
+        raise DataError(f"model '{name_or_path}': config.json but no weights ({', '.join(_WEIGHT_FILES)}); for a "
+                        "run's checkpoint write the role's Hugging Face form first (loomrl export CHECKPOINT "
+                        "--role ROLE) and give that directory")
+
+
+_WEIGHT_FILES = ("model.safetensors", "model.safetensors.index.json", "pytorch_model.bin",
+                 "pytorch_model.bin.index.json")
+"""The files ``from_pretrained`` takes weights from."""
 
 
 def _is_checkpoint_dir(path: str) -> bool:
