@@ -72,6 +72,23 @@ def test_tokens_do_not_depend_on_batch_slot_or_order(model):
     assert reordered == batched
 
 
+def test_a_shared_prompt_is_prefilled_once_and_samples_as_if_alone(model, monkeypatch):
+    base = _requests(3, seed=7)
+    keys = stream_keys(7, 1, range(12)).tolist()
+    reqs = [Request(4 * i + j, list(base[i].prompt), keys[4 * i + j]) for i in range(3) for j in range(4)]
+    engine = _engine(model, slots=12)
+    prefilled = []
+    forward = engine._forward
+    monkeypatch.setattr(engine, "_forward", lambda ids, pos, kv: prefilled.append(ids.shape[0]) or forward(ids, pos, kv))
+    together = engine.generate(reqs)
+    assert prefilled[0] == 3, "each of the 3 prompts prefilled once for its 4 samples"
+    for r, got in zip(reqs, together):
+        alone = _engine(model, slots=1).generate([r])[0]
+        assert got.tokens == alone.tokens
+        assert got.logps == pytest.approx(alone.logps, abs=1e-5)
+    assert len({tuple(c.tokens) for c in together[:4]}) > 1, "a group's samples differ (own random streams)"
+
+
 def test_abort_halfway_and_resubmit_gives_the_uninterrupted_sample(model):
     reqs = _requests(16, seed=7)
     full = _tokens(_engine(model, slots=16).generate(reqs))

@@ -190,15 +190,25 @@ class RolloutEngine:
         first = len(self.live)
         self.live.extend(batch)
         contexts = [lv.request.prompt + lv.request.prefix for lv in batch]
+        # a group's samples share their prompt (GRPO, RLOO): each distinct context is prefilled once, into its
+        # first sample's slot, and its keys and values copied to the others' slots
+        distinct: dict[tuple[int, ...], int] = {}
+        owner_B = [distinct.setdefault(tuple(c), b) for b, c in enumerate(contexts)]
+        rows_U = list(distinct.values())
         width = max(len(c) for c in contexts)
-        ids_BP = torch.full((len(batch), width), self.pad_id, dtype=torch.long, device=self.device)
-        for b, ctx in enumerate(contexts):
-            ids_BP[b, : len(ctx)] = torch.tensor(ctx, device=self.device)
-        pos_BP = torch.arange(width, device=self.device).expand(len(batch), width)
-        self.cache.bind(torch.arange(first, first + len(batch), device=self.device), pos_BP, width)
-        logits_BPV = self._forward(ids_BP, pos_BP, width)
+        ids_UP = torch.full((len(rows_U), width), self.pad_id, dtype=torch.long, device=self.device)
+        for u, b in enumerate(rows_U):
+            ids_UP[u, : len(contexts[b])] = torch.tensor(contexts[b], device=self.device)
+        pos_UP = torch.arange(width, device=self.device).expand(len(rows_U), width)
+        self.cache.bind(torch.tensor(rows_U, device=self.device) + first, pos_UP, width)
+        logits_UPV = self._forward(ids_UP, pos_UP, width)
+        for b, owner in enumerate(owner_B):
+            if owner != b:
+                self.cache.copy_slot(first + owner, first + b, len(contexts[b]))
+        index = {b: u for u, b in enumerate(rows_U)}
+        u_B = torch.tensor([index[o] for o in owner_B], device=self.device)
         last_B = torch.tensor([len(c) - 1 for c in contexts], device=self.device)
-        done = self._sample(logits_BPV[torch.arange(len(batch), device=self.device), last_B], batch)
+        done = self._sample(logits_UPV[u_B, last_B], batch)
         self._release(done)
         return done
 

@@ -61,6 +61,10 @@ class SlotKVCache(Cache):
 
     def move_slot(self, src: int, dst: int, length: int) -> None:
         """Copy the first ``length`` entries of slot ``src`` to slot ``dst`` (compaction)."""
+        self.copy_slot(src, dst, length)
+
+    def copy_slot(self, src: int, dst: int, length: int) -> None:
+        """Copy the first ``length`` entries of slot ``src`` to slot ``dst`` (a shared prompt's prefill)."""
         for k_SHMD, v_SHMD in zip(self.keys, self.values):
             k_SHMD[dst, :, :length] = k_SHMD[src, :, :length]
             v_SHMD[dst, :, :length] = v_SHMD[src, :, :length]
