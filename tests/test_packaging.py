@@ -40,7 +40,7 @@ def test_every_imported_package_is_declared():
     project = tomllib.loads((REPO / "pyproject.toml").read_text())["project"]
     required = _names(project["dependencies"])
     extras = project["optional-dependencies"]
-    optional = _names(r for name, reqs in extras.items() if name != "test" for r in reqs) - {"loomrl"}
+    optional = _names(r for name, reqs in extras.items() if name not in ("test", "bench") for r in reqs) - {"loomrl"}
     used = {DISTRIBUTIONS.get(name, name).lower() for name in _imports((REPO / "loomrl").rglob("*.py"))}
     assert used - required - optional == set(), "imported by loomrl but not declared"
     # the logging backends, and CP-SAT for fused schedules (plan.fused_pipeline.exact), imported only when asked for
@@ -48,6 +48,10 @@ def test_every_imported_package_is_declared():
     tests = {DISTRIBUTIONS.get(name, name).lower() for name in _imports((REPO / "tests").glob("*.py"))}
     local = {p.stem.lower() for p in (REPO / "tests").glob("*.py")}
     assert tests - required - _names(extras["test"]) - local == set(), "imported by the tests but not declared"
+    # what the benchmarks import beyond loomrl's own dependencies is the bench extra (TRL, for benchmarks/vs_trl.py)
+    bench = {DISTRIBUTIONS.get(name, name).lower() for name in _imports((REPO / "benchmarks").glob("*.py"))}
+    local = {p.stem.lower() for p in (REPO / "benchmarks").glob("*.py")}
+    assert bench - required - optional - _names(extras["test"]) - local == _names(extras["bench"]) == {"trl"}
     assert {"numpy", "jinja2"} <= required and project["license"] == "Apache-2.0"
     assert "Apache License" in (REPO / "LICENSE").read_text() and "Version 2.0" in (REPO / "LICENSE").read_text()
 
