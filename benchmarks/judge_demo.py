@@ -10,8 +10,8 @@ verdict (``examples/judge_grpo_sort.yaml``). With ``--on-policy N`` the judge al
 policy's own samples (temperature 1, other prompts than the evaluation's), each labelled by the task's rule: the
 near misses GRPO will show it, written with as many synthetic verdicts to a prompt file the judge's SFT reads.
 ``--reuse`` keeps a policy, verdict file or judge already made under ``--out``. The task's rule never rewards;
-it measures: held-out greedy exact match of the SFT policy and of the GRPO policy. The judge is also scored on the SFT policy's own samples (what GRPO
-shows it): how often it says yes to a right and to a wrong response.
+it measures: held-out greedy exact match of the SFT policy and of the GRPO policy. The judge is also scored on
+the SFT policy's own samples (what GRPO shows it): how often it says yes to a right and to a wrong response.
 """
 
 from __future__ import annotations
