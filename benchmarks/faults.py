@@ -45,10 +45,13 @@ Outcomes, per trial, counted per kind:
   was killed; **all gone by s**: the longest any trial's processes took to exit (those left are watched for up
   to 120 s, then killed);
 - **landed**: the kills that hit what they were aimed at (a save that ended before its kill is re-aimed at the
-  next save; a run that ended first counts as a miss); **recoveries**: those the runs logged (``failures.jsonl``;
-  a worker killed after its last call needs none).
+  next save; a kill after the run's last call, or of a worker the run had already closed, does not land);
+  **trials** counts the trials whose fault landed: trials are drawn until ``--trials`` of them have, at most
+  twice that many in all (each drawn trial's run must still finish with the same metrics);
+  **recoveries**: those the runs logged (``failures.jsonl``; a worker killed after its last call needs none).
 
-The command exits with status 1 when a trial misses an outcome; ``--out FILE`` writes every trial as JSON.
+The command exits with status 1 when a trial misses an outcome or a kind has fewer landed trials than asked;
+``--out FILE`` writes every trial as JSON.
 """
 
 from __future__ import annotations
@@ -96,6 +99,8 @@ GRACE_S = 30.0
 LINGER_S = 120.0
 """How long processes left behind are then watched (to say when they go by themselves) before they are killed."""
 POLL_S = 0.002
+MAX_ATTEMPTS = 2
+"""Trials drawn per kind, at most, as a multiple of the landed trials asked for."""
 SAMPLE_KEYS = ("reward/mean", "reward/exact_match", "response/length", "response/length_max")
 LOSS_KEYS = ("kl/mean", "actor/pg_loss", "critic/value_loss", "actor/clipfrac", "actor/approx_kl", "actor/grad_norm",
              "critic/grad_norm", "actor/entropy", "actor/kl_loss")
@@ -560,7 +565,7 @@ def failed(trial: dict) -> list[str]:
     """The outcomes a trial missed."""
     if trial["kind"] == "flip":
         return [] if trial["detected"] else ["detected"]
-    missed = [name for name in ("landed", "finished", "same_metrics", "checkpoints_ok") if not trial.get(name)]
+    missed = [name for name in ("finished", "same_metrics", "checkpoints_ok") if not trial.get(name)]
     return missed + (["left"] if trial["left"] else [])
 
 
@@ -588,7 +593,8 @@ def row(kind: str, trials: list[dict]) -> dict:
                "recoveries": "-"}
     else:
         runs = f"{values('algo')}, {values('executor')}, {values('devices')} dev" if trials else ""
-        out = {"fault": kind, "runs": runs, "trials": n, "landed": count("landed"),
+        out = {"fault": kind, "runs": runs, "trials": sum(bool(t.get("landed")) for t in trials),
+               "landed": count("landed"),
                "saves cut short": count("cut_short") if kind.startswith("save") else "-",
                "finished": count("finished"), "same metrics": count("same_metrics"),
                "checkpoints ok": count("checkpoints_ok"), "detected": "-",
@@ -619,12 +625,19 @@ def describe(trial: dict) -> str:
 
 
 def run(kinds: list[str], trials: int, seed: int, root: Path, console: Console) -> list[dict]:
+    """``trials`` trials of each kind whose fault landed: a kill aimed past the run's last call (the uniform
+    delay of a ``worker`` trial) or at a save that ended first (in the last iterations) did not test anything,
+    so another trial is drawn, up to ``MAX_ATTEMPTS`` times ``trials`` in all."""
     bench, rng = Bench(root, console), random.Random(seed)
     results = []
     for kind in kinds:
         console.print(f"[bold]{TITLES[kind]}[/]: {trials} trials")
-        for k in range(trials):
+        landed = 0
+        for k in range(MAX_ATTEMPTS * trials):
+            if landed == trials:
+                break
             results.append(bench.trial(kind, k, rng))
+            landed += bool(results[-1].get("landed"))
             console.print("  " + describe(results[-1]), markup=False, highlight=False, soft_wrap=True)
     return results
 
@@ -659,7 +672,11 @@ def main(argv: list[str] | None = None) -> int:
     for t in missed:
         console.print(f"missed: {t['kind']} #{t['trial']}: {', '.join(failed(t))}", markup=False, highlight=False,
                       soft_wrap=True)
-    return 1 if missed else 0
+    short = [row for row in rows if row["trials"] < trials]
+    for r in short:
+        console.print(f"missed: {r['fault']}: {r['trials']} of {trials} faults landed in {r['landed'].split('/')[1]} "
+                      "trials", markup=False, highlight=False, soft_wrap=True)
+    return 1 if missed or short else 0
 
 
 if __name__ == "__main__":
