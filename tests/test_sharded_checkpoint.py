@@ -10,7 +10,7 @@ from pathlib import Path
 import pytest
 import torch
 import transformers
-from test_checkpoint import make_run, tiny_llama, tiny_tokenizer, train_steps
+from test_checkpoint import _one_line, make_run, tiny_llama, tiny_tokenizer, train_steps
 
 from loomrl.checkpoint import (CheckpointError, export_checkpoint, latest_checkpoint, load_checkpoint,
                                save_sharded_checkpoint, verify_checkpoint)
@@ -19,12 +19,6 @@ from loomrl.errors import DataError
 from loomrl.models.zoo import check_model_spec
 from loomrl.parallel.zero import ZeroAdamW
 from loomrl.runtime.state_io import FullOptimizerState
-
-
-def _one_line(info: pytest.ExceptionInfo) -> str:
-    message = str(info.value)
-    assert message and "\n" not in message, message
-    return message
 
 
 def test_a_sharded_round_trip_continues_bitwise_identically(tmp_path):
