@@ -465,6 +465,18 @@ def _prune(ckpt_root: Path, keep: Path, keep_last: int) -> None:
             shutil.rmtree(stale)
         os.replace(old, stale)
         shutil.rmtree(stale, ignore_errors=True)
+    _remove_leftovers(ckpt_root)
+
+
+def remove_leftovers(run_dir: str | os.PathLike) -> None:
+    """Remove what saves and prunings cut short left in ``run_dir``'s checkpoints (``.tmp-`` and ``.stale-``
+    entries of processes that are gone): a resumed run that writes no further checkpoint leaves none behind."""
+    ckpt_root = Path(run_dir) / CHECKPOINTS_DIR
+    if ckpt_root.is_dir():
+        _remove_leftovers(ckpt_root)
+
+
+def _remove_leftovers(ckpt_root: Path) -> None:
     for child in ckpt_root.iterdir():
         match = _LEFTOVER_RE.match(child.name)
         if match and not _alive(int(match.group(3))):

@@ -16,7 +16,8 @@ import torch
 import transformers
 from tokenizers import Tokenizer, models, pre_tokenizers
 
-from loomrl.checkpoint import CheckpointError, latest_checkpoint, load_checkpoint, save_checkpoint, verify_checkpoint
+from loomrl.checkpoint import (CheckpointError, latest_checkpoint, load_checkpoint, remove_leftovers, save_checkpoint,
+                               verify_checkpoint)
 from loomrl.errors import LoomError
 from loomrl.train.evaluation import resolve_target
 
@@ -274,6 +275,18 @@ def test_leftovers_of_crashed_saves_are_removed_by_the_next_save(tmp_path):
     save_checkpoint(tmp_path, 3, {"actor": model}, None, {"actor": opt}, {})
     assert sorted(p.name for p in root.iterdir()) == ["iter_000001", f"iter_000002.tmp-{os.getpid()}x",
                                                       "iter_000003", "latest"]
+
+
+def test_a_resume_removes_the_leftovers_of_dead_writers(tmp_path):
+    """A run resumed after a save was cut short may write no checkpoint again: the resume itself removes them."""
+    model, opt, _ = make_run()
+    save_checkpoint(tmp_path, 1, {"actor": model}, None, {"actor": opt}, {})
+    dead = subprocess.run([sys.executable, "-c", "import os; print(os.getpid())"], capture_output=True, text=True)
+    root = tmp_path / "checkpoints"
+    for name in (f"iter_000000.stale-{dead.stdout.strip()}", f"iter_000002.tmp-{os.getpid()}"):
+        (root / name / "actor").mkdir(parents=True)
+    remove_leftovers(tmp_path)
+    assert sorted(p.name for p in root.iterdir()) == ["iter_000001", f"iter_000002.tmp-{os.getpid()}", "latest"]
 
 
 CRASH_SERVER = textwrap.dedent('''

@@ -26,7 +26,7 @@ from loomrl.algorithms.evaluate import evaluate_policy
 from loomrl.algorithms.metrics import rollout_metrics
 from loomrl.algorithms.roles import Role
 from loomrl.algorithms.workflows import build_workflow
-from loomrl.checkpoint import latest_checkpoint
+from loomrl.checkpoint import latest_checkpoint, remove_leftovers
 from loomrl.config import TrainConfig
 from loomrl.configtools import dump_yaml, to_dict
 from loomrl.data.sources import build_task, examples_window, held_out, prompt_source
@@ -257,6 +257,7 @@ class RLTrainer:
         path = latest_checkpoint(self.run_dir)
         if path is None:
             return False
+        remove_leftovers(self.run_dir)  # of the saves and prunings the interruption cut short
         state = self.executor.load(path)
         self.state = RunState(iteration=int(state["iteration"]) + 1)
         if self.sampler is not None:
