@@ -74,9 +74,9 @@ def judge_on_policy_samples(policy_dir: Path, judge_dir: Path, train: TrainConfi
             "wrong_yes": sum(wrong) / max(len(wrong), 1)}
 
 
-def verdict_file(out: Path, judge_task, policy_dir: Path, n: int, seed: int) -> list[str]:
+def verdict_file(out: Path, judge_task, policy_dir: Path, n: int, seed: int) -> None:
     """Write ``n`` verdicts on the policy's own samples (labelled by the judged task's rule) and ``n`` synthetic
-    ones to ``out/verdicts.jsonl``; the overrides that make the judge's SFT read them."""
+    ones to ``out/verdicts.jsonl``, with the reward function that scores the judge's verdicts against them."""
     from loomrl.config import TaskConfig
     from loomrl.data.sources import prompt_source
 
@@ -101,7 +101,6 @@ def verdict_file(out: Path, judge_task, policy_dir: Path, n: int, seed: int) -> 
     path.write_text("".join(json.dumps(row) + "\n" for row in rows))
     (out / "verdict_match.py").write_text("def match(prompt, response, answer):\n"
                                           "    return float(response.strip() == answer)\n")
-    return verdict_overrides(out)
 
 
 def verdict_overrides(out: Path) -> list[str]:
@@ -138,16 +137,14 @@ def main() -> None:
     seconds["policy SFT"] = time.perf_counter() - t0
 
     t0 = time.perf_counter()
-    extra = []
-    if args.on_policy and not (args.reuse and (out / "verdicts.jsonl").is_file()):
-        extra = verdict_file(out, judge_task=load_config(SFTConfig, EXAMPLES / "sft_judge.yaml", []).task,
-                             policy_dir=out / "sft", n=args.on_policy, seed=sft.seed)
-    judge_cfg = load_config(SFTConfig, EXAMPLES / "sft_judge.yaml", [f"out_dir={out / 'judge'}",
-                                                                    f"steps={args.judge_steps}", *extra,
-                                                                    *([f"model={args.judge_model}"] if args.judge_model
-                                                                      else [])])
-    if args.on_policy and not extra:
-        extra = verdict_overrides(out)
+    extra = [f"out_dir={out / 'judge'}", f"steps={args.judge_steps}"]
+    extra += [f"model={args.judge_model}"] if args.judge_model else []
+    if args.on_policy:
+        if not (args.reuse and (out / "verdicts.jsonl").is_file()):
+            verdict_file(out, judge_task=load_config(SFTConfig, EXAMPLES / "sft_judge.yaml", []).task,
+                         policy_dir=out / "sft", n=args.on_policy, seed=sft.seed)
+        extra += verdict_overrides(out)
+    judge_cfg = load_config(SFTConfig, EXAMPLES / "sft_judge.yaml", extra)
     judge = _sft(judge_cfg, args.reuse)
     seconds["judge SFT"] = time.perf_counter() - t0
 
