@@ -753,18 +753,20 @@ def device_range_of_astronomical_size(data, files):
     return _plan_argv(data, files, _placement(**{mfc: f"0-{end}"})), (mfc,)
 
 
+def _bad_layout(data, files, layouts: list[str]):
+    """One call placed on devices 0-3 with one of ``layouts``; the error must name the call."""
+    mfc = data.draw(st.sampled_from(MFCS))
+    return _plan_argv(data, files, _placement(**{mfc: f"0-3:{data.draw(st.sampled_from(layouts))}"})), (mfc,)
+
+
 @kind("plan string")
 def layout_with_junk_tokens(data, files):
-    mfc = data.draw(st.sampled_from(MFCS))
-    layout = data.draw(st.sampled_from(["x", "dp", "tp", "dp4x", "d4", "DP4", "dp-1", "dp4 tp1", "4", "dp4,", "pp"]))
-    return _plan_argv(data, files, _placement(**{mfc: f"0-3:{layout}"})), (mfc,)
+    return _bad_layout(data, files, ["x", "dp", "tp", "dp4x", "d4", "DP4", "dp-1", "dp4 tp1", "4", "dp4,", "pp"])
 
 
 @kind("plan string")
 def layout_degree_zero(data, files):
-    mfc = data.draw(st.sampled_from(MFCS))
-    token = data.draw(st.sampled_from(["dp0", "tp0", "pp0", "mb0", "dp00", "tp1pp0"]))
-    return _plan_argv(data, files, _placement(**{mfc: f"0-3:{token}"})), (mfc,)
+    return _bad_layout(data, files, ["dp0", "tp0", "pp0", "mb0", "dp00", "tp1pp0"])
 
 
 @kind("plan string")
@@ -778,9 +780,7 @@ def layout_not_matching_its_mesh(data, files):
 
 @kind("plan string")
 def layout_token_given_twice(data, files):
-    mfc = data.draw(st.sampled_from(MFCS))
-    token = data.draw(st.sampled_from(["dp2dp2", "tp1tp1", "mb2mb2", "rcrc", "zerozero", "pp2revrev"]))
-    return _plan_argv(data, files, _placement(**{mfc: f"0-3:{token}"})), (mfc,)
+    return _bad_layout(data, files, ["dp2dp2", "tp1tp1", "mb2mb2", "rcrc", "zerozero", "pp2revrev"])
 
 
 @kind("plan string")
