@@ -292,17 +292,16 @@ def export_checkpoint(path: str | os.PathLike, role: str, out: str | os.PathLike
                                                  or (out / "model.safetensors.index.json").is_file()):
             return out
     out = Path(out)
-    out.parent.mkdir(parents=True, exist_ok=True)
-    if sharded:
-        return export_role(path, role, out)
-    if not (path / role / "config.json").is_file():
+    if not sharded and not (path / role / "config.json").is_file():
         raise CheckpointError(f"{path / role}: no saved model for role '{role}' (config.json missing)")
+    out.parent.mkdir(parents=True, exist_ok=True)
     tmp = out.with_name(f"{out.name}.tmp-{os.getpid()}")
     shutil.rmtree(tmp, ignore_errors=True)
-    shutil.copytree(path / role, tmp)
-    if out.exists():
-        shutil.rmtree(out)
-    os.replace(tmp, out)
+    if sharded:
+        export_role(path, role, tmp)
+    else:
+        shutil.copytree(path / role, tmp)
+    _move_into_place(tmp, out)
     return out
 
 

@@ -386,7 +386,8 @@ def _read_file(file: Path, desc: Mapping[str, Any], wanted: list, fulls: dict, f
 
 def export_role(path: Path, role: str, out: Path) -> Path:
     """Write ``role`` of the sharded checkpoint ``path`` as a ``save_pretrained`` directory ``out`` (with the
-    tokenizer), which ``from_pretrained`` loads; written into ``out.tmp-<pid>`` and renamed into place."""
+    tokenizer), which ``from_pretrained`` loads (:func:`loomrl.checkpoint.export_checkpoint` writes it aside and
+    renames it into place)."""
     entry = _role_entry(path, role)
     cls = getattr(transformers, entry["class"], None)
     if not (isinstance(cls, type) and issubclass(cls, transformers.PreTrainedModel)):
@@ -400,13 +401,8 @@ def export_role(path: Path, role: str, out: Path) -> Path:
     except RuntimeError as exc:
         raise CheckpointError(f"{path / role}: the shards do not fit {cls.__name__} ({str(exc).splitlines()[0]})"
                               ) from None
-    tmp = out.with_name(f"{out.name}.tmp-{os.getpid()}")
-    shutil.rmtree(tmp, ignore_errors=True)
-    model.save_pretrained(tmp, safe_serialization=True)
+    model.save_pretrained(out, safe_serialization=True)
     if (path / TOKENIZER_DIR).is_dir():
         for file in (path / TOKENIZER_DIR).iterdir():
-            shutil.copy2(file, tmp / file.name)
-    if out.exists():
-        shutil.rmtree(out)
-    os.replace(tmp, out)
+            shutil.copy2(file, out / file.name)
     return out
