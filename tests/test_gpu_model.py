@@ -152,15 +152,18 @@ def test_measured_efficiencies_fp8_and_experts_set_the_matmul_rate():
 
 def test_an_offloaded_optimizer_leaves_weights_and_gradients_on_the_device():
     """7B on 8 GPUs: bf16 weights 2 + fp32 gradients 4 bytes per parameter on the device (12 more on the host);
-    under FSDP, 16-bit weight and gradient shards (4 bytes over dp)."""
+    under FSDP (DeepSpeed ZeRO-3 with its optimizer offloaded), the 16-bit weight shard alone (2 bytes over dp):
+    the gradient partitions live on the host with the optimizer."""
     p = 7_000_000_000
     assert shard_bytes(p, 1, 1, 2, True, optimizer_on_host=True) == p * 6
     assert shard_bytes(p, 1, 1, 2, True) == p * 18
-    assert shard_bytes(p, 1, 1, 2, True, param_shards=8, optimizer_on_host=True) == p * 4 // 8
+    assert shard_bytes(p, 1, 1, 2, True, param_shards=8, optimizer_on_host=True) == p * 2 // 8
+    assert shard_bytes(p, 1, 1, 2, True, param_shards=8) == p * 16 // 8
     shape = ModelShape.from_config(MODEL_PRESETS["llama2-7b"])
     cluster = ClusterSpec.parse("a800:8")
     model = CostModel(cluster, profile_for(cluster), {"actor": shape}, Workload(64, 256, (256,)),
                       settings=EngineSettings(optimizer_offload=True))
+    assert model.static_memory("actor", a("0-7:dp8fsdp"), True) == pytest.approx(shape.params * 2 / 8, abs=1)
     terms = model.time_terms(TRAIN, a("0-7:dp8fsdp"))
     # Adam on the node's CPUs over the 8 devices' shards, and gradients down and weights up over PCIe
     assert terms["optimizer"] == pytest.approx(shape.params / model.profile.host_adam_rate)

@@ -181,12 +181,14 @@ def shard_bytes(params: int, tp: int, pp: int, bytes_per_param: int, trained: bo
     weights in fp32 whatever the compute type (the 16-bit copy is gathered one layer at a time, transient
     memory of the call), so they are their own master copy: ``16 / param_shards`` bytes per parameter.
     ``optimizer_on_host``: Adam's moments and the fp32 master weights live in host memory (optimizer offload),
-    so a device holds the weights and their gradients only (under FSDP both as 16-bit shards)."""
+    so a device holds the weights and their gradients only; under FSDP, its 16-bit weight shard alone."""
     optimizer = 0 if optimizer_on_host else optimizer_bytes_per_param(bytes_per_param)
     if trained and param_shards > 1:
-        # the fp32 shards are the master copy; with the optimizer on the host, so is the master copy, and the
-        # device keeps 16-bit weight and gradient shards (DeepSpeed ZeRO-3 with its optimizer offloaded)
-        per_param = 2 * bytes_per_param if optimizer_on_host else 4 + GRAD_BYTES_PER_PARAM + ADAM_BYTES_PER_PARAM
+        # the fp32 shards are the master copy. With the optimizer on the host the device keeps its 16-bit weight
+        # shard only: DeepSpeed ZeRO-3 allocates the gradient partitions on the optimizer's device, the CPU when
+        # the optimizer is offloaded (deepspeed/runtime/zero/stage3.py, grad_partitions_flat_buffer on
+        # self.device); a layer's unsharded gradients before their reduce-scatter are the call's transient memory
+        per_param = bytes_per_param if optimizer_on_host else 4 + GRAD_BYTES_PER_PARAM + ADAM_BYTES_PER_PARAM
         return -(-params * per_param // (tp * pp * param_shards))
     state = -(-params * bytes_per_param // (tp * pp))  # ceil: a shard never rounds down to fit
     if not trained:
