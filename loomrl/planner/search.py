@@ -456,6 +456,8 @@ def _polish(best: ExecutionPlan, units: list[_Unit], evaluate: _Evaluator, deadl
     ``evaluate``). Annealing finds the region; this settles it on the local optimum, which random proposals
     reach only by luck."""
     current, rank = best, evaluate.rank(best)
+    group = evaluate.workflow.fusable()
+    generating = group[0].name if group is not None else None
 
     def trials():  # each built from the plan current when it is drawn
         for fusion in fusion_choices(current, evaluate):  # fused or not: cheap to try, and it moves a lot
@@ -468,6 +470,9 @@ def _polish(best: ExecutionPlan, units: list[_Unit], evaluate: _Evaluator, deadl
                 yield trial
                 if not trial.fuse_train and (twin := train_fusion_twin(trial, evaluate)) is not None:
                     yield twin  # pipelines that could fuse: fused too
+                if generating in unit.names:  # a generation layout that pays only fused (or only unfused)
+                    for fusion in fusion_choices(trial, evaluate):
+                        yield dataclasses.replace(trial, fuse=fusion)
         for i, j in splitter.pairs if splitter is not None else ():
             yield from splitter.moves(current, i, j)
         for role in _offload_choices(current, evaluate):  # offloaded or resident
