@@ -216,7 +216,7 @@ def test_realloc_prices_are_shared_by_pairs_with_the_same_node_relations_only():
     gaps = [("0-3:dp4", "12-15:dp4"), ("4-7:dp2tp2", "12-15:tp4"), ("0-7:dp4tp2", "12-15:tp4")]
     for src, dst in [*same, ("0-3:dp4", "4-7:dp4"), ("2-5:dp4", "6-9:dp4"), *gaps]:  # 2-5 straddles nodes
         direct = realloc_seconds(model._shape("actor"), a(src), a(dst), cluster, model.profile, model.bytes_per_param)
-        # every time the model gives carries the H100's stated system factor (1.26, profiles.py)
+        # every time the model gives carries the H100's stated system factor (profiles.py)
         assert model.realloc_time("actor", a(src), a(dst)) == pytest.approx(direct * model.profile.system_factor), \
             (src, dst)
 

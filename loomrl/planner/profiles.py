@@ -134,6 +134,25 @@ class HardwareProfile:
                               "integer")
 
 
+# A serving engine's decode on each GPU, from vLLM's CI latency tests (buildkite.com/vllm/performance-benchmark):
+# batch 8, 32 prompt + 128 generated tokens, Llama-3.1-8B at tp1 and Llama-3-70B at tp4. A decode step reads the
+# weights (16.1 GB; 35.3 GB per GPU at tp4) at mem_bandwidth · η and adds a fixed step time f, plus at tp4 its 160
+# all-reduces at 2 · link_latency each: the two times give η and f (two equations, two unknowns).
+_H200_DECODE = dict(
+    # builds 9513/9515, H200: 834 ms and 2075 ms → η = 0.615, f = 1.07 ms
+    decode_bw_efficiency=0.615, decode_step_s=1.07e-3,
+)
+_H100_DECODE = dict(
+    # build 9555, 8×H100: 997.5 ms and 2444.5 ms → η = 0.707, f = 1.00 ms
+    decode_bw_efficiency=0.707, decode_step_s=1.0e-3,
+)
+_A100_DECODE = dict(
+    # build 9523, A100-SXM4-80GB: 1579 ms and 3991 ms. The two give f < 0 (the tp4 step costs more than its
+    # all-reduces' start-up explains), so f is the H100's 1.00 ms (host-side scheduling and sampling) and η comes
+    # from the tp1 time: 0.696; the tp4 time is then predicted 7% short (3720 ms)
+    decode_bw_efficiency=0.696, decode_step_s=1.0e-3,
+)
+
 # Efficiencies from public measurements, shared by the GPUs of one architecture (module docstring):
 _HOPPER = dict(
     # Megatron-LM README (github.com/NVIDIA/Megatron-LM): "up to 47% Model FLOP Utilization (MFU) on H100 clusters"
@@ -144,11 +163,6 @@ _HOPPER = dict(
     # the same table: Qwen3-235B-A22B 233 TFLOP/s/GPU against dense Llama3 70B's 719 (FP8-CS) → 0.32; Qwen3-30B-A3B
     # (experts 2048 × 768, a quarter of the size) 121 against Llama3 8B's 744 → 0.16 = 0.32 · √(1/4)
     moe_efficiency=0.32,
-    # vLLM CI latency tests (buildkite.com/vllm/performance-benchmark, build 9515), H200, batch 8, 32 prompt + 128
-    # generated tokens: Llama-3.1-8B tp1 833 ms, Llama-3-70B tp4 2078 ms. The decode step's weight reads (16.1 GB;
-    # 35.3 GB per GPU) at 4.8 TB/s · η plus a fixed step time f, plus for tp4 the 160 all-reduces at 2 ·
-    # link_latency each, give both times for η = 0.615, f = 1.07 ms (two equations, two unknowns)
-    decode_bw_efficiency=0.615, decode_step_s=1.07e-3,
     # nccl-tests all_reduce busbw on 8×H100 SXM NVLink: 460–480 GB/s (docs.alayanew.com/en/docs/tech-blog/
     # 2026-05-06-nccl-tests), at or above the 450 GB/s link: the ring model at the link rate holds
     intra_bus_efficiency=1.0,
@@ -157,10 +171,12 @@ _HOPPER = dict(
     host_adam_rate=4e9,
 )
 _AMPERE = dict(
-    # Narayanan et al., SC'21 (Megatron-LM on 3072 A100s): 163 TFLOP/s per GPU, 52% of the 312 peak
-    matmul_efficiency=0.52,
-    # no MoE or serving figure of this architecture was found: Hopper's are taken, stated as such
-    moe_efficiency=0.32, decode_bw_efficiency=0.615, decode_step_s=1.07e-3,
+    # Narayanan et al., SC'21 (arXiv:2104.04473) Table 1, Megatron-LM on A100s, FLOPs counting the recomputed
+    # forward: models of 1.7B-76B parameters reach 135-142 TFLOP/s per GPU (43-46% of the 312 peak; 7.5B: 142,
+    # 76B: 140); only the 145B-1T models reach 47-52%. RL systems train 7B-70B models: 0.45
+    matmul_efficiency=0.45,
+    # no MoE figure of this architecture was found: Hopper's is taken, stated as such
+    moe_efficiency=0.32,
     # nccl-tests all_reduce busbw on 8×A100 SXM4 NVLink: 230–250 GB/s of the 300 GB/s link (same source as Hopper)
     intra_bus_efficiency=0.8,
     host_adam_rate=4e9,
@@ -171,8 +187,8 @@ _BLACKWELL = dict(
     matmul_efficiency=0.39, fp8_efficiency=0.39,
     # the same table: Qwen3-235B-A22B BF16 728 TFLOP/s/GPU of 2500 → 0.29, relative to the dense 0.39 → 0.75
     moe_efficiency=0.75,
-    # no Blackwell serving figure was found: Hopper's decode efficiency and step time are taken (stated)
-    decode_bw_efficiency=0.615, decode_step_s=1.07e-3, intra_bus_efficiency=1.0, host_adam_rate=4e9,
+    # no Blackwell serving figure was found: the H200's decode efficiency and step time are taken (stated)
+    **_H200_DECODE, intra_bus_efficiency=1.0, host_adam_rate=4e9,
 )
 
 PROFILES: dict[str, HardwareProfile] = {
@@ -184,6 +200,7 @@ PROFILES: dict[str, HardwareProfile] = {
         intra_node_bw=300 * GBPS,  # NVLink 3: 600 GB/s bidirectional per GPU → 300 GB/s each way
         inter_node_bw=25 * GBPS,  # DGX A100: one 200 Gb/s HDR InfiniBand NIC per GPU
         host_bw=32 * GBPS,  # A100 datasheet: PCIe Gen4 64 GB/s (both directions) → 32 GB/s host to device
+        **_A100_DECODE,
         **_AMPERE,
     ),
     "a800": HardwareProfile(
@@ -194,6 +211,8 @@ PROFILES: dict[str, HardwareProfile] = {
         intra_node_bw=200 * GBPS,  # NVLink cut to 400 GB/s bidirectional (same source) → 200 GB/s each way
         inter_node_bw=25 * GBPS,  # one 200 Gb/s HDR NIC per GPU, as DGX A100
         host_bw=32 * GBPS,  # PCIe Gen4, as A100
+        # the A100's die and HBM2e: its decode figures
+        **_A100_DECODE,
         **_AMPERE,
     ),
     "h100-80g": HardwareProfile(
@@ -206,8 +225,9 @@ PROFILES: dict[str, HardwareProfile] = {
         host_bw=64 * GBPS,  # H100 SXM datasheet: PCIe Gen5 128 GB/s (both directions) → 64 GB/s each way
         fp8_matmul_flops=1979 * TFLOPS,  # H100 SXM datasheet: FP8 3,958 TFLOPS with sparsity → 1,979 dense
         # the stated global factor: benchmarks/published_runs.py's six complete H100 rows (NeMo RL v0.4 and v0.5
-        # GRPO) ran 1/0.793 of the times predicted with the efficiencies above (geometric mean, all six together)
-        system_factor=1.26,
+        # GRPO) ran 1/0.753 of the times predicted with the efficiencies above (geometric mean, all six together)
+        system_factor=1.33,
+        **_H100_DECODE,
         **_HOPPER,
     ),
     "h800": HardwareProfile(
@@ -219,6 +239,8 @@ PROFILES: dict[str, HardwareProfile] = {
         inter_node_bw=50 * GBPS,  # one 400 Gb/s NIC per GPU, as DGX H100
         host_bw=64 * GBPS,  # PCIe Gen5, as H100
         fp8_matmul_flops=1979 * TFLOPS,  # the H100's FP8 rate
+        # the H100's die and HBM3: its decode figures
+        **_H100_DECODE,
         **_HOPPER,
     ),
     "h200": HardwareProfile(
@@ -230,6 +252,7 @@ PROFILES: dict[str, HardwareProfile] = {
         inter_node_bw=50 * GBPS,  # HGX H200: one 400 Gb/s NDR NIC per GPU
         host_bw=64 * GBPS,  # H200 SXM datasheet: PCIe Gen5 128 GB/s (both directions) → 64 GB/s each way
         fp8_matmul_flops=1979 * TFLOPS,  # H200 SXM datasheet: FP8 3,958 TFLOPS with sparsity → 1,979 dense
+        **_H200_DECODE,
         **_HOPPER,
     ),
     "h20": HardwareProfile(
@@ -241,6 +264,8 @@ PROFILES: dict[str, HardwareProfile] = {
         inter_node_bw=50 * GBPS,  # HGX H20 deployments: one 400 Gb/s NIC per GPU
         host_bw=64 * GBPS,  # H20 datasheet: PCIe Gen5 x16 128 GB/s (both directions) → 64 GB/s each way
         fp8_matmul_flops=296 * TFLOPS,  # H20 datasheet: FP8 296 TFLOPS (dense)
+        # no H20 serving figure was found: the H200's (HBM3, 4.0 TB/s is nearer its 4.8 than the H100's 3.35)
+        **_H200_DECODE,
         **_HOPPER,
     ),
     "gb200": HardwareProfile(
