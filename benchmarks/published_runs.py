@@ -97,7 +97,9 @@ def _openrlhf(name: str, model: str, nodes: int, actor: int, critic: int, ref: i
     """An OpenRLHF row (Table 3): actor, critic, reference, reward and the vLLM engines on their own GPUs in that
     order, ZeRO-3 with Adam offloaded for the trained models, 1024 prompts per step, 8 optimizer steps of 128
     (rollout batch 1024, train batch 128), behaviour log-probs recomputed by the actor, the engines fed
-    ``request_batch`` prompts at a time (micro_rollout_batch_size × the actors per engine)."""
+    ``request_batch`` prompts at a time (micro_rollout_batch_size × the actors per engine), every training and
+    scoring micro-batch padded to its longest sample (OpenRLHF's PPO packed samples only from September 2024,
+    github.com/OpenRLHF/OpenRLHF pull 449, after the report)."""
     first = 0
 
     def span(count: int) -> str:
@@ -138,7 +140,7 @@ def _openrlhf(name: str, model: str, nodes: int, actor: int, critic: int, ref: i
              "prompt_len": 256, "response_len": 512, "response_max": 1024, "optimizer_steps": 8,
              "recompute_logprobs": True, "plan": plan,
              "engine": {"gen_memory_fraction": 0.9, "gen_request_batch": request_batch, "optimizer_offload": True,
-                        "logits": "chunked"}})
+                        "logits": "chunked", "packing": False}})
 
 
 ROWS: tuple[PublishedRun, ...] = (
