@@ -104,7 +104,7 @@ of the call's packed rows), e.g. log-probs of those rows' tokens instead of thei
 
 
 def role_outputs(ctx: OpContext, ids_BL: torch.Tensor, attn_BL: torch.Tensor,
-                 output_fn: OutputFn | None = None) -> torch.Tensor:
+                 output_fn: OutputFn | None = None, prompt_len_B: torch.Tensor | None = None) -> torch.Tensor:
     """The role's per-position outputs (logits for a policy, values for a value model) for all rows, each
     micro-batch's reduced by ``output_fn`` and the results concatenated in row order, on every rank of the role.
 
@@ -115,8 +115,10 @@ def role_outputs(ctx: OpContext, ids_BL: torch.Tensor, attn_BL: torch.Tensor,
     order = torch.argsort(attn_BL.sum(1), stable=True) if len(parts) > 1 else torch.arange(ids_BL.shape[0])
     keep = (lambda out, k: output_fn(out, order[parts[k]].to(ids_BL.device))) if output_fn is not None else None
     if len(parts) == 1:
-        return ctx.role.engine.outputs(ids_BL, attn_BL, parts, keep)
-    out = ctx.role.engine.outputs(ids_BL[order.to(ids_BL.device)], attn_BL[order.to(attn_BL.device)], parts, keep)
+        return ctx.role.engine.outputs(ids_BL, attn_BL, parts, keep, prompt_len_B)
+    plen_B = prompt_len_B[order.to(prompt_len_B.device)] if prompt_len_B is not None else None
+    out = ctx.role.engine.outputs(ids_BL[order.to(ids_BL.device)], attn_BL[order.to(attn_BL.device)], parts, keep,
+                                  plen_B)
     return out[torch.argsort(order).to(out.device)]
 
 
@@ -126,7 +128,7 @@ def logprob_op(ctx: OpContext, batch: Batch, out_key: str, temperature: float) -
     ids_BL, attn_BL, plen_B = _packed(ctx, batch)
     width = max(len(r) for r in batch["response_ids"])
     logp_BL1 = role_outputs(ctx, ids_BL, attn_BL,
-                            lambda logits, rows: logprobs_from_logits(logits, ids_BL[rows], temperature))
+                            lambda logits, rows: logprobs_from_logits(logits, ids_BL[rows], temperature), plen_B)
     return {out_key: response_columns(logp_BL1, plen_B, width).float().cpu()}
 
 
@@ -135,7 +137,7 @@ def values_op(ctx: OpContext, batch: Batch) -> dict:
     """Per-token values of the responses under the role's value model."""
     ids_BL, attn_BL, plen_B = _packed(ctx, batch)
     width = max(len(r) for r in batch["response_ids"])
-    values_BL = role_outputs(ctx, ids_BL, attn_BL)
+    values_BL = role_outputs(ctx, ids_BL, attn_BL, prompt_len_B=plen_B)
     return {"values": response_columns(values_BL, plen_B, width).float().cpu()}
 
 
@@ -260,7 +262,7 @@ def _backward(ctx: OpContext, mb: Batch, loss_fn: LossFn, weight: float) -> tupl
             loss = loss * float("nan")
         return loss * (shares[k] * weight)
 
-    engine.backward(ids_BL, attn_BL, parts, micro_loss, ctx.micro_batches)
+    engine.backward(ids_BL, attn_BL, parts, micro_loss, ctx.micro_batches, plen_B)
     return stats, finite[0]
 
 

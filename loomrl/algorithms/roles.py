@@ -54,13 +54,14 @@ class Engine(Protocol):
     """How a role's model runs its passes on this process; ops call nothing else of the model's."""
 
     def outputs(self, ids_BL: torch.Tensor, attn_BL: torch.Tensor, parts: list[slice],
-                keep: KeepFn | None = None) -> torch.Tensor:
+                keep: KeepFn | None = None, prompt_len_B: torch.Tensor | None = None) -> torch.Tensor:
         """Per-position outputs (logits, or values) of every row, computed micro-batch by micro-batch (``parts``
-        of the rows), each reduced by ``keep``, concatenated over rows, on every rank of the model."""
+        of the rows), each reduced by ``keep``, concatenated over rows, on every rank of the model.
+        ``prompt_len_B``, where given, lets rows sharing a prompt compute it once."""
         ...
 
     def backward(self, ids_BL: torch.Tensor | None, attn_BL: torch.Tensor | None, parts: list[slice],
-                 loss: LossFn | None, passes: int) -> None:
+                 loss: LossFn | None, passes: int, prompt_len_B: torch.Tensor | None = None) -> None:
         """Forward and backward of each micro-batch, gradients accumulating; ``passes`` is the plan's number of
         micro-batches, which an engine whose passes are collective runs even without rows (``parts`` empty)."""
         ...

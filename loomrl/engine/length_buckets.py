@@ -71,17 +71,17 @@ def _best_cuts(sorted_B: list[int], charge: float) -> list[int]:
     return [0, *(bounds[j] for j in reversed(cuts))]
 
 
-def bucketed_outputs(forward: Callable[[torch.Tensor, torch.Tensor], torch.Tensor], ids_BL: torch.Tensor,
-                     attn_BL: torch.Tensor, split: bool = True) -> torch.Tensor:
-    """``forward(ids, attn)``'s per-position outputs for right-padded rows, at the rows' full width ``L``, each
-    group of :func:`length_buckets` (one group without ``split``) computed only up to its longest row (zeros
-    past it)."""
+def bucketed_outputs(forward: Callable[..., torch.Tensor], ids_BL: torch.Tensor, attn_BL: torch.Tensor,
+                     split: bool = True, rows_B: tuple[torch.Tensor, ...] = ()) -> torch.Tensor:
+    """``forward(ids, attn, *rows)``'s per-position outputs for right-padded rows, at the rows' full width ``L``,
+    each group of :func:`length_buckets` (one group without ``split``) computed only up to its longest row (zeros
+    past it); ``rows_B`` are per-row tensors handed to ``forward`` with their group's rows."""
     width = ids_BL.shape[1]
     positions_L = torch.arange(1, width + 1, device=attn_BL.device)
     groups = length_buckets((attn_BL * positions_L).amax(1)) if split and width else [None]
     if len(groups) == 1:
-        return _widened(forward(*_trimmed(ids_BL, attn_BL)), width)
-    outs = [_widened(forward(*_trimmed(ids_BL[g], attn_BL[g])), width) for g in groups]
+        return _widened(forward(*_trimmed(ids_BL, attn_BL), *rows_B), width)
+    outs = [_widened(forward(*_trimmed(ids_BL[g], attn_BL[g]), *(x[g] for x in rows_B)), width) for g in groups]
     inverse_B = torch.argsort(torch.cat(groups))
     return torch.cat(outs)[inverse_B]
 

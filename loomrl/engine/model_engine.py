@@ -6,7 +6,8 @@ model, a pipeline stage (through its :class:`~loomrl.parallel.pipeline_schedule.
 data-parallel replica (gradients summed over its group) or an FSDP shard (every pass collective, so each rank
 runs the plan's micro-batches, padding with passes that add nothing). The reference executor's engine is the
 plain case: a whole model and no group. Outside FSDP a micro-batch's rows run in length buckets
-(:mod:`loomrl.engine.length_buckets`), so short rows are not padded to the longest one's width.
+(:mod:`loomrl.engine.length_buckets`), so short rows are not padded to the longest one's width, and a prompt
+several rows share runs once for them (:mod:`loomrl.engine.shared_prefix`).
 """
 
 from __future__ import annotations
@@ -16,6 +17,7 @@ import torch.distributed as dist
 
 from loomrl.algorithms.roles import KeepFn, LossFn
 from loomrl.engine.length_buckets import bucketed_outputs
+from loomrl.engine.shared_prefix import prompt_groups, shared_prefix_outputs
 from loomrl.models.heads import model_outputs
 from loomrl.parallel.data_parallel import sync_gradients
 from loomrl.parallel.main_grad import grad_of, zero_fill
@@ -42,26 +44,42 @@ class ModelEngine:
         return next(self.model.parameters()).device
 
     def outputs(self, ids_BL: torch.Tensor, attn_BL: torch.Tensor, parts: list[slice],
-                keep: KeepFn | None = None) -> torch.Tensor:
+                keep: KeepFn | None = None, prompt_len_B: torch.Tensor | None = None) -> torch.Tensor:
         if self.pipeline is not None:
             return self.pipeline.forward(ids_BL, attn_BL, len(parts), output_fn=keep, broadcast_result=True)
         kept = []
         for k, rows in enumerate(parts):
-            out = bucketed_outputs(self._forward, ids_BL[rows], attn_BL[rows], split=not self.lockstep)
+            out = self._micro_batch(ids_BL, attn_BL, rows, prompt_len_B)
             kept.append(keep(out, k) if keep is not None else out)
         return torch.cat(kept) if len(kept) > 1 else kept[0]
+
+    def _micro_batch(self, ids_BL: torch.Tensor, attn_BL: torch.Tensor, rows: slice,
+                     prompt_len_B: torch.Tensor | None) -> torch.Tensor:
+        """One micro-batch's outputs: in length buckets, and with shared prompts run once where the rows' prompt
+        lengths are known (neither under FSDP, whose passes are collective over ranks holding other rows)."""
+        if self.lockstep:
+            return bucketed_outputs(self._forward, ids_BL[rows], attn_BL[rows], split=False)
+        if prompt_len_B is None or _recomputes(self.model):
+            return bucketed_outputs(self._forward, ids_BL[rows], attn_BL[rows])
+        return bucketed_outputs(self._shared_forward, ids_BL[rows], attn_BL[rows], rows_B=(prompt_len_B[rows],))
 
     def _forward(self, ids_BL: torch.Tensor, attn_BL: torch.Tensor) -> torch.Tensor:
         return model_outputs(self.model, ids_BL, attn_BL)
 
+    def _shared_forward(self, ids_BL: torch.Tensor, attn_BL: torch.Tensor, prompt_len_B: torch.Tensor) -> torch.Tensor:
+        groups = prompt_groups(ids_BL, prompt_len_B)
+        if groups is None:
+            return model_outputs(self.model, ids_BL, attn_BL)
+        return shared_prefix_outputs(self.model, ids_BL, attn_BL, prompt_len_B, groups)
+
     def backward(self, ids_BL: torch.Tensor | None, attn_BL: torch.Tensor | None, parts: list[slice],
-                 loss: LossFn | None, passes: int) -> None:
+                 loss: LossFn | None, passes: int, prompt_len_B: torch.Tensor | None = None) -> None:
         if self.pipeline is not None:
             if parts:  # every stage of a replica gets the same rows, so a replica without rows skips together
                 self.pipeline.train_step_backward(ids_BL, attn_BL, _joined(loss), len(parts))
             return
         for k, rows in enumerate(parts):
-            out = bucketed_outputs(self._forward, ids_BL[rows], attn_BL[rows], split=not self.lockstep)
+            out = self._micro_batch(ids_BL, attn_BL, rows, prompt_len_B)
             value = loss(out, k)
             if value is None and self.lockstep:
                 value = (out * 0).sum()  # joins the graph: the backward's collectives still run
@@ -86,6 +104,12 @@ class ModelEngine:
         if self.pipeline is not None:
             return clip_grad_norm_pp(self.pipeline.stage, max_norm, self.pipeline.group)
         return clip_grads(self.model.parameters(), max_norm, None, self.device)
+
+
+def _recomputes(model: torch.nn.Module) -> bool:
+    """Whether the model's layers recompute their activations in this pass (transformers' gradient checkpointing,
+    which turns the layers' caching off)."""
+    return model.training and any(getattr(m, "gradient_checkpointing", False) for m in model.modules())
 
 
 def _joined(loss: LossFn):

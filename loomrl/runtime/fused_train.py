@@ -108,7 +108,8 @@ class _Deferred:
     def outputs(self, *args, **kwargs):
         return self.engine.outputs(*args, **kwargs)
 
-    def backward(self, ids_BL, attn_BL, parts, loss, passes) -> None:
+    def backward(self, ids_BL, attn_BL, parts, loss, passes, prompt_len_B=None) -> None:
+        # a fused step drives pipeline stages, which run whole rows: prompt lengths are not needed
         self.op.backward(BackwardRequest(ids_BL, attn_BL, list(parts), loss, passes))
 
     def reduce_and_clip(self, max_norm: float) -> float:

@@ -1,0 +1,88 @@
+"""Shared prompts: which rows share, and that running each prompt once gives the outputs and gradients of whole
+rows, for a policy and a value model, through the engine too."""
+
+import pytest
+import torch
+
+from loomrl.engine.model_engine import ModelEngine
+from loomrl.engine.shared_prefix import prompt_groups, shared_prefix_outputs
+from loomrl.models.heads import model_outputs
+from loomrl.models.tokenizer import build_char_tokenizer
+from loomrl.models.zoo import build_causal_lm, build_value_model
+from loomrl.workflow.batch import pack_sequences
+
+
+def _grpo_rows(prompts: int = 4, group: int = 4, seed: int = 0):
+    """``prompts`` prompts of 3-8 tokens, each with ``group`` responses of 1-11 tokens, packed."""
+    g = torch.Generator().manual_seed(seed)
+    prompt_rows, responses = [], []
+    for _ in range(prompts):
+        prompt = torch.randint(4, 48, (int(torch.randint(3, 9, (1,), generator=g)),), generator=g).tolist()
+        for _ in range(group):
+            prompt_rows.append(prompt)
+            responses.append(torch.randint(4, 48, (int(torch.randint(1, 12, (1,), generator=g)),), generator=g).tolist())
+    return pack_sequences(prompt_rows, responses, 0, "cpu")
+
+
+def test_rows_of_one_prompt_share_it():
+    ids_BL, _, plen_B = _grpo_rows(prompts=3, group=4)
+    firsts, index_B = prompt_groups(ids_BL, plen_B)
+    assert firsts == [0, 4, 8] and index_B == [0] * 4 + [1] * 4 + [2] * 4
+
+
+def test_distinct_prompts_or_a_small_saving_do_not_share():
+    ids_BL, _, plen_B = _grpo_rows(prompts=8, group=1)
+    assert prompt_groups(ids_BL, plen_B) is None
+    # two rows of a 2-token prompt and 40-token responses: 2 of 84 positions saved
+    ids_BL, _, plen_B = pack_sequences([[5, 6], [5, 6]], [[7] * 40, [8] * 40], 0, "cpu")
+    assert prompt_groups(ids_BL, plen_B) is None
+
+
+@pytest.mark.parametrize("value_model", [False, True], ids=["policy", "value"])
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=["fp32", "bf16"])
+def test_shared_prompts_give_the_outputs_and_gradients_of_whole_rows(value_model, dtype):
+    tok = build_char_tokenizer()
+    build = build_value_model if value_model else build_causal_lm
+    model = build("llama-1m", tok, seed=0).to(dtype).train()
+    ids_BL, attn_BL, plen_B = _grpo_rows()
+    groups = prompt_groups(ids_BL, plen_B)
+    assert groups is not None
+
+    def run(shared: bool):
+        model.zero_grad()
+        out = shared_prefix_outputs(model, ids_BL, attn_BL, plen_B, groups) if shared else \
+            model_outputs(model, ids_BL, attn_BL)
+        real = attn_BL.bool() if out.dim() == 2 else attn_BL.bool()[..., None].expand_as(out)
+        (out.float()[real] * torch.linspace(-1, 1, int(real.sum()))).sum().backward()
+        return out.detach().float(), real, {n: p.grad.float().clone() for n, p in model.named_parameters()}
+
+    (whole, real, whole_grads), (shared, _, shared_grads) = run(False), run(True)
+    assert shared.shape == whole.shape
+    exact = dtype == torch.float32
+    torch.testing.assert_close(shared[real], whole[real], rtol=1e-5 if exact else 0, atol=1e-5 if exact else 1e-2)
+    for name, grad in whole_grads.items():  # bf16: a sum over rows in another order rounds differently
+        scale = float(grad.abs().max())
+        torch.testing.assert_close(shared_grads[name], grad, rtol=1e-3 if exact else 5e-2,
+                                   atol=(1e-5 if exact else 2e-2) * scale)
+
+
+def test_engine_shares_prompts_where_it_knows_them_and_recomputation_turns_it_off(monkeypatch):
+    model = build_causal_lm("llama-1m", build_char_tokenizer(), seed=0).train()
+    ids_BL, attn_BL, plen_B = _grpo_rows()
+    engine = ModelEngine(model)
+    calls = []
+    import loomrl.engine.model_engine as model_engine
+
+    real_shared = model_engine.shared_prefix_outputs
+    monkeypatch.setattr(model_engine, "shared_prefix_outputs", lambda *a: calls.append(1) or real_shared(*a))
+    parts = [slice(0, 16)]
+    whole = engine.outputs(ids_BL, attn_BL, parts)
+    assert not calls
+    shared = engine.outputs(ids_BL, attn_BL, parts, prompt_len_B=plen_B)
+    assert calls
+    real = attn_BL.bool()
+    torch.testing.assert_close(shared[real], whole[real], rtol=1e-5, atol=1e-5)
+    calls.clear()
+    model.activation_checkpointing_enable(activation_checkpointing_kwargs={"use_reentrant": False})
+    engine.backward(ids_BL, attn_BL, parts, lambda out, k: out.float().mean(), 1, prompt_len_B=plen_B)
+    assert not calls
