@@ -24,6 +24,7 @@ from torch.distributed.checkpoint.state_dict import StateDictOptions, set_model_
 from transformers import PreTrainedModel
 
 from loomrl.rollout.kv_cache import SlotKVCache, causal_slot_mask
+from loomrl.rollout.lean_forward import lean_logits, supports_lean_forward
 from loomrl.rollout.sampling import SamplingParams, sample_tokens
 
 
@@ -79,6 +80,9 @@ class RolloutEngine:
         self._last_prefill = (0, 0)
         self.step_log: list[tuple[int, int, int]] = []
         """(rows decoded, rows prefilled, prefill tokens) per step: the workload the cost model prices."""
+        self.lean = supports_lean_forward(model)
+        """Whether forwards take :func:`~loomrl.rollout.lean_forward.lean_logits` (the model's arithmetic without
+        its module layers) rather than the model's own forward."""
 
     # ----------------------------------------------------------------------------------------- requests
     def submit(self, requests: Iterable[Request]) -> None:
@@ -214,6 +218,8 @@ class RolloutEngine:
 
     def _forward(self, ids_BQ: torch.Tensor, pos_BQ: torch.Tensor, kv_len: int) -> torch.Tensor:
         mask = causal_slot_mask(pos_BQ, kv_len, self.model.dtype)
+        if self.lean:
+            return lean_logits(self.model, ids_BQ, pos_BQ, mask, self.cache)
         out = self.model(input_ids=ids_BQ, attention_mask=mask, position_ids=pos_BQ,
                          past_key_values=self.cache, use_cache=True)
         return out.logits
