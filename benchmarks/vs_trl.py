@@ -14,10 +14,12 @@ loomrl's reference executor and TRL use both cores in one process; the Ray runti
 
 Precision: 'best' is bf16 where the CPU computes it natively (avx512_bf16 or amx_bf16 in /proc/cpuinfo; a GPU
 would too), fp32 elsewhere: for loomrl runtime.precision=bf16 (bf16 weights, fp32 master weights and Adam
-moments); for TRL bf16=True (autocast over fp32 weights, its mixed precision). The arithmetic limit of a row is
-its FLOPs per sample (8 x non-embedding parameters x (prompt + response tokens): 2 for the sampling forward, 6 for
-the training forward and backward; attention over these short sequences is negligible) against the matmul rate
-benchmarks/roofline.py measures in the same run at the row's precision.
+moments); for TRL bf16=True (autocast over fp32 weights, its mixed precision). 'each' runs every system in fp32
+and, where native, in bf16, and takes each system's faster run (a tiny model can run faster in fp32 than in
+bf16, whose small matrix products are slower here): each system at its own best precision. The arithmetic limit
+of a row is its FLOPs per sample (8 x non-embedding parameters x (prompt + response tokens): 2 for the sampling
+forward, 6 for the training forward and backward; attention over these short sequences is negligible) against
+the matmul rate benchmarks/roofline.py measures in the same run at the faster precision.
 """
 
 from __future__ import annotations
@@ -172,7 +174,8 @@ def main() -> None:
     ap.add_argument("--quick", action="store_true", help="one row (1m, 12 tokens), fewer steps")
     ap.add_argument("--steps", type=int, default=7, help="iterations per run, the first --warmup left out")
     ap.add_argument("--warmup", type=int, default=2)
-    ap.add_argument("--precision", choices=("best", "fp32", "bf16"), default="best")
+    ap.add_argument("--precision", choices=("best", "fp32", "bf16", "each"), default="best",
+                    help="'best': bf16 where native, else fp32, for all; 'each': each system's faster of the two")
     ap.add_argument("--stat", choices=("median", "best"), default="median",
                     help="step time of a run: the median of the measured iterations, or the fastest (on a machine "
                          "shared with other work, the best estimate of each system's uncontended speed)")
@@ -186,10 +189,11 @@ def main() -> None:
     from loomrl.report import summary_table
     from roofline import matmul_flops
 
-    bf16 = native_bf16() if args.precision == "best" else args.precision == "bf16"
+    bf16 = native_bf16() if args.precision in ("best", "each") else args.precision == "bf16"
+    precisions = [False, True] if args.precision == "each" and bf16 else [bf16]
     rows, steps = ([ROWS[0]], min(args.steps, 4)) if args.quick else (ROWS, args.steps)
     warmup = min(args.warmup, steps - 1)
-    rate = matmul_flops(1024, torch.bfloat16 if bf16 else torch.float32)
+    rates = {p: matmul_flops(1024, torch.bfloat16 if p else torch.float32) for p in precisions}
     systems = args.systems.split(",")
     table, params = [], {}
     with tempfile.TemporaryDirectory() as d:
@@ -197,26 +201,31 @@ def main() -> None:
             model = str(Path(d) / size)
             if size not in params:
                 params[size] = write_model(size, Path(model))
-            result = {s: measure(s, model, budget, steps, bf16) for s in systems}
             stat = statistics.median if args.stat == "median" else min
+            runs = {(s, p): measure(s, model, budget, steps, p) for s in systems for p in precisions}
+            chosen = {s: min(precisions, key=lambda p: stat(runs[s, p]["step_s"][warmup:])) for s in systems}
+            result = {s: runs[s, chosen[s]] for s in systems}
             per_s = {s: PROMPTS * GROUP / stat(r["step_s"][warmup:]) for s, r in result.items()}
             length = next((r["response_len"] for r in result.values() if "response_len" in r), budget)
             flops = 8 * params[size] * (11 + length)  # a prompt: bos, 'sort ', 3-5 digits, '=' (11 tokens on average)
             row = {"model": f"{size} ({params[size] / 1e6:.1f}M)", "new tokens": budget, "mean length": length,
-                   "precision": "bf16" if bf16 else "fp32"}
+                   "precision": ", ".join(f"{s.removeprefix('loomrl-')} {'bf16' if chosen[s] else 'fp32'}"
+                                          for s in systems)}
             row.update({f"{s} samples/s": per_s[s] for s in systems})
             if "trl" in per_s:
                 row.update({f"{s.removeprefix('loomrl-')} / trl": per_s[s] / per_s["trl"] for s in systems
                             if s != "trl"})
-            row["arith. limit samples/s"] = rate / flops
+            row["arith. limit samples/s"] = max(rates.values()) / flops  # at the faster precision
             if "loomrl-reference" in result:  # where the reference executor's iteration goes
                 ref = result["loomrl-reference"]
                 row["ref gen s"] = stat(ref["gen_s"][warmup:])
                 row["ref train s"] = stat(ref["train_s"][warmup:])
             table.append(row)
-            print(json.dumps({**row, "steps_s": {s: r["step_s"] for s, r in result.items()}}), flush=True)
+            print(json.dumps({**row, "steps_s": {f"{s} {'bf16' if p else 'fp32'}": r["step_s"]
+                                                 for (s, p), r in runs.items()}}), flush=True)
+    matmul = ", ".join(f"{r / 1e9:.0f} GFLOP/s {'bf16' if p else 'fp32'}" for p, r in rates.items())
     Console(width=250).print(summary_table(table, f"GRPO, {PROMPTS} prompts x {GROUP} samples an iteration, {args.stat} "
-                                                   f"of {steps - warmup} iterations; matmul rate {rate / 1e9:.0f} GFLOP/s"))
+                                                   f"of {steps - warmup} iterations; matmul rate {matmul}"))
 
 
 if __name__ == "__main__":

@@ -20,7 +20,8 @@ def _grpo_rows(prompts: int = 4, group: int = 4, seed: int = 0):
         prompt = torch.randint(4, 48, (int(torch.randint(3, 9, (1,), generator=g)),), generator=g).tolist()
         for _ in range(group):
             prompt_rows.append(prompt)
-            responses.append(torch.randint(4, 48, (int(torch.randint(1, 12, (1,), generator=g)),), generator=g).tolist())
+            length = int(torch.randint(1, 12, (1,), generator=g))
+            responses.append(torch.randint(4, 48, (length,), generator=g).tolist())
     return pack_sequences(prompt_rows, responses, 0, "cpu")
 
 
