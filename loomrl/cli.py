@@ -165,9 +165,8 @@ def _run_description(args: argparse.Namespace):
     path, overrides = _config_and_overrides(args.config)
     cfg = load_config(TrainConfig, path, overrides)
     algo, rollout = cfg.algo, cfg.rollout
-    group = algo.group_size if algo.name in ("grpo", "rloo") else 1
     data: dict = {"algo": algo.name, "ppo_epochs": algo.ppo_epochs, "optimizer_steps": algo.minibatches,
-                  "responses_per_prompt": group, "response_max": rollout.max_new_tokens,
+                  "responses_per_prompt": algo.samples_per_prompt, "response_max": rollout.max_new_tokens,
                   "recompute_logprobs": algo.recompute_logprobs or rollout.top_k > 0 or rollout.top_p < 1.0}
     if args.workload:
         data = deep_merge(data, read_yaml(args.workload))

@@ -16,6 +16,8 @@ from dataclasses import dataclass, field
 from loomrl.configtools import ValidatedConfig, fail, spec
 
 ALGORITHMS = ("ppo", "grpo", "rloo", "remax", "reinforce_pp")
+GROUP_ALGORITHMS = ("grpo", "rloo")
+"""The algorithms that draw a group of samples per prompt (``algo.group_size``)."""
 POLICY_LOSSES = ("ppo", "gspo")  # loomrl.algorithms.losses.POLICY_LOSSES
 LOSS_AGGS = ("token-mean", "seq-mean-token-mean", "seq-mean-token-sum")  # loomrl.algorithms.losses.LOSS_AGGS
 TASK_NAMES = ("sort", "add", "reverse", "judge", "file")
@@ -253,8 +255,13 @@ class AlgoConfig(ValidatedConfig):
     dynamic_sampling: DynamicSamplingConfig = field(default_factory=DynamicSamplingConfig)
     """DAPO's dynamic sampling: drop groups without learning signal and generate more until the batch is full."""
 
+    @property
+    def samples_per_prompt(self) -> int:
+        """Samples drawn per prompt: ``group_size`` for the group-based algorithms, 1 for the others."""
+        return self.group_size if self.name in GROUP_ALGORITHMS else 1
+
     def validate(self) -> None:
-        if self.name in ("grpo", "rloo") and self.group_size < 2:
+        if self.name in GROUP_ALGORITHMS and self.group_size < 2:
             fail("group_size", f"{self.group_size} is too small for {self.name} (must be >= 2)")
         if self.dynamic_sampling.enabled and self.name not in ("grpo", "rloo"):
             fail("dynamic_sampling.enabled", f"dynamic sampling filters groups of samples; {self.name} has none "

@@ -15,6 +15,7 @@ from loomrl.planner import (PROFILES, CostModel, HardwareProfile, ModelShape, Wo
                             trace_predictor)
 from loomrl.planner import decode as D
 from loomrl.planner import realloc_cost as RC
+from loomrl.planner.settings import EngineSettings
 from loomrl.planner import terms as T
 from loomrl.workflow import MFC, MFCKind
 
@@ -427,3 +428,27 @@ def test_reloading_an_offloaded_role_is_its_shard_over_the_host_link_on_accelera
     cpu = llama_model("cpu:2")  # CPU devices are their own host: the runtime keeps every role resident
     assert not cpu.offloads() and cpu.reload_time("actor", a("0-1:dp2")) == 0.0
     assert all(p.host_offload for name, p in PROFILES.items() if name != "local")
+
+
+def test_a_shared_prompt_is_priced_once_where_the_runtime_computes_it_once():
+    spec = ClusterSpec.parse("h100:8")
+
+    def model(group: int, shared: bool) -> CostModel:
+        workload = Workload(batch=512, prompt_len=1024, response_lengths=LENGTHS, minibatches=4,
+                            samples_per_prompt=group)
+        return CostModel(spec, profile_for(spec), {"actor": ModelShape.from_config(LLAMA_7B)}, workload,
+                         settings=EngineSettings(packing=False, sorted_scoring=True, shared_prompts=shared))
+
+    whole, plain = a("0-7:dp2tp4mb4"), a("0-7:dp8")
+    for mfc in (TRAIN, INF):
+        unshared, shared = model(8, False), model(8, True)
+        for alloc in (whole, plain):
+            assert shared.time_terms(mfc, alloc)["work"] < 0.8 * unshared.time_terms(mfc, alloc)["work"]
+            assert shared.mfc_memory(mfc, alloc, mfc is TRAIN) < unshared.mfc_memory(mfc, alloc, mfc is TRAIN)
+        # one sample per prompt, pipeline stages, FSDP and recomputed training passes compute every prompt
+        assert model(1, True).time_terms(mfc, whole) == model(1, False).time_terms(mfc, whole)
+        for other in ("0-7:dp4pp2mb4", "0-7:dp8fsdp"):
+            assert shared.time_terms(mfc, a(other)) == unshared.time_terms(mfc, a(other))
+    recomputed = a("0-7:dp2tp4mb4rc")
+    assert model(8, True).time_terms(TRAIN, recomputed) == model(8, False).time_terms(TRAIN, recomputed)
+    assert model(8, True).time_terms(INF, recomputed)["work"] < model(8, False).time_terms(INF, recomputed)["work"]

@@ -79,7 +79,8 @@ class Run:
         longest = max(r["response/length_max"] for r in recs)
         algo = self.cfg.algo
         return Workload(self.batch, self.prompt_len, lengths_from_summary(mean, p90, longest),
-                        ppo_epochs=algo.ppo_epochs, minibatches=algo.minibatches)
+                        ppo_epochs=algo.ppo_epochs, minibatches=algo.minibatches,
+                        samples_per_prompt=algo.samples_per_prompt)
 
 
 def _recorded_devices(run: Path) -> int | None:
@@ -117,9 +118,9 @@ def load_run(run_dir: str | Path) -> Run:
     records = read_metrics(run / "metrics.jsonl")
     if not records:
         raise DataError(f"{run / 'metrics.jsonl'}: no iterations recorded")
-    group = cfg.algo.group_size if cfg.algo.name in ("grpo", "rloo") else 1
     prompt_len = statistics.fmean(r.get("prompt/length", 0.0) for r in records)
-    return Run(run, cfg, workflow, cluster, plan, shapes, records, cfg.rollout.prompts_per_iter * group, prompt_len)
+    batch = cfg.rollout.prompts_per_iter * cfg.algo.samples_per_prompt
+    return Run(run, cfg, workflow, cluster, plan, shapes, records, batch, prompt_len)
 
 
 def run_observations(run_dir: str | Path, profile: HardwareProfile,
@@ -129,7 +130,8 @@ def run_observations(run_dir: str | Path, profile: HardwareProfile,
 
 
 def _observations(run: Run, profile: HardwareProfile, cores: int | None) -> tuple[list[dict], object]:
-    observations = observations_from_metrics(run.records, run.plan, run.workflow, run.batch, run.prompt_len)
+    observations = observations_from_metrics(run.records, run.plan, run.workflow, run.batch, run.prompt_len,
+                                             samples_per_prompt=run.cfg.algo.samples_per_prompt)
     return observations, trace_predictor(run.cluster, run.profile(profile, cores), run.shapes,
                                          bytes_per_param=run.bytes_per_param, settings=RUNTIME)
 

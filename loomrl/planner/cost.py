@@ -325,7 +325,8 @@ class CostModel:
         lengths are ``lengths`` where known: a fused stage's chunk; else the workload's distribution)."""
         shape, w = self._shape(role), self.workload
         samples = D.share(w.batch, alloc.layout.dp) if samples is None else samples
-        seq, sq = self._pass_lengths(samples, alloc.micro_batches, scoring=True, lengths=lengths)
+        seq, sq = self._pass_lengths(samples, alloc.micro_batches, scoring=True, lengths=lengths,
+                                     prompt=self._pass_prompt(alloc))
         flops = T.forward_flops(shape, samples * seq, samples * sq)
         return self._pass(alloc, shape, flops, self._weight_bytes(role), samples * seq,
                           allreduces_per_layer=2, hops=1, micro_batches=alloc.micro_batches,
@@ -337,7 +338,7 @@ class CostModel:
         shape, w, lay = self._shape(mfc.role), self.workload, alloc.layout
         epochs, minibatches = self._steps(mfc)
         samples = w.batch / minibatches / lay.dp
-        seq, sq = self._pass_lengths(samples, alloc.micro_batches)
+        seq, sq = self._pass_lengths(samples, alloc.micro_batches, prompt=self._pass_prompt(alloc, training=True))
         tokens = samples * seq
         passes = 4.0 if alloc.recompute else 3.0  # recomputation runs each forward once more in the backward
         flops = T.train_flops(shape, tokens, samples * sq) * passes / 3.0
@@ -550,7 +551,8 @@ class CostModel:
         so)."""
         shape, lay, w = self._shape(role), alloc.layout, self.workload
         samples = D.share(w.batch, lay.dp)
-        tokens = samples * self._pass_lengths(samples, alloc.micro_batches, scoring=True)[0] / alloc.micro_batches
+        seq = self._pass_lengths(samples, alloc.micro_batches, scoring=True, prompt=self._pass_prompt(alloc))[0]
+        tokens = samples * seq / alloc.micro_batches
         return T.inference_activation_bytes(shape, tokens, lay.tp, self.bytes_per_param, self._logit_tokens(tokens))
 
     def _train_memory(self, mfc: MFC, alloc: Allocation) -> float:
@@ -559,7 +561,8 @@ class CostModel:
         shape, lay, w = self._shape(mfc.role), alloc.layout, self.workload
         _, minibatches = self._steps(mfc)
         samples = w.batch / minibatches / lay.dp
-        tokens = samples * self._pass_lengths(samples, alloc.micro_batches)[0]
+        tokens = samples * self._pass_lengths(samples, alloc.micro_batches,
+                                              prompt=self._pass_prompt(alloc, training=True))[0]
         in_flight = tokens / alloc.micro_batches * min(lay.pp, alloc.micro_batches)
         # FSDP: the root unit (embedding, head) gathered throughout, two layers at a time (one prefetched) and
         # one layer's unsharded fp32 gradients before its reduce-scatter
@@ -572,25 +575,41 @@ class CostModel:
         return gathered + T.train_activation_bytes(shape, in_flight, shape.layers / lay.pp, lay.tp,
                                                    self.bytes_per_param, self._logit_tokens(in_flight))
 
+    def _pass_prompt(self, alloc: Allocation, training: bool = False) -> float:
+        """Prompt tokens a pass computes per sample: its prompt's share among the samples sharing it where the
+        settings compute a shared prompt once and the layout lets them (a whole model or replica: not pipeline
+        stages, FSDP or a training pass recomputing its activations), else the whole prompt."""
+        w = self.workload
+        shared = self.settings.shared_prompts and w.samples_per_prompt > 1 and alloc.layout.pp == 1 \
+            and not alloc.fsdp and not (training and alloc.recompute)
+        return w.prompt_len / w.samples_per_prompt if shared else w.prompt_len
+
     def _pass_lengths(self, samples: float, micro_batches: int, scoring: bool = False,
-                      lengths: tuple[int, ...] | None = None) -> tuple[float, float]:
+                      lengths: tuple[int, ...] | None = None, prompt: float | None = None) -> tuple[float, float]:
         """(mean, mean square) length of a sample as a pass processes it: packed (the settings' default), its own
         length; padded, the longest of the ``samples / micro_batches`` samples it shares a micro-batch with
         (:func:`loomrl.planner.decode.expected_longest`), or for a ``scoring`` pass whose samples are sorted
         first (``sorted_scoring``) the longest of its sorted group (:func:`loomrl.planner.decode.sorted_longest`).
-        ``lengths``: the responses of the pass's samples where known, else the workload's distribution."""
+        ``lengths``: the responses of the pass's samples where known, else the workload's distribution;
+        ``prompt``: the prompt tokens computed per sample (:meth:`_pass_prompt`), else the workload's."""
         w = self.workload if lengths is None else dataclasses.replace(self.workload, response_lengths=tuple(lengths))
+        prompt = w.prompt_len if prompt is None else prompt
         per_micro_batch = samples / micro_batches
-        if self.settings.packing or per_micro_batch <= 1:
+        if (self.settings.packing or per_micro_batch <= 1) and prompt == w.prompt_len:
             return w.mean_seq, w.mean_sq_seq
-        prompt = w.prompt_len
+        # a sample of length L = P + n costs L^2 = P^2 + 2Pn + n^2 in attention: the prompt's own share (P^2) is
+        # computed once per group where the prompt is shared, the responses' attention to it (2Pn) per sample
+        full = w.prompt_len
+        if self.settings.packing or per_micro_batch <= 1:
+            response_sq = w.mean_sq_seq - full * (full + 2 * w.mean_response)
+            return prompt + w.mean_response, response_sq + 2 * full * w.mean_response + full * prompt
         if scoring and self.settings.sorted_scoring:
             # the pass's own samples: their lengths where known, else the distribution's quantiles for as many
             share = lengths if lengths is not None else D.admission_order(w.response_lengths, max(1, round(samples)))
             mean, mean_sq = D.sorted_longest(share, micro_batches)
-            return prompt + mean, mean_sq + 2 * prompt * mean + prompt * prompt
-        padded = prompt + D.expected_longest(w.response_lengths, per_micro_batch)
-        return padded, padded * padded
+            return prompt + mean, mean_sq + 2 * full * mean + full * prompt
+        longest = D.expected_longest(w.response_lengths, per_micro_batch)
+        return prompt + longest, longest * longest + 2 * full * longest + full * prompt
 
     def _logit_tokens(self, tokens: float) -> float:
         """Tokens whose fp32 logits a pass over ``tokens`` holds at once (:attr:`EngineSettings.logits`)."""

@@ -144,7 +144,7 @@ class RunDescription(ValidatedConfig):
         return Workload(batch=self.prompts * self.responses_per_prompt, prompt_len=self.prompt_len,
                         response_lengths=self.response_lengths(), ppo_epochs=self.ppo_epochs,
                         minibatches=self.optimizer_steps, decode_slots=self.decode_slots,
-                        rollout_scale=self.generated_per_kept)
+                        rollout_scale=self.generated_per_kept, samples_per_prompt=self.responses_per_prompt)
 
 
 def planner_inputs(run: RunDescription) -> tuple[Workflow, ClusterSpec, dict[str, object], Workload, EngineSettings]:

@@ -81,6 +81,7 @@ class RunModel:
     epochs: int
     minibatches: int
     bytes_per_param: int | None = None
+    samples_per_prompt: int = 1
     reallocs: dict = field(default_factory=dict, compare=False, repr=False)
     """Priced reallocations, shared by every cost model of the run (:class:`~loomrl.planner.cost.CostModel`)."""
     observed: dict = field(default_factory=dict, compare=False, repr=False)
@@ -92,7 +93,7 @@ class RunModel:
 
     def workload(self, lengths: Sequence[int], prompt_len: float) -> Workload:
         return Workload(self.batch, prompt_len, tuple(max(1, int(n)) for n in lengths), ppo_epochs=self.epochs,
-                        minibatches=self.minibatches)
+                        minibatches=self.minibatches, samples_per_prompt=self.samples_per_prompt)
 
     def cost(self, workload: Workload, corrections: Corrections | None) -> CostModel:
         return CostModel(self.cluster, self.profile, self.shapes, workload, corrections,
@@ -116,7 +117,8 @@ def refit(model: RunModel, records: Sequence[Observed], prior: Corrections | Non
     for r in kept:
         if r.iteration not in model.observed:
             found = observations_from_metrics([r.metrics], r.plan, model.workflow, model.batch,
-                                              r.metrics.get("prompt/length", 0.0), skip_first=False)
+                                              r.metrics.get("prompt/length", 0.0), skip_first=False,
+                                              samples_per_prompt=model.samples_per_prompt)
             model.observed[r.iteration] = [{**o, "predicted_terms": predict(o)} for o in found]
         observations += model.observed[r.iteration]
     for gone in set(model.observed) - {r.iteration for r in records}:

@@ -53,6 +53,9 @@ class EngineSettings(ValidatedConfig):
     """Unpacked scoring passes sort their samples by length before cutting micro-batches, so a micro-batch is
     as long as its own longest and long samples share one (loomrl's runtime); False: micro-batches of samples in
     arrival order."""
+    shared_prompts: bool = False
+    """Training and scoring passes compute a prompt its group's samples share once (loomrl's runtime, outside
+    pipeline stages, FSDP and recomputed passes: :mod:`loomrl.engine.shared_prefix`); False: once per sample."""
     logits: str = spec("fp32", choices=("fp32", "chunked"))
     """How passes hold their logits: ``fp32`` for every token of a micro-batch (loomrl's runtime), ``chunked``
     a few thousand tokens at a time (fused or chunked cross-entropy, Megatron's and NeMo RL's)."""
@@ -77,6 +80,7 @@ def default_max_seqs(profile: HardwareProfile) -> int:
     return 1024 if large else 256
 
 
-RUNTIME = EngineSettings(packing=False, sorted_scoring=True)
+RUNTIME = EngineSettings(packing=False, sorted_scoring=True, shared_prompts=True)
 """loomrl's own runtime: each training and scoring micro-batch is computed to its own longest sample (no
-packing), and scoring passes sort their samples by length first (:func:`loomrl.algorithms.ops.role_outputs`)."""
+packing), scoring passes sort their samples by length first (:func:`loomrl.algorithms.ops.role_outputs`), and a
+group's shared prompt is computed once."""

@@ -46,7 +46,7 @@ def lengths_from_summary(mean: float, p90: float, longest: float, n: int = 100) 
 
 
 def observations_from_metrics(records: Iterable[Mapping], plan: ExecutionPlan, workflow: Workflow, batch: int,
-                              prompt_len: float, skip_first: bool = True) -> list[dict]:
+                              prompt_len: float, skip_first: bool = True, samples_per_prompt: int = 1) -> list[dict]:
     """One observation per MFC per metrics record (an iteration) that logged its ``time/<mfc>_s``."""
     out = []
     for index, record in enumerate(records):
@@ -58,7 +58,7 @@ def observations_from_metrics(records: Iterable[Mapping], plan: ExecutionPlan, w
                 continue
             out.append({
                 "mfc": mfc.name, "kind": mfc.kind.value, "role": mfc.role, "allocation": plan[mfc.name].text,
-                "batch": batch, "prompt_len": float(prompt_len),
+                "batch": batch, "prompt_len": float(prompt_len), "samples_per_prompt": samples_per_prompt,
                 "response_mean": float(record["response/length"]),
                 "response_p90": float(record["response/length_p90"]),
                 "response_max": float(record["response/length_max"]),
@@ -73,7 +73,8 @@ def trace_predictor(cluster: ClusterSpec, profile: HardwareProfile, shapes: Mapp
     :func:`fit_corrections`)."""
     def predict(obs: Mapping) -> float:
         lengths = lengths_from_summary(obs["response_mean"], obs["response_p90"], obs["response_max"])
-        workload = Workload(int(obs["batch"]), float(obs["prompt_len"]), lengths)
+        workload = Workload(int(obs["batch"]), float(obs["prompt_len"]), lengths,
+                            samples_per_prompt=int(obs.get("samples_per_prompt", 1)))
         model = CostModel(cluster, profile, shapes, workload, **cost_kwargs)
         kind = MFCKind(obs["kind"])
         mfc = MFC(obs["mfc"], obs.get("role") if kind is not MFCKind.COMPUTE else None, kind, (),

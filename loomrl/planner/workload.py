@@ -198,11 +198,16 @@ class Workload:
     generate calls and the call that makes the rewards are priced that many times over (waves run one after
     another, each about a batch or less: linear in the waves, which slightly overprices a memory-bound decode
     whose steps cost little more for more samples)."""
+    samples_per_prompt: int = 1
+    """Samples sharing each prompt (a GRPO/RLOO group): a runtime that computes a shared prompt once in its
+    training and scoring passes (:attr:`~loomrl.planner.settings.EngineSettings.shared_prompts`) processes
+    ``prompt_len / samples_per_prompt`` prompt tokens per sample there."""
 
     def __post_init__(self) -> None:
         _positive_int("workload", "batch", self.batch)
         _positive_int("workload", "ppo_epochs", self.ppo_epochs)
         _positive_int("workload", "minibatches", self.minibatches)
+        _positive_int("workload", "samples_per_prompt", self.samples_per_prompt)
         if self.decode_slots is not None:
             _positive_int("workload", "decode_slots", self.decode_slots)
         scale = self.rollout_scale

@@ -76,7 +76,7 @@ class DynamicPlacement:
         local = cluster.device_kind == "cpu" and ray_address(rt.ray_address) is None
         self.model = RunModel(workflow, cluster, sharing_profile(profile, cluster, usable_cores() if local else None),
                               configs, batch, cfg.algo.ppo_epochs, cfg.algo.minibatches,
-                              PRECISION_BYTES.get(rt.precision))
+                              PRECISION_BYTES.get(rt.precision), samples_per_prompt=cfg.algo.samples_per_prompt)
         self.prior = Corrections.load(rt.cost_corrections) if rt.cost_corrections else None
         d = rt.dynamic
         self.policy = SwitchPolicy(SwitchRule(d.window, d.margin_s, d.min_gain, d.confirm, d.dwell))

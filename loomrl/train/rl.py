@@ -50,7 +50,6 @@ from loomrl.train.progress import RunProgress
 from loomrl.workflow import Workflow
 from loomrl.workflow.batch import Batch
 
-GROUP_ALGORITHMS = ("grpo", "rloo")
 FAILURES_FILE = "failures.jsonl"
 """One line per recovery from a lost worker or controller (``runtime.max_failures``)."""
 
@@ -118,8 +117,8 @@ def make_executor(cfg: TrainConfig, workflow: Workflow, plan: ExecutionPlan, tok
     if cfg.runtime.executor == "ray":
         from loomrl.runtime.ray_executor import RayExecutor  # imports Ray only when asked for
 
-        group = cfg.algo.group_size if cfg.algo.name in GROUP_ALGORITHMS else 1
-        return RayExecutor(cfg.runtime, worker_spec(cfg, workflow), workflow, plan, group_size=group)
+        return RayExecutor(cfg.runtime, worker_spec(cfg, workflow), workflow, plan,
+                           group_size=cfg.algo.samples_per_prompt)
     dtype = resolve_dtype(cfg.runtime.precision, device)
     roles = build_roles(role_specs(cfg, workflow.roles()), tokenizer, task, device, dtype)
     decode = partial(decode_response, tokenizer)
@@ -232,7 +231,7 @@ class RLTrainer:
 
     @property
     def group_size(self) -> int:
-        return self.cfg.algo.group_size if self.cfg.algo.name in GROUP_ALGORITHMS else 1
+        return self.cfg.algo.samples_per_prompt
 
     def make_batch(self, iteration: int) -> Batch:
         """The prompts of ``iteration`` (without dynamic sampling, whose waves draw prompts as they go)."""
