@@ -180,6 +180,7 @@ def main() -> None:
                     help="step time of a run: the median of the measured iterations, or the fastest (on a machine "
                          "shared with other work, the best estimate of each system's uncontended speed)")
     ap.add_argument("--systems", default=",".join(SYSTEMS), help="comma-separated subset of " + ",".join(SYSTEMS))
+    ap.add_argument("--rows", help="comma-separated subset of rows as size:tokens, e.g. 1m:12,6m:48")
     ap.add_argument("--one", help=argparse.SUPPRESS)
     args = ap.parse_args()
     if args.one:
@@ -192,6 +193,12 @@ def main() -> None:
     bf16 = native_bf16() if args.precision in ("best", "each") else args.precision == "bf16"
     precisions = [False, True] if args.precision == "each" and bf16 else [bf16]
     rows, steps = ([ROWS[0]], min(args.steps, 4)) if args.quick else (ROWS, args.steps)
+    if args.rows:
+        known = {f"{size}:{tokens}": (size, tokens) for size, tokens in ROWS}
+        wanted = args.rows.split(",")
+        if unknown := [r for r in wanted if r not in known]:
+            raise SystemExit(f"--rows: unknown {', '.join(unknown)} (valid: {', '.join(known)})")
+        rows = [known[r] for r in wanted]
     warmup = min(args.warmup, steps - 1)
     rates = {p: matmul_flops(1024, torch.bfloat16 if p else torch.float32) for p in precisions}
     systems = args.systems.split(",")
