@@ -92,8 +92,10 @@ def _assert_equivalent(got, reference, rel=1e-4, abs_=1e-6, clipfrac_abs=None):
         assert {k for k in a if not k.startswith(ignored)} == {k for k in b if not k.startswith(ignored)}
 
 
-def test_runtime_matches_the_reference_with_varied_lengths_from_sft(tmp_path):
-    """A warm-started policy emits eos, so shards have different widths and groups different lengths."""
+@pytest.mark.parametrize("layout", [(), ("runtime.layouts={actor: {tp: 2}}",)], ids=["dp2", "actor_tp2"])
+def test_runtime_matches_the_reference_with_varied_lengths_from_sft(tmp_path, layout):
+    """A warm-started policy emits eos, so shards have different widths and groups different lengths; a group's
+    rows share their prompt, which training runs once (on data-parallel replicas and on tensor-parallel shards)."""
     from loomrl.config import SFTConfig
     from loomrl.train.sft import run_sft
 
@@ -103,7 +105,8 @@ def test_runtime_matches_the_reference_with_varied_lengths_from_sft(tmp_path):
               "rollout.prompts_per_iter=4")
     reference = _metrics(tmp_path, "ref", *common)
     assert any(r["response/length"] < r["response/length_max"] for r in reference), "lengths should vary"
-    _assert_equivalent(_metrics(tmp_path, "ray", *common, "runtime.executor=ray", "runtime.devices=2"), reference)
+    _assert_equivalent(_metrics(tmp_path, "ray", *common, "runtime.executor=ray", "runtime.devices=2", *layout),
+                       reference)
 
 
 def _alive(pid: int) -> bool:

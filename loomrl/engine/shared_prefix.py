@@ -34,6 +34,8 @@ MIN_SAVING = 0.15
 def prompt_groups(ids_BL: torch.Tensor, prompt_len_B: torch.Tensor) -> tuple[list[int], list[int]] | None:
     """(first row of each distinct prompt, each row's index among them), or None when sharing does not pay."""
     lengths = prompt_len_B.tolist()
+    if not lengths or min(lengths) < 1:  # a row without a prompt has nothing to share
+        return None
     rows = ids_BL[:, : max(lengths, default=0)].tolist()
     distinct: dict[tuple[int, ...], int] = {}
     firsts: list[int] = []
