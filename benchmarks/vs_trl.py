@@ -1,7 +1,8 @@
 """End-to-end GRPO throughput: loomrl (reference executor and Ray runtime) against TRL's GRPOTrainer.
 
     .venv/bin/pip install trl==1.16.0      # or: pip install -e '.[bench]'; leaves torch as it is
-    .venv/bin/python benchmarks/vs_trl.py [--quick] [--steps 7] [--stat median|best] [--precision best]
+    .venv/bin/python benchmarks/vs_trl.py [--quick] [--rows 1m:12,6m:48] [--steps 7] [--stat median|best]
+                                          [--precision best|fp32|bf16|each]
 
 Both train the same HF model directory (a random-init Llama written here, with the task's character tokenizer) on
 the same digit-sort prompts (loomrl's own prompt stream, in order), rewarded by the task's partial-credit rule: 16
