@@ -263,7 +263,7 @@ class AlgoConfig(ValidatedConfig):
     def validate(self) -> None:
         if self.name in GROUP_ALGORITHMS and self.group_size < 2:
             fail("group_size", f"{self.group_size} is too small for {self.name} (must be >= 2)")
-        if self.dynamic_sampling.enabled and self.name not in ("grpo", "rloo"):
+        if self.dynamic_sampling.enabled and self.name not in GROUP_ALGORITHMS:
             fail("dynamic_sampling.enabled", f"dynamic sampling filters groups of samples; {self.name} has none "
                                              "(valid with it: grpo, rloo)")
 

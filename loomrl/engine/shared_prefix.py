@@ -36,7 +36,7 @@ def prompt_groups(ids_BL: torch.Tensor, prompt_len_B: torch.Tensor) -> tuple[lis
     lengths = prompt_len_B.tolist()
     if not lengths or min(lengths) < 1:  # a row without a prompt has nothing to share
         return None
-    rows = ids_BL[:, : max(lengths, default=0)].tolist()
+    rows = ids_BL[:, : max(lengths)].tolist()
     distinct: dict[tuple[int, ...], int] = {}
     firsts: list[int] = []
     index_B: list[int] = []

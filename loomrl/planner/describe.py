@@ -18,7 +18,7 @@ import math
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field
 
-from loomrl.config import ALGORITHMS, AlgoConfig, JudgeConfig, RewardConfig, RolloutConfig
+from loomrl.config import ALGORITHMS, GROUP_ALGORITHMS, AlgoConfig, JudgeConfig, RewardConfig, RolloutConfig
 from loomrl.configtools import ValidatedConfig, fail, spec
 from loomrl.errors import ConfigError
 from loomrl.plan import ClusterSpec, ExecutionPlan
@@ -112,7 +112,7 @@ class RunDescription(ValidatedConfig):
             fail("response_len", "None with response_max None: give the mean, the limit or both")
         if self.response_len is not None and self.response_max is not None and self.response_len > self.response_max:
             fail("response_len", f"{self.response_len} is above response_max={self.response_max}")
-        if self.algo in ("grpo", "rloo") and self.responses_per_prompt < 2:
+        if self.algo in GROUP_ALGORITHMS and self.responses_per_prompt < 2:
             fail("responses_per_prompt", f"{self.responses_per_prompt} is too small for {self.algo} (must be >= 2)")
         ClusterSpec.parse(self.cluster)
 
@@ -130,7 +130,7 @@ class RunDescription(ValidatedConfig):
         """The workflow of ``algo`` with this run's steps per iteration and log-prob recomputation."""
         from loomrl.algorithms.workflows import build_workflow
 
-        group = max(2, self.responses_per_prompt) if self.algo in ("grpo", "rloo") else 4
+        group = max(2, self.responses_per_prompt) if self.algo in GROUP_ALGORITHMS else 4
         algo = AlgoConfig(name=self.algo, ppo_epochs=self.ppo_epochs, minibatches=self.optimizer_steps,
                           group_size=group, recompute_logprobs=self.recompute_logprobs)
         reward = None
