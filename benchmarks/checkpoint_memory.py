@@ -25,8 +25,8 @@ from pathlib import Path
 
 import ray
 
-from loomrl.config import TrainConfig
-from loomrl.configtools import load_config
+from loomrl.config.schema import TrainConfig
+from loomrl.config.tools import load_config
 from loomrl.train.rl import RLTrainer
 
 MB = 1 << 20

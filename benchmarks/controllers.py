@@ -85,8 +85,8 @@ class StandInWorker:
 
 
 def _config(devices: int, run_dir: Path, *extra: str):
-    from loomrl.config import TrainConfig
-    from loomrl.configtools import load_config
+    from loomrl.config.schema import TrainConfig
+    from loomrl.config.tools import load_config
 
     return load_config(TrainConfig, None, [
         f"run_dir={run_dir}", "rollout.prompts_per_iter=4", "runtime.executor=ray", f"runtime.devices={devices}",
@@ -179,7 +179,7 @@ def _cluster_run(address: str, run_dir: str) -> None:
 
     from loomrl.train.rl import RLTrainer
 
-    from loomrl.launch import start_ray
+    from loomrl.runtime.launch import start_ray
 
     start_ray(address, 0)  # joins with the cluster's token; the trainer then uses this connection
     deadline = time.monotonic() + 120

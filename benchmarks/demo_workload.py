@@ -9,8 +9,8 @@ import dataclasses
 import json
 from pathlib import Path
 
-from loomrl.config import RMConfig, SFTConfig, TrainConfig
-from loomrl.configtools import load_config
+from loomrl.config.schema import RMConfig, SFTConfig, TrainConfig
+from loomrl.config.tools import load_config
 from loomrl.train.rl import RLTrainer
 from loomrl.train.rm import run_rm
 from loomrl.train.sft import run_sft

@@ -37,9 +37,9 @@ os.environ.setdefault("HF_HUB_OFFLINE", "1")
 
 from rich.console import Console  # noqa: E402
 
-from loomrl.config import RMConfig, SFTConfig, TrainConfig  # noqa: E402
-from loomrl.configtools import load_config  # noqa: E402
-from loomrl.launch import quiet_libraries  # noqa: E402
+from loomrl.config.schema import RMConfig, SFTConfig, TrainConfig  # noqa: E402
+from loomrl.config.tools import load_config  # noqa: E402
+from loomrl.runtime.launch import quiet_libraries  # noqa: E402
 from loomrl.report import summary_table  # noqa: E402
 from loomrl.train.rl import RLTrainer  # noqa: E402
 from loomrl.train.rm import run_rm  # noqa: E402

@@ -27,9 +27,9 @@ sys.path.insert(0, str(Path(__file__).resolve().parent))
 
 from rich.console import Console  # noqa: E402
 
-from loomrl.launch import quiet_libraries  # noqa: E402
-from loomrl.planner.calibrate import calibrate_local, usable_cores  # noqa: E402
-from loomrl.planner.calibration_runs import fit_from_runs, load_run, simulate_run  # noqa: E402
+from loomrl.runtime.launch import quiet_libraries  # noqa: E402
+from loomrl.planner.calibration.local import calibrate_local, usable_cores  # noqa: E402
+from loomrl.planner.calibration.runs import fit_from_runs, load_run, simulate_run  # noqa: E402
 from loomrl.report import summary_table  # noqa: E402
 from demo_workload import prepare, run_ppo  # noqa: E402
 

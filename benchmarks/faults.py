@@ -75,11 +75,11 @@ os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
 
 from rich.console import Console  # noqa: E402
 
-from loomrl.checkpoint import (CHECKPOINTS_DIR, MANIFEST_FILE, CheckpointError, checkpoint_name,  # noqa: E402
+from loomrl.checkpoint.store import (CHECKPOINTS_DIR, MANIFEST_FILE, CheckpointError, checkpoint_name,  # noqa: E402
                                latest_checkpoint, load_checkpoint, verify_checkpoint)
-from loomrl.config import TrainConfig  # noqa: E402
-from loomrl.configtools import load_config  # noqa: E402
-from loomrl.launch import quiet_libraries  # noqa: E402
+from loomrl.config.schema import TrainConfig  # noqa: E402
+from loomrl.config.tools import load_config  # noqa: E402
+from loomrl.runtime.launch import quiet_libraries  # noqa: E402
 from loomrl.report import summary_table  # noqa: E402
 from loomrl.train.rl import FAILURES_FILE, RLTrainer  # noqa: E402
 

@@ -10,15 +10,15 @@ lower bound.
 stage's forward takes 1 and backward 2 time units in both models, and activation memory is capped per device at
 the two models' 1F1B peaks there (the default). On top of that grid, every depth pair at ``M = 16`` with the
 critic's stage costs 0.5x and 2x the actor's. For each case: the makespan of the separate schedule (each device
-runs the actor's 1F1B, then the critic's), of :func:`~loomrl.plan.fused_pipeline.fused_schedule` (seeded search,
+runs the actor's 1F1B, then the critic's), of :func:`~loomrl.planner.pipeline_fusion.fused_schedule` (seeded search,
 ``--time-limit`` seconds at most per case, stopping at the bound), the lower bound
-(:mod:`loomrl.plan.fused_pipeline.bound`, raised by CP-SAT's proofs when OR-Tools is installed: the ``schedule``
+(:mod:`loomrl.planner.pipeline_fusion.bound`, raised by CP-SAT's proofs when OR-Tools is installed: the ``schedule``
 extra; ``--no-exact`` leaves it out), the fused schedule's gap to it, the seconds spent and whether it is within 1%
 (the target). ``--quick``: M in {8, 16}, no cost ratios, 5 seconds per case.
 
 ``ceiling`` (needs OR-Tools): for each of ``--cases`` (pp_actor/pp_critic/M/critic cost ratio), what the optimum
 is: CP-SAT asked, from the bound up one grid step at a time, whether a schedule of that makespan exists
-(:func:`~loomrl.plan.fused_pipeline.exact.exact_ladder`, ``--proof-limit`` seconds per call, a call asking on while
+(:func:`~loomrl.planner.pipeline_fusion.exact.exact_ladder`, ``--proof-limit`` seconds per call, a call asking on while
 its time lasts, and a new call after each proof); the proven bound and, when it found one, the optimum. Long:
 minutes per question on two cores.
 
@@ -38,10 +38,12 @@ from rich.console import Console
 
 os.environ.setdefault("HF_HUB_OFFLINE", "1")
 
-from loomrl.plan.fused_pipeline import (FusionProblem, PipelineSpec, check, fused_schedule, lower_bound,
-                                        separate_schedule)
-from loomrl.plan.fused_pipeline.exact import available, exact_ladder
-from loomrl.plan.fused_pipeline.graph import build_graph
+from loomrl.plan.pipeline_fusion import FusionProblem, PipelineSpec
+from loomrl.planner.pipeline_fusion.simulate import check
+from loomrl.planner.pipeline_fusion.search import fused_schedule, separate_schedule
+from loomrl.planner.pipeline_fusion.bound import lower_bound
+from loomrl.planner.pipeline_fusion.exact import available, exact_ladder
+from loomrl.planner.pipeline_fusion.graph import build_graph
 from loomrl.report import summary_table
 
 DEPTHS = ((8, 4), (8, 8), (16, 4), (16, 8), (16, 16))

@@ -5,7 +5,7 @@ LM) and a critic (a value model of the same size) pipelined over the same proces
 reversed: one step is, for each model, a forward and backward of every micro-batch, the gradient sum over the
 model's replicas, clipping and an AdamW step. ``separate`` runs the actor's 1F1B pass and then the critic's
 (what loomrl runs without ``fuse_train``); ``fused`` runs one fused pipeline step with the schedule the runtime
-would run (:func:`loomrl.planner.fused_train.fused_train_orders`, each task priced by the cost model). The two
+would run (:func:`loomrl.planner.cost.pipeline_fusion.fused_train_orders`, each task priced by the cost model). The two
 alternate step by step, so load on the machine falls on both alike; each figure is the median over the steps
 after the first two.
 
@@ -65,12 +65,12 @@ def _pricing(setup: Setup, profile):
     import dataclasses
 
     from loomrl.algorithms.workflows import build_workflow
-    from loomrl.config import AlgoConfig, RolloutConfig
+    from loomrl.config.schema import AlgoConfig, RolloutConfig
     from loomrl.plan.cluster import ClusterSpec
     from loomrl.plan.plan import Allocation, ExecutionPlan
     from loomrl.plan.schedule import StepKind, build_schedule
-    from loomrl.planner.cost import CostModel
-    from loomrl.planner.workload import ModelShape, Workload
+    from loomrl.planner.cost.model import CostModel
+    from loomrl.planner.cost.workload import ModelShape, Workload
 
     workflow = build_workflow(AlgoConfig(name="ppo", ppo_epochs=1, minibatches=1), RolloutConfig())
     cluster = ClusterSpec(nodes=1, devices_per_node=setup.processes)
@@ -91,9 +91,9 @@ def _body(rank: int, setup: Setup, orders: dict, steps: int) -> dict:
 
     from loomrl.parallel.allocations import AllocationGroups
     from loomrl.parallel.data_parallel import sync_gradients
-    from loomrl.parallel.fused_pipeline import FusedSide, fused_train_step_backward
+    from loomrl.parallel.pipeline_fusion import FusedSide, fused_train_step_backward
     from loomrl.parallel.pipeline import split_stages
-    from loomrl.parallel.pipeline_schedule import PipelineRunner, clip_grad_norm_pp
+    from loomrl.parallel.pipeline_runner import PipelineRunner, clip_grad_norm_pp
     from loomrl.workflow.batch import micro_batch_slices
 
     torch.manual_seed(0)
@@ -157,8 +157,8 @@ def _body(rank: int, setup: Setup, orders: dict, steps: int) -> dict:
 def measured_rows(steps: int = 8) -> list[dict]:
     """One row per setup: measured and predicted seconds of a separate and a fused step."""
     from loomrl.parallel.spawn import run_world
-    from loomrl.planner.calibrate import calibrate_local
-    from loomrl.planner.fused_train import fused_train_orders
+    from loomrl.planner.calibration.local import calibrate_local
+    from loomrl.planner.cost.pipeline_fusion import fused_train_orders
 
     rows, profiles = [], {}
     for setup in SETUPS:

@@ -41,20 +41,20 @@ sys.path.insert(0, str(Path(__file__).resolve().parent))
 from rich.console import Console  # noqa: E402
 
 from loomrl.algorithms.ops import generate_chunks, generate_op, logprob_op, reward_op, values_op  # noqa: E402
-from loomrl.config import RuntimeConfig, TaskConfig  # noqa: E402
+from loomrl.config.schema import RuntimeConfig, TaskConfig  # noqa: E402
 from loomrl.data.sources import build_task, examples_window, prompt_source  # noqa: E402
-from loomrl.engine.specs import RoleSpec  # noqa: E402
-from loomrl.launch import quiet_libraries  # noqa: E402
+from loomrl.role.spec import RoleSpec  # noqa: E402
+from loomrl.runtime.launch import quiet_libraries  # noqa: E402
 from loomrl.models.tokenizer import build_char_tokenizer, encode_prompt  # noqa: E402
 from loomrl.plan import ClusterSpec, make_plan  # noqa: E402
-from loomrl.planner.calibrate import calibrate_local, usable_cores  # noqa: E402
-from loomrl.planner.corrections import fit_corrections  # noqa: E402
-from loomrl.planner.cost import CostModel  # noqa: E402
+from loomrl.planner.calibration.local import calibrate_local, usable_cores  # noqa: E402
+from loomrl.planner.cost.corrections import fit_corrections  # noqa: E402
+from loomrl.planner.cost.model import CostModel  # noqa: E402
 from loomrl.planner.planning import model_config  # noqa: E402
-from loomrl.planner.settings import RUNTIME  # noqa: E402
-from loomrl.planner.simulator import simulate  # noqa: E402
-from loomrl.planner.traces import trace_predictor  # noqa: E402
-from loomrl.planner.workload import ModelShape, Workload  # noqa: E402
+from loomrl.planner.cost.system import RUNTIME  # noqa: E402
+from loomrl.planner.simulation.simulator import simulate  # noqa: E402
+from loomrl.planner.calibration.traces import trace_predictor  # noqa: E402
+from loomrl.planner.cost.workload import ModelShape, Workload  # noqa: E402
 from loomrl.report import summary_table  # noqa: E402
 from loomrl.rollout import SamplingParams  # noqa: E402
 from loomrl.runtime.ray_executor import RayExecutor  # noqa: E402

@@ -28,11 +28,11 @@ os.environ.setdefault("HF_HUB_OFFLINE", "1")
 import torch  # noqa: E402
 from rich.console import Console  # noqa: E402
 
-from loomrl.config import SFTConfig, TrainConfig  # noqa: E402
-from loomrl.configtools import load_config  # noqa: E402
+from loomrl.config.schema import SFTConfig, TrainConfig  # noqa: E402
+from loomrl.config.tools import load_config  # noqa: E402
 from loomrl.data.judges import DEFAULT_TEMPLATE, judge_prompt  # noqa: E402
 from loomrl.data.sources import build_task, held_out  # noqa: E402
-from loomrl.launch import quiet_libraries  # noqa: E402
+from loomrl.runtime.launch import quiet_libraries  # noqa: E402
 from loomrl.models.tokenizer import decode_response, encode_prompt, task_tokenizer  # noqa: E402
 from loomrl.models.zoo import build_causal_lm  # noqa: E402
 from loomrl.report import summary_table  # noqa: E402
@@ -77,7 +77,7 @@ def judge_on_policy_samples(policy_dir: Path, judge_dir: Path, train: TrainConfi
 def verdict_file(out: Path, judge_task, policy_dir: Path, n: int, seed: int) -> None:
     """Write ``n`` verdicts on the policy's own samples (labelled by the judged task's rule) and ``n`` synthetic
     ones to ``out/verdicts.jsonl``, with the reward function that scores the judge's verdicts against them."""
-    from loomrl.config import TaskConfig
+    from loomrl.config.schema import TaskConfig
     from loomrl.data.sources import prompt_source
 
     judged_cfg = TaskConfig(name=judge_task.judged, min_len=judge_task.min_len, max_len=judge_task.max_len)

@@ -9,15 +9,15 @@ within the time budget starting from the best heuristic; the table gives each on
 time and the searched plan's speedup over the best feasible heuristic (target: at least 1.26x on average).
 A heuristic's layouts are symmetric (one per role and mesh, as ReaLHF's Megatron-based heuristic); the
 "per-call" columns compare with the stronger heuristic whose calls each take their own layout, for
-transparency. "bound" is the lower bound of :mod:`loomrl.planner.bounds` on any plan of the search's space, so
+transparency. "bound" is the lower bound of :mod:`loomrl.planner.search.bounds` on any plan of the search's space, so
 "heuristic / bound" is the most any searched plan could gain over the best heuristic in that setup.
 
 ``--long-tail`` replaces the three uniform lengths by one long-tailed distribution: a log-normal of log-scale
-:data:`~loomrl.planner.workload.DEFAULT_SPREAD` cut at 2048 tokens with mean 384
-(:func:`~loomrl.planner.workload.lengths_from_mean_max`). The search may fuse generation with the inference that
+:data:`~loomrl.planner.cost.workload.DEFAULT_SPREAD` cut at 2048 tokens with mean 384
+(:func:`~loomrl.planner.cost.workload.lengths_from_mean_max`). The search may fuse generation with the inference that
 reads it (RLHFuse's inter-stage fusion, ``migrate_at: auto``) while the heuristics stay unfused, so the speedup is
 the searched plan's against the best unfused heuristic (target: at least 1.3x on average); the bound covers fused
-plans too (:mod:`loomrl.planner.bounds`).
+plans too (:mod:`loomrl.planner.search.bounds`).
 """
 
 from __future__ import annotations
@@ -29,13 +29,13 @@ import time
 from rich.console import Console
 
 from loomrl.algorithms.workflows import build_workflow
-from loomrl.config import AlgoConfig, RolloutConfig
+from loomrl.config.schema import AlgoConfig, RolloutConfig
 from loomrl.plan import ClusterSpec
-from loomrl.planner.cost import CostModel
+from loomrl.planner.cost.model import CostModel
 from loomrl.planner.planning import compare_plans, model_config
-from loomrl.planner.profiles import profile_for
-from loomrl.planner.search import best_heuristic_plans
-from loomrl.planner.workload import DEFAULT_SPREAD, ModelShape, Workload, lengths_from_mean_max
+from loomrl.plan.hardware import profile_for
+from loomrl.planner.search.search import best_heuristic_plans
+from loomrl.planner.cost.workload import DEFAULT_SPREAD, ModelShape, Workload, lengths_from_mean_max
 from loomrl.report import summary_table
 
 SETUPS = (("llama2-7b", "h100:1x8"), ("llama2-13b", "h100:2x8"), ("llama2-34b", "h100:4x8"),

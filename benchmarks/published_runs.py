@@ -4,7 +4,7 @@
 
 Every row is a :class:`~loomrl.planner.describe.RunDescription` (models, cluster, data shape, optimizer steps,
 serving-engine settings and the plan the publication describes), simulated as a fixed plan with the datasheet
-profiles and their published efficiencies (``loomrl/planner/profiles.py``); nothing is fitted to these rows.
+profiles and their published efficiencies (``loomrl/plan/hardware.py``); nothing is fitted to these rows.
 The table gives each row's published step time, the prediction, the published stage shares beside the
 predicted ones where the publication breaks the step down, and the ratio predicted / published last.
 
@@ -31,11 +31,11 @@ from dataclasses import dataclass, field
 
 from rich.console import Console
 
-from loomrl.configtools import from_dict
+from loomrl.config.tools import from_dict
 from loomrl.plan import ClusterSpec, make_plan
 from loomrl.planner.describe import RunDescription, planner_inputs
 from loomrl.planner.describe import simulate_fixed
-from loomrl.planner.profiles import profile_for
+from loomrl.plan.hardware import profile_for
 from loomrl.report import summary_table
 
 NEMO_RL = "github.com/NVIDIA-NeMo/RL docs/about/performance-summary.md"

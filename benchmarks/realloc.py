@@ -45,7 +45,7 @@ from loomrl.errors import ConfigError  # noqa: E402
 from loomrl.models.tokenizer import build_char_tokenizer  # noqa: E402
 from loomrl.models.zoo import ZOO, parameter_shapes  # noqa: E402
 from loomrl.planner.planning import MODEL_PRESETS  # noqa: E402
-from loomrl.planner.workload import ModelShape  # noqa: E402
+from loomrl.planner.cost.workload import ModelShape  # noqa: E402
 from loomrl.plan.layout import Layout  # noqa: E402
 from loomrl.plan.realloc_plan import ReallocPlan, plan_reallocation  # noqa: E402
 from loomrl.plan.plan import Allocation  # noqa: E402

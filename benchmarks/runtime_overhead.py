@@ -23,7 +23,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parent))
 
 from rich.console import Console  # noqa: E402
 
-from loomrl.launch import quiet_libraries  # noqa: E402
+from loomrl.runtime.launch import quiet_libraries  # noqa: E402
 from loomrl.report import summary_table  # noqa: E402
 from demo_workload import prepare, run_ppo  # noqa: E402
 

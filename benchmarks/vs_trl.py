@@ -83,8 +83,8 @@ def write_model(size: str, out: Path) -> int:
 
 
 def run_loomrl(model: str, budget: int, steps: int, bf16: bool, executor: str, run_dir: str) -> dict:
-    from loomrl.config import TrainConfig
-    from loomrl.configtools import load_config
+    from loomrl.config.schema import TrainConfig
+    from loomrl.config.tools import load_config
     from loomrl.train.rl import RLTrainer
 
     runtime = (["runtime.executor=reference", "runtime.threads=2"] if executor == "reference" else
@@ -105,7 +105,7 @@ def run_loomrl(model: str, budget: int, steps: int, bf16: bool, executor: str, r
 
 def trl_prompts(n: int) -> list[dict]:
     """loomrl's training prompts of the sort task, in its order (what TRL's unshuffled sampler then takes)."""
-    from loomrl.config import TaskConfig
+    from loomrl.config.schema import TaskConfig
     from loomrl.data.sources import build_task, examples_window, prompt_source
 
     cfg = TaskConfig()
@@ -157,7 +157,7 @@ def measure(system: str, model: str, budget: int, steps: int, bf16: bool) -> dic
 
 
 def one(spec: dict) -> None:
-    from loomrl.launch import quiet_libraries
+    from loomrl.runtime.launch import quiet_libraries
 
     quiet_libraries()
     with tempfile.TemporaryDirectory() as run_dir:

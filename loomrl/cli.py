@@ -26,8 +26,8 @@ def _config_and_overrides(items: Sequence[str]) -> tuple[str | None, list[str]]:
 
 
 def _cmd_train(args: argparse.Namespace) -> int:
-    from loomrl.config import TrainConfig
-    from loomrl.configtools import load_config
+    from loomrl.config.schema import TrainConfig
+    from loomrl.config.tools import load_config
     from loomrl.train.rl import RLTrainer
 
     path, overrides = _config_and_overrides(args.config)
@@ -43,8 +43,8 @@ def _cmd_train(args: argparse.Namespace) -> int:
 
 
 def _cmd_sft(args: argparse.Namespace) -> int:
-    from loomrl.config import SFTConfig
-    from loomrl.configtools import load_config
+    from loomrl.config.schema import SFTConfig
+    from loomrl.config.tools import load_config
     from loomrl.train.sft import run_sft
 
     path, overrides = _config_and_overrides(args.config)
@@ -55,8 +55,8 @@ def _cmd_sft(args: argparse.Namespace) -> int:
 
 
 def _cmd_rm(args: argparse.Namespace) -> int:
-    from loomrl.config import RMConfig
-    from loomrl.configtools import load_config
+    from loomrl.config.schema import RMConfig
+    from loomrl.config.tools import load_config
     from loomrl.train.rm import run_rm
 
     path, overrides = _config_and_overrides(args.config)
@@ -84,7 +84,7 @@ def _cmd_eval(args: argparse.Namespace) -> int:
 
 
 def _cmd_export(args: argparse.Namespace) -> int:
-    from loomrl.checkpoint import CHECKPOINTS_DIR, export_checkpoint, latest_checkpoint
+    from loomrl.checkpoint.store import CHECKPOINTS_DIR, export_checkpoint, latest_checkpoint
 
     path = Path(args.checkpoint)
     if (path / CHECKPOINTS_DIR).is_dir():
@@ -98,7 +98,7 @@ def _cmd_export(args: argparse.Namespace) -> int:
 
 
 def _cmd_demo(args: argparse.Namespace) -> int:
-    from loomrl.demo import run_demo
+    from loomrl.commands.demo import run_demo
 
     run_demo(args.config_dir, args.out, args.overrides)
     return 0
@@ -110,9 +110,9 @@ def _cmd_plan(args: argparse.Namespace) -> int:
     from rich.console import Console
 
     from loomrl.plan import make_plan
-    from loomrl.planner.corrections import Corrections
+    from loomrl.planner.cost.corrections import Corrections
     from loomrl.planner.describe import planner_inputs
-    from loomrl.planner.profiles import load_profile
+    from loomrl.plan.hardware import load_profile
 
     if not (math.isfinite(args.time_budget) and args.time_budget > 0):
         raise ConfigError(f"--time-budget: {args.time_budget:g} is not a number of seconds > 0")
@@ -137,7 +137,7 @@ def _cmd_plan(args: argparse.Namespace) -> int:
     else:
         name, plan, result = _compare(console, title, run, (workflow, cluster, configs, workload, settings),
                                       profile, corrections, bytes_per_param, args)
-    from loomrl.planner.timeline import render_timeline
+    from loomrl.report.timeline import render_timeline
 
     try:  # made only now: a rejected plan leaves no directory behind
         out.mkdir(parents=True, exist_ok=True)
@@ -156,11 +156,11 @@ def _cmd_plan(args: argparse.Namespace) -> int:
 def _run_description(args: argparse.Namespace):
     """The run ``loomrl plan`` prices: a train config's algorithm (the positional config), then a workload file
     (``--workload``), then the flags given; and the weights' element size of the config's precision."""
-    from loomrl.config import TrainConfig
-    from loomrl.configtools import deep_merge, from_dict, load_config, read_yaml
-    from loomrl.planner.cost import PRECISION_BYTES
+    from loomrl.config.schema import TrainConfig
+    from loomrl.config.tools import deep_merge, from_dict, load_config, read_yaml
+    from loomrl.planner.cost.model import PRECISION_BYTES
     from loomrl.planner.describe import RunDescription
-    from loomrl.planner.lengths import length_fields
+    from loomrl.planner.cost.lengths import length_fields
 
     path, overrides = _config_and_overrides(args.config)
     cfg = load_config(TrainConfig, path, overrides)
@@ -199,7 +199,7 @@ _RUN_FLAGS = ("cluster", "prompts", "responses_per_prompt", "prompt_len", "respo
 """Flags of ``loomrl plan`` that set a field of :class:`~loomrl.planner.describe.RunDescription` (same names)."""
 _ENGINE_FLAGS = ("gen_memory_fraction", "gen_max_seqs", "gen_request_batch", "gen_precision", "train_precision",
                  "optimizer_offload", "packing", "logits", "sync_tensor_s", "expert_parallel")
-"""Flags that set a field of :class:`~loomrl.planner.settings.EngineSettings` (same names)."""
+"""Flags that set a field of :class:`~loomrl.planner.cost.system.EngineSettings` (same names)."""
 
 
 def _print_fixed(console, title: str, report) -> None:
@@ -218,7 +218,7 @@ def _compare(console, title: str, run, inputs, profile, corrections, bytes_per_p
     """Heuristics, search and bound side by side (no fixed plan): the best plan found."""
     import math
 
-    from loomrl.planner.bounds import segment_seconds
+    from loomrl.planner.search.bounds import segment_seconds
     from loomrl.planner.planning import compare_plans
     from loomrl.report import summary_table
 
@@ -231,7 +231,7 @@ def _compare(console, title: str, run, inputs, profile, corrections, bytes_per_p
     bound = report.bound.seconds
     if math.isfinite(bound):
         console.print(f"lower bound: no plan of the search's space runs faster than {bound:.3g} s/iteration "
-                      f"(best found: {result.iteration_time / bound:.3f}x of it; see loomrl.planner.bounds)")
+                      f"(best found: {result.iteration_time / bound:.3f}x of it; see loomrl.planner.search.bounds)")
         if report.bound.training:
             console.print("the bound holds for every training placement; it is least for "
                           + ", ".join(report.bound.training))
@@ -247,11 +247,11 @@ def _compare(console, title: str, run, inputs, profile, corrections, bytes_per_p
 def _cmd_timeline(args: argparse.Namespace) -> int:
     from pathlib import Path
 
-    from loomrl.planner.calibrate import usable_cores
-    from loomrl.planner.corrections import Corrections
-    from loomrl.planner.profiles import PROFILES, load_profile
-    from loomrl.planner.run_timeline import placement_marks, predicted_run, read_traces, result_from_traces
-    from loomrl.planner.timeline import render_timelines
+    from loomrl.planner.calibration.local import usable_cores
+    from loomrl.planner.cost.corrections import Corrections
+    from loomrl.plan.hardware import PROFILES, load_profile
+    from loomrl.report.run_timeline import placement_marks, predicted_run, read_traces, result_from_traces
+    from loomrl.report.timeline import render_timelines
 
     traces = read_traces(args.run_dir)
     measured = result_from_traces(traces, last_iterations=args.iterations or None)
@@ -272,7 +272,7 @@ def _cmd_timeline(args: argparse.Namespace) -> int:
         print(f"{name}: {result.iteration_time:.3g} s/iteration")
     print(f"wrote {out / 'timeline.png'} and {out / 'timeline.html'}")
     if args.chrome:
-        from loomrl.planner.chrome_trace import write_chrome_trace
+        from loomrl.report.chrome_trace import write_chrome_trace
 
         predicted = panels[0][1] if len(panels) > 1 else None
         path = write_chrome_trace(out / CHROME_TRACE_FILE, traces, predicted, title=out.name)
@@ -292,8 +292,8 @@ def _cmd_calibrate(args: argparse.Namespace) -> int:
     import json
     from pathlib import Path
 
-    from loomrl.planner.calibrate import calibrate_local
-    from loomrl.planner.profiles import PROFILES
+    from loomrl.planner.calibration.local import calibrate_local
+    from loomrl.plan.hardware import PROFILES
 
     out = Path(args.out)
     out.mkdir(parents=True, exist_ok=True)
@@ -303,9 +303,9 @@ def _cmd_calibrate(args: argparse.Namespace) -> int:
         print(json.dumps(dc.asdict(profile), indent=2))
         print(f"wrote {out / 'local_profile.json'}")
         return 0
-    from loomrl.planner.calibrate import usable_cores
-    from loomrl.planner.calibration_runs import fit_from_runs
-    from loomrl.planner.profiles import load_profile
+    from loomrl.planner.calibration.local import usable_cores
+    from loomrl.planner.calibration.runs import fit_from_runs
+    from loomrl.plan.hardware import load_profile
 
     saved = out / "local_profile.json"
     measured = saved.is_file()
@@ -319,8 +319,8 @@ def _cmd_calibrate(args: argparse.Namespace) -> int:
 
 
 def _cmd_config(args: argparse.Namespace) -> int:
-    from loomrl import config as C
-    from loomrl.configtools import describe
+    from loomrl.config import schema as C
+    from loomrl.config.tools import describe
 
     cls = {"train": C.TrainConfig, "sft": C.SFTConfig, "rm": C.RMConfig, "eval": C.EvalConfig}[args.command]
     for path, type_name, default, doc in describe(cls):
@@ -464,7 +464,7 @@ def _add_plan_arguments(p: argparse.ArgumentParser, cfg_help: str) -> None:
 
 def main(argv: Sequence[str] | None = None) -> int:
     args = build_parser().parse_args(argv)
-    from loomrl.launch import quiet_libraries
+    from loomrl.runtime.launch import quiet_libraries
 
     quiet_libraries()
     try:

@@ -47,7 +47,7 @@ def adamw_steps(ref: torch.nn.Module, runner, pp_group, micro_batches: int = 2
     full batch, then the pipeline ``runner``'s stage over ``micro_batches``. Returns ((loss, norm) unsplit,
     (loss, norm) staged)."""
     from loomrl.models.heads import token_logprobs
-    from loomrl.parallel.pipeline_schedule import clip_grad_norm_pp
+    from loomrl.parallel.pipeline_runner import clip_grad_norm_pp
     from loomrl.workflow.batch import micro_batch_slices
 
     ids_BL, mask_BL = ragged_batch()

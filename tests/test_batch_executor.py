@@ -8,8 +8,8 @@ import pytest
 import torch
 
 from loomrl.algorithms.ops import train_loop
-from loomrl.algorithms.roles import OpContext, Role
-from loomrl.engine import ModelEngine
+from loomrl.algorithms.context import OpContext, Role
+from loomrl.role import ModelEngine
 from loomrl.plan import ClusterSpec, colocate
 from loomrl.plan.schedule import build_schedule
 from loomrl.models.heads import token_logprobs, token_values

@@ -6,14 +6,14 @@ from types import SimpleNamespace
 import pytest
 
 from loomrl.algorithms.workflows import build_workflow
-from loomrl.config import AlgoConfig, RolloutConfig
+from loomrl.config.schema import AlgoConfig, RolloutConfig
 from loomrl.plan import GB, Allocation, ClusterSpec, colocate
-from loomrl.planner import bounds
-from loomrl.planner.bounds import iteration_bound, segment_seconds, segments
+from loomrl.planner.search import bounds
+from loomrl.planner.search.bounds import iteration_bound, segment_seconds, segments
 from loomrl.planner.planning import compare_plans, model_config
-from loomrl.planner.search import search
-from loomrl.planner.simulator import simulate
-from loomrl.planner.workload import Workload
+from loomrl.planner.search.search import search
+from loomrl.planner.simulation.simulator import simulate
+from loomrl.planner.cost.workload import Workload
 from loomrl.workflow import MFC
 
 PPO = build_workflow(AlgoConfig(name="ppo"), RolloutConfig())

@@ -8,7 +8,7 @@ import json
 import pytest
 
 from chat_model import CHATML, build_chat_tokenizer, save_chat_model
-from loomrl.config import TaskConfig
+from loomrl.config.schema import TaskConfig
 from loomrl.data.prompts import FilePrompts
 from loomrl.data.sources import build_task, held_out, prompt_source
 from loomrl.errors import DataError

@@ -16,7 +16,7 @@ import torch
 import transformers
 from tokenizers import Tokenizer, models, pre_tokenizers
 
-from loomrl.checkpoint import (CheckpointError, latest_checkpoint, load_checkpoint, remove_leftovers, save_checkpoint,
+from loomrl.checkpoint.store import (CheckpointError, latest_checkpoint, load_checkpoint, remove_leftovers, save_checkpoint,
                                verify_checkpoint)
 from loomrl.errors import LoomError
 from loomrl.train.evaluation import resolve_target
@@ -295,8 +295,8 @@ CRASH_SERVER = textwrap.dedent('''
     import json, os, random, shutil, signal, sys, threading, time
     from pathlib import Path
     import torch, tqdm, transformers, transformers.modeling_utils
-    import loomrl.checkpoint as ck
-    import loomrl.checkpoint_shards as shards
+    import loomrl.checkpoint.store as ck
+    import loomrl.checkpoint.shards as shards
 
     torch.set_num_threads(1)
     # tqdm (save_pretrained's progress bars) locks a semaphore shared with forked children, which a child killed
@@ -407,8 +407,8 @@ def test_a_save_killed_at_any_point_leaves_a_loadable_checkpoint(tmp_path, form)
     """SIGKILL at each step of a save (and after random delays), whole or sharded: the chosen checkpoint is
     complete, passes its manifest, and holds the weights of its own iteration; no partial directory is ever
     chosen."""
-    from loomrl.checkpoint import save_sharded_checkpoint
-    from loomrl.runtime.state_io import FullOptimizerState
+    from loomrl.checkpoint.store import save_sharded_checkpoint
+    from loomrl.checkpoint.optim_state import FullOptimizerState
 
     proc = subprocess.run([sys.executable, "-c", CRASH_SERVER, str(tmp_path), json.dumps(CRASH_POINTS), "4", form],
                           capture_output=True, text=True, timeout=300)
@@ -440,8 +440,8 @@ def test_a_save_killed_at_any_point_leaves_a_loadable_checkpoint(tmp_path, form)
 
 
 def test_checkpoint_keep_last_and_its_old_name_loop_keep_checkpoints(tmp_path):
-    from loomrl.config import TrainConfig
-    from loomrl.configtools import dump_yaml, load_config
+    from loomrl.config.schema import TrainConfig
+    from loomrl.config.tools import dump_yaml, load_config
     from loomrl.errors import ConfigError
 
     assert load_config(TrainConfig, None, []).checkpoint.keep_last == 2

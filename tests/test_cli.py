@@ -21,8 +21,8 @@ import transformers
 from transformers.utils import logging as hf_logging
 
 from loomrl.cli import main
-from loomrl.config import EvalConfig, RMConfig, SFTConfig, TrainConfig
-from loomrl.configtools import field_docs
+from loomrl.config.schema import EvalConfig, RMConfig, SFTConfig, TrainConfig
+from loomrl.config.tools import field_docs
 
 REPO = Path(__file__).resolve().parents[1]
 TINY_TRAIN = ("runtime.executor=reference", "loop.iterations=2", "rollout.prompts_per_iter=8", "loop.eval_prompts=8", "loop.progress=false")

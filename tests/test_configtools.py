@@ -1,4 +1,4 @@
-"""Tests of loomrl.configtools on a small three-level config tree defined here.
+"""Tests of loomrl.config.tools on a small three-level config tree defined here.
 
 Checks the happy paths (round trip, overrides, docs, --help rows) and that every malformed input gives
 a ConfigError of exactly one line naming the dotted path and the bad value.
@@ -13,7 +13,7 @@ from typing import Literal
 import pytest
 import yaml
 
-from loomrl.configtools import (
+from loomrl.config.tools import (
     FieldError,
     ValidatedConfig,
     deep_merge,

@@ -18,8 +18,8 @@ import pytest
 import torch
 
 from loomrl.algorithms.advantages import masked_whiten
-from loomrl.config import TrainConfig
-from loomrl.configtools import load_config
+from loomrl.config.schema import TrainConfig
+from loomrl.config.tools import load_config
 from loomrl.errors import ConfigError
 from loomrl.plan import ClusterSpec
 from loomrl.plan.plan_string import parse_plan_string
@@ -110,7 +110,7 @@ def test_parallel_controllers_compute_the_reference_run(tmp_path, references, al
 # ------------------------------------------------------------------------------- ownership, without Ray
 def _workflow(algo="ppo"):
     from loomrl.algorithms.workflows import build_workflow
-    from loomrl.config import AlgoConfig, RolloutConfig
+    from loomrl.config.schema import AlgoConfig, RolloutConfig
 
     return build_workflow(AlgoConfig(name=algo), RolloutConfig())
 

@@ -10,13 +10,16 @@ from types import SimpleNamespace
 import pytest
 
 from loomrl.plan import GB, Allocation, ClusterSpec, param_count, plan_reallocation
-from loomrl.planner import (PROFILES, CostModel, HardwareProfile, ModelShape, Workload, calibrate_local,
-                            fit_corrections, lengths_from_summary, observations_from_metrics, profile_for,
-                            trace_predictor)
-from loomrl.planner import decode as D
-from loomrl.planner import realloc_cost as RC
-from loomrl.planner.settings import EngineSettings
-from loomrl.planner import terms as T
+from loomrl.plan.hardware import HardwareProfile, PROFILES, profile_for
+from loomrl.planner.cost.model import CostModel
+from loomrl.planner.cost.workload import ModelShape, Workload
+from loomrl.planner.calibration.local import calibrate_local
+from loomrl.planner.cost.corrections import fit_corrections
+from loomrl.planner.calibration.traces import lengths_from_summary, observations_from_metrics, trace_predictor
+from loomrl.planner.cost import decode as D
+from loomrl.planner.cost import realloc as RC
+from loomrl.planner.cost.system import EngineSettings
+from loomrl.planner.cost import terms as T
 from loomrl.workflow import MFC, MFCKind
 
 LLAMA_7B = SimpleNamespace(model_type="llama", hidden_size=4096, num_hidden_layers=32, num_attention_heads=32,
@@ -200,7 +203,7 @@ def test_realloc_prices_are_shared_by_pairs_with_the_same_node_relations_only():
     """Renumbering the nodes a pair uses in their order (or shifting within the one node holding both) keeps
     every link and the devices' order the same: one priced plan serves them all, and it prices each of them
     exactly; a shift that changes which pairs share a node is priced anew."""
-    from loomrl.planner.realloc_cost import realloc_seconds
+    from loomrl.planner.cost.realloc import realloc_seconds
 
     cluster = ClusterSpec.parse("h100:4x4")
     model = CostModel(cluster, profile_for(cluster), {"actor": ModelShape.from_config(LLAMA_7B)}, Workload(8, 16, (16,)))
@@ -255,7 +258,7 @@ def test_fit_corrections_from_a_trace_through_the_cost_model():
     """Known factors per term group (roofline, launches, tensor-parallel launches, FSDP's collective launches,
     over tensor-parallel shards too) and a per-call overhead are recovered from calls priced by the cost model
     itself."""
-    from loomrl.planner.corrections import group_sums
+    from loomrl.planner.cost.corrections import group_sums
     cluster = ClusterSpec.parse("cpu:8")  # a small model on CPU: launches and roofline of similar size
     shapes = {"actor": SMALL}
     predict = trace_predictor(cluster, profile_for(cluster), shapes)

@@ -8,15 +8,17 @@ import time
 import pytest
 
 from loomrl.cli import main
-from loomrl.configtools import from_dict
+from loomrl.config.tools import from_dict
 from loomrl.errors import ConfigError
 from loomrl.plan import ExecutionPlan, make_plan
-from loomrl.planner import CostModel, ModelShape, profile_for
-from loomrl.planner.bounds import iteration_bound
+from loomrl.planner.cost.model import CostModel
+from loomrl.planner.cost.workload import ModelShape
+from loomrl.plan.hardware import profile_for
+from loomrl.planner.search.bounds import iteration_bound
 from loomrl.planner.describe import RunDescription, planner_inputs, stage_seconds
 from loomrl.planner.describe import simulate_fixed
-from loomrl.planner.search import CachedCost, best_heuristic_plans, candidate_allocations
-from loomrl.planner.simulator import Interval, SimResult
+from loomrl.planner.search.search import CachedCost, best_heuristic_plans, candidate_allocations
+from loomrl.planner.simulation.simulator import Interval, SimResult
 
 GRPO = {"algo": "grpo", "cluster": "h100:1x8", "models": {"actor": "llama3.1-8b", "reward": "rule"}, "prompts": 32,
         "responses_per_prompt": 8, "prompt_len": 100, "response_len": 500, "response_max": 2000,

@@ -1,7 +1,7 @@
 """Dynamic placement (``runtime.placement: dynamic``): the switch rule on synthetic telemetry, the re-planner's
 pieces against hand-computed values, and one Ray run that switches plans and still is the reference run.
 
-The switch rule (:mod:`loomrl.planner.placement_policy`) is checked on telemetry written by hand: the gain over
+The switch rule (:mod:`loomrl.planner.replanning.switch_rule`) is checked on telemetry written by hand: the gain over
 the window against the switch cost plus the margin, the relative band, confirmation over consecutive checks and
 the dwell, and that alternating or noisy telemetry never makes it oscillate. The Ray run (2 devices, 4
 iterations) starts on a plan the cost model prices slower than others, with a rule that lets it switch at once;
@@ -14,17 +14,17 @@ import random
 import pytest
 
 from loomrl.algorithms.workflows import build_workflow
-from loomrl.config import AlgoConfig, RolloutConfig
+from loomrl.config.schema import AlgoConfig, RolloutConfig
 from loomrl.errors import ConfigError
 from loomrl.plan import ClusterSpec, make_plan
 from loomrl.plan.schedule import build_schedule
-from loomrl.planner.corrections import ITERATION, Corrections
-from loomrl.planner.placement_policy import CheckBudget, SwitchPolicy, SwitchRule, Telemetry
+from loomrl.planner.cost.corrections import ITERATION, Corrections
+from loomrl.planner.replanning.switch_rule import CheckBudget, SwitchPolicy, SwitchRule, Telemetry
 from loomrl.planner.planning import model_config
-from loomrl.planner.profiles import PROFILES
-from loomrl.planner.replanning import Observed, RunModel, price_plans, refit, switch_seconds
-from loomrl.planner.run_timeline import placement_marks
-from loomrl.planner.simulator import simulate
+from loomrl.plan.hardware import PROFILES
+from loomrl.planner.replanning.replanning import Observed, RunModel, price_plans, refit, switch_seconds
+from loomrl.report.run_timeline import placement_marks
+from loomrl.planner.simulation.simulator import simulate
 from loomrl.runtime.plan_change import Move
 
 RULE = SwitchRule(window=10, margin_s=1.0, min_gain=0.1, confirm=2, dwell=3)
@@ -221,7 +221,7 @@ def test_candidates_use_only_what_the_corrections_cover():
     """A call whose term groups have no fitted (or given) correction makes a plan untrusted: tensor-parallel
     launches until a tp call was measured; fused plans never (their calls are traced as one step)."""
     from loomrl.plan import Allocation
-    from loomrl.planner.replanning import TrustedCost, trusted
+    from loomrl.planner.replanning.replanning import TrustedCost, trusted
 
     model = _model()
     plain = make_plan("colocate", model.workflow, model.cluster)
@@ -257,8 +257,8 @@ def test_decisions_are_marked_on_the_timeline(tmp_path):
 
 
 def test_dynamic_placement_is_checked_before_anything_runs():
-    from loomrl.config import TrainConfig
-    from loomrl.configtools import load_config
+    from loomrl.config.schema import TrainConfig
+    from loomrl.config.tools import load_config
 
     for extra, message in ((("runtime.executor=reference",), "runtime.placement: 'dynamic' needs executor 'ray'"),
                            (("runtime.controllers=2",), "runtime.placement: 'dynamic' needs one controller"),
@@ -277,7 +277,7 @@ def test_a_run_that_switches_plans_is_the_reference_run(tmp_path, monkeypatch):
     force is priced slowest at the first check and fastest afterwards (the rule is tested on its own above)."""
     from test_runtime import _assert_equivalent, _cfg
 
-    import loomrl.train.placement as placement
+    import loomrl.train.dynamic_placement as placement
     from loomrl.train.rl import RLTrainer
 
     checks = []

@@ -7,9 +7,9 @@ import pytest
 
 from loomrl.algorithms.dynamic_sampling import DynamicSampler, equal_rewards, group_filter
 from loomrl.algorithms.workflows import build_workflow
-from loomrl.checkpoint import latest_checkpoint
-from loomrl.config import AlgoConfig, DynamicSamplingConfig, RolloutConfig, RuntimeConfig, TrainConfig
-from loomrl.configtools import load_config
+from loomrl.checkpoint.store import latest_checkpoint
+from loomrl.config.schema import AlgoConfig, DynamicSamplingConfig, RolloutConfig, RuntimeConfig, TrainConfig
+from loomrl.config.tools import load_config
 from loomrl.errors import ConfigError, DataError
 from loomrl.plan import ClusterSpec, make_plan
 from loomrl.plan.from_config import plan_from_config
@@ -217,10 +217,11 @@ def test_the_planner_prices_the_waves_generation_and_rewards(tmp_path, capsys):
     """Dynamic sampling's waves generate and score more samples than train: generation and the reward call
     cost that many times over, nothing else does; `loomrl plan --generated-per-kept` says how many."""
     from loomrl.cli import main
-    from loomrl.configtools import from_dict
-    from loomrl.planner import CostModel, profile_for
+    from loomrl.config.tools import from_dict
+    from loomrl.planner.cost.model import CostModel
+    from loomrl.plan.hardware import profile_for
     from loomrl.planner.describe import RunDescription, planner_inputs
-    from loomrl.planner.workload import ModelShape
+    from loomrl.planner.cost.workload import ModelShape
 
     run = {"algo": "grpo", "cluster": "h100:1x8", "models": {"actor": "llama3.1-8b", "reward": "llama3.1-8b"},
            "prompts": 32, "responses_per_prompt": 8, "prompt_len": 100, "response_len": 500, "response_max": 2000}

@@ -10,8 +10,8 @@ import pytest
 import torch
 
 from loomrl.algorithms.evaluate import evaluate_pass_at_k, evaluate_policy, pass_at_k
-from loomrl.config import EvalConfig, TaskConfig
-from loomrl.configtools import load_config
+from loomrl.config.schema import EvalConfig, TaskConfig
+from loomrl.config.tools import load_config
 from loomrl.data.sources import held_out
 from loomrl.data.tasks import Example, Task
 from loomrl.errors import ConfigError, DataError

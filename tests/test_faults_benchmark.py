@@ -9,7 +9,7 @@ from pathlib import Path
 
 import pytest
 
-from loomrl.checkpoint import MANIFEST_FILE, verify_checkpoint
+from loomrl.checkpoint.store import MANIFEST_FILE, verify_checkpoint
 
 BENCHMARK = Path(__file__).resolve().parent.parent / "benchmarks" / "faults.py"
 

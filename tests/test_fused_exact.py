@@ -1,4 +1,4 @@
-"""CP-SAT's part of fused scheduling (:mod:`loomrl.plan.fused_pipeline.exact`, the optional ``schedule`` extra):
+"""CP-SAT's part of fused scheduling (:mod:`loomrl.planner.pipeline_fusion.exact`, the optional ``schedule`` extra):
 on tiny problems its proofs raise the bound exactly to the brute-force optimum and its schedules are valid and
 optimal; without OR-Tools, asking for it fails with one line and the default search runs without it."""
 
@@ -6,9 +6,12 @@ import time
 
 import pytest
 
-from loomrl.plan.fused_pipeline import FusionProblem, PipelineSpec, Schedule, check, fused_schedule, lower_bound
-from loomrl.plan.fused_pipeline.exact import available, exact_ladder
-from loomrl.plan.fused_pipeline.graph import build_graph
+from loomrl.plan.pipeline_fusion import FusionProblem, PipelineSpec, Schedule
+from loomrl.planner.pipeline_fusion.simulate import check
+from loomrl.planner.pipeline_fusion.search import fused_schedule
+from loomrl.planner.pipeline_fusion.bound import lower_bound
+from loomrl.planner.pipeline_fusion.exact import available, exact_ladder
+from loomrl.planner.pipeline_fusion.graph import build_graph
 from test_fused_schedule import brute_force_optimum, tiny_problems
 
 needs_ortools = pytest.mark.skipif(not available(), reason="OR-Tools is not installed (pip install 'loomrl[schedule]')")

@@ -1,6 +1,6 @@
 """Fusion in the planner: response-length distributions as ``loomrl plan`` reads them, the search's choice to fuse,
-and the lower bound over fused plans (:mod:`loomrl.planner.lengths`, :mod:`loomrl.planner.search`,
-:mod:`loomrl.planner.bounds`)."""
+and the lower bound over fused plans (:mod:`loomrl.planner.cost.lengths`, :mod:`loomrl.planner.search.search`,
+:mod:`loomrl.planner.search.bounds`)."""
 
 import dataclasses
 import json
@@ -8,18 +8,20 @@ import json
 import pytest
 
 from loomrl.algorithms.workflows import build_workflow
-from loomrl.config import AlgoConfig, RolloutConfig
+from loomrl.config.schema import AlgoConfig, RolloutConfig
 from loomrl.errors import ConfigError
 from loomrl.plan import ClusterSpec, colocate, separate
 from loomrl.plan.plan import Fusion
-from loomrl.planner import CostModel, ModelShape, Workload, simulate
-from loomrl.planner.bounds import iteration_bound
-from loomrl.planner.fused import generation_floor, price_fused
-from loomrl.planner.lengths import length_fields, observed_lengths
+from loomrl.planner.cost.model import CostModel
+from loomrl.planner.cost.workload import ModelShape, Workload
+from loomrl.planner.simulation.simulator import simulate
+from loomrl.planner.search.bounds import iteration_bound
+from loomrl.planner.cost.stream_fusion import generation_floor, price_fused
+from loomrl.planner.cost.lengths import length_fields, observed_lengths
 from loomrl.planner.planning import model_config
-from loomrl.planner.profiles import profile_for
-from loomrl.planner.search import plan_key, search
-from loomrl.planner.workload import lengths_from_mean_max
+from loomrl.plan.hardware import profile_for
+from loomrl.planner.search.search import plan_key, search
+from loomrl.planner.cost.workload import lengths_from_mean_max
 
 PPO = build_workflow(AlgoConfig(name="ppo", minibatches=4), RolloutConfig())
 CLUSTER = ClusterSpec.parse("h100:1x8")

@@ -1,15 +1,18 @@
-"""The planner's price of a fused stage (:mod:`loomrl.planner.fused`): hand-computed on a stub cost model, then
+"""The planner's price of a fused stage (:mod:`loomrl.planner.cost.stream_fusion`): hand-computed on a stub cost model, then
 on the real one through the simulator."""
 
 import pytest
 
 from loomrl.algorithms.workflows import build_workflow
-from loomrl.config import AlgoConfig, RolloutConfig
+from loomrl.config.schema import AlgoConfig, RolloutConfig
 from loomrl.plan import ClusterSpec, make_plan
 from loomrl.plan.schedule import StepKind, build_schedule
-from loomrl.planner import PROFILES, CostModel, ModelShape, Workload, simulate
-from loomrl.planner.corrections import Corrections
-from loomrl.planner.fused import best_migrate_at, price_fused
+from loomrl.plan.hardware import PROFILES
+from loomrl.planner.cost.model import CostModel
+from loomrl.planner.cost.workload import ModelShape, Workload
+from loomrl.planner.simulation.simulator import simulate
+from loomrl.planner.cost.corrections import Corrections
+from loomrl.planner.cost.stream_fusion import best_migrate_at, price_fused
 
 GRPO = build_workflow(AlgoConfig(name="grpo"), RolloutConfig())
 PPO = build_workflow(AlgoConfig(name="ppo"), RolloutConfig())

@@ -1,4 +1,4 @@
-"""Intra-stage fusion schedules (:mod:`loomrl.plan.fused_pipeline`): the problem's layout, the checker against
+"""Intra-stage fusion schedules (:mod:`loomrl.planner.pipeline_fusion`): the problem's layout, the checker against
 hand-made invalid schedules, as-soon-as-possible timing, the lower bound against hand-computed values and against
 brute force on tiny problems, the decoder's hold, local improvement, and the search (valid, deterministic for a
 seed, never worse than its start, never below the bound)."""
@@ -11,14 +11,15 @@ import time
 
 import pytest
 
-from loomrl.plan.fused_pipeline import (ACTOR, CRITIC, FusionProblem, PipelineSpec, Schedule, ScheduleError, Task,
-                                        check, fused_schedule, lower_bound, merged_schedule, separate_schedule,
-                                        simulate)
-from loomrl.plan.fused_pipeline.bound import heads_and_tails
-from loomrl.plan.fused_pipeline.decode import Decoder
-from loomrl.plan.fused_pipeline.exact import grain
-from loomrl.plan.fused_pipeline.graph import build_graph, makespan
-from loomrl.plan.fused_pipeline.polish import polish
+from loomrl.plan.pipeline_fusion import ACTOR, CRITIC, FusionProblem, PipelineSpec, Schedule, Task
+from loomrl.planner.pipeline_fusion.simulate import ScheduleError, check, simulate
+from loomrl.planner.pipeline_fusion.search import fused_schedule, merged_schedule, separate_schedule
+from loomrl.planner.pipeline_fusion.bound import lower_bound
+from loomrl.planner.pipeline_fusion.bound import heads_and_tails
+from loomrl.planner.pipeline_fusion.priorities import Decoder
+from loomrl.planner.pipeline_fusion.exact import grain
+from loomrl.planner.pipeline_fusion.graph import build_graph, makespan
+from loomrl.planner.pipeline_fusion.polish import polish
 
 
 def two_by_two(**kwargs) -> FusionProblem:

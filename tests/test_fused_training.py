@@ -4,7 +4,7 @@ and what one process computes on the unsplit models, on 2 and 4 processes, for e
 Each rank holds one stage of the actor (llama-1m, left to right) and one of a value model (llama-1m with a
 random score head, right to left: a reversed layout); with a shallower critic (pp 2 on 4 devices) it runs two
 replicas, each on half of the rows, whose gradients are summed. The order each device runs comes from the fused
-schedule generator (:mod:`loomrl.plan.fused_pipeline`), whose placement is the allocations' own. All fp32.
+schedule generator (:mod:`loomrl.planner.pipeline_fusion`), whose placement is the allocations' own. All fp32.
 """
 
 from __future__ import annotations
@@ -20,9 +20,9 @@ from loomrl.models.tokenizer import build_char_tokenizer
 from loomrl.models.zoo import build_causal_lm
 from loomrl.parallel.allocations import AllocationGroups
 from loomrl.parallel.data_parallel import sync_gradients
-from loomrl.parallel.fused_pipeline import FusedSide, fused_train_step_backward
+from loomrl.parallel.pipeline_fusion import FusedSide, fused_train_step_backward
 from loomrl.parallel.pipeline import split_stages
-from loomrl.parallel.pipeline_schedule import PipelineRunner, clip_grad_norm_pp
+from loomrl.parallel.pipeline_runner import PipelineRunner, clip_grad_norm_pp
 from loomrl.parallel.spawn import run_world
 from loomrl.plan.layout import Layout
 from loomrl.plan.plan import Allocation, DeviceSet
@@ -46,8 +46,10 @@ def _allocations(world: int, critic_pp: int) -> tuple[Allocation, Allocation]:
 
 def _orders(world: int, critic_pp: int, fused: bool) -> dict[int, tuple]:
     """Each device's order: the fused schedule's, or the two pipelines' 1F1B one after the other."""
-    from loomrl.plan.fused_pipeline import PipelineSpec, check, fused_schedule, separate_schedule
-    from loomrl.planner.fused_train import fused_train_problem, local_orders
+    from loomrl.plan.pipeline_fusion import PipelineSpec
+    from loomrl.planner.pipeline_fusion.simulate import check
+    from loomrl.planner.pipeline_fusion.search import fused_schedule, separate_schedule
+    from loomrl.planner.cost.pipeline_fusion import fused_train_problem, local_orders
 
     actor, critic = _allocations(world, critic_pp)
     specs = (PipelineSpec(world, 4), PipelineSpec(critic_pp, 2 * (world // critic_pp)))

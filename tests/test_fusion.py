@@ -13,17 +13,17 @@ import json
 import pytest
 
 from loomrl.algorithms.ops import generate_chunks, generate_op
-from loomrl.algorithms.roles import OpContext, Role
+from loomrl.algorithms.context import OpContext, Role
 from loomrl.algorithms.workflows import build_workflow
-from loomrl.config import AlgoConfig, RolloutConfig, SFTConfig
-from loomrl.configtools import load_config
+from loomrl.config.schema import AlgoConfig, RolloutConfig, SFTConfig
+from loomrl.config.tools import load_config
 from loomrl.errors import ConfigError
 from loomrl.models.tokenizer import build_char_tokenizer
 from loomrl.models.zoo import build_causal_lm
 from loomrl.plan import ClusterSpec, ExecutionPlan, format_plan_string, make_plan, parse_plan_string
 from loomrl.plan.plan import Fusion
 from loomrl.plan.schedule import StepKind, build_schedule
-from loomrl.planner.run_timeline import result_from_traces
+from loomrl.report.run_timeline import result_from_traces
 from loomrl.rollout import SamplingParams
 from loomrl.runtime.migration import assign_tail
 from loomrl.train.rl import RLTrainer

@@ -33,7 +33,7 @@ from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
 from loomrl.cli import main
-from loomrl.config import SFTConfig, RMConfig, TrainConfig
+from loomrl.config.schema import SFTConfig, RMConfig, TrainConfig
 
 REPO = Path(__file__).resolve().parents[1]
 EXAMPLES = int(os.environ.get("LOOMRL_FUZZ_EXAMPLES", "6"))

@@ -10,12 +10,14 @@ import pytest
 
 from loomrl.plan import GB, Allocation, ClusterSpec, param_count
 from loomrl.plan.memory import model_dims, shard_bytes
-from loomrl.planner import PROFILES, CostModel, ModelShape, Workload, profile_for
-from loomrl.planner import decode as D
-from loomrl.planner import terms as T
+from loomrl.plan.hardware import PROFILES, profile_for
+from loomrl.planner.cost.model import CostModel
+from loomrl.planner.cost.workload import ModelShape, Workload
+from loomrl.planner.cost import decode as D
+from loomrl.planner.cost import terms as T
 from loomrl.planner.planning import MODEL_PRESETS
-from loomrl.planner.settings import EngineSettings, default_max_seqs
-from loomrl.planner.workload import lengths_from_mean_max
+from loomrl.planner.cost.system import EngineSettings, default_max_seqs
+from loomrl.planner.cost.workload import lengths_from_mean_max
 from loomrl.workflow import MFC, MFCKind
 
 GEN = MFC("actor_gen", "actor", MFCKind.GENERATE, ("prompt_ids",), ("response_ids",))

@@ -7,8 +7,8 @@ import random
 import pytest
 
 from loomrl.algorithms.workflows import build_workflow
-from loomrl.config import AlgoConfig, RolloutConfig, TaskConfig, TrainConfig
-from loomrl.configtools import load_config
+from loomrl.config.schema import AlgoConfig, RolloutConfig, TaskConfig, TrainConfig
+from loomrl.config.tools import load_config
 from loomrl.data.judges import DEFAULT_TEMPLATE, JudgeTask, judge_prompt, verdict_reader, wrong_answer
 from loomrl.data.sources import build_task, prompt_source
 from loomrl.errors import ConfigError, DataError, LoomError

@@ -2,7 +2,7 @@
 
 import torch
 
-from loomrl.engine.length_buckets import bucketed_outputs, length_buckets
+from loomrl.role.length_buckets import bucketed_outputs, length_buckets
 from loomrl.models.heads import model_outputs
 from loomrl.models.tokenizer import build_char_tokenizer
 from loomrl.models.zoo import build_causal_lm

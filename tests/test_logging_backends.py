@@ -11,10 +11,10 @@ from collections import namedtuple
 
 import pytest
 
-from loomrl.config import ReportConfig, TrainConfig
-from loomrl.configtools import load_config
+from loomrl.config.schema import ReportConfig, TrainConfig
+from loomrl.config.tools import load_config
 from loomrl.errors import ConfigError
-from loomrl.launch import wandb_mode
+from loomrl.runtime.launch import wandb_mode
 from loomrl.report.backends import MlflowBackend, WandbBackend, check_backends, flatten, open_backends
 from loomrl.train.progress import RunProgress, format_duration
 

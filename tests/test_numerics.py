@@ -11,13 +11,13 @@ import torch
 import torch.distributed as dist
 
 from loomrl.algorithms.ops import train_loop
-from loomrl.algorithms.roles import OpContext, Role
-from loomrl.engine import ModelEngine, make_role, role_specs
+from loomrl.algorithms.context import OpContext, Role
+from loomrl.role import ModelEngine, make_role, role_specs
 from loomrl.errors import TrainingError
 from loomrl.models.tokenizer import build_char_tokenizer
 from loomrl.models.zoo import build_causal_lm
 from loomrl.parallel.pipeline import split_stages
-from loomrl.parallel.pipeline_schedule import PipelineRunner
+from loomrl.parallel.pipeline_runner import PipelineRunner
 from loomrl.parallel.spawn import run_world
 from loomrl.workflow.batch import Batch
 
@@ -121,8 +121,8 @@ def test_stop_raises_one_line_naming_role_iteration_and_step_before_stepping(kin
 def test_the_option_reaches_the_roles_both_executors_build():
     """Both executors build their trained roles with make_role from the run's RoleSpecs (the Ray workers get
     them in their WorkerSpec), which carry train.on_nonfinite."""
-    from loomrl.config import TrainConfig
-    from loomrl.configtools import load_config
+    from loomrl.config.schema import TrainConfig
+    from loomrl.config.tools import load_config
     from loomrl.data.sources import build_task
 
     cfg = load_config(TrainConfig, None, ["train.on_nonfinite=stop"])

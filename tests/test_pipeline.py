@@ -27,16 +27,16 @@ from pipeline_helpers import (
 )
 
 from loomrl.algorithms.ops import logprob_op, train_loop, values_op
-from loomrl.algorithms.roles import OpContext, Role
+from loomrl.algorithms.context import OpContext, Role
 from loomrl.algorithms.workflows import _actor_loss, _critic_loss
-from loomrl.config import AlgoConfig
-from loomrl.engine import ModelEngine
+from loomrl.config.schema import AlgoConfig
+from loomrl.role import ModelEngine
 from loomrl.errors import ConfigError
 from loomrl.models.heads import token_logprobs
 from loomrl.models.tokenizer import build_char_tokenizer
 from loomrl.models.zoo import build_causal_lm
 from loomrl.parallel.pipeline import check_pipeline, split_stages
-from loomrl.parallel.pipeline_schedule import PipelineRunner
+from loomrl.parallel.pipeline_runner import PipelineRunner
 from loomrl.parallel.spawn import run_world
 from loomrl.workflow.batch import Batch, micro_batch_slices, pack_sequences, response_mask
 

@@ -29,7 +29,7 @@ from loomrl.parallel import apply_tensor_parallel, full_state_dict
 from loomrl.parallel.allocations import AllocationGroups
 from loomrl.plan.plan import Allocation
 from loomrl.parallel.pipeline import split_stages
-from loomrl.parallel.pipeline_schedule import PipelineRunner
+from loomrl.parallel.pipeline_runner import PipelineRunner
 from loomrl.parallel.spawn import run_world
 from loomrl.plan.shards import shard_intervals, shard_shape
 

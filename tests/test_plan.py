@@ -15,7 +15,7 @@ from types import SimpleNamespace
 import pytest
 
 from loomrl.algorithms.workflows import build_workflow
-from loomrl.config import AlgoConfig, RolloutConfig
+from loomrl.config.schema import AlgoConfig, RolloutConfig
 from loomrl.errors import ConfigError
 from loomrl.plan.layout import Coords, Layout
 from loomrl.plan.schedule import StepKind, build_schedule

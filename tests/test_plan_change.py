@@ -16,9 +16,9 @@ import json
 import pytest
 
 from loomrl.algorithms.workflows import build_workflow
-from loomrl.checkpoint_shards import read_role
-from loomrl.config import AlgoConfig, OptimConfig, RolloutConfig
-from loomrl.engine.specs import RoleSpec
+from loomrl.checkpoint.shards import read_role
+from loomrl.config.schema import AlgoConfig, OptimConfig, RolloutConfig
+from loomrl.role.spec import RoleSpec
 from loomrl.errors import ConfigError
 from loomrl.plan import ClusterSpec, make_plan
 from loomrl.plan.schedule import build_schedule

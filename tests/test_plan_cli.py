@@ -4,10 +4,10 @@ import dataclasses
 import json
 
 from loomrl.cli import main
-from loomrl.config import TrainConfig
-from loomrl.configtools import load_config
+from loomrl.config.schema import TrainConfig
+from loomrl.config.tools import load_config
 from loomrl.plan import ExecutionPlan
-from loomrl.planner import PROFILES
+from loomrl.plan.hardware import PROFILES
 from loomrl.train.rl import RLTrainer
 
 

@@ -8,15 +8,15 @@ import math
 import pytest
 import torch
 
-from loomrl import config as C
+from loomrl.config import schema as C
 from loomrl.algorithms import losses as L
 from loomrl.algorithms.advantages import masked_mean, overlong_penalty
 from loomrl.algorithms.ops import logprob_op
-from loomrl.algorithms.roles import OpContext, Role
+from loomrl.algorithms.context import OpContext, Role
 from loomrl.algorithms.workflows import build_workflow
-from loomrl.config import AlgoConfig, RolloutConfig, TrainConfig
-from loomrl.configtools import load_config
-from loomrl.engine import ModelEngine
+from loomrl.config.schema import AlgoConfig, RolloutConfig, TrainConfig
+from loomrl.config.tools import load_config
+from loomrl.role import ModelEngine
 from loomrl.errors import ConfigError, WorkflowError
 from loomrl.models.tokenizer import build_char_tokenizer
 from loomrl.models.zoo import build_causal_lm

@@ -24,7 +24,7 @@ from pathlib import Path
 import pytest
 
 from loomrl.errors import ConfigError
-from loomrl.launch import cluster_from_nodes
+from loomrl.runtime.launch import cluster_from_nodes
 
 REPO = Path(__file__).resolve().parents[1]
 TINY = ("algo.name=grpo", "algo.group_size=2", "algo.minibatches=1", "loop.iterations=2", "loop.save_every=1",
@@ -189,7 +189,7 @@ def test_a_run_dir_that_some_worker_cannot_see_is_one_line(tmp_path):
 def test_a_finished_run_is_predicted_on_the_devices_it_ran_on(tmp_path):
     """`loomrl timeline` and the report simulate a run on the devices its plan.json records (a cluster's), not
     on the machine that reads it."""
-    from loomrl.planner.calibration_runs import _recorded_devices
+    from loomrl.planner.calibration.runs import _recorded_devices
 
     assert _recorded_devices(tmp_path) is None  # a run from before plan.json: this machine's count is used
     (tmp_path / "plan.json").write_text(json.dumps({"cluster": {"nodes": 2, "devices_per_node": 4}}))

@@ -19,8 +19,8 @@ import torch.distributed as dist
 
 from loomrl.parallel.spawn import run_world
 
-from loomrl.parallel import realloc_exec, realloc_schedule
-from loomrl.parallel.layout import Layout
+from loomrl.parallel import realloc_exec, realloc_program
+from loomrl.plan.layout import Layout
 from loomrl.parallel.realloc_exec import (
     ReallocVerificationError,
     build_broadcast_groups,
@@ -427,9 +427,9 @@ def _schedule_case(seed: int) -> tuple[ReallocPlan, dict, dict, dict]:
 def test_compiled_schedules_deliver_the_direct_slices(monkeypatch: pytest.MonkeyPatch, mode: str):
     indexed = mode == "index tensors"
     if indexed:  # every side with a run at all becomes an index tensor
-        monkeypatch.setattr(realloc_schedule, "_MAX_RUNS", 0)
+        monkeypatch.setattr(realloc_program, "_MAX_RUNS", 0)
     if mode == "direct":  # every entry contiguous on either side travels in its own message
-        monkeypatch.setattr(realloc_schedule, "DIRECT_MIN_NUMEL", 1)
+        monkeypatch.setattr(realloc_program, "DIRECT_MIN_NUMEL", 1)
     strided = indexes = direct = staged = 0
     for seed in range(CASES // 3):
         plan, dtypes, src, expected = _schedule_case(seed)
@@ -455,8 +455,8 @@ def test_compiled_schedules_deliver_the_direct_slices(monkeypatch: pytest.Monkey
 
 
 def test_schedule_sides_group_pieces_into_strided_runs():
-    side = realloc_schedule._Side([(0, 4), (4, 4), (16, 4), (24, 4), (32, 4), (50, 2), (60, 3)])
-    Run = realloc_schedule._Run
+    side = realloc_program._Side([(0, 4), (4, 4), (16, 4), (24, 4), (32, 4), (50, 2), (60, 3)])
+    Run = realloc_program._Run
     # Touching spans merge; equal lengths at one step form a run; the rest stand alone.
     assert side.runs == (Run(0, 1, 8, 0, 8), Run(8, 3, 4, 16, 8), Run(20, 1, 2, 50, 2), Run(22, 1, 3, 60, 3))
     assert side.index(torch.device("cpu")) is None and not side.contiguous
@@ -468,7 +468,7 @@ def test_schedule_sides_group_pieces_into_strided_runs():
     target = torch.zeros(70)
     realloc_exec._scatter(target, side, out)
     assert torch.equal(target[target != 0], expected[expected != 0])
-    rows = realloc_schedule._Side([(r * 10 + (r % 3), 2) for r in range(40)])  # irregular: an index tensor
+    rows = realloc_program._Side([(r * 10 + (r % 3), 2) for r in range(40)])  # irregular: an index tensor
     assert rows.runs == () and rows.index(torch.device("cpu")).tolist()[:6] == [0, 1, 11, 12, 22, 23]
 
 
@@ -498,7 +498,7 @@ def test_schedules_are_cached_per_plan_object_and_dropped_with_it():
     key = (id(plan), device)
     del plan, schedule, buffers
     gc.collect()
-    assert key not in realloc_schedule._SCHEDULES
+    assert key not in realloc_program._SCHEDULES
 
 
 # ------------------------------------------------------------------------------------- gloo executor (world 4)
@@ -564,7 +564,7 @@ def _my_source(placement: Allocation, device: int, full: dict[str, torch.Tensor]
     return {name: part.clone() for name, part in parts.items() if part is not None}
 
 
-DEFAULT_DIRECT_MIN_NUMEL = realloc_schedule.DIRECT_MIN_NUMEL
+DEFAULT_DIRECT_MIN_NUMEL = realloc_program.DIRECT_MIN_NUMEL
 _PLANS: dict[str, ReallocPlan] = {}
 
 
@@ -688,12 +688,12 @@ def _body(rank: int) -> dict:
     full = _full_params()
     results = {name: _run_scenario(name, rank, full, use_groups=i % 2 == 0) for i, name in enumerate(SCENARIOS)}
     results["into_out"] = {name: _into_given_tensors(name, rank, full) for name in SCENARIOS}
-    realloc_schedule.DIRECT_MIN_NUMEL = 1  # again with every contiguous entry sent unpacked, in its own message
+    realloc_program.DIRECT_MIN_NUMEL = 1  # again with every contiguous entry sent unpacked, in its own message
     results["direct"] = {name: _run_scenario(name, rank, full, use_groups=i % 2 == 1)
                          for i, name in enumerate(SCENARIOS)}
     results["direct_entries"] = sum(len(e) for name in SCENARIOS
                                     for e in realloc_exec.compile_schedule(_plan_cached(name), rank).direct.values())
-    realloc_schedule.DIRECT_MIN_NUMEL = DEFAULT_DIRECT_MIN_NUMEL
+    realloc_program.DIRECT_MIN_NUMEL = DEFAULT_DIRECT_MIN_NUMEL
     results["corrupted"] = _corrupted_run(rank, full)
     results["repeated"] = _repeated_runs(rank, full)
     results["reused"] = _reused_bindings(rank, full)

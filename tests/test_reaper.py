@@ -1,4 +1,4 @@
-"""The watchdog that removes what a killed driver leaves behind (loomrl.reaper)."""
+"""The watchdog that removes what a killed driver leaves behind (loomrl.runtime.reaper)."""
 
 from __future__ import annotations
 
@@ -11,13 +11,13 @@ from pathlib import Path
 
 import pytest
 
-from loomrl import reaper
+from loomrl.runtime import reaper
 
 pytestmark = pytest.mark.skipif(not Path("/proc/self/stat").exists(), reason="the reaper reads /proc (Linux)")
 
 DRIVER = """
 import subprocess, sys, time
-from loomrl import reaper
+from loomrl.runtime import reaper
 reaper.watch()
 # A process that outlives its parent unless removed: its own session, as Ray's agents are reparented to init.
 lingering = subprocess.Popen(["sleep", "600"], start_new_session=True)

@@ -13,8 +13,8 @@ import signal
 
 import pytest
 
-from loomrl.config import TrainConfig
-from loomrl.configtools import load_config
+from loomrl.config.schema import TrainConfig
+from loomrl.config.tools import load_config
 from loomrl.train.rl import FAILURES_FILE, RLTrainer
 from test_runtime import _alive, failing_reward
 

@@ -13,7 +13,7 @@ from pathlib import Path
 
 import pytest
 
-from loomrl.config import TaskConfig
+from loomrl.config.schema import TaskConfig
 from loomrl.data.prompts import FunctionTask
 from loomrl.data.sandbox import SandboxError, SandboxLimits, run_callable, run_python, sandbox_gaps
 from loomrl.data.sources import build_task

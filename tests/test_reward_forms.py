@@ -12,8 +12,8 @@ from pathlib import Path
 import pytest
 import torch
 
-from loomrl.config import TaskConfig, TrainConfig
-from loomrl.configtools import load_config
+from loomrl.config.schema import TaskConfig, TrainConfig
+from loomrl.config.tools import load_config
 from loomrl.data.prompts import FilePrompts, FunctionTask
 from loomrl.data.reward_forms import reward_form
 from loomrl.data.sources import build_task

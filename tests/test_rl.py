@@ -12,8 +12,8 @@ import pytest
 import torch
 
 from loomrl.algorithms.workflows import build_workflow
-from loomrl.config import ALGORITHMS, AlgoConfig, RMConfig, RolloutConfig, TrainConfig
-from loomrl.configtools import load_config
+from loomrl.config.schema import ALGORITHMS, AlgoConfig, RMConfig, RolloutConfig, TrainConfig
+from loomrl.config.tools import load_config
 from loomrl.train.rl import RLTrainer
 from loomrl.train.rm import run_rm
 
@@ -300,7 +300,7 @@ def test_kl_coef_zero_drops_the_reference_and_learns_exactly_as_with_it(algo, tm
 
 
 def test_precision_auto_is_bf16_on_accelerators_and_fp32_on_cpu():
-    from loomrl.engine import resolve_dtype
+    from loomrl.role import resolve_dtype
 
     assert resolve_dtype("auto", torch.device("cpu")) == torch.float32
     assert resolve_dtype("auto", torch.device("cuda")) == torch.bfloat16
@@ -312,7 +312,7 @@ def test_sft_and_rm_in_bf16_follow_their_fp32_runs(tmp_path):
     """precision=bf16 for the SFT and reward-model stages: bf16 weights updated through fp32 master weights
     follow the fp32 run from the same seed (mean loss of the last 5 steps within 5%; measured: under 1%), the
     SFT loss falls, and the checkpoints are written in bf16."""
-    from loomrl.config import SFTConfig
+    from loomrl.config.schema import SFTConfig
     from loomrl.train.sft import run_sft
 
     tail = {}
@@ -337,7 +337,7 @@ def test_sft_and_rm_in_bf16_follow_their_fp32_runs(tmp_path):
 
 def test_learning_rate_warms_up_then_decays_by_cosine_to_its_floor():
     from loomrl.algorithms.lr import learning_rate
-    from loomrl.config import OptimConfig
+    from loomrl.config.schema import OptimConfig
 
     constant = OptimConfig(lr=1e-3, warmup_steps=4)
     assert [learning_rate(constant, k, 100) for k in range(6)] == pytest.approx([2.5e-4, 5e-4, 7.5e-4, 1e-3, 1e-3,

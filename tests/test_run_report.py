@@ -10,10 +10,10 @@ import pytest
 import torch
 
 from browser import Browser, find_chromium
-from loomrl.config import TrainConfig
-from loomrl.configtools import load_config
-from loomrl.planner.chrome_trace import chrome_trace
-from loomrl.planner.simulator import Interval, SimResult
+from loomrl.config.schema import TrainConfig
+from loomrl.config.tools import load_config
+from loomrl.report.chrome_trace import chrome_trace
+from loomrl.planner.simulation.simulator import Interval, SimResult
 from loomrl.report.html import curve_svg, render_report
 from loomrl.train import rl
 from test_cli import assert_ok, run_cli

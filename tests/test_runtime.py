@@ -31,8 +31,8 @@ import time
 import pytest
 import ray
 
-from loomrl.config import TrainConfig
-from loomrl.configtools import load_config
+from loomrl.config.schema import TrainConfig
+from loomrl.config.tools import load_config
 from loomrl.plan.schedule import StepKind
 from loomrl.train.rl import RLTrainer
 
@@ -96,7 +96,7 @@ def _assert_equivalent(got, reference, rel=1e-4, abs_=1e-6, clipfrac_abs=None):
 def test_runtime_matches_the_reference_with_varied_lengths_from_sft(tmp_path, layout):
     """A warm-started policy emits eos, so shards have different widths and groups different lengths; a group's
     rows share their prompt, which training runs once (on data-parallel replicas and on tensor-parallel shards)."""
-    from loomrl.config import SFTConfig
+    from loomrl.config.schema import SFTConfig
     from loomrl.train.sft import run_sft
 
     sft = load_config(SFTConfig, None, [f"out_dir={tmp_path / 'sft'}", "steps=40", "eval_prompts=8"])
@@ -298,7 +298,7 @@ def test_fsdp_with_tensor_parallelism_shards_each_tp_shard_over_dp(tmp_path):
 
 def test_workers_run_each_call_with_the_plans_micro_batches(tmp_path):
     """The plan's micro-batches reach every MFC's OpContext on a worker (generation's too; its op ignores them)."""
-    from loomrl.algorithms.roles import Role
+    from loomrl.algorithms.context import Role
     from loomrl.algorithms.workflows import build_workflow
     from loomrl.plan import ClusterSpec
     from loomrl.plan.from_config import plan_from_config
@@ -428,7 +428,7 @@ def test_bf16_checkpoints_keep_the_master_weights_across_layouts(tmp_path, refer
     RLTrainer(_cfg(tmp_path, "z", *BF16, "loop.iterations=1")).run()
     cfg = _cfg(tmp_path, "z", *BF16, "loop.iterations=2", "runtime.executor=ray", f"runtime.devices={devices}")
     RLTrainer(dataclasses.replace(cfg, runtime=dataclasses.replace(cfg.runtime, plan=plan))).run(resume=True)
-    from loomrl.checkpoint_shards import read_role
+    from loomrl.checkpoint.shards import read_role
 
     _, optim = read_role(tmp_path / "z" / "checkpoints" / "iter_000001", role)
     state = optim["state"]
@@ -458,7 +458,7 @@ def test_a_bf16_fsdp_run_resumes_exactly(tmp_path):
 @pytest.mark.parametrize("gen", ["0-1:tp2", "0:dp1"], ids=["tp_copy", "plain_copy"])
 def test_copies_in_other_layouts_are_freed_after_their_last_use(tmp_path, gen):
     """Also from a checkpoint, whose weights safetensors may memory-map (such storage cannot be released)."""
-    from loomrl.config import SFTConfig
+    from loomrl.config.schema import SFTConfig
     from loomrl.train.sft import run_sft
 
     run_sft(load_config(SFTConfig, None, [f"out_dir={tmp_path / 'sft'}", "steps=2", "eval_prompts=4"]), progress=False)

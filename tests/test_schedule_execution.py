@@ -15,13 +15,16 @@ from collections import defaultdict
 import pytest
 
 from loomrl.algorithms.workflows import build_workflow
-from loomrl.config import TrainConfig
-from loomrl.configtools import load_config
+from loomrl.config.schema import TrainConfig
+from loomrl.config.tools import load_config
 from loomrl.plan import ClusterSpec, format_plan_string
 from loomrl.plan.schedule import Schedule, Step, StepKind, check_trace
-from loomrl.planner import PROFILES, CostModel, ModelShape, Workload, search
+from loomrl.plan.hardware import PROFILES
+from loomrl.planner.cost.model import CostModel
+from loomrl.planner.cost.workload import ModelShape, Workload
+from loomrl.planner.search.search import search
 from loomrl.planner.planning import model_config
-from loomrl.planner.run_timeline import predicted_run, read_traces
+from loomrl.report.run_timeline import predicted_run, read_traces
 from loomrl.train.rl import RLTrainer
 
 

@@ -11,11 +11,11 @@ from types import SimpleNamespace
 import pytest
 
 from loomrl.algorithms.workflows import build_workflow
-from loomrl.config import AlgoConfig, RolloutConfig
+from loomrl.config.schema import AlgoConfig, RolloutConfig
 from loomrl.errors import ConfigError
 from loomrl.plan import GB, Allocation, ClusterSpec, DeviceSet, ExecutionPlan, colocate
 from loomrl.plan.layout import Layout
-from loomrl.planner.search import (
+from loomrl.planner.search.search import (
     MICRO_BATCHES,
     _crossovers,
     _Splitter,
@@ -28,7 +28,7 @@ from loomrl.planner.search import (
     search,
     unit_names,
 )
-from loomrl.planner.simulator import simulate
+from loomrl.planner.simulation.simulator import simulate
 from loomrl.workflow import MFC, MFCKind
 
 PPO = build_workflow(AlgoConfig(name="ppo"), RolloutConfig())
@@ -204,9 +204,9 @@ def test_search_argument_errors():
 def test_frozen_roles_stay_resident_where_memory_allows_and_reloading_costs_time():
     """On accelerators an offloaded role reloads before each call, so with room to spare the heuristics and the
     search keep ref and reward resident; where memory is short they offload them (the default rule)."""
-    from loomrl.planner.cost import CostModel
-    from loomrl.planner.profiles import profile_for
-    from loomrl.planner.workload import ModelShape, Workload
+    from loomrl.planner.cost.model import CostModel
+    from loomrl.plan.hardware import profile_for
+    from loomrl.planner.cost.workload import ModelShape, Workload
 
     cluster = ClusterSpec.parse("h100:4")
     configs = {role: llama(heads=8, kv_heads=4, layers=4) for role in PPO.roles()}

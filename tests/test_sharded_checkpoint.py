@@ -1,4 +1,4 @@
-"""Sharded checkpoints (loomrl.checkpoint_shards): exact round trips, pieces placed from any layout, the export's
+"""Sharded checkpoints (loomrl.checkpoint.shards): exact round trips, pieces placed from any layout, the export's
 from_pretrained form, damaged and missing shards named in one line, old checkpoints still resuming."""
 
 import json
@@ -12,13 +12,13 @@ import torch
 import transformers
 from test_checkpoint import _one_line, make_run, tiny_llama, tiny_tokenizer, train_steps
 
-from loomrl.checkpoint import (CheckpointError, export_checkpoint, latest_checkpoint, load_checkpoint,
+from loomrl.checkpoint.store import (CheckpointError, export_checkpoint, latest_checkpoint, load_checkpoint,
                                save_sharded_checkpoint, verify_checkpoint)
-from loomrl.checkpoint_shards import WHOLE, _overlaps, load_role_shards, read_role
+from loomrl.checkpoint.shards import WHOLE, _overlaps, load_role_shards, read_role
 from loomrl.errors import DataError
 from loomrl.models.zoo import check_model_spec
 from loomrl.parallel.zero import ZeroAdamW
-from loomrl.runtime.state_io import FullOptimizerState
+from loomrl.checkpoint.optim_state import FullOptimizerState
 
 
 def test_a_sharded_round_trip_continues_bitwise_identically(tmp_path):
@@ -65,7 +65,7 @@ def test_pieces_written_under_a_layout_are_placed_whole_again(tmp_path):
     replicated norms written by tp rank 0 only) are assembled into the full tensors by the reader."""
     from safetensors.torch import save_file
 
-    from loomrl.checkpoint_shards import FORMAT, _duplicate
+    from loomrl.checkpoint.shards import FORMAT, _duplicate
     from loomrl.plan.layout import Layout
     from loomrl.plan.shards import shard_intervals
 

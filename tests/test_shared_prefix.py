@@ -4,8 +4,8 @@ rows, for a policy and a value model, through the engine too."""
 import pytest
 import torch
 
-from loomrl.engine.model_engine import ModelEngine
-from loomrl.engine.shared_prefix import prompt_groups, shared_prefix_outputs
+from loomrl.role.passes import ModelEngine
+from loomrl.role.shared_prefix import prompt_groups, shared_prefix_outputs
 from loomrl.models.heads import model_outputs
 from loomrl.models.tokenizer import build_char_tokenizer
 from loomrl.models.zoo import build_causal_lm, build_value_model
@@ -72,7 +72,7 @@ def test_engine_shares_prompts_where_it_knows_them_and_recomputation_turns_it_of
     ids_BL, attn_BL, plen_B = _grpo_rows()
     engine = ModelEngine(model)
     calls = []
-    import loomrl.engine.model_engine as model_engine
+    import loomrl.role.passes as model_engine
 
     real_shared = model_engine.shared_prefix_outputs
     monkeypatch.setattr(model_engine, "shared_prefix_outputs", lambda *a: calls.append(1) or real_shared(*a))

@@ -2,9 +2,9 @@
 
 import pytest
 
-from loomrl.planner.sharing import schedule_shared
+from loomrl.planner.simulation.sharing import schedule_shared
 from loomrl.plan.schedule import Step, StepKind
-from loomrl.planner.simulator import _Node, _schedule
+from loomrl.planner.simulation.simulator import _Node, _schedule
 
 
 def one_node(_device: int) -> int:

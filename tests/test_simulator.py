@@ -12,11 +12,11 @@ from pathlib import Path
 import pytest
 
 from loomrl.algorithms.workflows import build_workflow
-from loomrl.config import AlgoConfig, RolloutConfig
+from loomrl.config.schema import AlgoConfig, RolloutConfig
 from loomrl.errors import ConfigError
 from loomrl.plan import GB, Allocation, ClusterSpec, ExecutionPlan, colocate
-from loomrl.planner.simulator import CostEstimator, SimResult, format_bytes, simulate
-from loomrl.planner.timeline import render_html, render_timeline
+from loomrl.planner.simulation.simulator import CostEstimator, SimResult, format_bytes, simulate
+from loomrl.report.timeline import render_html, render_timeline
 from loomrl.workflow import MFC, MFCKind, Workflow
 
 GEN, INF, TRAIN = MFCKind.GENERATE, MFCKind.INFERENCE, MFCKind.TRAIN
@@ -334,12 +334,12 @@ def test_device_classes_give_the_per_device_simulation(monkeypatch: pytest.Monke
     real cost model, llama2-7b; some infeasible) every result equals the one simulated device by device."""
     import random
 
-    from loomrl.planner import simulator
-    from loomrl.planner.cost import CostModel
+    from loomrl.planner.simulation import simulator
+    from loomrl.planner.cost.model import CostModel
     from loomrl.planner.planning import model_config
-    from loomrl.planner.profiles import PROFILES
-    from loomrl.planner.search import candidate_allocations
-    from loomrl.planner.workload import ModelShape, Workload
+    from loomrl.plan.hardware import PROFILES
+    from loomrl.planner.search.search import candidate_allocations
+    from loomrl.planner.cost.workload import ModelShape, Workload
 
     ppo = build_workflow(AlgoConfig(name="ppo"), RolloutConfig())
     cluster = ClusterSpec.parse("h100:2x8")

@@ -1,6 +1,6 @@
 """Intra-stage fusion as a plan choice: reversed pipeline layouts, the ``fuse_train`` knob and its checks, the
 ``fused_train`` schedule step, its price, and the search choosing it (:mod:`loomrl.plan`,
-:mod:`loomrl.planner.fused_train`)."""
+:mod:`loomrl.planner.cost.pipeline_fusion`)."""
 
 from __future__ import annotations
 
@@ -9,18 +9,20 @@ import dataclasses
 import pytest
 
 from loomrl.algorithms.workflows import build_workflow
-from loomrl.config import AlgoConfig, RolloutConfig
+from loomrl.config.schema import AlgoConfig, RolloutConfig
 from loomrl.errors import ConfigError
 from loomrl.plan import ClusterSpec
 from loomrl.plan.layout import Coords, Layout
 from loomrl.plan.plan import Allocation, ExecutionPlan
 from loomrl.plan.plan_string import format_plan_string, parse_plan_string
 from loomrl.plan.schedule import StepKind, build_schedule
-from loomrl.planner import CostModel, ModelShape, Workload, simulate
-from loomrl.planner.fused_train import fused_train_problem, price_fused_train
+from loomrl.planner.cost.model import CostModel
+from loomrl.planner.cost.workload import ModelShape, Workload
+from loomrl.planner.simulation.simulator import simulate
+from loomrl.planner.cost.pipeline_fusion import fused_train_problem, price_fused_train
 from loomrl.planner.planning import model_config
-from loomrl.planner.profiles import profile_for
-from loomrl.planner.search import search, train_fusion_twin, _Evaluator
+from loomrl.plan.hardware import profile_for
+from loomrl.planner.search.search import search, train_fusion_twin, _Evaluator
 
 PPO = build_workflow(AlgoConfig(name="ppo", minibatches=2), RolloutConfig())
 GRPO = build_workflow(AlgoConfig(name="grpo"), RolloutConfig())
@@ -85,7 +87,7 @@ def test_the_schedule_runs_the_train_calls_as_one_stage():
 
 def test_the_problem_takes_each_allocations_placement():
     actor, critic = Allocation.parse("0-3:pp4mb4"), Allocation.parse("0-3:dp2pp2revmb2")
-    from loomrl.plan.fused_pipeline import PipelineSpec
+    from loomrl.plan.pipeline_fusion import PipelineSpec
     problem = fused_train_problem(actor, critic, (PipelineSpec(4, 4), PipelineSpec(2, 4)))
     assert [problem.device_of(0, 0, s) for s in range(4)] == [0, 1, 2, 3]
     # the critic's replica 0 holds stage 0 on device 2 and stage 1 on device 0 (dp is the faster rank digit)
@@ -146,7 +148,7 @@ def test_the_search_fuses_training_where_bubbles_dominate():
 def test_the_lower_bound_holds_for_fused_plans():
     """A fused train stage fills its pipelines' bubbles, so the bound counts each train call's devices busy for
     its time without its bubble: no fused plan beats it."""
-    from loomrl.planner.bounds import iteration_bound
+    from loomrl.planner.search.bounds import iteration_bound
 
     cluster = ClusterSpec.parse("h100:1x8")
     configs = {r: model_config("llama2-7b") for r in PPO.roles()}

@@ -158,7 +158,7 @@ def _mixed_body(rank: int, sharded: bool = True) -> dict:
         _gradients(m, STEPS, torch.bfloat16)
         o.step()
     # an fp32 optimizer resumes a bf16 run's state (it has no master weights: its weights are the master)
-    from loomrl.runtime.state_io import FullOptimizerState
+    from loomrl.checkpoint.optim_state import FullOptimizerState
 
     fp32_model = _model()
     fp32_model.load_state_dict(masters, strict=False)

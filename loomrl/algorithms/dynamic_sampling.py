@@ -20,7 +20,7 @@ from __future__ import annotations
 import math
 from typing import Callable, Mapping, Sequence
 
-from loomrl.config import DynamicSamplingConfig
+from loomrl.config.schema import DynamicSamplingConfig
 from loomrl.data.reward_functions import load_reward_fn
 from loomrl.errors import DataError
 from loomrl.workflow.batch import Batch

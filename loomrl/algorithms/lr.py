@@ -9,7 +9,7 @@ from __future__ import annotations
 
 import math
 
-from loomrl.config import OptimConfig
+from loomrl.config.schema import OptimConfig
 
 __all__ = ["learning_rate", "set_lr"]
 

@@ -7,7 +7,7 @@ reference executor, one data-parallel shard on a worker.
 
 Inference and training ops cut their rows into ``ctx.micro_batches`` micro-batches (at most one per row;
 :func:`micro_batch_rows`), as the execution plan priced them, and run them through the role's engine
-(:class:`~loomrl.algorithms.roles.Engine`): whether that streams them through pipeline stages (1F1B for
+(:class:`~loomrl.algorithms.context.Engine`): whether that streams them through pipeline stages (1F1B for
 training) or one after another, and how data-parallel ranks sum their gradients, is the engine's business, not
 the ops'. Generation ignores micro-batches: the rollout engine decodes all live samples together.
 
@@ -28,7 +28,7 @@ from typing import Callable
 import torch
 
 from loomrl.algorithms.lr import set_lr
-from loomrl.algorithms.roles import OpContext
+from loomrl.algorithms.context import OpContext
 from loomrl.errors import TrainingError
 from loomrl.models.heads import last_real_index, logprobs_from_logits
 from loomrl.rollout import Request, RolloutEngine, SamplingParams, stream_keys

@@ -25,8 +25,8 @@ from loomrl.algorithms import advantages as A
 from loomrl.algorithms import losses as L
 from loomrl.algorithms.ops import (generate_chunks, generate_op, judge_op, logprob_op, reward_op, train_loop,
                                    values_op, verdict_op)
-from loomrl.algorithms.roles import OpContext
-from loomrl.config import AlgoConfig, RewardConfig, RolloutConfig
+from loomrl.algorithms.context import OpContext
+from loomrl.config.schema import AlgoConfig, RewardConfig, RolloutConfig
 from loomrl.errors import ConfigError
 from loomrl.models.heads import logprobs_and_entropy_from_logits
 from loomrl.rollout import SamplingParams

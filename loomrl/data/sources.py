@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import dataclasses
 
-from loomrl.config import TaskConfig
+from loomrl.config.schema import TaskConfig
 from loomrl.data.prompts import FilePrompts, FunctionTask, PromptSource, SyntheticPrompts
 from loomrl.data.tasks import Example, Task, make_task
 

@@ -26,7 +26,7 @@ from transformers import AutoTokenizer, PreTrainedTokenizerBase, PreTrainedToken
 from loomrl.errors import DataError
 
 if TYPE_CHECKING:  # a type only: the models know nothing of the run's config
-    from loomrl.config import TaskConfig
+    from loomrl.config.schema import TaskConfig
 
 TASK_ALPHABET: str = string.digits + string.ascii_lowercase + " +=:>,-|"
 """Every character the built-in tasks use in prompts and answers."""

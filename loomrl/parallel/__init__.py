@@ -9,7 +9,7 @@
 - :func:`execute_reallocation`: runs a :class:`loomrl.plan.realloc_plan.ReallocPlan` (planned without torch in
   :mod:`loomrl.plan`) with batched point-to-point and broadcasts.
 
-Gradient clipping (:func:`loomrl.parallel.pipeline_schedule.clip_grads`) takes ``torch.nn.utils.get_total_norm``
+Gradient clipping (:func:`loomrl.parallel.pipeline_runner.clip_grads`) takes ``torch.nn.utils.get_total_norm``
 of the gradients, which completes the norms of DTensor shards over their mesh, sums the squares over the
 pipeline stages, and after :func:`sync_gradients` every DP rank holds the same gradients, hence the same norm.
 A 16-bit parameter of a trained role keeps its gradient in fp32 (:mod:`loomrl.parallel.main_grad`); both
@@ -20,8 +20,8 @@ from loomrl.parallel.data_parallel import local_shard, sync_gradients
 from loomrl.parallel.fsdp import apply_fsdp
 from loomrl.parallel.realloc_exec import ReallocVerificationError, build_broadcast_groups, execute_reallocation
 from loomrl.parallel.allocations import AllocationGroups
-from loomrl.parallel.layout import TP_ARCHITECTURES, Layout, check_layout
-from loomrl.parallel.state import full_state_dict, load_full_state_dict
+from loomrl.plan.layout import TP_ARCHITECTURES, Layout, check_layout
+from loomrl.parallel.full_state import full_state_dict, load_full_state_dict
 from loomrl.parallel.tensor_parallel import apply_tensor_parallel
 
 __all__ = [

@@ -39,7 +39,7 @@ class AllocGroups:
     """Every rank of the allocation (e.g. for a fused stage's generation replicas to agree on a migration)."""
     pp_back_group: dist.ProcessGroup | None = None
     """A second communicator over ``pp_group``'s ranks (pp > 1), for the gradients of a fused pipeline step
-    (:mod:`loomrl.parallel.fused_pipeline`): one communicator per direction."""
+    (:mod:`loomrl.parallel.pipeline_fusion`): one communicator per direction."""
     stage_ranks: tuple[int, ...] = ()
     """The device (global rank) of each pipeline stage of this device's replica and TP rank, in stage order."""
 

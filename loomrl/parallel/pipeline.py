@@ -17,7 +17,7 @@ A stage's :meth:`PipelineStage.forward` replaces the HF backbone's forward (whic
 position and cannot start from hidden states of the middle of the stack): it embeds (first stage) or takes the
 previous stage's hidden states, rebuilds the rotary embeddings and the causal masks with the model's own
 ``rotary_emb`` and transformers' ``masking_utils`` (so eager / sdpa / sliding-window behave as in HF), runs its
-layers and, on the last stage, the norm and head. Nothing here communicates; :mod:`loomrl.parallel.pipeline_schedule`
+layers and, on the last stage, the norm and head. Nothing here communicates; :mod:`loomrl.parallel.pipeline_runner`
 moves activations between stages.
 
 Pipeline and tensor parallelism combine: split first, then shard the stage's ``model`` with

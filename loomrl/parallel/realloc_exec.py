@@ -10,7 +10,7 @@ travel in one byte buffer per route, a route being a sender and its receivers:
   device's source shard is a view of the source tensor (the plan calls it aliased): no copy, no memory.
 
 An entry (a parameter's pieces on one route) of at least
-:data:`~loomrl.parallel.realloc_schedule.DIRECT_MIN_NUMEL` elements (large weights) that lies in one contiguous
+:data:`~loomrl.parallel.realloc_program.DIRECT_MIN_NUMEL` elements (large weights) that lies in one contiguous
 span of the sender's source shard or of every receiver's destination shard travels *directly*, in its own
 message: sent from the source shard where its elements are contiguous there, and received into the
 destination shard where they are contiguous there. A side where they are not (a row-split weight's columns)
@@ -19,7 +19,7 @@ entry costs at most one copy beyond the wire, where packing it into the route bu
 devices, where the wire itself is a memory copy, that halves the time). Every participant derives the same
 decision from the plan alone.
 
-The plan is compiled once per device into a :class:`~loomrl.parallel.realloc_schedule.ReallocSchedule`
+The plan is compiled once per device into a :class:`~loomrl.parallel.realloc_program.ReallocSchedule`
 (:func:`compile_schedule`: entries, their strided runs or index tensors, the route buffers' layout), so
 packing, unpacking and local copies take one strided ``copy_`` per run, or one ``index_select`` /
 ``index_copy_`` per entry, however many pieces it has. A call then binds the caller's tensors to the
@@ -42,7 +42,7 @@ from functools import partial
 import torch
 import torch.distributed as dist
 
-from loomrl.parallel.realloc_schedule import (
+from loomrl.parallel.realloc_program import (
     DtypeOf,
     ReallocSchedule,
     Route,

@@ -44,7 +44,7 @@ from torch.distributed.tensor import DTensor, Replicate, distribute_module, dist
 from torch.distributed.tensor.parallel import ColwiseParallel, RowwiseParallel, parallelize_module
 from transformers import PreTrainedModel
 
-from loomrl.parallel.layout import Layout, check_layout
+from loomrl.plan.layout import Layout, check_layout
 
 
 def apply_tensor_parallel(model: PreTrainedModel, tp_mesh: DeviceMesh, src_data_rank: int | None = 0

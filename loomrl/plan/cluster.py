@@ -17,7 +17,7 @@ from __future__ import annotations
 import re
 from dataclasses import dataclass
 
-from loomrl.configtools import ValidatedConfig, fail, spec
+from loomrl.config.tools import ValidatedConfig, fail, spec
 from loomrl.errors import ConfigError
 
 __all__ = ["DEVICE_KINDS", "GB", "PROFILES", "ClusterSpec"]

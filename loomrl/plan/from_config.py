@@ -5,7 +5,7 @@ from __future__ import annotations
 
 import dataclasses
 
-from loomrl.config import RuntimeConfig
+from loomrl.config.schema import RuntimeConfig
 from loomrl.errors import ConfigError
 from loomrl.plan.cluster import ClusterSpec
 from loomrl.plan.layout import Layout

@@ -6,7 +6,7 @@ devices, and says why not in one line. Ranks of a layout are ordered tp-fastest,
 neighbours, which on a GPU node puts them on the fastest links. A *reversed* layout numbers its pipeline stages
 from the other end of the mesh (``pp_rank`` replaced by ``pp - 1 - pp_rank`` above): stage 0 on the last ranks.
 Two models whose pipelines run in opposite directions over the same devices pair one's first stages with the
-other's last ones, as intra-stage fusion wants (:mod:`loomrl.plan.fused_pipeline`).
+other's last ones, as intra-stage fusion wants (:mod:`loomrl.planner.pipeline_fusion`).
 """
 
 from __future__ import annotations

@@ -34,7 +34,7 @@ from typing import Any
 
 import yaml
 
-from loomrl.configtools import FieldError, ValidatedConfig, fail, from_dict, read_yaml, spec, to_dict
+from loomrl.config.tools import FieldError, ValidatedConfig, fail, from_dict, read_yaml, spec, to_dict
 from loomrl.errors import ConfigError
 from loomrl.plan.layout import Coords, Layout
 from loomrl.plan import checks
@@ -380,7 +380,7 @@ class ExecutionPlan:
     """Intra-stage fusion (RLHFuse): the workflow's two independent train calls (PPO's actor and critic), placed
     on the same devices with pipeline stages, run as one fused pipeline schedule, each device alternating
     between its stage of either model so that one model's work fills the other's pipeline bubbles
-    (:mod:`loomrl.plan.fused_pipeline`); opposite directions (one layout ``rev``) pair their bubbles best."""
+    (:mod:`loomrl.planner.pipeline_fusion`); opposite directions (one layout ``rev``) pair their bubbles best."""
 
     def __post_init__(self) -> None:
         if not isinstance(self.cluster, ClusterSpec):

@@ -33,7 +33,7 @@ from __future__ import annotations
 import dataclasses
 import difflib
 
-from loomrl.configtools import FieldError
+from loomrl.config.tools import FieldError
 from loomrl.errors import ConfigError
 from loomrl.plan.layout import Layout
 from loomrl.plan.cluster import ClusterSpec

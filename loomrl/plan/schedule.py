@@ -3,7 +3,7 @@
 A plan says where each model function call (MFC) runs; the schedule says everything that happens around the
 calls so that each finds its model where it needs it, derived once from (workflow, plan) by
 :func:`build_schedule`. Both executors take it as it is: the simulator prices each step
-(:mod:`loomrl.planner.simulator`), the Ray runtime runs each step on the devices it names
+(:mod:`loomrl.planner.simulation.simulator`), the Ray runtime runs each step on the devices it names
 (:mod:`loomrl.runtime.ray_executor`), and the single-process reference executor runs the calls and skips the
 rest. Their traces carry the step ids, so a predicted and a measured timeline line up step by step.
 
@@ -35,7 +35,7 @@ Steps (:class:`StepKind`), each with the devices it occupies and the steps of it
   steps that put the members' models in place run before the stage; those that release them, after it.
 - ``fused_train``: with the plan's ``fuse_train``, the two train calls (PPO's actor and critic) as one stage on
   their shared devices, its member call steps inside: each pair of their optimizer steps runs as one fused
-  pipeline step (:mod:`loomrl.plan.fused_pipeline`); what waits for either call waits for the stage.
+  pipeline step (:mod:`loomrl.planner.pipeline_fusion`); what waits for either call waits for the stage.
 
 Iterations run one after another: every step of iteration ``i + 1`` waits for all of iteration ``i``.
 Within an iteration a step is sent once its dependencies are done, and every device runs the steps in the

@@ -1,55 +1,15 @@
-"""loomrl.planner: what a plan costs, in seconds and bytes per device.
+"""loomrl.planner: what a plan costs, and which plan to run.
 
-- :class:`HardwareProfile`, :data:`PROFILES`, :func:`profile_for`: datasheet figures of A100-80G, H100-80G,
-  H200, H20 and a nominal CPU slot; :func:`calibrate_local` measures the current machine instead;
-- :class:`ModelShape`, :class:`Workload`: the models (from HF ``config.json`` fields, mixtures of experts
-  included) and one iteration's data (a response-length *distribution*, not one length);
-- :class:`EngineSettings` (:mod:`loomrl.planner.settings`): how a system runs the calls beside the plan (a
-  serving engine's memory share and slots, FP8, optimizer offload, ...); :class:`RunDescription`
-  (:mod:`loomrl.planner.describe`): a whole run as ``loomrl plan`` and the published-runs benchmark describe it;
-- :class:`CostModel`: time and memory of each MFC under an allocation, reallocation time from the real
-  transfer planner (:mod:`loomrl.planner.cost`, :mod:`loomrl.planner.terms`, :mod:`loomrl.planner.decode`,
-  :mod:`loomrl.planner.realloc_cost`);
-- :func:`simulate` (:mod:`loomrl.planner.simulator`): list scheduling of a plan over 2–3 unrolled iterations,
-  reallocation nodes, memory per device over time; :func:`render_timeline` draws it (PNG, HTML);
-- :func:`search`, :func:`best_heuristic_plans` (:mod:`loomrl.planner.search`): Metropolis search over one
-  allocation per MFC, always next to each heuristic strategy with its best layouts;
-- :class:`Corrections`, :func:`fit_corrections`: per-kind factors fitted by least squares from run traces
-  (:mod:`loomrl.planner.traces` turns ``metrics.jsonl`` records into observations).
+Sub-packages, each importing only those before it:
 
-Imports neither Ray nor torch.distributed; torch only inside :func:`calibrate_local`.
+- :mod:`loomrl.planner.pipeline_fusion`: the solver of pipeline fusion's task orders (search, bound, CP-SAT);
+- :mod:`loomrl.planner.cost`: the cost model (:class:`~loomrl.planner.cost.estimator.CostEstimator`, its
+  analytic terms, workloads, system settings, fitted corrections);
+- :mod:`loomrl.planner.simulation`: the simulator (list scheduling of a plan's schedule, memory over time);
+- :mod:`loomrl.planner.search`: plan search, the heuristic baselines and the lower bound;
+- :mod:`loomrl.planner.calibration`: measuring this machine and fitting corrections from finished runs;
+- :mod:`loomrl.planner.replanning`: re-planning a run in progress (dynamic placement) and its switch rule.
+
+Then :mod:`loomrl.planner.inputs` (what the planner is given, built once) and the run descriptions and plan
+comparisons of ``loomrl plan``. Imports neither Ray nor torch.distributed.
 """
-
-from loomrl.planner.calibrate import calibrate_local
-from loomrl.planner.corrections import Corrections, fit_corrections
-from loomrl.planner.cost import CostModel
-from loomrl.planner.profiles import PROFILES, HardwareProfile, profile_for
-from loomrl.planner.search import best_heuristic_plans, candidate_allocations, search
-from loomrl.planner.settings import EngineSettings
-from loomrl.planner.simulator import CostEstimator, SimResult, simulate
-from loomrl.planner.timeline import render_timeline
-from loomrl.planner.traces import lengths_from_summary, observations_from_metrics, trace_predictor
-from loomrl.planner.workload import ModelShape, Workload
-
-__all__ = [
-    "PROFILES",
-    "CostEstimator",
-    "CostModel",
-    "Corrections",
-    "EngineSettings",
-    "HardwareProfile",
-    "ModelShape",
-    "SimResult",
-    "Workload",
-    "best_heuristic_plans",
-    "candidate_allocations",
-    "calibrate_local",
-    "fit_corrections",
-    "lengths_from_summary",
-    "observations_from_metrics",
-    "profile_for",
-    "render_timeline",
-    "search",
-    "simulate",
-    "trace_predictor",
-]

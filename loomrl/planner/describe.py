@@ -3,8 +3,8 @@
 :class:`RunDescription` is what ``loomrl plan`` reads from its flags or from a workload file (YAML, the same
 fields), and what ``benchmarks/published_runs.py`` writes down for each published run: everything the
 simulator needs to price a run as its publication states it. :func:`planner_inputs` turns it into the
-planner's objects (workflow, cluster, model configs, :class:`~loomrl.planner.workload.Workload`,
-:class:`~loomrl.planner.settings.EngineSettings`); :func:`simulate_fixed` simulates a given plan and
+planner's objects (workflow, cluster, model configs, :class:`~loomrl.planner.cost.workload.Workload`,
+:class:`~loomrl.planner.cost.system.EngineSettings`); :func:`simulate_fixed` simulates a given plan and
 :func:`stage_seconds` reads a simulated iteration back as the stages publications report (generation, weight
 sync, scoring, training).
 
@@ -18,17 +18,17 @@ import math
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field
 
-from loomrl.config import ALGORITHMS, GROUP_ALGORITHMS, AlgoConfig, JudgeConfig, RewardConfig, RolloutConfig
-from loomrl.configtools import ValidatedConfig, fail, spec
+from loomrl.config.schema import ALGORITHMS, GROUP_ALGORITHMS, AlgoConfig, JudgeConfig, RewardConfig, RolloutConfig
+from loomrl.config.tools import ValidatedConfig, fail, spec
 from loomrl.errors import ConfigError
 from loomrl.plan import ClusterSpec, ExecutionPlan
-from loomrl.planner.corrections import Corrections
-from loomrl.planner.cost import CostModel
+from loomrl.planner.cost.corrections import Corrections
+from loomrl.planner.cost.model import CostModel
 from loomrl.planner.planning import model_config
-from loomrl.planner.profiles import HardwareProfile, profile_for
-from loomrl.planner.settings import EngineSettings
-from loomrl.planner.simulator import SimResult, simulate
-from loomrl.planner.workload import DEFAULT_SPREAD, ModelShape, Workload, lengths_from_mean_max
+from loomrl.plan.hardware import HardwareProfile, profile_for
+from loomrl.planner.cost.system import EngineSettings
+from loomrl.planner.simulation.simulator import SimResult, simulate
+from loomrl.planner.cost.workload import DEFAULT_SPREAD, ModelShape, Workload, lengths_from_mean_max
 from loomrl.workflow import Workflow
 
 __all__ = ["RULE", "STAGES", "FixedPlanReport", "ModelsConfig", "RunDescription", "planner_inputs", "simulate_fixed",
@@ -83,10 +83,10 @@ class RunDescription(ValidatedConfig):
     """Longest response (the generation limit); default: ``response_len`` (every response that long)."""
     response_spread: float = spec(DEFAULT_SPREAD, gt=0)
     """σ of the log-normal response lengths between the mean and the limit (a stated shape, see
-    :data:`~loomrl.planner.workload.DEFAULT_SPREAD`)."""
+    :data:`~loomrl.planner.cost.workload.DEFAULT_SPREAD`)."""
     observed_lengths: tuple[int, ...] | None = spec(None, ge=1)
     """Observed response lengths (e.g. a run's), used as they are; they replace ``response_len``,
-    ``response_max`` and ``response_spread`` (:mod:`loomrl.planner.lengths`)."""
+    ``response_max`` and ``response_spread`` (:mod:`loomrl.planner.cost.lengths`)."""
     optimizer_steps: int = spec(1, ge=1)
     """Optimizer steps per epoch over an iteration's samples (its minibatches)."""
     ppo_epochs: int = spec(1, ge=1)
@@ -118,7 +118,7 @@ class RunDescription(ValidatedConfig):
 
     def response_lengths(self) -> tuple[int, ...]:
         """A sample of the response lengths: one length when only the mean or the limit is given (or they are
-        equal), else the cut log-normal of :func:`~loomrl.planner.workload.lengths_from_mean_max`; observed
+        equal), else the cut log-normal of :func:`~loomrl.planner.cost.workload.lengths_from_mean_max`; observed
         ``observed_lengths`` as they are."""
         if self.observed_lengths is not None:
             return tuple(int(n) for n in self.observed_lengths)

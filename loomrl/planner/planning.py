@@ -14,14 +14,14 @@ from typing import Mapping
 
 from loomrl.errors import ConfigError
 from loomrl.plan import ClusterSpec, ExecutionPlan
-from loomrl.planner.bounds import IterationBound, iteration_bound
-from loomrl.planner.corrections import Corrections
-from loomrl.planner.cost import CostModel
-from loomrl.planner.profiles import HardwareProfile, profile_for
-from loomrl.planner.settings import EngineSettings
-from loomrl.planner.search import CachedCost, best_heuristic_plans, search
-from loomrl.planner.simulator import SimResult
-from loomrl.planner.workload import ModelShape, Workload
+from loomrl.planner.search.bounds import IterationBound, iteration_bound
+from loomrl.planner.cost.corrections import Corrections
+from loomrl.planner.cost.model import CostModel
+from loomrl.plan.hardware import HardwareProfile, profile_for
+from loomrl.planner.cost.system import EngineSettings
+from loomrl.planner.search.search import CachedCost, best_heuristic_plans, search
+from loomrl.planner.simulation.simulator import SimResult
+from loomrl.planner.cost.workload import ModelShape, Workload
 from loomrl.workflow import Workflow
 
 
@@ -148,7 +148,7 @@ class PlanningReport:
     heuristics: dict[str, tuple[ExecutionPlan, SimResult]]
     searched: list[tuple[ExecutionPlan, SimResult]]
     bound: IterationBound
-    """No plan of the search's space is faster than ``bound.seconds`` (:mod:`loomrl.planner.bounds`)."""
+    """No plan of the search's space is faster than ``bound.seconds`` (:mod:`loomrl.planner.search.bounds`)."""
 
     @property
     def search_speedup(self) -> float:
@@ -170,7 +170,7 @@ def compare_plans(workflow: Workflow, cluster: ClusterSpec, configs: Mapping[str
                   profile: HardwareProfile | None = None, corrections: Corrections | None = None,
                   bytes_per_param: int | None = None, settings: EngineSettings | None = None) -> PlanningReport:
     """Best layouts of each heuristic strategy, then a seeded, time-bounded search; all simulated; and the
-    lower bound on any plan's time (:func:`~loomrl.planner.bounds.iteration_bound`).
+    lower bound on any plan's time (:func:`~loomrl.planner.search.bounds.iteration_bound`).
 
     ``time_budget_s`` bounds the whole comparison: the bound may take :data:`BOUND_SHARE` of it (at least
     :data:`MIN_BOUND_S`), the heuristics' enumeration up to :data:`HEURISTIC_SHARE` more, and the search what is
@@ -180,9 +180,9 @@ def compare_plans(workflow: Workflow, cluster: ClusterSpec, configs: Mapping[str
 
     ``profile`` replaces the cluster's named profile (e.g. this machine measured by ``loomrl calibrate``) and
     ``corrections`` are fitted ones (``loomrl calibrate --from``); by default the datasheet profile, uncorrected.
-    ``bytes_per_param``: the weights' element size (:data:`~loomrl.planner.cost.PRECISION_BYTES`); by default
+    ``bytes_per_param``: the weights' element size (:data:`~loomrl.planner.cost.model.PRECISION_BYTES`); by default
     the runtime's ``precision: auto`` on the profile's devices. ``settings``: how the system runs the calls
-    (:class:`~loomrl.planner.settings.EngineSettings`; loomrl's runtime by default)."""
+    (:class:`~loomrl.planner.cost.system.EngineSettings`; loomrl's runtime by default)."""
     profile = profile or profile_for(cluster)
     shapes = {role: None if cfg is None else ModelShape.from_config(cfg) for role, cfg in configs.items()}
     began = time.monotonic()

@@ -7,7 +7,7 @@ in ``report.backends`` whose package is missing stops the run before it starts, 
 - TensorBoard: scalars in ``RUN_DIR/tb``; a resumed run purges the steps after its checkpoint.
 - wandb: one wandb run per loomrl run (its id kept in ``RUN_DIR/wandb_run_id``, so ``--resume`` continues it),
   the config as the run's config, files under ``RUN_DIR/wandb``; online or offline as
-  :func:`loomrl.launch.wandb_mode` decides.
+  :func:`loomrl.runtime.launch.wandb_mode` decides.
 - MLflow: one MLflow run under the experiment ``report.project`` (its id in ``RUN_DIR/mlflow_run_id``), the
   config as flattened parameters, through an ``MlflowClient`` (no process-wide active run).
 """
@@ -114,7 +114,7 @@ class WandbBackend:
                  resume_from_iteration: int | None) -> None:
         import wandb
 
-        from loomrl.launch import wandb_mode
+        from loomrl.runtime.launch import wandb_mode
 
         previous = _previous_id(run_dir, self.ID_FILE, resume_from_iteration)
         self.mode = wandb_mode(settings.wandb_mode)

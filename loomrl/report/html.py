@@ -114,9 +114,9 @@ def _plan_table(run_dir: Path) -> str:
 
 def _timelines(run_dir: Path, predict: bool) -> str:
     """The measured timeline of the last iterations, below the simulator's prediction where one is made."""
-    from loomrl.planner.profiles import PROFILES
-    from loomrl.planner.run_timeline import placement_marks, predicted_run, read_traces, result_from_traces
-    from loomrl.planner.timeline import timeline_fragment
+    from loomrl.plan.hardware import PROFILES
+    from loomrl.report.run_timeline import placement_marks, predicted_run, read_traces, result_from_traces
+    from loomrl.report.timeline import timeline_fragment
 
     try:
         traces = read_traces(run_dir)
@@ -148,7 +148,7 @@ def _predictable(run_dir: Path) -> bool:
 
 def render_report(run_dir: str | os.PathLike, running: bool = False, total_iterations: int | None = None) -> str:
     """The HTML of the run report of ``run_dir`` (see the module docstring)."""
-    from loomrl.planner.timeline import TIMELINE_CSS
+    from loomrl.report.timeline import TIMELINE_CSS
 
     run_dir = Path(run_dir)
     metrics = run_dir / METRICS_FILE

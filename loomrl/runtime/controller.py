@@ -27,21 +27,21 @@ from typing import Any, Mapping, Sequence
 
 import ray
 
-from loomrl.config import RuntimeConfig
+from loomrl.config.schema import RuntimeConfig
 from loomrl.errors import LoomError
 from loomrl.models.tokenizer import task_tokenizer
 from loomrl.plan.plan import Allocation
 from loomrl.plan.schedule import Step, StepKind, split_for_sampling
-from loomrl.planner.corrections import Corrections
-from loomrl.planner.cost import CostModel
-from loomrl.planner.fused import best_migrate_at
-from loomrl.planner.fused_train import fused_train_orders
+from loomrl.planner.cost.corrections import Corrections
+from loomrl.planner.cost.model import CostModel
+from loomrl.planner.cost.stream_fusion import best_migrate_at
+from loomrl.planner.cost.pipeline_fusion import fused_train_orders
 from loomrl.planner.planning import model_config
-from loomrl.planner.profiles import load_profile, profile_for
-from loomrl.planner.settings import RUNTIME
-from loomrl.planner.workload import ModelShape, Workload
+from loomrl.plan.hardware import load_profile, profile_for
+from loomrl.planner.cost.system import RUNTIME
+from loomrl.planner.cost.workload import ModelShape, Workload
 from loomrl.plan.cluster import ClusterSpec
-from loomrl.runtime.fused_stage import FusedStage, is_stream
+from loomrl.runtime.stream_fusion import FusedStage, is_stream
 from loomrl.runtime.reference import IterationResult, StepTrace, merge_stats
 from loomrl.runtime.spec import CallData, FusedTrainData, WorkerPlan, WorkerSpec
 from loomrl.workflow import MFCKind
@@ -245,7 +245,7 @@ class Controller:
                   ) -> tuple[list[StepTrace], dict[str, dict[int, dict]]]:
         """Run ``steps`` (one list of the schedule) to the end on this controller's devices: each is sent to them
         once the steps it waits for are done here, or with the one it is sent with; a fused stage runs as its
-        members' data arrives (:class:`~loomrl.runtime.fused_stage.FusedStage`). Call steps take their rows from
+        members' data arrives (:class:`~loomrl.runtime.stream_fusion.FusedStage`). Call steps take their rows from
         ``state`` and report into ``result``; ``data`` gives other steps' per-device payloads. Returns the steps'
         traces, in the order they ended, and every device's reply per step.
 
@@ -400,7 +400,7 @@ class Controller:
     def fused_train_payloads(self, step: Step, state: _IterationState) -> dict[int, FusedTrainData]:
         """Per device of a ``fused_train`` step: each member call's payload and the device's order of the fused
         pipeline schedule (made once per plan, for the first batch it runs on, by the first controller: see
-        :func:`loomrl.planner.fused_train.fused_train_orders`; its search is time-bounded, so the others take
+        :func:`loomrl.planner.cost.pipeline_fusion.fused_train_orders`; its search is time-bounded, so the others take
         its result rather than their own)."""
         if step.id not in self._fused_orders:
             orders = None

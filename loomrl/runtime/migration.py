@@ -1,7 +1,7 @@
 """A generation replica's part in a fused stage: chunking its finished samples, and the tail's migration.
 
 Every replica of a fused stage's generation runs :class:`MigrationControl` as its op's
-:class:`~loomrl.algorithms.roles.StreamControl`. After each decode step the replicas sum their unfinished
+:class:`~loomrl.algorithms.context.StreamControl`. After each decode step the replicas sum their unfinished
 samples (one all-reduce over the generation mesh, each replica counted once); when at most ``threshold`` are
 left, they agree on a migration (RLHFuse's, at R_t): the ``migrate_to`` replicas with the most decoding left
 keep generating and the others abort their unfinished samples, hand them over with the tokens generated so far,
@@ -56,7 +56,7 @@ def assign_tail(samples: dict[int, list[tuple[int, int]]], migrate_to: int) -> t
 
 
 class MigrationControl:
-    """One rank's :class:`~loomrl.algorithms.roles.StreamControl` in a fused stage (module docstring)."""
+    """One rank's :class:`~loomrl.algorithms.context.StreamControl` in a fused stage (module docstring)."""
 
     def __init__(self, spec: StreamSpec, group, replica: int, counts: bool, replicas: int, device: torch.device):
         self.chunk, self.max_prompt, self.max_budget, self.slots = spec.chunk, spec.max_prompt, spec.max_budget, spec.slots

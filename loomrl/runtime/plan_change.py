@@ -4,7 +4,7 @@
 move. A trained role whose training allocation changes (devices, layout, FSDP or ZeRO) moves its whole training
 state from the old training allocation to the new one with the reallocation machinery (:mod:`loomrl.plan`'s
 planner, :mod:`loomrl.parallel.realloc_exec`'s executor): its weights, its fp32 master weights when the weights
-are 16-bit, and Adam's moments once it has stepped (:mod:`loomrl.parallel.optim_state` names each kind's
+are 16-bit, and Adam's moments once it has stepped (:mod:`loomrl.parallel.role_state` names each kind's
 tensors on either side), each kind divided as each allocation keeps it. A frozen role's new placements are filled
 from one of its old ones. Copies and shadows need nothing: the new schedule's copies refill them before use, and
 its prologue fills its shadows. Nothing of the run changes: the next iteration computes what it would have
@@ -16,7 +16,7 @@ from __future__ import annotations
 from collections.abc import Callable, Mapping
 from dataclasses import dataclass
 
-from loomrl.engine.specs import RoleSpec
+from loomrl.role.spec import RoleSpec
 from loomrl.plan.plan import Allocation
 from loomrl.plan.realloc_plan import ReallocPlan
 from loomrl.runtime.spec import WorkerPlan

@@ -25,16 +25,16 @@ import torch
 from ray.util.placement_group import placement_group, remove_placement_group
 from ray.util.scheduling_strategies import PlacementGroupSchedulingStrategy
 
-from loomrl.checkpoint import state_json_of
-from loomrl.config import RuntimeConfig
+from loomrl.checkpoint.store import state_json_of
+from loomrl.config.schema import RuntimeConfig
 from loomrl.errors import LoomError
-from loomrl.launch import ray_address, start_ray, stop_ray
+from loomrl.runtime.launch import ray_address, start_ray, stop_ray
 from loomrl.models.tokenizer import task_tokenizer
 from loomrl.models.zoo import parameter_shapes
 from loomrl.plan.plan import ExecutionPlan
 from loomrl.plan.realloc_plan import plan_reallocation
 from loomrl.plan.schedule import StepKind, build_schedule
-from loomrl.engine.devices import resolve_dtype
+from loomrl.role.devices import resolve_dtype
 from loomrl.runtime.controller import (Controller, RuntimeFailure, ShardInput, ShardOutput, _inputs,
                                        check_metadata, is_metric_key)
 from loomrl.runtime.controllers import (plan_for_controllers, shard_batch, shard_input, spawn_controllers,
@@ -226,7 +226,7 @@ class RayExecutor:
     def save(self, run_dir: Path, iteration: int, state: Mapping[str, Any], keep_last: int,
              sharded: bool = True) -> Path:
         """Checkpoint the trained roles. ``sharded``: every worker writes the pieces it owns and worker 0 completes
-        the save (:mod:`loomrl.checkpoint_shards`); otherwise the roles are gathered whole onto worker 0 first."""
+        the save (:mod:`loomrl.checkpoint.shards`); otherwise the roles are gathered whole onto worker 0 first."""
         if sharded:
             return self._save_sharded(run_dir, iteration, state, keep_last)
         exports = {}

@@ -12,10 +12,10 @@ from functools import partial
 from pathlib import Path
 from typing import TYPE_CHECKING, Any, Callable, Mapping, Sequence
 
-from loomrl.algorithms.roles import OpContext, Role
-from loomrl.checkpoint import load_checkpoint, save_checkpoint, save_sharded_checkpoint
+from loomrl.algorithms.context import OpContext, Role
+from loomrl.checkpoint.store import load_checkpoint, save_checkpoint, save_sharded_checkpoint
 from loomrl.models.tokenizer import encode_prompt
-from loomrl.runtime.state_io import FullOptimizerState
+from loomrl.checkpoint.optim_state import FullOptimizerState
 from loomrl.plan.schedule import Schedule, Step, StepKind, split_for_sampling
 from loomrl.workflow import MFC, MFCKind
 from loomrl.workflow.batch import Batch

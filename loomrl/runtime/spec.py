@@ -10,8 +10,8 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 from typing import Any, Mapping
 
-from loomrl.config import TaskConfig
-from loomrl.engine.specs import RoleSpec
+from loomrl.config.schema import TaskConfig
+from loomrl.role.spec import RoleSpec
 from loomrl.plan.plan import Allocation
 from loomrl.plan.realloc_plan import ReallocPlan
 from loomrl.plan.schedule import Schedule, Step, StepKind
@@ -98,7 +98,7 @@ class CallData:
 @dataclass(frozen=True)
 class FusedTrainData:
     """What the controller sends one worker for a ``fused_train`` step: each member call's data, and this
-    device's order of one fused pipeline step (:mod:`loomrl.runtime.fused_train`)."""
+    device's order of one fused pipeline step (:mod:`loomrl.runtime.pipeline_fusion`)."""
 
     calls: Mapping[str, CallData]
     """Member call id → its data."""

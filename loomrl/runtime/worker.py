@@ -25,27 +25,27 @@ import torch.distributed as dist
 
 from loomrl.algorithms.evaluate import evaluate_policy
 from loomrl.algorithms.metrics import rollout_metrics
-from loomrl.algorithms.roles import OpContext, Role
-from loomrl.checkpoint import begin_save, finish_sharded_save, load_checkpoint, save_checkpoint
-from loomrl.checkpoint_shards import check_pieces, place_of, role_pieces, write_role_shards
+from loomrl.algorithms.context import OpContext, Role
+from loomrl.checkpoint.store import begin_save, finish_sharded_save, load_checkpoint, save_checkpoint
+from loomrl.checkpoint.shards import check_pieces, place_of, role_pieces, write_role_shards
 from loomrl.data.sources import build_task
-from loomrl.engine import ModelEngine, build_model, make_role, resolve_device, resolve_dtype
-from loomrl.launch import quiet_libraries
+from loomrl.role import ModelEngine, build_model, make_role, resolve_device, resolve_dtype
+from loomrl.runtime.launch import quiet_libraries
 from loomrl.models.tokenizer import decode_response, encode_prompt, task_tokenizer
 from loomrl.parallel import (apply_fsdp, apply_tensor_parallel, build_broadcast_groups, check_layout,
                              execute_reallocation, full_state_dict, local_shard)
 from loomrl.parallel.allocations import AllocationGroups
-from loomrl.parallel.optim_state import init_state, state_tensors, steps_taken
+from loomrl.parallel.role_state import init_state, state_tensors, steps_taken
 from loomrl.parallel.pipeline import split_stages
-from loomrl.parallel.pipeline_schedule import PipelineRunner
+from loomrl.parallel.pipeline_runner import PipelineRunner
 from loomrl.plan.plan import Allocation
 from loomrl.plan.schedule import Step, StepKind
 from loomrl.runtime.migration import MigrationControl, StreamSpec
 from loomrl.runtime.offload import HostCopy, TrainingState, bind_view, reclaim, release_storage
 from loomrl.runtime.plan_change import Move
-from loomrl.runtime.fused_train import run_fused_train
+from loomrl.runtime.pipeline_fusion import run_fused_train
 from loomrl.runtime.spec import CallData, FusedTrainData, WorkerPlan, WorkerSpec
-from loomrl.runtime.state_io import FullOptimizerState, merge_optimizer_states, with_masters
+from loomrl.checkpoint.optim_state import FullOptimizerState, merge_optimizer_states, with_masters
 from loomrl.workflow import MFCKind
 from loomrl.workflow.batch import Batch
 
@@ -290,7 +290,7 @@ class DeviceWorker:
         return self._published(step, call, out)
 
     def _fused_train(self, step: Step, data: FusedTrainData) -> dict:
-        """The two train calls of a ``fused_train`` step as one fused pipeline (:mod:`loomrl.runtime.fused_train`);
+        """The two train calls of a ``fused_train`` step as one fused pipeline (:mod:`loomrl.runtime.pipeline_fusion`);
         each member's metadata as its own call's would be."""
         ops, roles, back_groups, stage_ranks = [], [], [], []
         for member in step.members:

@@ -19,11 +19,11 @@ from pathlib import Path
 from typing import Any, Sequence
 
 from loomrl.algorithms.evaluate import evaluate_pass_at_k, evaluate_policy
-from loomrl.checkpoint import CHECKPOINTS_DIR, STATE_FILE, export_checkpoint, latest_checkpoint
-from loomrl.config import EvalConfig, TrainConfig
-from loomrl.configtools import load_config, to_dict
+from loomrl.checkpoint.store import CHECKPOINTS_DIR, STATE_FILE, export_checkpoint, latest_checkpoint
+from loomrl.config.schema import EvalConfig, TrainConfig
+from loomrl.config.tools import load_config, to_dict
 from loomrl.data.sources import build_task, held_out
-from loomrl.engine import resolve_device, resolve_dtype
+from loomrl.role import resolve_device, resolve_dtype
 from loomrl.errors import ConfigError, DataError
 from loomrl.models.tokenizer import task_tokenizer
 from loomrl.models.zoo import build_causal_lm
@@ -47,7 +47,7 @@ class Target:
 def resolve_target(path: str | Path) -> Target:
     """A run directory → its latest checkpoint's actor; ``iter_N`` → its actor; a model directory → itself.
     A run's checkpoint has its actor's files checked against its manifest first; a sharded one's actor is
-    exported to ``iter_N/hf/actor`` on first use (:func:`~loomrl.checkpoint.export_checkpoint`)."""
+    exported to ``iter_N/hf/actor`` on first use (:func:`~loomrl.checkpoint.store.export_checkpoint`)."""
     path = Path(path)
     if (path / CHECKPOINTS_DIR).is_dir() or ((path / "config.yaml").is_file() and not (path / "config.json").is_file()):
         ckpt = latest_checkpoint(path)

@@ -24,16 +24,16 @@ import torch
 from loomrl.algorithms.dynamic_sampling import DynamicSampler
 from loomrl.algorithms.evaluate import evaluate_policy
 from loomrl.algorithms.metrics import rollout_metrics
-from loomrl.algorithms.roles import Role
+from loomrl.algorithms.context import Role
 from loomrl.algorithms.workflows import build_workflow
-from loomrl.checkpoint import latest_checkpoint, remove_leftovers
-from loomrl.config import TrainConfig
-from loomrl.configtools import dump_yaml, to_dict
+from loomrl.checkpoint.store import latest_checkpoint, remove_leftovers
+from loomrl.config.schema import TrainConfig
+from loomrl.config.tools import dump_yaml, to_dict
 from loomrl.data.sources import build_task, examples_window, held_out, prompt_source
-from loomrl.engine import (ModelEngine, RoleSpec, build_model, make_role, resolve_device, resolve_dtype, role_specs,
+from loomrl.role import (ModelEngine, RoleSpec, build_model, make_role, resolve_device, resolve_dtype, role_specs,
                            set_threads)
 from loomrl.errors import ConfigError, DataError, LoomError
-from loomrl.launch import ray_address, runtime_cluster
+from loomrl.runtime.launch import ray_address, runtime_cluster
 from loomrl.models.tokenizer import decode_response, encode_prompt, task_tokenizer
 from loomrl.models.zoo import check_model_spec
 from loomrl.plan import ClusterSpec, ExecutionPlan, colocate
@@ -45,7 +45,7 @@ from loomrl.report.backends import check_backends, open_backends
 from loomrl.report.html import PLAN_FILE, write_run_report
 from loomrl.runtime.reference import IterationResult, ReferenceExecutor
 from loomrl.runtime.spec import WorkerSpec
-from loomrl.train.placement import PLACEMENT_FILE, DynamicPlacement, timed_check
+from loomrl.train.dynamic_placement import PLACEMENT_FILE, DynamicPlacement, timed_check
 from loomrl.train.progress import RunProgress
 from loomrl.workflow import Workflow
 from loomrl.workflow.batch import Batch

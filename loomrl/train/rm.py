@@ -18,12 +18,12 @@ import torch
 
 from loomrl.algorithms.losses import bradley_terry_loss
 from loomrl.algorithms.lr import learning_rate, set_lr
-from loomrl.config import RMConfig
+from loomrl.config.schema import RMConfig
 from loomrl.data.preferences import preference_pairs
 from loomrl.models.heads import sequence_scores
 from loomrl.models.zoo import build_value_model
 from loomrl.data.sources import build_task
-from loomrl.engine import adamw, resolve_device, resolve_dtype
+from loomrl.role import adamw, resolve_device, resolve_dtype
 from loomrl.models.tokenizer import encode_prompt, task_tokenizer
 from loomrl.train.progress import RunProgress
 from loomrl.workflow.batch import pack_sequences

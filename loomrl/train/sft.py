@@ -17,11 +17,11 @@ import torch
 
 from loomrl.algorithms.advantages import masked_mean
 from loomrl.algorithms.lr import learning_rate, set_lr
-from loomrl.config import SFTConfig
+from loomrl.config.schema import SFTConfig
 from loomrl.models.heads import token_logprobs
 from loomrl.models.zoo import build_causal_lm
 from loomrl.data.sources import build_task, examples_window, held_out, prompt_source
-from loomrl.engine import adamw, resolve_device, resolve_dtype
+from loomrl.role import adamw, resolve_device, resolve_dtype
 from loomrl.models.tokenizer import encode_prompt, task_tokenizer
 from loomrl.algorithms.evaluate import evaluate_policy
 from loomrl.train.progress import RunProgress

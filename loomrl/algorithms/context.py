@@ -1,0 +1,133 @@
+"""What an MFC's function receives: the role it runs on and the iteration it belongs to.
+
+A :class:`Role` is a plain container of one named model (weights, optimizer, the engine that runs it); nothing
+here knows where the model lives or how it is sharded. Executors build roles and hand an :class:`OpContext` to
+each MFC function, so the same functions run in the reference executor and on distributed workers. An op runs
+its model's forward and backward passes only through the role's :class:`Engine`, which hides whether the model
+is whole, one pipeline stage, or sharded over data-parallel ranks (:mod:`loomrl.role`).
+"""
+
+from __future__ import annotations
+
+from collections.abc import Mapping, Sequence
+from dataclasses import dataclass
+from typing import Any, Callable, Protocol
+
+import torch
+from transformers import PreTrainedModel
+
+from loomrl.data.tasks import BatchScores
+
+ScoreFn = Callable[[Sequence[str], Sequence[str], Sequence["str | None"], Sequence[Mapping[str, Any]]], BatchScores]
+"""``rule(prompts, responses, answers, rows)``: a task's scores of a batch (``Task.score_batch``)."""
+
+KeepFn = Callable[[torch.Tensor, int], torch.Tensor]
+"""``keep(outputs, k)``: what to keep of micro-batch ``k``'s per-position outputs (e.g. its log-probs)."""
+LossFn = Callable[[torch.Tensor, int], "torch.Tensor | None"]
+"""``loss(outputs, k)``: micro-batch ``k``'s scaled loss, or None when it has no loss tokens."""
+
+
+class StreamControl(Protocol):
+    """What a fused stage's executor tells a streaming generation op (:func:`loomrl.algorithms.ops.generate_chunks`):
+    how many finished samples make a chunk, and a hook run after every decode step, which may move this replica's
+    unfinished samples elsewhere (migration) or take others in, and says whether this replica is done."""
+
+    chunk: int
+    """Finished samples gathered before they are handed on."""
+    max_prompt: int
+    """Longest prompt of the whole batch (migrated samples may arrive with any of them)."""
+    max_budget: int
+    """Largest per-sample token budget of the whole batch (0: none beyond the sampling parameters')."""
+    slots: int
+    """Samples the engine decodes at once."""
+    in_step: bool
+    """Whether this replica must go on stepping in step with the others even with nothing left to decode (the
+    replicas agree on a migration step by step until it happens)."""
+
+    def after_step(self, engine) -> bool:
+        """Called after each decode step of ``engine`` (a :class:`~loomrl.rollout.RolloutEngine`); True when this
+        replica stops generating (its unfinished samples went elsewhere)."""
+        ...
+
+
+class Engine(Protocol):
+    """How a role's model runs its passes on this process; ops call nothing else of the model's."""
+
+    def outputs(self, ids_BL: torch.Tensor, attn_BL: torch.Tensor, parts: list[slice],
+                keep: KeepFn | None = None, prompt_len_B: torch.Tensor | None = None) -> torch.Tensor:
+        """Per-position outputs (logits, or values) of every row, computed micro-batch by micro-batch (``parts``
+        of the rows), each reduced by ``keep``, concatenated over rows, on every rank of the model.
+        ``prompt_len_B``, where given, lets rows sharing a prompt compute it once."""
+        ...
+
+    def backward(self, ids_BL: torch.Tensor | None, attn_BL: torch.Tensor | None, parts: list[slice],
+                 loss: LossFn | None, passes: int, prompt_len_B: torch.Tensor | None = None) -> None:
+        """Forward and backward of each micro-batch, gradients accumulating; ``passes`` is the plan's number of
+        micro-batches, which an engine whose passes are collective runs even without rows (``parts`` empty)."""
+        ...
+
+    def reduce_and_clip(self, max_norm: float) -> float:
+        """Sum the gradients over the data-parallel ranks (where the backward did not), clip them to a global
+        norm of ``max_norm`` and return the norm before clipping."""
+        ...
+
+
+@dataclass
+class Role:
+    """One named model of the workflow (actor, critic, ref, reward)."""
+
+    name: str
+    model: PreTrainedModel | None = None
+    optimizer: torch.optim.Optimizer | None = None
+    grad_clip: float = 1.0
+    rule: ScoreFn | None = None
+    """A rule-based scorer (reward role); combined with the model's score by ``rule_weight``/``model_weight``."""
+    rule_weight: float = 1.0
+    model_weight: float = 1.0
+    engine: Engine | None = None
+    """Runs the model's passes (:mod:`loomrl.role`); None for a role without a model."""
+    lr_at: Callable[[int], float] | None = None
+    """The learning rate of the run's optimizer step k of this role (numbered from 0 over all iterations);
+    None keeps the optimizer's own."""
+    on_nonfinite: str = "skip"
+    """An optimizer step whose loss or gradient norm is NaN or inf: 'skip' it (gradients zeroed, weights and
+    optimizer state untouched) or 'stop' the run (``train.on_nonfinite``)."""
+
+    @property
+    def device(self) -> torch.device:
+        if self.model is None:
+            return torch.device("cpu")
+        return next(self.model.parameters()).device
+
+
+@dataclass(frozen=True)
+class OpContext:
+    """Everything an MFC function may depend on besides its input batch."""
+
+    role: Role | None
+    seed: int
+    iteration: int
+    pad_id: int
+    eos_id: int
+    decode: Callable[[list[int]], str]
+    """Token ids → text (the tokenizer's decode without special tokens)."""
+    encode: Callable[[str], list[int]] | None = None
+    """A prompt's text → its token ids (:func:`loomrl.models.tokenizer.encode_prompt`): what a judge reads."""
+    train_steps: tuple[tuple[tuple[int, ...], float], ...] = ()
+    """``train`` MFCs: per optimizer step, this executor's rows (positions in the given batch) and the weight
+    of their mean loss (their share of the step's loss weight over all data-parallel ranks: tokens, or rows)."""
+    loss_unit: str = "token"
+    """``train`` MFCs: the MFC's ``loss_unit``, what a row weighs in its minibatch's mean loss (``token``: its
+    response tokens; ``sequence``: one), by which the op weights each micro-batch's loss."""
+    micro_batches: int = 1
+    """Micro-batches the call's rows run as (the plan's ``micro_batches`` for its MFC; 1 in the reference
+    executor). Inference and training ops clip it to their row count; generation ignores it."""
+    recompute: bool = False
+    """``train`` MFCs: recompute each decoder layer's activations in the backward instead of keeping them (the
+    plan's ``rc``; activation checkpointing). Same gradients, less memory, one more forward."""
+    stream: StreamControl | None = None
+    """Generate calls of a fused stage: chunking and migration (None: generate everything, then return)."""
+    reduce: Callable[[torch.Tensor], torch.Tensor] | None = None
+    """Compute MFCs given one shard of the batch (one per parallel controller): sums a tensor over every shard,
+    for batch-level statistics such as advantage whitening. None: the call sees the whole batch."""
+

@@ -1,0 +1,1 @@
+"""loomrl.planner.cost: seconds and bytes per device of every step of a schedule under a plan."""

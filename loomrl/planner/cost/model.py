@@ -1,0 +1,689 @@
+"""The cost model: seconds and bytes per device of each MFC under an allocation, and of reallocations.
+
+How a call is priced (``b`` bytes per weight, P parameters, one data-parallel replica's share of the batch;
+every replica runs in parallel on equal shares, so a call takes as long as one replica):
+
+- **A pipelined pass** (:meth:`CostModel._pass`): the share is cut into ``mb`` micro-batches flowing through
+  ``pp`` stages of ``tp`` devices. A stage's slot for one micro-batch costs
+  ``max(FLOPs/(tp·pp·mb·rate), weight bytes/(tp·pp)/mem_bw)`` plus its tensor-parallel all-reduces (two per
+  layer of the micro-batch's activations forward, two more backward) plus one point-to-point hop of those
+  activations to the next stage (two when training: forward and backward). A pass takes
+  ``mb + pp − 1`` slots: ``mb`` of work, ``pp − 1`` of bubble.
+- **Train** (forward + backward = 3× forward FLOPs, weights read twice and gradients written once per
+  micro-batch; with activation recomputation one more forward: 4×, and its all-reduces) once per optimizer
+  step, ``epochs × minibatches`` steps, each followed by the gradient all-reduce over dp (the runtime sums
+  gradients after the backward, it does not overlap them) and the Adam step's memory traffic; under ZeRO-1
+  (``zero``) the step covers 1/dp of the weights and an all-gather of the weights over dp follows. Under FSDP
+  (``fsdp``) every micro-batch all-gathers the weights twice (forward, backward) and reduce-scatters fp32
+  gradients instead, overlapped with the pass's work where the devices run communication beside compute
+  (``async_launch``: GPU streams; FSDP prefetches the next layer) but for the first layer's gather, and
+  dispatches a few operators per unit and collective (their own term group: FSDP's hooks run in Python);
+  the Adam step covers 1/dp of the fp32 weights.
+- **Inference**: one forward pass over every token of the share.
+- **Generate**: a prefill pass over the prompts, then decode steps priced from the response-length
+  *distribution*: at step t, the live samples (those with length > t, scaled to the share) each produce one
+  token, and a step costs ``max(compute, weight + KV-cache reads)`` plus its all-reduces
+  (:mod:`loomrl.planner.cost.decode`). The rollout engine decodes all live samples together, so generation
+  ignores ``micro_batches`` unless ``pp > 1``.
+- **Compute** (advantages): a few float columns per token read and written on one device.
+- **Operator launches** (every kind): each slot of a pass also dispatches its stage's operators
+  (:func:`loomrl.planner.cost.terms.forward_ops`, 3× when training, plus the optimizer's per-tensor operators), and
+  each decode step its forward's and the sampler's, at the profile's ``op_overhead`` each. This is what bounds
+  small models and decode: a kernel launch on a GPU, an eager dispatch on a CPU. On a GPU launches are queued
+  ahead of the device (``async_launch``), so only launch time beyond the work adds; on a CPU all of it does.
+  Tensor-parallel launches are named ``*_tp`` so corrections fit them apart (DTensor dispatch costs more per
+  operator).
+
+Every term is uncorrected; :class:`~loomrl.planner.cost.corrections.Corrections` fitted from run traces scale
+them per MFC kind and term group (roofline, launches, tensor-parallel launches). :meth:`CostModel.time_terms` returns the named terms of a call, for reports.
+
+Memory per device follows :func:`loomrl.plan.shard_bytes` for the resident state (weights, plus gradients and
+fp32 Adam moments when trained; data parallelism replicates, as the runtime does without FSDP), so plans the
+cost model accepts are the plans :meth:`loomrl.plan.ExecutionPlan.validate` accepts (:meth:`static_memory`).
+While it runs, a call adds transient bytes (:meth:`mfc_memory`): activations (train: the tensors kept for
+backward, the 1F1B pipeline keeping at most pp micro-batches on a stage), working buffers (inference) or the KV cache at its
+fullest (generate).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import math
+from collections import Counter
+from typing import Mapping, NamedTuple
+
+from loomrl.errors import ConfigError
+from loomrl.plan import Allocation, ClusterSpec, shard_bytes
+from loomrl.plan.layout import Coords
+from loomrl.planner.cost import decode as D
+from loomrl.planner.cost import terms as T
+from loomrl.planner.cost.corrections import ITERATION, REALLOC, Corrections
+from loomrl.planner.cost.stream_fusion import FusedPrice, GenerationFloor, generation_floor, price_fused
+from loomrl.planner.cost.pipeline_fusion import price_fused_train
+from loomrl.plan.hardware import HardwareProfile
+from loomrl.planner.cost.realloc import realloc_seconds
+from loomrl.planner.cost.system import EngineSettings, default_max_seqs
+from loomrl.planner.cost.workload import ModelShape, Workload
+from loomrl.workflow import MFC, MFCKind
+
+__all__ = ["CostModel", "ENGINE_BATCHED_TOKENS", "LOGIT_CHUNK_TOKENS", "PREFILL_CHUNK_TOKENS"]
+
+PREFILL_CHUNK_TOKENS = 4096
+"""Prompt tokens the rollout engine prefills at once (its ``prefill_tokens`` default): bounds prefill buffers."""
+ENGINE_BATCHED_TOKENS = 8192
+"""Tokens a serving engine's forward pass handles at most (vLLM's ``max_num_batched_tokens`` of 8192 to 16384):
+the activation buffers it reserves beside its KV cache."""
+LOGIT_CHUNK_TOKENS = 4096
+"""Tokens whose logits a chunked (fused) cross-entropy holds at once (:attr:`EngineSettings.logits`)."""
+GENERATING_ROLE = "actor"
+"""The role every workflow generates with (:mod:`loomrl.algorithms.workflows`): its copies outside training are
+the serving engine's."""
+MOE_REFERENCE_EXPERT = 4096 * 1536
+"""The expert size (hidden × width) the profiles' ``moe_efficiency`` is measured at (Qwen3-235B-A22B's)."""
+COMPUTE_BYTES_PER_TOKEN = 64
+"""Bytes a compute step (advantages) reads and writes per token: a few fp32 columns, in and out."""
+
+
+class _Rates(NamedTuple):
+    """What one device of an allocation gets: compute and memory rates, and the link of each parallel axis."""
+
+    flops: float
+    mem: float
+    tp_bw: float
+    dp_bw: float
+    pp_bw: float
+    latency: float
+    op: float
+    """Seconds to dispatch one operator (slowed like the rates when devices share cores)."""
+
+
+GRAD_REDUCE_BYTES = 4
+"""Gradients are summed over data-parallel ranks in fp32 at least (:mod:`loomrl.parallel.data_parallel`)."""
+PRECISION_BYTES = {"fp32": 4, "bf16": 2}
+"""Bytes per weight of each explicit ``runtime.precision``; its ``auto`` (bf16 on accelerators, fp32 on CPU) is
+the cost model's default (``bytes_per_param=None``)."""
+
+
+class CostModel:
+    """Prices MFCs, reallocations and memory for one cluster, hardware profile, set of models and workload.
+
+    ``shapes`` maps each role to its model, or to None for a role with no model (a rule reward: its calls
+    score on the host, priced like a compute step); ``bytes_per_param`` is the weights' (and activations')
+    element size, by default 2 (bf16) on accelerators and 4 (fp32) on ``local``, as the runtime's ``precision:
+    auto``; ``settings`` say how the system runs the calls (:class:`~loomrl.planner.cost.system.EngineSettings`:
+    by default loomrl's runtime). Results are cached per (call, allocation); the model is immutable once built.
+    ``realloc_cache`` shares priced reallocations between models of the same cluster, profile, shapes and
+    ``bytes_per_param`` (they depend on nothing else: a run re-planned after each iteration builds one model per
+    workload and corrections, and planning a transfer is what pricing a plan spends most on).
+    """
+
+    def __init__(self, cluster: ClusterSpec, profile: HardwareProfile, shapes: Mapping[str, ModelShape | None],
+                 workload: Workload, corrections: Corrections | None = None, *, bytes_per_param: int | None = None,
+                 settings: EngineSettings | None = None, realloc_cache: dict | None = None):
+        self.cluster, self.profile, self.workload = cluster, profile, workload
+        self.shapes = dict(shapes)
+        self.settings = settings or EngineSettings()
+        self.corrections = corrections or Corrections()
+        self.bytes_per_param = bytes_per_param or (4 if profile.name == "local" else 2)
+        self._terms: dict[tuple, dict[str, float]] = {}
+        self._reallocs: dict[tuple, float] = {} if realloc_cache is None else realloc_cache
+        self._rates: dict[tuple, _Rates] = {}
+        self._fused: dict = {}
+        self._fused_generations: dict = {}  # a fused stage's generation, shared by stages around the same one
+
+    # ------------------------------------------------------------------------------------------ public API
+
+    def mfc_time(self, mfc: MFC, alloc: Allocation) -> float:
+        """Seconds of one call of ``mfc`` on ``alloc``, corrected (and scaled by the profile's stated
+        ``system_factor``, like every time the model gives)."""
+        return self.corrections.apply_terms(mfc.kind, self.time_terms(mfc, alloc)) * self.profile.system_factor
+
+    def shared_cores(self) -> float | None:
+        """Cores per node that its devices share (the simulator then slows calls running side by side), or
+        None when every device has its own compute (accelerators, or CPU devices no more than cores)."""
+        share = self.profile.devices_share_cores
+        return self.cluster.devices_per_node / share if share > 1 else None
+
+    def offloads(self) -> bool:
+        """Whether the runtime offloads the plan's offloaded roles on these devices (accelerators: yes; CPU
+        devices keep them resident, so the simulator does too)."""
+        return self.profile.host_offload
+
+    def reload_time(self, role: str, alloc: Allocation, trainable: bool = False) -> float:
+        """Seconds to bring an offloaded role back from pinned host memory before a call on ``alloc``: each
+        device's shard over its host link (a trained role's whole training state when ``trainable``; 0 where
+        the runtime does not offload)."""
+        if not self.profile.host_offload:
+            return 0.0
+        seconds = self.static_memory(role, alloc, trainable) / self.profile.host_bw + self.profile.link_latency
+        return seconds * self.profile.system_factor
+
+    def offload_time(self, role: str, alloc: Allocation, trainable: bool = False) -> float:
+        """Seconds to move an offloaded role to host memory: nothing for a frozen role (its host copy is kept and
+        never changes), a trained role's training state copied out when ``trainable``."""
+        return self.reload_time(role, alloc, True) if trainable else 0.0
+
+    def fused_stage(self, step) -> FusedPrice:
+        """A fused stage's predicted time and parts (:mod:`loomrl.planner.cost.stream_fusion`). Cached."""
+        if step not in self._fused:
+            self._fused[step] = price_fused(self, step)
+        return self._fused[step]
+
+    def fused_floor(self, role: str, alloc: Allocation) -> GenerationFloor:
+        """What no fused stage's generation on ``alloc`` beats (:func:`loomrl.planner.cost.stream_fusion.generation_floor`)."""
+        key = ("floor", role, alloc)
+        if key not in self._fused:
+            self._fused[key] = generation_floor(self, role, alloc)
+        return self._fused[key]
+
+    def fused_time(self, step) -> float:
+        """Seconds of a fused stage (the simulator's price of a ``fused`` schedule step)."""
+        return self.fused_stage(step).seconds
+
+    def fused_train_time(self, step) -> float:
+        """Seconds of a ``fused_train`` stage: two train calls as one fused pipeline
+        (:func:`loomrl.planner.cost.pipeline_fusion.price_fused_train`). Cached."""
+        key = ("train", step)
+        if key not in self._fused:
+            self._fused[key] = price_fused_train(self, step)
+        return self._fused[key].seconds
+
+    def train_steps(self, mfc: MFC) -> int:
+        """Optimizer steps of one call of train MFC ``mfc``: ``epochs × minibatches``."""
+        epochs, minibatches = self._steps(mfc)
+        return epochs * minibatches
+
+    def iteration_time(self, simulated_s: float) -> float:
+        """A simulated iteration's seconds with the fitted whole-iteration correction (the controller's serial
+        work around the calls); unchanged without one."""
+        return self.corrections.apply(ITERATION, simulated_s)
+
+    def time_terms(self, mfc: MFC, alloc: Allocation) -> dict[str, float]:
+        """The uncorrected terms of a call's time, by name (they sum to the analytic time); none for a role the
+        model has no shape of (a rule-based reward: its calls cost their fitted per-call overhead alone)."""
+        if mfc.role is not None and mfc.role not in self.shapes:
+            return {}
+        key = (mfc.name, mfc.kind, mfc.role, mfc.epochs, mfc.minibatches, _alloc_key(alloc))
+        if key not in self._terms:
+            terms = self._compute_terms(mfc, alloc)
+            if self.workload.rollout_scale != 1 and mfc.per_wave:
+                terms = {name: seconds * self.workload.rollout_scale for name, seconds in terms.items()}
+            self._terms[key] = terms
+        return dict(self._terms[key])
+
+    def mfc_memory(self, mfc: MFC, alloc: Allocation, trainable: bool) -> float:
+        """Transient peak bytes on each device of ``alloc`` while the call runs: activations kept for the
+        backward (train), working buffers (inference), KV cache and buffers (generate). The role's weights
+        (and optimizer state) are :meth:`static_memory`, which the simulator holds for as long as they are
+        resident; :meth:`call_memory` is the sum of the two. ``trainable`` does not change the transient part."""
+        if mfc.kind is MFCKind.COMPUTE or self._is_rule(mfc.role):
+            return self.workload.batch * self.workload.mean_seq * COMPUTE_BYTES_PER_TOKEN
+        if mfc.role not in self.shapes:
+            return 0.0
+        if mfc.kind is MFCKind.GENERATE:
+            return self._generate_memory(mfc.role, alloc)
+        if mfc.kind is MFCKind.INFERENCE:
+            return self._inference_memory(mfc.role, alloc)
+        return self._train_memory(mfc, alloc)
+
+    def call_memory(self, mfc: MFC, alloc: Allocation, trainable: bool) -> float:
+        """Peak bytes per device of a call with its role's weights (+ gradients and Adam if ``trainable``)."""
+        static = 0.0 if mfc.role is None else self.static_memory(mfc.role, alloc, trainable)
+        return static + self.mfc_memory(mfc, alloc, trainable)
+
+    def static_memory(self, role: str, alloc: Allocation, trainable: bool) -> float:
+        """Resident bytes per device of ``role``'s weights on ``alloc`` (plus gradients and Adam moments if
+        ``trainable``): :func:`loomrl.plan.shard_bytes`, the figure plan validation uses; a trained mixture of
+        experts divides its experts over the settings' expert-parallel ranks rather than tp, and an offloaded
+        optimizer keeps its state on the host. A rule (no model) holds nothing."""
+        if self._is_rule(role) or role not in self.shapes:
+            return 0.0
+        shape, lay = self._shape(role), alloc.layout
+        params = shape.params
+        ep = min(self.settings.expert_parallel, lay.dp * lay.tp)
+        if shape.moe and ep > 1 and (trainable or role != GENERATING_ROLE):
+            # the training engine's layouts (every trained role's state, every frozen role's placements) hold the
+            # experts over ep·pp ranks instead of tp·pp, scaled here into tp·pp terms; the generating role's
+            # other copies are the serving engine's, which splits experts by tp like every other weight
+            params += round(shape.expert_params * (lay.tp / ep - 1))
+        return float(shard_bytes(params, lay.tp, lay.pp, self.bytes_per_param, trainable,
+                                 optimizer_shards=alloc.optimizer_shards if trainable else 1,
+                                 param_shards=alloc.param_shards if trainable else 1,
+                                 optimizer_on_host=trainable and self.settings.optimizer_offload))
+
+    def realloc_time(self, role: str, src: Allocation, dst: Allocation) -> float:
+        """Seconds to move ``role``'s weights from ``src`` to ``dst``, priced from the real transfer plan of a
+        reduced copy of the model (exact received bytes when tp divides the split dimensions; see
+        :mod:`loomrl.planner.cost.realloc`). 0 for the same placement. Cached."""
+        if self._is_rule(role):
+            return 0.0
+        key = (self._shape(role), *self._relative_placements(src, dst))  # roles of one shape share plans
+        if key not in self._reallocs:
+            self._reallocs[key] = realloc_seconds(self._shape(role), src, dst, self.cluster, self.profile,
+                                                  self.bytes_per_param)
+        seconds = self._reallocs[key]
+        if seconds <= 0:
+            return 0.0
+        per_tensor = self.settings.sync_tensor_s * self._shape(role).tensor_count  # the framework's, per tensor
+        return (self.corrections.apply(REALLOC, seconds) + per_tensor) * self.profile.system_factor
+
+    def _relative_placements(self, src: Allocation, dst: Allocation) -> tuple[tuple, tuple]:
+        """The two placements with their devices relabelled, keeping every relation the transfer planner and the
+        pricing look at, so that such pairs share one priced plan: the nodes the pair uses are numbered 0, 1, ...
+        in their order (each device keeping its place within its node), and a pair within one node is shifted
+        to start on device 0. Both keep the order of devices (the planner breaks ties by it) and which devices
+        share a node (which link a byte takes), so the plans are the same up to the labels."""
+        devices = (*src.mesh.devices, *dst.mesh.devices)
+        per_node = self.cluster.devices_per_node
+        node_of = self.cluster.node_of
+        nodes = sorted({node_of(d) for d in devices})
+        if len(nodes) == 1:
+            low = min(devices)
+            return tuple((tuple(d - low for d in a.mesh.devices), _alloc_key(a)[1], a.fsdp) for a in (src, dst))
+        number = {node: i for i, node in enumerate(nodes)}
+        return tuple((tuple(number[node_of(d)] * per_node + d - node_of(d) * per_node for d in a.mesh.devices),
+                      _alloc_key(a)[1], a.fsdp) for a in (src, dst))
+
+    def data_transfer_time(self, nbytes: float, src: Allocation, dst: Allocation) -> float:
+        """Seconds to hand ``nbytes`` of batch columns from the devices of ``src`` to those of ``dst``: each
+        destination data-parallel rank fetches its 1/dp of the rows (all its tp/pp ranks fetch the same),
+        over the inter-node link if it sits on a node ``src`` does not use. 0 when nothing moves."""
+        if src.mesh == dst.mesh and src.layout.dp == dst.layout.dp:
+            return 0.0
+        src_nodes = {self.cluster.node_of(d) for d in src.mesh}
+        remote = any(self.cluster.node_of(d) not in src_nodes for d in dst.mesh)
+        bandwidth = self.profile.inter_node_bw if remote else self.profile.intra_node_bw
+        return T.transfer_time(nbytes / dst.layout.dp, bandwidth, self.profile.link_latency)
+
+    def output_bytes(self, mfc: MFC) -> float:
+        """Bytes of a call's outputs, as if every output key held one 4-byte value per token of every sample
+        (an upper bound: scores are one value per sample)."""
+        return self.workload.batch * self.workload.mean_seq * 4 * len(mfc.outputs)
+
+    def decode_time(self, role: str, alloc: Allocation, response_lengths: tuple[int, ...] | None = None, *,
+                    padded: bool = False) -> float:
+        """Uncorrected seconds of the decode phase alone; ``padded=True`` prices static batching (every row
+        decodes until the longest response ends) instead of continuous batching, for comparison."""
+        lengths = tuple(response_lengths or self.workload.response_lengths)
+        return sum(self._decode_terms(role, alloc, lengths, padded).values())
+
+    # ------------------------------------------------------------------------------------- per-kind terms
+
+    def _compute_terms(self, mfc: MFC, alloc: Allocation) -> dict[str, float]:
+        if mfc.kind is MFCKind.COMPUTE or self._is_rule(mfc.role):
+            nbytes = self.workload.batch * self.workload.mean_seq * COMPUTE_BYTES_PER_TOKEN
+            return {"compute": nbytes / self._rates_of(alloc).mem}
+        if mfc.kind is MFCKind.GENERATE:
+            return self._generate_terms(mfc.role, alloc, mfc)
+        if mfc.kind is MFCKind.INFERENCE:
+            return self.inference_terms(mfc.role, alloc)
+        return self._train_terms(mfc, alloc)
+
+    def inference_terms(self, role: str, alloc: Allocation, samples: float | None = None,
+                        lengths: tuple[int, ...] | None = None) -> dict[str, float]:
+        """One forward pass over every token of a replica's share (or of ``samples`` samples, whose response
+        lengths are ``lengths`` where known: a fused stage's chunk; else the workload's distribution)."""
+        shape, w = self._shape(role), self.workload
+        samples = D.share(w.batch, alloc.layout.dp) if samples is None else samples
+        seq, sq = self._pass_lengths(samples, alloc.micro_batches, scoring=True, lengths=lengths,
+                                     prompt=self._pass_prompt(alloc))
+        flops = T.forward_flops(shape, samples * seq, samples * sq)
+        return self._pass(alloc, shape, flops, self._weight_bytes(role), samples * seq,
+                          allreduces_per_layer=2, hops=1, micro_batches=alloc.micro_batches,
+                          flops_scale=self._flops_scale(shape, MFCKind.INFERENCE))
+
+    def _train_terms(self, mfc: MFC, alloc: Allocation) -> dict[str, float]:
+        """Per optimizer step: a forward+backward pass over the step's share, the dp gradient all-reduce and
+        the Adam step; times ``epochs × minibatches`` steps."""
+        shape, w, lay = self._shape(mfc.role), self.workload, alloc.layout
+        epochs, minibatches = self._steps(mfc)
+        samples = w.batch / minibatches / lay.dp
+        seq, sq = self._pass_lengths(samples, alloc.micro_batches, prompt=self._pass_prompt(alloc, training=True))
+        tokens = samples * seq
+        passes = 4.0 if alloc.recompute else 3.0  # recomputation runs each forward once more in the backward
+        flops = T.train_flops(shape, tokens, samples * sq) * passes / 3.0
+        step = self._pass(alloc, shape, flops, passes * self._weight_bytes(mfc.role), tokens,
+                          allreduces_per_layer=2 * passes - 2, hops=2, micro_batches=alloc.micro_batches,
+                          op_passes=passes, flops_scale=self._flops_scale(shape, MFCKind.TRAIN))
+        rates = self._rates_of(alloc)
+        shard_params = shape.params / (lay.tp * lay.pp)
+        if alloc.fsdp:
+            step.update(self._fsdp_terms(shape, alloc, sum(step.values())))
+        else:
+            grad_bytes = shard_params * max(self.bytes_per_param, GRAD_REDUCE_BYTES)  # summed in fp32
+            step["dp_grad_allreduce"] = T.ring_allreduce_time(grad_bytes, lay.dp, rates.dp_bw, rates.latency)
+            shards = alloc.optimizer_shards  # ZeRO-1: each dp rank updates 1/dp, then the weights are gathered
+            step["optimizer"] = T.adam_step_bytes(shard_params / shards, self.bytes_per_param) / rates.mem
+            step[_launch("optimizer_launch", lay.tp)] = self._launch_excess(
+                T.optimizer_ops(shape, shape.layers / lay.pp) * rates.op, step["optimizer"])
+            if shards > 1:
+                step["zero_allgather"] = T.ring_allgather_time(shard_params * self.bytes_per_param, lay.dp,
+                                                               rates.dp_bw, rates.latency)
+        if self.settings.optimizer_offload:
+            step.update(self._host_optimizer_terms(shard_params / alloc.optimizer_shards, alloc))
+        return {name: seconds * epochs * minibatches for name, seconds in step.items()}
+
+    def _host_optimizer_terms(self, owned: float, alloc: Allocation) -> dict[str, float]:
+        """An optimizer step whose state lives in host memory, for ``owned`` parameters per device: fp32
+        gradients down and 16-bit weights back over the host link, and Adam on the node's CPUs, which every
+        device of the allocation on that node shares."""
+        p = self.profile
+        per_node = max(Counter(self.cluster.node_of(d) for d in alloc.mesh).values())
+        return {"optimizer": owned * per_node / p.host_adam_rate,
+                "optimizer_host_link": owned * (GRAD_REDUCE_BYTES + self.bytes_per_param) / p.host_bw,
+                "optimizer_launch": 0.0}
+
+    def _fsdp_terms(self, shape: ModelShape, alloc: Allocation, work: float) -> dict[str, float]:
+        """An FSDP optimizer step's communication (per micro-batch: two all-gathers of the weights in the
+        compute type, one reduce-scatter of fp32 gradients), exposed beyond ``work`` (the step's pass) where
+        the devices overlap them, and its Adam step over the 1/dp of fp32 weights the rank keeps."""
+        lay, rates, mb = alloc.layout, self._rates_of(alloc), alloc.micro_batches
+        local = shape.params / lay.tp  # the tensor-parallel shard FSDP divides further
+        gather = T.ring_allgather_time(local * self.bytes_per_param, lay.dp, rates.dp_bw, rates.latency)
+        scatter = T.ring_allgather_time(local * GRAD_REDUCE_BYTES, lay.dp, rates.dp_bw, rates.latency)
+        comm = mb * (2 * gather + scatter)
+        exposed = max(0.0, comm - work) + gather / shape.layers if self.profile.async_launch else comm
+        owned = local / lay.dp
+        optimizer = T.adam_step_bytes(owned, T.FP32) / rates.mem
+        return {"fsdp_comm": exposed, "optimizer": optimizer,
+                "optimizer_launch": self._launch_excess(T.optimizer_ops(shape, shape.layers) * rates.op, optimizer),
+                _launch("fsdp_launch_fsdp", lay.tp): self._launch_excess(mb * T.fsdp_round_ops(shape) * rates.op, work)}
+
+    def _generate_terms(self, role: str, alloc: Allocation, mfc: MFC | None = None) -> dict[str, float]:
+        """Prefill of the share's prompts, then decode over the response-length distribution; a call that reads
+        the policy's responses (a judge) prefills them too, and a call with its own budget (a judge's verdict)
+        decodes that many tokens per sample."""
+        w = self.workload
+        context = w.prompt_len + (w.mean_response if mfc is not None and mfc.reads_response else 0.0)
+        lengths = (mfc.max_new_tokens,) if mfc is not None and mfc.max_new_tokens else w.response_lengths
+        out = self.prefill_terms(role, alloc, D.share(w.batch, alloc.layout.dp), context)
+        out.update(self._decode_terms(role, alloc, lengths, padded=False))
+        return out
+
+    def prefill_terms(self, role: str, alloc: Allocation, samples: float, context: float) -> dict[str, float]:
+        """Uncorrected terms of prefilling ``samples`` samples of ``context`` tokens each on one replica."""
+        shape = self._shape(role)
+        flops = T.forward_flops(shape, samples * context, samples * context ** 2)
+        chunks = max(1, math.ceil(samples * context / PREFILL_CHUNK_TOKENS))
+        prefill = self._pass(alloc, shape, flops, chunks * self._gen_weight_bytes(role), samples * context,
+                             allreduces_per_layer=2, hops=1, micro_batches=self._gen_micro_batches(alloc),
+                             flops_scale=self._flops_scale(shape, MFCKind.GENERATE))
+        return {f"prefill_{name}": seconds for name, seconds in prefill.items()}
+
+    # ------------------------------------------------------------------------------------------- building blocks
+
+    def _pass(self, alloc: Allocation, shape: ModelShape, flops: float, weight_traffic: float, tokens: float,
+              allreduces_per_layer: int, hops: int, micro_batches: int, op_passes: float = 1.0,
+              flops_scale: float = 1.0) -> dict[str, float]:
+        """One pipelined pass of a replica's share (see the module docstring): work, bubble, tp all-reduces,
+        pp hops and operator launches (``op_passes`` forward passes' worth of operators per slot: 3 when
+        training). ``weight_traffic`` is the whole model's weight bytes moved per micro-batch; ``flops_scale``
+        scales the matmul rate (:meth:`_flops_scale`)."""
+        lay, rates = alloc.layout, self._rates_of(alloc)
+        mb = micro_batches
+        slot = T.roofline(flops / (lay.tp * lay.pp * mb), weight_traffic / (lay.tp * lay.pp),
+                          rates.flops * flops_scale, rates.mem)
+        act = tokens / mb * shape.hidden * self.bytes_per_param  # one micro-batch's hidden states
+        tp = allreduces_per_layer * shape.layers / lay.pp * T.ring_allreduce_time(act, lay.tp, rates.tp_bw,
+                                                                                   rates.latency)
+        hop = hops * T.transfer_time(act, rates.pp_bw, rates.latency) if lay.pp > 1 else 0.0
+        slots = T.pipeline_slots(lay.pp, mb)
+        launch = self._launch_excess(slots * op_passes * T.forward_ops(shape, shape.layers / lay.pp) * rates.op,
+                                     slots * slot)
+        return {"work": mb * slot, "pp_bubble": (lay.pp - 1) * slot, "tp_comm": slots * tp, "pp_p2p": slots * hop,
+                _launch("launch", lay.tp): launch}
+
+    def _launch_excess(self, launch: float, work: float) -> float:
+        """Launch seconds a pass adds to ``work``: all of them when dispatch and work share one thread, only
+        what exceeds the work when the host queues ahead of the device (``HardwareProfile.async_launch``)."""
+        return max(0.0, launch - work) if self.profile.async_launch else launch
+
+    def _flops_scale(self, shape: ModelShape, kind: MFCKind) -> float:
+        """The matmul rate of ``kind``'s passes relative to the profile's bf16 one: FP8 where the settings ask
+        for it (generation's or training's precision) and the device has it, and a mixture of experts'
+        utilisation relative to a dense model's (the profile's ``moe_efficiency``, less for experts smaller
+        than the one it was measured on: √ of their size ratio)."""
+        p, settings = self.profile, self.settings
+        scale = 1.0
+        if shape.moe:
+            size = shape.hidden * shape.expert_intermediate
+            scale *= p.moe_efficiency * min(1.0, math.sqrt(size / MOE_REFERENCE_EXPERT))
+        precision = settings.gen_precision if kind is MFCKind.GENERATE else settings.train_precision
+        if precision == "fp8" and p.fp8_matmul_flops > 0:
+            scale *= p.fp8_matmul_flops * p.fp8_efficiency / (p.matmul_flops * p.matmul_efficiency)
+        return scale
+
+    def _decode_terms(self, role: str, alloc: Allocation, lengths: tuple[int, ...], padded: bool) -> dict[str, float]:
+        """Decode steps summed in closed form over occupancy segments (:mod:`loomrl.planner.cost.decode`)."""
+        return self.decode_segment_terms(role, alloc, self._segments(role, alloc, lengths, padded))
+
+    def decode_segment_terms(self, role: str, alloc: Allocation, segments: list[D.Segment]) -> dict[str, float]:
+        """Uncorrected terms of the decode steps of ``segments`` on one replica of ``alloc``: a step reads the
+        weights its tokens touch and every live sample's KV cache at the profile's decode bandwidth
+        (``decode_bw_efficiency``), computes at the matmul rate, and adds the engine's fixed step time."""
+        shape, lay, rates, p = self._shape(role), alloc.layout, self._rates_of(alloc), self.profile
+        mb, b = self._gen_micro_batches(alloc), self.bytes_per_param
+        split = lay.tp * lay.pp * mb  # the devices and micro-batches a step's live tokens are spread over
+        kv_split = min(lay.tp, shape.kv_heads) * lay.pp * mb  # kv heads are replicated beyond kv_heads
+        slots = T.decode_step_slots(lay.pp, mb)
+        flops, mem = rates.flops * self._flops_scale(shape, MFCKind.GENERATE), rates.mem * p.decode_bw_efficiency
+        launch_key = _launch("decode_launch", lay.tp)
+        out = {"decode": 0.0, "decode_tp_comm": 0.0, "decode_pp_p2p": 0.0, "decode_step": 0.0, launch_key: 0.0}
+        step_ops = T.forward_ops(shape, shape.layers / lay.pp) + T.SAMPLE_OPS
+        for seg in segments:
+            # per-slot compute and memory time, each linear in the step t: a + b·t
+            attn = 4.0 * shape.layers * shape.q_dim / (split * flops)
+            a = 2.0 * shape.matmul_params * seg.live / (split * flops) + attn * seg.ctx_base
+            kv = T.kv_bytes_per_token(shape, b) / (kv_split * mem)
+            weights = T.decode_weight_bytes(shape, seg.live / mb, self._gen_bytes())
+            c = weights / (lay.tp * lay.pp * mem) + kv * seg.ctx_base
+            work = slots * T.sum_max_linear(a, attn * seg.live, c, kv * seg.live, seg.start, seg.end)
+            out["decode"] += work
+            act = seg.live / mb * shape.hidden * b
+            steps = seg.end - seg.start
+            tp = 2 * shape.layers / lay.pp * T.ring_allreduce_time(act, lay.tp, rates.tp_bw, rates.latency)
+            out["decode_tp_comm"] += slots * tp * steps
+            out["decode_step"] += p.decode_step_s * steps
+            out[launch_key] += self._launch_excess(slots * step_ops * rates.op * steps, work)
+            if lay.pp > 1:
+                out["decode_pp_p2p"] += slots * T.transfer_time(act, rates.pp_bw, rates.latency) * steps
+        return out
+
+    def _segments(self, role: str, alloc: Allocation, lengths: tuple[int, ...], padded: bool) -> list[D.Segment]:
+        """Occupancy of one replica's decode: static batching (``padded``), synchronous request batches
+        (``gen_request_batch``), a bounded number of slots (:meth:`decode_slots`), or every sample at once."""
+        w, dp = self.workload, alloc.layout.dp
+        if padded:
+            return D.padded_segments(lengths, D.share(w.batch, dp), w.prompt_len)
+        whole, slots = D.whole_share(w.batch, dp), self.decode_slots(role, alloc, lengths)
+        batch = self.settings.gen_request_batch
+        if batch is not None and whole > batch:
+            return D.round_segments(lengths, whole, batch, w.prompt_len, slots)
+        if slots is not None and whole > slots:
+            return D.slot_segments(lengths, whole, slots, w.prompt_len)
+        return D.continuous_segments(lengths, D.share(w.batch, dp), w.prompt_len)
+
+    def decode_slots(self, role: str, alloc: Allocation, lengths: tuple[int, ...] | None = None) -> int | None:
+        """Samples one generation replica on ``alloc`` decodes at once at most, or None for all of its share:
+        the workload's ``decode_slots``, the engine's ``max_num_seqs`` and, for a serving engine, what its KV
+        cache holds at the mean context of a live sample (:func:`loomrl.planner.cost.decode.live_context`)."""
+        w, settings = self.workload, self.settings
+        limits = [n for n in (w.decode_slots, settings.gen_max_seqs) if n is not None]
+        if settings.serving_engine:
+            if settings.gen_max_seqs is None:
+                limits.append(default_max_seqs(self.profile))
+            shape, lay = self._shape(role), alloc.layout
+            per_token = T.kv_bytes_per_token(shape, self.bytes_per_param) / (min(lay.tp, shape.kv_heads) * lay.pp)
+            context = D.live_context(lengths or w.response_lengths, w.prompt_len)
+            limits.append(max(1, int(self._engine_kv_bytes(role, alloc) / (per_token * context))))
+        return min(limits) if limits else None
+
+    def _engine_kv_bytes(self, role: str, alloc: Allocation) -> float:
+        """Bytes per device a serving engine's KV cache gets: its memory share less its weights and the
+        activation buffers of one batched forward pass (:data:`ENGINE_BATCHED_TOKENS`); 0 when the weights
+        alone do not fit in the share."""
+        shape, lay = self._shape(role), alloc.layout
+        pool = self.settings.gen_memory_fraction * self.profile.memory_bytes
+        weights = self._gen_weight_bytes(role) / (lay.tp * lay.pp)
+        buffers = ENGINE_BATCHED_TOKENS * (4 * shape.hidden + 2 * T.mlp_width(shape) / lay.tp) * self.bytes_per_param
+        return max(0.0, pool - weights - buffers)
+
+    # ---------------------------------------------------------------------------------------------- memory
+
+    def _generate_memory(self, role: str, alloc: Allocation) -> float:
+        """KV cache at its fullest, plus the larger of a prefill chunk's buffers and the decode logits; a serving
+        engine holds its whole memory share (less the weights, which are the resident copy) instead, or more
+        than the device has when its weights alone exceed the share (it would not start)."""
+        shape, lay, w, b = self._shape(role), alloc.layout, self.workload, self.bytes_per_param
+        if self.settings.serving_engine:
+            pool = self.settings.gen_memory_fraction * self.profile.memory_bytes
+            weights = self._gen_weight_bytes(role) / (lay.tp * lay.pp)
+            return pool - weights if pool > weights else self.profile.memory_bytes
+        segments = self._segments(role, alloc, w.response_lengths, padded=False)
+        kv = T.kv_bytes_per_token(shape, b) * D.peak_context(segments) / (min(lay.tp, shape.kv_heads) * lay.pp)
+        prefill_tokens = min(D.share(w.batch, lay.dp) * w.prompt_len, PREFILL_CHUNK_TOKENS)
+        prefill = T.inference_activation_bytes(shape, prefill_tokens, lay.tp, b)
+        logits = D.peak_live(segments) * shape.vocab / lay.tp * T.FP32
+        return kv + max(prefill, logits)
+
+    def _inference_memory(self, role: str, alloc: Allocation) -> float:
+        """Working buffers of one micro-batch's forward pass (its logits a chunk at a time when the settings say
+        so)."""
+        shape, lay, w = self._shape(role), alloc.layout, self.workload
+        samples = D.share(w.batch, lay.dp)
+        seq = self._pass_lengths(samples, alloc.micro_batches, scoring=True, prompt=self._pass_prompt(alloc))[0]
+        tokens = samples * seq / alloc.micro_batches
+        return T.inference_activation_bytes(shape, tokens, lay.tp, self.bytes_per_param, self._logit_tokens(tokens))
+
+    def _train_memory(self, mfc: MFC, alloc: Allocation) -> float:
+        """Activations kept for the backward: one micro-batch at a time without pipelining; under the runtime's
+        1F1B pipeline schedule, stage 0 (the most loaded) keeps ``min(pp, micro_batches)`` micro-batches."""
+        shape, lay, w = self._shape(mfc.role), alloc.layout, self.workload
+        _, minibatches = self._steps(mfc)
+        samples = w.batch / minibatches / lay.dp
+        tokens = samples * self._pass_lengths(samples, alloc.micro_batches,
+                                              prompt=self._pass_prompt(alloc, training=True))[0]
+        in_flight = tokens / alloc.micro_batches * min(lay.pp, alloc.micro_batches)
+        # FSDP: the root unit (embedding, head) gathered throughout, two layers at a time (one prefetched) and
+        # one layer's unsharded fp32 gradients before its reduce-scatter
+        gathered = 0.0 if not alloc.fsdp else (2 * shape.vocab * shape.hidden * self.bytes_per_param + (
+            2 * self.bytes_per_param + GRAD_REDUCE_BYTES) * shape.params / shape.layers) / lay.tp
+        per_micro = tokens / alloc.micro_batches
+        if alloc.recompute:
+            return gathered + T.recompute_activation_bytes(shape, in_flight, per_micro, shape.layers / lay.pp, lay.tp,
+                                                           self.bytes_per_param, self._logit_tokens(per_micro))
+        return gathered + T.train_activation_bytes(shape, in_flight, shape.layers / lay.pp, lay.tp,
+                                                   self.bytes_per_param, self._logit_tokens(in_flight))
+
+    def _pass_prompt(self, alloc: Allocation, training: bool = False) -> float:
+        """Prompt tokens a pass computes per sample: its prompt's share among the samples sharing it where the
+        settings compute a shared prompt once and the layout lets them (a whole model or replica: not pipeline
+        stages, FSDP or a training pass recomputing its activations), else the whole prompt."""
+        w = self.workload
+        shared = self.settings.shared_prompts and w.samples_per_prompt > 1 and alloc.layout.pp == 1 \
+            and not alloc.fsdp and not (training and alloc.recompute)
+        return w.prompt_len / w.samples_per_prompt if shared else w.prompt_len
+
+    def _pass_lengths(self, samples: float, micro_batches: int, scoring: bool = False,
+                      lengths: tuple[int, ...] | None = None, prompt: float | None = None) -> tuple[float, float]:
+        """(mean, mean square) length of a sample as a pass processes it: packed (the settings' default), its own
+        length; padded, the longest of the ``samples / micro_batches`` samples it shares a micro-batch with
+        (:func:`loomrl.planner.cost.decode.expected_longest`), or for a ``scoring`` pass whose samples are sorted
+        first (``sorted_scoring``) the longest of its sorted group (:func:`loomrl.planner.cost.decode.sorted_longest`).
+        ``lengths``: the responses of the pass's samples where known, else the workload's distribution;
+        ``prompt``: the prompt tokens computed per sample (:meth:`_pass_prompt`), else the workload's."""
+        w = self.workload if lengths is None else dataclasses.replace(self.workload, response_lengths=tuple(lengths))
+        prompt = w.prompt_len if prompt is None else prompt
+        per_micro_batch = samples / micro_batches
+        if (self.settings.packing or per_micro_batch <= 1) and prompt == w.prompt_len:
+            return w.mean_seq, w.mean_sq_seq
+        # a sample of length L = P + n costs L^2 = P^2 + 2Pn + n^2 in attention: the prompt's own share (P^2) is
+        # computed once per group where the prompt is shared, the responses' attention to it (2Pn) per sample
+        full = w.prompt_len
+        if self.settings.packing or per_micro_batch <= 1:
+            response_sq = w.mean_sq_seq - full * (full + 2 * w.mean_response)
+            return prompt + w.mean_response, response_sq + 2 * full * w.mean_response + full * prompt
+        if scoring and self.settings.sorted_scoring:
+            # the pass's own samples: their lengths where known, else the distribution's quantiles for as many
+            share = lengths if lengths is not None else D.admission_order(w.response_lengths, max(1, round(samples)))
+            mean, mean_sq = D.sorted_longest(share, micro_batches)
+            return prompt + mean, mean_sq + 2 * full * mean + full * prompt
+        longest = D.expected_longest(w.response_lengths, per_micro_batch)
+        return prompt + longest, longest * longest + 2 * full * longest + full * prompt
+
+    def _logit_tokens(self, tokens: float) -> float:
+        """Tokens whose fp32 logits a pass over ``tokens`` holds at once (:attr:`EngineSettings.logits`)."""
+        return min(tokens, LOGIT_CHUNK_TOKENS) if self.settings.logits == "chunked" else tokens
+
+    # ------------------------------------------------------------------------------------------------ helpers
+
+    def _is_rule(self, role: str | None) -> bool:
+        """Whether ``role`` has no model (a rule reward): its calls are priced as host work."""
+        return role is not None and role in self.shapes and self.shapes[role] is None
+
+    def _shape(self, role: str | None) -> ModelShape:
+        if role not in self.shapes or self.shapes[role] is None:
+            known = ", ".join(r for r, s in self.shapes.items() if s is not None) or "none"
+            raise ConfigError(f"cost model: no model shape for role {role!r}; known: {known}")
+        return self.shapes[role]
+
+    def _weight_bytes(self, role: str) -> float:
+        return self._shape(role).params * self.bytes_per_param
+
+    def _gen_bytes(self) -> float:
+        """Bytes per weight of the generation engine (FP8 where the settings ask for it)."""
+        return 1 if self.settings.gen_precision == "fp8" else self.bytes_per_param
+
+    def _gen_weight_bytes(self, role: str) -> float:
+        return self._shape(role).params * self._gen_bytes()
+
+    def _steps(self, mfc: MFC) -> tuple[int, int]:
+        """(epochs, minibatches) of a train call: the MFC's own when set (not 1), else the workload's."""
+        epochs = mfc.epochs if mfc.epochs != 1 else self.workload.ppo_epochs
+        minibatches = mfc.minibatches if mfc.minibatches != 1 else self.workload.minibatches
+        return epochs, minibatches
+
+    @staticmethod
+    def _gen_micro_batches(alloc: Allocation) -> int:
+        return alloc.micro_batches if alloc.layout.pp > 1 else 1
+
+    def _rates_of(self, alloc: Allocation) -> _Rates:
+        key = _alloc_key(alloc)[:2]
+        if key not in self._rates:
+            self._rates[key] = self._measure_rates(alloc)
+        return self._rates[key]
+
+    def _measure_rates(self, alloc: Allocation) -> _Rates:
+        """Links per parallel axis (inter-node if any group of that axis spans nodes; within a node at NCCL's
+        bus bandwidth) and the slowdown of devices sharing cores: a call keeping k devices of a node busy on a
+        node with fewer cores runs at cores/k of the per-device rate. The matmul rate is what passes reach
+        (``matmul_efficiency`` of the peak)."""
+        p, lay = self.profile, alloc.layout
+        groups = {
+            "tp": [[alloc.device(Coords(s, d, t)) for t in range(lay.tp)] for d in range(lay.dp) for s in range(lay.pp)],
+            "dp": [[alloc.device(Coords(s, d, t)) for d in range(lay.dp)] for t in range(lay.tp) for s in range(lay.pp)],
+            "pp": [[alloc.device(Coords(s, d, t)) for s in range(lay.pp)] for d in range(lay.dp) for t in range(lay.tp)],
+        }
+        intra = p.intra_node_bw * p.intra_bus_efficiency
+        bw = {axis: p.inter_node_bw if any(self._spans_nodes(g) for g in gs) else intra for axis, gs in groups.items()}
+        slowdown = 1.0
+        if p.devices_share_cores > 1:
+            busiest = max(Counter(self.cluster.node_of(d) for d in alloc.mesh).values())
+            cores = self.cluster.devices_per_node / p.devices_share_cores
+            slowdown = max(1.0, busiest / cores)
+        return _Rates(p.matmul_flops * p.matmul_efficiency / slowdown, p.mem_bandwidth / slowdown, bw["tp"],
+                      bw["dp"], bw["pp"], p.link_latency, p.op_overhead * slowdown)
+
+    def _spans_nodes(self, devices: list[int]) -> bool:
+        return len({self.cluster.node_of(d) for d in devices}) > 1
+
+
+def _launch(name: str, tp: int) -> str:
+    """Name of an operator-launch term; ``_tp`` marks tensor-parallel operators (DTensor dispatch costs more
+    per operator, so corrections fit the two apart, see :func:`loomrl.planner.cost.corrections.term_group`)."""
+    return f"{name}_tp" if tp > 1 else name
+
+
+def _alloc_key(alloc: Allocation) -> tuple:
+    lay = alloc.layout
+    return alloc.mesh.devices, (lay.dp, lay.tp, lay.pp, lay.reverse), alloc.micro_batches, alloc.recompute, alloc.zero, alloc.fsdp

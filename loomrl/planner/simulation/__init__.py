@@ -1,0 +1,1 @@
+"""loomrl.planner.simulation: a plan's schedule list-scheduled over a few iterations, memory tracked over time."""
