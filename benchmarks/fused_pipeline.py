@@ -10,7 +10,7 @@ lower bound.
 stage's forward takes 1 and backward 2 time units in both models, and activation memory is capped per device at
 the two models' 1F1B peaks there (the default). On top of that grid, every depth pair at ``M = 16`` with the
 critic's stage costs 0.5x and 2x the actor's. For each case: the makespan of the separate schedule (each device
-runs the actor's 1F1B, then the critic's), of :func:`~loomrl.planner.pipeline_fusion.fused_schedule` (seeded search,
+runs the actor's 1F1B, then the critic's), of :func:`~loomrl.planner.pipeline_fusion.fused_order` (seeded search,
 ``--time-limit`` seconds at most per case, stopping at the bound), the lower bound
 (:mod:`loomrl.planner.pipeline_fusion.bound`, raised by CP-SAT's proofs when OR-Tools is installed: the ``schedule``
 extra; ``--no-exact`` leaves it out), the fused schedule's gap to it, the seconds spent and whether it is within 1%
@@ -38,9 +38,9 @@ from rich.console import Console
 
 os.environ.setdefault("HF_HUB_OFFLINE", "1")
 
-from loomrl.plan.pipeline_fusion import FusionProblem, PipelineSpec
+from loomrl.plan.pipeline_fusion import PipelineFusionProblem, PipelineSpec
 from loomrl.planner.pipeline_fusion.simulate import check
-from loomrl.planner.pipeline_fusion.search import fused_schedule, separate_schedule
+from loomrl.planner.pipeline_fusion.search import fused_order, separate_order
 from loomrl.planner.pipeline_fusion.bound import lower_bound
 from loomrl.planner.pipeline_fusion.exact import available, exact_ladder
 from loomrl.planner.pipeline_fusion.graph import build_graph
@@ -63,8 +63,8 @@ def cases(quick: bool) -> list[tuple[int, int, int, float]]:
     return out
 
 
-def problem(pp_actor: int, pp_critic: int, micro_batches: int, ratio: float) -> FusionProblem:
-    return FusionProblem(pp_actor, PipelineSpec(pp_actor, micro_batches, 1.0, 2.0),
+def problem(pp_actor: int, pp_critic: int, micro_batches: int, ratio: float) -> PipelineFusionProblem:
+    return PipelineFusionProblem(pp_actor, PipelineSpec(pp_actor, micro_batches, 1.0, 2.0),
                          PipelineSpec(pp_critic, micro_batches, ratio, 2.0 * ratio))
 
 
@@ -73,8 +73,8 @@ def schedules_part(args: argparse.Namespace) -> None:
     rows = []
     for pp_actor, pp_critic, micro_batches, ratio in cases(args.quick):
         fusion = problem(pp_actor, pp_critic, micro_batches, ratio)
-        separate = check(separate_schedule(fusion)).makespan
-        result = fused_schedule(fusion, seed=args.seed, time_limit_s=limit, exact=False if args.no_exact else None)
+        separate = check(separate_order(fusion)).makespan
+        result = fused_order(fusion, seed=args.seed, time_limit_s=limit, exact=False if args.no_exact else None)
         check(result.schedule)
         rows.append({"case": f"pp {pp_actor}/{pp_critic}, M {micro_batches}" + (f", critic x{ratio:g}"
                                                                               if ratio != 1.0 else ""),
@@ -104,7 +104,7 @@ def ceiling_part(args: argparse.Namespace) -> None:
         pp_actor, pp_critic, micro_batches, ratio = spec.split("/")
         fusion = problem(int(pp_actor), int(pp_critic), int(micro_batches), float(ratio))
         graph, bound = build_graph(fusion), lower_bound(fusion)
-        best = fused_schedule(fusion, seed=args.seed, time_limit_s=args.time_limit or 60.0, exact=False)
+        best = fused_order(fusion, seed=args.seed, time_limit_s=args.time_limit or 60.0, exact=False)
         hint = [[graph.index[t] for t in order] for order in best.schedule.devices]
         proven, optimum, began = bound, None, time.perf_counter()
         while optimum is None and proven < best.makespan - 1e-9:

@@ -4,8 +4,8 @@ Each configuration spawns its processes once and runs, in that one world, traini
 LM) and a critic (a value model of the same size) pipelined over the same processes, the critic's layout
 reversed: one step is, for each model, a forward and backward of every micro-batch, the gradient sum over the
 model's replicas, clipping and an AdamW step. ``separate`` runs the actor's 1F1B pass and then the critic's
-(what loomrl runs without ``fuse_train``); ``fused`` runs one fused pipeline step with the schedule the runtime
-would run (:func:`loomrl.planner.cost.pipeline_fusion.fused_train_orders`, each task priced by the cost model). The two
+(what loomrl runs without ``pipeline_fusion``); ``fused`` runs one fused pipeline step with the schedule the runtime
+would run (:func:`loomrl.planner.cost.pipeline_fusion.pipeline_fusion_orders`, each task priced by the cost model). The two
 alternate step by step, so load on the machine falls on both alike; each figure is the median over the steps
 after the first two.
 
@@ -78,11 +78,11 @@ def _pricing(setup: Setup, profile):
     everywhere = Allocation.parse(f"0-{setup.processes - 1}")
     allocations = {m.name: everywhere for m in workflow}
     allocations.update(actor_train=actor, critic_train=critic, advantages=Allocation.parse("0:dp1"))
-    plan = ExecutionPlan(cluster, allocations, fuse_train=True)
+    plan = ExecutionPlan(cluster, allocations, pipeline_fusion=True)
     shape = ModelShape.from_config(_config(48))
     cost = CostModel(cluster, dataclasses.replace(profile, memory_bytes=cluster.memory_gb * 2**30),
                      {r: shape for r in workflow.roles()}, Workload(ROWS, SEQ // 2, (SEQ // 2,)))
-    step = next(s for s in build_schedule(workflow, plan) if s.kind is StepKind.FUSED_TRAIN)
+    step = next(s for s in build_schedule(workflow, plan) if s.kind is StepKind.PIPELINE_FUSION)
     return cost, step
 
 
@@ -91,7 +91,7 @@ def _body(rank: int, setup: Setup, orders: dict, steps: int) -> dict:
 
     from loomrl.parallel.allocations import AllocationGroups
     from loomrl.parallel.data_parallel import sync_gradients
-    from loomrl.parallel.pipeline_fusion import FusedSide, fused_train_step_backward
+    from loomrl.parallel.pipeline_fusion import PipelineFusionSide, pipeline_fusion_backward
     from loomrl.parallel.pipeline import split_stages
     from loomrl.parallel.pipeline_runner import PipelineRunner, clip_grad_norm_pp
     from loomrl.workflow.batch import micro_batch_slices
@@ -131,10 +131,10 @@ def _body(rank: int, setup: Setup, orders: dict, steps: int) -> dict:
             finish(m)
 
     def fused() -> None:
-        sides = {i: FusedSide(m["runner"], m["g"].pp_back_group, m["ids"], m["mask"],
+        sides = {i: PipelineFusionSide(m["runner"], m["g"].pp_back_group, m["ids"], m["mask"],
                               micro_batch_slices(len(m["ids"]), MICRO_BATCHES), loss, stage_ranks=m["g"].stage_ranks)
                  for i, m in enumerate(models)}
-        fused_train_step_backward(orders[rank], sides)
+        pipeline_fusion_backward(orders[rank], sides)
         for m in models:
             finish(m)
 
@@ -158,20 +158,20 @@ def measured_rows(steps: int = 8) -> list[dict]:
     """One row per setup: measured and predicted seconds of a separate and a fused step."""
     from loomrl.parallel.spawn import run_world
     from loomrl.planner.calibration.local import calibrate_local
-    from loomrl.planner.cost.pipeline_fusion import fused_train_orders
+    from loomrl.planner.cost.pipeline_fusion import pipeline_fusion_orders
 
     rows, profiles = [], {}
     for setup in SETUPS:
         if setup.processes not in profiles:
             profiles[setup.processes] = calibrate_local(setup.processes)
         cost, step = _pricing(setup, profiles[setup.processes])
-        orders = fused_train_orders(cost, step)
+        orders = pipeline_fusion_orders(cost, step)
         results = run_world(partial(_body, setup=setup, orders=orders, steps=steps), setup.processes,
                             timeout_s=1800.0, group_timeout_s=600.0)
         measured = {name: statistics.median(results[0][name][2:]) for name in ("separate", "fused", "actor alone")}
         actor = step.members[0]
         scale = measured["actor alone"] / cost.mfc_time(actor.mfc, actor.alloc)
         predicted = {"separate": scale * sum(cost.mfc_time(m.mfc, m.alloc) for m in step.members),
-                     "fused": scale * cost.fused_train_time(step)}
+                     "fused": scale * cost.pipeline_fusion_time(step)}
         rows.append({"setup": setup.name, "measured": measured, "predicted": predicted, "scale": scale})
     return rows

@@ -9,7 +9,7 @@ budget): a long tail. The stage: the actor's generation, then the reference's lo
 the task's rule reward (PPO's rollout and inference calls; no training), colocated on every device with pure
 data parallelism, run by the Ray runtime. Unfused, inference waits for the longest sample; fused, finished
 samples stream into inference and, at the threshold, the tail migrates onto one replica so the others run
-inference meanwhile (``fuse=migrate_at:R,migrate_to:1``). The unfused stage runs twice: as the ``colocate``
+inference meanwhile (``stream_fusion=migrate_at:R,migrate_to:1``). The unfused stage runs twice: as the ``colocate``
 strategy (each scoring call one micro-batch, padded to the shard's longest sample) and with 4 micro-batches per
 scoring call (sorted by length, each computed to its own longest). The fused variants run that second plan, with
 fusion added, and fusion's speedup is against the better unfused stage, so it counts the overlap, not padding
@@ -179,8 +179,8 @@ def main() -> None:
         dp = f"0-{args.devices - 1}:dp{args.devices}"
         scored = f"actor_gen={dp}; ref_inf={dp}mb4; critic_inf={dp}mb4; reward_inf={dp}"
         variants = {"unfused": ("colocate", runtime), "unfused, scoring mb4": (scored, runtime)}
-        variants |= {f"fused, migrate_at {r}": (f"{scored}; fuse=migrate_at:{r},migrate_to:1", runtime) for r in SWEEP}
-        variants["fused, migrate_at auto"] = (f"{scored}; fuse=migrate_at:auto,migrate_to:1", auto)
+        variants |= {f"fused, migrate_at {r}": (f"{scored}; stream_fusion=migrate_at:{r},migrate_to:1", runtime) for r in SWEEP}
+        variants["fused, migrate_at auto"] = (f"{scored}; stream_fusion=migrate_at:auto,migrate_to:1", auto)
         rows, measured = [], {}
         for name, (text, rt) in variants.items():
             seconds, _, chosen = run(text, workflow, batch, spec, rt, args.iterations)

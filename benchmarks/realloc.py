@@ -239,7 +239,7 @@ def wire_time(plan: ReallocPlan, rank: int, groups, repeats: int) -> float:
     """Best time of the plan's messages alone going over the wire: the executor's own transfers (route buffers
     and direct entries), without packing, unpacking, local copies or new destination shards (a floor for the
     executor on this machine)."""
-    schedule = realloc_exec.compile_schedule(plan, rank)
+    schedule = realloc_exec.compile_program(plan, rank)
     buffers = schedule.buffers(lambda name: torch.float32, False, torch.device("cpu"))
     # every message as a buffer of its size: packed route buffers and direct entries alike
     sends = {route: [(tag, torch.empty_like(t)) for tag, t in realloc_exec._messages(rb, {}, _blank)]

@@ -199,7 +199,7 @@ _RUN_FLAGS = ("cluster", "prompts", "responses_per_prompt", "prompt_len", "respo
 """Flags of ``loomrl plan`` that set a field of :class:`~loomrl.planner.describe.RunDescription` (same names)."""
 _ENGINE_FLAGS = ("gen_memory_fraction", "gen_max_seqs", "gen_request_batch", "gen_precision", "train_precision",
                  "optimizer_offload", "packing", "logits", "sync_tensor_s", "expert_parallel")
-"""Flags that set a field of :class:`~loomrl.planner.cost.system.EngineSettings` (same names)."""
+"""Flags that set a field of :class:`~loomrl.planner.cost.system.SystemSettings` (same names)."""
 
 
 def _print_fixed(console, title: str, report) -> None:

@@ -9,7 +9,7 @@ import torch
 
 from loomrl.algorithms.ops import train_loop
 from loomrl.algorithms.context import OpContext, Role
-from loomrl.role import ModelEngine
+from loomrl.role import ModelPasses
 from loomrl.plan import ClusterSpec, colocate
 from loomrl.plan.schedule import build_schedule
 from loomrl.models.heads import token_logprobs, token_values
@@ -266,7 +266,7 @@ def _sequence_role(name: str, value: bool) -> Role:
     build = build_value_model if value else build_causal_lm
     model = build("llama-1m", build_char_tokenizer(), seed=0)
     return Role(name, model=model, optimizer=torch.optim.SGD(model.parameters(), lr=0.0), grad_clip=1e9,
-                engine=ModelEngine(model))
+                passes=ModelPasses(model))
 
 
 def _output_loss(prefix: str, scale: float, mb: Batch, outputs: torch.Tensor, packed):

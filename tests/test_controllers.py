@@ -73,8 +73,8 @@ SEPARATE_PP = ("actor_gen=0-1:dp2; actor_train=0-3:dp2pp2; ref_inf=2-3:dp2; rewa
 over all four: each controller owns one generation replica, one scoring replica and one training pipeline."""
 
 
-FUSED_TRAIN = ("actor_gen=0-3:dp4; actor_train=0-3:dp2pp2mb2; ref_inf=0-3:dp4; reward_inf=0-3:dp4; critic_inf=0-3:dp4; "
-               "critic_train=0-3:dp2pp2revmb2; advantages=0:dp1; fuse_train=on")
+PIPELINE_FUSION = ("actor_gen=0-3:dp4; actor_train=0-3:dp2pp2mb2; ref_inf=0-3:dp4; reward_inf=0-3:dp4; critic_inf=0-3:dp4; "
+               "critic_train=0-3:dp2pp2revmb2; advantages=0:dp1; pipeline_fusion=on")
 """Intra-stage fusion under two controllers: each owns one fused pair of pipelines; the schedule is searched once."""
 
 
@@ -85,7 +85,7 @@ FUSED_TRAIN = ("actor_gen=0-3:dp4; actor_train=0-3:dp2pp2mb2; ref_inf=0-3:dp4; r
     ("grpo", 4, 4, None),
     ("grpo", 4, 2, "separate"),
     ("ppo", 4, 2, SEPARATE_PP),
-    ("ppo", 4, 2, FUSED_TRAIN),
+    ("ppo", 4, 2, PIPELINE_FUSION),
 ], ids=["ppo-2dev-2", "grpo-2dev-2", "ppo-4dev-4", "grpo-4dev-4", "grpo-separate4-2", "ppo-pipelines4-2",
         "ppo-fused-train4-2"])
 @pytest.mark.usefixtures("ray_session")
@@ -147,7 +147,7 @@ def test_plans_the_controllers_cannot_share_are_one_line_errors():
     with pytest.raises(ConfigError, match=r"^runtime.controllers: this plan's devices cannot be split between 2 "
                                           r"controllers[^\n]*use fewer controllers"):
         plan_for_controllers(crossed, workflow, 2)  # actor_train's first replica holds both generation replicas
-    fused = make_plan("colocate; fuse=on", workflow, cluster)
+    fused = make_plan("colocate; stream_fusion=on", workflow, cluster)
     with pytest.raises(ConfigError, match="runtime.controllers: 2 controllers cannot run inter-stage fusion"):
         plan_for_controllers(fused, workflow, 2)
 

@@ -18,7 +18,7 @@ from loomrl.planner.cost.corrections import fit_corrections
 from loomrl.planner.calibration.traces import lengths_from_summary, observations_from_metrics, trace_predictor
 from loomrl.planner.cost import decode as D
 from loomrl.planner.cost import realloc as RC
-from loomrl.planner.cost.system import EngineSettings
+from loomrl.planner.cost.system import SystemSettings
 from loomrl.planner.cost import terms as T
 from loomrl.workflow import MFC, MFCKind
 
@@ -440,7 +440,7 @@ def test_a_shared_prompt_is_priced_once_where_the_runtime_computes_it_once():
         workload = Workload(batch=512, prompt_len=1024, response_lengths=LENGTHS, minibatches=4,
                             samples_per_prompt=group)
         return CostModel(spec, profile_for(spec), {"actor": ModelShape.from_config(LLAMA_7B)}, workload,
-                         settings=EngineSettings(packing=False, sorted_scoring=True, shared_prompts=shared))
+                         settings=SystemSettings(packing=False, sorted_scoring=True, shared_prompts=shared))
 
     whole, plain = a("0-7:dp2tp4mb4"), a("0-7:dp8")
     for mfc in (TRAIN, INF):

@@ -237,9 +237,9 @@ def test_candidates_use_only_what_the_corrections_cover():
     assert steered.mfc_time(gen, plain["actor_gen"]) == cost.mfc_time(gen, plain["actor_gen"])
     measured_tp = Corrections({**fitted.scale, "generate.launch_tp": 3.0}, fitted.overhead_s)
     assert trusted(tp, model.workflow, model.cost(model.workload([6] * 8, 12.0), measured_tp))
-    fused = make_plan("colocate; fuse=migrate_at:0.2,migrate_to:1", model.workflow, model.cluster)
+    fused = make_plan("colocate; stream_fusion=migrate_at:0.2,migrate_to:1", model.workflow, model.cluster)
     assert not trusted(fused, model.workflow, cost)
-    assert getattr(steered, "fused_time", None) is None  # the search does not fuse on it
+    assert getattr(steered, "stream_fusion_time", None) is None  # the search does not fuse on it
 
 
 def test_decisions_are_marked_on_the_timeline(tmp_path):

@@ -109,7 +109,7 @@ def test_dynamic_sampling_is_checked_before_anything_runs():
 
 # ------------------------------------------------------------------------------------------- the schedule
 
-@pytest.mark.parametrize("text", ["colocate", "separate:1", "colocate; fuse=on",
+@pytest.mark.parametrize("text", ["colocate", "separate:1", "colocate; stream_fusion=on",
                                   "actor_gen=0:dp1; ref_inf=1:dp1; reward_inf=1:dp1; actor_train=0-1:dp2"])
 def test_the_schedule_splits_at_the_rewards(text):
     plan = plan_from_config(RuntimeConfig(), GRPO, ClusterSpec(nodes=1, devices_per_node=2), text)
@@ -119,8 +119,8 @@ def test_the_schedule_splits_at_the_rewards(text):
     assert "actor_train" in {s.id for s in tail}
     calls = {c.id for s in head for c in (s.members or (s,))}
     assert {"actor_gen", "reward_inf"} <= calls
-    assert all(s.kind in (StepKind.CALL, StepKind.FUSED) for s in again)
-    assert [s.id for s in again] == [s.id for s in head if s.kind in (StepKind.CALL, StepKind.FUSED)]
+    assert all(s.kind in (StepKind.CALL, StepKind.STREAM_FUSION) for s in again)
+    assert [s.id for s in again] == [s.id for s in head if s.kind in (StepKind.CALL, StepKind.STREAM_FUSION)]
     for part in (again, tail):  # each list is runnable on its own
         ids = {s.id for s in part}
         assert all(d in ids for s in part for d in s.deps)
@@ -194,7 +194,7 @@ def test_a_checkpoint_without_sampler_state_is_refused_in_one_line(tmp_path):
 
 @pytest.mark.usefixtures("ray_session")
 @pytest.mark.parametrize("plan", ["actor_gen=0:dp1; ref_inf=1:dp1; reward_inf=1:dp1; actor_train=0-1:dp2",
-                                  "colocate; fuse=on"], ids=["copy", "fused"])
+                                  "colocate; stream_fusion=on"], ids=["copy", "fused"])
 def test_the_ray_runtime_samples_as_the_reference_does(tmp_path, spread_filter, plan):
     from test_runtime import _assert_equivalent, _cfg
 

@@ -1,4 +1,4 @@
-"""Fusion in the planner: response-length distributions as ``loomrl plan`` reads them, the search's choice to fuse,
+"""Stream fusion in the planner: response-length distributions as ``loomrl plan`` reads them, the search's choice to fuse,
 and the lower bound over fused plans (:mod:`loomrl.planner.cost.lengths`, :mod:`loomrl.planner.search.search`,
 :mod:`loomrl.planner.search.bounds`)."""
 
@@ -11,12 +11,12 @@ from loomrl.algorithms.workflows import build_workflow
 from loomrl.config.schema import AlgoConfig, RolloutConfig
 from loomrl.errors import ConfigError
 from loomrl.plan import ClusterSpec, colocate, separate
-from loomrl.plan.plan import Fusion
+from loomrl.plan.plan import StreamFusion
 from loomrl.planner.cost.model import CostModel
 from loomrl.planner.cost.workload import ModelShape, Workload
 from loomrl.planner.simulation.simulator import simulate
 from loomrl.planner.search.bounds import iteration_bound
-from loomrl.planner.cost.stream_fusion import generation_floor, price_fused
+from loomrl.planner.cost.stream_fusion import generation_floor, price_stream_fusion
 from loomrl.planner.cost.lengths import length_fields, observed_lengths
 from loomrl.planner.planning import model_config
 from loomrl.plan.hardware import profile_for
@@ -103,10 +103,10 @@ def test_no_fused_stage_hands_samples_on_before_the_generation_floor():
     plan = colocate(PPO, CLUSTER)
     floor = generation_floor(cost, "actor", plan["actor_gen"])
     assert floor.ready[0][1] == 1.0 and floor.ready[-1][1] < 0.05
-    for fusion in (Fusion(migrate_at=0.0), Fusion(migrate_at=0.2), Fusion(migrate_at=0.5, migrate_to=2)):
-        schedule = build_schedule(PPO, dataclasses.replace(plan, fuse=fusion))
-        (step,) = [s for s in schedule if s.kind is StepKind.FUSED]
-        price = price_fused(cost, step)
+    for fusion in (StreamFusion(migrate_at=0.0), StreamFusion(migrate_at=0.2), StreamFusion(migrate_at=0.5, migrate_to=2)):
+        schedule = build_schedule(PPO, dataclasses.replace(plan, stream_fusion=fusion))
+        (step,) = [s for s in schedule if s.kind is StepKind.STREAM_FUSION]
+        price = price_stream_fusion(cost, step)
         generating = [(start, end) for label, _, start, end in price.parts if label == "actor_gen"]
         assert max(end for _, end in generating) >= floor.ready[-1][0]
         assert sum(end - start for start, end in generating) >= floor.device_seconds
@@ -119,8 +119,8 @@ def test_the_bound_holds_for_fused_plans_and_merges_generation_with_its_readers(
     if len(lengths) > 1:  # a long tail: the fused stage's bound is the lesser, so the segments merge
         assert bound.segments[0].calls == ("actor_gen", "ref_inf", "reward_inf", "critic_inf")
     for plan in (colocate(PPO, CLUSTER), separate(PPO, CLUSTER, 4)):
-        for fusion in (None, Fusion(migrate_at="auto"), Fusion(migrate_at=0.3, migrate_to=2)):
-            result = simulate(dataclasses.replace(plan, fuse=fusion), PPO, cost, profile_for(CLUSTER).memory_bytes)
+        for fusion in (None, StreamFusion(migrate_at="auto"), StreamFusion(migrate_at=0.3, migrate_to=2)):
+            result = simulate(dataclasses.replace(plan, stream_fusion=fusion), PPO, cost, profile_for(CLUSTER).memory_bytes)
             assert result.iteration_time >= bound.seconds
 
 
@@ -132,10 +132,10 @@ def test_the_search_fuses_a_long_tailed_workload():
     found = search(PPO, CLUSTER, cost, profile_for(CLUSTER).memory_bytes, CONFIGS, seed=0, time_budget_s=8,
                    max_steps=40)
     plan, result = found[0]
-    assert plan.fuse is not None and result.feasible
-    unfused = simulate(dataclasses.replace(plan, fuse=None), PPO, cost, profile_for(CLUSTER).memory_bytes)
+    assert plan.stream_fusion is not None and result.feasible
+    unfused = simulate(dataclasses.replace(plan, stream_fusion=None), PPO, cost, profile_for(CLUSTER).memory_bytes)
     assert result.iteration_time < unfused.iteration_time
-    assert plan_key(plan) != plan_key(dataclasses.replace(plan, fuse=None))
+    assert plan_key(plan) != plan_key(dataclasses.replace(plan, stream_fusion=None))
 
 
 def test_a_fused_stage_with_nothing_to_overlap_costs_its_calls_in_turn():
@@ -145,7 +145,7 @@ def test_a_fused_stage_with_nothing_to_overlap_costs_its_calls_in_turn():
 
     cost = _cost(dataclasses.replace(LONG_TAIL, response_lengths=(384,)))
     assert cost.profile.system_factor != 1.0
-    plan = dataclasses.replace(colocate(PPO, CLUSTER), fuse=Fusion(migrate_at=0.0))
-    (step,) = [s for s in build_schedule(PPO, plan) if s.kind is StepKind.FUSED]
+    plan = dataclasses.replace(colocate(PPO, CLUSTER), stream_fusion=StreamFusion(migrate_at=0.0))
+    (step,) = [s for s in build_schedule(PPO, plan) if s.kind is StepKind.STREAM_FUSION]
     in_turn = sum(cost.mfc_time(PPO[m.id], m.alloc) for m in step.members)
-    assert price_fused(cost, step).seconds == pytest.approx(in_turn, rel=0.05)
+    assert price_stream_fusion(cost, step).seconds == pytest.approx(in_turn, rel=0.05)

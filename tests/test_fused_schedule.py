@@ -11,9 +11,9 @@ import time
 
 import pytest
 
-from loomrl.plan.pipeline_fusion import ACTOR, CRITIC, FusionProblem, PipelineSpec, Schedule, Task
-from loomrl.planner.pipeline_fusion.simulate import ScheduleError, check, simulate
-from loomrl.planner.pipeline_fusion.search import fused_schedule, merged_schedule, separate_schedule
+from loomrl.plan.pipeline_fusion import ACTOR, CRITIC, PipelineFusionProblem, PipelineSpec, TaskOrder, Task
+from loomrl.planner.pipeline_fusion.simulate import TaskOrderError, check, simulate
+from loomrl.planner.pipeline_fusion.search import fused_order, merged_order, separate_order
 from loomrl.planner.pipeline_fusion.bound import lower_bound
 from loomrl.planner.pipeline_fusion.bound import heads_and_tails
 from loomrl.planner.pipeline_fusion.priorities import Decoder
@@ -22,9 +22,9 @@ from loomrl.planner.pipeline_fusion.graph import build_graph, makespan
 from loomrl.planner.pipeline_fusion.polish import polish
 
 
-def two_by_two(**kwargs) -> FusionProblem:
+def two_by_two(**kwargs) -> PipelineFusionProblem:
     """Two devices, both models two stages deep with two micro-batches, forward 1, backward 2."""
-    return FusionProblem(2, PipelineSpec(2, 2), PipelineSpec(2, 2), **kwargs)
+    return PipelineFusionProblem(2, PipelineSpec(2, 2), PipelineSpec(2, 2), **kwargs)
 
 
 def a(kind: str, k: int, stage: int, replica: int = 0) -> Task:
@@ -42,15 +42,15 @@ VALID = ((a("F", 0, 0), a("F", 1, 0), c("F", 0, 1), c("B", 0, 1), a("B", 0, 0), 
           c("B", 1, 0)))
 
 
-def schedule(problem: FusionProblem, devices) -> Schedule:
-    return Schedule(problem, tuple(tuple(d) for d in devices))
+def schedule(problem: PipelineFusionProblem, devices) -> TaskOrder:
+    return TaskOrder(problem, tuple(tuple(d) for d in devices))
 
 
 # ------------------------------------------------------------------------------------------------ problem
 
 
 def test_stages_run_left_to_right_and_right_to_left_with_replicas():
-    problem = FusionProblem(4, PipelineSpec(4, 8), PipelineSpec(2, 8))
+    problem = PipelineFusionProblem(4, PipelineSpec(4, 8), PipelineSpec(2, 8))
     assert [problem.device_of(ACTOR, 0, s) for s in range(4)] == [0, 1, 2, 3]
     assert [problem.device_of(CRITIC, r, s) for r in range(2) for s in range(2)] == [1, 0, 3, 2]
     assert problem.replicas(CRITIC) == 2 and problem.stage_on(CRITIC, 2) == (1, 1)
@@ -68,8 +68,8 @@ def test_stages_run_left_to_right_and_right_to_left_with_replicas():
 ])
 def test_invalid_problems_name_the_field(kwargs, field):
     base = dict(devices=2, actor=PipelineSpec(2, 2), critic=PipelineSpec(2, 2))
-    with pytest.raises(ValueError, match=re.escape(f"FusionProblem.{field}:")):
-        FusionProblem(**{**base, **kwargs})
+    with pytest.raises(ValueError, match=re.escape(f"PipelineFusionProblem.{field}:")):
+        PipelineFusionProblem(**{**base, **kwargs})
     with pytest.raises(ValueError, match=r"PipelineSpec\.backward_s"):
         PipelineSpec(2, 2, backward_s=0)
 
@@ -104,7 +104,7 @@ def test_hops_delay_every_message_between_devices():
     (lambda d: (d[0][1:], (a("F", 0, 0),) + d[1]), r"device 1: aF0@s0 belongs on device 0"),
 ])
 def test_the_checker_rejects_broken_rules(edit, message):
-    with pytest.raises(ScheduleError, match=message):
+    with pytest.raises(TaskOrderError, match=message):
         check(schedule(two_by_two(), edit(VALID)))
 
 
@@ -112,20 +112,20 @@ def test_the_checker_names_a_deadlock():
     # each device starts with the task that waits for the other's first task
     first = ((c("F", 0, 1),) + tuple(t for t in VALID[0] if t != c("F", 0, 1)),
              (a("F", 0, 1),) + tuple(t for t in VALID[1] if t != a("F", 0, 1)))
-    with pytest.raises(ScheduleError, match=r"deadlock: device 0 at cF0@s1 waits for cF0@s0 on device 1; "
+    with pytest.raises(TaskOrderError, match=r"deadlock: device 0 at cF0@s1 waits for cF0@s0 on device 1; "
                                             r"device 1 at aF0@s1 waits for aF0@s0 on device 0"):
         check(schedule(two_by_two(), first))
 
 
 def test_the_checker_enforces_the_memory_cap():
-    with pytest.raises(ScheduleError, match=r"device 0: cF0@s1 raises live activations to 3, above the memory "
+    with pytest.raises(TaskOrderError, match=r"device 0: cF0@s1 raises live activations to 3, above the memory "
                                             r"cap 2"):
         check(schedule(two_by_two(memory_cap=(2.0, 3.0)), VALID))
 
 
 def test_separate_schedule_keeps_a_tight_cap_by_shortening_warm_up():
-    problem = FusionProblem(4, PipelineSpec(4, 4), PipelineSpec(4, 4), memory_cap=(2.0,) * 4)
-    assert max(check(separate_schedule(problem)).peak_memory) <= 2
+    problem = PipelineFusionProblem(4, PipelineSpec(4, 4), PipelineSpec(4, 4), memory_cap=(2.0,) * 4)
+    assert max(check(separate_order(problem)).peak_memory) <= 2
 
 
 # ------------------------------------------------------------------------------------------------ bound
@@ -136,29 +136,29 @@ def test_separate_schedule_keeps_a_tight_cap_by_shortening_warm_up():
     # can start at 0 and its last (the actor's last backward on stage 0) leaves nothing after it
     (two_by_two(), 12, "work of a device"),
     # the critic twice as slow: 2 x 3 + 2 x 6 on every device
-    (FusionProblem(2, PipelineSpec(2, 2), PipelineSpec(2, 2, 2.0, 4.0)), 18, "work of a device"),
+    (PipelineFusionProblem(2, PipelineSpec(2, 2), PipelineSpec(2, 2, 2.0, 4.0)), 18, "work of a device"),
     # fusion factor 2: the critic one stage deep, replicated twice with one micro-batch each; device 0 holds the
     # actor's stage 0 (6) and critic replica 0 (3)
-    (FusionProblem(2, PipelineSpec(2, 2), PipelineSpec(1, 2)), 9, "work of a device"),
+    (PipelineFusionProblem(2, PipelineSpec(2, 2), PipelineSpec(1, 2)), 9, "work of a device"),
     # three stages: the middle device's tasks all wait 1 (a forward on stage 0) and leave 2 (a backward there)
-    (FusionProblem(3, PipelineSpec(3, 3), PipelineSpec(3, 3)), 1 + 18 + 2, "Jackson"),
+    (PipelineFusionProblem(3, PipelineSpec(3, 3), PipelineSpec(3, 3)), 1 + 18 + 2, "Jackson"),
     # ... and with room for two activations: the middle device's first backward can start at 5, so before
     # that it runs at most 2 forwards (2 units of work); 16 remain, and every task leaves at least 2 after it
-    (FusionProblem(3, PipelineSpec(3, 3), PipelineSpec(3, 3), memory_cap=(2.0,) * 3), 5 + 16 + 2, "memory"),
+    (PipelineFusionProblem(3, PipelineSpec(3, 3), PipelineSpec(3, 3), memory_cap=(2.0,) * 3), 5 + 16 + 2, "memory"),
     # one model alone on a single device chain: 1F1B's (M + P - 1)(f + b) is the last stage's Jackson bound
-    (FusionProblem(4, PipelineSpec(4, 4), PipelineSpec(1, 4, 0.25, 0.5)), (4 + 3) * 3, "the actor's pipeline"),
+    (PipelineFusionProblem(4, PipelineSpec(4, 4), PipelineSpec(1, 4, 0.25, 0.5)), (4 + 3) * 3, "the actor's pipeline"),
 ])
 def test_the_bound_equals_hand_computed_values(problem, bound, why):
     assert lower_bound(problem) == pytest.approx(bound), why
 
 
 def test_the_bound_reaches_the_optimum_where_it_is_known():
-    for problem in (two_by_two(), FusionProblem(2, PipelineSpec(2, 2), PipelineSpec(1, 2)),
-                    FusionProblem(3, PipelineSpec(3, 3), PipelineSpec(3, 3))):
-        assert fused_schedule(problem, iterations=200).makespan == pytest.approx(lower_bound(problem))
+    for problem in (two_by_two(), PipelineFusionProblem(2, PipelineSpec(2, 2), PipelineSpec(1, 2)),
+                    PipelineFusionProblem(3, PipelineSpec(3, 3), PipelineSpec(3, 3))):
+        assert fused_order(problem, iterations=200).makespan == pytest.approx(lower_bound(problem))
 
 
-def random_problem(rng: random.Random) -> FusionProblem:
+def random_problem(rng: random.Random) -> PipelineFusionProblem:
     devices = rng.choice([2, 3, 4, 6])
     depths = [p for p in range(1, devices + 1) if devices % p == 0]
     specs = []
@@ -166,10 +166,10 @@ def random_problem(rng: random.Random) -> FusionProblem:
         depth = rng.choice(depths)
         specs.append(PipelineSpec(depth, devices // depth * rng.randint(1, 3), rng.choice([0.5, 1.0, 2.0]),
                                   rng.choice([1.0, 2.0, 3.0]), rng.choice([1.0, 2.0])))
-    problem = FusionProblem(devices, *specs, hop_s=rng.choice([0.0, 0.0, 0.25]))
+    problem = PipelineFusionProblem(devices, *specs, hop_s=rng.choice([0.0, 0.0, 0.25]))
     if rng.random() < 0.3:  # a tighter cap, still above one micro-batch of each model
         least = specs[0].activation + specs[1].activation
-        problem = FusionProblem(devices, *specs, tuple(max(least, c - 1) for c in problem.memory_cap),
+        problem = PipelineFusionProblem(devices, *specs, tuple(max(least, c - 1) for c in problem.memory_cap),
                                 problem.hop_s)
     return problem
 
@@ -179,8 +179,8 @@ def test_every_schedule_is_valid_and_no_better_than_the_bound():
     for _ in range(12):
         problem = random_problem(rng)
         bound = lower_bound(problem)
-        result = fused_schedule(problem, iterations=30, seed=1, exact=False)
-        spans = [check(s).makespan for s in (separate_schedule(problem), merged_schedule(problem), result.schedule)]
+        result = fused_order(problem, iterations=30, seed=1, exact=False)
+        spans = [check(s).makespan for s in (separate_order(problem), merged_order(problem), result.schedule)]
         assert min(spans) >= bound - 1e-9
         assert result.makespan == pytest.approx(spans[2]) and result.bound == pytest.approx(bound)
 
@@ -189,26 +189,26 @@ def test_every_schedule_is_valid_and_no_better_than_the_bound():
 
 
 def test_the_search_is_deterministic_for_a_seed_and_never_worse_than_its_start():
-    problem = FusionProblem(8, PipelineSpec(8, 8), PipelineSpec(4, 8))
-    first = fused_schedule(problem, seed=3, iterations=40, time_limit_s=60.0)
-    again = fused_schedule(problem, seed=3, iterations=40, time_limit_s=61.0)  # not the cached call
+    problem = PipelineFusionProblem(8, PipelineSpec(8, 8), PipelineSpec(4, 8))
+    first = fused_order(problem, seed=3, iterations=40, time_limit_s=60.0)
+    again = fused_order(problem, seed=3, iterations=40, time_limit_s=61.0)  # not the cached call
     assert first is not again and first.schedule == again.schedule
-    assert first.makespan <= first.start_makespan <= check(merged_schedule(problem)).makespan
-    assert first.start_makespan <= check(separate_schedule(problem)).makespan
+    assert first.makespan <= first.start_makespan <= check(merged_order(problem)).makespan
+    assert first.start_makespan <= check(separate_order(problem)).makespan
     assert first.gap == pytest.approx(first.makespan / first.bound - 1)
 
 
 def test_fusion_fills_the_bubbles_that_running_one_model_after_the_other_leaves():
-    problem = FusionProblem(4, PipelineSpec(4, 4), PipelineSpec(4, 4))
-    separate = check(separate_schedule(problem)).makespan
-    fused = fused_schedule(problem, iterations=100)
+    problem = PipelineFusionProblem(4, PipelineSpec(4, 4), PipelineSpec(4, 4))
+    separate = check(separate_order(problem)).makespan
+    fused = fused_order(problem, iterations=100)
     assert fused.makespan < 0.8 * separate
     assert fused.makespan == pytest.approx(lower_bound(problem))
 
 
 def test_the_cheap_path_keeps_the_greedy_start():
-    problem = FusionProblem(8, PipelineSpec(8, 16), PipelineSpec(8, 16))
-    result = fused_schedule(problem, iterations=0)
+    problem = PipelineFusionProblem(8, PipelineSpec(8, 16), PipelineSpec(8, 16))
+    result = fused_order(problem, iterations=0)
     assert result.iterations == 0 and result.makespan == result.start_makespan
     check(result.schedule)
 
@@ -238,7 +238,7 @@ def device_orders(graph, device: int) -> list[list[int]]:
     return out
 
 
-def brute_force_optimum(problem: FusionProblem) -> float:
+def brute_force_optimum(problem: PipelineFusionProblem) -> float:
     """The least as-soon-as-possible makespan over every combination of valid device orders (deadlocks are
     infinite): the optimum, since the as-soon-as-possible timing of an order is its best."""
     graph = build_graph(problem)
@@ -246,7 +246,7 @@ def brute_force_optimum(problem: FusionProblem) -> float:
                for orders in itertools.product(*(device_orders(graph, d) for d in range(problem.devices))))
 
 
-def tiny_problems(count: int, seed: int = 0, most: int = 20000) -> list[FusionProblem]:
+def tiny_problems(count: int, seed: int = 0, most: int = 20000) -> list[PipelineFusionProblem]:
     """Random problems of two or three devices small enough for :func:`brute_force_optimum` (at most ``most``
     order combinations), half of them with a cap of two activations and some with hops."""
     rng, out = random.Random(seed), []
@@ -258,7 +258,7 @@ def tiny_problems(count: int, seed: int = 0, most: int = 20000) -> list[FusionPr
             specs.append(PipelineSpec(depth, devices // depth * rng.randint(1, 2), rng.choice([0.5, 1.0, 2.0]),
                                       rng.choice([1.0, 2.0, 3.0])))
         cap = (2.0,) * devices if rng.random() < 0.5 else None
-        problem = FusionProblem(devices, *specs, cap, rng.choice([0.0, 0.5]))
+        problem = PipelineFusionProblem(devices, *specs, cap, rng.choice([0.0, 0.5]))
         graph = build_graph(problem)
         if math.prod(len(device_orders(graph, d)) for d in range(devices)) <= most:
             out.append(problem)
@@ -271,7 +271,7 @@ def test_the_bound_never_exceeds_the_brute_force_optimum_and_the_search_never_be
     for problem in problems:
         optimum = brute_force_optimum(problem)
         assert lower_bound(problem) <= optimum + 1e-9, problem
-        found = fused_schedule(problem, iterations=60, seed=0, exact=False)
+        found = fused_order(problem, iterations=60, seed=0, exact=False)
         assert check(found.schedule).makespan >= optimum - 1e-9
         below += lower_bound(problem) < optimum - 1e-9
     assert below > 0  # the sample holds cases the bound does not close (CP-SAT's, tests/test_fused_exact.py)
@@ -280,7 +280,7 @@ def test_the_bound_never_exceeds_the_brute_force_optimum_and_the_search_never_be
 def test_brute_force_agrees_with_hand_computed_optima():
     assert brute_force_optimum(two_by_two()) == 12  # the bound's first hand-computed case, reached by VALID
     # one device, one stage each: every order of a forward and a backward per model runs back to back
-    assert brute_force_optimum(FusionProblem(1, PipelineSpec(1, 1), PipelineSpec(1, 1, 2.0, 2.0))) == 7
+    assert brute_force_optimum(PipelineFusionProblem(1, PipelineSpec(1, 1), PipelineSpec(1, 1, 2.0, 2.0))) == 7
 
 
 @pytest.mark.parametrize("values, step", [([1.0, 2.0, 0.5], 0.5), ([1 / 3, 1.0], 1 / 3), ([2.0, 4.0, 0.0], 2.0),
@@ -297,13 +297,13 @@ def test_hold_keeps_memory_for_the_other_models_more_urgent_forward():
     # first by priority. At 1 the critic's second forward is ready and the actor's first arrives at 2: run, the
     # critic's forward would fill the cap and keep the actor out until the critic's first backward comes back
     # (19); held, the device idles from 1 to 2 and the actor runs at once (18)
-    problem = FusionProblem(2, PipelineSpec(2, 2, 2.0, 2.0), PipelineSpec(2, 2, 1.0, 2.0), memory_cap=(3.0, 2.0))
+    problem = PipelineFusionProblem(2, PipelineSpec(2, 2, 2.0, 2.0), PipelineSpec(2, 2, 1.0, 2.0), memory_cap=(3.0, 2.0))
     graph = build_graph(problem)
     priority = [10.0 if t.model == ACTOR else 0.0 for t in graph.tasks]
     spans, firsts = {}, {}
     for hold in (False, True):
         orders, _ = Decoder(graph).run(priority, reserve=False, hold=hold)
-        schedule = Schedule(problem, tuple(tuple(graph.tasks[i] for i in order) for order in orders))
+        schedule = TaskOrder(problem, tuple(tuple(graph.tasks[i] for i in order) for order in orders))
         spans[hold], firsts[hold] = check(schedule).makespan, [str(t) for t in schedule.devices[1][:2]]
     assert spans == {False: 19, True: 18}
     assert firsts == {False: ["cF0@s0", "cF1@s0"], True: ["cF0@s0", "aF0@s1"]}
@@ -323,16 +323,16 @@ aB4@s3 aF5@s3 aB5@s3 aF6@s3 aB6@s3 cF6@s0 cB2@s0 cB3@s0 aF7@s3 cF7@s0 aB7@s3 cB4
 """
 
 
-def parse(problem: FusionProblem, text: str) -> Schedule:
-    """A schedule from :meth:`Schedule.text`'s task names, devices separated by ``|``."""
+def parse(problem: PipelineFusionProblem, text: str) -> TaskOrder:
+    """A schedule from :meth:`TaskOrder.text`'s task names, devices separated by ``|``."""
     def task(name: str) -> Task:
         model, kind, k, stage = re.fullmatch(r"([ac])([FB])(\d+)@s(\d+)", name).groups()
         return Task(ACTOR if model == "a" else CRITIC, 0, int(stage), int(k), kind == "B")
-    return Schedule(problem, tuple(tuple(task(n) for n in device.split()) for device in text.split("|")))
+    return TaskOrder(problem, tuple(tuple(task(n) for n in device.split()) for device in text.split("|")))
 
 
 def test_hold_lets_the_decoder_rebuild_an_optimum_it_cannot_reach_without():
-    problem = FusionProblem(4, PipelineSpec(4, 8), PipelineSpec(4, 8, 0.5, 1.0))
+    problem = PipelineFusionProblem(4, PipelineSpec(4, 8), PipelineSpec(4, 8, 0.5, 1.0))
     optimum = check(parse(problem, OPTIMAL_4x4))
     assert optimum.makespan == lower_bound(problem) == 39
     graph = build_graph(problem)
@@ -350,12 +350,12 @@ def test_hold_lets_the_decoder_rebuild_an_optimum_it_cannot_reach_without():
 
 
 def test_polish_keeps_schedules_valid_never_worse_and_is_deterministic():
-    problem = FusionProblem(4, PipelineSpec(4, 8), PipelineSpec(4, 8, 0.5, 1.0))
+    problem = PipelineFusionProblem(4, PipelineSpec(4, 8), PipelineSpec(4, 8, 0.5, 1.0))
     graph = build_graph(problem)
-    start = [[graph.index[t] for t in order] for order in separate_schedule(problem).devices]
+    start = [[graph.index[t] for t in order] for order in separate_order(problem).devices]
     tail = heads_and_tails(graph)[1]
     runs = [polish(graph, start, tail, lower_bound(problem), rng=random.Random(5), deadline=time.perf_counter() + 60,
                    budget=40) for _ in range(2)]
     assert runs[0] == runs[1] and runs[0][1] <= 40
-    improved = Schedule(problem, tuple(tuple(graph.tasks[i] for i in order) for order in runs[0][0]))
-    assert check(improved).makespan < check(separate_schedule(problem)).makespan
+    improved = TaskOrder(problem, tuple(tuple(graph.tasks[i] for i in order) for order in runs[0][0]))
+    assert check(improved).makespan < check(separate_order(problem)).makespan

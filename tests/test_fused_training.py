@@ -20,7 +20,7 @@ from loomrl.models.tokenizer import build_char_tokenizer
 from loomrl.models.zoo import build_causal_lm
 from loomrl.parallel.allocations import AllocationGroups
 from loomrl.parallel.data_parallel import sync_gradients
-from loomrl.parallel.pipeline_fusion import FusedSide, fused_train_step_backward
+from loomrl.parallel.pipeline_fusion import PipelineFusionSide, pipeline_fusion_backward
 from loomrl.parallel.pipeline import split_stages
 from loomrl.parallel.pipeline_runner import PipelineRunner, clip_grad_norm_pp
 from loomrl.parallel.spawn import run_world
@@ -48,13 +48,13 @@ def _orders(world: int, critic_pp: int, fused: bool) -> dict[int, tuple]:
     """Each device's order: the fused schedule's, or the two pipelines' 1F1B one after the other."""
     from loomrl.plan.pipeline_fusion import PipelineSpec
     from loomrl.planner.pipeline_fusion.simulate import check
-    from loomrl.planner.pipeline_fusion.search import fused_schedule, separate_schedule
-    from loomrl.planner.cost.pipeline_fusion import fused_train_problem, local_orders
+    from loomrl.planner.pipeline_fusion.search import fused_order, separate_order
+    from loomrl.planner.cost.pipeline_fusion import pipeline_fusion_problem, local_orders
 
     actor, critic = _allocations(world, critic_pp)
     specs = (PipelineSpec(world, 4), PipelineSpec(critic_pp, 2 * (world // critic_pp)))
-    problem = fused_train_problem(actor, critic, specs)
-    schedule = fused_schedule(problem, seed=0, iterations=300).schedule if fused else separate_schedule(problem)
+    problem = pipeline_fusion_problem(actor, critic, specs)
+    schedule = fused_order(problem, seed=0, iterations=300).schedule if fused else separate_order(problem)
     check(schedule)
     return local_orders(problem, schedule.devices, actor.devices)
 
@@ -147,9 +147,9 @@ def _fused_step(rank: int, world: int, critic_pp: int, orders: dict[str, dict[in
     for name, fused in (("separate_order", False), ("fused", True)):
         for m in models:
             m.zero()
-        sides = {i: FusedSide(m.runner, m.groups.pp_back_group, m.ids_BL, m.mask_BL, m.parts, m.loss_fn,
+        sides = {i: PipelineFusionSide(m.runner, m.groups.pp_back_group, m.ids_BL, m.mask_BL, m.parts, m.loss_fn,
                               stage_ranks=m.groups.stage_ranks) for i, m in enumerate(models)}
-        fused_train_step_backward(orders[name][rank], sides)
+        pipeline_fusion_backward(orders[name][rank], sides)
         out[name] = max((g - separate[i][n]).abs().max().item() for i, m in enumerate(models)
                         for n, g in m.grads().items())
         out[f"{name}_peak"] = [side.peak_in_flight for side in sides.values()]

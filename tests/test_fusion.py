@@ -21,7 +21,7 @@ from loomrl.errors import ConfigError
 from loomrl.models.tokenizer import build_char_tokenizer
 from loomrl.models.zoo import build_causal_lm
 from loomrl.plan import ClusterSpec, ExecutionPlan, format_plan_string, make_plan, parse_plan_string
-from loomrl.plan.plan import Fusion
+from loomrl.plan.plan import StreamFusion
 from loomrl.plan.schedule import StepKind, build_schedule
 from loomrl.report.run_timeline import result_from_traces
 from loomrl.rollout import SamplingParams
@@ -37,36 +37,36 @@ GRPO = build_workflow(AlgoConfig(name="grpo"), RolloutConfig())
 # --------------------------------------------------------------------------------------------------- plans
 def test_fusion_is_a_plan_knob_in_strings_files_and_after_a_strategy(tmp_path):
     cluster = ClusterSpec.parse("cpu:4")
-    plan = make_plan("colocate; fuse=migrate_at:0.25,migrate_to:2,chunk:4", PPO, cluster)
-    assert plan.fuse == Fusion(0.25, 2, 4)
-    assert make_plan("separate:2; fuse=on", PPO, cluster).fuse == Fusion()
-    assert make_plan("interleave; fuse=migrate_at:auto", GRPO, cluster).fuse.migrate_at == "auto"
+    plan = make_plan("colocate; stream_fusion=migrate_at:0.25,migrate_to:2,chunk:4", PPO, cluster)
+    assert plan.stream_fusion == StreamFusion(0.25, 2, 4)
+    assert make_plan("separate:2; stream_fusion=on", PPO, cluster).stream_fusion == StreamFusion()
+    assert make_plan("interleave; stream_fusion=migrate_at:auto", GRPO, cluster).stream_fusion.migrate_at == "auto"
     text = format_plan_string(plan, PPO)
-    assert "fuse=migrate_at:0.25,migrate_to:2,chunk:4" in text and parse_plan_string(text, PPO, cluster) == plan
+    assert "stream_fusion=migrate_at:0.25,migrate_to:2,chunk:4" in text and parse_plan_string(text, PPO, cluster) == plan
     plan.save(tmp_path / "p.yaml")
     assert ExecutionPlan.load(tmp_path / "p.yaml") == plan
-    for bad, fragment in (("colocate; fuse=migrate_at:2", "outside 0..1"), ("colocate; fuse=when:3", "not migrate_at"),
-                          ("colocate; fuse=migrate_at:x", "not a number"), ("colocate; fuse=migrate_to:5", "valid: 1-4"),
-                          ("colocate; actor_gen=0-3", "only shadow, offload, fuse")):
+    for bad, fragment in (("colocate; stream_fusion=migrate_at:2", "outside 0..1"), ("colocate; stream_fusion=when:3", "not migrate_at"),
+                          ("colocate; stream_fusion=migrate_at:x", "not a number"), ("colocate; stream_fusion=migrate_to:5", "valid: 1-4"),
+                          ("colocate; actor_gen=0-3", "only shadow, offload, stream_fusion")):
         with pytest.raises(ConfigError, match=fragment):
             make_plan(bad, PPO, cluster)
 
 
 def test_the_fused_stage_replaces_generation_and_the_calls_that_read_only_it():
     cluster = ClusterSpec.parse("cpu:2")
-    schedule = build_schedule(PPO, make_plan("interleave; fuse=on", PPO, cluster))
+    schedule = build_schedule(PPO, make_plan("interleave; stream_fusion=on", PPO, cluster))
     ids = [s.id for s in schedule]
-    assert ids[:3] == ["copy actor→0-1:dp2", "copy critic→0-1:dp2", "fused_actor_gen"]
-    fused = schedule["fused_actor_gen"]
-    assert fused.kind is StepKind.FUSED and fused.devices == (0, 1)
+    assert ids[:3] == ["copy actor→0-1:dp2", "copy critic→0-1:dp2", "stream_fusion_actor_gen"]
+    fused = schedule["stream_fusion_actor_gen"]
+    assert fused.kind is StepKind.STREAM_FUSION and fused.devices == (0, 1)
     assert [m.id for m in fused.members] == ["actor_gen", "ref_inf", "reward_inf", "critic_inf"]
     assert fused.deps == ("copy actor→0-1:dp2", "copy critic→0-1:dp2")  # models in place before the stage
     assert schedule["copy critic→0-1:dp2"].deps == ()  # it no longer waits for generation
-    assert schedule["free critic@0-1:dp2"].deps == ("fused_actor_gen",)
-    assert schedule["advantages"].deps == ("fused_actor_gen",)
+    assert schedule["free critic@0-1:dp2"].deps == ("stream_fusion_actor_gen",)
+    assert schedule["advantages"].deps == ("stream_fusion_actor_gen",)
     assert [c.id for c in schedule.calls()] == [m.name for m in PPO.topological_order()]
-    grpo = build_schedule(GRPO, make_plan("colocate; fuse=on", GRPO, cluster))
-    assert [m.id for m in grpo["fused_actor_gen"].members] == ["actor_gen", "ref_inf", "reward_inf"]
+    grpo = build_schedule(GRPO, make_plan("colocate; stream_fusion=on", GRPO, cluster))
+    assert [m.id for m in grpo["stream_fusion_actor_gen"].members] == ["actor_gen", "ref_inf", "reward_inf"]
 
 
 def test_the_tail_goes_to_the_replicas_with_the_most_left():
@@ -138,7 +138,7 @@ def references(tmp_path_factory, warm):
     ("ppo", "colocate", 4), ("ppo", "separate:2", 4), ("grpo", "colocate", 4), ("grpo", "separate:2", 4),
 ], ids=lambda v: str(v))
 def test_a_fused_run_is_the_reference_run(tmp_path, warm, references, algo, plan, devices):
-    text = f"{plan}; fuse=migrate_at:0.5,migrate_to:1,chunk:2"
+    text = f"{plan}; stream_fusion=migrate_at:0.5,migrate_to:1,chunk:2"
     cfg = _cfg(tmp_path, "fused", warm, *COMMON, f"algo.name={algo}", "algo.group_size=2", "runtime.executor=ray",
                f"runtime.devices={devices}", "runtime.verify_reallocation=true")
     RLTrainer(dataclasses.replace(cfg, runtime=dataclasses.replace(cfg.runtime, plan=text))).run()
@@ -146,7 +146,7 @@ def test_a_fused_run_is_the_reference_run(tmp_path, warm, references, algo, plan
     _assert_equivalent(got, references[algo])
     assert any(r["response/length"] < r["response/length_max"] for r in got), "lengths should vary"
     traces = [json.loads(line) for line in (tmp_path / "fused" / "traces.jsonl").read_text().splitlines()]
-    stages = [t for t in traces if t["step"] == "fused_actor_gen"]
+    stages = [t for t in traces if t["step"] == "stream_fusion_actor_gen"]
     assert len(stages) == 3
     generators = devices if plan == "colocate" else int(plan.split(":")[1])
     for stage in stages:
@@ -157,4 +157,4 @@ def test_a_fused_run_is_the_reference_run(tmp_path, warm, references, algo, plan
             assert "migrate" in labels
     drawn = result_from_traces(traces).timeline  # the measured timeline draws each part on its device
     assert {(i.label, i.kind) for i in drawn} >= {("actor_gen", "generate"), ("ref_inf", "inference")}
-    assert not any(i.label == "fused_actor_gen" for i in drawn)
+    assert not any(i.label == "stream_fusion_actor_gen" for i in drawn)

@@ -695,18 +695,18 @@ def fusion_item_malformed(data, files):
         st.sampled_from(["migrate_at:nan", "migrate_at:inf", "migrate_at:x", "migrate_to:0", "migrate_to:-1",
                          "migrate_to:x", "chunk:-1", "chunk:1.5", "chunk:", "migrate_at", ":", "migrate_to:99"])))
     strategy = data.draw(st.sampled_from(["colocate", "interleave", "separate:2", _placement()]))
-    return _plan_argv(data, files, f"{strategy}; fuse={value}"), ("fuse",)
+    return _plan_argv(data, files, f"{strategy}; stream_fusion={value}"), ("stream_fusion",)
 
 
 @kind("plan string")
 def fuse_train_neither_on_nor_off(data, files):
     value = data.draw(WORD.filter(lambda w: w not in ("on", "off")))
-    return _plan_argv(data, files, f"colocate; fuse_train={value}"), ("fuse_train",)
+    return _plan_argv(data, files, f"colocate; pipeline_fusion={value}"), ("pipeline_fusion",)
 
 
 @kind("plan string")
 def unknown_model_call(data, files):
-    name = data.draw(WORD.filter(lambda w: w not in MFCS and w not in ("shadow", "offload", "fuse", "advantages")))
+    name = data.draw(WORD.filter(lambda w: w not in MFCS and w not in ("shadow", "offload", "stream_fusion", "advantages")))
     return _plan_argv(data, files, _placement(**{name: "0-3"})), (name,)
 
 
@@ -819,7 +819,7 @@ def compute_step_sharded(data, files):
 
 @kind("plan string")
 def plan_change_to_a_malformed_plan(data, files):
-    text = data.draw(st.sampled_from(["colocatee", "separate:0", "actor_gen=0-9", "colocate; fuse=x", "interleave:2"]))
+    text = data.draw(st.sampled_from(["colocatee", "separate:0", "actor_gen=0-9", "colocate; stream_fusion=x", "interleave:2"]))
     iteration = data.draw(st.integers(1, 10**6))
     argv = _config_argv("train", files, [f"runtime.plan_changes={{{iteration}: {quoted(text)}}}"])
     return argv, (f"runtime.plan_changes.{iteration}",)
@@ -901,12 +901,12 @@ def field_of_the_wrong_type(data, plan):
                                              (plan["cluster"], "memory_gb"), (plan["cluster"], "profile"),
                                              (alloc, "devices"), (alloc, "dp"), (alloc, "tp"), (alloc, "pp"),
                                              (alloc, "micro_batches"), (plan, "shadow"), (plan, "offload"),
-                                             (plan, "fuse"), (plan, "allocations"), (plan, "cluster")]))
+                                             (plan, "stream_fusion"), (plan, "allocations"), (plan, "cluster")]))
     wrong = {"nodes": ["x", 1.5, True, [1]], "devices_per_node": ["4", 4.0, False, None],
              "memory_gb": ["lots", True, [1], {}], "profile": [1, None, ["local"]],
              "devices": [1.5, True, {"a": 1}, None, ["0"], [0.5]], "dp": ["2", 2.0, True, [2], None],
              "tp": ["1", 1.0, None], "pp": ["1", False, {}], "micro_batches": ["1", 1.5, []],
-             "shadow": ["actor", 1, {"a": 1}, [1]], "offload": ["ref", 2, [None]], "fuse": ["on", 1, [1]],
+             "shadow": ["actor", 1, {"a": 1}, [1]], "offload": ["ref", 2, [None]], "stream_fusion": ["on", 1, [1]],
              "allocations": [[], "x", 1, None], "cluster": ["cpu:4", 4, [], None]}[key]
     target[key] = data.draw(st.sampled_from(wrong))
     return plan
@@ -915,14 +915,14 @@ def field_of_the_wrong_type(data, plan):
 @kind("plan file")
 @_plan_file_kind
 def unknown_key(data, plan):
-    where = data.draw(st.sampled_from(["top", "cluster", "allocation", "fuse"]))
+    where = data.draw(st.sampled_from(["top", "cluster", "allocation", "stream_fusion"]))
     key = data.draw(WORD)
     if where == "top":
         plan[key] = 1
     elif where == "cluster":
         plan["cluster"][key] = 1
-    elif where == "fuse":
-        plan["fuse"] = {key: 1}
+    elif where == "stream_fusion":
+        plan["stream_fusion"] = {key: 1}
     else:
         plan["allocations"][data.draw(st.sampled_from(sorted(plan["allocations"])))][key] = 1
     return plan
@@ -1004,9 +1004,9 @@ def cluster_not_the_runs(data, plan):
 @kind("plan file")
 @_plan_file_kind
 def unknown_role_or_bad_fusion(data, plan):
-    key = data.draw(st.sampled_from(["shadow", "offload", "fuse"]))
-    if key == "fuse":
-        plan["fuse"] = data.draw(st.sampled_from([{"migrate_at": 2.0}, {"migrate_at": "soon"}, {"migrate_to": 0},
+    key = data.draw(st.sampled_from(["shadow", "offload", "stream_fusion"]))
+    if key == "stream_fusion":
+        plan["stream_fusion"] = data.draw(st.sampled_from([{"migrate_at": 2.0}, {"migrate_at": "soon"}, {"migrate_to": 0},
                                                   {"chunk": -1}, {"migrate_to": 99}]))
     else:
         plan[key] = [data.draw(WORD.filter(lambda w: w not in ROLES))]

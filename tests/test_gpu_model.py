@@ -16,7 +16,7 @@ from loomrl.planner.cost.workload import ModelShape, Workload
 from loomrl.planner.cost import decode as D
 from loomrl.planner.cost import terms as T
 from loomrl.planner.planning import MODEL_PRESETS
-from loomrl.planner.cost.system import EngineSettings, default_max_seqs
+from loomrl.planner.cost.system import SystemSettings, default_max_seqs
 from loomrl.planner.cost.workload import lengths_from_mean_max
 from loomrl.workflow import MFC, MFCKind
 
@@ -98,7 +98,7 @@ def test_a_serving_engines_kv_cache_bounds_the_sequences_it_decodes():
     holds 130 + 1000/2 tokens on average (every response 1000 long): about 420 samples, below vLLM's 1024."""
     shape = ModelShape.from_config(MODEL_PRESETS["llama3.1-8b"])
     cluster = ClusterSpec.parse("h100:1")
-    settings = EngineSettings(gen_memory_fraction=0.6)
+    settings = SystemSettings(gen_memory_fraction=0.6)
     model = CostModel(cluster, profile_for(cluster), {"actor": shape}, Workload(2048, 130, (1000,)),
                       settings=settings)
     buffers = 8192 * (4 * 4096 + 2 * 14336) * 2
@@ -107,7 +107,7 @@ def test_a_serving_engines_kv_cache_bounds_the_sequences_it_decodes():
     assert model.decode_slots("actor", a("0:dp1")) == int(kv / (131072 * (130 + 500)))
     assert default_max_seqs(PROFILES["h100-80g"]) == 1024 and default_max_seqs(PROFILES["a800"]) == 256
     capped = CostModel(cluster, profile_for(cluster), {"actor": shape}, Workload(2048, 130, (1000,)),
-                       settings=EngineSettings(gen_memory_fraction=0.6, gen_max_seqs=64))
+                       settings=SystemSettings(gen_memory_fraction=0.6, gen_max_seqs=64))
     assert capped.decode_slots("actor", a("0:dp1")) == 64
     # the engine holds its whole share while it generates, weights aside (they are the resident copy)
     assert model.mfc_memory(GEN, a("0:dp1"), False) == pytest.approx(0.6 * 80 * GB - shape.params * 2)
@@ -153,7 +153,7 @@ def test_measured_efficiencies_fp8_and_experts_set_the_matmul_rate():
     dense = ModelShape.from_config(MODEL_PRESETS["qwen3-32b"])
     moe = ModelShape.from_config(MODEL_PRESETS["qwen3-30b-a3b"])
     model = CostModel(cluster, h100, {"actor": dense, "reward": moe}, Workload(8, 32, (128,)),
-                      settings=EngineSettings(train_precision="fp8"))
+                      settings=SystemSettings(train_precision="fp8"))
     assert model._rates_of(a("0-7:dp8")).flops == h100.matmul_flops * h100.matmul_efficiency
     fp8 = (h100.fp8_matmul_flops * h100.fp8_efficiency) / (h100.matmul_flops * h100.matmul_efficiency)
     assert model._flops_scale(dense, MFCKind.TRAIN) == pytest.approx(fp8)
@@ -176,7 +176,7 @@ def test_an_offloaded_optimizer_leaves_weights_and_gradients_on_the_device():
     shape = ModelShape.from_config(MODEL_PRESETS["llama2-7b"])
     cluster = ClusterSpec.parse("a800:8")
     model = CostModel(cluster, profile_for(cluster), {"actor": shape}, Workload(64, 256, (256,)),
-                      settings=EngineSettings(optimizer_offload=True))
+                      settings=SystemSettings(optimizer_offload=True))
     assert model.static_memory("actor", a("0-7:dp8fsdp"), True) == pytest.approx(shape.params * 2 / 8, abs=1)
     terms = model.time_terms(TRAIN, a("0-7:dp8fsdp"))
     # Adam on the node's CPUs over the 8 devices' shards, and gradients down and weights up over PCIe
@@ -216,6 +216,6 @@ def test_padded_micro_batches_are_as_long_as_their_longest_sample():
     shape = ModelShape.from_config(MODEL_PRESETS["llama3.1-8b"])
     cluster = ClusterSpec.parse("h100:1")
     models = [CostModel(cluster, profile_for(cluster), {"reward": shape}, Workload(4096, 100, (100, 300)),
-                        settings=EngineSettings(packing=packing)) for packing in (True, False)]
+                        settings=SystemSettings(packing=packing)) for packing in (True, False)]
     packed, padded = (m.time_terms(INF, a("0:dp1mb2048"))["work"] for m in models)
     assert padded / packed == pytest.approx(7 / 6, rel=0.02)

@@ -2,15 +2,15 @@
 
 import pytest
 
-from loomrl.workflow.minibatches import split_by_tokens, train_schedule
+from loomrl.workflow.minibatches import split_by_tokens, minibatch_steps
 
 TOKENS = [5, 1, 7, 3, 3, 9, 2, 4, 6, 8, 1, 2]
 
 
 @pytest.mark.parametrize("dp", [1, 2, 3, 4])
 def test_every_step_covers_its_minibatch_once_across_ranks(dp):
-    ref = train_schedule(TOKENS, epochs=2, minibatches=3, seed=0, iteration=5)
-    sched = train_schedule(TOKENS, epochs=2, minibatches=3, seed=0, iteration=5, dp=dp)
+    ref = minibatch_steps(TOKENS, epochs=2, minibatches=3, seed=0, iteration=5)
+    sched = minibatch_steps(TOKENS, epochs=2, minibatches=3, seed=0, iteration=5, dp=dp)
     assert len(sched) == len(ref) == 6
     for step, ref_step in zip(sched, ref):
         rows = [r for part in step.rows_per_rank for r in part]
@@ -24,10 +24,10 @@ def test_every_step_covers_its_minibatch_once_across_ranks(dp):
 
 
 def test_schedule_is_seeded():
-    a = train_schedule(TOKENS, 1, 2, seed=0, iteration=0)
-    assert a == train_schedule(TOKENS, 1, 2, seed=0, iteration=0)
-    assert a != train_schedule(TOKENS, 1, 2, seed=0, iteration=1)
-    assert a != train_schedule(TOKENS, 1, 2, seed=1, iteration=0)
+    a = minibatch_steps(TOKENS, 1, 2, seed=0, iteration=0)
+    assert a == minibatch_steps(TOKENS, 1, 2, seed=0, iteration=0)
+    assert a != minibatch_steps(TOKENS, 1, 2, seed=0, iteration=1)
+    assert a != minibatch_steps(TOKENS, 1, 2, seed=1, iteration=0)
 
 
 def test_split_by_tokens_balances_and_keeps_order():

@@ -12,7 +12,7 @@ import torch.distributed as dist
 
 from loomrl.algorithms.ops import train_loop
 from loomrl.algorithms.context import OpContext, Role
-from loomrl.role import ModelEngine, make_role, role_specs
+from loomrl.role import ModelPasses, make_role, role_specs
 from loomrl.errors import TrainingError
 from loomrl.models.tokenizer import build_char_tokenizer
 from loomrl.models.zoo import build_causal_lm
@@ -57,9 +57,9 @@ def _model() -> torch.nn.Module:
     return build_causal_lm("llama-1m", build_char_tokenizer(), seed=0)
 
 
-def _role(model: torch.nn.Module, on_nonfinite: str, engine: ModelEngine | None = None) -> Role:
+def _role(model: torch.nn.Module, on_nonfinite: str, engine: ModelPasses | None = None) -> Role:
     return Role("actor", model, torch.optim.AdamW(model.parameters(), lr=1e-2), grad_clip=1.0,
-                engine=engine or ModelEngine(model), on_nonfinite=on_nonfinite)
+                passes=engine or ModelPasses(model), on_nonfinite=on_nonfinite)
 
 
 def _context(role: Role, steps: int, rows: tuple[int, ...] = (0, 1, 2, 3), weight: float = 1.0) -> OpContext:
@@ -129,7 +129,7 @@ def test_the_option_reaches_the_roles_both_executors_build():
     specs = role_specs(cfg, ["actor", "critic", "ref"])
     assert specs["actor"].on_nonfinite == specs["critic"].on_nonfinite == "stop"
     model = build_causal_lm("llama-1m", build_char_tokenizer(), seed=0)
-    role = make_role(specs["actor"], model, build_task(cfg.task), ModelEngine(model), trainable=True)
+    role = make_role(specs["actor"], model, build_task(cfg.task), ModelPasses(model), trainable=True)
     assert role.on_nonfinite == "stop"
     assert role_specs(load_config(TrainConfig, None, []), ["actor"])["actor"].on_nonfinite == "skip"
 
@@ -145,14 +145,14 @@ def _ranks_body(rank: int) -> dict[str, Any]:
     out: dict[str, Any] = {}
     for mode in ("skip", "stop"):
         model = _model()
-        role = _role(model, mode, ModelEngine(model, dp_group=group))
+        role = _role(model, mode, ModelPasses(model, dp_group=group))
         rows = (0, 1) if rank == 0 else (2, 3)
         loss = FaultyLoss("nan_loss_only", bad=(1,) if rank == 0 else ())
         out[f"dp_{mode}"] = _run(role, _context(role, 3, rows, weight=0.5), loss)
     for mode in ("skip", "stop"):
         runner = PipelineRunner(split_stages(_model(), rank, 2), group, rank, 2)
         stage = runner.stage.model
-        role = _role(stage, mode, ModelEngine(stage, pipeline=runner))
+        role = _role(stage, mode, ModelPasses(stage, pipeline=runner))
         out[f"pp_{mode}"] = _run(role, _context(role, 3), FaultyLoss("nan_loss_only", bad=(1,)))
     return out
 

@@ -30,7 +30,7 @@ from loomrl.algorithms.ops import logprob_op, train_loop, values_op
 from loomrl.algorithms.context import OpContext, Role
 from loomrl.algorithms.workflows import _actor_loss, _critic_loss
 from loomrl.config.schema import AlgoConfig
-from loomrl.role import ModelEngine
+from loomrl.role import ModelPasses
 from loomrl.errors import ConfigError
 from loomrl.models.heads import token_logprobs
 from loomrl.models.tokenizer import build_char_tokenizer
@@ -196,7 +196,7 @@ def _op_role(name: str, model: torch.nn.Module, rank: int | None, group: Any) ->
     pipeline = None if rank is None else _runner(model, rank, group)
     model = model if pipeline is None else pipeline.stage.model
     return Role(name, model, torch.optim.SGD(model.parameters(), lr=0.0), grad_clip=1e9,
-                engine=ModelEngine(model, pipeline=pipeline))
+                passes=ModelPasses(model, pipeline=pipeline))
 
 
 def _op_context(role: Role, micro_batches: int, rows: int) -> OpContext:
@@ -357,12 +357,12 @@ def test_ops_run_the_contexts_micro_batches_through_the_pipeline(micro_batches, 
     batch = _op_batch()
     actor = _SpyPipeline(build_causal_lm("llama-1m", build_char_tokenizer(), seed=0))
     role = Role("actor", actor.stage.model, torch.optim.SGD(actor.stage.parameters(), lr=0.0),
-                engine=ModelEngine(actor.stage.model, pipeline=actor))
+                passes=ModelPasses(actor.stage.model, pipeline=actor))
     ctx = _op_context(role, micro_batches, len(batch))
     logprob_op(ctx, batch, "x", 1.0)
     train_loop(ctx, batch, _loss_fn(ctx))
     critic = _SpyPipeline(value_model())
-    values_op(_op_context(Role("critic", critic.stage.model, engine=ModelEngine(critic.stage.model, pipeline=critic)),
+    values_op(_op_context(Role("critic", critic.stage.model, passes=ModelPasses(critic.stage.model, pipeline=critic)),
                           micro_batches, len(batch)), batch)
     assert actor.asked == [runs, runs] and critic.asked == [runs]
 
@@ -386,15 +386,15 @@ def test_inference_micro_batches_run_sorted_by_length_each_cut_to_its_longest_ro
     batch = _op_batch()
     model = build_causal_lm("llama-1m", build_char_tokenizer(), seed=0)
     lengths = sorted(len(p) + len(r) for p, r in zip(batch["prompt_ids"], batch["response_ids"]))
-    whole = logprob_op(_op_context(Role("actor", model, engine=ModelEngine(model)), 1, len(batch)), batch, "x", 1.0)
+    whole = logprob_op(_op_context(Role("actor", model, passes=ModelPasses(model)), 1, len(batch)), batch, "x", 1.0)
     spy = _WidthSpy(model)
-    split = logprob_op(_op_context(Role("actor", spy, engine=ModelEngine(spy)), 3, len(batch)), batch, "x", 1.0)
+    split = logprob_op(_op_context(Role("actor", spy, passes=ModelPasses(spy)), 3, len(batch)), batch, "x", 1.0)
     mask = response_mask(batch["response_ids"], split["x"].shape[1]).bool()  # past a row's end: not computed
     assert torch.allclose(split["x"][mask], whole["x"][mask], atol=1e-6)
     parts = micro_batch_slices(len(batch), 3)
     assert spy.widths == [lengths[rows][-1] for rows in parts] and spy.widths[0] < max(lengths)
     critic = value_model()
-    ctx = lambda m: _op_context(Role("critic", critic, engine=ModelEngine(critic)), m, len(batch))  # noqa: E731
+    ctx = lambda m: _op_context(Role("critic", critic, passes=ModelPasses(critic)), m, len(batch))  # noqa: E731
     assert torch.allclose(values_op(ctx(3), batch)["values"][mask], values_op(ctx(1), batch)["values"][mask], atol=1e-6)
 
 

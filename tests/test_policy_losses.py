@@ -16,7 +16,7 @@ from loomrl.algorithms.context import OpContext, Role
 from loomrl.algorithms.workflows import build_workflow
 from loomrl.config.schema import AlgoConfig, RolloutConfig, TrainConfig
 from loomrl.config.tools import load_config
-from loomrl.role import ModelEngine
+from loomrl.role import ModelPasses
 from loomrl.errors import ConfigError, WorkflowError
 from loomrl.models.tokenizer import build_char_tokenizer
 from loomrl.models.zoo import build_causal_lm
@@ -267,7 +267,7 @@ RESPONSES = [[20, 21, 2], [22, 2], [23, 24, 25, 26, 27, 28, 2], [26, 2], [29, 30
 def _actor():
     tok = build_char_tokenizer()
     model = build_causal_lm("llama-1m", tok, seed=0)
-    role = Role("actor", model, torch.optim.SGD(model.parameters(), lr=0.0), grad_clip=1e9, engine=ModelEngine(model))
+    role = Role("actor", model, torch.optim.SGD(model.parameters(), lr=0.0), grad_clip=1e9, passes=ModelPasses(model))
     return role, tok
 
 

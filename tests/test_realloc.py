@@ -381,7 +381,7 @@ def _run_schedules(plan: ReallocPlan, src: dict[tuple[int, str], torch.Tensor], 
     dtype_of, cpu = dtypes.__getitem__, torch.device("cpu")
     state = {}
     for device in sorted({*plan.src.mesh, *plan.dst.mesh}):
-        schedule = realloc_exec.compile_schedule(plan, device)
+        schedule = realloc_exec.compile_program(plan, device)
         mine = {name: tensor for (d, name), tensor in src.items() if d == device}
         src_flat = realloc_exec._source_views(schedule, mine, dtype_of)
         out = realloc_exec._destination(schedule, src_flat, dtype_of, "cpu", None)
@@ -441,7 +441,7 @@ def test_compiled_schedules_deliver_the_direct_slices(monkeypatch: pytest.Monkey
                 assert got[key].data_ptr() == src[key].data_ptr() + offset, (seed, key)
         assert all(tensor.numel() == 0 for key, tensor in got.items() if key not in expected), seed
         for device in {*plan.src.mesh, *plan.dst.mesh}:
-            schedule = realloc_exec.compile_schedule(plan, device)
+            schedule = realloc_exec.compile_program(plan, device)
             sides = [side for entry in (*schedule.local, *(e for es in schedule.routes.values() for e in es))
                      for side in (entry.src, entry.dst) if side is not None]
             strided += sum(run.count > 1 for side in sides for run in side.runs)
@@ -487,10 +487,10 @@ def test_schedule_verification_names_the_corrupted_parameter():
 def test_schedules_are_cached_per_plan_object_and_dropped_with_it():
     plan = _check_case(2)
     device = plan.dst.mesh[0]
-    schedule = realloc_exec.compile_schedule(plan, device)
-    assert realloc_exec.compile_schedule(plan, device) is schedule
+    schedule = realloc_exec.compile_program(plan, device)
+    assert realloc_exec.compile_program(plan, device) is schedule
     twin = plan_reallocation(dict(plan.shapes), plan.num_layers, plan.src, plan.dst, node_of)
-    assert realloc_exec.compile_schedule(twin, device) is not schedule  # keyed by identity, not value
+    assert realloc_exec.compile_program(twin, device) is not schedule  # keyed by identity, not value
     cpu = torch.device("cpu")
     buffers = schedule.buffers(lambda name: torch.float32, False, cpu)
     assert schedule.buffers(lambda name: torch.float32, False, cpu) is buffers  # reused across calls
@@ -498,7 +498,7 @@ def test_schedules_are_cached_per_plan_object_and_dropped_with_it():
     key = (id(plan), device)
     del plan, schedule, buffers
     gc.collect()
-    assert key not in realloc_program._SCHEDULES
+    assert key not in realloc_program._PROGRAMS
 
 
 # ------------------------------------------------------------------------------------- gloo executor (world 4)
@@ -661,7 +661,7 @@ def _reused_bindings(device: int, full: dict[str, torch.Tensor]) -> list[str]:
         source = _my_source(src, device, full)
         given = {name: torch.zeros_like(tensor) for name, tensor in _my_source(dst, device, full).items()
                  if not plan.aliased(device, name)}
-        schedule, bound = realloc_exec.compile_schedule(plan, device), None
+        schedule, bound = realloc_exec.compile_program(plan, device), None
         for step in range(4):
             scaled = {name: (tensor.double() * (step + 2)).to(tensor.dtype) for name, tensor in full.items()}
             if step == 3:  # new source tensors (new storage): bound anew
@@ -692,7 +692,7 @@ def _body(rank: int) -> dict:
     results["direct"] = {name: _run_scenario(name, rank, full, use_groups=i % 2 == 1)
                          for i, name in enumerate(SCENARIOS)}
     results["direct_entries"] = sum(len(e) for name in SCENARIOS
-                                    for e in realloc_exec.compile_schedule(_plan_cached(name), rank).direct.values())
+                                    for e in realloc_exec.compile_program(_plan_cached(name), rank).direct.values())
     realloc_program.DIRECT_MIN_NUMEL = DEFAULT_DIRECT_MIN_NUMEL
     results["corrupted"] = _corrupted_run(rank, full)
     results["repeated"] = _repeated_runs(rank, full)

@@ -204,11 +204,11 @@ the critic's inference runs on a whole tp2 copy reallocated from those blocks on
 
 
 FUSED_TRAIN_2 = ("actor_gen=0-1:dp2; actor_train=0-1:pp2mb2; ref_inf=0-1:dp2; reward_inf=0-1:dp2; critic_inf=0-1:dp2; "
-                 "critic_train=0-1:pp2revmb2; advantages=0:dp1; fuse_train=on")
+                 "critic_train=0-1:pp2revmb2; advantages=0:dp1; pipeline_fusion=on")
 """Intra-stage fusion: the actor's and the critic's pipelines in opposite directions on two devices, trained as one
 fused pipeline step per pair of optimizer steps."""
 FUSED_TRAIN_4 = ("actor_gen=0-3:dp4; actor_train=0-3:pp4mb2; ref_inf=0-3:dp4; reward_inf=0-3:dp4; critic_inf=0-3:dp4; "
-                 "critic_train=0-3:dp2pp2revmb2; advantages=0:dp1; fuse_train=on")
+                 "critic_train=0-3:dp2pp2revmb2; advantages=0:dp1; pipeline_fusion=on")
 """Fused pipelines of different depths: the actor in four stages, the critic in two replicas of two (each replica
 on its own rows, their gradients summed), two micro-batches a step on rows some ranks have fewer of."""
 
@@ -249,9 +249,9 @@ def test_plans_match_the_reference(tmp_path, reference, plan, devices):
     if plan == "separate":
         assert trainer.plan.shadow_roles(trainer.workflow) == ("actor",)
     assert trainer.executor.schedule.transfers() or plan == "colocate"
-    if "fuse_train=on" in plan:  # the two train calls run as one fused stage
-        assert [s.id for s in trainer.executor.schedule if s.kind is StepKind.FUSED_TRAIN] == \
-            ["fused_train_actor_train"]
+    if "pipeline_fusion=on" in plan:  # the two train calls run as one fused stage
+        assert [s.id for s in trainer.executor.schedule if s.kind is StepKind.PIPELINE_FUSION] == \
+            ["pipeline_fusion_actor_train"]
     trainer.run()
     got = [json.loads(line) for line in (tmp_path / "plan" / "metrics.jsonl").read_text().splitlines()]
     _assert_equivalent(got, reference)

@@ -84,14 +84,14 @@ def test_the_runtime_executes_the_schedule_the_simulator_priced(tmp_path, plan, 
         priced[(interval.iteration, interval.label)].add(interval.device)
     for iteration in (0, 1):
         got = {step: devices for (it, step), devices in priced.items() if it == iteration}
-        for fused in (s for s in schedule if s.kind is StepKind.FUSED):
+        for fused in (s for s in schedule if s.kind is StepKind.STREAM_FUSION):
             # a fused stage is drawn as its parts: generation on all its devices, each member on some of its own
             gen, *members = fused.members
             assert got.pop(gen.id) == set(gen.devices)
             for member in members:
                 assert got.pop(member.id) <= set(member.devices)
             got.pop("migrate", None)
-        assert got == {s.id: set(s.devices) for s in schedule if s.kind is not StepKind.FUSED}
+        assert got == {s.id: set(s.devices) for s in schedule if s.kind is not StepKind.STREAM_FUSION}
 
 
 def test_a_trace_out_of_order_or_off_schedule_is_caught():

@@ -4,7 +4,7 @@ rows, for a policy and a value model, through the engine too."""
 import pytest
 import torch
 
-from loomrl.role.passes import ModelEngine
+from loomrl.role.passes import ModelPasses
 from loomrl.role.shared_prefix import prompt_groups, shared_prefix_outputs
 from loomrl.models.heads import model_outputs
 from loomrl.models.tokenizer import build_char_tokenizer
@@ -70,7 +70,7 @@ def test_shared_prompts_give_the_outputs_and_gradients_of_whole_rows(value_model
 def test_engine_shares_prompts_where_it_knows_them_and_recomputation_turns_it_off(monkeypatch):
     model = build_causal_lm("llama-1m", build_char_tokenizer(), seed=0).train()
     ids_BL, attn_BL, plen_B = _grpo_rows()
-    engine = ModelEngine(model)
+    engine = ModelPasses(model)
     calls = []
     import loomrl.role.passes as model_engine
 

@@ -2,7 +2,7 @@
 
 import pytest
 
-from loomrl.planner.simulation.sharing import schedule_shared
+from loomrl.planner.simulation.sharing import simulate_shared
 from loomrl.plan.schedule import Step, StepKind
 from loomrl.planner.simulation.simulator import _Node, _schedule
 
@@ -12,20 +12,20 @@ def one_node(_device: int) -> int:
 
 
 def test_two_calls_side_by_side_on_one_core_take_twice_as_long():
-    start, end = schedule_shared([1.0, 1.0], [(0,), (1,)], [(), ()], one_node, cores=1.0)
+    start, end = simulate_shared([1.0, 1.0], [(0,), (1,)], [(), ()], one_node, cores=1.0)
     assert start == [0.0, 0.0] and end == pytest.approx([2.0, 2.0])
 
 
 def test_a_call_using_every_device_runs_at_its_own_predicted_time():
     # its duration already includes its own slowdown (2 devices on 1 core): alone it is not slowed again
-    start, end = schedule_shared([2.0], [(0, 1)], [()], one_node, cores=1.0)
+    start, end = simulate_shared([2.0], [(0, 1)], [()], one_node, cores=1.0)
     assert end == pytest.approx([2.0])
 
 
 def test_staggered_calls_share_only_while_they_overlap():
     # A (1 s alone) on device 0; C (0.25 s alone) on device 1, then B (1 s alone) after C on device 1.
     durations = [1.0, 0.25, 1.0]  # A, C, B
-    start, end = schedule_shared(durations, [(0,), (1,), (1,)], [(), (), (1,)], one_node, cores=1.0)
+    start, end = simulate_shared(durations, [(0,), (1,), (1,)], [(), (), (1,)], one_node, cores=1.0)
     # 0-0.5: A and C at rate 1/2 → C done at 0.5, A has 0.75 left; 0.5-2.0: A and B at 1/2 → A done at 2.0,
     # B has 0.25 left; alone at rate 1 → B ends at 2.25.
     assert end[1] == pytest.approx(0.5) and start[2] == pytest.approx(0.5)
@@ -33,7 +33,7 @@ def test_staggered_calls_share_only_while_they_overlap():
 
 
 def test_other_nodes_do_not_slow_a_call():
-    start, end = schedule_shared([1.0, 1.0], [(0,), (1,)], [(), ()], lambda d: d, cores=1.0)
+    start, end = simulate_shared([1.0, 1.0], [(0,), (1,)], [(), ()], lambda d: d, cores=1.0)
     assert end == pytest.approx([1.0, 1.0])
 
 
@@ -43,7 +43,7 @@ def test_with_enough_cores_it_is_the_simulators_list_schedule():
     deps = [(), (0,), (0,), (1, 2), (3,), (3,)]
     durations = [1.0, 2.0, 0.5, 1.5, 0.0, 3.0]
     nodes = [_Node(Step(str(i), StepKind.SYNC, devices[i]), 0, durations[i], list(deps[i])) for i in range(6)]
-    assert schedule_shared(durations, devices, deps, one_node, cores=8.0) == _schedule(nodes, devices)
+    assert simulate_shared(durations, devices, deps, one_node, cores=8.0) == _schedule(nodes, devices)
     # FIFO per device without back-filling: node 2 (ready at 1) waits for nothing, node 1 for node 0 only
     start, end = _schedule(nodes, devices)
     assert start[:3] == [0.0, 1.0, 1.0] and end[3] == 4.5
@@ -62,4 +62,4 @@ def test_a_step_sent_with_its_dependency_is_queued_right_behind_it():
              for i in range(5)]
     start, end = _schedule(nodes, devices)
     assert start == [0.0, 1.0, 1.0, 3.5, 3.0] and end[3] == 4.5
-    assert schedule_shared(durations, devices, deps, one_node, cores=8.0, carried=carried) == (start, end)
+    assert simulate_shared(durations, devices, deps, one_node, cores=8.0, carried=carried) == (start, end)

@@ -1,4 +1,4 @@
-"""Intra-stage fusion as a plan choice: reversed pipeline layouts, the ``fuse_train`` knob and its checks, the
+"""Intra-stage fusion as a plan choice: reversed pipeline layouts, the ``pipeline_fusion`` knob and its checks, the
 ``fused_train`` schedule step, its price, and the search choosing it (:mod:`loomrl.plan`,
 :mod:`loomrl.planner.cost.pipeline_fusion`)."""
 
@@ -19,16 +19,16 @@ from loomrl.plan.schedule import StepKind, build_schedule
 from loomrl.planner.cost.model import CostModel
 from loomrl.planner.cost.workload import ModelShape, Workload
 from loomrl.planner.simulation.simulator import simulate
-from loomrl.planner.cost.pipeline_fusion import fused_train_problem, price_fused_train
+from loomrl.planner.cost.pipeline_fusion import pipeline_fusion_problem, price_pipeline_fusion
 from loomrl.planner.planning import model_config
 from loomrl.plan.hardware import profile_for
-from loomrl.planner.search.search import search, train_fusion_twin, _Evaluator
+from loomrl.planner.search.search import search, pipeline_fusion_twin, _Evaluator
 
 PPO = build_workflow(AlgoConfig(name="ppo", minibatches=2), RolloutConfig())
 GRPO = build_workflow(AlgoConfig(name="grpo"), RolloutConfig())
 CPU4 = ClusterSpec(nodes=1, devices_per_node=4)
-FUSED = ("actor_gen=0-3; ref_inf=0-3; reward_inf=0-3; critic_inf=0-3; actor_train=0-3:pp4mb4; "
-         "critic_train=0-3:dp2pp2revmb2; fuse_train=on")
+STREAM_FUSION = ("actor_gen=0-3; ref_inf=0-3; reward_inf=0-3; critic_inf=0-3; actor_train=0-3:pp4mb4; "
+         "critic_train=0-3:dp2pp2revmb2; pipeline_fusion=on")
 
 
 def test_a_reversed_layout_numbers_stages_from_the_meshs_end():
@@ -45,14 +45,14 @@ def test_a_reversed_layout_numbers_stages_from_the_meshs_end():
 
 
 def test_fuse_train_reads_writes_and_round_trips():
-    plan = parse_plan_string(FUSED, PPO, CPU4)
-    assert plan.fuse_train and plan["critic_train"].layout.reverse
-    assert "fuse_train=on" in format_plan_string(plan, PPO)
+    plan = parse_plan_string(STREAM_FUSION, PPO, CPU4)
+    assert plan.pipeline_fusion and plan["critic_train"].layout.reverse
+    assert "pipeline_fusion=on" in format_plan_string(plan, PPO)
     assert parse_plan_string(format_plan_string(plan, PPO), PPO, CPU4) == plan
     assert ExecutionPlan.from_dict(plan.to_dict()) == plan
-    assert not parse_plan_string(FUSED.replace("=on", "=off"), PPO, CPU4).fuse_train
-    with pytest.raises(ConfigError, match="fuse_train is on or off"):
-        parse_plan_string(FUSED.replace("=on", "=yes"), PPO, CPU4)
+    assert not parse_plan_string(STREAM_FUSION.replace("=on", "=off"), PPO, CPU4).pipeline_fusion
+    with pytest.raises(ConfigError, match="pipeline_fusion is on or off"):
+        parse_plan_string(STREAM_FUSION.replace("=on", "=yes"), PPO, CPU4)
 
 
 @pytest.mark.parametrize("change, message", [
@@ -61,34 +61,34 @@ def test_fuse_train_reads_writes_and_round_trips():
     ("critic_train=0-3:tp2pp2", "is not a pipeline"),
 ])
 def test_fuse_train_needs_two_pipelines_on_the_same_devices(change, message):
-    text = FUSED.replace("critic_train=0-3:dp2pp2revmb2", change)
+    text = STREAM_FUSION.replace("critic_train=0-3:dp2pp2revmb2", change)
     with pytest.raises(ConfigError, match=message):
         parse_plan_string(text, PPO, CPU4)
 
 
 def test_fuse_train_needs_two_train_calls():
-    text = "actor_gen=0-3; ref_inf=0-3; reward_inf=0-3; actor_train=0-3:pp4; fuse_train=on"
+    text = "actor_gen=0-3; ref_inf=0-3; reward_inf=0-3; actor_train=0-3:pp4; pipeline_fusion=on"
     with pytest.raises(ConfigError, match="two independent train calls"):
         parse_plan_string(text, GRPO, CPU4)
 
 
 def test_the_schedule_runs_the_train_calls_as_one_stage():
-    plan = parse_plan_string(FUSED, PPO, CPU4)
+    plan = parse_plan_string(STREAM_FUSION, PPO, CPU4)
     schedule = build_schedule(PPO, plan)
-    stage = schedule["fused_train_actor_train"]
-    assert stage.kind is StepKind.FUSED_TRAIN and [m.id for m in stage.members] == ["actor_train", "critic_train"]
+    stage = schedule["pipeline_fusion_actor_train"]
+    assert stage.kind is StepKind.PIPELINE_FUSION and [m.id for m in stage.members] == ["actor_train", "critic_train"]
     assert stage.devices == (0, 1, 2, 3) and "advantages" in stage.deps
     assert set(stage.deps) == {d for m in stage.members for d in m.deps}  # what either call waited for
     assert "actor_train" not in [s.id for s in schedule] and [c.id for c in schedule.calls()][-2:] == \
         ["actor_train", "critic_train"]
-    unfused = build_schedule(PPO, dataclasses.replace(plan, fuse_train=False))
+    unfused = build_schedule(PPO, dataclasses.replace(plan, pipeline_fusion=False))
     assert {"actor_train", "critic_train"} <= {s.id for s in unfused}
 
 
 def test_the_problem_takes_each_allocations_placement():
     actor, critic = Allocation.parse("0-3:pp4mb4"), Allocation.parse("0-3:dp2pp2revmb2")
     from loomrl.plan.pipeline_fusion import PipelineSpec
-    problem = fused_train_problem(actor, critic, (PipelineSpec(4, 4), PipelineSpec(2, 4)))
+    problem = pipeline_fusion_problem(actor, critic, (PipelineSpec(4, 4), PipelineSpec(2, 4)))
     assert [problem.device_of(0, 0, s) for s in range(4)] == [0, 1, 2, 3]
     # the critic's replica 0 holds stage 0 on device 2 and stage 1 on device 0 (dp is the faster rank digit)
     assert [problem.device_of(1, 0, s) for s in range(2)] == [2, 0]
@@ -106,29 +106,29 @@ def _gpu_cost(plan: ExecutionPlan, batch: int = 256):
 def test_a_fused_stage_costs_less_than_its_two_pipelines_and_no_less_than_its_bound():
     cluster = ClusterSpec.parse("h100:1x8")
     text = ("actor_gen=0-7:dp8; ref_inf=0-7:dp8; reward_inf=0-7:dp8; critic_inf=0-7:dp8; "
-            "actor_train=0-7:pp8mb4; critic_train=0-7:pp8revmb4; fuse_train=on")
+            "actor_train=0-7:pp8mb4; critic_train=0-7:pp8revmb4; pipeline_fusion=on")
     plan = parse_plan_string(text, PPO, cluster)
     cost = _gpu_cost(plan)
-    stage = build_schedule(PPO, plan)["fused_train_actor_train"]
-    price = price_fused_train(cost, stage)
+    stage = build_schedule(PPO, plan)["pipeline_fusion_actor_train"]
+    price = price_pipeline_fusion(cost, stage)
     separate = sum(cost.mfc_time(m.mfc, m.alloc) for m in stage.members)
     assert price.seconds < separate
     assert price.bound_s <= price.fused_step_s * (1 + 1e-12) and price.fused_step_s < price.separate_step_s
     fused = simulate(plan, PPO, cost, cluster.memory_gb * 2**30)
-    unfused = simulate(train_fusion_twin(plan, _Evaluator(PPO, cost, 1e12, 1)), PPO, cost, cluster.memory_gb * 2**30)
+    unfused = simulate(pipeline_fusion_twin(plan, _Evaluator(PPO, cost, 1e12, 1)), PPO, cost, cluster.memory_gb * 2**30)
     assert fused.iteration_time < unfused.iteration_time
 
 
 def test_the_twin_fuses_and_unfuses_with_the_second_pipeline_reversed():
-    plan = parse_plan_string(FUSED, PPO, CPU4)
+    plan = parse_plan_string(STREAM_FUSION, PPO, CPU4)
     evaluate = _Evaluator(PPO, _gpu_cost(plan), 1e12, 1)
-    unfused = train_fusion_twin(plan, evaluate)
-    assert not unfused.fuse_train and unfused["critic_train"].text == "0-3:dp2pp2mb2"
-    again = train_fusion_twin(unfused, evaluate)
+    unfused = pipeline_fusion_twin(plan, evaluate)
+    assert not unfused.pipeline_fusion and unfused["critic_train"].text == "0-3:dp2pp2mb2"
+    again = pipeline_fusion_twin(unfused, evaluate)
     assert again == plan
     data_parallel = dataclasses.replace(unfused, allocations={**unfused.allocations,
                                                               "critic_train": Allocation.parse("0-3:dp4")})
-    assert train_fusion_twin(data_parallel, evaluate) is None
+    assert pipeline_fusion_twin(data_parallel, evaluate) is None
 
 
 def test_the_search_fuses_training_where_bubbles_dominate():
@@ -142,7 +142,7 @@ def test_the_search_fuses_training_where_bubbles_dominate():
     (best, _), *_ = search(PPO, cluster, cost, cluster.memory_gb * 2**30,
                            {r: model_config("llama2-7b") for r in PPO.roles()}, seed=0, time_budget_s=20,
                            chains=1, start=start, max_steps=0)
-    assert best.fuse_train and best["critic_train"].layout.reverse
+    assert best.pipeline_fusion and best["critic_train"].layout.reverse
 
 
 def test_the_lower_bound_holds_for_fused_plans():
@@ -153,7 +153,7 @@ def test_the_lower_bound_holds_for_fused_plans():
     cluster = ClusterSpec.parse("h100:1x8")
     configs = {r: model_config("llama2-7b") for r in PPO.roles()}
     text = ("actor_gen=0-7:dp8; ref_inf=0-7:dp8; reward_inf=0-7:dp8; critic_inf=0-7:dp8; "
-            "actor_train=0-7:pp8mb2; critic_train=0-7:pp8revmb2; fuse_train=on")
+            "actor_train=0-7:pp8mb2; critic_train=0-7:pp8revmb2; pipeline_fusion=on")
     plan = parse_plan_string(text, PPO, cluster)
     cost = _gpu_cost(plan, batch=64)
     fused = simulate(plan, PPO, cost, cluster.memory_gb * 2**30)

@@ -3,7 +3,7 @@
 A :class:`Role` is a plain container of one named model (weights, optimizer, the engine that runs it); nothing
 here knows where the model lives or how it is sharded. Executors build roles and hand an :class:`OpContext` to
 each MFC function, so the same functions run in the reference executor and on distributed workers. An op runs
-its model's forward and backward passes only through the role's :class:`Engine`, which hides whether the model
+its model's forward and backward passes only through the role's :class:`Passes`, which hides whether the model
 is whole, one pipeline stage, or sharded over data-parallel ranks (:mod:`loomrl.role`).
 """
 
@@ -50,7 +50,7 @@ class StreamControl(Protocol):
         ...
 
 
-class Engine(Protocol):
+class Passes(Protocol):
     """How a role's model runs its passes on this process; ops call nothing else of the model's."""
 
     def outputs(self, ids_BL: torch.Tensor, attn_BL: torch.Tensor, parts: list[slice],
@@ -84,7 +84,7 @@ class Role:
     """A rule-based scorer (reward role); combined with the model's score by ``rule_weight``/``model_weight``."""
     rule_weight: float = 1.0
     model_weight: float = 1.0
-    engine: Engine | None = None
+    passes: Passes | None = None
     """Runs the model's passes (:mod:`loomrl.role`); None for a role without a model."""
     lr_at: Callable[[int], float] | None = None
     """The learning rate of the run's optimizer step k of this role (numbered from 0 over all iterations);

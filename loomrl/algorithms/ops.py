@@ -7,7 +7,7 @@ reference executor, one data-parallel shard on a worker.
 
 Inference and training ops cut their rows into ``ctx.micro_batches`` micro-batches (at most one per row;
 :func:`micro_batch_rows`), as the execution plan priced them, and run them through the role's engine
-(:class:`~loomrl.algorithms.context.Engine`): whether that streams them through pipeline stages (1F1B for
+(:class:`~loomrl.algorithms.context.Passes`): whether that streams them through pipeline stages (1F1B for
 training) or one after another, and how data-parallel ranks sum their gradients, is the engine's business, not
 the ops'. Generation ignores micro-batches: the rollout engine decodes all live samples together.
 
@@ -29,6 +29,7 @@ import torch
 
 from loomrl.algorithms.lr import set_lr
 from loomrl.algorithms.context import OpContext
+from loomrl.config.schema import judge_role
 from loomrl.errors import TrainingError
 from loomrl.models.heads import last_real_index, logprobs_from_logits
 from loomrl.rollout import Request, RolloutEngine, SamplingParams, stream_keys
@@ -115,9 +116,9 @@ def role_outputs(ctx: OpContext, ids_BL: torch.Tensor, attn_BL: torch.Tensor,
     order = torch.argsort(attn_BL.sum(1), stable=True) if len(parts) > 1 else torch.arange(ids_BL.shape[0])
     keep = (lambda out, k: output_fn(out, order[parts[k]].to(ids_BL.device))) if output_fn is not None else None
     if len(parts) == 1:
-        return ctx.role.engine.outputs(ids_BL, attn_BL, parts, keep, prompt_len_B)
+        return ctx.role.passes.outputs(ids_BL, attn_BL, parts, keep, prompt_len_B)
     plen_B = prompt_len_B[order.to(prompt_len_B.device)] if prompt_len_B is not None else None
-    out = ctx.role.engine.outputs(ids_BL[order.to(ids_BL.device)], attn_BL[order.to(attn_BL.device)], parts, keep,
+    out = ctx.role.passes.outputs(ids_BL[order.to(ids_BL.device)], attn_BL[order.to(attn_BL.device)], parts, keep,
                                   plen_B)
     return out[torch.argsort(order).to(out.device)]
 
@@ -197,7 +198,7 @@ def verdict_op(ctx: OpContext, batch: Batch, judges: tuple[tuple[str, str, float
         read = verdict_reader(spec)
         values = [read(ctx.decode(ids)) for ids in batch[key]]
         score_B += weight * torch.tensor([0.0 if v is None else v for v in values], dtype=torch.float32)
-        out[f"judge{i}_unreadable"] = torch.tensor([float(v is None) for v in values])
+        out[f"{judge_role(i)}_unreadable"] = torch.tensor([float(v is None) for v in values])
     out[out_key] = score_B
     if rule_key is not None:
         out[rule_key] = [None] * len(batch)
@@ -237,9 +238,9 @@ def _backward(ctx: OpContext, mb: Batch, loss_fn: LossFn, weight: float) -> tupl
     sees the fault, even where the loss itself exists on one rank only (a pipeline's last stage). A finite
     loss can have finite gradients (log of a negative number), so the loss is checked, not only the norm.
     """
-    engine = ctx.role.engine
+    passes = ctx.role.passes
     if len(mb) == 0:
-        engine.backward(None, None, [], None, ctx.micro_batches)
+        passes.backward(None, None, [], None, ctx.micro_batches)
         return {}, True
     ids_BL, attn_BL, plen_B = _packed(ctx, mb)
     parts = micro_batch_rows(ctx, len(mb))
@@ -262,7 +263,7 @@ def _backward(ctx: OpContext, mb: Batch, loss_fn: LossFn, weight: float) -> tupl
             loss = loss * float("nan")
         return loss * (shares[k] * weight)
 
-    engine.backward(ids_BL, attn_BL, parts, micro_loss, ctx.micro_batches, plen_B)
+    passes.backward(ids_BL, attn_BL, parts, micro_loss, ctx.micro_batches, plen_B)
     return stats, finite[0]
 
 
@@ -309,7 +310,7 @@ def _train_steps(ctx: OpContext, batch: Batch, loss_fn: LossFn) -> dict:
             set_lr(role.optimizer, role.lr_at(ctx.iteration * len(ctx.train_steps) + k))
         role.optimizer.zero_grad(set_to_none=True)
         stats, finite_loss = _backward(ctx, batch.select(list(rows)), loss_fn, weight)
-        grad_norm = role.engine.reduce_and_clip(role.grad_clip)
+        grad_norm = role.passes.reduce_and_clip(role.grad_clip)
         if not math.isfinite(grad_norm):  # the same global norm on every rank: all skip (or stop) together
             _nonfinite_step(ctx, k, finite_loss, grad_norm)
             role.optimizer.zero_grad(set_to_none=True)

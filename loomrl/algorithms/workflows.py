@@ -26,7 +26,7 @@ from loomrl.algorithms import losses as L
 from loomrl.algorithms.ops import (generate_chunks, generate_op, judge_op, logprob_op, reward_op, train_loop,
                                    values_op, verdict_op)
 from loomrl.algorithms.context import OpContext
-from loomrl.config.schema import AlgoConfig, RewardConfig, RolloutConfig
+from loomrl.config.schema import AlgoConfig, RewardConfig, RolloutConfig, judge_role
 from loomrl.errors import ConfigError
 from loomrl.models.heads import logprobs_and_entropy_from_logits
 from loomrl.rollout import SamplingParams
@@ -156,14 +156,14 @@ def judge_mfcs(reward: RewardConfig | None) -> tuple[list[MFC], MFC | None]:
     if reward is None or reward.source != "judge":
         return [], None
     scored = ("prompt_text", "response_ids", "answer")
-    gens = [MFC(f"judge{i}_gen", f"judge{i}", MFCKind.GENERATE, scored, (f"verdict{i}_ids",),
+    gens = [MFC(f"{judge_role(i)}_gen", judge_role(i), MFCKind.GENERATE, scored, (f"verdict{i}_ids",),
                 partial(judge_op, template=j.template, max_new_tokens=j.max_new_tokens, out_key=f"verdict{i}_ids"),
                 doc=f"judge {i}'s verdict on each response", max_new_tokens=j.max_new_tokens, reads_response=True)
             for i, j in enumerate(reward.judges)]
     keys = tuple(f"verdict{i}_ids" for i in range(len(gens)))
     readers = tuple((f"verdict{i}_ids", j.verdict, j.weight) for i, j in enumerate(reward.judges))
     score = MFC("reward_inf", None, MFCKind.COMPUTE, ("prompt_ids", "response_ids", *keys),
-                ("score", "rule_scores", *(f"judge{i}_unreadable" for i in range(len(gens)))),
+                ("score", "rule_scores", *(f"{judge_role(i)}_unreadable" for i in range(len(gens)))),
                 partial(verdict_op, judges=readers, rule_key="rule_scores"), doc="the judges' verdicts as rewards")
     return gens, score
 

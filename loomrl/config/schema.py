@@ -23,6 +23,19 @@ LOSS_AGGS = ("token-mean", "seq-mean-token-mean", "seq-mean-token-sum")  # loomr
 TASK_NAMES = ("sort", "add", "reverse", "judge", "file")
 JUDGED_TASKS = ("sort", "add", "reverse")
 ROLES = ("actor", "critic", "ref", "reward")
+"""The roles besides the judges (``judge0``, ``judge1``, ...: :func:`judge_role`)."""
+
+
+def judge_role(index: int) -> str:
+    """The role of generative reward model ``index`` (``reward.judges[index]``): ``judge<index>``."""
+    return f"judge{index}"
+
+
+def judge_index(name: str) -> int | None:
+    """The judge a role (``judge3``), or a name built from one (its call ``judge3_gen``, its metric column
+    ``judge3_unreadable``), belongs to; None for any other name."""
+    match = re.fullmatch(r"judge(\d+)(?:_\w+)?", name)
+    return int(match[1]) if match else None
 BACKENDS = ("tensorboard", "wandb", "mlflow")
 NONFINITE_ACTIONS = ("skip", "stop")
 
@@ -477,7 +490,7 @@ class RuntimeConfig(ValidatedConfig):
                 fail(f"plan_changes.{iteration}", "'' is empty; give colocate, interleave, separate[:N], a plan string "
                                                   "or a plan file")
         for role, layout in self.layouts.items():
-            if role not in ROLES and not re.fullmatch(r"judge\d+", role):
+            if role not in ROLES and (judge_index(role) is None or role != judge_role(judge_index(role))):
                 fail(f"layouts.{role}", f"unknown role; valid roles: {', '.join(ROLES)}, judge0, judge1, ...")
             if layout.sharding != "none" and role not in ("actor", "critic"):
                 fail(f"layouts.{role}.sharding", f"{layout.sharding} shards a trained role's state; {role} is "
@@ -535,11 +548,12 @@ class TrainConfig(ValidatedConfig):
         object.__setattr__(self, "loop", dataclasses.replace(self.loop, keep_checkpoints=None))
 
     def validate(self) -> None:
-        judges = [role for role in self.runtime.layouts if role.startswith("judge")]
-        for role in judges:
-            if int(role[len("judge"):]) >= len(self.reward.judges):
-                fail(f"runtime.layouts.{role}", f"no such judge: reward.judges has {len(self.reward.judges)} "
-                                                f"(valid: {', '.join(f'judge{i}' for i in range(len(self.reward.judges))) or 'none'})")
+        count = len(self.reward.judges)
+        for role in self.runtime.layouts:
+            index = judge_index(role)
+            if index is not None and index >= count:
+                valid = ", ".join(judge_role(i) for i in range(count)) or "none"
+                fail(f"runtime.layouts.{role}", f"no such judge: reward.judges has {count} (valid: {valid})")
         longest = self.rollout.max_new_tokens
         if self.algo.overlong_buffer > longest:
             fail("algo.overlong_buffer", f"{self.algo.overlong_buffer} is more than rollout.max_new_tokens {longest} "

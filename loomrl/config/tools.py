@@ -438,13 +438,18 @@ class ValidatedConfig:
 
 
 def from_dict(cls: type[T], data: Mapping[str, Any], path: str = "") -> T:
-    """Build and validate ``cls`` from plain data; ``path`` is where it sits, used to prefix error paths."""
+    """Build and validate ``cls`` from plain data; ``path`` is where it sits, used to prefix error paths. A key
+    that ``cls.RENAMED`` (a class attribute, where a record declares one) maps to a field's new name is refused
+    with that name."""
     if not (isinstance(cls, type) and dataclasses.is_dataclass(cls)):
         raise TypeError(f"from_dict needs a dataclass type, got {cls!r}")
     if not isinstance(data, Mapping):
         raise _Mismatch(path, f"expected a mapping, got {_show(data)}")
     init_fields = {f.name: f for f in dataclasses.fields(cls) if f.init}
+    renamed: Mapping[str, str] = getattr(cls, "RENAMED", {})
     for key in data:
+        if key in renamed and key not in init_fields:
+            raise FieldError(_join(path, key), f"was renamed to '{renamed[key]}'")
         if key not in init_fields:
             raise _UnknownKey(path, key, list(init_fields))
     for name, f in init_fields.items():

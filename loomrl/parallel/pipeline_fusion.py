@@ -3,10 +3,10 @@
 When two models train with pipeline parallelism on the same devices (PPO's actor and critic), each pipeline alone
 leaves its devices idle while micro-batches fill and drain it. Fused, every device holds one stage of each
 model (of one replica of each) and runs both models' forward and backward tasks in a single order, found ahead
-of time by :func:`loomrl.planner.pipeline_fusion.fused_schedule`, so that one model's work fills the other's bubbles;
+of time by :func:`loomrl.planner.pipeline_fusion.fused_order`, so that one model's work fills the other's bubbles;
 opposite pipeline directions (one layout reversed) pair one model's busy end with the other's idle one.
 
-:func:`fused_train_step_backward` runs one device's order. A task is ``(model, k, backward)`` for micro-batch
+:func:`pipeline_fusion_backward` runs one device's order. A task is ``(model, k, backward)`` for micro-batch
 ``k`` of that model's rows here. A forward receives its input from the previous stage (stage 0 embeds the token
 ids), keeps its input and output for the backward and sends the output to the next stage; a backward
 back-propagates the loss (last stage) or the gradient received from the next stage, and sends its input's
@@ -34,14 +34,14 @@ import torch.distributed as dist
 
 from loomrl.parallel.pipeline_runner import LossFn, PipelineRunner, _decode, _header, _HEADER
 
-__all__ = ["FusedSide", "FusedTask", "fused_train_step_backward"]
+__all__ = ["PipelineFusionSide", "FusedTask", "pipeline_fusion_backward"]
 
 FusedTask = tuple[int, int, bool]
 """``(model, micro-batch k of that model's rows here, backward?)``."""
 
 
 @dataclass
-class FusedSide:
+class PipelineFusionSide:
     """One model's share of a fused step on this device: its stage's runner, the gradients' communicator and
     the rows, cut into micro-batches, with the loss of each (as
     :meth:`~loomrl.parallel.pipeline_runner.PipelineRunner.train_step_backward` takes them)."""
@@ -91,7 +91,7 @@ class _Channels:
         self.pending.clear()
 
 
-def fused_train_step_backward(order: Sequence[FusedTask], sides: Mapping[int, FusedSide]) -> dict[int, float]:
+def pipeline_fusion_backward(order: Sequence[FusedTask], sides: Mapping[int, PipelineFusionSide]) -> dict[int, float]:
     """Run this device's tasks of a fused training step (module docstring); gradients accumulate into each side's
     stage. Returns each model's summed loss on its last stage (0.0 elsewhere). The caller zeroes gradients
     before, and sums, clips and steps each model after, as for a plain pipeline step."""
@@ -117,7 +117,7 @@ def fused_train_step_backward(order: Sequence[FusedTask], sides: Mapping[int, Fu
 class _SideState:
     """One model's stage during a fused step: its batch on the device, its peers in either communicator."""
 
-    def __init__(self, side: FusedSide) -> None:
+    def __init__(self, side: PipelineFusionSide) -> None:
         runner = side.runner
         self.side, self.runner, self.stage = side, runner, runner.stage
         device = self.stage.device

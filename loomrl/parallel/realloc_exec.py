@@ -19,8 +19,8 @@ entry costs at most one copy beyond the wire, where packing it into the route bu
 devices, where the wire itself is a memory copy, that halves the time). Every participant derives the same
 decision from the plan alone.
 
-The plan is compiled once per device into a :class:`~loomrl.parallel.realloc_program.ReallocSchedule`
-(:func:`compile_schedule`: entries, their strided runs or index tensors, the route buffers' layout), so
+The plan is compiled once per device into a :class:`~loomrl.parallel.realloc_program.TransferProgram`
+(:func:`compile_program`: entries, their strided runs or index tensors, the route buffers' layout), so
 packing, unpacking and local copies take one strided ``copy_`` per run, or one ``index_select`` /
 ``index_copy_`` per entry, however many pieces it has. A call then binds the caller's tensors to the
 schedule: flat views, messages and the copies of each phase (packing, local pieces, each message's landing),
@@ -44,20 +44,20 @@ import torch.distributed as dist
 
 from loomrl.parallel.realloc_program import (
     DtypeOf,
-    ReallocSchedule,
+    TransferProgram,
     Route,
     _bind,
     _Entry,
     _RouteBuffer,
     _Run,
     _Side,
-    clear_schedules,
-    compile_schedule,
+    clear_programs,
+    compile_program,
 )
 from loomrl.plan.realloc_plan import ReallocPlan
 
-__all__ = ["ReallocVerificationError", "build_broadcast_groups", "clear_schedules",
-           "compile_schedule", "execute_reallocation"]
+__all__ = ["ReallocVerificationError", "build_broadcast_groups", "clear_programs",
+           "compile_program", "execute_reallocation"]
 
 _RTOL = 1e-9
 """Relative tolerance of checksums: both sides sum the same values in the same order, so any slack is spare."""
@@ -105,12 +105,12 @@ def execute_reallocation(plan: ReallocPlan, src_tensors: Mapping[str, torch.Tens
     holds is left alone): a caller keeping its own copy binds its parameter to the view, as the runtime's
     workers do. The first call
     with a plan compiles this device's schedule and route buffers, which later calls with the same plan
-    object reuse (see :func:`compile_schedule`).
+    object reuse (see :func:`compile_program`).
     """
     dtype_of = _dtype_lookup(dtypes)
     if groups is None:
         groups = build_broadcast_groups(plan, rank_of)
-    schedule = compile_schedule(plan, my_device)
+    schedule = compile_program(plan, my_device)
     device = torch.device(device)
     if schedule._lock.acquire(blocking=False):
         try:
@@ -177,7 +177,7 @@ class _Bound:
     """What to copy once a received message ``(route, tag)`` has arrived."""
 
 
-def _bound(schedule: ReallocSchedule, buffers: Mapping[Route, _RouteBuffer], src_tensors: Mapping[str, torch.Tensor],
+def _bound(schedule: TransferProgram, buffers: Mapping[Route, _RouteBuffer], src_tensors: Mapping[str, torch.Tensor],
            out: Mapping[str, torch.Tensor] | None, dtype_of: DtypeOf, device: torch.device) -> _Bound:
     """The schedule's bound call for these tensors: the kept one if the same tensors came back, else a new one,
     kept when it may be (every destination shard is the caller's or a view: new ones must be new each call,
@@ -192,7 +192,7 @@ def _bound(schedule: ReallocSchedule, buffers: Mapping[Route, _RouteBuffer], src
     return bound
 
 
-def _identity(schedule: ReallocSchedule, src_tensors: Mapping[str, torch.Tensor],
+def _identity(schedule: TransferProgram, src_tensors: Mapping[str, torch.Tensor],
               out: Mapping[str, torch.Tensor] | None) -> tuple | None:
     """What a bound call's views depend on: each given tensor's storage, offset, shape, strides and dtype; None
     when the call may not be kept (a new destination shard to allocate, a non-contiguous source shard)."""
@@ -219,7 +219,7 @@ def _tensor_key(tensor: torch.Tensor) -> tuple:
     return (tensor.untyped_storage()._cdata, tensor.storage_offset(), tensor.shape, tensor.stride(), tensor.dtype)
 
 
-def _bind_tensors(schedule: ReallocSchedule, buffers: Mapping[Route, _RouteBuffer],
+def _bind_tensors(schedule: TransferProgram, buffers: Mapping[Route, _RouteBuffer],
                   src_tensors: Mapping[str, torch.Tensor], out: Mapping[str, torch.Tensor] | None,
                   dtype_of: DtypeOf, device: torch.device, key: tuple | None = None) -> _Bound:
     """Check the caller's tensors against the schedule and make every view, message and copy of a call."""
@@ -244,7 +244,7 @@ def _bind_tensors(schedule: ReallocSchedule, buffers: Mapping[Route, _RouteBuffe
     return _Bound(key, buffers, src_flat, dst_flat, dst, sends, recvs, early, late, pack, local, land)
 
 
-def _transfer(schedule: ReallocSchedule, buffers: Mapping[Route, _RouteBuffer], bound: _Bound,
+def _transfer(schedule: TransferProgram, buffers: Mapping[Route, _RouteBuffer], bound: _Bound,
               rank_of: Mapping[int, int] | None, groups: Mapping[tuple[int, ...], dist.ProcessGroup],
               verify: bool) -> None:
     """Send, copy local pieces while the network works, and unpack each route's buffer once it has arrived.
@@ -323,7 +323,7 @@ def _dtype_lookup(dtypes: torch.dtype | Mapping[str, torch.dtype]) -> DtypeOf:
     return lambda name: dtypes[name]
 
 
-def _source_views(schedule: ReallocSchedule, src_tensors: Mapping[str, torch.Tensor],
+def _source_views(schedule: TransferProgram, src_tensors: Mapping[str, torch.Tensor],
                   dtype_of: DtypeOf) -> dict[str, torch.Tensor]:
     """Flat views of this device's source shards, checked against the plan's source layout."""
     out = {}
@@ -338,7 +338,7 @@ def _source_views(schedule: ReallocSchedule, src_tensors: Mapping[str, torch.Ten
     return out
 
 
-def _destination(schedule: ReallocSchedule, src_flat: Mapping[str, torch.Tensor], dtype_of: DtypeOf,
+def _destination(schedule: TransferProgram, src_flat: Mapping[str, torch.Tensor], dtype_of: DtypeOf,
                  device: torch.device | str, given: Mapping[str, torch.Tensor] | None) -> dict[str, torch.Tensor]:
     """This device's destination shards: a view of the source shard where aliased, else the caller's tensor
     (checked against the plan) or, without ``given``, a new uninitialised one."""
@@ -353,7 +353,7 @@ def _destination(schedule: ReallocSchedule, src_flat: Mapping[str, torch.Tensor]
     return out
 
 
-def _checked_target(schedule: ReallocSchedule, name: str, local_shape: tuple[int, ...], dtype: torch.dtype,
+def _checked_target(schedule: TransferProgram, name: str, local_shape: tuple[int, ...], dtype: torch.dtype,
                     tensor: torch.Tensor | None) -> torch.Tensor:
     if tensor is None:
         raise ValueError(f"{name}: device {schedule.device} has a destination shard but out has no tensor")

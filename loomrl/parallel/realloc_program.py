@@ -1,6 +1,6 @@
 """The compiled schedule of a parameter reallocation: what one device does for one plan, precomputed.
 
-:func:`compile_schedule` turns a :class:`~loomrl.plan.ReallocPlan` into a :class:`ReallocSchedule` for one
+:func:`compile_program` turns a :class:`~loomrl.plan.ReallocPlan` into a :class:`TransferProgram` for one
 device, cached by plan identity for as long as the plan lives. It groups a route's pieces (a route being a
 sender and its receivers) by parameter into *entries*, and describes where an entry's elements lie in the
 device's flat source or destination shard as a few strided runs (pieces of one length at a constant step: the
@@ -12,7 +12,7 @@ A route's buffer is raw bytes, so parameters of different dtypes share it: optio
 ``(sum, sum of squares)`` per entry for verification (direct entries included, after the packed ones), then
 the packed entries, grouped by element size (largest first, so every entry starts aligned for its dtype).
 Sender and receivers derive the same buffer layout from the plan; nothing but the bytes is exchanged. The
-schedule keeps its route buffers between calls (:meth:`ReallocSchedule.buffers`); :func:`clear_schedules`
+schedule keeps its route buffers between calls (:meth:`TransferProgram.buffers`); :func:`clear_programs`
 drops them. :mod:`loomrl.parallel.realloc_exec` runs the schedule.
 """
 
@@ -34,7 +34,7 @@ from loomrl.plan.shards import Interval, interval_table, shard_numel, shard_shap
 if TYPE_CHECKING:
     from loomrl.parallel.realloc_exec import _Bound
 
-__all__ = ["DIRECT_MIN_NUMEL", "DtypeOf", "ReallocSchedule", "Route", "clear_schedules", "compile_schedule"]
+__all__ = ["DIRECT_MIN_NUMEL", "DtypeOf", "TransferProgram", "Route", "clear_programs", "compile_program"]
 
 Route = tuple[int, tuple[int, ...]]
 """``(sender, receivers)`` of a set of pieces that travel in one buffer."""
@@ -182,8 +182,8 @@ class _RouteBuffer:
 
 
 @dataclass(eq=False)
-class ReallocSchedule:
-    """What one device does for one plan, precomputed: see :func:`compile_schedule`."""
+class TransferProgram:
+    """What one device does for one plan, precomputed: see :func:`compile_program`."""
 
     device: int
     src_numel: dict[str, int]
@@ -210,26 +210,26 @@ class ReallocSchedule:
         return self._buffers[1]
 
 
-_SCHEDULES: dict[tuple[int, int], tuple[weakref.ref, ReallocSchedule]] = {}
+_PROGRAMS: dict[tuple[int, int], tuple[weakref.ref, TransferProgram]] = {}
 
 
-def compile_schedule(plan: ReallocPlan, my_device: int) -> ReallocSchedule:
+def compile_program(plan: ReallocPlan, my_device: int) -> TransferProgram:
     """``my_device``'s schedule of ``plan``: built on the first call, then cached while the plan lives."""
     key = (id(plan), my_device)
-    hit = _SCHEDULES.get(key)
+    hit = _PROGRAMS.get(key)
     if hit is not None and hit[0]() is plan:
         return hit[1]
     schedule = _compile(plan, my_device)
-    _SCHEDULES[key] = weakref.ref(plan, lambda _, key=key: _SCHEDULES.pop(key, None)), schedule
+    _PROGRAMS[key] = weakref.ref(plan, lambda _, key=key: _PROGRAMS.pop(key, None)), schedule
     return schedule
 
 
-def clear_schedules() -> None:
+def clear_programs() -> None:
     """Forget every cached schedule and its route buffers (they are rebuilt when next needed)."""
-    _SCHEDULES.clear()
+    _PROGRAMS.clear()
 
 
-def _compile(plan: ReallocPlan, me: int) -> ReallocSchedule:
+def _compile(plan: ReallocPlan, me: int) -> TransferProgram:
     by_route: dict[Route, dict[str, list[Transfer]]] = defaultdict(dict)
     local: dict[str, list[Transfer]] = {}
     for t in plan.transfers:
@@ -254,7 +254,7 @@ def _compile(plan: ReallocPlan, me: int) -> ReallocSchedule:
             if local_shape is not None:
                 dst_shapes.append((name, local_shape, plan.alias_offset(me, name)))
     local_entries = tuple(_entry(pieces, src_at, dst_at) for pieces in local.values())
-    return ReallocSchedule(me, src_numel, tuple(dst_shapes), routes, direct, local_entries)
+    return TransferProgram(me, src_numel, tuple(dst_shapes), routes, direct, local_entries)
 
 
 def _travels_directly(plan: ReallocPlan, route: Route, pieces: Sequence[Transfer]) -> bool:

@@ -94,17 +94,17 @@ def _check_calls(plan: ExecutionPlan, workflow: Workflow) -> None:
 
 
 def _check_choices(plan: ExecutionPlan, workflow: Workflow) -> None:
-    if plan.fuse is not None:
-        group = workflow.fusable()
+    if plan.stream_fusion is not None:
+        group = workflow.stream_fusable()
         if group is None:
-            raise ConfigError("plan.fuse: the workflow has no inference call that reads only generation's outputs, "
-                              "so there is nothing to fuse; remove fuse")
+            raise ConfigError("plan.stream_fusion: the workflow has no inference call that reads only generation's outputs, "
+                              "so there is nothing to fuse; remove stream_fusion")
         replicas = plan[group[0].name].layout.dp
-        if plan.fuse.migrate_to > replicas:
-            raise ConfigError(f"plan.fuse.migrate_to: {plan.fuse.migrate_to} exceeds the {replicas} generation "
+        if plan.stream_fusion.migrate_to > replicas:
+            raise ConfigError(f"plan.stream_fusion.migrate_to: {plan.stream_fusion.migrate_to} exceeds the {replicas} generation "
                               f"replica(s) of {group[0].name} at {plan[group[0].name].text} (valid: 1-{replicas})")
-    if plan.fuse_train:
-        _check_train_fusion(plan, workflow)
+    if plan.pipeline_fusion:
+        _check_pipeline_fusion(plan, workflow)
     roles = workflow.roles()
     for field, chosen in (("shadow", plan.shadow), ("offload", plan.offload)):
         for role in chosen or ():
@@ -120,21 +120,21 @@ def _check_choices(plan: ExecutionPlan, workflow: Workflow) -> None:
                               f"{canon.mesh.text}, so a shadow would serve nothing")
 
 
-def _check_train_fusion(plan: ExecutionPlan, workflow: Workflow) -> None:
+def _check_pipeline_fusion(plan: ExecutionPlan, workflow: Workflow) -> None:
     """Intra-stage fusion runs two independent train calls' pipelines on the same devices, each device holding one
     stage (of one replica) of either model: one TP slice per stage (tp = 1), no FSDP, pp > 1 for both."""
     pair = workflow.train_pair()
     if pair is None:
         trains = [m.name for m in workflow if m.kind is MFCKind.TRAIN]
-        raise ConfigError(f"plan.fuse_train: fusion needs two independent train calls of two roles; the workflow "
-                          f"has {', '.join(trains) or 'none'}; remove fuse_train")
+        raise ConfigError(f"plan.pipeline_fusion: fusion needs two independent train calls of two roles; the workflow "
+                          f"has {', '.join(trains) or 'none'}; remove pipeline_fusion")
     first, second = (plan[m.name] for m in pair)
     if first.mesh != second.mesh:
-        raise ConfigError(f"plan.fuse_train: {pair[0].name} runs on {first.mesh.text} and {pair[1].name} on "
+        raise ConfigError(f"plan.pipeline_fusion: {pair[0].name} runs on {first.mesh.text} and {pair[1].name} on "
                           f"{second.mesh.text}; fused training needs the same devices for both")
     for mfc, alloc in zip(pair, (first, second)):
         if alloc.layout.pp == 1 or alloc.layout.tp > 1 or alloc.fsdp:
-            raise ConfigError(f"plan.fuse_train: {mfc.name} at {alloc.text} is not a pipeline of one TP slice per "
+            raise ConfigError(f"plan.pipeline_fusion: {mfc.name} at {alloc.text} is not a pipeline of one TP slice per "
                               "stage; fused training needs pp > 1, tp = 1 and no fsdp for both train calls")
 
 

@@ -6,7 +6,7 @@ stages holds the other's late ones and either model's micro-batches can fill the
 model of depth ``P < D`` is replicated ``K = D / P`` times (its fusion factor), each replica taking a contiguous
 block of the model's micro-batches, so that every device holds exactly one stage of each model.
 
-A :class:`Task` is one stage's forward or backward of one micro-batch; a :class:`Schedule` is each device's
+A :class:`Task` is one stage's forward or backward of one micro-batch; a :class:`TaskOrder` is each device's
 tasks in execution order. Its communication is implied: a forward's output goes to the next stage's device, a
 backward's input gradient to the previous stage's device, each after ``hop_s``. Memory is counted in the units
 of :attr:`PipelineSpec.activation`: a micro-batch's activations stay on a stage from its forward to its backward.
@@ -22,7 +22,7 @@ ACTOR, CRITIC = 0, 1
 MODELS = (ACTOR, CRITIC)
 MODEL_NAMES = ("actor", "critic")
 
-__all__ = ["ACTOR", "CRITIC", "MODELS", "MODEL_NAMES", "FusionProblem", "PipelineSpec", "Schedule", "Task"]
+__all__ = ["ACTOR", "CRITIC", "MODELS", "MODEL_NAMES", "PipelineFusionProblem", "PipelineSpec", "TaskOrder", "Task"]
 
 
 @dataclass(frozen=True)
@@ -54,7 +54,7 @@ class PipelineSpec:
 
 
 @dataclass(frozen=True)
-class FusionProblem:
+class PipelineFusionProblem:
     """Two pipelines fused on one row of devices (module docstring)."""
 
     devices: int
@@ -68,58 +68,58 @@ class FusionProblem:
     there (stage ``s`` of depth ``P`` keeps ``min(P - s, micro-batches of its replica)`` micro-batches)."""
     hop_s: float = 0.0
     """Seconds for an activation or a gradient to travel between neighbouring stages' devices."""
-    placement: tuple[tuple[tuple[int, ...], ...], tuple[tuple[int, ...], ...]] | None = None
+    stage_devices: tuple[tuple[tuple[int, ...], ...], tuple[tuple[int, ...], ...]] | None = None
     """Per model, per replica, the device of each stage, where two allocations place them otherwise (a reversed
-    layout with replicas interleaves them: :func:`loomrl.planner.cost.pipeline_fusion.fused_train_problem`); None: the
+    layout with replicas interleaves them: :func:`loomrl.planner.cost.pipeline_fusion.pipeline_fusion_problem`); None: the
     directions above."""
 
     def __post_init__(self) -> None:
         if not isinstance(self.devices, int) or isinstance(self.devices, bool) or self.devices < 1:
-            raise ValueError(f"FusionProblem.devices: {self.devices!r} is not a positive integer")
+            raise ValueError(f"PipelineFusionProblem.devices: {self.devices!r} is not a positive integer")
         for model, name in zip(MODELS, MODEL_NAMES):
             spec = getattr(self, name)
             if not isinstance(spec, PipelineSpec):
-                raise ValueError(f"FusionProblem.{name}: {spec!r} is not a PipelineSpec")
+                raise ValueError(f"PipelineFusionProblem.{name}: {spec!r} is not a PipelineSpec")
             if self.devices % spec.depth:
-                raise ValueError(f"FusionProblem.{name}.depth: {spec.depth} does not divide devices={self.devices}")
+                raise ValueError(f"PipelineFusionProblem.{name}.depth: {spec.depth} does not divide devices={self.devices}")
             replicas = self.devices // spec.depth
             if spec.micro_batches % replicas:
-                raise ValueError(f"FusionProblem.{name}.micro_batches: {spec.micro_batches} is not a multiple of "
+                raise ValueError(f"PipelineFusionProblem.{name}.micro_batches: {spec.micro_batches} is not a multiple of "
                                  f"its {replicas} replicas")
-        if self.placement is not None:
-            self._check_placement()
+        if self.stage_devices is not None:
+            self._check_stage_devices()
         if isinstance(self.hop_s, bool) or not isinstance(self.hop_s, (int, float)) or not math.isfinite(self.hop_s) \
                 or self.hop_s < 0:
-            raise ValueError(f"FusionProblem.hop_s: {self.hop_s!r} is not a finite number >= 0")
+            raise ValueError(f"PipelineFusionProblem.hop_s: {self.hop_s!r} is not a finite number >= 0")
         object.__setattr__(self, "hop_s", float(self.hop_s))
         if self.memory_cap is None:
             object.__setattr__(self, "memory_cap", self._one_f_one_b_peaks())
             return
         cap = tuple(self.memory_cap) if isinstance(self.memory_cap, (tuple, list)) else None
         if cap is None or len(cap) != self.devices:
-            raise ValueError(f"FusionProblem.memory_cap: {self.memory_cap!r} is not one number per device "
+            raise ValueError(f"PipelineFusionProblem.memory_cap: {self.memory_cap!r} is not one number per device "
                              f"({self.devices})")
         least = self.actor.activation + self.critic.activation
         for device, value in enumerate(cap):
             if isinstance(value, bool) or not isinstance(value, (int, float)) or not value >= least:
-                raise ValueError(f"FusionProblem.memory_cap[{device}]: {value!r} is below one micro-batch of each "
+                raise ValueError(f"PipelineFusionProblem.memory_cap[{device}]: {value!r} is below one micro-batch of each "
                                  f"model ({least:g})")
         object.__setattr__(self, "memory_cap", tuple(float(v) for v in cap))
 
-    def _check_placement(self) -> None:
-        placement = tuple(tuple(tuple(int(d) for d in stages) for stages in model) for model in self.placement)
-        if len(placement) != len(MODELS):
-            raise ValueError(f"FusionProblem.placement: {self.placement!r} is not one entry per model")
+    def _check_stage_devices(self) -> None:
+        stage_devices = tuple(tuple(tuple(int(d) for d in stages) for stages in model) for model in self.stage_devices)
+        if len(stage_devices) != len(MODELS):
+            raise ValueError(f"PipelineFusionProblem.stage_devices: {self.stage_devices!r} is not one entry per model")
         for model, name in zip(MODELS, MODEL_NAMES):
             spec, replicas = self.spec(model), self.devices // self.spec(model).depth
-            shape = [len(stages) for stages in placement[model]]
+            shape = [len(stages) for stages in stage_devices[model]]
             if shape != [spec.depth] * replicas:
-                raise ValueError(f"FusionProblem.placement[{name}]: {shape} stages per replica, expected "
+                raise ValueError(f"PipelineFusionProblem.stage_devices[{name}]: {shape} stages per replica, expected "
                                  f"{replicas} replicas of {spec.depth}")
-            if sorted(d for stages in placement[model] for d in stages) != list(range(self.devices)):
-                raise ValueError(f"FusionProblem.placement[{name}]: {placement[model]} does not put one stage on "
+            if sorted(d for stages in stage_devices[model] for d in stages) != list(range(self.devices)):
+                raise ValueError(f"PipelineFusionProblem.stage_devices[{name}]: {stage_devices[model]} does not put one stage on "
                                  f"each of the devices 0..{self.devices - 1}")
-        object.__setattr__(self, "placement", placement)
+        object.__setattr__(self, "stage_devices", stage_devices)
 
     def _one_f_one_b_peaks(self) -> tuple[float, ...]:
         return tuple(sum(self.one_f_one_b_memory(m, d) for m in MODELS) for d in range(self.devices))
@@ -149,16 +149,16 @@ class FusionProblem:
         if not 0 <= replica < self.replicas(model) or not 0 <= stage < depth:
             raise ValueError(f"{MODEL_NAMES[model]} has no replica {replica} stage {stage} "
                              f"({self.replicas(model)} replicas of {depth} stages)")
-        if self.placement is not None:
-            return self.placement[model][replica][stage]
+        if self.stage_devices is not None:
+            return self.stage_devices[model][replica][stage]
         return replica * depth + stage if model == ACTOR else (replica + 1) * depth - 1 - stage
 
     def stage_on(self, model: int, device: int) -> tuple[int, int]:
         """(replica, stage) of ``model`` on ``device``."""
         if not 0 <= device < self.devices:
             raise ValueError(f"device: {device!r} is not in 0..{self.devices - 1}")
-        if self.placement is not None:
-            return next((r, s) for r, stages in enumerate(self.placement[model]) for s, d in enumerate(stages)
+        if self.stage_devices is not None:
+            return next((r, s) for r, stages in enumerate(self.stage_devices[model]) for s, d in enumerate(stages)
                         if d == device)
         depth = self.spec(model).depth
         replica, offset = divmod(device, depth)
@@ -203,18 +203,18 @@ class Task:
 
 
 @dataclass(frozen=True)
-class Schedule:
+class TaskOrder:
     """Each device's tasks in execution order; :func:`~loomrl.planner.pipeline_fusion.check` says whether it is
     valid. A forward's output goes to the next stage's device, a backward's input gradient to the previous."""
 
-    problem: FusionProblem
+    problem: PipelineFusionProblem
     devices: tuple[tuple[Task, ...], ...]
     """Per device, its tasks in execution order."""
 
     def __post_init__(self) -> None:
         devices = tuple(tuple(order) for order in self.devices)
         if len(devices) != self.problem.devices:
-            raise ValueError(f"Schedule.devices: {len(devices)} task lists for {self.problem.devices} devices")
+            raise ValueError(f"TaskOrder.devices: {len(devices)} task lists for {self.problem.devices} devices")
         object.__setattr__(self, "devices", devices)
 
     def text(self) -> str:

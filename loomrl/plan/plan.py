@@ -30,7 +30,7 @@ import re
 from collections.abc import Iterator, Mapping
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any
+from typing import Any, ClassVar
 
 import yaml
 
@@ -41,7 +41,7 @@ from loomrl.plan import checks
 from loomrl.plan.cluster import ClusterSpec
 from loomrl.workflow import MFCKind, Workflow
 
-__all__ = ["Allocation", "DeviceSet", "ExecutionPlan", "Fusion", "format_devices"]
+__all__ = ["Allocation", "DeviceSet", "ExecutionPlan", "StreamFusion", "format_devices"]
 
 _RANGE_RE = re.compile(r"(\d+)(?:-(\d+))?")
 MAX_MESH = 1 << 20
@@ -301,7 +301,7 @@ def _maximal_cliques(order: list[str], adjacent: dict[str, set[str]]) -> list[fr
 
 
 @dataclass(frozen=True)
-class Fusion(ValidatedConfig):
+class StreamFusion(ValidatedConfig):
     """Inter-stage fusion (RLHFuse): the inference calls that read only generation's outputs start on finished
     samples while the long tail still generates, and once few samples are left the tail moves onto a few
     generation replicas so that the others can run inference (:mod:`loomrl.plan.schedule`, the fused stage).
@@ -322,7 +322,7 @@ class Fusion(ValidatedConfig):
             fail("migrate_at", f"{self.migrate_at} is outside 0..1 (a fraction of the batch) or 'auto'")
 
     @classmethod
-    def parse(cls, text: str) -> Fusion:
+    def parse(cls, text: str) -> StreamFusion:
         """``on`` (the defaults) or comma-separated ``key:value`` pairs, e.g. ``migrate_at:0.2,migrate_to:1``."""
         text = str(text).strip()
         if text in ("on", ""):
@@ -331,12 +331,12 @@ class Fusion(ValidatedConfig):
         for part in text.split(","):
             key, sep, value = (p.strip() for p in part.partition(":"))
             if not sep or key not in ("migrate_at", "migrate_to", "chunk"):
-                fail("fuse", f"{part.strip()!r} is not migrate_at:F|auto, migrate_to:N or chunk:N (e.g. "
+                fail("stream_fusion", f"{part.strip()!r} is not migrate_at:F|auto, migrate_to:N or chunk:N (e.g. "
                              "migrate_at:0.2,migrate_to:1, or on for the defaults)")
             try:
                 values[key] = value if value == "auto" else (float(value) if key == "migrate_at" else int(value))
             except ValueError:
-                fail(f"fuse.{key}", f"{value!r} is not a number")
+                fail(f"stream_fusion.{key}", f"{value!r} is not a number")
         return cls(**values)
 
     @property
@@ -374,9 +374,9 @@ class ExecutionPlan:
     """Roles whose weights go to host memory between their calls, and trained roles whose whole training state
     goes there while a generate call runs on their training devices (:mod:`loomrl.plan.schedule`); None applies
     the rule of :meth:`offloaded_roles` (frozen roles only)."""
-    fuse: Fusion | None = None
+    stream_fusion: StreamFusion | None = None
     """Inter-stage fusion of generation with the inference calls that read only its outputs; None: unfused."""
-    fuse_train: bool = False
+    pipeline_fusion: bool = False
     """Intra-stage fusion (RLHFuse): the workflow's two independent train calls (PPO's actor and critic), placed
     on the same devices with pipeline stages, run as one fused pipeline schedule, each device alternating
     between its stage of either model so that one model's work fills the other's pipeline bubbles
@@ -397,10 +397,10 @@ class ExecutionPlan:
         object.__setattr__(self, "allocations", dict(self.allocations))
         object.__setattr__(self, "shadow", _roles_list(self.shadow, "shadow"))
         object.__setattr__(self, "offload", _roles_list(self.offload, "offload"))
-        if self.fuse is not None and not isinstance(self.fuse, Fusion):
-            raise ConfigError(f"plan.fuse: {self.fuse!r} is not a Fusion")
-        if not isinstance(self.fuse_train, bool):
-            raise ConfigError(f"plan.fuse_train: {self.fuse_train!r} is not true or false")
+        if self.stream_fusion is not None and not isinstance(self.stream_fusion, StreamFusion):
+            raise ConfigError(f"plan.stream_fusion: {self.stream_fusion!r} is not a StreamFusion")
+        if not isinstance(self.pipeline_fusion, bool):
+            raise ConfigError(f"plan.pipeline_fusion: {self.pipeline_fusion!r} is not true or false")
 
     def with_allocation(self, name: str, allocation: Allocation) -> ExecutionPlan:
         """A copy of the plan with ``name`` placed at ``allocation``."""
@@ -504,8 +504,8 @@ class ExecutionPlan:
         return {"cluster": to_dict(self.cluster), "allocations": allocations,
                 "shadow": None if self.shadow is None else list(self.shadow),
                 "offload": None if self.offload is None else list(self.offload),
-                "fuse": None if self.fuse is None else to_dict(self.fuse),
-                **({"fuse_train": True} if self.fuse_train else {})}
+                "stream_fusion": None if self.stream_fusion is None else to_dict(self.stream_fusion),
+                **({"pipeline_fusion": True} if self.pipeline_fusion else {})}
 
     @classmethod
     def from_dict(cls, data: Mapping[str, Any]) -> ExecutionPlan:
@@ -521,7 +521,7 @@ class ExecutionPlan:
                                                item.recompute, item.zero, item.fsdp)
             except FieldError as err:
                 raise err.under(f"plan.allocations.{name}") from None
-        return cls(record.cluster, allocations, record.shadow, record.offload, record.fuse, record.fuse_train)
+        return cls(record.cluster, allocations, record.shadow, record.offload, record.stream_fusion, record.pipeline_fusion)
 
     def save(self, path: str | os.PathLike[str]) -> None:
         """Write the plan as JSON (``.json``) or YAML (``.yaml``, ``.yml``), atomically."""
@@ -568,6 +568,9 @@ class _AllocationRecord:
 
 @dataclass(frozen=True)
 class _PlanRecord:
+    RENAMED: ClassVar[Mapping[str, str]] = {"fuse": "stream_fusion", "fuse_train": "pipeline_fusion"}
+    """Keys of plan files of earlier releases, refused with their new names."""
+
     cluster: ClusterSpec
     """The cluster the plan is for."""
     allocations: dict[str, _AllocationRecord]
@@ -576,9 +579,9 @@ class _PlanRecord:
     """Roles with a shadow copy (null: the default rule)."""
     offload: tuple[str, ...] | None = None
     """Roles offloaded between calls (null: the default rule)."""
-    fuse: Fusion | None = None
+    stream_fusion: StreamFusion | None = None
     """Inter-stage fusion (null: none)."""
-    fuse_train: bool = False
+    pipeline_fusion: bool = False
     """Intra-stage fusion of two train calls' pipelines."""
 
 

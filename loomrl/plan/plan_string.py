@@ -11,12 +11,12 @@ Items are separated by ``;``; each places one MFC as ``NAME=DEVICES[:LAYOUT]``::
   (``4-7`` is ``4-7:dp4``);
 - ``shadow=actor`` and ``offload=ref,reward`` set the plan's explicit shadow and offload roles (``offload=``
   means none); without them the default rules of :class:`~loomrl.plan.plan.ExecutionPlan` apply;
-- ``fuse=on`` or ``fuse=migrate_at:0.2,migrate_to:1`` (``migrate_at:auto``, ``chunk:N``) fuses generation with
-  the inference calls that read only its outputs (:class:`~loomrl.plan.plan.Fusion`); these items may also
-  follow a strategy's name (``colocate; fuse=on``, :func:`loomrl.plan.strategies.make_plan`);
-- ``fuse_train=on`` (or ``off``) runs the two train calls as one fused pipeline (intra-stage fusion,
-  :attr:`~loomrl.plan.plan.ExecutionPlan.fuse_train`), e.g. ``actor_train=0-3:pp4mb4;
-  critic_train=0-3:pp4revmb4; fuse_train=on``;
+- ``stream_fusion=on`` or ``stream_fusion=migrate_at:0.2,migrate_to:1`` (``migrate_at:auto``, ``chunk:N``) fuses generation with
+  the inference calls that read only its outputs (:class:`~loomrl.plan.plan.StreamFusion`); these items may also
+  follow a strategy's name (``colocate; stream_fusion=on``, :func:`loomrl.plan.strategies.make_plan`);
+- ``pipeline_fusion=on`` (or ``off``) runs the two train calls as one fused pipeline (intra-stage fusion,
+  :attr:`~loomrl.plan.plan.ExecutionPlan.pipeline_fusion`), e.g. ``actor_train=0-3:pp4mb4;
+  critic_train=0-3:pp4revmb4; pipeline_fusion=on``;
 - a compute step (e.g. ``advantages``) that is not named runs on device 0 with no parallelism
   (``advantages=0:dp1``), where the runtime runs it; every model call must be named.
 
@@ -37,13 +37,16 @@ from loomrl.config.tools import FieldError
 from loomrl.errors import ConfigError
 from loomrl.plan.layout import Layout
 from loomrl.plan.cluster import ClusterSpec
-from loomrl.plan.plan import Allocation, DeviceSet, ExecutionPlan, Fusion
+from loomrl.plan.plan import Allocation, DeviceSet, ExecutionPlan, StreamFusion
 from loomrl.workflow import MFCKind, Workflow
 
 __all__ = ["RESERVED_KEYS", "compute_allocation", "format_plan_string", "parse_plan_string", "with_choices"]
 
-RESERVED_KEYS = ("shadow", "offload", "fuse", "fuse_train")
+RESERVED_KEYS = ("shadow", "offload", "stream_fusion", "pipeline_fusion")
 """Item names that set plan fields rather than place an MFC."""
+
+RENAMED_KEYS = {"fuse": "stream_fusion", "fuse_train": "pipeline_fusion"}
+"""Item names of earlier releases → their names now (refused with a one-line error that names the new one)."""
 
 
 def compute_allocation() -> Allocation:
@@ -51,18 +54,20 @@ def compute_allocation() -> Allocation:
     return Allocation(DeviceSet((0,)), Layout())
 
 
-def _parse_item(item: str, workflow: Workflow) -> tuple[str, Allocation | Fusion | bool | tuple[str, ...]]:
+def _parse_item(item: str, workflow: Workflow) -> tuple[str, Allocation | StreamFusion | bool | tuple[str, ...]]:
     name, sep, rest = (part.strip() for part in item.partition("="))
     if not sep or not name:
         raise ConfigError(f"plan item {item!r}: expected NAME=DEVICES[:LAYOUT], e.g. actor_gen=0-3:dp4")
-    if name == "fuse":
+    if name in RENAMED_KEYS:
+        raise ConfigError(f"plan item {item!r}: '{name}' was renamed to '{RENAMED_KEYS[name]}'")
+    if name == "stream_fusion":
         try:
-            return name, Fusion.parse(rest)
+            return name, StreamFusion.parse(rest)
         except FieldError as err:
             raise ConfigError(f"plan item {item!r}: {err}") from None
-    if name == "fuse_train":
+    if name == "pipeline_fusion":
         if rest not in ("on", "off"):
-            raise ConfigError(f"plan item {item!r}: fuse_train is on or off, not {rest!r}")
+            raise ConfigError(f"plan item {item!r}: pipeline_fusion is on or off, not {rest!r}")
         return name, rest == "on"
     if name in RESERVED_KEYS:
         return name, tuple(r.strip() for r in rest.split(",") if r.strip())
@@ -100,8 +105,8 @@ def parse_plan_string(text: str, workflow: Workflow, cluster: ClusterSpec) -> Ex
         else:
             raise ConfigError(f"plan: MFC '{mfc.name}' is not placed; add e.g. '{mfc.name}=0-{cluster.n_devices - 1}'")
     try:
-        plan = ExecutionPlan(cluster, allocations, choices.get("shadow"), choices.get("offload"), choices.get("fuse"),
-                             choices.get("fuse_train", False))
+        plan = ExecutionPlan(cluster, allocations, choices.get("shadow"), choices.get("offload"), choices.get("stream_fusion"),
+                             choices.get("pipeline_fusion", False))
     except ConfigError as err:
         raise ConfigError(f"plan: {err}") from None
     plan.validate(workflow)
@@ -109,14 +114,15 @@ def parse_plan_string(text: str, workflow: Workflow, cluster: ClusterSpec) -> Ex
 
 
 def with_choices(plan: ExecutionPlan, text: str, workflow: Workflow) -> ExecutionPlan:
-    """``plan`` with the ``shadow``, ``offload``, ``fuse`` and ``fuse_train`` items of ``text`` (``;``-separated) applied."""
+    """``plan`` with the ``shadow``, ``offload``, ``stream_fusion`` and ``pipeline_fusion`` items of ``text``
+    (``;``-separated) applied."""
     changes: dict[str, object] = {}
     for item in (part.strip() for part in str(text).split(";")):
         if not item:
             continue
-        if item.partition("=")[0].strip() not in RESERVED_KEYS:
+        if item.partition("=")[0].strip() not in (*RESERVED_KEYS, *RENAMED_KEYS):
             raise ConfigError(f"plan item {item!r}: after a strategy only {', '.join(RESERVED_KEYS)} items may "
-                              "follow (e.g. 'colocate; fuse=on'); place calls with a plan string instead")
+                              "follow (e.g. 'colocate; stream_fusion=on'); place calls with a plan string instead")
         name, value = _parse_item(item, workflow)
         changes[name] = value
     return dataclasses.replace(plan, **changes)
@@ -133,8 +139,8 @@ def format_plan_string(plan: ExecutionPlan, workflow: Workflow | None = None) ->
     for key, roles in (("shadow", plan.shadow), ("offload", plan.offload)):
         if roles is not None:
             items.append(f"{key}={','.join(roles)}")
-    if plan.fuse is not None:
-        items.append(f"fuse={plan.fuse.text}")
-    if plan.fuse_train:
-        items.append("fuse_train=on")
+    if plan.stream_fusion is not None:
+        items.append(f"stream_fusion={plan.stream_fusion.text}")
+    if plan.pipeline_fusion:
+        items.append("pipeline_fusion=on")
     return "; ".join(items)

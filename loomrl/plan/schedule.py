@@ -28,12 +28,12 @@ Steps (:class:`StepKind`), each with the devices it occupies and the steps of it
   role's later steps on its training shards wait for the reload.
 - ``evaluate``: the between-iterations evaluation of the actor in its generation allocation (with the copy
   and free it needs), listed apart from the iteration's steps.
-- ``fused``: with the plan's :class:`~loomrl.plan.plan.Fusion`, generation and the inference calls that read
+- ``fused``: with the plan's :class:`~loomrl.plan.plan.StreamFusion`, generation and the inference calls that read
   only its outputs (PPO's reference, reward and critic inference) as one stage, its member call steps inside:
   the inference calls run on finished samples, chunk by chunk, while the tail still generates, and once few
   samples are left the tail migrates onto a few generation replicas so the others can run inference. The
   steps that put the members' models in place run before the stage; those that release them, after it.
-- ``fused_train``: with the plan's ``fuse_train``, the two train calls (PPO's actor and critic) as one stage on
+- ``fused_train``: with the plan's ``pipeline_fusion``, the two train calls (PPO's actor and critic) as one stage on
   their shared devices, its member call steps inside: each pair of their optimizer steps runs as one fused
   pipeline step (:mod:`loomrl.planner.pipeline_fusion`); what waits for either call waits for the stage.
 
@@ -51,7 +51,7 @@ from collections.abc import Iterator, Sequence
 from dataclasses import dataclass, field
 from enum import Enum
 
-from loomrl.plan.plan import Allocation, ExecutionPlan, Fusion
+from loomrl.plan.plan import Allocation, ExecutionPlan, StreamFusion
 from loomrl.workflow import MFC, MFCKind, Workflow
 
 __all__ = ["Schedule", "Step", "StepKind", "build_schedule"]
@@ -67,11 +67,11 @@ class StepKind(str, Enum):
     RELOAD = "reload"
     OFFLOAD = "offload"
     EVALUATE = "evaluate"
-    FUSED = "fused"
-    FUSED_TRAIN = "fused_train"
+    STREAM_FUSION = "stream_fusion"
+    PIPELINE_FUSION = "pipeline_fusion"
 
 
-STAGES = (StepKind.FUSED, StepKind.FUSED_TRAIN)
+STAGES = (StepKind.STREAM_FUSION, StepKind.PIPELINE_FUSION)
 """Steps that run member call steps as one stage."""
 
 
@@ -104,7 +104,7 @@ class Step:
     """``call``: the MFC itself (with its function), so that an executor needs nothing but the schedule."""
     members: tuple[Step, ...] = ()
     """``fused``: its call steps, generation first; ``fused_train``: its two train calls, in workflow order."""
-    fusion: Fusion | None = None
+    fusion: StreamFusion | None = None
     """``fused``: the plan's fusion settings."""
 
     @property
@@ -193,18 +193,18 @@ def build_schedule(workflow: Workflow, plan: ExecutionPlan, evaluate_role: str |
     for mfc in workflow.topological_order():
         builder.add_call(mfc)
     steps = builder.finish()
-    group = workflow.fusable() if plan.fuse is not None else None
+    group = workflow.stream_fusable() if plan.stream_fusion is not None else None
     if group is not None:
-        steps = _fuse(steps, (group[0], *group[1]), StepKind.FUSED, plan.fuse)
-    pair = workflow.train_pair() if plan.fuse_train else None
+        steps = _fuse(steps, (group[0], *group[1]), StepKind.STREAM_FUSION, plan.stream_fusion)
+    pair = workflow.train_pair() if plan.pipeline_fusion else None
     if pair is not None:
-        steps = _fuse(steps, pair, StepKind.FUSED_TRAIN)
+        steps = _fuse(steps, pair, StepKind.PIPELINE_FUSION)
     prologue = tuple(Step(s.id, s.kind, s.devices, (), s.role, s.alloc, s.src) for s in builder.fills)
     return Schedule(steps, prologue, _evaluation(workflow, plan, evaluate_role))
 
 
 def _fuse(steps: tuple[Step, ...], group: tuple[MFC, ...], kind: StepKind,
-          fusion: Fusion | None = None) -> tuple[Step, ...]:
+          fusion: StreamFusion | None = None) -> tuple[Step, ...]:
     """``steps`` with the group's call steps replaced by one stage of ``kind`` (module docstring), in the place
     of its first member, named after it: the steps that feed a member (copies, reloads) run before the stage;
     the steps that wait for a member wait for it."""

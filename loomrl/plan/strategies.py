@@ -224,7 +224,7 @@ def make_plan(spec: str, workflow: Workflow, cluster: ClusterSpec, *, layouts: M
     """
     text = str(spec).strip()
     strategy, _, extras = text.partition(";")
-    if "=" not in strategy and extras.strip():  # a strategy followed by shadow / offload / fuse items
+    if "=" not in strategy and extras.strip():  # a strategy followed by shadow / offload / fusion items
         plan = with_choices(make_plan(strategy, workflow, cluster, layouts=layouts, model_configs=model_configs,
                                       gen_devices=gen_devices), extras, workflow)
         plan.validate(workflow, model_configs)

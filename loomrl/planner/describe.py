@@ -4,7 +4,7 @@
 fields), and what ``benchmarks/published_runs.py`` writes down for each published run: everything the
 simulator needs to price a run as its publication states it. :func:`planner_inputs` turns it into the
 planner's objects (workflow, cluster, model configs, :class:`~loomrl.planner.cost.workload.Workload`,
-:class:`~loomrl.planner.cost.system.EngineSettings`); :func:`simulate_fixed` simulates a given plan and
+:class:`~loomrl.planner.cost.system.SystemSettings`); :func:`simulate_fixed` simulates a given plan and
 :func:`stage_seconds` reads a simulated iteration back as the stages publications report (generation, weight
 sync, scoring, training).
 
@@ -18,7 +18,8 @@ import math
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field
 
-from loomrl.config.schema import ALGORITHMS, GROUP_ALGORITHMS, AlgoConfig, JudgeConfig, RewardConfig, RolloutConfig
+from loomrl.config.schema import (ALGORITHMS, GROUP_ALGORITHMS, AlgoConfig, JudgeConfig, RewardConfig, RolloutConfig,
+                                  judge_index)
 from loomrl.config.tools import ValidatedConfig, fail, spec
 from loomrl.errors import ConfigError
 from loomrl.plan import ClusterSpec, ExecutionPlan
@@ -26,7 +27,7 @@ from loomrl.planner.cost.corrections import Corrections
 from loomrl.planner.cost.model import CostModel
 from loomrl.planner.planning import model_config
 from loomrl.plan.hardware import HardwareProfile, profile_for
-from loomrl.planner.cost.system import EngineSettings
+from loomrl.planner.cost.system import SystemSettings
 from loomrl.planner.simulation.simulator import SimResult, simulate
 from loomrl.planner.cost.workload import DEFAULT_SPREAD, ModelShape, Workload, lengths_from_mean_max
 from loomrl.workflow import Workflow
@@ -56,8 +57,9 @@ class ModelsConfig(ValidatedConfig):
 
     def of(self, role: str) -> str:
         """The model name of ``role``."""
-        if role.startswith("judge") and role[len("judge"):].isdigit():
-            return self.judges[int(role[len("judge"):])]
+        index = judge_index(role)
+        if index is not None:
+            return self.judges[index]
         return getattr(self, role, None) or self.actor
 
 
@@ -102,7 +104,7 @@ class RunDescription(ValidatedConfig):
     rollout.prompts_per_iter); generation and the reward call are priced that many times over."""
     plan: str | None = None
     """A fixed plan to simulate (a strategy, a plan string or a plan file); None: compare and search."""
-    engine: EngineSettings = field(default_factory=EngineSettings)
+    engine: SystemSettings = field(default_factory=SystemSettings)
     """How the system runs the calls: serving engine, precisions, offloading (loomrl's runtime by default)."""
 
     def validate(self) -> None:
@@ -147,7 +149,7 @@ class RunDescription(ValidatedConfig):
                         rollout_scale=self.generated_per_kept, samples_per_prompt=self.responses_per_prompt)
 
 
-def planner_inputs(run: RunDescription) -> tuple[Workflow, ClusterSpec, dict[str, object], Workload, EngineSettings]:
+def planner_inputs(run: RunDescription) -> tuple[Workflow, ClusterSpec, dict[str, object], Workload, SystemSettings]:
     """The planner's inputs for ``run``: its workflow, cluster, each role's model config (None for a rule
     reward), workload and engine settings."""
     workflow = run.workflow()
@@ -214,7 +216,7 @@ class FixedPlanReport:
 
 def simulate_fixed(plan: ExecutionPlan, workflow: Workflow, configs: Mapping[str, object], workload: Workload, *,
                    profile: HardwareProfile | None = None, corrections: Corrections | None = None,
-                   bytes_per_param: int | None = None, settings: EngineSettings | None = None,
+                   bytes_per_param: int | None = None, settings: SystemSettings | None = None,
                    stages: Mapping[str, tuple[str, ...]] | None = None) -> FixedPlanReport:
     """Simulate ``plan`` as it is (a published run's, or one to compare with a run of one's own) and read its
     iteration back as stages (``stages``: stage → step-id prefixes; by default

@@ -18,7 +18,7 @@ from loomrl.planner.search.bounds import IterationBound, iteration_bound
 from loomrl.planner.cost.corrections import Corrections
 from loomrl.planner.cost.model import CostModel
 from loomrl.plan.hardware import HardwareProfile, profile_for
-from loomrl.planner.cost.system import EngineSettings
+from loomrl.planner.cost.system import SystemSettings
 from loomrl.planner.search.search import CachedCost, best_heuristic_plans, search
 from loomrl.planner.simulation.simulator import SimResult
 from loomrl.planner.cost.workload import ModelShape, Workload
@@ -161,14 +161,14 @@ class PlanningReport:
 
 def _fusions(plan: ExecutionPlan) -> str:
     """The plan's fusions in a few words: inter-stage (its migration), intra-stage (train), or no."""
-    parts = [] if plan.fuse is None else [f"at {plan.fuse.migrate_at}, to {plan.fuse.migrate_to}"]
-    return "; ".join(parts + (["train"] if plan.fuse_train else [])) or "no"
+    parts = [] if plan.stream_fusion is None else [f"at {plan.stream_fusion.migrate_at}, to {plan.stream_fusion.migrate_to}"]
+    return "; ".join(parts + (["train"] if plan.pipeline_fusion else [])) or "no"
 
 
 def compare_plans(workflow: Workflow, cluster: ClusterSpec, configs: Mapping[str, object], workload: Workload,
                   *, seed: int = 0, time_budget_s: float = 30.0, chains: int = SEARCH_CHAINS,
                   profile: HardwareProfile | None = None, corrections: Corrections | None = None,
-                  bytes_per_param: int | None = None, settings: EngineSettings | None = None) -> PlanningReport:
+                  bytes_per_param: int | None = None, settings: SystemSettings | None = None) -> PlanningReport:
     """Best layouts of each heuristic strategy, then a seeded, time-bounded search; all simulated; and the
     lower bound on any plan's time (:func:`~loomrl.planner.search.bounds.iteration_bound`).
 
@@ -182,7 +182,7 @@ def compare_plans(workflow: Workflow, cluster: ClusterSpec, configs: Mapping[str
     ``corrections`` are fitted ones (``loomrl calibrate --from``); by default the datasheet profile, uncorrected.
     ``bytes_per_param``: the weights' element size (:data:`~loomrl.planner.cost.model.PRECISION_BYTES`); by default
     the runtime's ``precision: auto`` on the profile's devices. ``settings``: how the system runs the calls
-    (:class:`~loomrl.planner.cost.system.EngineSettings`; loomrl's runtime by default)."""
+    (:class:`~loomrl.planner.cost.system.SystemSettings`; loomrl's runtime by default)."""
     profile = profile or profile_for(cluster)
     shapes = {role: None if cfg is None else ModelShape.from_config(cfg) for role, cfg in configs.items()}
     began = time.monotonic()

@@ -97,7 +97,7 @@ def _intervals(trace: dict, t0: float) -> list[Interval]:
     """A step on each of its devices; a fused stage as its parts (generation, migration, each member call)."""
     if trace.get("parts"):
         kinds = trace.get("part_kinds", {})
-        return [Interval(int(device), start - t0, end - t0, label, kinds.get(label, "fused"), trace["iteration"])
+        return [Interval(int(device), start - t0, end - t0, label, kinds.get(label, "stream_fusion"), trace["iteration"])
                 for label, device, start, end in trace["parts"]]
     return [Interval(device, start - t0, end - t0, trace["step"], trace.get("mfc_kind") or trace["kind"],
                      trace["iteration"]) for device, start, end in zip(trace["devices"], trace["start"], trace["end"])]

@@ -2,7 +2,7 @@
 
 - :class:`RoleSpec`, :func:`role_specs`: what a process needs to build a role (from the trainer's config);
 - :func:`build_model`, :func:`make_role`, :func:`adamw`: the model, its optimizer and the :class:`Role`;
-- :class:`ModelEngine`: forward and backward passes of a whole model, a pipeline stage or a data-parallel or
+- :class:`ModelPasses`: forward and backward passes of a whole model, a pipeline stage or a data-parallel or
   FSDP shard, and the gradients' sum and clipping (the ops' only way to run a model);
 - :func:`resolve_device`, :func:`resolve_dtype`: the ``device`` and ``precision`` settings resolved.
 
@@ -11,8 +11,8 @@ Below both the trainer and the runtime: the reference executor and the workers b
 
 from loomrl.role.build import adamw, build_model, make_role
 from loomrl.role.devices import resolve_device, resolve_dtype, set_threads
-from loomrl.role.passes import ModelEngine
+from loomrl.role.passes import ModelPasses
 from loomrl.role.spec import RoleSpec, role_specs
 
-__all__ = ["ModelEngine", "RoleSpec", "adamw", "build_model", "make_role", "resolve_device", "resolve_dtype",
+__all__ = ["ModelPasses", "RoleSpec", "adamw", "build_model", "make_role", "resolve_device", "resolve_dtype",
            "role_specs", "set_threads"]

@@ -12,7 +12,7 @@ from functools import partial
 import torch
 
 from loomrl.algorithms.lr import learning_rate
-from loomrl.algorithms.context import Engine, Role
+from loomrl.algorithms.context import Passes, Role
 from loomrl.config.schema import OptimConfig
 from loomrl.data.tasks import Task
 from loomrl.role.spec import RoleSpec
@@ -48,15 +48,15 @@ def adamw(model: torch.nn.Module, optim: OptimConfig, zero_group=None):
     return torch.optim.AdamW(model.parameters(), lr=optim.lr, betas=optim.betas, weight_decay=optim.weight_decay)
 
 
-def make_role(spec: RoleSpec, model: torch.nn.Module | None, task: Task, engine: Engine | None, *,
+def make_role(spec: RoleSpec, model: torch.nn.Module | None, task: Task, passes: Passes | None, *,
               trainable: bool, zero_group=None) -> Role:
     """A role around an (already parallelised) model and the engine that runs it; a trainable role gets its
     optimizer here (its state sharded over ``zero_group`` when given: ZeRO-1)."""
     if spec.name == "reward":
         return Role("reward", model, rule=task.score_batch if spec.rule else None, rule_weight=spec.rule_weight,
-                    model_weight=spec.model_weight, engine=engine)
+                    model_weight=spec.model_weight, passes=passes)
     if not trainable or spec.optim is None:
-        return Role(spec.name, model, engine=engine)
+        return Role(spec.name, model, passes=passes)
     accumulate_in_fp32(model)  # 16-bit weights sum their gradients in fp32 (fp32 models are left alone)
-    return Role(spec.name, model, adamw(model, spec.optim, zero_group), spec.optim.grad_clip, engine=engine,
+    return Role(spec.name, model, adamw(model, spec.optim, zero_group), spec.optim.grad_clip, passes=passes,
                 lr_at=partial(learning_rate, spec.optim, total_steps=spec.total_steps), on_nonfinite=spec.on_nonfinite)

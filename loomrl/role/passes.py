@@ -1,7 +1,7 @@
 """The engine that runs a role's passes on this process, whatever the layout puts here.
 
-Ops (:mod:`loomrl.algorithms.ops`) ask an :class:`~loomrl.algorithms.context.Engine` for a model's outputs, for
-the backward of a minibatch and for the gradients' sum and clipping; :class:`ModelEngine` answers for a whole
+Ops (:mod:`loomrl.algorithms.ops`) ask an :class:`~loomrl.algorithms.context.Passes` for a model's outputs, for
+the backward of a minibatch and for the gradients' sum and clipping; :class:`ModelPasses` answers for a whole
 model, a pipeline stage (through its :class:`~loomrl.parallel.pipeline_runner.PipelineRunner`), a
 data-parallel replica (gradients summed over its group) or an FSDP shard (every pass collective, so each rank
 runs the plan's micro-batches, padding with passes that add nothing). The reference executor's engine is the
@@ -23,10 +23,10 @@ from loomrl.parallel.data_parallel import sync_gradients
 from loomrl.parallel.main_grad import grad_of, zero_fill
 from loomrl.parallel.pipeline_runner import PipelineRunner, clip_grad_norm_pp, clip_grads
 
-__all__ = ["ModelEngine"]
+__all__ = ["ModelPasses"]
 
 
-class ModelEngine:
+class ModelPasses:
     """Forward and backward passes of one role's model (or stage, or shard) on this process.
 
     ``pipeline``: the runner of this device's stage (``model`` is then the stage's module); ``dp_group``: the

@@ -10,7 +10,7 @@ from __future__ import annotations
 from collections.abc import Iterable
 from dataclasses import dataclass
 
-from loomrl.config.schema import OptimConfig, TrainConfig
+from loomrl.config.schema import OptimConfig, TrainConfig, judge_role
 
 __all__ = ["RoleSpec", "role_specs"]
 
@@ -65,7 +65,7 @@ def role_specs(cfg: TrainConfig, roles: Iterable[str]) -> dict[str, RoleSpec]:
                            rule_weight=cfg.reward.rule_weight, model_weight=cfg.reward.model_weight),
     }
     for i, judge in enumerate(cfg.reward.judges):  # generative reward models: frozen language models
-        known[f"judge{i}"] = RoleSpec(f"judge{i}", judge.model, f"reward.judges[{i}].model", seed=cfg.seed + 2 + i)
+        known[judge_role(i)] = RoleSpec(judge_role(i), judge.model, f"reward.judges[{i}].model", seed=cfg.seed + 2 + i)
     unknown = [r for r in roles if r not in known]
     if unknown:
         raise ValueError(f"no model spec for role(s) {unknown}; known roles: {', '.join(known)}")

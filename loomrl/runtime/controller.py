@@ -27,7 +27,7 @@ from typing import Any, Mapping, Sequence
 
 import ray
 
-from loomrl.config.schema import RuntimeConfig
+from loomrl.config.schema import RuntimeConfig, judge_index
 from loomrl.errors import LoomError
 from loomrl.models.tokenizer import task_tokenizer
 from loomrl.plan.plan import Allocation
@@ -35,15 +35,15 @@ from loomrl.plan.schedule import Step, StepKind, split_for_sampling
 from loomrl.planner.cost.corrections import Corrections
 from loomrl.planner.cost.model import CostModel
 from loomrl.planner.cost.stream_fusion import best_migrate_at
-from loomrl.planner.cost.pipeline_fusion import fused_train_orders
+from loomrl.planner.cost.pipeline_fusion import pipeline_fusion_orders
 from loomrl.planner.planning import model_config
 from loomrl.plan.hardware import load_profile, profile_for
 from loomrl.planner.cost.system import RUNTIME
 from loomrl.planner.cost.workload import ModelShape, Workload
 from loomrl.plan.cluster import ClusterSpec
-from loomrl.runtime.stream_fusion import FusedStage, is_stream
+from loomrl.runtime.stream_fusion import StreamFusionStage, is_stream
 from loomrl.runtime.reference import IterationResult, StepTrace, merge_stats
-from loomrl.runtime.spec import CallData, FusedTrainData, WorkerPlan, WorkerSpec
+from loomrl.runtime.spec import CallData, PipelineFusionData, WorkerPlan, WorkerSpec
 from loomrl.workflow import MFCKind
 from loomrl.workflow.minibatches import loss_weights, minibatch_rows, split_by_tokens
 
@@ -59,7 +59,7 @@ METRIC_KEYS = ("prompt_ids", "response_ids", "prompt_text", "answer", "row", "sc
 
 def is_metric_key(key: str) -> bool:
     """Whether the rollout metrics read column ``key``."""
-    return key in METRIC_KEYS or (key.startswith("judge") and key.endswith("_unreadable"))
+    return key in METRIC_KEYS or (judge_index(key) is not None and key.endswith("_unreadable"))
 
 Shards = dict[str, list[tuple[tuple[int, ...], Any]]]
 """Key → output shards holding it: (sample ids, object reference in a 1-tuple)."""
@@ -245,7 +245,7 @@ class Controller:
                   ) -> tuple[list[StepTrace], dict[str, dict[int, dict]]]:
         """Run ``steps`` (one list of the schedule) to the end on this controller's devices: each is sent to them
         once the steps it waits for are done here, or with the one it is sent with; a fused stage runs as its
-        members' data arrives (:class:`~loomrl.runtime.stream_fusion.FusedStage`). Call steps take their rows from
+        members' data arrives (:class:`~loomrl.runtime.stream_fusion.StreamFusionStage`). Call steps take their rows from
         ``state`` and report into ``result``; ``data`` gives other steps' per-device payloads. Returns the steps'
         traces, in the order they ended, and every device's reply per step.
 
@@ -275,16 +275,16 @@ class Controller:
                 if not mine[step.id]:  # none of this controller's devices take part
                     done.add(step.id)
                     continue
-                if step.kind is StepKind.FUSED:
+                if step.kind is StepKind.STREAM_FUSION:
                     migrate_at = self.migrate_at(step, state)
                     if result is not None:
                         result.stats["fusion/migrate_at"] = migrate_at
-                    FusedStage(self, step, state, migrate_at).start(pending, routed)
+                    StreamFusionStage(self, step, state, migrate_at).start(pending, routed)
                     continue
                 if step.kind is StepKind.CALL:
                     payloads[step.id] = self.payloads(step, state)
-                elif step.kind is StepKind.FUSED_TRAIN:
-                    payloads[step.id] = self.fused_train_payloads(step, state)
+                elif step.kind is StepKind.PIPELINE_FUSION:
+                    payloads[step.id] = self.pipeline_fusion_payloads(step, state)
                 else:
                     payloads[step.id] = (data or {}).get(step.id, {})
                 what = f"MFC '{step.id}'" if step.kind is StepKind.CALL else f"step '{step.id}'"
@@ -296,7 +296,7 @@ class Controller:
                 break
             for ref, meta in self._wait_ready(pending, deadline):
                 owner, key = routed.pop(ref)
-                if isinstance(owner, FusedStage):
+                if isinstance(owner, StreamFusionStage):
                     owner.on_reply(key, meta, ref, pending, routed)
                     if owner.done:
                         done.add(owner.step.id)
@@ -309,7 +309,7 @@ class Controller:
                     traces.append(StepTrace.of(step, iteration, phase, replies[step.id]))
                     if step.kind is StepKind.CALL:
                         self._finish(step, replies[step.id], payloads[step.id], state, result)
-                    elif step.kind is StepKind.FUSED_TRAIN:
+                    elif step.kind is StepKind.PIPELINE_FUSION:
                         for member in step.members:
                             self._finish(member, {d: m["members"][member.id] for d, m in replies[step.id].items()},
                                          {d: p.calls[member.id] for d, p in payloads[step.id].items()}, state,
@@ -397,10 +397,10 @@ class Controller:
             state.whole = ([n for part in parts for n in part], sum(len(part) for part in parts[:self.index]))
         return state.whole
 
-    def fused_train_payloads(self, step: Step, state: _IterationState) -> dict[int, FusedTrainData]:
+    def pipeline_fusion_payloads(self, step: Step, state: _IterationState) -> dict[int, PipelineFusionData]:
         """Per device of a ``fused_train`` step: each member call's payload and the device's order of the fused
         pipeline schedule (made once per plan, for the first batch it runs on, by the first controller: see
-        :func:`loomrl.planner.cost.pipeline_fusion.fused_train_orders`; its search is time-bounded, so the others take
+        :func:`loomrl.planner.cost.pipeline_fusion.pipeline_fusion_orders`; its search is time-bounded, so the others take
         its result rather than their own)."""
         if step.id not in self._fused_orders:
             orders = None
@@ -408,11 +408,11 @@ class Controller:
             if self.index == 0:
                 lengths = tuple(max(1, n) for n in counts)  # by now, the response lengths
                 workload = Workload(len(lengths), sum(lengths) / len(lengths), lengths)
-                orders = fused_train_orders(self.cost_model(workload), step)
+                orders = pipeline_fusion_orders(self.cost_model(workload), step)
             self._fused_orders[step.id] = self.exchange((state.iteration, f"orders of {step.id}"), orders)[0]
         orders = self._fused_orders[step.id]
         calls = {member.id: self.payloads(member, state) for member in step.members}
-        return {d: FusedTrainData({m: per[d] for m, per in calls.items()}, orders[d])
+        return {d: PipelineFusionData({m: per[d] for m, per in calls.items()}, orders[d])
                 for d in step.devices if d in self.devices}
 
     def inputs_of(self, keys: Sequence[str], rows: Sequence[int], state: _IterationState) -> tuple:

@@ -28,7 +28,7 @@ With ``runtime.controllers: K`` the control path is split K ways instead of pass
   account (the worker, role and step); closing the executor kills every controller, the coordinator and every
   worker.
 
-Inter-stage fusion (``fuse``) streams generation across all replicas and migrates its tail between them, which
+Inter-stage fusion (``stream_fusion``) streams generation across all replicas and migrates its tail between them, which
 would need the controllers' generation replicas to coordinate mid-call; with K > 1 it is refused in one line.
 """
 
@@ -117,10 +117,10 @@ def plan_for_controllers(plan: ExecutionPlan, workflow: Workflow, count: int) ->
     n = plan.cluster.n_devices
     if count == 1:
         return plan, [tuple(range(n))]
-    if plan.fuse is not None:
-        raise ConfigError(f"runtime.controllers: {count} controllers cannot run inter-stage fusion (the plan's fuse: "
+    if plan.stream_fusion is not None:
+        raise ConfigError(f"runtime.controllers: {count} controllers cannot run stream fusion (the plan's stream_fusion: "
                           "generation streams into inference and migrates across every replica); use one "
-                          "controller or a plan without fuse")
+                          "controller or a plan without stream_fusion")
     devices = controller_devices(build_schedule(workflow, plan), count, n)
     firsts = [own[0] for own in devices]  # ascending: the search opens controllers in device order
     for mfc in workflow:

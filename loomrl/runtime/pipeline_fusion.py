@@ -4,7 +4,7 @@ The two calls' ops (PPO's actor and critic train) run as written, each in its ow
 time: a baton passes between them, so every rank issues its collectives in the same order. Each op runs until
 its role's engine is asked for a backward; the engine of a fused role (:class:`_Deferred`) only records the
 request and hands the baton on. Once both ops wait on a backward, one fused pipeline step runs both
-(:func:`loomrl.parallel.pipeline_fusion.fused_train_step_backward`) with this device's order of the plan's fused
+(:func:`loomrl.parallel.pipeline_fusion.pipeline_fusion_backward`) with this device's order of the plan's fused
 schedule, and the ops resume, in turn, to sum, clip and step their gradients. An op with more optimizer steps
 than the other runs its extra backwards alone, through its own engine.
 
@@ -21,15 +21,15 @@ from dataclasses import dataclass
 
 import torch
 
-from loomrl.parallel.pipeline_fusion import FusedSide, FusedTask, fused_train_step_backward
+from loomrl.parallel.pipeline_fusion import PipelineFusionSide, FusedTask, pipeline_fusion_backward
 
-__all__ = ["BackwardRequest", "run_fused_train"]
+__all__ = ["BackwardRequest", "run_pipeline_fusion"]
 
 
 @dataclass
 class BackwardRequest:
     """What an op asked its engine for: a forward and backward of ``parts`` of the rows (see
-    :meth:`loomrl.algorithms.context.Engine.backward`)."""
+    :meth:`loomrl.algorithms.context.Passes.backward`)."""
 
     ids_BL: torch.Tensor | None
     attn_BL: torch.Tensor | None
@@ -98,25 +98,25 @@ class _Deferred:
     """A fused role's engine during the step: inference and gradient sums go to the role's own engine; a backward
     is parked for the coordinator."""
 
-    def __init__(self, engine, op: _OpThread) -> None:
-        self.engine, self.op = engine, op
+    def __init__(self, passes, op: _OpThread) -> None:
+        self.passes, self.op = passes, op
 
     @property
     def device(self):
-        return self.engine.device
+        return self.passes.device
 
     def outputs(self, *args, **kwargs):
-        return self.engine.outputs(*args, **kwargs)
+        return self.passes.outputs(*args, **kwargs)
 
     def backward(self, ids_BL, attn_BL, parts, loss, passes, prompt_len_B=None) -> None:
         # a fused step drives pipeline stages, which run whole rows: prompt lengths are not needed
         self.op.backward(BackwardRequest(ids_BL, attn_BL, list(parts), loss, passes))
 
     def reduce_and_clip(self, max_norm: float) -> float:
-        return self.engine.reduce_and_clip(max_norm)
+        return self.passes.reduce_and_clip(max_norm)
 
 
-def run_fused_train(ops: Sequence[Callable[[], dict]], roles: Sequence, order: Sequence[FusedTask],
+def run_pipeline_fusion(ops: Sequence[Callable[[], dict]], roles: Sequence, order: Sequence[FusedTask],
                     back_groups: Sequence, stage_ranks: Sequence[Sequence[int]]) -> list[dict]:
     """Run two train ops as one fused step per pair of optimizer steps (module docstring); returns their results.
 
@@ -126,9 +126,9 @@ def run_fused_train(ops: Sequence[Callable[[], dict]], roles: Sequence, order: S
     """
     baton = _Baton()
     threads = [_OpThread(i, op, baton) for i, op in enumerate(ops)]
-    engines = [role.engine for role in roles]
+    passes = [role.passes for role in roles]
     for role, thread in zip(roles, threads):
-        role.engine = _Deferred(role.engine, thread)
+        role.passes = _Deferred(role.passes, thread)
     try:
         for thread in threads:
             thread.thread.start()
@@ -137,11 +137,11 @@ def run_fused_train(ops: Sequence[Callable[[], dict]], roles: Sequence, order: S
         while any(t.request is not None for t in threads):
             waiting = {t.index: t for t in threads if t.request is not None}
             if len(waiting) == len(threads):
-                _fused_backward([t.request for t in threads], engines, order, back_groups, stage_ranks)
+                _fused_backward([t.request for t in threads], passes, order, back_groups, stage_ranks)
             else:
                 for t in waiting.values():
                     r = t.request
-                    engines[t.index].backward(r.ids_BL, r.attn_BL, r.parts, r.loss, r.passes)
+                    passes[t.index].backward(r.ids_BL, r.attn_BL, r.parts, r.loss, r.passes)
             for t in waiting.values():
                 t.request = None
                 t.resume()
@@ -154,8 +154,8 @@ def run_fused_train(ops: Sequence[Callable[[], dict]], roles: Sequence, order: S
                 t.resume()
         raise
     finally:
-        for role, engine in zip(roles, engines):
-            role.engine = engine
+        for role, own in zip(roles, passes):
+            role.passes = own
 
 
 def _raise_if_failed(threads: Sequence[_OpThread]) -> None:
@@ -164,14 +164,14 @@ def _raise_if_failed(threads: Sequence[_OpThread]) -> None:
             raise t.error
 
 
-def _fused_backward(requests: Sequence[BackwardRequest], engines: Sequence, order: Sequence[FusedTask],
+def _fused_backward(requests: Sequence[BackwardRequest], passes: Sequence, order: Sequence[FusedTask],
                     back_groups: Sequence, stage_ranks: Sequence[Sequence[int]]) -> None:
     sides = {}
-    for i, (request, engine) in enumerate(zip(requests, engines)):
+    for i, (request, engine) in enumerate(zip(requests, passes)):
         ids_BL, attn_BL, parts, loss = _padded(request, engine.device)
-        sides[i] = FusedSide(engine.pipeline, back_groups[i], ids_BL, attn_BL, parts, loss,
+        sides[i] = PipelineFusionSide(engine.pipeline, back_groups[i], ids_BL, attn_BL, parts, loss,
                              stage_ranks=stage_ranks[i])
-    fused_train_step_backward(order, sides)
+    pipeline_fusion_backward(order, sides)
 
 
 def _padded(request: BackwardRequest, device: torch.device):

@@ -19,7 +19,7 @@ from loomrl.checkpoint.optim_state import FullOptimizerState
 from loomrl.plan.schedule import Schedule, Step, StepKind, split_for_sampling
 from loomrl.workflow import MFC, MFCKind
 from loomrl.workflow.batch import Batch
-from loomrl.workflow.minibatches import train_schedule
+from loomrl.workflow.minibatches import minibatch_steps
 
 if TYPE_CHECKING:
     from loomrl.algorithms.dynamic_sampling import Waves
@@ -114,7 +114,7 @@ class ReferenceExecutor:
         role = self.roles[mfc.role] if mfc.role is not None else None
         steps: tuple = ()
         if mfc.kind == MFCKind.TRAIN:
-            schedule = train_schedule(response_tokens(batch), mfc.epochs, mfc.minibatches, self.seed, iteration)
+            schedule = minibatch_steps(response_tokens(batch), mfc.epochs, mfc.minibatches, self.seed, iteration)
             steps = tuple((s.rows_per_rank[0], 1.0) for s in schedule)
         encode = None if self.tokenizer is None else partial(encode_prompt, self.tokenizer)
         return OpContext(role, self.seed, iteration, self.pad_id, self.eos_id, self.decode, encode=encode,

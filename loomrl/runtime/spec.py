@@ -96,7 +96,7 @@ class CallData:
 
 
 @dataclass(frozen=True)
-class FusedTrainData:
+class PipelineFusionData:
     """What the controller sends one worker for a ``fused_train`` step: each member call's data, and this
     device's order of one fused pipeline step (:mod:`loomrl.runtime.pipeline_fusion`)."""
 

@@ -27,10 +27,10 @@ from loomrl.workflow.minibatches import split_by_tokens
 if TYPE_CHECKING:
     from loomrl.runtime.ray_executor import RayExecutor
 
-__all__ = ["FusedStage"]
+__all__ = ["StreamFusionStage"]
 
 
-class FusedStage:
+class StreamFusionStage:
     """One fused stage of one iteration, driven by :meth:`RayExecutor.run_steps`'s event loop: :meth:`start`
     sends generation; every reply the loop receives for the stage goes to :meth:`on_reply`, which sends the
     members' calls that became possible; :attr:`done` when all ran."""

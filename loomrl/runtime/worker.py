@@ -29,7 +29,7 @@ from loomrl.algorithms.context import OpContext, Role
 from loomrl.checkpoint.store import begin_save, finish_sharded_save, load_checkpoint, save_checkpoint
 from loomrl.checkpoint.shards import check_pieces, place_of, role_pieces, write_role_shards
 from loomrl.data.sources import build_task
-from loomrl.role import ModelEngine, build_model, make_role, resolve_device, resolve_dtype
+from loomrl.role import ModelPasses, build_model, make_role, resolve_device, resolve_dtype
 from loomrl.runtime.launch import quiet_libraries
 from loomrl.models.tokenizer import decode_response, encode_prompt, task_tokenizer
 from loomrl.parallel import (apply_fsdp, apply_tensor_parallel, build_broadcast_groups, check_layout,
@@ -43,8 +43,8 @@ from loomrl.plan.schedule import Step, StepKind
 from loomrl.runtime.migration import MigrationControl, StreamSpec
 from loomrl.runtime.offload import HostCopy, TrainingState, bind_view, reclaim, release_storage
 from loomrl.runtime.plan_change import Move
-from loomrl.runtime.pipeline_fusion import run_fused_train
-from loomrl.runtime.spec import CallData, FusedTrainData, WorkerPlan, WorkerSpec
+from loomrl.runtime.pipeline_fusion import run_pipeline_fusion
+from loomrl.runtime.spec import CallData, PipelineFusionData, WorkerPlan, WorkerSpec
 from loomrl.checkpoint.optim_state import FullOptimizerState, merge_optimizer_states, with_masters
 from loomrl.workflow import MFCKind
 from loomrl.workflow.batch import Batch
@@ -190,7 +190,7 @@ class DeviceWorker:
             return make_role(spec, None, self.task, None, trainable=False)
         groups = self.groups[alloc]
         sharded = alloc.layout.dp > 1
-        engine = ModelEngine(model, pipeline=pipeline,
+        engine = ModelPasses(model, pipeline=pipeline,
                              dp_group=groups.dp_group if trainable and sharded and not alloc.fsdp else None,
                              lockstep=trainable and sharded and alloc.fsdp)
         zero_group = groups.dp_group if trainable and sharded and training.zero else None
@@ -240,8 +240,8 @@ class DeviceWorker:
         kind = step.kind
         if kind is StepKind.CALL:
             return self._call(step, data)
-        if kind is StepKind.FUSED_TRAIN:
-            return self._fused_train(step, data)
+        if kind is StepKind.PIPELINE_FUSION:
+            return self._pipeline_fusion(step, data)
         if kind is StepKind.EVALUATE:
             return self._evaluate(step, data)
         if step.moves_bytes:
@@ -289,7 +289,7 @@ class DeviceWorker:
             out = mfc.op(self._context(step, call), batch)
         return self._published(step, call, out)
 
-    def _fused_train(self, step: Step, data: FusedTrainData) -> dict:
+    def _pipeline_fusion(self, step: Step, data: PipelineFusionData) -> dict:
         """The two train calls of a ``fused_train`` step as one fused pipeline (:mod:`loomrl.runtime.pipeline_fusion`);
         each member's metadata as its own call's would be."""
         ops, roles, back_groups, stage_ranks = [], [], [], []
@@ -302,7 +302,7 @@ class DeviceWorker:
             groups = self.groups[member.alloc]
             back_groups.append(groups.pp_back_group)
             stage_ranks.append(groups.stage_ranks)
-        results = run_fused_train(ops, roles, data.order, back_groups, stage_ranks)
+        results = run_pipeline_fusion(ops, roles, data.order, back_groups, stage_ranks)
         return {"members": {m.id: self._published(m, data.calls[m.id], out)
                             for m, out in zip(step.members, results)}}
 

@@ -30,7 +30,7 @@ from loomrl.checkpoint.store import latest_checkpoint, remove_leftovers
 from loomrl.config.schema import TrainConfig
 from loomrl.config.tools import dump_yaml, to_dict
 from loomrl.data.sources import build_task, examples_window, held_out, prompt_source
-from loomrl.role import (ModelEngine, RoleSpec, build_model, make_role, resolve_device, resolve_dtype, role_specs,
+from loomrl.role import (ModelPasses, RoleSpec, build_model, make_role, resolve_device, resolve_dtype, role_specs,
                            set_threads)
 from loomrl.errors import ConfigError, DataError, LoomError
 from loomrl.runtime.launch import ray_address, runtime_cluster
@@ -78,7 +78,7 @@ def build_roles(specs: dict[str, RoleSpec], tokenizer, task, device: torch.devic
     roles = {}
     for name, spec in specs.items():
         model = build_model(spec, tokenizer, device, dtype)
-        roles[name] = make_role(spec, model, task, None if model is None else ModelEngine(model),
+        roles[name] = make_role(spec, model, task, None if model is None else ModelPasses(model),
                                 trainable=spec.trained)
     return roles
 
@@ -280,7 +280,7 @@ class RLTrainer:
                    "time/iteration_s": seconds, **self.recovery}
         self.recovery = {}
         for trace in result.traces:
-            if trace.kind in ("call", "fused", "fused_train"):  # every wave's, with dynamic sampling
+            if trace.kind in ("call", "stream_fusion", "pipeline_fusion"):  # every wave's, with dynamic sampling
                 key = f"time/{trace.step}_s"
                 metrics[key] = metrics.get(key, 0.0) + trace.seconds
         return metrics

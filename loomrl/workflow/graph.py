@@ -181,7 +181,7 @@ class Workflow:
     def _ordered(self, a: str, b: str) -> bool:
         return a in self._ancestors[b] or b in self._ancestors[a]
 
-    def fusable(self) -> tuple[MFC, tuple[MFC, ...]] | None:
+    def stream_fusable(self) -> tuple[MFC, tuple[MFC, ...]] | None:
         """The calls an inter-stage fusion joins: the first generate call and the inference calls that read
         nothing but its outputs and source keys (so they can run sample by sample as generation finishes
         them); None when no inference call qualifies."""

@@ -71,7 +71,7 @@ def minibatch_rows(n: int, epochs: int, minibatches: int, seed: int, iteration: 
     return steps
 
 
-def train_schedule(token_counts: Sequence[int], epochs: int, minibatches: int, seed: int, iteration: int,
+def minibatch_steps(token_counts: Sequence[int], epochs: int, minibatches: int, seed: int, iteration: int,
                    dp: int = 1) -> list[TrainStep]:
     """Every optimizer step of one train MFC (:func:`minibatch_rows`), each minibatch split over ``dp`` ranks."""
     return [TrainStep(epoch, split_by_tokens(rows, token_counts, dp), sum(token_counts[r] for r in rows))

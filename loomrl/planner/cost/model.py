@@ -58,11 +58,11 @@ from loomrl.plan.layout import Coords
 from loomrl.planner.cost import decode as D
 from loomrl.planner.cost import terms as T
 from loomrl.planner.cost.corrections import ITERATION, REALLOC, Corrections
-from loomrl.planner.cost.stream_fusion import FusedPrice, GenerationFloor, generation_floor, price_fused
-from loomrl.planner.cost.pipeline_fusion import price_fused_train
+from loomrl.planner.cost.stream_fusion import StreamFusionPrice, GenerationFloor, generation_floor, price_stream_fusion
+from loomrl.planner.cost.pipeline_fusion import price_pipeline_fusion
 from loomrl.plan.hardware import HardwareProfile
 from loomrl.planner.cost.realloc import realloc_seconds
-from loomrl.planner.cost.system import EngineSettings, default_max_seqs
+from loomrl.planner.cost.system import SystemSettings, default_max_seqs
 from loomrl.planner.cost.workload import ModelShape, Workload
 from loomrl.workflow import MFC, MFCKind
 
@@ -74,7 +74,7 @@ ENGINE_BATCHED_TOKENS = 8192
 """Tokens a serving engine's forward pass handles at most (vLLM's ``max_num_batched_tokens`` of 8192 to 16384):
 the activation buffers it reserves beside its KV cache."""
 LOGIT_CHUNK_TOKENS = 4096
-"""Tokens whose logits a chunked (fused) cross-entropy holds at once (:attr:`EngineSettings.logits`)."""
+"""Tokens whose logits a chunked (fused) cross-entropy holds at once (:attr:`SystemSettings.logits`)."""
 GENERATING_ROLE = "actor"
 """The role every workflow generates with (:mod:`loomrl.algorithms.workflows`): its copies outside training are
 the serving engine's."""
@@ -110,7 +110,7 @@ class CostModel:
     ``shapes`` maps each role to its model, or to None for a role with no model (a rule reward: its calls
     score on the host, priced like a compute step); ``bytes_per_param`` is the weights' (and activations')
     element size, by default 2 (bf16) on accelerators and 4 (fp32) on ``local``, as the runtime's ``precision:
-    auto``; ``settings`` say how the system runs the calls (:class:`~loomrl.planner.cost.system.EngineSettings`:
+    auto``; ``settings`` say how the system runs the calls (:class:`~loomrl.planner.cost.system.SystemSettings`:
     by default loomrl's runtime). Results are cached per (call, allocation); the model is immutable once built.
     ``realloc_cache`` shares priced reallocations between models of the same cluster, profile, shapes and
     ``bytes_per_param`` (they depend on nothing else: a run re-planned after each iteration builds one model per
@@ -119,10 +119,10 @@ class CostModel:
 
     def __init__(self, cluster: ClusterSpec, profile: HardwareProfile, shapes: Mapping[str, ModelShape | None],
                  workload: Workload, corrections: Corrections | None = None, *, bytes_per_param: int | None = None,
-                 settings: EngineSettings | None = None, realloc_cache: dict | None = None):
+                 settings: SystemSettings | None = None, realloc_cache: dict | None = None):
         self.cluster, self.profile, self.workload = cluster, profile, workload
         self.shapes = dict(shapes)
-        self.settings = settings or EngineSettings()
+        self.settings = settings or SystemSettings()
         self.corrections = corrections or Corrections()
         self.bytes_per_param = bytes_per_param or (4 if profile.name == "local" else 2)
         self._terms: dict[tuple, dict[str, float]] = {}
@@ -163,29 +163,29 @@ class CostModel:
         never changes), a trained role's training state copied out when ``trainable``."""
         return self.reload_time(role, alloc, True) if trainable else 0.0
 
-    def fused_stage(self, step) -> FusedPrice:
+    def stream_fusion_stage(self, step) -> StreamFusionPrice:
         """A fused stage's predicted time and parts (:mod:`loomrl.planner.cost.stream_fusion`). Cached."""
         if step not in self._fused:
-            self._fused[step] = price_fused(self, step)
+            self._fused[step] = price_stream_fusion(self, step)
         return self._fused[step]
 
-    def fused_floor(self, role: str, alloc: Allocation) -> GenerationFloor:
+    def stream_fusion_floor(self, role: str, alloc: Allocation) -> GenerationFloor:
         """What no fused stage's generation on ``alloc`` beats (:func:`loomrl.planner.cost.stream_fusion.generation_floor`)."""
         key = ("floor", role, alloc)
         if key not in self._fused:
             self._fused[key] = generation_floor(self, role, alloc)
         return self._fused[key]
 
-    def fused_time(self, step) -> float:
+    def stream_fusion_time(self, step) -> float:
         """Seconds of a fused stage (the simulator's price of a ``fused`` schedule step)."""
-        return self.fused_stage(step).seconds
+        return self.stream_fusion_stage(step).seconds
 
-    def fused_train_time(self, step) -> float:
+    def pipeline_fusion_time(self, step) -> float:
         """Seconds of a ``fused_train`` stage: two train calls as one fused pipeline
-        (:func:`loomrl.planner.cost.pipeline_fusion.price_fused_train`). Cached."""
+        (:func:`loomrl.planner.cost.pipeline_fusion.price_pipeline_fusion`). Cached."""
         key = ("train", step)
         if key not in self._fused:
-            self._fused[key] = price_fused_train(self, step)
+            self._fused[key] = price_pipeline_fusion(self, step)
         return self._fused[key].seconds
 
     def train_steps(self, mfc: MFC) -> int:
@@ -612,7 +612,7 @@ class CostModel:
         return prompt + longest, longest * longest + 2 * full * longest + full * prompt
 
     def _logit_tokens(self, tokens: float) -> float:
-        """Tokens whose fp32 logits a pass over ``tokens`` holds at once (:attr:`EngineSettings.logits`)."""
+        """Tokens whose fp32 logits a pass over ``tokens`` holds at once (:attr:`SystemSettings.logits`)."""
         return min(tokens, LOGIT_CHUNK_TOKENS) if self.settings.logits == "chunked" else tokens
 
     # ------------------------------------------------------------------------------------------------ helpers

@@ -3,10 +3,10 @@
 A ``fused_train`` schedule step (:mod:`loomrl.plan.schedule`) joins two train calls whose pipelines share the same
 devices. The cost model prices each call's pipelined pass as ``mb + pp − 1`` slots of one stage's forward and
 backward of one micro-batch (:mod:`loomrl.planner.cost.model`); the same slot, split 1 : 2 between forward and backward
-(1 : 3 with recomputation), is each task's cost in a :class:`~loomrl.planner.pipeline_fusion.FusionProblem` whose
+(1 : 3 with recomputation), is each task's cost in a :class:`~loomrl.planner.pipeline_fusion.PipelineFusionProblem` whose
 stage placement is the two allocations' own (a reversed layout puts a model's stage 0 on the mesh's last
 device). The fused schedule found for that problem is what the runtime runs
-(:func:`fused_train_orders`) and what the simulator charges (:func:`price_fused_train`): each pair of
+(:func:`pipeline_fusion_orders`) and what the simulator charges (:func:`price_pipeline_fusion`): each pair of
 optimizer steps takes the schedule's makespan instead of the two pipelines' passes one after the other, and
 the rest of each call (gradient sums, the optimizer step, …) is unchanged. A call with more optimizer steps
 than the other runs its extra ones alone. The call's fitted corrections carry over: each call's slot is scaled
@@ -17,14 +17,14 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
-from loomrl.plan.pipeline_fusion import FusionProblem, PipelineSpec
-from loomrl.planner.pipeline_fusion.search import fused_schedule
+from loomrl.plan.pipeline_fusion import PipelineFusionProblem, PipelineSpec
+from loomrl.planner.pipeline_fusion.search import fused_order
 from loomrl.plan.layout import Coords
 from loomrl.plan.plan import Allocation
 from loomrl.plan.schedule import Step
 
-__all__ = ["FusedTrainPrice", "can_fuse", "fused_floor", "fused_train_orders", "fused_train_problem",
-           "price_fused_train"]
+__all__ = ["PipelineFusionPrice", "can_pipeline_fuse", "pipeline_fusion_floor", "pipeline_fusion_orders", "pipeline_fusion_problem",
+           "price_pipeline_fusion"]
 
 PIPELINE_TERMS = ("work", "pp_bubble", "tp_comm", "pp_p2p", "launch", "launch_tp")
 """The cost model's train terms that make up the pipelined passes (the rest follows each optimizer step)."""
@@ -48,7 +48,7 @@ class _Call:
 
 
 @dataclass(frozen=True)
-class FusedTrainPrice:
+class PipelineFusionPrice:
     """A fused train stage's predicted seconds and how they divide."""
 
     seconds: float
@@ -78,17 +78,17 @@ def _call(cost, member: Step) -> _Call:
     return _Call(steps, pipeline, rest, spec)
 
 
-def can_fuse(alloc: Allocation) -> bool:
+def can_pipeline_fuse(alloc: Allocation) -> bool:
     """Whether a train call on ``alloc`` may be half of a fused train stage (the plan's check:
-    :func:`loomrl.plan.checks._check_train_fusion`): a pipeline of one TP slice per stage, without FSDP."""
+    :func:`loomrl.plan.checks._check_pipeline_fusion`): a pipeline of one TP slice per stage, without FSDP."""
     return alloc.layout.pp > 1 and alloc.layout.tp == 1 and not alloc.fsdp
 
 
-def fused_floor(cost, mfc, alloc: Allocation) -> float:
+def pipeline_fusion_floor(cost, mfc, alloc: Allocation) -> float:
     """The least seconds a train call keeps each device of ``alloc`` busy in any fused stage: its time without
     its pipeline bubble, ``mb`` of its ``mb + pp − 1`` slots per step. A fused step is no shorter than its
     busiest device's work, and every device holds one stage of each model, so the two calls' floors add up to
-    no more than the stage's price (:func:`price_fused_train`)."""
+    no more than the stage's price (:func:`price_pipeline_fusion`)."""
     terms = cost.time_terms(mfc, alloc)
     total = sum(terms.values())
     if total <= 0:
@@ -98,45 +98,45 @@ def fused_floor(cost, mfc, alloc: Allocation) -> float:
     return cost.mfc_time(mfc, alloc) * (total - bubble) / total
 
 
-def fused_train_problem(first: Allocation, second: Allocation, specs: tuple[PipelineSpec, PipelineSpec]
-                        ) -> FusionProblem:
+def pipeline_fusion_problem(first: Allocation, second: Allocation, specs: tuple[PipelineSpec, PipelineSpec]
+                        ) -> PipelineFusionProblem:
     """The fusion problem of two train allocations on one mesh: device ``i`` of the problem is the mesh's ``i``-th
     device, and each model's (replica, stage) sits where its layout puts it."""
     devices = first.devices
 
-    def placement(alloc: Allocation) -> tuple[tuple[int, ...], ...]:
+    def stage_devices(alloc: Allocation) -> tuple[tuple[int, ...], ...]:
         lay = alloc.layout
         return tuple(tuple(devices.index(alloc.device(Coords(s, r, 0))) for s in range(lay.pp))
                      for r in range(lay.dp))
 
-    return FusionProblem(len(devices), specs[0], specs[1], placement=(placement(first), placement(second)))
+    return PipelineFusionProblem(len(devices), specs[0], specs[1], stage_devices=(stage_devices(first), stage_devices(second)))
 
 
-def _problem(cost, step: Step) -> tuple[FusionProblem, tuple[_Call, _Call]]:
+def _problem(cost, step: Step) -> tuple[PipelineFusionProblem, tuple[_Call, _Call]]:
     calls = tuple(_call(cost, m) for m in step.members)
     first, second = (m.alloc for m in step.members)
-    return fused_train_problem(first, second, (calls[0].spec, calls[1].spec)), calls
+    return pipeline_fusion_problem(first, second, (calls[0].spec, calls[1].spec)), calls
 
 
-def price_fused_train(cost, step: Step) -> FusedTrainPrice:
+def price_pipeline_fusion(cost, step: Step) -> PipelineFusionPrice:
     """Seconds of a ``fused_train`` step (module docstring)."""
     problem, calls = _problem(cost, step)
-    result = fused_schedule(problem, seed=0, iterations=SEARCH_ITERATIONS)
+    result = fused_order(problem, seed=0, iterations=SEARCH_ITERATIONS)
     paired = min(c.steps for c in calls)
     alone = sum((c.steps - paired) * c.pipeline_s for c in calls)
     seconds = paired * result.makespan + alone + sum(c.rest_s for c in calls)
-    return FusedTrainPrice(seconds, result.makespan, sum(c.pipeline_s for c in calls), result.bound)
+    return PipelineFusionPrice(seconds, result.makespan, sum(c.pipeline_s for c in calls), result.bound)
 
 
-def fused_train_orders(cost, step: Step) -> dict[int, tuple[tuple[int, int, bool], ...]]:
+def pipeline_fusion_orders(cost, step: Step) -> dict[int, tuple[tuple[int, int, bool], ...]]:
     """Each device's order of one fused pipeline step, as :func:`loomrl.parallel.pipeline_fusion.
-    fused_train_step_backward` takes it: ``(member index, micro-batch of its replica's rows, backward?)``."""
+    pipeline_fusion_backward` takes it: ``(member index, micro-batch of its replica's rows, backward?)``."""
     problem, _ = _problem(cost, step)
-    schedule = fused_schedule(problem, seed=0, time_limit_s=RUNTIME_TIME_LIMIT_S).schedule
+    schedule = fused_order(problem, seed=0, time_limit_s=RUNTIME_TIME_LIMIT_S).schedule
     return local_orders(problem, schedule.devices, step.devices)
 
 
-def local_orders(problem: FusionProblem, devices_tasks, devices: tuple[int, ...]
+def local_orders(problem: PipelineFusionProblem, devices_tasks, devices: tuple[int, ...]
                  ) -> dict[int, tuple[tuple[int, int, bool], ...]]:
     """A schedule's per-device task lists as local orders keyed by global device: micro-batches counted within
     the replica's own block."""

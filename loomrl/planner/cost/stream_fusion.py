@@ -1,7 +1,7 @@
 """Pricing a fused stage (RLHFuse's inter-stage fusion): generation streamed into the inference calls, the
 long tail migrated onto a few replicas.
 
-What :func:`price_fused` models is what the runtime runs (:mod:`loomrl.runtime.stream_fusion`,
+What :func:`price_stream_fusion` models is what the runtime runs (:mod:`loomrl.runtime.stream_fusion`,
 :mod:`loomrl.runtime.migration`), event by event, on the workload's response-length distribution:
 
 - **Generation.** The batch's samples take lengths from the distribution (its quantiles in a length-blind order,
@@ -35,7 +35,7 @@ from loomrl.workflow import MFCKind
 if TYPE_CHECKING:
     from loomrl.planner.cost.model import CostModel
 
-__all__ = ["FusedPrice", "MIGRATE_AT_CANDIDATES", "best_migrate_at", "GenerationFloor", "generation_floor", "price_fused"]
+__all__ = ["StreamFusionPrice", "MIGRATE_AT_CANDIDATES", "best_migrate_at", "GenerationFloor", "generation_floor", "price_stream_fusion"]
 
 MIGRATE_AT_CANDIDATES = (0.0, 0.05, 0.1, 0.15, 0.2, 0.25, 0.3, 0.4, 0.5)
 """The thresholds ``migrate_at: auto`` chooses among (RLHFuse found about 0.2 best at scale)."""
@@ -45,7 +45,7 @@ Part = tuple[str, int, float, float]
 
 
 @dataclass(frozen=True)
-class FusedPrice:
+class StreamFusionPrice:
     """A fused stage's predicted time and what each device runs in it."""
 
     seconds: float
@@ -56,7 +56,7 @@ class FusedPrice:
 
 def best_migrate_at(cost: CostModel, step: Step) -> float:
     """The candidate threshold with the shortest predicted stage (the lowest on ties)."""
-    return min(MIGRATE_AT_CANDIDATES, key=lambda r: (price_fused(cost, step, r).seconds, r))
+    return min(MIGRATE_AT_CANDIDATES, key=lambda r: (price_stream_fusion(cost, step, r).seconds, r))
 
 
 @dataclass(frozen=True)
@@ -101,11 +101,11 @@ def generation_floor(cost: CostModel, role: str, alloc) -> GenerationFloor:
     return GenerationFloor(tuple(ready), replica * _corrected(cost, MFCKind.GENERATE, whole))
 
 
-def price_fused(cost: CostModel, step: Step, migrate_at: float | None = None) -> FusedPrice:
+def price_stream_fusion(cost: CostModel, step: Step, migrate_at: float | None = None) -> StreamFusionPrice:
     """The fused stage ``step`` on ``cost``'s workload (module docstring); ``migrate_at`` overrides the plan's."""
     value = step.fusion.migrate_at if migrate_at is None else migrate_at
     if isinstance(value, str):
-        return price_fused(cost, step, best_migrate_at(cost, step))
+        return price_stream_fusion(cost, step, best_migrate_at(cost, step))
     gen, fusion = step.members[0], step.fusion
     key = (gen.role, gen.alloc, value, fusion.migrate_to, fusion.chunk)
     runs = getattr(cost, "_fused_generations", {})  # the search prices many stages around one generation
@@ -115,7 +115,7 @@ def price_fused(cost: CostModel, step: Step, migrate_at: float | None = None) ->
     ready, gen_until, gen_parts = runs[key]
     parts = list(gen_parts)
     parts += _serve(cost, step, ready, gen_until)
-    return FusedPrice(max((end for *_, end in parts), default=0.0), tuple(parts), value)
+    return StreamFusionPrice(max((end for *_, end in parts), default=0.0), tuple(parts), value)
 
 
 class _Generation:

@@ -4,7 +4,7 @@ A plan says where each call runs and how its model is sharded; the same plan run
 runtime and on, say, vLLM + Megatron: the generation engine preallocates a share of device memory and decodes
 at most so many sequences at once, a framework may send its prompts to the engine in synchronous batches, train
 in FP8, keep Adam's state in host memory, or pay a per-tensor cost to move weights into the engine.
-:class:`EngineSettings` describes those choices for the cost model (:class:`~loomrl.planner.cost.model.CostModel`);
+:class:`SystemSettings` describes those choices for the cost model (:class:`~loomrl.planner.cost.model.CostModel`);
 its defaults are loomrl's runtime, so the CPU estimator and every plan search without settings price as before.
 """
 
@@ -15,14 +15,14 @@ from dataclasses import dataclass
 from loomrl.config.tools import ValidatedConfig, spec
 from loomrl.plan.hardware import HardwareProfile
 
-__all__ = ["RUNTIME", "EngineSettings", "default_max_seqs"]
+__all__ = ["RUNTIME", "SystemSettings", "default_max_seqs"]
 
 PRECISIONS = ("auto", "bf16", "fp8")
 """Precisions of generation and of training/scoring passes: ``auto`` is bf16 on accelerators (fp32 on CPU)."""
 
 
 @dataclass(frozen=True)
-class EngineSettings(ValidatedConfig):
+class SystemSettings(ValidatedConfig):
     """How the calls of a plan run, beyond where (see the module docstring); the defaults are loomrl's runtime."""
 
     gen_memory_fraction: float | None = spec(None, gt=0, le=1)
@@ -80,7 +80,7 @@ def default_max_seqs(profile: HardwareProfile) -> int:
     return 1024 if large else 256
 
 
-RUNTIME = EngineSettings(packing=False, sorted_scoring=True, shared_prompts=True)
+RUNTIME = SystemSettings(packing=False, sorted_scoring=True, shared_prompts=True)
 """loomrl's own runtime: each training and scoring micro-batch is computed to its own longest sample (no
 packing), scoring passes sort their samples by length first (:func:`loomrl.algorithms.ops.role_outputs`), and a
 group's shared prompt is computed once."""

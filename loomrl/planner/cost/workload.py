@@ -200,7 +200,7 @@ class Workload:
     whose steps cost little more for more samples)."""
     samples_per_prompt: int = 1
     """Samples sharing each prompt (a GRPO/RLOO group): a runtime that computes a shared prompt once in its
-    training and scoring passes (:attr:`~loomrl.planner.cost.system.EngineSettings.shared_prompts`) processes
+    training and scoring passes (:attr:`~loomrl.planner.cost.system.SystemSettings.shared_prompts`) processes
     ``prompt_len / samples_per_prompt`` prompt tokens per sample there."""
 
     def __post_init__(self) -> None:

@@ -41,7 +41,7 @@ import itertools
 import math
 
 from loomrl.planner.pipeline_fusion.graph import Graph, build_graph
-from loomrl.plan.pipeline_fusion import FusionProblem
+from loomrl.plan.pipeline_fusion import PipelineFusionProblem
 
 __all__ = ["device_bounds", "heads_and_tails", "jackson_preemptive", "lower_bound", "memory_bound"]
 
@@ -178,7 +178,7 @@ def device_bounds(graph: Graph, head: list[float], tail: list[float]) -> list[fl
 
 
 @functools.lru_cache(maxsize=256)
-def lower_bound(problem: FusionProblem) -> float:
+def lower_bound(problem: PipelineFusionProblem) -> float:
     """The makespan no valid schedule of ``problem`` beats (module docstring)."""
     graph = build_graph(problem)
     head, tail = heads_and_tails(graph)

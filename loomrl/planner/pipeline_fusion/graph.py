@@ -14,14 +14,14 @@ from __future__ import annotations
 import functools
 from dataclasses import dataclass
 
-from loomrl.plan.pipeline_fusion import MODELS, FusionProblem, Task
+from loomrl.plan.pipeline_fusion import MODELS, PipelineFusionProblem, Task
 
 
 @dataclass(frozen=True, eq=False)
 class Graph:
-    """The tasks of a :class:`FusionProblem` by id (ids follow ``problem.tasks()``)."""
+    """The tasks of a :class:`PipelineFusionProblem` by id (ids follow ``problem.tasks()``)."""
 
-    problem: FusionProblem
+    problem: PipelineFusionProblem
     tasks: tuple[Task, ...]
     index: dict[Task, int]
     device: list[int]
@@ -55,7 +55,7 @@ class Graph:
 
 
 @functools.lru_cache(maxsize=64)
-def build_graph(problem: FusionProblem) -> Graph:
+def build_graph(problem: PipelineFusionProblem) -> Graph:
     """The flat form of ``problem`` (cached: problems are frozen)."""
     tasks = problem.tasks()
     index = {t: i for i, t in enumerate(tasks)}

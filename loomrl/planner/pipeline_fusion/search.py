@@ -1,16 +1,16 @@
 """Fused schedules: the separate baseline, a greedy start, and a seeded, time-bounded search toward the bound.
 
-- :func:`separate_schedule`: what loomrl runs without fusion: on every device the actor's 1F1B, then the
+- :func:`separate_order`: what loomrl runs without fusion: on every device the actor's 1F1B, then the
   critic's 1F1B. Its as-soon-as-possible makespan already lets the critic start on a device once that device's
   actor work is done, so it is a little better than the two 1F1B makespans added.
-- :func:`merged_schedule`: list scheduling (:class:`~loomrl.planner.pipeline_fusion.priorities.Decoder`) with Jackson's
+- :func:`merged_order`: list scheduling (:class:`~loomrl.planner.pipeline_fusion.priorities.Decoder`) with Jackson's
   priority, the task with the longest path still behind it first (ties to the earlier head), in active and
   non-delay form, with memory shared by the two models or held to each one's own 1F1B share, with and without
   the deadlock reserve, with and without holding a forward back for the other model's more urgent one, each
   followed by forward-backward improvement
   (:func:`~loomrl.planner.pipeline_fusion.priorities.justify`). The best of these (or the separate schedule, if better)
   is the search's start.
-- :func:`fused_schedule`: large-neighbourhood search from that start. Each step cuts the current schedule at a
+- :func:`fused_order`: large-neighbourhood search from that start. Each step cuts the current schedule at a
   random time, keeps one side of the cut as it is and rebuilds the other by list scheduling with perturbed
   priorities (each task's current start, or its Jackson priority, plus Gaussian noise), memory shared or held
   to 1F1B shares, the reserve and the hold on or off at random: keeping the beginning, the decoder runs forwards
@@ -48,9 +48,9 @@ from loomrl.planner.pipeline_fusion.bound import heads_and_tails, lower_bound
 from loomrl.planner.pipeline_fusion.priorities import Decoder, Orders, forward_orders, justify
 from loomrl.planner.pipeline_fusion.graph import Graph, build_graph, finish_times
 from loomrl.planner.pipeline_fusion.polish import polish
-from loomrl.plan.pipeline_fusion import MODELS, FusionProblem, Schedule
+from loomrl.plan.pipeline_fusion import MODELS, PipelineFusionProblem, TaskOrder
 
-__all__ = ["FusionResult", "fused_schedule", "merged_schedule", "separate_schedule"]
+__all__ = ["PipelineFusionResult", "fused_order", "merged_order", "separate_order"]
 
 JUSTIFY_PASSES = 2
 """Forward-backward passes after each greedy start."""
@@ -69,10 +69,10 @@ EXACT_WORKERS = min(8, os.cpu_count() or 1)
 
 
 @dataclass(frozen=True)
-class FusionResult:
-    """What :func:`fused_schedule` found."""
+class PipelineFusionResult:
+    """What :func:`fused_order` found."""
 
-    schedule: Schedule
+    schedule: TaskOrder
     makespan: float
     bound: float
     """:func:`~loomrl.planner.pipeline_fusion.bound.lower_bound` of the problem."""
@@ -84,14 +84,14 @@ class FusionResult:
     evaluations: int
     """Schedules decoded and simulated in all, the start's included."""
     start_makespan: float
-    """The start's makespan (the better of :func:`merged_schedule` and :func:`separate_schedule`)."""
+    """The start's makespan (the better of :func:`merged_order` and :func:`separate_order`)."""
     exact_proofs: int = 0
     """Makespans CP-SAT proved out of reach (each raising ``bound`` one grid step above
     :func:`~loomrl.planner.pipeline_fusion.bound.lower_bound`); 0 when it was not used."""
 
 
-def _schedule(graph: Graph, orders: Orders) -> Schedule:
-    return Schedule(graph.problem, tuple(tuple(graph.tasks[i] for i in order) for order in orders))
+def _schedule(graph: Graph, orders: Orders) -> TaskOrder:
+    return TaskOrder(graph.problem, tuple(tuple(graph.tasks[i] for i in order) for order in orders))
 
 
 def _span(graph: Graph, orders: Orders) -> tuple[list[float], float]:
@@ -118,7 +118,7 @@ def _one_f_one_b(graph: Graph, device: int, model: int) -> list[int]:
     return order + list(backwards[len(forwards) - warmup:])
 
 
-def separate_schedule(problem: FusionProblem) -> Schedule:
+def separate_order(problem: PipelineFusionProblem) -> TaskOrder:
     """On every device the actor's 1F1B, then the critic's (module docstring)."""
     graph = build_graph(problem)
     return _schedule(graph, [_one_f_one_b(graph, d, 0) + _one_f_one_b(graph, d, 1) for d in range(problem.devices)])
@@ -127,7 +127,7 @@ def separate_schedule(problem: FusionProblem) -> Schedule:
 class _Context:
     """What every decode of one problem shares: the graph, both decoders, priorities and memory shares."""
 
-    def __init__(self, problem: FusionProblem) -> None:
+    def __init__(self, problem: PipelineFusionProblem) -> None:
         self.graph = graph = build_graph(problem)
         self.forward, self.backward = Decoder(graph), Decoder(graph, reverse=True)
         self.head, self.tail = heads_and_tails(graph)
@@ -176,24 +176,24 @@ class _Context:
 
 
 @functools.lru_cache(maxsize=64)
-def _context(problem: FusionProblem) -> _Context:
+def _context(problem: PipelineFusionProblem) -> _Context:
     return _Context(problem)
 
 
 @functools.lru_cache(maxsize=256)
-def _greedy(problem: FusionProblem) -> tuple[tuple[tuple[int, ...], ...], int]:
+def _greedy(problem: PipelineFusionProblem) -> tuple[tuple[tuple[int, ...], ...], int]:
     orders, decoded = _context(problem).greedy()
     return tuple(tuple(o) for o in orders), decoded
 
 
-def merged_schedule(problem: FusionProblem) -> Schedule:
+def merged_order(problem: PipelineFusionProblem) -> TaskOrder:
     """The best greedy list schedule (module docstring); deterministic and cached."""
     orders, _ = _greedy(problem)
     return _schedule(build_graph(problem), [list(o) for o in orders])
 
 
-def fused_schedule(problem: FusionProblem, *, seed: int = 0, time_limit_s: float = 60.0,
-                   iterations: int | None = None, exact: bool | None = None) -> FusionResult:
+def fused_order(problem: PipelineFusionProblem, *, seed: int = 0, time_limit_s: float = 60.0,
+                   iterations: int | None = None, exact: bool | None = None) -> PipelineFusionResult:
     """The greedy start improved by the search of the module docstring until it reaches the lower bound, has
     tried ``iterations`` search steps or has run ``time_limit_s``, whichever comes first. With ``iterations`` the
     result depends on ``seed`` alone (the time limit is then only a safety cap); ``iterations=0`` is the cheap
@@ -211,12 +211,12 @@ def fused_schedule(problem: FusionProblem, *, seed: int = 0, time_limit_s: float
 
 
 @functools.lru_cache(maxsize=256)
-def _fused(problem: FusionProblem, seed: int, time_limit_s: float, iterations: int | None,
-           use_exact: bool) -> FusionResult:
+def _fused(problem: PipelineFusionProblem, seed: int, time_limit_s: float, iterations: int | None,
+           use_exact: bool) -> PipelineFusionResult:
     began = time.perf_counter()
     graph, bound, context = build_graph(problem), lower_bound(problem), _context(problem)
     greedy, decoded = _greedy(problem)
-    separate = [[graph.index[t] for t in order] for order in separate_schedule(problem).devices]
+    separate = [[graph.index[t] for t in order] for order in separate_order(problem).devices]
     orders = min(([list(o) for o in greedy], separate), key=lambda o: _span(graph, o)[1])
     start_span = _span(graph, orders)[1]
     rng, steps = random.Random(seed), 0
@@ -246,7 +246,7 @@ def _fused(problem: FusionProblem, seed: int, time_limit_s: float, iterations: i
         if found.orders is not None and _span(graph, found.orders)[1] < span:
             orders = found.orders
             span = _span(graph, orders)[1]
-    return FusionResult(_schedule(graph, orders), span, bound, span / bound - 1 if bound > 0 else 0.0,
+    return PipelineFusionResult(_schedule(graph, orders), span, bound, span / bound - 1 if bound > 0 else 0.0,
                         time.perf_counter() - began, steps, decoded + 1 + steps, start_span, proofs)
 
 

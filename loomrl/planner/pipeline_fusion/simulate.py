@@ -8,7 +8,7 @@ micro-batch's task of its kind on its stage (streams stay in micro-batch order, 
 carries its messages in order: the executor sends without blocking and receives blocking, one communicator per
 model and direction). An order whose execution gets stuck is a deadlock.
 
-:func:`check` enforces the rules an executor relies on and raises :class:`ScheduleError` with one line naming
+:func:`check` enforces the rules an executor relies on and raises :class:`TaskOrderError` with one line naming
 the device, the task and the broken rule: every task exactly once and on its stage's device; forwards and
 backwards of a stage in micro-batch order; a backward after its forward; no deadlock; live activations (forwards
 done whose backward is not, weighted by ``activation``) never above the device's memory cap. Memory depends on
@@ -22,12 +22,12 @@ from types import MappingProxyType
 from typing import Mapping
 
 from loomrl.planner.pipeline_fusion.graph import Graph, build_graph
-from loomrl.plan.pipeline_fusion import Schedule, Task
+from loomrl.plan.pipeline_fusion import TaskOrder, Task
 
-__all__ = ["ScheduleError", "Timing", "check", "simulate"]
+__all__ = ["TaskOrderError", "Timing", "check", "simulate"]
 
 
-class ScheduleError(ValueError):
+class TaskOrderError(ValueError):
     """A schedule breaks a rule; the message is one line naming the device, the task and the rule."""
 
 
@@ -49,7 +49,7 @@ class Timing:
         return self.makespan - self.busy[device]
 
 
-def _ids(schedule: Schedule, graph: Graph) -> list[list[int]]:
+def _ids(schedule: TaskOrder, graph: Graph) -> list[list[int]]:
     """Task ids per device; every task exactly once, each on its stage's device."""
     problem, seen = schedule.problem, {}
     orders = []
@@ -58,17 +58,17 @@ def _ids(schedule: Schedule, graph: Graph) -> list[list[int]]:
         for task in order:
             i = graph.index.get(task) if isinstance(task, Task) else None
             if i is None:
-                raise ScheduleError(f"device {d}: {task} is not a task of this problem")
+                raise TaskOrderError(f"device {d}: {task} is not a task of this problem")
             if i in seen:
-                raise ScheduleError(f"device {d}: {task} appears twice (also on device {seen[i]})")
+                raise TaskOrderError(f"device {d}: {task} appears twice (also on device {seen[i]})")
             if graph.device[i] != d:
-                raise ScheduleError(f"device {d}: {task} belongs on device {graph.device[i]}, which holds its stage")
+                raise TaskOrderError(f"device {d}: {task} belongs on device {graph.device[i]}, which holds its stage")
             seen[i] = d
             ids.append(i)
         orders.append(ids)
     if len(seen) != graph.size:
         missing = next(t for i, t in enumerate(graph.tasks) if i not in seen)
-        raise ScheduleError(f"device {problem.device_of_task(missing)}: {missing} is missing "
+        raise TaskOrderError(f"device {problem.device_of_task(missing)}: {missing} is missing "
                             f"({graph.size - len(seen)} tasks in all)")
     return orders
 
@@ -81,7 +81,7 @@ def _deps(graph: Graph, i: int) -> list[tuple[int, float]]:
 
 
 def _run(graph: Graph, orders: list[list[int]]) -> tuple[list[float], list[float]]:
-    """Start and end of every task under as-soon-as-possible execution, or :class:`ScheduleError` (deadlock)."""
+    """Start and end of every task under as-soon-as-possible execution, or :class:`TaskOrderError` (deadlock)."""
     n = graph.size
     start, end = [-1.0] * n, [-1.0] * n
     waiters: list[list[int]] = [[] for _ in range(n)]
@@ -103,7 +103,7 @@ def _run(graph: Graph, orders: list[list[int]]) -> tuple[list[float], list[float
             waiters[i] = []
     stuck = [d for d in range(len(orders)) if pos[d] < len(orders[d])]
     if stuck:
-        raise ScheduleError(_deadlock(graph, orders, pos, end, stuck))
+        raise TaskOrderError(_deadlock(graph, orders, pos, end, stuck))
     return start, end
 
 
@@ -144,15 +144,15 @@ def _timing(graph: Graph, orders: list[list[int]]) -> Timing:
                   MappingProxyType({graph.tasks[i]: end[i] for i in range(graph.size)}), busy, _peaks(graph, orders))
 
 
-def simulate(schedule: Schedule) -> Timing:
-    """As-soon-as-possible execution of each device's order (module docstring). Raises :class:`ScheduleError`
+def simulate(schedule: TaskOrder) -> Timing:
+    """As-soon-as-possible execution of each device's order (module docstring). Raises :class:`TaskOrderError`
     when a task is missing, repeated or misplaced, or the orders deadlock; memory is measured, not capped."""
     graph = build_graph(schedule.problem)
     return _timing(graph, _ids(schedule, graph))
 
 
-def check(schedule: Schedule) -> Timing:
-    """The schedule's :class:`Timing` if it keeps every rule of the module docstring, else :class:`ScheduleError`."""
+def check(schedule: TaskOrder) -> Timing:
+    """The schedule's :class:`Timing` if it keeps every rule of the module docstring, else :class:`TaskOrderError`."""
     graph = build_graph(schedule.problem)
     orders = _ids(schedule, graph)
     for d, order in enumerate(orders):
@@ -168,12 +168,12 @@ def _check_order(graph: Graph, d: int, order: list[int]) -> None:
         task, prev, fwd = graph.tasks[i], graph.prev[i], graph.fwd[i]
         kind = "backward" if task.backward else "forward"
         if prev >= 0 and prev not in done:
-            raise ScheduleError(f"device {d}: {task} runs before {graph.tasks[prev]} ({kind}s of a stage run in "
+            raise TaskOrderError(f"device {d}: {task} runs before {graph.tasks[prev]} ({kind}s of a stage run in "
                                 f"micro-batch order)")
         if fwd >= 0 and fwd not in done:
-            raise ScheduleError(f"device {d}: {task} runs before its forward {graph.tasks[fwd]}")
+            raise TaskOrderError(f"device {d}: {task} runs before its forward {graph.tasks[fwd]}")
         live += graph.mem[i]
         if live > cap + 1e-9:
-            raise ScheduleError(f"device {d}: {task} raises live activations to {live:g}, above the memory cap "
+            raise TaskOrderError(f"device {d}: {task} raises live activations to {live:g}, above the memory cap "
                                 f"{cap:g}")
         done.add(i)

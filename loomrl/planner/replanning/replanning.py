@@ -150,7 +150,7 @@ def calibrated(mfc: MFC, alloc: Allocation, cost: CostModel) -> bool:
 
 def trusted(plan: ExecutionPlan, workflow: Workflow, cost: CostModel) -> bool:
     """A candidate the run's corrections can price: unfused, and every call :func:`calibrated`."""
-    return plan.fuse is None and not plan.fuse_train and all(
+    return plan.stream_fusion is None and not plan.pipeline_fusion and all(
         calibrated(mfc, plan[mfc.name], cost) for mfc in workflow.topological_order())
 
 
@@ -224,11 +224,11 @@ def search_candidates(model: RunModel, cost: CostModel, current: ExecutionPlan, 
 
 def unfused(plan: ExecutionPlan, workflow: Workflow) -> ExecutionPlan:
     """``plan`` without inter-stage fusion, and with its train calls unfused (their own stage order back)."""
-    if plan.fuse_train:
+    if plan.pipeline_fusion:
         plan = dataclasses.replace(plan, allocations={
             name: dataclasses.replace(alloc, layout=dataclasses.replace(alloc.layout, reverse=False))
             if workflow[name].kind is MFCKind.TRAIN else alloc for name, alloc in plan.allocations.items()})
-    return dataclasses.replace(plan, fuse=None, fuse_train=False)
+    return dataclasses.replace(plan, stream_fusion=None, pipeline_fusion=False)
 
 
 def switch_seconds(cost: CostModel, moves: Sequence, prologue: Sequence[Step]) -> float:

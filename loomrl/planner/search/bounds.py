@@ -37,19 +37,19 @@ every segment the same ``λ`` and the part of one path through the iteration tha
 maximal path of the segment) gives back the whole-iteration bound of that ``λ`` and path, so the segments only
 tighten it. The figure goes through the estimator's whole-iteration correction like the simulator's.
 
-**Fused stages.** Where the estimator prices inter-stage fusion (``fused_time``, :mod:`loomrl.planner.cost.stream_fusion`) and
+**Fused stages.** Where the estimator prices inter-stage fusion (``stream_fusion_time``, :mod:`loomrl.planner.cost.stream_fusion`) and
 the workflow has calls to fuse, a plan may run generation and the inference calls that read it as one stage, so
 the two segments are one and the inference overlaps the generation's tail. The merged segment takes at least the
-larger of two figures, each from the estimator's ``fused_floor`` of every generation allocation
+larger of two figures, each from the estimator's ``stream_fusion_floor`` of every generation allocation
 (:func:`~loomrl.planner.cost.stream_fusion.generation_floor`): for each response length ``k``, the time before which no sample
 of length at least ``k`` is ready plus that share of the inference calls' least device-seconds over the
 cluster; and the generation's least device-seconds plus all of the inference's, over the cluster. The bound of
 a training placement is the least of its unfused and fused sums.
 
-**Fused training.** Where the estimator prices intra-stage fusion (``fused_train_time``,
+**Fused training.** Where the estimator prices intra-stage fusion (``pipeline_fusion_time``,
 :mod:`loomrl.planner.cost.pipeline_fusion`), two train calls pipelined on the same devices may fill each other's bubbles,
 so a device is busy with a call for at least its time without its pipeline bubble
-(:func:`~loomrl.planner.cost.pipeline_fusion.fused_floor`: a fused step is no shorter than the busiest device's
+(:func:`~loomrl.planner.cost.pipeline_fusion.pipeline_fusion_floor`: a fused step is no shorter than the busiest device's
 forwards and backwards), which the work and busiest-device figures count instead of its time; a call's own
 time still bounds any path through it (one pipeline alone cannot beat its own 1F1B).
 
@@ -70,7 +70,7 @@ from dataclasses import dataclass
 import numpy as np
 
 from loomrl.plan import Allocation, ClusterSpec
-from loomrl.planner.cost.pipeline_fusion import can_fuse, fused_floor
+from loomrl.planner.cost.pipeline_fusion import can_pipeline_fuse, pipeline_fusion_floor
 from loomrl.planner.search.search import candidate_allocations, unit_names
 from loomrl.planner.simulation.simulator import CostEstimator, SimResult
 from loomrl.workflow import MFCKind, Workflow
@@ -175,7 +175,7 @@ def iteration_bound(workflow: Workflow, cluster: ClusterSpec, cost: CostEstimato
     n = cluster.n_devices
     parts = [(calls, _paths(workflow, calls), [i for i, u in enumerate(units) if set(u.names) & set(calls)])
              for calls in segments(workflow)]
-    fused = _fused_segments(workflow, cost, units, [calls for calls, *_ in parts], n)
+    fused = _stream_fusion_segments(workflow, cost, units, [calls for calls, *_ in parts], n)
     trains = [i for i, u in enumerate(units) if workflow[u.names[0]].kind is MFCKind.TRAIN]
     choices = [_undominated(units[i]) for i in trains]
     best: list[SegmentBound] | None = None
@@ -215,7 +215,7 @@ def _unit(names: tuple[str, ...], workflow: Workflow, cluster: ClusterSpec, cost
     mfcs = [workflow[name] for name in names]
     role, train = mfcs[0].role, mfcs[0].kind is MFCKind.TRAIN
     pair = workflow.train_pair()
-    fusable = train and getattr(cost, "fused_train_time", None) is not None and pair is not None and \
+    pipeline_fusable = train and getattr(cost, "pipeline_fusion_time", None) is not None and pair is not None and \
         any(m.name in names for m in pair)
     rows = []
     for alloc in candidate_allocations(mfcs[0], workflow, cluster, model_configs):
@@ -223,7 +223,7 @@ def _unit(names: tuple[str, ...], workflow: Workflow, cluster: ClusterSpec, cost
         transient = max((cost.mfc_memory(m, alloc, train) for m in mfcs if m.role is not None), default=0.0)
         if weights + transient <= memory:
             times = [cost.mfc_time(m, alloc) for m in mfcs]
-            busy = [fused_floor(cost, m, alloc) if fusable and can_fuse(alloc) else t for m, t in zip(mfcs, times)]
+            busy = [pipeline_fusion_floor(cost, m, alloc) if pipeline_fusable and can_pipeline_fuse(alloc) else t for m, t in zip(mfcs, times)]
             rows.append((alloc, times, weights, transient, busy))
     devices = np.zeros((len(rows), cluster.n_devices), dtype=bool)
     for k, (alloc, *_) in enumerate(rows):
@@ -301,7 +301,7 @@ def _fitting_anywhere(units: list[_Unit], workflow: Workflow, n: int, memory: fl
 
 
 @dataclass(frozen=True)
-class _FusedSegment:
+class _StreamFusionSegment:
     """Two segments a fused stage runs as one (module docstring), and the bound on it."""
 
     first: int
@@ -312,12 +312,12 @@ class _FusedSegment:
     """Whether the longest sample (rather than the work) gave ``seconds``."""
 
 
-def _fused_segments(workflow: Workflow, cost: CostEstimator, units: list[_Unit], parts: list[tuple[str, ...]],
-                    n: int) -> _FusedSegment | None:
+def _stream_fusion_segments(workflow: Workflow, cost: CostEstimator, units: list[_Unit], parts: list[tuple[str, ...]],
+                    n: int) -> _StreamFusionSegment | None:
     """The merged segment of a fused stage and its bound, when the estimator prices fusion and gives
-    ``fused_floor``; None otherwise, or when generation and its readers are not two adjacent segments."""
-    group, floor = workflow.fusable(), getattr(cost, "fused_floor", None)
-    if group is None or floor is None or getattr(cost, "fused_time", None) is None:
+    ``stream_fusion_floor``; None otherwise, or when generation and its readers are not two adjacent segments."""
+    group, floor = workflow.stream_fusable(), getattr(cost, "stream_fusion_floor", None)
+    if group is None or floor is None or getattr(cost, "stream_fusion_time", None) is None:
         return None
     gen, readers = group[0].name, {m.name for m in group[1]}
     first = next((k for k, calls in enumerate(parts) if gen in calls), None)
@@ -336,10 +336,10 @@ def _fused_segments(workflow: Workflow, cost: CostEstimator, units: list[_Unit],
     # batch is at least that part of its time over the whole: its fixed costs do not shrink)
     ready = min(max(t + fraction * scoring / n for t, fraction in f.ready) for f in floors)
     work = (min(f.device_seconds for f in floors) + scoring) / n
-    return _FusedSegment(first, parts[first] + parts[first + 1], max(ready, work), ready >= work)
+    return _StreamFusionSegment(first, parts[first] + parts[first + 1], max(ready, work), ready >= work)
 
 
-def _merged(out: list[SegmentBound], fused: _FusedSegment | None) -> list[SegmentBound]:
+def _merged(out: list[SegmentBound], fused: _StreamFusionSegment | None) -> list[SegmentBound]:
     """``out`` with the fused stage's two segments replaced by its one where that is less."""
     if fused is None:
         return out
@@ -353,7 +353,7 @@ def _merged(out: list[SegmentBound], fused: _FusedSegment | None) -> list[Segmen
 
 def _segments_bound(units: list[_Unit], masks: list[np.ndarray], fixed: set[int],
                     parts: list[tuple[tuple[str, ...], list[tuple[str, ...]], list[int]]], n: int,
-                    limit: float, fused: _FusedSegment | None = None) -> list[SegmentBound] | None:
+                    limit: float, fused: _StreamFusionSegment | None = None) -> list[SegmentBound] | None:
     """Each segment's bound (``parts``: its calls, their paths and the indices of the units holding them) with
     every unit restricted to ``masks``; the units in ``fixed`` hold their one allocation already; the segments of
     a fused stage merged where that is less (``fused``). None if some unit has no allocation left or the sum

@@ -45,10 +45,10 @@ from dataclasses import dataclass
 
 from loomrl.errors import ConfigError
 from loomrl.plan import Allocation, ClusterSpec, DeviceSet, ExecutionPlan, colocate, interleave, separate
-from loomrl.plan.plan import Fusion
+from loomrl.plan.plan import StreamFusion
 from loomrl.plan.layout import Layout, check_layout
 from loomrl.plan.memory import model_dims
-from loomrl.planner.cost.pipeline_fusion import can_fuse
+from loomrl.planner.cost.pipeline_fusion import can_pipeline_fuse
 from loomrl.planner.simulation.simulator import CostEstimator, SimResult, simulate
 from loomrl.workflow import MFC, MFCKind, Workflow
 
@@ -77,8 +77,8 @@ def plan_key(plan: ExecutionPlan) -> _PlanKey:
     """A hashable identity of a plan: its allocations' texts by MFC name, its shadow and offload choices and its
     fusions."""
     choices = tuple((chosen is not None, chosen or ()) for chosen in (plan.shadow, plan.offload))  # None: default
-    fusion = "" if plan.fuse is None else plan.fuse.text  # a string either way: keys are compared on ties
-    return tuple(sorted((n, a.text) for n, a in plan.allocations.items())), *choices, fusion, plan.fuse_train
+    fusion = "" if plan.stream_fusion is None else plan.stream_fusion.text  # a string either way: keys are compared on ties
+    return tuple(sorted((n, a.text) for n, a in plan.allocations.items())), *choices, fusion, plan.pipeline_fusion
 
 
 def _powers_of_two(limit: int) -> list[int]:
@@ -391,40 +391,40 @@ def _toggle_offload(plan: ExecutionPlan, workflow: Workflow, role: str) -> Execu
     return dataclasses.replace(plan, offload=tuple(r for r in workflow.roles() if r in offloaded))
 
 
-def fusion_choices(plan: ExecutionPlan, evaluate: _Evaluator) -> list[Fusion | None]:
+def stream_fusion_choices(plan: ExecutionPlan, evaluate: _Evaluator) -> list[StreamFusion | None]:
     """The fusions the search tries on ``plan`` (the current one left out), when the estimator prices fused
     stages and the workflow has calls to fuse: none, and ``migrate_at: auto`` onto one replica or, with four or
     more generation replicas, onto a quarter of them (RLHFuse moves the tail onto a few instances)."""
     estimator = getattr(evaluate.cost, "inner", evaluate.cost)
-    group = evaluate.workflow.fusable()
-    if getattr(estimator, "fused_time", None) is None or group is None:
+    group = evaluate.workflow.stream_fusable()
+    if getattr(estimator, "stream_fusion_time", None) is None or group is None:
         return []
     replicas = plan[group[0].name].layout.dp
-    options: list[Fusion | None] = [None, Fusion(migrate_at="auto", migrate_to=1)]
+    options: list[StreamFusion | None] = [None, StreamFusion(migrate_at="auto", migrate_to=1)]
     if replicas >= 4:
-        options.append(Fusion(migrate_at="auto", migrate_to=replicas // 4))
-    return [f for f in options if f != plan.fuse]
+        options.append(StreamFusion(migrate_at="auto", migrate_to=replicas // 4))
+    return [f for f in options if f != plan.stream_fusion]
 
 
-def train_fusion_twin(plan: ExecutionPlan, evaluate: _Evaluator) -> ExecutionPlan | None:
+def pipeline_fusion_twin(plan: ExecutionPlan, evaluate: _Evaluator) -> ExecutionPlan | None:
     """``plan`` with its train calls fused if they are not and could be, unfused if they are; None when the
     estimator does not price fused training or the workflow has no train pair. Fusing reverses the second call's
     pipeline (its stage 0 on the mesh's last device), so the two run in opposite directions; unfusing restores
     its plain order."""
     estimator = getattr(evaluate.cost, "inner", evaluate.cost)
     pair = evaluate.workflow.train_pair()
-    if getattr(estimator, "fused_train_time", None) is None or pair is None:
+    if getattr(estimator, "pipeline_fusion_time", None) is None or pair is None:
         return None
     first, second = (plan[m.name] for m in pair)
-    if plan.fuse_train:
+    if plan.pipeline_fusion:
         plain = dataclasses.replace(second.layout, reverse=False)
         return dataclasses.replace(_with(plan, {pair[1].name: dataclasses.replace(second, layout=plain)}),
-                                   fuse_train=False)
-    if first.mesh != second.mesh or not (can_fuse(first) and can_fuse(second)):
+                                   pipeline_fusion=False)
+    if first.mesh != second.mesh or not (can_pipeline_fuse(first) and can_pipeline_fuse(second)):
         return None
     flipped = dataclasses.replace(second.layout, reverse=not first.layout.reverse)
     return dataclasses.replace(_with(plan, {pair[1].name: dataclasses.replace(second, layout=flipped)}),
-                               fuse_train=True)
+                               pipeline_fusion=True)
 
 
 def _anneal(start: ExecutionPlan, units: list[_Unit], evaluate: _Evaluator, rng: random.Random,
@@ -450,29 +450,29 @@ def _anneal(start: ExecutionPlan, units: list[_Unit], evaluate: _Evaluator, rng:
 def _polish(best: ExecutionPlan, units: list[_Unit], evaluate: _Evaluator, deadline: float,
             splitter: _Splitter | None = None) -> None:
     """Coordinate descent from ``best``: generation fused with the inference that reads it or not
-    (:func:`fusion_choices`), then each unit in turn takes its best candidate with the others fixed, then each
+    (:func:`stream_fusion_choices`), then each unit in turn takes its best candidate with the others fixed, then each
     pair of independent units tries the halves of either one's mesh (``splitter``), then each frozen role
     offloaded or resident, sweeping until a sweep improves nothing or the deadline passes (results land in
     ``evaluate``). Annealing finds the region; this settles it on the local optimum, which random proposals
     reach only by luck."""
     current, rank = best, evaluate.rank(best)
-    group = evaluate.workflow.fusable()
+    group = evaluate.workflow.stream_fusable()
     generating = group[0].name if group is not None else None
 
     def trials():  # each built from the plan current when it is drawn
-        for fusion in fusion_choices(current, evaluate):  # fused or not: cheap to try, and it moves a lot
-            yield dataclasses.replace(current, fuse=fusion)
-        if (twin := train_fusion_twin(current, evaluate)) is not None:
+        for fusion in stream_fusion_choices(current, evaluate):  # fused or not: cheap to try, and it moves a lot
+            yield dataclasses.replace(current, stream_fusion=fusion)
+        if (twin := pipeline_fusion_twin(current, evaluate)) is not None:
             yield twin
         for unit in units:
             for alloc in unit.candidates:
                 trial = _with(current, dict.fromkeys(unit.names, alloc))
                 yield trial
-                if not trial.fuse_train and (twin := train_fusion_twin(trial, evaluate)) is not None:
+                if not trial.pipeline_fusion and (twin := pipeline_fusion_twin(trial, evaluate)) is not None:
                     yield twin  # pipelines that could fuse: fused too
                 if generating in unit.names:  # a generation layout that pays only fused (or only unfused)
-                    for fusion in fusion_choices(trial, evaluate):
-                        yield dataclasses.replace(trial, fuse=fusion)
+                    for fusion in stream_fusion_choices(trial, evaluate):
+                        yield dataclasses.replace(trial, stream_fusion=fusion)
         for i, j in splitter.pairs if splitter is not None else ():
             yield from splitter.moves(current, i, j)
         for role in _offload_choices(current, evaluate):  # offloaded or resident
@@ -579,9 +579,9 @@ def search(workflow: Workflow, cluster: ClusterSpec, cost: CostEstimator, memory
             plan.validate(workflow)  # raises the one-line reason
     # each start fused or not, whichever is faster, where the estimator prices fusion: the walks then explore
     # around it (a polish toggling fusion at the end may not reach it on a large cluster's budget)
-    starts = [min([plan, *(dataclasses.replace(plan, fuse=f) for f in fusion_choices(plan, evaluate))],
+    starts = [min([plan, *(dataclasses.replace(plan, stream_fusion=f) for f in stream_fusion_choices(plan, evaluate))],
                   key=evaluate.rank) for plan in starts]
-    starts = [min([plan, *filter(None, [train_fusion_twin(plan, evaluate)])], key=evaluate.rank) for plan in starts]
+    starts = [min([plan, *filter(None, [pipeline_fusion_twin(plan, evaluate)])], key=evaluate.rank) for plan in starts]
     keep = {a for plan in starts for a in plan.allocations.values()}
     units = [_Unit(names, _prune(names, tuple(candidate_allocations(workflow[names[0]], workflow, cluster,
                                                                     model_configs)),

@@ -7,7 +7,7 @@ its *own* devices outnumbering the cores (``own = max(1, busy devices of the cal
 running beside others, its progress rate is ``own / max(1, busy devices of all running calls on the node /
 cores)`` (the smallest over the nodes it spans), which is 1 when it runs alone.
 
-:func:`schedule_shared` is the simulator's dispatch rule (each device runs the nodes in the order they became
+:func:`simulate_shared` is the simulator's dispatch rule (each device runs the nodes in the order they became
 ready, no back-filling; ties by index) as a discrete-event simulation whose running nodes progress at those
 rates. With enough cores every rate is 1 and it gives the same schedule as the simulator's list scheduling.
 """
@@ -19,7 +19,7 @@ import math
 from collections import Counter, deque
 from typing import Callable, Sequence
 
-__all__ = ["release", "schedule_shared", "successors"]
+__all__ = ["release", "simulate_shared", "successors"]
 
 _EPS = 1e-12
 
@@ -50,7 +50,7 @@ def _rate(devices: Sequence[int], running_busy: Counter, node_of: Callable[[int]
     return min(max(1.0, own[n] / cores) / max(1.0, running_busy[n] / cores) for n in own)
 
 
-def schedule_shared(durations: Sequence[float], devices: Sequence[Sequence[int]], deps: Sequence[Sequence[int]],
+def simulate_shared(durations: Sequence[float], devices: Sequence[Sequence[int]], deps: Sequence[Sequence[int]],
                     node_of: Callable[[int], int], cores: float,
                     carried: Sequence[Sequence[int]] | None = None) -> tuple[list[float], list[float]]:
     """Start and end time of every node under processor sharing (module docstring).

@@ -48,7 +48,7 @@ from typing import Protocol, runtime_checkable
 from loomrl.errors import ConfigError
 from loomrl.plan import GB, Allocation, ExecutionPlan
 from loomrl.plan.schedule import STAGES, Schedule, Step, StepKind, build_schedule
-from loomrl.planner.simulation.sharing import release, schedule_shared, successors as _successors
+from loomrl.planner.simulation.sharing import release, simulate_shared, successors as _successors
 from loomrl.workflow import MFC, MFCKind, Workflow
 
 __all__ = ["CostEstimator", "Interval", "SimResult", "format_bytes", "simulate"]
@@ -175,10 +175,10 @@ def _checked(value: float, what: str) -> float:
 
 def _duration(step: Step, cost: CostEstimator, trained: frozenset[str] = frozenset()) -> float:
     """Seconds the estimator gives a step (module docstring); a fused stage's from the estimator's optional
-    ``fused_time`` (without it the stage runs its calls in turn); a reload or offload of a ``trained`` role
+    ``stream_fusion_time`` (without it the stage runs its calls in turn); a reload or offload of a ``trained`` role
     moves its training state (:func:`_move_time`)."""
     if step.kind in STAGES:  # optional prices: without them a stage runs its calls in turn
-        name = "fused_time" if step.kind is StepKind.FUSED else "fused_train_time"
+        name = "stream_fusion_time" if step.kind is StepKind.STREAM_FUSION else "pipeline_fusion_time"
         fused = getattr(cost, name, None)
         if fused is not None:
             return _checked(fused(step), f"{name}({step.id})")
@@ -213,8 +213,8 @@ def _build_graph(schedule: Schedule, cost: CostEstimator, iterations: int,
     deps = [[position[d] for d in step.deps] for step in steps]
     carried = [[position[d] for d in step.deps if step.sent_with(steps[position[d]])] for step in steps]
     seconds = [_duration(step, cost, trained) for step in steps]
-    stage = getattr(cost, "fused_stage", None)  # optional: the parts of a fused stage, for the timeline
-    parts = [stage(step).parts if stage is not None and step.kind is StepKind.FUSED else () for step in steps]
+    stage = getattr(cost, "stream_fusion_stage", None)  # optional: the parts of a fused stage, for the timeline
+    parts = [stage(step).parts if stage is not None and step.kind is StepKind.STREAM_FUSION else () for step in steps]
     nodes: list[_Node] = []
     for it in range(iterations):
         base = it * len(steps)
@@ -358,7 +358,7 @@ def _memory_intervals(plan: ExecutionPlan, workflow: Workflow, cost: CostEstimat
             held = opened.pop((step.role, step.alloc))
             what = f"{step.role} copy" if step.kind is StepKind.FREE else f"{step.role} weights"
             add(step.devices, start[held], end[i], *static(step.role, step.alloc, False), what)
-        elif step.kind in (StepKind.CALL, StepKind.FUSED_TRAIN):  # a fused train stage holds both calls' buffers
+        elif step.kind in (StepKind.CALL, StepKind.PIPELINE_FUSION):  # a fused train stage holds both calls' buffers
             for call in step.members or (step,):
                 trainable = call.mfc.kind is MFCKind.TRAIN
                 key = ("mfc_memory", call.id, call.alloc.text, trainable)
@@ -473,7 +473,7 @@ def simulate(plan: ExecutionPlan, workflow: Workflow, cost: CostEstimator, memor
         start, end = _schedule(nodes, [classes.on(n.devices) for n in nodes])
     else:  # the sharing simulation needs each device's node: no classes
         classes = _DeviceClasses([], n_devices, identity=True)
-        start, end = schedule_shared([n.duration for n in nodes], [n.devices for n in nodes],
+        start, end = simulate_shared([n.duration for n in nodes], [n.devices for n in nodes],
                                      [n.deps for n in nodes], plan.cluster.node_of, cores,
                                      [n.carried for n in nodes])
     ends = [max(end[i] for i, n in enumerate(nodes) if n.iteration == it) for it in range(iterations)]
