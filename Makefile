@@ -4,7 +4,7 @@ VENV := .venv
 PY := $(VENV)/bin/python
 STAMP := $(VENV)/.installed
 
-.PHONY: demo test test-all install bench clean
+.PHONY: demo test test-all lint install bench clean
 
 $(STAMP): requirements.txt pyproject.toml
 	test -x $(PY) || $(PYTHON) -m venv $(VENV)
@@ -19,7 +19,13 @@ install: $(STAMP)
 demo: $(STAMP)
 	HF_HUB_OFFLINE=1 $(VENV)/bin/loomrl demo
 
-test: $(STAMP)
+# ruff (lint and format) over the package, tests and benchmarks; mypy over the typed layers (pyproject.toml)
+lint: $(STAMP)
+	$(VENV)/bin/ruff check loomrl tests benchmarks
+	$(VENV)/bin/ruff format --check loomrl tests benchmarks
+	$(VENV)/bin/mypy
+
+test: lint
 	HF_HUB_OFFLINE=1 $(PY) -m pytest -o addopts="" -q --durations=15 -m "not slow"
 
 test-all: $(STAMP)

@@ -49,14 +49,39 @@ def _reset_peak(pid: int) -> None:
 
 
 def _config(fmt: str, model: str, devices: int, sharding: str, root: Path, iterations: int) -> TrainConfig:
-    layouts = "" if sharding == "none" else \
-        f"runtime.layouts={{actor: {{sharding: {sharding}}}, critic: {{sharding: {sharding}}}}}"
-    return load_config(TrainConfig, None, [o for o in (
-        f"run_dir={root / fmt}", "seed=0", f"actor.model={model}", "rollout.prompts_per_iter=4",
-        "rollout.max_new_tokens=4", "algo.minibatches=1", "algo.ppo_epochs=1", f"loop.iterations={iterations}",
-        "loop.eval_every=0", "loop.save_every=0", "loop.progress=false", "report.html=false", "runtime.executor=ray",
-        f"runtime.devices={devices}", "runtime.threads=1", "runtime.timeout_s=600", f"checkpoint.format={fmt}",
-        layouts) if o])
+    layouts = (
+        ""
+        if sharding == "none"
+        else f"runtime.layouts={{actor: {{sharding: {sharding}}}, critic: {{sharding: {sharding}}}}}"
+    )
+    return load_config(
+        TrainConfig,
+        None,
+        [
+            o
+            for o in (
+                f"run_dir={root / fmt}",
+                "seed=0",
+                f"actor.model={model}",
+                "rollout.prompts_per_iter=4",
+                "rollout.max_new_tokens=4",
+                "algo.minibatches=1",
+                "algo.ppo_epochs=1",
+                f"loop.iterations={iterations}",
+                "loop.eval_every=0",
+                "loop.save_every=0",
+                "loop.progress=false",
+                "report.html=false",
+                "runtime.executor=ray",
+                f"runtime.devices={devices}",
+                "runtime.threads=1",
+                "runtime.timeout_s=600",
+                f"checkpoint.format={fmt}",
+                layouts,
+            )
+            if o
+        ],
+    )
 
 
 def _watched(trainer: RLTrainer, method: str, record: dict) -> None:
@@ -88,29 +113,42 @@ def measure(fmt: str, model: str, devices: int, sharding: str, root: Path) -> di
     files = [p for p in (root / fmt / "checkpoints" / "iter_000000").rglob("*") if p.is_file()]
     state = [p for p in files if p.suffix == ".safetensors" or p.name == "optimizers.pt"]
     own = [p for p in state if p.stem.endswith("-r00000")] if fmt == "sharded" else state
-    return {"format": fmt, "save_mb": record["save"]["peak"] / MB, "load_mb": record["load"]["peak"] / MB,
-            "writes_mb": sum(p.stat().st_size for p in own) / MB,
-            "whole_mb": sum(p.stat().st_size for p in state) / MB, "save_s": record["save"]["seconds"],
-            "load_s": record["load"]["seconds"]}
+    return {
+        "format": fmt,
+        "save_mb": record["save"]["peak"] / MB,
+        "load_mb": record["load"]["peak"] / MB,
+        "writes_mb": sum(p.stat().st_size for p in own) / MB,
+        "whole_mb": sum(p.stat().st_size for p in state) / MB,
+        "save_s": record["save"]["seconds"],
+        "load_s": record["load"]["seconds"],
+    }
 
 
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--model", default="llama-30m", help="zoo model of the actor and the critic")
     ap.add_argument("--devices", type=int, default=4, help="Ray workers (gloo processes)")
-    ap.add_argument("--sharding", default="fsdp", choices=("fsdp", "zero", "none"),
-                    help="how the trained roles' state is divided over the workers (none: whole replicas)")
+    ap.add_argument(
+        "--sharding",
+        default="fsdp",
+        choices=("fsdp", "zero", "none"),
+        help="how the trained roles' state is divided over the workers (none: whole replicas)",
+    )
     args = ap.parse_args()
     os.environ.update(MALLOC_MMAP_THRESHOLD_="65536", MALLOC_TRIM_THRESHOLD_="65536")  # before Ray starts
     with tempfile.TemporaryDirectory() as tmp:
         rows = [measure(fmt, args.model, args.devices, args.sharding, Path(tmp)) for fmt in ("full", "sharded")]
     print(f"{args.model} actor + critic, {args.devices} workers, sharding {args.sharding}: worker 0")
-    print("| format | peak during save (MB) | peak during load (MB) | worker 0 writes (MB) | whole state (MB) | "
-          "save (s) | load (s) |")
+    print(
+        "| format | peak during save (MB) | peak during load (MB) | worker 0 writes (MB) | whole state (MB) | "
+        "save (s) | load (s) |"
+    )
     print("|---|---|---|---|---|---|---|")
     for r in rows:
-        print(f"| {r['format']} | {r['save_mb']:.0f} | {r['load_mb']:.0f} | {r['writes_mb']:.0f} | "
-              f"{r['whole_mb']:.0f} | {r['save_s']:.1f} | {r['load_s']:.1f} |")
+        print(
+            f"| {r['format']} | {r['save_mb']:.0f} | {r['load_mb']:.0f} | {r['writes_mb']:.0f} | "
+            f"{r['whole_mb']:.0f} | {r['save_s']:.1f} | {r['load_s']:.1f} |"
+        )
 
 
 if __name__ == "__main__":

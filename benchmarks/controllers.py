@@ -88,9 +88,19 @@ def _config(devices: int, run_dir: Path, *extra: str):
     from loomrl.config.schema import TrainConfig
     from loomrl.config.tools import load_config
 
-    return load_config(TrainConfig, None, [
-        f"run_dir={run_dir}", "rollout.prompts_per_iter=4", "runtime.executor=ray", f"runtime.devices={devices}",
-        "algo.minibatches=2", "runtime.timeout_s=600", *extra])
+    return load_config(
+        TrainConfig,
+        None,
+        [
+            f"run_dir={run_dir}",
+            "rollout.prompts_per_iter=4",
+            "runtime.executor=ray",
+            f"runtime.devices={devices}",
+            "algo.minibatches=2",
+            "runtime.timeout_s=600",
+            *extra,
+        ],
+    )
 
 
 def _batch(prompts: int, image: bool):
@@ -98,8 +108,12 @@ def _batch(prompts: int, image: bool):
 
     from loomrl.workflow.batch import Batch
 
-    columns = {"prompt_ids": [[1, 2, 3, 4, 5, 6, 7, 8]] * prompts, "prompt_text": ["p"] * prompts,
-               "answer": ["a"] * prompts, "row": [{}] * prompts}
+    columns = {
+        "prompt_ids": [[1, 2, 3, 4, 5, 6, 7, 8]] * prompts,
+        "prompt_text": ["p"] * prompts,
+        "answer": ["a"] * prompts,
+        "row": [{}] * prompts,
+    }
     if image:
         columns["image"] = torch.zeros(prompts, *IMAGE)
     return Batch(list(range(prompts)), columns)
@@ -120,22 +134,32 @@ def _use_controllers(executor, count: int, nodes: list[str]) -> None:
     executor.control.install(executor.worker_plan)
     if count > 1:
         executor.coordinator, executor.controllers = spawn_controllers(
-            executor.workers, nodes, executor.runtime, executor.spec, executor.cluster, executor.worker_plan,
-            executor.owned)
+            executor.workers,
+            nodes,
+            executor.runtime,
+            executor.spec,
+            executor.cluster,
+            executor.worker_plan,
+            executor.inputs,
+            executor.owned,
+        )
 
 
 def control_part(workers: list[int], counts: list[int], iterations: int) -> list[dict]:
     from loomrl.algorithms.workflows import build_workflow
     from loomrl.plan.strategies import make_plan
     from loomrl.runtime.ray_executor import RayExecutor
-    from loomrl.train.rl import run_cluster, worker_spec
+    from loomrl.train.rl import planner_inputs, run_cluster, worker_spec
 
     rows = []
     for n in workers:
         cfg = _config(n, Path(tempfile.mkdtemp()))
         workflow = build_workflow(cfg.algo, cfg.rollout)
         plan = make_plan("colocate", workflow, run_cluster(cfg))
-        executor = RayExecutor(cfg.runtime, worker_spec(cfg, workflow), workflow, plan, worker_cls=StandInWorker)
+        inputs = planner_inputs(cfg, workflow, plan.cluster, None)
+        executor = RayExecutor(
+            cfg.runtime, worker_spec(cfg, workflow), workflow, plan, inputs, worker_cls=StandInWorker
+        )
         try:
             nodes = executor.nodes
             base: dict[str, float] = {}
@@ -147,13 +171,26 @@ def control_part(workers: list[int], counts: list[int], iterations: int) -> list
                     for it in range(iterations + 1):
                         t0, cpu0 = time.perf_counter(), time.process_time()
                         result = executor.run_iteration(it, batch)
-                        samples.append((result.stats["time/controller_cpu_s"], time.perf_counter() - t0,
-                                        time.process_time() - cpu0))
+                        samples.append(
+                            (
+                                result.stats["time/controller_cpu_s"],
+                                time.perf_counter() - t0,
+                                time.process_time() - cpu0,
+                            )
+                        )
                     cpu, wall, driver = (statistics.median(s[i] for s in samples[1:]) for i in range(3))
                     base.setdefault(payload, cpu)
-                    rows.append({"workers": n, "controllers": count, "payload": payload,
-                                 "critical-path CPU ms": 1e3 * cpu, "vs 1 controller": base[payload] / cpu,
-                                 "wall ms": 1e3 * wall, "driver CPU ms": 1e3 * driver})
+                    rows.append(
+                        {
+                            "workers": n,
+                            "controllers": count,
+                            "payload": payload,
+                            "critical-path CPU ms": 1e3 * cpu,
+                            "vs 1 controller": base[payload] / cpu,
+                            "wall ms": 1e3 * wall,
+                            "driver CPU ms": 1e3 * driver,
+                        }
+                    )
                     print(json.dumps(rows[-1]), flush=True)
         finally:
             executor.close()
@@ -177,9 +214,8 @@ def _cluster_run(address: str, run_dir: str) -> None:
     """In a process joined to the cluster: a 2-controller GRPO run; prints where things ran and its metrics."""
     import ray
 
-    from loomrl.train.rl import RLTrainer
-
     from loomrl.runtime.launch import start_ray
+    from loomrl.train.rl import RLTrainer
 
     start_ray(address, 0)  # joins with the cluster's token; the trainer then uses this connection
     deadline = time.monotonic() + 120
@@ -187,9 +223,19 @@ def _cluster_run(address: str, run_dir: str) -> None:
         if time.monotonic() > deadline:
             raise SystemExit(f"only {sum(n['Alive'] for n in ray.nodes())} node(s) joined the cluster")
         time.sleep(1)
-    tiny = ("algo.name=grpo", "algo.group_size=2", "rollout.max_new_tokens=6", "loop.iterations=2",
-            "loop.eval_every=0", "loop.save_every=0", "loop.progress=false", "report.html=false",
-            "runtime.threads=1", "seed=3", "rollout.prompts_per_iter=8")
+    tiny = (
+        "algo.name=grpo",
+        "algo.group_size=2",
+        "rollout.max_new_tokens=6",
+        "loop.iterations=2",
+        "loop.eval_every=0",
+        "loop.save_every=0",
+        "loop.progress=false",
+        "report.html=false",
+        "runtime.threads=1",
+        "seed=3",
+        "rollout.prompts_per_iter=8",
+    )
     trainer = RLTrainer(_config(4, Path(run_dir), *tiny, "runtime.controllers=2", f"runtime.ray_address={address}"))
     executor = trainer.executor
     where = {"controllers": ray.get([c.node.remote() for c in executor.controllers]), "workers": executor.nodes}
@@ -203,19 +249,41 @@ def cluster_part() -> list[dict]:
     ray_bin = str(Path(sys.executable).parent / "ray")
     log = open(tmp / "cluster.log", "w")
     common = ["--block", "--num-cpus=2", "--disable-usage-stats"]
-    head = subprocess.Popen([ray_bin, "start", "--head", f"--port={port}", f"--temp-dir={tmp / 'ray'}",
-                             "--include-dashboard=false", *common], env=_env(), stdout=log, stderr=log,
-                            start_new_session=True)
+    head = subprocess.Popen(
+        [
+            ray_bin,
+            "start",
+            "--head",
+            f"--port={port}",
+            f"--temp-dir={tmp / 'ray'}",
+            "--include-dashboard=false",
+            *common,
+        ],
+        env=_env(),
+        stdout=log,
+        stderr=log,
+        start_new_session=True,
+    )
     nodes = [head]
     try:
         _wait_port(port, head, tmp)
-        nodes.append(subprocess.Popen([ray_bin, "start", f"--address=127.0.0.1:{port}", *common],
-                                      env={**_env(), "RAY_AUTH_MODE": "token"},  # presents the head's token
-                                      stdout=log, stderr=log, start_new_session=True))
+        nodes.append(
+            subprocess.Popen(
+                [ray_bin, "start", f"--address=127.0.0.1:{port}", *common],
+                env={**_env(), "RAY_AUTH_MODE": "token"},  # presents the head's token
+                stdout=log,
+                stderr=log,
+                start_new_session=True,
+            )
+        )
         address = f"127.0.0.1:{port}"
-        proc = subprocess.run([sys.executable, __file__, "--part", "cluster-run", "--address", address,
-                               "--run-dir", str(tmp / "run")], env=_env(), capture_output=True, text=True,
-                              timeout=900)
+        proc = subprocess.run(
+            [sys.executable, __file__, "--part", "cluster-run", "--address", address, "--run-dir", str(tmp / "run")],
+            env=_env(),
+            capture_output=True,
+            text=True,
+            timeout=900,
+        )
         if proc.returncode != 0:
             raise SystemExit(f"cluster run failed:\n{proc.stderr[-4000:]}")
         where = json.loads(next(line[6:] for line in proc.stdout.splitlines() if line.startswith("WHERE ")))
@@ -233,17 +301,32 @@ def cluster_part() -> list[dict]:
         own = [d for d, n in enumerate(where["workers"]) if n == node]
         rows.append({"controller": k, "node": name.get(node, node[:8]), "workers on that node": str(own)})
     for it, (a, b) in enumerate(zip(got, reference)):
-        rows.append({"controller": f"iteration {it}", "node": f"reward {a['reward/mean']:.4f} (ref {b['reward/mean']:.4f})",
-                     "workers on that node": f"pg_loss {a['actor/pg_loss']:.6f} (ref {b['actor/pg_loss']:.6f})"})
+        rows.append(
+            {
+                "controller": f"iteration {it}",
+                "node": f"reward {a['reward/mean']:.4f} (ref {b['reward/mean']:.4f})",
+                "workers on that node": f"pg_loss {a['actor/pg_loss']:.6f} (ref {b['actor/pg_loss']:.6f})",
+            }
+        )
     return rows
 
 
 def _reference_metrics(run_dir: Path) -> list[dict]:
     from loomrl.train.rl import RLTrainer
 
-    tiny = ("algo.name=grpo", "algo.group_size=2", "rollout.max_new_tokens=6", "loop.iterations=2",
-            "loop.eval_every=0", "loop.save_every=0", "loop.progress=false", "report.html=false",
-            "runtime.threads=1", "seed=3", "rollout.prompts_per_iter=8")
+    tiny = (
+        "algo.name=grpo",
+        "algo.group_size=2",
+        "rollout.max_new_tokens=6",
+        "loop.iterations=2",
+        "loop.eval_every=0",
+        "loop.save_every=0",
+        "loop.progress=false",
+        "report.html=false",
+        "runtime.threads=1",
+        "seed=3",
+        "rollout.prompts_per_iter=8",
+    )
     RLTrainer(_config(1, run_dir, *tiny, "runtime.executor=reference")).run()
     return [json.loads(line) for line in (run_dir / "metrics.jsonl").read_text().splitlines()]
 
@@ -256,7 +339,7 @@ def _wait_port(port: int, head: subprocess.Popen, tmp: Path) -> None:
                 return
         except OSError:
             if head.poll() is not None or time.monotonic() > deadline:
-                raise SystemExit(f"the head node did not start:\n{(tmp / 'cluster.log').read_text()[-3000:]}")
+                raise SystemExit(f"the head node did not start:\n{(tmp / 'cluster.log').read_text()[-3000:]}") from None
             time.sleep(0.5)
 
 
@@ -288,11 +371,14 @@ def main() -> None:
         return
     console = Console()
     if args.part in ("control", "all"):
-        rows = control_part([int(w) for w in args.workers.split(",")], [int(c) for c in args.controllers.split(",")],
-                            args.iterations)
+        rows = control_part(
+            [int(w) for w in args.workers.split(",")], [int(c) for c in args.controllers.split(",")], args.iterations
+        )
         console.print(summary_table(rows, f"Control path per iteration (median of {args.iterations}), PPO colocated"))
     if args.part in ("cluster", "all"):
-        console.print(summary_table(cluster_part(), "2 controllers on a 2-node Ray cluster (ray start), GRPO, 4 devices"))
+        console.print(
+            summary_table(cluster_part(), "2 controllers on a 2-node Ray cluster (ray start), GRPO, 4 devices")
+        )
 
 
 if __name__ == "__main__":

@@ -7,7 +7,8 @@ i·P .. (i+1)·P − 1. In the drifting file the number of digits of iteration i
 (clipped to [1, MAX_DIGITS]) whose median grows geometrically from ``--first-median`` to ``--final-median`` over
 the run and whose σ grows linearly from 0 to ``--final-sigma`` over its first ``--sigma-by`` share, then stays:
 the responses of a policy warm-started on sorting inputs of every length up to MAX_DIGITS start alike, then grow
-longer and long-tailed (as responses do over RL training). The reward is the rule's partial credit plus a small share of a reward model (llama-10m, trained on
+longer and long-tailed (as responses do over RL training). The reward is the rule's partial credit plus a small share
+of a reward model (llama-10m, trained on
 sorting preferences) scoring prompt and response, whose cost grows with them. The stationary file keeps the
 first iteration's distribution for the whole run.
 
@@ -39,8 +40,8 @@ from rich.console import Console  # noqa: E402
 
 from loomrl.config.schema import RMConfig, SFTConfig, TrainConfig  # noqa: E402
 from loomrl.config.tools import load_config  # noqa: E402
-from loomrl.runtime.launch import quiet_libraries  # noqa: E402
 from loomrl.report import summary_table  # noqa: E402
+from loomrl.runtime.launch import quiet_libraries  # noqa: E402
 from loomrl.train.rl import RLTrainer  # noqa: E402
 from loomrl.train.rm import run_rm  # noqa: E402
 from loomrl.train.sft import run_sft  # noqa: E402
@@ -51,12 +52,12 @@ CALIBRATION_SEARCH_S = 5.0
 """Seconds of each search that chooses the static plan (a dynamic run's searches get a share of an iteration)."""
 LENGTH_KEYS = ("response/length", "response/length_p90", "response/length_max")
 LOSS_KEYS = ("actor/pg_loss", "critic/value_loss", "kl/mean", "actor/grad_norm", "critic/grad_norm")
-REWARD = '''from loomrl.data.tasks import partial_credit
+REWARD = """from loomrl.data.tasks import partial_credit
 
 
 def score(prompt, response, answer):
     return partial_credit(response, answer)
-'''
+"""
 
 
 def _sort_row(rng: random.Random, digits: int) -> dict:
@@ -64,8 +65,9 @@ def _sort_row(rng: random.Random, digits: int) -> dict:
     return {"prompt": f"sort {text}=", "answer": "".join(sorted(text))}
 
 
-def write_prompts(path: Path, iterations: int, prompts: int, first: float, last: float, sigma: float,
-                  sigma_by: float, seed: int) -> None:
+def write_prompts(
+    path: Path, iterations: int, prompts: int, first: float, last: float, sigma: float, sigma_by: float, seed: int
+) -> None:
     """Rows in training order: iteration i's inputs log-normal around a median growing geometrically from
     ``first`` to ``last`` digits, of log-scale spread growing linearly from 0 to ``sigma`` over the first
     ``sigma_by`` of the run."""
@@ -88,24 +90,74 @@ def prepare(tmp: Path, sft_steps: int) -> None:
         for _ in range(sft_steps * 64):
             f.write(json.dumps(_sort_row(rng, rng.randint(1, MAX_DIGITS))) + "\n")
     task = ["task.name=file", f"task.prompt_file={tmp / 'sft.jsonl'}", f"task.reward_fn={tmp / 'sort_reward.py'}:score"]
-    run_sft(load_config(SFTConfig, None, [f"out_dir={tmp / 'sft'}", f"steps={sft_steps}", "batch_size=64",
-                                          "optim.lr=0.003", "eval_prompts=64", f"max_new_tokens={MAX_DIGITS + 1}",
-                                          *task]), progress=False)
-    run_rm(load_config(RMConfig, None, [f"out_dir={tmp / 'rm'}", "model=llama-10m", "task.name=sort",
-                                        "task.min_len=3", "task.max_len=32", "train_pairs=512", "epochs=1"]),
-           progress=False)
+    run_sft(
+        load_config(
+            SFTConfig,
+            None,
+            [
+                f"out_dir={tmp / 'sft'}",
+                f"steps={sft_steps}",
+                "batch_size=64",
+                "optim.lr=0.003",
+                "eval_prompts=64",
+                f"max_new_tokens={MAX_DIGITS + 1}",
+                *task,
+            ],
+        ),
+        progress=False,
+    )
+    run_rm(
+        load_config(
+            RMConfig,
+            None,
+            [
+                f"out_dir={tmp / 'rm'}",
+                "model=llama-10m",
+                "task.name=sort",
+                "task.min_len=3",
+                "task.max_len=32",
+                "train_pairs=512",
+                "epochs=1",
+            ],
+        ),
+        progress=False,
+    )
 
 
-def _config(tmp: Path, name: str, prompt_file: Path, iterations: int, prompts: int, devices: int, plan: str,
-            *extra: str) -> TrainConfig:
-    cfg = load_config(TrainConfig, None, [
-        f"run_dir={tmp / name}", "seed=0", "task.name=file", f"task.prompt_file={prompt_file}",
-        f"task.reward_fn={tmp / 'sort_reward.py'}:score", f"actor.model={tmp / 'sft'}", "actor.optim.lr=0.0003",
-        "critic.optim.lr=0.001", "reward.source=both", f"reward.model={tmp / 'rm'}", "reward.model_weight=0.1",
-        "algo.ppo_epochs=2", "algo.minibatches=2", f"rollout.prompts_per_iter={prompts}",
-        f"rollout.max_new_tokens={MAX_DIGITS + 1}", f"loop.iterations={iterations}", "loop.eval_every=0",
-        "loop.save_every=0", "loop.eval_prompts=32", "loop.progress=false", "report.html=false",
-        "runtime.executor=ray", f"runtime.devices={devices}", "runtime.timeout_s=600", *extra])
+def _config(
+    tmp: Path, name: str, prompt_file: Path, iterations: int, prompts: int, devices: int, plan: str, *extra: str
+) -> TrainConfig:
+    cfg = load_config(
+        TrainConfig,
+        None,
+        [
+            f"run_dir={tmp / name}",
+            "seed=0",
+            "task.name=file",
+            f"task.prompt_file={prompt_file}",
+            f"task.reward_fn={tmp / 'sort_reward.py'}:score",
+            f"actor.model={tmp / 'sft'}",
+            "actor.optim.lr=0.0003",
+            "critic.optim.lr=0.001",
+            "reward.source=both",
+            f"reward.model={tmp / 'rm'}",
+            "reward.model_weight=0.1",
+            "algo.ppo_epochs=2",
+            "algo.minibatches=2",
+            f"rollout.prompts_per_iter={prompts}",
+            f"rollout.max_new_tokens={MAX_DIGITS + 1}",
+            f"loop.iterations={iterations}",
+            "loop.eval_every=0",
+            "loop.save_every=0",
+            "loop.eval_prompts=32",
+            "loop.progress=false",
+            "report.html=false",
+            "runtime.executor=ray",
+            f"runtime.devices={devices}",
+            "runtime.timeout_s=600",
+            *extra,
+        ],
+    )
     return dataclasses.replace(cfg, runtime=dataclasses.replace(cfg.runtime, plan=plan))
 
 
@@ -126,9 +178,20 @@ def static_plan(tmp: Path, name: str, prompt_file: Path, calibration: int, promp
     """The plan priced fastest for the first ``calibration`` iterations, measured on the colocated plan: the
     calibration run searches at every check for CALIBRATION_SEARCH_S seconds (its time is not counted) and never
     switches."""
-    cfg = _config(tmp, name, prompt_file, calibration, prompts, devices, "colocate", "runtime.placement=dynamic",
-                  "runtime.dynamic.min_gain=0.99", "runtime.dynamic.drift=0.000001",
-                  f"runtime.dynamic.search_s={CALIBRATION_SEARCH_S}", "runtime.dynamic.search_share=1000")
+    cfg = _config(
+        tmp,
+        name,
+        prompt_file,
+        calibration,
+        prompts,
+        devices,
+        "colocate",
+        "runtime.placement=dynamic",
+        "runtime.dynamic.min_gain=0.99",
+        "runtime.dynamic.drift=0.000001",
+        f"runtime.dynamic.search_s={CALIBRATION_SEARCH_S}",
+        "runtime.dynamic.search_share=1000",
+    )
     _, decisions, _ = _run(cfg)
     last = decisions[-1]
     return last["candidate"] if last["candidate"] and last["candidate_s"] < last["current_s"] else last["plan"]
@@ -136,16 +199,19 @@ def static_plan(tmp: Path, name: str, prompt_file: Path, calibration: int, promp
 
 def _seconds(metrics: list[dict]) -> float:
     """A run's time: its iterations, plan changes and placement decisions."""
-    return sum(m["time/iteration_s"] + m.get("time/plan_change_s", 0.0) + m.get("time/placement_s", 0.0)
-               for m in metrics)
+    return sum(
+        m["time/iteration_s"] + m.get("time/plan_change_s", 0.0) + m.get("time/placement_s", 0.0) for m in metrics
+    )
 
 
 def _samples_equal(a: list[dict], b: list[dict]) -> bool:
     """Whether two runs drew the same responses (every iteration's length statistics equal) and scored them alike
     (mean reward within 1e-6: the reward model scores them in other micro-batches under another plan)."""
-    return len(a) == len(b) and all(all(x[k] == y[k] for k in LENGTH_KEYS) and
-                                    abs(x["reward/mean"] - y["reward/mean"]) <= 1e-6 * abs(y["reward/mean"])
-                                    for x, y in zip(a, b))
+    return len(a) == len(b) and all(
+        all(x[k] == y[k] for k in LENGTH_KEYS)
+        and abs(x["reward/mean"] - y["reward/mean"]) <= 1e-6 * abs(y["reward/mean"])
+        for x, y in zip(a, b)
+    )
 
 
 def _loss_diff(a: list[dict], b: list[dict]) -> float:
@@ -157,10 +223,21 @@ def compare(tmp: Path, workload: str, prompt_file: Path, args) -> list[dict]:
     """Static plan vs dynamic placement on one workload: one row each."""
     plan = static_plan(tmp, f"{workload}-calibration", prompt_file, args.calibration, args.prompts, args.devices)
     Console().print(f"[bold]{workload}[/]: static plan {plan}")
-    static, _, static_wall = _run(_config(tmp, f"{workload}-static", prompt_file, args.iterations, args.prompts,
-                                          args.devices, plan))
-    dynamic, decisions, dynamic_wall = _run(_config(tmp, f"{workload}-dynamic", prompt_file, args.iterations,
-                                                    args.prompts, args.devices, plan, "runtime.placement=dynamic"))
+    static, _, static_wall = _run(
+        _config(tmp, f"{workload}-static", prompt_file, args.iterations, args.prompts, args.devices, plan)
+    )
+    dynamic, decisions, dynamic_wall = _run(
+        _config(
+            tmp,
+            f"{workload}-dynamic",
+            prompt_file,
+            args.iterations,
+            args.prompts,
+            args.devices,
+            plan,
+            "runtime.placement=dynamic",
+        )
+    )
     switches = [d for d in decisions if d["switch"]]
     for d in switches:
         Console().print(f"  switch after iteration {d['iteration']}: {d['reason']}; to {d['plan']}")
@@ -168,15 +245,23 @@ def compare(tmp: Path, workload: str, prompt_file: Path, args) -> list[dict]:
     rows = []
     for name, metrics, wall in (("static", static, static_wall), ("dynamic", dynamic, dynamic_wall)):
         seconds = _seconds(metrics)
-        rows.append({
-            "workload": workload, "placement": name, "run s": seconds, "speedup": base / seconds,
-            "wall s": wall, "switches": len(switches) if name == "dynamic" else 0,
-            "decisions s": sum(m.get("time/placement_s", 0.0) for m in metrics),
-            "plan changes s": sum(m.get("time/plan_change_s", 0.0) for m in metrics),
-            "mean response first/last": f"{metrics[0]['response/length']:.1f} / {metrics[-1]['response/length']:.1f}",
-            "final reward": metrics[-1]["reward/mean"],
-            "same samples": "-" if name == "static" else ("yes" if _samples_equal(metrics, static) else "NO"),
-            "max loss diff": "-" if name == "static" else f"{_loss_diff(metrics, static):.1e}"})
+        rows.append(
+            {
+                "workload": workload,
+                "placement": name,
+                "run s": seconds,
+                "speedup": base / seconds,
+                "wall s": wall,
+                "switches": len(switches) if name == "dynamic" else 0,
+                "decisions s": sum(m.get("time/placement_s", 0.0) for m in metrics),
+                "plan changes s": sum(m.get("time/plan_change_s", 0.0) for m in metrics),
+                "mean response first/last": f"{metrics[0]['response/length']:.1f} / "
+                f"{metrics[-1]['response/length']:.1f}",
+                "final reward": metrics[-1]["reward/mean"],
+                "same samples": "-" if name == "static" else ("yes" if _samples_equal(metrics, static) else "NO"),
+                "max loss diff": "-" if name == "static" else f"{_loss_diff(metrics, static):.1e}",
+            }
+        )
     return rows
 
 
@@ -192,8 +277,10 @@ def main() -> None:
     ap.add_argument("--sigma-by", type=float, default=0.5, help="share of the run over which the spread grows")
     ap.add_argument("--sft-steps", type=int, default=300)
     ap.add_argument("--workloads", default="drifting,stationary")
-    ap.add_argument("--prepared", help="a directory holding sft/, rm/ and sort_reward.py from an earlier run "
-                                       "(made there when missing)")
+    ap.add_argument(
+        "--prepared",
+        help="a directory holding sft/, rm/ and sort_reward.py from an earlier run (made there when missing)",
+    )
     args = ap.parse_args()
     quiet_libraries()
     rows = []
@@ -202,15 +289,22 @@ def main() -> None:
         tmp.mkdir(parents=True, exist_ok=True)
         if not (tmp / "rm").is_dir():
             prepare(tmp, args.sft_steps)
-        files = {"drifting": (args.first_median, args.final_median, args.final_sigma, args.sigma_by),
-                 "stationary": (args.first_median, args.first_median, 0.0, 1.0)}
+        files = {
+            "drifting": (args.first_median, args.final_median, args.final_sigma, args.sigma_by),
+            "stationary": (args.first_median, args.first_median, 0.0, 1.0),
+        }
         for workload in args.workloads.split(","):
             path = tmp / f"{workload}.jsonl"
             write_prompts(path, args.iterations, args.prompts, *files[workload], seed=7)
             rows += compare(tmp, workload, path, args)
-    Console().print(summary_table(rows, f"dynamic placement vs the static plan chosen from the first "
-                                        f"{args.calibration} iterations: {args.devices} devices, {args.iterations} "
-                                        f"iterations of {args.prompts} prompts"))
+    Console().print(
+        summary_table(
+            rows,
+            f"dynamic placement vs the static plan chosen from the first "
+            f"{args.calibration} iterations: {args.devices} devices, {args.iterations} "
+            f"iterations of {args.prompts} prompts",
+        )
+    )
 
 
 if __name__ == "__main__":

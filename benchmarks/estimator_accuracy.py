@@ -27,24 +27,39 @@ sys.path.insert(0, str(Path(__file__).resolve().parent))
 
 from rich.console import Console  # noqa: E402
 
-from loomrl.runtime.launch import quiet_libraries  # noqa: E402
+from demo_workload import prepare, run_ppo  # noqa: E402
 from loomrl.planner.calibration.local import calibrate_local, usable_cores  # noqa: E402
 from loomrl.planner.calibration.runs import fit_from_runs, load_run, simulate_run  # noqa: E402
 from loomrl.report import summary_table  # noqa: E402
-from demo_workload import prepare, run_ppo  # noqa: E402
+from loomrl.runtime.launch import quiet_libraries  # noqa: E402
 
 # name → (devices, plan, extra overrides). Calibration plans differ from every evaluated plan.
 CALIBRATION = {
-    "cal: one device per call, 2 dev": (2, "actor_gen=0; ref_inf=1; reward_inf=0; critic_inf=1; actor_train=0; "
-                                           "critic_train=1", ()),
-    "cal: tp2 generation + critic/reward": (2, "actor_gen=0-1:tp2; ref_inf=0-1; reward_inf=0-1:tp2; "
-                                              "critic_inf=0-1:tp2; actor_train=0-1; critic_train=0-1:tp2", ()),
-    "cal: 4 dev, critic training on 2": (4, "actor_gen=0-3; ref_inf=0-3; reward_inf=0-3; critic_inf=0-3; "
-                                            "actor_train=0-3; critic_train=0-1", ()),
-    "cal: critic trained under FSDP": (2, ("actor_gen=0-1; ref_inf=0-1; reward_inf=0-1; critic_inf=0-1; "
-                                           "actor_train=0-1; critic_train=0-1:dp2fsdp"), ()),
-    "cal: critic under FSDP over dp2 x tp2": (4, ("actor_gen=0-3; ref_inf=0-3; reward_inf=0-3; critic_inf=0-3; "
-                                                  "actor_train=0-3; critic_train=0-3:dp2tp2fsdp"), ()),
+    "cal: one device per call, 2 dev": (
+        2,
+        "actor_gen=0; ref_inf=1; reward_inf=0; critic_inf=1; actor_train=0; critic_train=1",
+        (),
+    ),
+    "cal: tp2 generation + critic/reward": (
+        2,
+        "actor_gen=0-1:tp2; ref_inf=0-1; reward_inf=0-1:tp2; critic_inf=0-1:tp2; actor_train=0-1; critic_train=0-1:tp2",
+        (),
+    ),
+    "cal: 4 dev, critic training on 2": (
+        4,
+        "actor_gen=0-3; ref_inf=0-3; reward_inf=0-3; critic_inf=0-3; actor_train=0-3; critic_train=0-1",
+        (),
+    ),
+    "cal: critic trained under FSDP": (
+        2,
+        ("actor_gen=0-1; ref_inf=0-1; reward_inf=0-1; critic_inf=0-1; actor_train=0-1; critic_train=0-1:dp2fsdp"),
+        (),
+    ),
+    "cal: critic under FSDP over dp2 x tp2": (
+        4,
+        ("actor_gen=0-3; ref_inf=0-3; reward_inf=0-3; critic_inf=0-3; actor_train=0-3; critic_train=0-3:dp2tp2fsdp"),
+        (),
+    ),
 }
 EVALUATED = {
     "colocate dp2": (2, "colocate", ()),
@@ -55,16 +70,37 @@ EVALUATED = {
     "colocate dp4": (4, "colocate", ()),
     "interleave, 4 dev": (4, "interleave", ()),
     "separate, 4 dev": (4, "separate", ()),
-    "colocate dp2, ZeRO-1": (2, "actor_gen=0-1; ref_inf=0-1; reward_inf=0-1; critic_inf=0-1; "
-                                "actor_train=0-1:dp2zero; critic_train=0-1:dp2zero", ()),
-    "colocate dp4, ZeRO-1": (4, "actor_gen=0-3; ref_inf=0-3; reward_inf=0-3; critic_inf=0-3; "
-                                "actor_train=0-3:dp4zero; critic_train=0-3:dp4zero", ()),
-    "colocate dp2, FSDP": (2, ("actor_gen=0-1; ref_inf=0-1; reward_inf=0-1; critic_inf=0-1; "
-                               "actor_train=0-1:dp2fsdp; critic_train=0-1:dp2fsdp"), ()),
-    "colocate dp4, FSDP": (4, ("actor_gen=0-3; ref_inf=0-3; reward_inf=0-3; critic_inf=0-3; "
-                               "actor_train=0-3:dp4fsdp; critic_train=0-3:dp4fsdp"), ()),
-    "colocate dp2tp2, FSDP": (4, None, (("runtime.layouts={actor: {tp: 2, sharding: fsdp}, "
-                                         "critic: {tp: 2, sharding: fsdp}}"),)),
+    "colocate dp2, ZeRO-1": (
+        2,
+        "actor_gen=0-1; ref_inf=0-1; reward_inf=0-1; critic_inf=0-1; actor_train=0-1:dp2zero; critic_train=0-1:dp2zero",
+        (),
+    ),
+    "colocate dp4, ZeRO-1": (
+        4,
+        "actor_gen=0-3; ref_inf=0-3; reward_inf=0-3; critic_inf=0-3; actor_train=0-3:dp4zero; critic_train=0-3:dp4zero",
+        (),
+    ),
+    "colocate dp2, FSDP": (
+        2,
+        (
+            "actor_gen=0-1; ref_inf=0-1; reward_inf=0-1; critic_inf=0-1; "
+            "actor_train=0-1:dp2fsdp; critic_train=0-1:dp2fsdp"
+        ),
+        (),
+    ),
+    "colocate dp4, FSDP": (
+        4,
+        (
+            "actor_gen=0-3; ref_inf=0-3; reward_inf=0-3; critic_inf=0-3; "
+            "actor_train=0-3:dp4fsdp; critic_train=0-3:dp4fsdp"
+        ),
+        (),
+    ),
+    "colocate dp2tp2, FSDP": (
+        4,
+        None,
+        (("runtime.layouts={actor: {tp: 2, sharding: fsdp}, critic: {tp: 2, sharding: fsdp}}"),),
+    ),
 }
 
 
@@ -72,8 +108,17 @@ def run_all(tmp: Path, setups: dict, iterations: int, prompts: int, offset: int)
     out = {}
     for i, (name, (devices, plan, extra)) in enumerate(setups.items()):
         run_dir = f"run{offset + i}"
-        run_ppo(tmp, run_dir, iterations, prompts, "runtime.executor=ray", f"runtime.devices={devices}",
-                "runtime.threads=1", *extra, plan=plan)
+        run_ppo(
+            tmp,
+            run_dir,
+            iterations,
+            prompts,
+            "runtime.executor=ray",
+            f"runtime.devices={devices}",
+            "runtime.threads=1",
+            *extra,
+            plan=plan,
+        )
         out[name] = tmp / run_dir
     return out
 
@@ -97,20 +142,34 @@ def main() -> None:
         rows = []
         for group, runs in (("calibration", calibration), ("evaluated", evaluated)):
             for name, path in runs.items():
-                run = load_run(path)
-                predicted = simulate_run(run, profile, corrections, cores).iteration_time
+                run = load_run(path, profile, cores)
+                predicted = simulate_run(run, corrections).iteration_time
                 measured = run.measured_iteration_s()
-                rows.append({"plan": name, "role": group, "devices": run.cluster.n_devices,
-                             "measured s": measured, "predicted s": predicted,
-                             "error": abs(predicted - measured) / measured})
+                rows.append(
+                    {
+                        "plan": name,
+                        "role": group,
+                        "devices": run.cluster.n_devices,
+                        "measured s": measured,
+                        "predicted s": predicted,
+                        "error": abs(predicted - measured) / measured,
+                    }
+                )
         if args.keep:
             shutil.copytree(tmp, args.keep, dirs_exist_ok=True)
     errors = [r["error"] for r in rows if r["role"] == "evaluated"]
     console = Console()
-    console.print(summary_table(rows, f"Estimator accuracy: demo PPO workload, {args.prompts} prompts, median of "
-                                      f"{args.iterations - 1} iterations"))
-    console.print(f"evaluated plans: {len(errors)}; median error {statistics.median(errors):.1%}, "
-                  f"max {max(errors):.1%} (target 15%, goal 10%)")
+    console.print(
+        summary_table(
+            rows,
+            f"Estimator accuracy: demo PPO workload, {args.prompts} prompts, median of "
+            f"{args.iterations - 1} iterations",
+        )
+    )
+    console.print(
+        f"evaluated plans: {len(errors)}; median error {statistics.median(errors):.1%}, "
+        f"max {max(errors):.1%} (target 15%, goal 10%)"
+    )
     console.print(f"corrections: {corrections.dumps()}")
     console.print(f"profile: {profile}")
     console.print(f"wall time {time.perf_counter() - started:.0f} s")

@@ -75,17 +75,28 @@ os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
 
 from rich.console import Console  # noqa: E402
 
-from loomrl.checkpoint.store import (CHECKPOINTS_DIR, MANIFEST_FILE, CheckpointError, checkpoint_name,  # noqa: E402
-                               latest_checkpoint, load_checkpoint, verify_checkpoint)
+from loomrl.checkpoint.store import (  # noqa: E402
+    MANIFEST_FILE,
+    CheckpointError,
+    checkpoint_name,
+    latest_checkpoint,
+    load_checkpoint,
+    verify_checkpoint,
+)
 from loomrl.config.schema import TrainConfig  # noqa: E402
 from loomrl.config.tools import load_config  # noqa: E402
-from loomrl.runtime.launch import quiet_libraries  # noqa: E402
 from loomrl.report import summary_table  # noqa: E402
-from loomrl.train.rl import FAILURES_FILE, RLTrainer  # noqa: E402
+from loomrl.run_dir import RunDir  # noqa: E402
+from loomrl.runtime.launch import quiet_libraries  # noqa: E402
+from loomrl.train.rl import RLTrainer  # noqa: E402
 
 KINDS = ("worker", "save-worker", "save-driver", "flip")
-TITLES = {"worker": "kill -9 of a worker mid-iteration", "save-worker": "kill -9 of worker 0 mid-save",
-          "save-driver": "kill -9 of the driver mid-save", "flip": "a flipped byte in a checkpoint"}
+TITLES = {
+    "worker": "kill -9 of a worker mid-iteration",
+    "save-worker": "kill -9 of worker 0 mid-save",
+    "save-driver": "kill -9 of the driver mid-save",
+    "flip": "a flipped byte in a checkpoint",
+}
 RAY_CONFIGS = (("ppo", 2), ("grpo", 2), ("ppo", 4), ("grpo", 4))
 """(algorithm, devices) of the Ray runs the ``worker`` and ``save-worker`` trials take in turn."""
 DRIVER_CONFIGS = (("ray", "ppo"), ("reference", "ppo"), ("ray", "grpo"), ("reference", "grpo"))
@@ -102,20 +113,43 @@ POLL_S = 0.002
 MAX_ATTEMPTS = 2
 """Trials drawn per kind, at most, as a multiple of the landed trials asked for."""
 SAMPLE_KEYS = ("reward/mean", "reward/exact_match", "response/length", "response/length_max")
-LOSS_KEYS = ("kl/mean", "actor/pg_loss", "critic/value_loss", "actor/clipfrac", "actor/approx_kl", "actor/grad_norm",
-             "critic/grad_norm", "actor/entropy", "actor/kl_loss")
+LOSS_KEYS = (
+    "kl/mean",
+    "actor/pg_loss",
+    "critic/value_loss",
+    "actor/clipfrac",
+    "actor/approx_kl",
+    "actor/grad_norm",
+    "critic/grad_norm",
+    "actor/entropy",
+    "actor/kl_loss",
+)
 IGNORED = ("time", "perf", "eval/", "fusion/", "recovery/")
 """Keys not compared: timings, evaluations (the final one is, below) and what a recovery reports."""
 
 
 def overrides(run_dir: Path, algo: str, executor: str, devices: int) -> list[str]:
     """The config of every run here (see the module docstring)."""
-    return [f"run_dir={run_dir}", f"seed={SEED}", f"algo.name={algo}",
-            f"rollout.prompts_per_iter={8 if algo == 'ppo' else 4}", "rollout.max_new_tokens=6",
-            f"loop.iterations={ITERATIONS}", "loop.save_every=1", "loop.eval_every=0", "loop.eval_prompts=8",
-            "loop.progress=false", "report.html=false", "actor.optim.lr=0.001", "checkpoint.keep_last=2",
-            f"runtime.executor={executor}", f"runtime.devices={devices}", "runtime.threads=1",
-            "runtime.timeout_s=180", "runtime.max_failures=3"]
+    return [
+        f"run_dir={run_dir}",
+        f"seed={SEED}",
+        f"algo.name={algo}",
+        f"rollout.prompts_per_iter={8 if algo == 'ppo' else 4}",
+        "rollout.max_new_tokens=6",
+        f"loop.iterations={ITERATIONS}",
+        "loop.save_every=1",
+        "loop.eval_every=0",
+        "loop.eval_prompts=8",
+        "loop.progress=false",
+        "report.html=false",
+        "actor.optim.lr=0.001",
+        "checkpoint.keep_last=2",
+        f"runtime.executor={executor}",
+        f"runtime.devices={devices}",
+        "runtime.threads=1",
+        "runtime.timeout_s=180",
+        "runtime.max_failures=3",
+    ]
 
 
 # ------------------------------------------------------------------------------------------------ processes
@@ -156,8 +190,9 @@ def alive(proc: Proc) -> bool:
     return stat is not None and stat[2] == proc[1] and stat[1] not in "ZX"
 
 
-def left_behind(procs: set[Proc], grace_s: float = GRACE_S, linger_s: float = LINGER_S
-                ) -> tuple[set[Proc], float | None]:
+def left_behind(
+    procs: set[Proc], grace_s: float = GRACE_S, linger_s: float = LINGER_S
+) -> tuple[set[Proc], float | None]:
     """Those of ``procs`` still running after ``grace_s``, and the seconds until every one of ``procs`` was gone;
     None when some were still running after ``linger_s``: those are killed then, so that the next trial starts
     clean (each is checked to be the very process recorded)."""
@@ -240,8 +275,9 @@ def metric_differences(got: list[dict], expected: list[dict]) -> list[str]:
             if key in b and not _near(a.get(key, math.nan), b[key], 1e-4, 1e-6):
                 diffs.append(f"iteration {it}: {key} {a.get(key)} != {b[key]}")
     if got and got[-1].get("eval/exact_match") != expected[-1].get("eval/exact_match"):
-        diffs.append(f"final eval/exact_match {got[-1].get('eval/exact_match')} != "
-                     f"{expected[-1].get('eval/exact_match')}")
+        diffs.append(
+            f"final eval/exact_match {got[-1].get('eval/exact_match')} != {expected[-1].get('eval/exact_match')}"
+        )
     return diffs
 
 
@@ -270,13 +306,16 @@ def final_checkpoint_problem(run_dir: Path) -> str | None:
     problem = checkpoint_problem(run_dir, ITERATIONS - 1)
     if problem is not None:
         return problem
-    leftovers = sorted(p.name for p in (run_dir / CHECKPOINTS_DIR).iterdir() if ".tmp-" in p.name or
-                       ".stale-" in p.name or ".old-" in p.name)
+    leftovers = sorted(
+        p.name
+        for p in RunDir(run_dir).checkpoints.iterdir()
+        if ".tmp-" in p.name or ".stale-" in p.name or ".old-" in p.name
+    )
     return f"left in checkpoints/: {leftovers}" if leftovers else None
 
 
 def failures(run_dir: Path) -> list[dict]:
-    path = run_dir / FAILURES_FILE
+    path = RunDir(run_dir).failures
     return [json.loads(line) for line in path.read_text().splitlines()] if path.exists() else []
 
 
@@ -316,7 +355,7 @@ class Watch:
 def unfinished_saves(run_dir: Path) -> list[str]:
     """The ``.tmp-`` directories of checkpoints in ``run_dir`` (``latest``'s own temporary file aside)."""
     try:
-        return sorted(n for n in os.listdir(run_dir / CHECKPOINTS_DIR) if n.startswith("iter_") and ".tmp-" in n)
+        return sorted(n for n in os.listdir(RunDir(run_dir).checkpoints) if n.startswith("iter_") and ".tmp-" in n)
     except OSError:
         return []
 
@@ -325,10 +364,10 @@ def save_under_way(run_dir: Path, iteration: int) -> Path | None:
     """The ``.tmp-`` directory of the save of ``iteration``, while there is one."""
     prefix = checkpoint_name(iteration) + ".tmp-"
     try:
-        names = os.listdir(run_dir / CHECKPOINTS_DIR)
+        names = os.listdir(RunDir(run_dir).checkpoints)
     except OSError:
         return None
-    return next((run_dir / CHECKPOINTS_DIR / n for n in names if n.startswith(prefix)), None)
+    return next((RunDir(run_dir).checkpoints / n for n in names if n.startswith(prefix)), None)
 
 
 def aim_at_a_save(run_dir: Path, first: int, rng: random.Random, done: threading.Event, kill) -> dict:
@@ -378,8 +417,9 @@ class Bench:
             t0 = time.perf_counter()
             trainer.run()
             self.references[key] = (read_metrics(run_dir), time.perf_counter() - t0 - closing[0])
-            self.console.print(f"  uninterrupted {algo} on {executor} ({devices} devices): "
-                               f"{self.references[key][1]:.1f} s")
+            self.console.print(
+                f"  uninterrupted {algo} on {executor} ({devices} devices): {self.references[key][1]:.1f} s"
+            )
         return self.references[key]
 
     def trial(self, kind: str, k: int, rng: random.Random) -> dict:
@@ -393,8 +433,12 @@ class Bench:
         else:
             self.flip_source()
         t0 = time.perf_counter()
-        result = {"worker": self.worker_trial, "save-worker": self.save_worker_trial,
-                  "save-driver": self.save_driver_trial, "flip": self.flip_trial}[kind](k, rng)
+        result = {
+            "worker": self.worker_trial,
+            "save-worker": self.save_worker_trial,
+            "save-driver": self.save_driver_trial,
+            "flip": self.flip_trial,
+        }[kind](k, rng)
         result.update(kind=kind, trial=k, seconds=round(time.perf_counter() - t0, 2))
         return result
 
@@ -423,12 +467,23 @@ class Bench:
         if [f["resumes_after"] for f in log] != watch.resumed_from:
             problems.append(f"resumed after {[f['resumes_after'] for f in log]}, latest was {watch.resumed_from}")
         left, gone_by = left_behind(watch.procs | (tree.stop() - before))
-        return {"config": f"{algo} ray {devices}dev", "algo": algo, "executor": "ray", "devices": devices, **shot,
-                "cut_short": watch.cut_short, "gone_by_s": gone_by, "finished": error is None, "error": error,
-                "same_metrics": error is None and not metric_differences(metrics, expected),
-                "differences": metric_differences(metrics, expected)[:3] if error is None else [],
-                "checkpoints_ok": not problems, "problems": problems, "recoveries": len(log),
-                "left": sorted(pid for pid, _ in left)}
+        return {
+            "config": f"{algo} ray {devices}dev",
+            "algo": algo,
+            "executor": "ray",
+            "devices": devices,
+            **shot,
+            "cut_short": watch.cut_short,
+            "gone_by_s": gone_by,
+            "finished": error is None,
+            "error": error,
+            "same_metrics": error is None and not metric_differences(metrics, expected),
+            "differences": metric_differences(metrics, expected)[:3] if error is None else [],
+            "checkpoints_ok": not problems,
+            "problems": problems,
+            "recoveries": len(log),
+            "left": sorted(pid for pid, _ in left),
+        }
 
     def worker_trial(self, k: int, rng: random.Random) -> dict:
         algo, devices = RAY_CONFIGS[k % len(RAY_CONFIGS)]
@@ -461,8 +516,12 @@ class Bench:
         first = rng.randint(1, ITERATIONS - 1)
         run_dir.mkdir(parents=True)
         with open(run_dir.parent / f"save-driver-{k}.log", "w") as log:
-            driver = subprocess.Popen([sys.executable, "-m", "loomrl.cli", "train", *items], stdout=log,
-                                      stderr=subprocess.STDOUT, start_new_session=True)
+            driver = subprocess.Popen(
+                [sys.executable, "-m", "loomrl.cli", "train", *items],
+                stdout=log,
+                stderr=subprocess.STDOUT,
+                start_new_session=True,
+            )
         tree, done = Tree(driver.pid), threading.Event()  # the driver's processes, known after it dies
         ended = threading.Thread(target=lambda: (driver.wait(), done.set()), daemon=True)
         ended.start()
@@ -507,12 +566,23 @@ class Bench:
         left_after, gone_after = left_behind(watch.procs | (tree.stop() - before))
         left |= left_after
         gone_by = None if None in (gone_by, gone_after) else max(gone_by, gone_after)
-        return {"config": f"{algo} {executor} {devices}dev", "algo": algo, "executor": executor, "devices": devices,
-                **shot, "resumed_after": resumed_after, "gone_by_s": gone_by, "finished": error is None, "error": error,
-                "same_metrics": error is None and not metric_differences(metrics, expected),
-                "differences": metric_differences(metrics, expected)[:3] if error is None else [],
-                "checkpoints_ok": not problems, "problems": problems, "recoveries": len(failures(run_dir)),
-                "left": sorted(pid for pid, _ in left)}
+        return {
+            "config": f"{algo} {executor} {devices}dev",
+            "algo": algo,
+            "executor": executor,
+            "devices": devices,
+            **shot,
+            "resumed_after": resumed_after,
+            "gone_by_s": gone_by,
+            "finished": error is None,
+            "error": error,
+            "same_metrics": error is None and not metric_differences(metrics, expected),
+            "differences": metric_differences(metrics, expected)[:3] if error is None else [],
+            "checkpoints_ok": not problems,
+            "problems": problems,
+            "recoveries": len(failures(run_dir)),
+            "left": sorted(pid for pid, _ in left),
+        }
 
     def flip_source(self) -> Path:
         """A saved checkpoint of a PPO run (actor and critic, optimizers, RNG, state), copied aside."""
@@ -556,8 +626,15 @@ def flip_one_byte(checkpoint: Path, rng: random.Random) -> dict:
         clean = True
     except CheckpointError:
         clean = False
-    return {"file": name, "offset": offset, "mask": mask, "detected": named and refused and clean,
-            "named": named, "refused": refused, "restored_passes": clean}
+    return {
+        "file": name,
+        "offset": offset,
+        "mask": mask,
+        "detected": named and refused and clean,
+        "named": named,
+        "refused": refused,
+        "restored_passes": clean,
+    }
 
 
 # ------------------------------------------------------------------------------------------------ the table
@@ -587,19 +664,36 @@ def row(kind: str, trials: list[dict]) -> dict:
 
     seconds = [t["seconds"] for t in trials]
     if kind == "flip":
-        out = {"fault": kind, "runs": f"{len({t['file'] for t in trials})} files", "trials": n,
-               "landed": f"{n}/{n}", "saves cut short": "-", "finished": "-", "same metrics": "-",
-               "checkpoints ok": "-", "detected": count("detected"), "processes left": "-", "all gone by s": "-",
-               "recoveries": "-"}
+        out = {
+            "fault": kind,
+            "runs": f"{len({t['file'] for t in trials})} files",
+            "trials": n,
+            "landed": f"{n}/{n}",
+            "saves cut short": "-",
+            "finished": "-",
+            "same metrics": "-",
+            "checkpoints ok": "-",
+            "detected": count("detected"),
+            "processes left": "-",
+            "all gone by s": "-",
+            "recoveries": "-",
+        }
     else:
         runs = f"{values('algo')}, {values('executor')}, {values('devices')} dev" if trials else ""
-        out = {"fault": kind, "runs": runs, "trials": sum(bool(t.get("landed")) for t in trials),
-               "landed": count("landed"),
-               "saves cut short": count("cut_short") if kind.startswith("save") else "-",
-               "finished": count("finished"), "same metrics": count("same_metrics"),
-               "checkpoints ok": count("checkpoints_ok"), "detected": "-",
-               "processes left": sum(len(t["left"]) for t in trials), "all gone by s": gone_by(trials),
-               "recoveries": sum(t["recoveries"] for t in trials)}
+        out = {
+            "fault": kind,
+            "runs": runs,
+            "trials": sum(bool(t.get("landed")) for t in trials),
+            "landed": count("landed"),
+            "saves cut short": count("cut_short") if kind.startswith("save") else "-",
+            "finished": count("finished"),
+            "same metrics": count("same_metrics"),
+            "checkpoints ok": count("checkpoints_ok"),
+            "detected": "-",
+            "processes left": sum(len(t["left"]) for t in trials),
+            "all gone by s": gone_by(trials),
+            "recoveries": sum(t["recoveries"] for t in trials),
+        }
     return {**out, "mean s": sum(seconds) / max(n, 1), "total s": sum(seconds)}
 
 
@@ -618,10 +712,13 @@ def describe(trial: dict) -> str:
     details = [trial.get("error"), *trial.get("problems", []), *trial.get("differences", [])]
     if trial.get("left"):
         went = trial["gone_by_s"]
-        details.append(f"processes left {GRACE_S:.0f} s after: {trial['left']}; " +
-                       (f"all gone {went:.0f} s after" if went is not None else f"killed after {LINGER_S:.0f} s"))
-    return f"{trial['kind']} #{trial['trial']}: {what} ({trial['seconds']:.1f} s): {status}" + \
-        "".join(f"\n    {d}" for d in details if d)
+        details.append(
+            f"processes left {GRACE_S:.0f} s after: {trial['left']}; "
+            + (f"all gone {went:.0f} s after" if went is not None else f"killed after {LINGER_S:.0f} s")
+        )
+    return f"{trial['kind']} #{trial['trial']}: {what} ({trial['seconds']:.1f} s): {status}" + "".join(
+        f"\n    {d}" for d in details if d
+    )
 
 
 def run(kinds: list[str], trials: int, seed: int, root: Path, console: Console) -> list[dict]:
@@ -666,16 +763,26 @@ def main(argv: list[str] | None = None) -> int:
     if args.out:
         args.out.write_text(json.dumps(results, indent=1))
     rows = [row(kind, [t for t in results if t["kind"] == kind]) for kind in kinds]
-    console.print(summary_table(rows, f"fault injection: {trials} trials per kind, {ITERATIONS} iterations per run, "
-                                      f"{time.perf_counter() - start:.0f} s in all"))
+    console.print(
+        summary_table(
+            rows,
+            f"fault injection: {trials} trials per kind, {ITERATIONS} iterations per run, "
+            f"{time.perf_counter() - start:.0f} s in all",
+        )
+    )
     missed = [t for t in results if failed(t)]
     for t in missed:
-        console.print(f"missed: {t['kind']} #{t['trial']}: {', '.join(failed(t))}", markup=False, highlight=False,
-                      soft_wrap=True)
+        console.print(
+            f"missed: {t['kind']} #{t['trial']}: {', '.join(failed(t))}", markup=False, highlight=False, soft_wrap=True
+        )
     short = [row for row in rows if row["trials"] < trials]
     for r in short:
-        console.print(f"missed: {r['fault']}: {r['trials']} of {trials} faults landed in {r['landed'].split('/')[1]} "
-                      "trials", markup=False, highlight=False, soft_wrap=True)
+        console.print(
+            f"missed: {r['fault']}: {r['trials']} of {trials} faults landed in {r['landed'].split('/')[1]} trials",
+            markup=False,
+            highlight=False,
+            soft_wrap=True,
+        )
     return 1 if missed or short else 0
 
 

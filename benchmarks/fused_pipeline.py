@@ -39,11 +39,11 @@ from rich.console import Console
 os.environ.setdefault("HF_HUB_OFFLINE", "1")
 
 from loomrl.plan.pipeline_fusion import PipelineFusionProblem, PipelineSpec
-from loomrl.planner.pipeline_fusion.simulate import check
-from loomrl.planner.pipeline_fusion.search import fused_order, separate_order
 from loomrl.planner.pipeline_fusion.bound import lower_bound
 from loomrl.planner.pipeline_fusion.exact import available, exact_ladder
 from loomrl.planner.pipeline_fusion.graph import build_graph
+from loomrl.planner.pipeline_fusion.search import fused_order, separate_order
+from loomrl.planner.pipeline_fusion.simulate import check
 from loomrl.report import summary_table
 
 DEPTHS = ((8, 4), (8, 8), (16, 4), (16, 8), (16, 16))
@@ -64,8 +64,11 @@ def cases(quick: bool) -> list[tuple[int, int, int, float]]:
 
 
 def problem(pp_actor: int, pp_critic: int, micro_batches: int, ratio: float) -> PipelineFusionProblem:
-    return PipelineFusionProblem(pp_actor, PipelineSpec(pp_actor, micro_batches, 1.0, 2.0),
-                         PipelineSpec(pp_critic, micro_batches, ratio, 2.0 * ratio))
+    return PipelineFusionProblem(
+        pp_actor,
+        PipelineSpec(pp_actor, micro_batches, 1.0, 2.0),
+        PipelineSpec(pp_critic, micro_batches, ratio, 2.0 * ratio),
+    )
 
 
 def schedules_part(args: argparse.Namespace) -> None:
@@ -76,17 +79,31 @@ def schedules_part(args: argparse.Namespace) -> None:
         separate = check(separate_order(fusion)).makespan
         result = fused_order(fusion, seed=args.seed, time_limit_s=limit, exact=False if args.no_exact else None)
         check(result.schedule)
-        rows.append({"case": f"pp {pp_actor}/{pp_critic}, M {micro_batches}" + (f", critic x{ratio:g}"
-                                                                              if ratio != 1.0 else ""),
-                     "separate 1F1B": separate, "fused": result.makespan, "bound": result.bound,
-                     "CP-SAT proofs": result.exact_proofs,
-                     "gap %": 100 * result.gap, "seconds": round(result.seconds, 1),
-                     "within 1%": "yes" if result.gap <= TARGET_GAP + 1e-12 else "no"})
-        Console().print(f"{rows[-1]['case']}: fused {result.makespan:g}, bound {result.bound:g}, "
-                        f"{result.seconds:.1f} s", style="dim")
+        rows.append(
+            {
+                "case": f"pp {pp_actor}/{pp_critic}, M {micro_batches}"
+                + (f", critic x{ratio:g}" if ratio != 1.0 else ""),
+                "separate 1F1B": separate,
+                "fused": result.makespan,
+                "bound": result.bound,
+                "CP-SAT proofs": result.exact_proofs,
+                "gap %": 100 * result.gap,
+                "seconds": round(result.seconds, 1),
+                "within 1%": "yes" if result.gap <= TARGET_GAP + 1e-12 else "no",
+            }
+        )
+        Console().print(
+            f"{rows[-1]['case']}: fused {result.makespan:g}, bound {result.bound:g}, {result.seconds:.1f} s",
+            style="dim",
+        )
     exact = "off" if args.no_exact else ("on" if available() else "not installed")
-    Console(width=160).print(summary_table(rows, f"fused pipeline schedules (time units; search limit {limit:g} s "
-                                                 f"per case, seed {args.seed}; CP-SAT {exact})"))
+    Console(width=160).print(
+        summary_table(
+            rows,
+            f"fused pipeline schedules (time units; search limit {limit:g} s "
+            f"per case, seed {args.seed}; CP-SAT {exact})",
+        )
+    )
     within = sum(r["within 1%"] == "yes" for r in rows)
     worst = max(rows, key=lambda r: r["gap %"])
     longest = max(rows, key=lambda r: r["seconds"])
@@ -108,8 +125,15 @@ def ceiling_part(args: argparse.Namespace) -> None:
         hint = [[graph.index[t] for t in order] for order in best.schedule.devices]
         proven, optimum, began = bound, None, time.perf_counter()
         while optimum is None and proven < best.makespan - 1e-9:
-            found = exact_ladder(graph, proven, best.makespan, deadline=time.perf_counter() + args.proof_limit,
-                                 seed=args.seed, hint=hint, workers=os.cpu_count() or 1)
+            found = exact_ladder(
+                graph,
+                proven,
+                best.makespan,
+                deadline=time.perf_counter() + args.proof_limit,
+                seed=args.seed,
+                hint=hint,
+                workers=os.cpu_count() or 1,
+            )
             if found.orders is not None:
                 optimum = found.bound
             elif found.proofs == 0:
@@ -117,12 +141,23 @@ def ceiling_part(args: argparse.Namespace) -> None:
             proven = found.bound
         if optimum is None and proven >= best.makespan - 1e-9:
             optimum = best.makespan
-        rows.append({"case": spec, "fused (search)": best.makespan, "bound": bound, "proven bound": proven,
-                     "optimum": optimum if optimum is not None else "?", "seconds": round(time.perf_counter() - began),
-                     "optimum > 1.01 bound": "?" if optimum is None else ("yes" if optimum > 1.01 * bound else "no")})
+        rows.append(
+            {
+                "case": spec,
+                "fused (search)": best.makespan,
+                "bound": bound,
+                "proven bound": proven,
+                "optimum": optimum if optimum is not None else "?",
+                "seconds": round(time.perf_counter() - began),
+                "optimum > 1.01 bound": "?" if optimum is None else ("yes" if optimum > 1.01 * bound else "no"),
+            }
+        )
         Console().print(f"{spec}: proven >= {proven:g}, optimum {optimum}", style="dim")
-    Console(width=160).print(summary_table(rows, f"how far each case's optimum lies above the bound (CP-SAT, "
-                                                 f"{args.proof_limit:g} s per question)"))
+    Console(width=160).print(
+        summary_table(
+            rows, f"how far each case's optimum lies above the bound (CP-SAT, {args.proof_limit:g} s per question)"
+        )
+    )
 
 
 def measured_part(args: argparse.Namespace) -> None:
@@ -134,23 +169,39 @@ def measured_part(args: argparse.Namespace) -> None:
     rows = []
     for row in measured_rows(args.steps):
         measured, predicted = row["measured"], row["predicted"]
-        rows.append({"setup": row["setup"], "separate s": measured["separate"], "fused s": measured["fused"],
-                     "fused speedup": measured["separate"] / measured["fused"],
-                     "predicted separate s": predicted["separate"], "predicted fused s": predicted["fused"],
-                     "predicted speedup": predicted["separate"] / predicted["fused"],
-                     "error separate %": 100 * (predicted["separate"] / measured["separate"] - 1),
-                     "error fused %": 100 * (predicted["fused"] / measured["fused"] - 1)})
-    Console(width=200).print(summary_table(rows, f"fused vs separate training steps, measured on this machine "
-                                                 f"({ROWS} rows x {SEQ} tokens; median of {args.steps - 2} steps)"))
+        rows.append(
+            {
+                "setup": row["setup"],
+                "separate s": measured["separate"],
+                "fused s": measured["fused"],
+                "fused speedup": measured["separate"] / measured["fused"],
+                "predicted separate s": predicted["separate"],
+                "predicted fused s": predicted["fused"],
+                "predicted speedup": predicted["separate"] / predicted["fused"],
+                "error separate %": 100 * (predicted["separate"] / measured["separate"] - 1),
+                "error fused %": 100 * (predicted["fused"] / measured["fused"] - 1),
+            }
+        )
+    Console(width=200).print(
+        summary_table(
+            rows,
+            f"fused vs separate training steps, measured on this machine "
+            f"({ROWS} rows x {SEQ} tokens; median of {args.steps - 2} steps)",
+        )
+    )
     within = sum(abs(r["error separate %"]) <= 15 and abs(r["error fused %"]) <= 15 for r in rows)
     Console().print(f"predictions within 15% for both: {within} of {len(rows)} setups")
 
 
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    ap.add_argument("--part", choices=("schedules", "ceiling", "measured", "all"), default="all",
-                    help="schedules: simulated makespans and bounds; ceiling: CP-SAT's optimum of --cases; "
-                         "measured: training steps run on this machine (all: schedules and measured)")
+    ap.add_argument(
+        "--part",
+        choices=("schedules", "ceiling", "measured", "all"),
+        default="all",
+        help="schedules: simulated makespans and bounds; ceiling: CP-SAT's optimum of --cases; "
+        "measured: training steps run on this machine (all: schedules and measured)",
+    )
     ap.add_argument("--steps", type=int, default=8, help="measured training steps of each kind per setup")
     ap.add_argument("--time-limit", type=float, default=None, help="search seconds per case (default 60; 5 quick)")
     ap.add_argument("--seed", type=int, default=0)

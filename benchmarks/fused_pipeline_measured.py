@@ -5,7 +5,8 @@ LM) and a critic (a value model of the same size) pipelined over the same proces
 reversed: one step is, for each model, a forward and backward of every micro-batch, the gradient sum over the
 model's replicas, clipping and an AdamW step. ``separate`` runs the actor's 1F1B pass and then the critic's
 (what loomrl runs without ``pipeline_fusion``); ``fused`` runs one fused pipeline step with the schedule the runtime
-would run (:func:`loomrl.planner.cost.pipeline_fusion.pipeline_fusion_orders`, each task priced by the cost model). The two
+would run (:func:`loomrl.planner.cost.pipeline_fusion.pipeline_fusion_orders`, each task priced by the cost model). The
+two
 alternate step by step, so load on the machine falls on both alike; each figure is the median over the steps
 after the first two.
 
@@ -26,8 +27,16 @@ from functools import partial
 import torch
 import torch.distributed as dist
 
-MODEL = {"hidden_size": 384, "num_hidden_layers": 8, "num_attention_heads": 6, "num_key_value_heads": 3,
-         "intermediate_size": 1024, "rms_norm_eps": 1e-5, "attention_dropout": 0.0, "tie_word_embeddings": False}
+MODEL = {
+    "hidden_size": 384,
+    "num_hidden_layers": 8,
+    "num_attention_heads": 6,
+    "num_key_value_heads": 3,
+    "intermediate_size": 1024,
+    "rms_norm_eps": 1e-5,
+    "attention_dropout": 0.0,
+    "tie_word_embeddings": False,
+}
 """~15M parameters per model (8 layers: 2 or 4 stages); big enough that compute, not messaging, dominates."""
 ROWS, SEQ, MICRO_BATCHES = 16, 96, 4
 
@@ -50,14 +59,18 @@ SETUPS = (
 
 def _config(vocab: int):
     from transformers import LlamaConfig
+
     return LlamaConfig(vocab_size=vocab, pad_token_id=0, **MODEL)
 
 
 def _allocations(setup: Setup):
-    from loomrl.plan.plan import Allocation
+    from loomrl.plan.allocation import Allocation
+
     mesh = f"0-{setup.processes - 1}"
-    return (Allocation.parse(f"{mesh}:{setup.actor}mb{MICRO_BATCHES}"),
-            Allocation.parse(f"{mesh}:{setup.critic}mb{MICRO_BATCHES}"))
+    return (
+        Allocation.parse(f"{mesh}:{setup.actor}mb{MICRO_BATCHES}"),
+        Allocation.parse(f"{mesh}:{setup.critic}mb{MICRO_BATCHES}"),
+    )
 
 
 def _pricing(setup: Setup, profile):
@@ -66,11 +79,13 @@ def _pricing(setup: Setup, profile):
 
     from loomrl.algorithms.workflows import build_workflow
     from loomrl.config.schema import AlgoConfig, RolloutConfig
+    from loomrl.plan.allocation import Allocation
     from loomrl.plan.cluster import ClusterSpec
-    from loomrl.plan.plan import Allocation, ExecutionPlan
+    from loomrl.plan.model_shape import ModelShape
+    from loomrl.plan.plan import ExecutionPlan
     from loomrl.plan.schedule import StepKind, build_schedule
     from loomrl.planner.cost.model import CostModel
-    from loomrl.planner.cost.workload import ModelShape, Workload
+    from loomrl.planner.cost.workload import Workload
 
     workflow = build_workflow(AlgoConfig(name="ppo", ppo_epochs=1, minibatches=1), RolloutConfig())
     cluster = ClusterSpec(nodes=1, devices_per_node=setup.processes)
@@ -80,8 +95,12 @@ def _pricing(setup: Setup, profile):
     allocations.update(actor_train=actor, critic_train=critic, advantages=Allocation.parse("0:dp1"))
     plan = ExecutionPlan(cluster, allocations, pipeline_fusion=True)
     shape = ModelShape.from_config(_config(48))
-    cost = CostModel(cluster, dataclasses.replace(profile, memory_bytes=cluster.memory_gb * 2**30),
-                     {r: shape for r in workflow.roles()}, Workload(ROWS, SEQ // 2, (SEQ // 2,)))
+    cost = CostModel(
+        cluster,
+        dataclasses.replace(profile, memory_bytes=cluster.memory_gb * 2**30),
+        {r: shape for r in workflow.roles()},
+        Workload(ROWS, SEQ // 2, (SEQ // 2,)),
+    )
     step = next(s for s in build_schedule(workflow, plan) if s.kind is StepKind.PIPELINE_FUSION)
     return cost, step
 
@@ -91,8 +110,8 @@ def _body(rank: int, setup: Setup, orders: dict, steps: int) -> dict:
 
     from loomrl.parallel.allocations import AllocationGroups
     from loomrl.parallel.data_parallel import sync_gradients
-    from loomrl.parallel.pipeline_fusion import PipelineFusionSide, pipeline_fusion_backward
     from loomrl.parallel.pipeline import split_stages
+    from loomrl.parallel.pipeline_fusion import PipelineFusionSide, pipeline_fusion_backward
     from loomrl.parallel.pipeline_runner import PipelineRunner, clip_grad_norm_pp
     from loomrl.workflow.batch import micro_batch_slices
 
@@ -111,9 +130,17 @@ def _body(rank: int, setup: Setup, orders: dict, steps: int) -> dict:
         stage = split_stages(model, g.pp_rank, alloc.layout.pp)
         stage.model.train()
         rows = micro_batch_slices(ROWS, alloc.layout.dp)[g.dp_rank]
-        models.append({"g": g, "alloc": alloc, "stage": stage, "ids": ids_BL[rows], "mask": mask_BL[rows],
-                       "runner": PipelineRunner(stage, g.pp_group, g.pp_rank, alloc.layout.pp, g.stage_ranks),
-                       "opt": torch.optim.AdamW(stage.parameters(), lr=1e-5)})
+        models.append(
+            {
+                "g": g,
+                "alloc": alloc,
+                "stage": stage,
+                "ids": ids_BL[rows],
+                "mask": mask_BL[rows],
+                "runner": PipelineRunner(stage, g.pp_group, g.pp_rank, alloc.layout.pp, g.stage_ranks),
+                "opt": torch.optim.AdamW(stage.parameters(), lr=1e-5),
+            }
+        )
 
     def loss(out: torch.Tensor, k: int) -> torch.Tensor:
         return out.float().square().mean() * 1e-3
@@ -131,9 +158,18 @@ def _body(rank: int, setup: Setup, orders: dict, steps: int) -> dict:
             finish(m)
 
     def fused() -> None:
-        sides = {i: PipelineFusionSide(m["runner"], m["g"].pp_back_group, m["ids"], m["mask"],
-                              micro_batch_slices(len(m["ids"]), MICRO_BATCHES), loss, stage_ranks=m["g"].stage_ranks)
-                 for i, m in enumerate(models)}
+        sides = {
+            i: PipelineFusionSide(
+                m["runner"],
+                m["g"].pp_back_group,
+                m["ids"],
+                m["mask"],
+                micro_batch_slices(len(m["ids"]), MICRO_BATCHES),
+                loss,
+                stage_ranks=m["g"].stage_ranks,
+            )
+            for i, m in enumerate(models)
+        }
         pipeline_fusion_backward(orders[rank], sides)
         for m in models:
             finish(m)
@@ -166,12 +202,18 @@ def measured_rows(steps: int = 8) -> list[dict]:
             profiles[setup.processes] = calibrate_local(setup.processes)
         cost, step = _pricing(setup, profiles[setup.processes])
         orders = pipeline_fusion_orders(cost, step)
-        results = run_world(partial(_body, setup=setup, orders=orders, steps=steps), setup.processes,
-                            timeout_s=1800.0, group_timeout_s=600.0)
+        results = run_world(
+            partial(_body, setup=setup, orders=orders, steps=steps),
+            setup.processes,
+            timeout_s=1800.0,
+            group_timeout_s=600.0,
+        )
         measured = {name: statistics.median(results[0][name][2:]) for name in ("separate", "fused", "actor alone")}
         actor = step.members[0]
         scale = measured["actor alone"] / cost.mfc_time(actor.mfc, actor.alloc)
-        predicted = {"separate": scale * sum(cost.mfc_time(m.mfc, m.alloc) for m in step.members),
-                     "fused": scale * cost.pipeline_fusion_time(step)}
+        predicted = {
+            "separate": scale * sum(cost.mfc_time(m.mfc, m.alloc) for m in step.members),
+            "fused": scale * cost.pipeline_fusion_time(step),
+        }
         rows.append({"setup": setup.name, "measured": measured, "predicted": predicted, "scale": scale})
     return rows

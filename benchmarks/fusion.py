@@ -43,20 +43,24 @@ from rich.console import Console  # noqa: E402
 from loomrl.algorithms.ops import generate_chunks, generate_op, logprob_op, reward_op, values_op  # noqa: E402
 from loomrl.config.schema import RuntimeConfig, TaskConfig  # noqa: E402
 from loomrl.data.sources import build_task, examples_window, prompt_source  # noqa: E402
-from loomrl.role.spec import RoleSpec  # noqa: E402
-from loomrl.runtime.launch import quiet_libraries  # noqa: E402
+from loomrl.models.presets import model_config  # noqa: E402
 from loomrl.models.tokenizer import build_char_tokenizer, encode_prompt  # noqa: E402
 from loomrl.plan import ClusterSpec, make_plan  # noqa: E402
+from loomrl.plan.cluster import profile_for  # noqa: E402
+from loomrl.plan.hardware import load_profile  # noqa: E402
+from loomrl.plan.model_shape import ModelShape  # noqa: E402
 from loomrl.planner.calibration.local import calibrate_local, usable_cores  # noqa: E402
-from loomrl.planner.cost.corrections import fit_corrections  # noqa: E402
-from loomrl.planner.cost.model import CostModel  # noqa: E402
-from loomrl.planner.planning import model_config  # noqa: E402
-from loomrl.planner.cost.system import RUNTIME  # noqa: E402
-from loomrl.planner.simulation.simulator import simulate  # noqa: E402
 from loomrl.planner.calibration.traces import trace_predictor  # noqa: E402
-from loomrl.planner.cost.workload import ModelShape, Workload  # noqa: E402
+from loomrl.planner.cost.corrections import Corrections, fit_corrections  # noqa: E402
+from loomrl.planner.cost.model import CostModel  # noqa: E402
+from loomrl.planner.cost.system import RUNTIME  # noqa: E402
+from loomrl.planner.cost.workload import Workload  # noqa: E402
+from loomrl.planner.inputs import PlannerInputs  # noqa: E402
+from loomrl.planner.simulation.simulator import simulate  # noqa: E402
 from loomrl.report import summary_table  # noqa: E402
+from loomrl.role.spec import RoleSpec  # noqa: E402
 from loomrl.rollout import SamplingParams  # noqa: E402
+from loomrl.runtime.launch import quiet_libraries  # noqa: E402
 from loomrl.runtime.ray_executor import RayExecutor  # noqa: E402
 from loomrl.runtime.spec import WorkerSpec  # noqa: E402
 from loomrl.workflow import MFC, MFCKind, Workflow  # noqa: E402
@@ -73,13 +77,23 @@ def stage_workflow(max_new_tokens: int) -> Workflow:
     params = SamplingParams(max_new_tokens, 1.0, ignore_eos=True)
     gen, inf = MFCKind.GENERATE, MFCKind.INFERENCE
     seq = ("prompt_ids", "response_ids")
-    return Workflow([
-        MFC("actor_gen", "actor", gen, ("prompt_ids", "max_new_tokens"), ("response_ids", "logp", "mask"),
-            partial(generate_op, params=params), stream=partial(generate_chunks, params=params)),
-        MFC("ref_inf", "ref", inf, seq, ("ref_logp",), partial(logprob_op, out_key="ref_logp", temperature=1.0)),
-        MFC("critic_inf", "critic", inf, seq, ("values",), values_op),
-        MFC("reward_inf", "reward", inf, (*seq, "prompt_text", "answer"), ("score",), reward_op),
-    ], ("prompt_ids", "max_new_tokens", "prompt_text", "answer"))
+    return Workflow(
+        [
+            MFC(
+                "actor_gen",
+                "actor",
+                gen,
+                ("prompt_ids", "max_new_tokens"),
+                ("response_ids", "logp", "mask"),
+                partial(generate_op, params=params),
+                stream=partial(generate_chunks, params=params),
+            ),
+            MFC("ref_inf", "ref", inf, seq, ("ref_logp",), partial(logprob_op, out_key="ref_logp", temperature=1.0)),
+            MFC("critic_inf", "critic", inf, seq, ("values",), values_op),
+            MFC("reward_inf", "reward", inf, (*seq, "prompt_text", "answer"), ("score",), reward_op),
+        ],
+        ("prompt_ids", "max_new_tokens", "prompt_text", "answer"),
+    )
 
 
 def budgets(prompts: int, longest: int, tail: int, seed: int = 0) -> list[int]:
@@ -95,23 +109,38 @@ def make_batch(prompts: int, lengths: list[int]) -> Batch:
     task = build_task(TaskConfig())
     tok = build_char_tokenizer()
     examples = examples_window(prompt_source(TaskConfig(), task, 0, "train"), 0, prompts)
-    return Batch(list(range(prompts)), {"prompt_ids": [encode_prompt(tok, ex.prompt) for ex in examples],
-                                        "prompt_text": [ex.prompt for ex in examples],
-                                        "answer": [ex.answer for ex in examples], "max_new_tokens": list(lengths)})
+    return Batch(
+        list(range(prompts)),
+        {
+            "prompt_ids": [encode_prompt(tok, ex.prompt) for ex in examples],
+            "prompt_text": [ex.prompt for ex in examples],
+            "answer": [ex.answer for ex in examples],
+            "max_new_tokens": list(lengths),
+        },
+    )
 
 
 def worker_spec(model: str) -> WorkerSpec:
-    roles = {"actor": RoleSpec("actor", model, "model"), "ref": RoleSpec("ref", model, "model"),
-             "critic": RoleSpec("critic", model, "model", value_head=True, seed=1),
-             "reward": RoleSpec("reward", None, "reward.model", rule=True)}
+    roles = {
+        "actor": RoleSpec("actor", model, "model"),
+        "ref": RoleSpec("ref", model, "model"),
+        "critic": RoleSpec("critic", model, "model", value_head=True, seed=1),
+        "reward": RoleSpec("reward", None, "reward.model", rule=True),
+    }
     return WorkerSpec(roles, TaskConfig(), None, 0, device="cpu", threads=1, timeout_s=1800)
 
 
-def run(plan_text: str, workflow: Workflow, batch: Batch, spec: WorkerSpec, runtime: RuntimeConfig,
-        iterations: int) -> tuple[float, list[dict]]:
+def run(
+    plan_text: str, workflow: Workflow, batch: Batch, spec: WorkerSpec, runtime: RuntimeConfig, iterations: int
+) -> tuple[float, list[dict]]:
     """Median seconds per iteration after the first, and every step's traces."""
     cluster = ClusterSpec(nodes=1, devices_per_node=runtime.devices, device_kind="cpu")
-    executor = RayExecutor(runtime, spec, workflow, make_plan(plan_text, workflow, cluster))
+    # what the controller prices `migrate_at: auto` with: the profile and corrections the runtime names
+    profile = load_profile(runtime.cost_profile) if runtime.cost_profile else profile_for(cluster)
+    corrections = Corrections.load(runtime.cost_corrections) if runtime.cost_corrections else None
+    configs = {role: None if s.model is None else model_config(s.model) for role, s in spec.roles.items()}
+    inputs = PlannerInputs(workflow, cluster, profile, configs, Workload(len(batch), 0.0, (1,)), RUNTIME, corrections)
+    executor = RayExecutor(runtime, spec, workflow, make_plan(plan_text, workflow, cluster), inputs)
     times, traces, chosen = [], [], []
     try:
         for it in range(iterations):
@@ -132,11 +161,22 @@ def observations(traces: list[dict], workload: Workload, allocation: str) -> lis
     for t in traces:
         if t["iteration"] == 0 or t["kind"] != "call" or t["role"] not in SHAPED:
             continue
-        out.append({"mfc": t["step"], "kind": t["mfc_kind"], "role": t["role"], "allocation": allocation,
-                    "batch": workload.batch, "prompt_len": workload.prompt_len,
-                    "response_mean": statistics.fmean(lengths), "response_p90": lengths[int(0.9 * (len(lengths) - 1))],
-                    "response_max": lengths[-1], "epochs": 1, "minibatches": 1,
-                    "seconds": max(t["end"]) - min(t["start"])})
+        out.append(
+            {
+                "mfc": t["step"],
+                "kind": t["mfc_kind"],
+                "role": t["role"],
+                "allocation": allocation,
+                "batch": workload.batch,
+                "prompt_len": workload.prompt_len,
+                "response_mean": statistics.fmean(lengths),
+                "response_p90": lengths[int(0.9 * (len(lengths) - 1))],
+                "response_max": lengths[-1],
+                "epochs": 1,
+                "minibatches": 1,
+                "seconds": max(t["end"]) - min(t["start"]),
+            }
+        )
     return out
 
 
@@ -172,34 +212,56 @@ def main() -> None:
         corrections = fit_corrections(found, trace_predictor(cluster, profile, shapes, settings=RUNTIME))
         (tmp / "profile.json").write_text(json.dumps(dataclasses.asdict(profile)))
         (tmp / "corrections.json").write_text(corrections.dumps())
-        cost = CostModel(cluster, profile, shapes, Workload(args.prompts, prompt, tuple(heavy)), corrections,
-                         settings=RUNTIME)
-        auto = RuntimeConfig(devices=args.devices, timeout_s=1800, cost_profile=str(tmp / "profile.json"),
-                             cost_corrections=str(tmp / "corrections.json"))
+        cost = CostModel(
+            cluster, profile, shapes, Workload(args.prompts, prompt, tuple(heavy)), corrections, settings=RUNTIME
+        )
+        auto = RuntimeConfig(
+            devices=args.devices,
+            timeout_s=1800,
+            cost_profile=str(tmp / "profile.json"),
+            cost_corrections=str(tmp / "corrections.json"),
+        )
         dp = f"0-{args.devices - 1}:dp{args.devices}"
         scored = f"actor_gen={dp}; ref_inf={dp}mb4; critic_inf={dp}mb4; reward_inf={dp}"
         variants = {"unfused": ("colocate", runtime), "unfused, scoring mb4": (scored, runtime)}
-        variants |= {f"fused, migrate_at {r}": (f"{scored}; stream_fusion=migrate_at:{r},migrate_to:1", runtime) for r in SWEEP}
+        variants |= {
+            f"fused, migrate_at {r}": (f"{scored}; stream_fusion=migrate_at:{r},migrate_to:1", runtime) for r in SWEEP
+        }
         variants["fused, migrate_at auto"] = (f"{scored}; stream_fusion=migrate_at:auto,migrate_to:1", auto)
         rows, measured = [], {}
         for name, (text, rt) in variants.items():
             seconds, _, chosen = run(text, workflow, batch, spec, rt, args.iterations)
-            predicted = simulate(make_plan(text, workflow, cluster), workflow, cost, profile.memory_bytes).iteration_time
+            predicted = simulate(
+                make_plan(text, workflow, cluster), workflow, cost, profile.memory_bytes
+            ).iteration_time
             measured[name] = seconds
-            rows.append({"variant": name, "measured s": seconds, "predicted s": predicted,
-                         "error": abs(predicted - seconds) / seconds,
-                         "chosen migrate_at": ",".join(f"{c:g}" for c in chosen if c is not None) or "-"})
+            rows.append(
+                {
+                    "variant": name,
+                    "measured s": seconds,
+                    "predicted s": predicted,
+                    "error": abs(predicted - seconds) / seconds,
+                    "chosen migrate_at": ",".join(f"{c:g}" for c in chosen if c is not None) or "-",
+                }
+            )
     base = min(measured["unfused"], measured["unfused, scoring mb4"])  # the better unfused stage
     for row in rows:
         row["speedup"] = base / row["measured s"]
     swept = {r: measured[f"fused, migrate_at {r}"] for r in SWEEP}
     best = min(swept, key=swept.get)
     console = Console()
-    console.print(summary_table(rows, f"Fused generation + inference, {args.model}, {args.prompts} samples, "
-                                      f"{args.devices} devices, budgets median 16, {args.tail} at {args.longest}"))
-    console.print(f"best swept: migrate_at {best} ({base / swept[best]:.2f}x); auto: "
-                  f"{measured['fused, migrate_at auto'] / swept[best] - 1:+.1%} against it (target: within 5%); "
-                  f"best fused vs the better unfused: target 1.3x")
+    console.print(
+        summary_table(
+            rows,
+            f"Fused generation + inference, {args.model}, {args.prompts} samples, "
+            f"{args.devices} devices, budgets median 16, {args.tail} at {args.longest}",
+        )
+    )
+    console.print(
+        f"best swept: migrate_at {best} ({base / swept[best]:.2f}x); auto: "
+        f"{measured['fused, migrate_at auto'] / swept[best] - 1:+.1%} against it (target: within 5%); "
+        f"best fused vs the better unfused: target 1.3x"
+    )
     console.print(f"wall time {time.perf_counter() - started:.0f} s")
 
 

@@ -13,8 +13,8 @@ from __future__ import annotations
 
 import argparse
 import os
-import sys
 import statistics
+import sys
 import tempfile
 from pathlib import Path
 
@@ -23,16 +23,19 @@ sys.path.insert(0, str(Path(__file__).resolve().parent))
 
 from rich.console import Console  # noqa: E402
 
-from loomrl.runtime.launch import quiet_libraries  # noqa: E402
-from loomrl.report import summary_table  # noqa: E402
 from demo_workload import prepare, run_ppo  # noqa: E402
+from loomrl.report import summary_table  # noqa: E402
+from loomrl.runtime.launch import quiet_libraries  # noqa: E402
+
 
 def _colocated_fsdp(devices: int) -> str:
     """Every call on all devices, pure dp, with actor and critic trained under FSDP (their other calls on
     whole copies reallocated from the shards)."""
     every = f"0-{devices - 1}:dp{devices}"
-    return (f"actor_gen={every}; actor_train={every}fsdp; ref_inf={every}; reward_inf={every}; "
-            f"critic_inf={every}; critic_train={every}fsdp; advantages=0:dp1")
+    return (
+        f"actor_gen={every}; actor_train={every}fsdp; ref_inf={every}; reward_inf={every}; "
+        f"critic_inf={every}; critic_train={every}fsdp; advantages=0:dp1"
+    )
 
 
 def main() -> None:
@@ -40,8 +43,12 @@ def main() -> None:
     ap.add_argument("--iterations", type=int, default=6)
     ap.add_argument("--prompts", type=int, default=64)
     ap.add_argument("--devices", type=int, default=2)
-    ap.add_argument("--precision", default="auto", choices=("auto", "fp32", "bf16"),
-                    help="runtime.precision of every run (the SFT warm start stays fp32)")
+    ap.add_argument(
+        "--precision",
+        default="auto",
+        choices=("auto", "fp32", "bf16"),
+        help="runtime.precision of every run (the SFT warm start stays fp32)",
+    )
     args = ap.parse_args()
     quiet_libraries()
     precision = f"runtime.precision={args.precision}"
@@ -56,8 +63,10 @@ def main() -> None:
     with tempfile.TemporaryDirectory() as d:
         tmp = Path(d)
         prepare(tmp)
-        results = {name: run_ppo(tmp, str(i), args.iterations, args.prompts, *extra, plan=plan)
-                   for i, (name, (plan, extra)) in enumerate(setups.items())}
+        results = {
+            name: run_ppo(tmp, str(i), args.iterations, args.prompts, *extra, plan=plan)
+            for i, (name, (plan, extra)) in enumerate(setups.items())
+        }
     base = statistics.median(m["time/iteration_s"] for m in results["colocate"][1:])
     rows = []
     for name, metrics in results.items():
@@ -65,10 +74,23 @@ def main() -> None:
         gen = statistics.median(m["time/actor_gen_s"] for m in metrics[1:])
         train = statistics.median(m["time/actor_train_s"] for m in metrics[1:])
         ctrl = statistics.median(m.get("time/controller_s", 0.0) for m in metrics[1:])
-        rows.append({"placement": name, "s/iteration": it, "vs colocate": it / base, "actor_gen s": gen,
-                     "actor_train s": train, "controller share": ctrl / it})
-    Console().print(summary_table(rows, f"PPO demo workload, {args.prompts} prompts, {args.devices} devices, "
-                                        f"precision {args.precision}, median of {args.iterations - 1} iterations"))
+        rows.append(
+            {
+                "placement": name,
+                "s/iteration": it,
+                "vs colocate": it / base,
+                "actor_gen s": gen,
+                "actor_train s": train,
+                "controller share": ctrl / it,
+            }
+        )
+    Console().print(
+        summary_table(
+            rows,
+            f"PPO demo workload, {args.prompts} prompts, {args.devices} devices, "
+            f"precision {args.precision}, median of {args.iterations - 1} iterations",
+        )
+    )
 
 
 if __name__ == "__main__":

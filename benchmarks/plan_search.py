@@ -30,16 +30,18 @@ from rich.console import Console
 
 from loomrl.algorithms.workflows import build_workflow
 from loomrl.config.schema import AlgoConfig, RolloutConfig
+from loomrl.models.presets import model_config
 from loomrl.plan import ClusterSpec
+from loomrl.plan.cluster import profile_for
+from loomrl.plan.model_shape import ModelShape
 from loomrl.planner.cost.model import CostModel
-from loomrl.planner.planning import compare_plans, model_config
-from loomrl.plan.hardware import profile_for
+from loomrl.planner.cost.workload import DEFAULT_SPREAD, Workload, lengths_from_mean_max
+from loomrl.planner.inputs import PlannerInputs
+from loomrl.planner.planning import compare_plans
 from loomrl.planner.search.search import best_heuristic_plans
-from loomrl.planner.cost.workload import DEFAULT_SPREAD, ModelShape, Workload, lengths_from_mean_max
 from loomrl.report import summary_table
 
-SETUPS = (("llama2-7b", "h100:1x8"), ("llama2-13b", "h100:2x8"), ("llama2-34b", "h100:4x8"),
-          ("llama2-70b", "h100:8x8"))
+SETUPS = (("llama2-7b", "h100:1x8"), ("llama2-13b", "h100:2x8"), ("llama2-34b", "h100:4x8"), ("llama2-70b", "h100:8x8"))
 RESPONSE_LENGTHS = (128, 384, 896)
 LONG_TAIL = (384, 2048)
 """Mean and limit of the long-tailed response lengths of ``--long-tail``."""
@@ -59,15 +61,20 @@ def main() -> None:
             continue
         cluster = ClusterSpec.parse(cluster_text)
         configs = {role: model_config(model) for role in workflow.roles()}
-        lengths = [lengths_from_mean_max(*LONG_TAIL, DEFAULT_SPREAD)] if args.long_tail else \
-            [(n,) for n in RESPONSE_LENGTHS]
+        lengths = (
+            [lengths_from_mean_max(*LONG_TAIL, DEFAULT_SPREAD)] if args.long_tail else [(n,) for n in RESPONSE_LENGTHS]
+        )
         for response_lengths in lengths:
             response = f"{LONG_TAIL[0]}~{LONG_TAIL[1]}" if args.long_tail else response_lengths[0]
-            workload = Workload(batch=512, prompt_len=128, response_lengths=response_lengths, ppo_epochs=1,
-                                minibatches=4)
+            workload = Workload(
+                batch=512, prompt_len=128, response_lengths=response_lengths, ppo_epochs=1, minibatches=4
+            )
             start = time.perf_counter()
-            report = compare_plans(workflow, cluster, configs, workload, seed=args.seed,
-                                   time_budget_s=args.time_budget)
+            report = compare_plans(
+                PlannerInputs(workflow, cluster, profile_for(cluster), configs, workload),
+                seed=args.seed,
+                time_budget_s=args.time_budget,
+            )
             seconds = time.perf_counter() - start
             times = {r["plan"]: r["s/iteration"] for r in report.rows}
             speedups.append(report.search_speedup)
@@ -77,25 +84,39 @@ def main() -> None:
             best_heuristic = searched * report.search_speedup
             caps.append(best_heuristic / report.bound.seconds)
             fused = next((r["fused"] for r in report.rows if r["plan"] == "searched"), "no")
-            rows.append({"setup": f"{model} / {cluster_text} / {response}", **{k: times.get(k, math.nan) for k in
-                         ("colocate", "interleave", "separate", "searched")}, "searched fused": fused,
-                         "search vs best heuristic": report.search_speedup, "plan+search s": seconds,
-                         "per-call heuristic": per_call, "search vs per-call": per_call / searched,
-                         "bound": report.bound.seconds, "heuristic / bound": caps[-1]})
+            rows.append(
+                {
+                    "setup": f"{model} / {cluster_text} / {response}",
+                    **{k: times.get(k, math.nan) for k in ("colocate", "interleave", "separate", "searched")},
+                    "searched fused": fused,
+                    "search vs best heuristic": report.search_speedup,
+                    "plan+search s": seconds,
+                    "per-call heuristic": per_call,
+                    "search vs per-call": per_call / searched,
+                    "bound": report.bound.seconds,
+                    "heuristic / bound": caps[-1],
+                }
+            )
     Console(width=200).print(summary_table(rows, "simulated s/iteration (nan: does not fit in memory)"))
     finite = [s for s in speedups if math.isfinite(s)]
     mean = sum(finite) / len(finite) if finite else math.nan
     geo = math.exp(sum(math.log(s) for s in finite) / len(finite)) if finite else math.nan
-    Console().print(f"search vs best heuristic: mean {mean:.3f}x, geometric mean {geo:.3f}x over {len(finite)} setups "
-                    f"(target {1.3 if args.long_tail else 1.26}x); search budget {args.time_budget:g} s each, seed {args.seed}")
+    Console().print(
+        f"search vs best heuristic: mean {mean:.3f}x, geometric mean {geo:.3f}x over {len(finite)} setups "
+        f"(target {1.3 if args.long_tail else 1.26}x); search budget {args.time_budget:g} s each, seed {args.seed}"
+    )
     finite = [c for c in caps if math.isfinite(c)]
     if finite:
-        Console().print(f"best heuristic vs the lower bound (the most a search could gain): mean "
-                        f"{sum(finite) / len(finite):.3f}x over {len(finite)} setups")
+        Console().print(
+            f"best heuristic vs the lower bound (the most a search could gain): mean "
+            f"{sum(finite) / len(finite):.3f}x over {len(finite)} setups"
+        )
     finite = [s for s in per_call_speedups if math.isfinite(s)]
     if finite:
-        Console().print(f"search vs the per-call-layout heuristics (a stronger baseline): mean "
-                        f"{sum(finite) / len(finite):.3f}x over {len(finite)} setups")
+        Console().print(
+            f"search vs the per-call-layout heuristics (a stronger baseline): mean "
+            f"{sum(finite) / len(finite):.3f}x over {len(finite)} setups"
+        )
 
 
 def _best_per_call(workflow, cluster, configs, workload) -> float:

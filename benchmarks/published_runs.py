@@ -33,9 +33,8 @@ from rich.console import Console
 
 from loomrl.config.tools import from_dict
 from loomrl.plan import ClusterSpec, make_plan
-from loomrl.planner.describe import RunDescription, planner_inputs
-from loomrl.planner.describe import simulate_fixed
-from loomrl.plan.hardware import profile_for
+from loomrl.plan.cluster import profile_for
+from loomrl.planner.describe import RunDescription, inputs_from_description, simulate_fixed
 from loomrl.report import summary_table
 
 NEMO_RL = "github.com/NVIDIA-NeMo/RL docs/about/performance-summary.md"
@@ -66,8 +65,20 @@ class PublishedRun:
         return not self.assumed
 
 
-def _nemo_grpo(name: str, model: str, cluster: str, gpus: int, seq_mean: float, gen_tp: int, train: str, dp: int,
-               step_s: float, version: str, flags: str = "zero", expert_parallel: int = 1) -> PublishedRun:
+def _nemo_grpo(
+    name: str,
+    model: str,
+    cluster: str,
+    gpus: int,
+    seq_mean: float,
+    gen_tp: int,
+    train: str,
+    dp: int,
+    step_s: float,
+    version: str,
+    flags: str = "zero",
+    expert_parallel: int = 1,
+) -> PublishedRun:
     """A NeMo RL GRPO row: 64 prompts × 32 responses, 512 samples per optimizer step (4 steps), everything
     colocated on every GPU (vLLM at 0.6 of the memory, asleep while Megatron trains; Megatron's state, its
     optimizer distributed over dp, asleep while vLLM generates; the reference's weights swapped in for its
@@ -80,20 +91,47 @@ def _nemo_grpo(name: str, model: str, cluster: str, gpus: int, seq_mean: float, 
     score_mb = max(1, math.ceil(per_replica / 4096))
     devices = f"0-{gpus - 1}"
     generation = f"dp{gpus // gen_tp}" + (f"tp{gen_tp}" if gen_tp > 1 else "")
-    plan = (f"actor_gen={devices}:{generation}; actor_inf={devices}:{train}mb{score_mb}; "
-            f"ref_inf={devices}:{train}mb{score_mb}; reward_inf=0; actor_train={devices}:{train}mb{train_mb}{flags}; "
-            "offload=actor,ref")
+    plan = (
+        f"actor_gen={devices}:{generation}; actor_inf={devices}:{train}mb{score_mb}; "
+        f"ref_inf={devices}:{train}mb{score_mb}; reward_inf=0; actor_train={devices}:{train}mb{train_mb}{flags}; "
+        "offload=actor,ref"
+    )
     return PublishedRun(
-        name=name, source=f"{NEMO_RL} ({version})", step_s=step_s,
-        run={"algo": "grpo", "cluster": cluster, "models": {"actor": model, "reward": "rule"}, "prompts": 64,
-             "responses_per_prompt": 32, "prompt_len": PROMPT, "response_len": seq_mean - PROMPT,
-             "response_max": 4096 - PROMPT, "optimizer_steps": 4, "recompute_logprobs": True, "plan": plan,
-             "engine": {"gen_memory_fraction": 0.6, "logits": "chunked", "expert_parallel": expert_parallel}})
+        name=name,
+        source=f"{NEMO_RL} ({version})",
+        step_s=step_s,
+        run={
+            "algo": "grpo",
+            "cluster": cluster,
+            "models": {"actor": model, "reward": "rule"},
+            "prompts": 64,
+            "responses_per_prompt": 32,
+            "prompt_len": PROMPT,
+            "response_len": seq_mean - PROMPT,
+            "response_max": 4096 - PROMPT,
+            "optimizer_steps": 4,
+            "recompute_logprobs": True,
+            "plan": plan,
+            "system": {"gen_memory_fraction": 0.6, "logits": "chunked", "expert_parallel": expert_parallel},
+        },
+    )
 
 
-def _openrlhf(name: str, model: str, nodes: int, actor: int, critic: int, ref: int, reward: int, engines: int,
-              engine_tp: int, request_batch: int, stages: dict[str, float], step_s: float,
-              scoring_tp: int = 1) -> PublishedRun:
+def _openrlhf(
+    name: str,
+    model: str,
+    nodes: int,
+    actor: int,
+    critic: int,
+    ref: int,
+    reward: int,
+    engines: int,
+    engine_tp: int,
+    request_batch: int,
+    stages: dict[str, float],
+    step_s: float,
+    scoring_tp: int = 1,
+) -> PublishedRun:
     """An OpenRLHF row (Table 3): actor, critic, reference, reward and the vLLM engines on their own GPUs in that
     order, ZeRO-3 with Adam offloaded for the trained models, 1024 prompts per step, 8 optimizer steps of 128
     (rollout batch 1024, train batch 128), behaviour log-probs recomputed by the actor, the engines fed
@@ -122,69 +160,197 @@ def _openrlhf(name: str, model: str, nodes: int, actor: int, critic: int, ref: i
         return f"tp{count}{mb(1)}" if scoring_tp > 1 else f"dp{count}{mb(count)}"
 
     score_mb = mb(1 if scoring_tp > 1 else actor)
-    plan = (f"actor_gen={g}:dp{engines}{tp}; actor_inf={a}:{score}{score_mb}; "
-            f"actor_train={a}:dp{actor}mb{micro}rcfsdp; critic_inf={c}:{score}{score_mb}; "
-            f"critic_train={c}:dp{critic}mb{micro}rcfsdp; ref_inf={r}:{scored(ref)}; "
-            f"reward_inf={w}:{scored(reward)}; advantages={a.split('-')[0]}")
+    plan = (
+        f"actor_gen={g}:dp{engines}{tp}; actor_inf={a}:{score}{score_mb}; "
+        f"actor_train={a}:dp{actor}mb{micro}rcfsdp; critic_inf={c}:{score}{score_mb}; "
+        f"critic_train={c}:dp{critic}mb{micro}rcfsdp; ref_inf={r}:{scored(ref)}; "
+        f"reward_inf={w}:{scored(reward)}; advantages={a.split('-')[0]}"
+    )
     return PublishedRun(
-        name=name, source=OPENRLHF, step_s=step_s, stages=stages,
-        stage_steps={"generation": ("actor_gen",), "vLLM weight sync": ("sync actor",),
-                     "logits, reward": ("actor_inf", "ref_inf", "reward_inf", "critic_inf", "advantages",
-                                        "copy actor", "free actor", "copy critic", "free critic"),
-                     "training": ("actor_train", "critic_train")},
+        name=name,
+        source=OPENRLHF,
+        step_s=step_s,
+        stages=stages,
+        stage_steps={
+            "generation": ("actor_gen",),
+            "vLLM weight sync": ("sync actor",),
+            "logits, reward": (
+                "actor_inf",
+                "ref_inf",
+                "reward_inf",
+                "critic_inf",
+                "advantages",
+                "copy actor",
+                "free actor",
+                "copy critic",
+                "free critic",
+            ),
+            "training": ("actor_train", "critic_train"),
+        },
         assumed="mean lengths not published: prompt 256 and response 512 tokens taken (half the limits); training "
-                "micro-batches of 4 samples with activation checkpointing taken (Table 3 gives the rollout's)" + (
-                    "; the scoring passes, which ZeRO-3 runs on its shards, priced on tensor-parallel copies over the "
-                    "same GPUs (a plan cannot score on FSDP shards)" if scoring_tp > 1 else ""),
-        run={"algo": "ppo", "cluster": f"a800:{nodes}x8", "models": {"actor": model}, "prompts": 1024,
-             "prompt_len": 256, "response_len": 512, "response_max": 1024, "optimizer_steps": 8,
-             "recompute_logprobs": True, "plan": plan,
-             "engine": {"gen_memory_fraction": 0.9, "gen_request_batch": request_batch, "optimizer_offload": True,
-                        "logits": "chunked", "packing": False}})
+        "micro-batches of 4 samples with activation checkpointing taken (Table 3 gives the rollout's)"
+        + (
+            "; the scoring passes, which ZeRO-3 runs on its shards, priced on tensor-parallel copies over the "
+            "same GPUs (a plan cannot score on FSDP shards)"
+            if scoring_tp > 1
+            else ""
+        ),
+        run={
+            "algo": "ppo",
+            "cluster": f"a800:{nodes}x8",
+            "models": {"actor": model},
+            "prompts": 1024,
+            "prompt_len": 256,
+            "response_len": 512,
+            "response_max": 1024,
+            "optimizer_steps": 8,
+            "recompute_logprobs": True,
+            "plan": plan,
+            "system": {
+                "gen_memory_fraction": 0.9,
+                "gen_request_batch": request_batch,
+                "optimizer_offload": True,
+                "logits": "chunked",
+                "packing": False,
+            },
+        },
+    )
 
 
 ROWS: tuple[PublishedRun, ...] = (
     # NeMo RL v0.5, DGX-H100 BF16 (table rows "On policy"): model, #GPUs, G-Average Seq len, Generation TP,
     # Training [TP, CP, EP, PP], Total Step time (s)
-    _nemo_grpo("NeMo RL v0.5 GRPO Llama-3.1-8B", "llama3.1-8b", "h100:2x8", 16, 1019, 1, "dp8pp2", 8, 92.8, "v0.5",
-               "rczero"),
+    _nemo_grpo(
+        "NeMo RL v0.5 GRPO Llama-3.1-8B", "llama3.1-8b", "h100:2x8", 16, 1019, 1, "dp8pp2", 8, 92.8, "v0.5", "rczero"
+    ),
     _nemo_grpo("NeMo RL v0.5 GRPO Qwen3-32B", "qwen3-32b", "h100:4x8", 32, 3251, 4, "dp2tp4pp4", 2, 376, "v0.5"),
-    _nemo_grpo("NeMo RL v0.5 GRPO Qwen3-30B-A3B", "qwen3-30b-a3b", "h100:4x8", 32, 3196, 2, "dp32", 32, 198, "v0.5",
-               expert_parallel=8),
+    _nemo_grpo(
+        "NeMo RL v0.5 GRPO Qwen3-30B-A3B",
+        "qwen3-30b-a3b",
+        "h100:4x8",
+        32,
+        3196,
+        2,
+        "dp32",
+        32,
+        198,
+        "v0.5",
+        expert_parallel=8,
+    ),
     # the same table, DGX-GB200 (4 GPUs per tray, one NVLink domain per rack)
-    _nemo_grpo("NeMo RL v0.5 GRPO Llama-3.1-8B (GB200)", "llama3.1-8b", "gb200:1x8", 8, 1066, 1, "dp8", 8, 91.0,
-               "v0.5", "rczero"),
-    _nemo_grpo("NeMo RL v0.5 GRPO Qwen3-32B (GB200)", "qwen3-32b", "gb200:1x16", 16, 3253, 1, "dp8tp2", 8, 381,
-               "v0.5"),
-    _nemo_grpo("NeMo RL v0.5 GRPO Qwen3-30B-A3B (GB200)", "qwen3-30b-a3b", "gb200:1x16", 16, 3198, 1, "dp16", 16,
-               232, "v0.5", expert_parallel=16),
+    _nemo_grpo(
+        "NeMo RL v0.5 GRPO Llama-3.1-8B (GB200)",
+        "llama3.1-8b",
+        "gb200:1x8",
+        8,
+        1066,
+        1,
+        "dp8",
+        8,
+        91.0,
+        "v0.5",
+        "rczero",
+    ),
+    _nemo_grpo("NeMo RL v0.5 GRPO Qwen3-32B (GB200)", "qwen3-32b", "gb200:1x16", 16, 3253, 1, "dp8tp2", 8, 381, "v0.5"),
+    _nemo_grpo(
+        "NeMo RL v0.5 GRPO Qwen3-30B-A3B (GB200)",
+        "qwen3-30b-a3b",
+        "gb200:1x16",
+        16,
+        3198,
+        1,
+        "dp16",
+        16,
+        232,
+        "v0.5",
+        expert_parallel=16,
+    ),
     # NeMo RL v0.4, DGX-H100 BF16: the same workloads on the previous release's layouts
-    _nemo_grpo("NeMo RL v0.4 GRPO Llama-3.1-8B", "llama3.1-8b", "h100:2x8", 16, 1060, 1, "dp8pp2", 8, 97.7, "v0.4",
-               "rczero"),
+    _nemo_grpo(
+        "NeMo RL v0.4 GRPO Llama-3.1-8B", "llama3.1-8b", "h100:2x8", 16, 1060, 1, "dp8pp2", 8, 97.7, "v0.4", "rczero"
+    ),
     _nemo_grpo("NeMo RL v0.4 GRPO Qwen3-32B", "qwen3-32b", "h100:4x8", 32, 3206, 4, "dp2tp4pp4", 2, 393, "v0.4"),
-    _nemo_grpo("NeMo RL v0.4 GRPO Qwen3-30B-A3B", "qwen3-30b-a3b", "h100:4x8", 32, 3154, 4, "dp16tp2", 16, 225,
-               "v0.4", expert_parallel=8),
+    _nemo_grpo(
+        "NeMo RL v0.4 GRPO Qwen3-30B-A3B",
+        "qwen3-30b-a3b",
+        "h100:4x8",
+        32,
+        3154,
+        4,
+        "dp16tp2",
+        16,
+        225,
+        "v0.4",
+        expert_parallel=8,
+    ),
     # OpenRLHF, Table 3 (GPUs per model; vLLM DP, TP, micro rollout batch) and Table 5 (seconds per stage)
-    _openrlhf("OpenRLHF PPO LLaMA-2 7B", "llama2-7b", 2, 4, 4, 2, 2, 4, 1, 16,
-              {"generation": 262.96, "vLLM weight sync": 4.32, "logits, reward": 32.7, "training": 171.13}, 471.11),
-    _openrlhf("OpenRLHF PPO LLaMA-2 13B", "llama2-13b", 4, 8, 8, 4, 4, 8, 1, 8,
-              {"generation": 372.14, "vLLM weight sync": 10.03, "logits, reward": 29.58, "training": 197.18}, 608.93),
-    _openrlhf("OpenRLHF PPO LLaMA-2 34B", "llama2-34b", 4, 8, 8, 4, 4, 4, 2, 16,
-              {"generation": 720.50, "vLLM weight sync": 35.47, "logits, reward": 326.0, "training": 444.43}, 1526.4,
-              scoring_tp=8),
-    _openrlhf("OpenRLHF PPO LLaMA-2 70B", "llama2-70b", 4, 4, 4, 4, 4, 4, 4, 4,
-              {"generation": 2252.79, "vLLM weight sync": 111.65, "logits, reward": 323.38, "training": 1800.71},
-              4488.53, scoring_tp=4),
+    _openrlhf(
+        "OpenRLHF PPO LLaMA-2 7B",
+        "llama2-7b",
+        2,
+        4,
+        4,
+        2,
+        2,
+        4,
+        1,
+        16,
+        {"generation": 262.96, "vLLM weight sync": 4.32, "logits, reward": 32.7, "training": 171.13},
+        471.11,
+    ),
+    _openrlhf(
+        "OpenRLHF PPO LLaMA-2 13B",
+        "llama2-13b",
+        4,
+        8,
+        8,
+        4,
+        4,
+        8,
+        1,
+        8,
+        {"generation": 372.14, "vLLM weight sync": 10.03, "logits, reward": 29.58, "training": 197.18},
+        608.93,
+    ),
+    _openrlhf(
+        "OpenRLHF PPO LLaMA-2 34B",
+        "llama2-34b",
+        4,
+        8,
+        8,
+        4,
+        4,
+        4,
+        2,
+        16,
+        {"generation": 720.50, "vLLM weight sync": 35.47, "logits, reward": 326.0, "training": 444.43},
+        1526.4,
+        scoring_tp=8,
+    ),
+    _openrlhf(
+        "OpenRLHF PPO LLaMA-2 70B",
+        "llama2-70b",
+        4,
+        4,
+        4,
+        4,
+        4,
+        4,
+        4,
+        4,
+        {"generation": 2252.79, "vLLM weight sync": 111.65, "logits, reward": 323.38, "training": 1800.71},
+        4488.53,
+        scoring_tp=4,
+    ),
 )
 
 
 def predict(row: PublishedRun):
     """The fixed-plan simulation of one row."""
     run = from_dict(RunDescription, row.run, "run")
-    workflow, cluster, configs, workload, settings = planner_inputs(run)
-    plan = make_plan(run.plan, workflow, cluster)
-    return simulate_fixed(plan, workflow, configs, workload, settings=settings,
-                          stages=row.stage_steps or None)
+    inputs = inputs_from_description(run)
+    plan = make_plan(run.plan, inputs.workflow, inputs.cluster)
+    return simulate_fixed(plan, inputs, stages=row.stage_steps or None)
 
 
 def _shares(stages: dict[str, float], total: float) -> str:
@@ -195,8 +361,10 @@ def _summary(ratios: list[float]) -> str:
     within = sum(1 for r in ratios if math.isfinite(r) and abs(r - 1) <= 0.25)
     errors = sorted(abs(r - 1) for r in ratios if math.isfinite(r))
     median = errors[len(errors) // 2] if errors else math.nan
-    return (f"{within}/{len(ratios)} within ±25% (median |error| {100 * median:.0f}%; ratios "
-            f"{', '.join(f'{r:.2f}' for r in ratios)})")
+    return (
+        f"{within}/{len(ratios)} within ±25% (median |error| {100 * median:.0f}%; ratios "
+        f"{', '.join(f'{r:.2f}' for r in ratios)})"
+    )
 
 
 def main() -> None:
@@ -219,23 +387,37 @@ def main() -> None:
         g = int(row.run["cluster"].split(":")[1].split("x")[0]) * int(row.run["cluster"].split("x")[1])
         factor = profile_for(ClusterSpec.parse(row.run["cluster"])).system_factor
         unscaled[row.complete].append(ratio / factor)
-        rows.append({"run": row.name + ("" if row.complete else " *"), "GPUs": f"{g} {row.run['cluster'].split(':')[0]}",
-                     "published s": row.step_s, "predicted s": predicted,
-                     "published stages": published or "-", "predicted stages": mine or "-",
-                     "without the GPU's factor": ratio / factor, "predicted / published": ratio})
+        rows.append(
+            {
+                "run": row.name + ("" if row.complete else " *"),
+                "GPUs": f"{g} {row.run['cluster'].split(':')[0]}",
+                "published s": row.step_s,
+                "predicted s": predicted,
+                "published stages": published or "-",
+                "predicted stages": mine or "-",
+                "without the GPU's factor": ratio / factor,
+                "predicted / published": ratio,
+            }
+        )
         if not report.result.feasible:
             rows[-1]["run"] += f" (no fit: {report.result.reason})"
     console = Console(width=250)
-    console.print(summary_table(rows, "published RL runs: step seconds, predicted by the simulator (* = inputs "
-                                      "assumed, see the source)"))
+    console.print(
+        summary_table(
+            rows, "published RL runs: step seconds, predicted by the simulator (* = inputs assumed, see the source)"
+        )
+    )
     for complete, found in ratios.items():
         if found:
             what = "complete" if complete else "assumed-input"
-            console.print(f"{what} rows: {_summary(found)}; without the GPUs' stated factors: "
-                          f"{_summary(unscaled[complete])}")
+            console.print(
+                f"{what} rows: {_summary(found)}; without the GPUs' stated factors: {_summary(unscaled[complete])}"
+            )
     if stage_gaps:
-        console.print(f"stage shares: {sum(1 for g in stage_gaps if g <= 0.10)}/{len(stage_gaps)} within 10 points "
-                      f"(largest gap {100 * max(stage_gaps):.0f} points)")
+        console.print(
+            f"stage shares: {sum(1 for g in stage_gaps if g <= 0.10)}/{len(stage_gaps)} within 10 points "
+            f"(largest gap {100 * max(stage_gaps):.0f} points)"
+        )
     for row in ROWS:
         if row.assumed and args.only.lower() in row.name.lower():
             console.print(f"* {row.name}: {row.assumed}")

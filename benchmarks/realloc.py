@@ -15,7 +15,8 @@ layer count cut by ``--layers`` to fit this machine).
 
 Each pair is timed twice. "ms": the reallocation writes straight into the destination copy's parameters
 (``out=``), their memory resident, as it is under a GPU's caching allocator; shards that are a contiguous span
-of the device's source shard are views of it (the plan aliases them), as in the runtime. "refill ms": what the runtime does
+of the device's source shard are views of it (the plan aliases them), as in the runtime. "refill ms": what the runtime
+does
 on CPU devices, where the copy's parameters were freed after their last use (``release_storage``) and the
 reallocation takes their memory back first, so the operating system's page faults (zero-filling every page)
 are paid too. Delivered rate = ``plan.bytes_moved(4)`` / time. "wire ms" times the same messages sent and
@@ -27,12 +28,12 @@ practice only frees buffers.
 from __future__ import annotations
 
 import argparse
-from functools import partial
 import math
 import os
 import re
 import time
 import zlib
+from functools import partial
 from typing import Any, NamedTuple
 
 os.environ.setdefault("HF_HUB_OFFLINE", "1")
@@ -42,17 +43,17 @@ import torch.distributed as dist  # noqa: E402
 from rich.console import Console  # noqa: E402
 
 from loomrl.errors import ConfigError  # noqa: E402
+from loomrl.models.presets import MODEL_PRESETS  # noqa: E402
 from loomrl.models.tokenizer import build_char_tokenizer  # noqa: E402
 from loomrl.models.zoo import ZOO, parameter_shapes  # noqa: E402
-from loomrl.planner.planning import MODEL_PRESETS  # noqa: E402
-from loomrl.planner.cost.workload import ModelShape  # noqa: E402
-from loomrl.plan.layout import Layout  # noqa: E402
-from loomrl.plan.realloc_plan import ReallocPlan, plan_reallocation  # noqa: E402
-from loomrl.plan.plan import Allocation  # noqa: E402
-from loomrl.plan.shards import pp_stage, tp_dim  # noqa: E402
 from loomrl.parallel import realloc_exec  # noqa: E402
 from loomrl.parallel.realloc_exec import build_broadcast_groups, execute_reallocation  # noqa: E402
 from loomrl.parallel.spawn import run_world  # noqa: E402
+from loomrl.plan.allocation import Allocation  # noqa: E402
+from loomrl.plan.layout import Layout  # noqa: E402
+from loomrl.plan.model_shape import ModelShape  # noqa: E402
+from loomrl.plan.realloc_plan import ReallocPlan, plan_reallocation  # noqa: E402
+from loomrl.plan.shards import pp_stage, tp_dim  # noqa: E402
 from loomrl.report import summary_table  # noqa: E402
 
 TIMEOUT_S = 600
@@ -96,11 +97,17 @@ def layout_pairs(world: int, num_layers: int) -> list[Pair]:
     ]
     pairs = []
     for src, fsdp, dst, note in candidates:
-        if src.size != world or dst.size != world or num_layers % src.pp or (src == dst and not fsdp) \
-                or (fsdp and src.dp == 1):
+        if (
+            src.size != world
+            or dst.size != world
+            or num_layers % src.pp
+            or (src == dst and not fsdp)
+            or (fsdp and src.dp == 1)
+        ):
             continue  # an odd world, a layer count the pipeline stages do not divide, nothing to move
-        pairs.append(Pair(f"{_name(src, fsdp)} → {_name(dst)}{note}", Allocation(mesh, src, fsdp=fsdp),
-                          Allocation(mesh, dst)))
+        pairs.append(
+            Pair(f"{_name(src, fsdp)} → {_name(dst)}{note}", Allocation(mesh, src, fsdp=fsdp), Allocation(mesh, dst))
+        )
     return pairs
 
 
@@ -112,8 +119,9 @@ def make_plan(setup: Setup, pair: Pair) -> ReallocPlan:
     return plan_reallocation(setup.shapes, setup.num_layers, pair.src, pair.dst, _one_node)
 
 
-def direct_slice(full: torch.Tensor, name: str, placement: Allocation, rank: int,
-                 num_layers: int) -> torch.Tensor | None:
+def direct_slice(
+    full: torch.Tensor, name: str, placement: Allocation, rank: int, num_layers: int
+) -> torch.Tensor | None:
     """What ``rank`` of ``placement`` holds of ``full``, by tensor slicing (None: on another pipeline stage)."""
     layout = placement.layout
     pp_rank, dp_rank, tp_rank = layout.coords(rank)
@@ -197,8 +205,10 @@ def _verified_warm_up(plan: ReallocPlan, pair: Pair, source: dict, expected: dic
     ok = torch.tensor([0 if wrong else 1])
     dist.all_reduce(ok, op=dist.ReduceOp.MIN)
     if not int(ok):
-        raise RuntimeError(f"{pair.label}: destination shards differ from the direct slice "
-                           f"(rank {rank}: {wrong[:3] or 'another rank'})")
+        raise RuntimeError(
+            f"{pair.label}: destination shards differ from the direct slice "
+            f"(rank {rank}: {wrong[:3] or 'another rank'})"
+        )
 
 
 def measure_pair(setup: Setup, pair: Pair, rank: int) -> dict[str, Any]:
@@ -224,10 +234,14 @@ def measure_pair(setup: Setup, pair: Pair, rank: int) -> dict[str, Any]:
         move()
 
     resident = _best_time(move, setup.repeats)
-    return {"seconds": resident, "refill_seconds": _best_time(refill, setup.repeats, before=free),
-            "wire_seconds": wire_time(plan, rank, groups, setup.repeats),
-            "bytes_moved": plan.bytes_moved(4), "bytes_local": plan.bytes_local(4),
-            "pieces": sum(not t.local for t in plan.transfers)}
+    return {
+        "seconds": resident,
+        "refill_seconds": _best_time(refill, setup.repeats, before=free),
+        "wire_seconds": wire_time(plan, rank, groups, setup.repeats),
+        "bytes_moved": plan.bytes_moved(4),
+        "bytes_local": plan.bytes_local(4),
+        "pieces": sum(not t.local for t in plan.transfers),
+    }
 
 
 def _blank(_flat: Any, entry: Any) -> torch.Tensor:
@@ -242,10 +256,16 @@ def wire_time(plan: ReallocPlan, rank: int, groups, repeats: int) -> float:
     schedule = realloc_exec.compile_program(plan, rank)
     buffers = schedule.buffers(lambda name: torch.float32, False, torch.device("cpu"))
     # every message as a buffer of its size: packed route buffers and direct entries alike
-    sends = {route: [(tag, torch.empty_like(t)) for tag, t in realloc_exec._messages(rb, {}, _blank)]
-             for route, rb in buffers.items() if route[0] == rank}
-    recvs = {route: [(tag, torch.empty_like(t)) for tag, t in realloc_exec._messages(rb, {}, _blank)]
-             for route, rb in buffers.items() if route[0] != rank}
+    sends = {
+        route: [(tag, torch.empty_like(t)) for tag, t in realloc_exec._messages(rb, {}, _blank)]
+        for route, rb in buffers.items()
+        if route[0] == rank
+    }
+    recvs = {
+        route: [(tag, torch.empty_like(t)) for tag, t in realloc_exec._messages(rb, {}, _blank)]
+        for route, rb in buffers.items()
+        if route[0] != rank
+    }
 
     def transfer() -> None:
         started = realloc_exec._start_point_to_point(sends, recvs, None)
@@ -285,26 +305,38 @@ def model_shapes(model: str, layers: int | None) -> tuple[dict[str, tuple[int, .
         count = shape.layers if layers is None else layers
         return shape.param_shapes(count), count
     if model not in ZOO:
-        raise ConfigError(f"--model: '{model}' is not a zoo model or preset; zoo: {', '.join(ZOO)}; "
-                          f"presets: {', '.join(MODEL_PRESETS)}")
+        raise ConfigError(
+            f"--model: '{model}' is not a zoo model or preset; zoo: {', '.join(ZOO)}; "
+            f"presets: {', '.join(MODEL_PRESETS)}"
+        )
     shapes, count = parameter_shapes(model, build_char_tokenizer(), value=False)
     if layers is None or layers >= count:
         return shapes, count
-    kept = {name: s for name, s in shapes.items()
-            if not (m := re.search(r"\.layers\.(\d+)\.", name)) or int(m.group(1)) < layers}
+    kept = {
+        name: s
+        for name, s in shapes.items()
+        if not (m := re.search(r"\.layers\.(\d+)\.", name)) or int(m.group(1)) < layers
+    }
     return kept, layers
 
 
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    ap.add_argument("--model", default="llama-10m", help="zoo model or LLaMA-2 preset whose parameter shapes are "
-                                                         f"moved (presets: {', '.join(MODEL_PRESETS)})")
+    ap.add_argument(
+        "--model",
+        default="llama-10m",
+        help=f"zoo model or LLaMA-2 preset whose parameter shapes are moved (presets: {', '.join(MODEL_PRESETS)})",
+    )
     ap.add_argument("--layers", type=int, default=None, help="cut a model to this many layers (default: all)")
     ap.add_argument("--world", type=int, default=4, help="gloo processes (devices) on 127.0.0.1")
     ap.add_argument("--broadcast-mib", type=int, default=64, help="size of the reference broadcast")
     ap.add_argument("--repeats", type=int, default=5, help="timed repeats per measurement (the best is kept)")
-    ap.add_argument("--exclude", default="", help="regex of parameter names to leave out, e.g. 'o_proj|down_proj' "
-                                                  "(the row-split weights, cut into one piece per row)")
+    ap.add_argument(
+        "--exclude",
+        default="",
+        help="regex of parameter names to leave out, e.g. 'o_proj|down_proj' "
+        "(the row-split weights, cut into one piece per row)",
+    )
     args = ap.parse_args()
     if args.world < 2:
         ap.error(f"--world: {args.world} is too small; at least 2 processes are needed")
@@ -325,26 +357,40 @@ def main() -> None:
         moved = result["bytes_moved"]
         rate = moved / result["seconds"] if moved else None
         refill_rate = moved / result["refill_seconds"] if moved else None
-        rows.append({"layout pair": pair.label, "MB moved": moved / 1e6,
-                     "ms": result["seconds"] * 1e3, "GB/s": rate / 1e9 if rate else None,
-                     "% of broadcast bw": f"{rate / bandwidth:.0%}" if rate else "",
-                     "refill ms": result["refill_seconds"] * 1e3,
-                     "% with refill": f"{refill_rate / bandwidth:.0%}" if refill_rate else "",
-                     "wire ms": result["wire_seconds"] * 1e3 if moved else None, "plan ms": ms})
+        rows.append(
+            {
+                "layout pair": pair.label,
+                "MB moved": moved / 1e6,
+                "ms": result["seconds"] * 1e3,
+                "GB/s": rate / 1e9 if rate else None,
+                "% of broadcast bw": f"{rate / bandwidth:.0%}" if rate else "",
+                "refill ms": result["refill_seconds"] * 1e3,
+                "% with refill": f"{refill_rate / bandwidth:.0%}" if refill_rate else "",
+                "wire ms": result["wire_seconds"] * 1e3 if moved else None,
+                "plan ms": ms,
+            }
+        )
     console = Console(width=130)  # the table is wider than rich's default 80 columns for a pipe
     n_params = sum(math.prod(shape) for shape in shapes.values())
     left_out = f", leaving out /{args.exclude}/" if args.exclude else ""
-    console.print(f"model {args.model}: {n_params / 1e6:.1f}M params, {num_layers} layers, "
-                  f"{4 * n_params / 1e6:.1f} MB in float32{left_out}")
-    console.print(f"{args.world} gloo processes on 127.0.0.1, 1 torch thread each, {os.cpu_count()} cores; "
-                  f"best of {args.repeats} after a verified warm-up")
+    console.print(
+        f"model {args.model}: {n_params / 1e6:.1f}M params, {num_layers} layers, "
+        f"{4 * n_params / 1e6:.1f} MB in float32{left_out}"
+    )
+    console.print(
+        f"{args.world} gloo processes on 127.0.0.1, 1 torch thread each, {os.cpu_count()} cores; "
+        f"best of {args.repeats} after a verified warm-up"
+    )
     console.print(f"gloo broadcast of {args.broadcast_mib} MiB from rank 0: {bandwidth / 1e9:.2f} GB/s delivered")
     console.print(summary_table(rows, "parameter reallocation"))
     for pair, result in zip(pairs, measured["pairs"]):
-        console.print(f"{pair.label}: {result['pieces']} network pieces, {result['bytes_local'] / 1e6:.1f} MB "
-                      f"copied locally")
-    console.print(f"tp{args.world} → dp{args.world} is timed as a copy; going back to training only frees "
-                  "the new shards (plan.free_after)")
+        console.print(
+            f"{pair.label}: {result['pieces']} network pieces, {result['bytes_local'] / 1e6:.1f} MB copied locally"
+        )
+    console.print(
+        f"tp{args.world} → dp{args.world} is timed as a copy; going back to training only frees "
+        "the new shards (plan.free_after)"
+    )
 
 
 if __name__ == "__main__":

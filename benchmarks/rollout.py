@@ -42,8 +42,15 @@ def heavy_tailed_lengths(n: int, max_new: int, seed: int) -> list[int]:
 def make_prompts(tokenizer, n: int, seed: int) -> list[list[int]]:
     rng = random.Random(seed)
     letters = "0123456789abcdefghijklmnopqrstuvwxyz"
-    return [[tokenizer.bos_token_id, *tokenizer.encode("".join(rng.choice(letters) for _ in range(rng.randint(8, 16))),
-                                                       add_special_tokens=False)] for _ in range(n)]
+    return [
+        [
+            tokenizer.bos_token_id,
+            *tokenizer.encode(
+                "".join(rng.choice(letters) for _ in range(rng.randint(8, 16))), add_special_tokens=False
+            ),
+        ]
+        for _ in range(n)
+    ]
 
 
 def run_hf(model, prompts, budgets, pad_id) -> float:
@@ -51,18 +58,33 @@ def run_hf(model, prompts, budgets, pad_id) -> float:
     ids = torch.full((len(prompts), width), pad_id, dtype=torch.long)
     mask = torch.zeros_like(ids)
     for b, p in enumerate(prompts):
-        ids[b, width - len(p):] = torch.tensor(p)
-        mask[b, width - len(p):] = 1
+        ids[b, width - len(p) :] = torch.tensor(p)
+        mask[b, width - len(p) :] = 1
     start = time.perf_counter()
-    model.generate(input_ids=ids, attention_mask=mask, max_new_tokens=max(budgets), min_new_tokens=max(budgets),
-                   do_sample=True, temperature=1.0, top_k=0, pad_token_id=pad_id, use_cache=True)
+    model.generate(
+        input_ids=ids,
+        attention_mask=mask,
+        max_new_tokens=max(budgets),
+        min_new_tokens=max(budgets),
+        do_sample=True,
+        temperature=1.0,
+        top_k=0,
+        pad_token_id=pad_id,
+        use_cache=True,
+    )
     return time.perf_counter() - start
 
 
 def run_engine(model, prompts, budgets, slots) -> tuple[float, RolloutEngine]:
     keys = stream_keys(0, 0, range(len(prompts))).tolist()
-    engine = RolloutEngine(model, SamplingParams(max(budgets), 1.0), eos_id=-1, pad_id=0, slots=slots,
-                           max_len=max(len(p) for p in prompts) + max(budgets))
+    engine = RolloutEngine(
+        model,
+        SamplingParams(max(budgets), 1.0),
+        eos_id=-1,
+        pad_id=0,
+        slots=slots,
+        max_len=max(len(p) for p in prompts) + max(budgets),
+    )
     requests = [Request(i, p, keys[i], max_new_tokens=b) for i, (p, b) in enumerate(zip(prompts, budgets))]
     start = time.perf_counter()
     engine.generate(requests)
@@ -76,8 +98,7 @@ def compare_hf_continuous_batching(model, prompts, tokens: int = 32) -> list[dic
     from transformers import GenerationConfig
 
     logging.disable(logging.WARNING)  # its manager warns about psutil and eos on every call
-    config = GenerationConfig(max_new_tokens=tokens, do_sample=True, temperature=1.0, eos_token_id=None,
-                              pad_token_id=0)
+    config = GenerationConfig(max_new_tokens=tokens, do_sample=True, temperature=1.0, eos_token_id=None, pad_token_id=0)
     model.generate_batch(prompts[:8], generation_config=config)  # warm-up
     start = time.perf_counter()
     out = model.generate_batch(prompts, generation_config=config)
@@ -85,10 +106,20 @@ def compare_hf_continuous_batching(model, prompts, tokens: int = 32) -> list[dic
     produced = sum(len(o.generated_tokens) for o in out.values())
     eng_s, _ = run_engine(model, prompts, [tokens] * len(prompts), slots=len(prompts))
     logging.disable(logging.NOTSET)
-    return [{"system": "transformers generate_batch (continuous batching)", "seconds": hf_s,
-             "tokens/s": produced / hf_s, "speedup": 1.0},
-            {"system": "loomrl RolloutEngine", "seconds": eng_s, "tokens/s": len(prompts) * tokens / eng_s,
-             "speedup": hf_s / eng_s}]
+    return [
+        {
+            "system": "transformers generate_batch (continuous batching)",
+            "seconds": hf_s,
+            "tokens/s": produced / hf_s,
+            "speedup": 1.0,
+        },
+        {
+            "system": "loomrl RolloutEngine",
+            "seconds": eng_s,
+            "tokens/s": len(prompts) * tokens / eng_s,
+            "speedup": hf_s / eng_s,
+        },
+    ]
 
 
 def roofline_seconds(engine: RolloutEngine, n_params: int, flops: float, bandwidth: float) -> float:
@@ -120,21 +151,37 @@ def main() -> None:
         eng_s, engine = run_engine(model, prompts, budgets, slots=args.prompts)
     roof_s = roofline_seconds(engine, n_params, flops, bandwidth)
     rows = [
-        {"system": "transformers generate (static batch, KV cache)", "seconds": hf_s, "useful tokens/s": useful / hf_s,
-         "speedup": 1.0},
-        {"system": "loomrl RolloutEngine (continuous batching)", "seconds": eng_s, "useful tokens/s": useful / eng_s,
-         "speedup": hf_s / eng_s},
+        {
+            "system": "transformers generate (static batch, KV cache)",
+            "seconds": hf_s,
+            "useful tokens/s": useful / hf_s,
+            "speedup": 1.0,
+        },
+        {
+            "system": "loomrl RolloutEngine (continuous batching)",
+            "seconds": eng_s,
+            "useful tokens/s": useful / eng_s,
+            "speedup": hf_s / eng_s,
+        },
     ]
     console = Console()
-    console.print(f"model {args.model} ({n_params / 1e6:.1f}M params), {args.prompts} prompts, budgets: mean "
-                  f"{useful / len(budgets):.1f}, max {max(budgets)}, {sum(b == max(budgets) for b in budgets)} at max; "
-                  f"threads {args.threads}")
+    console.print(
+        f"model {args.model} ({n_params / 1e6:.1f}M params), {args.prompts} prompts, budgets: mean "
+        f"{useful / len(budgets):.1f}, max {max(budgets)}, {sum(b == max(budgets) for b in budgets)} at max; "
+        f"threads {args.threads}"
+    )
     console.print(summary_table(rows, "rollout throughput"))
     with torch.no_grad():
-        console.print(summary_table(compare_hf_continuous_batching(model, prompts),
-                                    "fixed 32 tokens per sample: transformers' continuous batching vs the engine"))
-    console.print(f"machine: matmul {flops / 1e9:.1f} GFLOP/s, copy bandwidth {bandwidth / 1e9:.1f} GB/s; engine roofline "
-                  f"{roof_s:.2f} s -> engine at {roof_s / eng_s:.1%} of roofline")
+        console.print(
+            summary_table(
+                compare_hf_continuous_batching(model, prompts),
+                "fixed 32 tokens per sample: transformers' continuous batching vs the engine",
+            )
+        )
+    console.print(
+        f"machine: matmul {flops / 1e9:.1f} GFLOP/s, copy bandwidth {bandwidth / 1e9:.1f} GB/s; engine roofline "
+        f"{roof_s:.2f} s -> engine at {roof_s / eng_s:.1%} of roofline"
+    )
 
 
 if __name__ == "__main__":

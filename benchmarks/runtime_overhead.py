@@ -13,8 +13,8 @@ from __future__ import annotations
 
 import argparse
 import os
-import sys
 import statistics
+import sys
 import tempfile
 from pathlib import Path
 
@@ -23,9 +23,10 @@ sys.path.insert(0, str(Path(__file__).resolve().parent))
 
 from rich.console import Console  # noqa: E402
 
-from loomrl.runtime.launch import quiet_libraries  # noqa: E402
-from loomrl.report import summary_table  # noqa: E402
 from demo_workload import prepare, run_ppo  # noqa: E402
+from loomrl.report import summary_table  # noqa: E402
+from loomrl.runtime.launch import quiet_libraries  # noqa: E402
+
 
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
@@ -41,17 +42,27 @@ def main() -> None:
             "ray, 1 device": ("runtime.executor=ray", "runtime.devices=1", "runtime.threads=2"),
             "ray, 2 devices (dp=2)": ("runtime.executor=ray", "runtime.devices=2", "runtime.threads=1"),
         }
-        results = {name: run_ppo(tmp, str(i), args.iterations, args.prompts, *extra)
-                   for i, (name, extra) in enumerate(setups.items())}
+        results = {
+            name: run_ppo(tmp, str(i), args.iterations, args.prompts, *extra)
+            for i, (name, extra) in enumerate(setups.items())
+        }
     base = statistics.median(m["time/iteration_s"] for m in results["reference (1 process)"][1:])
     rows = []
     for name, metrics in results.items():
         it = statistics.median(m["time/iteration_s"] for m in metrics[1:])
         ctrl = statistics.median(m.get("time/controller_s", 0.0) for m in metrics[1:])
-        rows.append({"executor": name, "s/iteration": it, "vs reference": it / base,
-                     "controller s": ctrl, "controller share": ctrl / it})
-    Console().print(summary_table(rows, f"PPO demo workload, {args.prompts} prompts, median of "
-                                        f"{args.iterations - 1} iterations"))
+        rows.append(
+            {
+                "executor": name,
+                "s/iteration": it,
+                "vs reference": it / base,
+                "controller s": ctrl,
+                "controller share": ctrl / it,
+            }
+        )
+    Console().print(
+        summary_table(rows, f"PPO demo workload, {args.prompts} prompts, median of {args.iterations - 1} iterations")
+    )
 
 
 if __name__ == "__main__":

@@ -43,11 +43,21 @@ import torch  # noqa: E402
 PROMPTS, GROUP, LR, SEED = 16, 8, 1e-4, 0
 SIZES = {
     # zoo llama-1m's shape: ~1.0M parameters with the 48-character vocabulary
-    "1m": {"hidden_size": 128, "num_hidden_layers": 4, "num_attention_heads": 4, "num_key_value_heads": 2,
-           "intermediate_size": 512},
+    "1m": {
+        "hidden_size": 128,
+        "num_hidden_layers": 4,
+        "num_attention_heads": 4,
+        "num_key_value_heads": 2,
+        "intermediate_size": 512,
+    },
     # ~5.9M parameters
-    "6m": {"hidden_size": 256, "num_hidden_layers": 6, "num_attention_heads": 8, "num_key_value_heads": 4,
-           "intermediate_size": 1024},
+    "6m": {
+        "hidden_size": 256,
+        "num_hidden_layers": 6,
+        "num_attention_heads": 8,
+        "num_key_value_heads": 4,
+        "intermediate_size": 1024,
+    },
 }
 ROWS = [("1m", 12), ("1m", 48), ("6m", 12), ("6m", 48)]
 SYSTEMS = ("trl", "loomrl-reference", "loomrl-ray")
@@ -72,9 +82,17 @@ def write_model(size: str, out: Path) -> int:
     from loomrl.models.tokenizer import build_char_tokenizer
 
     tok = build_char_tokenizer()
-    config = LlamaConfig(vocab_size=len(tok), bos_token_id=tok.bos_token_id, eos_token_id=tok.eos_token_id,
-                         pad_token_id=tok.pad_token_id, tie_word_embeddings=False, max_position_embeddings=256,
-                         rms_norm_eps=1e-5, attention_dropout=0.0, **SIZES[size])
+    config = LlamaConfig(
+        vocab_size=len(tok),
+        bos_token_id=tok.bos_token_id,
+        eos_token_id=tok.eos_token_id,
+        pad_token_id=tok.pad_token_id,
+        tie_word_embeddings=False,
+        max_position_embeddings=256,
+        rms_norm_eps=1e-5,
+        attention_dropout=0.0,
+        **SIZES[size],
+    )
     torch.manual_seed(SEED)
     model = AutoModelForCausalLM.from_config(config)
     model.save_pretrained(out)
@@ -87,20 +105,47 @@ def run_loomrl(model: str, budget: int, steps: int, bf16: bool, executor: str, r
     from loomrl.config.tools import load_config
     from loomrl.train.rl import RLTrainer
 
-    runtime = (["runtime.executor=reference", "runtime.threads=2"] if executor == "reference" else
-               ["runtime.executor=ray", "runtime.devices=2", "runtime.threads=1"])
-    cfg = load_config(TrainConfig, None, [
-        f"run_dir={run_dir}", f"seed={SEED}", f"actor.model={model}", f"actor.optim.lr={LR}", "reward.source=rule",
-        "algo.name=grpo", f"algo.group_size={GROUP}", "algo.kl_coef=0", "algo.ppo_epochs=1", "algo.minibatches=1",
-        f"rollout.prompts_per_iter={PROMPTS}", f"rollout.max_new_tokens={budget}", "rollout.temperature=1.0",
-        f"loop.iterations={steps}", "loop.eval_every=0", "loop.save_every=0", "loop.eval_prompts=16",
-        "loop.progress=false", "report.html=false", "runtime.device=cpu",
-        f"runtime.precision={'bf16' if bf16 else 'fp32'}", *runtime])
+    runtime = (
+        ["runtime.executor=reference", "runtime.threads=2"]
+        if executor == "reference"
+        else ["runtime.executor=ray", "runtime.devices=2", "runtime.threads=1"]
+    )
+    cfg = load_config(
+        TrainConfig,
+        None,
+        [
+            f"run_dir={run_dir}",
+            f"seed={SEED}",
+            f"actor.model={model}",
+            f"actor.optim.lr={LR}",
+            "reward.source=rule",
+            "algo.name=grpo",
+            f"algo.group_size={GROUP}",
+            "algo.kl_coef=0",
+            "algo.ppo_epochs=1",
+            "algo.minibatches=1",
+            f"rollout.prompts_per_iter={PROMPTS}",
+            f"rollout.max_new_tokens={budget}",
+            "rollout.temperature=1.0",
+            f"loop.iterations={steps}",
+            "loop.eval_every=0",
+            "loop.save_every=0",
+            "loop.eval_prompts=16",
+            "loop.progress=false",
+            "report.html=false",
+            "runtime.device=cpu",
+            f"runtime.precision={'bf16' if bf16 else 'fp32'}",
+            *runtime,
+        ],
+    )
     RLTrainer(cfg).run()
     records = [json.loads(line) for line in (Path(run_dir) / "metrics.jsonl").read_text().splitlines()]
-    return {"step_s": [r["time/iteration_s"] for r in records],
-            "gen_s": [r["time/actor_gen_s"] for r in records], "train_s": [r["time/actor_train_s"] for r in records],
-            "response_len": statistics.mean(r["response/length"] for r in records)}
+    return {
+        "step_s": [r["time/iteration_s"] for r in records],
+        "gen_s": [r["time/actor_gen_s"] for r in records],
+        "train_s": [r["time/actor_train_s"] for r in records],
+        "response_len": statistics.mean(r["response/length"] for r in records),
+    }
 
 
 def trl_prompts(n: int) -> list[dict]:
@@ -134,14 +179,37 @@ def run_trl(model: str, budget: int, steps: int, bf16: bool, run_dir: str) -> di
             self.times.append(time.perf_counter() - self.start)
 
     args = GRPOConfig(
-        output_dir=run_dir, use_cpu=True, bf16=bf16, seed=SEED, learning_rate=LR, max_steps=steps,
-        per_device_train_batch_size=PROMPTS * GROUP, num_generations=GROUP, steps_per_generation=1,
-        gradient_accumulation_steps=1, num_iterations=1, beta=0.0, temperature=1.0, top_k=0, top_p=1.0,
-        max_completion_length=budget, shuffle_dataset=False, save_strategy="no", report_to="none",
-        logging_steps=10**6, disable_tqdm=True, dataloader_num_workers=0)
+        output_dir=run_dir,
+        use_cpu=True,
+        bf16=bf16,
+        seed=SEED,
+        learning_rate=LR,
+        max_steps=steps,
+        per_device_train_batch_size=PROMPTS * GROUP,
+        num_generations=GROUP,
+        steps_per_generation=1,
+        gradient_accumulation_steps=1,
+        num_iterations=1,
+        beta=0.0,
+        temperature=1.0,
+        top_k=0,
+        top_p=1.0,
+        max_completion_length=budget,
+        shuffle_dataset=False,
+        save_strategy="no",
+        report_to="none",
+        logging_steps=10**6,
+        disable_tqdm=True,
+        dataloader_num_workers=0,
+    )
     timer = StepTimes()
-    trainer = GRPOTrainer(model=model, reward_funcs=sort_reward, args=args, callbacks=[timer],
-                          train_dataset=Dataset.from_list(trl_prompts(steps * PROMPTS)))
+    trainer = GRPOTrainer(
+        model=model,
+        reward_funcs=sort_reward,
+        args=args,
+        callbacks=[timer],
+        train_dataset=Dataset.from_list(trl_prompts(steps * PROMPTS)),
+    )
     trainer.train()
     return {"step_s": timer.times}
 
@@ -175,11 +243,19 @@ def main() -> None:
     ap.add_argument("--quick", action="store_true", help="one row (1m, 12 tokens), fewer steps")
     ap.add_argument("--steps", type=int, default=7, help="iterations per run, the first --warmup left out")
     ap.add_argument("--warmup", type=int, default=2)
-    ap.add_argument("--precision", choices=("best", "fp32", "bf16", "each"), default="best",
-                    help="'best': bf16 where native, else fp32, for all; 'each': each system's faster of the two")
-    ap.add_argument("--stat", choices=("median", "best"), default="median",
-                    help="step time of a run: the median of the measured iterations, or the fastest (on a machine "
-                         "shared with other work, the best estimate of each system's uncontended speed)")
+    ap.add_argument(
+        "--precision",
+        choices=("best", "fp32", "bf16", "each"),
+        default="best",
+        help="'best': bf16 where native, else fp32, for all; 'each': each system's faster of the two",
+    )
+    ap.add_argument(
+        "--stat",
+        choices=("median", "best"),
+        default="median",
+        help="step time of a run: the median of the measured iterations, or the fastest (on a machine "
+        "shared with other work, the best estimate of each system's uncontended speed)",
+    )
     ap.add_argument("--systems", default=",".join(SYSTEMS), help="comma-separated subset of " + ",".join(SYSTEMS))
     ap.add_argument("--rows", help="comma-separated subset of rows as size:tokens, e.g. 1m:12,6m:48")
     ap.add_argument("--one", help=argparse.SUPPRESS)
@@ -216,24 +292,39 @@ def main() -> None:
             per_s = {s: PROMPTS * GROUP / stat(r["step_s"][warmup:]) for s, r in result.items()}
             length = next((r["response_len"] for r in result.values() if "response_len" in r), budget)
             flops = 8 * params[size] * (11 + length)  # a prompt: bos, 'sort ', 3-5 digits, '=' (11 tokens on average)
-            row = {"model": f"{size} ({params[size] / 1e6:.1f}M)", "new tokens": budget, "mean length": length,
-                   "precision": ", ".join(f"{s.removeprefix('loomrl-')} {'bf16' if chosen[s] else 'fp32'}"
-                                          for s in systems)}
+            row = {
+                "model": f"{size} ({params[size] / 1e6:.1f}M)",
+                "new tokens": budget,
+                "mean length": length,
+                "precision": ", ".join(
+                    f"{s.removeprefix('loomrl-')} {'bf16' if chosen[s] else 'fp32'}" for s in systems
+                ),
+            }
             row.update({f"{s} samples/s": per_s[s] for s in systems})
             if "trl" in per_s:
-                row.update({f"{s.removeprefix('loomrl-')} / trl": per_s[s] / per_s["trl"] for s in systems
-                            if s != "trl"})
+                row.update(
+                    {f"{s.removeprefix('loomrl-')} / trl": per_s[s] / per_s["trl"] for s in systems if s != "trl"}
+                )
             row["arith. limit samples/s"] = max(rates.values()) / flops  # at the faster precision
             if "loomrl-reference" in result:  # where the reference executor's iteration goes
                 ref = result["loomrl-reference"]
                 row["ref gen s"] = stat(ref["gen_s"][warmup:])
                 row["ref train s"] = stat(ref["train_s"][warmup:])
             table.append(row)
-            print(json.dumps({**row, "steps_s": {f"{s} {'bf16' if p else 'fp32'}": r["step_s"]
-                                                 for (s, p), r in runs.items()}}), flush=True)
+            print(
+                json.dumps(
+                    {**row, "steps_s": {f"{s} {'bf16' if p else 'fp32'}": r["step_s"] for (s, p), r in runs.items()}}
+                ),
+                flush=True,
+            )
     matmul = ", ".join(f"{r / 1e9:.0f} GFLOP/s {'bf16' if p else 'fp32'}" for p, r in rates.items())
-    Console(width=250).print(summary_table(table, f"GRPO, {PROMPTS} prompts x {GROUP} samples an iteration, {args.stat} "
-                                                   f"of {steps - warmup} iterations; matmul rate {matmul}"))
+    Console(width=250).print(
+        summary_table(
+            table,
+            f"GRPO, {PROMPTS} prompts x {GROUP} samples an iteration, {args.stat} "
+            f"of {steps - warmup} iterations; matmul rate {matmul}",
+        )
+    )
 
 
 if __name__ == "__main__":

@@ -8,6 +8,10 @@ traceback. Library code raises the most specific subclass.
 class LoomError(Exception):
     """Base of every error meant for the user rather than for a developer."""
 
+    recoverable: bool = False
+    """Whether a run may get past it by starting its processes anew from its latest checkpoint (a lost worker or
+    controller: ``runtime.max_failures``); an error the run itself raised would recur."""
+
 
 class ConfigError(LoomError):
     """A configuration value, key or file is invalid."""

@@ -34,26 +34,46 @@ class Browser:
         self.next_id, self.session = 0, None
         self.buffer = b""
 
-    def __enter__(self) -> "Browser":
+    def __enter__(self) -> Browser:
         self.profile = tempfile.mkdtemp(prefix="loomrl-chromium-")
         to_browser_r, self.to_browser = os.pipe()
         self.from_browser, from_browser_w = os.pipe()
         # the browser reads commands on fd 3 and writes replies on fd 4; the child moves the pipes there, and
         # pass_fds keeps 3 and 4 open through the close of the others (which comes after the move)
         self.proc = subprocess.Popen(
-            [self.binary, "--headless=new", "--remote-debugging-pipe", "--no-sandbox", "--disable-gpu",
-             "--disable-dev-shm-usage", "--no-first-run", "--no-default-browser-check", "--hide-scrollbars",
-             f"--user-data-dir={self.profile}", f"--window-size={self.width},{self.height}", "about:blank"],
-            pass_fds=sorted({3, 4, to_browser_r, from_browser_w}), stdin=subprocess.DEVNULL, stdout=subprocess.DEVNULL,
-            stderr=subprocess.DEVNULL, preexec_fn=_fds_3_and_4(to_browser_r, from_browser_w))
+            [
+                self.binary,
+                "--headless=new",
+                "--remote-debugging-pipe",
+                "--no-sandbox",
+                "--disable-gpu",
+                "--disable-dev-shm-usage",
+                "--no-first-run",
+                "--no-default-browser-check",
+                "--hide-scrollbars",
+                f"--user-data-dir={self.profile}",
+                f"--window-size={self.width},{self.height}",
+                "about:blank",
+            ],
+            pass_fds=sorted({3, 4, to_browser_r, from_browser_w}),
+            stdin=subprocess.DEVNULL,
+            stdout=subprocess.DEVNULL,
+            stderr=subprocess.DEVNULL,
+            preexec_fn=_fds_3_and_4(to_browser_r, from_browser_w),
+        )
         os.close(to_browser_r)
         os.close(from_browser_w)
         try:
             target = self.call("Target.createTarget", url="about:blank")["targetId"]
             self.session = self.call("Target.attachToTarget", targetId=target, flatten=True)["sessionId"]
             self.call("Page.enable")
-            self.call("Emulation.setDeviceMetricsOverride", width=self.width, height=self.height,
-                      deviceScaleFactor=1, mobile=False)
+            self.call(
+                "Emulation.setDeviceMetricsOverride",
+                width=self.width,
+                height=self.height,
+                deviceScaleFactor=1,
+                mobile=False,
+            )
         except BaseException:  # no browser left behind when the set-up fails
             self.__exit__(None, None, None)
             raise
@@ -130,8 +150,10 @@ class Browser:
 
 def _fds_3_and_4(read_fd: int, write_fd: int):
     """In the child, before exec: the command pipe on fd 3 and the reply pipe on fd 4, as Chromium expects."""
+
     def move() -> None:
         r, w = os.dup(read_fd), os.dup(write_fd)  # off 3 and 4 first, in case either already is one
         os.dup2(r, 3)
         os.dup2(w, 4)
+
     return move

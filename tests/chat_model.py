@@ -17,8 +17,10 @@ from transformers import PreTrainedTokenizerFast
 from loomrl.data.tasks import SortDigits
 from loomrl.models.zoo import build_causal_lm
 
-CHATML = ("{% for message in messages %}{{ '<|im_start|>' + message['role'] + '\n' + message['content'] + "
-          "'<|im_end|>' + '\n' }}{% endfor %}{% if add_generation_prompt %}{{ '<|im_start|>assistant\n' }}{% endif %}")
+CHATML = (
+    "{% for message in messages %}{{ '<|im_start|>' + message['role'] + '\n' + message['content'] + "
+    "'<|im_end|>' + '\n' }}{% endfor %}{% if add_generation_prompt %}{{ '<|im_start|>assistant\n' }}{% endif %}"
+)
 """The ChatML template of Qwen2's tokenizer, without its default system prompt."""
 
 SPECIALS = ("<|endoftext|>", "<|im_start|>", "<|im_end|>")
@@ -29,8 +31,10 @@ def _corpus(n: int = 3000, seed: int = 0) -> list[str]:
     rows = []
     for _ in range(n):
         ex = task.sample(rng)
-        rows.append(f"<|im_start|>system\nYou sort digits.<|im_end|>\n<|im_start|>user\n{ex.prompt}<|im_end|>\n"
-                    f"<|im_start|>assistant\n{ex.answer}<|im_end|>\n")
+        rows.append(
+            f"<|im_start|>system\nYou sort digits.<|im_end|>\n<|im_start|>user\n{ex.prompt}<|im_end|>\n"
+            f"<|im_start|>assistant\n{ex.answer}<|im_end|>\n"
+        )
     return rows
 
 
@@ -39,11 +43,20 @@ def build_chat_tokenizer(vocab_size: int = 320) -> PreTrainedTokenizerFast:
     backend = Tokenizer(models.BPE())
     backend.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
     backend.decoder = decoders.ByteLevel()
-    trainer = trainers.BpeTrainer(vocab_size=vocab_size, special_tokens=list(SPECIALS), show_progress=False,
-                                  initial_alphabet=pre_tokenizers.ByteLevel.alphabet())
+    trainer = trainers.BpeTrainer(
+        vocab_size=vocab_size,
+        special_tokens=list(SPECIALS),
+        show_progress=False,
+        initial_alphabet=pre_tokenizers.ByteLevel.alphabet(),
+    )
     backend.train_from_iterator(_corpus(), trainer)
-    return PreTrainedTokenizerFast(tokenizer_object=backend, eos_token="<|im_end|>", pad_token="<|endoftext|>",
-                                   chat_template=CHATML, padding_side="right")
+    return PreTrainedTokenizerFast(
+        tokenizer_object=backend,
+        eos_token="<|im_end|>",
+        pad_token="<|endoftext|>",
+        chat_template=CHATML,
+        padding_side="right",
+    )
 
 
 def save_chat_model(path: Path, seed: int = 0) -> Path:

@@ -18,7 +18,8 @@ SLOW = {
     "tests/test_controllers.py::test_parallel_controllers_compute_the_reference_run[grpo-4dev-4]",  # grpo-2dev-2 stays
     # 4 devices under 2 controllers stay in grpo-separate4-2, ppo in ppo-2dev-2:
     "tests/test_controllers.py::test_parallel_controllers_compute_the_reference_run[ppo-4dev-4]",
-    "tests/test_controllers.py::test_parallel_controllers_compute_the_reference_run[ppo-fused-train4-2]",  # pipelines stay
+    # the pipelines stay:
+    "tests/test_controllers.py::test_parallel_controllers_compute_the_reference_run[ppo-fused-train4-2]",
     "tests/test_runtime.py::test_plans_match_the_reference[fused_train4]",  # fused_train2 stays
     # 2procs-equal stays:
     "tests/test_fused_training.py::test_fused_step_equals_separate_pipelines_and_reference[4procs-equal]",
@@ -59,8 +60,13 @@ def ray_session():
     import ray
 
     # address="local": a private instance, never a cluster that Ray's file of the last `ray start` names
-    ray.init(address="local", num_cpus=4, include_dashboard=False, log_to_driver=False,
-             runtime_env={"env_vars": {"HF_HUB_OFFLINE": "1", "OMP_NUM_THREADS": "1"}})
+    ray.init(
+        address="local",
+        num_cpus=4,
+        include_dashboard=False,
+        log_to_driver=False,
+        runtime_env={"env_vars": {"HF_HUB_OFFLINE": "1", "OMP_NUM_THREADS": "1"}},
+    )
     yield
     ray.shutdown()
 

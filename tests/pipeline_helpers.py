@@ -41,8 +41,9 @@ def value_model() -> torch.nn.Module:
     return model
 
 
-def adamw_steps(ref: torch.nn.Module, runner, pp_group, micro_batches: int = 2
-                ) -> tuple[tuple[float, float], tuple[float, float]]:
+def adamw_steps(
+    ref: torch.nn.Module, runner, pp_group, micro_batches: int = 2
+) -> tuple[tuple[float, float], tuple[float, float]]:
     """One clipped AdamW step on the token-mean NLL of :func:`ragged_batch`: the unsplit model ``ref`` on the
     full batch, then the pipeline ``runner``'s stage over ``micro_batches``. Returns ((loss, norm) unsplit,
     (loss, norm) staged)."""

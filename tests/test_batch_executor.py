@@ -7,25 +7,29 @@ from functools import partial
 import pytest
 import torch
 
-from loomrl.algorithms.ops import train_loop
 from loomrl.algorithms.context import OpContext, Role
-from loomrl.role import ModelPasses
-from loomrl.plan import ClusterSpec, colocate
-from loomrl.plan.schedule import build_schedule
+from loomrl.algorithms.ops import train_loop
 from loomrl.models.heads import token_logprobs, token_values
 from loomrl.models.tokenizer import build_char_tokenizer
 from loomrl.models.zoo import build_causal_lm, build_value_model
-from loomrl.runtime.reference import IterationResult, ReferenceExecutor
+from loomrl.plan import ClusterSpec, colocate
+from loomrl.plan.schedule import build_schedule
+from loomrl.role import ModelPasses
+from loomrl.runtime.executor import Executor, IterationResult
+from loomrl.runtime.reference import ReferenceExecutor
 from loomrl.workflow import MFC, MFCKind, Workflow
 from loomrl.workflow.batch import Batch, pack_sequences, pad_right, response_columns, response_mask
 
 
 def _batch() -> Batch:
-    return Batch([10, 11, 12], {
-        "prompt_ids": [[1, 5], [1, 6, 7], [1]],
-        "score": torch.tensor([0.5, -1.0, 2.0]),
-        "logp": torch.tensor([[1.0, 2.0], [3.0, 4.0], [5.0, 6.0]]),
-    })
+    return Batch(
+        [10, 11, 12],
+        {
+            "prompt_ids": [[1, 5], [1, 6, 7], [1]],
+            "score": torch.tensor([0.5, -1.0, 2.0]),
+            "logp": torch.tensor([[1.0, 2.0], [3.0, 4.0], [5.0, 6.0]]),
+        },
+    )
 
 
 # ---------------------------------------------------------------------------------------------- Batch
@@ -88,8 +92,7 @@ def test_concat_pads_2d_tensors_to_widest_part_and_keeps_ids():
 
 
 def test_pad_right_and_response_mask():
-    assert torch.equal(pad_right([[1, 2], [], [3]], value=-1.0),
-                       torch.tensor([[1.0, 2.0], [-1.0, -1.0], [3.0, -1.0]]))
+    assert torch.equal(pad_right([[1, 2], [], [3]], value=-1.0), torch.tensor([[1.0, 2.0], [-1.0, -1.0], [3.0, -1.0]]))
     assert pad_right([[1]], width=4).shape == (1, 4)
     assert pad_right([]).shape == (0, 0)
     assert torch.equal(response_mask([[5, 6, 7], [8]]), torch.tensor([[1.0, 1.0, 1.0], [1.0, 0.0, 0.0]]))
@@ -177,16 +180,32 @@ def _calls(workflow: Workflow):
 
 def _executor(mfcs: list[MFC], source=("prompt_ids",), roles=("actor", "ref")) -> ReferenceExecutor:
     workflow = Workflow(mfcs, source)
-    return ReferenceExecutor(_calls(workflow), {r: Role(r) for r in roles}, seed=3, pad_id=0, eos_id=2,
-                             decode=lambda ids: "".join(map(str, ids)))
+    return ReferenceExecutor(
+        _calls(workflow),
+        {r: Role(r) for r in roles},
+        seed=3,
+        pad_id=0,
+        eos_id=2,
+        decode=lambda ids: "".join(map(str, ids)),
+    )
 
 
 def _recorder(calls: list, name: str, fn):
     """An op that records what it was given, then computes its outputs with ``fn``."""
+
     def op(ctx: OpContext, batch: Batch) -> dict:
-        calls.append((name, sorted(batch.keys()), list(batch.ids), ctx.iteration, ctx.seed,
-                      None if ctx.role is None else ctx.role.name))
+        calls.append(
+            (
+                name,
+                sorted(batch.keys()),
+                list(batch.ids),
+                ctx.iteration,
+                ctx.seed,
+                None if ctx.role is None else ctx.role.name,
+            )
+        )
         return fn(batch)
+
     return op
 
 
@@ -216,14 +235,48 @@ def test_executor_runs_in_topological_order_with_declared_inputs_only():
     assert isinstance(result, IterationResult)
     assert [c[0] for c in calls] == ["gen", "ref", "adv", "train"]
     # Each op saw exactly its declared inputs (no "unrelated", nothing produced later), with the row ids.
-    assert [c[1] for c in calls] == [["prompt_ids"], ["prompt_ids", "response_ids"], ["ref_logp"],
-                                      ["advantages", "response_ids"]]
+    assert [c[1] for c in calls] == [
+        ["prompt_ids"],
+        ["prompt_ids", "response_ids"],
+        ["ref_logp"],
+        ["advantages", "response_ids"],
+    ]
     assert all(c[2] == [7, 8] and c[3] == 4 and c[4] == 3 for c in calls)
     assert [c[5] for c in calls] == ["actor", "ref", None, "actor"]
     assert result.batch["response_ids"] == [[4, 2], [5, 6, 2]]
     assert torch.equal(result.batch["advantages"], torch.tensor([[-2.0, -2.0, 0.0], [-2.0, -2.0, -2.0]]))
     assert "stats" not in result.batch
     assert result.stats == {"actor/loss": -10.0, "actor/rows": 2.0}
+
+
+def test_executor_reports_each_samples_response_length_in_batch_order():
+    result = _executor(_toy_mfcs([])).run_iteration(0, Batch([7, 8], {"prompt_ids": [[1, 4], [1, 5, 6]]}))
+    assert result.response_lengths == [len(r) for r in result.batch["response_ids"]] == [2, 3]
+
+
+def test_both_executors_declare_the_executor_protocol_with_its_signatures():
+    import inspect
+
+    from loomrl.runtime.ray_executor import RayExecutor
+
+    methods = {n for n, v in vars(Executor).items() if inspect.isfunction(v) and not n.startswith("_")}
+    assert methods == {
+        "run_iteration",
+        "evaluate",
+        "save",
+        "load",
+        "apply_plan",
+        "drain_traces",
+        "check_shared_dir",
+        "close",
+    }
+    for cls in (ReferenceExecutor, RayExecutor):
+        assert Executor in cls.__mro__  # declared, not only matched
+        for name in methods:
+            assert getattr(cls, name) is not getattr(Executor, name), (cls.__name__, name)
+            assert list(inspect.signature(getattr(cls, name)).parameters) == list(
+                inspect.signature(getattr(Executor, name)).parameters
+            ), (cls.__name__, name)
 
 
 def test_executor_records_one_trace_per_mfc():
@@ -239,17 +292,31 @@ def test_executor_records_one_trace_per_mfc():
 
 
 def test_executor_rejects_undeclared_or_missing_outputs():
-    extra = [MFC("gen", "actor", G, ("prompt_ids",), ("response_ids",),
-                 lambda ctx, b: {"response_ids": [[2]], "logp": torch.zeros(1, 1)})]
-    with pytest.raises(RuntimeError, match=r"MFC 'gen' returned \['logp', 'response_ids'\], declared \['response_ids'\]"):
+    extra = [
+        MFC(
+            "gen",
+            "actor",
+            G,
+            ("prompt_ids",),
+            ("response_ids",),
+            lambda ctx, b: {"response_ids": [[2]], "logp": torch.zeros(1, 1)},
+        )
+    ]
+    with pytest.raises(
+        RuntimeError, match=r"MFC 'gen' returned \['logp', 'response_ids'\], declared \['response_ids'\]"
+    ):
         _executor(extra, roles=("actor",)).run_iteration(0, Batch([0], {"prompt_ids": [[1]]}))
-    missing = [MFC("gen", "actor", G, ("prompt_ids",), ("response_ids", "logp"),
-                   lambda ctx, b: {"response_ids": [[2]]})]
+    missing = [
+        MFC("gen", "actor", G, ("prompt_ids",), ("response_ids", "logp"), lambda ctx, b: {"response_ids": [[2]]})
+    ]
     with pytest.raises(RuntimeError, match="MFC 'gen' returned"):
         _executor(missing, roles=("actor",)).run_iteration(0, Batch([0], {"prompt_ids": [[1]]}))
     # Only train calls may report statistics on the side.
-    stats = [MFC("score", None, C, ("prompt_ids",), ("score",),
-                 lambda ctx, b: {"score": torch.zeros(1), "stats": {"x": 1.0}})]
+    stats = [
+        MFC(
+            "score", None, C, ("prompt_ids",), ("score",), lambda ctx, b: {"score": torch.zeros(1), "stats": {"x": 1.0}}
+        )
+    ]
     with pytest.raises(RuntimeError, match="MFC 'score' returned"):
         _executor(stats, roles=()).run_iteration(0, Batch([0], {"prompt_ids": [[1]]}))
 
@@ -265,8 +332,13 @@ def _sequence_role(name: str, value: bool) -> Role:
 
     build = build_value_model if value else build_causal_lm
     model = build("llama-1m", build_char_tokenizer(), seed=0)
-    return Role(name, model=model, optimizer=torch.optim.SGD(model.parameters(), lr=0.0), grad_clip=1e9,
-                passes=ModelPasses(model))
+    return Role(
+        name,
+        model=model,
+        optimizer=torch.optim.SGD(model.parameters(), lr=0.0),
+        grad_clip=1e9,
+        passes=ModelPasses(model),
+    )
 
 
 def _output_loss(prefix: str, scale: float, mb: Batch, outputs: torch.Tensor, packed):
@@ -283,8 +355,10 @@ def test_two_train_mfcs_keep_both_grad_norms():
         return train_loop(ctx, batch, loss_fn=partial(_output_loss, prefix, scale))
 
     seq = ("prompt_ids", "response_ids")
-    mfcs = [MFC("actor_train", "actor", T, seq, (), partial(train, prefix="actor", scale=1.0)),
-            MFC("critic_train", "critic", T, seq, (), partial(train, prefix="critic", scale=100.0))]
+    mfcs = [
+        MFC("actor_train", "actor", T, seq, (), partial(train, prefix="actor", scale=1.0)),
+        MFC("critic_train", "critic", T, seq, (), partial(train, prefix="critic", scale=100.0)),
+    ]
     executor = ReferenceExecutor(_calls(Workflow(mfcs, seq)), roles, seed=0, pad_id=0, eos_id=2, decode=str)
     batch = Batch(range(4), {"prompt_ids": [[1, 5, 6]] * 4, "response_ids": [[7, 8], [9], [7, 7, 7], [8]]})
     result = executor.run_iteration(0, batch)

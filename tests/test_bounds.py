@@ -7,33 +7,58 @@ import pytest
 
 from loomrl.algorithms.workflows import build_workflow
 from loomrl.config.schema import AlgoConfig, RolloutConfig
+from loomrl.models.presets import model_config
 from loomrl.plan import GB, Allocation, ClusterSpec, colocate
+from loomrl.plan.cluster import profile_for
+from loomrl.planner.cost.estimator import CostEstimator
+from loomrl.planner.cost.workload import Workload
+from loomrl.planner.inputs import PlannerInputs
+from loomrl.planner.planning import compare_plans
 from loomrl.planner.search import bounds
 from loomrl.planner.search.bounds import iteration_bound, segment_seconds, segments
-from loomrl.planner.planning import compare_plans, model_config
 from loomrl.planner.search.search import search
 from loomrl.planner.simulation.simulator import simulate
-from loomrl.planner.cost.workload import Workload
 from loomrl.workflow import MFC
 
 PPO = build_workflow(AlgoConfig(name="ppo"), RolloutConfig())
 CLUSTER = ClusterSpec.parse("cpu:4")
 MEMORY = 24 * GB
-CONFIGS = {role: SimpleNamespace(model_type="llama", hidden_size=128, num_hidden_layers=4, num_attention_heads=4,
-                                 num_key_value_heads=2, intermediate_size=512, vocab_size=48)
-           for role in ("actor", "critic", "ref", "reward")}
+CONFIGS = {
+    role: SimpleNamespace(
+        model_type="llama",
+        hidden_size=128,
+        num_hidden_layers=4,
+        num_attention_heads=4,
+        num_key_value_heads=2,
+        intermediate_size=512,
+        vocab_size=48,
+    )
+    for role in ("actor", "critic", "ref", "reward")
+}
 
 
-WORK = {"actor_gen": 8.0, "ref_inf": 2.0, "reward_inf": 2.0, "critic_inf": 2.0, "advantages": 0.0,
-        "actor_train": 6.0, "critic_train": 6.0}
+WORK = {
+    "actor_gen": 8.0,
+    "ref_inf": 2.0,
+    "reward_inf": 2.0,
+    "critic_inf": 2.0,
+    "advantages": 0.0,
+    "actor_train": 6.0,
+    "critic_train": 6.0,
+}
 
 
-class ScalingCost:
+class ScalingCost(CostEstimator):
     """Call ``c`` takes ``fixed[c] + WORK[c] / devices`` (``fixed`` 0 unless given: work spread evenly over the
     mesh); a trainable role holds ``states[role]`` bytes over its mesh, any other placement ``frozen`` bytes."""
 
-    def __init__(self, fixed: dict[str, float] | None = None, states: dict[str, float] | None = None,
-                 frozen: float = 0.0, work: dict[str, float] | None = None) -> None:
+    def __init__(
+        self,
+        fixed: dict[str, float] | None = None,
+        states: dict[str, float] | None = None,
+        frozen: float = 0.0,
+        work: dict[str, float] | None = None,
+    ) -> None:
         self.fixed, self.states, self.frozen = fixed or {}, states or {}, frozen
         self.work = {**WORK, **(work or {})}
 
@@ -51,8 +76,12 @@ class ScalingCost:
 
 
 def test_ppo_runs_in_four_segments_split_at_generation_and_advantages():
-    assert segments(PPO) == [("actor_gen",), ("ref_inf", "reward_inf", "critic_inf"), ("advantages",),
-                             ("actor_train", "critic_train")]
+    assert segments(PPO) == [
+        ("actor_gen",),
+        ("ref_inf", "reward_inf", "critic_inf"),
+        ("advantages",),
+        ("actor_train", "critic_train"),
+    ]
     grpo = build_workflow(AlgoConfig(name="grpo"), RolloutConfig())
     assert segments(grpo)[0] == ("actor_gen",) and segments(grpo)[-1] == ("actor_train",)
 
@@ -98,8 +127,9 @@ def test_the_weighted_bound_beats_both_pure_bounds():
     assert inference.weight == pytest.approx(2 / 3, abs=0.01) and inference.path == ("ref_inf",)
     assert bound.seconds == pytest.approx(2 + 16 / 3 + 3, abs=5e-3)
     # the best plans take 2 + 6 + 3 s: ref_inf on two devices beside the other two inferences, or on all four
-    for plan, result in search(PPO, CLUSTER, cost, MEMORY, CONFIGS, seed=0, time_budget_s=60, chains=2,
-                               max_steps=150, top_k=3):
+    for plan, result in search(
+        PPO, CLUSTER, cost, MEMORY, CONFIGS, seed=0, time_budget_s=60, chains=2, max_steps=150, top_k=3
+    ):
         assert result.iteration_time >= bound.seconds - 1e-9, plan.text
 
 
@@ -131,8 +161,7 @@ def test_a_training_placement_fixes_the_train_segment_and_what_fits_beside_it():
         loose = iteration_bound(PPO, CLUSTER, cost, MEMORY, CONFIGS)
     assert loose.training == () and loose.segments[-1].seconds == pytest.approx(22 / 3, abs=5e-3)
     # 100 GB of training state fit nowhere: no plan fits, and the bound says so.
-    assert math.isinf(iteration_bound(PPO, CLUSTER, ScalingCost(states={"critic": 100 * GB}), MEMORY,
-                                      CONFIGS).seconds)
+    assert math.isinf(iteration_bound(PPO, CLUSTER, ScalingCost(states={"critic": 100 * GB}), MEMORY, CONFIGS).seconds)
 
 
 def test_training_states_that_fit_only_apart_fit_no_plan():
@@ -154,7 +183,9 @@ def test_no_simulated_plan_of_the_cost_model_is_below_the_bound():
     cluster = ClusterSpec.parse("h100:1x8")
     configs = {role: model_config("llama2-7b") for role in workflow.roles()}
     workload = Workload(batch=512, prompt_len=128, response_lengths=(128,), ppo_epochs=1, minibatches=4)
-    report = compare_plans(workflow, cluster, configs, workload, seed=0, time_budget_s=8)
+    report = compare_plans(
+        PlannerInputs(workflow, cluster, profile_for(cluster), configs, workload), seed=0, time_budget_s=8
+    )
     bound = report.bound.seconds
     assert 0 < bound < math.inf
     times = [r.iteration_time for _, r in report.heuristics.values() if r.feasible]

@@ -48,17 +48,19 @@ def test_the_chat_template_renders_a_prompt_as_one_user_turn_with_the_generation
     im_start, im_end = tok.convert_tokens_to_ids(["<|im_start|>", "<|im_end|>"])
     assert ids[0] == im_start and ids.count(im_end) == 1 and im_end == tok.eos_token_id  # specials, not bytes
     conversation = [{"role": "system", "content": "Be brief."}, {"role": "user", "content": "sort 21="}]
-    assert tok.decode(encode_prompt(tok, conversation)) == ("<|im_start|>system\nBe brief.<|im_end|>\n"
-                                                            "<|im_start|>user\nsort 21=<|im_end|>\n"
-                                                            "<|im_start|>assistant\n")
+    assert tok.decode(encode_prompt(tok, conversation)) == (
+        "<|im_start|>system\nBe brief.<|im_end|>\n<|im_start|>user\nsort 21=<|im_end|>\n<|im_start|>assistant\n"
+    )
 
 
 def test_chat_template_none_and_a_template_file(chat_dir, tmp_path):
     plain = tokenizer_for(str(chat_dir), chat_template="none")
     assert encode_prompt(plain, "sort 312=") == plain.encode("sort 312=", add_special_tokens=False)
     template = tmp_path / "tiny.jinja"
-    template.write_text("{% for m in messages %}{{ m['role'][0] }}:{{ m['content'] }}|{% endfor %}"
-                        "{% if add_generation_prompt %}a:{% endif %}")
+    template.write_text(
+        "{% for m in messages %}{{ m['role'][0] }}:{{ m['content'] }}|{% endfor %}"
+        "{% if add_generation_prompt %}a:{% endif %}"
+    )
     char = tokenizer_for("llama-1m", chat_template=str(template))  # a zoo model: the built-in tokenizer
     assert char.decode(encode_prompt(char, "sort 12=")) == "u:sort 12=|a:"
     with pytest.raises(DataError) as exc:
@@ -97,12 +99,17 @@ def test_a_tokenizer_without_pad_pads_with_eos(tmp_path):
 
 def test_messages_columns_are_conversations_and_a_final_assistant_turn_is_the_answer(tmp_path):
     path = tmp_path / "chat.jsonl"
-    _write_jsonl(path, [
-        {"messages": [{"role": "system", "content": "Sort."}, {"role": "user", "content": "sort 31="}]},
-        {"messages": [{"role": "user", "content": "sort 21="}, {"role": "assistant", "content": "12"}]},
-        {"messages": [{"role": "user", "content": "sort 5="}, {"role": "assistant", "content": "5"}],
-         "answer": "5"},
-    ])
+    _write_jsonl(
+        path,
+        [
+            {"messages": [{"role": "system", "content": "Sort."}, {"role": "user", "content": "sort 31="}]},
+            {"messages": [{"role": "user", "content": "sort 21="}, {"role": "assistant", "content": "12"}]},
+            {
+                "messages": [{"role": "user", "content": "sort 5="}, {"role": "assistant", "content": "5"}],
+                "answer": "5",
+            },
+        ],
+    )
     rows = FilePrompts(path, prompt_key="messages")
     assert [(e.prompt, e.answer) for e in rows] == [("sort 31=", None), ("sort 21=", "12"), ("sort 5=", "5")]
     assert rows[0].model_input == [{"role": "system", "content": "Sort."}, {"role": "user", "content": "sort 31="}]
@@ -162,19 +169,47 @@ def test_a_qwen2_chat_model_goes_through_sft_grpo_and_eval(chat_dir, tmp_path):
     _write_jsonl(sft_file, _chat_rows(64, 0, with_answer_turn=True))
     _write_jsonl(rl_file, _chat_rows(32, 1, with_answer_turn=False))
     _write_jsonl(held_file, _chat_rows(6, 2, with_answer_turn=False))
-    task = ("task.name=file", "task.prompt_key=messages", "task.reward_fn=examples/user_task/reward.py:score",
-            f"task.eval_file={held_file}")
+    task = (
+        "task.name=file",
+        "task.prompt_key=messages",
+        "task.reward_fn=examples/user_task/reward.py:score",
+        f"task.eval_file={held_file}",
+    )
     sft_dir = tmp_path / "sft"
-    proc = run_cli("sft", f"model={chat_dir}", f"out_dir={sft_dir}", f"task.prompt_file={sft_file}", *task,
-                   "steps=4", "batch_size=8", "eval_prompts=6", "--quiet", timeout=180)
+    proc = run_cli(
+        "sft",
+        f"model={chat_dir}",
+        f"out_dir={sft_dir}",
+        f"task.prompt_file={sft_file}",
+        *task,
+        "steps=4",
+        "batch_size=8",
+        "eval_prompts=6",
+        "--quiet",
+        timeout=180,
+    )
     assert_ok(proc)
     saved = tokenizer_for(str(sft_dir))  # the policy keeps its BPE tokenizer and chat template
     assert saved.bos_token_id is None and saved.chat_template == CHATML and len(saved) == len(build_chat_tokenizer())
     run_dir = tmp_path / "grpo"
-    proc = run_cli("train", "examples/grpo_user_task.yaml", f"actor.model={sft_dir}", f"run_dir={run_dir}",
-                   f"task.prompt_file={rl_file}", *task, "runtime.devices=2", "runtime.threads=1",
-                   "loop.iterations=2", "loop.eval_every=1", "loop.eval_prompts=6", "rollout.prompts_per_iter=4",
-                   "algo.group_size=2", "algo.minibatches=1", "loop.progress=false", timeout=300)
+    proc = run_cli(
+        "train",
+        "examples/grpo_user_task.yaml",
+        f"actor.model={sft_dir}",
+        f"run_dir={run_dir}",
+        f"task.prompt_file={rl_file}",
+        *task,
+        "runtime.devices=2",
+        "runtime.threads=1",
+        "loop.iterations=2",
+        "loop.eval_every=1",
+        "loop.eval_prompts=6",
+        "rollout.prompts_per_iter=4",
+        "algo.group_size=2",
+        "algo.minibatches=1",
+        "loop.progress=false",
+        timeout=300,
+    )
     assert_ok(proc)
     records = [json.loads(line) for line in (run_dir / "metrics.jsonl").read_text().splitlines()]
     assert [r["iteration"] for r in records] == [0, 1] and all("eval/score" in r for r in records)

@@ -16,8 +16,14 @@ import torch
 import transformers
 from tokenizers import Tokenizer, models, pre_tokenizers
 
-from loomrl.checkpoint.store import (CheckpointError, latest_checkpoint, load_checkpoint, remove_leftovers, save_checkpoint,
-                               verify_checkpoint)
+from loomrl.checkpoint.store import (
+    CheckpointError,
+    latest_checkpoint,
+    load_checkpoint,
+    remove_leftovers,
+    save_checkpoint,
+    verify_checkpoint,
+)
 from loomrl.errors import LoomError
 from loomrl.train.evaluation import resolve_target
 
@@ -25,8 +31,13 @@ from loomrl.train.evaluation import resolve_target
 def tiny_llama(seed: int) -> transformers.LlamaForCausalLM:
     torch.manual_seed(seed)
     config = transformers.LlamaConfig(
-        vocab_size=32, hidden_size=32, intermediate_size=64, num_hidden_layers=2,
-        num_attention_heads=2, num_key_value_heads=2, max_position_embeddings=64,
+        vocab_size=32,
+        hidden_size=32,
+        intermediate_size=64,
+        num_hidden_layers=2,
+        num_attention_heads=2,
+        num_key_value_heads=2,
+        max_position_embeddings=64,
     )
     return transformers.LlamaForCausalLM(config)
 
@@ -59,12 +70,11 @@ def make_run(seed: int = 0):
 def test_round_trip_continues_bitwise_identically(tmp_path):
     model, opt, sched = make_run()
     train_steps(model, opt, sched, 2, seed=1)
-    ckpt = save_checkpoint(tmp_path, 2, {"actor": model}, tiny_tokenizer(), {"actor": opt},
-                           {"data_position": 17}, schedulers={"actor": sched})
+    ckpt = save_checkpoint(tmp_path, 2, {"actor": model}, tiny_tokenizer(), {"actor": opt}, {"data_position": 17})
     train_steps(model, opt, sched, 3, seed=2)  # reference: keep training without the round trip
 
     fresh, fresh_opt, fresh_sched = make_run(seed=99)  # different init, so a no-op load would fail
-    state = load_checkpoint(ckpt, {"actor": fresh}, {"actor": fresh_opt}, schedulers={"actor": fresh_sched})
+    state = load_checkpoint(ckpt, {"actor": fresh}, {"actor": fresh_opt})
     assert state == {"iteration": 2, "data_position": 17}
     train_steps(fresh, fresh_opt, fresh_sched, 3, seed=2)
 
@@ -92,14 +102,19 @@ def test_rng_restored(tmp_path):
 def test_role_dir_is_a_plain_hf_checkpoint(tmp_path):
     model, opt, _ = make_run()
     critic = tiny_llama(1)
-    ckpt = save_checkpoint(tmp_path, 3, {"actor": model, "critic": critic}, tiny_tokenizer(),
-                           {"actor": opt}, {})
+    ckpt = save_checkpoint(tmp_path, 3, {"actor": model, "critic": critic}, tiny_tokenizer(), {"actor": opt}, {})
     loaded = transformers.AutoModelForCausalLM.from_pretrained(ckpt / "actor")
     assert torch.equal(loaded.model.embed_tokens.weight, model.model.embed_tokens.weight)
     tok = transformers.AutoTokenizer.from_pretrained(ckpt / "critic")
     assert tok("abc")["input_ids"] == [2, 3, 4]
-    assert sorted(p.name for p in ckpt.iterdir()) == ["actor", "critic", "manifest.json", "optimizers.pt", "rng.pt",
-                                                      "state.json"]
+    assert sorted(p.name for p in ckpt.iterdir()) == [
+        "actor",
+        "critic",
+        "manifest.json",
+        "optimizers.pt",
+        "rng.pt",
+        "state.json",
+    ]
 
 
 def test_keep_last_prunes_older_and_latest_points_at_newest(tmp_path):
@@ -268,13 +283,20 @@ def test_leftovers_of_crashed_saves_are_removed_by_the_next_save(tmp_path):
     save_checkpoint(tmp_path, 1, {"actor": model}, None, {"actor": opt}, {})
     dead = subprocess.run([sys.executable, "-c", "import os; print(os.getpid())"], capture_output=True, text=True)
     root = tmp_path / "checkpoints"
-    for name in (f"iter_000002.tmp-{dead.stdout.strip()}", f"iter_000000.stale-{dead.stdout.strip()}",
-                 f"iter_000002.tmp-{os.getpid()}x"):
+    for name in (
+        f"iter_000002.tmp-{dead.stdout.strip()}",
+        f"iter_000000.stale-{dead.stdout.strip()}",
+        f"iter_000002.tmp-{os.getpid()}x",
+    ):
         (root / name / "actor").mkdir(parents=True)
     (root / f"latest.tmp-{dead.stdout.strip()}").write_text("iter_000002\n")
     save_checkpoint(tmp_path, 3, {"actor": model}, None, {"actor": opt}, {})
-    assert sorted(p.name for p in root.iterdir()) == ["iter_000001", f"iter_000002.tmp-{os.getpid()}x",
-                                                      "iter_000003", "latest"]
+    assert sorted(p.name for p in root.iterdir()) == [
+        "iter_000001",
+        f"iter_000002.tmp-{os.getpid()}x",
+        "iter_000003",
+        "latest",
+    ]
 
 
 def test_a_resume_removes_the_leftovers_of_dead_writers(tmp_path):
@@ -343,7 +365,8 @@ CRASH_SERVER = textwrap.dedent('''
     }
     if sharded:  # the weights' shard, then the optimizer's; rng.pt is then the only torch.save
         HOOKS.update({"weights": (shards, "save_file", nth_call(1), None),
-                      "optimizers": (shards, "save_file", nth_call(2), None), "rng": (torch, "save", nth_call(1), None)})
+                      "optimizers": (shards, "save_file", nth_call(2), None),
+                      "rng": (torch, "save", nth_call(1), None)})
 
     def save(run, iteration, model, opt):
         if sharded:
@@ -407,11 +430,15 @@ def test_a_save_killed_at_any_point_leaves_a_loadable_checkpoint(tmp_path, form)
     """SIGKILL at each step of a save (and after random delays), whole or sharded: the chosen checkpoint is
     complete, passes its manifest, and holds the weights of its own iteration; no partial directory is ever
     chosen."""
-    from loomrl.checkpoint.store import save_sharded_checkpoint
     from loomrl.checkpoint.optim_state import FullOptimizerState
+    from loomrl.checkpoint.store import save_sharded_checkpoint
 
-    proc = subprocess.run([sys.executable, "-c", CRASH_SERVER, str(tmp_path), json.dumps(CRASH_POINTS), "4", form],
-                          capture_output=True, text=True, timeout=300)
+    proc = subprocess.run(
+        [sys.executable, "-c", CRASH_SERVER, str(tmp_path), json.dumps(CRASH_POINTS), "4", form],
+        capture_output=True,
+        text=True,
+        timeout=300,
+    )
     assert proc.returncode == 0, proc.stderr[-3000:]
     trials = [json.loads(line) for line in proc.stdout.splitlines()]
     assert len(trials) == len(CRASH_POINTS) + 4
@@ -459,12 +486,19 @@ def test_checkpoint_keep_last_and_its_old_name_loop_keep_checkpoints(tmp_path):
 
 
 def test_a_run_keeps_checkpoint_keep_last_checkpoints(tmp_path):
+    from loomrl.train.rl import RLTrainer
     from test_rl import tiny_cfg
 
-    from loomrl.train.rl import RLTrainer
-
     run_dir = tmp_path / "run"
-    RLTrainer(tiny_cfg(run_dir, "algo.name=grpo", "loop.iterations=3", "loop.save_every=1", "loop.eval_every=0",
-                       "checkpoint.keep_last=1")).run()
+    RLTrainer(
+        tiny_cfg(
+            run_dir,
+            "algo.name=grpo",
+            "loop.iterations=3",
+            "loop.save_every=1",
+            "loop.eval_every=0",
+            "checkpoint.keep_last=1",
+        )
+    ).run()
     assert sorted(p.name for p in (run_dir / "checkpoints").iterdir()) == ["iter_000002", "latest"]
     verify_checkpoint(run_dir / "checkpoints" / "iter_000002")

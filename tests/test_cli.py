@@ -25,7 +25,13 @@ from loomrl.config.schema import EvalConfig, RMConfig, SFTConfig, TrainConfig
 from loomrl.config.tools import field_docs
 
 REPO = Path(__file__).resolve().parents[1]
-TINY_TRAIN = ("runtime.executor=reference", "loop.iterations=2", "rollout.prompts_per_iter=8", "loop.eval_prompts=8", "loop.progress=false")
+TINY_TRAIN = (
+    "runtime.executor=reference",
+    "loop.iterations=2",
+    "rollout.prompts_per_iter=8",
+    "loop.eval_prompts=8",
+    "loop.progress=false",
+)
 
 
 def run_cli(*args: str, timeout: float = 60, pythonpath: Path | None = None) -> subprocess.CompletedProcess:
@@ -40,8 +46,14 @@ def run_cli(*args: str, timeout: float = 60, pythonpath: Path | None = None) -> 
     }
     if pythonpath is not None:
         env["PYTHONPATH"] = os.pathsep.join([str(pythonpath), env.get("PYTHONPATH", "")]).rstrip(os.pathsep)
-    return subprocess.run([sys.executable, "-m", "loomrl.cli", *map(str, args)], cwd=REPO, env=env,
-                          capture_output=True, text=True, timeout=timeout)
+    return subprocess.run(
+        [sys.executable, "-m", "loomrl.cli", *map(str, args)],
+        cwd=REPO,
+        env=env,
+        capture_output=True,
+        text=True,
+        timeout=timeout,
+    )
 
 
 def assert_ok(proc: subprocess.CompletedProcess) -> None:
@@ -69,8 +81,9 @@ def tree_bytes(root: Path) -> dict[str, bytes]:
 @pytest.fixture(scope="module")
 def sft_run(tmp_path_factory):
     out = tmp_path_factory.mktemp("sft") / "policy"
-    proc = run_cli("sft", "examples/sft_sort.yaml", "steps=5", "batch_size=8", "eval_prompts=8", f"out_dir={out}",
-                   timeout=180)
+    proc = run_cli(
+        "sft", "examples/sft_sort.yaml", "steps=5", "batch_size=8", "eval_prompts=8", f"out_dir={out}", timeout=180
+    )
     return proc, out
 
 
@@ -104,8 +117,17 @@ def test_sft_prints_no_warnings(sft_run):
 def test_rm_trains_from_the_sft_checkpoint(sft_run, tmp_path):
     _, sft_dir = sft_run
     out = tmp_path / "rm"
-    proc = run_cli("rm", "examples/rm_sort.yaml", f"model={sft_dir}", "train_pairs=32", "eval_pairs=16", "epochs=1",
-                   f"out_dir={out}", "--quiet", timeout=180)
+    proc = run_cli(
+        "rm",
+        "examples/rm_sort.yaml",
+        f"model={sft_dir}",
+        "train_pairs=32",
+        "eval_pairs=16",
+        "epochs=1",
+        f"out_dir={out}",
+        "--quiet",
+        timeout=180,
+    )
     assert_ok(proc)
     summary = json.loads((out / "rm_summary.json").read_text())
     assert 0.0 <= summary["eval/pair_accuracy"] <= 1.0
@@ -142,8 +164,9 @@ def _leaf_fields(cls, prefix=""):
             yield f"{prefix}{f.name}", cls, f.name
 
 
-@pytest.mark.parametrize("command, cls", [("train", TrainConfig), ("sft", SFTConfig), ("rm", RMConfig),
-                                          ("eval", EvalConfig)])
+@pytest.mark.parametrize(
+    "command, cls", [("train", TrainConfig), ("sft", SFTConfig), ("rm", RMConfig), ("eval", EvalConfig)]
+)
 def test_config_lists_every_field_with_its_doc(command, cls):
     proc = run_cli("config", command)
     assert_ok(proc)
@@ -163,9 +186,17 @@ def test_config_lists_every_field_with_its_doc(command, cls):
 
 def test_train_on_a_user_prompt_file_with_a_reward_file(tmp_path):
     run_dir = tmp_path / "run"
-    proc = run_cli("train", "examples/grpo_user_task.yaml", "loop.iterations=1", "rollout.prompts_per_iter=4",
-                   "loop.eval_prompts=4", "loop.progress=false", "report.html=false", f"run_dir={run_dir}",
-                   timeout=180)
+    proc = run_cli(
+        "train",
+        "examples/grpo_user_task.yaml",
+        "loop.iterations=1",
+        "rollout.prompts_per_iter=4",
+        "loop.eval_prompts=4",
+        "loop.progress=false",
+        "report.html=false",
+        f"run_dir={run_dir}",
+        timeout=180,
+    )
     assert_ok(proc)
     (record,) = [json.loads(line) for line in (run_dir / "metrics.jsonl").read_text().splitlines()]
     assert 0.0 <= record["reward/mean"] <= 1.0 and "eval/score" in record
@@ -195,8 +226,11 @@ def restore_hf_logging():
 # (id, argv after `train` given the inputs dir, strings the error line must contain)
 LOAD_ERRORS = [
     ("unknown-top-level-key", lambda d: ["bogus=1"], ["'bogus=1'", "bogus: unknown key", "run_dir"]),
-    ("unknown-nested-key-suggests", lambda d: ["algo.clip_epz=0.1"],
-     ["algo.clip_epz", "0.1", "did you mean 'clip_eps'?"]),
+    (
+        "unknown-nested-key-suggests",
+        lambda d: ["algo.clip_epz=0.1"],
+        ["algo.clip_epz", "0.1", "did you mean 'clip_eps'?"],
+    ),
     ("int-gets-word", lambda d: ["loop.iterations=abc"], ["loop.iterations", "'abc' is not an int"]),
     ("int-gets-float", lambda d: ["rollout.prompts_per_iter=2.5"], ["rollout.prompts_per_iter", "2.5 is not an int"]),
     ("float-gets-word", lambda d: ["algo.clip_eps=wide"], ["algo.clip_eps", "'wide' is not a float"]),
@@ -209,15 +243,24 @@ LOAD_ERRORS = [
     ("yaml-top-level-list", lambda d: [d / "list.yaml"], ["list.yaml", "top level must be a mapping, got list"]),
     ("override-without-equals", lambda d: [d / "good.yaml", "algo.name"], ["override 'algo.name'", "key.sub=value"]),
     ("override-without-key", lambda d: ["=5"], ["override '=5'", "key.sub=value"]),
-    ("min-len-above-max-len", lambda d: ["task.min_len=6", "task.max_len=4"],
-     ["task.min_len", "6 is greater than max_len 4"]),
+    (
+        "min-len-above-max-len",
+        lambda d: ["task.min_len=6", "task.max_len=4"],
+        ["task.min_len", "6 is greater than max_len 4"],
+    ),
     ("model-reward-without-model", lambda d: ["reward.source=model"], ["reward.model", "'model'"]),
     ("grpo-group-of-one", lambda d: ["algo.name=grpo", "algo.group_size=1"], ["algo.group_size", "1 is too small"]),
     ("yaml-value-overridden-badly", lambda d: [d / "good.yaml", "seed=zero"], ["seed", "'zero' is not an int"]),
-    ("sharding-a-frozen-role", lambda d: ["runtime.layouts={ref: {sharding: fsdp}}"],
-     ["runtime.layouts.ref.sharding", "ref is frozen", "valid: none"]),
-    ("fsdp-with-pp", lambda d: ["runtime.layouts={actor: {pp: 2, sharding: fsdp}}"],
-     ["sharding", "valid with fsdp: pp=1, any dp and tp"]),
+    (
+        "sharding-a-frozen-role",
+        lambda d: ["runtime.layouts={ref: {sharding: fsdp}}"],
+        ["runtime.layouts.ref.sharding", "ref is frozen", "valid: none"],
+    ),
+    (
+        "fsdp-with-pp",
+        lambda d: ["runtime.layouts={actor: {pp: 2, sharding: fsdp}}"],
+        ["sharding", "valid with fsdp: pp=1, any dp and tp"],
+    ),
     ("bad-sharding", lambda d: ["runtime.layouts={actor: {sharding: zero3}}"], ["sharding", "'zero3' is not one of"]),
 ]
 
@@ -239,10 +282,16 @@ def test_config_error_through_a_real_process(tmp_path):
 
 RUNTIME_ERRORS = [
     ("model-neither-zoo-nor-dir", lambda d: ["actor.model=nope-7m"], ["'nope-7m'", "not a zoo name", "llama-1m"]),
-    ("prompt-file-missing", lambda d: ["task.name=file", f"task.prompt_file={d / 'missing.jsonl'}",
-                                       "task.reward_fn=myreward:score"], ["missing.jsonl", "does not exist"]),
-    ("reward-fn-not-importable", lambda d: ["task.name=file", f"task.prompt_file={d / 'missing.jsonl'}",
-                                            "task.reward_fn=nomodule:fn"], ["'nomodule:fn'", "cannot import"]),
+    (
+        "prompt-file-missing",
+        lambda d: ["task.name=file", f"task.prompt_file={d / 'missing.jsonl'}", "task.reward_fn=myreward:score"],
+        ["missing.jsonl", "does not exist"],
+    ),
+    (
+        "reward-fn-not-importable",
+        lambda d: ["task.name=file", f"task.prompt_file={d / 'missing.jsonl'}", "task.reward_fn=nomodule:fn"],
+        ["'nomodule:fn'", "cannot import"],
+    ),
 ]
 
 

@@ -102,8 +102,16 @@ def test_defaults_and_conversion(tmp_path: Path) -> None:
 
 
 def test_round_trip(tmp_path: Path) -> None:
-    overrides = ["run_name=rt", "algo.name=grpo", "algo.group_size=4", "rollout.sampling.top_k=8",
-                 "rollout.sampling.stop=[x, y]", "reward_weights={len: 0.5, fmt: 2}", "lr=3e-6", "bf16=false"]
+    overrides = [
+        "run_name=rt",
+        "algo.name=grpo",
+        "algo.group_size=4",
+        "rollout.sampling.top_k=8",
+        "rollout.sampling.stop=[x, y]",
+        "reward_weights={len: 0.5, fmt: 2}",
+        "lr=3e-6",
+        "bf16=false",
+    ]
     cfg = load_config(TrainConfig, None, overrides)
     text = dump_yaml(cfg)
     assert yaml.safe_load(text) == to_dict(cfg)
@@ -123,8 +131,12 @@ def test_overrides_win_over_yaml(tmp_path: Path) -> None:
 def test_parse_overrides_and_deep_merge() -> None:
     items = ["algo.kl_coef=0.05", "rollout.top_k=5", "task.name=sort", "x.y=[1,2]", "a.b=null", "a.c=", "f=true"]
     assert parse_overrides(items) == {
-        "algo": {"kl_coef": 0.05}, "rollout": {"top_k": 5}, "task": {"name": "sort"},
-        "x": {"y": [1, 2]}, "a": {"b": None, "c": ""}, "f": True,
+        "algo": {"kl_coef": 0.05},
+        "rollout": {"top_k": 5},
+        "task": {"name": "sort"},
+        "x": {"y": [1, 2]},
+        "a": {"b": None, "c": ""},
+        "f": True,
     }
     base = {"a": {"b": 1, "c": {"d": 2}}, "e": 3}
     merged = deep_merge(base, {"a": {"c": {"d": 5}}, "e": {"f": 1}})
@@ -144,7 +156,11 @@ def test_field_docs() -> None:
 def test_describe_rows() -> None:
     rows = {row[0]: row for row in describe(TrainConfig)}
     assert rows["rollout.sampling.temperature"] == (
-        "rollout.sampling.temperature", "float (>= 0)", "1.0", "Sampling temperature; 0 means greedy.")
+        "rollout.sampling.temperature",
+        "float (>= 0)",
+        "1.0",
+        "Sampling temperature; 0 means greedy.",
+    )
     assert rows["rollout.sampling.top_k"][1:3] == ("int | None (> 0)", "None")
     assert rows["rollout.sampling.top_k"][3] == "Keep only the k most likely tokens; null keeps all of them."
     assert rows["algo.name"][1:3] == ("'ppo' | 'grpo' | 'rloo'", "'ppo'")
@@ -181,14 +197,25 @@ def test_spec_rejects_developer_mistakes() -> None:
 
 # (yaml text or None, overrides, substrings the one-line message must contain)
 MALFORMED = {
-    "unknown top key": ("run_name: r\nlrr: 0.1\n", [],
-                        ["lrr: unknown key", "valid keys: run_name", "did you mean 'lr'?"]),
+    "unknown top key": (
+        "run_name: r\nlrr: 0.1\n",
+        [],
+        ["lrr: unknown key", "valid keys: run_name", "did you mean 'lr'?"],
+    ),
     "unknown nested key": (
-        "run_name: r\nrollout: {sampling: {tempreature: 0.5}}\n", [],
-        ["rollout.sampling.tempreature: unknown key", "valid keys of rollout.sampling: temperature, top_k, stop",
-         "did you mean 'temperature'?"]),
-    "int given str": ("run_name: r\nrollout: {max_new_tokens: ten}\n", [],
-                      ["rollout.max_new_tokens: 'ten' is not an int"]),
+        "run_name: r\nrollout: {sampling: {tempreature: 0.5}}\n",
+        [],
+        [
+            "rollout.sampling.tempreature: unknown key",
+            "valid keys of rollout.sampling: temperature, top_k, stop",
+            "did you mean 'temperature'?",
+        ],
+    ),
+    "int given str": (
+        "run_name: r\nrollout: {max_new_tokens: ten}\n",
+        [],
+        ["rollout.max_new_tokens: 'ten' is not an int"],
+    ),
     "int given bool": ("run_name: r\nseed: true\n", [], ["seed: True is not an int"]),
     "int given float": ("run_name: r\nalgo: {group_size: 2.5}\n", [], ["algo.group_size: 2.5 is not an int"]),
     "float given str": ("run_name: r\nlr: fast\n", [], ["lr: 'fast' is not a float"]),
@@ -196,36 +223,65 @@ MALFORMED = {
     "bool given int": ("run_name: r\nbf16: 1\n", [], ["bf16: 1 is not a bool (true or false)"]),
     "bool given str": ("run_name: r\nbf16: 'true'\n", [], ["bf16: 'true' is not a bool"]),
     "str given int": ("run_name: 5\n", [], ["run_name: 5 is not a str"]),
-    "out of range": ("run_name: r\nalgo: {clip_eps: 1.5}\n", [],
-                     ["algo.clip_eps: 1.5 is out of range (must be > 0 and <= 1)"]),
-    "optional out of range": ("run_name: r\nrollout: {sampling: {top_k: 0}}\n", [],
-                              ["rollout.sampling.top_k: 0 is out of range (must be > 0)"]),
-    "optional wrong type": ("run_name: r\nrollout: {sampling: {top_k: many}}\n", [],
-                            ["rollout.sampling.top_k: 'many' is not an int or null"]),
-    "bad literal": ("run_name: r\nalgo: {name: ppoo}\n", [],
-                    ["algo.name: 'ppoo' is not one of ppo, grpo, rloo", "did you mean 'ppo'?"]),
+    "out of range": (
+        "run_name: r\nalgo: {clip_eps: 1.5}\n",
+        [],
+        ["algo.clip_eps: 1.5 is out of range (must be > 0 and <= 1)"],
+    ),
+    "optional out of range": (
+        "run_name: r\nrollout: {sampling: {top_k: 0}}\n",
+        [],
+        ["rollout.sampling.top_k: 0 is out of range (must be > 0)"],
+    ),
+    "optional wrong type": (
+        "run_name: r\nrollout: {sampling: {top_k: many}}\n",
+        [],
+        ["rollout.sampling.top_k: 'many' is not an int or null"],
+    ),
+    "bad literal": (
+        "run_name: r\nalgo: {name: ppoo}\n",
+        [],
+        ["algo.name: 'ppoo' is not one of ppo, grpo, rloo", "did you mean 'ppo'?"],
+    ),
     "bad choice": ("run_name: r\noptimizer: adam\n", [], ["optimizer: 'adam' is not one of adamw, sgd"]),
-    "tuple element": ("run_name: r\nrollout: {sampling: {stop: [a, 3]}}\n", [],
-                      ["rollout.sampling.stop[1]: 3 is not a str"]),
-    "tuple given str": ("run_name: r\nrollout: {sampling: {stop: abc}}\n", [],
-                        ["rollout.sampling.stop: 'abc' is not a list"]),
+    "tuple element": (
+        "run_name: r\nrollout: {sampling: {stop: [a, 3]}}\n",
+        [],
+        ["rollout.sampling.stop[1]: 3 is not a str"],
+    ),
+    "tuple given str": (
+        "run_name: r\nrollout: {sampling: {stop: abc}}\n",
+        [],
+        ["rollout.sampling.stop: 'abc' is not a list"],
+    ),
     "dict value": ("run_name: r\nreward_weights: {len: heavy}\n", [], ["reward_weights.len: 'heavy' is not a float"]),
     "section not a mapping": ("run_name: r\nalgo: 3\n", [], ["algo: expected a mapping, got 3"]),
     "cross-field": ("run_name: r\nalgo: {name: grpo}\n", [], ["algo.group_size: 1 is too small for grpo"]),
     "missing required": ("seed: 1\n", [], ["run_name: missing", "required", "a str"]),
     "invalid yaml": ("run_name: r\nalgo:\n  name: [ppo\n", [], ["cfg.yaml: invalid YAML at line"]),
-    "duplicate key": ("run_name: r\nlr: 0.1\nlr: 0.2\n", [],
-                      ["cfg.yaml: invalid YAML at line 3", "duplicate key 'lr'"]),
+    "duplicate key": (
+        "run_name: r\nlr: 0.1\nlr: 0.2\n",
+        [],
+        ["cfg.yaml: invalid YAML at line 3", "duplicate key 'lr'"],
+    ),
     "top level list": ("- run_name\n- r\n", [], ["cfg.yaml: top level must be a mapping, got list"]),
     "override syntax": (None, ["run_name=r", "algo.kl_coef"], ["override 'algo.kl_coef': expected key.sub=value"]),
     "override empty key": (None, ["=3"], ["override '=3': expected key.sub=value"]),
     "override bad value": (None, ["algo.name=[ppo"], ["override 'algo.name=[ppo': invalid value"]),
     "override unknown key": (
-        "run_name: r\n", ["rollout.sampling.tempreature=0.5"],
-        ["override 'rollout.sampling.tempreature=0.5'", "rollout.sampling.tempreature: unknown key",
-         "did you mean 'temperature'?"]),
-    "override wrong type": ("run_name: r\n", ["algo.clip_eps=wide"],
-                            ["override 'algo.clip_eps=wide': algo.clip_eps: 'wide' is not a float"]),
+        "run_name: r\n",
+        ["rollout.sampling.tempreature=0.5"],
+        [
+            "override 'rollout.sampling.tempreature=0.5'",
+            "rollout.sampling.tempreature: unknown key",
+            "did you mean 'temperature'?",
+        ],
+    ),
+    "override wrong type": (
+        "run_name: r\n",
+        ["algo.clip_eps=wide"],
+        ["override 'algo.clip_eps=wide': algo.clip_eps: 'wide' is not a float"],
+    ),
 }
 
 

@@ -31,17 +31,43 @@ from loomrl.workflow.batch import Batch
 from test_runtime import _alive
 
 SAMPLE_KEYS = ("reward/mean", "reward/exact_match", "response/length", "response/length_max")
-LOSS_KEYS = ("kl/mean", "actor/pg_loss", "critic/value_loss", "actor/clipfrac", "actor/approx_kl", "actor/grad_norm",
-             "critic/grad_norm", "actor/entropy", "actor/kl_loss")
+LOSS_KEYS = (
+    "kl/mean",
+    "actor/pg_loss",
+    "critic/value_loss",
+    "actor/clipfrac",
+    "actor/approx_kl",
+    "actor/grad_norm",
+    "critic/grad_norm",
+    "actor/entropy",
+    "actor/kl_loss",
+)
 GRPO = ("algo.name=grpo", "algo.group_size=2")
 
 
 def _cfg(tmp_path, name, *extra):
-    return load_config(TrainConfig, None, [
-        f"run_dir={tmp_path / name}", "seed=3", "rollout.prompts_per_iter=8", "rollout.max_new_tokens=6",
-        "loop.iterations=2", "loop.eval_every=0", "loop.save_every=0", "loop.eval_prompts=8",
-        "loop.progress=false", "report.html=false", "runtime.threads=1", "runtime.timeout_s=120",
-        "algo.minibatches=2", "algo.ppo_epochs=2", "actor.optim.lr=0.001", *extra])
+    return load_config(
+        TrainConfig,
+        None,
+        [
+            f"run_dir={tmp_path / name}",
+            "seed=3",
+            "rollout.prompts_per_iter=8",
+            "rollout.max_new_tokens=6",
+            "loop.iterations=2",
+            "loop.eval_every=0",
+            "loop.save_every=0",
+            "loop.eval_prompts=8",
+            "loop.progress=false",
+            "report.html=false",
+            "runtime.threads=1",
+            "runtime.timeout_s=120",
+            "algo.minibatches=2",
+            "algo.ppo_epochs=2",
+            "actor.optim.lr=0.001",
+            *extra,
+        ],
+    )
 
 
 def _metrics(tmp_path, name, *extra):
@@ -63,31 +89,48 @@ def _assert_equivalent(got, reference):
 @pytest.fixture(scope="module")
 def references(tmp_path_factory):
     root = tmp_path_factory.mktemp("refs")
-    return {"ppo": _metrics(root, "ppo", "runtime.executor=reference"),
-            "grpo": _metrics(root, "grpo", "runtime.executor=reference", *GRPO)}
+    return {
+        "ppo": _metrics(root, "ppo", "runtime.executor=reference"),
+        "grpo": _metrics(root, "grpo", "runtime.executor=reference", *GRPO),
+    }
 
 
-SEPARATE_PP = ("actor_gen=0-1:dp2; actor_train=0-3:dp2pp2; ref_inf=2-3:dp2; reward_inf=2-3:dp2; "
-               "critic_inf=0-3:dp4; critic_train=0-3:dp2pp2; advantages=0:dp1")
+SEPARATE_PP = (
+    "actor_gen=0-1:dp2; actor_train=0-3:dp2pp2; ref_inf=2-3:dp2; reward_inf=2-3:dp2; "
+    "critic_inf=0-3:dp4; critic_train=0-3:dp2pp2; advantages=0:dp1"
+)
 """Generation on devices 0-1 (a shadow actor), reference and reward on 2-3, training in two pipelines of two stages
 over all four: each controller owns one generation replica, one scoring replica and one training pipeline."""
 
 
-PIPELINE_FUSION = ("actor_gen=0-3:dp4; actor_train=0-3:dp2pp2mb2; ref_inf=0-3:dp4; reward_inf=0-3:dp4; critic_inf=0-3:dp4; "
-               "critic_train=0-3:dp2pp2revmb2; advantages=0:dp1; pipeline_fusion=on")
+PIPELINE_FUSION = (
+    "actor_gen=0-3:dp4; actor_train=0-3:dp2pp2mb2; ref_inf=0-3:dp4; reward_inf=0-3:dp4; critic_inf=0-3:dp4; "
+    "critic_train=0-3:dp2pp2revmb2; advantages=0:dp1; pipeline_fusion=on"
+)
 """Intra-stage fusion under two controllers: each owns one fused pair of pipelines; the schedule is searched once."""
 
 
-@pytest.mark.parametrize("algo,devices,controllers,plan", [
-    ("ppo", 2, 2, None),
-    ("grpo", 2, 2, None),
-    ("ppo", 4, 4, None),
-    ("grpo", 4, 4, None),
-    ("grpo", 4, 2, "separate"),
-    ("ppo", 4, 2, SEPARATE_PP),
-    ("ppo", 4, 2, PIPELINE_FUSION),
-], ids=["ppo-2dev-2", "grpo-2dev-2", "ppo-4dev-4", "grpo-4dev-4", "grpo-separate4-2", "ppo-pipelines4-2",
-        "ppo-fused-train4-2"])
+@pytest.mark.parametrize(
+    "algo,devices,controllers,plan",
+    [
+        ("ppo", 2, 2, None),
+        ("grpo", 2, 2, None),
+        ("ppo", 4, 4, None),
+        ("grpo", 4, 4, None),
+        ("grpo", 4, 2, "separate"),
+        ("ppo", 4, 2, SEPARATE_PP),
+        ("ppo", 4, 2, PIPELINE_FUSION),
+    ],
+    ids=[
+        "ppo-2dev-2",
+        "grpo-2dev-2",
+        "ppo-4dev-4",
+        "grpo-4dev-4",
+        "grpo-separate4-2",
+        "ppo-pipelines4-2",
+        "ppo-fused-train4-2",
+    ],
+)
 @pytest.mark.usefixtures("ray_session")
 def test_parallel_controllers_compute_the_reference_run(tmp_path, references, algo, devices, controllers, plan):
     extra = GRPO if algo == "grpo" else ()
@@ -130,22 +173,44 @@ def test_each_controller_owns_one_block_of_every_calls_replicas():
 
 def test_plans_the_controllers_cannot_share_are_one_line_errors():
     workflow, cluster = _workflow(), ClusterSpec(nodes=1, devices_per_node=4, device_kind="cpu")
-    pipelined = parse_plan_string("actor_gen=0-3:dp4; actor_train=0-3:pp4; ref_inf=0-3:dp4; reward_inf=0-3:dp4; "
-                                  "critic_inf=0-3:dp4; critic_train=0-3:dp4; advantages=0:dp1", workflow, cluster)
-    with pytest.raises(ConfigError, match=r"^runtime.controllers: 2 controllers cannot share the 1 data-parallel "
-                                          r"replicas of actor_train \(0-3:dp1pp4\);[^\n]*divides"):
+    pipelined = parse_plan_string(
+        "actor_gen=0-3:dp4; actor_train=0-3:pp4; ref_inf=0-3:dp4; reward_inf=0-3:dp4; "
+        "critic_inf=0-3:dp4; critic_train=0-3:dp4; advantages=0:dp1",
+        workflow,
+        cluster,
+    )
+    with pytest.raises(
+        ConfigError,
+        match=r"^runtime.controllers: 2 controllers cannot share the 1 data-parallel "
+        r"replicas of actor_train \(0-3:dp1pp4\);[^\n]*divides",
+    ):
         plan_for_controllers(pipelined, workflow, 2)
-    tensor_parallel = parse_plan_string("actor_gen=0-3:dp4; actor_train=0-3:dp2tp2; ref_inf=0-3:dp4; "
-                                        "reward_inf=0-3:dp2tp2; critic_inf=0-3:dp4; critic_train=0-3:dp4; "
-                                        "advantages=0:dp1", workflow, cluster)
+    tensor_parallel = parse_plan_string(
+        "actor_gen=0-3:dp4; actor_train=0-3:dp2tp2; ref_inf=0-3:dp4; "
+        "reward_inf=0-3:dp2tp2; critic_inf=0-3:dp4; critic_train=0-3:dp4; "
+        "advantages=0:dp1",
+        workflow,
+        cluster,
+    )
     assert plan_for_controllers(tensor_parallel, workflow, 2)[1] == [(0, 1), (2, 3)]
-    interleaved = parse_plan_string("actor_gen=0-3:dp4; actor_train=0-3:dp4; ref_inf=0,2:dp2; reward_inf=1,3:dp2; "
-                                    "critic_inf=0-3:dp4; critic_train=0-3:dp4; advantages=0:dp1", workflow, cluster)
+    interleaved = parse_plan_string(
+        "actor_gen=0-3:dp4; actor_train=0-3:dp4; ref_inf=0,2:dp2; reward_inf=1,3:dp2; "
+        "critic_inf=0-3:dp4; critic_train=0-3:dp4; advantages=0:dp1",
+        workflow,
+        cluster,
+    )
     assert plan_for_controllers(interleaved, workflow, 2)[1] == [(0, 1), (2, 3)]  # one ref and one reward replica each
-    crossed = parse_plan_string("actor_gen=0-1:dp2; actor_train=0-3:dp2tp2; ref_inf=0-3:dp4; reward_inf=0-3:dp4; "
-                                "critic_inf=0-3:dp4; critic_train=0-3:dp4; advantages=0:dp1", workflow, cluster)
-    with pytest.raises(ConfigError, match=r"^runtime.controllers: this plan's devices cannot be split between 2 "
-                                          r"controllers[^\n]*use fewer controllers"):
+    crossed = parse_plan_string(
+        "actor_gen=0-1:dp2; actor_train=0-3:dp2tp2; ref_inf=0-3:dp4; reward_inf=0-3:dp4; "
+        "critic_inf=0-3:dp4; critic_train=0-3:dp4; advantages=0:dp1",
+        workflow,
+        cluster,
+    )
+    with pytest.raises(
+        ConfigError,
+        match=r"^runtime.controllers: this plan's devices cannot be split between 2 "
+        r"controllers[^\n]*use fewer controllers",
+    ):
         plan_for_controllers(crossed, workflow, 2)  # actor_train's first replica holds both generation replicas
     fused = make_plan("colocate; stream_fusion=on", workflow, cluster)
     with pytest.raises(ConfigError, match="runtime.controllers: 2 controllers cannot run inter-stage fusion"):
@@ -210,14 +275,25 @@ def test_whitening_over_shards_is_whitening_over_the_batch():
 
 # ------------------------------------------------------------------------------------------- failure
 
+
 @pytest.mark.usefixtures("ray_session")
 def test_a_failing_controller_stops_the_run_in_one_line_and_leaves_nothing(tmp_path):
     import ray
 
     from loomrl.runtime.ray_executor import RuntimeFailure
 
-    trainer = RLTrainer(_cfg(tmp_path, "kill", "runtime.executor=ray", "runtime.devices=2", "runtime.controllers=2",
-                             "loop.iterations=50", "rollout.max_new_tokens=24", "rollout.prompts_per_iter=16"))
+    trainer = RLTrainer(
+        _cfg(
+            tmp_path,
+            "kill",
+            "runtime.executor=ray",
+            "runtime.devices=2",
+            "runtime.controllers=2",
+            "loop.iterations=50",
+            "rollout.max_new_tokens=24",
+            "rollout.prompts_per_iter=16",
+        )
+    )
     pids = list(trainer.executor.pids) + ray.get([c.pid.remote() for c in trainer.executor.controllers])
     killer = threading.Timer(4.0, lambda: os.kill(pids[1], signal.SIGKILL))  # worker 1: controller 1's
     killer.start()
@@ -239,8 +315,18 @@ def test_a_dead_controller_is_named(tmp_path):
 
     from loomrl.runtime.ray_executor import RuntimeFailure
 
-    trainer = RLTrainer(_cfg(tmp_path, "dead", "runtime.executor=ray", "runtime.devices=2", "runtime.controllers=2",
-                             "loop.iterations=50", "rollout.max_new_tokens=24", "rollout.prompts_per_iter=16"))
+    trainer = RLTrainer(
+        _cfg(
+            tmp_path,
+            "dead",
+            "runtime.executor=ray",
+            "runtime.devices=2",
+            "runtime.controllers=2",
+            "loop.iterations=50",
+            "rollout.max_new_tokens=24",
+            "rollout.prompts_per_iter=16",
+        )
+    )
     pids = list(trainer.executor.pids)
     victim = trainer.executor.controllers[0]
     killer = threading.Timer(4.0, lambda: ray.kill(victim, no_restart=True))

@@ -10,20 +10,29 @@ from types import SimpleNamespace
 import pytest
 
 from loomrl.plan import GB, Allocation, ClusterSpec, param_count, plan_reallocation
-from loomrl.plan.hardware import HardwareProfile, PROFILES, profile_for
-from loomrl.planner.cost.model import CostModel
-from loomrl.planner.cost.workload import ModelShape, Workload
+from loomrl.plan.cluster import profile_for
+from loomrl.plan.hardware import PROFILES, HardwareProfile
+from loomrl.plan.model_shape import ModelShape
 from loomrl.planner.calibration.local import calibrate_local
-from loomrl.planner.cost.corrections import fit_corrections
-from loomrl.planner.calibration.traces import lengths_from_summary, observations_from_metrics, trace_predictor
+from loomrl.planner.calibration.traces import observations_from_metrics, trace_predictor
 from loomrl.planner.cost import decode as D
 from loomrl.planner.cost import realloc as RC
-from loomrl.planner.cost.system import SystemSettings
 from loomrl.planner.cost import terms as T
+from loomrl.planner.cost.corrections import fit_corrections
+from loomrl.planner.cost.model import CostModel
+from loomrl.planner.cost.system import SystemSettings
+from loomrl.planner.cost.workload import Workload, lengths_from_summary
 from loomrl.workflow import MFC, MFCKind
 
-LLAMA_7B = SimpleNamespace(model_type="llama", hidden_size=4096, num_hidden_layers=32, num_attention_heads=32,
-                           num_key_value_heads=32, intermediate_size=11008, vocab_size=32000)
+LLAMA_7B = SimpleNamespace(
+    model_type="llama",
+    hidden_size=4096,
+    num_hidden_layers=32,
+    num_attention_heads=32,
+    num_key_value_heads=32,
+    intermediate_size=11008,
+    vocab_size=32000,
+)
 SMALL = ModelShape(params=1_000_000, layers=4, hidden=64, heads=8, kv_heads=4, intermediate=96, vocab=128)
 
 TRAIN = MFC("actor_train", "actor", MFCKind.TRAIN, ("response_ids",), ())
@@ -47,6 +56,7 @@ def llama_model(cluster: str = "h100:8", batch: int = 512, lengths: tuple[int, .
 
 # ------------------------------------------------------------------------------------------------- profiles
 
+
 def test_profiles_hold_the_datasheet_figures():
     h100, a100, h200, h20 = (PROFILES[k] for k in ("h100-80g", "a100-80g", "h200", "h20"))
     assert (h100.matmul_flops, h100.mem_bandwidth, h100.memory_bytes) == (989e12, 3.35e12, 80 * GB)
@@ -69,8 +79,13 @@ def test_profile_for_takes_the_clusters_memory():
 def test_calibrate_local_smoke():
     profile = calibrate_local(2, matmul_n=64, copy_mb=1, transfer_mb=1, repeats=1)
     assert profile.name == "local" and profile.devices_share_cores >= 1
-    for value in (profile.matmul_flops, profile.mem_bandwidth, profile.memory_bytes, profile.intra_node_bw,
-                  profile.link_latency):
+    for value in (
+        profile.matmul_flops,
+        profile.mem_bandwidth,
+        profile.memory_bytes,
+        profile.intra_node_bw,
+        profile.link_latency,
+    ):
         assert 0 < value < math.inf
 
 
@@ -81,6 +96,7 @@ def test_planner_imports_neither_torch_nor_ray():
 
 
 # ----------------------------------------------------------------------------------------- shapes and terms
+
 
 def test_model_shape_from_config():
     shape = ModelShape.from_config(LLAMA_7B)
@@ -115,12 +131,16 @@ def test_decode_segments_conserve_tokens():
     for segs, samples in [(D.continuous_segments(lengths, 8, 10), 8), (D.slot_segments(lengths, 8, 3, 10), 8)]:
         assert sum(s.live * (s.end - s.start) for s in segs) == pytest.approx(sum(lengths) * samples / 4)
     # unlimited: all start at 0; live(t) = 8·P(R > t)
-    assert D.continuous_segments(lengths, 8, 10) == [D.Segment(0, 3, 8.0, 80.0), D.Segment(3, 5, 4.0, 40.0),
-                                                     D.Segment(5, 9, 2.0, 20.0)]
+    assert D.continuous_segments(lengths, 8, 10) == [
+        D.Segment(0, 3, 8.0, 80.0),
+        D.Segment(3, 5, 4.0, 40.0),
+        D.Segment(5, 9, 2.0, 20.0),
+    ]
     assert D.decode_steps(D.slot_segments(lengths, 8, 2, 0)) > max(lengths)  # queued samples start late
 
 
 # ------------------------------------------------------------------------------------------- monotonicity
+
 
 def test_doubling_tp_never_increases_per_device_memory():
     model = llama_model()
@@ -156,8 +176,7 @@ def test_a_heavier_tail_costs_continuous_batching_less_than_static_padding():
     tail = (190,) * 99 + (1190,)  # same mean 200, max 1190
     assert sum(even) == sum(tail)
     continuous = model.decode_time("actor", alloc, tail) - model.decode_time("actor", alloc, even)
-    padded = (model.decode_time("actor", alloc, tail, padded=True)
-              - model.decode_time("actor", alloc, even, padded=True))
+    padded = model.decode_time("actor", alloc, tail, padded=True) - model.decode_time("actor", alloc, even, padded=True)
     assert 0 < continuous < padded / 2  # the tail steps decode 1 sample instead of every row
 
 
@@ -186,6 +205,7 @@ def test_communication_terms_follow_the_layout_and_the_links():
 
 # ----------------------------------------------------------------------------------------- reallocation
 
+
 def test_realloc_time_is_zero_for_the_same_placement_and_grows_with_bytes():
     cluster = ClusterSpec.parse("h100:8")
     half = {"hidden_size": 2048, "intermediate_size": 5504, "num_attention_heads": 16, "num_key_value_heads": 16}
@@ -206,23 +226,27 @@ def test_realloc_prices_are_shared_by_pairs_with_the_same_node_relations_only():
     from loomrl.planner.cost.realloc import realloc_seconds
 
     cluster = ClusterSpec.parse("h100:4x4")
-    model = CostModel(cluster, profile_for(cluster), {"actor": ModelShape.from_config(LLAMA_7B)}, Workload(8, 16, (16,)))
+    model = CostModel(
+        cluster, profile_for(cluster), {"actor": ModelShape.from_config(LLAMA_7B)}, Workload(8, 16, (16,))
+    )
     same = [("0-1:dp2", "2-3:tp2"), ("4-5:dp2", "6-7:tp2"), ("9-10:dp2", "11:dp1"), ("1-2:dp2", "3:dp1")]
     for src, dst in same[:2]:
         model.realloc_time("actor", a(src), a(dst))
-    assert len(model._reallocs) == 1
+    assert len(model.cache.reallocs) == 1
     model.realloc_time("actor", a("0-3:dp4"), a("4-7:dp4"))  # across nodes: another plan
     model.realloc_time("actor", a("8-11:dp4"), a("12-15:dp4"))  # the same, two nodes later
     model.realloc_time("actor", a("0-3:dp4"), a("12-15:dp4"))  # the same: nodes 0 and 3, in order
     model.realloc_time("actor", a("4-7:dp2tp2"), a("12-15:tp4"))
     model.realloc_time("actor", a("0-3:dp2tp2"), a("8-11:tp4"))
-    assert len(model._reallocs) == 3
+    assert len(model.cache.reallocs) == 3
     gaps = [("0-3:dp4", "12-15:dp4"), ("4-7:dp2tp2", "12-15:tp4"), ("0-7:dp4tp2", "12-15:tp4")]
     for src, dst in [*same, ("0-3:dp4", "4-7:dp4"), ("2-5:dp4", "6-9:dp4"), *gaps]:  # 2-5 straddles nodes
         direct = realloc_seconds(model._shape("actor"), a(src), a(dst), cluster, model.profile, model.bytes_per_param)
         # every time the model gives carries the H100's stated system factor (profiles.py)
-        assert model.realloc_time("actor", a(src), a(dst)) == pytest.approx(direct * model.profile.system_factor), \
-            (src, dst)
+        assert model.realloc_time("actor", a(src), a(dst)) == pytest.approx(direct * model.profile.system_factor), (
+            src,
+            dst,
+        )
 
 
 def test_the_reduced_model_moves_the_true_bytes():
@@ -236,16 +260,21 @@ def test_the_reduced_model_moves_the_true_bytes():
         reduced = RC.device_loads(plan_reallocation(params, layers, a(src), a(dst), cluster.node_of), scale, 2)
         for device, load in true.items():
             assert reduced[device].recv_intra + reduced[device].recv_inter == pytest.approx(
-                load.recv_intra + load.recv_inter)
+                load.recv_intra + load.recv_inter
+            )
         assert RC.price_loads(reduced, profile) == pytest.approx(RC.price_loads(true, profile), rel=0.05)
 
 
 # ------------------------------------------------------------------------------------------ corrections
 
+
 def test_fit_corrections_recovers_known_factors():
     truth = {"train": (2.5, 0.3), "generate": (1.8, 0.0), "inference": (3.0, 0.05)}
-    observations = [{"kind": kind, "predicted_s": p, "seconds": scale * p + overhead}
-                    for kind, (scale, overhead) in truth.items() for p in (0.5, 1.0, 2.0, 4.0)]
+    observations = [
+        {"kind": kind, "predicted_s": p, "seconds": scale * p + overhead}
+        for kind, (scale, overhead) in truth.items()
+        for p in (0.5, 1.0, 2.0, 4.0)
+    ]
     fitted = fit_corrections(observations)
     for kind, (scale, overhead) in truth.items():
         assert fitted.scale[kind] == pytest.approx(scale)
@@ -259,24 +288,54 @@ def test_fit_corrections_from_a_trace_through_the_cost_model():
     over tensor-parallel shards too) and a per-call overhead are recovered from calls priced by the cost model
     itself."""
     from loomrl.planner.cost.corrections import group_sums
+
     cluster = ClusterSpec.parse("cpu:8")  # a small model on CPU: launches and roofline of similar size
     shapes = {"actor": SMALL}
     predict = trace_predictor(cluster, profile_for(cluster), shapes)
-    truth = {"generate": ({"roofline": 1.5, "launch": 4.0, "launch_tp": 9.0}, 0.2),
-             "train": ({"roofline": 2.0, "launch": 3.0, "launch_tp": 6.0, "launch_fsdp": 40.0, "launch_fsdp_tp": 70.0},
-                       0.5)}
+    truth = {
+        "generate": ({"roofline": 1.5, "launch": 4.0, "launch_tp": 9.0}, 0.2),
+        "train": ({"roofline": 2.0, "launch": 3.0, "launch_tp": 6.0, "launch_fsdp": 40.0, "launch_fsdp_tp": 70.0}, 0.5),
+    }
     observations = []
-    calls = [(64, "0-7:dp8", GEN), (256, "0-7:dp4tp2", GEN), (128, "0-3:dp4", GEN), (512, "0-7:dp1tp8", GEN),
-             (32, "0-1:dp2", GEN), (128, "0-3:dp2tp2", TRAIN), (512, "0-7:dp4tp2mb4", TRAIN), (256, "0-7:dp8", TRAIN),
-             (64, "0:dp1", TRAIN), (512, "0-7:dp2tp4", TRAIN), (256, "0-7:dp8fsdp", TRAIN),
-             (128, "0-3:dp4mb2fsdp", TRAIN), (64, "0-1:dp2fsdp", TRAIN), (512, "0-7:dp8mb4fsdp", TRAIN),
-             (128, "0-3:dp4mb2", TRAIN), (32, "0-1:dp2mb4", TRAIN), (256, "0-7:dp4tp2fsdp", TRAIN),
-             (128, "0-3:dp2tp2mb2fsdp", TRAIN), (512, "0-7:dp2tp4mb4fsdp", TRAIN), (64, "0-7:dp2tp4fsdp", TRAIN),
-             (256, "0-3:dp2tp2mb4fsdp", TRAIN), (256, "0-7:dp4tp2mb2", TRAIN), (64, "0-3:dp1tp4", TRAIN)]
+    calls = [
+        (64, "0-7:dp8", GEN),
+        (256, "0-7:dp4tp2", GEN),
+        (128, "0-3:dp4", GEN),
+        (512, "0-7:dp1tp8", GEN),
+        (32, "0-1:dp2", GEN),
+        (128, "0-3:dp2tp2", TRAIN),
+        (512, "0-7:dp4tp2mb4", TRAIN),
+        (256, "0-7:dp8", TRAIN),
+        (64, "0:dp1", TRAIN),
+        (512, "0-7:dp2tp4", TRAIN),
+        (256, "0-7:dp8fsdp", TRAIN),
+        (128, "0-3:dp4mb2fsdp", TRAIN),
+        (64, "0-1:dp2fsdp", TRAIN),
+        (512, "0-7:dp8mb4fsdp", TRAIN),
+        (128, "0-3:dp4mb2", TRAIN),
+        (32, "0-1:dp2mb4", TRAIN),
+        (256, "0-7:dp4tp2fsdp", TRAIN),
+        (128, "0-3:dp2tp2mb2fsdp", TRAIN),
+        (512, "0-7:dp2tp4mb4fsdp", TRAIN),
+        (64, "0-7:dp2tp4fsdp", TRAIN),
+        (256, "0-3:dp2tp2mb4fsdp", TRAIN),
+        (256, "0-7:dp4tp2mb2", TRAIN),
+        (64, "0-3:dp1tp4", TRAIN),
+    ]
     for i, (batch, alloc, mfc) in enumerate(calls):  # lengths and steps vary, so launches are not constant
-        obs = {"mfc": mfc.name, "kind": mfc.kind.value, "role": "actor", "allocation": alloc, "batch": batch,
-               "prompt_len": 256.0, "response_mean": 240.0, "response_p90": 500.0, "response_max": 600.0 + 150 * i,
-               "epochs": 1, "minibatches": 1 + i % 4}
+        obs = {
+            "mfc": mfc.name,
+            "kind": mfc.kind.value,
+            "role": "actor",
+            "allocation": alloc,
+            "batch": batch,
+            "prompt_len": 256.0,
+            "response_mean": 240.0,
+            "response_p90": 500.0,
+            "response_max": 600.0 + 150 * i,
+            "epochs": 1,
+            "minibatches": 1 + i % 4,
+        }
         factors, overhead = truth[mfc.kind.value]
         sums = group_sums(predict(obs))
         obs["seconds"] = sum(factors.get(g, 1.0) * sums[g] for g in sums) + overhead
@@ -298,16 +357,25 @@ def test_lengths_from_summary_and_observations_from_metrics():
     assert sorted(lengths)[89] <= 500 <= sorted(lengths)[90]
     from loomrl.plan import ExecutionPlan
     from loomrl.workflow import Workflow
+
     workflow = Workflow([GEN, TRAIN], ("prompt_ids",))
     plan = ExecutionPlan(ClusterSpec.parse("cpu:2"), {"actor_gen": a("0-1:dp2"), "actor_train": a("0-1:dp2")})
-    record = {"time/actor_gen_s": 3.0, "time/actor_train_s": 5.0, "response/length": 7.0,
-              "response/length_p90": 9.0, "response/length_max": 12.0}
+    record = {
+        "time/actor_gen_s": 3.0,
+        "time/actor_train_s": 5.0,
+        "response/length": 7.0,
+        "response/length_p90": 9.0,
+        "response/length_max": 12.0,
+    }
     obs = observations_from_metrics([record, record], plan, workflow, batch=8, prompt_len=20)
     assert [(o["mfc"], o["kind"], o["allocation"], o["seconds"]) for o in obs] == [
-        ("actor_gen", "generate", "0-1:dp2", 3.0), ("actor_train", "train", "0-1:dp2", 5.0)]
+        ("actor_gen", "generate", "0-1:dp2", 3.0),
+        ("actor_train", "train", "0-1:dp2", 5.0),
+    ]
 
 
 # ------------------------------------------------------------------------------------------- sanity
+
 
 def test_llama_7b_train_on_8_h100_is_physically_sensible():
     """512 samples of 256 + ~256 tokens, one epoch in 4 minibatches, dp4 × tp2 with 4 micro-batches.
@@ -352,6 +420,7 @@ def test_operator_launches_count_passes_layers_and_decode_steps():
 
 def test_queued_launches_add_only_what_exceeds_the_work():
     import dataclasses
+
     spec = ClusterSpec.parse("cpu:4")
     sync = profile_for(spec)
     queued = dataclasses.replace(sync, async_launch=True)
@@ -410,13 +479,16 @@ def test_fsdp_divides_the_whole_training_state_and_prices_gathers_overlapped_on_
     gather = params * 2 * 7 / 8 / bw  # per all-gather of the bf16 weights
     comm = 2 * (2 * gather + 2 * gather)  # two micro-batches: two gathers and one fp32 (twice the bytes) scatter
     pass_seconds = sum(v for k, v in p.items() if k not in ("dp_grad_allreduce", "optimizer", "optimizer_launch"))
-    assert f["fsdp_comm"] == pytest.approx(steps * (max(0.0, comm - pass_seconds / steps) + gather / layers),
-                                           rel=0.01)
+    assert f["fsdp_comm"] == pytest.approx(steps * (max(0.0, comm - pass_seconds / steps) + gather / layers), rel=0.01)
     assert model.mfc_memory(TRAIN, fsdp, True) > model.mfc_memory(TRAIN, a("0-7:dp8mb2"), True)
     cpu = llama_model("cpu:2")
     c = cpu.time_terms(TRAIN, Allocation.parse("0-1:dp2fsdp"))
-    assert c["fsdp_comm"] == pytest.approx(steps * 3 * T.ring_allgather_time(
-        params * 4, 2, PROFILES["local"].intra_node_bw, PROFILES["local"].link_latency), rel=1e-6)
+    assert c["fsdp_comm"] == pytest.approx(
+        steps
+        * 3
+        * T.ring_allgather_time(params * 4, 2, PROFILES["local"].intra_node_bw, PROFILES["local"].link_latency),
+        rel=1e-6,
+    )
 
 
 def test_reloading_an_offloaded_role_is_its_shard_over_the_host_link_on_accelerators_only():
@@ -426,7 +498,8 @@ def test_reloading_an_offloaded_role_is_its_shard_over_the_host_link_on_accelera
     assert shard == pytest.approx(ModelShape.from_config(LLAMA_7B).params * 2 / 2, rel=1e-6)
     h100 = PROFILES["h100-80g"]
     assert model.offloads() and model.reload_time("actor", alloc) == pytest.approx(
-        (shard / h100.host_bw + h100.link_latency) * h100.system_factor)  # the H100's stated factor, as every time
+        (shard / h100.host_bw + h100.link_latency) * h100.system_factor
+    )  # the H100's stated factor, as every time
     assert model.reload_time("actor", a("0-7:dp2tp4")) < model.reload_time("actor", alloc)  # a smaller shard
     cpu = llama_model("cpu:2")  # CPU devices are their own host: the runtime keeps every role resident
     assert not cpu.offloads() and cpu.reload_time("actor", a("0-1:dp2")) == 0.0
@@ -437,10 +510,16 @@ def test_a_shared_prompt_is_priced_once_where_the_runtime_computes_it_once():
     spec = ClusterSpec.parse("h100:8")
 
     def model(group: int, shared: bool) -> CostModel:
-        workload = Workload(batch=512, prompt_len=1024, response_lengths=LENGTHS, minibatches=4,
-                            samples_per_prompt=group)
-        return CostModel(spec, profile_for(spec), {"actor": ModelShape.from_config(LLAMA_7B)}, workload,
-                         settings=SystemSettings(packing=False, sorted_scoring=True, shared_prompts=shared))
+        workload = Workload(
+            batch=512, prompt_len=1024, response_lengths=LENGTHS, minibatches=4, samples_per_prompt=group
+        )
+        return CostModel(
+            spec,
+            profile_for(spec),
+            {"actor": ModelShape.from_config(LLAMA_7B)},
+            workload,
+            settings=SystemSettings(packing=False, sorted_scoring=True, shared_prompts=shared),
+        )
 
     whole, plain = a("0-7:dp2tp4mb4"), a("0-7:dp8")
     for mfc in (TRAIN, INF):

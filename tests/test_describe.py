@@ -11,23 +11,35 @@ from loomrl.cli import main
 from loomrl.config.tools import from_dict
 from loomrl.errors import ConfigError
 from loomrl.plan import ExecutionPlan, make_plan
-from loomrl.planner.cost.model import CostModel
-from loomrl.planner.cost.workload import ModelShape
-from loomrl.plan.hardware import profile_for
+from loomrl.planner.describe import RunDescription, inputs_from_description, simulate_fixed, stage_seconds
 from loomrl.planner.search.bounds import iteration_bound
-from loomrl.planner.describe import RunDescription, planner_inputs, stage_seconds
-from loomrl.planner.describe import simulate_fixed
 from loomrl.planner.search.search import CachedCost, best_heuristic_plans, candidate_allocations
 from loomrl.planner.simulation.simulator import Interval, SimResult
 
-GRPO = {"algo": "grpo", "cluster": "h100:1x8", "models": {"actor": "llama3.1-8b", "reward": "rule"}, "prompts": 32,
-        "responses_per_prompt": 8, "prompt_len": 100, "response_len": 500, "response_max": 2000,
-        "optimizer_steps": 2, "recompute_logprobs": True}
+GRPO = {
+    "algo": "grpo",
+    "cluster": "h100:1x8",
+    "models": {"actor": "llama3.1-8b", "reward": "rule"},
+    "prompts": 32,
+    "responses_per_prompt": 8,
+    "prompt_len": 100,
+    "response_len": 500,
+    "response_max": 2000,
+    "optimizer_steps": 2,
+    "recompute_logprobs": True,
+}
 
 
 def test_a_run_description_gives_the_planners_inputs():
     run = from_dict(RunDescription, GRPO, "run")
-    workflow, cluster, configs, workload, settings = planner_inputs(run)
+    inputs = inputs_from_description(run)
+    workflow, cluster, configs, workload, settings = (
+        inputs.workflow,
+        inputs.cluster,
+        inputs.configs,
+        inputs.workload,
+        inputs.settings,
+    )
     assert cluster.n_devices == 8 and configs["reward"] is None and configs["ref"] is configs["actor"]
     assert "actor_inf" in workflow and workload.batch == 256 and workload.minibatches == 2
     assert workload.max_response == 2000 and workload.mean_response == pytest.approx(500, rel=0.01)
@@ -36,34 +48,53 @@ def test_a_run_description_gives_the_planners_inputs():
     assert only_mean.response_lengths() == (500,)
 
 
-@pytest.mark.parametrize("change, words", [
-    ({"response_len": 3000}, ("response_len", "3000", "response_max")),
-    ({"responses_per_prompt": 1}, ("responses_per_prompt", "grpo")),
-    ({"cluster": "tpu:8"}, ("tpu",)),
-    ({"engine": {"gen_memory_fraction": 1.5}}, ("gen_memory_fraction", "1.5")),
-    ({"models": {"actor": "rule"}}, ("actor", "rule")),
-])
+@pytest.mark.parametrize(
+    "change, words",
+    [
+        ({"response_len": 3000}, ("response_len", "3000", "response_max")),
+        ({"responses_per_prompt": 1}, ("responses_per_prompt", "grpo")),
+        ({"cluster": "tpu:8"}, ("tpu",)),
+        ({"system": {"gen_memory_fraction": 1.5}}, ("gen_memory_fraction", "1.5")),
+        ({"models": {"actor": "rule"}}, ("actor", "rule")),
+    ],
+)
 def test_a_bad_description_fails_in_one_line(change, words):
     with pytest.raises(ConfigError) as err:
-        planner_inputs(from_dict(RunDescription, {**GRPO, **change}, "run"))
+        inputs_from_description(from_dict(RunDescription, {**GRPO, **change}, "run"))
     assert "\n" not in str(err.value) and all(w in str(err.value) for w in words)
 
 
 def test_stage_seconds_count_overlapping_steps_once():
-    timeline = [Interval(0, 0, 5, "actor_gen", "generate", 1), Interval(1, 1, 4, "actor_gen", "generate", 1),
-                Interval(0, 5, 6, "ref_inf", "inference", 1), Interval(1, 5.5, 7, "reward_inf", "inference", 1),
-                Interval(0, 7, 9, "actor_train", "train", 1), Interval(0, 9, 9.5, "mystery", "copy", 1),
-                Interval(0, 0, 100, "actor_gen", "generate", 0)]  # another iteration: left out
+    timeline = [
+        Interval(0, 0, 5, "actor_gen", "generate", 1),
+        Interval(1, 1, 4, "actor_gen", "generate", 1),
+        Interval(0, 5, 6, "ref_inf", "inference", 1),
+        Interval(1, 5.5, 7, "reward_inf", "inference", 1),
+        Interval(0, 7, 9, "actor_train", "train", 1),
+        Interval(0, 9, 9.5, "mystery", "copy", 1),
+        Interval(0, 0, 100, "actor_gen", "generate", 0),
+    ]  # another iteration: left out
     result = SimResult(9.5, {}, {}, timeline, True, iteration_ends=[0, 9.5, 19])
     assert stage_seconds(result) == {"generation": 5, "weight sync": 0.0, "scoring": 2, "training": 2, "other": 0.5}
 
 
 def test_a_fixed_plan_is_simulated_as_given_and_read_back_by_stage():
-    run = from_dict(RunDescription, {**GRPO, "engine": {"gen_memory_fraction": 0.6}}, "run")
-    workflow, cluster, configs, workload, settings = planner_inputs(run)
-    plan = make_plan("actor_gen=0-7:dp8; actor_inf=0-7:dp4tp2mb2; ref_inf=0-7:dp4tp2mb2; reward_inf=0; "
-                     "actor_train=0-7:dp4tp2mb4zero; offload=actor,ref", workflow, cluster)
-    report = simulate_fixed(plan, workflow, configs, workload, settings=settings)
+    run = from_dict(RunDescription, {**GRPO, "system": {"gen_memory_fraction": 0.6}}, "run")
+    inputs = inputs_from_description(run)
+    workflow, cluster, _configs, _workload, _settings = (
+        inputs.workflow,
+        inputs.cluster,
+        inputs.configs,
+        inputs.workload,
+        inputs.settings,
+    )
+    plan = make_plan(
+        "actor_gen=0-7:dp8; actor_inf=0-7:dp4tp2mb2; ref_inf=0-7:dp4tp2mb2; reward_inf=0; "
+        "actor_train=0-7:dp4tp2mb4zero; offload=actor,ref",
+        workflow,
+        cluster,
+    )
+    report = simulate_fixed(plan, inputs)
     assert report.result.feasible
     stages = report.stages
     assert stages["generation"] == pytest.approx(report.calls["actor_gen"])
@@ -74,9 +105,11 @@ def test_a_fixed_plan_is_simulated_as_given_and_read_back_by_stage():
 
 def test_loomrl_plan_prints_a_given_plans_stages_from_a_workload_file(tmp_path, capsys):
     workload = tmp_path / "run.yaml"
-    workload.write_text("algo: grpo\ncluster: h100:1x8\nmodels: {actor: qwen3-8b, reward: rule}\nprompts: 16\n"
-                        "responses_per_prompt: 4\nprompt_len: 64\nresponse_len: 300\nresponse_max: 1000\n"
-                        "engine: {gen_memory_fraction: 0.5}\n")
+    workload.write_text(
+        "algo: grpo\ncluster: h100:1x8\nmodels: {actor: qwen3-8b, reward: rule}\nprompts: 16\n"
+        "responses_per_prompt: 4\nprompt_len: 64\nresponse_len: 300\nresponse_max: 1000\n"
+        "system: {gen_memory_fraction: 0.5}\n"
+    )
     out = tmp_path / "out"
     plan = "actor_gen=0-7:dp8; ref_inf=0-7:dp8; reward_inf=0; actor_train=0-7:dp8zero"
     assert main(["plan", "--workload", str(workload), "--plan", plan, "--out", str(out)]) == 0
@@ -89,10 +122,15 @@ def test_loomrl_plan_prints_a_given_plans_stages_from_a_workload_file(tmp_path, 
 
 def _small_search_inputs():
     run = from_dict(RunDescription, {**GRPO, "cluster": "h100:2x8", "models": {"actor": "llama3.1-8b"}}, "run")
-    workflow, cluster, configs, workload, settings = planner_inputs(run)
-    profile = profile_for(cluster)
-    shapes = {r: ModelShape.from_config(c) for r, c in configs.items()}
-    return workflow, cluster, configs, CachedCost(CostModel(cluster, profile, shapes, workload)), profile
+    inputs = inputs_from_description(run)
+    workflow, cluster, configs, _workload, _settings = (
+        inputs.workflow,
+        inputs.cluster,
+        inputs.configs,
+        inputs.workload,
+        inputs.settings,
+    )
+    return workflow, cluster, configs, CachedCost(inputs.cost_model()), inputs.profile
 
 
 def test_scoring_calls_are_micro_batched_in_the_search():

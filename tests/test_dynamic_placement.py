@@ -16,15 +16,17 @@ import pytest
 from loomrl.algorithms.workflows import build_workflow
 from loomrl.config.schema import AlgoConfig, RolloutConfig
 from loomrl.errors import ConfigError
+from loomrl.models.presets import model_config
 from loomrl.plan import ClusterSpec, make_plan
+from loomrl.plan.hardware import PROFILES
 from loomrl.plan.schedule import build_schedule
 from loomrl.planner.cost.corrections import ITERATION, Corrections
+from loomrl.planner.cost.workload import Workload
+from loomrl.planner.inputs import PlannerInputs
+from loomrl.planner.replanning.replanning import Observed, price_plans, refit, switch_seconds
 from loomrl.planner.replanning.switch_rule import CheckBudget, SwitchPolicy, SwitchRule, Telemetry
-from loomrl.planner.planning import model_config
-from loomrl.plan.hardware import PROFILES
-from loomrl.planner.replanning.replanning import Observed, RunModel, price_plans, refit, switch_seconds
-from loomrl.report.run_timeline import placement_marks
 from loomrl.planner.simulation.simulator import simulate
+from loomrl.report.run_timeline import placement_marks
 from loomrl.runtime.plan_change import Move
 
 RULE = SwitchRule(window=10, margin_s=1.0, min_gain=0.1, confirm=2, dwell=3)
@@ -128,9 +130,14 @@ def test_a_drifting_workload_switches_when_the_drift_pays_and_not_back():
 
 def test_decisions_carry_their_figures_for_the_metrics():
     d = SwitchPolicy(SwitchRule(10, 0.0, 0.0, 1, 0)).decide(_t(3, 2.0, 1.0, switch=0.25))
-    assert d.metrics() == {"placement/current_s": 2.0, "placement/candidate_s": 1.0,
-                           "placement/predicted_gain_s": 10.0, "placement/switch_cost_s": 0.25,
-                           "placement/switched": 1.0, "placement/streak": 1.0}
+    assert d.metrics() == {
+        "placement/current_s": 2.0,
+        "placement/candidate_s": 1.0,
+        "placement/predicted_gain_s": 10.0,
+        "placement/switch_cost_s": 0.25,
+        "placement/switched": 1.0,
+        "placement/streak": 1.0,
+    }
     assert json.loads(json.dumps(d.to_dict()))["reason"].startswith("gain 10 s over 10 iterations exceeds switch")
 
 
@@ -158,7 +165,9 @@ def _model(devices=2):
     workflow = build_workflow(AlgoConfig(ppo_epochs=2, minibatches=2), RolloutConfig())
     cluster = ClusterSpec(nodes=1, devices_per_node=devices, device_kind="cpu", profile="local")
     configs = {role: model_config("llama-1m") for role in workflow.roles()}
-    return RunModel(workflow, cluster, PROFILES["local"], configs, 8, 2, 2)
+    return PlannerInputs(
+        workflow, cluster, PROFILES["local"], configs, Workload(8, 0.0, (1,), ppo_epochs=2, minibatches=2)
+    )
 
 
 class _PricedCost:
@@ -188,13 +197,19 @@ def test_a_switch_is_priced_by_what_each_move_carries_and_the_prologue():
 
 def _synthetic_iteration(model, plan, lengths, truth: Corrections) -> dict:
     """Metrics of an iteration as a run whose calls take ``truth``'s corrected times would log them."""
-    workload = model.workload(lengths, 12.0)
-    cost = model.cost(workload, truth)
+    workload = model.workload_of(lengths, 12.0)
+    cost = model.cost_model(workload, truth)
     metrics = {f"time/{m.name}_s": cost.mfc_time(m, plan[m.name]) for m in model.workflow.topological_order()}
     metrics["time/iteration_s"] = simulate(plan, model.workflow, cost, model.profile.memory_bytes, 2).iteration_time
     ordered = sorted(lengths)
-    metrics.update({"response/length": sum(lengths) / len(lengths), "response/length_p90": ordered[int(0.9 * len(lengths))],
-                    "response/length_max": max(lengths), "prompt/length": 12.0})
+    metrics.update(
+        {
+            "response/length": sum(lengths) / len(lengths),
+            "response/length_p90": ordered[int(0.9 * len(lengths))],
+            "response/length_max": max(lengths),
+            "prompt/length": 12.0,
+        }
+    )
     return metrics
 
 
@@ -202,18 +217,25 @@ def test_refitted_corrections_predict_what_the_run_measured():
     """Iterations timed with known corrections (each kind 3x slower, a fixed cost per call): the refit prices
     a plan the run never ran as those corrections do, within a few percent; first iterations are left out."""
     model = _model()
-    truth = Corrections({"generate": 3.0, "inference": 3.0, "train": 3.0, "compute": 1.0},
-                        {"generate": 0.01, "inference": 0.02, "train": 0.03, "compute": 0.001})
+    truth = Corrections(
+        {"generate": 3.0, "inference": 3.0, "train": 3.0, "compute": 1.0},
+        {"generate": 0.01, "inference": 0.02, "train": 0.03, "compute": 0.001},
+    )
     colocated = make_plan("colocate", model.workflow, model.cluster)
     interleaved = make_plan("interleave", model.workflow, model.cluster)
-    records = [Observed(i, colocated, _synthetic_iteration(model, colocated, [n] * 8, truth), i == 0)
-               for i, n in enumerate((4, 6, 8, 10, 12))]
+    records = [
+        Observed(i, colocated, _synthetic_iteration(model, colocated, [n] * 8, truth), i == 0)
+        for i, n in enumerate((4, 6, 8, 10, 12))
+    ]
     assert refit(model, records[:1]) is None  # only a first iteration: nothing to fit
     fitted = refit(model, records)
     assert fitted.observations[ITERATION] == 4
-    cost_true, cost_fit = (model.cost(model.workload([9] * 8, 12.0), c) for c in (truth, fitted))
+    cost_true, cost_fit = (model.cost_model(model.workload_of([9] * 8, 12.0), c) for c in (truth, fitted))
     for plan in (colocated, interleaved):
-        true_s, fit_s = price_plans([plan], model.workflow, cost_true)[0], price_plans([plan], model.workflow, cost_fit)[0]
+        true_s, fit_s = (
+            price_plans([plan], model.workflow, cost_true)[0],
+            price_plans([plan], model.workflow, cost_fit)[0],
+        )
         assert fit_s == pytest.approx(true_s, rel=0.05), plan
 
 
@@ -227,28 +249,55 @@ def test_candidates_use_only_what_the_corrections_cover():
     plain = make_plan("colocate", model.workflow, model.cluster)
     tp = plain.with_allocation("actor_gen", Allocation.parse("0-1:tp2"))
     kinds = ("generate", "inference", "train", "compute")
-    fitted = Corrections({**{k: 2.0 for k in kinds}, **{f"{k}.launch": 2.0 for k in kinds}},
-                         {k: 0.01 for k in kinds})
-    cost = model.cost(model.workload([6] * 8, 12.0), fitted)
+    fitted = Corrections({**{k: 2.0 for k in kinds}, **{f"{k}.launch": 2.0 for k in kinds}}, {k: 0.01 for k in kinds})
+    cost = model.cost_model(model.workload_of([6] * 8, 12.0), fitted)
     assert trusted(plain, model.workflow, cost) and not trusted(tp, model.workflow, cost)
     steered = TrustedCost(cost)
     gen = model.workflow["actor_gen"]
     assert steered.mfc_time(gen, tp["actor_gen"]) == pytest.approx(10 * cost.mfc_time(gen, tp["actor_gen"]))
     assert steered.mfc_time(gen, plain["actor_gen"]) == cost.mfc_time(gen, plain["actor_gen"])
     measured_tp = Corrections({**fitted.scale, "generate.launch_tp": 3.0}, fitted.overhead_s)
-    assert trusted(tp, model.workflow, model.cost(model.workload([6] * 8, 12.0), measured_tp))
+    assert trusted(tp, model.workflow, model.cost_model(model.workload_of([6] * 8, 12.0), measured_tp))
     fused = make_plan("colocate; stream_fusion=migrate_at:0.2,migrate_to:1", model.workflow, model.cluster)
     assert not trusted(fused, model.workflow, cost)
-    assert getattr(steered, "stream_fusion_time", None) is None  # the search does not fuse on it
+    assert not steered.prices_stream_fusion()  # the search does not fuse on it
 
 
 def test_decisions_are_marked_on_the_timeline(tmp_path):
-    traces = [{"iteration": it, "phase": "iteration", "step": "actor_gen", "kind": "call", "devices": [0],
-               "start": [10.0 * it], "end": [10.0 * it + 4.0]} for it in range(4)]
-    lines = [{"iteration": 2, "switch": True, "reason": "gain 5 s over 10 iterations exceeds switch 1 s + margin 0 s",
-              "current_s": 4.0, "candidate_s": 3.5, "predicted_gain_s": 5.0, "switch_cost_s": 1.0, "plan": "p2"},
-             {"iteration": 0, "switch": False, "reason": "no faster plan", "current_s": 4.0, "candidate_s": 4.0,
-              "predicted_gain_s": 0.0, "switch_cost_s": 0.0, "plan": "p1"}]
+    traces = [
+        {
+            "iteration": it,
+            "phase": "iteration",
+            "step": "actor_gen",
+            "kind": "call",
+            "devices": [0],
+            "start": [10.0 * it],
+            "end": [10.0 * it + 4.0],
+        }
+        for it in range(4)
+    ]
+    lines = [
+        {
+            "iteration": 2,
+            "switch": True,
+            "reason": "gain 5 s over 10 iterations exceeds switch 1 s + margin 0 s",
+            "current_s": 4.0,
+            "candidate_s": 3.5,
+            "predicted_gain_s": 5.0,
+            "switch_cost_s": 1.0,
+            "plan": "p2",
+        },
+        {
+            "iteration": 0,
+            "switch": False,
+            "reason": "no faster plan",
+            "current_s": 4.0,
+            "candidate_s": 4.0,
+            "predicted_gain_s": 0.0,
+            "switch_cost_s": 0.0,
+            "plan": "p1",
+        },
+    ]
     (tmp_path / "placement.jsonl").write_text("".join(json.dumps(d) + "\n" for d in lines))
     marks = placement_marks(tmp_path, traces, last_iterations=3)  # iterations 1-3 drawn, from t = 10
     assert [(m.at, m.label, m.strong) for m in marks] == [(14.0, "switch (gain 5 s, switch 1 s)", True)]
@@ -260,14 +309,17 @@ def test_dynamic_placement_is_checked_before_anything_runs():
     from loomrl.config.schema import TrainConfig
     from loomrl.config.tools import load_config
 
-    for extra, message in ((("runtime.executor=reference",), "runtime.placement: 'dynamic' needs executor 'ray'"),
-                           (("runtime.controllers=2",), "runtime.placement: 'dynamic' needs one controller"),
-                           (("runtime.plan_changes={2: interleave}",), "runtime.plan_changes: fixed plan changes")):
+    for extra, message in (
+        (("runtime.executor=reference",), "runtime.placement: 'dynamic' needs executor 'ray'"),
+        (("runtime.controllers=2",), "runtime.placement: 'dynamic' needs one controller"),
+        (("runtime.plan_changes={2: interleave}",), "runtime.plan_changes: fixed plan changes"),
+    ):
         with pytest.raises(ConfigError, match=message):
             load_config(TrainConfig, None, ["runtime.placement=dynamic", *extra])
 
 
 # --------------------------------------------------------------------------------------------------- a run
+
 
 @pytest.mark.usefixtures("ray_session")
 def test_a_run_that_switches_plans_is_the_reference_run(tmp_path, monkeypatch):
@@ -275,10 +327,9 @@ def test_a_run_that_switches_plans_is_the_reference_run(tmp_path, monkeypatch):
     of one iteration). The refit, the search and the switch's price are the run's own; only the comparison is made
     certain: a few percent separate these plans on this machine, which timing noise can reverse, so the plan in
     force is priced slowest at the first check and fastest afterwards (the rule is tested on its own above)."""
-    from test_runtime import _assert_equivalent, _cfg
-
     import loomrl.train.dynamic_placement as placement
     from loomrl.train.rl import RLTrainer
+    from test_runtime import _assert_equivalent, _cfg
 
     checks = []
 
@@ -296,9 +347,16 @@ def test_a_run_that_switches_plans_is_the_reference_run(tmp_path, monkeypatch):
         return [json.loads(line) for line in (tmp_path / name / "metrics.jsonl").read_text().splitlines()]
 
     expected = run("ref")
-    got = run("dynamic", "runtime.executor=ray", "runtime.devices=2", "runtime.plan=separate:1",
-              "runtime.placement=dynamic", "runtime.dynamic.min_gain=0", "runtime.dynamic.confirm=1",
-              "runtime.dynamic.dwell=1")
+    got = run(
+        "dynamic",
+        "runtime.executor=ray",
+        "runtime.devices=2",
+        "runtime.plan=separate:1",
+        "runtime.placement=dynamic",
+        "runtime.dynamic.min_gain=0",
+        "runtime.dynamic.confirm=1",
+        "runtime.dynamic.dwell=1",
+    )
     decisions = [json.loads(line) for line in (tmp_path / "dynamic" / "placement.jsonl").read_text().splitlines()]
     assert [d["iteration"] for d in decisions] == [1, 2]  # none after the first (its costs are one-off) or the last
     assert checks[0] >= 1, "the search found no candidate besides the plan in force"

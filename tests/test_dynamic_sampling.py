@@ -23,12 +23,14 @@ GRPO = build_workflow(AlgoConfig(name="grpo"), RolloutConfig())
 
 # ------------------------------------------------------------------------------------------- the sampler
 
+
 def _sampler(prompts=4, group=2, max_waves=4, factor=4.0, keep=None):
     def make_wave(cursor, n):
         return Batch([(cursor + i) * group + j for i in range(n) for j in range(group)])
 
-    return DynamicSampler(DynamicSamplingConfig(True, max_waves=max_waves, max_wave_factor=factor), prompts, group,
-                          make_wave, keep)
+    return DynamicSampler(
+        DynamicSamplingConfig(True, max_waves=max_waves, max_wave_factor=factor), prompts, group, make_wave, keep
+    )
 
 
 def _scores(ids, kept_prompts, group=2):
@@ -88,7 +90,8 @@ def test_the_default_filter_and_user_filters(tmp_path):
     (tmp_path / "filters.py").write_text(
         "def high(rewards):\n    return max(rewards) > 0.5\n"
         "def broken(rewards):\n    return rewards[10]\n"
-        "def numeric(rewards):\n    return 1\n")
+        "def numeric(rewards):\n    return 1\n"
+    )
     assert group_filter(f"{tmp_path}/filters.py:high")([0.2, 0.9])
     with pytest.raises(DataError, match=r"filters.py:broken' raised IndexError: .* \(rewards \[0.1\]\)"):
         group_filter(f"{tmp_path}/filters.py:broken")([0.1])
@@ -99,18 +102,28 @@ def test_the_default_filter_and_user_filters(tmp_path):
 
 
 def test_dynamic_sampling_is_checked_before_anything_runs():
-    for extra, message in ((("algo.name=ppo",), "dynamic_sampling.enabled: dynamic sampling filters groups"),
-                           (("runtime.controllers=2",), "runs with one controller, not 2"),
-                           (("runtime.placement=dynamic",), "does not combine with runtime.placement"),
-                           (("algo.dynamic_sampling.filter=nocolon",), "neither 'equal_rewards' nor a function")):
+    for extra, message in (
+        (("algo.name=ppo",), "dynamic_sampling.enabled: dynamic sampling filters groups"),
+        (("runtime.controllers=2",), "runs with one controller, not 2"),
+        (("runtime.placement=dynamic",), "does not combine with runtime.placement"),
+        (("algo.dynamic_sampling.filter=nocolon",), "neither 'equal_rewards' nor a function"),
+    ):
         with pytest.raises(ConfigError, match=message):
             load_config(TrainConfig, None, ["algo.name=grpo", "algo.dynamic_sampling.enabled=true", *extra])
 
 
 # ------------------------------------------------------------------------------------------- the schedule
 
-@pytest.mark.parametrize("text", ["colocate", "separate:1", "colocate; stream_fusion=on",
-                                  "actor_gen=0:dp1; ref_inf=1:dp1; reward_inf=1:dp1; actor_train=0-1:dp2"])
+
+@pytest.mark.parametrize(
+    "text",
+    [
+        "colocate",
+        "separate:1",
+        "colocate; stream_fusion=on",
+        "actor_gen=0:dp1; ref_inf=1:dp1; reward_inf=1:dp1; actor_train=0-1:dp2",
+    ],
+)
 def test_the_schedule_splits_at_the_rewards(text):
     plan = plan_from_config(RuntimeConfig(), GRPO, ClusterSpec(nodes=1, devices_per_node=2), text)
     steps = build_schedule(GRPO, plan).steps
@@ -129,13 +142,17 @@ def test_the_schedule_splits_at_the_rewards(text):
 
 
 def test_rewards_made_after_a_release_are_refused():
-    steps = (Step("gen", StepKind.CALL, (0,)), Step("free x", StepKind.FREE, (0,), ("gen",)),
-             Step("reward_inf", StepKind.CALL, (0,), ("free x",)))
+    steps = (
+        Step("gen", StepKind.CALL, (0,)),
+        Step("free x", StepKind.FREE, (0,), ("gen",)),
+        Step("reward_inf", StepKind.CALL, (0,), ("free x",)),
+    )
     with pytest.raises(ValueError, match="after 'free x', which releases a model"):
         split_for_sampling(steps, "reward_inf")
 
 
 # ------------------------------------------------------------------------------------------------- runs
+
 
 @pytest.fixture
 def spread_filter(tmp_path):
@@ -193,8 +210,11 @@ def test_a_checkpoint_without_sampler_state_is_refused_in_one_line(tmp_path):
 
 
 @pytest.mark.usefixtures("ray_session")
-@pytest.mark.parametrize("plan", ["actor_gen=0:dp1; ref_inf=1:dp1; reward_inf=1:dp1; actor_train=0-1:dp2",
-                                  "colocate; stream_fusion=on"], ids=["copy", "fused"])
+@pytest.mark.parametrize(
+    "plan",
+    ["actor_gen=0:dp1; ref_inf=1:dp1; reward_inf=1:dp1; actor_train=0-1:dp2", "colocate; stream_fusion=on"],
+    ids=["copy", "fused"],
+)
 def test_the_ray_runtime_samples_as_the_reference_does(tmp_path, spread_filter, plan):
     from test_runtime import _assert_equivalent, _cfg
 
@@ -207,31 +227,43 @@ def test_the_ray_runtime_samples_as_the_reference_does(tmp_path, spread_filter, 
     got = run("ray", "runtime.executor=ray", "runtime.devices=2", f"runtime.plan={plan}")
     _assert_equivalent(got, expected)
     for a, b in zip(got, expected):
-        assert {k: v for k, v in a.items() if k.startswith("sampling/")} == \
-            {k: v for k, v in b.items() if k.startswith("sampling/")}
+        assert {k: v for k, v in a.items() if k.startswith("sampling/")} == {
+            k: v for k, v in b.items() if k.startswith("sampling/")
+        }
 
 
 # ---------------------------------------------------------------------------------------------- the planner
+
 
 def test_the_planner_prices_the_waves_generation_and_rewards(tmp_path, capsys):
     """Dynamic sampling's waves generate and score more samples than train: generation and the reward call
     cost that many times over, nothing else does; `loomrl plan --generated-per-kept` says how many."""
     from loomrl.cli import main
     from loomrl.config.tools import from_dict
+    from loomrl.plan.cluster import profile_for
+    from loomrl.plan.model_shape import ModelShape
     from loomrl.planner.cost.model import CostModel
-    from loomrl.plan.hardware import profile_for
     from loomrl.planner.describe import RunDescription, planner_inputs
-    from loomrl.planner.cost.workload import ModelShape
 
-    run = {"algo": "grpo", "cluster": "h100:1x8", "models": {"actor": "llama3.1-8b", "reward": "llama3.1-8b"},
-           "prompts": 32, "responses_per_prompt": 8, "prompt_len": 100, "response_len": 500, "response_max": 2000}
+    run = {
+        "algo": "grpo",
+        "cluster": "h100:1x8",
+        "models": {"actor": "llama3.1-8b", "reward": "llama3.1-8b"},
+        "prompts": 32,
+        "responses_per_prompt": 8,
+        "prompt_len": 100,
+        "response_len": 500,
+        "response_max": 2000,
+    }
     prices = []
     for scale in (1.0, 2.5):
         workflow, cluster, configs, workload, _ = planner_inputs(
-            from_dict(RunDescription, {**run, "generated_per_kept": scale}, "run"))
+            from_dict(RunDescription, {**run, "generated_per_kept": scale}, "run")
+        )
         assert workload.rollout_scale == scale
-        cost = CostModel(cluster, profile_for(cluster), {r: ModelShape.from_config(c) for r, c in configs.items()},
-                         workload)
+        cost = CostModel(
+            cluster, profile_for(cluster), {r: ModelShape.from_config(c) for r, c in configs.items()}, workload
+        )
         plan = make_plan("colocate", workflow, cluster)
         prices.append({m.name: cost.mfc_time(m, plan[m.name]) for m in workflow.topological_order()})
     one, more = prices
@@ -242,7 +274,27 @@ def test_the_planner_prices_the_waves_generation_and_rewards(tmp_path, capsys):
 
     times = []
     for scale in ("1", "3"):
-        assert main(["plan", "--cluster", "h100:1x8", "--model", "llama2-7b", "--prompts", "64", "--response-len",
-                     "256", "--plan", "colocate", "--generated-per-kept", scale, "--out", str(tmp_path / scale)]) == 0
+        assert (
+            main(
+                [
+                    "plan",
+                    "--cluster",
+                    "h100:1x8",
+                    "--model",
+                    "llama2-7b",
+                    "--prompts",
+                    "64",
+                    "--response-len",
+                    "256",
+                    "--plan",
+                    "colocate",
+                    "--generated-per-kept",
+                    scale,
+                    "--out",
+                    str(tmp_path / scale),
+                ]
+            )
+            == 0
+        )
         times.append(capsys.readouterr().out)
     assert times[0] != times[1]

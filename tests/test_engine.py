@@ -21,8 +21,15 @@ def model():
 def _requests(n: int, seed: int = 0, budgets=None) -> list[Request]:
     rng = random.Random(seed)
     keys = stream_keys(seed, 0, range(n)).tolist()
-    return [Request(i, [1] + [rng.randint(4, 47) for _ in range(rng.randint(2, 12))], keys[i],
-                    max_new_tokens=None if budgets is None else budgets[i]) for i in range(n)]
+    return [
+        Request(
+            i,
+            [1] + [rng.randint(4, 47) for _ in range(rng.randint(2, 12))],
+            keys[i],
+            max_new_tokens=None if budgets is None else budgets[i],
+        )
+        for i in range(n)
+    ]
 
 
 def _engine(model, slots: int, eos_id: int = 2, params: SamplingParams = PARAMS) -> RolloutEngine:
@@ -79,7 +86,9 @@ def test_a_shared_prompt_is_prefilled_once_and_samples_as_if_alone(model, monkey
     engine = _engine(model, slots=12)
     prefilled = []
     forward = engine._forward
-    monkeypatch.setattr(engine, "_forward", lambda ids, pos, kv: prefilled.append(ids.shape[0]) or forward(ids, pos, kv))
+    monkeypatch.setattr(
+        engine, "_forward", lambda ids, pos, kv: prefilled.append(ids.shape[0]) or forward(ids, pos, kv)
+    )
     together = engine.generate(reqs)
     assert prefilled[0] == 3, "each of the 3 prompts prefilled once for its 4 samples"
     for r, got in zip(reqs, together):
@@ -101,8 +110,10 @@ def test_abort_halfway_and_resubmit_gives_the_uninterrupted_sample(model):
     assert {c.finish_reason for c in aborted} == {"aborted"}
     assert any(c.tokens for c in aborted) and any(not c.tokens for c in aborted), "live and waiting both aborted"
     by_id = {r.sample_id: r for r in reqs}
-    resubmitted = [Request(c.sample_id, by_id[c.sample_id].prompt, by_id[c.sample_id].key,
-                           prefix=c.tokens, prefix_logps=c.logps) for c in aborted]
+    resubmitted = [
+        Request(c.sample_id, by_id[c.sample_id].prompt, by_id[c.sample_id].key, prefix=c.tokens, prefix_logps=c.logps)
+        for c in aborted
+    ]
     resumed = _engine(model, slots=3).generate(resubmitted)  # elsewhere, other slots, other batch
     assert {**_tokens(early), **_tokens(resumed)} == full
 
@@ -112,7 +123,7 @@ def test_logprobs_match_a_full_forward_pass(model):
     for c, r in zip(_engine(model, slots=4, params=SamplingParams(24, 0.8)).generate(reqs), reqs):
         seq = torch.tensor([r.prompt + c.tokens])
         with torch.no_grad():
-            logits = model(seq).logits[0, len(r.prompt) - 1:-1] / 0.8
+            logits = model(seq).logits[0, len(r.prompt) - 1 : -1] / 0.8
         ref = torch.log_softmax(logits, -1).gather(-1, torch.tensor(c.tokens)[:, None]).squeeze(-1)
         assert torch.allclose(ref, torch.tensor(c.logps), atol=1e-5)
 

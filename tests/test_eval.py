@@ -15,7 +15,8 @@ from loomrl.config.tools import load_config
 from loomrl.data.sources import held_out
 from loomrl.data.tasks import Example, Task
 from loomrl.errors import ConfigError, DataError
-from loomrl.models import build_causal_lm, build_char_tokenizer
+from loomrl.models.tokenizer import build_char_tokenizer
+from loomrl.models.zoo import build_causal_lm
 from loomrl.rollout import SamplingParams
 from loomrl.train.evaluation import eval_config, resolve_target
 from test_cli import assert_ok, run_cli
@@ -73,11 +74,10 @@ def test_sampled_pass_at_k_counts_each_prompts_own_samples(policy):
     assert len(judged) == 30 and [p for p, _ in judged] == [ex.prompt for ex in examples for _ in range(6)]
     right = [len(r) % 2 == 0 for _, r in judged]
     assert result["pass@1"] == pytest.approx(sum(right) / 30)  # pass@1 is the mean over samples
-    anyone = [any(right[i * 6:(i + 1) * 6]) for i in range(5)]
+    anyone = [any(right[i * 6 : (i + 1) * 6]) for i in range(5)]
     assert result["pass@6"] == pytest.approx(sum(anyone) / 5)  # pass@n: the prompts with at least one right
     assert 0 < sum(right) < 30  # the random policy is neither always right nor always wrong here
-    again = evaluate_pass_at_k(model, tok, EvenLength(), examples, params, samples=6, ks=(1, 6), seed=5,
-                               batch_size=128)
+    again = evaluate_pass_at_k(model, tok, EvenLength(), examples, params, samples=6, ks=(1, 6), seed=5, batch_size=128)
     assert again == result  # each sample owns its random stream: batching changes nothing
 
 
@@ -88,7 +88,9 @@ def test_greedy_evaluation_is_batch_independent(policy):
 
     task = build_task(task_cfg)
     examples = held_out(task_cfg, task, 0, 12)
-    assert evaluate_policy(model, tok, task, examples, 6, batch_size=5) == evaluate_policy(model, tok, task, examples, 6)
+    assert evaluate_policy(model, tok, task, examples, 6, batch_size=5) == evaluate_policy(
+        model, tok, task, examples, 6
+    )
 
 
 def test_checkpoint_or_run_resolution(tmp_path):
@@ -131,8 +133,16 @@ def test_eval_command_writes_json_and_prints_a_table(tmp_path):
     tok = build_char_tokenizer()
     build_causal_lm("llama-1m", tok, seed=0).save_pretrained(model_dir)
     tok.save_pretrained(model_dir)
-    proc = run_cli("eval", model_dir, "prompts=6", "samples=3", "pass_k=[1,3]", "max_new_tokens=4",
-                   f"out={tmp_path / 'results.json'}", timeout=120)
+    proc = run_cli(
+        "eval",
+        model_dir,
+        "prompts=6",
+        "samples=3",
+        "pass_k=[1,3]",
+        "max_new_tokens=4",
+        f"out={tmp_path / 'results.json'}",
+        timeout=120,
+    )
     assert_ok(proc)
     results = json.loads((tmp_path / "results.json").read_text())
     assert results["prompts"] == 6 and results["samples"] == 3

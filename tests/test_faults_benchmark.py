@@ -31,8 +31,13 @@ def bench(faults, tmp_path_factory):
 def test_a_flipped_byte_is_always_detected(faults, bench):
     checkpoint = bench.flip_source()
     listed = json.loads((checkpoint / MANIFEST_FILE).read_text())["files"]
-    assert {"actor/weights-r00000.safetensors", "critic/optim-r00000.safetensors", "index.json", "rng.pt",
-            "state.json"} <= set(listed)
+    assert {
+        "actor/weights-r00000.safetensors",
+        "critic/optim-r00000.safetensors",
+        "index.json",
+        "rng.pt",
+        "state.json",
+    } <= set(listed)
     rng = random.Random(0)
     trials = [bench.trial("flip", k, rng) for k in range(12)]
     assert all(t["detected"] and t["named"] and t["refused"] and t["restored_passes"] for t in trials), trials

@@ -7,11 +7,11 @@ import time
 import pytest
 
 from loomrl.plan.pipeline_fusion import PipelineFusionProblem, PipelineSpec, TaskOrder
-from loomrl.planner.pipeline_fusion.simulate import check
-from loomrl.planner.pipeline_fusion.search import fused_order
 from loomrl.planner.pipeline_fusion.bound import lower_bound
 from loomrl.planner.pipeline_fusion.exact import available, exact_ladder
 from loomrl.planner.pipeline_fusion.graph import build_graph
+from loomrl.planner.pipeline_fusion.search import fused_order
+from loomrl.planner.pipeline_fusion.simulate import check
 from test_fused_schedule import brute_force_optimum, tiny_problems
 
 needs_ortools = pytest.mark.skipif(not available(), reason="OR-Tools is not installed (pip install 'loomrl[schedule]')")
@@ -37,7 +37,9 @@ def test_the_search_with_cp_sat_reaches_a_proven_optimum_above_the_bound():
     # two devices, cap two: the critic's two stages occupy each device at fixed times, and the actor's backward
     # (3) fits in neither gap the critic leaves (2 each): the optimum is 9 against a bound of 8, and CP-SAT proves
     # both 8 and 8.5 (the grid: half units) out of reach
-    problem = PipelineFusionProblem(2, PipelineSpec(1, 2, 0.5, 3.0), PipelineSpec(2, 1, 2.0, 2.0), memory_cap=(2.0, 2.0))
+    problem = PipelineFusionProblem(
+        2, PipelineSpec(1, 2, 0.5, 3.0), PipelineSpec(2, 1, 2.0, 2.0), memory_cap=(2.0, 2.0)
+    )
     assert lower_bound(problem) == 8 and brute_force_optimum(problem) == 9
     result = fused_order(problem, time_limit_s=4.0, exact=True)
     assert result.makespan == 9 and result.bound == 9 and result.exact_proofs == 2 and result.gap == 0

@@ -1,4 +1,5 @@
-"""Stream fusion in the planner: response-length distributions as ``loomrl plan`` reads them, the search's choice to fuse,
+"""Stream fusion in the planner: response-length distributions as ``loomrl plan`` reads them, the search's choice to
+fuse,
 and the lower bound over fused plans (:mod:`loomrl.planner.cost.lengths`, :mod:`loomrl.planner.search.search`,
 :mod:`loomrl.planner.search.bounds`)."""
 
@@ -10,18 +11,18 @@ import pytest
 from loomrl.algorithms.workflows import build_workflow
 from loomrl.config.schema import AlgoConfig, RolloutConfig
 from loomrl.errors import ConfigError
+from loomrl.models.presets import model_config
 from loomrl.plan import ClusterSpec, colocate, separate
+from loomrl.plan.cluster import profile_for
+from loomrl.plan.model_shape import ModelShape
 from loomrl.plan.plan import StreamFusion
-from loomrl.planner.cost.model import CostModel
-from loomrl.planner.cost.workload import ModelShape, Workload
-from loomrl.planner.simulation.simulator import simulate
-from loomrl.planner.search.bounds import iteration_bound
-from loomrl.planner.cost.stream_fusion import generation_floor, price_stream_fusion
 from loomrl.planner.cost.lengths import length_fields, observed_lengths
-from loomrl.planner.planning import model_config
-from loomrl.plan.hardware import profile_for
+from loomrl.planner.cost.model import CostModel
+from loomrl.planner.cost.stream_fusion import generation_floor, price_stream_fusion
+from loomrl.planner.cost.workload import Workload, lengths_from_mean_max
+from loomrl.planner.search.bounds import iteration_bound
 from loomrl.planner.search.search import plan_key, search
-from loomrl.planner.cost.workload import lengths_from_mean_max
+from loomrl.planner.simulation.simulator import simulate
 
 PPO = build_workflow(AlgoConfig(name="ppo", minibatches=4), RolloutConfig())
 CLUSTER = ClusterSpec.parse("h100:1x8")
@@ -40,7 +41,10 @@ def _cost(workload: Workload) -> CostModel:
 def test_length_forms_give_the_run_description_fields(tmp_path):
     assert length_fields("400") == {"response_len": 400.0}
     assert length_fields("lognormal:mean=400,sigma=1.0,max=4096") == {
-        "response_len": 400.0, "response_spread": 1.0, "response_max": 4096}
+        "response_len": 400.0,
+        "response_spread": 1.0,
+        "response_max": 4096,
+    }
     lines = tmp_path / "lengths.jsonl"
     lines.write_text('{"length": 12}\n\n[3, 400]\n17\n{"response_length": 5.0}\n{"lengths": [1, 2]}\n')
     assert observed_lengths(lines) == (12, 3, 400, 17, 5, 1, 2)
@@ -48,20 +52,25 @@ def test_length_forms_give_the_run_description_fields(tmp_path):
 
 
 def test_a_run_directory_gives_lengths_from_its_metrics(tmp_path):
-    records = [{"iteration": i, "response/length": 40.0, "response/length_p90": 90.0, "response/length_max": 120}
-               for i in range(2)]
+    records = [
+        {"iteration": i, "response/length": 40.0, "response/length_p90": 90.0, "response/length_max": 120}
+        for i in range(2)
+    ]
     (tmp_path / "metrics.jsonl").write_text("".join(json.dumps(r) + "\n" for r in records))
     lengths = length_fields(str(tmp_path))["observed_lengths"]
     assert len(lengths) == 200 and max(lengths) == 120
     assert sum(lengths) / len(lengths) == pytest.approx(40.0, abs=0.5)
 
 
-@pytest.mark.parametrize("text, named", [
-    ("often", "neither a mean"),
-    ("lognormal:mean=400", "sigma, max missing"),
-    ("lognormal:mean=400,sigma=1,max=x", "max='x' is not a number"),
-    ("lognormal:mu=1,sigma=1,max=9", "'mu=1' is not one of"),
-])
+@pytest.mark.parametrize(
+    "text, named",
+    [
+        ("often", "neither a mean"),
+        ("lognormal:mean=400", "sigma, max missing"),
+        ("lognormal:mean=400,sigma=1,max=x", "max='x' is not a number"),
+        ("lognormal:mu=1,sigma=1,max=9", "'mu=1' is not one of"),
+    ],
+)
 def test_bad_length_forms_are_one_line_errors(text, named):
     with pytest.raises(ConfigError, match=named):
         length_fields(text)
@@ -83,13 +92,41 @@ def test_bad_observed_lengths_name_the_file_and_line(tmp_path):
 def test_plan_cli_reads_a_length_distribution(tmp_path, capsys):
     from loomrl.cli import main
 
-    assert main(["plan", "--cluster", "h100:1x8", "--model", "llama2-7b", "--response-len",
-                 "lognormal:mean=384,sigma=1.0,max=2048", "--plan", "colocate"]) == 0
+    assert (
+        main(
+            [
+                "plan",
+                "--cluster",
+                "h100:1x8",
+                "--model",
+                "llama2-7b",
+                "--response-len",
+                "lognormal:mean=384,sigma=1.0,max=2048",
+                "--plan",
+                "colocate",
+            ]
+        )
+        == 0
+    )
     assert "128 + 384 (max 2048) tokens" in " ".join(capsys.readouterr().out.split())
     lengths = tmp_path / "observed.jsonl"
     lengths.write_text("".join(f"{n}\n" for n in (10, 20, 300)))
-    assert main(["plan", "--cluster", "h100:1x8", "--model", "llama2-7b", "--response-len", str(lengths),
-                 "--plan", "colocate"]) == 0
+    assert (
+        main(
+            [
+                "plan",
+                "--cluster",
+                "h100:1x8",
+                "--model",
+                "llama2-7b",
+                "--response-len",
+                str(lengths),
+                "--plan",
+                "colocate",
+            ]
+        )
+        == 0
+    )
     assert "128 + 110 (max 300) tokens" in " ".join(capsys.readouterr().out.split())
 
 
@@ -103,7 +140,11 @@ def test_no_fused_stage_hands_samples_on_before_the_generation_floor():
     plan = colocate(PPO, CLUSTER)
     floor = generation_floor(cost, "actor", plan["actor_gen"])
     assert floor.ready[0][1] == 1.0 and floor.ready[-1][1] < 0.05
-    for fusion in (StreamFusion(migrate_at=0.0), StreamFusion(migrate_at=0.2), StreamFusion(migrate_at=0.5, migrate_to=2)):
+    for fusion in (
+        StreamFusion(migrate_at=0.0),
+        StreamFusion(migrate_at=0.2),
+        StreamFusion(migrate_at=0.5, migrate_to=2),
+    ):
         schedule = build_schedule(PPO, dataclasses.replace(plan, stream_fusion=fusion))
         (step,) = [s for s in schedule if s.kind is StepKind.STREAM_FUSION]
         price = price_stream_fusion(cost, step)
@@ -120,7 +161,9 @@ def test_the_bound_holds_for_fused_plans_and_merges_generation_with_its_readers(
         assert bound.segments[0].calls == ("actor_gen", "ref_inf", "reward_inf", "critic_inf")
     for plan in (colocate(PPO, CLUSTER), separate(PPO, CLUSTER, 4)):
         for fusion in (None, StreamFusion(migrate_at="auto"), StreamFusion(migrate_at=0.3, migrate_to=2)):
-            result = simulate(dataclasses.replace(plan, stream_fusion=fusion), PPO, cost, profile_for(CLUSTER).memory_bytes)
+            result = simulate(
+                dataclasses.replace(plan, stream_fusion=fusion), PPO, cost, profile_for(CLUSTER).memory_bytes
+            )
             assert result.iteration_time >= bound.seconds
 
 
@@ -129,8 +172,9 @@ def test_the_bound_holds_for_fused_plans_and_merges_generation_with_its_readers(
 
 def test_the_search_fuses_a_long_tailed_workload():
     cost = _cost(LONG_TAIL)
-    found = search(PPO, CLUSTER, cost, profile_for(CLUSTER).memory_bytes, CONFIGS, seed=0, time_budget_s=8,
-                   max_steps=40)
+    found = search(
+        PPO, CLUSTER, cost, profile_for(CLUSTER).memory_bytes, CONFIGS, seed=0, time_budget_s=8, max_steps=40
+    )
     plan, result = found[0]
     assert plan.stream_fusion is not None and result.feasible
     unfused = simulate(dataclasses.replace(plan, stream_fusion=None), PPO, cost, profile_for(CLUSTER).memory_bytes)

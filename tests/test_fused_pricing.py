@@ -1,4 +1,5 @@
-"""The planner's price of a fused stage (:mod:`loomrl.planner.cost.stream_fusion`): hand-computed on a stub cost model, then
+"""The planner's price of a fused stage (:mod:`loomrl.planner.cost.stream_fusion`): hand-computed on a stub cost model,
+then
 on the real one through the simulator."""
 
 import pytest
@@ -6,13 +7,14 @@ import pytest
 from loomrl.algorithms.workflows import build_workflow
 from loomrl.config.schema import AlgoConfig, RolloutConfig
 from loomrl.plan import ClusterSpec, make_plan
-from loomrl.plan.schedule import StepKind, build_schedule
 from loomrl.plan.hardware import PROFILES
-from loomrl.planner.cost.model import CostModel
-from loomrl.planner.cost.workload import ModelShape, Workload
-from loomrl.planner.simulation.simulator import simulate
+from loomrl.plan.model_shape import ModelShape
+from loomrl.plan.schedule import StepKind, build_schedule
 from loomrl.planner.cost.corrections import Corrections
+from loomrl.planner.cost.model import CostModel
 from loomrl.planner.cost.stream_fusion import best_migrate_at, price_stream_fusion
+from loomrl.planner.cost.workload import Workload
+from loomrl.planner.simulation.simulator import simulate
 
 GRPO = build_workflow(AlgoConfig(name="grpo"), RolloutConfig())
 PPO = build_workflow(AlgoConfig(name="ppo"), RolloutConfig())
@@ -21,6 +23,8 @@ PPO = build_workflow(AlgoConfig(name="ppo"), RolloutConfig())
 class _StubCost:
     """Round numbers: a decode step costs 1 s whatever is live, prefilling 0.1 s a sample, scoring 0.25 s a
     sample; the reward role (a rule) has no model and costs nothing."""
+
+    system_factor = 1.0
 
     def __init__(self, workload: Workload):
         self.workload, self.corrections, self.shapes = workload, Corrections(), {"actor": "stub", "ref": "stub"}
@@ -82,7 +86,9 @@ def test_thresholds_that_leave_the_tail_where_it_is_change_nothing_and_auto_pick
     for r in (0.05, 0.1, 0.25, 0.4):
         assert price_stream_fusion(cost, step, r).seconds == pytest.approx(11.4)
     assert best_migrate_at(cost, step) == 0.5
-    assert price_stream_fusion(cost, step).migrate_at == 0.5 and price_stream_fusion(cost, step).seconds == pytest.approx(11.1)
+    assert price_stream_fusion(cost, step).migrate_at == 0.5 and price_stream_fusion(
+        cost, step
+    ).seconds == pytest.approx(11.1)
 
 
 def test_chunks_hand_samples_on_as_they_finish_to_devices_that_are_free():
@@ -107,8 +113,12 @@ MEMORY = 24 * 2**30
 def _real_cost(lengths, batch=64):
     shape = ModelShape(params=10_000_000, layers=4, hidden=256, heads=4, kv_heads=4, intermediate=688, vocab=4096)
     cluster = ClusterSpec.parse("cpu:2")
-    return cluster, CostModel(cluster, PROFILES["local"], {r: shape for r in ("actor", "ref", "critic", "reward")},
-                              Workload(batch, 16, tuple(lengths)))
+    return cluster, CostModel(
+        cluster,
+        PROFILES["local"],
+        {r: shape for r in ("actor", "ref", "critic", "reward")},
+        Workload(batch, 16, tuple(lengths)),
+    )
 
 
 def test_the_simulator_prices_a_fused_stage_and_draws_its_parts():
@@ -131,5 +141,7 @@ def test_fusion_never_makes_uniform_lengths_much_slower():
     # nothing to overlap when every sample ends together: the fused stage is generation then scoring
     cluster, cost = _real_cost([32] * 64)
     plain = simulate(make_plan("colocate", PPO, cluster), PPO, cost, MEMORY).iteration_time
-    fused = simulate(make_plan("colocate; stream_fusion=migrate_at:auto", PPO, cluster), PPO, cost, MEMORY).iteration_time
+    fused = simulate(
+        make_plan("colocate; stream_fusion=migrate_at:auto", PPO, cluster), PPO, cost, MEMORY
+    ).iteration_time
     assert fused == pytest.approx(plain, rel=0.05)

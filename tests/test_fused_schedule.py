@@ -1,6 +1,6 @@
 """Intra-stage fusion schedules (:mod:`loomrl.planner.pipeline_fusion`): the problem's layout, the checker against
 hand-made invalid schedules, as-soon-as-possible timing, the lower bound against hand-computed values and against
-brute force on tiny problems, the decoder's hold, local improvement, and the search (valid, deterministic for a
+brute force on tiny problems, the list scheduler's hold, local improvement, and the search (valid, deterministic for a
 seed, never worse than its start, never below the bound)."""
 
 import itertools
@@ -11,15 +11,14 @@ import time
 
 import pytest
 
-from loomrl.plan.pipeline_fusion import ACTOR, CRITIC, PipelineFusionProblem, PipelineSpec, TaskOrder, Task
-from loomrl.planner.pipeline_fusion.simulate import TaskOrderError, check, simulate
-from loomrl.planner.pipeline_fusion.search import fused_order, merged_order, separate_order
-from loomrl.planner.pipeline_fusion.bound import lower_bound
-from loomrl.planner.pipeline_fusion.bound import heads_and_tails
-from loomrl.planner.pipeline_fusion.priorities import Decoder
+from loomrl.plan.pipeline_fusion import ACTOR, CRITIC, PipelineFusionProblem, PipelineSpec, PipelineTask, TaskOrder
+from loomrl.planner.pipeline_fusion.bound import heads_and_tails, lower_bound
 from loomrl.planner.pipeline_fusion.exact import grain
 from loomrl.planner.pipeline_fusion.graph import build_graph, makespan
 from loomrl.planner.pipeline_fusion.polish import polish
+from loomrl.planner.pipeline_fusion.priorities import ListScheduler
+from loomrl.planner.pipeline_fusion.search import fused_order, merged_order, separate_order
+from loomrl.planner.pipeline_fusion.simulate import TaskOrderError, check, simulate
 
 
 def two_by_two(**kwargs) -> PipelineFusionProblem:
@@ -27,19 +26,19 @@ def two_by_two(**kwargs) -> PipelineFusionProblem:
     return PipelineFusionProblem(2, PipelineSpec(2, 2), PipelineSpec(2, 2), **kwargs)
 
 
-def a(kind: str, k: int, stage: int, replica: int = 0) -> Task:
-    return Task(ACTOR, replica, stage, k, kind == "B")
+def a(kind: str, k: int, stage: int, replica: int = 0) -> PipelineTask:
+    return PipelineTask(ACTOR, replica, stage, k, kind == "B")
 
 
-def c(kind: str, k: int, stage: int, replica: int = 0) -> Task:
-    return Task(CRITIC, replica, stage, k, kind == "B")
+def c(kind: str, k: int, stage: int, replica: int = 0) -> PipelineTask:
+    return PipelineTask(CRITIC, replica, stage, k, kind == "B")
 
 
 # A valid schedule of two_by_two(): device 0 holds actor stage 0 and critic stage 1, device 1 the opposite.
-VALID = ((a("F", 0, 0), a("F", 1, 0), c("F", 0, 1), c("B", 0, 1), a("B", 0, 0), c("F", 1, 1), c("B", 1, 1),
-          a("B", 1, 0)),
-         (c("F", 0, 0), c("F", 1, 0), a("F", 0, 1), a("B", 0, 1), a("F", 1, 1), a("B", 1, 1), c("B", 0, 0),
-          c("B", 1, 0)))
+VALID = (
+    (a("F", 0, 0), a("F", 1, 0), c("F", 0, 1), c("B", 0, 1), a("B", 0, 0), c("F", 1, 1), c("B", 1, 1), a("B", 1, 0)),
+    (c("F", 0, 0), c("F", 1, 0), a("F", 0, 1), a("B", 0, 1), a("F", 1, 1), a("B", 1, 1), c("B", 0, 0), c("B", 1, 0)),
+)
 
 
 def schedule(problem: PipelineFusionProblem, devices) -> TaskOrder:
@@ -59,13 +58,16 @@ def test_stages_run_left_to_right_and_right_to_left_with_replicas():
     assert problem.memory_cap == (4 + 1, 3 + 2, 2 + 1, 1 + 2)
 
 
-@pytest.mark.parametrize("kwargs, field", [
-    (dict(devices=3), "actor.depth"),
-    (dict(critic=PipelineSpec(1, 3)), "critic.micro_batches"),
-    (dict(memory_cap=(4.0,)), "memory_cap"),
-    (dict(memory_cap=(1.0, 4.0)), "memory_cap[0]"),
-    (dict(hop_s=-1.0), "hop_s"),
-])
+@pytest.mark.parametrize(
+    "kwargs, field",
+    [
+        (dict(devices=3), "actor.depth"),
+        (dict(critic=PipelineSpec(1, 3)), "critic.micro_batches"),
+        (dict(memory_cap=(4.0,)), "memory_cap"),
+        (dict(memory_cap=(1.0, 4.0)), "memory_cap[0]"),
+        (dict(hop_s=-1.0), "hop_s"),
+    ],
+)
 def test_invalid_problems_name_the_field(kwargs, field):
     base = dict(devices=2, actor=PipelineSpec(2, 2), critic=PipelineSpec(2, 2))
     with pytest.raises(ValueError, match=re.escape(f"PipelineFusionProblem.{field}:")):
@@ -94,15 +96,22 @@ def test_hops_delay_every_message_between_devices():
     assert timing.makespan == 13
 
 
-@pytest.mark.parametrize("edit, message", [
-    (lambda d: (d[0], (a("B", 0, 1),) + tuple(t for t in d[1] if t != a("B", 0, 1))),
-     r"device 1: aB0@s1 runs before its forward aF0@s1"),
-    (lambda d: ((a("F", 1, 0), a("F", 0, 0)) + d[0][2:], d[1]),
-     r"device 0: aF1@s0 runs before aF0@s0 \(forwards of a stage run in micro-batch order\)"),
-    (lambda d: (d[0][:-1], d[1]), r"device 0: aB1@s0 is missing"),
-    (lambda d: (d[0] + (a("F", 0, 0),), d[1]), r"device 0: aF0@s0 appears twice"),
-    (lambda d: (d[0][1:], (a("F", 0, 0),) + d[1]), r"device 1: aF0@s0 belongs on device 0"),
-])
+@pytest.mark.parametrize(
+    "edit, message",
+    [
+        (
+            lambda d: (d[0], (a("B", 0, 1),) + tuple(t for t in d[1] if t != a("B", 0, 1))),
+            r"device 1: aB0@s1 runs before its forward aF0@s1",
+        ),
+        (
+            lambda d: ((a("F", 1, 0), a("F", 0, 0)) + d[0][2:], d[1]),
+            r"device 0: aF1@s0 runs before aF0@s0 \(forwards of a stage run in micro-batch order\)",
+        ),
+        (lambda d: (d[0][:-1], d[1]), r"device 0: aB1@s0 is missing"),
+        (lambda d: (d[0] + (a("F", 0, 0),), d[1]), r"device 0: aF0@s0 appears twice"),
+        (lambda d: (d[0][1:], (a("F", 0, 0),) + d[1]), r"device 1: aF0@s0 belongs on device 0"),
+    ],
+)
 def test_the_checker_rejects_broken_rules(edit, message):
     with pytest.raises(TaskOrderError, match=message):
         check(schedule(two_by_two(), edit(VALID)))
@@ -110,16 +119,24 @@ def test_the_checker_rejects_broken_rules(edit, message):
 
 def test_the_checker_names_a_deadlock():
     # each device starts with the task that waits for the other's first task
-    first = ((c("F", 0, 1),) + tuple(t for t in VALID[0] if t != c("F", 0, 1)),
-             (a("F", 0, 1),) + tuple(t for t in VALID[1] if t != a("F", 0, 1)))
-    with pytest.raises(TaskOrderError, match=r"deadlock: device 0 at cF0@s1 waits for cF0@s0 on device 1; "
-                                            r"device 1 at aF0@s1 waits for aF0@s0 on device 0"):
+    first = (
+        (c("F", 0, 1),) + tuple(t for t in VALID[0] if t != c("F", 0, 1)),
+        (a("F", 0, 1),) + tuple(t for t in VALID[1] if t != a("F", 0, 1)),
+    )
+    with pytest.raises(
+        TaskOrderError,
+        match=r"deadlock: device 0 at cF0@s1 waits for cF0@s0 on device 1; "
+        r"device 1 at aF0@s1 waits for aF0@s0 on device 0",
+    ):
         check(schedule(two_by_two(), first))
 
 
 def test_the_checker_enforces_the_memory_cap():
-    with pytest.raises(TaskOrderError, match=r"device 0: cF0@s1 raises live activations to 3, above the memory "
-                                            r"cap 2"):
+    with pytest.raises(
+        TaskOrderError,
+        match=r"device 0: cF0@s1 raises live activations to 3, above the memory "
+        r"cap 2",
+    ):
         check(schedule(two_by_two(memory_cap=(2.0, 3.0)), VALID))
 
 
@@ -131,30 +148,40 @@ def test_separate_schedule_keeps_a_tight_cap_by_shortening_warm_up():
 # ------------------------------------------------------------------------------------------------ bound
 
 
-@pytest.mark.parametrize("problem, bound, why", [
-    # each device holds 2 models x 2 micro-batches x (1 + 2); device 0's first task (the actor's first forward)
-    # can start at 0 and its last (the actor's last backward on stage 0) leaves nothing after it
-    (two_by_two(), 12, "work of a device"),
-    # the critic twice as slow: 2 x 3 + 2 x 6 on every device
-    (PipelineFusionProblem(2, PipelineSpec(2, 2), PipelineSpec(2, 2, 2.0, 4.0)), 18, "work of a device"),
-    # fusion factor 2: the critic one stage deep, replicated twice with one micro-batch each; device 0 holds the
-    # actor's stage 0 (6) and critic replica 0 (3)
-    (PipelineFusionProblem(2, PipelineSpec(2, 2), PipelineSpec(1, 2)), 9, "work of a device"),
-    # three stages: the middle device's tasks all wait 1 (a forward on stage 0) and leave 2 (a backward there)
-    (PipelineFusionProblem(3, PipelineSpec(3, 3), PipelineSpec(3, 3)), 1 + 18 + 2, "Jackson"),
-    # ... and with room for two activations: the middle device's first backward can start at 5, so before
-    # that it runs at most 2 forwards (2 units of work); 16 remain, and every task leaves at least 2 after it
-    (PipelineFusionProblem(3, PipelineSpec(3, 3), PipelineSpec(3, 3), memory_cap=(2.0,) * 3), 5 + 16 + 2, "memory"),
-    # one model alone on a single device chain: 1F1B's (M + P - 1)(f + b) is the last stage's Jackson bound
-    (PipelineFusionProblem(4, PipelineSpec(4, 4), PipelineSpec(1, 4, 0.25, 0.5)), (4 + 3) * 3, "the actor's pipeline"),
-])
+@pytest.mark.parametrize(
+    "problem, bound, why",
+    [
+        # each device holds 2 models x 2 micro-batches x (1 + 2); device 0's first task (the actor's first forward)
+        # can start at 0 and its last (the actor's last backward on stage 0) leaves nothing after it
+        (two_by_two(), 12, "work of a device"),
+        # the critic twice as slow: 2 x 3 + 2 x 6 on every device
+        (PipelineFusionProblem(2, PipelineSpec(2, 2), PipelineSpec(2, 2, 2.0, 4.0)), 18, "work of a device"),
+        # fusion factor 2: the critic one stage deep, replicated twice with one micro-batch each; device 0 holds the
+        # actor's stage 0 (6) and critic replica 0 (3)
+        (PipelineFusionProblem(2, PipelineSpec(2, 2), PipelineSpec(1, 2)), 9, "work of a device"),
+        # three stages: the middle device's tasks all wait 1 (a forward on stage 0) and leave 2 (a backward there)
+        (PipelineFusionProblem(3, PipelineSpec(3, 3), PipelineSpec(3, 3)), 1 + 18 + 2, "Jackson"),
+        # ... and with room for two activations: the middle device's first backward can start at 5, so before
+        # that it runs at most 2 forwards (2 units of work); 16 remain, and every task leaves at least 2 after it
+        (PipelineFusionProblem(3, PipelineSpec(3, 3), PipelineSpec(3, 3), memory_cap=(2.0,) * 3), 5 + 16 + 2, "memory"),
+        # one model alone on a single device chain: 1F1B's (M + P - 1)(f + b) is the last stage's Jackson bound
+        (
+            PipelineFusionProblem(4, PipelineSpec(4, 4), PipelineSpec(1, 4, 0.25, 0.5)),
+            (4 + 3) * 3,
+            "the actor's pipeline",
+        ),
+    ],
+)
 def test_the_bound_equals_hand_computed_values(problem, bound, why):
     assert lower_bound(problem) == pytest.approx(bound), why
 
 
 def test_the_bound_reaches_the_optimum_where_it_is_known():
-    for problem in (two_by_two(), PipelineFusionProblem(2, PipelineSpec(2, 2), PipelineSpec(1, 2)),
-                    PipelineFusionProblem(3, PipelineSpec(3, 3), PipelineSpec(3, 3))):
+    for problem in (
+        two_by_two(),
+        PipelineFusionProblem(2, PipelineSpec(2, 2), PipelineSpec(1, 2)),
+        PipelineFusionProblem(3, PipelineSpec(3, 3), PipelineSpec(3, 3)),
+    ):
         assert fused_order(problem, iterations=200).makespan == pytest.approx(lower_bound(problem))
 
 
@@ -164,13 +191,21 @@ def random_problem(rng: random.Random) -> PipelineFusionProblem:
     specs = []
     for _ in range(2):
         depth = rng.choice(depths)
-        specs.append(PipelineSpec(depth, devices // depth * rng.randint(1, 3), rng.choice([0.5, 1.0, 2.0]),
-                                  rng.choice([1.0, 2.0, 3.0]), rng.choice([1.0, 2.0])))
+        specs.append(
+            PipelineSpec(
+                depth,
+                devices // depth * rng.randint(1, 3),
+                rng.choice([0.5, 1.0, 2.0]),
+                rng.choice([1.0, 2.0, 3.0]),
+                rng.choice([1.0, 2.0]),
+            )
+        )
     problem = PipelineFusionProblem(devices, *specs, hop_s=rng.choice([0.0, 0.0, 0.25]))
     if rng.random() < 0.3:  # a tighter cap, still above one micro-batch of each model
         least = specs[0].activation + specs[1].activation
-        problem = PipelineFusionProblem(devices, *specs, tuple(max(least, c - 1) for c in problem.memory_cap),
-                                problem.hop_s)
+        problem = PipelineFusionProblem(
+            devices, *specs, tuple(max(least, c - 1) for c in problem.memory_cap), problem.hop_s
+        )
     return problem
 
 
@@ -242,8 +277,10 @@ def brute_force_optimum(problem: PipelineFusionProblem) -> float:
     """The least as-soon-as-possible makespan over every combination of valid device orders (deadlocks are
     infinite): the optimum, since the as-soon-as-possible timing of an order is its best."""
     graph = build_graph(problem)
-    return min(makespan(graph, list(orders))
-               for orders in itertools.product(*(device_orders(graph, d) for d in range(problem.devices))))
+    return min(
+        makespan(graph, list(orders))
+        for orders in itertools.product(*(device_orders(graph, d) for d in range(problem.devices)))
+    )
 
 
 def tiny_problems(count: int, seed: int = 0, most: int = 20000) -> list[PipelineFusionProblem]:
@@ -255,8 +292,14 @@ def tiny_problems(count: int, seed: int = 0, most: int = 20000) -> list[Pipeline
         specs = []
         for _ in range(2):
             depth = rng.choice([p for p in (1, 2, 3) if devices % p == 0])
-            specs.append(PipelineSpec(depth, devices // depth * rng.randint(1, 2), rng.choice([0.5, 1.0, 2.0]),
-                                      rng.choice([1.0, 2.0, 3.0])))
+            specs.append(
+                PipelineSpec(
+                    depth,
+                    devices // depth * rng.randint(1, 2),
+                    rng.choice([0.5, 1.0, 2.0]),
+                    rng.choice([1.0, 2.0, 3.0]),
+                )
+            )
         cap = (2.0,) * devices if rng.random() < 0.5 else None
         problem = PipelineFusionProblem(devices, *specs, cap, rng.choice([0.0, 0.5]))
         graph = build_graph(problem)
@@ -283,8 +326,9 @@ def test_brute_force_agrees_with_hand_computed_optima():
     assert brute_force_optimum(PipelineFusionProblem(1, PipelineSpec(1, 1), PipelineSpec(1, 1, 2.0, 2.0))) == 7
 
 
-@pytest.mark.parametrize("values, step", [([1.0, 2.0, 0.5], 0.5), ([1 / 3, 1.0], 1 / 3), ([2.0, 4.0, 0.0], 2.0),
-                                          ([math.pi, 1.0], None)])
+@pytest.mark.parametrize(
+    "values, step", [([1.0, 2.0, 0.5], 0.5), ([1 / 3, 1.0], 1 / 3), ([2.0, 4.0, 0.0], 2.0), ([math.pi, 1.0], None)]
+)
 def test_the_time_grid_is_the_largest_common_step(values, step):
     assert grain(values) == (pytest.approx(step) if step else None)
 
@@ -297,12 +341,14 @@ def test_hold_keeps_memory_for_the_other_models_more_urgent_forward():
     # first by priority. At 1 the critic's second forward is ready and the actor's first arrives at 2: run, the
     # critic's forward would fill the cap and keep the actor out until the critic's first backward comes back
     # (19); held, the device idles from 1 to 2 and the actor runs at once (18)
-    problem = PipelineFusionProblem(2, PipelineSpec(2, 2, 2.0, 2.0), PipelineSpec(2, 2, 1.0, 2.0), memory_cap=(3.0, 2.0))
+    problem = PipelineFusionProblem(
+        2, PipelineSpec(2, 2, 2.0, 2.0), PipelineSpec(2, 2, 1.0, 2.0), memory_cap=(3.0, 2.0)
+    )
     graph = build_graph(problem)
     priority = [10.0 if t.model == ACTOR else 0.0 for t in graph.tasks]
     spans, firsts = {}, {}
     for hold in (False, True):
-        orders, _ = Decoder(graph).run(priority, reserve=False, hold=hold)
+        orders, _ = ListScheduler(graph).run(priority, reserve=False, hold=hold)
         schedule = TaskOrder(problem, tuple(tuple(graph.tasks[i] for i in order) for order in orders))
         spans[hold], firsts[hold] = check(schedule).makespan, [str(t) for t in schedule.devices[1][:2]]
     assert spans == {False: 19, True: 18}
@@ -325,13 +371,15 @@ aB4@s3 aF5@s3 aB5@s3 aF6@s3 aB6@s3 cF6@s0 cB2@s0 cB3@s0 aF7@s3 cF7@s0 aB7@s3 cB4
 
 def parse(problem: PipelineFusionProblem, text: str) -> TaskOrder:
     """A schedule from :meth:`TaskOrder.text`'s task names, devices separated by ``|``."""
-    def task(name: str) -> Task:
+
+    def task(name: str) -> PipelineTask:
         model, kind, k, stage = re.fullmatch(r"([ac])([FB])(\d+)@s(\d+)", name).groups()
-        return Task(ACTOR if model == "a" else CRITIC, 0, int(stage), int(k), kind == "B")
+        return PipelineTask(ACTOR if model == "a" else CRITIC, 0, int(stage), int(k), kind == "B")
+
     return TaskOrder(problem, tuple(tuple(task(n) for n in device.split()) for device in text.split("|")))
 
 
-def test_hold_lets_the_decoder_rebuild_an_optimum_it_cannot_reach_without():
+def test_hold_lets_the_list_scheduler_rebuild_an_optimum_it_cannot_reach_without():
     problem = PipelineFusionProblem(4, PipelineSpec(4, 8), PipelineSpec(4, 8, 0.5, 1.0))
     optimum = check(parse(problem, OPTIMAL_4x4))
     assert optimum.makespan == lower_bound(problem) == 39
@@ -340,7 +388,7 @@ def test_hold_lets_the_decoder_rebuild_an_optimum_it_cannot_reach_without():
     spans = {}
     for hold, reserve, shares in itertools.product((False, True), (False, True), (False, True)):
         per_device = [[problem.one_f_one_b_memory(m, d) for m in (ACTOR, CRITIC)] for d in range(4)]
-        done = Decoder(graph).run(priority, reserve=reserve, hold=hold, shares=per_device if shares else None)
+        done = ListScheduler(graph).run(priority, reserve=reserve, hold=hold, shares=per_device if shares else None)
         spans[hold, reserve, shares] = makespan(graph, done[0]) if done else math.inf
     assert spans[True, False, False] == 39
     assert min(span for (hold, _, _), span in spans.items() if not hold) == 40.5
@@ -354,8 +402,12 @@ def test_polish_keeps_schedules_valid_never_worse_and_is_deterministic():
     graph = build_graph(problem)
     start = [[graph.index[t] for t in order] for order in separate_order(problem).devices]
     tail = heads_and_tails(graph)[1]
-    runs = [polish(graph, start, tail, lower_bound(problem), rng=random.Random(5), deadline=time.perf_counter() + 60,
-                   budget=40) for _ in range(2)]
+    runs = [
+        polish(
+            graph, start, tail, lower_bound(problem), rng=random.Random(5), deadline=time.perf_counter() + 60, budget=40
+        )
+        for _ in range(2)
+    ]
     assert runs[0] == runs[1] and runs[0][1] <= 40
     improved = TaskOrder(problem, tuple(tuple(graph.tasks[i] for i in order) for order in runs[0][0]))
     assert check(improved).makespan < check(separate_order(problem)).makespan

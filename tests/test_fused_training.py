@@ -20,12 +20,12 @@ from loomrl.models.tokenizer import build_char_tokenizer
 from loomrl.models.zoo import build_causal_lm
 from loomrl.parallel.allocations import AllocationGroups
 from loomrl.parallel.data_parallel import sync_gradients
-from loomrl.parallel.pipeline_fusion import PipelineFusionSide, pipeline_fusion_backward
 from loomrl.parallel.pipeline import split_stages
+from loomrl.parallel.pipeline_fusion import PipelineFusionSide, pipeline_fusion_backward
 from loomrl.parallel.pipeline_runner import PipelineRunner, clip_grad_norm_pp
 from loomrl.parallel.spawn import run_world
+from loomrl.plan.allocation import Allocation, DeviceSet
 from loomrl.plan.layout import Layout
-from loomrl.plan.plan import Allocation, DeviceSet
 from loomrl.workflow.batch import micro_batch_slices
 from pipeline_helpers import MAX_NORM, logp_from_logits, ragged_batch, value_model
 
@@ -47,9 +47,9 @@ def _allocations(world: int, critic_pp: int) -> tuple[Allocation, Allocation]:
 def _orders(world: int, critic_pp: int, fused: bool) -> dict[int, tuple]:
     """Each device's order: the fused schedule's, or the two pipelines' 1F1B one after the other."""
     from loomrl.plan.pipeline_fusion import PipelineSpec
-    from loomrl.planner.pipeline_fusion.simulate import check
+    from loomrl.planner.cost.pipeline_fusion import local_orders, pipeline_fusion_problem
     from loomrl.planner.pipeline_fusion.search import fused_order, separate_order
-    from loomrl.planner.cost.pipeline_fusion import pipeline_fusion_problem, local_orders
+    from loomrl.planner.pipeline_fusion.simulate import check
 
     actor, critic = _allocations(world, critic_pp)
     specs = (PipelineSpec(world, 4), PipelineSpec(critic_pp, 2 * (world // critic_pp)))
@@ -97,8 +97,10 @@ class _Model:
         self.loss_of(self.ref_outputs(ids_BL, mask_BL), slice(0, len(ids_BL))).backward()
         torch.nn.utils.clip_grad_norm_(self.ref.parameters(), MAX_NORM)
         ref = dict(self.ref.named_parameters())
-        grads = max(((p.grad - ref[n].grad).abs().max() / ref[n].grad.abs().max().clamp_min(1e-12)).item()
-                    for n, p in self.stage.named_parameters())
+        grads = max(
+            ((p.grad - ref[n].grad).abs().max() / ref[n].grad.abs().max().clamp_min(1e-12)).item()
+            for n, p in self.stage.named_parameters()
+        )
         for params in (self.stage.parameters(), self.ref.parameters()):
             torch.optim.SGD(params, lr=SGD_LR).step()
         weights = max(((p - ref[n]).abs().max() / ref[n].abs().max()).item() for n, p in self.stage.named_parameters())
@@ -135,8 +137,10 @@ def _fused_step(rank: int, world: int, critic_pp: int, orders: dict[str, dict[in
     actor_alloc, critic_alloc = _allocations(world, critic_pp)
     groups = AllocationGroups(rank, [actor_alloc, critic_alloc], "cpu")
     tok = build_char_tokenizer()
-    models = (_Actor(rank, actor_alloc, groups, lambda: build_causal_lm("llama-1m", tok, seed=0), _actor_loss),
-              _Critic(rank, critic_alloc, groups, value_model, _critic_loss))
+    models = (
+        _Actor(rank, actor_alloc, groups, lambda: build_causal_lm("llama-1m", tok, seed=0), _actor_loss),
+        _Critic(rank, critic_alloc, groups, value_model, _critic_loss),
+    )
     for m in models:
         m.stage.model.train()
     # the two pipelines one after the other
@@ -144,25 +148,38 @@ def _fused_step(rank: int, world: int, critic_pp: int, orders: dict[str, dict[in
         m.runner.train_step_backward(m.ids_BL, m.mask_BL, m.loss_fn, len(m.parts))
     separate = [m.grads() for m in models]
     out: dict[str, Any] = {}
-    for name, fused in (("separate_order", False), ("fused", True)):
+    for name, _fused in (("separate_order", False), ("fused", True)):
         for m in models:
             m.zero()
-        sides = {i: PipelineFusionSide(m.runner, m.groups.pp_back_group, m.ids_BL, m.mask_BL, m.parts, m.loss_fn,
-                              stage_ranks=m.groups.stage_ranks) for i, m in enumerate(models)}
+        sides = {
+            i: PipelineFusionSide(
+                m.runner,
+                m.groups.pp_back_group,
+                m.ids_BL,
+                m.mask_BL,
+                m.parts,
+                m.loss_fn,
+                stage_ranks=m.groups.stage_ranks,
+            )
+            for i, m in enumerate(models)
+        }
         pipeline_fusion_backward(orders[name][rank], sides)
-        out[name] = max((g - separate[i][n]).abs().max().item() for i, m in enumerate(models)
-                        for n, g in m.grads().items())
+        out[name] = max(
+            (g - separate[i][n]).abs().max().item() for i, m in enumerate(models) for n, g in m.grads().items()
+        )
         out[f"{name}_peak"] = [side.peak_in_flight for side in sides.values()]
     out["vs_reference"] = [m.step_and_compare() for m in models]
     return out
 
 
-@pytest.mark.parametrize("world,critic_pp", [(2, 2), (4, 4), (4, 2)],
-                         ids=["2procs-equal", "4procs-equal", "4procs-critic-pp2x2"])
+@pytest.mark.parametrize(
+    "world,critic_pp", [(2, 2), (4, 4), (4, 2)], ids=["2procs-equal", "4procs-equal", "4procs-critic-pp2x2"]
+)
 def test_fused_step_equals_separate_pipelines_and_reference(world, critic_pp):
     orders = {name: _orders(world, critic_pp, fused) for name, fused in (("separate_order", False), ("fused", True))}
-    results = run_world(partial(_fused_step, world=world, critic_pp=critic_pp, orders=orders), world,
-                        timeout_s=TIMEOUT_S)
+    results = run_world(
+        partial(_fused_step, world=world, critic_pp=critic_pp, orders=orders), world, timeout_s=TIMEOUT_S
+    )
     for rank, result in enumerate(results):
         assert result["separate_order"] == 0.0, (rank, result)  # the same tasks in the same order: bit-equal
         assert result["fused"] == 0.0, (rank, result)  # each stage's sums in the same order: bit-equal too

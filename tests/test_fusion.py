@@ -12,8 +12,8 @@ import json
 
 import pytest
 
-from loomrl.algorithms.ops import generate_chunks, generate_op
 from loomrl.algorithms.context import OpContext, Role
+from loomrl.algorithms.ops import generate_chunks, generate_op
 from loomrl.algorithms.workflows import build_workflow
 from loomrl.config.schema import AlgoConfig, RolloutConfig, SFTConfig
 from loomrl.config.tools import load_config
@@ -42,12 +42,18 @@ def test_fusion_is_a_plan_knob_in_strings_files_and_after_a_strategy(tmp_path):
     assert make_plan("separate:2; stream_fusion=on", PPO, cluster).stream_fusion == StreamFusion()
     assert make_plan("interleave; stream_fusion=migrate_at:auto", GRPO, cluster).stream_fusion.migrate_at == "auto"
     text = format_plan_string(plan, PPO)
-    assert "stream_fusion=migrate_at:0.25,migrate_to:2,chunk:4" in text and parse_plan_string(text, PPO, cluster) == plan
+    assert (
+        "stream_fusion=migrate_at:0.25,migrate_to:2,chunk:4" in text and parse_plan_string(text, PPO, cluster) == plan
+    )
     plan.save(tmp_path / "p.yaml")
     assert ExecutionPlan.load(tmp_path / "p.yaml") == plan
-    for bad, fragment in (("colocate; stream_fusion=migrate_at:2", "outside 0..1"), ("colocate; stream_fusion=when:3", "not migrate_at"),
-                          ("colocate; stream_fusion=migrate_at:x", "not a number"), ("colocate; stream_fusion=migrate_to:5", "valid: 1-4"),
-                          ("colocate; actor_gen=0-3", "only shadow, offload, stream_fusion")):
+    for bad, fragment in (
+        ("colocate; stream_fusion=migrate_at:2", "outside 0..1"),
+        ("colocate; stream_fusion=when:3", "not migrate_at"),
+        ("colocate; stream_fusion=migrate_at:x", "not a number"),
+        ("colocate; stream_fusion=migrate_to:5", "valid: 1-4"),
+        ("colocate; actor_gen=0-3", "only shadow, offload, stream_fusion"),
+    ):
         with pytest.raises(ConfigError, match=fragment):
             make_plan(bad, PPO, cluster)
 
@@ -133,14 +139,33 @@ def references(tmp_path_factory, warm):
     return out
 
 
-@pytest.mark.parametrize("algo,plan,devices", [
-    ("ppo", "colocate", 2), ("ppo", "separate:1", 2), ("grpo", "colocate", 2), ("grpo", "separate:1", 2),
-    ("ppo", "colocate", 4), ("ppo", "separate:2", 4), ("grpo", "colocate", 4), ("grpo", "separate:2", 4),
-], ids=lambda v: str(v))
+@pytest.mark.parametrize(
+    "algo,plan,devices",
+    [
+        ("ppo", "colocate", 2),
+        ("ppo", "separate:1", 2),
+        ("grpo", "colocate", 2),
+        ("grpo", "separate:1", 2),
+        ("ppo", "colocate", 4),
+        ("ppo", "separate:2", 4),
+        ("grpo", "colocate", 4),
+        ("grpo", "separate:2", 4),
+    ],
+    ids=lambda v: str(v),
+)
 def test_a_fused_run_is_the_reference_run(tmp_path, warm, references, algo, plan, devices):
     text = f"{plan}; stream_fusion=migrate_at:0.5,migrate_to:1,chunk:2"
-    cfg = _cfg(tmp_path, "fused", warm, *COMMON, f"algo.name={algo}", "algo.group_size=2", "runtime.executor=ray",
-               f"runtime.devices={devices}", "runtime.verify_reallocation=true")
+    cfg = _cfg(
+        tmp_path,
+        "fused",
+        warm,
+        *COMMON,
+        f"algo.name={algo}",
+        "algo.group_size=2",
+        "runtime.executor=ray",
+        f"runtime.devices={devices}",
+        "runtime.verify_reallocation=true",
+    )
     RLTrainer(dataclasses.replace(cfg, runtime=dataclasses.replace(cfg.runtime, plan=text))).run()
     got = [json.loads(line) for line in (tmp_path / "fused" / "metrics.jsonl").read_text().splitlines()]
     _assert_equivalent(got, references[algo])

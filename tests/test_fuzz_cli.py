@@ -24,8 +24,9 @@ import os
 import subprocess
 import sys
 import typing
+from collections.abc import Callable
 from pathlib import Path
-from typing import Any, Callable
+from typing import Any
 
 import pytest
 import yaml
@@ -33,14 +34,22 @@ from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
 from loomrl.cli import main
-from loomrl.config.schema import SFTConfig, RMConfig, TrainConfig
+from loomrl.config.schema import RMConfig, SFTConfig, TrainConfig
 
 REPO = Path(__file__).resolve().parents[1]
 EXAMPLES = int(os.environ.get("LOOMRL_FUZZ_EXAMPLES", "6"))
-FUZZ = settings(max_examples=EXAMPLES, deadline=None, database=None,
-                derandomize=os.environ.get("LOOMRL_FUZZ_RANDOM") != "1",
-                suppress_health_check=[HealthCheck.too_slow, HealthCheck.function_scoped_fixture,
-                                       HealthCheck.data_too_large, HealthCheck.filter_too_much])
+FUZZ = settings(
+    max_examples=EXAMPLES,
+    deadline=None,
+    database=None,
+    derandomize=os.environ.get("LOOMRL_FUZZ_RANDOM") != "1",
+    suppress_health_check=[
+        HealthCheck.too_slow,
+        HealthCheck.function_scoped_fixture,
+        HealthCheck.data_too_large,
+        HealthCheck.filter_too_much,
+    ],
+)
 RUNTIME = ["runtime.device=cpu", "runtime.devices=4"]
 """A 'ray' run on four CPU devices (cpu:1x4): plans are resolved against it; Ray itself never starts."""
 MFCS = ("actor_gen", "ref_inf", "reward_inf", "critic_inf", "actor_train", "critic_train")
@@ -95,9 +104,14 @@ def sentinels(tmp_path_factory):
 
     verbosity, bar = hf_logging.get_verbosity(), hf_logging.is_progress_bar_enabled()
     with pytest.MonkeyPatch.context() as patch:
-        for module, name in ((loomrl.train.rl, "make_executor"), (loomrl.train.sft, "build_causal_lm"),
-                             (loomrl.train.rm, "build_value_model"), (loomrl.train.evaluation, "build_causal_lm"),
-                             (loomrl.planner.planning, "compare_plans"), (loomrl.planner.describe, "simulate_fixed")):
+        for module, name in (
+            (loomrl.train.rl, "make_executor"),
+            (loomrl.train.sft, "build_causal_lm"),
+            (loomrl.train.rm, "build_value_model"),
+            (loomrl.train.evaluation, "build_causal_lm"),
+            (loomrl.planner.planning, "compare_plans"),
+            (loomrl.planner.describe, "simulate_fixed"),
+        ):
             patch.setattr(module, name, accepted)
         # prompt files are converted by datasets into its cache: keep the fuzzer's thousands of them out of ~/.cache
         patch.setattr(datasets.config, "HF_DATASETS_CACHE", str(tmp_path_factory.mktemp("datasets-cache")))
@@ -134,7 +148,7 @@ WORD = st.from_regex(r"[a-z][a-z_]{0,9}x", fullmatch=True)
 FLOATS = st.floats(allow_nan=False, allow_infinity=False, min_value=-1e6, max_value=1e6)
 NONFINITE = st.sampled_from([".nan", ".inf", "-.inf", ".NaN", ".Inf"])
 NOT_UTF8 = st.sampled_from([b"\xff", b"\xfe\xff", b"\xc3\x28", b"\x80", b"\xed\xa0\x80", b"\xf8\x88\x80\x80\x80"])
-JSON_SCALARS = st.one_of(st.integers(-10**6, 10**6), FLOATS, st.booleans(), st.none(), st.text(max_size=8))
+JSON_SCALARS = st.one_of(st.integers(-(10**6), 10**6), FLOATS, st.booleans(), st.none(), st.text(max_size=8))
 
 
 def quoted(text: str) -> str:
@@ -176,8 +190,11 @@ def _leaves(cls: type, prefix: str = "") -> list[Leaf]:
         members = [a for a in args if a is not type(None)] if optional else [hint]
         kind = members[0] if len(members) == 1 and members[0] in (int, float, bool, str) else None
         spec = next((m for m in f.metadata.values() if hasattr(m, "choices")), None)
-        bounds = {} if spec is None else {k: getattr(spec, k) for k in ("ge", "gt", "le", "lt")
-                                          if getattr(spec, k) is not None}
+        bounds = (
+            {}
+            if spec is None
+            else {k: getattr(spec, k) for k in ("ge", "gt", "le", "lt") if getattr(spec, k) is not None}
+        )
         out.append(Leaf(path, kind, optional, bounds, None if spec is None else spec.choices))
     return out
 
@@ -230,6 +247,7 @@ def kind(category: str):
     def register(make):
         KINDS.append(Kind(make.__name__.replace("_", "-"), category, make))
         return make
+
     return register
 
 
@@ -282,8 +300,11 @@ def float_field_gets_a_word(data, files):
 @kind("config override")
 def bounded_float_gets_nan_or_inf(data, files):
     command, leaf = _pick(data, float, lambda leaf: bool(leaf.bounds))
-    values = [".nan", ".NaN"] + ([".inf", ".Inf"] if {"le", "lt"} & set(leaf.bounds) else []) \
-        + (["-.inf"] if {"ge", "gt"} & set(leaf.bounds) else [])  # inf under a lower bound alone is valid: no limit
+    values = (
+        [".nan", ".NaN"]
+        + ([".inf", ".Inf"] if {"le", "lt"} & set(leaf.bounds) else [])
+        + (["-.inf"] if {"ge", "gt"} & set(leaf.bounds) else [])
+    )  # inf under a lower bound alone is valid: no limit
     return _config_argv(command, files, [f"{leaf.path}={data.draw(st.sampled_from(values))}"]), (leaf.path,)
 
 
@@ -355,8 +376,15 @@ def section_gets_a_scalar_or_list(data, files):
 @kind("config override")
 def list_field_gets_a_scalar(data, files):
     command = data.draw(st.sampled_from(sorted(COMMANDS)))
-    leaf = data.draw(st.sampled_from([leaf for leaf in LEAVES[command] if leaf.kind is None
-                                      and not leaf.path.startswith(("runtime.layouts", "runtime.plan_changes"))]))
+    leaf = data.draw(
+        st.sampled_from(
+            [
+                leaf
+                for leaf in LEAVES[command]
+                if leaf.kind is None and not leaf.path.startswith(("runtime.layouts", "runtime.plan_changes"))
+            ]
+        )
+    )
     value = data.draw(st.one_of(st.integers(-9, 9).map(str), WORD))
     return _config_argv(command, files, [f"{leaf.path}={value}"]), (leaf.path,)
 
@@ -393,8 +421,24 @@ def override_with_a_malformed_key(data, files):
 
 @kind("config override")
 def override_value_is_broken_yaml(data, files):
-    value = data.draw(st.sampled_from(["[1, 2", "{a: 1", "'open", '"open', "a: b: c", "[}", "{]", "*alias",
-                                       "!!python/name:os.system", "- [", "@x", "`x"]))
+    value = data.draw(
+        st.sampled_from(
+            [
+                "[1, 2",
+                "{a: 1",
+                "'open",
+                '"open',
+                "a: b: c",
+                "[}",
+                "{]",
+                "*alias",
+                "!!python/name:os.system",
+                "- [",
+                "@x",
+                "`x",
+            ]
+        )
+    )
     field = data.draw(st.sampled_from(["seed", "loop.iterations", "run_dir", "algo.name"]))
     return _config_argv("train", files, [f"{field}={value}"]), (field,)
 
@@ -416,7 +460,7 @@ def override_value_nested_too_deeply(data, files):
 @kind("config override")
 def seed_out_of_range(data, files):
     command = data.draw(st.sampled_from(sorted(COMMANDS)))
-    value = data.draw(st.one_of(st.integers(2**63, 2**200), st.integers(-2**200, -1)))
+    value = data.draw(st.one_of(st.integers(2**63, 2**200), st.integers(-(2**200), -1)))
     return _config_argv(command, files, [f"seed={value}"]), ("seed",)
 
 
@@ -448,14 +492,16 @@ def reward_weights_not_one_per_function(data, files):
     n = data.draw(st.integers(1, 4))
     weights = data.draw(st.lists(st.floats(-5, 5), min_size=0, max_size=6).filter(lambda w: w and len(w) != n))
     fns = [f"m{i}:f" for i in range(n)]
-    return _config_argv("train", files, [f"task.reward_fns={fns}", f"task.reward_weights={weights}"]), \
-        ("task.reward_weights",)
+    return _config_argv("train", files, [f"task.reward_fns={fns}", f"task.reward_weights={weights}"]), (
+        "task.reward_weights",
+    )
 
 
 @kind("config cross-field")
 def reward_fn_and_reward_fns_together(data, files):
-    return _config_argv("train", files, [f"task.reward_fn={data.draw(WORD)}:f", "task.reward_fns=[a:f]"]), \
-        ("task.reward_fns",)
+    return _config_argv("train", files, [f"task.reward_fn={data.draw(WORD)}:f", "task.reward_fns=[a:f]"]), (
+        "task.reward_fns",
+    )
 
 
 @kind("config cross-field")
@@ -467,8 +513,16 @@ def file_task_without_its_prompt_file_or_reward(data, files):
 
 @kind("config cross-field")
 def runtime_setting_that_needs_the_ray_executor(data, files):
-    setting = data.draw(st.sampled_from(["runtime.plan=colocate", "runtime.controllers=2", "runtime.placement=dynamic",
-                                         "runtime.plan_changes={2: interleave}"]))
+    setting = data.draw(
+        st.sampled_from(
+            [
+                "runtime.plan=colocate",
+                "runtime.controllers=2",
+                "runtime.placement=dynamic",
+                "runtime.plan_changes={2: interleave}",
+            ]
+        )
+    )
     return _config_argv("train", files, ["runtime.executor=reference", setting]), ("runtime.",)
 
 
@@ -476,16 +530,18 @@ def runtime_setting_that_needs_the_ray_executor(data, files):
 def more_controllers_than_prompts(data, files):
     prompts = data.draw(st.integers(1, 8))
     controllers = data.draw(st.integers(prompts + 1, 64))
-    return _config_argv("train", files, [f"rollout.prompts_per_iter={prompts}", f"runtime.controllers={controllers}"]), \
-        ("runtime.controllers",)
+    return _config_argv(
+        "train", files, [f"rollout.prompts_per_iter={prompts}", f"runtime.controllers={controllers}"]
+    ), ("runtime.controllers",)
 
 
 @kind("config cross-field")
 def overlong_buffer_longer_than_responses(data, files):
     tokens = data.draw(st.integers(1, 64))
     buffer = data.draw(st.integers(tokens + 1, 10**4))
-    return _config_argv("train", files, [f"rollout.max_new_tokens={tokens}", f"algo.overlong_buffer={buffer}"]), \
-        ("algo.overlong_buffer",)
+    return _config_argv("train", files, [f"rollout.max_new_tokens={tokens}", f"algo.overlong_buffer={buffer}"]), (
+        "algo.overlong_buffer",
+    )
 
 
 @kind("config cross-field")
@@ -506,14 +562,22 @@ def layout_that_does_not_fill_the_devices(data, files):
 
 @kind("config cross-field")
 def sharding_a_frozen_role_or_fsdp_with_pipelines(data, files):
-    layout = data.draw(st.sampled_from(["{ref: {sharding: zero}}", "{reward: {sharding: fsdp}}",
-                                        "{actor: {pp: 2, dp: 2, sharding: fsdp}}", "{critic: {pp: 4, sharding: fsdp}}"]))
+    layout = data.draw(
+        st.sampled_from(
+            [
+                "{ref: {sharding: zero}}",
+                "{reward: {sharding: fsdp}}",
+                "{actor: {pp: 2, dp: 2, sharding: fsdp}}",
+                "{critic: {pp: 4, sharding: fsdp}}",
+            ]
+        )
+    )
     return _config_argv("train", files, [f"runtime.layouts={layout}"]), ("runtime.layouts.",)
 
 
 @kind("config cross-field")
 def plan_change_at_a_bad_iteration(data, files):
-    key = data.draw(st.one_of(st.integers(-10**6, 0).map(str), WORD, st.just("1.5")))
+    key = data.draw(st.one_of(st.integers(-(10**6), 0).map(str), WORD, st.just("1.5")))
     return _config_argv("train", files, [f"runtime.plan_changes={{{key}: interleave}}"]), ("runtime.plan_changes",)
 
 
@@ -521,8 +585,9 @@ def plan_change_at_a_bad_iteration(data, files):
 def old_checkpoint_name_conflicting_with_the_new(data, files):
     old = data.draw(st.integers(3, 50))
     new = data.draw(st.integers(1, 50).filter(lambda n: n not in (old, 2)))
-    return _config_argv("train", files, [f"checkpoint.keep_last={new}", f"loop.keep_checkpoints={old}"]), \
-        ("loop.keep_checkpoints",)
+    return _config_argv("train", files, [f"checkpoint.keep_last={new}", f"loop.keep_checkpoints={old}"]), (
+        "loop.keep_checkpoints",
+    )
 
 
 @kind("config cross-field")
@@ -536,10 +601,12 @@ def backend_unknown_or_named_twice(data, files):
 
 def _yaml_kind(make_text):
     """A config-file kind: ``make_text(data)`` → the file's content; the error must name the file."""
+
     def make(data, files):
         command = data.draw(st.sampled_from(sorted(COMMANDS)))
         path = files.write(".yaml", make_text(data))
         return [command, path, f"{'run_dir' if command == 'train' else 'out_dir'}={files.path('-out')}"], (path,)
+
     make.__name__ = make_text.__name__
     return make
 
@@ -548,8 +615,11 @@ def _yaml_kind(make_text):
 @_yaml_kind
 def broken_yaml_syntax(data):
     good = "seed: 1\nloop:\n  iterations: 2\nalgo: {name: ppo}\n"
-    junk = data.draw(st.sampled_from(["{", "[", "]", "}", ": :", "\t", "'", '"', "- x\n", "? ", "%", "@", "`",
-                                      "&", "*x", "!!binary 1"]))
+    junk = data.draw(
+        st.sampled_from(
+            ["{", "[", "]", "}", ": :", "\t", "'", '"', "- x\n", "? ", "%", "@", "`", "&", "*x", "!!binary 1"]
+        )
+    )
     at = data.draw(st.integers(0, len(good)))
     return good[:at] + junk + good[at:] if yaml_fails(good[:at] + junk + good[at:]) else good + "algo: {name: [\n"
 
@@ -565,8 +635,11 @@ def yaml_fails(text: str) -> bool:
 @kind("config file")
 @_yaml_kind
 def top_level_not_a_mapping(data):
-    return data.draw(st.sampled_from(["- seed\n- 1\n", "42\n", "just words\n", "!!set {a, b}\n", "[1, 2]\n",
-                                      "'quoted'\n", "3.5\n", "true\n"]))
+    return data.draw(
+        st.sampled_from(
+            ["- seed\n- 1\n", "42\n", "just words\n", "!!set {a, b}\n", "[1, 2]\n", "'quoted'\n", "3.5\n", "true\n"]
+        )
+    )
 
 
 @kind("config file")
@@ -620,8 +693,15 @@ def section_of_the_wrong_type(data):
 @kind("config file")
 @_yaml_kind
 def python_object_tags(data):
-    return data.draw(st.sampled_from(["seed: !!python/object/apply:os.system ['true']\n",
-                                      "seed: !!python/name:os.system\n", "run_dir: !!python/tuple [1]\n"]))
+    return data.draw(
+        st.sampled_from(
+            [
+                "seed: !!python/object/apply:os.system ['true']\n",
+                "seed: !!python/name:os.system\n",
+                "run_dir: !!python/tuple [1]\n",
+            ]
+        )
+    )
 
 
 @kind("config file")
@@ -670,8 +750,9 @@ def unknown_strategy(data, files):
 
 @kind("plan string")
 def separate_with_a_bad_device_count(data, files):
-    count = data.draw(st.one_of(WORD, st.integers(-99, 0).map(str), st.integers(4, 10**30).map(str),
-                                st.just("1.5"), st.just("2x")))  # 'separate:' alone means separate
+    count = data.draw(
+        st.one_of(WORD, st.integers(-99, 0).map(str), st.integers(4, 10**30).map(str), st.just("1.5"), st.just("2x"))
+    )  # 'separate:' alone means separate
     return _plan_argv(data, files, f"separate:{count}"), ("separate", "gen_devices", "plan")
 
 
@@ -689,11 +770,29 @@ def placement_after_a_strategy(data, files):
 
 @kind("plan string")
 def fusion_item_malformed(data, files):
-    value = data.draw(st.one_of(
-        WORD,
-        st.floats(1.0001, 1e9).map(lambda v: f"migrate_at:{v}"), st.floats(-1e9, -1e-6).map(lambda v: f"migrate_at:{v}"),
-        st.sampled_from(["migrate_at:nan", "migrate_at:inf", "migrate_at:x", "migrate_to:0", "migrate_to:-1",
-                         "migrate_to:x", "chunk:-1", "chunk:1.5", "chunk:", "migrate_at", ":", "migrate_to:99"])))
+    value = data.draw(
+        st.one_of(
+            WORD,
+            st.floats(1.0001, 1e9).map(lambda v: f"migrate_at:{v}"),
+            st.floats(-1e9, -1e-6).map(lambda v: f"migrate_at:{v}"),
+            st.sampled_from(
+                [
+                    "migrate_at:nan",
+                    "migrate_at:inf",
+                    "migrate_at:x",
+                    "migrate_to:0",
+                    "migrate_to:-1",
+                    "migrate_to:x",
+                    "chunk:-1",
+                    "chunk:1.5",
+                    "chunk:",
+                    "migrate_at",
+                    ":",
+                    "migrate_to:99",
+                ]
+            ),
+        )
+    )
     strategy = data.draw(st.sampled_from(["colocate", "interleave", "separate:2", _placement()]))
     return _plan_argv(data, files, f"{strategy}; stream_fusion={value}"), ("stream_fusion",)
 
@@ -706,7 +805,9 @@ def fuse_train_neither_on_nor_off(data, files):
 
 @kind("plan string")
 def unknown_model_call(data, files):
-    name = data.draw(WORD.filter(lambda w: w not in MFCS and w not in ("shadow", "offload", "stream_fusion", "advantages")))
+    name = data.draw(
+        WORD.filter(lambda w: w not in MFCS and w not in ("shadow", "offload", "stream_fusion", "advantages"))
+    )
     return _plan_argv(data, files, _placement(**{name: "0-3"})), (name,)
 
 
@@ -805,9 +906,18 @@ def unknown_role_in_shadow_or_offload(data, files):
 
 @kind("plan string")
 def incompatible_call_options(data, files):
-    mfc, layout = data.draw(st.sampled_from([("actor_train", "dp4zerofsdp"), ("critic_train", "pp2dp2fsdp"),
-                                             ("actor_gen", "dp4rc"), ("ref_inf", "dp4rc"), ("actor_gen", "dp2rev"),
-                                             ("critic_inf", "dp1pp4rcrev")]))
+    mfc, layout = data.draw(
+        st.sampled_from(
+            [
+                ("actor_train", "dp4zerofsdp"),
+                ("critic_train", "pp2dp2fsdp"),
+                ("actor_gen", "dp4rc"),
+                ("ref_inf", "dp4rc"),
+                ("actor_gen", "dp2rev"),
+                ("critic_inf", "dp1pp4rcrev"),
+            ]
+        )
+    )
     return _plan_argv(data, files, _placement(**{mfc: f"0-3:{layout}"})), (mfc,)
 
 
@@ -819,7 +929,9 @@ def compute_step_sharded(data, files):
 
 @kind("plan string")
 def plan_change_to_a_malformed_plan(data, files):
-    text = data.draw(st.sampled_from(["colocatee", "separate:0", "actor_gen=0-9", "colocate; stream_fusion=x", "interleave:2"]))
+    text = data.draw(
+        st.sampled_from(["colocatee", "separate:0", "actor_gen=0-9", "colocate; stream_fusion=x", "interleave:2"])
+    )
     iteration = data.draw(st.integers(1, 10**6))
     argv = _config_argv("train", files, [f"runtime.plan_changes={{{iteration}: {quoted(text)}}}"])
     return argv, (f"runtime.plan_changes.{iteration}",)
@@ -842,6 +954,7 @@ def _plan_file_text(data) -> str:
 
 def _plan_file_kind(mutate):
     """A plan-file kind: ``mutate(data, plan_dict)`` → the file's content (str or bytes) or a mutated dict."""
+
     def make(data, files):
         text = _plan_file_text(data)
         content = mutate(data, json.loads(text)) if mutate.__code__.co_argcount == 2 else mutate(data, text, None)
@@ -849,6 +962,7 @@ def _plan_file_kind(mutate):
             content = json.dumps(content)
         path = files.write(".json", content)
         return _plan_argv(data, files, path), (path, "plan.")
+
     make.__name__ = mutate.__name__
     return make
 
@@ -856,7 +970,7 @@ def _plan_file_kind(mutate):
 @kind("plan file")
 @_plan_file_kind
 def truncated(data, text, _):
-    return text[:data.draw(st.integers(0, len(text) - 3))]
+    return text[: data.draw(st.integers(0, len(text) - 3))]
 
 
 @kind("plan file")
@@ -897,17 +1011,42 @@ def nan_or_infinity_in_a_number(data, text, _):
 def field_of_the_wrong_type(data, plan):
     name = data.draw(st.sampled_from(sorted(plan["allocations"])))
     alloc = plan["allocations"][name]
-    target, key = data.draw(st.sampled_from([(plan["cluster"], "nodes"), (plan["cluster"], "devices_per_node"),
-                                             (plan["cluster"], "memory_gb"), (plan["cluster"], "profile"),
-                                             (alloc, "devices"), (alloc, "dp"), (alloc, "tp"), (alloc, "pp"),
-                                             (alloc, "micro_batches"), (plan, "shadow"), (plan, "offload"),
-                                             (plan, "stream_fusion"), (plan, "allocations"), (plan, "cluster")]))
-    wrong = {"nodes": ["x", 1.5, True, [1]], "devices_per_node": ["4", 4.0, False, None],
-             "memory_gb": ["lots", True, [1], {}], "profile": [1, None, ["local"]],
-             "devices": [1.5, True, {"a": 1}, None, ["0"], [0.5]], "dp": ["2", 2.0, True, [2], None],
-             "tp": ["1", 1.0, None], "pp": ["1", False, {}], "micro_batches": ["1", 1.5, []],
-             "shadow": ["actor", 1, {"a": 1}, [1]], "offload": ["ref", 2, [None]], "stream_fusion": ["on", 1, [1]],
-             "allocations": [[], "x", 1, None], "cluster": ["cpu:4", 4, [], None]}[key]
+    target, key = data.draw(
+        st.sampled_from(
+            [
+                (plan["cluster"], "nodes"),
+                (plan["cluster"], "devices_per_node"),
+                (plan["cluster"], "memory_gb"),
+                (plan["cluster"], "profile"),
+                (alloc, "devices"),
+                (alloc, "dp"),
+                (alloc, "tp"),
+                (alloc, "pp"),
+                (alloc, "micro_batches"),
+                (plan, "shadow"),
+                (plan, "offload"),
+                (plan, "stream_fusion"),
+                (plan, "allocations"),
+                (plan, "cluster"),
+            ]
+        )
+    )
+    wrong = {
+        "nodes": ["x", 1.5, True, [1]],
+        "devices_per_node": ["4", 4.0, False, None],
+        "memory_gb": ["lots", True, [1], {}],
+        "profile": [1, None, ["local"]],
+        "devices": [1.5, True, {"a": 1}, None, ["0"], [0.5]],
+        "dp": ["2", 2.0, True, [2], None],
+        "tp": ["1", 1.0, None],
+        "pp": ["1", False, {}],
+        "micro_batches": ["1", 1.5, []],
+        "shadow": ["actor", 1, {"a": 1}, [1]],
+        "offload": ["ref", 2, [None]],
+        "stream_fusion": ["on", 1, [1]],
+        "allocations": [[], "x", 1, None],
+        "cluster": ["cpu:4", 4, [], None],
+    }[key]
     target[key] = data.draw(st.sampled_from(wrong))
     return plan
 
@@ -945,7 +1084,7 @@ def required_field_missing(data, plan):
 @_plan_file_kind
 def device_index_out_of_range(data, plan):
     name = data.draw(st.sampled_from(sorted(plan["allocations"])))
-    bad = data.draw(st.one_of(st.integers(4, 10**30), st.integers(-10**6, -1)))
+    bad = data.draw(st.one_of(st.integers(4, 10**30), st.integers(-(10**6), -1)))
     alloc = plan["allocations"][name]
     alloc["devices"] = [bad] if data.draw(st.booleans()) else (str(bad) if bad >= 0 else [bad])
     alloc.update(dp=1, tp=1, pp=1)
@@ -986,17 +1125,29 @@ def degrees_not_matching_the_mesh(data, plan):
     name = data.draw(st.sampled_from(sorted(plan["allocations"])))
     alloc = plan["allocations"][name]
     key = data.draw(st.sampled_from(["dp", "tp", "pp"]))
-    alloc[key] = alloc[key] + data.draw(st.integers(1, 64)) if data.draw(st.booleans()) else \
-        data.draw(st.integers(-64, 0))
+    alloc[key] = (
+        alloc[key] + data.draw(st.integers(1, 64)) if data.draw(st.booleans()) else data.draw(st.integers(-64, 0))
+    )
     return plan
 
 
 @kind("plan file")
 @_plan_file_kind
 def cluster_not_the_runs(data, plan):
-    key, value = data.draw(st.sampled_from([("devices_per_node", 8), ("nodes", 2), ("memory_gb", 80.0),
-                                            ("profile", "h100-80g"), ("device_kind", "h100"), ("memory_gb", -1.0),
-                                            ("profile", "tpu-v9"), ("device_kind", "")]))
+    key, value = data.draw(
+        st.sampled_from(
+            [
+                ("devices_per_node", 8),
+                ("nodes", 2),
+                ("memory_gb", 80.0),
+                ("profile", "h100-80g"),
+                ("device_kind", "h100"),
+                ("memory_gb", -1.0),
+                ("profile", "tpu-v9"),
+                ("device_kind", ""),
+            ]
+        )
+    )
     plan["cluster"][key] = value
     return plan
 
@@ -1006,8 +1157,11 @@ def cluster_not_the_runs(data, plan):
 def unknown_role_or_bad_fusion(data, plan):
     key = data.draw(st.sampled_from(["shadow", "offload", "stream_fusion"]))
     if key == "stream_fusion":
-        plan["stream_fusion"] = data.draw(st.sampled_from([{"migrate_at": 2.0}, {"migrate_at": "soon"}, {"migrate_to": 0},
-                                                  {"chunk": -1}, {"migrate_to": 99}]))
+        plan["stream_fusion"] = data.draw(
+            st.sampled_from(
+                [{"migrate_at": 2.0}, {"migrate_at": "soon"}, {"migrate_to": 0}, {"chunk": -1}, {"migrate_to": 99}]
+            )
+        )
     else:
         plan[key] = [data.draw(WORD.filter(lambda w: w not in ROLES))]
     return plan
@@ -1015,15 +1169,34 @@ def unknown_role_or_bad_fusion(data, plan):
 
 @kind("plan file")
 def plan_file_missing_or_of_an_unknown_suffix(data, files):
-    path = data.draw(st.sampled_from([files.path(".json"), files.path(".yaml"), files.write(".txt", "{}"),
-                                      files.write(".jsn", "{}"), str(files.root) + "/"]))
+    path = data.draw(
+        st.sampled_from(
+            [
+                files.path(".json"),
+                files.path(".yaml"),
+                files.write(".txt", "{}"),
+                files.write(".jsn", "{}"),
+                str(files.root) + "/",
+            ]
+        )
+    )
     return _plan_argv(data, files, path), (path.rstrip("/"), "plan")
 
 
 @kind("plan file")
 def yaml_plan_file_broken(data, files):
-    content = data.draw(st.sampled_from(["cluster: {nodes: 1\n", "- 1\n", "cluster: &a [*a]\n", "\x00", "",
-                                         "allocations: {actor_gen: {devices: '0-3'}}\n"]))
+    content = data.draw(
+        st.sampled_from(
+            [
+                "cluster: {nodes: 1\n",
+                "- 1\n",
+                "cluster: &a [*a]\n",
+                "\x00",
+                "",
+                "allocations: {actor_gen: {devices: '0-3'}}\n",
+            ]
+        )
+    )
     path = files.write(data.draw(st.sampled_from([".yaml", ".yml"])), content)
     return _plan_argv(data, files, path), (path, "plan.")
 
@@ -1031,13 +1204,17 @@ def yaml_plan_file_broken(data, files):
 # --- prompt files: task.prompt_file (task 'file') and task.eval_file --------------------------------------
 
 
-ROWS = st.lists(st.fixed_dictionaries({"prompt": st.text(max_size=12)}, optional={"answer": st.text(max_size=4)}),
-                min_size=1, max_size=4)
+ROWS = st.lists(
+    st.fixed_dictionaries({"prompt": st.text(max_size=12)}, optional={"answer": st.text(max_size=4)}),
+    min_size=1,
+    max_size=4,
+)
 
 
 def _prompt_kind(make_content, suffix: str = ".jsonl"):
     """A prompt-file kind: ``make_content(data)`` → the file's bytes or text; it is given as the prompt file of
     task 'file' (train or sft) or as the eval file of a synthetic task; the error must name the file."""
+
     def make(data, files):
         path = files.write(suffix, make_content(data))
         where = data.draw(st.sampled_from(["train-prompts", "sft-prompts", "train-eval"]), label="as")
@@ -1047,6 +1224,7 @@ def _prompt_kind(make_content, suffix: str = ".jsonl"):
         reward = f"{files.root / 'rewards.py'}:score"
         task = ["task.name=file", f"task.prompt_file={path}", f"task.reward_fn={reward}", "task.reward_timeout_s=0"]
         return _config_argv(command, files, task), (path,)
+
     make.__name__ = make_content.__name__
     return make
 
@@ -1066,9 +1244,16 @@ def prompt_column_missing(data):
 @_prompt_kind
 def prompt_of_the_wrong_type(data):
     rows = data.draw(ROWS)
-    bad = data.draw(st.one_of(st.integers(), FLOATS, st.booleans(), st.none(), st.dictionaries(WORD, st.integers(),
-                                                                                                max_size=2),
-                              st.lists(st.integers(), min_size=1, max_size=3)))
+    bad = data.draw(
+        st.one_of(
+            st.integers(),
+            FLOATS,
+            st.booleans(),
+            st.none(),
+            st.dictionaries(WORD, st.integers(), max_size=2),
+            st.lists(st.integers(), min_size=1, max_size=3),
+        )
+    )
     rows.insert(data.draw(st.integers(0, len(rows))), {"prompt": bad})
     return _jsonl(rows)
 
@@ -1083,8 +1268,21 @@ def empty_or_blank_lines_only(data):
 @_prompt_kind
 def invalid_json_line(data):
     rows = [json.dumps(row) for row in data.draw(ROWS)]
-    junk = data.draw(st.sampled_from(["{", "}", "{prompt: x}", "{'prompt': 'x'}", '{"prompt": "x",}', "[1,",
-                                      '{"prompt": "x"} trailing', "nan", '{"prompt": NaN']))
+    junk = data.draw(
+        st.sampled_from(
+            [
+                "{",
+                "}",
+                "{prompt: x}",
+                "{'prompt': 'x'}",
+                '{"prompt": "x",}',
+                "[1,",
+                '{"prompt": "x"} trailing',
+                "nan",
+                '{"prompt": NaN',
+            ]
+        )
+    )
     rows.insert(data.draw(st.integers(0, len(rows))), junk)
     return "\n".join(rows) + "\n"
 
@@ -1101,8 +1299,12 @@ def invalid_utf8(data):
 @_prompt_kind
 def line_that_is_not_an_object(data):
     rows = [json.dumps(row) for row in data.draw(ROWS)]
-    rows.insert(data.draw(st.integers(0, len(rows))), json.dumps(data.draw(st.one_of(
-        st.integers(), st.text(max_size=5), st.lists(st.integers(), max_size=3), st.booleans()))))
+    rows.insert(
+        data.draw(st.integers(0, len(rows))),
+        json.dumps(
+            data.draw(st.one_of(st.integers(), st.text(max_size=5), st.lists(st.integers(), max_size=3), st.booleans()))
+        ),
+    )
     return "\n".join(rows) + "\n"
 
 
@@ -1110,7 +1312,7 @@ def line_that_is_not_an_object(data):
 @_prompt_kind
 def truncated_last_line(data):
     text = _jsonl(data.draw(ROWS)) + json.dumps({"prompt": data.draw(st.text(min_size=2, max_size=8))})
-    return text[:len(text) - data.draw(st.integers(1, 4))]
+    return text[: len(text) - data.draw(st.integers(1, 4))]
 
 
 @kind("prompt file")
@@ -1122,8 +1324,19 @@ def key_given_twice_in_a_row(data):
 @kind("prompt file")
 @_prompt_kind
 def conversation_malformed(data):
-    message = data.draw(st.sampled_from([{"role": "user"}, {"content": "hi"}, {"role": 1, "content": "x"},
-                                         {"role": "user", "content": ["x"]}, "user: hi", None, 5]))
+    message = data.draw(
+        st.sampled_from(
+            [
+                {"role": "user"},
+                {"content": "hi"},
+                {"role": 1, "content": "x"},
+                {"role": "user", "content": ["x"]},
+                "user: hi",
+                None,
+                5,
+            ]
+        )
+    )
     turns = [{"role": "user", "content": "hi"}, message] if data.draw(st.booleans()) else [message]
     return _jsonl([{"prompt": turns}])
 
@@ -1142,9 +1355,14 @@ def nested_prompt_value(data):
 
 @kind("prompt file")
 def json_document_without_rows(data, files):
-    content = data.draw(st.one_of(st.just("[]"), JSON_SCALARS.map(json.dumps).filter(lambda t: t not in ("{}",)),
-                                  st.lists(JSON_SCALARS, min_size=1, max_size=3).map(json.dumps),
-                                  ROWS.map(lambda rows: json.dumps([*rows, 7]))))
+    content = data.draw(
+        st.one_of(
+            st.just("[]"),
+            JSON_SCALARS.map(json.dumps).filter(lambda t: t not in ("{}",)),
+            st.lists(JSON_SCALARS, min_size=1, max_size=3).map(json.dumps),
+            ROWS.map(lambda rows: json.dumps([*rows, 7])),
+        )
+    )
     return _prompt_kind(lambda _: content, ".json")(data, files)
 
 
@@ -1175,16 +1393,32 @@ def prompt_key_not_a_column(data, files):
     path = files.write(".jsonl", _jsonl(data.draw(ROWS)))
     key = data.draw(st.one_of(WORD.filter(lambda w: w not in ("prompt", "answer")), st.just("")))
     reward = f"{files.root / 'rewards.py'}:score"
-    task = ["task.name=file", f"task.prompt_file={path}", f"task.reward_fn={reward}", "task.reward_timeout_s=0",
-            f"task.prompt_key={quoted(key)}"]
+    task = [
+        "task.name=file",
+        f"task.prompt_file={path}",
+        f"task.reward_fn={reward}",
+        "task.reward_timeout_s=0",
+        f"task.prompt_key={quoted(key)}",
+    ]
     return _config_argv("train", files, task), (path,)
 
 
 @kind("prompt file")
 def reward_function_that_cannot_be_loaded(data, files):
     path = files.write(".jsonl", _jsonl(data.draw(ROWS)))
-    spec = data.draw(st.sampled_from(["nocolon", ":f", "m:", f"{files.root / 'rewards.py'}:missing",
-                                      f"{files.path('.py')}:score", "no_such_module_x:f", f"{path}:score"]))
+    spec = data.draw(
+        st.sampled_from(
+            [
+                "nocolon",
+                ":f",
+                "m:",
+                f"{files.root / 'rewards.py'}:missing",
+                f"{files.path('.py')}:score",
+                "no_such_module_x:f",
+                f"{path}:score",
+            ]
+        )
+    )
     task = ["task.name=file", f"task.prompt_file={path}", f"task.reward_fn={spec}"]
     return _config_argv("train", files, task), (spec,)
 
@@ -1198,9 +1432,29 @@ def _plan_command(files, *flags: str) -> list[str]:
 
 @kind("plan command")
 def cluster_malformed(data, files):
-    cluster = data.draw(st.one_of(WORD, st.sampled_from(["h100", "h100:", ":8", "h100:x8", "h100:8x", "h100:0",
-                                                         "h100:0x8", "h100:8x0", "tpu:8", "h100:-1", "8x8", "",
-                                                         "h100:8 x8", "cpu:1.5"])))
+    cluster = data.draw(
+        st.one_of(
+            WORD,
+            st.sampled_from(
+                [
+                    "h100",
+                    "h100:",
+                    ":8",
+                    "h100:x8",
+                    "h100:8x",
+                    "h100:0",
+                    "h100:0x8",
+                    "h100:8x0",
+                    "tpu:8",
+                    "h100:-1",
+                    "8x8",
+                    "",
+                    "h100:8 x8",
+                    "cpu:1.5",
+                ]
+            ),
+        )
+    )
     return _plan_command(files, "--cluster", cluster), ("cluster",)
 
 
@@ -1213,44 +1467,98 @@ def model_unknown(data, files):
 
 @kind("plan command")
 def response_lengths_malformed(data, files):
-    text = data.draw(st.one_of(WORD, st.sampled_from(["-5", "0", "nan", "inf", "lognormal:", "lognormal:mean=x",
-                                                      "lognormal:mean=5,sigma=-1", "lognormal:sigma=1",
-                                                      "lognormal:mean=5,max=2", "lognormal:mean=5,bogus=1"])))
+    text = data.draw(
+        st.one_of(
+            WORD,
+            st.sampled_from(
+                [
+                    "-5",
+                    "0",
+                    "nan",
+                    "inf",
+                    "lognormal:",
+                    "lognormal:mean=x",
+                    "lognormal:mean=5,sigma=-1",
+                    "lognormal:sigma=1",
+                    "lognormal:mean=5,max=2",
+                    "lognormal:mean=5,bogus=1",
+                ]
+            ),
+        )
+    )
     return _plan_command(files, "--response-len", text), ("response",)
 
 
 @kind("plan command")
 def response_length_file_malformed(data, files):
-    content = data.draw(st.sampled_from(["", "x\n", "-3\n", '{"length": "long"}\n', '{"other": 5}\n', "[0, 2]\n",
-                                         "0\n", "nan\n", "[]\n"]))
+    content = data.draw(
+        st.sampled_from(
+            ["", "x\n", "-3\n", '{"length": "long"}\n', '{"other": 5}\n', "[0, 2]\n", "0\n", "nan\n", "[]\n"]
+        )
+    )
     path = files.write(".jsonl", content)
     return _plan_command(files, "--response-len", path), (path, "response")
 
 
 @kind("plan command")
 def count_flag_out_of_range(data, files):
-    flag = data.draw(st.sampled_from(["--prompts", "--responses-per-prompt", "--response-max", "--optimizer-steps",
-                                      "--ppo-epochs", "--decode-slots", "--gen-max-seqs", "--gen-request-batch",
-                                      "--expert-parallel"]))
-    return _plan_command(files, flag, str(data.draw(st.integers(-10**6, 0)))), (flag[2:].replace("-", "_"),)
+    flag = data.draw(
+        st.sampled_from(
+            [
+                "--prompts",
+                "--responses-per-prompt",
+                "--response-max",
+                "--optimizer-steps",
+                "--ppo-epochs",
+                "--decode-slots",
+                "--gen-max-seqs",
+                "--gen-request-batch",
+                "--expert-parallel",
+            ]
+        )
+    )
+    return _plan_command(files, flag, str(data.draw(st.integers(-(10**6), 0)))), (flag[2:].replace("-", "_"),)
 
 
 @kind("plan command")
 def number_flag_out_of_range_or_not_finite(data, files):
-    flag, bad = data.draw(st.sampled_from([("--prompt-len", "-1"), ("--prompt-len", "nan"), ("--prompt-len", "inf"),
-                                           ("--response-spread", "-0.5"), ("--response-spread", "nan"),
-                                           ("--gen-memory-fraction", "1.5"), ("--gen-memory-fraction", "0"),
-                                           ("--gen-memory-fraction", "nan"), ("--sync-tensor-s", "-1"),
-                                           ("--time-budget", "0"), ("--time-budget", "-3"),
-                                           ("--time-budget", "nan"), ("--time-budget", "inf")]))
-    return ["plan", "--model", "llama-1m", flag, bad, "--out", files.path("-plan")], \
-        (flag[2:].replace("-", "_"), flag)
+    flag, bad = data.draw(
+        st.sampled_from(
+            [
+                ("--prompt-len", "-1"),
+                ("--prompt-len", "nan"),
+                ("--prompt-len", "inf"),
+                ("--response-spread", "-0.5"),
+                ("--response-spread", "nan"),
+                ("--gen-memory-fraction", "1.5"),
+                ("--gen-memory-fraction", "0"),
+                ("--gen-memory-fraction", "nan"),
+                ("--sync-tensor-s", "-1"),
+                ("--time-budget", "0"),
+                ("--time-budget", "-3"),
+                ("--time-budget", "nan"),
+                ("--time-budget", "inf"),
+            ]
+        )
+    )
+    return ["plan", "--model", "llama-1m", flag, bad, "--out", files.path("-plan")], (flag[2:].replace("-", "_"), flag)
 
 
 @kind("plan command")
 def flag_value_of_the_wrong_type(data, files):
-    flag = data.draw(st.sampled_from(["--prompts", "--prompt-len", "--response-max", "--time-budget", "--seed",
-                                      "--gen-memory-fraction", "--decode-slots"]))
+    flag = data.draw(
+        st.sampled_from(
+            [
+                "--prompts",
+                "--prompt-len",
+                "--response-max",
+                "--time-budget",
+                "--seed",
+                "--gen-memory-fraction",
+                "--decode-slots",
+            ]
+        )
+    )
     return _plan_command(files, flag, data.draw(WORD)), (flag,)
 
 
@@ -1274,9 +1582,21 @@ def output_directory_is_a_file(data, files):
 
 @kind("plan command")
 def workload_file_malformed(data, files):
-    content = data.draw(st.sampled_from(["algo: [1\n", "- 1\n", "bogus_key: 1\n", "prompts: many\n", "algo: 5\n",
-                                         "prompts: 0\n", "engine: {gen_memory_fraction: 2}\n", "models: x\n",
-                                         "response_len: -1\n"]))
+    content = data.draw(
+        st.sampled_from(
+            [
+                "algo: [1\n",
+                "- 1\n",
+                "bogus_key: 1\n",
+                "prompts: many\n",
+                "algo: 5\n",
+                "prompts: 0\n",
+                "engine: {gen_memory_fraction: 2}\n",
+                "models: x\n",
+                "response_len: -1\n",
+            ]
+        )
+    )
     path = files.write(".yaml", content)
     return _plan_command(files, "--workload", path), (path, "run.")
 
@@ -1337,10 +1657,16 @@ def test_two_malformed_overrides_together_still_give_one_line(files):
 
 
 def _run_cli(*args: str) -> subprocess.CompletedProcess:
-    env = {**os.environ, "HF_HUB_OFFLINE": "1", "HF_DATASETS_OFFLINE": "1", "TOKENIZERS_PARALLELISM": "false",
-           "OMP_NUM_THREADS": "1"}
-    return subprocess.run([sys.executable, "-m", "loomrl.cli", *args], cwd=REPO, env=env, capture_output=True,
-                          text=True, timeout=120)
+    env = {
+        **os.environ,
+        "HF_HUB_OFFLINE": "1",
+        "HF_DATASETS_OFFLINE": "1",
+        "TOKENIZERS_PARALLELISM": "false",
+        "OMP_NUM_THREADS": "1",
+    }
+    return subprocess.run(
+        [sys.executable, "-m", "loomrl.cli", *args], cwd=REPO, env=env, capture_output=True, text=True, timeout=120
+    )
 
 
 def test_in_a_real_process_too(tmp_path):
@@ -1352,8 +1678,16 @@ def test_in_a_real_process_too(tmp_path):
     plan = tmp_path / "plan.json"
     plan.write_text('{"cluster": {"nodes": 1, "devices_per_node": 4}, "allocations": {"actor_gen": {"devices": "0-')
     cases = [
-        (["train", "task.name=file", f"task.prompt_file={prompts}", f"task.reward_fn={tmp_path / 'rewards.py'}:score",
-          f"run_dir={tmp_path / 'run'}"], str(prompts)),
+        (
+            [
+                "train",
+                "task.name=file",
+                f"task.prompt_file={prompts}",
+                f"task.reward_fn={tmp_path / 'rewards.py'}:score",
+                f"run_dir={tmp_path / 'run'}",
+            ],
+            str(prompts),
+        ),
         (["train", *RUNTIME, f"runtime.plan={plan}", f"run_dir={tmp_path / 'run'}"], str(plan)),
         (["plan", "--prompts", "many"], "--prompts"),
     ]

@@ -46,9 +46,15 @@ def _random_prompts(n: int, seed: int) -> list[list[int]]:
 
 def _hf_greedy(model, prompt: list[int], max_new_tokens: int, eos_id: int | None) -> list[int]:
     ids = torch.tensor([prompt])
-    out = model.generate(input_ids=ids, attention_mask=torch.ones_like(ids), max_new_tokens=max_new_tokens,
-                         do_sample=False, eos_token_id=eos_id, pad_token_id=0)
-    return out[0, len(prompt):].tolist()
+    out = model.generate(
+        input_ids=ids,
+        attention_mask=torch.ones_like(ids),
+        max_new_tokens=max_new_tokens,
+        do_sample=False,
+        eos_token_id=eos_id,
+        pad_token_id=0,
+    )
+    return out[0, len(prompt) :].tolist()
 
 
 def _eos_that_occurs(tokens: list[int]) -> tuple[int, int]:
@@ -71,7 +77,7 @@ def test_greedy_matches_hf_generate(arch, models, prompts):
     # Now an eos the model actually emits: rows stop where HF stops, eos included, others run to the limit.
     eos, step = _eos_that_occurs(free[1].tokens)
     stopped = generate(model, prompts, keys_B, params, eos_id=eos, pad_id=0)
-    assert stopped[1].tokens == free[1].tokens[:step + 1] and stopped[1].tokens[-1] == eos
+    assert stopped[1].tokens == free[1].tokens[: step + 1] and stopped[1].tokens[-1] == eos
     for prompt, gen in zip(prompts, stopped):
         assert gen.tokens == _hf_greedy(model, prompt, n, eos_id=eos)
 
@@ -119,7 +125,7 @@ def test_sample_tokens_do_not_depend_on_batch(arch, models):
     lengths = {len(g.tokens) for g in batch}
     assert len(lengths) > 1, "every row stopped at the same step; the test would not exercise row dropping"
     for b in range(16):
-        alone = generate(model, [prompts[b]], keys_B[b:b + 1], params, eos_id=eos, pad_id=0)[0]
+        alone = generate(model, [prompts[b]], keys_B[b : b + 1], params, eos_id=eos, pad_id=0)[0]
         assert alone.tokens == batch[b].tokens, b
         torch.testing.assert_close(torch.tensor(alone.logps), torch.tensor(batch[b].logps), atol=1e-5, rtol=0)
     perm = torch.randperm(16, generator=torch.Generator().manual_seed(1)).tolist()
@@ -142,8 +148,14 @@ def test_different_streams_draw_different_tokens(models, prompts):
 
 @pytest.mark.parametrize("max_new_tokens", [1, 5, 13])
 def test_max_new_tokens_respected(max_new_tokens, models, prompts):
-    gens = generate(models["gpt2-1m"], prompts, stream_keys(0, 0, range(len(prompts))),
-                    SamplingParams(max_new_tokens=max_new_tokens, temperature=1.0), NEVER, 0)
+    gens = generate(
+        models["gpt2-1m"],
+        prompts,
+        stream_keys(0, 0, range(len(prompts))),
+        SamplingParams(max_new_tokens=max_new_tokens, temperature=1.0),
+        NEVER,
+        0,
+    )
     assert [len(g.tokens) for g in gens] == [max_new_tokens] * len(prompts)
     assert all(len(g.logps) == max_new_tokens for g in gens)
 

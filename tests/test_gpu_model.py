@@ -8,16 +8,17 @@ from types import SimpleNamespace
 
 import pytest
 
+from loomrl.models.presets import MODEL_PRESETS
 from loomrl.plan import GB, Allocation, ClusterSpec, param_count
-from loomrl.plan.memory import model_dims, shard_bytes
-from loomrl.plan.hardware import PROFILES, profile_for
-from loomrl.planner.cost.model import CostModel
-from loomrl.planner.cost.workload import ModelShape, Workload
+from loomrl.plan.cluster import profile_for
+from loomrl.plan.hardware import PROFILES
+from loomrl.plan.memory import shard_bytes
+from loomrl.plan.model_shape import ModelShape
 from loomrl.planner.cost import decode as D
 from loomrl.planner.cost import terms as T
-from loomrl.planner.planning import MODEL_PRESETS
+from loomrl.planner.cost.model import CostModel
 from loomrl.planner.cost.system import SystemSettings, default_max_seqs
-from loomrl.planner.cost.workload import lengths_from_mean_max
+from loomrl.planner.cost.workload import Workload, lengths_from_mean_max
 from loomrl.workflow import MFC, MFCKind
 
 GEN = MFC("actor_gen", "actor", MFCKind.GENERATE, ("prompt_ids",), ("response_ids",))
@@ -31,21 +32,31 @@ def a(text: str) -> Allocation:
 
 # ------------------------------------------------------------------------------------------- model descriptions
 
+
 def test_parameters_follow_the_config_fields():
     """h=8, 2 layers, vocab 10, 2 heads of width 6 (≠ 8/2), 1 kv head, MLP 16: attention per layer
     8·6·2·(2+1) = 288, norms 16, gated MLP 3·8·16 = 384; embedding and head 80 each; final norm 8."""
-    base = dict(model_type="llama", hidden_size=8, num_hidden_layers=2, num_attention_heads=2, num_key_value_heads=1,
-                head_dim=6, intermediate_size=16, vocab_size=10)
+    base = dict(
+        model_type="llama",
+        hidden_size=8,
+        num_hidden_layers=2,
+        num_attention_heads=2,
+        num_key_value_heads=1,
+        head_dim=6,
+        intermediate_size=16,
+        vocab_size=10,
+    )
     assert param_count(SimpleNamespace(**base)) == 160 + 2 * (288 + 16 + 384) + 8
     tied = SimpleNamespace(**base, tie_word_embeddings=True)  # one table: 80 fewer
     assert param_count(tied) == 80 + 2 * (288 + 16 + 384) + 8
     # OPT: a plain MLP (2·8·16 = 256) named ffn_dim, and tied by default
-    opt = SimpleNamespace(model_type="opt", hidden_size=8, num_hidden_layers=2, num_attention_heads=2, ffn_dim=16,
-                          vocab_size=10)
+    opt = SimpleNamespace(
+        model_type="opt", hidden_size=8, num_hidden_layers=2, num_attention_heads=2, ffn_dim=16, vocab_size=10
+    )
     assert param_count(opt) == 80 + 2 * (2 * 8 * 4 * 2 * 2 + 16 + 256) + 8
     # a mixture of 4 experts of width 4, 2 per token: 4·(3·8·4) + the router 8·4 per layer; active: 2 experts
     moe = SimpleNamespace(**{**base, "num_experts": 4, "num_experts_per_tok": 2, "moe_intermediate_size": 4})
-    d = model_dims(moe)
+    d = ModelShape.from_config(moe)
     assert (d.experts, d.active_experts, d.expert_intermediate, d.moe_layers) == (4, 2, 4, 2)
     total = 160 + 2 * (288 + 16 + 4 * 96 + 32) + 8
     assert param_count(moe) == total
@@ -55,8 +66,14 @@ def test_parameters_follow_the_config_fields():
 
 
 def test_presets_have_their_published_sizes():
-    sizes = {"llama3.1-8b": 8.03e9, "llama3.1-70b": 70.6e9, "qwen3-32b": 32.8e9, "opt-13b": 12.85e9,
-             "qwen2.5-7b": 7.62e9, "llama2-7b": 6.74e9}
+    sizes = {
+        "llama3.1-8b": 8.03e9,
+        "llama3.1-70b": 70.6e9,
+        "qwen3-32b": 32.8e9,
+        "opt-13b": 12.85e9,
+        "qwen2.5-7b": 7.62e9,
+        "llama2-7b": 6.74e9,
+    }
     for name, size in sizes.items():
         assert param_count(MODEL_PRESETS[name]) == pytest.approx(size, rel=0.01), name
     moe = ModelShape.from_config(MODEL_PRESETS["qwen3-30b-a3b"])
@@ -81,6 +98,7 @@ def test_response_lengths_from_a_mean_and_a_limit():
 
 # ---------------------------------------------------------------------------------------------- occupancy
 
+
 def test_synchronous_request_batches_decode_each_to_its_longest():
     """4 samples of lengths 1 and 3 sent 2 at a time: the admission order interleaves them (3, 1, 3, 1), so each
     batch decodes 3 steps (two live for 1 step, then one): 6 steps in all, 8 sample-steps."""
@@ -99,15 +117,19 @@ def test_a_serving_engines_kv_cache_bounds_the_sequences_it_decodes():
     shape = ModelShape.from_config(MODEL_PRESETS["llama3.1-8b"])
     cluster = ClusterSpec.parse("h100:1")
     settings = SystemSettings(gen_memory_fraction=0.6)
-    model = CostModel(cluster, profile_for(cluster), {"actor": shape}, Workload(2048, 130, (1000,)),
-                      settings=settings)
+    model = CostModel(cluster, profile_for(cluster), {"actor": shape}, Workload(2048, 130, (1000,)), settings=settings)
     buffers = 8192 * (4 * 4096 + 2 * 14336) * 2
     kv = 0.6 * 80 * GB - shape.params * 2 - buffers
     assert T.kv_bytes_per_token(shape, 2) == 131072
     assert model.decode_slots("actor", a("0:dp1")) == int(kv / (131072 * (130 + 500)))
     assert default_max_seqs(PROFILES["h100-80g"]) == 1024 and default_max_seqs(PROFILES["a800"]) == 256
-    capped = CostModel(cluster, profile_for(cluster), {"actor": shape}, Workload(2048, 130, (1000,)),
-                       settings=SystemSettings(gen_memory_fraction=0.6, gen_max_seqs=64))
+    capped = CostModel(
+        cluster,
+        profile_for(cluster),
+        {"actor": shape},
+        Workload(2048, 130, (1000,)),
+        settings=SystemSettings(gen_memory_fraction=0.6, gen_max_seqs=64),
+    )
     assert capped.decode_slots("actor", a("0:dp1")) == 64
     # the engine holds its whole share while it generates, weights aside (they are the resident copy)
     assert model.mfc_memory(GEN, a("0:dp1"), False) == pytest.approx(0.6 * 80 * GB - shape.params * 2)
@@ -133,8 +155,11 @@ def test_decode_reproduces_the_vllm_latency_tests_of_its_own_gpu(gpu):
     for name, alloc, measured in (("llama3.1-8b", "0:dp1", small), ("llama3-70b", "0-3:tp4", large)):
         shape = ModelShape.from_config(MODEL_PRESETS[name])
         model = CostModel(cluster, profile, {"actor": shape}, Workload(8, 32, (128,)))
-        assert model.mfc_time(GEN, a(alloc)) / profile.system_factor == pytest.approx(measured, rel=0.05), \
-            (gpu, build, name)
+        assert model.mfc_time(GEN, a(alloc)) / profile.system_factor == pytest.approx(measured, rel=0.05), (
+            gpu,
+            build,
+            name,
+        )
 
 
 def test_moe_decode_reads_the_experts_its_tokens_touch():
@@ -152,8 +177,13 @@ def test_measured_efficiencies_fp8_and_experts_set_the_matmul_rate():
     h100 = PROFILES["h100-80g"]
     dense = ModelShape.from_config(MODEL_PRESETS["qwen3-32b"])
     moe = ModelShape.from_config(MODEL_PRESETS["qwen3-30b-a3b"])
-    model = CostModel(cluster, h100, {"actor": dense, "reward": moe}, Workload(8, 32, (128,)),
-                      settings=SystemSettings(train_precision="fp8"))
+    model = CostModel(
+        cluster,
+        h100,
+        {"actor": dense, "reward": moe},
+        Workload(8, 32, (128,)),
+        settings=SystemSettings(train_precision="fp8"),
+    )
     assert model._rates_of(a("0-7:dp8")).flops == h100.matmul_flops * h100.matmul_efficiency
     fp8 = (h100.fp8_matmul_flops * h100.fp8_efficiency) / (h100.matmul_flops * h100.matmul_efficiency)
     assert model._flops_scale(dense, MFCKind.TRAIN) == pytest.approx(fp8)
@@ -163,6 +193,7 @@ def test_measured_efficiencies_fp8_and_experts_set_the_matmul_rate():
 
 
 # ------------------------------------------------------------------------------------------ memory and time
+
 
 def test_an_offloaded_optimizer_leaves_weights_and_gradients_on_the_device():
     """7B on 8 GPUs: bf16 weights 2 + fp32 gradients 4 bytes per parameter on the device (12 more on the host);
@@ -175,8 +206,13 @@ def test_an_offloaded_optimizer_leaves_weights_and_gradients_on_the_device():
     assert shard_bytes(p, 1, 1, 2, True, param_shards=8) == p * 16 // 8
     shape = ModelShape.from_config(MODEL_PRESETS["llama2-7b"])
     cluster = ClusterSpec.parse("a800:8")
-    model = CostModel(cluster, profile_for(cluster), {"actor": shape}, Workload(64, 256, (256,)),
-                      settings=SystemSettings(optimizer_offload=True))
+    model = CostModel(
+        cluster,
+        profile_for(cluster),
+        {"actor": shape},
+        Workload(64, 256, (256,)),
+        settings=SystemSettings(optimizer_offload=True),
+    )
     assert model.static_memory("actor", a("0-7:dp8fsdp"), True) == pytest.approx(shape.params * 2 / 8, abs=1)
     terms = model.time_terms(TRAIN, a("0-7:dp8fsdp"))
     # Adam on the node's CPUs over the 8 devices' shards, and gradients down and weights up over PCIe
@@ -215,7 +251,15 @@ def test_padded_micro_batches_are_as_long_as_their_longest_sample():
     assert D.expected_longest([100, 300], 2) == pytest.approx(250)
     shape = ModelShape.from_config(MODEL_PRESETS["llama3.1-8b"])
     cluster = ClusterSpec.parse("h100:1")
-    models = [CostModel(cluster, profile_for(cluster), {"reward": shape}, Workload(4096, 100, (100, 300)),
-                        settings=SystemSettings(packing=packing)) for packing in (True, False)]
+    models = [
+        CostModel(
+            cluster,
+            profile_for(cluster),
+            {"reward": shape},
+            Workload(4096, 100, (100, 300)),
+            settings=SystemSettings(packing=packing),
+        )
+        for packing in (True, False)
+    ]
     packed, padded = (m.time_terms(INF, a("0:dp1mb2048"))["work"] for m in models)
     assert padded / packed == pytest.approx(7 / 6, rel=0.02)

@@ -52,8 +52,9 @@ def _processes_with(marker: str) -> list[int]:
         try:
             cmdline = Path(f"/proc/{entry}/cmdline").read_bytes()
             if marker.encode() in cmdline and int(entry) != os.getpid():
-                state = next(line for line in Path(f"/proc/{entry}/status").read_text().splitlines()
-                             if line.startswith("State:"))
+                state = next(
+                    line for line in Path(f"/proc/{entry}/status").read_text().splitlines() if line.startswith("State:")
+                )
                 if "zombie" not in state:
                     found.append(int(entry))
         except (OSError, StopIteration):
@@ -70,10 +71,12 @@ def _none_left(marker: str, within_s: float = 5.0) -> list[int]:
 
 def _alive(pids: list[int], within_s: float = 5.0) -> list[int]:
     """Which of ``pids`` still run (zombies, waiting to be reaped by init, do not) after up to ``within_s``."""
+
     def running(pid: int) -> bool:
         try:
-            state = next(line for line in Path(f"/proc/{pid}/status").read_text().splitlines()
-                         if line.startswith("State:"))
+            state = next(
+                line for line in Path(f"/proc/{pid}/status").read_text().splitlines() if line.startswith("State:")
+            )
         except (OSError, StopIteration):
             return False
         return "zombie" not in state
@@ -104,44 +107,72 @@ REWARD_CASES = [
     RewardCase("infinite loop", "while True:\n    pass", error="took longer than task.reward_timeout_s=1.5 s"),
     RewardCase("sleeping past the timeout", "time.sleep(60)", error="took longer than task.reward_timeout_s=1.5 s"),
     RewardCase("reading the replies' stdin", "sys.stdin.read()", error="took longer than task.reward_timeout_s"),
-    RewardCase("stopping itself (SIGSTOP)", "os.kill(os.getpid(), signal.SIGSTOP)",
-               error="took longer than task.reward_timeout_s"),
-    RewardCase("ignoring SIGTERM and spinning", "signal.signal(signal.SIGTERM, signal.SIG_IGN)\nwhile True:\n    pass",
-               error="took longer than task.reward_timeout_s"),
-    RewardCase("a subprocess, then hanging",
-               "subprocess.Popen([sys.executable, '-c', 'import time; time.sleep(30)', MARK])\ntime.sleep(60)",
-               error="took longer than task.reward_timeout_s"),
-    RewardCase("deep recursion", "def down(n):\n    return down(n + 1)\nreturn down(0)",
-               error="raised RecursionError: maximum recursion depth exceeded"),
-    RewardCase("raising a multi-line error", "raise ValueError('reward\\nservice\\n\\ndown')",
-               error="raised ValueError: reward service down"),
+    RewardCase(
+        "stopping itself (SIGSTOP)",
+        "os.kill(os.getpid(), signal.SIGSTOP)",
+        error="took longer than task.reward_timeout_s",
+    ),
+    RewardCase(
+        "ignoring SIGTERM and spinning",
+        "signal.signal(signal.SIGTERM, signal.SIG_IGN)\nwhile True:\n    pass",
+        error="took longer than task.reward_timeout_s",
+    ),
+    RewardCase(
+        "a subprocess, then hanging",
+        "subprocess.Popen([sys.executable, '-c', 'import time; time.sleep(30)', MARK])\ntime.sleep(60)",
+        error="took longer than task.reward_timeout_s",
+    ),
+    RewardCase(
+        "deep recursion",
+        "def down(n):\n    return down(n + 1)\nreturn down(0)",
+        error="raised RecursionError: maximum recursion depth exceeded",
+    ),
+    RewardCase(
+        "raising a multi-line error",
+        "raise ValueError('reward\\nservice\\n\\ndown')",
+        error="raised ValueError: reward service down",
+    ),
     RewardCase("sys.exit", "sys.exit(3)", error="raised SystemExit: 3"),
     RewardCase("raising KeyboardInterrupt", "raise KeyboardInterrupt", error="raised KeyboardInterrupt"),
     RewardCase("os._exit", "os._exit(3)", error="its process died (exit status 3)"),
     RewardCase("killing itself", "os.kill(os.getpid(), signal.SIGKILL)", error="its process died (exit status -9)"),
     RewardCase("segfault", "import ctypes\nctypes.string_at(0)", error="its process died (exit status -11)"),
     RewardCase("closing every file descriptor", "os.closerange(0, 4096)\nreturn 1.0", error="its process died"),
-    RewardCase("replacing json.dumps", "json.dumps = lambda *a, **k: 'garbage'\nreturn 1.0",
-               error="its process replied 'garbage', not a reward"),
+    RewardCase(
+        "replacing json.dumps",
+        "json.dumps = lambda *a, **k: 'garbage'\nreturn 1.0",
+        error="its process replied 'garbage', not a reward",
+    ),
     RewardCase("returning NaN", "return float('nan')", error="returned nan (must be a finite number)"),
     RewardCase("returning inf", "return float('-inf')", error="returned -inf (must be a finite number)"),
     RewardCase("returning a string", "return '1.0'", error="returned '1.0' (must be a finite number)"),
     RewardCase("returning None", "return None", error="returned None (must be a finite number)"),
     RewardCase("returning 10 MB", "return 'x' * (10 << 20)", error="(must be a finite number)"),
-    RewardCase("an alarm that kills it after answering", "signal.alarm(1)\nreturn 0.5", value=0.5,
-               later="its process died (exit status -14)"),
-    RewardCase("a subprocess left running", "subprocess.Popen([sys.executable, '-c', 'import time; time.sleep(30)', "
-                                            "MARK])\nreturn 0.25", value=0.25),
+    RewardCase(
+        "an alarm that kills it after answering",
+        "signal.alarm(1)\nreturn 0.5",
+        value=0.5,
+        later="its process died (exit status -14)",
+    ),
+    RewardCase(
+        "a subprocess left running",
+        "subprocess.Popen([sys.executable, '-c', 'import time; time.sleep(30)', MARK])\nreturn 0.25",
+        value=0.25,
+    ),
     RewardCase("closing stdout, then printing", "sys.stdout.close()\nos.close(1)\nreturn 0.5", value=0.5),
     RewardCase("forging a reply on fd 1", "os.write(1, b'{\"value\": 99.0}\\n')\nreturn 0.5", value=0.5),
-    RewardCase("flooding its output", "sys.stderr.write('y' * (8 << 20))\nprint('z' * (1 << 20))\nreturn 0.5",
-               value=0.5),
+    RewardCase(
+        "flooding its output", "sys.stderr.write('y' * (8 << 20))\nprint('z' * (1 << 20))\nreturn 0.5", value=0.5
+    ),
     RewardCase("emptying sys.modules", "sys.modules.clear()\nreturn 0.5", value=0.5),
-    RewardCase("a memory bomb meets the OOM killer first",
-               "return float(open('/proc/self/oom_score_adj').read())", value=1000.0),
+    RewardCase(
+        "a memory bomb meets the OOM killer first",
+        "return float(open('/proc/self/oom_score_adj').read())",
+        value=1000.0,
+    ),
 ]
 
-REWARD_MODULE = '''
+REWARD_MODULE = """
 import json, os, signal, subprocess, sys, time
 
 MARK = {mark!r}
@@ -151,7 +182,7 @@ def hostile(prompt, response, answer):
     if response != "attack":
         return 1.0
 {body}
-'''
+"""
 
 
 def _id(name: str) -> str:
@@ -205,51 +236,99 @@ class SandboxCase:
 
 SANDBOX_CASES = [
     SandboxCase("cpu burner", "while True:\n    pass", "limit:cpu"),
-    SandboxCase("ignoring SIGXCPU", "import signal\nsignal.signal(signal.SIGXCPU, signal.SIG_IGN)\nwhile True:\n"
-                                    "    pass", "limit:cpu"),
-    SandboxCase("sleeping past the wall clock", "import time\nprint('started', flush=True)\ntime.sleep(60)",
-                "limit:wall", limits=dataclasses.replace(LIMITS, wall_s=1.5)),
+    SandboxCase(
+        "ignoring SIGXCPU",
+        "import signal\nsignal.signal(signal.SIGXCPU, signal.SIG_IGN)\nwhile True:\n    pass",
+        "limit:cpu",
+    ),
+    SandboxCase(
+        "sleeping past the wall clock",
+        "import time\nprint('started', flush=True)\ntime.sleep(60)",
+        "limit:wall",
+        limits=dataclasses.replace(LIMITS, wall_s=1.5),
+    ),
     SandboxCase("memory bomb", "blocks = []\nwhile True:\n    blocks.append(bytearray(64 << 20))", "limit:memory"),
-    SandboxCase("fork bomb", "import os, time\nn = 0\nfor _ in range(200):\n    try:\n        pid = os.fork()\n"
-                             "    except OSError:\n        break\n    if pid == 0:\n"
-                             "        print('pid', os.readlink('/proc/self'), flush=True)\n        time.sleep(60)\n"
-                             "        os._exit(0)\n    n += 1\nprint(n)", "forks-bounded"),
-    SandboxCase("writing a huge file", "with open('big', 'wb') as f:\n    while True:\n        f.write(b'x' * 65536)",
-                "limit:file_size"),
-    SandboxCase("flooding stdout", "import sys\nfor _ in range(2000):\n    sys.stdout.write('z' * 65536)",
-                "truncated"),
-    SandboxCase("deep recursion without a limit", "import sys\nsys.setrecursionlimit(10 ** 8)\n"
-                                                  "def down(n):\n    return down(n + 1)\ndown(0)", "stopped"),
-    SandboxCase("writing outside its directory", "open('{outside}/planted', 'w').write('x')", "refused",
-                needs=("root",)),
+    SandboxCase(
+        "fork bomb",
+        "import os, time\nn = 0\nfor _ in range(200):\n    try:\n        pid = os.fork()\n"
+        "    except OSError:\n        break\n    if pid == 0:\n"
+        "        print('pid', os.readlink('/proc/self'), flush=True)\n        time.sleep(60)\n"
+        "        os._exit(0)\n    n += 1\nprint(n)",
+        "forks-bounded",
+    ),
+    SandboxCase(
+        "writing a huge file",
+        "with open('big', 'wb') as f:\n    while True:\n        f.write(b'x' * 65536)",
+        "limit:file_size",
+    ),
+    SandboxCase("flooding stdout", "import sys\nfor _ in range(2000):\n    sys.stdout.write('z' * 65536)", "truncated"),
+    SandboxCase(
+        "deep recursion without a limit",
+        "import sys\nsys.setrecursionlimit(10 ** 8)\ndef down(n):\n    return down(n + 1)\ndown(0)",
+        "stopped",
+    ),
+    SandboxCase(
+        "writing outside its directory", "open('{outside}/planted', 'w').write('x')", "refused", needs=("root",)
+    ),
     SandboxCase("changing a directory outside", "import os\nos.chmod('{outside}', 0o777)", "refused", needs=("root",)),
     SandboxCase("reading a file outside", "print(open('{secret}').read())", "refused", needs=("root",)),
-    SandboxCase("reading the environment", "import os\nprint(sorted(os.environ))\n"
-                                           "print(os.environ.get('LOOMRL_TEST_SECRET'))", "clean-env"),
-    SandboxCase("reading the run's environment", "print(open('/proc/{run_pid}/environ', 'rb').read())", "refused",
-                needs=("root",)),
-    SandboxCase("killing its parent", "import os, signal\ntry:\n    os.kill(os.getppid(), signal.SIGKILL)\n"
-                                      "    print('sent')\nexcept OSError as e:\n    print('refused', e.errno)",
-                "run-alive", needs=("root|pid",)),
-    SandboxCase("killing the run", "import os, signal\ntry:\n    os.kill({run_pid}, signal.SIGKILL)\n"
-                                   "    print('sent')\nexcept OSError as e:\n    print('refused', e.errno)", "refused",
-                needs=("root|pid",)),
-    SandboxCase("killing every process it may", "import os, signal\ntry:\n    os.kill(-1, signal.SIGKILL)\n"
-                                                "except OSError as e:\n    print('refused', e.errno)", "run-alive",
-                needs=("root|pid",)),
-    SandboxCase("a detached process outliving it", "import os, time\nif os.fork() == 0:\n    os.setsid()\n"
-                                                   "    print('pid', os.readlink('/proc/self'), flush=True)\n"
-                                                   "    time.sleep(60)\nprint('left one behind')", "none-left",
-                needs=("pid",)),
+    SandboxCase(
+        "reading the environment",
+        "import os\nprint(sorted(os.environ))\nprint(os.environ.get('LOOMRL_TEST_SECRET'))",
+        "clean-env",
+    ),
+    SandboxCase(
+        "reading the run's environment",
+        "print(open('/proc/{run_pid}/environ', 'rb').read())",
+        "refused",
+        needs=("root",),
+    ),
+    SandboxCase(
+        "killing its parent",
+        "import os, signal\ntry:\n    os.kill(os.getppid(), signal.SIGKILL)\n"
+        "    print('sent')\nexcept OSError as e:\n    print('refused', e.errno)",
+        "run-alive",
+        needs=("root|pid",),
+    ),
+    SandboxCase(
+        "killing the run",
+        "import os, signal\ntry:\n    os.kill({run_pid}, signal.SIGKILL)\n"
+        "    print('sent')\nexcept OSError as e:\n    print('refused', e.errno)",
+        "refused",
+        needs=("root|pid",),
+    ),
+    SandboxCase(
+        "killing every process it may",
+        "import os, signal\ntry:\n    os.kill(-1, signal.SIGKILL)\nexcept OSError as e:\n    print('refused', e.errno)",
+        "run-alive",
+        needs=("root|pid",),
+    ),
+    SandboxCase(
+        "a detached process outliving it",
+        "import os, time\nif os.fork() == 0:\n    os.setsid()\n"
+        "    print('pid', os.readlink('/proc/self'), flush=True)\n"
+        "    time.sleep(60)\nprint('left one behind')",
+        "none-left",
+        needs=("pid",),
+    ),
     SandboxCase("becoming root", "import os\nos.setuid(0)", "refused", needs=("root",)),
-    SandboxCase("raising its own limits", "import resource\nresource.setrlimit(resource.RLIMIT_CPU, (10**6, 10**6))",
-                "refused"),
-    SandboxCase("connecting to a local port", "import socket\nsocket.create_connection(('127.0.0.1', {port}), "
-                                              "timeout=2)\nprint('connected')", "refused", needs=("network",),
-                limits=dataclasses.replace(LIMITS, user=None)),  # root in its namespaces: socket must import
-    SandboxCase("connecting out", "import socket\nsocket.create_connection(('1.1.1.1', 53), timeout=2)\n"
-                                  "print('connected')", "refused", needs=("network",),
-                limits=dataclasses.replace(LIMITS, user=None)),
+    SandboxCase(
+        "raising its own limits", "import resource\nresource.setrlimit(resource.RLIMIT_CPU, (10**6, 10**6))", "refused"
+    ),
+    SandboxCase(
+        "connecting to a local port",
+        "import socket\nsocket.create_connection(('127.0.0.1', {port}), timeout=2)\nprint('connected')",
+        "refused",
+        needs=("network",),
+        limits=dataclasses.replace(LIMITS, user=None),
+    ),  # root in its namespaces: socket must import
+    SandboxCase(
+        "connecting out",
+        "import socket\nsocket.create_connection(('1.1.1.1', 53), timeout=2)\nprint('connected')",
+        "refused",
+        needs=("network",),
+        limits=dataclasses.replace(LIMITS, user=None),
+    ),
 ]
 
 
@@ -260,10 +339,13 @@ def gaps() -> tuple[str, ...]:
 
 def _missing(needs: tuple[str, ...], gaps: tuple[str, ...]) -> str | None:
     """Why a case cannot be contained here, or None."""
-    why = {"root": None if os.geteuid() == 0 else "not root: the sandbox runs as this user, whose files and "
-                                                  "processes it may then touch",
-           "network": f"no network namespace here: {gaps}" if any(g.startswith("network") for g in gaps) else None,
-           "pid": f"no PID namespace here: {gaps}" if any(g.startswith("processes") for g in gaps) else None}
+    why = {
+        "root": None
+        if os.geteuid() == 0
+        else "not root: the sandbox runs as this user, whose files and processes it may then touch",
+        "network": f"no network namespace here: {gaps}" if any(g.startswith("network") for g in gaps) else None,
+        "pid": f"no PID namespace here: {gaps}" if any(g.startswith("processes") for g in gaps) else None,
+    }
     for need in needs:  # 'a|b': either isolation contains the case
         reasons = [why[alternative] for alternative in need.split("|")]
         if all(reasons):
@@ -296,8 +378,12 @@ def test_hostile_code_in_the_sandbox_is_contained(case, gaps, outside, monkeypat
     server = socket.socket()
     server.bind(("127.0.0.1", 0))
     server.listen()
-    source = (case.source.replace("{outside}", str(where)).replace("{secret}", str(secret))
-              .replace("{run_pid}", str(os.getpid())).replace("{port}", str(server.getsockname()[1])))
+    source = (
+        case.source.replace("{outside}", str(where))
+        .replace("{secret}", str(secret))
+        .replace("{run_pid}", str(os.getpid()))
+        .replace("{port}", str(server.getsockname()[1]))
+    )
     start = time.monotonic()
     result = run_python(source, limits=case.limits)
     server.close()
@@ -310,15 +396,28 @@ def test_hostile_code_in_the_sandbox_is_contained(case, gaps, outside, monkeypat
         (count,) = [line for line in result.stdout.splitlines() if not line.startswith("pid ")]
         assert result.ok and 0 < int(count) < case.limits.processes, result
     elif check == "truncated":
-        assert result.truncated and len(result.stdout) <= case.limits.output_bytes, (result.truncated, len(result.stdout))
+        assert result.truncated and len(result.stdout) <= case.limits.output_bytes, (
+            result.truncated,
+            len(result.stdout),
+        )
     elif check == "stopped":
         assert not result.ok and (result.limit is not None or result.signal is not None or result.returncode), result
     elif check == "refused":
         assert "connected" not in result.stdout and "sent" not in result.stdout, result
         assert not result.ok or result.stdout.startswith("refused"), result
         last = result.stderr.strip().splitlines()[-1] if result.stderr.strip() else result.stdout
-        assert any(word in last for word in ("PermissionError", "not allowed", "refused", "OSError",
-                                             "ConnectionRefusedError", "Network is unreachable", "TimeoutError")), last
+        assert any(
+            word in last
+            for word in (
+                "PermissionError",
+                "not allowed",
+                "refused",
+                "OSError",
+                "ConnectionRefusedError",
+                "Network is unreachable",
+                "TimeoutError",
+            )
+        ), last
     elif check == "clean-env":
         names, value = result.stdout.splitlines()
         assert value == "None" and "LOOMRL_TEST_SECRET" not in names, result.stdout

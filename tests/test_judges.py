@@ -28,9 +28,9 @@ def test_the_judge_task_is_half_right_answers_in_the_task_alphabet():
     assert set(verdicts) == {"yes", "no"} and 0.4 < verdicts.count("yes") / len(verdicts) < 0.6
     for ex in examples:
         assert set(ex.prompt) <= set(TASK_ALPHABET)  # the char tokenizer encodes every judge prompt
-        head, _, tail = ex.prompt[len("judge "):].partition("=")
+        head, _, tail = ex.prompt[len("judge ") :].partition("=")
         response, _, answer = tail.rstrip(":").partition("|")
-        assert (response == answer) == (ex.answer == "yes") and answer == "".join(sorted(head[len("sort "):]))
+        assert (response == answer) == (ex.answer == "yes") and answer == "".join(sorted(head[len("sort ") :]))
     assert task.score(examples[0].prompt, examples[0].answer, examples[0].answer) == 1.0
     rng = random.Random(0)
     assert all(wrong_answer("123", "0123456789", rng) != "123" for _ in range(200))
@@ -41,9 +41,11 @@ def test_verdict_readers(tmp_path):
     assert (yes_no(" yes"), yes_no("no!"), yes_no("maybe")) == (1.0, 0.0, None)
     regex = verdict_reader(r"regex:score=([0-9.]+)")
     assert (regex("score=0.75 ok"), regex("none"), regex("score=.")) == (0.75, None, None)
-    (tmp_path / "read.py").write_text("def grade(text):\n    return len(text) / 10\n"
-                                      "def bad(text):\n    return 'high'\n"
-                                      "def boom(text):\n    raise ValueError('no')\n")
+    (tmp_path / "read.py").write_text(
+        "def grade(text):\n    return len(text) / 10\n"
+        "def bad(text):\n    return 'high'\n"
+        "def boom(text):\n    raise ValueError('no')\n"
+    )
     assert verdict_reader(f"{tmp_path}/read.py:grade")("abcd") == pytest.approx(0.4)
     with pytest.raises(DataError, match=r"read.py:bad' returned 'high' for verdict 'x'; it must return"):
         verdict_reader(f"{tmp_path}/read.py:bad")("x")
@@ -53,15 +55,20 @@ def test_verdict_readers(tmp_path):
 
 
 def test_judges_are_checked_before_anything_runs():
-    for extra, message in ((("reward.source=judge",), "needs at least one judge"),
-                           (("reward.judges=[{model: x}]",), "judges are given but reward.source is 'rule'"),
-                           (("reward.source=judge", "reward.judges=[{model: x, template: '{score}'}]"),
-                            r"template: '\{score\}': placeholder \{score\} is not one of"),
-                           (("reward.source=judge", "reward.judges=[{model: x, verdict: maybe}]"),
-                            "verdict: 'maybe' is none of 'yes-no'"),
-                           (("reward.source=judge", "reward.judges=[{model: x}]", "runtime.layouts={judge1: {tp: 1}}"),
-                            "no such judge: reward.judges has 1 .valid: judge0."),
-                           (("reward.source=judge", "reward.judges=[{weight: 2}]"), "model: is empty")):
+    for extra, message in (
+        (("reward.source=judge",), "needs at least one judge"),
+        (("reward.judges=[{model: x}]",), "judges are given but reward.source is 'rule'"),
+        (
+            ("reward.source=judge", "reward.judges=[{model: x, template: '{score}'}]"),
+            r"template: '\{score\}': placeholder \{score\} is not one of",
+        ),
+        (("reward.source=judge", "reward.judges=[{model: x, verdict: maybe}]"), "verdict: 'maybe' is none of 'yes-no'"),
+        (
+            ("reward.source=judge", "reward.judges=[{model: x}]", "runtime.layouts={judge1: {tp: 1}}"),
+            "no such judge: reward.judges has 1 .valid: judge0.",
+        ),
+        (("reward.source=judge", "reward.judges=[{weight: 2}]"), "model: is empty"),
+    ):
         with pytest.raises(LoomError, match=message):
             load_config(TrainConfig, None, ["algo.name=grpo", *extra])
 
@@ -84,9 +91,13 @@ def test_each_judge_is_a_generate_call_of_its_own_role():
 def test_the_reward_is_the_judges_weighted_verdicts(tmp_path):
     (tmp_path / "read.py").write_text("def constant(text):\n    return 1.0\n")
     reader = f"{tmp_path}/read.py:constant"
-    cfg = tiny_cfg(tmp_path / "run", "algo.name=grpo", "reward.source=judge",
-                   f"reward.judges=[{{model: llama-1m, weight: 0.5, verdict: '{reader}'}}, "
-                   f"{{model: llama-1m, weight: 2.0, verdict: '{reader}'}}]")
+    cfg = tiny_cfg(
+        tmp_path / "run",
+        "algo.name=grpo",
+        "reward.source=judge",
+        f"reward.judges=[{{model: llama-1m, weight: 0.5, verdict: '{reader}'}}, "
+        f"{{model: llama-1m, weight: 2.0, verdict: '{reader}'}}]",
+    )
     RLTrainer(cfg).run()
     records = read_records(tmp_path / "run")
     assert all(r["reward/mean"] == pytest.approx(2.5) for r in records)
@@ -107,8 +118,9 @@ def test_a_judge_run_on_the_ray_runtime_is_the_reference_run(tmp_path):
 
     expected = run("ref")
     assert 0 < expected[-1]["judge1/unreadable"] < 1  # a random judge writes digits now and then
-    plan = ("actor_gen=0:dp1; ref_inf=0-1:dp2; judge0_gen=1:dp1; judge1_gen=0-1:dp2; reward_inf=0:dp1; "
-            "actor_train=0-1:dp2")
+    plan = (
+        "actor_gen=0:dp1; ref_inf=0-1:dp2; judge0_gen=1:dp1; judge1_gen=0-1:dp2; reward_inf=0:dp1; actor_train=0-1:dp2"
+    )
     got = run("ray", "runtime.executor=ray", "runtime.devices=2", f"runtime.plan={plan}")
     _assert_equivalent(got, expected)
     for a, b in zip(got, expected):
@@ -119,9 +131,31 @@ def test_the_planner_places_a_judge_of_another_size(tmp_path, capsys):
     """G-Core's setup: a policy and its reference of one size, a generative reward model of another."""
     from loomrl.cli import main
 
-    assert main(["plan", "algo.name=grpo", "--cluster", "h100:1x8", "--model", "llama3.1-8b", "--judge-model",
-                 "qwen3-32b", "--prompts", "64", "--responses-per-prompt", "4", "--response-len", "512",
-                 "--time-budget", "8", "--out", str(tmp_path)]) == 0
+    assert (
+        main(
+            [
+                "plan",
+                "algo.name=grpo",
+                "--cluster",
+                "h100:1x8",
+                "--model",
+                "llama3.1-8b",
+                "--judge-model",
+                "qwen3-32b",
+                "--prompts",
+                "64",
+                "--responses-per-prompt",
+                "4",
+                "--response-len",
+                "512",
+                "--time-budget",
+                "8",
+                "--out",
+                str(tmp_path),
+            ]
+        )
+        == 0
+    )
     out = capsys.readouterr().out
     assert "judge0_gen" in out
     plan = json.loads((tmp_path / "best_plan.json").read_text())

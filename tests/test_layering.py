@@ -1,9 +1,13 @@
-"""The package's layers point one way, read from the source with ``ast`` (imports inside functions count too).
+"""The package's layers point one way, read from the source with ``ast`` (every import counts: inside functions,
+under ``if TYPE_CHECKING:``, and a package's own ``__init__``).
 
-Floors, lowest first: the data and math (``models``, ``workflow``, ``plan``, ``algorithms``, ``data``) know
-nothing of Ray or torch.distributed (the rollout engine does: it loads weights into tensor-parallel models); ``parallel`` applies parallelism to plain models; ``engine`` builds a role on a process;
-``planner`` reads plans and prices them; ``runtime`` executes schedules; ``train`` drives an executor; the CLI
-sits on top. Imports under ``if TYPE_CHECKING:`` never run and are left out: they name types only.
+Floors, lowest first: ``config`` (typed settings) and the data and math (``models``, ``workflow``, ``plan``,
+``algorithms``, ``data``) know nothing of Ray or torch.distributed (the rollout engine does: it loads weights into
+tensor-parallel models); ``parallel`` applies parallelism to plain models; ``role`` builds a role on a process;
+``checkpoint`` writes and reads a run's state; ``planner`` reads plans and prices them, in sub-packages of one
+order; ``report`` draws runs (and asks the launcher, which reads the environment, how to reach a logging
+service); ``runtime`` executes schedules; ``train`` drives an executor; ``commands`` and the CLI
+sit on top. No module imports another module's private name.
 """
 
 from __future__ import annotations
@@ -35,35 +39,34 @@ def _resolve(name: str) -> str | None:
     return name or None
 
 
-def _executed_nodes(tree: ast.AST):
-    """Every node but those under ``if TYPE_CHECKING:``."""
-    stack = [tree]
-    while stack:
-        node = stack.pop()
-        if isinstance(node, ast.If) and getattr(node.test, "id", getattr(node.test, "attr", None)) == "TYPE_CHECKING":
-            stack.extend(node.orelse)
-            continue
-        yield node
-        stack.extend(ast.iter_child_nodes(node))
-
-
-def _imports(module: str) -> set[str]:
-    """Every absolute module name ``module`` imports (loomrl's and others'), resolved to modules."""
+def _import_nodes(module: str) -> list[tuple[str, ast.ImportFrom | ast.Import]]:
+    """Every import statement of ``module`` (anywhere in it) with the absolute module it imports from."""
     path = MODULES[module]
     package = module if path.name == "__init__.py" else module.rpartition(".")[0]
-    out: set[str] = set()
-    for node in _executed_nodes(ast.parse(path.read_text(encoding="utf-8"))):
+    out: list[tuple[str, ast.ImportFrom | ast.Import]] = []
+    for node in ast.walk(ast.parse(path.read_text(encoding="utf-8"))):
         if isinstance(node, ast.Import):
-            out.update(alias.name for alias in node.names)
+            out += [(alias.name, node) for alias in node.names]
         elif isinstance(node, ast.ImportFrom):
             base = node.module or ""
             if node.level:
                 parts = package.split(".")
                 parts = parts[: len(parts) - (node.level - 1)]
                 base = ".".join(parts + ([base] if base else []))
-            for alias in node.names:  # `from pkg import module` imports the module
-                full = f"{base}.{alias.name}"
-                out.add(full if full in MODULES else base)
+            out.append((base, node))
+    return out
+
+
+def _imports(module: str) -> set[str]:
+    """Every absolute module name ``module`` imports (loomrl's and others'), resolved to modules."""
+    out: set[str] = set()
+    for base, node in _import_nodes(module):
+        if isinstance(node, ast.Import):
+            out.add(base)
+            continue
+        for alias in node.names:  # `from pkg import module` imports the module
+            full = f"{base}.{alias.name}"
+            out.add(full if full in MODULES else base)
     return out
 
 
@@ -87,7 +90,7 @@ def _cycle(graph: dict[str, set[str]]) -> list[str] | None:
         path.append(node)
         for nxt in sorted(graph.get(node, ())):
             if state.get(nxt) == 1:
-                return path[path.index(nxt):] + [nxt]
+                return path[path.index(nxt) :] + [nxt]
             if nxt not in state and (found := visit(nxt)):
                 return found
         path.pop()
@@ -125,18 +128,89 @@ def test_the_cycle_finder_finds_one():
     assert _cycle({"a": {"b"}, "b": {"c"}, "c": {"a"}, "d": set()}) == ["a", "b", "c", "a"]
 
 
+def test_no_module_imports_its_own_packages_init():
+    # a package's __init__ re-exports its modules for other packages: importing it from inside is a cycle
+    inits = {m for m, p in MODULES.items() if p.name == "__init__.py"}
+    back = [
+        f"{m} imports {t}" for m, targets in _graph().items() for t in targets if t in inits and m.startswith(t + ".")
+    ]
+    assert back == []
+
+
 def test_data_and_math_know_nothing_of_ray_or_torch_distributed():
-    assert _offenders(("models", "workflow", "plan", "algorithms", "data"), ("ray", "torch.distributed")) == []
+    assert (
+        _offenders(("config", "models", "workflow", "plan", "algorithms", "data"), ("ray", "torch.distributed")) == []
+    )
+
+
+def test_the_plan_knows_nothing_of_the_planner():
+    assert _offenders(("plan",), ("loomrl.planner", "loomrl.report", "loomrl.runtime", "loomrl.train")) == []
 
 
 def test_the_planner_does_not_reach_into_the_runtime_or_the_trainer():
-    assert _offenders(("planner",), ("loomrl.runtime", "loomrl.train", "ray")) == []
+    assert _offenders(("planner",), ("loomrl.runtime", "loomrl.train", "loomrl.commands", "ray")) == []
 
 
-def test_the_runtime_and_the_engine_do_not_reach_into_the_trainer():
-    assert _offenders(("runtime", "engine", "parallel"), ("loomrl.train", "loomrl.cli")) == []
-    assert _offenders(("engine", "parallel"), ("loomrl.runtime",)) == []
+PLANNER_ORDER = (
+    "pipeline_fusion",
+    "cost",
+    "inputs",
+    "simulation",
+    "search",
+    "calibration",
+    "replanning",
+    "describe",
+    "planning",
+)
+"""The planner's rooms, each importing only those before it (and itself)."""
 
 
-def test_ops_run_models_only_through_their_engine():
+def test_the_planners_rooms_import_in_one_order():
+    rank = {room: i for i, room in enumerate(PLANNER_ORDER)}
+    assert {m.split(".")[2] for m in MODULES if m.startswith("loomrl.planner.")} == set(PLANNER_ORDER)
+    bad = []
+    for module, targets in sorted(_graph().items()):
+        if not module.startswith("loomrl.planner."):
+            continue
+        mine = rank[module.split(".")[2]]
+        for target in sorted(targets):
+            if target.startswith("loomrl.planner.") and rank[target.split(".")[2]] > mine:
+                bad.append(f"{module} imports {target}")
+    assert bad == []
+
+
+def test_the_runtime_and_the_role_do_not_reach_into_the_trainer():
+    assert (
+        _offenders(
+            ("runtime", "role", "parallel", "checkpoint", "report"), ("loomrl.train", "loomrl.cli", "loomrl.commands")
+        )
+        == []
+    )
+    assert _offenders(("role", "parallel", "checkpoint"), ("loomrl.runtime",)) == []
+
+
+def test_ops_run_models_only_through_their_passes():
     assert _offenders(("algorithms",), ("loomrl.parallel", "loomrl.role", "loomrl.runtime")) == []
+
+
+def test_nothing_imports_a_private_name_of_another_module():
+    bad = []
+    for module in sorted(MODULES):
+        for base, node in _import_nodes(module):
+            if isinstance(node, ast.ImportFrom) and base.startswith("loomrl"):
+                bad += [
+                    f"{module} imports {base}.{alias.name}"
+                    for alias in node.names
+                    if alias.name.startswith("_") and not alias.name.startswith("__")
+                ]
+    assert bad == []
+
+
+def test_no_two_public_classes_share_a_name():
+    """One name per concept: a public class name means one thing in the whole package."""
+    where: dict[str, list[str]] = defaultdict(list)
+    for module, path in sorted(MODULES.items()):
+        for node in ast.parse(path.read_text(encoding="utf-8")).body:
+            if isinstance(node, ast.ClassDef) and not node.name.startswith("_"):
+                where[node.name].append(module)
+    assert {name: modules for name, modules in where.items() if len(modules) > 1} == {}

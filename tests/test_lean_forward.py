@@ -34,8 +34,9 @@ def test_lean_logits_equal_the_models_forward_with_a_slot_cache(arch, dtype, tok
             prefill = lean_logits(model, ids_BQ, pos_BQ, mask, cache)
         else:
             with torch.no_grad():
-                prefill = model(input_ids=ids_BQ, attention_mask=mask, position_ids=pos_BQ, past_key_values=cache,
-                                use_cache=True).logits
+                prefill = model(
+                    input_ids=ids_BQ, attention_mask=mask, position_ids=pos_BQ, past_key_values=cache, use_cache=True
+                ).logits
         # then one decode step over the cache the prefill filled
         step_ids, step_pos = ids_BQ[:, :1] + 1, torch.full((6, 1), 9)
         cache.bind(rows_B, step_pos, 10)
@@ -43,8 +44,13 @@ def test_lean_logits_equal_the_models_forward_with_a_slot_cache(arch, dtype, tok
         if lean:
             return torch.cat([prefill, lean_logits(model, step_ids, step_pos, step_mask, cache)], dim=1)
         with torch.no_grad():
-            step = model(input_ids=step_ids, attention_mask=step_mask, position_ids=step_pos, past_key_values=cache,
-                         use_cache=True).logits
+            step = model(
+                input_ids=step_ids,
+                attention_mask=step_mask,
+                position_ids=step_pos,
+                past_key_values=cache,
+                use_cache=True,
+            ).logits
         return torch.cat([prefill, step], dim=1)
 
     lean, own = run(True).float(), run(False).float()

@@ -2,10 +2,10 @@
 
 import torch
 
-from loomrl.role.length_buckets import bucketed_outputs, length_buckets
 from loomrl.models.heads import model_outputs
 from loomrl.models.tokenizer import build_char_tokenizer
 from loomrl.models.zoo import build_causal_lm
+from loomrl.role.length_buckets import bucketed_outputs, length_buckets
 
 
 def test_equal_lengths_stay_one_group():

@@ -14,8 +14,8 @@ import pytest
 from loomrl.config.schema import ReportConfig, TrainConfig
 from loomrl.config.tools import load_config
 from loomrl.errors import ConfigError
-from loomrl.runtime.launch import wandb_mode
 from loomrl.report.backends import MlflowBackend, WandbBackend, check_backends, flatten, open_backends
+from loomrl.runtime.launch import wandb_mode
 from loomrl.train.progress import RunProgress, format_duration
 
 
@@ -64,8 +64,13 @@ def fake_mlflow(monkeypatch):
 
         def create_run(self, experiment_id, run_name=None):
             run_id = f"r{len(store['runs'])}"
-            store["runs"][run_id] = {"experiment": experiment_id, "name": run_name, "params": [], "metrics": [],
-                                     "terminated": False}
+            store["runs"][run_id] = {
+                "experiment": experiment_id,
+                "name": run_name,
+                "params": [],
+                "metrics": [],
+                "terminated": False,
+            }
             return types.SimpleNamespace(info=types.SimpleNamespace(run_id=run_id))
 
         def log_batch(self, run_id, metrics=(), params=()):
@@ -94,8 +99,12 @@ def test_wandb_logs_every_iteration_at_its_step_and_a_resume_continues_the_same_
     backend.log(1, {"reward/mean": 0.75})
     backend.close()
     first = fake_wandb.inits[0]
-    assert (first["project"], first["name"], first["dir"], first["mode"]) == ("proj", tmp_path.name, str(tmp_path),
-                                                                              "offline")
+    assert (first["project"], first["name"], first["dir"], first["mode"]) == (
+        "proj",
+        tmp_path.name,
+        str(tmp_path),
+        "offline",
+    )
     assert first["config"] == config and first["id"] is None and first["resume"] is None
     run = fake_wandb.runs[0]
     assert run.logged == [(0, {"reward/mean": 0.5}), (1, {"reward/mean": 0.75})] and run.finished
@@ -108,8 +117,12 @@ def test_wandb_logs_every_iteration_at_its_step_and_a_resume_continues_the_same_
 
 def test_mlflow_logs_flattened_params_once_and_metrics_by_step(fake_mlflow, tmp_path):
     settings = ReportConfig(backends=("mlflow",), project="exp", run_name="r", mlflow_tracking_uri="sqlite:///x.db")
-    config = {"algo": {"name": "ppo", "clip_eps": 0.2}, "runtime": {"layouts": {}}, "tags": [1, 2],
-              **{f"k{i}": i for i in range(150)}}
+    config = {
+        "algo": {"name": "ppo", "clip_eps": 0.2},
+        "runtime": {"layouts": {}},
+        "tags": [1, 2],
+        **{f"k{i}": i for i in range(150)},
+    }
     backend = MlflowBackend(tmp_path, settings, config, None)
     backend.log(4, {"reward/mean": 0.25, "eval/pass@1": 1.0})
     backend.close()
@@ -118,8 +131,10 @@ def test_mlflow_logs_flattened_params_once_and_metrics_by_step(fake_mlflow, tmp_
     params = dict(run["params"])
     assert params["algo.name"] == "ppo" and params["algo.clip_eps"] == "0.2" and params["runtime.layouts"] == "{}"
     assert len(params) == 3 + 1 + 150 and max(p for _, p in fake_mlflow["batches"]) <= 100  # MLflow's batch limit
-    assert sorted((m.key, m.value, m.step) for m in run["metrics"]) == [("eval/pass_1", 1.0, 4),
-                                                                         ("reward/mean", 0.25, 4)]
+    assert sorted((m.key, m.value, m.step) for m in run["metrics"]) == [
+        ("eval/pass_1", 1.0, 4),
+        ("reward/mean", 0.25, 4),
+    ]
     assert run["terminated"] and run["name"] == "r"
     MlflowBackend(tmp_path, settings, config, resume_from_iteration=4).close()
     assert list(fake_mlflow["runs"]) == ["r0"]  # the resumed run logs into the same MLflow run, params once
@@ -133,8 +148,9 @@ def test_a_backend_that_is_not_installed_is_one_line_naming_the_extra(monkeypatc
     monkeypatch.setitem(sys.modules, "wandb", None)  # import wandb raises ImportError
     with pytest.raises(ConfigError) as exc:
         check_backends(["wandb"])
-    assert str(exc.value) == ("report.backends: 'wandb' needs the wandb package, which is not installed "
-                              "(pip install 'loomrl[wandb]')")
+    assert str(exc.value) == (
+        "report.backends: 'wandb' needs the wandb package, which is not installed (pip install 'loomrl[wandb]')"
+    )
     with pytest.raises(ConfigError, match="'neptune' is not a backend"):
         load_config(TrainConfig, None, ["report.backends=[neptune]"])
 
@@ -161,10 +177,23 @@ def test_wandb_mode(monkeypatch, tmp_path):
 def test_a_run_logs_each_iteration_to_its_backends(fake_wandb, tmp_path):
     from loomrl.train.rl import RLTrainer
 
-    cfg = load_config(TrainConfig, None, [
-        "runtime.executor=reference", "loop.iterations=2", "rollout.prompts_per_iter=2", "rollout.max_new_tokens=4",
-        "loop.eval_prompts=2", "loop.progress=false", "report.html=false", "report.backends=[wandb]",
-        "report.wandb_mode=offline", f"run_dir={tmp_path / 'run'}", "algo.minibatches=1"])
+    cfg = load_config(
+        TrainConfig,
+        None,
+        [
+            "runtime.executor=reference",
+            "loop.iterations=2",
+            "rollout.prompts_per_iter=2",
+            "rollout.max_new_tokens=4",
+            "loop.eval_prompts=2",
+            "loop.progress=false",
+            "report.html=false",
+            "report.backends=[wandb]",
+            "report.wandb_mode=offline",
+            f"run_dir={tmp_path / 'run'}",
+            "algo.minibatches=1",
+        ],
+    )
     RLTrainer(cfg).run()
     run = fake_wandb.runs[0]
     assert [step for step, _ in run.logged] == [0, 1] and "reward/mean" in run.logged[0][1] and run.finished

@@ -2,7 +2,7 @@
 
 import pytest
 
-from loomrl.workflow.minibatches import split_by_tokens, minibatch_steps
+from loomrl.workflow.minibatches import minibatch_steps, split_by_tokens
 
 TOKENS = [5, 1, 7, 3, 3, 9, 2, 4, 6, 8, 1, 2]
 

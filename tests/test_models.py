@@ -7,20 +7,9 @@ import torch
 from transformers import AutoModelForCausalLM, AutoTokenizer
 
 from loomrl.errors import DataError
-from loomrl.models import (
-    MODEL_NAMES,
-    TASK_ALPHABET,
-    build_causal_lm,
-    build_char_tokenizer,
-    build_value_model,
-    count_parameters,
-    load_tokenizer,
-    score_head,
-    sequence_scores,
-    token_logprobs,
-    token_logprobs_and_entropy,
-    token_values,
-)
+from loomrl.models.heads import score_head, sequence_scores, token_logprobs, token_logprobs_and_entropy, token_values
+from loomrl.models.tokenizer import TASK_ALPHABET, build_char_tokenizer, load_tokenizer
+from loomrl.models.zoo import MODEL_NAMES, build_causal_lm, build_value_model, count_parameters
 
 
 @pytest.fixture(scope="module")
@@ -99,10 +88,16 @@ def test_tokenizer_errors(tmp_path):
 # --- zoo -------------------------------------------------------------------------------------------------
 
 
-@pytest.mark.parametrize(("name", "low", "high"), [
-    ("llama-1m", 0.8e6, 1.2e6), ("qwen2-1m", 0.8e6, 1.2e6), ("gpt2-1m", 0.7e6, 1.2e6),
-    ("llama-10m", 8e6, 12e6), ("llama-30m", 25e6, 35e6),
-])
+@pytest.mark.parametrize(
+    ("name", "low", "high"),
+    [
+        ("llama-1m", 0.8e6, 1.2e6),
+        ("qwen2-1m", 0.8e6, 1.2e6),
+        ("gpt2-1m", 0.7e6, 1.2e6),
+        ("llama-10m", 8e6, 12e6),
+        ("llama-30m", 25e6, 35e6),
+    ],
+)
 def test_zoo_parameter_counts(tok, name, low, high):
     # The meta device builds the module tree without allocating or initialising weights.
     with torch.device("meta"):
@@ -173,9 +168,14 @@ def test_checkpoint_with_smaller_vocab_is_rejected(tok, tmp_path):
 # --- value models ----------------------------------------------------------------------------------------
 
 
-@pytest.mark.parametrize(("name", "cls"), [("llama-1m", "LlamaForSequenceClassification"),
-                                           ("qwen2-1m", "Qwen2ForSequenceClassification"),
-                                           ("gpt2-1m", "GPT2ForSequenceClassification")])
+@pytest.mark.parametrize(
+    ("name", "cls"),
+    [
+        ("llama-1m", "LlamaForSequenceClassification"),
+        ("qwen2-1m", "Qwen2ForSequenceClassification"),
+        ("gpt2-1m", "GPT2ForSequenceClassification"),
+    ],
+)
 def test_value_model_from_zoo_has_zero_head(tok, name, cls):
     v = build_value_model(name, tok, seed=0)
     assert type(v).__name__ == cls
@@ -233,9 +233,9 @@ def test_token_logprobs_match_manual(tok, lm, temperature):
         logp2, entropy = token_logprobs_and_entropy(lm, ids, mask, temperature=temperature)
         logits = lm(input_ids=ids, attention_mask=mask).logits[:, :-1] / temperature
     manual_all = torch.log_softmax(logits, dim=-1)
-    manual = torch.stack([
-        torch.stack([manual_all[b, t, ids[b, t + 1]] for t in range(ids.shape[1] - 1)]) for b in range(2)
-    ])
+    manual = torch.stack(
+        [torch.stack([manual_all[b, t, ids[b, t + 1]] for t in range(ids.shape[1] - 1)]) for b in range(2)]
+    )
     manual_entropy = -(manual_all.exp() * manual_all).sum(-1)
     assert logp.shape == (2, ids.shape[1] - 1)
     assert torch.allclose(logp, manual, atol=1e-5)
@@ -259,8 +259,9 @@ def test_right_padding_does_not_change_real_positions(tok, lm):
     assert mask[0].sum() == n and mask[0, n:].sum() == 0
     v = _random_head_value_model(tok, seed=3)
     with torch.no_grad():
-        assert torch.allclose(token_logprobs(lm, ids, mask)[0, : n - 1], token_logprobs(lm, alone, alone_mask)[0],
-                              atol=1e-5)
+        assert torch.allclose(
+            token_logprobs(lm, ids, mask)[0, : n - 1], token_logprobs(lm, alone, alone_mask)[0], atol=1e-5
+        )
         assert torch.allclose(token_values(v, ids, mask)[0, :n], token_values(v, alone, alone_mask)[0], atol=1e-5)
 
 

@@ -10,15 +10,15 @@ import pytest
 import torch
 import torch.distributed as dist
 
-from loomrl.algorithms.ops import train_loop
 from loomrl.algorithms.context import OpContext, Role
-from loomrl.role import ModelPasses, make_role, role_specs
+from loomrl.algorithms.ops import train_loop
 from loomrl.errors import TrainingError
 from loomrl.models.tokenizer import build_char_tokenizer
 from loomrl.models.zoo import build_causal_lm
 from loomrl.parallel.pipeline import split_stages
 from loomrl.parallel.pipeline_runner import PipelineRunner
 from loomrl.parallel.spawn import run_world
+from loomrl.role import ModelPasses, make_role, role_specs
 from loomrl.workflow.batch import Batch
 
 PROMPTS = [[1, 5, 6, 7], [1, 8, 9], [1, 10, 11, 12, 13], [1, 14]]
@@ -27,8 +27,10 @@ ITERATION = 4
 
 
 def _batch() -> Batch:
-    return Batch(list(range(len(PROMPTS))), {"prompt_ids": [list(p) for p in PROMPTS],
-                                             "response_ids": [list(r) for r in RESPONSES]})
+    return Batch(
+        list(range(len(PROMPTS))),
+        {"prompt_ids": [list(p) for p in PROMPTS], "response_ids": [list(r) for r in RESPONSES]},
+    )
 
 
 class FaultyLoss:
@@ -58,14 +60,27 @@ def _model() -> torch.nn.Module:
 
 
 def _role(model: torch.nn.Module, on_nonfinite: str, engine: ModelPasses | None = None) -> Role:
-    return Role("actor", model, torch.optim.AdamW(model.parameters(), lr=1e-2), grad_clip=1.0,
-                passes=engine or ModelPasses(model), on_nonfinite=on_nonfinite)
+    return Role(
+        "actor",
+        model,
+        torch.optim.AdamW(model.parameters(), lr=1e-2),
+        grad_clip=1.0,
+        passes=engine or ModelPasses(model),
+        on_nonfinite=on_nonfinite,
+    )
 
 
 def _context(role: Role, steps: int, rows: tuple[int, ...] = (0, 1, 2, 3), weight: float = 1.0) -> OpContext:
     tok = build_char_tokenizer()
-    return OpContext(role, 0, ITERATION, tok.pad_token_id, tok.eos_token_id, str,
-                     train_steps=tuple((rows, weight) for _ in range(steps)))
+    return OpContext(
+        role,
+        0,
+        ITERATION,
+        tok.pad_token_id,
+        tok.eos_token_id,
+        str,
+        train_steps=tuple((rows, weight) for _ in range(steps)),
+    )
 
 
 def _weights(model: torch.nn.Module) -> dict[str, torch.Tensor]:
@@ -169,8 +184,7 @@ def _run(role: Role, ctx: OpContext, loss: FaultyLoss) -> dict[str, Any]:
             stats, error = {}, str(exc)
     adam_steps = sorted({float(s["step"]) for s in role.optimizer.state.values()})
     checksum = sum(float(p.detach().double().sum()) for p in role.model.parameters())
-    return {"skipped": stats.get("actor/skipped_steps"), "error": error, "adam_steps": adam_steps,
-            "checksum": checksum}
+    return {"skipped": stats.get("actor/skipped_steps"), "error": error, "adam_steps": adam_steps, "checksum": checksum}
 
 
 def test_data_parallel_ranks_and_pipeline_stages_skip_or_stop_together():
@@ -203,9 +217,8 @@ def _nan_policy_loss(monkeypatch) -> None:
 
 
 def test_a_run_whose_actor_loss_is_nan_skips_every_actor_step_or_stops(tmp_path, monkeypatch):
-    from test_rl import read_records, snapshot, tiny_cfg
-
     from loomrl.train.rl import RLTrainer
+    from test_rl import read_records, snapshot, tiny_cfg
 
     _nan_policy_loss(monkeypatch)
     trainer = RLTrainer(tiny_cfg(tmp_path / "skip", "algo.name=grpo", "loop.iterations=1"))

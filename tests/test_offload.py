@@ -54,8 +54,10 @@ def test_a_copy_bound_to_views_of_the_training_weights_is_released_without_freei
     with torch.no_grad():
         assert torch.equal(copy(input_ids=ids).logits, want)
     release_storage(copy, views=frozenset(params))
-    assert all(p is params[n] and p.shape == shapes[n] and p.untyped_storage().nbytes() <= p.element_size()
-               for n, p in copy.named_parameters())
+    assert all(
+        p is params[n] and p.shape == shapes[n] and p.untyped_storage().nbytes() <= p.element_size()
+        for n, p in copy.named_parameters()
+    )
     with torch.no_grad():  # the training weights are untouched, and a copy can be bound again
         assert torch.equal(train(input_ids=ids).logits, want)
         for name, p in params.items():
@@ -82,7 +84,6 @@ def test_bind_view_points_a_dtensors_local_shard_at_the_view():
     from loomrl.parallel.spawn import run_world
 
     assert run_world(_bind_a_dtensor_parameter, 1, timeout_s=120) == [True]
-
 
 
 def test_a_trained_roles_state_leaves_and_returns_and_training_goes_on_as_if_it_never_left():

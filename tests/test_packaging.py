@@ -61,8 +61,12 @@ def installed(tmp_path_factory):
     """The wheel built from this checkout (with the environment's setuptools, offline) and unpacked as pip would
     install a pure-Python wheel."""
     out = tmp_path_factory.mktemp("wheel")
-    proc = subprocess.run([sys.executable, "-m", "pip", "wheel", "--no-deps", "--no-build-isolation", "-q", "-w",
-                           str(out), str(REPO)], capture_output=True, text=True, timeout=300)
+    proc = subprocess.run(
+        [sys.executable, "-m", "pip", "wheel", "--no-deps", "--no-build-isolation", "-q", "-w", str(out), str(REPO)],
+        capture_output=True,
+        text=True,
+        timeout=300,
+    )
     assert proc.returncode == 0, proc.stderr
     (wheel,) = out.glob("loomrl-*.whl")
     target = out / "site"
@@ -74,7 +78,9 @@ def installed(tmp_path_factory):
 def test_the_wheel_carries_the_license_and_the_demo_configs(installed):
     wheel, _ = installed
     names = zipfile.ZipFile(wheel).namelist()
-    assert {"loomrl/examples/demo/sft.yaml", "loomrl/examples/demo/rm.yaml", "loomrl/examples/demo/ppo.yaml"} <= set(names)
+    assert {"loomrl/examples/demo/sft.yaml", "loomrl/examples/demo/rm.yaml", "loomrl/examples/demo/ppo.yaml"} <= set(
+        names
+    )
     assert any(n.endswith(".dist-info/licenses/LICENSE") for n in names)
     metadata = zipfile.ZipFile(wheel).read(next(n for n in names if n.endswith(".dist-info/METADATA"))).decode()
     assert "License-Expression: Apache-2.0" in metadata and "Provides-Extra: wandb" in metadata
@@ -85,15 +91,38 @@ def test_demo_runs_from_the_installed_package_in_any_directory(installed, tmp_pa
     work = tmp_path / "elsewhere"  # no examples/ here: the demo's configs come from the package
     work.mkdir()
     out = work / "demo"
-    code = ("import sys, loomrl; assert loomrl.__file__.startswith(sys.argv[1]), loomrl.__file__; "
-            "from loomrl.cli import main; sys.exit(main(sys.argv[2:]))")
+    code = (
+        "import sys, loomrl; assert loomrl.__file__.startswith(sys.argv[1]), loomrl.__file__; "
+        "from loomrl.cli import main; sys.exit(main(sys.argv[2:]))"
+    )
     proc = subprocess.run(
-        [sys.executable, "-c", code, str(site), "demo", "--out", str(out),
-         "sft.steps=2", "sft.batch_size=4", "sft.eval_prompts=4",
-         "rm.train_pairs=8", "rm.eval_pairs=4", "rm.epochs=1", "rm.batch_size=8",
-         "ppo.loop.iterations=2", "ppo.rollout.prompts_per_iter=4", "ppo.loop.eval_prompts=4",
-         "ppo.loop.progress=false", "ppo.algo.minibatches=1"],
-        cwd=work, env={**_env(), "PYTHONPATH": str(site)}, capture_output=True, text=True, timeout=300)
+        [
+            sys.executable,
+            "-c",
+            code,
+            str(site),
+            "demo",
+            "--out",
+            str(out),
+            "sft.steps=2",
+            "sft.batch_size=4",
+            "sft.eval_prompts=4",
+            "rm.train_pairs=8",
+            "rm.eval_pairs=4",
+            "rm.epochs=1",
+            "rm.batch_size=8",
+            "ppo.loop.iterations=2",
+            "ppo.rollout.prompts_per_iter=4",
+            "ppo.loop.eval_prompts=4",
+            "ppo.loop.progress=false",
+            "ppo.algo.minibatches=1",
+        ],
+        cwd=work,
+        env={**_env(), "PYTHONPATH": str(site)},
+        capture_output=True,
+        text=True,
+        timeout=300,
+    )
     assert_ok(proc)
     summary = json.loads((out / "summary.json").read_text())
     assert set(summary) == {"sft", "rm", "ppo", "exact_match_gain"}
@@ -109,5 +138,9 @@ def test_demo_runs_from_the_installed_package_in_any_directory(installed, tmp_pa
 def _env() -> dict[str, str]:
     import os
 
-    return {**{k: v for k, v in os.environ.items() if k != "PYTHONPATH"}, "HF_HUB_OFFLINE": "1", "OMP_NUM_THREADS": "1",
-            "COLUMNS": "200"}
+    return {
+        **{k: v for k, v in os.environ.items() if k != "PYTHONPATH"},
+        "HF_HUB_OFFLINE": "1",
+        "OMP_NUM_THREADS": "1",
+        "COLUMNS": "200",
+    }

@@ -8,14 +8,12 @@ numbers back; the tests below assert on them in the parent. Layout validation is
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from types import SimpleNamespace
-from typing import Any, Callable
+from typing import Any
 
 import pytest
 import torch
-
-from loomrl.parallel.spawn import run_world
-
 import torch.distributed as dist
 from torch.distributed.tensor import Replicate, distribute_tensor
 
@@ -23,8 +21,6 @@ from loomrl.errors import ConfigError
 from loomrl.models.heads import score_head, token_logprobs, token_values
 from loomrl.models.tokenizer import build_char_tokenizer
 from loomrl.models.zoo import build_causal_lm, build_value_model, zoo_config
-from loomrl.parallel.allocations import AllocationGroups
-from loomrl.plan.plan import Allocation
 from loomrl.parallel import (
     Layout,
     apply_tensor_parallel,
@@ -33,6 +29,9 @@ from loomrl.parallel import (
     load_full_state_dict,
     sync_gradients,
 )
+from loomrl.parallel.allocations import AllocationGroups
+from loomrl.parallel.spawn import run_world
+from loomrl.plan.allocation import Allocation
 from loomrl.rollout import Request, RolloutEngine, SamplingParams, stream_keys
 
 WORLD = 2
@@ -70,8 +69,7 @@ def test_check_layout_accepts_fitting_layouts():
 def test_check_layout_errors_name_the_field_and_values():
     tok = build_char_tokenizer()
     llama = zoo_config("llama-1m", tok)
-    assert _error(Layout(dp=2, tp=2), llama, 2) == \
-        "plan.actor: dp=2 × tp=2 × pp=1 = 4 devices, but the mesh has 2"
+    assert _error(Layout(dp=2, tp=2), llama, 2) == "plan.actor: dp=2 × tp=2 × pp=1 = 4 devices, but the mesh has 2"
     assert _error(Layout(dp=1, pp=3), llama, 3) == "plan.actor.pp: 3 does not divide num_hidden_layers=4"
     # pp × tp: both the pipeline and the tensor checks apply.
     assert _error(Layout(tp=2, pp=3), llama, 6) == "plan.actor.pp: 3 does not divide num_hidden_layers=4"
@@ -81,10 +79,11 @@ def test_check_layout_errors_name_the_field_and_values():
     assert "model_type 'gpt2' supports only pp=1" in _error(Layout(tp=2, pp=2), gpt2, 4)
     assert _error(Layout(tp=3), llama, 3) == "plan.actor.tp: 3 does not divide num_attention_heads=4"
     assert _error(Layout(tp=4), llama, 4) == "plan.actor.tp: 4 does not divide num_key_value_heads=2"
-    odd_mlp = SimpleNamespace(model_type="qwen2", num_attention_heads=4, num_key_value_heads=2,
-                              intermediate_size=510)
-    assert _error(Layout(tp=4), SimpleNamespace(**{**vars(odd_mlp), "num_key_value_heads": 4}), 4) == \
-        "plan.actor.tp: 4 does not divide intermediate_size=510"
+    odd_mlp = SimpleNamespace(model_type="qwen2", num_attention_heads=4, num_key_value_heads=2, intermediate_size=510)
+    assert (
+        _error(Layout(tp=4), SimpleNamespace(**{**vars(odd_mlp), "num_key_value_heads": 4}), 4)
+        == "plan.actor.tp: 4 does not divide intermediate_size=510"
+    )
     gpt2 = _error(Layout(tp=2), zoo_config("gpt2-1m", tok), 2)
     assert "model_type 'gpt2'" in gpt2 and "llama, qwen2" in gpt2
 
@@ -167,8 +166,10 @@ def _tp_engine(tp_mesh: Any) -> dict:
     params = SamplingParams(max_new_tokens=12, temperature=1.0)
     # Fewer slots than requests: admission, slot moves and cache reuse all happen on the sharded cache too.
     runs = [RolloutEngine(m, params, eos_id=2, pad_id=0, slots=3, max_len=64).generate(requests) for m in (ref, tp)]
-    return {"tokens": [[c.tokens for c in run] for run in runs],
-            "logp_diff": max(abs(a - b) for x, y in zip(*runs) for a, b in zip(x.logps, y.logps))}
+    return {
+        "tokens": [[c.tokens for c in run] for run in runs],
+        "logp_diff": max(abs(a - b) for x, y in zip(*runs) for a, b in zip(x.logps, y.logps)),
+    }
 
 
 def _tp_values_diff(tp_mesh: Any) -> float:
@@ -185,15 +186,19 @@ def _tp_values_diff(tp_mesh: Any) -> float:
     return (got - want)[mask_BL.bool()].abs().max().item()
 
 
-def _token_mean_nll(model: torch.nn.Module, ids_BL: torch.Tensor, mask_BL: torch.Tensor,
-                    total_tokens: int) -> torch.Tensor:
+def _token_mean_nll(
+    model: torch.nn.Module, ids_BL: torch.Tensor, mask_BL: torch.Tensor, total_tokens: int
+) -> torch.Tensor:
     """Sum of next-token NLL over real tokens / total_tokens (the batch's own count for the reference)."""
     logp_BL1 = token_logprobs(model, ids_BL, mask_BL)
     return -(logp_BL1 * mask_BL[:, 1:]).sum() / total_tokens
 
 
-def _step(model: torch.nn.Module, loss_fn: Callable[[torch.nn.Module], torch.Tensor],
-          sync: Callable[[torch.nn.Module], None] | None = None) -> float:
+def _step(
+    model: torch.nn.Module,
+    loss_fn: Callable[[torch.nn.Module], torch.Tensor],
+    sync: Callable[[torch.nn.Module], None] | None = None,
+) -> float:
     """One clipped AdamW step; returns the gradient norm before clipping."""
     model.train()
     opt = torch.optim.AdamW(model.parameters(), lr=LR, weight_decay=0.1)
@@ -217,15 +222,21 @@ def _tp_adamw_step(tp_mesh: Any) -> dict:
     before = full_state_dict(ref)
     norms = [_step(m, lambda model: _token_mean_nll(model, ids_BL, mask_BL, tokens)) for m in (ref, tp)]
     stepped = full_state_dict(ref)
-    result = {"norms": norms, "param_diff": _max_state_diff(stepped, full_state_dict(tp)),
-              "moved": _max_state_diff(stepped, before)}
+    result = {
+        "norms": norms,
+        "param_diff": _max_state_diff(stepped, full_state_dict(tp)),
+        "moved": _max_state_diff(stepped, before),
+    }
     load_full_state_dict(tp, before)  # back to the start: a load must undo the step exactly
     result["reload_diff"] = _max_state_diff(before, full_state_dict(tp))
     some = {k: stepped[k] for k in ("lm_head.weight", "model.layers.1.self_attn.k_proj.weight")}
     load_full_state_dict(tp, some, strict=False)
     now = full_state_dict(tp)
-    result["partial_load"] = [_max_state_diff({k: now[k]}, {k: want[k]})
-                              for want in (stepped, before) for k in ("lm_head.weight", "model.norm.weight")]
+    result["partial_load"] = [
+        _max_state_diff({k: now[k]}, {k: want[k]})
+        for want in (stepped, before)
+        for k in ("lm_head.weight", "model.norm.weight")
+    ]
     return result
 
 
@@ -234,8 +245,11 @@ def _tp_tied_step(tp_mesh: Any) -> dict:
     ids_BL, mask_BL = _batch()
     tokens = int(mask_BL[:, 1:].sum())
     norms = [_step(m, lambda model: _token_mean_nll(model, ids_BL, mask_BL, tokens)) for m in (ref, tp)]
-    return {"still_tied": tp.lm_head.weight is tp.get_input_embeddings().weight, "norms": norms,
-            "param_diff": _max_state_diff(full_state_dict(ref), full_state_dict(tp))}
+    return {
+        "still_tied": tp.lm_head.weight is tp.get_input_embeddings().weight,
+        "norms": norms,
+        "param_diff": _max_state_diff(full_state_dict(ref), full_state_dict(tp)),
+    }
 
 
 def _dp_adamw_step(rank: int, dp_group: Any) -> dict:
@@ -245,9 +259,14 @@ def _dp_adamw_step(rank: int, dp_group: Any) -> dict:
     total = int(mask_BL[:, 1:].sum())
     mine = slice(2 * rank, 2 * rank + 2)  # rank 0: 10 + 7 tokens, rank 1: 4 + 9: unequal shares
     # Local token-mean × local share = local sum / global count.
-    norms = [_step(ref, lambda model: _token_mean_nll(model, ids_BL, mask_BL, total)),
-             _step(dp, lambda model: _token_mean_nll(model, ids_BL[mine], mask_BL[mine], total),
-                   sync=lambda model: sync_gradients(model, dp_group, bucket_bytes=BUCKET_BYTES))]
+    norms = [
+        _step(ref, lambda model: _token_mean_nll(model, ids_BL, mask_BL, total)),
+        _step(
+            dp,
+            lambda model: _token_mean_nll(model, ids_BL[mine], mask_BL[mine], total),
+            sync=lambda model: sync_gradients(model, dp_group, bucket_bytes=BUCKET_BYTES),
+        ),
+    ]
     stepped = full_state_dict(ref)
     return {"norms": norms, "param_diff": _max_state_diff(stepped, full_state_dict(dp))}
 
@@ -354,8 +373,10 @@ BF16_RANKS = 4
 def _bf16_gradient_sum(rank: int) -> dict:
     """bf16 gradients of 4 ranks whose bf16 partial sums round differently from their exact sum."""
     layer = torch.nn.Linear(64, 64, bias=False).to(torch.bfloat16)
-    grads = [torch.randn(64, 64, generator=torch.Generator().manual_seed(r)).mul(1 + 7 * r).bfloat16()
-             for r in range(BF16_RANKS)]
+    grads = [
+        torch.randn(64, 64, generator=torch.Generator().manual_seed(r)).mul(1 + 7 * r).bfloat16()
+        for r in range(BF16_RANKS)
+    ]
     layer.weight.grad = grads[rank].clone()
     sync_gradients(layer, dist.group.WORLD)
     exact = sum(g.double() for g in grads).bfloat16()  # every rank's gradient summed exactly, rounded once
@@ -363,8 +384,11 @@ def _bf16_gradient_sum(rank: int) -> dict:
     for g in grads[1:]:
         in_bf16 = in_bf16 + g  # what summing in bf16 hop by hop gives
     got = layer.weight.grad
-    return {"dtype": got.dtype, "vs_exact": float((got.double() - exact.double()).abs().max()),
-            "bf16_sums_differ": bool((in_bf16 != exact).any())}
+    return {
+        "dtype": got.dtype,
+        "vs_exact": float((got.double() - exact.double()).abs().max()),
+        "bf16_sums_differ": bool((in_bf16 != exact).any()),
+    }
 
 
 def test_bf16_gradients_are_summed_in_fp32_and_rounded_once():

@@ -10,12 +10,27 @@ statistics are those of the unsplit model run as one micro-batch.
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from functools import partial
-from typing import Any, Callable
+from typing import Any
 
 import pytest
 import torch
 import torch.distributed as dist
+
+from loomrl.algorithms.context import OpContext, Role
+from loomrl.algorithms.ops import logprob_op, train_loop, values_op
+from loomrl.algorithms.workflows import _actor_loss, _critic_loss
+from loomrl.config.schema import AlgoConfig
+from loomrl.errors import ConfigError
+from loomrl.models.heads import token_logprobs
+from loomrl.models.tokenizer import build_char_tokenizer
+from loomrl.models.zoo import build_causal_lm
+from loomrl.parallel.pipeline import check_pipeline, split_stages
+from loomrl.parallel.pipeline_runner import PipelineRunner
+from loomrl.parallel.spawn import run_world
+from loomrl.role import ModelPasses
+from loomrl.workflow.batch import Batch, micro_batch_slices, pack_sequences, response_mask
 from pipeline_helpers import (
     LENGTHS,
     MAX_NORM,
@@ -25,20 +40,6 @@ from pipeline_helpers import (
     value_model,
     values_diff,
 )
-
-from loomrl.algorithms.ops import logprob_op, train_loop, values_op
-from loomrl.algorithms.context import OpContext, Role
-from loomrl.algorithms.workflows import _actor_loss, _critic_loss
-from loomrl.config.schema import AlgoConfig
-from loomrl.role import ModelPasses
-from loomrl.errors import ConfigError
-from loomrl.models.heads import token_logprobs
-from loomrl.models.tokenizer import build_char_tokenizer
-from loomrl.models.zoo import build_causal_lm
-from loomrl.parallel.pipeline import check_pipeline, split_stages
-from loomrl.parallel.pipeline_runner import PipelineRunner
-from loomrl.parallel.spawn import run_world
-from loomrl.workflow.batch import Batch, micro_batch_slices, pack_sequences, response_mask
 
 WORLD = 2
 TIMEOUT_S = 240
@@ -113,9 +114,13 @@ def ranks() -> list[dict]:
 def _all_checks(rank: int) -> dict:
     # A subgroup rather than WORLD, so group ranks and global ranks are both exercised by send/recv.
     group = dist.new_group([0, 1])
-    return {"logits": _logits_diffs(rank, group), "logp": _logp_diff(rank, group),
-            "values": _values_diff(rank, group), "step": _adamw_step(rank, group),
-            "ops": _op_micro_batching(rank, group)}
+    return {
+        "logits": _logits_diffs(rank, group),
+        "logp": _logp_diff(rank, group),
+        "values": _values_diff(rank, group),
+        "step": _adamw_step(rank, group),
+        "ops": _op_micro_batching(rank, group),
+    }
 
 
 def _runner(model: torch.nn.Module, rank: int, group: Any) -> PipelineRunner:
@@ -144,8 +149,13 @@ def _logp_diff(rank: int, group: Any) -> float:
     runner = _runner(build_causal_lm("llama-1m", tok, seed=0), rank, group)
     ids_BL, mask_BL = ragged_batch()
     rows = micro_batch_slices(len(LENGTHS), 2)
-    got = runner.forward(ids_BL, mask_BL, micro_batches=2, broadcast_result=True,
-                         output_fn=lambda logits, k: logp_from_logits(logits, ids_BL[rows[k]]))
+    got = runner.forward(
+        ids_BL,
+        mask_BL,
+        micro_batches=2,
+        broadcast_result=True,
+        output_fn=lambda logits, k: logp_from_logits(logits, ids_BL[rows[k]]),
+    )
     with torch.no_grad():
         want = token_logprobs(ref, ids_BL, mask_BL)
     assert got.shape == want.shape
@@ -165,9 +175,12 @@ def _adamw_step(rank: int, group: Any) -> dict:
     losses, norms = adamw_steps(ref, runner, group)
     stage = runner.stage
     stepped = dict(ref.named_parameters())
-    return {"losses": losses, "norms": norms,
-            "param_diff": max((p - stepped[n]).abs().max().item() for n, p in stage.named_parameters()),
-            "moved": max((p - before[n]).abs().max().item() for n, p in stage.named_parameters())}
+    return {
+        "losses": losses,
+        "norms": norms,
+        "param_diff": max((p - stepped[n]).abs().max().item() for n, p in stage.named_parameters()),
+        "moved": max((p - before[n]).abs().max().item() for n, p in stage.named_parameters()),
+    }
 
 
 # Responses of very different lengths (0, 1, 2, 8 and 7 tokens): micro-batches of 2 hold 3 and 15 loss tokens,
@@ -185,24 +198,46 @@ def _op_batch() -> Batch:
     gen = torch.Generator().manual_seed(5)
     mask = response_mask(RESPONSES)
     noise = lambda scale: torch.randn(mask.shape, generator=gen) * scale * mask  # noqa: E731
-    return Batch(list(range(len(PROMPTS))), {
-        "prompt_ids": [list(p) for p in PROMPTS], "response_ids": [list(r) for r in RESPONSES], "mask": mask,
-        "advantages": noise(1.0), "returns": noise(1.0), "values": noise(0.3), "logp": noise(0.3) - 3.5,
-        "ref_logp": noise(0.3) - 3.5})
+    return Batch(
+        list(range(len(PROMPTS))),
+        {
+            "prompt_ids": [list(p) for p in PROMPTS],
+            "response_ids": [list(r) for r in RESPONSES],
+            "mask": mask,
+            "advantages": noise(1.0),
+            "returns": noise(1.0),
+            "values": noise(0.3),
+            "logp": noise(0.3) - 3.5,
+            "ref_logp": noise(0.3) - 3.5,
+        },
+    )
 
 
 def _op_role(name: str, model: torch.nn.Module, rank: int | None, group: Any) -> Role:
     """A trainable role, staged when ``rank`` is given; its optimizer leaves the weights (and gradients) be."""
     pipeline = None if rank is None else _runner(model, rank, group)
     model = model if pipeline is None else pipeline.stage.model
-    return Role(name, model, torch.optim.SGD(model.parameters(), lr=0.0), grad_clip=1e9,
-                passes=ModelPasses(model, pipeline=pipeline))
+    return Role(
+        name,
+        model,
+        torch.optim.SGD(model.parameters(), lr=0.0),
+        grad_clip=1e9,
+        passes=ModelPasses(model, pipeline=pipeline),
+    )
 
 
 def _op_context(role: Role, micro_batches: int, rows: int) -> OpContext:
     tok = build_char_tokenizer()
-    return OpContext(role, 0, 0, tok.pad_token_id, tok.eos_token_id, str,
-                     train_steps=((tuple(range(rows)), OP_WEIGHT),), micro_batches=micro_batches)
+    return OpContext(
+        role,
+        0,
+        0,
+        tok.pad_token_id,
+        tok.eos_token_id,
+        str,
+        train_steps=((tuple(range(rows)), OP_WEIGHT),),
+        micro_batches=micro_batches,
+    )
 
 
 OP_ALGO = AlgoConfig(entropy_coef=0.01, kl_coef=0.1)
@@ -227,9 +262,11 @@ def _diffs(got: tuple[dict, dict], want: tuple[dict, dict]) -> dict:
     """Largest relative differences of the statistics got and of the gradients got (a stage's part)."""
     (stats, grads), (want_stats, want_grads) = got, want
     scale = max(g.abs().max().item() for g in want_grads.values())
-    return {"stats": {k: abs(v - want_stats[k]) / max(abs(want_stats[k]), 1e-6) for k, v in stats.items()},
-            "grads": max((g - want_grads[n]).abs().max().item() for n, g in grads.items()) / scale,
-            "grad_names": sorted(grads)}
+    return {
+        "stats": {k: abs(v - want_stats[k]) / max(abs(want_stats[k]), 1e-6) for k, v in stats.items()},
+        "grads": max((g - want_grads[n]).abs().max().item() for n, g in grads.items()) / scale,
+        "grad_names": sorted(grads),
+    }
 
 
 def _op_micro_batching(rank: int, group: Any) -> dict:
@@ -247,12 +284,16 @@ def _op_micro_batching(rank: int, group: Any) -> dict:
     ctx = _op_context(ref, 1, len(batch))
     want = logprob_op(ctx, batch, "x", 0.9)["x"]
     staged = _op_role("actor", build_causal_lm("llama-1m", tok, seed=0), rank, group)
-    out["logprob"] = {m: (logprob_op(_op_context(staged, m, 5), batch, "x", 0.9)["x"] - want)[batch["mask"] > 0]
-                      .abs().max().item() for m in (2, 3, 8)}  # 8 > rows: clipped to one row each
+    out["logprob"] = {
+        m: (logprob_op(_op_context(staged, m, 5), batch, "x", 0.9)["x"] - want)[batch["mask"] > 0].abs().max().item()
+        for m in (2, 3, 8)
+    }  # 8 > rows: clipped to one row each
     critic_want = values_op(_op_context(_op_role("critic", value_model(), None, group), 1, 5), batch)["values"]
     critic = _op_role("critic", value_model(), rank, group)
-    out["values"] = {m: (values_op(_op_context(critic, m, 5), batch)["values"] - critic_want)[batch["mask"] > 0]
-                     .abs().max().item() for m in (2, 3)}
+    out["values"] = {
+        m: (values_op(_op_context(critic, m, 5), batch)["values"] - critic_want)[batch["mask"] > 0].abs().max().item()
+        for m in (2, 3)
+    }
     out["naive_gap"] = _row_weighted_gap()
     return out
 
@@ -266,11 +307,11 @@ def _row_weighted_gap() -> float:
 
     def loss_of(rows: range) -> float:
         part = batch.select(rows)
-        ids_BL, attn_BL, plen_B = pack_sequences(part["prompt_ids"], part["response_ids"], ctx.pad_id,
-                                                 ctx.role.device)
+        ids_BL, attn_BL, plen_B = pack_sequences(part["prompt_ids"], part["response_ids"], ctx.pad_id, ctx.role.device)
         with torch.no_grad():
-            return float(loss_fn(part, model(input_ids=ids_BL, attention_mask=attn_BL).logits,
-                                 (ids_BL, attn_BL, plen_B))[0])
+            return float(
+                loss_fn(part, model(input_ids=ids_BL, attention_mask=attn_BL).logits, (ids_BL, attn_BL, plen_B))[0]
+            )
 
     parts = micro_batch_slices(len(batch), 2)
     rows = [range(s.start, s.stop) for s in parts]
@@ -356,14 +397,24 @@ def test_ops_run_the_contexts_micro_batches_through_the_pipeline(micro_batches, 
     """Inference and training ask the pipeline for ``ctx.micro_batches`` (at most one per row: 5 here)."""
     batch = _op_batch()
     actor = _SpyPipeline(build_causal_lm("llama-1m", build_char_tokenizer(), seed=0))
-    role = Role("actor", actor.stage.model, torch.optim.SGD(actor.stage.parameters(), lr=0.0),
-                passes=ModelPasses(actor.stage.model, pipeline=actor))
+    role = Role(
+        "actor",
+        actor.stage.model,
+        torch.optim.SGD(actor.stage.parameters(), lr=0.0),
+        passes=ModelPasses(actor.stage.model, pipeline=actor),
+    )
     ctx = _op_context(role, micro_batches, len(batch))
     logprob_op(ctx, batch, "x", 1.0)
     train_loop(ctx, batch, _loss_fn(ctx))
     critic = _SpyPipeline(value_model())
-    values_op(_op_context(Role("critic", critic.stage.model, passes=ModelPasses(critic.stage.model, pipeline=critic)),
-                          micro_batches, len(batch)), batch)
+    values_op(
+        _op_context(
+            Role("critic", critic.stage.model, passes=ModelPasses(critic.stage.model, pipeline=critic)),
+            micro_batches,
+            len(batch),
+        ),
+        batch,
+    )
     assert actor.asked == [runs, runs] and critic.asked == [runs]
 
 
@@ -404,12 +455,15 @@ def _four_stage_step(rank: int) -> dict:
     runs 3, 2, 1 and 0 forwards on stages 0..3 before its first backward."""
     tok = build_char_tokenizer()
     ref = build_causal_lm("llama-1m", tok, seed=0)
-    runner = PipelineRunner(split_stages(build_causal_lm("llama-1m", tok, seed=0), rank, 4), dist.group.WORLD,
-                            rank, 4)
+    runner = PipelineRunner(split_stages(build_causal_lm("llama-1m", tok, seed=0), rank, 4), dist.group.WORLD, rank, 4)
     losses, norms = adamw_steps(ref, runner, dist.group.WORLD, micro_batches=4)
     stepped = dict(ref.named_parameters())
-    return {"losses": losses, "norms": norms, "peak_in_flight": runner.peak_in_flight,
-            "param_diff": max((p - stepped[n]).abs().max().item() for n, p in runner.stage.named_parameters())}
+    return {
+        "losses": losses,
+        "norms": norms,
+        "peak_in_flight": runner.peak_in_flight,
+        "param_diff": max((p - stepped[n]).abs().max().item() for n, p in runner.stage.named_parameters()),
+    }
 
 
 def test_1f1b_on_four_stages_equals_single_process_and_bounds_kept_micro_batches():

@@ -14,6 +14,17 @@ from typing import Any
 import pytest
 import torch
 import torch.distributed as dist
+from torch.distributed.tensor import DTensor
+
+from loomrl.models.tokenizer import build_char_tokenizer
+from loomrl.models.zoo import build_causal_lm
+from loomrl.parallel import apply_tensor_parallel, full_state_dict
+from loomrl.parallel.allocations import AllocationGroups
+from loomrl.parallel.pipeline import split_stages
+from loomrl.parallel.pipeline_runner import PipelineRunner
+from loomrl.parallel.spawn import run_world
+from loomrl.plan.allocation import Allocation
+from loomrl.plan.shards import shard_intervals, shard_shape
 from pipeline_helpers import (
     MAX_NORM,
     adamw_steps,
@@ -21,17 +32,6 @@ from pipeline_helpers import (
     value_model,
     values_diff,
 )
-from torch.distributed.tensor import DTensor
-
-from loomrl.models.tokenizer import build_char_tokenizer
-from loomrl.models.zoo import build_causal_lm
-from loomrl.parallel import apply_tensor_parallel, full_state_dict
-from loomrl.parallel.allocations import AllocationGroups
-from loomrl.plan.plan import Allocation
-from loomrl.parallel.pipeline import split_stages
-from loomrl.parallel.pipeline_runner import PipelineRunner
-from loomrl.parallel.spawn import run_world
-from loomrl.plan.shards import shard_intervals, shard_shape
 
 WORLD = 4
 TIMEOUT_S = 300
@@ -50,10 +50,16 @@ def _staged(model: torch.nn.Module, groups: Any) -> PipelineRunner:
 # ------------------------------------------------------------------------------- checks run on every rank
 def _all_checks(rank: int) -> dict:
     groups = AllocationGroups(rank, [KEY], device_type="cpu")[KEY]
-    return {"groups": {"coords": (groups.pp_rank, groups.dp_rank, groups.tp_rank),
-                       "pp": dist.get_process_group_ranks(groups.pp_group),
-                       "tp": dist.get_process_group_ranks(groups.tp_mesh.get_group())},
-            "logits": _logits_diffs(groups), "values": _values_diff(groups), "step": _adamw_step(rank, groups)}
+    return {
+        "groups": {
+            "coords": (groups.pp_rank, groups.dp_rank, groups.tp_rank),
+            "pp": dist.get_process_group_ranks(groups.pp_group),
+            "tp": dist.get_process_group_ranks(groups.tp_mesh.get_group()),
+        },
+        "logits": _logits_diffs(groups),
+        "values": _values_diff(groups),
+        "step": _adamw_step(rank, groups),
+    }
 
 
 def _logits_diffs(groups: Any) -> dict:
@@ -83,10 +89,12 @@ def _shards_follow_the_plan(rank: int, stage_model: torch.nn.Module, full: dict[
     for name, param in stage_model.named_parameters():
         local = param.to_local() if isinstance(param, DTensor) else param
         flat = full[name].reshape(-1)
-        expected = torch.cat([flat[lo:hi] for lo, hi in shard_intervals(name, full[name].shape, layout, rank,
-                                                                        NUM_LAYERS)])
-        if shard_shape(name, full[name].shape, layout, rank, NUM_LAYERS) != tuple(local.shape) or \
-                not torch.equal(local.detach().reshape(-1), expected):
+        expected = torch.cat(
+            [flat[lo:hi] for lo, hi in shard_intervals(name, full[name].shape, layout, rank, NUM_LAYERS)]
+        )
+        if shard_shape(name, full[name].shape, layout, rank, NUM_LAYERS) != tuple(local.shape) or not torch.equal(
+            local.detach().reshape(-1), expected
+        ):
             wrong.append(name)
     return wrong
 
@@ -101,10 +109,16 @@ def _adamw_step(rank: int, groups: Any) -> dict:
     out: dict[str, Any] = {"misplaced": _shards_follow_the_plan(rank, stage.model, before)}
     losses, norms = adamw_steps(ref, runner, groups.pp_group)
     stepped, mine = full_state_dict(ref), full_state_dict(stage.model)  # the latter: collective over TP
-    out.update({"losses": losses, "norms": norms, "state_keys": sorted(mine),
-                "all_keys": sorted(stepped),
-                "param_diff": max((mine[n] - stepped[n]).abs().max().item() for n in mine),
-                "moved": max((mine[n] - before[n]).abs().max().item() for n in mine)})
+    out.update(
+        {
+            "losses": losses,
+            "norms": norms,
+            "state_keys": sorted(mine),
+            "all_keys": sorted(stepped),
+            "param_diff": max((mine[n] - stepped[n]).abs().max().item() for n in mine),
+            "moved": max((mine[n] - before[n]).abs().max().item() for n in mine),
+        }
+    )
     return out
 
 
@@ -117,8 +131,11 @@ def ranks() -> list[dict]:
 def test_pp_groups_join_the_same_tp_rank_of_every_stage(ranks):
     for rank, result in enumerate(ranks):
         pp_rank, tp_rank = divmod(rank, 2)
-        assert result["groups"] == {"coords": (pp_rank, 0, tp_rank), "pp": [tp_rank, tp_rank + 2],
-                                    "tp": [2 * pp_rank, 2 * pp_rank + 1]}, rank
+        assert result["groups"] == {
+            "coords": (pp_rank, 0, tp_rank),
+            "pp": [tp_rank, tp_rank + 2],
+            "tp": [2 * pp_rank, 2 * pp_rank + 1],
+        }, rank
 
 
 def test_pp_tp_logits_equal_unsplit(ranks):

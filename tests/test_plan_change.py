@@ -18,22 +18,28 @@ import pytest
 from loomrl.algorithms.workflows import build_workflow
 from loomrl.checkpoint.shards import read_role
 from loomrl.config.schema import AlgoConfig, OptimConfig, RolloutConfig
-from loomrl.role.spec import RoleSpec
 from loomrl.errors import ConfigError
 from loomrl.plan import ClusterSpec, make_plan
 from loomrl.plan.schedule import build_schedule
+from loomrl.role.spec import RoleSpec
 from loomrl.runtime.plan_change import plan_moves
 from loomrl.runtime.spec import WorkerPlan
 from loomrl.train.rl import RLTrainer
 from test_runtime import _assert_equivalent, _cfg
 
 CHANGES = {
-    2: {1: "separate:1", 2: "interleave",
+    2: {
+        1: "separate:1",
+        2: "interleave",
         3: "actor_gen=0-1:dp2; actor_train=0-1:dp2zero; ref_inf=0-1:dp2; reward_inf=0-1:dp2; critic_inf=0-1:dp2; "
-           "critic_train=0-1:dp2fsdp; advantages=0:dp1"},
-    4: {1: "separate:1", 2: "interleave",
+        "critic_train=0-1:dp2fsdp; advantages=0:dp1",
+    },
+    4: {
+        1: "separate:1",
+        2: "interleave",
         3: "actor_gen=0-3:dp4; actor_train=0-3:dp2tp2fsdp; ref_inf=0-1:dp2; reward_inf=2-3:dp2; critic_inf=0-3:dp4; "
-           "critic_train=0-3:pp2dp2zero; advantages=0:dp1"},
+        "critic_train=0-3:pp2dp2zero; advantages=0:dp1",
+    },
 }
 SHARDED = "runtime.layouts={actor: {sharding: fsdp}, critic: {sharding: zero}}"
 
@@ -58,13 +64,21 @@ def reference(tmp_path_factory):
 @pytest.mark.parametrize("devices", [2, 4])
 def test_a_run_whose_plan_changes_is_the_reference_run(tmp_path, reference, devices):
     expected, ref_dir = reference
-    got = _run(tmp_path, "ray", "runtime.executor=ray", f"runtime.devices={devices}", SHARDED,
-               "runtime.verify_reallocation=true", changes=CHANGES[devices])
+    got = _run(
+        tmp_path,
+        "ray",
+        "runtime.executor=ray",
+        f"runtime.devices={devices}",
+        SHARDED,
+        "runtime.verify_reallocation=true",
+        changes=CHANGES[devices],
+    )
     _assert_equivalent(got, expected)
     assert got[-1]["eval/exact_match"] == expected[-1]["eval/exact_match"]
     for role in ("actor", "critic"):
-        (ours, ours_opt), (theirs, theirs_opt) = (read_role(d / "checkpoints" / "iter_000003", role)
-                                                  for d in (tmp_path / "ray", ref_dir))
+        (ours, ours_opt), (theirs, theirs_opt) = (
+            read_role(d / "checkpoints" / "iter_000003", role) for d in (tmp_path / "ray", ref_dir)
+        )
         assert ours.keys() == theirs.keys()
         for key, tensor in theirs.items():  # 1e-4 relative, as for the losses, on each tensor as a whole
             assert (ours[key] - tensor).norm() <= 1e-4 * tensor.norm(), (role, key)
@@ -85,8 +99,10 @@ def test_moves_name_what_each_role_carries():
 
     colocate = "actor_gen=0-1; actor_train=0-1:dp2zero; ref_inf=0-1; reward_inf=0-1; critic_inf=0-1; critic_train=0-1"
     moved = "actor_gen=0-1; actor_train=0-1:dp2fsdp; ref_inf=0; reward_inf=0-1; critic_inf=0-1; critic_train=0-1"
-    specs = {r: RoleSpec(r, "llama-1m", f"{r}.model", optim=OptimConfig() if r in ("actor", "critic") else None)
-             for r in workflow.roles()}
+    specs = {
+        r: RoleSpec(r, "llama-1m", f"{r}.model", optim=OptimConfig() if r in ("actor", "critic") else None)
+        for r in workflow.roles()
+    }
     calls = []
 
     def transfer(role, src, dst, state):
@@ -96,9 +112,13 @@ def test_moves_name_what_each_role_carries():
     moves = plan_moves(plan(colocate), plan(moved), specs, False, {"actor": 3, "critic": 3}, transfer)
     assert [(m.role, m.src.text, m.dst.text, m.kinds, m.step) for m in moves] == [
         ("actor", "0-1:dp2zero", "0-1:dp2fsdp", ("weights", "exp_avg", "exp_avg_sq"), 3),
-        ("ref", "0-1:dp2", "0:dp1", ("weights",), 0)]
-    assert calls == [("actor", "0-1:dp2zero", "0-1:dp2fsdp", False), ("actor", "0-1:dp2zero", "0-1:dp2fsdp", True),
-                     ("ref", "0-1:dp2", "0:dp1", False)]
+        ("ref", "0-1:dp2", "0:dp1", ("weights",), 0),
+    ]
+    assert calls == [
+        ("actor", "0-1:dp2zero", "0-1:dp2fsdp", False),
+        ("actor", "0-1:dp2zero", "0-1:dp2fsdp", True),
+        ("ref", "0-1:dp2", "0:dp1", False),
+    ]
     # 16-bit weights: the fp32 masters move too, into FSDP's fp32 shards (which are the weights); no step yet
     moves = plan_moves(plan(colocate), plan(moved), specs, True, {}, transfer)
     assert moves[0].kinds == ("master",) and moves[0].weights is None and moves[0].state is not None

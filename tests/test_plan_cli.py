@@ -13,8 +13,24 @@ from loomrl.train.rl import RLTrainer
 
 def test_plan_prints_every_strategy_and_writes_a_plan_file_and_timeline(tmp_path, capsys):
     out = tmp_path / "plan"
-    assert main(["plan", "--cluster", "h100:1x8", "--model", "llama2-7b", "--response-len", "128",
-                 "--time-budget", "2", "--out", str(out)]) == 0
+    assert (
+        main(
+            [
+                "plan",
+                "--cluster",
+                "h100:1x8",
+                "--model",
+                "llama2-7b",
+                "--response-len",
+                "128",
+                "--time-budget",
+                "2",
+                "--out",
+                str(out),
+            ]
+        )
+        == 0
+    )
     printed = capsys.readouterr().out
     for name in ("colocate", "interleave", "separate", "searched"):
         assert name in printed
@@ -33,9 +49,20 @@ def test_plan_rejects_an_unknown_model_in_one_line(tmp_path, capsys):
 
 
 def test_a_run_writes_traces_that_timeline_draws(tmp_path, capsys):
-    cfg = load_config(TrainConfig, None, [f"run_dir={tmp_path / 'run'}", "runtime.executor=reference",
-                                           "loop.iterations=2", "rollout.prompts_per_iter=4", "loop.eval_prompts=4",
-                                           "loop.progress=false", "report.html=false", "rollout.max_new_tokens=4"])
+    cfg = load_config(
+        TrainConfig,
+        None,
+        [
+            f"run_dir={tmp_path / 'run'}",
+            "runtime.executor=reference",
+            "loop.iterations=2",
+            "rollout.prompts_per_iter=4",
+            "loop.eval_prompts=4",
+            "loop.progress=false",
+            "report.html=false",
+            "rollout.max_new_tokens=4",
+        ],
+    )
     RLTrainer(cfg).run()
     traces = [json.loads(line) for line in (tmp_path / "run" / "traces.jsonl").read_text().splitlines()]
     assert {t["step"] for t in traces} >= {"actor_gen", "actor_train", "critic_train"}
@@ -54,9 +81,20 @@ def test_a_run_writes_traces_that_timeline_draws(tmp_path, capsys):
 
 
 def test_calibrate_fits_corrections_from_a_run(tmp_path, capsys):
-    cfg = load_config(TrainConfig, None, [f"run_dir={tmp_path / 'run'}", "runtime.executor=reference",
-                                           "loop.iterations=3", "rollout.prompts_per_iter=4", "loop.eval_prompts=4",
-                                           "loop.progress=false", "report.html=false", "rollout.max_new_tokens=4"])
+    cfg = load_config(
+        TrainConfig,
+        None,
+        [
+            f"run_dir={tmp_path / 'run'}",
+            "runtime.executor=reference",
+            "loop.iterations=3",
+            "rollout.prompts_per_iter=4",
+            "loop.eval_prompts=4",
+            "loop.progress=false",
+            "report.html=false",
+            "rollout.max_new_tokens=4",
+        ],
+    )
     RLTrainer(cfg).run()
     assert main(["calibrate", "--from", str(tmp_path / "run"), "--out", str(tmp_path / "cal")]) == 0
     fitted = json.loads((tmp_path / "cal" / "corrections.json").read_text())
@@ -73,8 +111,23 @@ def test_calibrate_fits_corrections_from_a_run(tmp_path, capsys):
     profile = tmp_path / "cal" / "local_profile.json"
     profile.write_text(json.dumps(dataclasses.asdict(PROFILES["local"])))
     out = tmp_path / "plan"
-    args = ["plan", "--cluster", "cpu:2", "--model", "llama-1m", "--response-len", "4", "--prompts", "4",
-            "--time-budget", "1", "--out", str(out), "--profile", str(profile)]
+    args = [
+        "plan",
+        "--cluster",
+        "cpu:2",
+        "--model",
+        "llama-1m",
+        "--response-len",
+        "4",
+        "--prompts",
+        "4",
+        "--time-budget",
+        "1",
+        "--out",
+        str(out),
+        "--profile",
+        str(profile),
+    ]
     assert main([*args, "--corrections", str(tmp_path / "cal" / "corrections.json")]) == 0
     assert "searched" in capsys.readouterr().out and ExecutionPlan.load(out / "best_plan.json").cluster.n_devices == 2
     for bad, field in ((tmp_path / "nope.json", "nope.json"), (tmp_path / "cal" / "corrections.json", "profile")):

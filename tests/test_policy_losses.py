@@ -8,18 +8,18 @@ import math
 import pytest
 import torch
 
-from loomrl.config import schema as C
 from loomrl.algorithms import losses as L
 from loomrl.algorithms.advantages import masked_mean, overlong_penalty
-from loomrl.algorithms.ops import logprob_op
 from loomrl.algorithms.context import OpContext, Role
+from loomrl.algorithms.ops import logprob_op
 from loomrl.algorithms.workflows import build_workflow
+from loomrl.config import schema as C
 from loomrl.config.schema import AlgoConfig, RolloutConfig, TrainConfig
 from loomrl.config.tools import load_config
-from loomrl.role import ModelPasses
 from loomrl.errors import ConfigError, WorkflowError
 from loomrl.models.tokenizer import build_char_tokenizer
 from loomrl.models.zoo import build_causal_lm
+from loomrl.role import ModelPasses
 from loomrl.train.rl import RLTrainer
 from loomrl.workflow import MFC, MFCKind
 from loomrl.workflow.batch import Batch, pad_right, response_mask
@@ -58,11 +58,14 @@ def test_aggregations_by_hand_ignore_padding_garbage():
         L.aggregate(loss, mask, "seq-mean")
 
 
-@pytest.mark.parametrize("agg,want_loss,want_grad", [
-    ("token-mean", -2 / 3, [[-1 / 3, 2 / 3, 0.0], [-1.0, 0.0, 0.0]]),  # -A / 3 tokens
-    ("seq-mean-token-mean", -1.25, [[-1 / 4, 2 / 4, 0.0], [-3 / 2, 0.0, 0.0]]),  # -A / (row's tokens x 2 rows)
-    ("seq-mean-token-sum", -1.0, [[-1 / 2, 1.0, 0.0], [-3 / 2, 0.0, 0.0]]),  # -A / 2 rows
-])
+@pytest.mark.parametrize(
+    "agg,want_loss,want_grad",
+    [
+        ("token-mean", -2 / 3, [[-1 / 3, 2 / 3, 0.0], [-1.0, 0.0, 0.0]]),  # -A / 3 tokens
+        ("seq-mean-token-mean", -1.25, [[-1 / 4, 2 / 4, 0.0], [-3 / 2, 0.0, 0.0]]),  # -A / (row's tokens x 2 rows)
+        ("seq-mean-token-sum", -1.0, [[-1 / 2, 1.0, 0.0], [-3 / 2, 0.0, 0.0]]),  # -A / 2 rows
+    ],
+)
 def test_policy_loss_aggregations_by_hand(agg, want_loss, want_grad):
     logp = torch.tensor([[-1.0, -2.0, -math.inf], [-0.5, 3.0, 3.0]], requires_grad=True)
     adv = torch.tensor([[1.0, -2.0, math.nan], [3.0, 0.0, 0.0]])
@@ -110,8 +113,9 @@ def _gspo_case():
     # b: s = 2,            A +1: clipped to 1.28             -> -1.28 per token, no gradient
     # c: s = 0.5,          A -1: min(-0.5, -0.8) = -0.8      -> 0.8 per token, clipped, no gradient
     # d: s = 1,            A -2: unclipped                    -> 2 per token, gradient flows
-    delta = torch.tensor([[0.1, 0.3, 0.0], [math.log(2)] * 3, [math.log(0.5) + 0.2, math.log(0.5) - 0.2, 0.0],
-                          [0.5, -0.5, 0.0]])
+    delta = torch.tensor(
+        [[0.1, 0.3, 0.0], [math.log(2)] * 3, [math.log(0.5) + 0.2, math.log(0.5) - 0.2, 0.0], [0.5, -0.5, 0.0]]
+    )
     mask = torch.tensor([[1, 1, 0], [1, 1, 1], [1, 1, 0], [1, 1, 0]])
     old = torch.full((4, 3), -2.0)
     logp = (old + delta).masked_fill(mask == 0, -math.inf).requires_grad_()
@@ -206,8 +210,12 @@ def _advantages_mfc(algo: AlgoConfig) -> MFC:
 def test_overlong_shaping_is_subtracted_from_the_score_before_advantages():
     responses = [[5] * 3, [5] * 7, [5] * 8, [5] * 2]  # penalties 0, 0.5, 1, 0 (M = 8, N = 2)
     zeros = pad_right([[0.0] * len(r) for r in responses])
-    cols = {"score": torch.tensor([1.0, 1.0, 1.0, 0.0]), "mask": response_mask(responses), "logp": zeros,
-            "ref_logp": zeros}
+    cols = {
+        "score": torch.tensor([1.0, 1.0, 1.0, 0.0]),
+        "mask": response_mask(responses),
+        "logp": zeros,
+        "ref_logp": zeros,
+    }
     shaped = AlgoConfig(name="grpo", group_size=4, overlong_buffer=2)
     mfc = _advantages_mfc(shaped)
     assert "overlong_penalty" in mfc.outputs
@@ -223,9 +231,14 @@ def test_overlong_shaping_is_subtracted_from_the_score_before_advantages():
 
 def test_remax_shapes_its_greedy_baseline_alike():
     responses, greedy = [[5] * 8, [5] * 3], [[5] * 7, [5] * 8]
-    cols = {"score": torch.tensor([1.0, 1.0]), "greedy_score": torch.tensor([1.0, 1.0]), "greedy_response_ids": greedy,
-            "mask": response_mask(responses), "logp": pad_right([[0.0] * len(r) for r in responses]),
-            "ref_logp": pad_right([[0.0] * len(r) for r in responses])}
+    cols = {
+        "score": torch.tensor([1.0, 1.0]),
+        "greedy_score": torch.tensor([1.0, 1.0]),
+        "greedy_response_ids": greedy,
+        "mask": response_mask(responses),
+        "logp": pad_right([[0.0] * len(r) for r in responses]),
+        "ref_logp": pad_right([[0.0] * len(r) for r in responses]),
+    }
     mfc = _advantages_mfc(AlgoConfig(name="remax", kl_coef=0.0, overlong_buffer=2))
     assert "greedy_response_ids" in mfc.inputs
     out = mfc.op(None, Batch([0, 1], cols))
@@ -235,14 +248,19 @@ def test_remax_shapes_its_greedy_baseline_alike():
 # --- config --------------------------------------------------------------------------------------------------
 
 
-@pytest.mark.parametrize("override,message", [
-    ("algo.loss_agg=seq-mean", "algo.loss_agg: 'seq-mean' is not one of token-mean, seq-mean-token-mean, "
-                               "seq-mean-token-sum"),
-    ("algo.policy_loss=grpo", "algo.policy_loss: 'grpo' is not one of ppo, gspo"),
-    ("algo.overlong_buffer=7", "algo.overlong_buffer: 7 is more than rollout.max_new_tokens 6 (valid: 0 to 6)"),
-    ("algo.overlong_buffer=-1", "algo.overlong_buffer: -1 is out of range"),
-    ("algo.overlong_penalty=-0.5", "algo.overlong_penalty: -0.5 is out of range"),
-])
+@pytest.mark.parametrize(
+    "override,message",
+    [
+        (
+            "algo.loss_agg=seq-mean",
+            "algo.loss_agg: 'seq-mean' is not one of token-mean, seq-mean-token-mean, seq-mean-token-sum",
+        ),
+        ("algo.policy_loss=grpo", "algo.policy_loss: 'grpo' is not one of ppo, gspo"),
+        ("algo.overlong_buffer=7", "algo.overlong_buffer: 7 is more than rollout.max_new_tokens 6 (valid: 0 to 6)"),
+        ("algo.overlong_buffer=-1", "algo.overlong_buffer: -1 is out of range"),
+        ("algo.overlong_penalty=-0.5", "algo.overlong_penalty: -0.5 is out of range"),
+    ],
+)
 def test_bad_values_are_one_line_errors_naming_the_field(override, message, tmp_path):
     with pytest.raises(ConfigError) as err:
         tiny_cfg(tmp_path, override)
@@ -280,14 +298,20 @@ def _split_batch(role: Role, tok) -> Batch:
     mask = response_mask(RESPONSES)
     gen = torch.Generator().manual_seed(3)
     shift = torch.tensor([0.0, 0.3, -0.3, 0.05, 0.0]).unsqueeze(1)
-    batch.update({"mask": mask, "logp": (logp + shift + 0.1 * torch.randn(logp.shape, generator=gen)) * mask,
-                  "ref_logp": (logp + 0.1 * torch.randn(logp.shape, generator=gen)) * mask,
-                  "advantages": torch.tensor([1.0, -0.5, 0.7, -1.2, 0.3]).unsqueeze(1) * mask})
+    batch.update(
+        {
+            "mask": mask,
+            "logp": (logp + shift + 0.1 * torch.randn(logp.shape, generator=gen)) * mask,
+            "ref_logp": (logp + 0.1 * torch.randn(logp.shape, generator=gen)) * mask,
+            "advantages": torch.tensor([1.0, -0.5, 0.7, -1.2, 0.3]).unsqueeze(1) * mask,
+        }
+    )
     return batch
 
 
-def _gradient(role: Role, tok, mfc: MFC, batch: Batch, ranks: list[list[int]], micro_batches: int,
-              unit: str) -> tuple[torch.Tensor, dict[str, float]]:
+def _gradient(
+    role: Role, tok, mfc: MFC, batch: Batch, ranks: list[list[int]], micro_batches: int, unit: str
+) -> tuple[torch.Tensor, dict[str, float]]:
     """The summed gradient and statistics of ``ranks`` each training its rows, weighted as the executors weight a
     rank: its rows' share of the minibatch's loss weight (``unit``). Norms and learning rates are left out: they
     are the whole step's, not summed."""
@@ -296,8 +320,17 @@ def _gradient(role: Role, tok, mfc: MFC, batch: Batch, ranks: list[list[int]], m
     stats: dict[str, float] = {}
     for rows in ranks:
         share = sum(weights[r] for r in rows) / sum(weights)
-        ctx = OpContext(role, 0, 0, tok.pad_token_id, tok.eos_token_id, str, train_steps=((tuple(rows), share),),
-                        micro_batches=micro_batches, loss_unit=unit)
+        ctx = OpContext(
+            role,
+            0,
+            0,
+            tok.pad_token_id,
+            tok.eos_token_id,
+            str,
+            train_steps=((tuple(rows), share),),
+            micro_batches=micro_batches,
+            loss_unit=unit,
+        )
         for key, value in mfc.op(ctx, batch)["stats"].items():
             if key not in ("actor/grad_norm", "actor/lr"):
                 stats[key] = stats.get(key, 0.0) + value
@@ -310,8 +343,9 @@ def _gradient(role: Role, tok, mfc: MFC, batch: Batch, ranks: list[list[int]], m
 def test_minibatch_gradient_is_the_same_however_it_is_split(policy, agg):
     role, tok = _actor()
     batch = _split_batch(role, tok)
-    algo = AlgoConfig(name="grpo", group_size=5, policy_loss=policy, loss_agg=agg, clip_eps=0.1, kl_coef=0.1,
-                      entropy_coef=0.01)
+    algo = AlgoConfig(
+        name="grpo", group_size=5, policy_loss=policy, loss_agg=agg, clip_eps=0.1, kl_coef=0.1, entropy_coef=0.01
+    )
     mfc = build_workflow(algo, RolloutConfig())["actor_train"]
     before = snapshot(role.model)
     whole, whole_stats = _gradient(role, tok, mfc, batch, [[0, 1, 2, 3, 4]], 1, mfc.loss_unit)
@@ -331,8 +365,16 @@ def test_minibatch_gradient_is_the_same_however_it_is_split(policy, agg):
 
 
 def test_grpo_with_gspo_and_token_mean_trains_in_the_reference_executor(tmp_path):
-    cfg = tiny_cfg(tmp_path, "algo.name=grpo", "algo.policy_loss=gspo", "algo.loss_agg=token-mean",
-                   "algo.clip_eps=3e-4", "algo.clip_eps_high=4e-4", "algo.overlong_buffer=2", "loop.iterations=1")
+    cfg = tiny_cfg(
+        tmp_path,
+        "algo.name=grpo",
+        "algo.policy_loss=gspo",
+        "algo.loss_agg=token-mean",
+        "algo.clip_eps=3e-4",
+        "algo.clip_eps_high=4e-4",
+        "algo.overlong_buffer=2",
+        "loop.iterations=1",
+    )
     trainer = RLTrainer(cfg)
     actor = trainer.executor.roles["actor"].model
     before = snapshot(actor)
@@ -346,8 +388,13 @@ def test_grpo_with_gspo_and_token_mean_trains_in_the_reference_executor(tmp_path
 def test_the_dapo_recipe_loads_and_trains(tmp_path):
     cfg = load_config(TrainConfig, "examples/dapo_sort.yaml", [*TINY, f"run_dir={tmp_path}", "loop.iterations=1"])
     algo = cfg.algo
-    assert (algo.name, algo.clip_eps, algo.clip_eps_high, algo.loss_agg, algo.kl_coef) == \
-        ("grpo", 0.2, 0.28, "token-mean", 0.0)
+    assert (algo.name, algo.clip_eps, algo.clip_eps_high, algo.loss_agg, algo.kl_coef) == (
+        "grpo",
+        0.2,
+        0.28,
+        "token-mean",
+        0.0,
+    )
     assert algo.overlong_buffer > 0 and algo.overlong_penalty > 0 and algo.dynamic_sampling.enabled
     metrics = RLTrainer(cfg).run()
     assert "reward/overlong_penalty" in metrics and math.isfinite(metrics["actor/pg_loss"])
@@ -359,8 +406,13 @@ def test_ray_runs_weight_ranks_by_sequences_as_the_reference_does(tmp_path):
     """A mean over sequences, split over two data-parallel ranks of two controllers by the Ray runtime: each rank's
     loss is weighted by its share of the minibatch's rows, not of its tokens, so the run is the reference run
     (weighting by tokens instead, tried on one controller and two ranks, moves the first policy loss by 2%)."""
-    extra = ("algo.name=grpo", "algo.policy_loss=gspo", "algo.loss_agg=seq-mean-token-mean", "algo.overlong_buffer=3",
-             "loop.iterations=2")
+    extra = (
+        "algo.name=grpo",
+        "algo.policy_loss=gspo",
+        "algo.loss_agg=seq-mean-token-mean",
+        "algo.overlong_buffer=3",
+        "loop.iterations=2",
+    )
     reference = _metrics(tmp_path, "ref", *extra)
     got = _metrics(tmp_path, "ray", "runtime.executor=ray", "runtime.devices=2", "runtime.controllers=2", *extra)
     _assert_equivalent(got, reference)

@@ -27,9 +27,19 @@ from loomrl.errors import ConfigError
 from loomrl.runtime.launch import cluster_from_nodes
 
 REPO = Path(__file__).resolve().parents[1]
-TINY = ("algo.name=grpo", "algo.group_size=2", "algo.minibatches=1", "loop.iterations=2", "loop.save_every=1",
-        "loop.eval_prompts=4", "rollout.prompts_per_iter=3", "rollout.max_new_tokens=4", "loop.progress=false",
-        "runtime.threads=1", "runtime.timeout_s=180")
+TINY = (
+    "algo.name=grpo",
+    "algo.group_size=2",
+    "algo.minibatches=1",
+    "loop.iterations=2",
+    "loop.save_every=1",
+    "loop.eval_prompts=4",
+    "rollout.prompts_per_iter=3",
+    "rollout.max_new_tokens=4",
+    "loop.progress=false",
+    "runtime.threads=1",
+    "runtime.timeout_s=180",
+)
 
 
 def test_devices_are_counted_from_the_clusters_nodes():
@@ -38,7 +48,10 @@ def test_devices_are_counted_from_the_clusters_nodes():
     dead = {"alive": False, "resources": {"CPU": 64.0, "GPU": 8.0}}
     cluster = cluster_from_nodes([head, gpu, gpu, dead], 0, "auto")
     assert (cluster.nodes, cluster.devices_per_node, cluster.device_kind) == (2, 8, "cuda")
-    assert (cluster_from_nodes([head, gpu, gpu], 4, "auto").nodes, cluster_from_nodes([head, gpu, gpu], 4, "auto").n_devices) == (1, 4)
+    assert (
+        cluster_from_nodes([head, gpu, gpu], 4, "auto").nodes,
+        cluster_from_nodes([head, gpu, gpu], 4, "auto").n_devices,
+    ) == (1, 4)
     assert cluster_from_nodes([head, gpu, gpu], 16, "cuda").nodes == 2
     cpu = cluster_from_nodes([head, gpu, gpu], 0, "cpu")  # CPU workers: each node's CPUs, the smallest node's count
     assert (cpu.nodes, cpu.devices_per_node, cpu.device_kind) == (3, 16, "cpu")
@@ -65,14 +78,24 @@ def _free_port() -> int:
 def _env(**extra: str) -> dict[str, str]:
     """This process's environment without any Ray address or auth mode, this checkout first on the path."""
     env = {k: v for k, v in os.environ.items() if k not in ("RAY_ADDRESS", "RAY_AUTH_MODE", "RAY_AUTH_TOKEN")}
-    env.update(PYTHONPATH=os.pathsep.join([str(REPO), env.get("PYTHONPATH", "")]).rstrip(os.pathsep),
-               HF_HUB_OFFLINE="1", OMP_NUM_THREADS="1", **extra)
+    env.update(
+        PYTHONPATH=os.pathsep.join([str(REPO), env.get("PYTHONPATH", "")]).rstrip(os.pathsep),
+        HF_HUB_OFFLINE="1",
+        OMP_NUM_THREADS="1",
+        **extra,
+    )
     return env
 
 
 def _train(cwd: Path, env: dict[str, str], *args: str, timeout: float = 300) -> subprocess.CompletedProcess:
-    return subprocess.run([sys.executable, "-m", "loomrl.cli", "train", str(REPO / "examples" / "grpo_sort.yaml"),
-                           *TINY, *args], cwd=cwd, env=env, capture_output=True, text=True, timeout=timeout)
+    return subprocess.run(
+        [sys.executable, "-m", "loomrl.cli", "train", str(REPO / "examples" / "grpo_sort.yaml"), *TINY, *args],
+        cwd=cwd,
+        env=env,
+        capture_output=True,
+        text=True,
+        timeout=timeout,
+    )
 
 
 def _ok(proc: subprocess.CompletedProcess) -> None:
@@ -90,8 +113,9 @@ def test_the_embedded_default_never_follows_a_stale_ray_start_cluster(short_tmp)
     """Ray's file of the last `ray start` cluster names a dead address: `loomrl train` starts its own instance."""
     (short_tmp / "ray").mkdir()
     (short_tmp / "ray" / "ray_current_cluster").write_text(f"127.0.0.1:{_free_port()}")
-    proc = _train(short_tmp, _env(TMPDIR=str(short_tmp)), "runtime.devices=1", "loop.iterations=1",
-                  f"run_dir={short_tmp / 'run'}")
+    proc = _train(
+        short_tmp, _env(TMPDIR=str(short_tmp)), "runtime.devices=1", "loop.iterations=1", f"run_dir={short_tmp / 'run'}"
+    )
     _ok(proc)
     assert "existing Ray cluster" not in proc.stderr and "Started a local Ray instance" in proc.stderr
 
@@ -108,10 +132,24 @@ def test_train_joins_a_ray_start_cluster_with_token_authentication(short_tmp):
     work.mkdir()
     log = open(short_tmp / "head.log", "w")
     # three CPUs, where this machine has two: the run's devices must come from the cluster, not from the driver
-    head = subprocess.Popen([str(Path(sys.executable).parent / "ray"), "start", "--head", "--block", f"--port={port}",
-                             "--num-cpus=3", f"--temp-dir={short_tmp / 'ray'}", "--include-dashboard=false",
-                             "--disable-usage-stats"], cwd=head_dir, env=_env(), stdout=log, stderr=log,
-                            start_new_session=True)
+    head = subprocess.Popen(
+        [
+            str(Path(sys.executable).parent / "ray"),
+            "start",
+            "--head",
+            "--block",
+            f"--port={port}",
+            "--num-cpus=3",
+            f"--temp-dir={short_tmp / 'ray'}",
+            "--include-dashboard=false",
+            "--disable-usage-stats",
+        ],
+        cwd=head_dir,
+        env=_env(),
+        stdout=log,
+        stderr=log,
+        start_new_session=True,
+    )
     try:
         deadline = time.monotonic() + 90
         while not _answers(port):
@@ -126,10 +164,12 @@ def test_train_joins_a_ray_start_cluster_with_token_authentication(short_tmp):
         cluster = json.loads((run / "plan.json").read_text())["cluster"]
         assert (cluster["nodes"], cluster["devices_per_node"], cluster["device_kind"]) == (1, 3, "cpu")
         # a driver without the cluster's token: one line saying where the token goes
-        stranger = _train(work, _env(HOME=str(short_tmp)), "run_dir=runs/x", f"--ray-address=127.0.0.1:{port}",
-                          timeout=240)
-        _one_line_error(stranger, f"cannot join the Ray cluster at 127.0.0.1:{port} without its token",
-                        "~/.ray/auth_token")
+        stranger = _train(
+            work, _env(HOME=str(short_tmp)), "run_dir=runs/x", f"--ray-address=127.0.0.1:{port}", timeout=240
+        )
+        _one_line_error(
+            stranger, f"cannot join the Ray cluster at 127.0.0.1:{port} without its token", "~/.ray/auth_token"
+        )
         assert "InvalidAuthToken" not in stranger.stderr  # said at once, not after Ray's retries
     finally:
         _stop(head)

@@ -11,24 +11,24 @@ from __future__ import annotations
 import gc
 import math
 import random
-from typing import Any, Callable
+from collections.abc import Callable
+from typing import Any
 
 import pytest
 import torch
 import torch.distributed as dist
 
-from loomrl.parallel.spawn import run_world
-
+from loomrl.errors import ConfigError
 from loomrl.parallel import realloc_exec, realloc_program
-from loomrl.plan.layout import Layout
 from loomrl.parallel.realloc_exec import (
     ReallocVerificationError,
     build_broadcast_groups,
     execute_reallocation,
 )
-from loomrl.plan.realloc_plan import ReallocPlan, plan_reallocation
-from loomrl.errors import ConfigError
+from loomrl.parallel.spawn import run_world
 from loomrl.plan import Allocation
+from loomrl.plan.layout import Layout
+from loomrl.plan.realloc_plan import ReallocPlan, plan_reallocation
 from loomrl.plan.shards import pp_stage, shard_intervals, shard_shape, tp_dim
 
 CASES = 300
@@ -46,8 +46,9 @@ def place(mesh, layout: Layout, fsdp: bool = False, zero: bool = False) -> Alloc
     return Allocation(tuple(sorted(mesh)), layout, fsdp=fsdp, zero=zero)
 
 
-def reference_shard(full: torch.Tensor, name: str, alloc: Allocation, rank: int, num_layers: int,
-                    state: bool = False) -> torch.Tensor | None:
+def reference_shard(
+    full: torch.Tensor, name: str, alloc: Allocation, rank: int, num_layers: int, state: bool = False
+) -> torch.Tensor | None:
     """What ``rank`` of ``alloc`` must hold of ``full`` (of its weights, or with ``state`` of its optimizer
     state), by tensor slicing (None: another PP stage)."""
     layout = alloc.layout
@@ -68,7 +69,7 @@ def reference_shard(full: torch.Tensor, name: str, alloc: Allocation, rank: int,
         flat = part.reshape(-1)
         step = -(-flat.numel() // layout.dp)
         start = min(dp_rank * step, flat.numel())
-        part = flat[start:start + step]
+        part = flat[start : start + step]
     return part
 
 
@@ -115,12 +116,18 @@ def test_shard_intervals_hand_computed():
 
 def test_shard_intervals_match_tensor_slices_on_random_shapes():
     rng = random.Random(7)
-    names = ["model.layers.0.self_attn.q_proj.weight", "model.layers.0.mlp.down_proj.weight",
-             "model.embed_tokens.weight", "model.layers.0.mlp.up_proj.bias", "model.norm.weight"]
+    names = [
+        "model.layers.0.self_attn.q_proj.weight",
+        "model.layers.0.mlp.down_proj.weight",
+        "model.embed_tokens.weight",
+        "model.layers.0.mlp.up_proj.bias",
+        "model.norm.weight",
+    ]
     for _ in range(200):
         name = rng.choice(names)
-        shape = (rng.randint(1, 7),) if name.endswith(("bias", "norm.weight")) else \
-            (rng.randint(1, 7), rng.randint(1, 7))
+        shape = (
+            (rng.randint(1, 7),) if name.endswith(("bias", "norm.weight")) else (rng.randint(1, 7), rng.randint(1, 7))
+        )
         layout = Layout(dp=rng.randint(1, 3), tp=rng.randint(1, 4))
         split, rank = rng.choice(["none", "rows", "flat"]), rng.randrange(layout.size)
         alloc = place(range(layout.size), layout, fsdp=split == "rows", zero=split == "flat")
@@ -151,16 +158,16 @@ def _random_params(rng: random.Random, num_layers: int) -> dict[str, tuple[int, 
     return params
 
 
-def _random_placement(rng: random.Random, num_layers: int, devices: int, fsdp: bool, zero: bool = False
-                      ) -> Allocation:
+def _random_placement(rng: random.Random, num_layers: int, devices: int, fsdp: bool, zero: bool = False) -> Allocation:
     while True:
         layout = Layout(dp=rng.randint(1, 4), tp=rng.randint(1, 4), pp=1 if fsdp else rng.choice([1, 2, 4]))
         if layout.size <= devices and num_layers % layout.pp == 0:
             return place(rng.sample(range(devices), layout.size), layout, fsdp, zero and not fsdp)
 
 
-def _shards(full: dict[str, torch.Tensor], alloc: Allocation, num_layers: int, state: bool = False
-            ) -> dict[tuple[int, str], torch.Tensor]:
+def _shards(
+    full: dict[str, torch.Tensor], alloc: Allocation, num_layers: int, state: bool = False
+) -> dict[tuple[int, str], torch.Tensor]:
     """Reference flat shards per (device, param), for the devices holding one."""
     out = {}
     for rank, device in enumerate(alloc.mesh):
@@ -183,18 +190,21 @@ def _offset(intervals: list[tuple[int, int]], index: int, numel: int) -> int:
 
 def _simulate(plan: ReallocPlan, src: dict, full: dict) -> tuple[dict, dict, dict[str, int]]:
     """Apply the plan's transfers to the source shards; (destination shards, delivery counts, byte tallies)."""
-    sizes = {(device, name): sum(hi - lo for lo, hi in plan.dst_intervals(device, name))
-             for device in plan.dst.mesh for name in full}
+    sizes = {
+        (device, name): sum(hi - lo for lo, hi in plan.dst_intervals(device, name))
+        for device in plan.dst.mesh
+        for name in full
+    }
     dst = {key: torch.full((size,), float("nan"), dtype=torch.float64) for key, size in sizes.items() if size}
     counts = {key: torch.zeros(value.numel(), dtype=torch.int64) for key, value in dst.items()}
     tally = {"moved": 0, "local": 0}
     for t in plan.transfers:
         at = _offset(plan.src_intervals(t.sender, t.param), t.start, t.numel)
-        values = src[(t.sender, t.param)][at:at + t.numel]
+        values = src[(t.sender, t.param)][at : at + t.numel]
         for receiver in t.receivers:
             to = _offset(plan.dst_intervals(receiver, t.param), t.start, t.numel)
-            dst[(receiver, t.param)][to:to + t.numel] = values
-            counts[(receiver, t.param)][to:to + t.numel] += 1
+            dst[(receiver, t.param)][to : to + t.numel] = values
+            counts[(receiver, t.param)][to : to + t.numel] += 1
             if not t.local:
                 tally["moved"] += t.numel
             elif not plan.aliased(receiver, t.param):
@@ -229,8 +239,14 @@ def _check_case(seed: int) -> ReallocPlan:
     return _check_plan(seed, params, num_layers, src, dst, state)
 
 
-def _check_plan(seed: int, params: dict[str, tuple[int, ...]], num_layers: int, src: Allocation,
-                dst: Allocation, state: bool = False) -> ReallocPlan:
+def _check_plan(
+    seed: int,
+    params: dict[str, tuple[int, ...]],
+    num_layers: int,
+    src: Allocation,
+    dst: Allocation,
+    state: bool = False,
+) -> ReallocPlan:
     """Plan ``src`` → ``dst`` and check properties (a)–(d) by simulating it on random full parameters."""
     plan = plan_reallocation(params, num_layers, src, dst, node_of, state)
     full = {name: torch.randn(shape, dtype=torch.float64) for name, shape in params.items()}
@@ -257,13 +273,14 @@ def _check_aliases(seed: int, plan: ReallocPlan, src: dict, expected: dict) -> N
         offset = plan.alias_offset(device, name)
         spans = False
         if held is not None:  # where each destination element sits in the source shard, element by element
-            src_pos = {i: k for k, i in enumerate(i for lo, hi in plan.src_intervals(device, name)
-                                                  for i in range(lo, hi))}
+            src_pos = {
+                i: k for k, i in enumerate(i for lo, hi in plan.src_intervals(device, name) for i in range(lo, hi))
+            }
             at = [src_pos.get(i) for lo, hi in plan.dst_intervals(device, name) for i in range(lo, hi)]
             spans = None not in at and at == list(range(at[0], at[0] + len(at)))
         assert (offset is not None) == spans, (seed, device, name)
         if offset is not None:
-            assert torch.equal(held.reshape(-1)[offset:offset + tensor.numel()], tensor.reshape(-1)), (seed, name)
+            assert torch.equal(held.reshape(-1)[offset : offset + tensor.numel()], tensor.reshape(-1)), (seed, name)
 
 
 def test_planner_properties_on_random_cases():
@@ -303,8 +320,9 @@ def test_planner_properties_on_pp_tp_pairs(pair: int):
     for seed in range(10):
         rng = random.Random(1000 * pair + seed)
         for fsdp in (False, True) if src_layout.dp > 1 and src_layout.pp == 1 else (False,):
-            plan = _check_plan(seed, _random_params(rng, 4), 4, place(src_mesh, src_layout, fsdp),
-                               place(dst_mesh, dst_layout))
+            plan = _check_plan(
+                seed, _random_params(rng, 4), 4, place(src_mesh, src_layout, fsdp), place(dst_mesh, dst_layout)
+            )
             if (src_mesh, src_layout, fsdp) == (dst_mesh, dst_layout, False):
                 assert plan.bytes_moved(1) == 0 and plan.free_after == ()
 
@@ -368,12 +386,22 @@ def test_allocations_reject_bad_placements():
 # ------------------------------------------------------------------------------- executor schedule, in process
 def _sim_dtypes(params: dict[str, tuple[int, ...]]) -> dict[str, torch.dtype]:
     """Mixed element sizes: 2-byte norms (odd counts), 8-byte embeddings, 4-byte projections."""
-    return {name: torch.bfloat16 if "norm" in name else torch.float64 if "embed" in name or "lm_head" in name
-            else torch.float32 for name in params}
+    return {
+        name: torch.bfloat16
+        if "norm" in name
+        else torch.float64
+        if "embed" in name or "lm_head" in name
+        else torch.float32
+        for name in params
+    }
 
 
-def _run_schedules(plan: ReallocPlan, src: dict[tuple[int, str], torch.Tensor], dtypes: dict[str, torch.dtype],
-                   corrupt: Callable[[torch.Tensor], None] | None = None) -> dict[tuple[int, str], torch.Tensor]:
+def _run_schedules(
+    plan: ReallocPlan,
+    src: dict[tuple[int, str], torch.Tensor],
+    dtypes: dict[str, torch.dtype],
+    corrupt: Callable[[torch.Tensor], None] | None = None,
+) -> dict[tuple[int, str], torch.Tensor]:
     """Every device's compiled schedule run in one process, with verification: each sender packs its route
     buffers, every receiver's buffer gets a copy of its sender's (``corrupt`` may alter the copy) and its
     direct entries a copy of the sender's source elements, then receivers unpack and check, and every device
@@ -389,10 +417,10 @@ def _run_schedules(plan: ReallocPlan, src: dict[tuple[int, str], torch.Tensor], 
     for device, (_, src_flat, _, buffers) in state.items():
         for route, routed in buffers.items():
             if route[0] == device:
-                realloc_exec._pack(routed, src_flat)
+                _pack(routed, src_flat)
     for device, (schedule, src_flat, out, buffers) in state.items():
         dst_flat = {name: tensor.view(-1) for name, tensor in out.items()}
-        realloc_exec._copy_local(schedule.local, src_flat, dst_flat)
+        _copy_local(schedule.local, src_flat, dst_flat)
         for route, routed in buffers.items():
             if route[0] != device:
                 _, sender_flat, _, sender_buffers = state[route[0]]
@@ -405,9 +433,31 @@ def _run_schedules(plan: ReallocPlan, src: dict[tuple[int, str], torch.Tensor], 
                     mine_.copy_(theirs)  # the wire: sizes must agree
                     if tag == 0 and corrupt is not None:
                         corrupt(routed.buffer)
-                    realloc_exec._land(routed, dst_flat, tag)
+                    _land(routed, dst_flat, tag)
                 realloc_exec._check_direct(routed, dst_flat)
     return {(device, name): tensor for device, (_, _, out, _) in state.items() for name, tensor in out.items()}
+
+
+def _pack(rb, src_flat) -> None:
+    """Fill the buffers of one route a device sends, and its checksums (the compiled exchange's packing, alone)."""
+    copies = realloc_exec._Copies()
+    realloc_exec._pack_into(copies, rb, src_flat)
+    copies.run()
+    realloc_exec._sum_sent(rb, src_flat)
+
+
+def _copy_local(entries, src_flat, dst_flat) -> None:
+    """Copy the pieces a device already holds into its new destination shards."""
+    copies = realloc_exec._Copies()
+    realloc_exec._local_into(copies, entries, src_flat, dst_flat)
+    copies.run()
+
+
+def _land(rb, dst_flat, tag: int) -> None:
+    """Put a received message's elements in place and check the packed entries (if verifying)."""
+    realloc_exec._landing(rb, dst_flat, tag).run()
+    if tag == 0:
+        realloc_exec._check_packed(rb, dst_flat)
 
 
 def _schedule_case(seed: int) -> tuple[ReallocPlan, dict, dict, dict]:
@@ -442,8 +492,12 @@ def test_compiled_schedules_deliver_the_direct_slices(monkeypatch: pytest.Monkey
         assert all(tensor.numel() == 0 for key, tensor in got.items() if key not in expected), seed
         for device in {*plan.src.mesh, *plan.dst.mesh}:
             schedule = realloc_exec.compile_program(plan, device)
-            sides = [side for entry in (*schedule.local, *(e for es in schedule.routes.values() for e in es))
-                     for side in (entry.src, entry.dst) if side is not None]
+            sides = [
+                side
+                for entry in (*schedule.local, *(e for es in schedule.routes.values() for e in es))
+                for side in (entry.src, entry.dst)
+                if side is not None
+            ]
             strided += sum(run.count > 1 for side in sides for run in side.runs)
             indexes += sum(side.index(torch.device("cpu")) is not None for side in sides)
             direct += sum(len(entries) for entries in schedule.direct.values())
@@ -455,10 +509,15 @@ def test_compiled_schedules_deliver_the_direct_slices(monkeypatch: pytest.Monkey
 
 
 def test_schedule_sides_group_pieces_into_strided_runs():
-    side = realloc_program._Side([(0, 4), (4, 4), (16, 4), (24, 4), (32, 4), (50, 2), (60, 3)])
-    Run = realloc_program._Run
+    side = realloc_program.Side([(0, 4), (4, 4), (16, 4), (24, 4), (32, 4), (50, 2), (60, 3)])
+    StridedRun = realloc_program.StridedRun
     # Touching spans merge; equal lengths at one step form a run; the rest stand alone.
-    assert side.runs == (Run(0, 1, 8, 0, 8), Run(8, 3, 4, 16, 8), Run(20, 1, 2, 50, 2), Run(22, 1, 3, 60, 3))
+    assert side.runs == (
+        StridedRun(0, 1, 8, 0, 8),
+        StridedRun(8, 3, 4, 16, 8),
+        StridedRun(20, 1, 2, 50, 2),
+        StridedRun(22, 1, 3, 60, 3),
+    )
     assert side.index(torch.device("cpu")) is None and not side.contiguous
     flat = torch.arange(70.0)
     out = torch.empty(25)
@@ -468,7 +527,7 @@ def test_schedule_sides_group_pieces_into_strided_runs():
     target = torch.zeros(70)
     realloc_exec._scatter(target, side, out)
     assert torch.equal(target[target != 0], expected[expected != 0])
-    rows = realloc_program._Side([(r * 10 + (r % 3), 2) for r in range(40)])  # irregular: an index tensor
+    rows = realloc_program.Side([(r * 10 + (r % 3), 2) for r in range(40)])  # irregular: an index tensor
     assert rows.runs == () and rows.index(torch.device("cpu")).tolist()[:6] == [0, 1, 11, 12, 22, 23]
 
 
@@ -479,8 +538,11 @@ def test_schedule_verification_names_the_corrupted_parameter():
     def flip_last_byte(buffer: torch.Tensor) -> None:
         buffer[-1] ^= 0x40  # the last entry's last element, after the checksum header
 
-    with pytest.raises(ReallocVerificationError, match=r"^[\w.]+: \d+ elements in \d+ piece\(s\) within .* "
-                                                       r"from device \d+ fail verification"):
+    with pytest.raises(
+        ReallocVerificationError,
+        match=r"^[\w.]+: \d+ elements in \d+ piece\(s\) within .* "
+        r"from device \d+ fail verification",
+    ):
         _run_schedules(plan, src, dtypes, corrupt=flip_last_byte)
 
 
@@ -519,24 +581,36 @@ def _llama_params() -> dict[str, tuple[int, ...]]:
         params[p + "self_attn.q_proj.weight"] = (4, 4)
         if i == 0:  # one bias only: routes then carry an odd number of 2-byte elements before wider ones
             params[p + "self_attn.q_proj.bias"] = (4,)
-        params.update({p + "self_attn.k_proj.weight": (2, 4), p + "self_attn.v_proj.weight": (2, 4),
-                       p + "self_attn.o_proj.weight": (4, 4), p + "mlp.gate_proj.weight": (8, 4),
-                       p + "mlp.up_proj.weight": (8, 4), p + "mlp.down_proj.weight": (4, 8),
-                       p + "input_layernorm.weight": (4,), p + "post_attention_layernorm.weight": (4,)})
+        params.update(
+            {
+                p + "self_attn.k_proj.weight": (2, 4),
+                p + "self_attn.v_proj.weight": (2, 4),
+                p + "self_attn.o_proj.weight": (4, 4),
+                p + "mlp.gate_proj.weight": (8, 4),
+                p + "mlp.up_proj.weight": (8, 4),
+                p + "mlp.down_proj.weight": (4, 8),
+                p + "input_layernorm.weight": (4,),
+                p + "post_attention_layernorm.weight": (4,),
+            }
+        )
     params.update({"model.norm.weight": (4,), "lm_head.weight": (12, 4)})
     return params
 
 
 def _dtypes() -> dict[str, torch.dtype]:
     # Mixed dtypes, with 2-byte biases of odd piece counts, exercise the byte layout of the route buffers.
-    return {name: torch.float64 if "norm" in name else torch.bfloat16 if name.endswith("bias") else torch.float32
-            for name in _llama_params()}
+    return {
+        name: torch.float64 if "norm" in name else torch.bfloat16 if name.endswith("bias") else torch.float32
+        for name in _llama_params()
+    }
 
 
 def _full_params() -> dict[str, torch.Tensor]:
     gen = torch.Generator().manual_seed(0)
-    return {name: torch.randn(shape, generator=gen, dtype=torch.float64).to(_dtypes()[name])
-            for name, shape in _llama_params().items()}
+    return {
+        name: torch.randn(shape, generator=gen, dtype=torch.float64).to(_dtypes()[name])
+        for name, shape in _llama_params().items()
+    }
 
 
 SCENARIOS: dict[str, tuple[Allocation, Allocation]] = {
@@ -585,8 +659,9 @@ def _run_scenario(scenario: str, device: int, full: dict[str, torch.Tensor], use
     return {
         "keys_match": sorted(out) == sorted(expected),
         "mismatched": [n for n in expected if n in out and not torch.equal(out[n], expected[n])],
-        "aliased_ok": all(_shares_storage(out[n], source[n]) == plan.aliased(device, n)
-                          for n in out if n in source and out[n].numel()),
+        "aliased_ok": all(
+            _shares_storage(out[n], source[n]) == plan.aliased(device, n) for n in out if n in source and out[n].numel()
+        ),
     }
 
 
@@ -598,9 +673,9 @@ def _corrupted_run(device: int, full: dict[str, torch.Tensor]) -> str | None:
 
     def corrupting_sums(rb: Any, src_flat: Any) -> None:  # runs once a route is packed
         original(rb, src_flat)
-        rb.buffer[16 * (len(rb.placed) + len(rb.direct)):] += 1  # every packed data byte, not the checksums
+        rb.buffer[16 * (len(rb.placed) + len(rb.direct)) :] += 1  # every packed data byte, not the checksums
         if rb.direct:  # direct entries travel from the parameters themselves: corrupt their sums instead
-            rb.sums[len(rb.placed):] += 1
+            rb.sums[len(rb.placed) :] += 1
 
     if device == 0:
         realloc_exec._sum_sent = corrupting_sums
@@ -622,8 +697,9 @@ def _repeated_runs(device: int, full: dict[str, torch.Tensor]) -> list[bool]:
         for step in range(3):
             scaled = {name: (tensor.double() * (step + 2)).to(tensor.dtype) for name, tensor in full.items()}
             groups = groups or build_broadcast_groups(plan)
-            out = execute_reallocation(plan, _my_source(src, device, scaled), device, groups=groups,
-                                       dtypes=_dtypes(), verify=step == 1)
+            out = execute_reallocation(
+                plan, _my_source(src, device, scaled), device, groups=groups, dtypes=_dtypes(), verify=step == 1
+            )
             expected = _my_source(dst, device, scaled)
             ok.append(sorted(out) == sorted(expected) and all(torch.equal(out[n], expected[n]) for n in expected))
     return ok
@@ -643,10 +719,14 @@ def _into_given_tensors(scenario: str, device: int, full: dict[str, torch.Tensor
     given = {name: torch.full_like(tensor, float("nan")) for name, tensor in expected.items()}
     got = execute_reallocation(plan, source, device, dtypes=_dtypes(), verify=True, out=given)
     return sorted(got) == sorted(expected) and all(
-        torch.equal(got[n], expected[n]) and (
-            _shares_storage(got[n], source[n]) and bool(given[n].isnan().all()) if plan.aliased(device, n)
-            else got[n].data_ptr() == given[n].data_ptr())
-        for n in expected)
+        torch.equal(got[n], expected[n])
+        and (
+            _shares_storage(got[n], source[n]) and bool(given[n].isnan().all())
+            if plan.aliased(device, n)
+            else got[n].data_ptr() == given[n].data_ptr()
+        )
+        for n in expected
+    )
 
 
 def _reused_bindings(device: int, full: dict[str, torch.Tensor]) -> list[str]:
@@ -659,8 +739,11 @@ def _reused_bindings(device: int, full: dict[str, torch.Tensor]) -> list[str]:
         plan, groups = _plan(scenario), None
         groups = build_broadcast_groups(plan)
         source = _my_source(src, device, full)
-        given = {name: torch.zeros_like(tensor) for name, tensor in _my_source(dst, device, full).items()
-                 if not plan.aliased(device, name)}
+        given = {
+            name: torch.zeros_like(tensor)
+            for name, tensor in _my_source(dst, device, full).items()
+            if not plan.aliased(device, name)
+        }
         schedule, bound = realloc_exec.compile_program(plan, device), None
         for step in range(4):
             scaled = {name: (tensor.double() * (step + 2)).to(tensor.dtype) for name, tensor in full.items()}
@@ -676,11 +759,11 @@ def _reused_bindings(device: int, full: dict[str, torch.Tensor]) -> list[str]:
             expected = _my_source(dst, device, scaled)
             if sorted(out) != sorted(expected) or not all(torch.equal(out[n], expected[n]) for n in expected):
                 wrong.append(f"{scenario} step {step}: values")
-            reused = schedule._bound is bound
+            reused = schedule.binding is bound
             rebinds = step == 0 or step == 3 and bool(schedule.src_numel)  # a device without source shards keeps it
             if reused == rebinds:
                 wrong.append(f"{scenario} step {step}: reused={reused}")
-            bound = schedule._bound
+            bound = schedule.binding
     return wrong
 
 
@@ -689,10 +772,12 @@ def _body(rank: int) -> dict:
     results = {name: _run_scenario(name, rank, full, use_groups=i % 2 == 0) for i, name in enumerate(SCENARIOS)}
     results["into_out"] = {name: _into_given_tensors(name, rank, full) for name in SCENARIOS}
     realloc_program.DIRECT_MIN_NUMEL = 1  # again with every contiguous entry sent unpacked, in its own message
-    results["direct"] = {name: _run_scenario(name, rank, full, use_groups=i % 2 == 1)
-                         for i, name in enumerate(SCENARIOS)}
-    results["direct_entries"] = sum(len(e) for name in SCENARIOS
-                                    for e in realloc_exec.compile_program(_plan_cached(name), rank).direct.values())
+    results["direct"] = {
+        name: _run_scenario(name, rank, full, use_groups=i % 2 == 1) for i, name in enumerate(SCENARIOS)
+    }
+    results["direct_entries"] = sum(
+        len(e) for name in SCENARIOS for e in realloc_exec.compile_program(_plan_cached(name), rank).direct.values()
+    )
     realloc_program.DIRECT_MIN_NUMEL = DEFAULT_DIRECT_MIN_NUMEL
     results["corrupted"] = _corrupted_run(rank, full)
     results["repeated"] = _repeated_runs(rank, full)
@@ -710,8 +795,11 @@ def ranks() -> list[dict]:
 def test_gloo_reallocation_gives_every_rank_its_direct_slice(ranks: list[dict], scenario: str):
     for rank, result in enumerate(ranks):
         assert result[scenario] == {"keys_match": True, "mismatched": [], "aliased_ok": True}, (rank, scenario)
-        assert result["direct"][scenario] == {"keys_match": True, "mismatched": [], "aliased_ok": True}, \
-            (rank, scenario, "direct")
+        assert result["direct"][scenario] == {"keys_match": True, "mismatched": [], "aliased_ok": True}, (
+            rank,
+            scenario,
+            "direct",
+        )
     assert sum(result["direct_entries"] for result in ranks) > 0  # the unpacked path was taken
     assert all(result["into_out"][scenario] for result in ranks), scenario
 
@@ -721,8 +809,11 @@ def test_gloo_scenarios_cover_broadcasts_and_point_to_point():
     broadcast_only = ("tp2_to_separate_dp2", "pp2tp2_to_dp4")  # every piece goes to a node's two devices
     for name in broadcast_only:
         assert any(len(t.receivers) > 1 for t in plans[name].transfers), name
-    assert all(any(len(t.receivers) == 1 and not t.local for t in plan.transfers) for name, plan in plans.items()
-               if name not in broadcast_only)
+    assert all(
+        any(len(t.receivers) == 1 and not t.local for t in plan.transfers)
+        for name, plan in plans.items()
+        if name not in broadcast_only
+    )
 
 
 def test_gloo_verification_names_the_corrupted_parameter(ranks: list[dict]):

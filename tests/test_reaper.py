@@ -36,8 +36,12 @@ def _gone_within(pid: int, seconds: float) -> bool:
 
 
 def test_a_killed_drivers_lingering_descendant_is_killed():
-    driver = subprocess.Popen([sys.executable, "-c", DRIVER], stdout=subprocess.PIPE, text=True,
-                              env={**os.environ, "PYTHONPATH": str(Path(__file__).resolve().parents[1])})
+    driver = subprocess.Popen(
+        [sys.executable, "-c", DRIVER],
+        stdout=subprocess.PIPE,
+        text=True,
+        env={**os.environ, "PYTHONPATH": str(Path(__file__).resolve().parents[1])},
+    )
     lingering = int(driver.stdout.readline())
     watchdogs = [pid for pid in reaper.descendants(driver.pid) if pid != lingering]
     time.sleep(reaper.SAMPLE_S * 2)  # the watchdog samples the driver's descendants once at least

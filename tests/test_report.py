@@ -63,7 +63,11 @@ def test_resume_moves_later_lines_to_superseded(tmp_path):
         logger.log(4, {"reward/mean": 40.0})
 
     assert [(r["iteration"], r["reward/mean"]) for r in read_metrics(tmp_path / "metrics.jsonl")] == [
-        (1, 1.0), (2, 2.0), (3, 3.0), (4, 40.0)]
+        (1, 1.0),
+        (2, 2.0),
+        (3, 3.0),
+        (4, 40.0),
+    ]
     superseded = (tmp_path / "metrics.superseded.jsonl").read_text().splitlines()
     assert [json.loads(line)["iteration"] for line in superseded[:2]] == [4, 5]
     assert superseded[2] == '{"iteration": 6, "rew'  # moved, not deleted
@@ -83,8 +87,12 @@ def test_plot_writes_png_and_skips_missing_keys(tmp_path):
     with MetricsLogger(tmp_path) as logger:
         for it in range(1, 4):
             logger.log(it, {"reward/mean": it * 0.1, "response/length": 10.0 + it})
-    out = plot_metrics(tmp_path / "metrics.jsonl", tmp_path / "plots" / "m.png",
-                       ["reward/mean", "not/logged", "response/length"], title="t")
+    out = plot_metrics(
+        tmp_path / "metrics.jsonl",
+        tmp_path / "plots" / "m.png",
+        ["reward/mean", "not/logged", "response/length"],
+        title="t",
+    )
     assert out.read_bytes().startswith(PNG_MAGIC) and out.stat().st_size > 1000
     only_missing = plot_metrics(tmp_path / "metrics.jsonl", tmp_path / "none.png", ["not/logged"])
     assert only_missing.read_bytes().startswith(PNG_MAGIC)

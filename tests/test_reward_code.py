@@ -22,7 +22,7 @@ from loomrl.errors import DataError
 # What this machine cannot isolate is warned at every run; test_gaps_are_returned_and_warned looks at it.
 pytestmark = pytest.mark.filterwarnings("ignore:sandbox. :RuntimeWarning")
 
-REWARDS = '''
+REWARDS = """
 import re, time
 
 def exact(prompt, response, answer):
@@ -40,7 +40,7 @@ def sleepy(prompt, response, answer):
 def backtracking(prompt, response, answer):
     re.match(r"(a+)+$", "a" * 40 + "b")  # exponential, inside C code that holds the GIL
     return 1.0
-'''
+"""
 
 
 def _one_line(info: pytest.ExceptionInfo) -> str:
@@ -103,8 +103,9 @@ def test_task_reward_timeout_s_decides_where_the_function_runs(rewards, tmp_path
     prompts.write_text('{"prompt": "x"}\n')
     limited = build_task(TaskConfig(name="file", prompt_file=str(prompts), reward_fn=f"{rewards}:exact"))
     assert limited.process is not None and limited.process.timeout_s == 30.0
-    here = build_task(TaskConfig(name="file", prompt_file=str(prompts), reward_fn=f"{rewards}:exact",
-                                 reward_timeout_s=0))
+    here = build_task(
+        TaskConfig(name="file", prompt_file=str(prompts), reward_fn=f"{rewards}:exact", reward_timeout_s=0)
+    )
     assert here.process is None and here.score("p", "a", "a") == 1.0
     with pytest.raises(DataError, match="module-level function"):
         FunctionTask(lambda p, r, a: 1.0, timeout_s=1)
@@ -114,8 +115,11 @@ def test_task_reward_timeout_s_decides_where_the_function_runs(rewards, tmp_path
 
 
 def test_a_snippet_gets_its_stdin_an_empty_directory_and_its_exit_status():
-    result = run_python("import os, sys\nprint(sys.stdin.read().upper(), os.listdir('.'), os.getcwd())\n"
-                        "open('scratch', 'w').write('x')\nsys.exit(3)", stdin="abc")
+    result = run_python(
+        "import os, sys\nprint(sys.stdin.read().upper(), os.listdir('.'), os.getcwd())\n"
+        "open('scratch', 'w').write('x')\nsys.exit(3)",
+        stdin="abc",
+    )
     words = result.stdout.split()
     assert words[:2] == ["ABC", "[]"] and result.returncode == 3 and result.limit is None
     assert not result.ok and result.describe() == "exit status 3"
@@ -132,8 +136,10 @@ def test_a_cpu_burner_is_killed_at_the_cpu_limit():
 def test_a_memory_hog_is_stopped_by_the_memory_limit():
     result = run_python("x = bytearray(1 << 30)\nprint('allocated')", limits=SandboxLimits(memory_mb=256, wall_s=60))
     assert result.limit == "memory" and "allocated" not in result.stdout, result
-    assert run_python("x = bytearray(64 << 20)\nprint('allocated')",
-                      limits=SandboxLimits(memory_mb=512, wall_s=60)).stdout == "allocated\n"
+    assert (
+        run_python("x = bytearray(64 << 20)\nprint('allocated')", limits=SandboxLimits(memory_mb=512, wall_s=60)).stdout
+        == "allocated\n"
+    )
 
 
 def test_a_file_writer_is_killed_at_the_file_size_limit():
@@ -188,9 +194,11 @@ def test_the_network_is_unreachable_where_a_network_namespace_is_available():
     server.listen()
     port = server.getsockname()[1]
     socket.create_connection(("127.0.0.1", port), timeout=5).close()  # reachable from here
-    snippet = (f"import os, socket\nprint(os.readlink('/proc/self/ns/net'))\n"
-               f"try:\n    socket.create_connection(('127.0.0.1', {port}), timeout=5)\n    print('connected')\n"
-               f"except OSError as exc:\n    print('refused', exc.errno)")
+    snippet = (
+        f"import os, socket\nprint(os.readlink('/proc/self/ns/net'))\n"
+        f"try:\n    socket.create_connection(('127.0.0.1', {port}), timeout=5)\n    print('connected')\n"
+        f"except OSError as exc:\n    print('refused', exc.errno)"
+    )
     # socket must be importable: as root (still in its own namespace) where nobody cannot read the library
     result = run_python(snippet, limits=SandboxLimits(user=None, wall_s=60))
     namespace, outcome = result.stdout.split("\n")[:2]

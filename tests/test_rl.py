@@ -18,9 +18,17 @@ from loomrl.train.rl import RLTrainer
 from loomrl.train.rm import run_rm
 
 TINY = (
-    "rollout.prompts_per_iter=4", "rollout.max_new_tokens=6", "algo.group_size=2", "algo.minibatches=2",
-    "loop.iterations=2", "loop.eval_prompts=4", "loop.progress=false", "report.html=false",
-    "runtime.device=cpu", "runtime.threads=1", "runtime.executor=reference",
+    "rollout.prompts_per_iter=4",
+    "rollout.max_new_tokens=6",
+    "algo.group_size=2",
+    "algo.minibatches=2",
+    "loop.iterations=2",
+    "loop.eval_prompts=4",
+    "loop.progress=false",
+    "report.html=false",
+    "runtime.device=cpu",
+    "runtime.threads=1",
+    "runtime.executor=reference",
 )
 
 
@@ -80,8 +88,17 @@ def test_each_algorithm_trains_the_actor_and_never_the_reference(algo, tmp_path)
 
     metrics = trainer.run()
 
-    for key in ("reward/mean", "kl/mean", "response/length", "actor/pg_loss", "actor/clipfrac",
-                "actor/approx_kl", "actor/entropy", "eval/exact_match", "eval/score"):
+    for key in (
+        "reward/mean",
+        "kl/mean",
+        "response/length",
+        "actor/pg_loss",
+        "actor/clipfrac",
+        "actor/approx_kl",
+        "actor/entropy",
+        "eval/exact_match",
+        "eval/score",
+    ):
         assert key in metrics, f"{algo}: {key} missing from {sorted(metrics)}"
     bad = {k: v for k, v in metrics.items() if not math.isfinite(v)}
     assert not bad, f"{algo}: non-finite metrics {bad}"
@@ -103,8 +120,11 @@ def test_each_algorithm_trains_the_actor_and_never_the_reference(algo, tmp_path)
 @pytest.mark.parametrize("algo", ["grpo", "rloo"])
 def test_group_batches_repeat_each_prompt_consecutively_with_distinct_ids(algo, tmp_path, monkeypatch):
     g, n = 3, 4
-    trainer = RLTrainer(tiny_cfg(tmp_path, f"algo.name={algo}", f"algo.group_size={g}", f"rollout.prompts_per_iter={n}",
-                                 "loop.iterations=1"))
+    trainer = RLTrainer(
+        tiny_cfg(
+            tmp_path, f"algo.name={algo}", f"algo.group_size={g}", f"rollout.prompts_per_iter={n}", "loop.iterations=1"
+        )
+    )
     results = spy_on_iterations(trainer, monkeypatch)
     trainer.run()
     batch = results[0].batch
@@ -149,12 +169,17 @@ def test_different_seed_gives_different_samples(tmp_path, monkeypatch):
 # ---------------------------------------------------------------------------------------------- resume
 
 
-COSINE = ("actor.optim.warmup_steps=3", "actor.optim.lr_schedule=cosine", "actor.optim.min_lr_ratio=0.1",
-          "critic.optim.lr_schedule=cosine")
+COSINE = (
+    "actor.optim.warmup_steps=3",
+    "actor.optim.lr_schedule=cosine",
+    "actor.optim.min_lr_ratio=0.1",
+    "critic.optim.lr_schedule=cosine",
+)
 
 
-@pytest.mark.parametrize("precision,schedule", [("fp32", ()), ("bf16", ()), ("fp32", COSINE)],
-                         ids=["fp32", "bf16", "warmup_cosine"])
+@pytest.mark.parametrize(
+    "precision,schedule", [("fp32", ()), ("bf16", ()), ("fp32", COSINE)], ids=["fp32", "bf16", "warmup_cosine"]
+)
 def test_resume_continues_exactly_as_an_uninterrupted_run(tmp_path, monkeypatch, precision, schedule):
     """A run that dies writing its last checkpoint resumes from the one before and repeats the uninterrupted run.
     bf16: the checkpoint's optimizer state carries the fp32 master weights, so the resumed run does not restart
@@ -228,8 +253,9 @@ def test_resume_without_any_checkpoint_starts_a_clean_metrics_file(tmp_path, mon
 @pytest.fixture(scope="module")
 def reward_model_dir(tmp_path_factory) -> Path:
     out = tmp_path_factory.mktemp("rm")
-    cfg = load_config(RMConfig, None, [f"out_dir={out}", "train_pairs=16", "eval_pairs=8", "epochs=1",
-                                       "batch_size=8", "device=cpu"])
+    cfg = load_config(
+        RMConfig, None, [f"out_dir={out}", "train_pairs=16", "eval_pairs=8", "epochs=1", "batch_size=8", "device=cpu"]
+    )
     threads = torch.get_num_threads()
     torch.set_num_threads(1)
     try:
@@ -243,8 +269,16 @@ def reward_model_dir(tmp_path_factory) -> Path:
 def test_reward_source_both_is_the_weighted_sum_of_rule_and_model(tmp_path, monkeypatch, reward_model_dir):
     scores, metrics = {}, {}
     for source in ("rule", "model", "both"):
-        trainer = RLTrainer(tiny_cfg(tmp_path / source, f"reward.source={source}", f"reward.model={reward_model_dir}",
-                                     "reward.rule_weight=1.0", "reward.model_weight=0.5", "loop.iterations=1"))
+        trainer = RLTrainer(
+            tiny_cfg(
+                tmp_path / source,
+                f"reward.source={source}",
+                f"reward.model={reward_model_dir}",
+                "reward.rule_weight=1.0",
+                "reward.model_weight=0.5",
+                "loop.iterations=1",
+            )
+        )
         assert (trainer.executor.roles["reward"].model is not None) == (source != "rule")
         results = spy_on_iterations(trainer, monkeypatch)
         metrics[source] = trainer.run()
@@ -292,8 +326,10 @@ def test_kl_coef_zero_drops_the_reference_and_learns_exactly_as_with_it(algo, tm
     assert "ref" in full.executor.roles
     full.run()
     kl_keys = ("kl/mean", "actor/kl_loss")
-    records = [[{k: v for k, v in comparable(r).items() if k not in kl_keys} for r in read_records(tmp_path / run)]
-               for run in ("lean", "full")]
+    records = [
+        [{k: v for k, v in comparable(r).items() if k not in kl_keys} for r in read_records(tmp_path / run)]
+        for run in ("lean", "full")
+    ]
     assert records[0] == records[1]
     assert "kl/mean" in read_records(tmp_path / "full")[0] and "kl/mean" not in read_records(tmp_path / "lean")[0]
     assert same_weights(lean.executor.roles["actor"].model, snapshot(full.executor.roles["actor"].model))
@@ -318,11 +354,38 @@ def test_sft_and_rm_in_bf16_follow_their_fp32_runs(tmp_path):
     tail = {}
     for precision in ("fp32", "bf16"):
         out = tmp_path / precision
-        run_sft(load_config(SFTConfig, None, [f"out_dir={out / 'sft'}", "steps=30", "batch_size=16", "eval_prompts=4",
-                                              f"precision={precision}", "device=cpu"]), progress=False)
-        run_rm(load_config(RMConfig, None, [f"out_dir={out / 'rm'}", "train_pairs=128", "eval_pairs=8", "epochs=3",
-                                            "batch_size=16", "optim.lr=3e-3", f"precision={precision}", "device=cpu"]),
-               progress=False)
+        run_sft(
+            load_config(
+                SFTConfig,
+                None,
+                [
+                    f"out_dir={out / 'sft'}",
+                    "steps=30",
+                    "batch_size=16",
+                    "eval_prompts=4",
+                    f"precision={precision}",
+                    "device=cpu",
+                ],
+            ),
+            progress=False,
+        )
+        run_rm(
+            load_config(
+                RMConfig,
+                None,
+                [
+                    f"out_dir={out / 'rm'}",
+                    "train_pairs=128",
+                    "eval_pairs=8",
+                    "epochs=3",
+                    "batch_size=16",
+                    "optim.lr=3e-3",
+                    f"precision={precision}",
+                    "device=cpu",
+                ],
+            ),
+            progress=False,
+        )
         for stage in ("sft", "rm"):
             losses = [json.loads(line)["loss"] for line in (out / stage / f"{stage}_metrics.jsonl").open()]
             tail[precision, stage] = sum(losses[-5:]) / 5
@@ -340,8 +403,9 @@ def test_learning_rate_warms_up_then_decays_by_cosine_to_its_floor():
     from loomrl.config.schema import OptimConfig
 
     constant = OptimConfig(lr=1e-3, warmup_steps=4)
-    assert [learning_rate(constant, k, 100) for k in range(6)] == pytest.approx([2.5e-4, 5e-4, 7.5e-4, 1e-3, 1e-3,
-                                                                                  1e-3])
+    assert [learning_rate(constant, k, 100) for k in range(6)] == pytest.approx(
+        [2.5e-4, 5e-4, 7.5e-4, 1e-3, 1e-3, 1e-3]
+    )
     assert learning_rate(OptimConfig(lr=1e-3), 0, 10) == 1e-3  # no warm-up: the full rate from the first step
     cosine = OptimConfig(lr=1e-3, warmup_steps=2, lr_schedule="cosine", min_lr_ratio=0.1)
     rates = [learning_rate(cosine, k, 13) for k in range(13)]
@@ -356,8 +420,9 @@ def test_each_optimizer_step_uses_its_scheduled_learning_rate(tmp_path):
     """The logged lr of every iteration is the mean over its optimizer steps of the schedule (4 steps each)."""
     from loomrl.algorithms.lr import learning_rate
 
-    trainer = RLTrainer(tiny_cfg(tmp_path, "algo.name=ppo", "loop.iterations=3", "algo.ppo_epochs=2",
-                                 "algo.minibatches=2", *COSINE))
+    trainer = RLTrainer(
+        tiny_cfg(tmp_path, "algo.name=ppo", "loop.iterations=3", "algo.ppo_epochs=2", "algo.minibatches=2", *COSINE)
+    )
     trainer.run()
     for record in read_records(tmp_path):
         for role in ("actor", "critic"):  # the actor warms up, the critic starts at its full rate

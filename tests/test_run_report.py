@@ -12,8 +12,8 @@ import torch
 from browser import Browser, find_chromium
 from loomrl.config.schema import TrainConfig
 from loomrl.config.tools import load_config
-from loomrl.report.chrome_trace import chrome_trace
 from loomrl.planner.simulation.simulator import Interval, SimResult
+from loomrl.report.chrome_trace import chrome_trace
 from loomrl.report.html import curve_svg, render_report
 from loomrl.train import rl
 from test_cli import assert_ok, run_cli
@@ -42,24 +42,49 @@ def _write_run(run_dir, iterations: int = 3) -> None:
     run_dir.mkdir(parents=True, exist_ok=True)
     with open(run_dir / "metrics.jsonl", "w") as f:
         for it in range(iterations):
-            record = {"iteration": it, "time": 0.0, "reward/mean": 0.1 * it, "kl/mean": 0.01 * it,
-                      "response/length": 5.0 + it, "time/iteration_s": 1.0}
+            record = {
+                "iteration": it,
+                "time": 0.0,
+                "reward/mean": 0.1 * it,
+                "kl/mean": 0.01 * it,
+                "response/length": 5.0 + it,
+                "time/iteration_s": 1.0,
+            }
             if it == iterations - 1:
                 record["eval/exact_match"] = 0.5
             f.write(json.dumps(record) + "\n")
     with open(run_dir / "traces.jsonl", "w") as f:
         for it in range(iterations):
             t = 100.0 + it
-            for step, kind, mfc_kind, start, end in (("actor_gen", "call", "generate", 0.0, 0.4),
-                                                     ("actor_train", "call", "train", 0.5, 0.9)):
-                f.write(json.dumps({"iteration": it, "phase": "iteration", "step": step, "kind": kind, "role": "actor",
-                                    "mfc_kind": mfc_kind, "devices": [0, 1], "start": [t + start, t + start],
-                                    "end": [t + end, t + end]}) + "\n")
-    plan = {"cluster": {"nodes": 1, "devices_per_node": 2, "device_kind": "cuda", "profile": "local", "memory_gb": 24.0},
-            "allocations": {"actor_gen": {"devices": "0-1", "dp": 1, "tp": 2, "pp": 1, "micro_batches": 1},
-                            "actor_train": {"devices": "0-1", "dp": 2, "tp": 1, "pp": 1, "micro_batches": 2,
-                                            "zero": True}},
-            "shadow": None, "offload": None}
+            for step, kind, mfc_kind, start, end in (
+                ("actor_gen", "call", "generate", 0.0, 0.4),
+                ("actor_train", "call", "train", 0.5, 0.9),
+            ):
+                f.write(
+                    json.dumps(
+                        {
+                            "iteration": it,
+                            "phase": "iteration",
+                            "step": step,
+                            "kind": kind,
+                            "role": "actor",
+                            "mfc_kind": mfc_kind,
+                            "devices": [0, 1],
+                            "start": [t + start, t + start],
+                            "end": [t + end, t + end],
+                        }
+                    )
+                    + "\n"
+                )
+    plan = {
+        "cluster": {"nodes": 1, "devices_per_node": 2, "device_kind": "cuda", "profile": "local", "memory_gb": 24.0},
+        "allocations": {
+            "actor_gen": {"devices": "0-1", "dp": 1, "tp": 2, "pp": 1, "micro_batches": 1},
+            "actor_train": {"devices": "0-1", "dp": 2, "tp": 1, "pp": 1, "micro_batches": 2, "zero": True},
+        },
+        "shadow": None,
+        "offload": None,
+    }
     (run_dir / "plan.json").write_text(json.dumps(plan))
     (run_dir / "config.yaml").write_text("algo:\n  name: grpo  # <b>not markup</b>\n")
 
@@ -70,8 +95,13 @@ def test_the_report_holds_curves_timeline_plan_and_config(tmp_path):
     page = render_report(run, running=True, total_iterations=10)
     assert '<meta http-equiv="refresh"' in page and "running: 3 of 10 iterations" in page
     metrics = re.findall(r'class="curve" data-metric="([^"]+)" data-points="(\d+)"', page)
-    assert metrics == [("reward/mean", "3"), ("kl/mean", "3"), ("response/length", "3"), ("eval/exact_match", "1"),
-                       ("time/iteration_s", "3")]
+    assert metrics == [
+        ("reward/mean", "3"),
+        ("kl/mean", "3"),
+        ("response/length", "3"),
+        ("eval/exact_match", "1"),
+        ("time/iteration_s", "3"),
+    ]
     assert page.count('<rect class="interval"') == 3 * 2 * 2  # the last 3 iterations, 2 steps, 2 devices
     assert "no prediction" in page  # a cuda run: the nominal local profile does not price it
     assert "<td>actor_train</td><td>0-1</td><td>2</td><td>1</td><td>1</td><td>2</td><td>zero</td>" in page
@@ -87,17 +117,38 @@ def test_a_fresh_run_directory_gets_a_report_that_says_what_is_missing(tmp_path)
 
 def test_chrome_trace_events_by_hand():
     traces = [
-        {"iteration": 0, "phase": "prologue", "step": "sync_actor", "kind": "sync", "role": "actor",
-         "mfc_kind": None, "devices": [0, 1], "start": [10.0, 10.0], "end": [10.5, 10.25]},
-        {"iteration": 0, "phase": "iteration", "step": "actor_gen", "kind": "call", "role": "actor",
-         "mfc_kind": "generate", "devices": [1], "start": [11.0], "end": [12.5]},
+        {
+            "iteration": 0,
+            "phase": "prologue",
+            "step": "sync_actor",
+            "kind": "sync",
+            "role": "actor",
+            "mfc_kind": None,
+            "devices": [0, 1],
+            "start": [10.0, 10.0],
+            "end": [10.5, 10.25],
+        },
+        {
+            "iteration": 0,
+            "phase": "iteration",
+            "step": "actor_gen",
+            "kind": "call",
+            "role": "actor",
+            "mfc_kind": "generate",
+            "devices": [1],
+            "start": [11.0],
+            "end": [12.5],
+        },
     ]
     predicted = SimResult(1.0, {0: 1.0}, {}, [Interval(0, 0.0, 0.75, "actor_gen", "generate", 0)], True, "", [1.0])
     trace = chrome_trace(traces, predicted, title="r")
     complete = [e for e in trace["traceEvents"] if e["ph"] == "X"]
     assert [(e["pid"], e["tid"], e["name"], e["ts"], e["dur"]) for e in complete] == [
-        (0, 0, "sync_actor", 0.0, 500000.0), (0, 1, "sync_actor", 0.0, 250000.0),
-        (0, 1, "actor_gen", 1000000.0, 1500000.0), (1, 0, "actor_gen", 0.0, 750000.0)]
+        (0, 0, "sync_actor", 0.0, 500000.0),
+        (0, 1, "sync_actor", 0.0, 250000.0),
+        (0, 1, "actor_gen", 1000000.0, 1500000.0),
+        (1, 0, "actor_gen", 0.0, 750000.0),
+    ]
     assert complete[0]["cat"] == "sync" and complete[2]["cat"] == "generate"
     assert complete[0]["args"]["phase"] == "prologue"
     names = {(e["pid"], e["tid"], e["name"]): e["args"] for e in trace["traceEvents"] if e["ph"] == "M"}
@@ -112,10 +163,23 @@ def test_chrome_trace_events_by_hand():
 def small_run(tmp_path_factory):
     """A two-iteration run on the reference executor, its report spied on as the trainer rewrites it."""
     run_dir = tmp_path_factory.mktemp("report") / "run"
-    cfg = load_config(TrainConfig, None, [
-        "runtime.executor=reference", "loop.iterations=3", "loop.save_every=1", "loop.eval_every=1",
-        "rollout.prompts_per_iter=2", "rollout.max_new_tokens=4", "loop.eval_prompts=2", "loop.progress=false",
-        "algo.minibatches=1", "runtime.threads=1", f"run_dir={run_dir}"])
+    cfg = load_config(
+        TrainConfig,
+        None,
+        [
+            "runtime.executor=reference",
+            "loop.iterations=3",
+            "loop.save_every=1",
+            "loop.eval_every=1",
+            "rollout.prompts_per_iter=2",
+            "rollout.max_new_tokens=4",
+            "loop.eval_prompts=2",
+            "loop.progress=false",
+            "algo.minibatches=1",
+            "runtime.threads=1",
+            f"run_dir={run_dir}",
+        ],
+    )
     written = []
     original = rl.write_run_report
     threads = torch.get_num_threads()
@@ -182,10 +246,17 @@ def test_the_report_in_a_real_browser(small_run, tmp_path):
             }; })()""")
         shot = browser.screenshot(tmp_path / "report.png")
     assert found["title"] == "run: loomrl run report"
-    assert {c["metric"] for c in found["curves"]} >= {"reward/mean", "kl/mean", "response/length", "eval/exact_match",
-                                                       "eval/score"}
+    assert {c["metric"] for c in found["curves"]} >= {
+        "reward/mean",
+        "kl/mean",
+        "response/length",
+        "eval/exact_match",
+        "eval/score",
+    }
     assert all(c["box"][0] > 300 and c["box"][1] > 150 and c["points"] >= 1 for c in found["curves"])
-    assert len(found["timelines"]) == 2 and all(w > 500 and h > 30 for w, h in found["timelines"])  # predicted, measured
+    assert len(found["timelines"]) == 2 and all(
+        w > 500 and h > 30 for w, h in found["timelines"]
+    )  # predicted, measured
     calls = len(json.loads((run_dir / "plan.json").read_text())["allocations"])
     assert found["bars"] > 0 and found["planRows"] == 1 + calls and found["config"]
     from PIL import Image

@@ -37,19 +37,45 @@ from loomrl.plan.schedule import StepKind
 from loomrl.train.rl import RLTrainer
 
 SAMPLE_KEYS = ("reward/mean", "reward/exact_match", "response/length", "response/length_max")
-LOSS_KEYS = ("kl/mean", "actor/pg_loss", "critic/value_loss", "actor/clipfrac", "actor/approx_kl", "actor/grad_norm",
-             "critic/grad_norm", "actor/entropy")
+LOSS_KEYS = (
+    "kl/mean",
+    "actor/pg_loss",
+    "critic/value_loss",
+    "actor/clipfrac",
+    "actor/approx_kl",
+    "actor/grad_norm",
+    "critic/grad_norm",
+    "actor/entropy",
+)
 
 
 pytestmark = pytest.mark.usefixtures("ray_session")
 
 
 def _cfg(tmp_path, name, *extra):
-    return load_config(TrainConfig, None, [
-        f"run_dir={tmp_path / name}", "seed=3", "rollout.prompts_per_iter=8", "rollout.max_new_tokens=6",
-        "loop.iterations=3", "loop.eval_every=0", "loop.save_every=0", "loop.eval_prompts=8",
-        "loop.progress=false", "report.html=false", "runtime.threads=1", "runtime.timeout_s=120",
-        "algo.minibatches=2", "algo.ppo_epochs=2", "actor.optim.lr=0.001", "runtime.executor=reference", *extra])
+    return load_config(
+        TrainConfig,
+        None,
+        [
+            f"run_dir={tmp_path / name}",
+            "seed=3",
+            "rollout.prompts_per_iter=8",
+            "rollout.max_new_tokens=6",
+            "loop.iterations=3",
+            "loop.eval_every=0",
+            "loop.save_every=0",
+            "loop.eval_prompts=8",
+            "loop.progress=false",
+            "report.html=false",
+            "runtime.threads=1",
+            "runtime.timeout_s=120",
+            "algo.minibatches=2",
+            "algo.ppo_epochs=2",
+            "actor.optim.lr=0.001",
+            "runtime.executor=reference",
+            *extra,
+        ],
+    )
 
 
 def _metrics(tmp_path, name, *extra):
@@ -62,14 +88,18 @@ def reference(tmp_path_factory):
     return _metrics(tmp_path_factory.mktemp("ref"), "ref")
 
 
-@pytest.mark.parametrize("layout", [
-    ("runtime.devices=1",),
-    ("runtime.devices=2",),
-    ("runtime.devices=2", "runtime.layouts={actor: {sharding: fsdp}, critic: {sharding: zero}}"),
-    ("runtime.devices=2", "runtime.layouts={actor: {tp: 2}}"),
-    ("runtime.devices=2", "runtime.layouts={actor: {pp: 2}, critic: {pp: 2}}"),
-    ("runtime.devices=4", "runtime.layouts={actor: {pp: 2, tp: 2}, critic: {pp: 2, tp: 2}}"),
-], ids=["1dev", "dp2", "dp2_fsdp_zero", "actor_tp2", "actor_critic_pp2", "actor_critic_pp2tp2"])
+@pytest.mark.parametrize(
+    "layout",
+    [
+        ("runtime.devices=1",),
+        ("runtime.devices=2",),
+        ("runtime.devices=2", "runtime.layouts={actor: {sharding: fsdp}, critic: {sharding: zero}}"),
+        ("runtime.devices=2", "runtime.layouts={actor: {tp: 2}}"),
+        ("runtime.devices=2", "runtime.layouts={actor: {pp: 2}, critic: {pp: 2}}"),
+        ("runtime.devices=4", "runtime.layouts={actor: {pp: 2, tp: 2}, critic: {pp: 2, tp: 2}}"),
+    ],
+    ids=["1dev", "dp2", "dp2_fsdp_zero", "actor_tp2", "actor_critic_pp2", "actor_critic_pp2tp2"],
+)
 def test_runtime_matches_the_reference(tmp_path, reference, layout):
     got = _metrics(tmp_path, "ray", "runtime.executor=ray", *layout)
     assert len(reference) == 3
@@ -101,12 +131,18 @@ def test_runtime_matches_the_reference_with_varied_lengths_from_sft(tmp_path, la
 
     sft = load_config(SFTConfig, None, [f"out_dir={tmp_path / 'sft'}", "steps=40", "eval_prompts=8"])
     run_sft(sft, progress=False)
-    common = (f"actor.model={tmp_path / 'sft'}", "rollout.max_new_tokens=8", "algo.name=grpo", "algo.group_size=4",
-              "rollout.prompts_per_iter=4")
+    common = (
+        f"actor.model={tmp_path / 'sft'}",
+        "rollout.max_new_tokens=8",
+        "algo.name=grpo",
+        "algo.group_size=4",
+        "rollout.prompts_per_iter=4",
+    )
     reference = _metrics(tmp_path, "ref", *common)
     assert any(r["response/length"] < r["response/length_max"] for r in reference), "lengths should vary"
-    _assert_equivalent(_metrics(tmp_path, "ray", *common, "runtime.executor=ray", "runtime.devices=2", *layout),
-                       reference)
+    _assert_equivalent(
+        _metrics(tmp_path, "ray", *common, "runtime.executor=ray", "runtime.devices=2", *layout), reference
+    )
 
 
 def _alive(pid: int) -> bool:
@@ -119,19 +155,33 @@ def _alive(pid: int) -> bool:
 
 def failing_reward(tmp_path) -> tuple[str, ...]:
     """Overrides for a prompt file of 8 rows and a reward function that raises 'reward service unavailable'."""
-    (tmp_path / "prompts.jsonl").write_text("".join(f'{{"prompt": "add {i}+1=", "answer": "{i + 1}"}}\n'
-                                                    for i in range(8)))
-    (tmp_path / "bad_reward.py").write_text("def score(prompt, response, answer):\n"
-                                            "    raise ValueError('reward service unavailable')\n")
-    return ("task.name=file", f"task.prompt_file={tmp_path / 'prompts.jsonl'}",
-            f"task.reward_fn={tmp_path / 'bad_reward.py'}:score")
+    (tmp_path / "prompts.jsonl").write_text(
+        "".join(f'{{"prompt": "add {i}+1=", "answer": "{i + 1}"}}\n' for i in range(8))
+    )
+    (tmp_path / "bad_reward.py").write_text(
+        "def score(prompt, response, answer):\n    raise ValueError('reward service unavailable')\n"
+    )
+    return (
+        "task.name=file",
+        f"task.prompt_file={tmp_path / 'prompts.jsonl'}",
+        f"task.reward_fn={tmp_path / 'bad_reward.py'}:score",
+    )
 
 
 def test_a_killed_worker_is_a_clear_error_and_nothing_is_left(tmp_path):
     from loomrl.runtime.ray_executor import RuntimeFailure
 
-    trainer = RLTrainer(_cfg(tmp_path, "kill", "runtime.executor=ray", "runtime.devices=2", "loop.iterations=50",
-                             "rollout.max_new_tokens=24", "rollout.prompts_per_iter=32"))
+    trainer = RLTrainer(
+        _cfg(
+            tmp_path,
+            "kill",
+            "runtime.executor=ray",
+            "runtime.devices=2",
+            "loop.iterations=50",
+            "rollout.max_new_tokens=24",
+            "rollout.prompts_per_iter=32",
+        )
+    )
     pids = list(trainer.executor.pids)
     killer = threading.Timer(4.0, lambda: os.kill(pids[1], signal.SIGKILL))
     killer.start()
@@ -180,78 +230,141 @@ def test_an_exception_in_an_mfc_names_worker_role_and_mfc(tmp_path):
     assert not any(_alive(p) for p in pids)
 
 
-PIPELINE_MB = ("actor_gen=0-1:dp2; ref_inf=0-1:pp2mb2; reward_inf=0-1:dp2; critic_inf=0-1:pp2mb3; "
-               "actor_train=0-1:pp2mb2; critic_train=0-1:pp2mb2; advantages=0:dp1")
+PIPELINE_MB = (
+    "actor_gen=0-1:dp2; ref_inf=0-1:pp2mb2; reward_inf=0-1:dp2; critic_inf=0-1:pp2mb3; "
+    "actor_train=0-1:pp2mb2; critic_train=0-1:pp2mb2; advantages=0:dp1"
+)
 """Actor and critic pipelined with several micro-batches in training and inference: 8 rows of inference in 4 + 4
 and 3 + 3 + 2, each 4-row minibatch in 2 + 2 (the first iteration's responses differ in length, so some
 micro-batches weigh more than their share of rows)."""
 
 
-ZERO_PLAN_2 = ("actor_gen=0-1:tp2; actor_train=0-1:dp2zero; ref_inf=0:dp1; reward_inf=1:dp1; critic_inf=0-1:dp2; "
-               "critic_train=0-1:dp2mb2zero; advantages=0:dp1")
+ZERO_PLAN_2 = (
+    "actor_gen=0-1:tp2; actor_train=0-1:dp2zero; ref_inf=0:dp1; reward_inf=1:dp1; critic_inf=0-1:dp2; "
+    "critic_train=0-1:dp2mb2zero; advantages=0:dp1"
+)
 """Actor and critic with their Adam state sharded over dp2 (ZeRO-1), the actor generating from a tp2 copy."""
-ZERO_PLAN_4 = ("actor_gen=0-3:dp4; actor_train=0-3:dp2tp2zero; ref_inf=0-3:dp4; reward_inf=0-3:dp4; "
-               "critic_inf=0-3:dp4; critic_train=0-3:pp2dp2zero; advantages=0:dp1")
+ZERO_PLAN_4 = (
+    "actor_gen=0-3:dp4; actor_train=0-3:dp2tp2zero; ref_inf=0-3:dp4; reward_inf=0-3:dp4; "
+    "critic_inf=0-3:dp4; critic_train=0-3:pp2dp2zero; advantages=0:dp1"
+)
 """ZeRO-1 with tensor parallelism (DTensor shards chunked over dp) and with pipeline stages."""
-FSDP_PLAN_2 = ("actor_gen=0-1:dp2; actor_train=0-1:dp2mb3fsdp; ref_inf=0:dp1; reward_inf=1:dp1; critic_inf=0-1:dp2; "
-               "critic_train=0-1:dp2mb2fsdp; advantages=0:dp1")
+FSDP_PLAN_2 = (
+    "actor_gen=0-1:dp2; actor_train=0-1:dp2mb3fsdp; ref_inf=0:dp1; reward_inf=1:dp1; critic_inf=0-1:dp2; "
+    "critic_train=0-1:dp2mb2fsdp; advantages=0:dp1"
+)
 """Actor and critic fully sharded over dp2 (FSDP2), their other calls on reallocated whole copies on the same
 devices; the actor's 3 micro-batches exceed a rank's 2 rows per step, so ranks pad with idle passes."""
-FSDP_TP_PLAN_4 = ("actor_gen=0-3:dp4; actor_train=0-3:dp2tp2fsdp; ref_inf=0-3:dp4; reward_inf=0-3:dp4; "
-                  "critic_inf=0-3:dp2tp2; critic_train=0-3:dp2tp2mb2fsdp; advantages=0:dp1")
+FSDP_TP_PLAN_4 = (
+    "actor_gen=0-3:dp4; actor_train=0-3:dp2tp2fsdp; ref_inf=0-3:dp4; reward_inf=0-3:dp4; "
+    "critic_inf=0-3:dp2tp2; critic_train=0-3:dp2tp2mb2fsdp; advantages=0:dp1"
+)
 """FSDP over the dp dimension of a dp2 × tp2 mesh: each rank keeps a dim-0 block of its tensor-parallel shard;
 the critic's inference runs on a whole tp2 copy reallocated from those blocks on the same devices."""
 
 
-FUSED_TRAIN_2 = ("actor_gen=0-1:dp2; actor_train=0-1:pp2mb2; ref_inf=0-1:dp2; reward_inf=0-1:dp2; critic_inf=0-1:dp2; "
-                 "critic_train=0-1:pp2revmb2; advantages=0:dp1; pipeline_fusion=on")
+FUSED_TRAIN_2 = (
+    "actor_gen=0-1:dp2; actor_train=0-1:pp2mb2; ref_inf=0-1:dp2; reward_inf=0-1:dp2; critic_inf=0-1:dp2; "
+    "critic_train=0-1:pp2revmb2; advantages=0:dp1; pipeline_fusion=on"
+)
 """Intra-stage fusion: the actor's and the critic's pipelines in opposite directions on two devices, trained as one
 fused pipeline step per pair of optimizer steps."""
-FUSED_TRAIN_4 = ("actor_gen=0-3:dp4; actor_train=0-3:pp4mb2; ref_inf=0-3:dp4; reward_inf=0-3:dp4; critic_inf=0-3:dp4; "
-                 "critic_train=0-3:dp2pp2revmb2; advantages=0:dp1; pipeline_fusion=on")
+FUSED_TRAIN_4 = (
+    "actor_gen=0-3:dp4; actor_train=0-3:pp4mb2; ref_inf=0-3:dp4; reward_inf=0-3:dp4; critic_inf=0-3:dp4; "
+    "critic_train=0-3:dp2pp2revmb2; advantages=0:dp1; pipeline_fusion=on"
+)
 """Fused pipelines of different depths: the actor in four stages, the critic in two replicas of two (each replica
 on its own rows, their gradients summed), two micro-batches a step on rows some ranks have fewer of."""
 
 
-@pytest.mark.parametrize("plan,devices", [
-    ("colocate", 2), ("interleave", 2), ("separate", 2),
-    ("actor_gen=0-1:tp2; actor_train=0-1:dp2; ref_inf=0:dp1; reward_inf=1:dp1; critic_inf=0-1:dp2; "
-     "critic_train=0-1:dp2; advantages=0:dp1", 2),
-    ("actor_gen=0-1:dp2; actor_train=0-1:pp2; ref_inf=0-1:pp2; reward_inf=0-1:dp2; critic_inf=0-1:pp2; "
-     "critic_train=0-1:pp2; advantages=0:dp1", 2),
-    ("colocate", 4), ("interleave", 4), ("separate", 4),
-    ("actor_gen=0-3:tp2; actor_train=0-3:pp2dp2; ref_inf=0-1:dp2; reward_inf=2-3:dp2; critic_inf=0-3:dp4; "
-     "critic_train=0-3:pp2dp2; advantages=0:dp1", 4),
-    ("actor_gen=0-3:dp4; actor_train=0-3:pp2tp2; ref_inf=0-3:pp2tp2; reward_inf=0-3:dp4; critic_inf=0-3:dp2tp2; "
-     "critic_train=0-3:pp2tp2; advantages=0:dp1", 4),
-    (PIPELINE_MB, 2),
-    ("actor_gen=0-1:tp2; actor_train=0-1:dp2mb2; ref_inf=0-1:dp2mb3; reward_inf=0-1:dp2; critic_inf=0-1:dp2mb2; "
-     "critic_train=0-1:dp2mb2; advantages=0:dp1", 2),
-    ("actor_gen=0-1:dp2; actor_train=0-1:tp2rc; ref_inf=0-1:dp2; reward_inf=0-1:dp2; critic_inf=0-1:pp2; "
-     "critic_train=0-1:pp2mb2rc; advantages=0:dp1", 2),
-    (ZERO_PLAN_2, 2),
-    (FSDP_PLAN_2, 2),
-    ("actor_gen=0-1:dp2; actor_train=2-3:dp2fsdp; ref_inf=2-3:dp2; reward_inf=2-3:dp2; critic_inf=2-3:dp2; "
-     "critic_train=2-3:dp2fsdp; advantages=2:dp1", 4),
-    (FSDP_TP_PLAN_4, 4),
-    (FUSED_TRAIN_2, 2),
-    (FUSED_TRAIN_4, 4),
-], ids=["colocate2", "interleave2", "separate2", "realloc_tp2", "pipeline2", "colocate4", "interleave4", "separate4",
-        "pipeline_dp4", "pipeline_tp4", "pipeline2_micro_batches", "dp2_micro_batches", "recompute", "zero2", "fsdp2",
-        "separate4_fsdp", "fsdp_tp4", "fused_train2", "fused_train4"])
+@pytest.mark.parametrize(
+    "plan,devices",
+    [
+        ("colocate", 2),
+        ("interleave", 2),
+        ("separate", 2),
+        (
+            "actor_gen=0-1:tp2; actor_train=0-1:dp2; ref_inf=0:dp1; reward_inf=1:dp1; critic_inf=0-1:dp2; "
+            "critic_train=0-1:dp2; advantages=0:dp1",
+            2,
+        ),
+        (
+            "actor_gen=0-1:dp2; actor_train=0-1:pp2; ref_inf=0-1:pp2; reward_inf=0-1:dp2; critic_inf=0-1:pp2; "
+            "critic_train=0-1:pp2; advantages=0:dp1",
+            2,
+        ),
+        ("colocate", 4),
+        ("interleave", 4),
+        ("separate", 4),
+        (
+            "actor_gen=0-3:tp2; actor_train=0-3:pp2dp2; ref_inf=0-1:dp2; reward_inf=2-3:dp2; critic_inf=0-3:dp4; "
+            "critic_train=0-3:pp2dp2; advantages=0:dp1",
+            4,
+        ),
+        (
+            "actor_gen=0-3:dp4; actor_train=0-3:pp2tp2; ref_inf=0-3:pp2tp2; reward_inf=0-3:dp4; critic_inf=0-3:dp2tp2; "
+            "critic_train=0-3:pp2tp2; advantages=0:dp1",
+            4,
+        ),
+        (PIPELINE_MB, 2),
+        (
+            "actor_gen=0-1:tp2; actor_train=0-1:dp2mb2; ref_inf=0-1:dp2mb3; reward_inf=0-1:dp2; critic_inf=0-1:dp2mb2; "
+            "critic_train=0-1:dp2mb2; advantages=0:dp1",
+            2,
+        ),
+        (
+            "actor_gen=0-1:dp2; actor_train=0-1:tp2rc; ref_inf=0-1:dp2; reward_inf=0-1:dp2; critic_inf=0-1:pp2; "
+            "critic_train=0-1:pp2mb2rc; advantages=0:dp1",
+            2,
+        ),
+        (ZERO_PLAN_2, 2),
+        (FSDP_PLAN_2, 2),
+        (
+            "actor_gen=0-1:dp2; actor_train=2-3:dp2fsdp; ref_inf=2-3:dp2; reward_inf=2-3:dp2; critic_inf=2-3:dp2; "
+            "critic_train=2-3:dp2fsdp; advantages=2:dp1",
+            4,
+        ),
+        (FSDP_TP_PLAN_4, 4),
+        (FUSED_TRAIN_2, 2),
+        (FUSED_TRAIN_4, 4),
+    ],
+    ids=[
+        "colocate2",
+        "interleave2",
+        "separate2",
+        "realloc_tp2",
+        "pipeline2",
+        "colocate4",
+        "interleave4",
+        "separate4",
+        "pipeline_dp4",
+        "pipeline_tp4",
+        "pipeline2_micro_batches",
+        "dp2_micro_batches",
+        "recompute",
+        "zero2",
+        "fsdp2",
+        "separate4_fsdp",
+        "fsdp_tp4",
+        "fused_train2",
+        "fused_train4",
+    ],
+)
 def test_plans_match_the_reference(tmp_path, reference, plan, devices):
     """Every placement strategy computes the reference run: per-call meshes and layouts, reallocation of the
     actor between its training and generation layouts, shadow sync, concurrent calls on disjoint devices."""
-    cfg = _cfg(tmp_path, "plan", "runtime.executor=ray", f"runtime.devices={devices}",
-               "runtime.verify_reallocation=true")
+    cfg = _cfg(
+        tmp_path, "plan", "runtime.executor=ray", f"runtime.devices={devices}", "runtime.verify_reallocation=true"
+    )
     cfg = dataclasses.replace(cfg, runtime=dataclasses.replace(cfg.runtime, plan=plan))
     trainer = RLTrainer(cfg)
     if plan == "separate":
         assert trainer.plan.shadow_roles(trainer.workflow) == ("actor",)
     assert trainer.executor.schedule.transfers() or plan == "colocate"
     if "pipeline_fusion=on" in plan:  # the two train calls run as one fused stage
-        assert [s.id for s in trainer.executor.schedule if s.kind is StepKind.PIPELINE_FUSION] == \
-            ["pipeline_fusion_actor_train"]
+        assert [s.id for s in trainer.executor.schedule if s.kind is StepKind.PIPELINE_FUSION] == [
+            "pipeline_fusion_actor_train"
+        ]
     trainer.run()
     got = [json.loads(line) for line in (tmp_path / "plan" / "metrics.jsonl").read_text().splitlines()]
     _assert_equivalent(got, reference)
@@ -265,8 +378,13 @@ def test_a_roles_sharding_applies_to_its_train_calls_in_the_default_plan(tmp_pat
     from loomrl.plan import ClusterSpec
     from loomrl.plan.from_config import plan_from_config
 
-    cfg = _cfg(tmp_path, "s", "runtime.executor=ray", "runtime.devices=2",
-               "runtime.layouts={actor: {sharding: fsdp}, critic: {sharding: zero}}")
+    cfg = _cfg(
+        tmp_path,
+        "s",
+        "runtime.executor=ray",
+        "runtime.devices=2",
+        "runtime.layouts={actor: {sharding: fsdp}, critic: {sharding: zero}}",
+    )
     workflow = build_workflow(cfg.algo, cfg.rollout)
     plan = plan_from_config(cfg.runtime, workflow, ClusterSpec(nodes=1, devices_per_node=2))
     assert plan["actor_train"].text == "0-1:dp2fsdp" and plan["critic_train"].text == "0-1:dp2zero"
@@ -281,9 +399,12 @@ def test_fsdp_with_tensor_parallelism_shards_each_tp_shard_over_dp(tmp_path):
     from loomrl.plan import ClusterSpec
     from loomrl.plan.from_config import plan_from_config
 
-    cfg = _cfg(tmp_path, "s", "runtime.executor=ray", "runtime.devices=4",
-               "runtime.layouts={actor: {tp: 2, sharding: fsdp}}")
-    plan = plan_from_config(cfg.runtime, build_workflow(cfg.algo, cfg.rollout), ClusterSpec(nodes=1, devices_per_node=4))
+    cfg = _cfg(
+        tmp_path, "s", "runtime.executor=ray", "runtime.devices=4", "runtime.layouts={actor: {tp: 2, sharding: fsdp}}"
+    )
+    plan = plan_from_config(
+        cfg.runtime, build_workflow(cfg.algo, cfg.rollout), ClusterSpec(nodes=1, devices_per_node=4)
+    )
     assert plan["actor_train"].text == "0-3:dp2tp2fsdp" and plan["actor_gen"].text == "0-3:dp2tp2"
     trainer = RLTrainer(cfg)
     try:
@@ -312,8 +433,15 @@ def test_workers_run_each_call_with_the_plans_micro_batches(tmp_path):
     workflow, cluster = build_workflow(cfg.algo, cfg.rollout), ClusterSpec(nodes=1, devices_per_node=2)
     plan = plan_from_config(cfg.runtime, workflow, cluster)
     schedule = build_schedule(workflow, plan)
-    want = {"actor_gen": 1, "ref_inf": 2, "reward_inf": 1, "critic_inf": 3, "actor_train": 2, "critic_train": 2,
-            "advantages": 1}
+    want = {
+        "actor_gen": 1,
+        "ref_inf": 2,
+        "reward_inf": 1,
+        "critic_inf": 3,
+        "actor_train": 2,
+        "critic_train": 2,
+        "advantages": 1,
+    }
     assert {s.id: s.alloc.micro_batches for s in schedule.calls()} == want
     # frozen roles sharing devices with others are the plan's offloaded roles; CPU devices keep them resident
     assert plan.offloaded_roles(workflow) == ("ref", "reward") and not [s for s in schedule if s.kind.value == "reload"]
@@ -326,8 +454,10 @@ def test_workers_run_each_call_with_the_plans_micro_batches(tmp_path):
 def test_a_reference_checkpoint_resumes_on_a_pipeline_plan(tmp_path, reference):
     """Checkpoints are layout-independent: stop on the reference executor, continue on Ray with pp=2."""
     RLTrainer(_cfg(tmp_path, "b", "loop.iterations=2")).run()
-    plan = ("actor_gen=0-1:dp2; actor_train=0-1:pp2; ref_inf=0-1:pp2; reward_inf=0-1:dp2; critic_inf=0-1:pp2; "
-            "critic_train=0-1:pp2; advantages=0:dp1")
+    plan = (
+        "actor_gen=0-1:dp2; actor_train=0-1:pp2; ref_inf=0-1:pp2; reward_inf=0-1:dp2; critic_inf=0-1:pp2; "
+        "critic_train=0-1:pp2; advantages=0:dp1"
+    )
     cfg = _cfg(tmp_path, "b", "runtime.executor=ray", "runtime.devices=2")
     RLTrainer(dataclasses.replace(cfg, runtime=dataclasses.replace(cfg.runtime, plan=plan))).run(resume=True)
     got = [json.loads(line) for line in (tmp_path / "b" / "metrics.jsonl").read_text().splitlines()]
@@ -338,8 +468,11 @@ def test_a_reference_checkpoint_resumes_on_a_pipeline_plan(tmp_path, reference):
 def test_a_pp_tp_run_loads_and_saves_layout_independent_checkpoints(tmp_path, reference):
     """Reference → Ray with actor and critic on pp=2 × tp=2 → reference, one iteration each: the pp×tp workers
     load full weights and optimizer state into their stage shards and export them whole again."""
-    pp_tp = ("runtime.executor=ray", "runtime.devices=4",
-             "runtime.layouts={actor: {pp: 2, tp: 2}, critic: {pp: 2, tp: 2}}")
+    pp_tp = (
+        "runtime.executor=ray",
+        "runtime.devices=4",
+        "runtime.layouts={actor: {pp: 2, tp: 2}, critic: {pp: 2, tp: 2}}",
+    )
     RLTrainer(_cfg(tmp_path, "c", "loop.iterations=1")).run()
     RLTrainer(_cfg(tmp_path, "c", "loop.iterations=2", *pp_tp)).run(resume=True)
     RLTrainer(_cfg(tmp_path, "c")).run(resume=True)
@@ -348,8 +481,9 @@ def test_a_pp_tp_run_loads_and_saves_layout_independent_checkpoints(tmp_path, re
     _assert_equivalent(got, reference)
 
 
-@pytest.mark.parametrize("plan,devices", [(ZERO_PLAN_4, 4), (FSDP_PLAN_2, 2), (FSDP_TP_PLAN_4, 4)],
-                         ids=["zero4", "fsdp2", "fsdp_tp4"])
+@pytest.mark.parametrize(
+    "plan,devices", [(ZERO_PLAN_4, 4), (FSDP_PLAN_2, 2), (FSDP_TP_PLAN_4, 4)], ids=["zero4", "fsdp2", "fsdp_tp4"]
+)
 def test_sharded_runs_load_and_save_layout_independent_checkpoints(tmp_path, reference, plan, devices):
     """Reference → Ray with sharded training state → reference, one iteration each: ZeRO-1 over tp2 × dp2 and
     pp2 × dp2 (the optimizers load their chunks of the full state) and FSDP (dim-0 blocks of the weights and
@@ -379,8 +513,10 @@ def test_ranks_without_rows_match_the_reference(tmp_path, sharding):
     (FSDP: idle ones, and the critic recomputes activations); the result is the reference run's."""
     common = ("algo.minibatches=4",)
     reference = _metrics(tmp_path, "ref", *common)
-    plan = (f"actor_gen=0-3:dp4; actor_train=0-3:dp4{sharding}; ref_inf=0-3:dp4; reward_inf=0-3:dp4; "
-            f"critic_inf=0-3:dp4; critic_train=0-3:dp4mb2rc{sharding}; advantages=0:dp1")
+    plan = (
+        f"actor_gen=0-3:dp4; actor_train=0-3:dp4{sharding}; ref_inf=0-3:dp4; reward_inf=0-3:dp4; "
+        f"critic_inf=0-3:dp4; critic_train=0-3:dp4mb2rc{sharding}; advantages=0:dp1"
+    )
     cfg = _cfg(tmp_path, "fsdp4", *common, "runtime.executor=ray", "runtime.devices=4")
     RLTrainer(dataclasses.replace(cfg, runtime=dataclasses.replace(cfg.runtime, plan=plan))).run()
     got = [json.loads(line) for line in (tmp_path / "fsdp4" / "metrics.jsonl").read_text().splitlines()]
@@ -397,27 +533,41 @@ def reference_bf16(tmp_path_factory):
     return _metrics(tmp_path_factory.mktemp("ref_bf16"), "ref", *BF16)
 
 
-@pytest.mark.parametrize("plan,devices", [
-    (ZERO_PLAN_2, 2),
-    ("actor_gen=0-3:dp4; actor_train=0-3:pp2tp2; ref_inf=0-3:pp2tp2; reward_inf=0-3:dp4; critic_inf=0-3:dp2tp2; "
-     "critic_train=0-3:pp2tp2; advantages=0:dp1", 4),
-    (FSDP_PLAN_2, 2),
-    (FSDP_TP_PLAN_4, 4),
-], ids=["zero2_tp2_copy", "pipeline_tp4", "fsdp2", "fsdp_tp4"])
+@pytest.mark.parametrize(
+    "plan,devices",
+    [
+        (ZERO_PLAN_2, 2),
+        (
+            "actor_gen=0-3:dp4; actor_train=0-3:pp2tp2; ref_inf=0-3:pp2tp2; reward_inf=0-3:dp4; critic_inf=0-3:dp2tp2; "
+            "critic_train=0-3:pp2tp2; advantages=0:dp1",
+            4,
+        ),
+        (FSDP_PLAN_2, 2),
+        (FSDP_TP_PLAN_4, 4),
+    ],
+    ids=["zero2_tp2_copy", "pipeline_tp4", "fsdp2", "fsdp_tp4"],
+)
 def test_bf16_plans_match_the_bf16_reference(tmp_path, reference_bf16, plan, devices):
     """Mixed precision under ZeRO-1 with a reallocated tp2 generation copy, under pp × tp (bf16 DTensor
     shards, bf16 activations between stages) and under FSDP (fp32 shards gathered as bf16, gradients
     reduce-scattered in fp32, bf16 copies reallocated from the fp32 shards; also over tp2 shards): the bf16
     reference run within bf16's tolerance."""
-    cfg = _cfg(tmp_path, "plan", *BF16, "runtime.executor=ray", f"runtime.devices={devices}",
-               "runtime.verify_reallocation=true")
+    cfg = _cfg(
+        tmp_path,
+        "plan",
+        *BF16,
+        "runtime.executor=ray",
+        f"runtime.devices={devices}",
+        "runtime.verify_reallocation=true",
+    )
     RLTrainer(dataclasses.replace(cfg, runtime=dataclasses.replace(cfg.runtime, plan=plan))).run()
     got = [json.loads(line) for line in (tmp_path / "plan" / "metrics.jsonl").read_text().splitlines()]
     _assert_equivalent(got, reference_bf16, **BF16_TOLERANCE)
 
 
-@pytest.mark.parametrize("plan,devices,role", [(ZERO_PLAN_4, 4, "actor"), (FSDP_PLAN_2, 2, "critic")],
-                         ids=["zero4", "fsdp2"])
+@pytest.mark.parametrize(
+    "plan,devices,role", [(ZERO_PLAN_4, 4, "actor"), (FSDP_PLAN_2, 2, "critic")], ids=["zero4", "fsdp2"]
+)
 def test_bf16_checkpoints_keep_the_master_weights_across_layouts(tmp_path, reference_bf16, plan, devices, role):
     """Reference → Ray → reference, one bf16 iteration each: the fp32 master weights travel in the optimizer
     state, so the resumed run follows the uninterrupted one. Under ZeRO-1 (tp2 × dp2, pp2 × dp2) they are
@@ -442,9 +592,17 @@ def test_bf16_checkpoints_keep_the_master_weights_across_layouts(tmp_path, refer
 def test_a_bf16_fsdp_run_resumes_exactly(tmp_path):
     """Stopped after one iteration and resumed under the same FSDP plan, a bf16 run computes exactly what the
     uninterrupted run does: the checkpoint's bf16 weights alone would lose the fp32 shards' low bits."""
+
     def run(name, iterations, resume=False):
-        cfg = _cfg(tmp_path, name, *BF16, f"loop.iterations={iterations}", "runtime.executor=ray",
-                   "runtime.devices=2", "loop.save_every=1")
+        cfg = _cfg(
+            tmp_path,
+            name,
+            *BF16,
+            f"loop.iterations={iterations}",
+            "runtime.executor=ray",
+            "runtime.devices=2",
+            "loop.save_every=1",
+        )
         RLTrainer(dataclasses.replace(cfg, runtime=dataclasses.replace(cfg.runtime, plan=FSDP_PLAN_2))).run(resume)
         return [json.loads(line) for line in (tmp_path / name / "metrics.jsonl").read_text().splitlines()]
 
@@ -462,10 +620,18 @@ def test_copies_in_other_layouts_are_freed_after_their_last_use(tmp_path, gen):
     from loomrl.train.sft import run_sft
 
     run_sft(load_config(SFTConfig, None, [f"out_dir={tmp_path / 'sft'}", "steps=2", "eval_prompts=4"]), progress=False)
-    plan = (f"actor_gen={gen}; actor_train=0-1:dp2; ref_inf=0-1:dp2; reward_inf=0-1:dp2; critic_inf=0-1:dp2; "
-            "critic_train=0-1:dp2; advantages=0:dp1")
-    cfg = _cfg(tmp_path, "free", "runtime.executor=ray", "runtime.devices=2", "loop.iterations=1",
-               f"actor.model={tmp_path / 'sft'}")
+    plan = (
+        f"actor_gen={gen}; actor_train=0-1:dp2; ref_inf=0-1:dp2; reward_inf=0-1:dp2; critic_inf=0-1:dp2; "
+        "critic_train=0-1:dp2; advantages=0:dp1"
+    )
+    cfg = _cfg(
+        tmp_path,
+        "free",
+        "runtime.executor=ray",
+        "runtime.devices=2",
+        "loop.iterations=1",
+        f"actor.model={tmp_path / 'sft'}",
+    )
     trainer = RLTrainer(dataclasses.replace(cfg, runtime=dataclasses.replace(cfg.runtime, plan=plan)))
     try:
         trainer.executor.run_iteration(0, trainer.make_batch(0))

@@ -60,7 +60,7 @@ def test_uniform_noise_row_does_not_depend_on_batch_or_order():
     permuted_BV = uniform_noise(keys_B[perm], steps_B[perm], 48)
     assert torch.equal(permuted_BV, batch_BV[perm])
     for b in (0, 17, 63):
-        alone_1V = uniform_noise(keys_B[b:b + 1], steps_B[b:b + 1], 48)
+        alone_1V = uniform_noise(keys_B[b : b + 1], steps_B[b : b + 1], 48)
         assert torch.equal(alone_1V[0], batch_BV[b])
 
 
@@ -109,8 +109,9 @@ def test_uniform_noise_never_reaches_one():
 
 def test_sampler_never_picks_a_filtered_token_even_at_extreme_noise():
     logits_1V = torch.tensor([[5.0, 4.0, 0.0, 0.0, 0.0, 0.0, 0.0, 0.0]])
-    tok_B, logp_B = sample_tokens(logits_1V, _keys(1), torch.tensor([ALL_ONES_STEP]),
-                                  SamplingParams(temperature=1.0, top_k=2))
+    tok_B, logp_B = sample_tokens(
+        logits_1V, _keys(1), torch.tensor([ALL_ONES_STEP]), SamplingParams(temperature=1.0, top_k=2)
+    )
     assert int(tok_B) in (0, 1), (tok_B, logp_B)
     assert math.isfinite(float(logp_B))
 
@@ -124,8 +125,11 @@ def test_stream_keys_known_value_and_stability():
     assert keys.tolist() == [KEY_SEED0_IT0_ID0]
     assert torch.equal(stream_keys(0, 0, [0, 1, 2]), stream_keys(0, 0, [0, 1, 2]))
     # A key depends on its own sample id only, not on the other ids asked for or their order.
-    assert stream_keys(0, 0, [5, 0, 9]).tolist() == [*stream_keys(0, 0, [5]).tolist(), KEY_SEED0_IT0_ID0,
-                                                      *stream_keys(0, 0, [9]).tolist()]
+    assert stream_keys(0, 0, [5, 0, 9]).tolist() == [
+        *stream_keys(0, 0, [5]).tolist(),
+        KEY_SEED0_IT0_ID0,
+        *stream_keys(0, 0, [9]).tolist(),
+    ]
 
 
 def test_stream_keys_distinct_and_non_negative():
@@ -183,8 +187,9 @@ def test_top_k_one_equals_greedy():
 def test_top_k_never_leaves_top_k_and_renormalises():
     n = 20_000
     logits_V = torch.tensor([0.3, 2.0, -1.0, 1.5, 0.9, 1.0, -0.2])
-    tok_B, logp_B = sample_tokens(logits_V.expand(n, 7), _keys(n, seed=11), _steps(n),
-                                  SamplingParams(temperature=1.0, top_k=3))
+    tok_B, logp_B = sample_tokens(
+        logits_V.expand(n, 7), _keys(n, seed=11), _steps(n), SamplingParams(temperature=1.0, top_k=3)
+    )
     top3 = {1, 3, 5}
     assert set(tok_B.tolist()) == top3
     expected_V = torch.zeros(7)
@@ -226,8 +231,9 @@ def test_filters_apply_after_temperature_and_top_p_after_top_k():
     n = 2000
     # Unscaled, top_p = 0.6 keeps {0, 1} (0.5 < 0.6); at T = 0.5 the top token alone has mass 0.658.
     probs_V = torch.tensor([0.5, 0.3, 0.2])
-    tok_B, logp_B = sample_tokens(probs_V.log().expand(n, 3), _keys(n), _steps(n),
-                                  SamplingParams(temperature=0.5, top_p=0.6))
+    tok_B, logp_B = sample_tokens(
+        probs_V.log().expand(n, 3), _keys(n), _steps(n), SamplingParams(temperature=0.5, top_p=0.6)
+    )
     assert set(tok_B.tolist()) == {0} and torch.equal(logp_B, torch.zeros(n))
     # top_p = 0.5 alone keeps {0, 1} of (0.4, 0.3, 0.2, 0.1); after top_k = 2 renormalises to (4/7, 3/7), {0}.
     logits_1V = torch.tensor([[0.4, 0.3, 0.2, 0.1]]).log()
@@ -235,13 +241,16 @@ def test_filters_apply_after_temperature_and_top_p_after_top_k():
     assert torch.isfinite(filter_logits(logits_1V, 2, 0.5)).flatten().tolist() == [True, False, False, False]
 
 
-@pytest.mark.parametrize("params", [
-    SamplingParams(temperature=1.0),
-    SamplingParams(temperature=0.7),
-    SamplingParams(temperature=0.7, top_k=5),
-    SamplingParams(temperature=1.3, top_p=0.8),
-    SamplingParams(temperature=0.9, top_k=10, top_p=0.6),
-])
+@pytest.mark.parametrize(
+    "params",
+    [
+        SamplingParams(temperature=1.0),
+        SamplingParams(temperature=0.7),
+        SamplingParams(temperature=0.7, top_k=5),
+        SamplingParams(temperature=1.3, top_p=0.8),
+        SamplingParams(temperature=0.9, top_k=10, top_p=0.6),
+    ],
+)
 def test_logp_is_log_softmax_of_filtered_scaled_logits(params):
     logits_BV = torch.randn(64, 48, generator=torch.Generator().manual_seed(4)) * 2
     tok_B, logp_B = sample_tokens(logits_BV, _keys(64, seed=9), torch.arange(64), params)
@@ -250,7 +259,7 @@ def test_logp_is_log_softmax_of_filtered_scaled_logits(params):
     for b in range(64):  # the filters by hand: sort, keep top-k, then the smallest nucleus reaching top_p
         order = scaled_BV[b].argsort(descending=True).tolist()
         if params.top_k:
-            order = order[:params.top_k]
+            order = order[: params.top_k]
         probs = torch.softmax(scaled_BV[b, order], -1).tolist()
         keep, mass = [], 0.0
         for pos, p in zip(order, probs):

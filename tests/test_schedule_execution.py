@@ -3,7 +3,7 @@ valid order (colocate, interleave, separate and a searched plan, on 2 and 4 devi
 
 Each run's ``traces.jsonl`` records every executed step with each device's start and end; the simulator's
 prediction of the same run (its config, models and measured workload) is built from the same schedule, so its
-timeline names the same step ids on the same devices. :func:`loomrl.plan.schedule.check_trace` then checks, per
+timeline names the same step ids on the same devices. :func:`oracles.check_trace` then checks, per
 iteration, that the executed steps are exactly the schedule's and that none started on a device before a step
 it waits for had ended there (or, unless it was sent with it, anywhere).
 """
@@ -17,26 +17,44 @@ import pytest
 from loomrl.algorithms.workflows import build_workflow
 from loomrl.config.schema import TrainConfig
 from loomrl.config.tools import load_config
+from loomrl.models.presets import model_config
 from loomrl.plan import ClusterSpec, format_plan_string
-from loomrl.plan.schedule import Schedule, Step, StepKind, check_trace
 from loomrl.plan.hardware import PROFILES
+from loomrl.plan.model_shape import ModelShape
+from loomrl.plan.schedule import Schedule, Step, StepKind
 from loomrl.planner.cost.model import CostModel
-from loomrl.planner.cost.workload import ModelShape, Workload
+from loomrl.planner.cost.workload import Workload
 from loomrl.planner.search.search import search
-from loomrl.planner.planning import model_config
 from loomrl.report.run_timeline import predicted_run, read_traces
 from loomrl.train.rl import RLTrainer
-
+from oracles import check_trace
 
 pytestmark = pytest.mark.usefixtures("ray_session")
 
 
 def _cfg(tmp_path, devices: int) -> TrainConfig:
-    return load_config(TrainConfig, None, [
-        f"run_dir={tmp_path / 'run'}", "seed=3", "rollout.prompts_per_iter=8", "rollout.max_new_tokens=6",
-        "loop.iterations=2", "loop.eval_every=0", "loop.save_every=0", "loop.eval_prompts=8", "loop.progress=false",
-        "report.html=false", "runtime.threads=1", "runtime.timeout_s=120", "algo.minibatches=2",
-        "algo.ppo_epochs=2", "runtime.executor=ray", f"runtime.devices={devices}"])
+    return load_config(
+        TrainConfig,
+        None,
+        [
+            f"run_dir={tmp_path / 'run'}",
+            "seed=3",
+            "rollout.prompts_per_iter=8",
+            "rollout.max_new_tokens=6",
+            "loop.iterations=2",
+            "loop.eval_every=0",
+            "loop.save_every=0",
+            "loop.eval_prompts=8",
+            "loop.progress=false",
+            "report.html=false",
+            "runtime.threads=1",
+            "runtime.timeout_s=120",
+            "algo.minibatches=2",
+            "algo.ppo_epochs=2",
+            "runtime.executor=ray",
+            f"runtime.devices={devices}",
+        ],
+    )
 
 
 def searched_plan(cfg: TrainConfig, devices: int) -> str:
@@ -45,24 +63,51 @@ def searched_plan(cfg: TrainConfig, devices: int) -> str:
     cluster = ClusterSpec.parse(f"cpu:{devices}")
     configs = {role: model_config(cfg.actor.model) for role in workflow.roles()}
     shapes = {role: ModelShape.from_config(c) for role, c in configs.items()}
-    workload = Workload(cfg.rollout.prompts_per_iter, 6.0, (cfg.rollout.max_new_tokens,),
-                        ppo_epochs=cfg.algo.ppo_epochs, minibatches=cfg.algo.minibatches)
+    workload = Workload(
+        cfg.rollout.prompts_per_iter,
+        6.0,
+        (cfg.rollout.max_new_tokens,),
+        ppo_epochs=cfg.algo.ppo_epochs,
+        minibatches=cfg.algo.minibatches,
+    )
     cost = CostModel(cluster, PROFILES["local"], shapes, workload)
-    found = search(workflow, cluster, cost, PROFILES["local"].memory_bytes, configs, seed=0, time_budget_s=120,
-                   chains=2, max_steps=40)
+    found = search(
+        workflow,
+        cluster,
+        cost,
+        PROFILES["local"].memory_bytes,
+        configs,
+        seed=0,
+        time_budget_s=120,
+        chains=2,
+        max_steps=40,
+    )
     return format_plan_string(found[0][0], workflow)
 
 
 def executed(traces: list[dict], iteration: int, phase: str) -> list[tuple[str, dict[int, tuple[float, float]]]]:
     """(step id, device → (start, end)) of one iteration's (or the prologue's) executed steps, in trace order."""
-    return [(t["step"], {d: (s, e) for d, s, e in zip(t["devices"], t["start"], t["end"])})
-            for t in traces if t["iteration"] == iteration and t["phase"] == phase]
+    return [
+        (t["step"], {d: (s, e) for d, s, e in zip(t["devices"], t["start"], t["end"])})
+        for t in traces
+        if t["iteration"] == iteration and t["phase"] == phase
+    ]
 
 
-@pytest.mark.parametrize("plan,devices", [
-    ("colocate", 2), ("interleave", 2), ("separate", 2), ("searched", 2),
-    ("colocate", 4), ("interleave", 4), ("separate", 4), ("searched", 4),
-], ids=lambda v: str(v))
+@pytest.mark.parametrize(
+    "plan,devices",
+    [
+        ("colocate", 2),
+        ("interleave", 2),
+        ("separate", 2),
+        ("searched", 2),
+        ("colocate", 4),
+        ("interleave", 4),
+        ("separate", 4),
+        ("searched", 4),
+    ],
+    ids=lambda v: str(v),
+)
 def test_the_runtime_executes_the_schedule_the_simulator_priced(tmp_path, plan, devices):
     cfg = _cfg(tmp_path, devices)
     text = searched_plan(cfg, devices) if plan == "searched" else plan
@@ -102,8 +147,12 @@ def test_a_trace_out_of_order_or_off_schedule_is_caught():
     free = Step("free a@1", StepKind.FREE, (1,), ("gen",))
     other = Step("ref", StepKind.CALL, (2,), ("copy a→1",))  # not on the copy's devices: not sent with it
     steps = (copy, call, free, other)
-    good = [("copy a→1", {0: (0, 1), 1: (0, 2)}), ("gen", {1: (2, 3)}), ("free a@1", {1: (3, 3)}),
-            ("ref", {2: (2.5, 4)})]
+    good = [
+        ("copy a→1", {0: (0, 1), 1: (0, 2)}),
+        ("gen", {1: (2, 3)}),
+        ("free a@1", {1: (3, 3)}),
+        ("ref", {2: (2.5, 4)}),
+    ]
     check_trace(steps, good)
     with pytest.raises(AssertionError, match="'gen' started on device 1 before 'copy a→1'"):
         check_trace(steps, [good[0], ("gen", {1: (1.5, 3)}), *good[2:]])  # sent with it, yet early on device 1
@@ -120,13 +169,18 @@ def test_a_trace_out_of_order_or_off_schedule_is_caught():
 def test_traces_name_schedule_steps_in_the_run_directory(tmp_path):
     """What a run writes is what `loomrl timeline` and the check above read: one line per step."""
     cfg = _cfg(tmp_path, 2)
-    plan = "actor_gen=0-1:tp2; actor_train=0-1:dp2; ref_inf=0:dp1; reward_inf=1:dp1; critic_inf=0-1:dp2; " \
-           "critic_train=0-1:dp2; advantages=0:dp1"
+    plan = (
+        "actor_gen=0-1:tp2; actor_train=0-1:dp2; ref_inf=0:dp1; reward_inf=1:dp1; critic_inf=0-1:dp2; "
+        "critic_train=0-1:dp2; advantages=0:dp1"
+    )
     RLTrainer(dataclasses.replace(cfg, runtime=dataclasses.replace(cfg.runtime, plan=plan))).run()
     lines = [json.loads(line) for line in (tmp_path / "run" / "traces.jsonl").read_text(encoding="utf-8").splitlines()]
     first = [t["step"] for t in lines if t["iteration"] == 0 and t["phase"] == "iteration"]
     assert first[:3] == ["copy actor→0-1:dp1tp2", "actor_gen", "free actor@0-1:dp1tp2"]
     assert {t["kind"] for t in lines} == {"call", "copy", "free", "evaluate"}  # the final iteration evaluates
     assert [t["step"] for t in lines if t["phase"] == "evaluation"] == [
-        "copy actor→0-1:dp1tp2", "evaluate", "free actor@0-1:dp1tp2"]
+        "copy actor→0-1:dp1tp2",
+        "evaluate",
+        "free actor@0-1:dp1tp2",
+    ]
     assert all(len(t["start"]) == len(t["end"]) == len(t["devices"]) for t in lines)

@@ -15,6 +15,7 @@ from loomrl.config.schema import AlgoConfig, RolloutConfig
 from loomrl.errors import ConfigError
 from loomrl.plan import GB, Allocation, ClusterSpec, DeviceSet, ExecutionPlan, colocate
 from loomrl.plan.layout import Layout
+from loomrl.planner.cost.estimator import CostEstimator
 from loomrl.planner.search.search import (
     MICRO_BATCHES,
     _crossovers,
@@ -37,18 +38,32 @@ MEMORY = 24 * GB
 
 
 def llama(heads: int = 4, kv_heads: int = 2, layers: int = 4) -> SimpleNamespace:
-    return SimpleNamespace(model_type="llama", hidden_size=128, num_hidden_layers=layers, num_attention_heads=heads,
-                           num_key_value_heads=kv_heads, intermediate_size=512, vocab_size=48)
+    return SimpleNamespace(
+        model_type="llama",
+        hidden_size=128,
+        num_hidden_layers=layers,
+        num_attention_heads=heads,
+        num_key_value_heads=kv_heads,
+        intermediate_size=512,
+        vocab_size=48,
+    )
 
 
 CONFIGS = {role: llama() for role in ("actor", "critic", "ref", "reward")}
 
 
-class LayoutCost:
+class LayoutCost(CostEstimator):
     """Work over devices, plus tp/dp communication and pipeline bubbles; memory sharded by tp·pp."""
 
-    WORK = {"actor_gen": 8.0, "ref_inf": 2.0, "reward_inf": 2.0, "critic_inf": 2.0, "advantages": 0.1,
-            "actor_train": 6.0, "critic_train": 6.0}
+    WORK = {
+        "actor_gen": 8.0,
+        "ref_inf": 2.0,
+        "reward_inf": 2.0,
+        "critic_inf": 2.0,
+        "advantages": 0.1,
+        "actor_train": 6.0,
+        "critic_train": 6.0,
+    }
 
     def mfc_time(self, mfc: MFC, alloc: Allocation) -> float:
         lay = alloc.layout
@@ -79,8 +94,14 @@ def test_layouts_fit_the_model_and_keep_tensor_parallel_groups_in_a_node():
     whole = DeviceSet(tuple(range(8)))
     train = PPO["actor_train"]
     # heads 4, kv heads 2 → tp ∈ {1, 2}; layers 4 → pp ∈ {1, 2, 4}, combined with either tp.
-    assert layouts_on(train, whole, cluster, llama()) == [Layout(8), Layout(4, 1, 2), Layout(2, 1, 4), Layout(4, 2),
-                                                          Layout(2, 2, 2), Layout(1, 2, 4)]
+    assert layouts_on(train, whole, cluster, llama()) == [
+        Layout(8),
+        Layout(4, 1, 2),
+        Layout(2, 1, 4),
+        Layout(4, 2),
+        Layout(2, 2, 2),
+        Layout(1, 2, 4),
+    ]
     assert layouts_on(PPO["actor_gen"], whole, cluster, llama()) == [Layout(8), Layout(4, 2)]  # no pp for generation
     assert Layout(2, 4) in layouts_on(train, whole, cluster, llama(heads=8, kv_heads=8))
     assert Layout(1, 8) not in layouts_on(train, whole, cluster, llama(heads=8, kv_heads=8))  # tp > devices per node
@@ -119,13 +140,15 @@ def test_interleaving_moves_reach_what_single_moves_cannot():
     heuristics = best_heuristic_plans(PPO, CLUSTER, LayoutCost(), MEMORY, CONFIGS)
     start, start_result = min(heuristics.values(), key=lambda pr: pr[1].iteration_time)
     assert start_result.iteration_time == pytest.approx(6.98)
-    polished = search(PPO, CLUSTER, LayoutCost(), MEMORY, CONFIGS, seed=0, time_budget_s=300, chains=1, max_steps=0,
-                      start=start)  # no annealing: the polish alone
+    polished = search(
+        PPO, CLUSTER, LayoutCost(), MEMORY, CONFIGS, seed=0, time_budget_s=300, chains=1, max_steps=0, start=start
+    )  # no annealing: the polish alone
     best = polished[0][0]
     assert polished[0][1].iteration_time == pytest.approx(6.88)
     assert (best["ref_inf"].text, best["reward_inf"].text) == ("0-1:dp2", "2-3:dp2")
-    units = [_Unit(names, tuple(candidate_allocations(PPO[names[0]], PPO, CLUSTER, CONFIGS)))
-             for names in unit_names(PPO)]
+    units = [
+        _Unit(names, tuple(candidate_allocations(PPO[names[0]], PPO, CLUSTER, CONFIGS))) for names in unit_names(PPO)
+    ]
     splitter = _Splitter(units, PPO, LayoutCost(), MEMORY)
     pairs = {(units[i].names, units[j].names) for i, j in splitter.pairs}
     assert (("ref_inf",), ("reward_inf",)) in pairs and (("actor_train",), ("critic_train",)) in pairs
@@ -138,16 +161,19 @@ def test_interleaving_moves_reach_what_single_moves_cannot():
 
 
 def test_search_is_deterministic_for_a_seed():
-    runs = [search(PPO, CLUSTER, LayoutCost(), MEMORY, CONFIGS, seed=7, time_budget_s=300, chains=2, max_steps=60)
-            for _ in range(2)]
+    runs = [
+        search(PPO, CLUSTER, LayoutCost(), MEMORY, CONFIGS, seed=7, time_budget_s=300, chains=2, max_steps=60)
+        for _ in range(2)
+    ]
     assert [plan_key(p) for p, _ in runs[0]] == [plan_key(p) for p, _ in runs[1]]
     assert [r.iteration_time for _, r in runs[0]] == [r.iteration_time for _, r in runs[1]]
     assert runs[0], "the search found no feasible plan"
 
 
 def test_search_top_k_is_distinct_sorted_and_feasible():
-    found = search(PPO, CLUSTER, LayoutCost(), MEMORY, CONFIGS, seed=1, time_budget_s=300, chains=2, top_k=4,
-                   max_steps=80)
+    found = search(
+        PPO, CLUSTER, LayoutCost(), MEMORY, CONFIGS, seed=1, time_budget_s=300, chains=2, top_k=4, max_steps=80
+    )
     assert len(found) == 4
     assert len({plan_key(p) for p, _ in found}) == 4
     times = [r.iteration_time for _, r in found]
@@ -165,16 +191,18 @@ def test_search_is_at_least_as_good_as_its_start_and_beats_the_heuristics_here()
         assert result.feasible, (name, result.reason)
         plan.validate(PPO, CONFIGS)
     start, start_result = min(heuristics.values(), key=lambda pr: pr[1].iteration_time)
-    found = search(PPO, CLUSTER, LayoutCost(), MEMORY, CONFIGS, seed=0, time_budget_s=300, chains=4,
-                   max_steps=300, start=start)
+    found = search(
+        PPO, CLUSTER, LayoutCost(), MEMORY, CONFIGS, seed=0, time_budget_s=300, chains=4, max_steps=300, start=start
+    )
     assert found[0][1].iteration_time <= start_result.iteration_time
     # Here it is strictly better: ref and reward inference side by side on halves of the colocated cluster
     # (1.02 s together instead of 2 × 0.56 s), which no strategy's layout enumeration can express.
     assert found[0][1].iteration_time == pytest.approx(start_result.iteration_time - 0.1)
     assert found[0][0]["ref_inf"].mesh.isdisjoint(found[0][0]["reward_inf"].mesh)
     # From the (infeasible) pure-dp colocation, the search still reaches a feasible plan.
-    from_colocate = search(PPO, CLUSTER, LayoutCost(), MEMORY, CONFIGS, seed=0, time_budget_s=300, chains=2,
-                           max_steps=100)
+    from_colocate = search(
+        PPO, CLUSTER, LayoutCost(), MEMORY, CONFIGS, seed=0, time_budget_s=300, chains=2, max_steps=100
+    )
     assert from_colocate and from_colocate[0][1].feasible
 
 
@@ -204,22 +232,37 @@ def test_search_argument_errors():
 def test_frozen_roles_stay_resident_where_memory_allows_and_reloading_costs_time():
     """On accelerators an offloaded role reloads before each call, so with room to spare the heuristics and the
     search keep ref and reward resident; where memory is short they offload them (the default rule)."""
+    from loomrl.plan.cluster import profile_for
+    from loomrl.plan.model_shape import ModelShape
     from loomrl.planner.cost.model import CostModel
-    from loomrl.plan.hardware import profile_for
-    from loomrl.planner.cost.workload import ModelShape, Workload
+    from loomrl.planner.cost.workload import Workload
 
     cluster = ClusterSpec.parse("h100:4")
     configs = {role: llama(heads=8, kv_heads=4, layers=4) for role in PPO.roles()}
-    cost = CostModel(cluster, profile_for(cluster), {r: ModelShape.from_config(c) for r, c in configs.items()},
-                     Workload(batch=64, prompt_len=32, response_lengths=(32,)))
+    cost = CostModel(
+        cluster,
+        profile_for(cluster),
+        {r: ModelShape.from_config(c) for r, c in configs.items()},
+        Workload(batch=64, prompt_len=32, response_lengths=(32,)),
+    )
     roomy = best_heuristic_plans(PPO, cluster, cost, 80 * GB, configs)
     plan, result = roomy["colocate"]
     assert plan.offloaded_roles(PPO) == () and result.feasible
     default = simulate(ExecutionPlan(cluster, plan.allocations), PPO, cost, 80 * GB)
     assert set(ExecutionPlan(cluster, plan.allocations).offloaded_roles(PPO)) == {"ref", "reward"}
     assert result.iteration_time < default.iteration_time  # the reloads it saves
-    found = search(PPO, cluster, cost, 80 * GB, configs, seed=0, time_budget_s=300, chains=2, max_steps=200,
-                   start=[p for p, _ in roomy.values()])
+    found = search(
+        PPO,
+        cluster,
+        cost,
+        80 * GB,
+        configs,
+        seed=0,
+        time_budget_s=300,
+        chains=2,
+        max_steps=200,
+        start=[p for p, _ in roomy.values()],
+    )
     assert found[0][0].offloaded_roles(PPO) == ()
     # room for the trained roles and one frozen role's weights at a time, not both: offloading is what fits
     need = max(result.peak_memory.values())
@@ -235,12 +278,14 @@ def test_crossovers_take_the_calls_of_one_kind_from_another_start_and_seed_the_e
     assert len(children) == 2 * 3  # each start with the generation, inference or training calls of the other
     train = {m.name for m in PPO if m.kind is MFCKind.TRAIN}
     assert {n: alloc.text for n, alloc in children[2].allocations.items()} == {
-        n: (b[n] if n in train else a[n]).text for n in a.allocations}
+        n: (b[n] if n in train else a[n]).text for n in a.allocations
+    }
     assert children[2].offload == a.offload
     # with more chains than starts, the best crossovers are walked too (and every one was simulated): the
     # result is never worse than the best of them, even without a single annealing step
-    found = search(PPO, CLUSTER, LayoutCost(), MEMORY, CONFIGS, seed=0, time_budget_s=300, chains=4,
-                   max_steps=0, start=[a, b])
+    found = search(
+        PPO, CLUSTER, LayoutCost(), MEMORY, CONFIGS, seed=0, time_budget_s=300, chains=4, max_steps=0, start=[a, b]
+    )
     results = [simulate(c, PPO, LayoutCost(), MEMORY) for c in children]
     best_child = min(r.iteration_time for r in results if r.feasible)
     assert found[0][1].iteration_time <= best_child

@@ -10,33 +10,43 @@ from pathlib import Path
 import pytest
 import torch
 import transformers
-from test_checkpoint import _one_line, make_run, tiny_llama, tiny_tokenizer, train_steps
 
-from loomrl.checkpoint.store import (CheckpointError, export_checkpoint, latest_checkpoint, load_checkpoint,
-                               save_sharded_checkpoint, verify_checkpoint)
+from loomrl.checkpoint.optim_state import FullOptimizerState
 from loomrl.checkpoint.shards import WHOLE, _overlaps, load_role_shards, read_role
+from loomrl.checkpoint.store import (
+    CheckpointError,
+    export_checkpoint,
+    latest_checkpoint,
+    load_checkpoint,
+    save_sharded_checkpoint,
+    verify_checkpoint,
+)
 from loomrl.errors import DataError
 from loomrl.models.zoo import check_model_spec
 from loomrl.parallel.zero import ZeroAdamW
-from loomrl.checkpoint.optim_state import FullOptimizerState
+from test_checkpoint import _one_line, make_run, tiny_llama, tiny_tokenizer, train_steps
 
 
 def test_a_sharded_round_trip_continues_bitwise_identically(tmp_path):
     model, opt, sched = make_run()
     train_steps(model, opt, sched, 2, seed=1)
-    ckpt = save_sharded_checkpoint(tmp_path, 2, {"actor": (model, opt)}, tiny_tokenizer(), {"data_position": 17},
-                                   schedulers={"actor": sched})
+    ckpt = save_sharded_checkpoint(tmp_path, 2, {"actor": (model, opt)}, tiny_tokenizer(), {"data_position": 17})
     train_steps(model, opt, sched, 3, seed=2)
 
     fresh, fresh_opt, fresh_sched = make_run(seed=99)
-    state = load_checkpoint(ckpt, {"actor": fresh}, {"actor": FullOptimizerState(fresh, fresh_opt)},
-                            schedulers={"actor": fresh_sched})
+    state = load_checkpoint(ckpt, {"actor": fresh}, {"actor": FullOptimizerState(fresh, fresh_opt)})
     assert state == {"iteration": 2, "data_position": 17}
     train_steps(fresh, fresh_opt, fresh_sched, 3, seed=2)
     for (name, ref), (_, got) in zip(model.named_parameters(), fresh.named_parameters()):
         assert torch.equal(ref, got), name
-    assert sorted(p.name for p in ckpt.iterdir()) == ["actor", "index.json", "manifest.json", "rng.pt",
-                                                      "schedulers.pt", "state.json", "tokenizer"]
+    assert sorted(p.name for p in ckpt.iterdir()) == [
+        "actor",
+        "index.json",
+        "manifest.json",
+        "rng.pt",
+        "state.json",
+        "tokenizer",
+    ]
 
 
 def test_bf16_master_weights_are_saved_beside_the_rounded_weights(tmp_path):
@@ -86,10 +96,28 @@ def test_pieces_written_under_a_layout_are_placed_whole_again(tmp_path):
                     shapes[f"{kind}/{name}"] = list(tensor.shape)
         rel = f"actor/r{rank}.safetensors"
         save_file(tensors, tmp_path / rel)
-        files[rel] = {**place, "num_layers": 2, "tensors": shapes, "params": list(full), "trainable": list(full),
-                      "steps": {n: 3.0 for n in full}}
-    (tmp_path / "index.json").write_text(json.dumps({"format": FORMAT, "roles": {"actor": {
-        "class": "LlamaForCausalLM", "param_groups": [{"lr": 0.1, "betas": [0.9, 0.99]}], "files": files}}}))
+        files[rel] = {
+            **place,
+            "num_layers": 2,
+            "tensors": shapes,
+            "params": list(full),
+            "trainable": list(full),
+            "steps": {n: 3.0 for n in full},
+        }
+    (tmp_path / "index.json").write_text(
+        json.dumps(
+            {
+                "format": FORMAT,
+                "roles": {
+                    "actor": {
+                        "class": "LlamaForCausalLM",
+                        "param_groups": [{"lr": 0.1, "betas": [0.9, 0.99]}],
+                        "files": files,
+                    }
+                },
+            }
+        )
+    )
     weights, optim = read_role(tmp_path, "actor")
     assert weights.keys() == full.keys() and all(torch.equal(weights[n], full[n]) for n in full)
     assert all(torch.equal(optim["state"][n]["exp_avg"], moments[n]) for n in full)
@@ -129,15 +157,34 @@ def test_the_export_loads_with_from_pretrained_and_the_cli_writes_it(tmp_path):
     _one_line(info)
     check_model_spec(str(out))
 
-    proc = subprocess.run([sys.executable, "-m", "loomrl.cli", "export", str(tmp_path / "run"), "--role", "actor",
-                           "--out", str(tmp_path / "exported")], capture_output=True, text=True, timeout=300,
-                          env={**os.environ, "HF_HUB_OFFLINE": "1"})
+    proc = subprocess.run(
+        [
+            sys.executable,
+            "-m",
+            "loomrl.cli",
+            "export",
+            str(tmp_path / "run"),
+            "--role",
+            "actor",
+            "--out",
+            str(tmp_path / "exported"),
+        ],
+        capture_output=True,
+        text=True,
+        timeout=300,
+        env={**os.environ, "HF_HUB_OFFLINE": "1"},
+    )
     assert proc.returncode == 0, proc.stderr[-2000:]
     assert proc.stdout.strip().endswith(str(tmp_path / "exported"))
     again = transformers.AutoModelForCausalLM.from_pretrained(tmp_path / "exported")
     assert all(torch.equal(a, b) for a, b in zip(model.state_dict().values(), again.state_dict().values()))
-    bad = subprocess.run([sys.executable, "-m", "loomrl.cli", "export", str(ckpt), "--role", "critic"],
-                         capture_output=True, text=True, timeout=300, env={**os.environ, "HF_HUB_OFFLINE": "1"})
+    bad = subprocess.run(
+        [sys.executable, "-m", "loomrl.cli", "export", str(ckpt), "--role", "critic"],
+        capture_output=True,
+        text=True,
+        timeout=300,
+        env={**os.environ, "HF_HUB_OFFLINE": "1"},
+    )
     assert bad.returncode == 2 and bad.stderr.count("\n") == 1 and "role 'critic'" in bad.stderr, bad.stderr
 
 
@@ -190,9 +237,8 @@ def test_non_finite_pieces_are_refused_before_anything_is_written(tmp_path):
 def test_a_run_resumes_a_full_checkpoint_and_continues_sharded(tmp_path):
     """A run whose checkpoints were written whole (as before sharded checkpoints) resumes, and its next
     checkpoints are sharded; the metrics are those of the uninterrupted run."""
-    from test_rl import tiny_cfg
-
     from loomrl.train.rl import RLTrainer
+    from test_rl import tiny_cfg
 
     common = ("algo.name=ppo", "loop.save_every=1", "loop.eval_every=0")
     RLTrainer(tiny_cfg(tmp_path / "whole", *common, "loop.iterations=2")).run()
@@ -200,8 +246,10 @@ def test_a_run_resumes_a_full_checkpoint_and_continues_sharded(tmp_path):
     assert (tmp_path / "parts" / "checkpoints" / "iter_000000" / "optimizers.pt").is_file()
     RLTrainer(tiny_cfg(tmp_path / "parts", *common, "loop.iterations=2")).run(resume=True)
     assert (tmp_path / "parts" / "checkpoints" / "iter_000001" / "index.json").is_file()
-    whole, parts = ([json.loads(line) for line in (tmp_path / d / "metrics.jsonl").read_text().splitlines()]
-                    for d in ("whole", "parts"))
+    whole, parts = (
+        [json.loads(line) for line in (tmp_path / d / "metrics.jsonl").read_text().splitlines()]
+        for d in ("whole", "parts")
+    )
     loss = [k for k in whole[-1] if k.endswith("loss")]
     assert len(loss) > 1 and {k: parts[-1][k] for k in loss} == {k: whole[-1][k] for k in loss}
     critic = export_checkpoint(tmp_path / "parts" / "checkpoints" / "iter_000001", "critic")
@@ -215,15 +263,23 @@ def test_a_worker_killed_during_a_sharded_save_leaves_the_checkpoint_before(tmp_
     unfinished save's directory is gone by the end."""
     import signal
 
+    from loomrl.run_dir import RunDir
+    from loomrl.train.rl import RLTrainer
     from test_recovery import LOSS_KEYS, SAMPLE_KEYS, _cfg, _lines
-
-    from loomrl.train.rl import FAILURES_FILE, RLTrainer
 
     common = ("loop.iterations=3", "loop.save_every=1")
     RLTrainer(_cfg(tmp_path, "ref", *common, "runtime.executor=reference")).run()
-    trainer = RLTrainer(_cfg(tmp_path, "run", *common, "runtime.executor=ray", "runtime.devices=2",
-                             "runtime.max_failures=1", "runtime.layouts={actor: {sharding: fsdp}, critic: "
-                             "{sharding: zero}}"))
+    trainer = RLTrainer(
+        _cfg(
+            tmp_path,
+            "run",
+            *common,
+            "runtime.executor=ray",
+            "runtime.devices=2",
+            "runtime.max_failures=1",
+            "runtime.layouts={actor: {sharding: fsdp}, critic: {sharding: zero}}",
+        )
+    )
     executor, waits, begun = trainer.executor, [], []
     original = executor._wait
 
@@ -238,7 +294,7 @@ def test_a_worker_killed_during_a_sharded_save_leaves_the_checkpoint_before(tmp_
 
     executor._wait = wait
     trainer.run()
-    (failure,) = _lines(tmp_path / "run" / FAILURES_FILE)
+    (failure,) = _lines(RunDir(tmp_path / "run").failures)
     assert (failure["iteration"], failure["resumes_after"]) == (1, 0)
     assert "worker 1 died during checkpoint save" in failure["error"], failure
     assert begun and begun[0].name.startswith("iter_000001.tmp-") and not begun[0].exists()

@@ -4,11 +4,11 @@ rows, for a policy and a value model, through the engine too."""
 import pytest
 import torch
 
-from loomrl.role.passes import ModelPasses
-from loomrl.role.shared_prefix import prompt_groups, shared_prefix_outputs
 from loomrl.models.heads import model_outputs
 from loomrl.models.tokenizer import build_char_tokenizer
 from loomrl.models.zoo import build_causal_lm, build_value_model
+from loomrl.role.passes import ModelPasses
+from loomrl.role.shared_prefix import prompt_groups, shared_prefix_outputs
 from loomrl.workflow.batch import pack_sequences
 
 
@@ -51,8 +51,11 @@ def test_shared_prompts_give_the_outputs_and_gradients_of_whole_rows(value_model
 
     def run(shared: bool):
         model.zero_grad()
-        out = shared_prefix_outputs(model, ids_BL, attn_BL, plen_B, groups) if shared else \
-            model_outputs(model, ids_BL, attn_BL)
+        out = (
+            shared_prefix_outputs(model, ids_BL, attn_BL, plen_B, groups)
+            if shared
+            else model_outputs(model, ids_BL, attn_BL)
+        )
         real = attn_BL.bool() if out.dim() == 2 else attn_BL.bool()[..., None].expand_as(out)
         (out.float()[real] * torch.linspace(-1, 1, int(real.sum()))).sum().backward()
         return out.detach().float(), real, {n: p.grad.float().clone() for n, p in model.named_parameters()}
@@ -63,8 +66,9 @@ def test_shared_prompts_give_the_outputs_and_gradients_of_whole_rows(value_model
     torch.testing.assert_close(shared[real], whole[real], rtol=1e-5 if exact else 0, atol=1e-5 if exact else 1e-2)
     for name, grad in whole_grads.items():  # bf16: a sum over rows in another order rounds differently
         scale = float(grad.abs().max())
-        torch.testing.assert_close(shared_grads[name], grad, rtol=1e-3 if exact else 5e-2,
-                                   atol=(1e-5 if exact else 2e-2) * scale)
+        torch.testing.assert_close(
+            shared_grads[name], grad, rtol=1e-3 if exact else 5e-2, atol=(1e-5 if exact else 2e-2) * scale
+        )
 
 
 def test_engine_shares_prompts_where_it_knows_them_and_recomputation_turns_it_off(monkeypatch):

@@ -2,8 +2,8 @@
 
 import pytest
 
-from loomrl.planner.simulation.sharing import simulate_shared
 from loomrl.plan.schedule import Step, StepKind
+from loomrl.planner.simulation.sharing import simulate_shared
 from loomrl.planner.simulation.simulator import _Node, _schedule
 
 
@@ -58,8 +58,10 @@ def test_a_step_sent_with_its_dependency_is_queued_right_behind_it():
     deps = [(), (0,), (0,), (1,), (1,)]
     carried = [(), (), (0,), (), (1,)]
     durations = [1.0, 2.0, 1.0, 1.0, 0.5]
-    nodes = [_Node(Step(str(i), StepKind.SYNC, devices[i]), 0, durations[i], list(deps[i]), list(carried[i]))
-             for i in range(5)]
+    nodes = [
+        _Node(Step(str(i), StepKind.SYNC, devices[i]), 0, durations[i], list(deps[i]), list(carried[i]))
+        for i in range(5)
+    ]
     start, end = _schedule(nodes, devices)
     assert start == [0.0, 1.0, 1.0, 3.5, 3.0] and end[3] == 4.5
     assert simulate_shared(durations, devices, deps, one_node, cores=8.0, carried=carried) == (start, end)

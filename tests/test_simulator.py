@@ -15,18 +15,25 @@ from loomrl.algorithms.workflows import build_workflow
 from loomrl.config.schema import AlgoConfig, RolloutConfig
 from loomrl.errors import ConfigError
 from loomrl.plan import GB, Allocation, ClusterSpec, ExecutionPlan, colocate
-from loomrl.planner.simulation.simulator import CostEstimator, SimResult, format_bytes, simulate
+from loomrl.planner.cost.estimator import CostEstimator
+from loomrl.planner.simulation.simulator import SimResult, format_bytes, simulate
 from loomrl.report.timeline import render_html, render_timeline
 from loomrl.workflow import MFC, MFCKind, Workflow
 
 GEN, INF, TRAIN = MFCKind.GENERATE, MFCKind.INFERENCE, MFCKind.TRAIN
 
 
-class FakeCost:
+class FakeCost(CostEstimator):
     """Hand-computable costs (see the module docstring)."""
 
-    def __init__(self, work: dict[str, float], comm: float = 0.0, realloc: float = 1.0,
-                 static: dict[str, float] | None = None, transient: dict[str, float] | None = None) -> None:
+    def __init__(
+        self,
+        work: dict[str, float],
+        comm: float = 0.0,
+        realloc: float = 1.0,
+        static: dict[str, float] | None = None,
+        transient: dict[str, float] | None = None,
+    ) -> None:
         self.work, self.comm, self.realloc = work, comm, realloc
         self.static, self.transient = static or {}, transient or {}
         self.realloc_calls: list[tuple[str, str, str]] = []
@@ -58,12 +65,24 @@ def spans(result: SimResult, label: str, device: int) -> list[tuple[float, float
 
 
 # gen → inf → train on one role pair: the smallest RL loop.
-CHAIN = Workflow([MFC("gen", "actor", GEN, ("p",), ("r",)), MFC("inf", "ref", INF, ("r",), ("l",)),
-                  MFC("train", "actor", TRAIN, ("r", "l"), ())], ["p"])
+CHAIN = Workflow(
+    [
+        MFC("gen", "actor", GEN, ("p",), ("r",)),
+        MFC("inf", "ref", INF, ("r",), ("l",)),
+        MFC("train", "actor", TRAIN, ("r", "l"), ()),
+    ],
+    ["p"],
+)
 # gen, then two independent inference calls, then train.
-FORK = Workflow([MFC("gen", "actor", GEN, ("p",), ("r",)), MFC("ref_inf", "ref", INF, ("r",), ("a",)),
-                 MFC("reward_inf", "reward", INF, ("r",), ("b",)),
-                 MFC("train", "actor", TRAIN, ("r", "a", "b"), ())], ["p"])
+FORK = Workflow(
+    [
+        MFC("gen", "actor", GEN, ("p",), ("r",)),
+        MFC("ref_inf", "ref", INF, ("r",), ("a",)),
+        MFC("reward_inf", "reward", INF, ("r",), ("b",)),
+        MFC("train", "actor", TRAIN, ("r", "a", "b"), ()),
+    ],
+    ["p"],
+)
 # generation and training only: for reallocations.
 GEN_TRAIN = Workflow([MFC("gen", "actor", GEN, ("p",), ("r",)), MFC("train", "actor", TRAIN, ("r",), ())], ["p"])
 
@@ -110,8 +129,14 @@ def test_parameter_version_edge_holds_the_next_generation_until_training_ends():
 
 
 # generation, then the actor's and a critic's training side by side.
-TWO_TRAIN = Workflow([MFC("gen", "actor", GEN, ("p",), ("r",)), MFC("actor_train", "actor", TRAIN, ("r",), ()),
-                      MFC("critic_train", "critic", TRAIN, ("r",), ())], ["p"])
+TWO_TRAIN = Workflow(
+    [
+        MFC("gen", "actor", GEN, ("p",), ("r",)),
+        MFC("actor_train", "actor", TRAIN, ("r",), ()),
+        MFC("critic_train", "critic", TRAIN, ("r",), ()),
+    ],
+    ["p"],
+)
 
 
 def test_an_iteration_starts_once_the_previous_one_has_ended():
@@ -126,8 +151,7 @@ def test_an_iteration_starts_once_the_previous_one_has_ended():
     assert result.iteration_ends == [7, 14, 21] and result.iteration_time == 7
     # a copy waits too: the critic's training of the previous iteration ends before the actor's copy starts
     plan = plan_of(3, {"gen": "2", "actor_train": "0", "critic_train": "1"}, shadow=())
-    result = simulate(plan, TWO_TRAIN, FakeCost({"gen": 2, "actor_train": 1, "critic_train": 5}, realloc=1.0),
-                      24 * GB)
+    result = simulate(plan, TWO_TRAIN, FakeCost({"gen": 2, "actor_train": 1, "critic_train": 5}, realloc=1.0), 24 * GB)
     assert spans(result, "copy actor→2:dp1", 2) == [(0, 1), (8, 9), (16, 17)]
     assert spans(result, "critic_train", 1) == [(3, 8), (11, 16), (19, 24)]
     assert result.iteration_time == 8
@@ -186,8 +210,9 @@ def test_memory_is_resident_plus_the_running_call():
     # Shared mesh 0-1: actor trained (10 GB × 3 = 30 GB), gen 2 GB, inf 1 GB, train 4 GB transient; the calls
     # run one after another, so the transient parts never add up: peak 30 + 6 (ref, not offloaded) + 4.
     static = {"actor": 10 * GB, "ref": 6 * GB}
-    cost = FakeCost({"gen": 4, "inf": 2, "train": 6}, static=static,
-                    transient={"gen": 2 * GB, "inf": 1 * GB, "train": 4 * GB})
+    cost = FakeCost(
+        {"gen": 4, "inf": 2, "train": 6}, static=static, transient={"gen": 2 * GB, "inf": 1 * GB, "train": 4 * GB}
+    )
     plan = plan_of(2, {"gen": "0-1", "inf": "0-1", "train": "0-1"}, offload=())
     result = simulate(plan, CHAIN, cost, 48 * GB)
     assert result.peak_memory == {0: 40 * GB, 1: 40 * GB} and result.feasible
@@ -196,8 +221,10 @@ def test_memory_is_resident_plus_the_running_call():
     offloaded = simulate(plan_of(2, {"gen": "0-1", "inf": "0-1", "train": "0-1"}, "h100"), CHAIN, cost, 48 * GB)
     assert offloaded.peak_memory == {0: 37 * GB, 1: 37 * GB}
     # CPU devices are their host's memory: nothing is offloaded there, whatever the plan says
-    assert simulate(plan_of(2, {"gen": "0-1", "inf": "0-1", "train": "0-1"}), CHAIN, cost,
-                    48 * GB).peak_memory == {0: 40 * GB, 1: 40 * GB}
+    assert simulate(plan_of(2, {"gen": "0-1", "inf": "0-1", "train": "0-1"}), CHAIN, cost, 48 * GB).peak_memory == {
+        0: 40 * GB,
+        1: 40 * GB,
+    }
     # Tensor parallelism over both devices halves the resident memory (15 + 3 GB), not the transient.
     sharded = plan_of(2, {"gen": "0-1:tp2", "inf": "0-1:tp2", "train": "0-1:tp2"}, offload=())
     assert simulate(sharded, CHAIN, cost, 48 * GB).peak_memory[0] == 15 * GB + 3 * GB + 4 * GB
@@ -206,7 +233,7 @@ def test_memory_is_resident_plus_the_running_call():
 class ReloadingCost(FakeCost):
     """FakeCost reloading a role at 1 s per GB of its shard."""
 
-    def reload_time(self, role: str, alloc: Allocation) -> float:
+    def reload_time(self, role: str, alloc: Allocation, trainable: bool = False) -> float:
         return self.static_memory(role, alloc, False) / GB
 
 
@@ -246,12 +273,21 @@ def test_a_trained_role_offloaded_sleeps_through_generation_and_its_later_steps_
     reload in dispatch order, train (3 s) for both: 0-1 copy, 1-4 offload, 4-6 gen, 6-9 reload, 9-10 inf,
     10-13 train. Memory: 30 + 5 + 6 (ref) = 41 GB until the offload ends, then 5 + 2 + 6 during gen; resident
     throughout it would need 43 GB."""
-    cost = MovingCost({"gen": 4, "inf": 2, "train": 6}, static={"actor": 10 * GB, "ref": 6 * GB},
-                      transient={"gen": 2 * GB, "train": 4 * GB})
+    cost = MovingCost(
+        {"gen": 4, "inf": 2, "train": 6},
+        static={"actor": 10 * GB, "ref": 6 * GB},
+        transient={"gen": 2 * GB, "train": 4 * GB},
+    )
     placement = {"gen": "0-1:tp2", "inf": "0-1", "train": "0-1"}
     asleep = simulate(plan_of(2, placement, "h100", offload=("actor",)), CHAIN, cost, 42 * GB)
-    for label, want in (("copy actor→0-1:dp1tp2", (0, 1)), ("offload actor state for gen", (1, 4)), ("gen", (4, 6)),
-                        ("reload actor state after gen", (6, 9)), ("inf", (9, 10)), ("train", (10, 13))):
+    for label, want in (
+        ("copy actor→0-1:dp1tp2", (0, 1)),
+        ("offload actor state for gen", (1, 4)),
+        ("gen", (4, 6)),
+        ("reload actor state after gen", (6, 9)),
+        ("inf", (9, 10)),
+        ("train", (10, 13)),
+    ):
         assert spans(asleep, label, 0)[0] == want, label
     assert asleep.iteration_time == pytest.approx(13) and asleep.feasible
     assert asleep.peak_memory[0] == 41 * GB
@@ -300,8 +336,15 @@ def test_invalid_inputs_raise():
 def test_colocated_ppo_serialises_every_call():
     # All calls share device 0 (advantages runs there), so an iteration is the sum of the call times.
     ppo = build_workflow(AlgoConfig(name="ppo"), RolloutConfig())
-    work = {"actor_gen": 8, "ref_inf": 2, "reward_inf": 2, "critic_inf": 2, "advantages": 0.25, "actor_train": 6,
-            "critic_train": 6}
+    work = {
+        "actor_gen": 8,
+        "ref_inf": 2,
+        "reward_inf": 2,
+        "critic_inf": 2,
+        "advantages": 0.25,
+        "actor_train": 6,
+        "critic_train": 6,
+    }
     plan = colocate(ppo, ClusterSpec.parse("cpu:4"))
     result = simulate(plan, ppo, FakeCost(work), 24 * GB)
     expected = sum(w / 4 for name, w in work.items() if name != "advantages") + 0.25
@@ -334,18 +377,23 @@ def test_device_classes_give_the_per_device_simulation(monkeypatch: pytest.Monke
     real cost model, llama2-7b; some infeasible) every result equals the one simulated device by device."""
     import random
 
-    from loomrl.planner.simulation import simulator
-    from loomrl.planner.cost.model import CostModel
-    from loomrl.planner.planning import model_config
+    from loomrl.models.presets import model_config
     from loomrl.plan.hardware import PROFILES
+    from loomrl.plan.model_shape import ModelShape
+    from loomrl.planner.cost.model import CostModel
+    from loomrl.planner.cost.workload import Workload
     from loomrl.planner.search.search import candidate_allocations
-    from loomrl.planner.cost.workload import ModelShape, Workload
+    from loomrl.planner.simulation import simulator
 
     ppo = build_workflow(AlgoConfig(name="ppo"), RolloutConfig())
     cluster = ClusterSpec.parse("h100:2x8")
     configs = {role: model_config("llama2-7b") for role in ppo.roles()}
-    cost = CostModel(cluster, PROFILES["h100-80g"], {r: ModelShape.from_config(c) for r, c in configs.items()},
-                     Workload(batch=256, prompt_len=128, response_lengths=(64, 256)))
+    cost = CostModel(
+        cluster,
+        PROFILES["h100-80g"],
+        {r: ModelShape.from_config(c) for r, c in configs.items()},
+        Workload(batch=256, prompt_len=128, response_lengths=(64, 256)),
+    )
     options = {m.name: candidate_allocations(m, ppo, cluster, configs) for m in ppo}
     rng = random.Random(0)
     plans = []
@@ -357,12 +405,22 @@ def test_device_classes_give_the_per_device_simulation(monkeypatch: pytest.Monke
         except ConfigError:
             continue
         plans.append(plan)
-    fields = ("iteration_time", "busy_fraction", "peak_memory", "feasible", "reason", "iteration_ends",
-              "device_seconds", "makespan", "timeline")
+    fields = (
+        "iteration_time",
+        "busy_fraction",
+        "peak_memory",
+        "feasible",
+        "reason",
+        "iteration_ends",
+        "device_seconds",
+        "makespan",
+        "timeline",
+    )
     grouped = [simulate(plan, ppo, cost, 80 * GB) for plan in plans]
     real_classes = simulator._DeviceClasses
-    monkeypatch.setattr(simulator, "_DeviceClasses",
-                        lambda meshes, n, identity=False: real_classes(meshes, n, identity=True))
+    monkeypatch.setattr(
+        simulator, "_DeviceClasses", lambda meshes, n, identity=False: real_classes(meshes, n, identity=True)
+    )
     classes_seen = 0
     for plan, result in zip(plans, grouped):
         alone = simulate(plan, ppo, cost, 80 * GB)
@@ -377,6 +435,7 @@ def test_device_classes_give_the_per_device_simulation(monkeypatch: pytest.Monke
 def test_a_trained_role_generating_on_its_training_shards_stays_awake():
     """Generation in the training layout has no copy to run on: the state the plan offloads stays resident."""
     cost = MovingCost({"gen": 4, "inf": 2, "train": 6}, static={"actor": 10 * GB, "ref": 6 * GB})
-    result = simulate(plan_of(2, {"gen": "0-1", "inf": "0-1", "train": "0-1"}, "h100", offload=("actor",)), CHAIN,
-                      cost, 48 * GB)
+    result = simulate(
+        plan_of(2, {"gen": "0-1", "inf": "0-1", "train": "0-1"}, "h100", offload=("actor",)), CHAIN, cost, 48 * GB
+    )
     assert not any("actor state" in iv.label for iv in result.timeline) and result.iteration_time == pytest.approx(6)

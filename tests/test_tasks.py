@@ -124,12 +124,16 @@ def test_score_is_one_iff_exact(name):
 def test_partial_credit_is_monotone(name):
     task = make_task(name)
     for ex in _samples(task, 200):
-        scores = [task.score(ex.prompt, _corrupt(ex.answer, k, task.answer_chars), ex.answer)
-                  for k in range(len(ex.answer) + 1)]
+        scores = [
+            task.score(ex.prompt, _corrupt(ex.answer, k, task.answer_chars), ex.answer)
+            for k in range(len(ex.answer) + 1)
+        ]
         assert scores == sorted(scores, reverse=True) and len(set(scores)) == len(scores)
         # A length closer to the answer's scores higher, all else wrong.
-        assert task.score(ex.prompt, "#" * len(ex.answer), ex.answer) > task.score(ex.prompt, "#", ex.answer) \
+        assert (
+            task.score(ex.prompt, "#" * len(ex.answer), ex.answer) > task.score(ex.prompt, "#", ex.answer)
             or len(ex.answer) == 1
+        )
 
 
 def test_one_wrong_beats_three_wrong():
@@ -208,8 +212,9 @@ def test_file_prompts_parquet(tmp_path):
     import datasets
 
     path = tmp_path / "p.parquet"
-    datasets.Dataset.from_dict({"prompt": ["sort 21=", "rev xy="], "answer": ["12", "yx"],
-                                "extra": [1, 2]}).to_parquet(str(path))
+    datasets.Dataset.from_dict({"prompt": ["sort 21=", "rev xy="], "answer": ["12", "yx"], "extra": [1, 2]}).to_parquet(
+        str(path)
+    )
     src = FilePrompts(path)
     assert len(src) == 2 and src[1].prompt == "rev xy=" and src[1].answer == "yx"
 
@@ -237,7 +242,8 @@ def reward_module(tmp_path, monkeypatch):
     (tmp_path / "my_rewards.py").write_text(
         "def contains(prompt, response, answer):\n    return float(answer in response)\n"
         "def broken(prompt, response, answer):\n    return float('nan')\n"
-        "NOT_CALLABLE = 3\n")
+        "NOT_CALLABLE = 3\n"
+    )
     monkeypatch.syspath_prepend(str(tmp_path))
     return "my_rewards"
 
@@ -254,8 +260,7 @@ def test_function_task(reward_module):
         task.sample(random.Random(0))
 
 
-@pytest.mark.parametrize("spec", ["no_colon", "no_such_module_xyz:f", "my_rewards:missing",
-                                  "my_rewards:NOT_CALLABLE"])
+@pytest.mark.parametrize("spec", ["no_colon", "no_such_module_xyz:f", "my_rewards:missing", "my_rewards:NOT_CALLABLE"])
 def test_load_reward_fn_errors(reward_module, spec):
     with pytest.raises(DataError) as exc:
         load_reward_fn(spec)

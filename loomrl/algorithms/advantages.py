@@ -17,7 +17,7 @@ Padding positions never influence a result, and every ``_BT`` result is 0 on pad
 
 from __future__ import annotations
 
-from typing import Callable
+from collections.abc import Callable
 
 import torch
 from torch import Tensor
@@ -75,8 +75,13 @@ def masked_var(x: Tensor, mask: Tensor, unbiased: bool = True) -> Tensor:
     return var
 
 
-def masked_whiten(x: Tensor, mask: Tensor, shift_mean: bool = True, eps: float = 1e-8,
-                  reduce: Callable[[Tensor], Tensor] | None = None) -> Tensor:
+def masked_whiten(
+    x: Tensor,
+    mask: Tensor,
+    shift_mean: bool = True,
+    eps: float = 1e-8,
+    reduce: Callable[[Tensor], Tensor] | None = None,
+) -> Tensor:
     """Normalise ``x`` to unit variance (and zero mean if ``shift_mean``) over its masked elements.
 
     With ``shift_mean=False`` the mean is kept, so only the scale changes (as for PPO's rewards). ``reduce``:
@@ -139,9 +144,7 @@ def token_rewards(score_B: Tensor, kl_BT: Tensor, mask_BT: Tensor, kl_coef: floa
     return reward_BT.scatter_add(1, last_B.unsqueeze(1), bonus_B.unsqueeze(1))
 
 
-def gae(
-    reward_BT: Tensor, value_BT: Tensor, mask_BT: Tensor, gamma: float, lam: float
-) -> tuple[Tensor, Tensor]:
+def gae(reward_BT: Tensor, value_BT: Tensor, mask_BT: Tensor, gamma: float, lam: float) -> tuple[Tensor, Tensor]:
     """Generalised advantage estimation over the response tokens; returns ``(adv_BT, ret_BT)``.
 
     ``delta_t = r_t + gamma * V_{t+1} - V_t`` and ``A_t = delta_t + gamma * lam * A_{t+1}``, where the
@@ -187,9 +190,7 @@ def _grouped(score_B: Tensor, group_size: int, min_size: int, what: str) -> Tens
     return score_B.view(-1, group_size)
 
 
-def group_normalized(
-    score_B: Tensor, group_size: int, eps: float = 1e-6, std_normalize: bool = True
-) -> Tensor:
+def group_normalized(score_B: Tensor, group_size: int, eps: float = 1e-6, std_normalize: bool = True) -> Tensor:
     """GRPO advantage: score minus its group's mean, divided by the group's (unbiased) std plus eps.
 
     ``std_normalize=False`` only subtracts the mean, as Dr. GRPO recommends to avoid favouring groups
@@ -213,8 +214,7 @@ def remax_advantage(score_B: Tensor, greedy_score_B: Tensor) -> Tensor:
     """ReMax advantage: each score minus the score of the greedy response to the same prompt."""
     if score_B.shape != greedy_score_B.shape:
         raise ValueError(
-            f"remax_advantage needs scores of equal shape, got {tuple(score_B.shape)} "
-            f"and {tuple(greedy_score_B.shape)}"
+            f"remax_advantage needs scores of equal shape, got {tuple(score_B.shape)} and {tuple(greedy_score_B.shape)}"
         )
     return score_B - greedy_score_B
 
@@ -225,7 +225,11 @@ def broadcast_to_tokens(adv_B: Tensor, mask_BT: Tensor) -> Tensor:
 
 
 def reinforce_pp_advantage(
-    score_B: Tensor, kl_BT: Tensor, mask_BT: Tensor, kl_coef: float, gamma: float = 1.0,
+    score_B: Tensor,
+    kl_BT: Tensor,
+    mask_BT: Tensor,
+    kl_coef: float,
+    gamma: float = 1.0,
     reduce: Callable[[Tensor], Tensor] | None = None,
 ) -> Tensor:
     """REINFORCE++ advantage: discounted returns of the PPO token rewards, whitened over the batch.

@@ -9,9 +9,9 @@ is whole, one pipeline stage, or sharded over data-parallel ranks (:mod:`loomrl.
 
 from __future__ import annotations
 
-from collections.abc import Mapping, Sequence
+from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass
-from typing import Any, Callable, Protocol
+from typing import Any, Protocol
 
 import torch
 from transformers import PreTrainedModel
@@ -53,15 +53,28 @@ class StreamControl(Protocol):
 class Passes(Protocol):
     """How a role's model runs its passes on this process; ops call nothing else of the model's."""
 
-    def outputs(self, ids_BL: torch.Tensor, attn_BL: torch.Tensor, parts: list[slice],
-                keep: KeepFn | None = None, prompt_len_B: torch.Tensor | None = None) -> torch.Tensor:
+    def outputs(
+        self,
+        ids_BL: torch.Tensor,
+        attn_BL: torch.Tensor,
+        parts: list[slice],
+        keep: KeepFn | None = None,
+        prompt_len_B: torch.Tensor | None = None,
+    ) -> torch.Tensor:
         """Per-position outputs (logits, or values) of every row, computed micro-batch by micro-batch (``parts``
         of the rows), each reduced by ``keep``, concatenated over rows, on every rank of the model.
         ``prompt_len_B``, where given, lets rows sharing a prompt compute it once."""
         ...
 
-    def backward(self, ids_BL: torch.Tensor | None, attn_BL: torch.Tensor | None, parts: list[slice],
-                 loss: LossFn | None, passes: int, prompt_len_B: torch.Tensor | None = None) -> None:
+    def backward(
+        self,
+        ids_BL: torch.Tensor | None,
+        attn_BL: torch.Tensor | None,
+        parts: list[slice],
+        loss: LossFn | None,
+        passes: int,
+        prompt_len_B: torch.Tensor | None = None,
+    ) -> None:
         """Forward and backward of each micro-batch, gradients accumulating; ``passes`` is the plan's number of
         micro-batches, which an engine whose passes are collective runs even without rows (``parts`` empty)."""
         ...
@@ -130,4 +143,3 @@ class OpContext:
     reduce: Callable[[torch.Tensor], torch.Tensor] | None = None
     """Compute MFCs given one shard of the batch (one per parallel controller): sums a tensor over every shard,
     for batch-level statistics such as advantage whitening. None: the call sees the whole batch."""
-

@@ -18,7 +18,7 @@ cursor), so the run computes what the reference executor computes.
 from __future__ import annotations
 
 import math
-from typing import Callable, Mapping, Sequence
+from collections.abc import Callable, Mapping, Sequence
 
 from loomrl.config.schema import DynamicSamplingConfig
 from loomrl.data.reward_functions import load_reward_fn
@@ -59,11 +59,14 @@ def group_filter(spec: str) -> GroupFilter:
         try:
             keep = fn(rewards)
         except Exception as exc:  # noqa: BLE001 - user code: any failure is reported in one line
-            raise DataError(f"algo.dynamic_sampling.filter '{spec}' raised {type(exc).__name__}: {exc} "
-                            f"(rewards {rewards})") from None
+            raise DataError(
+                f"algo.dynamic_sampling.filter '{spec}' raised {type(exc).__name__}: {exc} (rewards {rewards})"
+            ) from None
         if not isinstance(keep, bool):
-            raise DataError(f"algo.dynamic_sampling.filter '{spec}' returned {type(keep).__name__} {keep!r}; it must "
-                            "return True (keep the group) or False")
+            raise DataError(
+                f"algo.dynamic_sampling.filter '{spec}' returned {type(keep).__name__} {keep!r}; it must "
+                "return True (keep the group) or False"
+            )
         return keep
 
     return checked
@@ -72,8 +75,14 @@ def group_filter(spec: str) -> GroupFilter:
 class DynamicSampler:
     """The prompt cursor and the kept-fraction estimate of a run, across iterations (module docstring)."""
 
-    def __init__(self, settings: DynamicSamplingConfig, prompts_per_iter: int, group_size: int,
-                 make_wave: Callable[[int, int], Batch], keep: GroupFilter | None = None):
+    def __init__(
+        self,
+        settings: DynamicSamplingConfig,
+        prompts_per_iter: int,
+        group_size: int,
+        make_wave: Callable[[int, int], Batch],
+        keep: GroupFilter | None = None,
+    ):
         self.settings, self.prompts, self.group = settings, prompts_per_iter, group_size
         self.make_wave = make_wave
         """``make_wave(cursor, prompts)``: the batch of ``prompts`` prompts from data position ``cursor``."""
@@ -128,12 +137,14 @@ class Waves:
     def offer(self, ids: Sequence[int], scores: Sequence[float]) -> Batch | None:
         s, g = self.sampler, self.sampler.group
         if list(ids) != self.expected or len(scores) != len(ids):
-            raise RuntimeError(f"wave {self.count}: rewards for {len(scores)} samples {list(ids)[:4]}..., expected "
-                               f"the wave's {len(self.expected)}")
+            raise RuntimeError(
+                f"wave {self.count}: rewards for {len(scores)} samples {list(ids)[:4]}..., expected "
+                f"the wave's {len(self.expected)}"
+            )
         kept = 0
         for start in range(0, len(ids), g):
-            group = list(ids[start:start + g])
-            if s.keep([float(x) for x in scores[start:start + g]]):
+            group = list(ids[start : start + g])
+            if s.keep([float(x) for x in scores[start : start + g]]):
                 self.kept_groups.append(group)
                 kept += 1
             else:
@@ -154,8 +165,11 @@ class Waves:
 
     def stats(self) -> dict[str, float]:
         n = self.sampler.prompts
-        return {"sampling/waves": float(self.count), "sampling/prompts": float(self.generated),
-                "sampling/kept_fraction": len(self.kept_groups) / max(self.generated, 1),
-                "sampling/estimate": self.sampler.estimate,
-                "sampling/filled_groups": float(max(n - len(self.kept_groups), 0)),
-                "sampling/discarded_groups": float(max(len(self.kept_groups) - n, 0))}
+        return {
+            "sampling/waves": float(self.count),
+            "sampling/prompts": float(self.generated),
+            "sampling/kept_fraction": len(self.kept_groups) / max(self.generated, 1),
+            "sampling/estimate": self.sampler.estimate,
+            "sampling/filled_groups": float(max(n - len(self.kept_groups), 0)),
+            "sampling/discarded_groups": float(max(len(self.kept_groups) - n, 0)),
+        }

@@ -11,8 +11,8 @@ random stream of sample id i·n + j, so a result does not depend on the batch si
 
 from __future__ import annotations
 
+from collections.abc import Sequence
 from math import comb
-from typing import Sequence
 
 import torch
 from transformers import PreTrainedModel, PreTrainedTokenizerBase
@@ -32,13 +32,20 @@ def pass_at_k(n: int, correct: int, k: int) -> float:
 
 
 @torch.no_grad()
-def _responses(model: PreTrainedModel, tokenizer: PreTrainedTokenizerBase, prompts: Sequence[Sequence[int]],
-               sample_ids: Sequence[int], params: SamplingParams, seed: int, batch_size: int) -> list[str]:
+def _responses(
+    model: PreTrainedModel,
+    tokenizer: PreTrainedTokenizerBase,
+    prompts: Sequence[Sequence[int]],
+    sample_ids: Sequence[int],
+    params: SamplingParams,
+    seed: int,
+    batch_size: int,
+) -> list[str]:
     """The decoded response to each prompt, sample ``sample_ids[b]`` drawing from its own stream."""
     texts: list[str] = []
     for start in range(0, len(prompts), batch_size):
-        chunk = prompts[start:start + batch_size]
-        keys = stream_keys(seed, 0, sample_ids[start:start + batch_size])
+        chunk = prompts[start : start + batch_size]
+        keys = stream_keys(seed, 0, sample_ids[start : start + batch_size])
         gens = generate(model, chunk, keys, params, tokenizer.eos_token_id, tokenizer.pad_token_id)
         texts += [decode_response(tokenizer, gen.tokens) for gen in gens]
     return texts
@@ -83,7 +90,7 @@ def evaluate_pass_at_k(
     texts = _responses(model, tokenizer, rows, range(len(rows)), params, seed, batch_size)
     model.train(was_training)
     scores = _scores(task, [ex for ex in examples for _ in range(samples)], texts)
-    correct = [sum(scores.exact[i * samples:(i + 1) * samples]) for i in range(len(examples))]
+    correct = [sum(scores.exact[i * samples : (i + 1) * samples]) for i in range(len(examples))]
     out = {f"pass@{k}": sum(pass_at_k(samples, c, k) for c in correct) / len(examples) for k in ks}
     out["sampled_score"] = sum(scores.total) / (len(examples) * samples)
     return out
@@ -91,5 +98,6 @@ def evaluate_pass_at_k(
 
 def _scores(task: Task, examples: Sequence[Example], texts: Sequence[str]) -> BatchScores:
     """The task's rule on each example's response, in one batch (a batched reward function is called once)."""
-    return task.score_batch([ex.prompt for ex in examples], texts, [ex.answer for ex in examples],
-                            [ex.row for ex in examples])
+    return task.score_batch(
+        [ex.prompt for ex in examples], texts, [ex.answer for ex in examples], [ex.row for ex in examples]
+    )

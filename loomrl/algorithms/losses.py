@@ -18,7 +18,7 @@ gradient.
 
 from __future__ import annotations
 
-from typing import Callable
+from collections.abc import Callable
 
 import torch
 import torch.nn.functional as F
@@ -112,8 +112,15 @@ def _clip_range(clip_eps: float, clip_eps_high: float | None) -> float:
     return eps_high
 
 
-def _clipped_surrogate(log_ratio_BT: Tensor, token_log_ratio_BT: Tensor, adv_BT: Tensor, mask_BT: Tensor,
-                       clip_eps: float, eps_high: float, loss_agg: str) -> tuple[Tensor, dict[str, float]]:
+def _clipped_surrogate(
+    log_ratio_BT: Tensor,
+    token_log_ratio_BT: Tensor,
+    adv_BT: Tensor,
+    mask_BT: Tensor,
+    clip_eps: float,
+    eps_high: float,
+    loss_agg: str,
+) -> tuple[Tensor, dict[str, float]]:
     """``-min(r * A, clip(r) * A)`` aggregated, with ``r = exp(log_ratio_BT)``; ``token_log_ratio_BT`` (each
     token's own ``logp - old_logp``) only feeds the ``approx_kl`` statistic."""
     ratio_BT = torch.exp(log_ratio_BT)

@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from typing import Callable
+from collections.abc import Callable
 
 from loomrl.data.tasks import BatchScores, Task
 from loomrl.rollout.backend import length_stats
@@ -27,8 +27,11 @@ def rollout_metrics(batch: Batch, decode: Callable[[list[int]], str], task: Task
         "response/length_p90": lengths.p90,
         "response/length_max": float(lengths.max),
         "prompt/length": sum(len(p) for p in batch["prompt_ids"]) / len(batch),  # for the planner's traces
-        **{f"{key[:-len('_unreadable')]}/unreadable": float(batch[key].mean())  # judges' unreadable verdicts
-           for key in batch.keys() if key.endswith("_unreadable")},
+        **{
+            f"{key[: -len('_unreadable')]}/unreadable": float(batch[key].mean())  # judges' unreadable verdicts
+            for key in batch.keys()
+            if key.endswith("_unreadable")
+        },
     }
 
 

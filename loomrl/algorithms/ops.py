@@ -21,14 +21,13 @@ from __future__ import annotations
 
 import math
 import warnings
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from contextlib import contextmanager
-from typing import Callable
 
 import torch
 
-from loomrl.algorithms.lr import set_lr
 from loomrl.algorithms.context import OpContext
+from loomrl.algorithms.lr import set_lr
 from loomrl.config.schema import judge_role
 from loomrl.errors import TrainingError
 from loomrl.models.heads import last_real_index, logprobs_from_logits
@@ -37,8 +36,9 @@ from loomrl.workflow.batch import Batch, micro_batch_slices, pack_sequences, pad
 from loomrl.workflow.minibatches import loss_weights
 
 
-def generate_chunks(ctx: OpContext, batch: Batch, params: SamplingParams,
-                    out_prefix: str = "") -> Iterator[tuple[list[int], dict]]:
+def generate_chunks(
+    ctx: OpContext, batch: Batch, params: SamplingParams, out_prefix: str = ""
+) -> Iterator[tuple[list[int], dict]]:
     """Sample one response per row from the role's model (within its own ``max_new_tokens`` where the batch has
     that column, else the sampling parameters'), yielding ``(sample ids, columns)`` of finished rows:
     in chunks of ``ctx.stream.chunk`` as they finish when the call is part of a fused stage (whose
@@ -104,8 +104,13 @@ OutputFn = Callable[[torch.Tensor, torch.Tensor], torch.Tensor]
 of the call's packed rows), e.g. log-probs of those rows' tokens instead of their logits."""
 
 
-def role_outputs(ctx: OpContext, ids_BL: torch.Tensor, attn_BL: torch.Tensor,
-                 output_fn: OutputFn | None = None, prompt_len_B: torch.Tensor | None = None) -> torch.Tensor:
+def role_outputs(
+    ctx: OpContext,
+    ids_BL: torch.Tensor,
+    attn_BL: torch.Tensor,
+    output_fn: OutputFn | None = None,
+    prompt_len_B: torch.Tensor | None = None,
+) -> torch.Tensor:
     """The role's per-position outputs (logits for a policy, values for a value model) for all rows, each
     micro-batch's reduced by ``output_fn`` and the results concatenated in row order, on every rank of the role.
 
@@ -118,8 +123,9 @@ def role_outputs(ctx: OpContext, ids_BL: torch.Tensor, attn_BL: torch.Tensor,
     if len(parts) == 1:
         return ctx.role.passes.outputs(ids_BL, attn_BL, parts, keep, prompt_len_B)
     plen_B = prompt_len_B[order.to(prompt_len_B.device)] if prompt_len_B is not None else None
-    out = ctx.role.passes.outputs(ids_BL[order.to(ids_BL.device)], attn_BL[order.to(attn_BL.device)], parts, keep,
-                                  plen_B)
+    out = ctx.role.passes.outputs(
+        ids_BL[order.to(ids_BL.device)], attn_BL[order.to(attn_BL.device)], parts, keep, plen_B
+    )
     return out[torch.argsort(order).to(out.device)]
 
 
@@ -128,8 +134,9 @@ def logprob_op(ctx: OpContext, batch: Batch, out_key: str, temperature: float) -
     """Per-token log-probs of the responses under the role's (policy) model."""
     ids_BL, attn_BL, plen_B = _packed(ctx, batch)
     width = max(len(r) for r in batch["response_ids"])
-    logp_BL1 = role_outputs(ctx, ids_BL, attn_BL,
-                            lambda logits, rows: logprobs_from_logits(logits, ids_BL[rows], temperature), plen_B)
+    logp_BL1 = role_outputs(
+        ctx, ids_BL, attn_BL, lambda logits, rows: logprobs_from_logits(logits, ids_BL[rows], temperature), plen_B
+    )
     return {out_key: response_columns(logp_BL1, plen_B, width).float().cpu()}
 
 
@@ -143,8 +150,13 @@ def values_op(ctx: OpContext, batch: Batch) -> dict:
 
 
 @torch.no_grad()
-def reward_op(ctx: OpContext, batch: Batch, response_key: str = "response_ids", out_key: str = "score",
-              rule_key: str | None = None) -> dict:
+def reward_op(
+    ctx: OpContext,
+    batch: Batch,
+    response_key: str = "response_ids",
+    out_key: str = "score",
+    rule_key: str | None = None,
+) -> dict:
     """Scalar reward per sample: the task's rule, a reward model, or their weighted sum. With ``rule_key``, also
     the rule's own scores per sample (:meth:`~loomrl.data.tasks.BatchScores.per_sample`; None without a rule), for
     the rollout metrics. The rule scores the op's rows together: a batched reward function is called once per
@@ -177,15 +189,22 @@ def judge_op(ctx: OpContext, batch: Batch, template: str, max_new_tokens: int, o
 
     if ctx.encode is None:
         raise RuntimeError("a judge call needs the executor's tokenizer (OpContext.encode)")
-    texts = [judge_prompt(template, p, ctx.decode(r), a)
-             for p, r, a in zip(batch["prompt_text"], batch["response_ids"], batch["answer"])]
+    texts = [
+        judge_prompt(template, p, ctx.decode(r), a)
+        for p, r, a in zip(batch["prompt_text"], batch["response_ids"], batch["answer"])
+    ]
     prompts = Batch(batch.ids, {"prompt_ids": [ctx.encode(t) for t in texts]})
     out = generate_op(ctx, prompts, SamplingParams(max_new_tokens, 0.0), out_prefix="judge_")
     return {out_key: out["judge_response_ids"]} if out else {out_key: []}
 
 
-def verdict_op(ctx: OpContext, batch: Batch, judges: tuple[tuple[str, str, float], ...], out_key: str = "score",
-               rule_key: str | None = None) -> dict:
+def verdict_op(
+    ctx: OpContext,
+    batch: Batch,
+    judges: tuple[tuple[str, str, float], ...],
+    out_key: str = "score",
+    rule_key: str | None = None,
+) -> dict:
     """The reward from the judges' verdicts: per judge ``(verdict key, verdict reader, weight)``, the reader's
     score of each verdict (0 when unreadable), weighted and summed; with ``rule_key``, no rule scores (the
     judges replace the rule). Each judge's unreadable verdicts go to the column ``judge<i>/unreadable`` (1 per
@@ -335,5 +354,8 @@ def _nonfinite_step(ctx: OpContext, step: int, finite_loss: bool, grad_norm: flo
     where = f"{role.name}: non-finite {what} ({grad_norm}) at iteration {ctx.iteration}, optimizer step {step}"
     if role.on_nonfinite == "stop":
         raise TrainingError(f"{where}; stopping (train.on_nonfinite=stop; 'skip' would drop such steps)")
-    warnings.warn(f"{where}; step skipped, weights and optimizer state unchanged (train.on_nonfinite=skip)",
-                  RuntimeWarning, stacklevel=3)
+    warnings.warn(
+        f"{where}; step skipped, weights and optimizer state unchanged (train.on_nonfinite=skip)",
+        RuntimeWarning,
+        stacklevel=3,
+    )

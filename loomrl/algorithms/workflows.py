@@ -23,9 +23,17 @@ import torch
 
 from loomrl.algorithms import advantages as A
 from loomrl.algorithms import losses as L
-from loomrl.algorithms.ops import (generate_chunks, generate_op, judge_op, logprob_op, reward_op, train_loop,
-                                   values_op, verdict_op)
 from loomrl.algorithms.context import OpContext
+from loomrl.algorithms.ops import (
+    generate_chunks,
+    generate_op,
+    judge_op,
+    logprob_op,
+    reward_op,
+    train_loop,
+    values_op,
+    verdict_op,
+)
 from loomrl.config.schema import AlgoConfig, RewardConfig, RolloutConfig, judge_role
 from loomrl.errors import ConfigError
 from loomrl.models.heads import logprobs_and_entropy_from_logits
@@ -65,13 +73,20 @@ def remax_advantages(ctx: OpContext, batch: Batch, algo: AlgoConfig, kl_BR: torc
 
 
 def reinforce_pp_advantages(ctx: OpContext, batch: Batch, algo: AlgoConfig, kl_BR: torch.Tensor) -> dict:
-    adv_BR = A.reinforce_pp_advantage(batch["score"], kl_BR, batch["mask"], algo.kl_coef, algo.gamma,
-                                      reduce=ctx.reduce)
+    adv_BR = A.reinforce_pp_advantage(batch["score"], kl_BR, batch["mask"], algo.kl_coef, algo.gamma, reduce=ctx.reduce)
     return {"advantages": adv_BR}
 
 
-def _actor_loss(ctx: OpContext, mb: Batch, logits_BLV: torch.Tensor, packed: tuple, algo: AlgoConfig,
-                temperature: float, old_key: str, kl_in_loss: bool):
+def _actor_loss(
+    ctx: OpContext,
+    mb: Batch,
+    logits_BLV: torch.Tensor,
+    packed: tuple,
+    algo: AlgoConfig,
+    temperature: float,
+    old_key: str,
+    kl_in_loss: bool,
+):
     ids_BL, _, plen_B = packed
     device = logits_BLV.device
     mask_BR = mb["mask"].to(device)
@@ -80,8 +95,9 @@ def _actor_loss(ctx: OpContext, mb: Batch, logits_BLV: torch.Tensor, packed: tup
     logp_BR = response_columns(logp_BL1, plen_B, width)
     adv_BR = mb["advantages"].to(device)
     old_BR = mb[old_key].to(device)
-    loss, stats = L.policy_objective(algo.policy_loss)(logp_BR, old_BR, adv_BR, mask_BR, algo.clip_eps,
-                                                       algo.clip_eps_high, algo.loss_agg)
+    loss, stats = L.policy_objective(algo.policy_loss)(
+        logp_BR, old_BR, adv_BR, mask_BR, algo.clip_eps, algo.clip_eps_high, algo.loss_agg
+    )
     stats = {f"actor/{k}": v for k, v in stats.items()}
     stats["actor/pg_loss"] = loss.item()
     ent_BR = response_columns(ent_BL1, plen_B, width)
@@ -101,13 +117,15 @@ def _critic_loss(ctx: OpContext, mb: Batch, values_BL: torch.Tensor, packed: tup
     device = values_BL.device
     mask_BR = mb["mask"].to(device)
     values_BR = response_columns(values_BL, plen_B, mask_BR.shape[1])
-    loss, stats = L.value_loss(values_BR, mb["values"].to(device), mb["returns"].to(device), mask_BR,
-                               algo.value_clip_eps)
+    loss, stats = L.value_loss(
+        values_BR, mb["values"].to(device), mb["returns"].to(device), mask_BR, algo.value_clip_eps
+    )
     return loss, {"critic/value_loss": loss.item(), **{f"critic/{k}": v for k, v in stats.items()}}
 
 
-def actor_train_op(ctx: OpContext, batch: Batch, algo: AlgoConfig, temperature: float, old_key: str,
-                   kl_in_loss: bool) -> dict:
+def actor_train_op(
+    ctx: OpContext, batch: Batch, algo: AlgoConfig, temperature: float, old_key: str, kl_in_loss: bool
+) -> dict:
     loss_fn = partial(_actor_loss, ctx, algo=algo, temperature=temperature, old_key=old_key, kl_in_loss=kl_in_loss)
     return train_loop(ctx, batch, loss_fn)
 
@@ -134,8 +152,9 @@ def advantages_op(ctx: OpContext, batch: Batch, algo: AlgoConfig, max_new_tokens
     extra = {"kl": kl_BR} if kl else {}
     if not algo.overlong_buffer:
         return {**_ADVANTAGES[algo.name](ctx, batch, algo, kl_BR), **extra}
-    penalty = partial(A.overlong_penalty, max_new_tokens=max_new_tokens, buffer=algo.overlong_buffer,
-                      penalty=algo.overlong_penalty)
+    penalty = partial(
+        A.overlong_penalty, max_new_tokens=max_new_tokens, buffer=algo.overlong_buffer, penalty=algo.overlong_penalty
+    )
     penalty_B = penalty(batch["mask"].sum(dim=-1))
     shaped = {"score": batch["score"] - penalty_B}
     if "greedy_score" in batch:
@@ -156,29 +175,52 @@ def judge_mfcs(reward: RewardConfig | None) -> tuple[list[MFC], MFC | None]:
     if reward is None or reward.source != "judge":
         return [], None
     scored = ("prompt_text", "response_ids", "answer")
-    gens = [MFC(f"{judge_role(i)}_gen", judge_role(i), MFCKind.GENERATE, scored, (f"verdict{i}_ids",),
-                partial(judge_op, template=j.template, max_new_tokens=j.max_new_tokens, out_key=f"verdict{i}_ids"),
-                doc=f"judge {i}'s verdict on each response", max_new_tokens=j.max_new_tokens, reads_response=True)
-            for i, j in enumerate(reward.judges)]
+    gens = [
+        MFC(
+            f"{judge_role(i)}_gen",
+            judge_role(i),
+            MFCKind.GENERATE,
+            scored,
+            (f"verdict{i}_ids",),
+            partial(judge_op, template=j.template, max_new_tokens=j.max_new_tokens, out_key=f"verdict{i}_ids"),
+            doc=f"judge {i}'s verdict on each response",
+            max_new_tokens=j.max_new_tokens,
+            reads_response=True,
+        )
+        for i, j in enumerate(reward.judges)
+    ]
     keys = tuple(f"verdict{i}_ids" for i in range(len(gens)))
     readers = tuple((f"verdict{i}_ids", j.verdict, j.weight) for i, j in enumerate(reward.judges))
-    score = MFC("reward_inf", None, MFCKind.COMPUTE, ("prompt_ids", "response_ids", *keys),
-                ("score", "rule_scores", *(f"{judge_role(i)}_unreadable" for i in range(len(gens)))),
-                partial(verdict_op, judges=readers, rule_key="rule_scores"), doc="the judges' verdicts as rewards")
+    score = MFC(
+        "reward_inf",
+        None,
+        MFCKind.COMPUTE,
+        ("prompt_ids", "response_ids", *keys),
+        ("score", "rule_scores", *(f"{judge_role(i)}_unreadable" for i in range(len(gens)))),
+        partial(verdict_op, judges=readers, rule_key="rule_scores"),
+        doc="the judges' verdicts as rewards",
+    )
     return gens, score
 
 
-def _rollout_mfcs(algo: AlgoConfig, rollout: RolloutConfig, recompute: bool,
-                  reward: RewardConfig | None = None) -> list[MFC]:
+def _rollout_mfcs(
+    algo: AlgoConfig, rollout: RolloutConfig, recompute: bool, reward: RewardConfig | None = None
+) -> list[MFC]:
     """Generation and the inference calls that score it (shared by every algorithm); the reference's only
     where its log-probs weigh in (:func:`uses_reference`)."""
     gen, inf = MFCKind.GENERATE, MFCKind.INFERENCE
     seq, scored = ("prompt_ids", "response_ids"), ("prompt_ids", "response_ids", "prompt_text", "answer", "row")
     temp = rollout.temperature
     mfcs = [
-        MFC("actor_gen", "actor", gen, ("prompt_ids",), ("response_ids", "logp", "mask"),
+        MFC(
+            "actor_gen",
+            "actor",
+            gen,
+            ("prompt_ids",),
+            ("response_ids", "logp", "mask"),
             partial(generate_op, params=sampling_params(rollout)),
-            stream=partial(generate_chunks, params=sampling_params(rollout))),
+            stream=partial(generate_chunks, params=sampling_params(rollout)),
+        ),
         MFC("ref_inf", "ref", inf, seq, ("ref_logp",), partial(logprob_op, out_key="ref_logp", temperature=temp)),
         MFC("reward_inf", "reward", inf, scored, ("score", "rule_scores"), partial(reward_op, rule_key="rule_scores")),
     ]
@@ -187,23 +229,43 @@ def _rollout_mfcs(algo: AlgoConfig, rollout: RolloutConfig, recompute: bool,
     judges, judged = judge_mfcs(reward)
     if judged is not None:
         if algo.name == "remax":
-            raise ConfigError("reward.source: 'judge' scores sampled responses; remax's greedy baseline needs a "
-                              "rule or reward model (valid with judge: ppo, grpo, rloo, reinforce_pp)")
+            raise ConfigError(
+                "reward.source: 'judge' scores sampled responses; remax's greedy baseline needs a "
+                "rule or reward model (valid with judge: ppo, grpo, rloo, reinforce_pp)"
+            )
         at = [m.name for m in mfcs].index("reward_inf")
-        mfcs[at:at + 1] = [*judges, judged]
+        mfcs[at : at + 1] = [*judges, judged]
     if recompute:
-        mfcs.append(MFC("actor_inf", "actor", inf, seq, ("old_logp",),
-                        partial(logprob_op, out_key="old_logp", temperature=temp)))
+        mfcs.append(
+            MFC(
+                "actor_inf", "actor", inf, seq, ("old_logp",), partial(logprob_op, out_key="old_logp", temperature=temp)
+            )
+        )
     if algo.name == "ppo":
         mfcs.append(MFC("critic_inf", "critic", inf, seq, ("values",), values_op))
     if algo.name == "remax":  # the greedy rollout is the baseline
         greedy = SamplingParams(rollout.max_new_tokens, 0.0)
-        mfcs.append(MFC("actor_gen_greedy", "actor", gen, ("prompt_ids",), ("greedy_response_ids",),
-                        partial(generate_op, params=greedy, out_prefix="greedy_"),
-                        stream=partial(generate_chunks, params=greedy, out_prefix="greedy_")))
-        mfcs.append(MFC("reward_inf_greedy", "reward", inf,
-                        ("prompt_ids", "greedy_response_ids", "prompt_text", "answer", "row"), ("greedy_score",),
-                        partial(reward_op, response_key="greedy_response_ids", out_key="greedy_score")))
+        mfcs.append(
+            MFC(
+                "actor_gen_greedy",
+                "actor",
+                gen,
+                ("prompt_ids",),
+                ("greedy_response_ids",),
+                partial(generate_op, params=greedy, out_prefix="greedy_"),
+                stream=partial(generate_chunks, params=greedy, out_prefix="greedy_"),
+            )
+        )
+        mfcs.append(
+            MFC(
+                "reward_inf_greedy",
+                "reward",
+                inf,
+                ("prompt_ids", "greedy_response_ids", "prompt_text", "answer", "row"),
+                ("greedy_score",),
+                partial(reward_op, response_key="greedy_response_ids", out_key="greedy_score"),
+            )
+        )
     return mfcs
 
 
@@ -224,21 +286,49 @@ def build_workflow(algo: AlgoConfig, rollout: RolloutConfig, reward: RewardConfi
     mfcs = _rollout_mfcs(algo, rollout, recompute, reward)
     kl = uses_reference(algo)
     adv_inputs = ("logp", *(("ref_logp",) if kl else ()), "score", "mask") + {
-        "ppo": ("values",), "remax": ("greedy_score",)}.get(algo.name, ())
+        "ppo": ("values",),
+        "remax": ("greedy_score",),
+    }.get(algo.name, ())
     adv_outputs = ("advantages", *(("returns",) if algo.name == "ppo" else ()), *(("kl",) if kl else ()))
     if algo.overlong_buffer:
         adv_inputs += ("greedy_response_ids",) if algo.name == "remax" else ()
         adv_outputs += ("overlong_penalty",)
-    mfcs.append(MFC("advantages", None, MFCKind.COMPUTE, adv_inputs, adv_outputs,
-                    partial(advantages_op, algo=algo, max_new_tokens=rollout.max_new_tokens, kl=kl)))
+    mfcs.append(
+        MFC(
+            "advantages",
+            None,
+            MFCKind.COMPUTE,
+            adv_inputs,
+            adv_outputs,
+            partial(advantages_op, algo=algo, max_new_tokens=rollout.max_new_tokens, kl=kl),
+        )
+    )
     seq = ("prompt_ids", "response_ids")
     kl_in_loss = algo.name == "grpo" and kl
     actor_inputs = (*seq, old_key, "advantages", "mask") + (("ref_logp",) if kl_in_loss else ())
     steps = {"epochs": algo.ppo_epochs, "minibatches": algo.minibatches}
-    mfcs.append(MFC("actor_train", "actor", MFCKind.TRAIN, actor_inputs, (),
-                    partial(actor_train_op, algo=algo, temperature=rollout.temperature, old_key=old_key,
-                            kl_in_loss=kl_in_loss), loss_unit=L.LOSS_AGG_UNITS[algo.loss_agg], **steps))
+    mfcs.append(
+        MFC(
+            "actor_train",
+            "actor",
+            MFCKind.TRAIN,
+            actor_inputs,
+            (),
+            partial(actor_train_op, algo=algo, temperature=rollout.temperature, old_key=old_key, kl_in_loss=kl_in_loss),
+            loss_unit=L.LOSS_AGG_UNITS[algo.loss_agg],
+            **steps,
+        )
+    )
     if algo.name == "ppo":
-        mfcs.append(MFC("critic_train", "critic", MFCKind.TRAIN, (*seq, "values", "returns", "mask"), (),
-                        partial(critic_train_op, algo=algo), **steps))
+        mfcs.append(
+            MFC(
+                "critic_train",
+                "critic",
+                MFCKind.TRAIN,
+                (*seq, "values", "returns", "mask"),
+                (),
+                partial(critic_train_op, algo=algo),
+                **steps,
+            )
+        )
     return Workflow(mfcs, SOURCE_KEYS)

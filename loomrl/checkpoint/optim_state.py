@@ -51,8 +51,10 @@ class FullOptimizerState:
     def load_state_dict(self, state: dict[str, Any]) -> None:
         """Load the states of this model's parameters (a pipeline stage takes its own from the full state)."""
         own = {name for name, _ in self.model.named_parameters()}
-        state = {"state": {k: v for k, v in state["state"].items() if k in own},
-                 "param_groups": [{**g, "params": [p for p in g["params"] if p in own]} for g in state["param_groups"]]}
+        state = {
+            "state": {k: v for k, v in state["state"].items() if k in own},
+            "param_groups": [{**g, "params": [p for p in g["params"] if p in own]} for g in state["param_groups"]],
+        }
         if isinstance(self.optimizer, ZeroAdamW):
             self.optimizer.load_full_state_dict(state)
             return
@@ -65,8 +67,9 @@ class FullOptimizerState:
         set_optimizer_state_dict(self.model, self.optimizer, state, options=StateDictOptions(full_state_dict=True))
 
 
-def with_masters(weights: dict[str, torch.Tensor], optim: dict[str, Any],
-                 dtype: torch.dtype) -> tuple[dict[str, torch.Tensor], dict[str, Any]]:
+def with_masters(
+    weights: dict[str, torch.Tensor], optim: dict[str, Any], dtype: torch.dtype
+) -> tuple[dict[str, torch.Tensor], dict[str, Any]]:
     """The checkpoint form of an FSDP role run in 16-bit ``dtype``, whose fp32 shards are the master weights:
     weights rounded to ``dtype`` and the fp32 ones as each parameter's ``master`` state (as
     :class:`~loomrl.parallel.zero.ZeroAdamW` saves them), so every layout resumes them exactly."""
@@ -74,7 +77,6 @@ def with_masters(weights: dict[str, torch.Tensor], optim: dict[str, Any],
         return weights, optim
     state = {name: {**st, MASTER: weights[name]} for name, st in optim["state"].items()}
     return {k: v.to(dtype) for k, v in weights.items()}, {**optim, "state": state}
-
 
 
 def merge_optimizer_states(parts: list[dict[str, Any]]) -> dict[str, Any]:

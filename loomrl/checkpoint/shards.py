@@ -63,13 +63,20 @@ def place_of(alloc: Any, device: int) -> dict[str, Any]:
     """How ``device``'s pieces of a role sit in the role's training allocation: its layout, the device's rank in
     the mesh and how the data-parallel ranks divide the weights and the optimizer state."""
     lay = alloc.layout
-    return {"layout": {"dp": lay.dp, "tp": lay.tp, "pp": lay.pp, "reverse": lay.reverse},
-            "rank": alloc.devices.index(device), "weights_split": alloc.dp_split(),
-            "state_split": alloc.dp_split(state=True)}
+    return {
+        "layout": {"dp": lay.dp, "tp": lay.tp, "pp": lay.pp, "reverse": lay.reverse},
+        "rank": alloc.devices.index(device),
+        "weights_split": alloc.dp_split(),
+        "state_split": alloc.dp_split(state=True),
+    }
 
 
-WHOLE = {"layout": {"dp": 1, "tp": 1, "pp": 1, "reverse": False}, "rank": 0, "weights_split": "none",
-         "state_split": "none"}
+WHOLE = {
+    "layout": {"dp": 1, "tp": 1, "pp": 1, "reverse": False},
+    "rank": 0,
+    "weights_split": "none",
+    "state_split": "none",
+}
 """A single process holding everything (the reference executor)."""
 
 
@@ -83,8 +90,9 @@ def _duplicate(name: str, place: Mapping[str, Any], split: str) -> bool:
     return split == "none" and dp != zlib.crc32(name.encode()) % layout.dp
 
 
-def role_pieces(model: torch.nn.Module, optimizer: Any, place: Mapping[str, Any],
-                dtype: torch.dtype) -> dict[str, dict[str, torch.Tensor]]:
+def role_pieces(
+    model: torch.nn.Module, optimizer: Any, place: Mapping[str, Any], dtype: torch.dtype
+) -> dict[str, dict[str, torch.Tensor]]:
     """This process's pieces of a role, ``{"weights": {key: tensor}, "optim": {key: tensor}}``, on the CPU (no
     copy of a CPU tensor already in its form). ``dtype``: the run's weight type, that of the saved weights
     (FSDP's fp32 shards are rounded to it); when it is 16-bit the fp32 master weights are saved too."""
@@ -105,8 +113,10 @@ def check_finite(value: Any, what: str, where: str = "") -> None:
     """Raise naming the first floating-point tensor in ``value`` (nested dicts and lists) holding NaN or inf."""
     if isinstance(value, torch.Tensor):
         if value.is_floating_point() and not bool(torch.isfinite(value).all()):
-            raise CheckpointError(f"save_checkpoint: {what} '{where}' holds NaN or inf; refusing to save it "
-                                  "(nothing written; earlier checkpoints are kept)")
+            raise CheckpointError(
+                f"save_checkpoint: {what} '{where}' holds NaN or inf; refusing to save it "
+                "(nothing written; earlier checkpoints are kept)"
+            )
     elif isinstance(value, Mapping):
         for key, item in value.items():
             check_finite(item, what, f"{where}.{key}" if where else str(key))
@@ -128,8 +138,14 @@ def check_pieces(role: str, pieces: Mapping[str, Mapping[str, torch.Tensor]]) ->
 # --- writing ----------------------------------------------------------------------------------------------
 
 
-def write_role_shards(directory: Path, role: str, model: torch.nn.Module, optimizer: Any,
-                      place: Mapping[str, Any], pieces: Mapping[str, Mapping[str, torch.Tensor]]) -> dict[str, Any]:
+def write_role_shards(
+    directory: Path,
+    role: str,
+    model: torch.nn.Module,
+    optimizer: Any,
+    place: Mapping[str, Any],
+    pieces: Mapping[str, Mapping[str, torch.Tensor]],
+) -> dict[str, Any]:
     """Write this process's ``pieces`` of ``role`` under ``directory/role/`` (flushed to disk) and return what
     the index and the manifest need: ``{"role": {...}, "files": {relative path: {index entry}},
     "manifest": {relative path: {"size", "sha256"}}}``."""
@@ -146,15 +162,20 @@ def write_role_shards(directory: Path, role: str, model: torch.nn.Module, optimi
         rel = f"{role}/{part}-r{rank:05d}.safetensors"
         save_file(_unshared(pieces[part]), directory / rel)
         manifest[rel] = file_entry(directory / rel, sync=True)
-        written[rel] = {**place, "num_layers": layers,
-                        "tensors": {key: shapes[key.split("/", 1)[1]] for key in pieces[part]}}
+        written[rel] = {
+            **place,
+            "num_layers": layers,
+            "tensors": {key: shapes[key.split("/", 1)[1]] for key in pieces[part]},
+        }
     if written:  # the params and steps ride with the first file (the weights when any)
         first = next(iter(written.values()))
         first["params"] = list(shapes)
         first["trainable"] = [name for name, p in model.named_parameters() if p.requires_grad]
         first["steps"] = state_steps(model, optimizer) if optimizer is not None else {}
-    role_meta = {"class": _hf_class(model).__name__,
-                 "param_groups": [_hyper(g) for g in optimizer.param_groups[:1]] if optimizer is not None else []}
+    role_meta = {
+        "class": _hf_class(model).__name__,
+        "param_groups": [_hyper(g) for g in optimizer.param_groups[:1]] if optimizer is not None else [],
+    }
     if rank == 0:
         model.config.to_json_file(role_dir / "config.json")
         manifest[f"{role}/config.json"] = file_entry(role_dir / "config.json", sync=True)
@@ -187,12 +208,14 @@ def _hf_class(model: torch.nn.Module) -> type:
 
 def _hyper(group: Mapping[str, Any]) -> dict[str, Any]:
     """An optimizer param group's hyper-parameters as JSON (tuples become lists, tensors numbers)."""
+
     def plain(value: Any) -> Any:
         if isinstance(value, torch.Tensor):
             return value.item()
         if isinstance(value, (list, tuple)):
             return [plain(v) for v in value]
         return value
+
     return {key: plain(value) for key, value in group.items() if key != "params"}
 
 
@@ -228,8 +251,7 @@ def _role_entry(path: Path, role: str) -> dict[str, Any]:
     return roles[role]
 
 
-def load_role_shards(path: Path, role: str, model: torch.nn.Module, optimizer: Any,
-                     place: Mapping[str, Any]) -> None:
+def load_role_shards(path: Path, role: str, model: torch.nn.Module, optimizer: Any, place: Mapping[str, Any]) -> None:
     """Copy into ``model`` and ``optimizer``, in place, the part of ``role``'s saved state this process holds
     where ``place`` puts it, whatever layout saved it: only the ranges it needs are read from the shard files,
     so a load holds this process's own shards and no more. The optimizer's state is made first
@@ -240,7 +262,7 @@ def load_role_shards(path: Path, role: str, model: torch.nn.Module, optimizer: A
     for rel, desc in entry["files"].items():
         for name, step in desc.get("steps", {}).items():
             steps[name] = max(step, steps.get(name, step))
-        for key, shape in desc["tensors"].items():
+        for key, _shape in desc["tensors"].items():
             saved.setdefault(key, []).append((rel, desc))
     if optimizer is not None and steps:
         init_state(model, optimizer, int(max(steps.values())))
@@ -285,17 +307,19 @@ def _gathered(path: Path, key: str, shape: tuple, mine: list, sources: list, ope
             if len(piece.get_shape()) != 1:  # not written flat: read it whole
                 piece = opened(rel).get_tensor(key).reshape(-1)
             for at, start, n in runs:
-                chunk = piece[start:start + n]
+                chunk = piece[start : start + n]
                 if out is None:
                     out = torch.empty(shard_numel(mine), dtype=chunk.dtype)
-                out[at:at + n] = chunk
+                out[at : at + n] = chunk
                 filled += n
         except (OSError, SafetensorError, ValueError, KeyError, RuntimeError) as exc:
             first = str(exc).strip().splitlines()[0] if str(exc).strip() else type(exc).__name__
             raise CheckpointError(f"{path / rel}: unreadable shard ({first})") from None
     if filled != shard_numel(mine):
-        raise CheckpointError(f"{path / INDEX_FILE}: the shards hold {filled} of the {shard_numel(mine)} elements of "
-                              f"'{key}' this process needs")
+        raise CheckpointError(
+            f"{path / INDEX_FILE}: the shards hold {filled} of the {shard_numel(mine)} elements of "
+            f"'{key}' this process needs"
+        )
     return out if out is not None else torch.empty(0)
 
 
@@ -322,8 +346,9 @@ def _overlaps(mine: list, theirs: list) -> list[tuple[int, int, int]]:
     return [tuple(r) for r in runs]
 
 
-def read_role(path: Path, role: str, names: Collection[str] | None = None
-              ) -> tuple[dict[str, torch.Tensor], dict[str, Any]]:
+def read_role(
+    path: Path, role: str, names: Collection[str] | None = None
+) -> tuple[dict[str, torch.Tensor], dict[str, Any]]:
     """Full weights and the full, name-keyed optimizer state (``FullOptimizerState``'s form) of ``role``, or of
     its parameters ``names`` only (a pipeline stage's), assembled from the shards of any layout (for the
     export and for inspection; a resumed run loads with :func:`load_role_shards`)."""
@@ -340,8 +365,9 @@ def read_role(path: Path, role: str, names: Collection[str] | None = None
     own = [n for n in (names if names is not None else params)]
     for key, full in fulls.items():
         if filled[key] != full.numel():
-            raise CheckpointError(f"{path / INDEX_FILE}: the shards of {role} '{key}' hold {filled[key]} of its "
-                                  f"{full.numel()} elements")
+            raise CheckpointError(
+                f"{path / INDEX_FILE}: the shards of {role} '{key}' hold {filled[key]} of its {full.numel()} elements"
+            )
     missing = [n for n in own if n in params and f"weights/{n}" not in fulls]
     if missing:
         raise CheckpointError(f"{path / INDEX_FILE}: no shard holds {role} weight '{missing[0]}'")
@@ -349,10 +375,17 @@ def read_role(path: Path, role: str, names: Collection[str] | None = None
     state = {}
     for name in own:
         if f"{MOMENTS[0]}/{name}" in fulls:
-            state[name] = {"step": torch.tensor(steps.get(name, 0.0), dtype=torch.float32),
-                           **{k: fulls[f"{k}/{name}"] for k in (*MOMENTS, MASTER) if f"{k}/{name}" in fulls}}
-    groups = [{**{k: tuple(v) if isinstance(v, list) else v for k, v in g.items()},
-               "params": [n for n in own if n in trainable]} for g in entry["param_groups"]]
+            state[name] = {
+                "step": torch.tensor(steps.get(name, 0.0), dtype=torch.float32),
+                **{k: fulls[f"{k}/{name}"] for k in (*MOMENTS, MASTER) if f"{k}/{name}" in fulls},
+            }
+    groups = [
+        {
+            **{k: tuple(v) if isinstance(v, list) else v for k, v in g.items()},
+            "params": [n for n in own if n in trainable],
+        }
+        for g in entry["param_groups"]
+    ]
     return weights, {"state": state, "param_groups": groups}
 
 
@@ -367,13 +400,15 @@ def _read_file(file: Path, desc: Mapping[str, Any], wanted: list, fulls: dict, f
                 intervals = shard_intervals(name, shape, layout, desc["rank"], desc["num_layers"], split)
                 data = fh.get_tensor(key).reshape(-1)
                 if data.numel() != shard_numel(intervals):
-                    raise CheckpointError(f"{file}: '{key}' holds {data.numel()} elements, its shard of "
-                                          f"{tuple(shape)} {shard_numel(intervals)}")
+                    raise CheckpointError(
+                        f"{file}: '{key}' holds {data.numel()} elements, its shard of "
+                        f"{tuple(shape)} {shard_numel(intervals)}"
+                    )
                 if key not in fulls:
                     fulls[key], filled[key] = torch.empty(shape, dtype=data.dtype), 0
                 flat, at = fulls[key].view(-1), 0
                 for lo, hi in intervals:
-                    flat[lo:hi] = data[at:at + hi - lo]
+                    flat[lo:hi] = data[at : at + hi - lo]
                     at += hi - lo
                 filled[key] += at
     except (OSError, SafetensorError, ValueError, KeyError, RuntimeError) as exc:
@@ -399,8 +434,9 @@ def export_role(path: Path, role: str, out: Path) -> Path:
     try:
         model.load_state_dict(weights, strict=False)  # tied parameters are saved once, under one name
     except RuntimeError as exc:
-        raise CheckpointError(f"{path / role}: the shards do not fit {cls.__name__} ({str(exc).splitlines()[0]})"
-                              ) from None
+        raise CheckpointError(
+            f"{path / role}: the shards do not fit {cls.__name__} ({str(exc).splitlines()[0]})"
+        ) from None
     model.save_pretrained(out, safe_serialization=True)
     if (path / TOKENIZER_DIR).is_dir():
         for file in (path / TOKENIZER_DIR).iterdir():

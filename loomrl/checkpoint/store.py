@@ -14,7 +14,7 @@ sharded checkpoints; still loaded) it holds:
 - one sub-directory per model role (``actor/``, ``critic/``, ...), each a self-contained Hugging Face
   checkpoint (``save_pretrained`` with safetensors, plus the tokenizer), so
   ``AutoModelForCausalLM.from_pretrained(".../iter_000010/actor")`` loads the trained policy;
-- ``optimizers.pt``: ``{"optimizers": {role: state_dict}, "schedulers": {role: state_dict}}``;
+- ``optimizers.pt``: ``{"optimizers": {role: state_dict}}``;
 - ``state.json``: the iteration and whatever JSON-serialisable progress the trainer passes (data position...);
 - ``rng.pt``: Python, NumPy (when importable), torch CPU and CUDA (when available) generator states;
 - ``manifest.json``: every other file of the checkpoint with its size and SHA-256, written last.
@@ -45,22 +45,32 @@ from pathlib import Path
 from typing import Any
 
 import torch
-from torch.distributed.checkpoint.state_dict import StateDictOptions, set_model_state_dict
 from safetensors import SafetensorError
+from torch.distributed.checkpoint.state_dict import StateDictOptions, set_model_state_dict
 from torch.optim import Optimizer
-from torch.optim.lr_scheduler import LRScheduler
 from transformers import PreTrainedModel
 
-from loomrl.checkpoint.shards import (INDEX_FILE, TOKENIZER_DIR, WHOLE, check_finite, check_pieces, export_role,
-                                     file_entry, load_role_shards, merge_index, role_pieces, write_role_shards)
+from loomrl.checkpoint.shards import (
+    INDEX_FILE,
+    TOKENIZER_DIR,
+    WHOLE,
+    check_finite,
+    check_pieces,
+    export_role,
+    file_entry,
+    load_role_shards,
+    merge_index,
+    role_pieces,
+    write_role_shards,
+)
 from loomrl.errors import CheckpointError
+from loomrl.run_dir import RunDir
 
 try:  # NumPy is optional: only its global generator is captured, and only when it is installed.
     import numpy as np
 except ImportError:  # pragma: no cover - numpy ships with torch wheels in practice
     np = None
 
-CHECKPOINTS_DIR = "checkpoints"
 LATEST_FILE = "latest"
 STATE_FILE = "state.json"
 OPTIMIZERS_FILE = "optimizers.pt"
@@ -68,7 +78,6 @@ RNG_FILE = "rng.pt"
 MANIFEST_FILE = "manifest.json"
 EXPORT_DIR = "hf"
 """Where a sharded checkpoint's roles are exported by default (``iter_N/hf/actor``), outside its manifest."""
-SCHEDULERS_FILE = "schedulers.pt"
 _NAME_RE = re.compile(r"^iter_(\d+)$")
 _LEFTOVER_RE = re.compile(r"^(iter_\d+|latest)\.(tmp|stale)-(\d+)$")
 """A save's unfinished directory or ``latest``, or a pruned checkpoint being deleted, of the process with that
@@ -88,7 +97,6 @@ def save_checkpoint(
     optimizers: Mapping[str, Optimizer],
     state: Mapping[str, Any],
     keep_last: int = 2,
-    schedulers: Mapping[str, LRScheduler] | None = None,
 ) -> Path:
     """Write a complete checkpoint of the run after ``iteration`` and return its directory.
 
@@ -100,7 +108,6 @@ def save_checkpoint(
     # Serialise and check first so a non-JSON or non-finite value fails before anything touches the disk.
     state_json = state_json_of(state, iteration, keep_last)
     opt_states = {role: opt.state_dict() for role, opt in optimizers.items()}
-    sched_states = {role: sch.state_dict() for role, sch in (schedulers or {}).items()}
     for role, model in models.items():
         check_finite(model.state_dict(), f"{role} weight", "")
     for role, opt_state in opt_states.items():
@@ -111,7 +118,7 @@ def save_checkpoint(
         model.save_pretrained(role_dir, safe_serialization=True)
         if tokenizer is not None:
             tokenizer.save_pretrained(role_dir)
-    torch.save({"optimizers": opt_states, "schedulers": sched_states}, tmp / OPTIMIZERS_FILE)
+    torch.save({"optimizers": opt_states}, tmp / OPTIMIZERS_FILE)
     return _finish(tmp, iteration, state_json, keep_last, {})
 
 
@@ -122,7 +129,6 @@ def save_sharded_checkpoint(
     tokenizer: Any | None,
     state: Mapping[str, Any],
     keep_last: int = 2,
-    schedulers: Mapping[str, LRScheduler] | None = None,
 ) -> Path:
     """Write a sharded checkpoint of ``roles`` (role → (model, optimizer), held whole by this one process, as
     the reference executor holds them) and return its directory; the executors on several processes use
@@ -134,17 +140,16 @@ def save_sharded_checkpoint(
         pieces[role] = role_pieces(model, optimizer, WHOLE, next(model.parameters()).dtype)
         check_pieces(role, pieces[role])
     tmp = begin_save(run_dir, iteration)
-    parts = {role: [write_role_shards(tmp, role, model, optimizer, WHOLE, pieces[role])]
-             for role, (model, optimizer) in roles.items()}
-    if schedulers:
-        torch.save({"schedulers": {role: sch.state_dict() for role, sch in schedulers.items()}},
-                   tmp / SCHEDULERS_FILE)
+    parts = {
+        role: [write_role_shards(tmp, role, model, optimizer, WHOLE, pieces[role])]
+        for role, (model, optimizer) in roles.items()
+    }
     return finish_sharded_save(tmp, iteration, state_json, tokenizer, parts, keep_last)
 
 
 def begin_save(run_dir: str | os.PathLike, iteration: int) -> Path:
     """The empty ``iter_N.tmp-<pid>`` directory a save writes into (this process's pid: it finishes the save)."""
-    ckpt_root = Path(run_dir) / CHECKPOINTS_DIR
+    ckpt_root = RunDir(run_dir).checkpoints
     ckpt_root.mkdir(parents=True, exist_ok=True)
     tmp = ckpt_root / f"{checkpoint_name(iteration)}.tmp-{os.getpid()}"
     if tmp.exists():  # left by an earlier crash of a process that happened to have our pid
@@ -153,15 +158,23 @@ def begin_save(run_dir: str | os.PathLike, iteration: int) -> Path:
     return tmp
 
 
-def finish_sharded_save(tmp: Path, iteration: int, state_json: str, tokenizer: Any | None,
-                        parts: Mapping[str, list[Mapping[str, Any]]], keep_last: int) -> Path:
+def finish_sharded_save(
+    tmp: Path,
+    iteration: int,
+    state_json: str,
+    tokenizer: Any | None,
+    parts: Mapping[str, list[Mapping[str, Any]]],
+    keep_last: int,
+) -> Path:
     """Complete a sharded save whose shards are in ``tmp`` (``parts``: every writer's results, by role): the
     index, tokenizer, RNG, state and manifest (the shards' checksums as their writers computed them), then the
     rename into place, ``latest`` and pruning."""
     if tokenizer is not None:
         tokenizer.save_pretrained(tmp / TOKENIZER_DIR)
     _write_text_synced(tmp / INDEX_FILE, json.dumps(merge_index(parts), indent=1))
-    known = {rel: entry for results in parts.values() for result in results for rel, entry in result["manifest"].items()}
+    known = {
+        rel: entry for results in parts.values() for result in results for rel, entry in result["manifest"].items()
+    }
     return _finish(tmp, iteration, state_json, keep_last, known)
 
 
@@ -192,7 +205,7 @@ def latest_checkpoint(run_dir: str | os.PathLike) -> Path | None:
     or naming a deleted directory) falls back to the highest-numbered complete ``iter_*`` directory.
     Choosing reads no file contents; :func:`load_checkpoint` (or :func:`verify_checkpoint`) checks them.
     """
-    ckpt_root = Path(run_dir) / CHECKPOINTS_DIR
+    ckpt_root = RunDir(run_dir).checkpoints
     if not ckpt_root.is_dir():
         return None
     try:
@@ -210,14 +223,14 @@ def load_checkpoint(
     models: Mapping[str, PreTrainedModel],
     optimizers: Mapping[str, Optimizer],
     restore_rng: bool = True,
-    schedulers: Mapping[str, LRScheduler] | None = None,
     places: Mapping[str, Mapping[str, Any]] | None = None,
 ) -> dict[str, Any]:
-    """Load a checkpoint in place into ``models``, ``optimizers`` (and ``schedulers``); return its state.
+    """Load a checkpoint in place into ``models`` and ``optimizers``; return its state.
 
     The returned dict is the saved ``state`` plus ``"iteration"``. From a sharded checkpoint each process reads only
     the part of the state it holds: ``places`` says, per role, where the process sits in the role's training
-    layout (:func:`~loomrl.checkpoint.shards.place_of`; by default it holds the whole role). Roles present in the checkpoint but
+    layout (:func:`~loomrl.checkpoint.shards.place_of`; by default it holds the whole role). Roles present in the
+    checkpoint but
     not passed are left alone, so a run may resume only the models it still trains. Every file is checked
     against the manifest (:func:`verify_checkpoint`) before anything is loaded, so a damaged checkpoint
     changes nothing.
@@ -229,13 +242,12 @@ def load_checkpoint(
     except (OSError, UnicodeDecodeError, json.JSONDecodeError) as exc:
         raise CheckpointError(f"{path / STATE_FILE}: unreadable checkpoint state ({exc})") from None
     if (path / INDEX_FILE).is_file():
-        _load_sharded(path, models, optimizers, schedulers or {}, places or {})
+        _load_sharded(path, models, optimizers, places or {})
     else:
         for role, model in models.items():
             _load_model_weights(path / role, model)
         opt_states = _torch_load(path / OPTIMIZERS_FILE)
         _load_state_dicts(path / OPTIMIZERS_FILE, "optimizers", opt_states, optimizers)
-        _load_state_dicts(path / OPTIMIZERS_FILE, "schedulers", opt_states, schedulers or {})
     if restore_rng:
         _restore_rng(_torch_load(path / RNG_FILE), path / RNG_FILE)
     return state
@@ -254,8 +266,9 @@ def verify_checkpoint(path: str | os.PathLike, role: str | None = None) -> None:
         raise CheckpointError(f"{path}: not a complete checkpoint (missing directory or {STATE_FILE})")
     manifest = path / MANIFEST_FILE
     if not manifest.is_file():
-        warnings.warn(f"{path}: no {MANIFEST_FILE} (saved before checkpoints had one); loading it unverified",
-                      stacklevel=2)
+        warnings.warn(
+            f"{path}: no {MANIFEST_FILE} (saved before checkpoints had one); loading it unverified", stacklevel=2
+        )
         return
     try:
         files = json.loads(manifest.read_text())["files"]
@@ -264,19 +277,24 @@ def verify_checkpoint(path: str | os.PathLike, role: str | None = None) -> None:
         raise CheckpointError(f"{manifest}: unreadable manifest ({type(exc).__name__}: {exc})") from None
     fallback = f"delete {path.name} to resume from the checkpoint before it"
     if role is not None:  # with what reading a role needs besides its own files
-        listed = [entry for entry in listed if entry[0].startswith((f"{role}/", f"{TOKENIZER_DIR}/"))
-                  or entry[0] == INDEX_FILE]
+        listed = [
+            entry
+            for entry in listed
+            if entry[0].startswith((f"{role}/", f"{TOKENIZER_DIR}/")) or entry[0] == INDEX_FILE
+        ]
     for name, size, digest in listed:
         file = path / name
         if not file.is_file():
             raise CheckpointError(f"{file}: missing from checkpoint (listed in {MANIFEST_FILE}); {fallback}")
         actual = file.stat().st_size
         if actual != size:
-            raise CheckpointError(f"{file}: {actual} bytes, {MANIFEST_FILE} says {size} (damaged since it was "
-                                  f"saved); {fallback}")
+            raise CheckpointError(
+                f"{file}: {actual} bytes, {MANIFEST_FILE} says {size} (damaged since it was saved); {fallback}"
+            )
         if file_entry(file)["sha256"] != digest:
-            raise CheckpointError(f"{file}: SHA-256 does not match {MANIFEST_FILE} (damaged since it was saved); "
-                                  f"{fallback}")
+            raise CheckpointError(
+                f"{file}: SHA-256 does not match {MANIFEST_FILE} (damaged since it was saved); {fallback}"
+            )
 
 
 def export_checkpoint(path: str | os.PathLike, role: str, out: str | os.PathLike | None = None) -> Path:
@@ -288,8 +306,9 @@ def export_checkpoint(path: str | os.PathLike, role: str, out: str | os.PathLike
     sharded = (path / INDEX_FILE).is_file()
     if out is None:
         out = path / EXPORT_DIR / role if sharded else path / role
-        if (out / "config.json").is_file() and (not sharded or (out / "model.safetensors").is_file()
-                                                 or (out / "model.safetensors.index.json").is_file()):
+        if (out / "config.json").is_file() and (
+            not sharded or (out / "model.safetensors").is_file() or (out / "model.safetensors.index.json").is_file()
+        ):
             return out
     out = Path(out)
     if not sharded and not (path / role / "config.json").is_file():
@@ -321,8 +340,12 @@ def _write_manifest(directory: Path, known: Mapping[str, Any]) -> None:
     _write_text_synced(directory / MANIFEST_FILE, json.dumps({"format": 1, "files": files}, indent=1))
 
 
-def _load_sharded(path: Path, models: Mapping[str, torch.nn.Module], optimizers: Mapping[str, Any],
-                  schedulers: Mapping[str, LRScheduler], places: Mapping[str, Mapping[str, Any]]) -> None:
+def _load_sharded(
+    path: Path,
+    models: Mapping[str, torch.nn.Module],
+    optimizers: Mapping[str, Any],
+    places: Mapping[str, Mapping[str, Any]],
+) -> None:
     """Each role's part of the saved state, in place (:func:`~loomrl.checkpoint.shards.load_role_shards`)."""
     for role in sorted(set(models) | set(optimizers)):
         # optimizers may come wrapped for the full form (FullOptimizerState): the shards go into what it wraps
@@ -331,8 +354,6 @@ def _load_sharded(path: Path, models: Mapping[str, torch.nn.Module], optimizers:
         if model is None:
             raise CheckpointError(f"{path}: loading the optimizer state of '{role}' needs its model")
         load_role_shards(path, role, model, optimizer, places.get(role, WHOLE))
-    if schedulers:
-        _load_state_dicts(path / SCHEDULERS_FILE, "schedulers", _torch_load(path / SCHEDULERS_FILE), schedulers)
 
 
 def _load_model_weights(role_dir: Path, model: PreTrainedModel) -> None:
@@ -410,8 +431,11 @@ def _restore_rng(rng: Any, file: Path) -> None:
             torch.cuda.set_rng_state_all(cuda_states)
         else:
             # Resuming on different hardware is legitimate; only bitwise reproducibility is lost.
-            warnings.warn(f"{file}: saved CUDA RNG state for {len(cuda_states)} devices not restored "
-                          f"({torch.cuda.device_count()} available)", stacklevel=3)
+            warnings.warn(
+                f"{file}: saved CUDA RNG state for {len(cuda_states)} devices not restored "
+                f"({torch.cuda.device_count()} available)",
+                stacklevel=3,
+            )
 
 
 def _as_tuples(value: Any) -> Any:
@@ -470,7 +494,7 @@ def _prune(ckpt_root: Path, keep: Path, keep_last: int) -> None:
 def remove_leftovers(run_dir: str | os.PathLike) -> None:
     """Remove what saves and prunings cut short left in ``run_dir``'s checkpoints (``.tmp-`` and ``.stale-``
     entries of processes that are gone): a resumed run that writes no further checkpoint leaves none behind."""
-    ckpt_root = Path(run_dir) / CHECKPOINTS_DIR
+    ckpt_root = RunDir(run_dir).checkpoints
     if ckpt_root.is_dir():
         _remove_leftovers(ckpt_root)
 

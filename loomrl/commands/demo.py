@@ -10,18 +10,19 @@ from __future__ import annotations
 import json
 import shutil
 import time
+from collections.abc import Sequence
 from importlib import resources
 from pathlib import Path
-from typing import Sequence
 
 from rich.console import Console
 
 from loomrl.config.schema import RMConfig, SFTConfig, TrainConfig
 from loomrl.config.tools import load_config
 from loomrl.errors import ConfigError
+from loomrl.report import summary_table
 from loomrl.report.run_timeline import read_traces, result_from_traces
 from loomrl.report.timeline import render_timeline
-from loomrl.report import summary_table
+from loomrl.run_dir import RunDir
 from loomrl.train.rl import RLTrainer
 from loomrl.train.rm import run_rm
 from loomrl.train.sft import run_sft
@@ -55,8 +56,11 @@ def load_stage_configs(config_dir: str, out: Path, overrides: Sequence[str]):
     d = Path(config_dir)
     sft = load_config(SFTConfig, d / "sft.yaml", [f"out_dir={out / 'sft'}", *by_stage["sft"]])
     rm = load_config(RMConfig, d / "rm.yaml", [f"out_dir={out / 'rm'}", f"model={sft.out_dir}", *by_stage["rm"]])
-    ppo = load_config(TrainConfig, d / "ppo.yaml", [f"run_dir={out / 'ppo'}", f"actor.model={sft.out_dir}",
-                                                     f"reward.model={rm.out_dir}", *by_stage["ppo"]])
+    ppo = load_config(
+        TrainConfig,
+        d / "ppo.yaml",
+        [f"run_dir={out / 'ppo'}", f"actor.model={sft.out_dir}", f"reward.model={rm.out_dir}", *by_stage["ppo"]],
+    )
     return sft, rm, ppo
 
 
@@ -79,27 +83,45 @@ def run_demo(config_dir: str | None, out_dir: str, overrides: Sequence[str] = ()
     t0 = time.perf_counter()
     ppo = RLTrainer(ppo_cfg).run()
     ppo["seconds"] = time.perf_counter() - t0
-    timeline = Path(ppo_cfg.run_dir) / "timeline.png"
-    render_timeline(result_from_traces(read_traces(ppo_cfg.run_dir)), timeline, timeline.with_suffix(".html"),
-                    title="PPO on the Ray runtime: measured per-call timeline")
+    timeline = RunDir(ppo_cfg.run_dir).timeline
+    render_timeline(
+        result_from_traces(read_traces(ppo_cfg.run_dir)),
+        timeline,
+        timeline.with_suffix(".html"),
+        title="PPO on the Ray runtime: measured per-call timeline",
+    )
     summary = {
-        "sft": sft, "rm": rm, "ppo": ppo,
+        "sft": sft,
+        "rm": rm,
+        "ppo": ppo,
         "exact_match_gain": ppo["eval/exact_match"] - sft["eval/exact_match"],
     }
     (out / "summary.json").write_text(json.dumps(summary, indent=2))
     rows = [
-        {"stage": "SFT", "seconds": sft["seconds"], "held-out exact match": sft["eval/exact_match"],
-         "held-out score": sft["eval/score"]},
+        {
+            "stage": "SFT",
+            "seconds": sft["seconds"],
+            "held-out exact match": sft["eval/exact_match"],
+            "held-out score": sft["eval/score"],
+        },
         {"stage": "reward model", "seconds": rm["seconds"], "pair accuracy": rm["eval/pair_accuracy"]},
-        {"stage": "PPO", "seconds": ppo["seconds"], "held-out exact match": ppo["eval/exact_match"],
-         "held-out score": ppo["eval/score"]},
+        {
+            "stage": "PPO",
+            "seconds": ppo["seconds"],
+            "held-out exact match": ppo["eval/exact_match"],
+            "held-out score": ppo["eval/score"],
+        },
     ]
     console.print(summary_table(rows, "loomrl demo"))
-    console.print(f"held-out exact match (greedy): SFT {sft['eval/exact_match']:.3f} -> PPO "
-                  f"{ppo['eval/exact_match']:.3f} (gain {summary['exact_match_gain']:+.3f})")
+    console.print(
+        f"held-out exact match (greedy): SFT {sft['eval/exact_match']:.3f} -> PPO "
+        f"{ppo['eval/exact_match']:.3f} (gain {summary['exact_match_gain']:+.3f})"
+    )
     run = Path(ppo_cfg.run_dir)
-    console.print(f"outputs: SFT policy {sft_cfg.out_dir}; reward model {rm_cfg.out_dir}; PPO run {run} "
-                  f"(metrics.jsonl, checkpoints/, traces.jsonl); run report {run / 'report.html'} (open it in a "
-                  f"browser); reward curve {run / 'reward_curve.png'}; timeline {timeline} (.html); "
-                  f"summary {out / 'summary.json'}")
+    console.print(
+        f"outputs: SFT policy {sft_cfg.out_dir}; reward model {rm_cfg.out_dir}; PPO run {run} "
+        f"(metrics.jsonl, checkpoints/, traces.jsonl); run report {RunDir(run).report} (open it in a "
+        f"browser); reward curve {RunDir(run).reward_curve}; timeline {timeline} (.html); "
+        f"summary {out / 'summary.json'}"
+    )
     return summary

@@ -14,6 +14,7 @@ import warnings
 from dataclasses import dataclass, field
 
 from loomrl.config.tools import ValidatedConfig, fail, spec
+from loomrl.errors import ConfigError
 
 ALGORITHMS = ("ppo", "grpo", "rloo", "remax", "reinforce_pp")
 GROUP_ALGORITHMS = ("grpo", "rloo")
@@ -36,6 +37,8 @@ def judge_index(name: str) -> int | None:
     ``judge3_unreadable``), belongs to; None for any other name."""
     match = re.fullmatch(r"judge(\d+)(?:_\w+)?", name)
     return int(match[1]) if match else None
+
+
 BACKENDS = ("tensorboard", "wandb", "mlflow")
 NONFINITE_ACTIONS = ("skip", "stop")
 
@@ -98,8 +101,11 @@ class TaskConfig(ValidatedConfig):
         if self.reward_fn is not None and self.reward_fns:
             fail("reward_fns", "give either reward_fn (one function) or reward_fns (several), not both")
         if self.reward_weights and len(self.reward_weights) != len(self.reward_fns):
-            fail("reward_weights", f"{len(self.reward_weights)} weights for {len(self.reward_fns)} functions of "
-                                   "reward_fns (valid: one weight per function, or none for 1.0 each)")
+            fail(
+                "reward_weights",
+                f"{len(self.reward_weights)} weights for {len(self.reward_fns)} functions of "
+                "reward_fns (valid: one weight per function, or none for 1.0 each)",
+            )
         if not all(math.isfinite(w) for w in self.reward_weights):
             fail("reward_weights", f"{list(self.reward_weights)} holds a weight that is not finite")
         if self.name == "file" and (self.prompt_file is None or not self.reward_functions):
@@ -215,8 +221,10 @@ class DynamicSamplingConfig(ValidatedConfig):
     def validate(self) -> None:
         module, colon, function = self.filter.rpartition(":")
         if self.filter != "equal_rewards" and not (colon and module and function):
-            fail("filter", f"'{self.filter}' is neither 'equal_rewards' nor a function 'module:function' or "
-                           "'file.py:function'")
+            fail(
+                "filter",
+                f"'{self.filter}' is neither 'equal_rewards' nor a function 'module:function' or 'file.py:function'",
+            )
 
 
 @dataclass(frozen=True)
@@ -277,8 +285,10 @@ class AlgoConfig(ValidatedConfig):
         if self.name in GROUP_ALGORITHMS and self.group_size < 2:
             fail("group_size", f"{self.group_size} is too small for {self.name} (must be >= 2)")
         if self.dynamic_sampling.enabled and self.name not in GROUP_ALGORITHMS:
-            fail("dynamic_sampling.enabled", f"dynamic sampling filters groups of samples; {self.name} has none "
-                                             "(valid with it: grpo, rloo)")
+            fail(
+                "dynamic_sampling.enabled",
+                f"dynamic sampling filters groups of samples; {self.name} has none (valid with it: grpo, rloo)",
+            )
 
 
 @dataclass(frozen=True)
@@ -375,8 +385,11 @@ class LayoutConfig(ValidatedConfig):
 
     def validate(self) -> None:
         if self.sharding == "fsdp" and self.pp > 1:
-            fail("sharding", f"fsdp does not combine with pipeline stages; with pp={self.pp} use zero "
-                             "(valid with fsdp: pp=1, any dp and tp)")
+            fail(
+                "sharding",
+                f"fsdp does not combine with pipeline stages; with pp={self.pp} use zero "
+                "(valid with fsdp: pp=1, any dp and tp)",
+            )
 
 
 @dataclass(frozen=True)
@@ -476,31 +489,45 @@ class RuntimeConfig(ValidatedConfig):
             if self.executor != "ray":
                 fail("placement", "'dynamic' needs executor 'ray' (the reference executor has no placement)")
             if self.controllers > 1:
-                fail("placement", f"'dynamic' needs one controller, not {self.controllers} (its candidate plans are "
-                                  "searched for one; valid with dynamic: controllers=1)")
+                fail(
+                    "placement",
+                    f"'dynamic' needs one controller, not {self.controllers} (its candidate plans are "
+                    "searched for one; valid with dynamic: controllers=1)",
+                )
             if self.plan_changes:
-                fail("plan_changes", "fixed plan changes do not combine with placement 'dynamic', which chooses its "
-                                     "own; give one or the other")
+                fail(
+                    "plan_changes",
+                    "fixed plan changes do not combine with placement 'dynamic', which chooses its "
+                    "own; give one or the other",
+                )
         for iteration, plan in self.plan_changes.items():
             if self.executor != "ray":
                 fail(f"plan_changes.{iteration}", "needs executor 'ray' (the reference executor has no placement)")
             if iteration < 1:
                 fail(f"plan_changes.{iteration}", "iterations of plan changes start at 1 (runtime.plan is the first)")
             if not plan.strip():
-                fail(f"plan_changes.{iteration}", "'' is empty; give colocate, interleave, separate[:N], a plan string "
-                                                  "or a plan file")
+                fail(
+                    f"plan_changes.{iteration}",
+                    "'' is empty; give colocate, interleave, separate[:N], a plan string or a plan file",
+                )
         for role, layout in self.layouts.items():
-            if role not in ROLES and (judge_index(role) is None or role != judge_role(judge_index(role))):
+            if role not in ROLES and ((index := judge_index(role)) is None or role != judge_role(index)):
                 fail(f"layouts.{role}", f"unknown role; valid roles: {', '.join(ROLES)}, judge0, judge1, ...")
             if layout.sharding != "none" and role not in ("actor", "critic"):
-                fail(f"layouts.{role}.sharding", f"{layout.sharding} shards a trained role's state; {role} is "
-                                                 "frozen (valid: none; actor and critic may shard)")
+                fail(
+                    f"layouts.{role}.sharding",
+                    f"{layout.sharding} shards a trained role's state; {role} is "
+                    "frozen (valid: none; actor and critic may shard)",
+                )
             if not self.devices:
                 continue  # checked once the device count is known (RayExecutor)
             dp = layout.dp or self.devices // (layout.tp * layout.pp)
             if dp * layout.tp * layout.pp != self.devices:
-                fail(f"layouts.{role}", f"dp {dp} x tp {layout.tp} x pp {layout.pp} = "
-                                        f"{dp * layout.tp * layout.pp} does not match devices {self.devices}")
+                fail(
+                    f"layouts.{role}",
+                    f"dp {dp} x tp {layout.tp} x pp {layout.pp} = "
+                    f"{dp * layout.tp * layout.pp} does not match devices {self.devices}",
+                )
 
 
 @dataclass(frozen=True)
@@ -540,10 +567,17 @@ class TrainConfig(ValidatedConfig):
         # The one rename this tree has: configs (and runs' config.yaml) written before checkpoint.keep_last load,
         # their value moved to where it is read now, once and loudly, so nothing reads two fields for it.
         if self.checkpoint.keep_last not in (old, CheckpointConfig().keep_last):
-            fail("loop.keep_checkpoints", f"{old} conflicts with checkpoint.keep_last {self.checkpoint.keep_last}; "
-                                          "loop.keep_checkpoints is its old name: give checkpoint.keep_last only")
-        warnings.warn(f"loop.keep_checkpoints is the old name of checkpoint.keep_last; using checkpoint.keep_last="
-                      f"{old} (write that instead)", FutureWarning, stacklevel=2)
+            fail(
+                "loop.keep_checkpoints",
+                f"{old} conflicts with checkpoint.keep_last {self.checkpoint.keep_last}; "
+                "loop.keep_checkpoints is its old name: give checkpoint.keep_last only",
+            )
+        warnings.warn(
+            f"loop.keep_checkpoints is the old name of checkpoint.keep_last; using checkpoint.keep_last="
+            f"{old} (write that instead)",
+            FutureWarning,
+            stacklevel=2,
+        )
         object.__setattr__(self, "checkpoint", dataclasses.replace(self.checkpoint, keep_last=old))
         object.__setattr__(self, "loop", dataclasses.replace(self.loop, keep_checkpoints=None))
 
@@ -556,18 +590,51 @@ class TrainConfig(ValidatedConfig):
                 fail(f"runtime.layouts.{role}", f"no such judge: reward.judges has {count} (valid: {valid})")
         longest = self.rollout.max_new_tokens
         if self.algo.overlong_buffer > longest:
-            fail("algo.overlong_buffer", f"{self.algo.overlong_buffer} is more than rollout.max_new_tokens {longest} "
-                                         f"(valid: 0 to {longest})")
+            fail(
+                "algo.overlong_buffer",
+                f"{self.algo.overlong_buffer} is more than rollout.max_new_tokens {longest} (valid: 0 to {longest})",
+            )
         if self.algo.dynamic_sampling.enabled and self.runtime.controllers > 1:
-            fail("algo.dynamic_sampling.enabled", f"dynamic sampling runs with one controller, not "
-                                                  f"{self.runtime.controllers} (valid with it: runtime.controllers=1)")
+            fail(
+                "algo.dynamic_sampling.enabled",
+                f"dynamic sampling runs with one controller, not "
+                f"{self.runtime.controllers} (valid with it: runtime.controllers=1)",
+            )
         if self.algo.dynamic_sampling.enabled and self.runtime.placement == "dynamic":
-            fail("algo.dynamic_sampling.enabled", "dynamic sampling does not combine with runtime.placement "
-                                                  "'dynamic', whose per-call timings assume one batch an iteration "
-                                                  "(valid with it: runtime.placement=static)")
+            fail(
+                "algo.dynamic_sampling.enabled",
+                "dynamic sampling does not combine with runtime.placement "
+                "'dynamic', whose per-call timings assume one batch an iteration "
+                "(valid with it: runtime.placement=static)",
+            )
         if self.runtime.controllers > self.rollout.prompts_per_iter:
-            fail("runtime.controllers", f"{self.runtime.controllers} controllers need at least as many prompts an "
-                                        f"iteration (rollout.prompts_per_iter is {self.rollout.prompts_per_iter})")
+            fail(
+                "runtime.controllers",
+                f"{self.runtime.controllers} controllers need at least as many prompts an "
+                f"iteration (rollout.prompts_per_iter is {self.rollout.prompts_per_iter})",
+            )
+
+    def model_of(self, role: str) -> str | None:
+        """The model ``role`` is built from (a zoo name or a checkpoint directory), with the config field it comes
+        from; None for a reward without a model (``reward.source: rule``). The reference policy is the actor's
+        starting point, the critic starts from ``critic.model`` (else the actor's), the reward model and the judges
+        from their own fields."""
+        return self.model_field(role)[0]
+
+    def model_field(self, role: str) -> tuple[str | None, str]:
+        """``(model, the config field it comes from)`` of ``role`` (:meth:`model_of`); a one-line error names the
+        roles there are."""
+        index = judge_index(role)
+        if index is not None and index < len(self.reward.judges):
+            return self.reward.judges[index].model, f"reward.judges[{index}].model"
+        if role in ("actor", "ref"):
+            return self.actor.model, "actor.model"
+        if role == "critic":
+            return (self.critic.model, "critic.model") if self.critic.model else (self.actor.model, "actor.model")
+        if role == "reward":
+            return (self.reward.model if self.reward.source in ("model", "both") else None), "reward.model"
+        known = [*ROLES, *(judge_role(i) for i in range(len(self.reward.judges)))]
+        raise ConfigError(f"no model for role '{role}'; known roles: {', '.join(known)}")
 
 
 @dataclass(frozen=True)

@@ -399,7 +399,8 @@ def _convert(hint: Any, value: Any, path: str) -> Any:
 
 def _normalize(obj: Any) -> None:
     """Convert, constrain and cross-check ``obj``'s fields in place; error paths are relative to ``obj``."""
-    hints = _hints(type(obj))
+    cls: type = type(obj)
+    hints = _hints(cls)
     for f in dataclasses.fields(obj):
         if not f.init:  # derived attributes are not configuration
             continue
@@ -501,6 +502,7 @@ def nesting_problem(value: Any, limit: int = MAX_NESTING) -> str | None:
 
     Iterative, and each shared node (a YAML alias) is measured once, so neither deep nor aliased input costs
     more than its distinct nodes."""
+
     def kids(node: Any) -> list[Any]:
         items = node.values() if isinstance(node, dict) else node
         return [item for item in items if isinstance(item, (dict, list))]
@@ -555,8 +557,8 @@ def read_yaml(path: str | Path) -> dict[str, Any]:
         return {}
     if not isinstance(data, dict):
         raise ConfigError(f"{path}: top level must be a mapping, got {type(data).__name__}")
-    if (problem := nesting_problem(data)) is not None:
-        raise ConfigError(f"{path}: invalid YAML: {problem}")
+    if (too_deep := nesting_problem(data)) is not None:
+        raise ConfigError(f"{path}: invalid YAML: {too_deep}")
     return data
 
 
@@ -621,8 +623,12 @@ def _blame(path: str, items: Sequence[str], parsed: Sequence[tuple[list[str], An
     return None
 
 
-def load_config(cls: type[T], yaml_path: str | Path | None = None, overrides: Sequence[str] = (),
-                base: Mapping[str, Any] | None = None) -> T:
+def load_config(
+    cls: type[T],
+    yaml_path: str | Path | None = None,
+    overrides: Sequence[str] = (),
+    base: Mapping[str, Any] | None = None,
+) -> T:
     """Read ``yaml_path`` (None: all defaults), apply ``key.sub=value`` overrides, build and validate ``cls``.
     ``base`` holds values below the file's (e.g. settings taken from a run's own config).
 

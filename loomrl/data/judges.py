@@ -22,8 +22,9 @@ import math
 import random
 import re
 import string
+from collections.abc import Callable
 from dataclasses import dataclass
-from typing import Callable, ClassVar
+from typing import ClassVar
 
 from loomrl.data.tasks import Example, Task
 from loomrl.errors import DataError
@@ -70,7 +71,7 @@ def verdict_reader(spec: str) -> VerdictFn:
     if spec == "yes-no":
         return _yes_no
     if spec.startswith("regex:"):
-        pattern = re.compile(spec[len("regex:"):])
+        pattern = re.compile(spec[len("regex:") :])
 
         def read(text: str) -> float | None:
             found = pattern.search(text)
@@ -90,13 +91,16 @@ def verdict_reader(spec: str) -> VerdictFn:
         try:
             value = fn(text)
         except Exception as exc:  # noqa: BLE001 - user code: any failure is reported in one line
-            raise DataError(f"verdict reader '{spec}' raised {type(exc).__name__}: {exc} (verdict {text[:60]!r})"
-                            ) from None
+            raise DataError(
+                f"verdict reader '{spec}' raised {type(exc).__name__}: {exc} (verdict {text[:60]!r})"
+            ) from None
         if value is None:
             return None
         if isinstance(value, bool) or not isinstance(value, (int, float)) or not math.isfinite(value):
-            raise DataError(f"verdict reader '{spec}' returned {value!r} for verdict {text[:60]!r}; it must return "
-                            "a finite number or None")
+            raise DataError(
+                f"verdict reader '{spec}' returned {value!r} for verdict {text[:60]!r}; it must return "
+                "a finite number or None"
+            )
         return float(value)
 
     return called
@@ -108,7 +112,7 @@ def check_verdict(spec: str) -> str | None:
         return None
     if spec.startswith("regex:"):
         try:
-            re.compile(spec[len("regex:"):])
+            re.compile(spec[len("regex:") :])
         except re.error as err:
             return f"the pattern does not compile ({err})"
         return None
@@ -165,7 +169,7 @@ def wrong_answer(answer: str, chars: str, rng: random.Random) -> str:
         elif kind == 4:
             s = [rng.choice(chars) for _ in range(rng.randint(1, max(1, len(answer) + 1)))]
         elif kind == 5:
-            s = s[:rng.randrange(len(s))] if s else s
+            s = s[: rng.randrange(len(s))] if s else s
         else:
             s = s + [rng.choice(chars) for _ in range(rng.randint(1, 3))]
         if "".join(s) != answer:

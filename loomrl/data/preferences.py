@@ -81,5 +81,6 @@ def preference_pairs(task: Task, n: int, seed: int) -> list[tuple[str, str, str]
     Half the pairs (even indices) have the correct answer as chosen. The task must be able to sample
     prompts (a built-in task, not a FunctionTask).
     """
-    return [_pair(task, random.Random(stable_hash(seed, "preferences", i)), against_correct=i % 2 == 0)
-            for i in range(n)]
+    return [
+        _pair(task, random.Random(stable_hash(seed, "preferences", i)), against_correct=i % 2 == 0) for i in range(n)
+    ]

@@ -36,6 +36,7 @@ SPLITS = ("train", "eval", "test")
 
 _FILE_FORMATS = {".jsonl": "json", ".json": "json", ".parquet": "parquet"}
 
+
 def stable_hash(*parts: int | str) -> int:
     """A 64-bit hash of ints and strings that is the same in every process (unlike the salted ``hash``)."""
     # JSON keeps ("a", 1) and ("a1",) apart, which plain concatenation would not.
@@ -96,21 +97,25 @@ class FilePrompts(PromptSource):
     example's ``row``, for reward functions that ask for them by name.
     """
 
-    def __init__(self, path: str | os.PathLike[str], prompt_key: str = "prompt",
-                 answer_key: str | None = "answer") -> None:
+    def __init__(
+        self, path: str | os.PathLike[str], prompt_key: str = "prompt", answer_key: str | None = "answer"
+    ) -> None:
         self.path = os.fspath(path)
         columns = _load_columns(self.path)
         if prompt_key not in columns:
             chat = " (a chat column: set task.prompt_key=messages)" if "messages" in columns else ""
-            raise DataError(f"prompt file '{self.path}': no column '{prompt_key}' "
-                            f"(columns present: {', '.join(columns)}){chat}")
+            raise DataError(
+                f"prompt file '{self.path}': no column '{prompt_key}' (columns present: {', '.join(columns)}){chat}"
+            )
         prompts = columns[prompt_key]
         if not prompts:
             raise DataError(f"prompt file '{self.path}': has no rows")
         answers = columns[answer_key] if answer_key in columns else [None] * len(prompts)
         others = [name for name in columns if name != prompt_key]
-        self.examples = [self._example(i, p, a, prompt_key, {name: columns[name][i] for name in others})
-                         for i, (p, a) in enumerate(zip(prompts, answers))]
+        self.examples = [
+            self._example(i, p, a, prompt_key, {name: columns[name][i] for name in others})
+            for i, (p, a) in enumerate(zip(prompts, answers))
+        ]
 
     def _example(self, row: int, prompt: Any, answer: Any, key: str, others: dict[str, Any]) -> Example:
         answer = None if answer is None else str(answer)
@@ -118,8 +123,10 @@ class FilePrompts(PromptSource):
             return Example(prompt, answer, row=others)
         turns = _turns(prompt)
         if turns is None:
-            raise DataError(f"prompt file '{self.path}': row {row} of column '{key}' holds {prompt!r}, neither a "
-                            "string nor a list of {'role', 'content'} messages")
+            raise DataError(
+                f"prompt file '{self.path}': row {row} of column '{key}' holds {prompt!r}, neither a "
+                "string nor a list of {'role', 'content'} messages"
+            )
         if turns and turns[-1][0] == "assistant" and len(turns) > 1:
             answer = turns[-1][1] if answer is None else answer
             turns = turns[:-1]
@@ -144,8 +151,11 @@ def _turns(value: Any) -> list[tuple[str, str]] | None:
         return None
     turns = []
     for message in value:
-        if not (isinstance(message, Mapping) and isinstance(message.get("role"), str)
-                and isinstance(message.get("content"), str)):
+        if not (
+            isinstance(message, Mapping)
+            and isinstance(message.get("role"), str)
+            and isinstance(message.get("content"), str)
+        ):
             return None
         turns.append((message["role"], message["content"]))
     return turns
@@ -156,8 +166,7 @@ def _load_columns(path: str) -> dict[str, list]:
     is one line); a file it cannot read is looked at again to say where it is malformed."""
     suffix = os.path.splitext(path)[1].lower()
     if suffix not in _FILE_FORMATS:
-        raise DataError(f"prompt file '{path}': unsupported extension '{suffix}' "
-                        f"(valid: {', '.join(_FILE_FORMATS)})")
+        raise DataError(f"prompt file '{path}': unsupported extension '{suffix}' (valid: {', '.join(_FILE_FORMATS)})")
     if not os.path.isfile(path):
         raise DataError(f"prompt file '{path}': does not exist")
     import datasets  # deferred: importing datasets costs ~1 s and only file sources need it
@@ -184,10 +193,10 @@ def _json_problem(path: str) -> str | None:
     try:
         text = data.decode("utf-8")
     except UnicodeDecodeError as err:
-        line = data[:err.start].count(b"\n") + 1
+        line = data[: err.start].count(b"\n") + 1
         return f"not UTF-8 text: byte {err.start} on line {line}"
     if not text.strip():
-        return "the file is empty; a prompt file holds one JSON object per line, e.g. {\"prompt\": \"...\"}"
+        return 'the file is empty; a prompt file holds one JSON object per line, e.g. {"prompt": "..."}'
     try:
         whole = json.loads(text, object_pairs_hook=_unique_keys)
     except RecursionError:
@@ -199,7 +208,7 @@ def _json_problem(path: str) -> str | None:
         if not rows:
             return "an empty list: no rows"
         bad = next((i for i, row in enumerate(rows) if not isinstance(row, dict)), None)
-        return None if bad is None else f"row {bad} is {_short_json(rows[bad])}, not an object {{\"prompt\": ...}}"
+        return None if bad is None else f'row {bad} is {_short_json(rows[bad])}, not an object {{"prompt": ...}}'
     for number, line in enumerate(text.split("\n"), 1):  # JSON strings may hold other line breaks
         if not line.strip():
             continue
@@ -210,7 +219,7 @@ def _json_problem(path: str) -> str | None:
         except ValueError as err:
             return f"line {number}: {getattr(err, 'msg', err)}"
         if not isinstance(row, dict):
-            return f"line {number}: {_short_json(row)} is not an object {{\"prompt\": ...}}"
+            return f'line {number}: {_short_json(row)} is not an object {{"prompt": ...}}'
     return None
 
 
@@ -239,13 +248,20 @@ class FunctionTask(Task):
     also imported here, so a wrong name or signature fails before any call.
     """
 
-    def __init__(self, fn: RewardFn | str | Sequence[RewardFn | str], name: str = "function", timeout_s: float = 0.0,
-                 weights: Sequence[float] | None = None) -> None:
+    def __init__(
+        self,
+        fn: RewardFn | str | Sequence[RewardFn | str],
+        name: str = "function",
+        timeout_s: float = 0.0,
+        weights: Sequence[float] | None = None,
+    ) -> None:
         fns = [fn] if isinstance(fn, str) or callable(fn) else list(fn)
         weights = [1.0] * len(fns) if weights is None else [float(w) for w in weights]
         if not fns or len(weights) != len(fns):
-            raise DataError(f"reward functions: {len(fns)} given with {len(weights)} weights (give at least one "
-                            "function, and one weight per function)")
+            raise DataError(
+                f"reward functions: {len(fns)} given with {len(weights)} weights (give at least one "
+                "function, and one weight per function)"
+            )
         self.functions = [RewardFunction(f, timeout_s) for f in fns]
         self.weights = weights
         self.labels = _labels([f.name for f in self.functions])
@@ -269,8 +285,13 @@ class FunctionTask(Task):
         """The reward of one sample (without the row's other columns: :meth:`score_batch` passes those)."""
         return self.score_batch([prompt], [response], [answer], [{}]).total[0]
 
-    def score_batch(self, prompts: Sequence[str], responses: Sequence[str], answers: Sequence[str | None],
-                    rows: Sequence[Mapping[str, Any]]) -> BatchScores:
+    def score_batch(
+        self,
+        prompts: Sequence[str],
+        responses: Sequence[str],
+        answers: Sequence[str | None],
+        rows: Sequence[Mapping[str, Any]],
+    ) -> BatchScores:
         """Each function on the batch; a sample's reward is their weighted sum, its parts their own values."""
         total = [0.0] * len(prompts)
         parts: list[dict[str, float]] = [{} for _ in prompts]

@@ -28,8 +28,15 @@ from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
 from typing import Any
 
-from loomrl.data.reward_functions import (RewardFn, RewardProcess, describe_batch, describe_sample, load_reward_fn,
-                                          one_line, plain)
+from loomrl.data.reward_functions import (
+    RewardFn,
+    RewardProcess,
+    describe_batch,
+    describe_sample,
+    load_reward_fn,
+    one_line,
+    plain,
+)
 from loomrl.errors import DataError
 
 __all__ = ["FORMS", "Form", "RewardFunction", "Rewards", "reward_form"]
@@ -72,8 +79,12 @@ def reward_form(fn: RewardFn, spec: str) -> Form:
         return Form(LOOMRL)
     params = list(signature.parameters.values())
     keyword = {p.name: p for p in params if p.kind in (p.POSITIONAL_OR_KEYWORD, p.KEYWORD_ONLY)}
-    form = Form("", frozenset(keyword), tuple(n for n, p in keyword.items() if p.default is p.empty),
-                any(p.kind is p.VAR_KEYWORD for p in params))
+    form = Form(
+        "",
+        frozenset(keyword),
+        tuple(n for n, p in keyword.items() if p.default is p.empty),
+        any(p.kind is p.VAR_KEYWORD for p in params),
+    )
     by_keyword = not any(p.kind is p.POSITIONAL_ONLY and p.default is p.empty for p in params)
     if all(name in keyword for name in _VERL_ARGS):
         given = {*_VERL_ARGS, *(("extra_info",) if form.takes("extra_info") else ())}
@@ -89,8 +100,10 @@ def reward_form(fn: RewardFn, spec: str) -> Form:
         except TypeError:
             pass
     name = getattr(fn, "__name__", spec)
-    raise DataError(f"reward function '{spec}': its signature {name}{signature} fits none of the accepted forms: "
-                    + "; ".join(f"{kind}: {sig}" for kind, sig in FORMS.items()))
+    raise DataError(
+        f"reward function '{spec}': its signature {name}{signature} fits none of the accepted forms: "
+        + "; ".join(f"{kind}: {sig}" for kind, sig in FORMS.items())
+    )
 
 
 @dataclass(frozen=True)
@@ -117,13 +130,21 @@ class RewardFunction:
         self.process: RewardProcess | None = None
         if timeout_s > 0:
             if not isinstance(fn, str) and "<" in getattr(fn, "__qualname__", "<"):
-                raise DataError(f"reward function '{self.spec}': a time limit runs it in its own process, which "
-                                "imports it by name: give a module-level function (or timeout_s=0)")
+                raise DataError(
+                    f"reward function '{self.spec}': a time limit runs it in its own process, which "
+                    "imports it by name: give a module-level function (or timeout_s=0)"
+                )
             target = fn if isinstance(fn, str) else f"{fn.__module__}:{fn.__qualname__}"
             self.process = RewardProcess(target, timeout_s)
 
-    def __call__(self, prompts: Sequence[str], responses: Sequence[str], answers: Sequence[str | None],
-                 rows: Sequence[Mapping[str, Any]], source: str) -> Rewards:
+    def __call__(
+        self,
+        prompts: Sequence[str],
+        responses: Sequence[str],
+        answers: Sequence[str | None],
+        rows: Sequence[Mapping[str, Any]],
+        source: str,
+    ) -> Rewards:
         """The function's rewards for a batch; ``rows`` are the prompt file's other columns of each sample and
         ``source`` the data source of rows without one (verl's form)."""
         if not prompts:
@@ -159,19 +180,24 @@ class RewardFunction:
             return value
         raise DataError(f"reward function '{self.spec}': returned {_short(value)} (must be a finite number) {sample}")
 
-    def _batched(self, prompts: Sequence[str], responses: Sequence[str], rows: Sequence[Mapping[str, Any]]
-                 ) -> list[float]:
+    def _batched(
+        self, prompts: Sequence[str], responses: Sequence[str], rows: Sequence[Mapping[str, Any]]
+    ) -> list[float]:
         """TRL's form: one call for the batch, columns by name."""
         columns = _columns(rows)
         for name in self.form.required:
             if name not in _TRL_ARGS and name not in columns:
-                raise DataError(f"reward function '{self.spec}': its argument '{name}' is not a column of the prompt "
-                                f"file (columns: {', '.join(columns) or 'none but the prompt'})")
+                raise DataError(
+                    f"reward function '{self.spec}': its argument '{name}' is not a column of the prompt "
+                    f"file (columns: {', '.join(columns) or 'none but the prompt'})"
+                )
         kwargs = {name: values for name, values in columns.items() if self.form.takes(name)}
         clash = sorted(set(kwargs) & set(_TRL_ARGS))
         if clash:
-            raise DataError(f"reward function '{self.spec}': the prompt file's column '{clash[0]}' has the name of "
-                            "an argument of TRL's form (rename the column)")
+            raise DataError(
+                f"reward function '{self.spec}': the prompt file's column '{clash[0]}' has the name of "
+                "an argument of TRL's form (rename the column)"
+            )
         kwargs["completions"] = list(responses)
         if self.form.takes("prompts"):
             kwargs["prompts"] = list(prompts)
@@ -180,15 +206,21 @@ class RewardFunction:
         n = len(prompts)
         if not isinstance(value, list) or len(value) != n:
             got = f"a list of {len(value)}" if isinstance(value, list) else _short(value)
-            raise DataError(f"reward function '{self.spec}': returned {got} for a batch of {n} samples (must be a "
-                            f"list of {n} finite numbers, one per completion) {batch}")
+            raise DataError(
+                f"reward function '{self.spec}': returned {got} for a batch of {n} samples (must be a "
+                f"list of {n} finite numbers, one per completion) {batch}"
+            )
         return [self._number(v, describe_sample(p, r)) for v, p, r in zip(value, prompts, responses)]
 
-    def _verl(self, prompt: str, response: str, answer: str | None, row: Mapping[str, Any], source: str
-              ) -> tuple[float, dict[str, float]]:
+    def _verl(
+        self, prompt: str, response: str, answer: str | None, row: Mapping[str, Any], source: str
+    ) -> tuple[float, dict[str, float]]:
         """verl's form: one call for the sample, by keyword; a dict's other finite numbers are extras."""
-        kwargs = {"data_source": row.get("data_source") if row.get("data_source") is not None else source,
-                  "solution_str": response, "ground_truth": _ground_truth(answer, row)}
+        kwargs = {
+            "data_source": row.get("data_source") if row.get("data_source") is not None else source,
+            "solution_str": response,
+            "ground_truth": _ground_truth(answer, row),
+        }
         if self.form.takes("extra_info"):
             extra = row.get("extra_info")
             kwargs["extra_info"] = dict(extra) if isinstance(extra, Mapping) else {}
@@ -197,8 +229,10 @@ class RewardFunction:
         if not isinstance(value, dict):
             return self._number(value, sample), {}
         if "score" not in value:
-            raise DataError(f"reward function '{self.spec}': returned a dict without a 'score' key (keys: "
-                            f"{', '.join(value) or 'none'}) {sample}")
+            raise DataError(
+                f"reward function '{self.spec}': returned a dict without a 'score' key (keys: "
+                f"{', '.join(value) or 'none'}) {sample}"
+            )
         extras = {k: v for k, v in value.items() if k != "score" and isinstance(v, float) and math.isfinite(v)}
         return self._number(value["score"], sample), extras
 

@@ -38,9 +38,9 @@ import sys
 import threading
 import time
 import weakref
-from collections.abc import Mapping, Sequence
+from collections.abc import Callable, Mapping, Sequence
 from pathlib import Path
-from typing import Any, Callable
+from typing import Any
 
 from loomrl.errors import DataError
 
@@ -52,8 +52,10 @@ RewardFn = Callable[..., Any]
 LOAD_TIMEOUT_S = 60.0
 """Least time the child is given to start and import the function (imports may be slow; calls are limited)."""
 
-_CHILD = ("import json, sys; sys.path[:0] = json.loads(sys.argv[1]); from loomrl.data.reward_functions import main; "
-          "main(sys.argv[2] == 'main', int(sys.argv[3]))")
+_CHILD = (
+    "import json, sys; sys.path[:0] = json.loads(sys.argv[1]); from loomrl.data.reward_functions import main; "
+    "main(sys.argv[2] == 'main', int(sys.argv[3]))"
+)
 
 
 def load_reward_fn(spec: str) -> RewardFn:
@@ -104,8 +106,12 @@ class RewardProcess:
         batch) in errors. A value a JSON line cannot carry (a date in a row) is sent as its ``str``."""
         if self._proc is None:
             self._start(sample)
-        reply = self._exchange({"args": list(args), "kwargs": dict(kwargs)}, self.timeout_s, sample,
-                               f"took longer than task.reward_timeout_s={self.timeout_s:g} s")
+        reply = self._exchange(
+            {"args": list(args), "kwargs": dict(kwargs)},
+            self.timeout_s,
+            sample,
+            f"took longer than task.reward_timeout_s={self.timeout_s:g} s",
+        )
         if "raised" in reply:
             raise DataError(f"reward function '{self.spec}': raised {reply['raised']} {sample}")
         return _reprs(reply["value"])
@@ -125,12 +131,17 @@ class RewardProcess:
     # ------------------------------------------------------------------------------------------ internals
     def _start(self, sample: str) -> None:
         starter = "main" if threading.current_thread() is threading.main_thread() else "thread"
-        self._proc = subprocess.Popen([sys.executable, "-c", _CHILD, json.dumps(sys.path), starter, str(os.getpid())],
-                                      stdin=subprocess.PIPE, stdout=subprocess.PIPE, cwd=os.getcwd(),
-                                      start_new_session=True)  # its group: what it leaves running dies with it
+        self._proc = subprocess.Popen(
+            [sys.executable, "-c", _CHILD, json.dumps(sys.path), starter, str(os.getpid())],
+            stdin=subprocess.PIPE,
+            stdout=subprocess.PIPE,
+            cwd=os.getcwd(),
+            start_new_session=True,
+        )  # its group: what it leaves running dies with it
         self._finalizer = weakref.finalize(self, _stop, self._proc)
-        reply = self._exchange({"spec": self.spec}, max(LOAD_TIMEOUT_S, self.timeout_s), sample,
-                               "did not load in its process")
+        reply = self._exchange(
+            {"spec": self.spec}, max(LOAD_TIMEOUT_S, self.timeout_s), sample, "did not load in its process"
+        )
         if "error" in reply:
             self.close()
             raise DataError(reply["error"])
@@ -159,9 +170,11 @@ class RewardProcess:
         if not (isinstance(reply, dict) and reply.keys() & {"ready", "error", "value", "raised"}):
             _kill_group(proc)
             self.close()
-            raise DataError(f"reward function '{self.spec}': its process replied {_short(line.decode('utf-8', 'replace'))}"
-                            f", not a reward (did the function replace something the replies are written with?) "
-                            f"{sample}")
+            raise DataError(
+                f"reward function '{self.spec}': its process replied {_short(line.decode('utf-8', 'replace'))}"
+                f", not a reward (did the function replace something the replies are written with?) "
+                f"{sample}"
+            )
         return reply
 
     def _read_line(self, deadline: float) -> bytes:

@@ -43,9 +43,10 @@ import sysconfig
 import tempfile
 import time
 import warnings
+from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any, Callable
+from typing import Any
 
 from loomrl.errors import DataError
 
@@ -148,14 +149,28 @@ def run_python(source: str, *, stdin: str = "", limits: SandboxLimits = SandboxL
             os.chown(work, uid, uid)
             root.chmod(0o711)  # the sandbox user may enter its directory, not list its parent
         report_r, report_w = os.pipe()
-        cfg = {"report_fd": report_w, "source": str(root / "source.py"), "workdir": str(work), "uid": uid,
-               "cpu_s": limits.cpu_s, "memory_mb": limits.memory_mb, "file_size_mb": limits.file_size_mb,
-               "processes": limits.processes}
+        cfg = {
+            "report_fd": report_w,
+            "source": str(root / "source.py"),
+            "workdir": str(work),
+            "uid": uid,
+            "cpu_s": limits.cpu_s,
+            "memory_mb": limits.memory_mb,
+            "file_size_mb": limits.file_size_mb,
+            "processes": limits.processes,
+        }
         env = {"PATH": "/usr/local/bin:/usr/bin:/bin", "HOME": str(work), "TMPDIR": str(work), "LANG": "C.UTF-8"}
         with open(root / "stdin", "rb") as stdin_file:
-            proc = subprocess.Popen([sys.executable, "-I", str(_BOOT), json.dumps(cfg)], stdin=stdin_file,
-                                    stdout=subprocess.PIPE, stderr=subprocess.PIPE, pass_fds=(report_w,), cwd=work,
-                                    env=env, start_new_session=True)
+            proc = subprocess.Popen(
+                [sys.executable, "-I", str(_BOOT), json.dumps(cfg)],
+                stdin=stdin_file,
+                stdout=subprocess.PIPE,
+                stderr=subprocess.PIPE,
+                pass_fds=(report_w,),
+                cwd=work,
+                env=env,
+                start_new_session=True,
+            )
         os.close(report_w)
         try:
             streams, timed_out = _collect(proc, report_r, limits)
@@ -169,16 +184,19 @@ def run_python(source: str, *, stdin: str = "", limits: SandboxLimits = SandboxL
     return _result(streams, timed_out, limits, gaps)
 
 
-def run_callable(fn: Callable[..., Any], *args: Any, stdin: str = "",
-                 limits: SandboxLimits = SandboxLimits()) -> SandboxResult:
+def run_callable(
+    fn: Callable[..., Any], *args: Any, stdin: str = "", limits: SandboxLimits = SandboxLimits()
+) -> SandboxResult:
     """Run ``fn(*args)`` in the sandbox: ``fn`` must be a module-level function, importable there by its module's
     name from this process's ``sys.path`` (so readable by the sandbox user), and ``args`` JSON values."""
     if "<" in fn.__qualname__:
         raise ValueError(f"run_callable: {fn.__qualname__} is not a module-level function (it is imported by name)")
-    source = (f"import importlib, json, sys\nsys.path[:0] = {json.dumps([p for p in sys.path if p])}\n"
-              f"fn = importlib.import_module({fn.__module__!r})\n"
-              f"for name in {fn.__qualname__!r}.split('.'):\n    fn = getattr(fn, name)\n"
-              f"fn(*json.loads({json.dumps(json.dumps(list(args)))}))\n")
+    source = (
+        f"import importlib, json, sys\nsys.path[:0] = {json.dumps([p for p in sys.path if p])}\n"
+        f"fn = importlib.import_module({fn.__module__!r})\n"
+        f"for name in {fn.__qualname__!r}.split('.'):\n    fn = getattr(fn, name)\n"
+        f"fn(*json.loads({json.dumps(json.dumps(list(args)))}))\n"
+    )
     return run_python(source, stdin=stdin, limits=limits)
 
 
@@ -219,7 +237,7 @@ def _collect(proc: subprocess.Popen, report_fd: int, limits: SandboxLimits) -> t
                 continue
             buffer = got[key.data]
             room = limits.output_bytes - len(buffer) if key.data != "report" else len(chunk)
-            buffer += chunk[:max(room, 0)]
+            buffer += chunk[: max(room, 0)]
             got["truncated"] |= room < len(chunk)
     selector.close()
     return got, timed_out
@@ -246,8 +264,10 @@ def _unreadable_library(uid: int | None) -> tuple[str, ...]:
         mode = path.stat()
         needed = stat.S_IXOTH | (stat.S_IROTH if path == library else 0)
         if mode.st_uid != uid and mode.st_mode & needed != needed:
-            return (f"imports: uid {uid} cannot read {path} (this Python's library is {library}): only built-in "
-                    "and already loaded modules import (SandboxLimits.user=None runs as root instead)",)
+            return (
+                f"imports: uid {uid} cannot read {path} (this Python's library is {library}): only built-in "
+                "and already loaded modules import (SandboxLimits.user=None runs as root instead)",
+            )
     return ()
 
 
@@ -266,5 +286,14 @@ def _result(got: dict[str, Any], timed_out: bool, limits: SandboxLimits, gaps: t
         limit = "memory"
     if notes:
         warnings.warn("sandbox: " + "; ".join(notes), RuntimeWarning, stacklevel=3)
-    return SandboxResult(None if limit == "wall" else returncode, sig, got["stdout"].decode("utf-8", "replace"),
-                         stderr, limit, cpu, limits, notes, got["truncated"])
+    return SandboxResult(
+        None if limit == "wall" else returncode,
+        sig,
+        got["stdout"].decode("utf-8", "replace"),
+        stderr,
+        limit,
+        cpu,
+        limits,
+        notes,
+        got["truncated"],
+    )

@@ -54,8 +54,10 @@ def _unshare(uid: int | None) -> list[str]:
     if not flags & CLONE_NEWNET:
         notes.append(f"network: not isolated (no new network namespace: unshare failed, {error})")
     if not flags & CLONE_NEWPID:
-        notes.append("processes: no new PID namespace; leftover processes are killed by process group only, "
-                     "which one that starts its own session escapes")
+        notes.append(
+            "processes: no new PID namespace; leftover processes are killed by process group only, "
+            "which one that starts its own session escapes"
+        )
     if root and uid is None:
         notes.append("user: runs as root (the process limit does not bind root; files are root's to read)")
     return notes
@@ -88,8 +90,13 @@ def _run(cfg: dict, source: str, nproc: int) -> None:
     try:
         os.chdir(cfg["workdir"])
         mb = 1024 * 1024
-        limits = {resource.RLIMIT_CORE: 0, resource.RLIMIT_CPU: cfg["cpu_s"], resource.RLIMIT_AS: cfg["memory_mb"] * mb,
-                  resource.RLIMIT_FSIZE: cfg["file_size_mb"] * mb, resource.RLIMIT_NPROC: nproc}
+        limits = {
+            resource.RLIMIT_CORE: 0,
+            resource.RLIMIT_CPU: cfg["cpu_s"],
+            resource.RLIMIT_AS: cfg["memory_mb"] * mb,
+            resource.RLIMIT_FSIZE: cfg["file_size_mb"] * mb,
+            resource.RLIMIT_NPROC: nproc,
+        }
         for kind, value in limits.items():
             # CPU: SIGXCPU at the soft limit; the hard one (a second later) is SIGKILL, which a handler cannot stop
             resource.setrlimit(kind, (value, value + 1 if kind == resource.RLIMIT_CPU else value))

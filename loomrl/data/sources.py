@@ -14,8 +14,9 @@ __all__ = ["build_task", "examples_window", "held_out", "prompt_source"]
 def build_task(cfg: TaskConfig) -> Task:
     """The task (its scoring rule) of the ``task`` settings: a built-in one, or the user's reward functions."""
     if cfg.name == "file":
-        return FunctionTask(cfg.reward_functions, name=cfg.name, timeout_s=cfg.reward_timeout_s,
-                            weights=cfg.reward_weights or None)
+        return FunctionTask(
+            cfg.reward_functions, name=cfg.name, timeout_s=cfg.reward_timeout_s, weights=cfg.reward_weights or None
+        )
     if cfg.name == "judge":
         from loomrl.data.judges import JudgeTask
 

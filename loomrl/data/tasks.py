@@ -115,8 +115,13 @@ class Task(ABC):
         """Whether the response is exactly correct (the success rate counts these)."""
         return self.score(prompt, response, answer) >= EXACT_SCORE
 
-    def score_batch(self, prompts: Sequence[str], responses: Sequence[str], answers: Sequence[str | None],
-                    rows: Sequence[Mapping[str, Any]]) -> BatchScores:
+    def score_batch(
+        self,
+        prompts: Sequence[str],
+        responses: Sequence[str],
+        answers: Sequence[str | None],
+        rows: Sequence[Mapping[str, Any]],
+    ) -> BatchScores:
         """The rule on a batch: ``score`` and ``exact`` of each sample (``rows``, the prompt file's other columns,
         serve tasks whose reward functions read them)."""
         samples = list(zip(prompts, responses, answers))
@@ -131,13 +136,14 @@ class Task(ABC):
         head = f"{keyword} "
         if not (prompt.startswith(head) and prompt.endswith("=")):
             raise DataError(f"task '{self.name}': prompt {prompt!r} is not of the form '{head}...='")
-        return prompt[len(head):-1]
+        return prompt[len(head) : -1]
 
 
 def _check_range(task: str, low_name: str, low: int, high_name: str, high: int, floor: int) -> None:
     if not floor <= low <= high:
-        raise DataError(f"task '{task}': {low_name}={low}, {high_name}={high} "
-                        f"(need {floor} <= {low_name} <= {high_name})")
+        raise DataError(
+            f"task '{task}': {low_name}={low}, {high_name}={high} (need {floor} <= {low_name} <= {high_name})"
+        )
 
 
 @dataclass(frozen=True)

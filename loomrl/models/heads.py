@@ -30,8 +30,9 @@ def _scaled_next_token_logits(logits_BLV: torch.Tensor, temperature: float) -> t
     return logits_BL1V / temperature if temperature != 1.0 else logits_BL1V
 
 
-def logprobs_from_logits(logits_BLV: torch.Tensor, input_ids_BL: torch.Tensor,
-                         temperature: float = 1.0) -> torch.Tensor:
+def logprobs_from_logits(
+    logits_BLV: torch.Tensor, input_ids_BL: torch.Tensor, temperature: float = 1.0
+) -> torch.Tensor:
     """logp_BL1: log p(token t+1 | tokens ≤ t) under softmax(logits / temperature), from a forward's logits."""
     logits_BL1V = _scaled_next_token_logits(logits_BLV, temperature)
     # gather − logsumexp avoids a second B×L×V tensor that log_softmax would allocate.
@@ -40,8 +41,9 @@ def logprobs_from_logits(logits_BLV: torch.Tensor, input_ids_BL: torch.Tensor,
     return picked_BL1 - torch.logsumexp(logits_BL1V, dim=-1)
 
 
-def logprobs_and_entropy_from_logits(logits_BLV: torch.Tensor, input_ids_BL: torch.Tensor,
-                                     temperature: float = 1.0) -> tuple[torch.Tensor, torch.Tensor]:
+def logprobs_and_entropy_from_logits(
+    logits_BLV: torch.Tensor, input_ids_BL: torch.Tensor, temperature: float = 1.0
+) -> tuple[torch.Tensor, torch.Tensor]:
     """(logp_BL1, entropy_BL1) from a forward's logits."""
     logits_BL1V = _scaled_next_token_logits(logits_BLV, temperature)
     logz_BL1 = torch.logsumexp(logits_BL1V, dim=-1)
@@ -53,8 +55,9 @@ def logprobs_and_entropy_from_logits(logits_BLV: torch.Tensor, input_ids_BL: tor
     return logp_BL1, entropy_BL1
 
 
-def token_logprobs(lm: PreTrainedModel, input_ids_BL: torch.Tensor, attention_mask_BL: torch.Tensor,
-                   temperature: float = 1.0) -> torch.Tensor:
+def token_logprobs(
+    lm: PreTrainedModel, input_ids_BL: torch.Tensor, attention_mask_BL: torch.Tensor, temperature: float = 1.0
+) -> torch.Tensor:
     """log p(token t+1 | tokens ≤ t) under softmax(logits / temperature); returns logp_BL1 in float32.
 
     Entries at padded positions are computed but meaningless; callers mask them.
@@ -63,9 +66,9 @@ def token_logprobs(lm: PreTrainedModel, input_ids_BL: torch.Tensor, attention_ma
     return logprobs_from_logits(logits_BLV, input_ids_BL, temperature)
 
 
-def token_logprobs_and_entropy(lm: PreTrainedModel, input_ids_BL: torch.Tensor,
-                               attention_mask_BL: torch.Tensor,
-                               temperature: float = 1.0) -> tuple[torch.Tensor, torch.Tensor]:
+def token_logprobs_and_entropy(
+    lm: PreTrainedModel, input_ids_BL: torch.Tensor, attention_mask_BL: torch.Tensor, temperature: float = 1.0
+) -> tuple[torch.Tensor, torch.Tensor]:
     """(logp_BL1, entropy_BL1): next-token log-probs and the entropy of each next-token distribution."""
     logits_BLV = lm(input_ids=input_ids_BL, attention_mask=attention_mask_BL, use_cache=False).logits
     return logprobs_and_entropy_from_logits(logits_BLV, input_ids_BL, temperature)
@@ -92,8 +95,9 @@ def score_head(value_model: PreTrainedModel) -> nn.Linear:
     raise TypeError(f"{type(value_model).__name__} has no linear score head (looked for {_SCORE_HEAD_NAMES})")
 
 
-def token_values(value_model: PreTrainedModel, input_ids_BL: torch.Tensor,
-                 attention_mask_BL: torch.Tensor) -> torch.Tensor:
+def token_values(
+    value_model: PreTrainedModel, input_ids_BL: torch.Tensor, attention_mask_BL: torch.Tensor
+) -> torch.Tensor:
     """The score head applied at every position: values_BL in float32 (a critic's V(prefix ≤ t)).
 
     HF's own forward only returns the score at the last non-pad token; critics need all of them, so the
@@ -112,8 +116,9 @@ def last_real_index(attention_mask_BL: torch.Tensor) -> torch.Tensor:
     return (positions_BL * (attention_mask_BL != 0)).amax(dim=1)
 
 
-def sequence_scores(value_model: PreTrainedModel, input_ids_BL: torch.Tensor,
-                    attention_mask_BL: torch.Tensor) -> torch.Tensor:
+def sequence_scores(
+    value_model: PreTrainedModel, input_ids_BL: torch.Tensor, attention_mask_BL: torch.Tensor
+) -> torch.Tensor:
     """score_B: the per-token value at the last real token of each right-padded row (a reward model's output)."""
     values_BL = token_values(value_model, input_ids_BL, attention_mask_BL)
     last_B = last_real_index(attention_mask_BL)

@@ -83,8 +83,10 @@ def load_tokenizer(path: str | os.PathLike[str]) -> PreTrainedTokenizerBase:
         first = str(exc).strip().splitlines()[0] if str(exc).strip() else type(exc).__name__
         raise DataError(f"tokenizer path '{path}': cannot be loaded ({first})") from exc
     if tokenizer.eos_token_id is None:
-        raise DataError(f"tokenizer path '{path}': has no eos token (responses end at eos; set eos_token in its "
-                        "tokenizer_config.json)")
+        raise DataError(
+            f"tokenizer path '{path}': has no eos token (responses end at eos; set eos_token in its "
+            "tokenizer_config.json)"
+        )
     if tokenizer.pad_token_id is None:
         tokenizer.pad_token = tokenizer.eos_token
     return tokenizer
@@ -108,9 +110,11 @@ def tokenizer_for(model: str | None, tokenizer: str = "auto", chat_template: str
             raise DataError(f"task.tokenizer: {err}") from None
     elif model and os.path.isdir(model):
         if not any((Path(model) / name).is_file() for name in TOKENIZER_FILES):
-            raise DataError(f"model '{model}': the checkpoint has no tokenizer ({' or '.join(TOKENIZER_FILES)} "
-                            "missing); save its tokenizer there, point task.tokenizer at one, or set "
-                            "task.tokenizer=task for the built-in task tokenizer")
+            raise DataError(
+                f"model '{model}': the checkpoint has no tokenizer ({' or '.join(TOKENIZER_FILES)} "
+                "missing); save its tokenizer there, point task.tokenizer at one, or set "
+                "task.tokenizer=task for the built-in task tokenizer"
+            )
         tok = load_tokenizer(model)
     else:
         tok = build_char_tokenizer()
@@ -129,8 +133,10 @@ def with_chat_template(tokenizer: PreTrainedTokenizerBase, chat_template: str) -
         tokenizer.chat_template = None
     elif chat_template != "auto":
         if not os.path.isfile(chat_template):
-            raise DataError(f"task.chat_template: '{chat_template}' is neither {' nor '.join(CHAT_TEMPLATE_MODES)} "
-                            "nor a Jinja template file")
+            raise DataError(
+                f"task.chat_template: '{chat_template}' is neither {' nor '.join(CHAT_TEMPLATE_MODES)} "
+                "nor a Jinja template file"
+            )
         tokenizer.chat_template = Path(chat_template).read_text(encoding="utf-8")
     return tokenizer
 
@@ -151,8 +157,10 @@ def encode_prompt(tokenizer: PreTrainedTokenizerBase, prompt: str | Sequence[Mes
         bos = [] if tokenizer.bos_token_id is None else [tokenizer.bos_token_id]
         ids = [*bos, *tokenizer.encode(prompt, add_special_tokens=False)]
     else:
-        raise DataError("a chat prompt (a list of messages) needs a tokenizer with a chat template; this one has "
-                        "none (set task.chat_template to a Jinja template file)")
+        raise DataError(
+            "a chat prompt (a list of messages) needs a tokenizer with a chat template; this one has "
+            "none (set task.chat_template to a Jinja template file)"
+        )
     if not ids:
         raise DataError(f"prompt {prompt!r} encodes to no tokens (the tokenizer has no bos to start it with)")
     return ids

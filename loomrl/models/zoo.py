@@ -42,28 +42,70 @@ _LLAMA_LIKE = {"rms_norm_eps": 1e-5, "attention_dropout": 0.0}
 
 ZOO: dict[str, dict[str, Any]] = {
     # ~1.0M parameters with the 48-token task vocabulary; GQA (4 query heads share 2 key/value heads).
-    "llama-1m": {"model_type": "llama", "hidden_size": 128, "num_hidden_layers": 4, "num_attention_heads": 4,
-                 "num_key_value_heads": 2, "intermediate_size": 512, **_LLAMA_LIKE},
+    "llama-1m": {
+        "model_type": "llama",
+        "hidden_size": 128,
+        "num_hidden_layers": 4,
+        "num_attention_heads": 4,
+        "num_key_value_heads": 2,
+        "intermediate_size": 512,
+        **_LLAMA_LIKE,
+    },
     # ~9.9M parameters.
-    "llama-10m": {"model_type": "llama", "hidden_size": 256, "num_hidden_layers": 10,
-                  "num_attention_heads": 8, "num_key_value_heads": 4, "intermediate_size": 1024, **_LLAMA_LIKE},
+    "llama-10m": {
+        "model_type": "llama",
+        "hidden_size": 256,
+        "num_hidden_layers": 10,
+        "num_attention_heads": 8,
+        "num_key_value_heads": 4,
+        "intermediate_size": 1024,
+        **_LLAMA_LIKE,
+    },
     # ~29.6M parameters.
-    "llama-30m": {"model_type": "llama", "hidden_size": 512, "num_hidden_layers": 10,
-                  "num_attention_heads": 8, "num_key_value_heads": 4, "intermediate_size": 1408, **_LLAMA_LIKE},
+    "llama-30m": {
+        "model_type": "llama",
+        "hidden_size": 512,
+        "num_hidden_layers": 10,
+        "num_attention_heads": 8,
+        "num_key_value_heads": 4,
+        "intermediate_size": 1408,
+        **_LLAMA_LIKE,
+    },
     # ~1.0M parameters; Qwen2 differs from Llama by biases on the q/k/v projections.
-    "qwen2-1m": {"model_type": "qwen2", "hidden_size": 128, "num_hidden_layers": 4, "num_attention_heads": 4,
-                 "num_key_value_heads": 2, "intermediate_size": 512, **_LLAMA_LIKE},
+    "qwen2-1m": {
+        "model_type": "qwen2",
+        "hidden_size": 128,
+        "num_hidden_layers": 4,
+        "num_attention_heads": 4,
+        "num_key_value_heads": 2,
+        "intermediate_size": 512,
+        **_LLAMA_LIKE,
+    },
     # ~0.84M parameters; learned absolute positions, LayerNorm, GELU MLP of width 4×128.
-    "gpt2-1m": {"model_type": "gpt2", "n_embd": 128, "n_layer": 4, "n_head": 4, "resid_pdrop": 0.0,
-                "embd_pdrop": 0.0, "attn_pdrop": 0.0, "summary_first_dropout": 0.0},
+    "gpt2-1m": {
+        "model_type": "gpt2",
+        "n_embd": 128,
+        "n_layer": 4,
+        "n_head": 4,
+        "resid_pdrop": 0.0,
+        "embd_pdrop": 0.0,
+        "attn_pdrop": 0.0,
+        "summary_first_dropout": 0.0,
+    },
 }
 """Zoo name → HF config fields (``model_type`` picks the architecture)."""
 
 MODEL_NAMES: tuple[str, ...] = tuple(ZOO)
 
 # Config fields that must agree for one checkpoint's weights to fit another model's shapes.
-_SHAPE_FIELDS = ("model_type", "hidden_size", "num_hidden_layers", "num_attention_heads",
-                 "num_key_value_heads", "intermediate_size")
+_SHAPE_FIELDS = (
+    "model_type",
+    "hidden_size",
+    "num_hidden_layers",
+    "num_attention_heads",
+    "num_key_value_heads",
+    "intermediate_size",
+)
 
 
 def zoo_config(name: str, tokenizer: PreTrainedTokenizerBase) -> PretrainedConfig:
@@ -88,12 +130,14 @@ def zoo_config(name: str, tokenizer: PreTrainedTokenizerBase) -> PretrainedConfi
 
 
 def _unknown_model(name_or_path: str) -> DataError:
-    return DataError(f"model '{name_or_path}': not a zoo name ({', '.join(MODEL_NAMES)}) "
-                     "nor a local checkpoint directory")
+    return DataError(
+        f"model '{name_or_path}': not a zoo name ({', '.join(MODEL_NAMES)}) nor a local checkpoint directory"
+    )
 
 
-def parameter_shapes(name_or_path: str, tokenizer: PreTrainedTokenizerBase, value: bool
-                     ) -> tuple[dict[str, tuple[int, ...]], int]:
+def parameter_shapes(
+    name_or_path: str, tokenizer: PreTrainedTokenizerBase, value: bool
+) -> tuple[dict[str, tuple[int, ...]], int]:
     """Parameter names and full shapes (and the layer count) of a zoo or checkpoint model, without building
     its weights: the model is instantiated from its config on the meta device."""
     if name_or_path in ZOO:
@@ -117,13 +161,19 @@ def check_model_spec(name_or_path: str) -> None:
         raise _unknown_model(name_or_path)
     if name_or_path not in ZOO and not any(os.path.isfile(os.path.join(name_or_path, f)) for f in _WEIGHT_FILES):
         # e.g. a role directory of a run's sharded checkpoint, which holds shards, not a Hugging Face model
-        raise DataError(f"model '{name_or_path}': config.json but no weights ({', '.join(_WEIGHT_FILES)}); for a "
-                        "run's checkpoint write the role's Hugging Face form first (loomrl export CHECKPOINT "
-                        "--role ROLE) and give that directory")
+        raise DataError(
+            f"model '{name_or_path}': config.json but no weights ({', '.join(_WEIGHT_FILES)}); for a "
+            "run's checkpoint write the role's Hugging Face form first (loomrl export CHECKPOINT "
+            "--role ROLE) and give that directory"
+        )
 
 
-_WEIGHT_FILES = ("model.safetensors", "model.safetensors.index.json", "pytorch_model.bin",
-                 "pytorch_model.bin.index.json")
+_WEIGHT_FILES = (
+    "model.safetensors",
+    "model.safetensors.index.json",
+    "pytorch_model.bin",
+    "pytorch_model.bin.index.json",
+)
 """The files ``from_pretrained`` takes weights from."""
 
 
@@ -134,12 +184,15 @@ def _is_checkpoint_dir(path: str) -> bool:
 def _check_vocab(path: str, config: PretrainedConfig, tokenizer: PreTrainedTokenizerBase) -> None:
     """A checkpoint whose embedding table is smaller than the tokenizer would index out of range."""
     if config.vocab_size < len(tokenizer):
-        raise DataError(f"model '{path}': vocab_size {config.vocab_size} is smaller than the tokenizer's "
-                        f"{len(tokenizer)} tokens (use the tokenizer saved with the checkpoint)")
+        raise DataError(
+            f"model '{path}': vocab_size {config.vocab_size} is smaller than the tokenizer's "
+            f"{len(tokenizer)} tokens (use the tokenizer saved with the checkpoint)"
+        )
 
 
-def build_causal_lm(name_or_path: str, tokenizer: PreTrainedTokenizerBase, seed: int,
-                    dtype: torch.dtype = torch.float32) -> PreTrainedModel:
+def build_causal_lm(
+    name_or_path: str, tokenizer: PreTrainedTokenizerBase, seed: int, dtype: torch.dtype = torch.float32
+) -> PreTrainedModel:
     """A causal LM: a zoo name gives random weights drawn from ``seed``; a local directory is loaded."""
     if name_or_path in ZOO:
         config = zoo_config(name_or_path, tokenizer)
@@ -150,14 +203,20 @@ def build_causal_lm(name_or_path: str, tokenizer: PreTrainedTokenizerBase, seed:
         return model.eval()
     if not _is_checkpoint_dir(name_or_path):
         raise _unknown_model(name_or_path)
-    model = AutoModelForCausalLM.from_pretrained(name_or_path, dtype=dtype, local_files_only=True,
-                                                 attn_implementation=ATTN_IMPLEMENTATION)
+    model = AutoModelForCausalLM.from_pretrained(
+        name_or_path, dtype=dtype, local_files_only=True, attn_implementation=ATTN_IMPLEMENTATION
+    )
     _check_vocab(name_or_path, model.config, tokenizer)
     return model.eval()
 
 
-def build_value_model(name_or_path: str, tokenizer: PreTrainedTokenizerBase, seed: int,
-                      init_from: str | None = None, dtype: torch.dtype = torch.float32) -> PreTrainedModel:
+def build_value_model(
+    name_or_path: str,
+    tokenizer: PreTrainedTokenizerBase,
+    seed: int,
+    init_from: str | None = None,
+    dtype: torch.dtype = torch.float32,
+) -> PreTrainedModel:
     """A scalar-output ``AutoModelForSequenceClassification`` (num_labels=1): a critic or a reward model.
 
     ``name_or_path`` gives the architecture (and the weights, if it is a directory); ``init_from``, a local
@@ -179,11 +238,13 @@ def build_value_model(name_or_path: str, tokenizer: PreTrainedTokenizerBase, see
             config = zoo_config(source, tokenizer)
             config.num_labels = 1
             model = AutoModelForSequenceClassification.from_config(
-                config, dtype=dtype, attn_implementation=ATTN_IMPLEMENTATION)
+                config, dtype=dtype, attn_implementation=ATTN_IMPLEMENTATION
+            )
             head_is_fresh = True
         else:
-            model, head_is_fresh = _load_value_checkpoint(source, pad_id, dtype,
-                                                          "init_from" if init_from is not None else "model")
+            model, head_is_fresh = _load_value_checkpoint(
+                source, pad_id, dtype, "init_from" if init_from is not None else "model"
+            )
     if init_from is not None:
         _check_same_shapes(name_or_path, init_from, tokenizer, model.config)
     _check_vocab(source, model.config, tokenizer)
@@ -196,21 +257,29 @@ def build_value_model(name_or_path: str, tokenizer: PreTrainedTokenizerBase, see
     return model.eval()
 
 
-def _load_value_checkpoint(path: str, pad_id: int | None, dtype: torch.dtype,
-                           field: str) -> tuple[PreTrainedModel, bool]:
+def _load_value_checkpoint(
+    path: str, pad_id: int | None, dtype: torch.dtype, field: str
+) -> tuple[PreTrainedModel, bool]:
     """Load a sequence-classification model from ``path``; also say whether its score head was missing."""
     if not _is_checkpoint_dir(path):
         raise DataError(f"{field} '{path}': not a local checkpoint directory (no config.json)")
     model, info = AutoModelForSequenceClassification.from_pretrained(
-        path, num_labels=1, pad_token_id=pad_id, dtype=dtype, local_files_only=True,
-        attn_implementation=ATTN_IMPLEMENTATION, output_loading_info=True)
+        path,
+        num_labels=1,
+        pad_token_id=pad_id,
+        dtype=dtype,
+        local_files_only=True,
+        attn_implementation=ATTN_IMPLEMENTATION,
+        output_loading_info=True,
+    )
     head_names = {n for n, _ in model.named_parameters() if n.split(".")[0] in ("score", "classifier")}
     head_is_fresh = bool(head_names & set(info["missing_keys"]))
     return model, head_is_fresh
 
 
-def _check_same_shapes(name_or_path: str, init_from: str, tokenizer: PreTrainedTokenizerBase,
-                       loaded: PretrainedConfig) -> None:
+def _check_same_shapes(
+    name_or_path: str, init_from: str, tokenizer: PreTrainedTokenizerBase, loaded: PretrainedConfig
+) -> None:
     """``init_from`` must have the architecture that ``name_or_path`` names, or the config would lie."""
     if name_or_path in ZOO:
         wanted = zoo_config(name_or_path, tokenizer)
@@ -220,8 +289,9 @@ def _check_same_shapes(name_or_path: str, init_from: str, tokenizer: PreTrainedT
     got = {f: getattr(loaded, f, None) for f in _SHAPE_FIELDS}
     diff = [f"{f}={got[f]} (expected {want[f]})" for f in _SHAPE_FIELDS if want[f] != got[f]]
     if diff:
-        raise DataError(f"init_from '{init_from}': architecture differs from model '{name_or_path}': "
-                        + ", ".join(diff))
+        raise DataError(
+            f"init_from '{init_from}': architecture differs from model '{name_or_path}': " + ", ".join(diff)
+        )
 
 
 def count_parameters(model: torch.nn.Module) -> int:

@@ -16,13 +16,13 @@ A 16-bit parameter of a trained role keeps its gradient in fp32 (:mod:`loomrl.pa
 read gradients through :func:`~loomrl.parallel.main_grad.grad_of`.
 """
 
+from loomrl.parallel.allocations import AllocationGroups
 from loomrl.parallel.data_parallel import local_shard, sync_gradients
 from loomrl.parallel.fsdp import apply_fsdp
-from loomrl.parallel.realloc_exec import ReallocVerificationError, build_broadcast_groups, execute_reallocation
-from loomrl.parallel.allocations import AllocationGroups
-from loomrl.plan.layout import TP_ARCHITECTURES, Layout, check_layout
 from loomrl.parallel.full_state import full_state_dict, load_full_state_dict
+from loomrl.parallel.realloc_exec import ReallocVerificationError, build_broadcast_groups, execute_reallocation
 from loomrl.parallel.tensor_parallel import apply_tensor_parallel
+from loomrl.plan.layout import TP_ARCHITECTURES, Layout, check_layout
 
 __all__ = [
     "AllocationGroups",

@@ -20,8 +20,8 @@ from dataclasses import dataclass
 import torch.distributed as dist
 from torch.distributed.device_mesh import DeviceMesh
 
+from loomrl.plan.allocation import Allocation
 from loomrl.plan.layout import Coords, Layout
-from loomrl.plan.plan import Allocation
 
 __all__ = ["AllocGroups", "AllocationGroups"]
 
@@ -71,11 +71,15 @@ class AllocationGroups:
     def add(self, allocations: Iterable[Allocation]) -> None:
         """Create the communicators of the allocations not seen yet (collective over the world: every rank
         calls it with the same allocations)."""
-        new = sorted({_mesh_key(a) for a in allocations} - set(self._groups),
-                     key=lambda k: (k[0], k[1].dp, k[1].tp, k[1].pp, k[1].reverse))
+        new = sorted(
+            {_mesh_key(a) for a in allocations} - set(self._groups),
+            key=lambda k: (k[0], k[1].dp, k[1].tp, k[1].pp, k[1].reverse),
+        )
         for devices, layout in new:
-            grid = [[[devices[layout.rank(Coords(p, d, t))] for t in range(layout.tp)] for d in range(layout.dp)]
-                    for p in range(layout.pp)]
+            grid = [
+                [[devices[layout.rank(Coords(p, d, t))] for t in range(layout.tp)] for d in range(layout.dp)]
+                for p in range(layout.pp)
+            ]
             mesh = DeviceMesh(self.device_type, grid, mesh_dim_names=("pp", "dp", "tp"))
             whole = dist.new_group(list(devices)) if len(devices) > 1 else None  # collective: every rank creates it
             back = {}
@@ -88,9 +92,16 @@ class AllocationGroups:
             if self.device in devices:
                 coords = layout.coords(devices.index(self.device))
                 line = tuple(grid[p][coords.dp][coords.tp] for p in range(layout.pp))
-                self._groups[(devices, layout)] = AllocGroups(mesh.get_group("dp"), mesh.get_group("pp"),
-                                                              mesh["tp"], mesh["dp"], coords, whole,
-                                                              back.get(line), line)
+                self._groups[(devices, layout)] = AllocGroups(
+                    mesh.get_group("dp"),
+                    mesh.get_group("pp"),
+                    mesh["tp"],
+                    mesh["dp"],
+                    coords,
+                    whole,
+                    back.get(line),
+                    line,
+                )
 
     def __getitem__(self, alloc: Allocation) -> AllocGroups:
         groups = self._groups.get(_mesh_key(alloc))

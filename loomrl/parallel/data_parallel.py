@@ -17,7 +17,7 @@ the same shard, so DTensor parameters are handled through their local tensors.
 
 from __future__ import annotations
 
-from typing import Callable, Iterator
+from collections.abc import Callable, Iterator
 
 import torch
 import torch.distributed as dist
@@ -30,8 +30,7 @@ DEFAULT_BUCKET_BYTES = 32 * 1024 * 1024
 """Largest flat buffer all-reduced at once: few collectives, bounded temporary memory."""
 
 
-def sync_gradients(model: nn.Module, dp_group: dist.ProcessGroup,
-                   bucket_bytes: int = DEFAULT_BUCKET_BYTES) -> None:
+def sync_gradients(model: nn.Module, dp_group: dist.ProcessGroup, bucket_bytes: int = DEFAULT_BUCKET_BYTES) -> None:
     """All-reduce (SUM) every parameter's gradient over ``dp_group``; a no-op for a group of one rank.
 
     A parameter that has a gradient on some rank but not on this one (e.g. this rank had no rows) joins the sum
@@ -47,7 +46,7 @@ def sync_gradients(model: nn.Module, dp_group: dist.ProcessGroup,
         dist.all_reduce(flat, op=dist.ReduceOp.SUM, group=dp_group)
         offset = 0
         for g in bucket:
-            g.copy_(flat[offset: offset + g.numel()].view_as(g))  # rounds a 16-bit gradient once
+            g.copy_(flat[offset : offset + g.numel()].view_as(g))  # rounds a 16-bit gradient once
             offset += g.numel()
 
 
@@ -68,17 +67,20 @@ def _agree_on_gradients(params: list[nn.Parameter], dp_group: dist.ProcessGroup)
     """
     if not params:
         return
-    has_grad = torch.tensor([grad_of(p) is not None for p in params], dtype=torch.int32,
-                            device=local_shard(params[0]).device)
+    has_grad = torch.tensor(
+        [grad_of(p) is not None for p in params], dtype=torch.int32, device=local_shard(params[0]).device
+    )
     dist.all_reduce(has_grad, op=dist.ReduceOp.MAX, group=dp_group)
     for p, anyone in zip(params, has_grad.tolist()):
         if anyone and grad_of(p) is None:
             zero_fill(p)
 
 
-def buckets(tensors: list[torch.Tensor], bucket_bytes: int,
-            nbytes_of: Callable[[torch.Tensor], int] = lambda t: t.numel() * t.element_size()
-            ) -> Iterator[list[torch.Tensor]]:
+def buckets(
+    tensors: list[torch.Tensor],
+    bucket_bytes: int,
+    nbytes_of: Callable[[torch.Tensor], int] = lambda t: t.numel() * t.element_size(),
+) -> Iterator[list[torch.Tensor]]:
     """Consecutive runs of same-dtype, same-device tensors of at most ``bucket_bytes`` as counted by
     ``nbytes_of`` (their size by default), or one larger tensor alone."""
     bucket: list[torch.Tensor] = []

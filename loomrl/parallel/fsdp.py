@@ -55,8 +55,11 @@ def apply_fsdp(model: nn.Module, dp_mesh: DeviceMesh, compute_dtype: torch.dtype
     one-dimensional ``dp_mesh``; its weights become fp32 shards, computed with in ``compute_dtype``. Returns
     the model."""
     model.float()  # exact for bf16 weights: every precision starts from the same values
-    policy = MixedPrecisionPolicy(param_dtype=compute_dtype, reduce_dtype=torch.float32) \
-        if compute_dtype != torch.float32 else MixedPrecisionPolicy()
+    policy = (
+        MixedPrecisionPolicy(param_dtype=compute_dtype, reduce_dtype=torch.float32)
+        if compute_dtype != torch.float32
+        else MixedPrecisionPolicy()
+    )
     for unit in _units(model):
         fully_shard(unit, mesh=dp_mesh, mp_policy=policy)
     fully_shard(model, mesh=dp_mesh, mp_policy=policy)

@@ -10,7 +10,7 @@ model's deterministic parameter order).
 
 from __future__ import annotations
 
-from typing import Mapping
+from collections.abc import Mapping
 
 import torch
 from torch import nn
@@ -38,9 +38,11 @@ def load_full_state_dict(model: nn.Module, state: Mapping[str, torch.Tensor], st
     missing = sorted(set(targets) - set(state)) if strict else []
     unexpected = sorted(set(state) - set(targets))
     if missing or unexpected:
-        raise ValueError(f"state dict does not fit the model: missing {missing[:5]}"
-                         f"{'...' if len(missing) > 5 else ''}, "
-                         f"unexpected {unexpected[:5]}{'...' if len(unexpected) > 5 else ''}")
+        raise ValueError(
+            f"state dict does not fit the model: missing {missing[:5]}"
+            f"{'...' if len(missing) > 5 else ''}, "
+            f"unexpected {unexpected[:5]}{'...' if len(unexpected) > 5 else ''}"
+        )
     with torch.no_grad():
         for name, full in state.items():
             target = targets[name]
@@ -48,8 +50,9 @@ def load_full_state_dict(model: nn.Module, state: Mapping[str, torch.Tensor], st
                 raise ValueError(f"{name}: full shape {tuple(target.shape)} expected, got {tuple(full.shape)}")
             if isinstance(target, DTensor):
                 local = target.to_local()
-                shard = distribute_tensor(full.to(local.device, local.dtype), target.device_mesh,
-                                          target.placements, src_data_rank=None).to_local()
+                shard = distribute_tensor(
+                    full.to(local.device, local.dtype), target.device_mesh, target.placements, src_data_rank=None
+                ).to_local()
                 local.copy_(shard)
             else:
                 target.copy_(full)

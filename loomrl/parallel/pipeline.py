@@ -29,7 +29,7 @@ Legend: B rows, L tokens per row (right-padded), H hidden size, V vocabulary.
 
 from __future__ import annotations
 
-from typing import Iterator
+from collections.abc import Iterator
 
 import torch
 from torch import nn
@@ -52,8 +52,10 @@ def check_pipeline(config: object, pp_size: int, where: str = "layout") -> None:
         return
     model_type = getattr(config, "model_type", None)
     if model_type not in PP_ARCHITECTURES:
-        raise ConfigError(f"{where}.pp: {pp_size} needs one of the architectures {', '.join(PP_ARCHITECTURES)}; "
-                          f"model_type '{model_type}' supports only pp=1")
+        raise ConfigError(
+            f"{where}.pp: {pp_size} needs one of the architectures {', '.join(PP_ARCHITECTURES)}; "
+            f"model_type '{model_type}' supports only pp=1"
+        )
     layers = getattr(config, "num_hidden_layers", None)
     if not isinstance(layers, int) or layers % pp_size:
         raise ConfigError(f"{where}.pp: {pp_size} does not divide num_hidden_layers={layers}")
@@ -66,8 +68,15 @@ class PipelineStage:
     pruned HF model itself (optimizers, checkpoints and ``train()`` / ``eval()`` use it directly).
     """
 
-    def __init__(self, model: PreTrainedModel, pp_rank: int, pp_size: int, layer_ids: tuple[int, ...],
-                 output: str, head_name: str | None):
+    def __init__(
+        self,
+        model: PreTrainedModel,
+        pp_rank: int,
+        pp_size: int,
+        layer_ids: tuple[int, ...],
+        output: str,
+        head_name: str | None,
+    ):
         self.model = model
         self.pp_rank, self.pp_size = pp_rank, pp_size
         self.layer_ids = layer_ids
@@ -100,8 +109,9 @@ class PipelineStage:
         """This stage's parameters under their original, global names."""
         return self.model.named_parameters()
 
-    def forward(self, inputs: torch.Tensor, attention_mask_BL: torch.Tensor,
-                position_ids_BL: torch.Tensor | None = None) -> torch.Tensor:
+    def forward(
+        self, inputs: torch.Tensor, attention_mask_BL: torch.Tensor, position_ids_BL: torch.Tensor | None = None
+    ) -> torch.Tensor:
         """input_ids_BL (first stage) or hidden_BLH (others) → hidden_BLH, or the head's output on the last stage.
 
         ``attention_mask_BL`` is the 2-D padding mask of the rows (every stage needs it: masks are rebuilt per
@@ -112,14 +122,25 @@ class PipelineStage:
         hidden_BLH = base.embed_tokens(inputs) if self.is_first else inputs
         if position_ids_BL is None:
             position_ids_BL = torch.arange(hidden_BLH.shape[1], device=hidden_BLH.device).unsqueeze(0)
-        masks = {kind: _MASK_BUILDERS[kind](config=self.model.config, inputs_embeds=hidden_BLH,
-                                            attention_mask=attention_mask_BL, past_key_values=None,
-                                            position_ids=position_ids_BL)
-                 for kind in {self._layer_type(i) for i in self.layer_ids}}
+        masks = {
+            kind: _MASK_BUILDERS[kind](
+                config=self.model.config,
+                inputs_embeds=hidden_BLH,
+                attention_mask=attention_mask_BL,
+                past_key_values=None,
+                position_ids=position_ids_BL,
+            )
+            for kind in {self._layer_type(i) for i in self.layer_ids}
+        }
         rope = base.rotary_emb(hidden_BLH, position_ids=position_ids_BL)
         for index, layer in zip(self.layer_ids, base.layers.values()):
-            hidden_BLH = layer(hidden_BLH, attention_mask=masks[self._layer_type(index)],
-                               position_ids=position_ids_BL, position_embeddings=rope, use_cache=False)
+            hidden_BLH = layer(
+                hidden_BLH,
+                attention_mask=masks[self._layer_type(index)],
+                position_ids=position_ids_BL,
+                position_embeddings=rope,
+                use_cache=False,
+            )
         if not self.is_last:
             return hidden_BLH
         return self._head(base.norm(hidden_BLH))
@@ -153,14 +174,18 @@ def split_stages(model: PreTrainedModel, pp_rank: int, pp_size: int) -> Pipeline
         raise ValueError(f"pipeline rank {pp_rank} is outside 0..{pp_size - 1}")
     base = model.base_model
     if not isinstance(getattr(base, "layers", None), nn.ModuleList):
-        raise TypeError(f"{type(model).__name__}: no decoder ModuleList at {type(base).__name__}.layers "
-                        "(already split, or not a Llama-like model)")
+        raise TypeError(
+            f"{type(model).__name__}: no decoder ModuleList at {type(base).__name__}.layers "
+            "(already split, or not a Llama-like model)"
+        )
     output, head_name = _output_kind(model)
     head = getattr(model, head_name) if head_name else None
     if pp_size > 1 and head is not None and head.weight is base.embed_tokens.weight:
         # The first and last stage would each need the shared matrix and a summed gradient; not built yet.
-        raise ConfigError("pipeline.pp: tied input/output embeddings are not supported with pp > 1 "
-                          "(untie them, e.g. tie_word_embeddings=False)")
+        raise ConfigError(
+            "pipeline.pp: tied input/output embeddings are not supported with pp > 1 "
+            "(untie them, e.g. tie_word_embeddings=False)"
+        )
     per_stage = model.config.num_hidden_layers // pp_size
     layer_ids = tuple(range(pp_rank * per_stage, (pp_rank + 1) * per_stage))
     # ModuleDict keyed by the global index: parameter names stay 'model.layers.{global}.…'.

@@ -32,7 +32,7 @@ from dataclasses import dataclass, field
 import torch
 import torch.distributed as dist
 
-from loomrl.parallel.pipeline_runner import LossFn, PipelineRunner, _decode, _header, _HEADER
+from loomrl.parallel.pipeline_runner import HEADER_LEN, LossFn, PipelineRunner, decode_header, tensor_header
 
 __all__ = ["PipelineFusionSide", "FusedTask", "pipeline_fusion_backward"]
 
@@ -68,19 +68,22 @@ class _Channels:
         self.pending: list[tuple[dist.Work, torch.Tensor]] = []
 
     def send(self, tensor: torch.Tensor, group: dist.ProcessGroup, peer: int) -> None:
-        header = _header(tensor, tensor.device)
+        header = tensor_header(tensor, tensor.device)
         tensor = tensor.contiguous()
         for t in (header, tensor):
             self.pending.append((dist.isend(t, group=group, group_dst=peer), t))
 
-    def recv(self, group: dist.ProcessGroup, peer: int, expected: tuple[int, ...], device: torch.device,
-             where: str) -> torch.Tensor:
-        header = torch.empty(_HEADER, dtype=torch.int64, device=device)
+    def recv(
+        self, group: dist.ProcessGroup, peer: int, expected: tuple[int, ...], device: torch.device, where: str
+    ) -> torch.Tensor:
+        header = torch.empty(HEADER_LEN, dtype=torch.int64, device=device)
         dist.irecv(header, group=group, group_src=peer).wait()
-        dtype, shape = _decode(header)
+        dtype, shape = decode_header(header)
         if shape != expected:
-            raise RuntimeError(f"fused pipeline, {where}: got a tensor of shape {shape}, expected {expected} (do all "
-                               "stages of a replica have the same rows?)")
+            raise RuntimeError(
+                f"fused pipeline, {where}: got a tensor of shape {shape}, expected {expected} (do all "
+                "stages of a replica have the same rows?)"
+            )
         tensor = torch.empty(shape, dtype=dtype, device=device)
         dist.irecv(tensor, group=group, group_src=peer).wait()
         return tensor
@@ -98,8 +101,10 @@ def pipeline_fusion_backward(order: Sequence[FusedTask], sides: Mapping[int, Pip
     for model, side in sides.items():
         forwards = sum(1 for m, _, back in order if m == model and not back)
         if forwards != len(side.parts) or sum(1 for m, _, back in order if m == model and back) != forwards:
-            raise ValueError(f"fused pipeline: the order has {forwards} forwards of model {model} but its rows are "
-                             f"cut into {len(side.parts)} micro-batches")
+            raise ValueError(
+                f"fused pipeline: the order has {forwards} forwards of model {model} but its rows are "
+                f"cut into {len(side.parts)} micro-batches"
+            )
     channels = _Channels()
     saved: dict[tuple[int, int], tuple[torch.Tensor, torch.Tensor]] = {}
     state = {model: _SideState(side) for model, side in sides.items()}
@@ -121,13 +126,18 @@ class _SideState:
         runner = side.runner
         self.side, self.runner, self.stage = side, runner, runner.stage
         device = self.stage.device
-        self.batch = tuple(None if t is None else t.to(device)
-                           for t in (side.input_ids_BL, side.attention_mask_BL, side.position_ids_BL))
+        self.batch = tuple(
+            None if t is None else t.to(device)
+            for t in (side.input_ids_BL, side.attention_mask_BL, side.position_ids_BL)
+        )
         if self.stage.is_first and self.batch[0] is None:
             raise ValueError("the first pipeline stage needs input_ids")
         ranks = side.stage_ranks
-        self.back_peers = tuple(range(runner.pp_size)) if ranks is None or runner.pp_size == 1 else \
-            tuple(dist.get_group_rank(side.back_group, r) for r in ranks)
+        self.back_peers = (
+            tuple(range(runner.pp_size))
+            if ranks is None or runner.pp_size == 1
+            else tuple(dist.get_group_rank(side.back_group, r) for r in ranks)
+        )
         self.total = torch.zeros((), dtype=torch.float64, device=device)
         side.peak_in_flight = 0
 
@@ -140,8 +150,9 @@ class _SideState:
         if self.stage.is_first:
             x = self.batch[0][rows]
         else:
-            x = channels.recv(self.runner.group, self.runner.peers[r - 1], self._shape(k), self.stage.device,
-                              f"stage {r} forward {k}").requires_grad_(True)
+            x = channels.recv(
+                self.runner.group, self.runner.peers[r - 1], self._shape(k), self.stage.device, f"stage {r} forward {k}"
+            ).requires_grad_(True)
         y = self.stage.forward(x, self.batch[1][rows], None if self.batch[2] is None else self.batch[2][rows])
         if not self.stage.is_last:
             channels.send(y.detach(), self.runner.group, self.runner.peers[r + 1])
@@ -157,8 +168,13 @@ class _SideState:
             loss.backward()
             self.total = self.total + loss.detach().double()
         else:
-            grad = channels.recv(self.side.back_group, self.back_peers[r + 1], self._shape(k), self.stage.device,
-                                 f"stage {r} backward {k}")
+            grad = channels.recv(
+                self.side.back_group,
+                self.back_peers[r + 1],
+                self._shape(k),
+                self.stage.device,
+                f"stage {r} backward {k}",
+            )
             torch.autograd.backward(y, grad)
         if not self.stage.is_first:
             dx = x.grad if x.grad is not None else torch.zeros_like(x)

@@ -32,7 +32,7 @@ Legend: B rows, L tokens per row, H hidden size, V vocabulary, M micro-batches.
 from __future__ import annotations
 
 import math
-from typing import Callable, Iterable, Sequence
+from collections.abc import Callable, Iterable, Sequence
 
 import torch
 import torch.distributed as dist
@@ -51,25 +51,36 @@ OutputFn = Callable[[torch.Tensor, int], torch.Tensor]
 # Dtypes a header can name; hidden states, gradients and results are floating point.
 _DTYPES = (torch.float32, torch.bfloat16, torch.float16, torch.float64)
 _MAX_DIMS = 4
-_HEADER = 2 + _MAX_DIMS  # dtype code, ndim, shape padded with zeros
+HEADER_LEN = 2 + _MAX_DIMS  # dtype code, ndim, shape padded with zeros
 
 
 class PipelineRunner:
     """Pipelined inference and 1F1B training of one stage, in step with the other ranks of ``pp_group``."""
 
-    def __init__(self, stage: PipelineStage, pp_group: dist.ProcessGroup | None, pp_rank: int, pp_size: int,
-                 stage_ranks: Sequence[int] | None = None):
+    def __init__(
+        self,
+        stage: PipelineStage,
+        pp_group: dist.ProcessGroup | None,
+        pp_rank: int,
+        pp_size: int,
+        stage_ranks: Sequence[int] | None = None,
+    ):
         """``pp_group`` may be None only when ``pp_size`` is 1 (nothing is communicated then). ``stage_ranks``: the
         global rank holding each stage, in stage order, for a group whose rank order is not the stage order (a
         reversed layout puts stage 0 on the group's last rank); None: stage ``s`` is group rank ``s``."""
         if (stage.pp_rank, stage.pp_size) != (pp_rank, pp_size):
             raise ValueError(f"stage {stage.pp_rank} of {stage.pp_size} given to runner rank {pp_rank} of {pp_size}")
-        self.peers = tuple(range(pp_size)) if stage_ranks is None or pp_size == 1 else \
-            tuple(dist.get_group_rank(pp_group, r) for r in stage_ranks)
+        self.peers = (
+            tuple(range(pp_size))
+            if stage_ranks is None or pp_size == 1
+            else tuple(dist.get_group_rank(pp_group, r) for r in stage_ranks)
+        )
         """The ``pp_group`` rank of each stage."""
         if pp_size > 1 and (dist.get_rank(pp_group), dist.get_world_size(pp_group)) != (self.peers[pp_rank], pp_size):
-            raise ValueError(f"pipeline rank {pp_rank} of {pp_size} disagrees with the group (rank "
-                             f"{dist.get_rank(pp_group)} of {dist.get_world_size(pp_group)})")
+            raise ValueError(
+                f"pipeline rank {pp_rank} of {pp_size} disagrees with the group (rank "
+                f"{dist.get_rank(pp_group)} of {dist.get_world_size(pp_group)})"
+            )
         self.stage, self.group = stage, pp_group
         self.pp_rank, self.pp_size = pp_rank, pp_size
         self.peak_in_flight = 0
@@ -77,9 +88,16 @@ class PipelineRunner:
 
     # ------------------------------------------------------------------------------------------ inference
     @torch.no_grad()
-    def forward(self, input_ids_BL: torch.Tensor | None, attention_mask_BL: torch.Tensor, micro_batches: int = 1,
-                *, position_ids_BL: torch.Tensor | None = None, output_fn: OutputFn | None = None,
-                broadcast_result: bool = False) -> torch.Tensor | None:
+    def forward(
+        self,
+        input_ids_BL: torch.Tensor | None,
+        attention_mask_BL: torch.Tensor,
+        micro_batches: int = 1,
+        *,
+        position_ids_BL: torch.Tensor | None = None,
+        output_fn: OutputFn | None = None,
+        broadcast_result: bool = False,
+    ) -> torch.Tensor | None:
         """The last stage's output for all rows (logits B×L×V, values B×L, or ``output_fn`` of each micro-batch,
         concatenated over rows) on the last stage, None elsewhere; on every stage with ``broadcast_result``.
 
@@ -96,9 +114,16 @@ class PipelineRunner:
         return self._broadcast(result) if broadcast_result else result
 
     # ------------------------------------------------------------------------------------------- training
-    def train_step_backward(self, input_ids_BL: torch.Tensor | None, attention_mask_BL: torch.Tensor,
-                            loss_fn: LossFn, micro_batches: int = 1, *, position_ids_BL: torch.Tensor | None = None,
-                            broadcast_result: bool = False) -> float:
+    def train_step_backward(
+        self,
+        input_ids_BL: torch.Tensor | None,
+        attention_mask_BL: torch.Tensor,
+        loss_fn: LossFn,
+        micro_batches: int = 1,
+        *,
+        position_ids_BL: torch.Tensor | None = None,
+        broadcast_result: bool = False,
+    ) -> float:
         """Forward and backward of every micro-batch (1F1B); gradients accumulate into the stage's parameters.
 
         The last stage calls ``loss_fn(output, k)`` for micro-batch ``k`` (rows ``micro_batch_slices(B, M)[k]``)
@@ -141,8 +166,11 @@ class PipelineRunner:
         for i in range(count - warmup):  # steady: one forward, one backward
             k = warmup + i
             y = forward(k, x)
-            grad = None if self.stage.is_last else \
-                self._exchange(y.detach(), self.pp_rank + 1, self._shape(batch, slices[i]))
+            grad = (
+                None
+                if self.stage.is_last
+                else self._exchange(y.detach(), self.pp_rank + 1, self._shape(batch, slices[i]))
+            )
             dx = backward(i, grad)
             if k + 1 < count:
                 x = self._input(batch, slices[k + 1], send_back=dx)
@@ -157,9 +185,13 @@ class PipelineRunner:
         return float(total)
 
     # ------------------------------------------------------------------------------------------ internals
-    def _prepare(self, input_ids_BL: torch.Tensor | None, attention_mask_BL: torch.Tensor,
-                 position_ids_BL: torch.Tensor | None, micro_batches: int
-                 ) -> tuple[tuple[torch.Tensor | None, ...], list[slice]]:
+    def _prepare(
+        self,
+        input_ids_BL: torch.Tensor | None,
+        attention_mask_BL: torch.Tensor,
+        position_ids_BL: torch.Tensor | None,
+        micro_batches: int,
+    ) -> tuple[tuple[torch.Tensor | None, ...], list[slice]]:
         """The batch on the stage's device, and the micro-batches' row ranges."""
         if self.stage.is_first and input_ids_BL is None:
             raise ValueError("the first pipeline stage needs input_ids")
@@ -167,8 +199,9 @@ class PipelineRunner:
         batch = tuple(None if t is None else t.to(device) for t in (input_ids_BL, attention_mask_BL, position_ids_BL))
         return batch, micro_batch_slices(attention_mask_BL.shape[0], micro_batches)
 
-    def _forward_micro_batch(self, batch: tuple[torch.Tensor | None, ...], rows: slice
-                             ) -> tuple[torch.Tensor, torch.Tensor]:
+    def _forward_micro_batch(
+        self, batch: tuple[torch.Tensor | None, ...], rows: slice
+    ) -> tuple[torch.Tensor, torch.Tensor]:
         """(this stage's input, its output) for ``rows`` in inference; receives the input from and sends the
         output onward."""
         ids_BL, mask_BL, pos_BL = batch
@@ -182,49 +215,58 @@ class PipelineRunner:
         """Shape of the hidden states (and their gradients) of ``rows`` between two stages."""
         return rows.stop - rows.start, batch[1].shape[1], self.stage.hidden_size
 
-    def _input(self, batch: tuple[torch.Tensor | None, ...], rows: slice,
-               send_back: torch.Tensor | None = None) -> torch.Tensor:
+    def _input(
+        self, batch: tuple[torch.Tensor | None, ...], rows: slice, send_back: torch.Tensor | None = None
+    ) -> torch.Tensor:
         """This stage's input for ``rows`` in a training step: the token ids on the first stage, else the previous
         stage's output (needing its gradient). ``send_back``, the gradient of the previous micro-batch's input,
         goes to the previous stage in the same exchange (both neighbours send at once in the steady phase)."""
         if self.stage.is_first:
             return batch[0][rows]
         expected = self._shape(batch, rows)
-        x = self._recv(self.pp_rank - 1, expected) if send_back is None else \
-            self._exchange(send_back, self.pp_rank - 1, expected)
+        x = (
+            self._recv(self.pp_rank - 1, expected)
+            if send_back is None
+            else self._exchange(send_back, self.pp_rank - 1, expected)
+        )
         return x.requires_grad_(True)
 
     def _exchange(self, tensor: torch.Tensor, peer: int, expected: tuple[int, ...]) -> torch.Tensor:
         """Send ``tensor`` to ``peer`` and receive one of shape ``expected`` from it, both at once: headers in one
         batch of point-to-point operations, then the tensors in another."""
         device = self.stage.device
-        header = torch.empty(_HEADER, dtype=torch.int64, device=device)
-        self._batch([(dist.isend, _header(tensor, device)), (dist.irecv, header)], peer)
-        dtype, shape = _decode(header)
+        header = torch.empty(HEADER_LEN, dtype=torch.int64, device=device)
+        self._batch([(dist.isend, tensor_header(tensor, device)), (dist.irecv, header)], peer)
+        dtype, shape = decode_header(header)
         if shape != expected:
-            raise RuntimeError(f"pipeline stage {self.pp_rank}: got a tensor of shape {shape} from stage {peer}, "
-                               f"expected {expected} (do all stages have the same rows?)")
+            raise RuntimeError(
+                f"pipeline stage {self.pp_rank}: got a tensor of shape {shape} from stage {peer}, "
+                f"expected {expected} (do all stages have the same rows?)"
+            )
         received = torch.empty(shape, dtype=dtype, device=device)
         self._batch([(dist.isend, tensor.contiguous()), (dist.irecv, received)], peer)
         return received
 
     def _batch(self, ops: list[tuple[Callable, torch.Tensor]], peer: int) -> None:
-        works = dist.batch_isend_irecv([dist.P2POp(op, t, group=self.group, group_peer=self.peers[peer])
-                                        for op, t in ops])
+        works = dist.batch_isend_irecv(
+            [dist.P2POp(op, t, group=self.group, group_peer=self.peers[peer]) for op, t in ops]
+        )
         for work in works:
             work.wait()
 
     def _send(self, tensor: torch.Tensor, to: int) -> None:
-        dist.send(_header(tensor, self.stage.device), group=self.group, group_dst=self.peers[to])
+        dist.send(tensor_header(tensor, self.stage.device), group=self.group, group_dst=self.peers[to])
         dist.send(tensor.contiguous(), group=self.group, group_dst=self.peers[to])
 
     def _recv(self, source: int, expected: tuple[int, ...]) -> torch.Tensor:
-        header = torch.empty(_HEADER, dtype=torch.int64, device=self.stage.device)
+        header = torch.empty(HEADER_LEN, dtype=torch.int64, device=self.stage.device)
         dist.recv(header, group=self.group, group_src=self.peers[source])
-        dtype, shape = _decode(header)
+        dtype, shape = decode_header(header)
         if shape != expected:
-            raise RuntimeError(f"pipeline stage {self.pp_rank}: got a tensor of shape {shape} from stage {source}, "
-                               f"expected {expected} (do all stages have the same rows?)")
+            raise RuntimeError(
+                f"pipeline stage {self.pp_rank}: got a tensor of shape {shape} from stage {source}, "
+                f"expected {expected} (do all stages have the same rows?)"
+            )
         tensor = torch.empty(shape, dtype=dtype, device=self.stage.device)
         dist.recv(tensor, group=self.group, group_src=self.peers[source])
         return tensor
@@ -234,32 +276,38 @@ class PipelineRunner:
         if self.pp_size == 1:
             return tensor
         last, device = self.peers[self.pp_size - 1], self.stage.device
-        header = _header(tensor, device) if tensor is not None else torch.empty(_HEADER, dtype=torch.int64,
-                                                                               device=device)
+        header = (
+            tensor_header(tensor, device)
+            if tensor is not None
+            else torch.empty(HEADER_LEN, dtype=torch.int64, device=device)
+        )
         dist.broadcast(header, group=self.group, group_src=last)
-        dtype, shape = _decode(header)
+        dtype, shape = decode_header(header)
         if tensor is None:
             tensor = torch.empty(shape, dtype=dtype, device=device)
         dist.broadcast(tensor.contiguous(), group=self.group, group_src=last)
         return tensor
 
 
-def _header(tensor: torch.Tensor, device: torch.device) -> torch.Tensor:
+def tensor_header(tensor: torch.Tensor, device: torch.device) -> torch.Tensor:
     if tensor.dtype not in _DTYPES or tensor.dim() > _MAX_DIMS:
-        raise TypeError(f"pipeline messages carry floating tensors of at most {_MAX_DIMS} dims, "
-                        f"got {tensor.dtype} of shape {tuple(tensor.shape)}")
+        raise TypeError(
+            f"pipeline messages carry floating tensors of at most {_MAX_DIMS} dims, "
+            f"got {tensor.dtype} of shape {tuple(tensor.shape)}"
+        )
     shape = list(tensor.shape) + [0] * (_MAX_DIMS - tensor.dim())
     return torch.tensor([_DTYPES.index(tensor.dtype), tensor.dim(), *shape], dtype=torch.int64, device=device)
 
 
-def _decode(header: torch.Tensor) -> tuple[torch.dtype, tuple[int, ...]]:
+def decode_header(header: torch.Tensor) -> tuple[torch.dtype, tuple[int, ...]]:
     code, ndim, *shape = header.tolist()
     return _DTYPES[code], tuple(shape[:ndim])
 
 
 @torch.no_grad()
-def clip_grad_norm_pp(stage: PipelineStage, max_norm: float, pp_group: dist.ProcessGroup | None,
-                      eps: float = 1e-6) -> float:
+def clip_grad_norm_pp(
+    stage: PipelineStage, max_norm: float, pp_group: dist.ProcessGroup | None, eps: float = 1e-6
+) -> float:
     """Clip the whole model's gradients (all stages) to ``max_norm``; returns the global norm before clipping.
 
     Every stage all-reduces the sum of its squared gradient norm over ``pp_group``, so all stages compute the
@@ -274,8 +322,13 @@ def clip_grad_norm_pp(stage: PipelineStage, max_norm: float, pp_group: dist.Proc
 
 
 @torch.no_grad()
-def clip_grads(params: Iterable[torch.Tensor], max_norm: float, group: dist.ProcessGroup | None,
-               device: torch.device, eps: float = 1e-6) -> float:
+def clip_grads(
+    params: Iterable[torch.Tensor],
+    max_norm: float,
+    group: dist.ProcessGroup | None,
+    device: torch.device,
+    eps: float = 1e-6,
+) -> float:
     """Clip the gradients of ``params`` (their fp32 ``main_grad`` where kept) to a global norm of
     ``max_norm``, the norm completed over each DTensor's mesh and summed in squares over ``group`` (the
     pipeline stages; None: this model is whole here); returns the norm before clipping."""

@@ -44,20 +44,25 @@ import torch.distributed as dist
 
 from loomrl.parallel.realloc_program import (
     DtypeOf,
-    TransferProgram,
+    Entry,
     Route,
-    _bind,
-    _Entry,
-    _RouteBuffer,
-    _Run,
-    _Side,
+    RouteBuffer,
+    Side,
+    StridedRun,
+    TransferProgram,
+    bind_buffers,
     clear_programs,
     compile_program,
 )
 from loomrl.plan.realloc_plan import ReallocPlan
 
-__all__ = ["ReallocVerificationError", "build_broadcast_groups", "clear_programs",
-           "compile_program", "execute_reallocation"]
+__all__ = [
+    "ReallocVerificationError",
+    "build_broadcast_groups",
+    "clear_programs",
+    "compile_program",
+    "execute_reallocation",
+]
 
 _RTOL = 1e-9
 """Relative tolerance of checksums: both sides sum the same values in the same order, so any slack is spare."""
@@ -68,8 +73,9 @@ class ReallocVerificationError(RuntimeError):
 
 
 # ---------------------------------------------------------------------------------------------- execution
-def build_broadcast_groups(plan: ReallocPlan, rank_of: Mapping[int, int] | None = None
-                           ) -> dict[tuple[int, ...], dist.ProcessGroup]:
+def build_broadcast_groups(
+    plan: ReallocPlan, rank_of: Mapping[int, int] | None = None
+) -> dict[tuple[int, ...], dist.ProcessGroup]:
     """One process group per device set of the plan's broadcasts, keyed by that sorted device tuple.
 
     Collective over the whole world: every rank, in a mesh of the plan or not, must call it with the same plan.
@@ -81,13 +87,19 @@ def build_broadcast_groups(plan: ReallocPlan, rank_of: Mapping[int, int] | None 
     return groups
 
 
-def execute_reallocation(plan: ReallocPlan, src_tensors: Mapping[str, torch.Tensor], my_device: int, *,
-                         rank_of: Mapping[int, int] | None = None,
-                         groups: Mapping[tuple[int, ...], dist.ProcessGroup] | None = None,
-                         dtypes: torch.dtype | Mapping[str, torch.dtype] = torch.float32,
-                         device: torch.device | str = "cpu", verify: bool = False,
-                         out: Mapping[str, torch.Tensor] | None = None) -> dict[str, torch.Tensor]:
-    """Run ``plan`` on ``my_device``; return its destination shards (parameter name → local tensor).
+def execute_reallocation(
+    plan: ReallocPlan,
+    src_tensors: Mapping[str, torch.Tensor],
+    my_device: int,
+    *,
+    rank_of: Mapping[int, int] | None = None,
+    groups: Mapping[tuple[int, ...], dist.ProcessGroup] | None = None,
+    dtypes: torch.dtype | Mapping[str, torch.dtype] = torch.float32,
+    device: torch.device | str = "cpu",
+    verify: bool = False,
+    out: Mapping[str, torch.Tensor] | None = None,
+) -> dict[str, torch.Tensor]:
+    """StridedRun ``plan`` on ``my_device``; return its destination shards (parameter name → local tensor).
 
     ``src_tensors``: this device's source shards as it holds them (plain local tensors, e.g. a DTensor's
     ``to_local()``: under FSDP its dim-0 block); needed for every parameter the device holds in the source layout.
@@ -120,7 +132,7 @@ def execute_reallocation(plan: ReallocPlan, src_tensors: Mapping[str, torch.Tens
         finally:
             schedule._lock.release()
     else:  # another thread runs this plan on this device: its buffers are busy, so use new ones
-        buffers = _bind(schedule.routes, schedule.direct, dtype_of, verify, device)
+        buffers = bind_buffers(schedule.routes, schedule.direct, dtype_of, verify, device)
         bound = _bind_tensors(schedule, buffers, src_tensors, out, dtype_of, device)
         _transfer(schedule, buffers, bound, rank_of, groups, verify)
     return dict(bound.out)
@@ -161,7 +173,7 @@ class _Bound:
     every iteration, so a call then makes no views and no Python loop over entries."""
 
     key: tuple | None
-    buffers: Mapping[Route, _RouteBuffer]
+    buffers: Mapping[Route, RouteBuffer]
     src_flat: dict[str, torch.Tensor]
     dst_flat: dict[str, torch.Tensor]
     out: dict[str, torch.Tensor]
@@ -177,23 +189,30 @@ class _Bound:
     """What to copy once a received message ``(route, tag)`` has arrived."""
 
 
-def _bound(schedule: TransferProgram, buffers: Mapping[Route, _RouteBuffer], src_tensors: Mapping[str, torch.Tensor],
-           out: Mapping[str, torch.Tensor] | None, dtype_of: DtypeOf, device: torch.device) -> _Bound:
+def _bound(
+    schedule: TransferProgram,
+    buffers: Mapping[Route, RouteBuffer],
+    src_tensors: Mapping[str, torch.Tensor],
+    out: Mapping[str, torch.Tensor] | None,
+    dtype_of: DtypeOf,
+    device: torch.device,
+) -> _Bound:
     """The schedule's bound call for these tensors: the kept one if the same tensors came back, else a new one,
     kept when it may be (every destination shard is the caller's or a view: new ones must be new each call,
     and every source shard is contiguous, so its flat view shares the given tensor's storage)."""
     key = _identity(schedule, src_tensors, out)
-    kept = schedule._bound
-    if key is not None and kept is not None and kept.key == key and kept.buffers is buffers:
+    kept = schedule.binding
+    if key is not None and isinstance(kept, _Bound) and kept.key == key and kept.buffers is buffers:
         return kept
     bound = _bind_tensors(schedule, buffers, src_tensors, out, dtype_of, device, key)
     if key is not None:
-        schedule._bound = bound  # its views keep the storages alive, so no other storage takes their addresses
+        schedule.binding = bound  # its views keep the storages alive, so no other storage takes their addresses
     return bound
 
 
-def _identity(schedule: TransferProgram, src_tensors: Mapping[str, torch.Tensor],
-              out: Mapping[str, torch.Tensor] | None) -> tuple | None:
+def _identity(
+    schedule: TransferProgram, src_tensors: Mapping[str, torch.Tensor], out: Mapping[str, torch.Tensor] | None
+) -> tuple | None:
     """What a bound call's views depend on: each given tensor's storage, offset, shape, strides and dtype; None
     when the call may not be kept (a new destination shard to allocate, a non-contiguous source shard)."""
     new_shards = any(alias is None for _, _, alias in schedule.dst_shapes)
@@ -219,9 +238,15 @@ def _tensor_key(tensor: torch.Tensor) -> tuple:
     return (tensor.untyped_storage()._cdata, tensor.storage_offset(), tensor.shape, tensor.stride(), tensor.dtype)
 
 
-def _bind_tensors(schedule: TransferProgram, buffers: Mapping[Route, _RouteBuffer],
-                  src_tensors: Mapping[str, torch.Tensor], out: Mapping[str, torch.Tensor] | None,
-                  dtype_of: DtypeOf, device: torch.device, key: tuple | None = None) -> _Bound:
+def _bind_tensors(
+    schedule: TransferProgram,
+    buffers: Mapping[Route, RouteBuffer],
+    src_tensors: Mapping[str, torch.Tensor],
+    out: Mapping[str, torch.Tensor] | None,
+    dtype_of: DtypeOf,
+    device: torch.device,
+    key: tuple | None = None,
+) -> _Bound:
     """Check the caller's tensors against the schedule and make every view, message and copy of a call."""
     me = schedule.device
     src_flat = _source_views(schedule, src_tensors, dtype_of)
@@ -238,15 +263,21 @@ def _bind_tensors(schedule: TransferProgram, buffers: Mapping[Route, _RouteBuffe
             for tag, _ in recvs[route]:
                 land[(route, tag)] = _landing(rb, dst_flat, tag)
     _local_into(local, schedule.local, src_flat, dst_flat)
-    early = {route: [m for m in msgs if m[0] > 0 and m[0] - 1 not in buffers[route].staged]
-             for route, msgs in sends.items()}
+    early = {
+        route: [m for m in msgs if m[0] > 0 and m[0] - 1 not in buffers[route].staged] for route, msgs in sends.items()
+    }
     late = {route: [m for m in msgs if m[0] == 0 or m[0] - 1 in buffers[route].staged] for route, msgs in sends.items()}
     return _Bound(key, buffers, src_flat, dst_flat, dst, sends, recvs, early, late, pack, local, land)
 
 
-def _transfer(schedule: TransferProgram, buffers: Mapping[Route, _RouteBuffer], bound: _Bound,
-              rank_of: Mapping[int, int] | None, groups: Mapping[tuple[int, ...], dist.ProcessGroup],
-              verify: bool) -> None:
+def _transfer(
+    schedule: TransferProgram,
+    buffers: Mapping[Route, RouteBuffer],
+    bound: _Bound,
+    rank_of: Mapping[int, int] | None,
+    groups: Mapping[tuple[int, ...], dist.ProcessGroup],
+    verify: bool,
+) -> None:
     """Send, copy local pieces while the network works, and unpack each route's buffer once it has arrived.
 
     A route's messages are its packed buffer (tag 0, when it holds anything) and its direct entries (tags 1,
@@ -294,23 +325,23 @@ Message = tuple[int, torch.Tensor]
 """``(tag, tensor)``: tag 0 is a route's packed buffer, ``i + 1`` its i-th direct entry."""
 
 
-def _messages(rb: _RouteBuffer, flat: Mapping[str, torch.Tensor], view) -> list[Message]:
+def _messages(rb: RouteBuffer, flat: Mapping[str, torch.Tensor], view) -> list[Message]:
     """A route's messages on this device: its buffer when it holds anything, then its direct entries (each
     its staging buffer, or its view of ``flat``)."""
     out: list[Message] = [(0, rb.buffer)] if rb.buffer.numel() else []
     return out + [(i + 1, rb.staged[i] if i in rb.staged else view(flat, entry)) for i, entry in enumerate(rb.direct)]
 
 
-def _src_view(src_flat: Mapping[str, torch.Tensor], entry: _Entry) -> torch.Tensor:
+def _src_view(src_flat: Mapping[str, torch.Tensor], entry: Entry) -> torch.Tensor:
     """The sender's elements of an unstaged direct entry, contiguous in its source shard."""
     start = entry.src.runs[0].offset
-    return src_flat[entry.param][start:start + entry.numel].contiguous()
+    return src_flat[entry.param][start : start + entry.numel].contiguous()
 
 
-def _dst_view(dst_flat: Mapping[str, torch.Tensor], entry: _Entry) -> torch.Tensor:
+def _dst_view(dst_flat: Mapping[str, torch.Tensor], entry: Entry) -> torch.Tensor:
     """Where an unstaged direct entry lands, contiguous in the receiver's destination shard."""
     start = entry.dst.runs[0].offset
-    return dst_flat[entry.param][start:start + entry.numel]
+    return dst_flat[entry.param][start : start + entry.numel]
 
 
 def _rank(rank_of: Mapping[int, int] | None, device: int) -> int:
@@ -323,8 +354,9 @@ def _dtype_lookup(dtypes: torch.dtype | Mapping[str, torch.dtype]) -> DtypeOf:
     return lambda name: dtypes[name]
 
 
-def _source_views(schedule: TransferProgram, src_tensors: Mapping[str, torch.Tensor],
-                  dtype_of: DtypeOf) -> dict[str, torch.Tensor]:
+def _source_views(
+    schedule: TransferProgram, src_tensors: Mapping[str, torch.Tensor], dtype_of: DtypeOf
+) -> dict[str, torch.Tensor]:
     """Flat views of this device's source shards, checked against the plan's source layout."""
     out = {}
     for name, numel in schedule.src_numel.items():
@@ -332,20 +364,27 @@ def _source_views(schedule: TransferProgram, src_tensors: Mapping[str, torch.Ten
             raise ValueError(f"{name}: device {schedule.device} holds a source shard but src_tensors has none")
         tensor = src_tensors[name].detach()
         if tensor.numel() != numel or tensor.dtype != dtype_of(name):
-            raise ValueError(f"{name}: the source shard of device {schedule.device} should have {numel} "
-                             f"elements of {dtype_of(name)}, got {tensor.numel()} of {tensor.dtype}")
+            raise ValueError(
+                f"{name}: the source shard of device {schedule.device} should have {numel} "
+                f"elements of {dtype_of(name)}, got {tensor.numel()} of {tensor.dtype}"
+            )
         out[name] = tensor.reshape(-1)
     return out
 
 
-def _destination(schedule: TransferProgram, src_flat: Mapping[str, torch.Tensor], dtype_of: DtypeOf,
-                 device: torch.device | str, given: Mapping[str, torch.Tensor] | None) -> dict[str, torch.Tensor]:
+def _destination(
+    schedule: TransferProgram,
+    src_flat: Mapping[str, torch.Tensor],
+    dtype_of: DtypeOf,
+    device: torch.device | str,
+    given: Mapping[str, torch.Tensor] | None,
+) -> dict[str, torch.Tensor]:
     """This device's destination shards: a view of the source shard where aliased, else the caller's tensor
     (checked against the plan) or, without ``given``, a new uninitialised one."""
     out: dict[str, torch.Tensor] = {}
     for name, local_shape, alias_offset in schedule.dst_shapes:
         if alias_offset is not None:
-            out[name] = src_flat[name][alias_offset:alias_offset + math.prod(local_shape)].view(local_shape)
+            out[name] = src_flat[name][alias_offset : alias_offset + math.prod(local_shape)].view(local_shape)
         elif given is None:
             out[name] = torch.empty(local_shape, dtype=dtype_of(name), device=device)
         else:
@@ -353,73 +392,67 @@ def _destination(schedule: TransferProgram, src_flat: Mapping[str, torch.Tensor]
     return out
 
 
-def _checked_target(schedule: TransferProgram, name: str, local_shape: tuple[int, ...], dtype: torch.dtype,
-                    tensor: torch.Tensor | None) -> torch.Tensor:
+def _checked_target(
+    schedule: TransferProgram, name: str, local_shape: tuple[int, ...], dtype: torch.dtype, tensor: torch.Tensor | None
+) -> torch.Tensor:
     if tensor is None:
         raise ValueError(f"{name}: device {schedule.device} has a destination shard but out has no tensor")
     if tuple(tensor.shape) != tuple(local_shape) or tensor.dtype != dtype or not tensor.is_contiguous():
-        raise ValueError(f"{name}: out holds a {tuple(tensor.shape)} {tensor.dtype} tensor (contiguous: "
-                         f"{tensor.is_contiguous()}); the destination shard of device {schedule.device} is a "
-                         f"contiguous {tuple(local_shape)} {dtype} tensor")
+        raise ValueError(
+            f"{name}: out holds a {tuple(tensor.shape)} {tensor.dtype} tensor (contiguous: "
+            f"{tensor.is_contiguous()}); the destination shard of device {schedule.device} is a "
+            f"contiguous {tuple(local_shape)} {dtype} tensor"
+        )
     return tensor.detach()
 
 
 # ------------------------------------------------------------------------------------------ moving values
-def _strided(flat: torch.Tensor, run: _Run) -> torch.Tensor:
+def _strided(flat: torch.Tensor, run: StridedRun) -> torch.Tensor:
     """The run's elements of a flat shard (a 1-D tensor, maybe a strided view), as a ``(count, length)`` view."""
     step = flat.stride(0)
     start = flat.storage_offset() + run.offset * step
     return flat.as_strided((run.count, run.length), (run.stride * step, step), start)
 
 
-def _gather(flat: torch.Tensor, side: _Side, out: torch.Tensor) -> None:
+def _gather(flat: torch.Tensor, side: Side, out: torch.Tensor) -> None:
     """Copy the side's elements of ``flat``, in entry order, into the contiguous 1-D ``out``."""
     copies = _Copies()
     _gather_into(copies, flat, side, out)
     copies.run()
 
 
-def _scatter(flat: torch.Tensor, side: _Side, values: torch.Tensor) -> None:
+def _scatter(flat: torch.Tensor, side: Side, values: torch.Tensor) -> None:
     """Write ``values`` (1-D, entry order) to the side's elements of ``flat``."""
     copies = _Copies()
     _scatter_into(copies, flat, side, values)
     copies.run()
 
 
-def _gather_into(copies: _Copies, flat: torch.Tensor, side: _Side, out: torch.Tensor) -> None:
+def _gather_into(copies: _Copies, flat: torch.Tensor, side: Side, out: torch.Tensor) -> None:
     """Add to ``copies`` what :func:`_gather` does."""
     index = side.index(flat.device)
     if index is not None:
         copies.call(_index_select, flat, index, out)
         return
     for run in side.runs:
-        copies.copy(out[run.pos:run.pos + run.count * run.length].view(run.count, run.length), _strided(flat, run))
+        copies.copy(out[run.pos : run.pos + run.count * run.length].view(run.count, run.length), _strided(flat, run))
 
 
-def _scatter_into(copies: _Copies, flat: torch.Tensor, side: _Side, values: torch.Tensor) -> None:
+def _scatter_into(copies: _Copies, flat: torch.Tensor, side: Side, values: torch.Tensor) -> None:
     """Add to ``copies`` what :func:`_scatter` does."""
     index = side.index(flat.device)
     if index is not None:
         copies.call(flat.index_copy_, 0, index, values)
         return
     for run in side.runs:
-        copies.copy(_strided(flat, run), values[run.pos:run.pos + run.count * run.length].view(run.count, run.length))
+        copies.copy(_strided(flat, run), values[run.pos : run.pos + run.count * run.length].view(run.count, run.length))
 
 
 def _index_select(flat: torch.Tensor, index: torch.Tensor, out: torch.Tensor) -> None:
     torch.index_select(flat, 0, index, out=out)
 
 
-def _pack(rb: _RouteBuffer, src_flat: Mapping[str, torch.Tensor]) -> None:
-    """Fill the buffers of one route this device sends: every packed entry, every staged direct entry, and the
-    checksums (if verifying) of every entry, direct ones included."""
-    copies = _Copies()
-    _pack_into(copies, rb, src_flat)
-    copies.run()
-    _sum_sent(rb, src_flat)
-
-
-def _pack_into(copies: _Copies, rb: _RouteBuffer, src_flat: Mapping[str, torch.Tensor]) -> None:
+def _pack_into(copies: _Copies, rb: RouteBuffer, src_flat: Mapping[str, torch.Tensor]) -> None:
     """Add to ``copies`` the packing of one route this device sends (its packed and staged entries)."""
     for item in rb.placed:
         flat = src_flat[item.entry.param]
@@ -431,7 +464,7 @@ def _pack_into(copies: _Copies, rb: _RouteBuffer, src_flat: Mapping[str, torch.T
         _gather_into(copies, src_flat[rb.direct[i].param], rb.direct[i].src, staging)
 
 
-def _sum_sent(rb: _RouteBuffer, src_flat: Mapping[str, torch.Tensor]) -> None:
+def _sum_sent(rb: RouteBuffer, src_flat: Mapping[str, torch.Tensor]) -> None:
     """Checksum every entry of a packed route this device sends into its buffer's header (if verifying)."""
     if rb.sums is None:
         return
@@ -448,11 +481,14 @@ def _checksum(values: torch.Tensor) -> torch.Tensor:
 
 Started = list[tuple[tuple[tuple[Route, int], ...], "dist.Work | None"]]
 """Works to wait on in order, each with the received ``(route, tag)`` messages complete once it (and every work
-before it) is done, to be landed by :func:`_land`."""
+before it) is done, to be landed (:func:`_landing`)."""
 
 
-def _start_point_to_point(sends: Mapping[Route, Sequence[Message]], recvs: Mapping[Route, Sequence[Message]],
-                          rank_of: Mapping[int, int] | None) -> Started:
+def _start_point_to_point(
+    sends: Mapping[Route, Sequence[Message]],
+    recvs: Mapping[Route, Sequence[Message]],
+    rank_of: Mapping[int, int] | None,
+) -> Started:
     """Start every single-receiver route's messages given, in one batch; a received message is complete (ready
     to land) once its work is."""
     ops, done = [], []
@@ -473,9 +509,12 @@ def _start_point_to_point(sends: Mapping[Route, Sequence[Message]], recvs: Mappi
     return [((), work) for work in works] + [(routes, None)]  # coalesced (NCCL): done when all are
 
 
-def _start_broadcasts(sends: Mapping[Route, Sequence[Message]], recvs: Mapping[Route, Sequence[Message]],
-                      rank_of: Mapping[int, int] | None, groups: Mapping[tuple[int, ...], dist.ProcessGroup]
-                      ) -> Started:
+def _start_broadcasts(
+    sends: Mapping[Route, Sequence[Message]],
+    recvs: Mapping[Route, Sequence[Message]],
+    rank_of: Mapping[int, int] | None,
+    groups: Mapping[tuple[int, ...], dist.ProcessGroup],
+) -> Started:
     """Start this device's multi-receiver routes' messages, in the sorted route order (then message order)
     every rank shares."""
     messages = {route: msgs for route, msgs in (*sends.items(), *recvs.items()) if len(route[1]) > 1}
@@ -489,45 +528,34 @@ def _start_broadcasts(sends: Mapping[Route, Sequence[Message]], recvs: Mapping[R
     return works
 
 
-def _copy_local(entries: Sequence[_Entry], src_flat: Mapping[str, torch.Tensor],
-                dst_flat: Mapping[str, torch.Tensor]) -> None:
-    """Copy the pieces this device already holds into its new destination shards."""
-    copies = _Copies()
-    _local_into(copies, entries, src_flat, dst_flat)
-    copies.run()
-
-
-def _local_into(copies: _Copies, entries: Sequence[_Entry], src_flat: Mapping[str, torch.Tensor],
-                dst_flat: Mapping[str, torch.Tensor]) -> None:
-    """Add to ``copies`` what :func:`_copy_local` does."""
+def _local_into(
+    copies: _Copies,
+    entries: Sequence[Entry],
+    src_flat: Mapping[str, torch.Tensor],
+    dst_flat: Mapping[str, torch.Tensor],
+) -> None:
+    """Add to ``copies`` the copies of the pieces this device already holds into its new destination shards."""
     for entry in entries:
         src, dst = src_flat[entry.param], dst_flat[entry.param]
         if entry.src.contiguous:
             start = entry.src.runs[0].offset
-            _scatter_into(copies, dst, entry.dst, src[start:start + entry.numel])
+            _scatter_into(copies, dst, entry.dst, src[start : start + entry.numel])
         elif entry.dst.contiguous:
             start = entry.dst.runs[0].offset
-            _gather_into(copies, src, entry.src, dst[start:start + entry.numel])
+            _gather_into(copies, src, entry.src, dst[start : start + entry.numel])
         else:  # through a temporary, gathered then scattered
             copies.call(_gather_scatter, src, entry.src, dst, entry.dst, entry.numel)
 
 
-def _gather_scatter(src: torch.Tensor, src_side: _Side, dst: torch.Tensor, dst_side: _Side, numel: int) -> None:
+def _gather_scatter(src: torch.Tensor, src_side: Side, dst: torch.Tensor, dst_side: Side, numel: int) -> None:
     values = torch.empty(numel, dtype=src.dtype, device=src.device)
     _gather(src, src_side, values)
     _scatter(dst, dst_side, values)
 
 
-def _land(rb: _RouteBuffer, dst_flat: Mapping[str, torch.Tensor], tag: int) -> None:
-    """Put a received message's elements in place: unpack the route buffer (tag 0), or scatter a staged
-    direct entry (an unstaged one was received in place); check the packed entries (if verifying)."""
-    _landing(rb, dst_flat, tag).run()
-    if tag == 0:
-        _check_packed(rb, dst_flat)
-
-
-def _landing(rb: _RouteBuffer, dst_flat: Mapping[str, torch.Tensor], tag: int) -> _Copies:
-    """The copies that put a received message's elements in place (see :func:`_land`)."""
+def _landing(rb: RouteBuffer, dst_flat: Mapping[str, torch.Tensor], tag: int) -> _Copies:
+    """The copies that put a received message's elements in place: unpack the route buffer (tag 0), or scatter a
+    staged direct entry (an unstaged one was received in place)."""
     copies = _Copies()
     if tag == 0:
         for item in rb.placed:
@@ -542,7 +570,7 @@ def _landing(rb: _RouteBuffer, dst_flat: Mapping[str, torch.Tensor], tag: int) -
     return copies
 
 
-def _check_packed(rb: _RouteBuffer, dst_flat: Mapping[str, torch.Tensor]) -> None:
+def _check_packed(rb: RouteBuffer, dst_flat: Mapping[str, torch.Tensor]) -> None:
     """Check a received route's packed entries, where they landed, against the sender's sums (if verifying)."""
     if rb.sums is None:
         return
@@ -552,7 +580,7 @@ def _check_packed(rb: _RouteBuffer, dst_flat: Mapping[str, torch.Tensor]) -> Non
         _check(item.entry, rb.sums[index], _checksum(landed))
 
 
-def _check_direct(rb: _RouteBuffer, dst_flat: Mapping[str, torch.Tensor]) -> None:
+def _check_direct(rb: RouteBuffer, dst_flat: Mapping[str, torch.Tensor]) -> None:
     """Check a received route's direct entries, where they landed, against the sender's sums."""
     for i, entry in enumerate(rb.direct):
         if i in rb.staged:  # read back what landed, in the sender's order
@@ -563,7 +591,7 @@ def _check_direct(rb: _RouteBuffer, dst_flat: Mapping[str, torch.Tensor]) -> Non
         _check(entry, rb.sums[len(rb.placed) + i], _checksum(landed))
 
 
-def _check(entry: _Entry, expected: torch.Tensor, actual: torch.Tensor) -> None:
+def _check(entry: Entry, expected: torch.Tensor, actual: torch.Tensor) -> None:
     """Raise unless the receiver's (sum, sum of squares) of an entry matches its sender's."""
     exp_sum, exp_sq = expected.tolist()
     got_sum, got_sq = actual.tolist()
@@ -573,7 +601,8 @@ def _check(entry: _Entry, expected: torch.Tensor, actual: torch.Tensor) -> None:
         raise ReallocVerificationError(
             f"{entry.param}: {entry.numel} elements in {entry.pieces} piece(s) within [{lo}, {hi}) from device "
             f"{entry.sender} fail verification (sum {got_sum!r} vs {exp_sum!r}, sum of squares {got_sq!r} vs "
-            f"{exp_sq!r})")
+            f"{exp_sq!r})"
+        )
 
 
 def _close(got: float, expected: float, tol: float) -> bool:

@@ -24,15 +24,12 @@ from bisect import bisect_right
 from collections import defaultdict
 from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass, field
-from typing import TYPE_CHECKING, NamedTuple
+from typing import NamedTuple
 
 import torch
 
 from loomrl.plan.realloc_plan import ReallocPlan, Transfer
 from loomrl.plan.shards import Interval, interval_table, shard_numel, shard_shape
-
-if TYPE_CHECKING:
-    from loomrl.parallel.realloc_exec import _Bound
 
 __all__ = ["DIRECT_MIN_NUMEL", "DtypeOf", "TransferProgram", "Route", "clear_programs", "compile_program"]
 
@@ -55,7 +52,6 @@ _MIN_RUN_NUMEL = 4096
 an index tensor (8 bytes per element, kept with the schedule) instead."""
 
 
-
 class _Locators:
     """Maps a full flat index of a parameter to its offset in one device's local flat shard.
 
@@ -74,7 +70,7 @@ class _Locators:
         return offsets[i] + index - starts[i]
 
 
-class _Run(NamedTuple):
+class StridedRun(NamedTuple):
     """``count`` pieces of ``length`` elements, ``stride`` apart from ``offset`` in a flat shard, that sit
     at positions ``[pos, pos + count * length)`` of their entry."""
 
@@ -85,7 +81,7 @@ class _Run(NamedTuple):
     stride: int
 
 
-class _Side:
+class Side:
     """Where an entry's elements lie, in entry order, in one device's flat (source or destination) shard."""
 
     def __init__(self, spans: Sequence[tuple[int, int]]):
@@ -118,25 +114,28 @@ class _Side:
         return self._index[device]
 
 
-def _runs(spans: Sequence[Sequence[int]]) -> tuple[_Run, ...]:
+def _runs(spans: Sequence[Sequence[int]]) -> tuple[StridedRun, ...]:
     """Group increasing, non-touching ``(offset, length)`` spans into runs of one length and one step."""
-    runs: list[_Run] = []
+    runs: list[StridedRun] = []
     pos = 0
     for offset, length in spans:
         last = runs[-1] if runs else None
-        if last is not None and last.length == length and (
-                offset == last.offset + last.count * last.stride if last.count > 1
-                else offset - last.offset >= length):
-            runs[-1] = last._replace(count=last.count + 1, stride=offset - last.offset if last.count == 1
-                                     else last.stride)
+        if (
+            last is not None
+            and last.length == length
+            and (offset == last.offset + last.count * last.stride if last.count > 1 else offset - last.offset >= length)
+        ):
+            runs[-1] = last._replace(
+                count=last.count + 1, stride=offset - last.offset if last.count == 1 else last.stride
+            )
         else:
-            runs.append(_Run(pos, 1, length, offset, length))
+            runs.append(StridedRun(pos, 1, length, offset, length))
         pos += length
     return tuple(runs)
 
 
 @dataclass(frozen=True)
-class _Entry:
+class Entry:
     """The pieces of one parameter on one route (or copied locally), in plan order."""
 
     param: str
@@ -145,13 +144,13 @@ class _Entry:
     pieces: int
     span: Interval
     """Lowest start and highest end of the pieces (for messages)."""
-    src: _Side | None
+    src: Side | None
     """Where the elements lie in the sender's source shard (None on receivers)."""
-    dst: _Side | None
+    dst: Side | None
     """Where they go in the receiver's destination shard (None on the sender)."""
 
     @property
-    def mine(self) -> _Side:
+    def mine(self) -> Side:
         """This device's side: the source side on the sender, the destination side on a receiver."""
         return self.src if self.src is not None else self.dst
 
@@ -160,20 +159,20 @@ class _Entry:
 class _Placed:
     """An entry in a route buffer: ``values`` is the typed view of the buffer that holds its elements."""
 
-    entry: _Entry
+    entry: Entry
     values: torch.Tensor
     index: torch.Tensor | None
     """This device's side of the entry as element offsets, on the buffer's device; or None, and then:"""
-    chunks: tuple[tuple[torch.Tensor, _Run], ...]
+    chunks: tuple[tuple[torch.Tensor, StridedRun], ...]
     """``(count, length)`` views of ``values``, one per run of this device's side."""
 
 
 @dataclass
-class _RouteBuffer:
+class RouteBuffer:
     buffer: torch.Tensor
     placed: list[_Placed]
     """The packed entries, in buffer order."""
-    direct: tuple[_Entry, ...] = ()
+    direct: tuple[Entry, ...] = ()
     """The route's direct entries, in message order (their checksums follow the packed entries')."""
     staged: dict[int, torch.Tensor] = field(default_factory=dict)
     """Direct entry index → its staging buffer, for the entries not contiguous on this device's side."""
@@ -191,22 +190,23 @@ class TransferProgram:
     dst_shapes: tuple[tuple[str, tuple[int, ...], int | None], ...]
     """``(param, local shape, alias offset)`` of every destination shard of the device (the offset in the flat
     source shard where an aliased one starts; None for the others)."""
-    routes: dict[Route, tuple[_Entry, ...]]
+    routes: dict[Route, tuple[Entry, ...]]
     """The packed entries of every route the device sends or receives (maybe none)."""
-    direct: dict[Route, tuple[_Entry, ...]]
+    direct: dict[Route, tuple[Entry, ...]]
     """The direct entries of every route the device sends or receives, in message order."""
-    local: tuple[_Entry, ...]
+    local: tuple[Entry, ...]
     """Pieces copied within the device into new (not aliased) destination shards, per parameter."""
-    _buffers: tuple[tuple, dict[Route, _RouteBuffer]] | None = field(default=None, repr=False)
-    _bound: _Bound | None = field(default=None, repr=False)
-    """The last call's tensors bound to this schedule, reused while the same tensors come back."""
+    _buffers: tuple[tuple, dict[Route, RouteBuffer]] | None = field(default=None, repr=False)
+    binding: object = field(default=None, repr=False)
+    """The executor's binding of the last call's tensors to this program (:mod:`loomrl.parallel.realloc_exec`),
+    reused while the same tensors come back; opaque here."""
     _lock: threading.Lock = field(default_factory=threading.Lock, repr=False)
 
-    def buffers(self, dtype_of: DtypeOf, verify: bool, device: torch.device) -> dict[Route, _RouteBuffer]:
+    def buffers(self, dtype_of: DtypeOf, verify: bool, device: torch.device) -> dict[Route, RouteBuffer]:
         """The route buffers for these dtypes, allocated on the first call and kept while the key holds."""
         key = (tuple(dtype_of(e.param) for entries in self.routes.values() for e in entries), verify, device)
         if self._buffers is None or self._buffers[0] != key:
-            self._buffers = key, _bind(self.routes, self.direct, dtype_of, verify, device)
+            self._buffers = key, bind_buffers(self.routes, self.direct, dtype_of, verify, device)
         return self._buffers[1]
 
 
@@ -241,8 +241,13 @@ def _compile(plan: ReallocPlan, me: int) -> TransferProgram:
     src_at, dst_at = _Locators(plan.src_intervals, me), _Locators(plan.dst_intervals, me)
     routes, direct = {}, {}
     for route, params in by_route.items():
-        entries = [(_entry(pieces, src_at if route[0] == me else None, None if route[0] == me else dst_at),
-                    _travels_directly(plan, route, pieces)) for pieces in params.values()]
+        entries = [
+            (
+                _entry(pieces, src_at if route[0] == me else None, None if route[0] == me else dst_at),
+                _travels_directly(plan, route, pieces),
+            )
+            for pieces in params.values()
+        ]
         routes[route] = tuple(e for e, is_direct in entries if not is_direct)
         direct[route] = tuple(sorted((e for e, is_direct in entries if is_direct), key=lambda e: e.param))
     src_numel = {name: n for name in plan.shapes if (n := shard_numel(plan.src_intervals(me, name)))}
@@ -266,26 +271,40 @@ def _travels_directly(plan: ReallocPlan, route: Route, pieces: Sequence[Transfer
 
     def contiguous(at: _Locators) -> bool:
         first = at.offset(pieces[0].param, pieces[0].start)
-        return all(at.offset(t.param, t.start) == first + sum(p.numel for p in pieces[:i])
-                   for i, t in enumerate(pieces))
+        return all(
+            at.offset(t.param, t.start) == first + sum(p.numel for p in pieces[:i]) for i, t in enumerate(pieces)
+        )
 
     return contiguous(_Locators(plan.src_intervals, sender)) or all(
-        contiguous(_Locators(plan.dst_intervals, r)) for r in receivers)
+        contiguous(_Locators(plan.dst_intervals, r)) for r in receivers
+    )
 
 
-def _entry(pieces: Sequence[Transfer], src_at: _Locators | None, dst_at: _Locators | None) -> _Entry:
+def _entry(pieces: Sequence[Transfer], src_at: _Locators | None, dst_at: _Locators | None) -> Entry:
     """One parameter's pieces on one route; sides only for the locators given."""
     first = pieces[0]
 
-    def side(at: _Locators | None) -> _Side | None:
-        return None if at is None else _Side([(at.offset(t.param, t.start), t.numel) for t in pieces])
+    def side(at: _Locators | None) -> Side | None:
+        return None if at is None else Side([(at.offset(t.param, t.start), t.numel) for t in pieces])
 
-    return _Entry(first.param, first.sender, sum(t.numel for t in pieces), len(pieces),
-                  (first.start, pieces[-1].end), side(src_at), side(dst_at))
+    return Entry(
+        first.param,
+        first.sender,
+        sum(t.numel for t in pieces),
+        len(pieces),
+        (first.start, pieces[-1].end),
+        side(src_at),
+        side(dst_at),
+    )
 
 
-def _bind(routes: Mapping[Route, Sequence[_Entry]], direct: Mapping[Route, Sequence[_Entry]], dtype_of: DtypeOf,
-          verify: bool, device: torch.device) -> dict[Route, _RouteBuffer]:
+def bind_buffers(
+    routes: Mapping[Route, Sequence[Entry]],
+    direct: Mapping[Route, Sequence[Entry]],
+    dtype_of: DtypeOf,
+    verify: bool,
+    device: torch.device,
+) -> dict[Route, RouteBuffer]:
     """A byte buffer per route: checksums of every entry (if verifying), then the packed entries, largest
     elements first."""
     out = {}
@@ -293,8 +312,11 @@ def _bind(routes: Mapping[Route, Sequence[_Entry]], direct: Mapping[Route, Seque
         # Largest elements first: each dtype group then starts aligned, and alignment below is a no-op.
         ordered = sorted(entries, key=lambda e: -dtype_of(e.param).itemsize)
         directs = tuple(direct.get(route, ()))
-        staged = {i: torch.empty(e.numel, dtype=dtype_of(e.param), device=device)
-                  for i, e in enumerate(directs) if not e.mine.contiguous}
+        staged = {
+            i: torch.empty(e.numel, dtype=dtype_of(e.param), device=device)
+            for i, e in enumerate(directs)
+            if not e.mine.contiguous
+        }
         sums_count = len(ordered) + len(directs)
         offset, offsets = _CHECKSUM_BYTES * sums_count if verify else 0, []
         for entry in ordered:
@@ -303,19 +325,20 @@ def _bind(routes: Mapping[Route, Sequence[_Entry]], direct: Mapping[Route, Seque
             offsets.append(offset)
             offset += entry.numel * size
         if offset == 0:  # only direct entries and no checksums: no buffer travels
-            out[route] = _RouteBuffer(torch.empty(0, dtype=torch.uint8, device=device), [], directs, staged)
+            out[route] = RouteBuffer(torch.empty(0, dtype=torch.uint8, device=device), [], directs, staged)
             continue
         buffer = torch.empty(offset, dtype=torch.uint8, device=device)
         placed = [_place(entry, buffer, start, dtype_of(entry.param)) for entry, start in zip(ordered, offsets)]
-        sums = buffer[:_CHECKSUM_BYTES * sums_count].view(torch.float64).view(-1, 2) if verify else None
-        out[route] = _RouteBuffer(buffer, placed, directs, staged, sums)
+        sums = buffer[: _CHECKSUM_BYTES * sums_count].view(torch.float64).view(-1, 2) if verify else None
+        out[route] = RouteBuffer(buffer, placed, directs, staged, sums)
     return out
 
 
-def _place(entry: _Entry, buffer: torch.Tensor, start: int, dtype: torch.dtype) -> _Placed:
+def _place(entry: Entry, buffer: torch.Tensor, start: int, dtype: torch.dtype) -> _Placed:
     """The entry at byte ``start`` of a route buffer, with views for this device's side (sender or receiver)."""
-    values = buffer[start:start + entry.numel * dtype.itemsize].view(dtype)
+    values = buffer[start : start + entry.numel * dtype.itemsize].view(dtype)
     side = entry.mine
-    chunks = tuple((values[run.pos:run.pos + run.count * run.length].view(run.count, run.length), run)
-                   for run in side.runs)
+    chunks = tuple(
+        (values[run.pos : run.pos + run.count * run.length].view(run.count, run.length), run) for run in side.runs
+    )
     return _Placed(entry, values, side.index(buffer.device), chunks)

@@ -42,8 +42,9 @@ def state_tensors(model: torch.nn.Module, optimizer, kind: str) -> dict[str, tor
 
 def _keeps_masters(model: torch.nn.Module, optimizer) -> bool:
     """Whether the optimizer keeps master weights apart from the weights (16-bit weights under ZeroAdamW)."""
-    return isinstance(optimizer, ZeroAdamW) and any(p.dtype != torch.float32 for p in model.parameters()
-                                                    if p.requires_grad)
+    return isinstance(optimizer, ZeroAdamW) and any(
+        p.dtype != torch.float32 for p in model.parameters() if p.requires_grad
+    )
 
 
 def init_state(model: torch.nn.Module, optimizer, step: int) -> None:
@@ -54,8 +55,10 @@ def init_state(model: torch.nn.Module, optimizer, step: int) -> None:
         return
     for p in model.parameters():
         if p.requires_grad:
-            optimizer.state[p] = {"step": torch.tensor(float(step), dtype=torch.float32),
-                                  **{k: torch.zeros_like(p, memory_format=torch.preserve_format) for k in MOMENTS}}
+            optimizer.state[p] = {
+                "step": torch.tensor(float(step), dtype=torch.float32),
+                **{k: torch.zeros_like(p, memory_format=torch.preserve_format) for k in MOMENTS},
+            }
 
 
 def steps_taken(optimizer) -> int:

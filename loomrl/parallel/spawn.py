@@ -13,7 +13,8 @@ import queue as queues
 import socket
 import time
 import traceback
-from typing import Any, Callable
+from collections.abc import Callable
+from typing import Any
 
 import torch
 import torch.distributed as dist
@@ -30,8 +31,13 @@ def _entry(rank: int, world: int, port: int, body: Callable[[int], Any], queue: 
     os.environ["HF_HUB_OFFLINE"] = "1"
     torch.set_num_threads(1)
     # A short timeout: if one rank fails, its peers' next collective errors out instead of hanging for 30 min.
-    dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{port}", rank=rank, world_size=world,
-                            timeout=datetime.timedelta(seconds=group_timeout_s))
+    dist.init_process_group(
+        "gloo",
+        init_method=f"tcp://127.0.0.1:{port}",
+        rank=rank,
+        world_size=world,
+        timeout=datetime.timedelta(seconds=group_timeout_s),
+    )
     try:
         queue.put((rank, body(rank)))
     except BaseException:  # noqa: BLE001 - the parent must learn of any failure, not wait for a timeout
@@ -44,15 +50,17 @@ class RankFailure(str):
     """The traceback of a rank whose body raised."""
 
 
-def run_world(body: Callable[[int], Any], world: int, timeout_s: float = 300.0,
-              group_timeout_s: float = 60.0) -> list[Any]:
+def run_world(
+    body: Callable[[int], Any], world: int, timeout_s: float = 300.0, group_timeout_s: float = 60.0
+) -> list[Any]:
     """``body(rank)`` on ``world`` spawned gloo ranks; results in rank order. ``body`` must be picklable (a
     module-level function); a rank that raises makes this raise RuntimeError with its traceback."""
     ctx = mp.get_context("spawn")
     queue = ctx.Queue()
     port = free_port()
-    procs = [ctx.Process(target=_entry, args=(rank, world, port, body, queue, group_timeout_s))
-             for rank in range(world)]
+    procs = [
+        ctx.Process(target=_entry, args=(rank, world, port, body, queue, group_timeout_s)) for rank in range(world)
+    ]
     for proc in procs:
         proc.start()
     try:
@@ -87,8 +95,10 @@ def _collect(queue: Any, procs: list, timeout_s: float) -> dict[int, Any]:
                     results[late_rank] = result
                     break
                 except queues.Empty:
-                    raise RuntimeError(f"rank {rank} died without a result (exit code {proc.exitcode}"
-                                       f"{': killed, e.g. out of memory' if proc.exitcode < 0 else ''})") from None
+                    raise RuntimeError(
+                        f"rank {rank} died without a result (exit code {proc.exitcode}"
+                        f"{': killed, e.g. out of memory' if proc.exitcode < 0 else ''})"
+                    ) from None
         if time.monotonic() > deadline:
             missing = sorted(set(range(len(procs))) - set(results))
             raise RuntimeError(f"ranks {missing} sent no result within {timeout_s:.0f} s")

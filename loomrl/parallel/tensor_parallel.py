@@ -35,7 +35,8 @@ masks, rotary embeddings and position ids are replicated and untouched.
 
 from __future__ import annotations
 
-from typing import Any, Callable
+from collections.abc import Callable
+from typing import Any
 
 import torch
 from torch import nn
@@ -47,8 +48,9 @@ from transformers import PreTrainedModel
 from loomrl.plan.layout import Layout, check_layout
 
 
-def apply_tensor_parallel(model: PreTrainedModel, tp_mesh: DeviceMesh, src_data_rank: int | None = 0
-                          ) -> PreTrainedModel:
+def apply_tensor_parallel(
+    model: PreTrainedModel, tp_mesh: DeviceMesh, src_data_rank: int | None = 0
+) -> PreTrainedModel:
     """Shard ``model`` in place over the 1-D ``tp_mesh`` and return it (unchanged when the mesh has one rank).
 
     ``model`` may be a whole model or a pipeline stage's pruned model (see the module docstring); parameter
@@ -128,23 +130,34 @@ def _replicate_remaining(model: nn.Module, tp_mesh: DeviceMesh, src_data_rank: i
         if next(module.children(), None) is not None:
             # distribute_module would also convert the children's buffers (e.g. rotary frequencies).
             raise TypeError(f"tensor parallelism: module '{name}' has both parameters and submodules")
-        distribute_module(module, tp_mesh, partition_fn=_replicate_params(src_data_rank),
-                          input_fn=_inputs_to_replicate, output_fn=_outputs_to_local)
+        distribute_module(
+            module,
+            tp_mesh,
+            partition_fn=_replicate_params(src_data_rank),
+            input_fn=_inputs_to_replicate,
+            output_fn=_outputs_to_local,
+        )
 
 
 def _replicate_params(src_data_rank: int | None) -> Callable[[str, nn.Module, DeviceMesh], None]:
     """A partition_fn replicating a leaf's parameters from ``src_data_rank`` (as the sharded layers are split)."""
+
     def partition(name: str, module: nn.Module, mesh: DeviceMesh) -> None:
         for key, param in list(module._parameters.items()):
             if param is not None and not isinstance(param, DTensor):
                 full = distribute_tensor(param.data, mesh, [Replicate()], src_data_rank=src_data_rank)
                 module.register_parameter(key, nn.Parameter(full, requires_grad=param.requires_grad))
+
     return partition
 
 
 def _inputs_to_replicate(module: nn.Module, inputs: tuple, mesh: DeviceMesh) -> tuple:
-    return tuple(DTensor.from_local(x, mesh, [Replicate()], run_check=False)
-                 if isinstance(x, torch.Tensor) and not isinstance(x, DTensor) else x for x in inputs)
+    return tuple(
+        DTensor.from_local(x, mesh, [Replicate()], run_check=False)
+        if isinstance(x, torch.Tensor) and not isinstance(x, DTensor)
+        else x
+        for x in inputs
+    )
 
 
 def _outputs_to_local(module: nn.Module, outputs: Any, mesh: DeviceMesh) -> Any:

@@ -29,7 +29,8 @@ would then need the norm of gradients sharded differently from the parameters' D
 
 from __future__ import annotations
 
-from typing import Any, Iterable
+from collections.abc import Iterable
+from typing import Any
 
 import torch
 import torch.distributed as dist
@@ -57,9 +58,16 @@ class ZeroAdamW:
     ``param_groups``); every rank of ``dp_group`` must call :meth:`step` together (it all-gathers). With
     ``dp_group=None`` this rank keeps the whole state and nothing is communicated."""
 
-    def __init__(self, named_params: Iterable[tuple[str, nn.Parameter]], dp_group: dist.ProcessGroup | None, *,
-                 lr: float, betas: tuple[float, float], weight_decay: float,
-                 bucket_bytes: int = DEFAULT_BUCKET_BYTES):
+    def __init__(
+        self,
+        named_params: Iterable[tuple[str, nn.Parameter]],
+        dp_group: dist.ProcessGroup | None,
+        *,
+        lr: float,
+        betas: tuple[float, float],
+        weight_decay: float,
+        bucket_bytes: int = DEFAULT_BUCKET_BYTES,
+    ):
         self.group = dp_group
         self.rank, self.size = (0, 1) if dp_group is None else (dist.get_rank(dp_group), dist.get_world_size(dp_group))
         self.params = [(name, p) for name, p in named_params if p.requires_grad]
@@ -68,13 +76,16 @@ class ZeroAdamW:
         self._spans = [chunk(flat.numel(), self.size, self.rank) for flat in self._flats]  # this rank's chunks
         # the leaf tensors AdamW updates, one per chunk (None where this rank's chunk is empty): views sharing
         # the fp32 weights' storage, or fp32 master copies of 16-bit weights
-        self._shards = [nn.Parameter(_master_of(flat[lo:hi])) if hi > lo else None
-                        for flat, (lo, hi) in zip(self._flats, self._spans)]
+        self._shards = [
+            nn.Parameter(_master_of(flat[lo:hi])) if hi > lo else None
+            for flat, (lo, hi) in zip(self._flats, self._spans)
+        ]
         self._device = self._flats[0].device if self._flats else torch.device("cpu")
         owned = [s for s in self._shards if s is not None]
         # the inner optimizer needs at least one tensor: a rank owning no chunk gets an inert empty one
-        self.inner = torch.optim.AdamW(owned or [nn.Parameter(torch.zeros(0))], lr=lr, betas=betas,
-                                       weight_decay=weight_decay)
+        self.inner = torch.optim.AdamW(
+            owned or [nn.Parameter(torch.zeros(0))], lr=lr, betas=betas, weight_decay=weight_decay
+        )
 
     @property
     def param_groups(self) -> list[dict[str, Any]]:
@@ -119,7 +130,7 @@ class ZeroAdamW:
             offset = 0
             for f, size in zip(bucket, sizes):
                 lo, hi = chunk(f.numel(), self.size, self.rank)
-                mine[offset:offset + hi - lo] = f[lo:hi]
+                mine[offset : offset + hi - lo] = f[lo:hi]
                 offset += size
             gathered = [torch.empty_like(mine) for _ in range(self.size)]
             dist.all_gather(gathered, mine, group=self.group)
@@ -129,7 +140,7 @@ class ZeroAdamW:
                 offset = 0
                 for f, size in zip(bucket, sizes):
                     lo, hi = chunk(f.numel(), self.size, r)
-                    f[lo:hi] = part[offset:offset + hi - lo]
+                    f[lo:hi] = part[offset : offset + hi - lo]
                     offset += size
 
     # ------------------------------------------------------------------------------------------ checkpoints
@@ -197,7 +208,6 @@ class ZeroAdamW:
                 entry[key] = local.reshape(-1)[lo:hi].to(device=flat.device, dtype=shard.dtype).clone()
             self.inner.state[shard] = entry
 
-
     # ------------------------------------------------------------------------------------------ plan changes
     def named_state(self, key: str) -> dict[str, torch.Tensor]:
         """This rank's chunk of every parameter's ``key`` state (``exp_avg``, ``exp_avg_sq`` or ``master``), as
@@ -216,16 +226,21 @@ class ZeroAdamW:
     def named_steps(self) -> dict[str, float]:
         """Optimizer steps taken by each parameter this rank owns a stepped chunk of (a sharded checkpoint's
         record of them; a rank owning none of a parameter leaves it to the others)."""
-        return {name: float(self.inner.state[shard]["step"]) for (name, _), shard in zip(self.params, self._shards)
-                if shard is not None and shard in self.inner.state}
+        return {
+            name: float(self.inner.state[shard]["step"])
+            for (name, _), shard in zip(self.params, self._shards)
+            if shard is not None and shard in self.inner.state
+        }
 
     def init_state(self, step: int) -> None:
         """Zero moments at ``step`` optimizer steps for every chunk this rank owns: the tensors a moved state is
         written into."""
         for shard in self._shards:
             if shard is not None:
-                self.inner.state[shard] = {"step": torch.tensor(float(step), dtype=torch.float32),
-                                           **{k: torch.zeros_like(shard) for k in _MOMENTS}}
+                self.inner.state[shard] = {
+                    "step": torch.tensor(float(step), dtype=torch.float32),
+                    **{k: torch.zeros_like(shard) for k in _MOMENTS},
+                }
 
     def steps_taken(self) -> int:
         """Optimizer steps taken so far (0 before the first; every chunk steps together)."""

@@ -1,6 +1,6 @@
 """loomrl.plan: execution plans as data, and the strategies that produce them.
 
-- :class:`ClusterSpec`, :data:`PROFILES`: the devices a plan is for (``cpu:2``, ``h100:8x8``);
+- :class:`ClusterSpec`, :data:`PROFILES`: the devices a plan is for (``cpu:2``, ``h100:8x8``) and their hardware;
 - :class:`DeviceSet`, :class:`Allocation`, :class:`ExecutionPlan`: where each MFC runs and how its model is
   sharded (one type for a mesh plus a layout, coordinates ``(pp, dp, tp)``); derived facts (canonical layouts,
   shadows, offloading, concurrent groups, memory), validation, JSON/YAML round trips;
@@ -15,15 +15,24 @@
 Nothing here imports Ray or torch.distributed: a plan is data that the runtime and the simulator both read.
 """
 
-from loomrl.plan.checks import peak_memory, role_memory
-from loomrl.plan.cluster import DEVICE_KINDS, GB, PROFILES, ClusterSpec
-from loomrl.plan.memory import param_count, shard_bytes
+from loomrl.plan.allocation import Allocation, DeviceSet, format_devices
+from loomrl.plan.cluster import DEVICE_KINDS, ClusterSpec
+from loomrl.plan.hardware import GB, PROFILES
+from loomrl.plan.memory import shard_bytes
+from loomrl.plan.model_shape import param_count
+from loomrl.plan.plan import ExecutionPlan
 from loomrl.plan.plan_string import compute_allocation, format_plan_string, parse_plan_string
 from loomrl.plan.realloc_plan import ReallocPlan, Transfer, plan_reallocation
 from loomrl.plan.shards import shard_intervals, shard_shape
-from loomrl.plan.plan import Allocation, DeviceSet, ExecutionPlan, format_devices
-from loomrl.plan.strategies import (STRATEGIES, colocate, interleave, make_plan, separate, split_devices,
-                                    split_devices_pow2)
+from loomrl.plan.strategies import (
+    STRATEGIES,
+    colocate,
+    interleave,
+    make_plan,
+    separate,
+    split_devices,
+    split_devices_pow2,
+)
 
 __all__ = [
     "DEVICE_KINDS",
@@ -47,8 +56,6 @@ __all__ = [
     "plan_reallocation",
     "shard_intervals",
     "shard_shape",
-    "peak_memory",
-    "role_memory",
     "separate",
     "shard_bytes",
     "split_devices",

@@ -8,37 +8,31 @@ A cluster is written ``KIND:DEVICES`` (one node) or ``KIND:NODESxDEVICES``::
     gb200:1x72   one GB200 NVL72 rack: 72 GPUs in one NVLink domain, which is what a "node" means here
 
 Devices are numbered globally, node-major: device ``d`` sits on node ``d // devices_per_node``. A profile
-names the hardware; here it fixes only the memory per device (:data:`PROFILES`). Compute rates and
-bandwidths belong to the cost model, which a later issue measures and fits.
+names the hardware (:data:`loomrl.plan.hardware.PROFILES`): its memory per device is the cluster's default
+``memory_gb``, and its rates are what the cost model prices the devices with (:func:`profile_for`).
 """
 
 from __future__ import annotations
 
 import re
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 
 from loomrl.config.tools import ValidatedConfig, fail, spec
 from loomrl.errors import ConfigError
+from loomrl.plan.hardware import GB, PROFILES, HardwareProfile
 
-__all__ = ["DEVICE_KINDS", "GB", "PROFILES", "ClusterSpec"]
+__all__ = ["DEVICE_KINDS", "ClusterSpec", "profile_for"]
 
-GB = 2**30
-"""Bytes in the "GB" of every memory figure here (device datasheets' 80 GB are 80 × 2^30 bytes)."""
-
-PROFILES: dict[str, float] = {
-    "a100-80g": 80.0,
-    "a800": 80.0,
-    "h100-80g": 80.0,
-    "h800": 80.0,
-    "h200": 141.0,
-    "h20": 96.0,
-    "gb200": 186.0,
-    "local": 24.0,
+DEVICE_KINDS: dict[str, str] = {
+    "cpu": "local",
+    "a100": "a100-80g",
+    "a800": "a800",
+    "h100": "h100-80g",
+    "h800": "h800",
+    "h200": "h200",
+    "h20": "h20",
+    "gb200": "gb200",
 }
-"""Hardware profile → memory per device in GB, from datasheets; ``local`` is a CPU slot's share of RAM."""
-
-DEVICE_KINDS: dict[str, str] = {"cpu": "local", "a100": "a100-80g", "a800": "a800", "h100": "h100-80g", "h800": "h800",
-                                "h200": "h200", "h20": "h20", "gb200": "gb200"}
 """Device kind accepted by :meth:`ClusterSpec.parse` → its profile (profile names are accepted as kinds too)."""
 
 _CLUSTER_RE = re.compile(r"(?P<kind>[A-Za-z][\w-]*):(?:(?P<nodes>\d+)x)?(?P<devices>\d+)")
@@ -55,7 +49,7 @@ class ClusterSpec(ValidatedConfig):
     device_kind: str = "cpu"
     """What a device is: cpu, a100, a800, h100, h800, h200, h20, gb200."""
     profile: str = spec("local", choices=tuple(PROFILES))
-    """Hardware profile (see PROFILES) the cost model prices the devices with."""
+    """Hardware profile (:data:`loomrl.plan.hardware.PROFILES`) the cost model prices the devices with."""
     memory_gb: float = spec(24.0, gt=0)
     """Memory per device in GB (2^30 bytes); plans that need more are rejected."""
 
@@ -94,7 +88,16 @@ class ClusterSpec(ValidatedConfig):
         nodes, devices = int(match["nodes"] or 1), int(match["devices"])
         if nodes < 1 or devices < 1:
             raise ConfigError(f"cluster {text!r}: needs at least one node and one device per node")
-        return cls(nodes, devices, kind, profile, PROFILES[profile])
+        return cls(nodes, devices, kind, profile, PROFILES[profile].memory_bytes / GB)
 
     def __str__(self) -> str:
         return f"{self.device_kind}:{self.nodes}x{self.devices_per_node}"
+
+
+def profile_for(cluster: ClusterSpec) -> HardwareProfile:
+    """The profile a cluster names, with its memory set to the cluster's ``memory_gb`` (which may override
+    the datasheet figure, e.g. to leave room for a framework's reserve)."""
+    profile = PROFILES.get(cluster.profile)
+    if profile is None:
+        raise ConfigError(f"cluster.profile: unknown profile '{cluster.profile}'; valid: {', '.join(PROFILES)}")
+    return replace(profile, memory_bytes=cluster.memory_gb * GB)

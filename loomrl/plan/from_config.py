@@ -25,8 +25,9 @@ def resolve_layouts(runtime: RuntimeConfig, workflow: Workflow, n: int) -> dict[
         tp, pp = (given.tp, given.pp) if given else (1, 1)
         dp = given.dp if given and given.dp else n // (tp * pp)
         if dp * tp * pp != n:
-            raise ConfigError(f"runtime.layouts.{role}: dp {dp} x tp {tp} x pp {pp} = {dp * tp * pp} does not "
-                              f"match the {n} devices")
+            raise ConfigError(
+                f"runtime.layouts.{role}: dp {dp} x tp {tp} x pp {pp} = {dp * tp * pp} does not match the {n} devices"
+            )
         out[role] = Layout(dp=dp, tp=tp, pp=pp)
         if pp > 1:
             for mfc in workflow.mfcs_of_role(role):
@@ -35,8 +36,9 @@ def resolve_layouts(runtime: RuntimeConfig, workflow: Workflow, n: int) -> dict[
     return out
 
 
-def plan_from_config(runtime: RuntimeConfig, workflow: Workflow, cluster: ClusterSpec,
-                     plan: str | None = None) -> ExecutionPlan:
+def plan_from_config(
+    runtime: RuntimeConfig, workflow: Workflow, cluster: ClusterSpec, plan: str | None = None
+) -> ExecutionPlan:
     """``plan`` (by default ``runtime.plan``) if given, else every call on all devices with ``runtime.layouts``
     (colocate; a role's ``sharding`` applies to its train calls). Generation needs pp = 1."""
     text = runtime.plan if plan is None else plan
@@ -45,12 +47,16 @@ def plan_from_config(runtime: RuntimeConfig, workflow: Workflow, cluster: Cluste
     else:
         result = colocate(workflow, cluster, layouts=resolve_layouts(runtime, workflow, cluster.n_devices))
         for mfc in workflow.topological_order():
-            given = runtime.layouts.get(mfc.role) if mfc.kind == MFCKind.TRAIN else None
+            given = runtime.layouts.get(mfc.model_role) if mfc.kind == MFCKind.TRAIN else None
             if given is not None and given.sharding != "none":
-                result = result.with_allocation(mfc.name, dataclasses.replace(
-                    result[mfc.name], zero=given.sharding == "zero", fsdp=given.sharding == "fsdp"))
+                result = result.with_allocation(
+                    mfc.name,
+                    dataclasses.replace(result[mfc.name], zero=given.sharding == "zero", fsdp=given.sharding == "fsdp"),
+                )
     for mfc in workflow.topological_order():
         if mfc.kind == MFCKind.GENERATE and result[mfc.name].layout.pp > 1:
-            raise ConfigError(f"runtime.plan: MFC '{mfc.name}' generates with pp={result[mfc.name].layout.pp}; "
-                              "generation runs with pp=1 (the plan's reallocation moves the weights into that layout)")
+            raise ConfigError(
+                f"runtime.plan: MFC '{mfc.name}' generates with pp={result[mfc.name].layout.pp}; "
+                "generation runs with pp=1 (the plan's reallocation moves the weights into that layout)"
+            )
     return result

@@ -9,7 +9,7 @@ Two conventions matter when reading them:
   bidirectional total (e.g. "900 GB/s"), so the profile holds half. ``inter_node_bw`` is one NIC per device,
   again one direction (400 Gb/s NDR = 50 GB/s).
 
-Memory sizes are in the 2^30-byte "GB" of :data:`loomrl.plan.GB`, as elsewhere in the plan code. Bandwidths
+Memory sizes are in the 2^30-byte :data:`GB`, as everywhere in the plan code. Bandwidths
 and rates are decimal (10^9, 10^12), as datasheets print them.
 
 ``link_latency`` is not a datasheet figure: it is the per-message start-up cost of a collective (NCCL over
@@ -43,13 +43,16 @@ from __future__ import annotations
 
 import json
 import math
-from dataclasses import dataclass, fields, replace
+from dataclasses import dataclass, fields
 from pathlib import Path
+from typing import TypedDict
 
 from loomrl.errors import ConfigError, DataError
-from loomrl.plan.cluster import ClusterSpec, GB
 
-__all__ = ["PROFILES", "HardwareProfile", "load_profile", "profile_for"]
+__all__ = ["GB", "PROFILES", "HardwareProfile", "load_profile"]
+
+GB = 2**30
+"""Bytes in the "GB" of every memory figure here (device datasheets' 80 GB are 80 × 2^30 bytes)."""
 
 _MAY_BE_ZERO = ("fp8_matmul_flops", "decode_step_s")
 """Profile figures that may be 0 (a capability the device lacks, an overhead it does not have)."""
@@ -125,36 +128,68 @@ class HardwareProfile:
             if not (isinstance(value, (int, float)) and (value > 0 or low_ok) and math.isfinite(value)):
                 what = "non-negative" if f.name in _MAY_BE_ZERO else "positive"
                 raise ConfigError(f"profile {self.name}.{f.name}: {value!r} is not a {what} finite number")
-        for name in ("matmul_efficiency", "fp8_efficiency", "moe_efficiency", "decode_bw_efficiency",
-                     "intra_bus_efficiency"):
+        for name in (
+            "matmul_efficiency",
+            "fp8_efficiency",
+            "moe_efficiency",
+            "decode_bw_efficiency",
+            "intra_bus_efficiency",
+        ):
             if getattr(self, name) > 1.0:
-                raise ConfigError(f"profile {self.name}.{name}: {getattr(self, name)!r} is above 1 (a fraction of peak)")
+                raise ConfigError(
+                    f"profile {self.name}.{name}: {getattr(self, name)!r} is above 1 (a fraction of peak)"
+                )
         if not isinstance(self.devices_share_cores, int):
-            raise ConfigError(f"profile {self.name}.devices_share_cores: {self.devices_share_cores!r} is not an "
-                              "integer")
+            raise ConfigError(
+                f"profile {self.name}.devices_share_cores: {self.devices_share_cores!r} is not an integer"
+            )
+
+
+class _Decode(TypedDict):
+    """A GPU's serving-engine decode figures, as :class:`HardwareProfile` keywords."""
+
+    decode_bw_efficiency: float
+    decode_step_s: float
+
+
+class _Architecture(TypedDict, total=False):
+    """Efficiencies shared by the GPUs of one architecture, as :class:`HardwareProfile` keywords."""
+
+    matmul_efficiency: float
+    fp8_efficiency: float
+    moe_efficiency: float
+    intra_bus_efficiency: float
+    host_adam_rate: float
+
+
+class _Figures(_Architecture, _Decode):
+    """An architecture's efficiencies with its decode figures."""
 
 
 # A serving engine's decode on each GPU, from vLLM's CI latency tests (buildkite.com/vllm/performance-benchmark):
 # batch 8, 32 prompt + 128 generated tokens, Llama-3.1-8B at tp1 and Llama-3-70B at tp4. A decode step reads the
 # weights (16.1 GB; 35.3 GB per GPU at tp4) at mem_bandwidth · η and adds a fixed step time f, plus at tp4 its 160
 # all-reduces at 2 · link_latency each: the two times give η and f (two equations, two unknowns).
-_H200_DECODE = dict(
+_H200_DECODE: _Decode = dict(
     # builds 9513/9515, H200: 834 ms and 2075 ms → η = 0.615, f = 1.07 ms
-    decode_bw_efficiency=0.615, decode_step_s=1.07e-3,
+    decode_bw_efficiency=0.615,
+    decode_step_s=1.07e-3,
 )
-_H100_DECODE = dict(
+_H100_DECODE: _Decode = dict(
     # build 9555, 8×H100: 997.5 ms and 2444.5 ms → η = 0.707, f = 1.00 ms
-    decode_bw_efficiency=0.707, decode_step_s=1.0e-3,
+    decode_bw_efficiency=0.707,
+    decode_step_s=1.0e-3,
 )
-_A100_DECODE = dict(
+_A100_DECODE: _Decode = dict(
     # build 9523, A100-SXM4-80GB: 1579 ms and 3991 ms. The two give f < 0 (the tp4 step costs more than its
     # all-reduces' start-up explains), so f is the H100's 1.00 ms (host-side scheduling and sampling) and η comes
     # from the tp1 time: 0.696; the tp4 time is then predicted 7% short (3720 ms)
-    decode_bw_efficiency=0.696, decode_step_s=1.0e-3,
+    decode_bw_efficiency=0.696,
+    decode_step_s=1.0e-3,
 )
 
 # Efficiencies from public measurements, shared by the GPUs of one architecture (module docstring):
-_HOPPER = dict(
+_HOPPER: _Architecture = dict(
     # Megatron-LM README (github.com/NVIDIA/Megatron-LM): "up to 47% Model FLOP Utilization (MFU) on H100 clusters"
     matmul_efficiency=0.47,
     # Megatron-Bridge docs/performance-summary.md, DGX-H100, FP8-CS: Llama3 8B 744 and 70B 719 model TFLOP/s/GPU
@@ -170,7 +205,7 @@ _HOPPER = dict(
     # parameter with its moments and gradient); ~200 GB/s of a two-socket host's DRAM, half of it used → 4e9/s
     host_adam_rate=4e9,
 )
-_AMPERE = dict(
+_AMPERE: _Architecture = dict(
     # Narayanan et al., SC'21 (arXiv:2104.04473) Table 1, Megatron-LM on A100s, FLOPs counting the recomputed
     # forward: models of 1.7B-76B parameters reach 135-142 TFLOP/s per GPU (43-46% of the 312 peak; 7.5B: 142,
     # 76B: 140); only the 145B-1T models reach 47-52%. RL systems train 7B-70B models: 0.45
@@ -181,14 +216,17 @@ _AMPERE = dict(
     intra_bus_efficiency=0.8,
     host_adam_rate=4e9,
 )
-_BLACKWELL = dict(
+_BLACKWELL: _Figures = dict(
     # Megatron-Bridge docs/performance-summary.md, DGX-GB200: Llama3 70B FP8-CS 1937 model TFLOP/s/GPU of 5000 dense
     # FP8 → 0.39; no dense BF16 row is published, the same fraction is taken for BF16 (stated assumption)
-    matmul_efficiency=0.39, fp8_efficiency=0.39,
+    matmul_efficiency=0.39,
+    fp8_efficiency=0.39,
     # the same table: Qwen3-235B-A22B BF16 728 TFLOP/s/GPU of 2500 → 0.29, relative to the dense 0.39 → 0.75
     moe_efficiency=0.75,
     # no Blackwell serving figure was found: the H200's decode efficiency and step time are taken (stated)
-    **_H200_DECODE, intra_bus_efficiency=1.0, host_adam_rate=4e9,
+    **_H200_DECODE,
+    intra_bus_efficiency=1.0,
+    host_adam_rate=4e9,
 )
 
 PROFILES: dict[str, HardwareProfile] = {
@@ -287,7 +325,7 @@ PROFILES: dict[str, HardwareProfile] = {
         "local",
         matmul_flops=100e9,  # nominal: one core's fp32 matmul (AVX2/AVX-512 era); calibrate_local measures it
         mem_bandwidth=20 * GBPS,  # nominal DRAM share of one slot
-        memory_bytes=24 * GB,  # same default as loomrl.plan.PROFILES["local"]
+        memory_bytes=24 * GB,  # a CPU slot's share of this machine's RAM
         intra_node_bw=2 * GBPS,  # nominal loopback TCP (gloo) between worker processes
         inter_node_bw=1.25 * GBPS,  # 10 GbE
         link_latency=50e-6,  # loopback TCP round trip / 2, order of magnitude
@@ -296,16 +334,7 @@ PROFILES: dict[str, HardwareProfile] = {
         host_offload=False,  # the worker keeps frozen roles resident on CPU devices (offload.py)
     ),
 }
-"""Profile name (as in :data:`loomrl.plan.PROFILES`) → hardware figures."""
-
-
-def profile_for(cluster: ClusterSpec) -> HardwareProfile:
-    """The profile a cluster names, with its memory set to the cluster's ``memory_gb`` (which may override
-    the datasheet figure, e.g. to leave room for a framework's reserve)."""
-    profile = PROFILES.get(cluster.profile)
-    if profile is None:
-        raise ConfigError(f"cluster.profile: unknown profile '{cluster.profile}'; valid: {', '.join(PROFILES)}")
-    return replace(profile, memory_bytes=cluster.memory_gb * GB)
+"""Profile name → hardware figures: the one table of devices (a cluster's ``profile`` names one)."""
 
 
 def load_profile(path: str | Path) -> HardwareProfile:
@@ -322,8 +351,9 @@ def load_profile(path: str | Path) -> HardwareProfile:
         raise DataError(f"{path}: cannot read a hardware profile (JSON nested too deeply)") from None
     names = [f.name for f in fields(HardwareProfile)]
     if not isinstance(data, dict) or set(data) - set(names) or "name" not in data:
-        raise DataError(f"{path}: a hardware profile is a JSON object with keys {', '.join(names)} "
-                        "(as `loomrl calibrate` writes)")
+        raise DataError(
+            f"{path}: a hardware profile is a JSON object with keys {', '.join(names)} (as `loomrl calibrate` writes)"
+        )
     try:
         return HardwareProfile(**data)
     except (TypeError, ConfigError) as err:

@@ -72,7 +72,9 @@ class Layout:
         """The rank at ``coords`` (:meth:`coords` inverted)."""
         for name, value, size in zip(Coords._fields, coords, (self.pp, self.dp, self.tp)):
             if not 0 <= value < size:
-                raise ConfigError(f"{name}_rank: {value} is outside 0..{size - 1} of layout dp{self.dp}tp{self.tp}pp{self.pp}")
+                raise ConfigError(
+                    f"{name}_rank: {value} is outside 0..{size - 1} of layout dp{self.dp}tp{self.tp}pp{self.pp}"
+                )
         pp_rank = self.pp - 1 - coords[0] if self.reverse else coords[0]
         return (pp_rank * self.dp + coords[1]) * self.tp + coords[2]
 
@@ -85,16 +87,20 @@ def check_layout(layout: Layout, config: object, devices: int, where: str = "lay
     checks (tp divides the head counts and the MLP width).
     """
     if layout.size != devices:
-        raise ConfigError(f"{where}: dp={layout.dp} × tp={layout.tp} × pp={layout.pp} = {layout.size} "
-                          f"devices, but the mesh has {devices}")
+        raise ConfigError(
+            f"{where}: dp={layout.dp} × tp={layout.tp} × pp={layout.pp} = {layout.size} "
+            f"devices, but the mesh has {devices}"
+        )
     if layout.pp > 1:
         _check_pipeline(layout, config, where)
     if layout.tp == 1:
         return
     model_type = getattr(config, "model_type", None)
     if model_type not in TP_ARCHITECTURES:
-        raise ConfigError(f"{where}.tp: {layout.tp} needs one of the architectures {', '.join(TP_ARCHITECTURES)}; "
-                          f"model_type '{model_type}' supports only tp=1")
+        raise ConfigError(
+            f"{where}.tp: {layout.tp} needs one of the architectures {', '.join(TP_ARCHITECTURES)}; "
+            f"model_type '{model_type}' supports only tp=1"
+        )
     for field in _TP_DIVIDES:
         value = getattr(config, field, None)
         if value is None:
@@ -106,8 +112,10 @@ def check_layout(layout: Layout, config: object, devices: int, where: str = "lay
 def _check_pipeline(layout: Layout, config: object, where: str) -> None:
     model_type = getattr(config, "model_type", None)
     if model_type not in TP_ARCHITECTURES:
-        raise ConfigError(f"{where}.pp: {layout.pp} needs one of the architectures {', '.join(TP_ARCHITECTURES)}; "
-                          f"model_type '{model_type}' supports only pp=1")
+        raise ConfigError(
+            f"{where}.pp: {layout.pp} needs one of the architectures {', '.join(TP_ARCHITECTURES)}; "
+            f"model_type '{model_type}' supports only pp=1"
+        )
     layers = getattr(config, "num_hidden_layers", None)
     if not layers or layers % layout.pp:
         raise ConfigError(f"{where}.pp: {layout.pp} does not divide num_hidden_layers={layers}")

@@ -12,18 +12,21 @@ holds
 
 Activations, the KV cache and framework buffers are left out: the plan validator asks only whether the
 resident state fits, and the planner's memory model (a later issue) adds the rest. ``P`` is counted from
-the HF config fields every zoo architecture has (see :func:`param_count`); value and reward models are
+the HF config fields every zoo architecture has (:func:`loomrl.plan.model_shape.param_count`); value and reward models
+are
 counted as causal LMs, an overestimate of ``vocab_size · hidden_size`` parameters (their score head is
 ``hidden_size × 1``).
 """
 
 from __future__ import annotations
 
-from typing import NamedTuple
-
-__all__ = ["ADAM_BYTES_PER_PARAM", "GRAD_BYTES_PER_PARAM", "MASTER_BYTES_PER_PARAM", "NON_GATED_MLPS", "ModelDims",
-           "attention_params", "count_params", "expert_params", "model_dims", "optimizer_bytes_per_param",
-           "param_count", "shard_bytes"]
+__all__ = [
+    "ADAM_BYTES_PER_PARAM",
+    "GRAD_BYTES_PER_PARAM",
+    "MASTER_BYTES_PER_PARAM",
+    "optimizer_bytes_per_param",
+    "shard_bytes",
+]
 
 ADAM_BYTES_PER_PARAM = 8
 """Two fp32 moments (exp_avg, exp_avg_sq) per trained parameter."""
@@ -42,138 +45,16 @@ def optimizer_bytes_per_param(bytes_per_param: int) -> int:
     return ADAM_BYTES_PER_PARAM + (MASTER_BYTES_PER_PARAM if bytes_per_param < 4 else 0)
 
 
-NON_GATED_MLPS: tuple[str, ...] = ("gpt2", "opt", "gpt_neox", "gptj", "bloom", "falcon", "starcoder2")
-"""``model_type`` values whose MLP is two matrices (up, down) with a plain activation; the others (Llama, Qwen,
-Mistral, Mixtral, DeepSeek, ...) gate it with a third matrix."""
-
-_ALIASES: dict[str, tuple[str, ...]] = {
-    "hidden_size": ("hidden_size", "n_embd", "d_model"),
-    "num_hidden_layers": ("num_hidden_layers", "n_layer", "num_layers"),
-    "num_attention_heads": ("num_attention_heads", "n_head"),
-    "intermediate_size": ("intermediate_size", "ffn_dim", "n_inner"),
-    "num_experts": ("num_experts", "num_local_experts", "n_routed_experts"),
-}
-"""HF config field → the names architectures give it (GPT-2's ``n_embd``, OPT's ``ffn_dim``, Mixtral's
-``num_local_experts``, DeepSeek's ``n_routed_experts``), read from a plain ``config.json`` as well as from a
-transformers config object (which maps some of them itself)."""
-
-
-class ModelDims(NamedTuple):
-    """The dimensions of a decoder-only transformer that its parameter count and costs follow from."""
-
-    hidden: int
-    layers: int
-    heads: int
-    kv_heads: int
-    head_dim: int
-    """Width of one attention head; ``hidden / heads`` unless the config says otherwise (Qwen3: 128)."""
-    intermediate: int
-    """The dense MLP's width (every layer's, or the dense layers' of a mixture-of-experts model)."""
-    vocab: int
-    tied: bool
-    """Whether the output head is the input embedding (one ``vocab × hidden`` table, used twice)."""
-    mlp_matrices: int
-    """3 for a gated MLP (gate, up, down), 2 for a plain one (:data:`NON_GATED_MLPS`)."""
-    experts: int = 0
-    """Routed experts per mixture-of-experts layer (0: a dense model)."""
-    active_experts: int = 0
-    """Experts each token is routed to (top-k)."""
-    expert_intermediate: int = 0
-    """One expert's MLP width."""
-    shared_intermediate: int = 0
-    """Width of the shared experts every token also passes through (0: none)."""
-    dense_layers: int = 0
-    """Leading layers with a dense MLP in a mixture-of-experts model (DeepSeek's ``first_k_dense_replace``)."""
-
-    @property
-    def moe_layers(self) -> int:
-        """Layers whose MLP is a mixture of experts."""
-        return self.layers - self.dense_layers if self.experts else 0
-
-
-def _get(config: object, name: str) -> object:
-    for alias in _ALIASES.get(name, (name,)):
-        value = getattr(config, alias, None)
-        if value is not None:
-            return value
-    return None
-
-
-def _field(config: object, name: str, default: int | None = None) -> int:
-    value = _get(config, name)
-    if value is None:
-        if default is None:
-            raise AttributeError(f"the model config has no {name}")
-        return default
-    return int(value)
-
-
-def model_dims(config: object) -> ModelDims:
-    """Read an HF-config-like object (a transformers config or a ``config.json`` as attributes): hidden size,
-    layers, heads, key/value heads, ``head_dim``, MLP width, vocabulary, tied embeddings, gated or plain MLP and,
-    for a mixture of experts, the routed experts, how many a token uses, their width, shared experts and
-    leading dense layers."""
-    h = _field(config, "hidden_size")
-    heads = _field(config, "num_attention_heads")
-    model_type = getattr(config, "model_type", None)
-    experts = _field(config, "num_experts", 0)
-    expert_inter = shared = dense = active = 0
-    if experts:
-        active = _field(config, "num_experts_per_tok", 2)
-        expert_inter = _field(config, "moe_intermediate_size", 0) or _field(config, "intermediate_size")
-        shared = _field(config, "shared_expert_intermediate_size", 0) or \
-            _field(config, "n_shared_experts", 0) * expert_inter
-        dense = _field(config, "first_k_dense_replace", 0) or len(getattr(config, "mlp_only_layers", None) or ())
-    return ModelDims(
-        hidden=h, layers=_field(config, "num_hidden_layers"), heads=heads,
-        kv_heads=_field(config, "num_key_value_heads", heads), head_dim=_field(config, "head_dim", 0) or h // heads,
-        intermediate=_field(config, "intermediate_size", 4 * h), vocab=_field(config, "vocab_size"),
-        tied=_tied(config, model_type),
-        mlp_matrices=2 if model_type in NON_GATED_MLPS else 3, experts=experts, active_experts=active,
-        expert_intermediate=expert_inter, shared_intermediate=shared, dense_layers=dense)
-
-
-def _tied(config: object, model_type: object) -> bool:
-    """The config's ``tie_word_embeddings``; where a plain ``config.json`` leaves it out, the default of its
-    architecture in transformers (tied for GPT-2 and OPT, untied for the Llama family)."""
-    value = getattr(config, "tie_word_embeddings", None)
-    return bool(value) if value is not None else model_type in ("gpt2", "opt")
-
-
-def attention_params(d: ModelDims) -> int:
-    """One layer's attention projections: q and o (``hidden × heads·head_dim``), k and v (``kv_heads·head_dim``)."""
-    return d.hidden * d.head_dim * 2 * (d.heads + d.kv_heads)
-
-
-def expert_params(d: ModelDims) -> int:
-    """One routed expert's parameters (a gated MLP of its width)."""
-    return 3 * d.hidden * d.expert_intermediate
-
-
-def count_params(d: ModelDims, active_only: bool = False) -> int:
-    """Parameters of a model of dimensions ``d`` (:func:`param_count`); ``active_only`` counts only the experts a
-    token passes through, what a token's matmuls touch."""
-    mlp = d.mlp_matrices * d.hidden * d.intermediate
-    moe = (d.active_experts if active_only else d.experts) * expert_params(d) + d.hidden * d.experts \
-        + 3 * d.hidden * d.shared_intermediate
-    per_layer = attention_params(d) + 2 * d.hidden
-    tables = (1 if d.tied else 2) * d.vocab * d.hidden
-    return tables + d.layers * per_layer + (d.layers - d.moe_layers) * mlp + d.moe_layers * moe + d.hidden
-
-
-def param_count(config: object) -> int:
-    """Parameters of a decoder-only transformer described by an HF-config-like object (:func:`model_dims`).
-
-    Embedding and, unless tied, an output projection (``vocab · h`` each), and per layer: attention
-    (:func:`attention_params`), an MLP of three ``h × I`` matrices (two for :data:`NON_GATED_MLPS`) or, in a
-    mixture-of-experts layer, every routed expert, the router and the shared experts, and two norm vectors;
-    plus the final norm. Biases and learned position embeddings are ignored (≪ 1%).
-    """
-    return count_params(model_dims(config))
-
-
-def shard_bytes(params: int, tp: int, pp: int, bytes_per_param: int, trained: bool,
-                optimizer_shards: int = 1, param_shards: int = 1, optimizer_on_host: bool = False) -> int:
+def shard_bytes(
+    params: int,
+    tp: int,
+    pp: int,
+    bytes_per_param: int,
+    trained: bool,
+    optimizer_shards: int = 1,
+    param_shards: int = 1,
+    optimizer_on_host: bool = False,
+) -> int:
     """Bytes of one device's shard: weights, plus gradients and optimizer state when ``trained``; the optimizer
     state divided over ``optimizer_shards`` data-parallel ranks under ZeRO-1 (the allocation's ``zero``).
 

@@ -6,7 +6,7 @@ stages holds the other's late ones and either model's micro-batches can fill the
 model of depth ``P < D`` is replicated ``K = D / P`` times (its fusion factor), each replica taking a contiguous
 block of the model's micro-batches, so that every device holds exactly one stage of each model.
 
-A :class:`Task` is one stage's forward or backward of one micro-batch; a :class:`TaskOrder` is each device's
+A :class:`PipelineTask` is one stage's forward or backward of one micro-batch; a :class:`TaskOrder` is each device's
 tasks in execution order. Its communication is implied: a forward's output goes to the next stage's device, a
 backward's input gradient to the previous stage's device, each after ``hop_s``. Memory is counted in the units
 of :attr:`PipelineSpec.activation`: a micro-batch's activations stay on a stage from its forward to its backward.
@@ -22,7 +22,16 @@ ACTOR, CRITIC = 0, 1
 MODELS = (ACTOR, CRITIC)
 MODEL_NAMES = ("actor", "critic")
 
-__all__ = ["ACTOR", "CRITIC", "MODELS", "MODEL_NAMES", "PipelineFusionProblem", "PipelineSpec", "TaskOrder", "Task"]
+__all__ = [
+    "ACTOR",
+    "CRITIC",
+    "MODELS",
+    "MODEL_NAMES",
+    "PipelineFusionProblem",
+    "PipelineSpec",
+    "TaskOrder",
+    "PipelineTask",
+]
 
 
 @dataclass(frozen=True)
@@ -47,8 +56,7 @@ class PipelineSpec:
                 raise ValueError(f"PipelineSpec.{name}: {value!r} is not a positive integer")
         for name in ("forward_s", "backward_s", "activation"):
             value = getattr(self, name)
-            if isinstance(value, bool) or not isinstance(value, (int, float)) or not math.isfinite(value) \
-                    or value <= 0:
+            if isinstance(value, bool) or not isinstance(value, (int, float)) or not math.isfinite(value) or value <= 0:
                 raise ValueError(f"PipelineSpec.{name}: {value!r} is not a positive finite number")
             object.__setattr__(self, name, float(value))
 
@@ -70,26 +78,35 @@ class PipelineFusionProblem:
     """Seconds for an activation or a gradient to travel between neighbouring stages' devices."""
     stage_devices: tuple[tuple[tuple[int, ...], ...], tuple[tuple[int, ...], ...]] | None = None
     """Per model, per replica, the device of each stage, where two allocations place them otherwise (a reversed
-    layout with replicas interleaves them: :func:`loomrl.planner.cost.pipeline_fusion.pipeline_fusion_problem`); None: the
+    layout with replicas interleaves them: :func:`loomrl.planner.cost.pipeline_fusion.pipeline_fusion_problem`); None:
+    the
     directions above."""
 
     def __post_init__(self) -> None:
         if not isinstance(self.devices, int) or isinstance(self.devices, bool) or self.devices < 1:
             raise ValueError(f"PipelineFusionProblem.devices: {self.devices!r} is not a positive integer")
-        for model, name in zip(MODELS, MODEL_NAMES):
+        for _model, name in zip(MODELS, MODEL_NAMES):
             spec = getattr(self, name)
             if not isinstance(spec, PipelineSpec):
                 raise ValueError(f"PipelineFusionProblem.{name}: {spec!r} is not a PipelineSpec")
             if self.devices % spec.depth:
-                raise ValueError(f"PipelineFusionProblem.{name}.depth: {spec.depth} does not divide devices={self.devices}")
+                raise ValueError(
+                    f"PipelineFusionProblem.{name}.depth: {spec.depth} does not divide devices={self.devices}"
+                )
             replicas = self.devices // spec.depth
             if spec.micro_batches % replicas:
-                raise ValueError(f"PipelineFusionProblem.{name}.micro_batches: {spec.micro_batches} is not a multiple of "
-                                 f"its {replicas} replicas")
+                raise ValueError(
+                    f"PipelineFusionProblem.{name}.micro_batches: {spec.micro_batches} is not a multiple of "
+                    f"its {replicas} replicas"
+                )
         if self.stage_devices is not None:
             self._check_stage_devices()
-        if isinstance(self.hop_s, bool) or not isinstance(self.hop_s, (int, float)) or not math.isfinite(self.hop_s) \
-                or self.hop_s < 0:
+        if (
+            isinstance(self.hop_s, bool)
+            or not isinstance(self.hop_s, (int, float))
+            or not math.isfinite(self.hop_s)
+            or self.hop_s < 0
+        ):
             raise ValueError(f"PipelineFusionProblem.hop_s: {self.hop_s!r} is not a finite number >= 0")
         object.__setattr__(self, "hop_s", float(self.hop_s))
         if self.memory_cap is None:
@@ -97,16 +114,20 @@ class PipelineFusionProblem:
             return
         cap = tuple(self.memory_cap) if isinstance(self.memory_cap, (tuple, list)) else None
         if cap is None or len(cap) != self.devices:
-            raise ValueError(f"PipelineFusionProblem.memory_cap: {self.memory_cap!r} is not one number per device "
-                             f"({self.devices})")
+            raise ValueError(
+                f"PipelineFusionProblem.memory_cap: {self.memory_cap!r} is not one number per device ({self.devices})"
+            )
         least = self.actor.activation + self.critic.activation
         for device, value in enumerate(cap):
             if isinstance(value, bool) or not isinstance(value, (int, float)) or not value >= least:
-                raise ValueError(f"PipelineFusionProblem.memory_cap[{device}]: {value!r} is below one micro-batch of each "
-                                 f"model ({least:g})")
+                raise ValueError(
+                    f"PipelineFusionProblem.memory_cap[{device}]: {value!r} is below one micro-batch of each "
+                    f"model ({least:g})"
+                )
         object.__setattr__(self, "memory_cap", tuple(float(v) for v in cap))
 
     def _check_stage_devices(self) -> None:
+        assert self.stage_devices is not None  # checked when given
         stage_devices = tuple(tuple(tuple(int(d) for d in stages) for stages in model) for model in self.stage_devices)
         if len(stage_devices) != len(MODELS):
             raise ValueError(f"PipelineFusionProblem.stage_devices: {self.stage_devices!r} is not one entry per model")
@@ -114,12 +135,22 @@ class PipelineFusionProblem:
             spec, replicas = self.spec(model), self.devices // self.spec(model).depth
             shape = [len(stages) for stages in stage_devices[model]]
             if shape != [spec.depth] * replicas:
-                raise ValueError(f"PipelineFusionProblem.stage_devices[{name}]: {shape} stages per replica, expected "
-                                 f"{replicas} replicas of {spec.depth}")
+                raise ValueError(
+                    f"PipelineFusionProblem.stage_devices[{name}]: {shape} stages per replica, expected "
+                    f"{replicas} replicas of {spec.depth}"
+                )
             if sorted(d for stages in stage_devices[model] for d in stages) != list(range(self.devices)):
-                raise ValueError(f"PipelineFusionProblem.stage_devices[{name}]: {stage_devices[model]} does not put one stage on "
-                                 f"each of the devices 0..{self.devices - 1}")
+                raise ValueError(
+                    f"PipelineFusionProblem.stage_devices[{name}]: {stage_devices[model]} does not put one stage on "
+                    f"each of the devices 0..{self.devices - 1}"
+                )
         object.__setattr__(self, "stage_devices", stage_devices)
+
+    @property
+    def caps(self) -> tuple[float, ...]:
+        """``memory_cap`` as made: one number per device (the default filled in)."""
+        assert self.memory_cap is not None  # __post_init__ fills it in
+        return self.memory_cap
 
     def _one_f_one_b_peaks(self) -> tuple[float, ...]:
         return tuple(sum(self.one_f_one_b_memory(m, d) for m in MODELS) for d in range(self.devices))
@@ -147,8 +178,10 @@ class PipelineFusionProblem:
         """The device that runs ``stage`` of ``replica`` of ``model``."""
         depth = self.spec(model).depth
         if not 0 <= replica < self.replicas(model) or not 0 <= stage < depth:
-            raise ValueError(f"{MODEL_NAMES[model]} has no replica {replica} stage {stage} "
-                             f"({self.replicas(model)} replicas of {depth} stages)")
+            raise ValueError(
+                f"{MODEL_NAMES[model]} has no replica {replica} stage {stage} "
+                f"({self.replicas(model)} replicas of {depth} stages)"
+            )
         if self.stage_devices is not None:
             return self.stage_devices[model][replica][stage]
         return replica * depth + stage if model == ACTOR else (replica + 1) * depth - 1 - stage
@@ -158,8 +191,12 @@ class PipelineFusionProblem:
         if not 0 <= device < self.devices:
             raise ValueError(f"device: {device!r} is not in 0..{self.devices - 1}")
         if self.stage_devices is not None:
-            return next((r, s) for r, stages in enumerate(self.stage_devices[model]) for s, d in enumerate(stages)
-                        if d == device)
+            return next(
+                (r, s)
+                for r, stages in enumerate(self.stage_devices[model])
+                for s, d in enumerate(stages)
+                if d == device
+            )
         depth = self.spec(model).depth
         replica, offset = divmod(device, depth)
         return replica, offset if model == ACTOR else depth - 1 - offset
@@ -169,26 +206,29 @@ class PipelineFusionProblem:
         per = self.spec(model).micro_batches // self.replicas(model)
         return range(replica * per, (replica + 1) * per)
 
-    def tasks(self) -> tuple[Task, ...]:
+    def tasks(self) -> tuple[PipelineTask, ...]:
         """Every task of the problem, sorted."""
         out = []
         for model in MODELS:
             for replica in range(self.replicas(model)):
                 for stage in range(self.spec(model).depth):
                     for k in self.micro_batches_of(model, replica):
-                        out += [Task(model, replica, stage, k, False), Task(model, replica, stage, k, True)]
+                        out += [
+                            PipelineTask(model, replica, stage, k, False),
+                            PipelineTask(model, replica, stage, k, True),
+                        ]
         return tuple(sorted(out))
 
-    def device_of_task(self, task: Task) -> int:
+    def device_of_task(self, task: PipelineTask) -> int:
         return self.device_of(task.model, task.replica, task.stage)
 
-    def duration(self, task: Task) -> float:
+    def duration(self, task: PipelineTask) -> float:
         spec = self.spec(task.model)
         return spec.backward_s if task.backward else spec.forward_s
 
 
 @dataclass(frozen=True, order=True)
-class Task:
+class PipelineTask:
     """One stage's forward or backward of one micro-batch (``micro_batch`` counts over all replicas)."""
 
     model: int
@@ -198,8 +238,9 @@ class Task:
     backward: bool
 
     def __str__(self) -> str:
-        return f"{'ac'[self.model]}{'B' if self.backward else 'F'}{self.micro_batch}@s{self.stage}" + \
-            (f"r{self.replica}" if self.replica else "")
+        return f"{'ac'[self.model]}{'B' if self.backward else 'F'}{self.micro_batch}@s{self.stage}" + (
+            f"r{self.replica}" if self.replica else ""
+        )
 
 
 @dataclass(frozen=True)
@@ -208,7 +249,7 @@ class TaskOrder:
     valid. A forward's output goes to the next stage's device, a backward's input gradient to the previous."""
 
     problem: PipelineFusionProblem
-    devices: tuple[tuple[Task, ...], ...]
+    devices: tuple[tuple[PipelineTask, ...], ...]
     """Per device, its tasks in execution order."""
 
     def __post_init__(self) -> None:

@@ -1,34 +1,36 @@
 """Execution plans as data: where each model function call runs and how its model is sharded there.
 
-- :class:`DeviceSet`: a sorted tuple of global device indices of the cluster (a *mesh* once a layout
-  arranges them; not torch's ``DeviceMesh``, which the runtime builds from it);
-- :class:`Allocation`: the one type for "a mesh and a layout": devices, a :class:`~loomrl.plan.layout.Layout`
-  (``dp × tp × pp``) and the options of the call running there (micro-batches, recompute, ZeRO, FSDP). Rank
-  ``r = pp_rank·(dp·tp) + dp_rank·tp + tp_rank`` (tp fastest, then dp, pp slowest) runs on device ``mesh[r]``,
-  and coordinates are always ``(pp, dp, tp)`` (:class:`~loomrl.plan.layout.Coords`). :attr:`Allocation.shards`
-  reduces an allocation to what decides which part of a model each device holds, the identity the runtime
-  keys models and communicators by;
-- :class:`ExecutionPlan`: the cluster, one allocation per MFC and two optional choices (which trained roles
-  keep a shadow copy, which roles are offloaded between calls). Facts derived from these take the workflow:
-  the canonical (training) allocation of each trained role, shadowed calls, offloaded roles, the groups of
-  MFCs that may run concurrently, and a memory estimate. What runs around the calls (reallocations, frees,
-  shadow syncs, reloads) is the plan's schedule, :func:`loomrl.plan.schedule.build_schedule`. :meth:`ExecutionPlan.validate` checks a plan against a
-  workflow and model configs, and fails with one line naming the MFC, the field and the values.
+An :class:`ExecutionPlan` holds the cluster, one :class:`~loomrl.plan.allocation.Allocation` per call, the
+plan's fusions (:class:`StreamFusion`, pipeline fusion) and two optional choices (which trained roles keep a
+shadow copy, which roles are offloaded between calls). Facts derived from these take the workflow: the canonical
+(training) allocation of each trained role, shadowed calls, offloaded roles, and a memory estimate. What runs
+around the calls (reallocations, frees, shadow syncs, reloads) is the plan's schedule,
+:func:`loomrl.plan.schedule.build_schedule`.
+
+:meth:`ExecutionPlan.validate` checks a plan against a workflow and model configs and fails with one line
+naming the MFC (``plan.allocations.<mfc>``), the field and the values, and where it helps the valid choices.
+Memory is the estimate of :mod:`loomrl.plan.memory` per device:
+
+    need(d) = Σ_{role on d, not offloaded} bytes(role, d) + max_{role on d, offloaded} bytes(role, d)
+    bytes(role, d) = [d in the train mesh] · P/(tp·pp)·(2·b + 8)              # weights, grads, fp32 Adam
+                   + max over the role's other calls on d, whose placement differs from training,
+                     of P/(tp'·pp')·b                                          # a resharded or frozen copy
+
+with ``P`` the role's parameters and ``b`` bytes per parameter. An offloaded role is on a device only while
+one of its calls runs there, and one device runs one call at a time, so at most one offloaded role counts.
 
 Plans round-trip through plain dicts, JSON and YAML (:meth:`ExecutionPlan.save`, :meth:`ExecutionPlan.load`).
-The compact text of an allocation, ``0-3,6:dp2tp2pp1mb4``, is shared with the plan strings of
-:mod:`loomrl.plan.plan_string`.
 """
 
 from __future__ import annotations
 
 import dataclasses
-import functools
+import difflib
 import json
 import os
-import re
-from collections.abc import Iterator, Mapping
+from collections.abc import Mapping
 from dataclasses import dataclass
+from math import gcd
 from pathlib import Path
 from typing import Any, ClassVar
 
@@ -36,268 +38,15 @@ import yaml
 
 from loomrl.config.tools import FieldError, ValidatedConfig, fail, from_dict, read_yaml, spec, to_dict
 from loomrl.errors import ConfigError
-from loomrl.plan.layout import Coords, Layout
-from loomrl.plan import checks
+from loomrl.plan.allocation import Allocation, DeviceSet
 from loomrl.plan.cluster import ClusterSpec
+from loomrl.plan.hardware import GB
+from loomrl.plan.layout import Layout
+from loomrl.plan.memory import shard_bytes
+from loomrl.plan.model_shape import param_count
 from loomrl.workflow import MFCKind, Workflow
 
-__all__ = ["Allocation", "DeviceSet", "ExecutionPlan", "StreamFusion", "format_devices"]
-
-_RANGE_RE = re.compile(r"(\d+)(?:-(\d+))?")
-MAX_MESH = 1 << 20
-"""Most devices one mesh may list (a bound far above any cluster, so a typo such as 0-99999999 fails at once)."""
-_LAYOUT_RE = re.compile(r"(dp|tp|pp|mb)(\d+)|(rc|zero|fsdp|rev)")
-_LAYOUT_TOKENS = ("expected tokens dp<N>, tp<N>, pp<N>, mb<N> (micro-batches), rc (recompute activations), zero "
-                  "(optimizer state sharded over dp), fsdp (weights, gradients and optimizer state sharded over "
-                  "dp) and rev (pipeline stages from the mesh's last device), e.g. dp4tp2, dp2mb4, pp2mb4rc, "
-                  "dp8zero, dp8fsdp or pp4rev")
-
-
-def format_devices(devices: tuple[int, ...] | list[int]) -> str:
-    """Sorted device indices as ranges and singles: ``(0, 1, 2, 3, 6)`` → ``"0-3,6"``."""
-    parts: list[str] = []
-    ordered = sorted(devices)
-    start = prev = ordered[0] if ordered else 0
-    for d in ordered[1:] + [None]:  # a sentinel closes the last run
-        if d is not None and d == prev + 1:
-            prev = d
-            continue
-        parts.append(str(start) if start == prev else f"{start}-{prev}")
-        if d is not None:
-            start = prev = d
-    return ",".join(parts) if ordered else ""
-
-
-@dataclass(frozen=True)
-class DeviceSet(ValidatedConfig):
-    """A non-empty set of global device indices, stored sorted; ``mesh[rank]`` is the device of a rank."""
-
-    devices: tuple[int, ...]
-    """Global device indices (node-major numbering of the cluster); stored sorted."""
-
-    def validate(self) -> None:
-        if not self.devices:
-            fail("devices", "() is empty; a mesh needs at least one device")
-        for d in self.devices:
-            if d < 0:
-                fail("devices", f"{d} is negative; devices are numbered from 0")
-        if len(set(self.devices)) != len(self.devices):
-            dupes = sorted({d for d in self.devices if self.devices.count(d) > 1})
-            fail("devices", f"{format_devices(list(self.devices))} lists device {dupes[0]} twice")
-        object.__setattr__(self, "devices", tuple(sorted(self.devices)))
-
-    @classmethod
-    def parse(cls, text: str) -> DeviceSet:
-        """``"0-3"``, ``"0,2,5"``, ``"0-3,6"`` → a mesh; errors are at path ``devices``."""
-        devices: list[int] = []
-        for part in str(text).split(","):
-            match = _RANGE_RE.fullmatch(part.strip())
-            if match is None:
-                fail("devices", f"{text!r} is not a device list; expected ranges like 0-3 or lists like 0,2,5")
-            first, last = int(match[1]), int(match[2] if match[2] is not None else match[1])
-            if last < first:
-                fail("devices", f"range {part.strip()!r} ends before it starts")
-            if last - first + 1 + len(devices) > MAX_MESH:
-                fail("devices", f"{text!r} lists more than {MAX_MESH} devices; a mesh lists devices of the cluster")
-            devices.extend(range(first, last + 1))
-        return cls(tuple(devices))
-
-    @functools.cached_property
-    def text(self) -> str:
-        """The compact form, e.g. ``"0-3,6"`` (made once: a plan search asks for it millions of times)."""
-        return format_devices(self.devices)
-
-    def isdisjoint(self, other: DeviceSet) -> bool:
-        """True when the two meshes share no device."""
-        return set(self.devices).isdisjoint(other.devices)
-
-    def __len__(self) -> int:
-        return len(self.devices)
-
-    def __iter__(self) -> Iterator[int]:
-        return iter(self.devices)
-
-    def __getitem__(self, index: int) -> int:
-        return self.devices[index]
-
-    def __contains__(self, device: object) -> bool:
-        return device in self.devices
-
-
-def _layout_text(layout: Layout, micro_batches: int, recompute: bool = False, zero: bool = False,
-                 fsdp: bool = False) -> str:
-    text = f"dp{layout.dp}"
-    text += f"tp{layout.tp}" if layout.tp > 1 else ""
-    text += f"pp{layout.pp}" if layout.pp > 1 else ""
-    text += "rev" if layout.reverse else ""
-    return text + (f"mb{micro_batches}" if micro_batches > 1 else "") + ("rc" if recompute else "") + \
-        ("zero" if zero else "") + ("fsdp" if fsdp else "")
-
-
-def _parse_layout(text: str, devices: int) -> tuple[Layout, int, bool, bool, bool]:
-    """``"dp2tp2mb4"`` → (Layout(2, 2, 1), 4, False, False, False); ``rc`` sets recompute, ``zero`` optimizer-state
-    sharding and ``fsdp`` full sharding; an omitted dp fills the mesh: ``devices / (tp·pp)``."""
-    tokens = _LAYOUT_RE.findall(text)
-    if "".join(k + v + flag for k, v, flag in tokens) != text:
-        fail("layout", f"{text!r} is not a layout; {_LAYOUT_TOKENS}")
-    values: dict[str, int] = {}
-    flags: set[str] = set()
-    for key, value, flag in tokens:
-        if flag:
-            if flag in flags:
-                fail("layout", f"{text!r} gives {flag} twice")
-            flags.add(flag)
-            continue
-        if key in values:
-            fail("layout", f"{text!r} gives {key} twice")
-        values[key] = int(value)
-    tp, pp = values.get("tp", 1), values.get("pp", 1)
-    if "dp" not in values and tp * pp and devices % (tp * pp) == 0:
-        values["dp"] = devices // (tp * pp)
-    for key in ("dp", "tp", "pp", "mb"):
-        if values.get(key, 1) < 1:
-            fail("layout", f"{key}{values[key]} in {text!r} is not a positive degree")
-    if "rev" in flags and pp == 1:
-        fail("layout", f"{text!r} reverses a pipeline of one stage; rev needs pp > 1 (e.g. pp4rev)")
-    layout = Layout(values.get("dp", 1), tp, pp, "rev" in flags)
-    return layout, values.get("mb", 1), "rc" in flags, "zero" in flags, "fsdp" in flags
-
-
-@dataclass(frozen=True)
-class Allocation(ValidatedConfig):
-    """Where and how one MFC runs: its devices and its model's parallel layout on them."""
-
-    mesh: DeviceSet
-    """The devices; a list or tuple of indices is accepted and converted."""
-    layout: Layout
-    """Data × tensor × pipeline degrees; their product must equal the number of devices."""
-    micro_batches: int = spec(1, ge=1)
-    """Micro-batches each rank's share of a batch is split into (pipelining, activation memory)."""
-    recompute: bool = False
-    """Train calls only: keep each decoder layer's input and recompute the rest in the backward (activation
-    checkpointing): one more forward pass of compute for a fraction of the activation memory."""
-    zero: bool = False
-    """Train calls only (ZeRO stage 1): each data-parallel rank keeps the optimizer state of 1/dp of every
-    parameter and updates that part, then the parts are all-gathered; the optimizer state (Adam's moments, and
-    the fp32 master copy of 16-bit weights) takes 1/dp of the memory for one more all-gather of the weights per
-    step (:mod:`loomrl.parallel.zero`). Nothing to shard at dp=1."""
-    fsdp: bool = False
-    """Train calls only (FSDP, ZeRO stage 3; :mod:`loomrl.parallel.fsdp`): each data-parallel rank keeps 1/dp of
-    the weights (in fp32), of their gradients and of the optimizer state; each decoder layer's weights are
-    all-gathered for its forward and again for its backward, and gradients are reduce-scattered. The role's
-    other calls then run on a reallocated whole copy, even on the same devices and layout. With tp > 1 each
-    rank's tensor-parallel shard is what is divided over dp (FSDP over the dp dimension of a dp × tp mesh, as
-    torchtitan does); not with pipeline stages (pp = 1), nor with ``zero``, which it includes."""
-
-    def __post_init__(self) -> None:
-        if isinstance(self.mesh, (list, tuple)):
-            object.__setattr__(self, "mesh", DeviceSet(tuple(self.mesh)))
-        super().__post_init__()
-
-    def validate(self) -> None:
-        lay = self.layout
-        if lay.size != len(self.mesh):
-            fail("layout", f"dp={lay.dp} × tp={lay.tp} × pp={lay.pp} = {lay.size} device{'s' * (lay.size != 1)}, "
-                           f"but the mesh {self.mesh.text} has {len(self.mesh)}")
-        if self.fsdp and lay.pp > 1:
-            fail("fsdp", f"does not combine with pipeline stages; with pp={lay.pp} use zero instead "
-                         "(valid with fsdp: pp=1, any dp and tp)")
-        if self.fsdp and self.zero:
-            fail("zero", "fsdp shards the optimizer state already; give one of zero and fsdp")
-
-    @classmethod
-    def parse(cls, text: str) -> Allocation:
-        """``"0-3:dp2tp2"``, ``"4-7"`` (dp fills the mesh), ``"0,2:dp2mb4"`` → an allocation."""
-        devices, _, layout_text = str(text).partition(":")
-        mesh = DeviceSet.parse(devices)
-        layout, micro_batches, recompute, zero, fsdp = _parse_layout(layout_text.strip(), len(mesh)) \
-            if layout_text.strip() else (Layout(dp=len(mesh)), 1, False, False, False)
-        return cls(mesh, layout, micro_batches, recompute, zero, fsdp)
-
-    @functools.cached_property
-    def text(self) -> str:
-        """The compact form :meth:`parse` reads, e.g. ``"0-7:dp4tp2mb2"`` (made once)."""
-        return f"{self.mesh.text}:{_layout_text(self.layout, self.micro_batches, self.recompute, self.zero, self.fsdp)}"
-
-    @property
-    def optimizer_shards(self) -> int:
-        """Data-parallel ranks the optimizer state is divided over when this allocation trains: dp under ZeRO-1
-        (``zero``) or FSDP, else 1."""
-        return self.layout.dp if self.zero or self.fsdp else 1
-
-    @property
-    def param_shards(self) -> int:
-        """Data-parallel ranks the weights and gradients are divided over: dp under FSDP, else 1."""
-        return self.layout.dp if self.fsdp else 1
-
-    @functools.cached_property
-    def shards(self) -> Allocation:
-        """This allocation reduced to what decides which part of a model each device holds: devices, layout
-        and FSDP, with the call's options (micro-batches, recompute, ZeRO) at their defaults. Two allocations
-        with equal shards hold a model alike, so nothing moves between them; an FSDP allocation holds no whole
-        weights, so it shares its shards with no other kind."""
-        if self.micro_batches == 1 and not (self.recompute or self.zero):
-            return self
-        return Allocation(self.mesh, self.layout, fsdp=self.fsdp)
-
-    @property
-    def devices(self) -> tuple[int, ...]:
-        """The mesh's device indices, sorted (``mesh[rank]`` is rank's device)."""
-        return self.mesh.devices
-
-    def device(self, coords: Coords) -> int:
-        """The device of the rank at ``coords`` (``(pp, dp, tp)``)."""
-        try:
-            return self.mesh[self.layout.rank(coords)]
-        except ConfigError as err:
-            raise ConfigError(f"{err} ({self.text})") from None
-
-    def coords(self, device: int) -> Coords:
-        """``(pp, dp, tp)`` of the rank on ``device``."""
-        if device not in self.mesh:
-            raise ConfigError(f"device {device} is not in the mesh {self.mesh.text}")
-        return self.layout.coords(self.mesh.devices.index(device))
-
-    def replicas(self) -> list[tuple[int, ...]]:
-        """The devices of each data-parallel replica, by dp rank (a replica can run rows on its own)."""
-        out: dict[int, list[int]] = {}
-        for device in self.devices:
-            out.setdefault(self.coords(device).dp, []).append(device)
-        return [tuple(out[r]) for r in sorted(out)]
-
-    def publishes(self, device: int) -> bool:
-        """Whether ``device`` reports a call's results: one per data-parallel replica, tensor rank 0 of the last
-        pipeline stage (the others hold the same results, or none)."""
-        coords = self.coords(device)
-        return coords.tp == 0 and coords.pp == self.layout.pp - 1
-
-    def dp_split(self, state: bool = False) -> str:
-        """How the data-parallel ranks divide what each (pp, tp) shard holds: ``"rows"`` (FSDP: dim-0 blocks),
-        ``"flat"`` (ZeRO-1's optimizer state: blocks of the flattened shard; ``state`` only) or ``"none"``
-        (every replica holds it whole). ``state``: of the optimizer state (Adam's moments, master weights)
-        rather than of the weights."""
-        if self.fsdp and self.layout.dp > 1:
-            return "rows"
-        if state and self.zero and self.layout.dp > 1:
-            return "flat"
-        return "none"
-
-
-def _maximal_cliques(order: list[str], adjacent: dict[str, set[str]]) -> list[frozenset[str]]:
-    """Bron–Kerbosch without pivoting: workflows have ~10 MFCs, and this keeps the order deterministic."""
-    cliques: list[frozenset[str]] = []
-
-    def expand(chosen: list[str], candidates: list[str], excluded: list[str]) -> None:
-        if not candidates and not excluded:
-            cliques.append(frozenset(chosen))
-            return
-        for v in list(candidates):
-            expand(chosen + [v], [u for u in candidates if u in adjacent[v]], [u for u in excluded if u in adjacent[v]])
-            candidates.remove(v)
-            excluded.append(v)
-
-    expand([], list(order), [])
-    return cliques
+__all__ = ["ExecutionPlan", "StreamFusion"]
 
 
 @dataclass(frozen=True)
@@ -327,12 +76,15 @@ class StreamFusion(ValidatedConfig):
         text = str(text).strip()
         if text in ("on", ""):
             return cls()
-        values: dict[str, object] = {}
+        values: dict[str, Any] = {}  # each key's value has its field's type: float or "auto", int
         for part in text.split(","):
             key, sep, value = (p.strip() for p in part.partition(":"))
             if not sep or key not in ("migrate_at", "migrate_to", "chunk"):
-                fail("stream_fusion", f"{part.strip()!r} is not migrate_at:F|auto, migrate_to:N or chunk:N (e.g. "
-                             "migrate_at:0.2,migrate_to:1, or on for the defaults)")
+                fail(
+                    "stream_fusion",
+                    f"{part.strip()!r} is not migrate_at:F|auto, migrate_to:N or chunk:N (e.g. "
+                    "migrate_at:0.2,migrate_to:1, or on for the defaults)",
+                )
             try:
                 values[key] = value if value == "auto" else (float(value) if key == "migrate_at" else int(value))
             except ValueError:
@@ -386,14 +138,18 @@ class ExecutionPlan:
         if not isinstance(self.cluster, ClusterSpec):
             raise ConfigError(f"plan.cluster: {self.cluster!r} is not a ClusterSpec")
         if not isinstance(self.allocations, Mapping) or not self.allocations:
-            raise ConfigError(f"plan.allocations: {self.allocations!r} is not a non-empty mapping of MFC name → Allocation")
+            raise ConfigError(
+                f"plan.allocations: {self.allocations!r} is not a non-empty mapping of MFC name → Allocation"
+            )
         for name, alloc in self.allocations.items():
             if not isinstance(alloc, Allocation):
                 raise ConfigError(f"plan.allocations.{name}: {alloc!r} is not an Allocation")
             outside = [d for d in alloc.mesh if d >= self.cluster.n_devices]
             if outside:
-                raise ConfigError(f"plan.allocations.{name}.devices: device {outside[0]} is outside the cluster "
-                                  f"{self.cluster} (devices 0-{self.cluster.n_devices - 1})")
+                raise ConfigError(
+                    f"plan.allocations.{name}.devices: device {outside[0]} is outside the cluster "
+                    f"{self.cluster} (devices 0-{self.cluster.n_devices - 1})"
+                )
         object.__setattr__(self, "allocations", dict(self.allocations))
         object.__setattr__(self, "shadow", _roles_list(self.shadow, "shadow"))
         object.__setattr__(self, "offload", _roles_list(self.offload, "offload"))
@@ -408,8 +164,9 @@ class ExecutionPlan:
 
     def __getitem__(self, name: str) -> Allocation:
         if name not in self.allocations:
-            raise ConfigError(f"plan.allocations: MFC {name!r} has no allocation; "
-                              f"allocated: {', '.join(self.allocations)}")
+            raise ConfigError(
+                f"plan.allocations: MFC {name!r} has no allocation; allocated: {', '.join(self.allocations)}"
+            )
         return self.allocations[name]
 
     # ------------------------------------------------------------------------------------- derived facts
@@ -432,8 +189,11 @@ class ExecutionPlan:
         found = []
         for role in self.trained_roles(workflow):
             canon = self.canonical_layout(workflow, role)
-            if any(m.kind is MFCKind.GENERATE and self[m.name].mesh.isdisjoint(canon.mesh)
-                   for m in workflow.mfcs_of_role(role)):
+            assert canon is not None  # a trained role has a train call
+            if any(
+                m.kind is MFCKind.GENERATE and self[m.name].mesh.isdisjoint(canon.mesh)
+                for m in workflow.mfcs_of_role(role)
+            ):
                 found.append(role)
         return tuple(found)
 
@@ -449,25 +209,24 @@ class ExecutionPlan:
             if mfc.role is not None:
                 devices.setdefault(mfc.role, set()).update(self[mfc.name].mesh.devices)
         trained = set(self.trained_roles(workflow))
-        return tuple(role for role in workflow.roles() if role not in trained and any(
-            not devices[role].isdisjoint(used) for other, used in devices.items() if other != role))
+        return tuple(
+            role
+            for role in workflow.roles()
+            if role not in trained
+            and any(not devices[role].isdisjoint(used) for other, used in devices.items() if other != role)
+        )
 
     def shadow_calls(self, workflow: Workflow, role: str) -> list[str]:
         """The calls of ``role`` its shadow copy serves: non-train calls on devices disjoint from training."""
         if role not in self.shadow_roles(workflow):
             return []
         canon = self.canonical_layout(workflow, role)
-        return [m.name for m in workflow.mfcs_of_role(role)
-                if m.kind is not MFCKind.TRAIN and self[m.name].mesh.isdisjoint(canon.mesh)]
-
-    def concurrent_groups(self, workflow: Workflow) -> list[frozenset[str]]:
-        """Maximal sets (of two or more) of MFCs that may run at the same time: no dependency path between
-        any two of them within an iteration, and pairwise disjoint meshes. Ordered by first member."""
-        order = [m.name for m in workflow.topological_order()]
-        adjacent = {a: {b for b in order if workflow.independent(a, b) and self[a].mesh.isdisjoint(self[b].mesh)}
-                    for a in order}
-        groups = [g for g in _maximal_cliques(order, adjacent) if len(g) > 1]
-        return sorted(groups, key=lambda g: min(order.index(n) for n in g))
+        assert canon is not None  # a shadow role is trained (validate checks it)
+        return [
+            m.name
+            for m in workflow.mfcs_of_role(role)
+            if m.kind is not MFCKind.TRAIN and self[m.name].mesh.isdisjoint(canon.mesh)
+        ]
 
     def mfcs_on(self, device: int) -> list[str]:
         """Names of the MFCs whose mesh includes ``device``."""
@@ -475,37 +234,52 @@ class ExecutionPlan:
 
     # ---------------------------------------------------------------------------------------- validation
 
-    def validate(self, workflow: Workflow, model_configs: Mapping[str, object] | None = None,
-                 bytes_per_param: int = 4) -> None:
+    def validate(
+        self, workflow: Workflow, model_configs: Mapping[str, object] | None = None, bytes_per_param: int = 4
+    ) -> None:
         """Raise a one-line ConfigError unless the plan runs ``workflow``: an allocation for exactly its MFCs,
         consistent train placements, valid shadow/offload roles; with ``model_configs`` (role → HF-config-like
-        object) also tp/pp divisibility and the memory estimate (:mod:`loomrl.plan.checks`)."""
-        checks.check_plan(self, workflow, model_configs, bytes_per_param)
+        object) also tp/pp divisibility and the memory estimate (module docstring)."""
+        _check_plan(self, workflow, model_configs, bytes_per_param)
 
-    def role_memory(self, workflow: Workflow, model_configs: Mapping[str, object],
-                    bytes_per_param: int = 4) -> dict[int, dict[str, int]]:
+    def role_memory(
+        self, workflow: Workflow, model_configs: Mapping[str, object], bytes_per_param: int = 4
+    ) -> dict[int, dict[str, int]]:
         """Device → role → estimated bytes of the role's state there."""
-        return checks.role_memory(self, workflow, model_configs, bytes_per_param)
+        return _role_memory(self, workflow, model_configs, bytes_per_param)
 
-    def peak_memory(self, workflow: Workflow, model_configs: Mapping[str, object],
-                    bytes_per_param: int = 4) -> dict[int, int]:
+    def peak_memory(
+        self, workflow: Workflow, model_configs: Mapping[str, object], bytes_per_param: int = 4
+    ) -> dict[int, int]:
         """Device → estimated peak bytes (offloaded roles counted one at a time)."""
-        return checks.peak_memory(self, workflow, model_configs, bytes_per_param)
+        return _peak_memory(self, workflow, model_configs, bytes_per_param)
 
     # -------------------------------------------------------------------------------------- serialisation
 
     def to_dict(self) -> dict[str, Any]:
         """Plain data (JSON/YAML-ready); :meth:`from_dict` reads it back to an equal plan."""
-        allocations = {name: {"devices": a.mesh.text, "dp": a.layout.dp, "tp": a.layout.tp, "pp": a.layout.pp,
-                              "micro_batches": a.micro_batches, **({"recompute": True} if a.recompute else {}),
-                              **({"zero": True} if a.zero else {}), **({"fsdp": True} if a.fsdp else {}),
-                              **({"reverse": True} if a.layout.reverse else {})}
-                       for name, a in self.allocations.items()}
-        return {"cluster": to_dict(self.cluster), "allocations": allocations,
-                "shadow": None if self.shadow is None else list(self.shadow),
-                "offload": None if self.offload is None else list(self.offload),
-                "stream_fusion": None if self.stream_fusion is None else to_dict(self.stream_fusion),
-                **({"pipeline_fusion": True} if self.pipeline_fusion else {})}
+        allocations = {
+            name: {
+                "devices": a.mesh.text,
+                "dp": a.layout.dp,
+                "tp": a.layout.tp,
+                "pp": a.layout.pp,
+                "micro_batches": a.micro_batches,
+                **({"recompute": True} if a.recompute else {}),
+                **({"zero": True} if a.zero else {}),
+                **({"fsdp": True} if a.fsdp else {}),
+                **({"reverse": True} if a.layout.reverse else {}),
+            }
+            for name, a in self.allocations.items()
+        }
+        return {
+            "cluster": to_dict(self.cluster),
+            "allocations": allocations,
+            "shadow": None if self.shadow is None else list(self.shadow),
+            "offload": None if self.offload is None else list(self.offload),
+            "stream_fusion": None if self.stream_fusion is None else to_dict(self.stream_fusion),
+            **({"pipeline_fusion": True} if self.pipeline_fusion else {}),
+        }
 
     @classmethod
     def from_dict(cls, data: Mapping[str, Any]) -> ExecutionPlan:
@@ -517,11 +291,19 @@ class ExecutionPlan:
         for name, item in record.allocations.items():
             try:
                 mesh = DeviceSet.parse(item.devices) if isinstance(item.devices, str) else DeviceSet(item.devices)
-                allocations[name] = Allocation(mesh, Layout(item.dp, item.tp, item.pp, item.reverse), item.micro_batches,
-                                               item.recompute, item.zero, item.fsdp)
+                allocations[name] = Allocation(
+                    mesh,
+                    Layout(item.dp, item.tp, item.pp, item.reverse),
+                    item.micro_batches,
+                    item.recompute,
+                    item.zero,
+                    item.fsdp,
+                )
             except FieldError as err:
                 raise err.under(f"plan.allocations.{name}") from None
-        return cls(record.cluster, allocations, record.shadow, record.offload, record.stream_fusion, record.pipeline_fusion)
+        return cls(
+            record.cluster, allocations, record.shadow, record.offload, record.stream_fusion, record.pipeline_fusion
+        )
 
     def save(self, path: str | os.PathLike[str]) -> None:
         """Write the plan as JSON (``.json``) or YAML (``.yaml``, ``.yml``), atomically."""
@@ -617,3 +399,246 @@ def _read_json(path: Path) -> dict[str, Any]:
     if not isinstance(data, dict):
         raise ConfigError(f"{path}: top level must be an object, got {type(data).__name__}")
     return data
+
+
+# ------------------------------------------------------------------------------------------- validation
+
+_TP_FIELDS = ("num_attention_heads", "num_key_value_heads", "intermediate_size")
+
+
+def _check_plan(
+    plan: ExecutionPlan, workflow: Workflow, model_configs: Mapping[str, object] | None = None, bytes_per_param: int = 4
+) -> None:
+    """Raise a one-line ConfigError unless ``plan`` can run ``workflow`` (and, given configs, fits the models)."""
+    _check_names(plan, workflow)
+    _check_calls(plan, workflow)
+    _check_choices(plan, workflow)
+    if model_configs is None:
+        return
+    configs = _configs_by_role(workflow, model_configs)
+    for mfc in workflow:
+        if mfc.role is not None:
+            _check_divisibility(mfc.name, plan[mfc.name].layout, mfc.role, configs[mfc.role])
+    _check_memory(plan, workflow, configs, bytes_per_param)
+
+
+def _unknown(name: str, valid: list[str]) -> str:
+    close = difflib.get_close_matches(name, valid, n=1)
+    return f"; did you mean {close[0]!r}?" if close else ""
+
+
+def _check_names(plan: ExecutionPlan, workflow: Workflow) -> None:
+    names = [m.name for m in workflow.topological_order()]
+    for name in plan.allocations:
+        if name not in workflow:
+            raise ConfigError(
+                f"plan.allocations.{name}: unknown MFC; MFCs of the workflow: {', '.join(names)}"
+                + _unknown(name, names)
+            )
+    for name in names:
+        if name not in plan.allocations:
+            raise ConfigError(
+                f"plan.allocations: MFC '{name}' has no allocation; allocated: {', '.join(plan.allocations)}"
+            )
+
+
+def _check_calls(plan: ExecutionPlan, workflow: Workflow) -> None:
+    """A compute step has no model to shard; only train calls recompute activations; a role's train calls
+    share the one canonical layout (recompute and micro-batches may differ)."""
+    for mfc in workflow:
+        layout = plan[mfc.name].layout
+        if mfc.kind is MFCKind.COMPUTE and (layout.tp > 1 or layout.pp > 1):
+            field = "tp" if layout.tp > 1 else "pp"
+            raise ConfigError(
+                f"plan.allocations.{mfc.name}.{field}: {getattr(layout, field)} but a compute step "
+                "has no model to shard (valid: 1)"
+            )
+        if plan[mfc.name].recompute and mfc.kind is not MFCKind.TRAIN:
+            raise ConfigError(
+                f"plan.allocations.{mfc.name}: {plan[mfc.name].text} recomputes activations (rc) "
+                f"but {mfc.kind.value} calls keep none for a backward; rc is for train calls only"
+            )
+        if plan[mfc.name].zero and mfc.kind is not MFCKind.TRAIN:
+            raise ConfigError(
+                f"plan.allocations.{mfc.name}: {plan[mfc.name].text} shards optimizer state (zero) "
+                f"but {mfc.kind.value} calls have no optimizer; zero is for train calls only"
+            )
+        if plan[mfc.name].fsdp and mfc.kind is not MFCKind.TRAIN:
+            raise ConfigError(
+                f"plan.allocations.{mfc.name}: {plan[mfc.name].text} shards the weights (fsdp) but "
+                f"{mfc.kind.value} calls run on a whole copy of them; fsdp is for train calls only"
+            )
+    for role in workflow.roles():
+        trains = [m.name for m in workflow.mfcs_of_role(role) if m.kind is MFCKind.TRAIN]
+        for name in trains[1:]:
+            if plan[name].shards != plan[trains[0]].shards or plan[name].zero != plan[trains[0]].zero:
+                raise ConfigError(
+                    f"plan.allocations.{name}: {plan[name].text} differs from {trains[0]} at "
+                    f"{plan[trains[0]].text}; the train calls of role '{role}' must share one placement "
+                    "(and one optimizer: zero or not)"
+                )
+
+
+def _check_choices(plan: ExecutionPlan, workflow: Workflow) -> None:
+    if plan.stream_fusion is not None:
+        group = workflow.stream_fusable()
+        if group is None:
+            raise ConfigError(
+                "plan.stream_fusion: the workflow has no inference call that reads only generation's outputs, "
+                "so there is nothing to fuse; remove stream_fusion"
+            )
+        replicas = plan[group[0].name].layout.dp
+        if plan.stream_fusion.migrate_to > replicas:
+            raise ConfigError(
+                f"plan.stream_fusion.migrate_to: {plan.stream_fusion.migrate_to} exceeds the {replicas} generation "
+                f"replica(s) of {group[0].name} at {plan[group[0].name].text} (valid: 1-{replicas})"
+            )
+    if plan.pipeline_fusion:
+        _check_pipeline_fusion(plan, workflow)
+    roles = workflow.roles()
+    for field, chosen in (("shadow", plan.shadow), ("offload", plan.offload)):
+        for role in chosen or ():
+            if role not in roles:
+                raise ConfigError(f"plan.{field}: unknown role '{role}'; roles of the workflow: {', '.join(roles)}")
+    for role in plan.shadow or ():
+        canon = plan.canonical_layout(workflow, role)
+        if canon is None:
+            raise ConfigError(
+                f"plan.shadow: role '{role}' never trains, so it has no weights to shadow; "
+                f"trained roles: {', '.join(plan.trained_roles(workflow))}"
+            )
+        if not plan.shadow_calls(workflow, role):
+            raise ConfigError(
+                f"plan.shadow: role '{role}' has no call off its training devices "
+                f"{canon.mesh.text}, so a shadow would serve nothing"
+            )
+
+
+def _check_pipeline_fusion(plan: ExecutionPlan, workflow: Workflow) -> None:
+    """Intra-stage fusion runs two independent train calls' pipelines on the same devices, each device holding one
+    stage (of one replica) of either model: one TP slice per stage (tp = 1), no FSDP, pp > 1 for both."""
+    pair = workflow.train_pair()
+    if pair is None:
+        trains = [m.name for m in workflow if m.kind is MFCKind.TRAIN]
+        raise ConfigError(
+            f"plan.pipeline_fusion: fusion needs two independent train calls of two roles; the workflow "
+            f"has {', '.join(trains) or 'none'}; remove pipeline_fusion"
+        )
+    first, second = (plan[m.name] for m in pair)
+    if first.mesh != second.mesh:
+        raise ConfigError(
+            f"plan.pipeline_fusion: {pair[0].name} runs on {first.mesh.text} and {pair[1].name} on "
+            f"{second.mesh.text}; fused training needs the same devices for both"
+        )
+    for mfc, alloc in zip(pair, (first, second)):
+        if alloc.layout.pp == 1 or alloc.layout.tp > 1 or alloc.fsdp:
+            raise ConfigError(
+                f"plan.pipeline_fusion: {mfc.name} at {alloc.text} is not a pipeline of one TP slice per "
+                "stage; fused training needs pp > 1, tp = 1 and no fsdp for both train calls"
+            )
+
+
+def _configs_by_role(workflow: Workflow, model_configs: Mapping[str, object]) -> dict[str, object]:
+    for role in workflow.roles():
+        if role not in model_configs:
+            raise ConfigError(
+                f"model_configs: no config for role '{role}'; given: {', '.join(model_configs) or 'none'}"
+            )
+    return {role: model_configs[role] for role in workflow.roles()}
+
+
+def _divisors(n: int) -> str:
+    return ", ".join(str(k) for k in range(1, n + 1) if n % k == 0)
+
+
+def _check_divisibility(name: str, layout: Layout, role: str, config: object) -> None:
+    where = f"plan.allocations.{name}"
+    if layout.tp > 1:
+        values: dict[str, Any] = {f: getattr(config, f, None) for f in _TP_FIELDS}  # a config's fields are untyped
+        for field, value in values.items():
+            if value is None:
+                raise ConfigError(
+                    f"{where}.tp: {layout.tp} cannot be checked: the config of role '{role}' has no {field}"
+                )
+        common = 0
+        for value in values.values():
+            common = gcd(common, int(value))
+        for field, value in values.items():
+            if value % layout.tp:
+                raise ConfigError(
+                    f"{where}.tp: {layout.tp} does not divide {field}={value} of role '{role}' "
+                    f"(valid tp: {_divisors(common)})"
+                )
+    if layout.pp > 1:
+        layers = getattr(config, "num_hidden_layers", None)
+        if layers is None or layers % layout.pp:
+            raise ConfigError(
+                f"{where}.pp: {layout.pp} does not divide num_hidden_layers={layers} of role "
+                f"'{role}' (valid pp: {_divisors(int(layers or 1))})"
+            )
+
+
+def _role_memory(
+    plan: ExecutionPlan, workflow: Workflow, model_configs: Mapping[str, object], bytes_per_param: int = 4
+) -> dict[int, dict[str, int]]:
+    """Device → role → estimated bytes of that role's state on the device (see the module docstring)."""
+    configs = _configs_by_role(workflow, model_configs)
+    out: dict[int, dict[str, int]] = {}
+    for role in workflow.roles():
+        params = param_count(configs[role])
+        canon = plan.canonical_layout(workflow, role)
+        need: dict[int, int] = {}
+        if canon is not None:
+            for d in canon.mesh:
+                need[d] = shard_bytes(
+                    params,
+                    canon.layout.tp,
+                    canon.layout.pp,
+                    bytes_per_param,
+                    trained=True,
+                    optimizer_shards=canon.optimizer_shards,
+                    param_shards=canon.param_shards,
+                )
+        copies: dict[int, int] = {}
+        for mfc in workflow.mfcs_of_role(role):
+            alloc = plan[mfc.name]
+            if mfc.kind is MFCKind.TRAIN or (canon is not None and alloc.shards == canon.shards):
+                continue
+            size = shard_bytes(params, alloc.layout.tp, alloc.layout.pp, bytes_per_param, trained=False)
+            for d in alloc.mesh:
+                copies[d] = max(copies.get(d, 0), size)
+        for d in sorted(set(need) | set(copies)):
+            out.setdefault(d, {})[role] = need.get(d, 0) + copies.get(d, 0)
+    return dict(sorted(out.items()))
+
+
+def _peak_memory(
+    plan: ExecutionPlan, workflow: Workflow, model_configs: Mapping[str, object], bytes_per_param: int = 4
+) -> dict[int, int]:
+    """Device → estimated peak bytes: resident roles summed, plus the largest offloaded role."""
+    offloaded = set(plan.offloaded_roles(workflow))
+    peaks: dict[int, int] = {}
+    for d, roles in _role_memory(plan, workflow, model_configs, bytes_per_param).items():
+        resident = sum(b for r, b in roles.items() if r not in offloaded)
+        peaks[d] = resident + max((b for r, b in roles.items() if r in offloaded), default=0)
+    return peaks
+
+
+def _check_memory(plan: ExecutionPlan, workflow: Workflow, configs: Mapping[str, object], bytes_per_param: int) -> None:
+    if isinstance(bytes_per_param, bool) or not isinstance(bytes_per_param, int) or bytes_per_param < 1:
+        raise ConfigError(
+            f"bytes_per_param: {bytes_per_param!r} is not a positive integer (e.g. 2 for bf16, 4 for fp32)"
+        )
+    peaks = _peak_memory(plan, workflow, configs, bytes_per_param)
+    available = plan.cluster.memory_gb * GB
+    device, need = max(peaks.items(), key=lambda item: (item[1], -item[0]))
+    if need <= available:
+        return
+    offloaded = set(plan.offloaded_roles(workflow))
+    roles = _role_memory(plan, workflow, configs, bytes_per_param)[device]
+    parts = ", ".join(f"{r} {b / GB:.1f}" + (" offloaded" if r in offloaded else "") for r, b in roles.items())
+    raise ConfigError(
+        f"plan: device {device} needs an estimated {need / GB:.1f} GB ({parts}; MFCs "
+        f"{', '.join(plan.mfcs_on(device))}) but has {plan.cluster.memory_gb:.1f} GB "
+        f"({plan.cluster.profile}); spread the roles over more devices or raise tp/pp"
+    )

@@ -2,7 +2,8 @@
 
 Items are separated by ``;``; each places one MFC as ``NAME=DEVICES[:LAYOUT]``::
 
-    actor_gen=0-3:dp4; ref_inf=4-5:dp2; reward_inf=6-7:dp2; critic_inf=4-7:dp4; actor_train=0-7:dp4tp2; critic_train=0-7:dp8
+    actor_gen=0-3:dp4; ref_inf=4-5:dp2; reward_inf=6-7:dp2; critic_inf=4-7:dp4; actor_train=0-7:dp4tp2;
+    critic_train=0-7:dp8
 
 - ``DEVICES``: global device indices as ranges and singles, comma-separated: ``0-3``, ``0,2,5``, ``0-3,6``;
 - ``LAYOUT``: tokens ``dpN``, ``tpN``, ``ppN`` and ``mbN`` (micro-batches) in any order, each optional:
@@ -11,7 +12,8 @@ Items are separated by ``;``; each places one MFC as ``NAME=DEVICES[:LAYOUT]``::
   (``4-7`` is ``4-7:dp4``);
 - ``shadow=actor`` and ``offload=ref,reward`` set the plan's explicit shadow and offload roles (``offload=``
   means none); without them the default rules of :class:`~loomrl.plan.plan.ExecutionPlan` apply;
-- ``stream_fusion=on`` or ``stream_fusion=migrate_at:0.2,migrate_to:1`` (``migrate_at:auto``, ``chunk:N``) fuses generation with
+- ``stream_fusion=on`` or ``stream_fusion=migrate_at:0.2,migrate_to:1`` (``migrate_at:auto``, ``chunk:N``) fuses
+generation with
   the inference calls that read only its outputs (:class:`~loomrl.plan.plan.StreamFusion`); these items may also
   follow a strategy's name (``colocate; stream_fusion=on``, :func:`loomrl.plan.strategies.make_plan`);
 - ``pipeline_fusion=on`` (or ``off``) runs the two train calls as one fused pipeline (intra-stage fusion,
@@ -32,12 +34,14 @@ from __future__ import annotations
 
 import dataclasses
 import difflib
+from typing import Any
 
 from loomrl.config.tools import FieldError
 from loomrl.errors import ConfigError
-from loomrl.plan.layout import Layout
+from loomrl.plan.allocation import Allocation, DeviceSet
 from loomrl.plan.cluster import ClusterSpec
-from loomrl.plan.plan import Allocation, DeviceSet, ExecutionPlan, StreamFusion
+from loomrl.plan.layout import Layout
+from loomrl.plan.plan import ExecutionPlan, StreamFusion
 from loomrl.workflow import MFCKind, Workflow
 
 __all__ = ["RESERVED_KEYS", "compute_allocation", "format_plan_string", "parse_plan_string", "with_choices"]
@@ -85,7 +89,7 @@ def _parse_item(item: str, workflow: Workflow) -> tuple[str, Allocation | Stream
 def parse_plan_string(text: str, workflow: Workflow, cluster: ClusterSpec) -> ExecutionPlan:
     """The plan a plan string describes, checked against ``workflow`` (see the module docstring)."""
     given: dict[str, Allocation] = {}
-    choices: dict[str, tuple[str, ...]] = {}
+    choices: dict[str, Any] = {}  # a reserved key's value has its plan field's type (_parse_item)
     for item in (part.strip() for part in str(text).split(";")):
         if not item:
             continue
@@ -105,8 +109,14 @@ def parse_plan_string(text: str, workflow: Workflow, cluster: ClusterSpec) -> Ex
         else:
             raise ConfigError(f"plan: MFC '{mfc.name}' is not placed; add e.g. '{mfc.name}=0-{cluster.n_devices - 1}'")
     try:
-        plan = ExecutionPlan(cluster, allocations, choices.get("shadow"), choices.get("offload"), choices.get("stream_fusion"),
-                             choices.get("pipeline_fusion", False))
+        plan = ExecutionPlan(
+            cluster,
+            allocations,
+            choices.get("shadow"),
+            choices.get("offload"),
+            choices.get("stream_fusion"),
+            choices.get("pipeline_fusion", False),
+        )
     except ConfigError as err:
         raise ConfigError(f"plan: {err}") from None
     plan.validate(workflow)
@@ -116,13 +126,15 @@ def parse_plan_string(text: str, workflow: Workflow, cluster: ClusterSpec) -> Ex
 def with_choices(plan: ExecutionPlan, text: str, workflow: Workflow) -> ExecutionPlan:
     """``plan`` with the ``shadow``, ``offload``, ``stream_fusion`` and ``pipeline_fusion`` items of ``text``
     (``;``-separated) applied."""
-    changes: dict[str, object] = {}
+    changes: dict[str, Any] = {}  # each value has its plan field's type (_parse_item)
     for item in (part.strip() for part in str(text).split(";")):
         if not item:
             continue
         if item.partition("=")[0].strip() not in (*RESERVED_KEYS, *RENAMED_KEYS):
-            raise ConfigError(f"plan item {item!r}: after a strategy only {', '.join(RESERVED_KEYS)} items may "
-                              "follow (e.g. 'colocate; stream_fusion=on'); place calls with a plan string instead")
+            raise ConfigError(
+                f"plan item {item!r}: after a strategy only {', '.join(RESERVED_KEYS)} items may "
+                "follow (e.g. 'colocate; stream_fusion=on'); place calls with a plan string instead"
+            )
         name, value = _parse_item(item, workflow)
         changes[name] = value
     return dataclasses.replace(plan, **changes)

@@ -35,11 +35,12 @@ from __future__ import annotations
 
 from bisect import bisect_right
 from collections import defaultdict
+from collections.abc import Callable, Hashable, Iterator, Mapping, Sequence
 from dataclasses import dataclass, field
 from functools import cached_property
-from typing import Callable, Hashable, Iterator, Mapping, NamedTuple, Sequence
+from typing import NamedTuple
 
-from loomrl.plan.plan import Allocation
+from loomrl.plan.allocation import Allocation
 from loomrl.plan.shards import Interval, interval_table, pp_stage, shard_intervals, shard_numel, tp_dim
 
 
@@ -105,7 +106,7 @@ class ReallocPlan:
 
     @cached_property
     def _aliased(self) -> dict[tuple[int, str], int]:
-        return {(b.device, b.param): b.alias_offset for b in self.dst_buffers if b.aliased}
+        return {(b.device, b.param): b.alias_offset for b in self.dst_buffers if b.alias_offset is not None}
 
     def aliased(self, device: int, param: str) -> bool:
         """Whether ``device``'s destination shard of ``param`` is a view of its source shard."""
@@ -130,13 +131,17 @@ class ReallocPlan:
 
     def bytes_local(self, bytes_per_elem: int) -> int:
         """Bytes copied within a device (local pieces into new buffers; aliased shards copy nothing)."""
-        return sum(t.numel for t in self.transfers
-                   if t.local and (t.sender, t.param) not in self._aliased) * bytes_per_elem
+        return (
+            sum(t.numel for t in self.transfers if t.local and (t.sender, t.param) not in self._aliased)
+            * bytes_per_elem
+        )
 
     def cross_node_bytes(self, bytes_per_elem: int) -> int:
         """The part of :meth:`bytes_moved` received from another node."""
-        return sum(t.numel for t in self.transfers for r in t.receivers
-                   if self.nodes[r] != self.nodes[t.sender]) * bytes_per_elem
+        return (
+            sum(t.numel for t in self.transfers for r in t.receivers if self.nodes[r] != self.nodes[t.sender])
+            * bytes_per_elem
+        )
 
     def send_bytes(self, bytes_per_elem: int) -> dict[int, int]:
         """Bytes each device sends (a broadcast counts once at its sender); devices sending nothing are absent."""
@@ -160,16 +165,23 @@ class ReallocPlan:
         return sorted({tuple(sorted((t.sender, *t.receivers))) for t in self.transfers if len(t.receivers) > 1})
 
 
-def _intervals(alloc: Allocation, state: bool, device: int, param: str, shape: Sequence[int],
-               num_layers: int) -> list[Interval]:
+def _intervals(
+    alloc: Allocation, state: bool, device: int, param: str, shape: Sequence[int], num_layers: int
+) -> list[Interval]:
     if device not in alloc.mesh:
         return []
     rank = alloc.devices.index(device)
     return shard_intervals(param, shape, alloc.layout, rank, num_layers, alloc.dp_split(state))
 
 
-def plan_reallocation(params: Mapping[str, Sequence[int]], num_layers: int, src: Allocation, dst: Allocation,
-                      nodes_of: Callable[[int], Hashable], state: bool = False) -> ReallocPlan:
+def plan_reallocation(
+    params: Mapping[str, Sequence[int]],
+    num_layers: int,
+    src: Allocation,
+    dst: Allocation,
+    nodes_of: Callable[[int], Hashable],
+    state: bool = False,
+) -> ReallocPlan:
     """Plan moving ``params`` (name → full shape) from allocation ``src`` to allocation ``dst``.
 
     What each device holds on either side is its shard of the allocation's layout, divided over its
@@ -190,14 +202,18 @@ def plan_reallocation(params: Mapping[str, Sequence[int]], num_layers: int, src:
     segments: dict[tuple, list[tuple[int, int, tuple[int, ...], tuple[int, ...]]]] = {}
     options: dict[tuple, _RouteOptions] = {}
     for name, shape in shapes.items():
-        keys = tuple((side, tp_dim(name), pp_stage(name, num_layers, p.layout.pp), shape)
-                     for side, p in (("src", src), ("dst", dst)))
+        keys = tuple(
+            (side, tp_dim(name), pp_stage(name, num_layers, p.layout.pp), shape)
+            for side, p in (("src", src), ("dst", dst))
+        )
         for key, placement in zip(keys, (src, dst)):
             if key not in intervals:
                 intervals[key] = _intervals_by_device(placement, state, name, shape, num_layers)
         held, needed = intervals[keys[0]], intervals[keys[1]]
-        buffers.extend(ShardBuffer(device, name, shard_numel(ivs), _alias_offset(held.get(device), ivs))
-                       for device, ivs in needed.items())
+        buffers.extend(
+            ShardBuffer(device, name, shard_numel(ivs), _alias_offset(held.get(device), ivs))
+            for device, ivs in needed.items()
+        )
         if keys not in segments:
             segments[keys] = [seg for seg in _segments(held, needed) if seg[3]]
         pieces: list[Transfer] = []
@@ -233,8 +249,9 @@ def _alias_offset(held: list[Interval] | None, needed: list[Interval]) -> int | 
     return first
 
 
-def _intervals_by_device(alloc: Allocation, state: bool, name: str, shape: tuple[int, ...],
-                         num_layers: int) -> dict[int, list[Interval]]:
+def _intervals_by_device(
+    alloc: Allocation, state: bool, name: str, shape: tuple[int, ...], num_layers: int
+) -> dict[int, list[Interval]]:
     """Non-empty shard intervals of ``name`` per device of ``alloc``, in device order. Ranks of other pipeline
     stages hold nothing, and ranks differing only in their data-parallel rank hold the same intervals (unless
     they divide the shard): each distinct shard is computed once (pricing plans many large meshes)."""
@@ -254,8 +271,9 @@ def _intervals_by_device(alloc: Allocation, state: bool, name: str, shape: tuple
     return out
 
 
-def _segments(held: Mapping[int, list[Interval]], needed: Mapping[int, list[Interval]]
-              ) -> Iterator[tuple[int, int, tuple[int, ...], tuple[int, ...]]]:
+def _segments(
+    held: Mapping[int, list[Interval]], needed: Mapping[int, list[Interval]]
+) -> Iterator[tuple[int, int, tuple[int, ...], tuple[int, ...]]]:
     """Sweep every boundary: ``(start, end, holders, needers)`` of each range where neither set changes."""
     events: dict[int, list[tuple[int, int, int]]] = defaultdict(list)  # point → (side, device, +1 | -1)
     for side, by_device in enumerate((held, needed)):
@@ -282,8 +300,7 @@ class _RouteOptions(NamedTuple):
     holders on that node, else all holders)."""
 
 
-def _route_options(holders: tuple[int, ...], needers: tuple[int, ...],
-                   nodes: Mapping[int, Hashable]) -> _RouteOptions:
+def _route_options(holders: tuple[int, ...], needers: tuple[int, ...], nodes: Mapping[int, Hashable]) -> _RouteOptions:
     holder_set = set(holders)
     by_node: dict[Hashable, list[int]] = {}
     for device in needers:

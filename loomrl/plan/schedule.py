@@ -51,7 +51,8 @@ from collections.abc import Iterator, Sequence
 from dataclasses import dataclass, field
 from enum import Enum
 
-from loomrl.plan.plan import Allocation, ExecutionPlan, StreamFusion
+from loomrl.plan.allocation import Allocation
+from loomrl.plan.plan import ExecutionPlan, StreamFusion
 from loomrl.workflow import MFC, MFCKind, Workflow
 
 __all__ = ["Schedule", "Step", "StepKind", "build_schedule"]
@@ -115,7 +116,31 @@ class Step:
     @property
     def transfer(self) -> tuple[str, Allocation, Allocation] | None:
         """``(role, source, destination)`` of a copy or sync, the destination reduced to its shards."""
-        return (self.role, self.src, self.alloc) if self.moves_bytes else None
+        if not self.moves_bytes:
+            return None
+        assert self.role is not None and self.src is not None and self.alloc is not None  # a copy or sync has all three
+        return self.role, self.src, self.alloc
+
+    @property
+    def call_mfc(self) -> MFC:
+        """``mfc``, which a call step has (the other kinds have none)."""
+        if self.mfc is None:
+            raise ValueError(f"schedule step {self.id!r}: a {self.kind.value} step has no MFC")
+        return self.mfc
+
+    @property
+    def allocation(self) -> Allocation:
+        """``alloc``, which every step but a stage has."""
+        if self.alloc is None:
+            raise ValueError(f"schedule step {self.id!r}: a {self.kind.value} step has no allocation")
+        return self.alloc
+
+    @property
+    def model_role(self) -> str:
+        """``role``, which every step but a compute call and a stage has."""
+        if self.role is None:
+            raise ValueError(f"schedule step {self.id!r}: a {self.kind.value} step has no role")
+        return self.role
 
     def sent_with(self, dep: Step) -> bool:
         """Whether this step is sent as soon as ``dep`` is (and queued behind it on every device) rather than
@@ -144,8 +169,10 @@ class Schedule:
             for step in steps:
                 missing = [d for d in step.deps if d not in seen]
                 if step.id in seen or missing:
-                    raise ValueError(f"schedule.{name}: step {step.id!r} "
-                                     + ("is listed twice" if step.id in seen else f"comes before {missing[0]!r}"))
+                    raise ValueError(
+                        f"schedule.{name}: step {step.id!r} "
+                        + ("is listed twice" if step.id in seen else f"comes before {missing[0]!r}")
+                    )
                 seen.add(step.id)
 
     def __iter__(self) -> Iterator[Step]:
@@ -162,8 +189,7 @@ class Schedule:
 
     def calls(self) -> list[Step]:
         """The iteration's call steps, in order (a fused stage's members in its place)."""
-        return [c for s in self.steps for c in (s.members if s.kind in STAGES else (s,))
-                if c.kind is StepKind.CALL]
+        return [c for s in self.steps for c in (s.members if s.kind in STAGES else (s,)) if c.kind is StepKind.CALL]
 
     def transfers(self) -> list[tuple[str, Allocation, Allocation]]:
         """Every distinct ``(role, source, destination)`` the copies and syncs of all three lists move, in
@@ -203,8 +229,9 @@ def build_schedule(workflow: Workflow, plan: ExecutionPlan, evaluate_role: str |
     return Schedule(steps, prologue, _evaluation(workflow, plan, evaluate_role))
 
 
-def _fuse(steps: tuple[Step, ...], group: tuple[MFC, ...], kind: StepKind,
-          fusion: StreamFusion | None = None) -> tuple[Step, ...]:
+def _fuse(
+    steps: tuple[Step, ...], group: tuple[MFC, ...], kind: StepKind, fusion: StreamFusion | None = None
+) -> tuple[Step, ...]:
     """``steps`` with the group's call steps replaced by one stage of ``kind`` (module docstring), in the place
     of its first member, named after it: the steps that feed a member (copies, reloads) run before the stage;
     the steps that wait for a member wait for it."""
@@ -217,12 +244,21 @@ def _fuse(steps: tuple[Step, ...], group: tuple[MFC, ...], kind: StepKind,
     out: list[Step] = []
     for step in steps:
         if step.id == first.name:
-            out.append(Step(fused_id, kind, devices, tuple(sorted(feeding, key=_position(steps))),
-                            members=members, fusion=fusion))
+            out.append(
+                Step(
+                    fused_id,
+                    kind,
+                    devices,
+                    tuple(sorted(feeding, key=_position(steps))),
+                    members=members,
+                    fusion=fusion,
+                )
+            )
         elif step.id not in names:
             deps = tuple(dict.fromkeys(fused_id if d in names else d for d in step.deps))
-            out.append(dataclasses.replace(step, deps=tuple(d for d in deps if d != fused_id)
-                                           if step.id in feeding else deps))
+            out.append(
+                dataclasses.replace(step, deps=tuple(d for d in deps if d != fused_id) if step.id in feeding else deps)
+            )
     return _stable_topological(out)
 
 
@@ -274,7 +310,9 @@ class _Builder:
     def version(self, mfc: MFC) -> int:
         """How many of its role's train calls precede ``mfc`` in the iteration (0 before any)."""
         ancestors = self.workflow.ancestors(mfc.name)
-        return sum(1 for m in self.workflow.mfcs_of_role(mfc.role) if m.kind is MFCKind.TRAIN and m.name in ancestors)
+        return sum(
+            1 for m in self.workflow.mfcs_of_role(mfc.model_role) if m.kind is MFCKind.TRAIN and m.name in ancestors
+        )
 
     def add_call(self, mfc: MFC) -> None:
         alloc = self.plan[mfc.name]
@@ -287,23 +325,50 @@ class _Builder:
         asleep = self._put_to_sleep(mfc, alloc, deps) if mfc.kind is MFCKind.GENERATE else []
         deps += [s.id for s in asleep]
         if role in self.offloaded:
-            reload = self._add(Step(f"reload {role} for {mfc.name}", StepKind.RELOAD, _devices(alloc), tuple(deps),
-                                    role, alloc.shards))
+            reload = self._add(
+                Step(f"reload {role} for {mfc.name}", StepKind.RELOAD, _devices(alloc), tuple(deps), role, alloc.shards)
+            )
             deps.append(reload.id)
-        call = self._add(Step(mfc.name, StepKind.CALL, _devices(alloc), tuple(dict.fromkeys(deps)), role, alloc,
-                              mfc=mfc))
+        call = self._add(
+            Step(mfc.name, StepKind.CALL, _devices(alloc), tuple(dict.fromkeys(deps)), role, alloc, mfc=mfc)
+        )
         if role in self.offloaded:
-            self._add(Step(f"offload {role} after {mfc.name}", StepKind.OFFLOAD, _devices(alloc), (call.id,), role,
-                           alloc.shards))
+            self._add(
+                Step(
+                    f"offload {role} after {mfc.name}",
+                    StepKind.OFFLOAD,
+                    _devices(alloc),
+                    (call.id,),
+                    role,
+                    alloc.shards,
+                )
+            )
         for sleep in asleep:
-            reload = self._add(Step(f"reload {sleep.role} state after {mfc.name}", StepKind.RELOAD, sleep.devices,
-                                    (call.id,), sleep.role, sleep.alloc))
-            self.reloaded[sleep.role] = reload.id
+            reload = self._add(
+                Step(
+                    f"reload {sleep.role} state after {mfc.name}",
+                    StepKind.RELOAD,
+                    sleep.devices,
+                    (call.id,),
+                    sleep.role,
+                    sleep.alloc,
+                )
+            )
+            self.reloaded[sleep.model_role] = reload.id
         if mfc.kind is MFCKind.TRAIN and role in self.trained:
             version = self.version(mfc) + 1
             for shadow in self._shadows(role):
-                step = self._add(Step(_suffix(f"sync {role}→{shadow.text}", version - 1), StepKind.SYNC,
-                                      _devices(alloc, shadow), (call.id,), role, shadow, alloc.shards))
+                step = self._add(
+                    Step(
+                        _suffix(f"sync {role}→{shadow.text}", version - 1),
+                        StepKind.SYNC,
+                        _devices(alloc, shadow),
+                        (call.id,),
+                        role,
+                        shadow,
+                        alloc.shards,
+                    )
+                )
                 self.syncs[(role, shadow, version)] = step.id
                 if version == 1:
                     self.fills.append(step)
@@ -315,16 +380,29 @@ class _Builder:
         out = []
         for role in self.sleeping:
             canon = self.plan.canonical_layout(self.workflow, role)
+            assert canon is not None  # a sleeping role is trained
             if canon.mesh.isdisjoint(alloc.mesh) or (role == mfc.role and alloc.shards == canon.shards):
                 continue  # elsewhere, or generating on the training shards themselves: they must stay
             after = deps + ([self.reloaded[role]] if role in self.reloaded else [])
-            out.append(self._add(Step(f"offload {role} state for {mfc.name}", StepKind.OFFLOAD, _devices(canon),
-                                      tuple(dict.fromkeys(after)), role, canon.shards)))
+            out.append(
+                self._add(
+                    Step(
+                        f"offload {role} state for {mfc.name}",
+                        StepKind.OFFLOAD,
+                        _devices(canon),
+                        tuple(dict.fromkeys(after)),
+                        role,
+                        canon.shards,
+                    )
+                )
+            )
         return out
 
     def _weights_for(self, mfc: MFC, alloc: Allocation, deps: list[str]) -> list[str]:
         """The steps a non-train call of a trained role waits for to find the weights in its layout."""
-        role, canon = mfc.role, self.plan.canonical_layout(self.workflow, mfc.role)
+        role = mfc.model_role
+        canon = self.plan.canonical_layout(self.workflow, role)
+        assert canon is not None  # the role is trained
         shards, version = alloc.shards, self.version(mfc)
         if shards == canon.shards:
             return []
@@ -335,9 +413,17 @@ class _Builder:
         if key not in self.copy_of:
             after = [self.last_free[(role, shards)]] if (role, shards) in self.last_free else []
             after += [self.reloaded[role]] if role in self.reloaded else []  # the copy reads the training shards
-            step = self._add(Step(_suffix(f"copy {role}→{shards.text}", version), StepKind.COPY,
-                                  _devices(canon, shards), tuple(dict.fromkeys(deps + after)), role, shards,
-                                  canon.shards))
+            step = self._add(
+                Step(
+                    _suffix(f"copy {role}→{shards.text}", version),
+                    StepKind.COPY,
+                    _devices(canon, shards),
+                    tuple(dict.fromkeys(deps + after)),
+                    role,
+                    shards,
+                    canon.shards,
+                )
+            )
             self.copy_of[key] = step.id
             self.users[key] = []
             self.last_free[(role, shards)] = _suffix(f"free {role}@{shards.text}", version)
@@ -355,28 +441,42 @@ class _Builder:
         """The steps with each copy's free placed right after the last step it waits for."""
         steps = list(self.steps)
         for (role, shards, version), users in self.users.items():
-            free = Step(_suffix(f"free {role}@{shards.text}", version), StepKind.FREE, _devices(shards),
-                        tuple(users), role, shards)
+            free = Step(
+                _suffix(f"free {role}@{shards.text}", version),
+                StepKind.FREE,
+                _devices(shards),
+                tuple(users),
+                role,
+                shards,
+            )
             last = max(i for i, s in enumerate(steps) if s.id in users)
             steps.insert(last + 1, free)
         return tuple(steps)
 
 
 def _evaluation(workflow: Workflow, plan: ExecutionPlan, role: str | None) -> tuple[Step, ...]:
-    gens = [m for m in workflow.topological_order() if m.role == role and m.kind is MFCKind.GENERATE] \
-        if role is not None and role in workflow.roles() else []
+    gens = (
+        [m for m in workflow.topological_order() if m.role == role and m.kind is MFCKind.GENERATE]
+        if role is not None and role in workflow.roles()
+        else []
+    )
     if not gens:
         return ()
+    assert role is not None  # there are generate calls of it
     alloc = plan[gens[0].name]
     canon = plan.canonical_layout(workflow, role)
     shadowed = gens[0].name in plan.shadow_calls(workflow, role) if canon is not None else False
     if canon is None or alloc.shards == canon.shards or shadowed:
         return (Step("evaluate", StepKind.EVALUATE, _devices(alloc), (), role, alloc.shards),)
-    copy = Step(f"copy {role}→{alloc.shards.text}", StepKind.COPY, _devices(canon, alloc), (), role, alloc.shards,
-                canon.shards)
+    copy = Step(
+        f"copy {role}→{alloc.shards.text}", StepKind.COPY, _devices(canon, alloc), (), role, alloc.shards, canon.shards
+    )
     evaluate = Step("evaluate", StepKind.EVALUATE, _devices(alloc), (copy.id,), role, alloc.shards)
-    return copy, evaluate, Step(f"free {role}@{alloc.shards.text}", StepKind.FREE, _devices(alloc), (evaluate.id,),
-                                role, alloc.shards)
+    return (
+        copy,
+        evaluate,
+        Step(f"free {role}@{alloc.shards.text}", StepKind.FREE, _devices(alloc), (evaluate.id,), role, alloc.shards),
+    )
 
 
 def _devices(*allocs: Allocation) -> tuple[int, ...]:
@@ -388,34 +488,9 @@ def _suffix(text: str, version: int) -> str:
     return text if version == 0 else f"{text}#{version}"
 
 
-def check_trace(schedule: Sequence[Step], executed: Sequence[tuple[str, dict[int, tuple[float, float]]]]) -> None:
-    """Raise AssertionError unless ``executed`` (step id → device → (start, end), in the order the steps were
-    recorded) ran exactly ``schedule``'s steps, each on its devices, and in a valid order: no step started on
-    a device before every step it waits for had ended there, and a step not sent with its dependency started
-    only after that dependency had ended everywhere."""
-    by_id = {s.id: s for s in schedule}
-    times = dict(executed)
-    if len(times) != len(executed):
-        raise AssertionError("a step was executed twice")
-    if set(times) != set(by_id):
-        missing, extra = sorted(set(by_id) - set(times)), sorted(set(times) - set(by_id))
-        raise AssertionError(f"executed steps differ from the schedule: missing {missing}, not scheduled {extra}")
-    for step in schedule:
-        if tuple(sorted(times[step.id])) != step.devices:
-            raise AssertionError(f"step {step.id!r} ran on {sorted(times[step.id])}, scheduled on {step.devices}")
-        for dep_id in step.deps:
-            dep = by_id[dep_id]
-            if step.sent_with(dep):
-                late = [d for d in step.devices if times[step.id][d][0] < times[dep_id][d][1]]
-            else:
-                ended = max(end for _, end in times[dep_id].values())
-                late = [d for d in step.devices if times[step.id][d][0] < ended]
-            if late:
-                raise AssertionError(f"step {step.id!r} started on device {late[0]} before {dep_id!r} had ended")
-
-
-def split_for_sampling(steps: Sequence[Step], producer: str) -> tuple[tuple[Step, ...], tuple[Step, ...],
-                                                                        tuple[Step, ...]]:
+def split_for_sampling(
+    steps: Sequence[Step], producer: str
+) -> tuple[tuple[Step, ...], tuple[Step, ...], tuple[Step, ...]]:
     """An iteration's steps cut for dynamic sampling, where the calls that make the rewards run again on waves of
     extra prompts before the rest of the iteration runs on the samples kept.
 
@@ -437,8 +512,9 @@ def split_for_sampling(steps: Sequence[Step], producer: str) -> tuple[tuple[Step
     head = tuple(s for s in steps if s.id in needed)
     released = [s.id for s in head if s.kind in _DROP]
     if released:
-        raise ValueError(f"the rewards are made after {released[0]!r}, which releases a model they need again on "
-                         "the next wave")
+        raise ValueError(
+            f"the rewards are made after {released[0]!r}, which releases a model they need again on the next wave"
+        )
 
     def only(kept: Sequence[Step]) -> tuple[Step, ...]:
         ids = {s.id for s in kept}

@@ -31,7 +31,7 @@ from __future__ import annotations
 
 import math
 import re
-from typing import Sequence
+from collections.abc import Sequence
 
 from loomrl.plan.layout import Layout
 
@@ -87,7 +87,7 @@ def tp_intervals(shape: Sequence[int], dim: int | None, tp: int, tp_rank: int) -
     if dim >= len(shape):
         raise ValueError(f"cannot split a tensor of shape {tuple(shape)} along dim {dim}")
     start, end = chunk(shape[dim], tp, tp_rank)
-    inner = math.prod(shape[dim + 1:])  # elements per index of the split dim
+    inner = math.prod(shape[dim + 1 :])  # elements per index of the split dim
     outer = math.prod(shape[:dim])  # one interval per index of the dims before it (merged when adjacent)
     stride = shape[dim] * inner
     if start == end:
@@ -116,8 +116,9 @@ SPLITS = ("none", "rows", "flat")
 """How data-parallel ranks divide a (pp, tp) shard (module docstring)."""
 
 
-def shard_intervals(param_name: str, shape: Sequence[int], layout: Layout, rank: int, num_layers: int,
-                    split: str = "none") -> list[Interval]:
+def shard_intervals(
+    param_name: str, shape: Sequence[int], layout: Layout, rank: int, num_layers: int, split: str = "none"
+) -> list[Interval]:
     """Sorted, disjoint, non-adjacent flat intervals of the full parameter that ``rank`` of ``layout`` holds,
     its data-parallel ranks dividing each (pp, tp) shard as ``split`` says."""
     pp_rank, dp_rank, tp_rank = layout.coords(rank)
@@ -142,7 +143,7 @@ def _local_shape(shape: Sequence[int], dim: int | None, tp: int, tp_rank: int) -
     if dim is None or tp == 1:
         return tuple(shape)
     start, end = chunk(shape[dim], tp, tp_rank)
-    return (*shape[:dim], end - start, *shape[dim + 1:])
+    return (*shape[:dim], end - start, *shape[dim + 1 :])
 
 
 def interval_table(intervals: Sequence[Interval]) -> tuple[list[int], list[int]]:
@@ -161,8 +162,9 @@ def shard_numel(intervals: Sequence[Interval]) -> int:
     return sum(hi - lo for lo, hi in intervals)
 
 
-def shard_shape(param_name: str, shape: Sequence[int], layout: Layout, rank: int, num_layers: int,
-                split: str = "none") -> tuple[int, ...] | None:
+def shard_shape(
+    param_name: str, shape: Sequence[int], layout: Layout, rank: int, num_layers: int, split: str = "none"
+) -> tuple[int, ...] | None:
     """Shape of the local tensor ``rank`` holds, its data-parallel ranks dividing each (pp, tp) shard as
     ``split`` says (``"rows"``: dim 0 divided; ``"flat"``: a 1-D block of the flattened shard), or None when the
     param is on another stage."""

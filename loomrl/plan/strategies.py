@@ -10,7 +10,8 @@
   synced after each actor train step; everything else colocated on the rest.
 - a plan string (:mod:`loomrl.plan.plan_string`) for hand-written plans, e.g. on 8 devices::
 
-      actor_gen=0-3:dp4; ref_inf=4-5:dp2; reward_inf=6-7:dp2; critic_inf=4-7:dp4; actor_train=0-7:dp4tp2; critic_train=0-7:dp8
+      actor_gen=0-3:dp4; ref_inf=4-5:dp2; reward_inf=6-7:dp2; critic_inf=4-7:dp4; actor_train=0-7:dp4tp2;
+      critic_train=0-7:dp8
 
   (``a-b`` ranges or ``0,2,5`` lists; layout tokens ``dpN tpN ppN mbN``; unnamed compute steps on device 0).
 
@@ -25,11 +26,12 @@ from collections.abc import Mapping, Sequence
 
 from loomrl.config.tools import FieldError
 from loomrl.errors import ConfigError
-from loomrl.plan.layout import Layout
+from loomrl.plan.allocation import Allocation, DeviceSet
 from loomrl.plan.cluster import ClusterSpec
-from loomrl.plan.memory import param_count
+from loomrl.plan.layout import Layout
+from loomrl.plan.model_shape import param_count
+from loomrl.plan.plan import ExecutionPlan
 from loomrl.plan.plan_string import compute_allocation, parse_plan_string, with_choices
-from loomrl.plan.plan import Allocation, DeviceSet, ExecutionPlan
 from loomrl.workflow import MFC, MFCKind, Workflow
 
 __all__ = ["STRATEGIES", "colocate", "interleave", "make_plan", "separate", "split_devices"]
@@ -58,7 +60,7 @@ def colocate(workflow: Workflow, cluster: ClusterSpec, layouts: Mapping[str, Lay
         if mfc.kind is MFCKind.COMPUTE:
             allocations[mfc.name] = compute_allocation()
             continue
-        key = mfc.name if mfc.name in layouts else mfc.role
+        key = mfc.name if mfc.name in layouts else mfc.model_role
         try:
             allocations[mfc.name] = Allocation(everything, layouts.get(key, Layout(dp=n)))
         except FieldError as err:
@@ -124,8 +126,9 @@ INTERLEAVE_SPLITS = ("auto", "pow2", "proportional")
 proportional to model size (``proportional``: balanced), or ``auto``: pow2 on a power-of-two cluster."""
 
 
-def interleave(workflow: Workflow, cluster: ClusterSpec,
-               model_configs: Mapping[str, object] | None = None, split: str = "auto") -> ExecutionPlan:
+def interleave(
+    workflow: Workflow, cluster: ClusterSpec, model_configs: Mapping[str, object] | None = None, split: str = "auto"
+) -> ExecutionPlan:
     """Independent calls side by side on disjoint meshes; generation on all devices; compute on device 0.
 
     The rule: MFCs at the same depth of the graph have no dependency path between them. At each depth the
@@ -150,8 +153,12 @@ def interleave(workflow: Workflow, cluster: ClusterSpec,
             elif mfc.kind is MFCKind.GENERATE or not 1 < len(models) <= n:
                 placed[mfc.name] = _span(0, n)
         if 1 < len(models) <= n:
-            weights = [param_count(model_configs[m.role]) if model_configs and model_configs.get(m.role) is not None
-                       else 1.0 for m in models]  # a role with no model (a rule reward) weighs least
+            weights = [
+                param_count(model_configs[m.model_role])
+                if model_configs and model_configs.get(m.model_role) is not None
+                else 1.0
+                for m in models
+            ]  # a role with no model (a rule reward) weighs least
             first = 0
             counts = (split_devices_pow2 if pow2 else split_devices)(n, weights)
             for mfc, count in zip(models, counts):
@@ -169,7 +176,9 @@ def separate(workflow: Workflow, cluster: ClusterSpec, gen_devices: int | None =
     gen = n // 2 if gen_devices is None else gen_devices
     if isinstance(gen, bool) or not isinstance(gen, int) or not 1 <= gen < n:
         valid = f"1-{n - 1}" if n > 1 else "none: a separated plan needs at least 2 devices"
-        raise ConfigError(f"separate: gen_devices={gen!r} on cluster {cluster} ({n} device{'s' * (n != 1)}); valid: {valid}")
+        raise ConfigError(
+            f"separate: gen_devices={gen!r} on cluster {cluster} ({n} device{'s' * (n != 1)}); valid: {valid}"
+        )
     allocations: dict[str, Allocation] = {}
     for mfc in workflow.topological_order():
         if mfc.kind is MFCKind.GENERATE:
@@ -188,8 +197,14 @@ def _choices() -> str:
     return f"{', '.join(STRATEGIES)}, a plan string (e.g. 'actor_gen=0-3:dp4; ...') or a .json/.yaml plan file"
 
 
-def _strategy(spec: str, workflow: Workflow, cluster: ClusterSpec, layouts: Mapping[str, Layout] | None,
-              model_configs: Mapping[str, object] | None, gen_devices: int | None) -> ExecutionPlan:
+def _strategy(
+    spec: str,
+    workflow: Workflow,
+    cluster: ClusterSpec,
+    layouts: Mapping[str, Layout] | None,
+    model_configs: Mapping[str, object] | None,
+    gen_devices: int | None,
+) -> ExecutionPlan:
     name, _, arg = spec.partition(":")
     for given, option, used_by in ((layouts, "layouts", "colocate"), (gen_devices, "gen_devices", "separate")):
         if given is not None and name != used_by:
@@ -209,13 +224,22 @@ def _from_file(spec: str, cluster: ClusterSpec) -> ExecutionPlan:
     plan = ExecutionPlan.load(spec)
     if plan.cluster != cluster:
         ours, theirs = plan.cluster, cluster
-        raise ConfigError(f"{spec}: the plan is for cluster {ours} ({ours.profile}, {ours.memory_gb} GB per device) "
-                          f"but the run's cluster is {theirs} ({theirs.profile}, {theirs.memory_gb} GB per device)")
+        raise ConfigError(
+            f"{spec}: the plan is for cluster {ours} ({ours.profile}, {ours.memory_gb} GB per device) "
+            f"but the run's cluster is {theirs} ({theirs.profile}, {theirs.memory_gb} GB per device)"
+        )
     return plan
 
 
-def make_plan(spec: str, workflow: Workflow, cluster: ClusterSpec, *, layouts: Mapping[str, Layout] | None = None,
-              model_configs: Mapping[str, object] | None = None, gen_devices: int | None = None) -> ExecutionPlan:
+def make_plan(
+    spec: str,
+    workflow: Workflow,
+    cluster: ClusterSpec,
+    *,
+    layouts: Mapping[str, Layout] | None = None,
+    model_configs: Mapping[str, object] | None = None,
+    gen_devices: int | None = None,
+) -> ExecutionPlan:
     """The validated plan ``spec`` names (what ``loomrl train --plan FILE|STRATEGY`` passes).
 
     ``spec``: ``colocate`` | ``interleave`` | ``separate`` | ``separate:N`` | a plan string (it contains
@@ -225,8 +249,13 @@ def make_plan(spec: str, workflow: Workflow, cluster: ClusterSpec, *, layouts: M
     text = str(spec).strip()
     strategy, _, extras = text.partition(";")
     if "=" not in strategy and extras.strip():  # a strategy followed by shadow / offload / fusion items
-        plan = with_choices(make_plan(strategy, workflow, cluster, layouts=layouts, model_configs=model_configs,
-                                      gen_devices=gen_devices), extras, workflow)
+        plan = with_choices(
+            make_plan(
+                strategy, workflow, cluster, layouts=layouts, model_configs=model_configs, gen_devices=gen_devices
+            ),
+            extras,
+            workflow,
+        )
         plan.validate(workflow, model_configs)
         return plan
     if ("=" in text or text.lower().endswith(_FILE_SUFFIXES)) and (layouts is not None or gen_devices is not None):

@@ -1,14 +1,13 @@
-"""A run described for the planner: models, cluster, data shape, optimizer steps, engine settings and a plan.
+"""A run described for the planner: models, cluster, data shape, optimizer steps, system settings and a plan.
 
 :class:`RunDescription` is what ``loomrl plan`` reads from its flags or from a workload file (YAML, the same
 fields), and what ``benchmarks/published_runs.py`` writes down for each published run: everything the
-simulator needs to price a run as its publication states it. :func:`planner_inputs` turns it into the
-planner's objects (workflow, cluster, model configs, :class:`~loomrl.planner.cost.workload.Workload`,
-:class:`~loomrl.planner.cost.system.SystemSettings`); :func:`simulate_fixed` simulates a given plan and
+simulator needs to price a run as its publication states it. :func:`inputs_from_description` turns it into the
+planner's inputs (:class:`~loomrl.planner.inputs.PlannerInputs`); :func:`simulate_fixed` simulates a given plan and
 :func:`stage_seconds` reads a simulated iteration back as the stages publications report (generation, weight
 sync, scoring, training).
 
-Models are names of :data:`~loomrl.planner.planning.MODEL_PRESETS`, HF ``config.json`` files, zoo models or
+Models are names of :data:`~loomrl.models.presets.MODEL_PRESETS`, HF ``config.json`` files, zoo models or
 checkpoint directories; a reward of ``rule`` has no model (a verifier scoring on the host).
 """
 
@@ -17,23 +16,40 @@ from __future__ import annotations
 import math
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field
+from typing import ClassVar
 
-from loomrl.config.schema import (ALGORITHMS, GROUP_ALGORITHMS, AlgoConfig, JudgeConfig, RewardConfig, RolloutConfig,
-                                  judge_index)
+from loomrl.config.schema import (
+    ALGORITHMS,
+    GROUP_ALGORITHMS,
+    AlgoConfig,
+    JudgeConfig,
+    RewardConfig,
+    RolloutConfig,
+    judge_index,
+)
 from loomrl.config.tools import ValidatedConfig, fail, spec
 from loomrl.errors import ConfigError
+from loomrl.models.presets import model_config
 from loomrl.plan import ClusterSpec, ExecutionPlan
+from loomrl.plan.cluster import profile_for
+from loomrl.plan.hardware import HardwareProfile
 from loomrl.planner.cost.corrections import Corrections
-from loomrl.planner.cost.model import CostModel
-from loomrl.planner.planning import model_config
-from loomrl.plan.hardware import HardwareProfile, profile_for
 from loomrl.planner.cost.system import SystemSettings
+from loomrl.planner.cost.workload import DEFAULT_SPREAD, Workload, lengths_from_mean_max
+from loomrl.planner.inputs import PlannerInputs
 from loomrl.planner.simulation.simulator import SimResult, simulate
-from loomrl.planner.cost.workload import DEFAULT_SPREAD, ModelShape, Workload, lengths_from_mean_max
 from loomrl.workflow import Workflow
 
-__all__ = ["RULE", "STAGES", "FixedPlanReport", "ModelsConfig", "RunDescription", "planner_inputs", "simulate_fixed",
-           "stage_seconds"]
+__all__ = [
+    "RULE",
+    "STAGES",
+    "FixedPlanReport",
+    "ModelsConfig",
+    "RunDescription",
+    "inputs_from_description",
+    "simulate_fixed",
+    "stage_seconds",
+]
 
 RULE = "rule"
 """The model name of a reward with no model: a rule (a verifier) scores on the host."""
@@ -96,7 +112,7 @@ class RunDescription(ValidatedConfig):
     recompute_logprobs: bool = False
     """An ``actor_inf`` call recomputes the behaviour log-probs after generation (verl, OpenRLHF, NeMo RL)."""
     decode_slots: int | None = spec(None, ge=1)
-    """Samples one generation replica decodes at once (loomrl's rollout engine); see also ``engine``."""
+    """Samples one generation replica decodes at once (loomrl's rollout engine); see also ``system``."""
     judge_tokens: int = spec(8, ge=1)
     """Tokens of each judge's verdict (models.judges)."""
     generated_per_kept: float = spec(1.0, ge=1)
@@ -104,8 +120,11 @@ class RunDescription(ValidatedConfig):
     rollout.prompts_per_iter); generation and the reward call are priced that many times over."""
     plan: str | None = None
     """A fixed plan to simulate (a strategy, a plan string or a plan file); None: compare and search."""
-    engine: SystemSettings = field(default_factory=SystemSettings)
+    system: SystemSettings = field(default_factory=SystemSettings)
     """How the system runs the calls: serving engine, precisions, offloading (loomrl's runtime by default)."""
+
+    RENAMED: ClassVar[Mapping[str, str]] = {"engine": "system"}
+    """Keys of earlier releases' workload files, refused with their new names."""
 
     def validate(self) -> None:
         if self.observed_lengths is not None and not self.observed_lengths:
@@ -125,7 +144,9 @@ class RunDescription(ValidatedConfig):
         if self.observed_lengths is not None:
             return tuple(int(n) for n in self.observed_lengths)
         if self.response_max is None or self.response_len is None:
-            return (max(1, round(self.response_len or self.response_max)),)
+            given = self.response_len or self.response_max
+            assert given is not None  # validate: the mean, the limit or both
+            return (max(1, round(given)),)
         return lengths_from_mean_max(self.response_len, self.response_max, self.response_spread)
 
     def workflow(self) -> Workflow:
@@ -133,41 +154,90 @@ class RunDescription(ValidatedConfig):
         from loomrl.algorithms.workflows import build_workflow
 
         group = max(2, self.responses_per_prompt) if self.algo in GROUP_ALGORITHMS else 4
-        algo = AlgoConfig(name=self.algo, ppo_epochs=self.ppo_epochs, minibatches=self.optimizer_steps,
-                          group_size=group, recompute_logprobs=self.recompute_logprobs)
+        algo = AlgoConfig(
+            name=self.algo,
+            ppo_epochs=self.ppo_epochs,
+            minibatches=self.optimizer_steps,
+            group_size=group,
+            recompute_logprobs=self.recompute_logprobs,
+        )
         reward = None
         if self.models.judges:
-            reward = RewardConfig(source="judge", judges=tuple(JudgeConfig(model=name, max_new_tokens=self.judge_tokens)
-                                                               for name in self.models.judges))
+            reward = RewardConfig(
+                source="judge",
+                judges=tuple(JudgeConfig(model=name, max_new_tokens=self.judge_tokens) for name in self.models.judges),
+            )
         return build_workflow(algo, RolloutConfig(), reward)
 
     def workload(self) -> Workload:
         """One iteration's data: prompts × responses per prompt samples of the described lengths."""
-        return Workload(batch=self.prompts * self.responses_per_prompt, prompt_len=self.prompt_len,
-                        response_lengths=self.response_lengths(), ppo_epochs=self.ppo_epochs,
-                        minibatches=self.optimizer_steps, decode_slots=self.decode_slots,
-                        rollout_scale=self.generated_per_kept, samples_per_prompt=self.responses_per_prompt)
+        return Workload(
+            batch=self.prompts * self.responses_per_prompt,
+            prompt_len=self.prompt_len,
+            response_lengths=self.response_lengths(),
+            ppo_epochs=self.ppo_epochs,
+            minibatches=self.optimizer_steps,
+            decode_slots=self.decode_slots,
+            rollout_scale=self.generated_per_kept,
+            samples_per_prompt=self.responses_per_prompt,
+        )
 
 
-def planner_inputs(run: RunDescription) -> tuple[Workflow, ClusterSpec, dict[str, object], Workload, SystemSettings]:
-    """The planner's inputs for ``run``: its workflow, cluster, each role's model config (None for a rule
-    reward), workload and engine settings."""
+def inputs_from_description(
+    run: RunDescription,
+    *,
+    profile: HardwareProfile | None = None,
+    corrections: Corrections | None = None,
+    bytes_per_param: int | None = None,
+) -> PlannerInputs:
+    """The planner's inputs of ``run``: its workflow, cluster, each role's architecture (None for a rule reward),
+    workload and system settings; ``profile`` by default the cluster's."""
     workflow = run.workflow()
     for role in workflow.roles():
         if role != "reward" and run.models.of(role) == RULE:
-            raise ConfigError(f"models.{role}: '{RULE}' means no model, which only a reward may be; give an "
-                              "architecture (a preset, a config.json, a zoo model or a checkpoint directory)")
-    configs = {role: None if run.models.of(role) == RULE else model_config(run.models.of(role))
-               for role in workflow.roles()}
-    return workflow, ClusterSpec.parse(run.cluster), configs, run.workload(), run.engine
+            raise ConfigError(
+                f"models.{role}: '{RULE}' means no model, which only a reward may be; give an "
+                "architecture (a preset, a config.json, a zoo model or a checkpoint directory)"
+            )
+    configs = {
+        role: None if run.models.of(role) == RULE else model_config(run.models.of(role)) for role in workflow.roles()
+    }
+    cluster = ClusterSpec.parse(run.cluster)
+    return PlannerInputs(
+        workflow,
+        cluster,
+        profile or profile_for(cluster),
+        configs,
+        run.workload(),
+        run.system,
+        corrections,
+        bytes_per_param,
+    )
 
 
 STAGES: dict[str, tuple[str, ...]] = {
     "generation": ("actor_gen",),
-    "weight sync": ("copy actor", "sync actor", "free actor", "offload actor state", "reload actor state",
-                    "offload critic state", "reload critic state"),
-    "scoring": ("actor_inf", "ref_inf", "reward_inf", "critic_inf", "advantages", "reload ", "offload ", "judge",
-                "copy judge", "free judge"),
+    "weight sync": (
+        "copy actor",
+        "sync actor",
+        "free actor",
+        "offload actor state",
+        "reload actor state",
+        "offload critic state",
+        "reload critic state",
+    ),
+    "scoring": (
+        "actor_inf",
+        "ref_inf",
+        "reward_inf",
+        "critic_inf",
+        "advantages",
+        "reload ",
+        "offload ",
+        "judge",
+        "copy judge",
+        "free judge",
+    ),
     "training": ("actor_train", "critic_train", "copy critic", "free critic"),
 }
 """The stages publications break an RL step into, each the steps whose ids start with one of its prefixes: the
@@ -176,8 +246,9 @@ out of its way and back; the scoring passes (log-probs, reward, values, advantag
 and out); training."""
 
 
-def stage_seconds(result: SimResult, stages: Mapping[str, Sequence[str]] = STAGES,
-                  iteration: int | None = None) -> dict[str, float]:
+def stage_seconds(
+    result: SimResult, stages: Mapping[str, Sequence[str]] = STAGES, iteration: int | None = None
+) -> dict[str, float]:
     """Seconds of each stage in one simulated iteration (the middle one by default): the time some device runs
     one of the stage's steps (the union of their intervals, so overlapping steps count once). Steps no stage
     names fall in ``other``; a trained role's training state moved out and back (``offload``/``reload`` of a
@@ -214,18 +285,12 @@ class FixedPlanReport:
     """Step id → seconds it runs in that iteration (on its busiest device)."""
 
 
-def simulate_fixed(plan: ExecutionPlan, workflow: Workflow, configs: Mapping[str, object], workload: Workload, *,
-                   profile: HardwareProfile | None = None, corrections: Corrections | None = None,
-                   bytes_per_param: int | None = None, settings: SystemSettings | None = None,
-                   stages: Mapping[str, tuple[str, ...]] | None = None) -> FixedPlanReport:
-    """Simulate ``plan`` as it is (a published run's, or one to compare with a run of one's own) and read its
-    iteration back as stages (``stages``: stage → step-id prefixes; by default
-    :data:`STAGES`)."""
-    profile = profile or profile_for(plan.cluster)
-    shapes = {role: None if cfg is None else ModelShape.from_config(cfg) for role, cfg in configs.items()}
-    cost = CostModel(plan.cluster, profile, shapes, workload, corrections, bytes_per_param=bytes_per_param,
-                     settings=settings)
-    result = simulate(plan, workflow, cost, profile.memory_bytes)
+def simulate_fixed(
+    plan: ExecutionPlan, inputs: PlannerInputs, stages: Mapping[str, tuple[str, ...]] | None = None
+) -> FixedPlanReport:
+    """Simulate ``plan`` as it is (a published run's, or one to compare with a run of one's own) on ``inputs``
+    and read its iteration back as stages (``stages``: stage → step-id prefixes; by default :data:`STAGES`)."""
+    result = simulate(plan, inputs.workflow, inputs.cost_model(), inputs.memory_per_device)
     middle = len(result.iteration_ends) // 2
     calls: dict[str, float] = {}
     for interval in result.timeline:

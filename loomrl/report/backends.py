@@ -51,12 +51,15 @@ def check_backends(names: Sequence[str]) -> None:
         try:
             importlib.import_module(module)
         except ImportError:
-            raise ConfigError(f"report.backends: '{name}' needs the {module} package, which is not installed "
-                              f"(pip install 'loomrl[{extra}]')") from None
+            raise ConfigError(
+                f"report.backends: '{name}' needs the {module} package, which is not installed "
+                f"(pip install 'loomrl[{extra}]')"
+            ) from None
 
 
-def open_backends(names: Sequence[str], run_dir: Path, settings: Any, config: Mapping[str, Any],
-                  resume_from_iteration: int | None) -> list[Backend]:
+def open_backends(
+    names: Sequence[str], run_dir: Path, settings: Any, config: Mapping[str, Any], resume_from_iteration: int | None
+) -> list[Backend]:
     """One backend per name (``settings`` is the run's ``report`` section, ``config`` the run's whole config as
     plain data); ``resume_from_iteration`` is the checkpoint's iteration when a run resumes."""
     check_backends(names)
@@ -87,8 +90,9 @@ def _previous_id(run_dir: Path, file: str, resume_from_iteration: int | None) ->
 class TensorBoardBackend:
     """Scalars in ``RUN_DIR/tb``, one tag per metric."""
 
-    def __init__(self, run_dir: Path, settings: Any, config: Mapping[str, Any],
-                 resume_from_iteration: int | None) -> None:
+    def __init__(
+        self, run_dir: Path, settings: Any, config: Mapping[str, Any], resume_from_iteration: int | None
+    ) -> None:
         from torch.utils.tensorboard import SummaryWriter
 
         # a fresh start purges every step (events of an earlier run in the same directory), a resume those after
@@ -110,17 +114,24 @@ class WandbBackend:
 
     ID_FILE = "wandb_run_id"
 
-    def __init__(self, run_dir: Path, settings: Any, config: Mapping[str, Any],
-                 resume_from_iteration: int | None) -> None:
+    def __init__(
+        self, run_dir: Path, settings: Any, config: Mapping[str, Any], resume_from_iteration: int | None
+    ) -> None:
         import wandb
 
         from loomrl.runtime.launch import wandb_mode
 
         previous = _previous_id(run_dir, self.ID_FILE, resume_from_iteration)
         self.mode = wandb_mode(settings.wandb_mode)
-        self.run = wandb.init(project=settings.project, name=_run_name(run_dir, settings), dir=str(run_dir),
-                              config=dict(config), mode=self.mode, id=previous,
-                              resume="allow" if previous else None)
+        self.run = wandb.init(
+            project=settings.project,
+            name=_run_name(run_dir, settings),
+            dir=str(run_dir),
+            config=dict(config),
+            mode=self.mode,
+            id=previous,
+            resume="allow" if previous else None,
+        )
         (run_dir / self.ID_FILE).write_text(self.run.id + "\n")
 
     def log(self, iteration: int, metrics: Mapping[str, float]) -> None:
@@ -135,8 +146,9 @@ class MlflowBackend:
 
     ID_FILE = "mlflow_run_id"
 
-    def __init__(self, run_dir: Path, settings: Any, config: Mapping[str, Any],
-                 resume_from_iteration: int | None) -> None:
+    def __init__(
+        self, run_dir: Path, settings: Any, config: Mapping[str, Any], resume_from_iteration: int | None
+    ) -> None:
         import mlflow
         from mlflow.entities import Param
 
@@ -150,7 +162,7 @@ class MlflowBackend:
             self.run_id = self.client.create_run(experiment_id, run_name=_run_name(run_dir, settings)).info.run_id
             params = [Param(_MLFLOW_KEY.sub("_", k), str(v)[:500]) for k, v in flatten(config).items()]
             for start in range(0, len(params), 100):  # MLflow takes at most 100 parameters per batch
-                self.client.log_batch(self.run_id, params=params[start:start + 100])
+                self.client.log_batch(self.run_id, params=params[start : start + 100])
         (run_dir / self.ID_FILE).write_text(self.run_id + "\n")
 
     def log(self, iteration: int, metrics: Mapping[str, float]) -> None:
@@ -159,7 +171,7 @@ class MlflowBackend:
         now = int(time.time() * 1000)
         batch = [Metric(_MLFLOW_KEY.sub("_", k), float(v), now, iteration) for k, v in metrics.items()]
         for start in range(0, len(batch), 1000):  # MLflow's limit of metrics per batch
-            self.client.log_batch(self.run_id, metrics=batch[start:start + 1000])
+            self.client.log_batch(self.run_id, metrics=batch[start : start + 1000])
 
     def close(self) -> None:
         self.client.set_terminated(self.run_id)

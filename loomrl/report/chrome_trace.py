@@ -21,13 +21,17 @@ MEASURED_PID, PREDICTED_PID = 0, 1
 
 
 def _metadata(pid: int, name: str, devices: list[int]) -> list[dict[str, Any]]:
-    events: list[dict[str, Any]] = [{"name": "process_name", "ph": "M", "pid": pid, "tid": 0, "args": {"name": name}},
-                                    {"name": "process_sort_index", "ph": "M", "pid": pid, "tid": 0,
-                                     "args": {"sort_index": pid}}]
+    events: list[dict[str, Any]] = [
+        {"name": "process_name", "ph": "M", "pid": pid, "tid": 0, "args": {"name": name}},
+        {"name": "process_sort_index", "ph": "M", "pid": pid, "tid": 0, "args": {"sort_index": pid}},
+    ]
     for device in devices:
-        events.append({"name": "thread_name", "ph": "M", "pid": pid, "tid": device, "args": {"name": f"device {device}"}})
-        events.append({"name": "thread_sort_index", "ph": "M", "pid": pid, "tid": device,
-                       "args": {"sort_index": device}})
+        events.append(
+            {"name": "thread_name", "ph": "M", "pid": pid, "tid": device, "args": {"name": f"device {device}"}}
+        )
+        events.append(
+            {"name": "thread_sort_index", "ph": "M", "pid": pid, "tid": device, "args": {"sort_index": device}}
+        )
     return events
 
 
@@ -40,23 +44,47 @@ def chrome_trace(traces: list[dict], predicted: SimResult | None = None, title: 
     devices = sorted({d for t in traces for d in t["devices"]})
     events = _metadata(MEASURED_PID, f"measured run{': ' + title if title else ''}", devices)
     for t in traces:
-        args = {"iteration": t.get("iteration"), "phase": t.get("phase", "iteration"), "kind": t["kind"],
-                "role": t.get("role"), "mfc_kind": t.get("mfc_kind")}
+        args = {
+            "iteration": t.get("iteration"),
+            "phase": t.get("phase", "iteration"),
+            "kind": t["kind"],
+            "role": t.get("role"),
+            "mfc_kind": t.get("mfc_kind"),
+        }
         for device, start, end in zip(t["devices"], t["start"], t["end"]):
-            events.append({"name": t["step"], "cat": t.get("mfc_kind") or t["kind"], "ph": "X", "pid": MEASURED_PID,
-                           "tid": device, "ts": round((start - t0) * 1e6, 3), "dur": round((end - start) * 1e6, 3),
-                           "args": args})
+            events.append(
+                {
+                    "name": t["step"],
+                    "cat": t.get("mfc_kind") or t["kind"],
+                    "ph": "X",
+                    "pid": MEASURED_PID,
+                    "tid": device,
+                    "ts": round((start - t0) * 1e6, 3),
+                    "dur": round((end - start) * 1e6, 3),
+                    "args": args,
+                }
+            )
     if predicted is not None:
         events += _metadata(PREDICTED_PID, "simulator's prediction", sorted({iv.device for iv in predicted.timeline}))
         for iv in predicted.timeline:
-            events.append({"name": iv.label, "cat": iv.kind, "ph": "X", "pid": PREDICTED_PID, "tid": iv.device,
-                           "ts": round(iv.start * 1e6, 3), "dur": round((iv.end - iv.start) * 1e6, 3),
-                           "args": {"iteration": iv.iteration, "kind": iv.kind}})
+            events.append(
+                {
+                    "name": iv.label,
+                    "cat": iv.kind,
+                    "ph": "X",
+                    "pid": PREDICTED_PID,
+                    "tid": iv.device,
+                    "ts": round(iv.start * 1e6, 3),
+                    "dur": round((iv.end - iv.start) * 1e6, 3),
+                    "args": {"iteration": iv.iteration, "kind": iv.kind},
+                }
+            )
     return {"traceEvents": events, "displayTimeUnit": "ms"}
 
 
-def write_chrome_trace(path: str | Path, traces: list[dict], predicted: SimResult | None = None,
-                       title: str = "") -> Path:
+def write_chrome_trace(
+    path: str | Path, traces: list[dict], predicted: SimResult | None = None, title: str = ""
+) -> Path:
     """Write :func:`chrome_trace` as JSON to ``path``."""
     path = Path(path)
     path.write_text(json.dumps(chrome_trace(traces, predicted, title)), encoding="utf-8")

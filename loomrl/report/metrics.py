@@ -22,11 +22,9 @@ from pathlib import Path
 from types import TracebackType
 from typing import Any
 
-from loomrl.errors import DataError
 from loomrl.report.backends import Backend
+from loomrl.run_dir import RunDir, parse_record
 
-METRICS_FILE = "metrics.jsonl"
-SUPERSEDED_FILE = "metrics.superseded.jsonl"
 _RESERVED = ("iteration", "time")
 
 
@@ -42,7 +40,7 @@ class MetricsLogger:
     ) -> None:
         self.run_dir = Path(run_dir)
         self.run_dir.mkdir(parents=True, exist_ok=True)
-        self.path = self.run_dir / METRICS_FILE
+        self.path = RunDir(self.run_dir).metrics
         if resume_from_iteration is not None:
             supersede_after(self.path, resume_from_iteration)
         # Line-buffered text: every record reaches the OS as soon as its newline is written.
@@ -78,31 +76,6 @@ class MetricsLogger:
         self.close()
 
 
-def read_metrics(path: str | os.PathLike) -> list[dict[str, Any]]:
-    """All records of a metrics JSONL file, in file order.
-
-    A final line without its newline is a record torn by a crash and is skipped; any other line that is
-    not a JSON object is an error.
-    """
-    path = Path(path)
-    try:
-        text = path.read_text()
-    except OSError as exc:
-        raise DataError(f"{path}: cannot read metrics ({exc.strerror or exc})") from None
-    records = []
-    lines = text.split("\n")
-    for lineno, line in enumerate(lines, start=1):
-        if not line.strip():
-            continue
-        record = _parse_record(line)
-        if record is None:
-            if lineno == len(lines):  # no newline after it: torn write
-                continue
-            raise DataError(f"{path}:{lineno}: not a JSON object with an 'iteration'")
-        records.append(record)
-    return records
-
-
 def supersede_after(path: str | os.PathLike, iteration: int) -> int:
     """Move records with iteration > ``iteration`` from ``path`` to the superseded file beside it.
 
@@ -117,11 +90,11 @@ def supersede_after(path: str | os.PathLike, iteration: int) -> int:
     for line in path.read_text().splitlines():
         if not line.strip():
             continue
-        record = _parse_record(line)
+        record = parse_record(line)
         (keep if record is not None and record["iteration"] <= iteration else moved).append(line)
     if not moved:
         return 0
-    with open(path.with_name(SUPERSEDED_FILE), "a") as fh:
+    with open(RunDir(path.parent).superseded_metrics, "a") as fh:
         fh.write("".join(line + "\n" for line in moved))
         fh.flush()
         os.fsync(fh.fileno())
@@ -132,16 +105,6 @@ def supersede_after(path: str | os.PathLike, iteration: int) -> int:
         os.fsync(fh.fileno())
     os.replace(tmp, path)
     return len(moved)
-
-
-def _parse_record(line: str) -> dict[str, Any] | None:
-    try:
-        record = json.loads(line)
-    except json.JSONDecodeError:
-        return None
-    if not isinstance(record, dict) or not isinstance(record.get("iteration"), int):
-        return None
-    return record
 
 
 def finite_series(records: list[dict[str, Any]], key: str) -> tuple[list[int], list[float]]:

@@ -15,11 +15,11 @@ from matplotlib.backends.backend_agg import FigureCanvasAgg
 from matplotlib.figure import Figure
 from rich.table import Table
 
-from loomrl.report.metrics import METRICS_FILE, finite_series, read_metrics
+from loomrl.report.metrics import finite_series
+from loomrl.run_dir import RunDir, read_metrics
 
 # What the trainer logs that says whether learning works, in the order the panels are drawn.
 REWARD_CURVE_KEYS = ("reward/mean", "eval/exact_match", "kl/mean", "response/length")
-REWARD_CURVE_FILE = "reward_curve.png"
 
 
 def plot_metrics(
@@ -61,7 +61,8 @@ def plot_metrics(
 def plot_reward_curve(run_dir: str | os.PathLike) -> Path:
     """Plot the reward, eval, KL and length curves of a run to ``RUN_DIR/reward_curve.png``."""
     run_dir = Path(run_dir)
-    return plot_metrics(run_dir / METRICS_FILE, run_dir / REWARD_CURVE_FILE, REWARD_CURVE_KEYS, title=run_dir.name)
+    files = RunDir(run_dir)
+    return plot_metrics(files.metrics, files.reward_curve, REWARD_CURVE_KEYS, title=files.path.name)
 
 
 def summary_table(rows: list[dict[str, Any]], title: str) -> Table:

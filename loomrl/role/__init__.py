@@ -14,5 +14,14 @@ from loomrl.role.devices import resolve_device, resolve_dtype, set_threads
 from loomrl.role.passes import ModelPasses
 from loomrl.role.spec import RoleSpec, role_specs
 
-__all__ = ["ModelPasses", "RoleSpec", "adamw", "build_model", "make_role", "resolve_device", "resolve_dtype",
-           "role_specs", "set_threads"]
+__all__ = [
+    "ModelPasses",
+    "RoleSpec",
+    "adamw",
+    "build_model",
+    "make_role",
+    "resolve_device",
+    "resolve_dtype",
+    "role_specs",
+    "set_threads",
+]

@@ -11,14 +11,14 @@ from functools import partial
 
 import torch
 
-from loomrl.algorithms.lr import learning_rate
 from loomrl.algorithms.context import Passes, Role
+from loomrl.algorithms.lr import learning_rate
 from loomrl.config.schema import OptimConfig
 from loomrl.data.tasks import Task
-from loomrl.role.spec import RoleSpec
 from loomrl.errors import DataError
 from loomrl.models.zoo import build_causal_lm, build_value_model
 from loomrl.parallel.main_grad import accumulate_in_fp32
+from loomrl.role.spec import RoleSpec
 
 __all__ = ["adamw", "build_model", "make_role"]
 
@@ -43,20 +43,41 @@ def adamw(model: torch.nn.Module, optim: OptimConfig, zero_group=None):
     if zero_group is not None or any(p.dtype != torch.float32 for p in model.parameters() if p.requires_grad):
         from loomrl.parallel.zero import ZeroAdamW
 
-        return ZeroAdamW(model.named_parameters(), zero_group, lr=optim.lr, betas=optim.betas,
-                         weight_decay=optim.weight_decay)
+        return ZeroAdamW(
+            model.named_parameters(), zero_group, lr=optim.lr, betas=optim.betas, weight_decay=optim.weight_decay
+        )
     return torch.optim.AdamW(model.parameters(), lr=optim.lr, betas=optim.betas, weight_decay=optim.weight_decay)
 
 
-def make_role(spec: RoleSpec, model: torch.nn.Module | None, task: Task, passes: Passes | None, *,
-              trainable: bool, zero_group=None) -> Role:
+def make_role(
+    spec: RoleSpec,
+    model: torch.nn.Module | None,
+    task: Task,
+    passes: Passes | None,
+    *,
+    trainable: bool,
+    zero_group=None,
+) -> Role:
     """A role around an (already parallelised) model and the engine that runs it; a trainable role gets its
     optimizer here (its state sharded over ``zero_group`` when given: ZeRO-1)."""
     if spec.name == "reward":
-        return Role("reward", model, rule=task.score_batch if spec.rule else None, rule_weight=spec.rule_weight,
-                    model_weight=spec.model_weight, passes=passes)
+        return Role(
+            "reward",
+            model,
+            rule=task.score_batch if spec.rule else None,
+            rule_weight=spec.rule_weight,
+            model_weight=spec.model_weight,
+            passes=passes,
+        )
     if not trainable or spec.optim is None:
         return Role(spec.name, model, passes=passes)
     accumulate_in_fp32(model)  # 16-bit weights sum their gradients in fp32 (fp32 models are left alone)
-    return Role(spec.name, model, adamw(model, spec.optim, zero_group), spec.optim.grad_clip, passes=passes,
-                lr_at=partial(learning_rate, spec.optim, total_steps=spec.total_steps), on_nonfinite=spec.on_nonfinite)
+    return Role(
+        spec.name,
+        model,
+        adamw(model, spec.optim, zero_group),
+        spec.optim.grad_clip,
+        passes=passes,
+        lr_at=partial(learning_rate, spec.optim, total_steps=spec.total_steps),
+        on_nonfinite=spec.on_nonfinite,
+    )

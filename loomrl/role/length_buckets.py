@@ -57,22 +57,29 @@ def _best_cuts(sorted_B: list[int], charge: float) -> list[int]:
     for _ in range(1, MAX_BUCKETS):
         layer = {}
         for j in range(1, len(bounds)):
-            options = [(cost + (bounds[j] - bounds[i]) * sorted_B[bounds[j] - 1], i)
-                       for i, (cost, _) in best[-1].items()
-                       if bounds[j] - bounds[i] >= MIN_ROWS and bounds[i] >= MIN_ROWS]
+            options = [
+                (cost + (bounds[j] - bounds[i]) * sorted_B[bounds[j] - 1], i)
+                for i, (cost, _) in best[-1].items()
+                if bounds[j] - bounds[i] >= MIN_ROWS and bounds[i] >= MIN_ROWS
+            ]
             if options:
                 layer[j] = min(options)
         best.append(layer)
     end = len(bounds) - 1
     k = min((k for k in range(len(best)) if end in best[k]), key=lambda k: best[k][end][0] + charge * k)
     cuts = [end]
-    for layer in reversed(best[1:k + 1]):
+    for layer in reversed(best[1 : k + 1]):
         cuts.append(layer[cuts[-1]][1])
     return [0, *(bounds[j] for j in reversed(cuts))]
 
 
-def bucketed_outputs(forward: Callable[..., torch.Tensor], ids_BL: torch.Tensor, attn_BL: torch.Tensor,
-                     split: bool = True, rows_B: tuple[torch.Tensor, ...] = ()) -> torch.Tensor:
+def bucketed_outputs(
+    forward: Callable[..., torch.Tensor],
+    ids_BL: torch.Tensor,
+    attn_BL: torch.Tensor,
+    split: bool = True,
+    rows_B: tuple[torch.Tensor, ...] = (),
+) -> torch.Tensor:
     """``forward(ids, attn, *rows)``'s per-position outputs for right-padded rows, at the rows' full width ``L``,
     each group of :func:`length_buckets` (one group without ``split``) computed only up to its longest row (zeros
     past it); ``rows_B`` are per-row tensors handed to ``forward`` with their group's rows."""
@@ -99,5 +106,5 @@ def _widened(out: torch.Tensor, width: int) -> torch.Tensor:
     if out.shape[1] == width:
         return out
     full = out.new_zeros((out.shape[0], width, *out.shape[2:]))
-    full[:, :out.shape[1]] = out
+    full[:, : out.shape[1]] = out
     return full

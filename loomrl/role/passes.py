@@ -16,12 +16,12 @@ import torch
 import torch.distributed as dist
 
 from loomrl.algorithms.context import KeepFn, LossFn
-from loomrl.role.length_buckets import bucketed_outputs
-from loomrl.role.shared_prefix import prompt_groups, shared_prefix_outputs
 from loomrl.models.heads import model_outputs
 from loomrl.parallel.data_parallel import sync_gradients
 from loomrl.parallel.main_grad import grad_of, zero_fill
 from loomrl.parallel.pipeline_runner import PipelineRunner, clip_grad_norm_pp, clip_grads
+from loomrl.role.length_buckets import bucketed_outputs
+from loomrl.role.shared_prefix import prompt_groups, shared_prefix_outputs
 
 __all__ = ["ModelPasses"]
 
@@ -35,16 +35,28 @@ class ModelPasses:
     so each rank runs exactly the plan's micro-batches per optimizer step.
     """
 
-    def __init__(self, model: torch.nn.Module, *, pipeline: PipelineRunner | None = None,
-                 dp_group: dist.ProcessGroup | None = None, lockstep: bool = False) -> None:
+    def __init__(
+        self,
+        model: torch.nn.Module,
+        *,
+        pipeline: PipelineRunner | None = None,
+        dp_group: dist.ProcessGroup | None = None,
+        lockstep: bool = False,
+    ) -> None:
         self.model, self.pipeline, self.dp_group, self.lockstep = model, pipeline, dp_group, lockstep
 
     @property
     def device(self) -> torch.device:
         return next(self.model.parameters()).device
 
-    def outputs(self, ids_BL: torch.Tensor, attn_BL: torch.Tensor, parts: list[slice],
-                keep: KeepFn | None = None, prompt_len_B: torch.Tensor | None = None) -> torch.Tensor:
+    def outputs(
+        self,
+        ids_BL: torch.Tensor,
+        attn_BL: torch.Tensor,
+        parts: list[slice],
+        keep: KeepFn | None = None,
+        prompt_len_B: torch.Tensor | None = None,
+    ) -> torch.Tensor:
         if self.pipeline is not None:
             return self.pipeline.forward(ids_BL, attn_BL, len(parts), output_fn=keep, broadcast_result=True)
         kept = []
@@ -53,8 +65,9 @@ class ModelPasses:
             kept.append(keep(out, k) if keep is not None else out)
         return torch.cat(kept) if len(kept) > 1 else kept[0]
 
-    def _micro_batch(self, ids_BL: torch.Tensor, attn_BL: torch.Tensor, rows: slice,
-                     prompt_len_B: torch.Tensor | None) -> torch.Tensor:
+    def _micro_batch(
+        self, ids_BL: torch.Tensor, attn_BL: torch.Tensor, rows: slice, prompt_len_B: torch.Tensor | None
+    ) -> torch.Tensor:
         """One micro-batch's outputs: in length buckets, and with shared prompts run once where the rows' prompt
         lengths are known (neither under FSDP, whose passes are collective over ranks holding other rows)."""
         if self.lockstep:
@@ -72,8 +85,15 @@ class ModelPasses:
             return model_outputs(self.model, ids_BL, attn_BL)
         return shared_prefix_outputs(self.model, ids_BL, attn_BL, prompt_len_B, groups)
 
-    def backward(self, ids_BL: torch.Tensor | None, attn_BL: torch.Tensor | None, parts: list[slice],
-                 loss: LossFn | None, passes: int, prompt_len_B: torch.Tensor | None = None) -> None:
+    def backward(
+        self,
+        ids_BL: torch.Tensor | None,
+        attn_BL: torch.Tensor | None,
+        parts: list[slice],
+        loss: LossFn | None,
+        passes: int,
+        prompt_len_B: torch.Tensor | None = None,
+    ) -> None:
         if self.pipeline is not None:
             if parts:  # every stage of a replica gets the same rows, so a replica without rows skips together
                 self.pipeline.train_step_backward(ids_BL, attn_BL, _joined(loss), len(parts))
@@ -115,7 +135,9 @@ def _recomputes(model: torch.nn.Module) -> bool:
 def _joined(loss: LossFn):
     """A pipeline's loss callback: a micro-batch without loss tokens still joins the graph, so the backward
     (and the pipeline's sends) run."""
+
     def fn(out: torch.Tensor, k: int) -> torch.Tensor:
         value = loss(out, k)
         return (out * 0).sum() if value is None else value
+
     return fn

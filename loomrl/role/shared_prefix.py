@@ -82,8 +82,13 @@ def _additive(allowed: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
     return mask.masked_fill_(~allowed, torch.finfo(dtype).min)[:, None]
 
 
-def shared_prefix_outputs(model: PreTrainedModel, ids_BL: torch.Tensor, attn_BL: torch.Tensor,
-                          prompt_len_B: torch.Tensor, groups: tuple[list[int], list[int]]) -> torch.Tensor:
+def shared_prefix_outputs(
+    model: PreTrainedModel,
+    ids_BL: torch.Tensor,
+    attn_BL: torch.Tensor,
+    prompt_len_B: torch.Tensor,
+    groups: tuple[list[int], list[int]],
+) -> torch.Tensor:
     """What :func:`~loomrl.models.heads.model_outputs` gives for these right-padded rows (logits_BLV, or
     values_BL for a value model), each distinct prompt of ``groups`` (:func:`prompt_groups`) run once."""
     firsts, index_B = groups
@@ -96,8 +101,13 @@ def shared_prefix_outputs(model: PreTrainedModel, ids_BL: torch.Tensor, attn_BL:
     real_UP = pos_P[None, :] < plen_U[:, None]
     causal_PP = pos_P[None, :] <= pos_P[:, None]
     cache = _PrefixKV()
-    prompt_UPX = _run(model, ids_UP * real_UP, _additive(causal_PP[None] & real_UP[:, None, :], dtype),
-                      pos_P.expand(len(firsts), width_P), cache)
+    prompt_UPX = _run(
+        model,
+        ids_UP * real_UP,
+        _additive(causal_PP[None] & real_UP[:, None, :], dtype),
+        pos_P.expand(len(firsts), width_P),
+        cache,
+    )
 
     # the response parts, each row's tokens after its prompt, at their positions in the full row
     plen_B = prompt_len_B
@@ -110,7 +120,7 @@ def shared_prefix_outputs(model: PreTrainedModel, ids_BL: torch.Tensor, attn_BL:
     cache.rows_B = rows_B
     sees_prompt_BRP = (pos_P[None, None, :] < plen_B[:, None, None]).expand(-1, width_R, -1)
     r = torch.arange(width_R, device=device)
-    sees_response_BRR = ((r[None, :] <= r[:, None])[None] & real_BR[:, None, :])
+    sees_response_BRR = (r[None, :] <= r[:, None])[None] & real_BR[:, None, :]
     mask = _additive(torch.cat([sees_prompt_BRP, sees_response_BRR], dim=2), dtype)
     response_BRX = _run(model, ids_BR, mask, pos_BR, cache)
 
@@ -119,8 +129,9 @@ def shared_prefix_outputs(model: PreTrainedModel, ids_BL: torch.Tensor, attn_BL:
     pos_L = torch.arange(width, device=device)
     from_prompt_BL = pos_L[None, :] < plen_B[:, None]
     prompt_BLX = prompt_UPX.index_select(0, rows_B)[:, pos_L.clamp(max=width_P - 1)]
-    response_BLX = response_BRX.gather(1, _expand((pos_L[None, :] - plen_B[:, None]).clamp(0, width_R - 1),
-                                                  response_BRX))
+    response_BLX = response_BRX.gather(
+        1, _expand((pos_L[None, :] - plen_B[:, None]).clamp(0, width_R - 1), response_BRX)
+    )
     return torch.where(_expand(from_prompt_BL, prompt_BLX), prompt_BLX, response_BLX)
 
 
@@ -131,12 +142,14 @@ def _expand(index_BL: torch.Tensor, like: torch.Tensor) -> torch.Tensor:
     return index_BL[:, :, None].expand(-1, -1, like.shape[2])
 
 
-def _run(model: PreTrainedModel, ids: torch.Tensor, mask: torch.Tensor, pos: torch.Tensor,
-         cache: _PrefixKV) -> torch.Tensor:
+def _run(
+    model: PreTrainedModel, ids: torch.Tensor, mask: torch.Tensor, pos: torch.Tensor, cache: _PrefixKV
+) -> torch.Tensor:
     """One forward with the given 4-D mask, positions and cache: logits, or per-position values."""
     if is_value_model(model):
-        out = model.base_model(input_ids=ids, attention_mask=mask, position_ids=pos, past_key_values=cache,
-                               use_cache=True)
+        out = model.base_model(
+            input_ids=ids, attention_mask=mask, position_ids=pos, past_key_values=cache, use_cache=True
+        )
         head = score_head(model)
         return head(out.last_hidden_state.to(head.weight.dtype)).squeeze(-1).float()
     return model(input_ids=ids, attention_mask=mask, position_ids=pos, past_key_values=cache, use_cache=True).logits

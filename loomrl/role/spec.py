@@ -10,7 +10,7 @@ from __future__ import annotations
 from collections.abc import Iterable
 from dataclasses import dataclass
 
-from loomrl.config.schema import OptimConfig, TrainConfig, judge_role
+from loomrl.config.schema import OptimConfig, TrainConfig, judge_index
 
 __all__ = ["RoleSpec", "role_specs"]
 
@@ -47,26 +47,47 @@ class RoleSpec:
 
 
 def role_specs(cfg: TrainConfig, roles: Iterable[str]) -> dict[str, RoleSpec]:
-    """The spec of each of ``roles`` under ``cfg``: the reference policy is the actor's starting point, the
-    critic starts from ``critic.model`` (else the actor's) with another seed, the reward model and rule as
-    ``reward.source`` says."""
+    """The spec of each of ``roles`` under ``cfg``: the model of each (:meth:`TrainConfig.model_of`), the critic
+    drawn with another seed, the reward model and rule as ``reward.source`` says, the judges frozen."""
     steps = cfg.loop.iterations * cfg.algo.ppo_epochs * cfg.algo.minibatches
-    critic_field = "critic.model" if cfg.critic.model else "actor.model"
-    uses_model = cfg.reward.source in ("model", "both")
-    known = {
-        "actor": RoleSpec("actor", cfg.actor.model, "actor.model", seed=cfg.seed, optim=cfg.actor.optim,
-                          total_steps=steps, on_nonfinite=cfg.train.on_nonfinite),
-        "ref": RoleSpec("ref", cfg.actor.model, "actor.model", seed=cfg.seed),
-        "critic": RoleSpec("critic", cfg.critic.model or cfg.actor.model, critic_field, value_head=True,
-                           seed=cfg.seed + 1, optim=cfg.critic.optim, total_steps=steps,
-                           on_nonfinite=cfg.train.on_nonfinite),
-        "reward": RoleSpec("reward", cfg.reward.model if uses_model else None, "reward.model", value_head=True,
-                           seed=cfg.seed, rule=cfg.reward.source in ("rule", "both"),
-                           rule_weight=cfg.reward.rule_weight, model_weight=cfg.reward.model_weight),
-    }
-    for i, judge in enumerate(cfg.reward.judges):  # generative reward models: frozen language models
-        known[judge_role(i)] = RoleSpec(judge_role(i), judge.model, f"reward.judges[{i}].model", seed=cfg.seed + 2 + i)
-    unknown = [r for r in roles if r not in known]
-    if unknown:
-        raise ValueError(f"no model spec for role(s) {unknown}; known roles: {', '.join(known)}")
-    return {role: known[role] for role in roles}
+    out = {}
+    for role in roles:
+        model, field = cfg.model_field(role)
+        if role == "actor":
+            spec = RoleSpec(
+                role,
+                model,
+                field,
+                seed=cfg.seed,
+                optim=cfg.actor.optim,
+                total_steps=steps,
+                on_nonfinite=cfg.train.on_nonfinite,
+            )
+        elif role == "critic":
+            spec = RoleSpec(
+                role,
+                model,
+                field,
+                value_head=True,
+                seed=cfg.seed + 1,
+                optim=cfg.critic.optim,
+                total_steps=steps,
+                on_nonfinite=cfg.train.on_nonfinite,
+            )
+        elif role == "reward":
+            spec = RoleSpec(
+                role,
+                model,
+                field,
+                value_head=True,
+                seed=cfg.seed,
+                rule=cfg.reward.source in ("rule", "both"),
+                rule_weight=cfg.reward.rule_weight,
+                model_weight=cfg.reward.model_weight,
+            )
+        elif role == "ref":
+            spec = RoleSpec(role, model, field, seed=cfg.seed)
+        else:  # a judge: a frozen language model (model_field has refused any other name)
+            spec = RoleSpec(role, model, field, seed=cfg.seed + 2 + (judge_index(role) or 0))
+        out[role] = spec
+    return out

@@ -5,5 +5,15 @@ from loomrl.rollout.engine import Completion, Request, RolloutEngine
 from loomrl.rollout.generate import generate
 from loomrl.rollout.sampling import SamplingParams, sample_tokens, stream_keys
 
-__all__ = ["Completion", "GenerationBackend", "LengthStats", "Request", "RolloutEngine", "SamplingParams",
-           "generate", "length_stats", "sample_tokens", "stream_keys"]
+__all__ = [
+    "Completion",
+    "GenerationBackend",
+    "LengthStats",
+    "Request",
+    "RolloutEngine",
+    "SamplingParams",
+    "generate",
+    "length_stats",
+    "sample_tokens",
+    "stream_keys",
+]

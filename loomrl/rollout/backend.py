@@ -9,8 +9,9 @@ prefix.
 from __future__ import annotations
 
 import math
+from collections.abc import Iterable, Iterator, Sequence
 from dataclasses import asdict, dataclass
-from typing import Iterable, Iterator, Protocol, Sequence, runtime_checkable
+from typing import Protocol, runtime_checkable
 
 import torch
 
@@ -60,5 +61,12 @@ def length_stats(lengths: Iterable[int]) -> LengthStats:
         return LengthStats(0, 0.0, 0.0, 0.0, 0.0, 0.0, 0)
     mean = sum(values) / len(values)
     var = sum((x - mean) ** 2 for x in values) / len(values)
-    return LengthStats(len(values), mean, math.sqrt(var), _quantile(values, 0.5), _quantile(values, 0.9),
-                       _quantile(values, 0.99), values[-1])
+    return LengthStats(
+        len(values),
+        mean,
+        math.sqrt(var),
+        _quantile(values, 0.5),
+        _quantile(values, 0.9),
+        _quantile(values, 0.99),
+        values[-1],
+    )

@@ -16,8 +16,8 @@ Legend: B = rows in a forward, P = prefill length, V = vocabulary.
 from __future__ import annotations
 
 from collections import deque
+from collections.abc import Iterable, Iterator, Sequence
 from dataclasses import dataclass, field
-from typing import Iterable, Iterator, Sequence
 
 import torch
 from torch.distributed.checkpoint.state_dict import StateDictOptions, set_model_state_dict
@@ -66,8 +66,16 @@ class _Live:
 class RolloutEngine:
     """Continuous-batching generator for one HF decoder-only model (implements GenerationBackend)."""
 
-    def __init__(self, model: PreTrainedModel, params: SamplingParams, eos_id: int, pad_id: int,
-                 slots: int = 64, max_len: int | None = None, prefill_tokens: int = 4096):
+    def __init__(
+        self,
+        model: PreTrainedModel,
+        params: SamplingParams,
+        eos_id: int,
+        pad_id: int,
+        slots: int = 64,
+        max_len: int | None = None,
+        prefill_tokens: int = 4096,
+    ):
         self.model, self.params = model, params
         self.eos_id, self.pad_id = eos_id, pad_id
         self.slots, self.prefill_tokens = slots, prefill_tokens
@@ -89,8 +97,10 @@ class RolloutEngine:
         for req in requests:
             budget = req.max_new_tokens or self.params.max_new_tokens
             if len(req.prompt) + budget > self.max_len:
-                raise ValueError(f"sample {req.sample_id}: prompt {len(req.prompt)} + budget {budget} tokens "
-                                 f"exceeds the engine's max_len {self.max_len}")
+                raise ValueError(
+                    f"sample {req.sample_id}: prompt {len(req.prompt)} + budget {budget} tokens "
+                    f"exceeds the engine's max_len {self.max_len}"
+                )
             self.waiting.append(req)
 
     def has_work(self) -> bool:
@@ -99,8 +109,11 @@ class RolloutEngine:
     def abort(self, sample_ids: Iterable[int]) -> list[Completion]:
         """Stop these samples (waiting or live) and return what each has generated so far."""
         wanted = set(sample_ids)
-        out = [Completion(r.sample_id, list(r.prefix), list(r.prefix_logps), "aborted")
-               for r in self.waiting if r.sample_id in wanted]
+        out = [
+            Completion(r.sample_id, list(r.prefix), list(r.prefix_logps), "aborted")
+            for r in self.waiting
+            if r.sample_id in wanted
+        ]
         self.waiting = deque(r for r in self.waiting if r.sample_id not in wanted)
         for slot in reversed(range(len(self.live))):
             live = self.live[slot]
@@ -114,7 +127,9 @@ class RolloutEngine:
 
         The full-state-dict setter also fills tensor-parallel (DTensor) parameters from full tensors.
         """
-        set_model_state_dict(self.model, dict(named_tensors), options=StateDictOptions(full_state_dict=True, strict=False))
+        set_model_state_dict(
+            self.model, dict(named_tensors), options=StateDictOptions(full_state_dict=True, strict=False)
+        )
 
     # ------------------------------------------------------------------------------------------ running
     def step(self) -> list[Completion]:
@@ -220,8 +235,9 @@ class RolloutEngine:
         mask = causal_slot_mask(pos_BQ, kv_len, self.model.dtype)
         if self.lean:
             return lean_logits(self.model, ids_BQ, pos_BQ, mask, self.cache)
-        out = self.model(input_ids=ids_BQ, attention_mask=mask, position_ids=pos_BQ,
-                         past_key_values=self.cache, use_cache=True)
+        out = self.model(
+            input_ids=ids_BQ, attention_mask=mask, position_ids=pos_BQ, past_key_values=self.cache, use_cache=True
+        )
         return out.logits
 
     def _release(self, done: Sequence[Completion]) -> None:

@@ -34,8 +34,12 @@ class SlotKVCache(Cache):
         self._rows_B, self._pos_BQ, self._kv_len = rows_B, pos_BQ, kv_len
         n = rows_B.shape[0]
         # Rows 0..n-1 in order are a plain slice of the buffers: no gather needed.
-        self._contiguous = bool(n and rows_B[0].item() == 0 and rows_B[-1].item() == n - 1
-                                and torch.equal(rows_B, torch.arange(n, device=rows_B.device)))
+        self._contiguous = bool(
+            n
+            and rows_B[0].item() == 0
+            and rows_B[-1].item() == n - 1
+            and torch.equal(rows_B, torch.arange(n, device=rows_B.device))
+        )
 
     def _allocate(self, like_BHQD: torch.Tensor) -> None:
         _, heads, _, dim = like_BHQD.shape

@@ -34,8 +34,11 @@ def supports_lean_forward(model: PreTrainedModel) -> bool:
     config = model.config
     if getattr(config, "model_type", None) not in _TYPES or getattr(config, "hidden_act", None) != "silu":
         return False
-    if getattr(config, "sliding_window", None) and getattr(config, "use_sliding_window", True) \
-            and config.model_type != "llama":
+    if (
+        getattr(config, "sliding_window", None)
+        and getattr(config, "use_sliding_window", True)
+        and config.model_type != "llama"
+    ):
         return False
     body = getattr(model, "model", None)
     if body is None or not hasattr(body, "layers") or not hasattr(model, "lm_head"):
@@ -48,8 +51,9 @@ def supports_lean_forward(model: PreTrainedModel) -> bool:
             return False
     layer = body.layers[0]
     expected = {"self_attn": {"q_proj", "k_proj", "v_proj", "o_proj"}, "mlp": {"gate_proj", "up_proj", "down_proj"}}
-    return all({n for n, _ in getattr(layer, part).named_children()} <= names | {"act_fn"}
-               for part, names in expected.items())
+    return all(
+        {n for n, _ in getattr(layer, part).named_children()} <= names | {"act_fn"} for part, names in expected.items()
+    )
 
 
 def _rms_norm(norm: torch.nn.Module, x: torch.Tensor) -> torch.Tensor:
@@ -65,8 +69,9 @@ def _rotate(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tens
 
 
 @torch.no_grad()
-def lean_logits(model: PreTrainedModel, ids_BQ: torch.Tensor, pos_BQ: torch.Tensor, mask_B1QK: torch.Tensor,
-                cache: Cache) -> torch.Tensor:
+def lean_logits(
+    model: PreTrainedModel, ids_BQ: torch.Tensor, pos_BQ: torch.Tensor, mask_B1QK: torch.Tensor, cache: Cache
+) -> torch.Tensor:
     """logits_BQV of ``model`` for these rows, writing their keys and values through ``cache.update`` (as the
     model's forward does), with the additive mask ``mask_B1QK`` over the keys the cache returns."""
     body = model.model
@@ -98,8 +103,9 @@ def lean_logits(model: PreTrainedModel, ids_BQ: torch.Tensor, pos_BQ: torch.Tens
         h_BQH = h_BQH + F.linear(out_BQX, attn.o_proj.weight, attn.o_proj.bias)
         x_BQH = _rms_norm(layer.post_attention_layernorm, h_BQH)
         mlp = layer.mlp
-        gated = F.silu(F.linear(x_BQH, mlp.gate_proj.weight, mlp.gate_proj.bias)) * \
-            F.linear(x_BQH, mlp.up_proj.weight, mlp.up_proj.bias)
+        gated = F.silu(F.linear(x_BQH, mlp.gate_proj.weight, mlp.gate_proj.bias)) * F.linear(
+            x_BQH, mlp.up_proj.weight, mlp.up_proj.bias
+        )
         h_BQH = h_BQH + F.linear(gated, mlp.down_proj.weight, mlp.down_proj.bias)
     h_BQH = _rms_norm(body.norm, h_BQH)
     return F.linear(h_BQH, model.lm_head.weight, model.lm_head.bias)

@@ -11,8 +11,8 @@ Legend: B = samples in the batch, V = vocabulary.
 from __future__ import annotations
 
 import hashlib
+from collections.abc import Sequence
 from dataclasses import dataclass
-from typing import Sequence
 
 import torch
 
@@ -41,7 +41,9 @@ class SamplingParams:
         return self.temperature == 0.0
 
 
-def stream_keys(seed: int, iteration: int, sample_ids: Sequence[int], device: torch.device | str = "cpu") -> torch.Tensor:
+def stream_keys(
+    seed: int, iteration: int, sample_ids: Sequence[int], device: torch.device | str = "cpu"
+) -> torch.Tensor:
     """One 63-bit stream key per sample, from a stable hash of (seed, iteration, sample id)."""
     keys = []
     for sid in sample_ids:

@@ -22,28 +22,25 @@ Failures surface within ``runtime.timeout_s`` as one line naming the worker, its
 from __future__ import annotations
 
 import time
+from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field
-from typing import Any, Mapping, Sequence
+from typing import Any
 
 import ray
 
 from loomrl.config.schema import RuntimeConfig, judge_index
 from loomrl.errors import LoomError
-from loomrl.models.tokenizer import task_tokenizer
-from loomrl.plan.plan import Allocation
-from loomrl.plan.schedule import Step, StepKind, split_for_sampling
-from loomrl.planner.cost.corrections import Corrections
-from loomrl.planner.cost.model import CostModel
-from loomrl.planner.cost.stream_fusion import best_migrate_at
-from loomrl.planner.cost.pipeline_fusion import pipeline_fusion_orders
-from loomrl.planner.planning import model_config
-from loomrl.plan.hardware import load_profile, profile_for
-from loomrl.planner.cost.system import RUNTIME
-from loomrl.planner.cost.workload import ModelShape, Workload
+from loomrl.plan.allocation import Allocation
 from loomrl.plan.cluster import ClusterSpec
-from loomrl.runtime.stream_fusion import StreamFusionStage, is_stream
-from loomrl.runtime.reference import IterationResult, StepTrace, merge_stats
+from loomrl.plan.schedule import Step, StepKind, split_for_sampling
+from loomrl.planner.cost.model import CostModel
+from loomrl.planner.cost.pipeline_fusion import pipeline_fusion_orders
+from loomrl.planner.cost.stream_fusion import best_migrate_at
+from loomrl.planner.cost.workload import Workload
+from loomrl.planner.inputs import PlannerInputs
+from loomrl.runtime.executor import IterationResult, StepTrace, merge_stats
 from loomrl.runtime.spec import CallData, PipelineFusionData, WorkerPlan, WorkerSpec
+from loomrl.runtime.stream_fusion import StreamFusionStage, is_stream
 from loomrl.workflow import MFCKind
 from loomrl.workflow.minibatches import loss_weights, minibatch_rows, split_by_tokens
 
@@ -51,8 +48,17 @@ AUTO_START = 0.2
 """``migrate_at: auto`` before any response length is known (RLHFuse's choice at scale)."""
 LENGTH_WINDOW = 2
 """Iterations of observed response lengths the runtime's decisions are priced for."""
-METRIC_KEYS = ("prompt_ids", "response_ids", "prompt_text", "answer", "row", "score", "rule_scores", "kl",
-               "overlong_penalty")
+METRIC_KEYS = (
+    "prompt_ids",
+    "response_ids",
+    "prompt_text",
+    "answer",
+    "row",
+    "score",
+    "rule_scores",
+    "kl",
+    "overlong_penalty",
+)
 """The columns the rollout metrics read (:func:`loomrl.algorithms.metrics.rollout_metrics`), besides each judge's
 ``judge<i>_unreadable`` (:func:`is_metric_key`)."""
 
@@ -60,6 +66,7 @@ METRIC_KEYS = ("prompt_ids", "response_ids", "prompt_text", "answer", "row", "sc
 def is_metric_key(key: str) -> bool:
     """Whether the rollout metrics read column ``key``."""
     return key in METRIC_KEYS or (judge_index(key) is not None and key.endswith("_unreadable"))
+
 
 Shards = dict[str, list[tuple[tuple[int, ...], Any]]]
 """Key → output shards holding it: (sample ids, object reference in a 1-tuple)."""
@@ -137,10 +144,22 @@ class Controller:
     """The control path of one shard of every iteration: controller ``index`` of ``count``, dispatching to the
     devices it owns (every device with one controller) through the workers' Ray handles."""
 
-    def __init__(self, workers: Sequence[Any], runtime: RuntimeConfig, spec: WorkerSpec, cluster: ClusterSpec,
-                 plan: WorkerPlan, devices: Sequence[int] | None = None, index: int = 0, count: int = 1,
-                 coordinator: Any = None):
+    def __init__(
+        self,
+        workers: Sequence[Any],
+        runtime: RuntimeConfig,
+        spec: WorkerSpec,
+        cluster: ClusterSpec,
+        plan: WorkerPlan,
+        inputs: PlannerInputs,
+        devices: Sequence[int] | None = None,
+        index: int = 0,
+        count: int = 1,
+        coordinator: Any = None,
+    ):
         self.workers, self.runtime, self.spec, self.cluster = list(workers), runtime, spec, cluster
+        self.inputs = inputs
+        """The run's planner inputs: what the runtime's own decisions are priced with."""
         self.index, self.count, self.coordinator = index, count, coordinator
         self.received = 0
         self.waited_s = 0.0
@@ -148,7 +167,6 @@ class Controller:
         self.lengths: list[list[int]] = []
         """Response lengths of the last iterations (at most :data:`LENGTH_WINDOW`): the workload the runtime's
         own decisions are priced for, following the run's drift."""
-        self._cost_inputs = None
         self.install(plan, devices)
 
     def install(self, plan: WorkerPlan, devices: Sequence[int] | None = None) -> None:
@@ -177,8 +195,11 @@ class Controller:
         if not ready:
             what, role, _ = next(iter(pending.values()))
             stuck = sorted({rank for _, _, rank in pending.values()})
-            raise RuntimeFailure(f"worker(s) {stuck} did not finish {_step(what, role)} within "
-                                 f"{self.runtime.timeout_s:g} s (runtime.timeout_s)", recoverable=True)
+            raise RuntimeFailure(
+                f"worker(s) {stuck} did not finish {_step(what, role)} within "
+                f"{self.runtime.timeout_s:g} s (runtime.timeout_s)",
+                recoverable=True,
+            )
         return [(ref, self._value(ref, pending)) for ref in ready]
 
     def _value(self, ref: Any, pending: dict) -> Any:
@@ -233,19 +254,28 @@ class Controller:
         try:
             return ray.get(self.coordinator.exchange.remote(key, self.index, value), timeout=self.runtime.timeout_s)
         except ray.exceptions.GetTimeoutError:
-            raise RuntimeFailure(f"controller {self.index} waited over {self.runtime.timeout_s:g} s "
-                                 f"(runtime.timeout_s) for the other controllers at {key[-1]}", recoverable=True
-                                 ) from None
+            raise RuntimeFailure(
+                f"controller {self.index} waited over {self.runtime.timeout_s:g} s "
+                f"(runtime.timeout_s) for the other controllers at {key[-1]}",
+                recoverable=True,
+            ) from None
         finally:
             self.waited_s += time.perf_counter() - t0
 
     # ----------------------------------------------------------------------------------------- steps
-    def run_steps(self, steps: Sequence[Step], iteration: int, phase: str, state: _IterationState | None = None,
-                  result: IterationResult | None = None, data: Mapping[str, dict] | None = None
-                  ) -> tuple[list[StepTrace], dict[str, dict[int, dict]]]:
+    def run_steps(
+        self,
+        steps: Sequence[Step],
+        iteration: int,
+        phase: str,
+        state: _IterationState | None = None,
+        result: IterationResult | None = None,
+        data: Mapping[str, dict] | None = None,
+    ) -> tuple[list[StepTrace], dict[str, dict[int, dict]]]:
         """Run ``steps`` (one list of the schedule) to the end on this controller's devices: each is sent to them
         once the steps it waits for are done here, or with the one it is sent with; a fused stage runs as its
-        members' data arrives (:class:`~loomrl.runtime.stream_fusion.StreamFusionStage`). Call steps take their rows from
+        members' data arrives (:class:`~loomrl.runtime.stream_fusion.StreamFusionStage`). Call steps take their rows
+        from
         ``state`` and report into ``result``; ``data`` gives other steps' per-device payloads. Returns the steps'
         traces, in the order they ended, and every device's reply per step.
 
@@ -264,8 +294,9 @@ class Controller:
         deadline = time.monotonic() + self.runtime.timeout_s
         while len(done) < len(steps):
             for step in steps:
-                if step.id in replies or not all(d in done or (d in replies and step.sent_with(by_id[d]))
-                                                 for d in step.deps):
+                if step.id in replies or not all(
+                    d in done or (d in replies and step.sent_with(by_id[d])) for d in step.deps
+                ):
                     continue
                 if queues and any(queues[d][0] != step.id for d in mine[step.id]):
                     continue
@@ -311,9 +342,13 @@ class Controller:
                         self._finish(step, replies[step.id], payloads[step.id], state, result)
                     elif step.kind is StepKind.PIPELINE_FUSION:
                         for member in step.members:
-                            self._finish(member, {d: m["members"][member.id] for d, m in replies[step.id].items()},
-                                         {d: p.calls[member.id] for d, p in payloads[step.id].items()}, state,
-                                         result)
+                            self._finish(
+                                member,
+                                {d: m["members"][member.id] for d, m in replies[step.id].items()},
+                                {d: p.calls[member.id] for d, p in payloads[step.id].items()},
+                                state,
+                                result,
+                            )
         if result is not None:
             result.traces.extend(traces)
         return traces, replies
@@ -331,17 +366,9 @@ class Controller:
         return best_migrate_at(self.cost_model(workload), step)
 
     def cost_model(self, workload: Workload) -> CostModel:
-        """The planner's cost model of these devices and models for ``workload`` (``runtime.cost_profile`` and
+        """The run's cost model for ``workload`` (its planner inputs: ``runtime.cost_profile`` and
         ``runtime.cost_corrections`` where given), for the runtime's own decisions."""
-        if self._cost_inputs is None:
-            profile = load_profile(self.runtime.cost_profile) if self.runtime.cost_profile else profile_for(self.cluster)
-            corrections = Corrections.load(self.runtime.cost_corrections) if self.runtime.cost_corrections else None
-            tokenizer = task_tokenizer(self.spec.task, self.spec.tokenizer)
-            shapes = {role: ModelShape.from_config(model_config(spec.model, tokenizer))
-                      for role, spec in self.spec.roles.items() if spec.model is not None}
-            self._cost_inputs = (profile, corrections, shapes)
-        profile, corrections, shapes = self._cost_inputs
-        return CostModel(self.cluster, profile, shapes, workload, corrections, settings=RUNTIME)
+        return self.inputs.cost_model(workload)
 
     def _my_ranks(self, alloc: Allocation) -> list[int]:
         """The data-parallel ranks of ``alloc`` this controller serves, in order."""
@@ -381,8 +408,9 @@ class Controller:
         for device in alloc.devices:
             if device in self.devices:
                 rows, steps = per_dp[alloc.coords(device).dp]
-                out[device] = CallData(state.iteration, rows, _inputs(mfc.inputs, rows, where), steps,
-                                       alloc.publishes(device))
+                out[device] = CallData(
+                    state.iteration, rows, shard_refs(mfc.inputs, rows, where), steps, alloc.publishes(device)
+                )
         return out
 
     def batch_tokens(self, state: _IterationState) -> tuple[list[int], int]:
@@ -394,13 +422,14 @@ class Controller:
         controller needs another's output shards."""
         if state.whole is None:
             parts = self.exchange((state.iteration, "training"), [state.tokens[s] for s in state.ids])
-            state.whole = ([n for part in parts for n in part], sum(len(part) for part in parts[:self.index]))
+            state.whole = ([n for part in parts for n in part], sum(len(part) for part in parts[: self.index]))
         return state.whole
 
     def pipeline_fusion_payloads(self, step: Step, state: _IterationState) -> dict[int, PipelineFusionData]:
         """Per device of a ``fused_train`` step: each member call's payload and the device's order of the fused
         pipeline schedule (made once per plan, for the first batch it runs on, by the first controller: see
-        :func:`loomrl.planner.cost.pipeline_fusion.pipeline_fusion_orders`; its search is time-bounded, so the others take
+        :func:`loomrl.planner.cost.pipeline_fusion.pipeline_fusion_orders`; its search is time-bounded, so the others
+        take
         its result rather than their own)."""
         if step.id not in self._fused_orders:
             orders = None
@@ -412,15 +441,24 @@ class Controller:
             self._fused_orders[step.id] = self.exchange((state.iteration, f"orders of {step.id}"), orders)[0]
         orders = self._fused_orders[step.id]
         calls = {member.id: self.payloads(member, state) for member in step.members}
-        return {d: PipelineFusionData({m: per[d] for m, per in calls.items()}, orders[d])
-                for d in step.devices if d in self.devices}
+        return {
+            d: PipelineFusionData({m: per[d] for m, per in calls.items()}, orders[d])
+            for d in step.devices
+            if d in self.devices
+        }
 
     def inputs_of(self, keys: Sequence[str], rows: Sequence[int], state: _IterationState) -> tuple:
         """Object references (each in a 1-tuple) of the output shards holding ``keys`` of any of ``rows``."""
-        return _inputs(keys, rows, state.where)
+        return shard_refs(keys, rows, state.where)
 
-    def _finish(self, step: Step, metas: dict[int, dict], payloads: dict[int, CallData], state: _IterationState,
-                result: IterationResult) -> None:
+    def _finish(
+        self,
+        step: Step,
+        metas: dict[int, dict],
+        payloads: dict[int, CallData],
+        state: _IterationState,
+        result: IterationResult,
+    ) -> None:
         stats: dict[str, float] = {}
         for device, meta in sorted(metas.items()):
             if not payloads[device].publish:
@@ -439,8 +477,13 @@ class Controller:
         concurrently. With ``waves`` (dynamic sampling), ``shard`` is the first wave (:meth:`run_waves`)."""
         start, cpu, self.waited_s = time.perf_counter(), time.process_time(), 0.0
         result = IterationResult()
-        state = _IterationState(iteration, list(shard.ids), {k: [(shard.ids, shard.source[0])] for k in shard.keys},
-                                dict(zip(shard.ids, shard.prompt_tokens)), shard.max_budget)
+        state = _IterationState(
+            iteration,
+            list(shard.ids),
+            {k: [(shard.ids, shard.source[0])] for k in shard.keys},
+            dict(zip(shard.ids, shard.prompt_tokens)),
+            shard.max_budget,
+        )
         if waves is None:
             self.run_steps(self.schedule.steps, iteration, "iteration", state, result)
         else:
@@ -448,8 +491,9 @@ class Controller:
         lengths = [state.tokens[s] for s in state.ids]
         self.lengths = (self.lengths + [lengths])[-LENGTH_WINDOW:]
         where = {k: v for k, v in state.where.items() if is_metric_key(k)}
-        return ShardOutput(result, where, lengths, time.perf_counter() - start - self.waited_s,
-                           time.process_time() - cpu)
+        return ShardOutput(
+            result, where, lengths, time.perf_counter() - start - self.waited_s, time.process_time() - cpu
+        )
 
     def run_waves(self, state: _IterationState, result: IterationResult, waves: Any) -> None:
         """Dynamic sampling (:mod:`loomrl.algorithms.dynamic_sampling`): the steps that make the rewards on each
@@ -466,8 +510,11 @@ class Controller:
             self.run_steps(steps, state.iteration, "iteration", state, wave)
             result.traces.extend(wave.traces)
             result.stats.update(wave.stats)  # a fused stage's migration threshold: the last wave's
-            scores = self.wait([reader.column.remote(state.ids, _inputs((waves.key,), state.ids, state.where),
-                                                     waves.key)], "the wave's rewards", None)[0]
+            scores = self.wait(
+                [reader.column.remote(state.ids, shard_refs((waves.key,), state.ids, state.where), waves.key)],
+                "the wave's rewards",
+                None,
+            )[0]
             shard = waves.offer(state.ids, scores)
             if shard is None:
                 break
@@ -480,7 +527,7 @@ class Controller:
         self.run_steps(tail, state.iteration, "iteration", state, result)
 
 
-def _inputs(keys: Sequence[str], ids: Sequence[int], where: Shards) -> tuple:
+def shard_refs(keys: Sequence[str], ids: Sequence[int], where: Shards) -> tuple:
     """Object references (each in a 1-tuple) of the output shards holding ``keys`` of any of ``ids``."""
     wanted = set(ids)
     refs: list = []

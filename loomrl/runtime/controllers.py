@@ -35,14 +35,17 @@ would need the controllers' generation replicas to coordinate mid-call; with K >
 from __future__ import annotations
 
 import asyncio
-from typing import Any, Sequence
+from collections.abc import Sequence
+from typing import Any
 
 import ray
 
-from loomrl.errors import ConfigError
+from loomrl.errors import ConfigError, LoomError
+from loomrl.plan.allocation import Allocation, DeviceSet
 from loomrl.plan.layout import Layout
-from loomrl.plan.plan import Allocation, DeviceSet, ExecutionPlan
+from loomrl.plan.plan import ExecutionPlan
 from loomrl.plan.schedule import Schedule, build_schedule
+from loomrl.planner.inputs import PlannerInputs
 from loomrl.runtime.controller import Controller, RuntimeFailure, ShardInput, ShardOutput
 from loomrl.workflow import MFCKind, Workflow
 from loomrl.workflow.batch import Batch
@@ -71,9 +74,11 @@ def controller_devices(schedule: Schedule, count: int, n_devices: int) -> list[t
     for step in calls:
         alloc = step.alloc
         if alloc.layout.dp % count:
-            raise ConfigError(f"runtime.controllers: {count} controllers cannot share the {alloc.layout.dp} "
-                              f"data-parallel replicas of {step.id} ({alloc.text}); choose a number of controllers "
-                              "that divides every call's dp, or a plan whose dp it divides")
+            raise ConfigError(
+                f"runtime.controllers: {count} controllers cannot share the {alloc.layout.dp} "
+                f"data-parallel replicas of {step.id} ({alloc.text}); choose a number of controllers "
+                "that divides every call's dp, or a plan whose dp it divides"
+            )
         for rank_devices in alloc.replicas():
             for d in rank_devices[1:]:
                 parent[root(d)] = root(rank_devices[0])
@@ -102,15 +107,18 @@ def controller_devices(schedule: Schedule, count: int, n_devices: int) -> list[t
         return False
 
     if not place(0, 0):
-        raise ConfigError(f"runtime.controllers: this plan's devices cannot be split between {count} controllers so "
-                          "that each serves an equal share of every call's data-parallel replicas (a replica's "
-                          "devices in one call may hold several replicas of another); use fewer controllers or "
-                          "give the calls matching data-parallel layouts")
+        raise ConfigError(
+            f"runtime.controllers: this plan's devices cannot be split between {count} controllers so "
+            "that each serves an equal share of every call's data-parallel replicas (a replica's "
+            "devices in one call may hold several replicas of another); use fewer controllers or "
+            "give the calls matching data-parallel layouts"
+        )
     return [tuple(sorted(d for g, k in zip(order, owner) if k == c for d in g)) for c in range(count)]
 
 
-def plan_for_controllers(plan: ExecutionPlan, workflow: Workflow, count: int) -> tuple[ExecutionPlan,
-                                                                                         list[tuple[int, ...]]]:
+def plan_for_controllers(
+    plan: ExecutionPlan, workflow: Workflow, count: int
+) -> tuple[ExecutionPlan, list[tuple[int, ...]]]:
     """``plan`` as ``count`` controllers run it, and each one's devices: every compute step (advantages) runs on
     each controller's first device, data-parallel over them, so each computes its own shard and sums batch
     statistics with the others. One controller: ``plan`` as it is, every device its own."""
@@ -118,9 +126,11 @@ def plan_for_controllers(plan: ExecutionPlan, workflow: Workflow, count: int) ->
     if count == 1:
         return plan, [tuple(range(n))]
     if plan.stream_fusion is not None:
-        raise ConfigError(f"runtime.controllers: {count} controllers cannot run stream fusion (the plan's stream_fusion: "
-                          "generation streams into inference and migrates across every replica); use one "
-                          "controller or a plan without stream_fusion")
+        raise ConfigError(
+            f"runtime.controllers: {count} controllers cannot run stream fusion (the plan's stream_fusion: "
+            "generation streams into inference and migrates across every replica); use one "
+            "controller or a plan without stream_fusion"
+        )
     devices = controller_devices(build_schedule(workflow, plan), count, n)
     firsts = [own[0] for own in devices]  # ascending: the search opens controllers in device order
     for mfc in workflow:
@@ -134,8 +144,10 @@ def shard_batch(batch: Batch, count: int, group_size: int) -> list[Batch]:
     group larger where the groups do not divide evenly."""
     groups = len(batch) // group_size
     if groups < count:
-        raise ConfigError(f"runtime.controllers: {count} controllers need at least {count} prompts an iteration "
-                          f"(rollout.prompts_per_iter gives {groups})")
+        raise ConfigError(
+            f"runtime.controllers: {count} controllers need at least {count} prompts an iteration "
+            f"(rollout.prompts_per_iter gives {groups})"
+        )
     sizes = [groups // count + (k < groups % count) for k in range(count)]
     shards, start = [], 0
     for size in sizes:
@@ -147,8 +159,9 @@ def shard_batch(batch: Batch, count: int, group_size: int) -> list[Batch]:
 
 def shard_input(shard: Batch, max_budget: int) -> ShardInput:
     """What a controller is given of its shard: ids and prompt lengths, the rows behind one object reference."""
-    return ShardInput(tuple(shard.ids), tuple(len(p) for p in shard["prompt_ids"]), (ray.put(shard),),
-                      tuple(shard.keys()), max_budget)
+    return ShardInput(
+        tuple(shard.ids), tuple(len(p) for p in shard["prompt_ids"]), (ray.put(shard),), tuple(shard.keys()), max_budget
+    )
 
 
 class Coordinator:
@@ -160,8 +173,9 @@ class Coordinator:
         self.rounds: dict[Any, dict] = {}
 
     async def exchange(self, key: Any, index: int, value: Any) -> list:
-        round_ = self.rounds.setdefault(key, {"values": [None] * self.count, "given": 0, "taken": 0,
-                                              "all": asyncio.Event()})
+        round_ = self.rounds.setdefault(
+            key, {"values": [None] * self.count, "given": 0, "taken": 0, "all": asyncio.Event()}
+        )
         round_["values"][index] = value
         round_["given"] += 1
         if round_["given"] == self.count:
@@ -177,9 +191,20 @@ class ControllerActor:
     """One parallel controller, as a Ray actor: a :class:`~loomrl.runtime.controller.Controller` owning some
     devices, driving its shard of each iteration."""
 
-    def __init__(self, workers: Sequence[Any], runtime, spec, cluster, plan, devices: Sequence[int], index: int,
-                 count: int, coordinator: Any):
-        self.control = Controller(workers, runtime, spec, cluster, plan, devices, index, count, coordinator)
+    def __init__(
+        self,
+        workers: Sequence[Any],
+        runtime,
+        spec,
+        cluster,
+        plan,
+        inputs: PlannerInputs,
+        devices: Sequence[int],
+        index: int,
+        count: int,
+        coordinator: Any,
+    ):
+        self.control = Controller(workers, runtime, spec, cluster, plan, inputs, devices, index, count, coordinator)
 
     def install(self, plan, devices: Sequence[int]) -> None:
         self.control.install(plan, devices)
@@ -216,13 +241,23 @@ def wait_controllers(refs: Sequence[Any], what: str) -> list[ShardOutput]:
         except ray.exceptions.RayTaskError as err:
             cause = err.cause if getattr(err, "cause", None) is not None else err
             lines = str(cause).strip().splitlines()
-            raise RuntimeFailure(f"controller {k} failed during {what}: {lines[0] if lines else type(cause).__name__}",
-                                 recoverable=getattr(cause, "recoverable", False)) from None
+            raise RuntimeFailure(
+                f"controller {k} failed during {what}: {lines[0] if lines else type(cause).__name__}",
+                recoverable=isinstance(cause, LoomError) and cause.recoverable,
+            ) from None
     return [results[k] for k in range(len(refs))]
 
 
-def spawn_controllers(workers: Sequence[Any], node_of_worker: Sequence[str], runtime, spec, cluster, plan,
-                      devices: list[tuple[int, ...]]) -> tuple[Any, list[Any]]:
+def spawn_controllers(
+    workers: Sequence[Any],
+    node_of_worker: Sequence[str],
+    runtime,
+    spec,
+    cluster,
+    plan,
+    inputs: PlannerInputs,
+    devices: list[tuple[int, ...]],
+) -> tuple[Any, list[Any]]:
     """The coordinator and one controller actor per entry of ``devices``, each on the node of its first device
     (where its messages to its workers are local)."""
     from ray.util.scheduling_strategies import NodeAffinitySchedulingStrategy
@@ -230,9 +265,11 @@ def spawn_controllers(workers: Sequence[Any], node_of_worker: Sequence[str], run
     count = len(devices)
     coordinator = ray.remote(num_cpus=0, max_restarts=0)(Coordinator).remote(count)
     remote = ray.remote(num_cpus=0, max_restarts=0)(ControllerActor)
-    controllers = [remote.options(scheduling_strategy=NodeAffinitySchedulingStrategy(node_of_worker[own[0]],
-                                                                                     soft=False))
-                   .remote(workers, runtime, spec, cluster, plan, own, k, count, coordinator)
-                   for k, own in enumerate(devices)]
+    controllers = [
+        remote.options(scheduling_strategy=NodeAffinitySchedulingStrategy(node_of_worker[own[0]], soft=False)).remote(
+            workers, runtime, spec, cluster, plan, inputs, own, k, count, coordinator
+        )
+        for k, own in enumerate(devices)
+    ]
     wait_controllers([c.pid.remote() for c in controllers], "setup")
     return coordinator, controllers

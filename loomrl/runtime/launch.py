@@ -55,9 +55,14 @@ def start_ray(address: str | None, num_cpus: int, dashboard: bool = False) -> bo
         join_cluster(address)
         return True
     reaper.watch()
-    ray.init(address="local", num_cpus=num_cpus, include_dashboard=dashboard, log_to_driver=True,
-             _node_ip_address="127.0.0.1",
-             runtime_env={"env_vars": {"HF_HUB_OFFLINE": "1", "TOKENIZERS_PARALLELISM": "false"}})
+    ray.init(
+        address="local",
+        num_cpus=num_cpus,
+        include_dashboard=dashboard,
+        log_to_driver=True,
+        _node_ip_address="127.0.0.1",
+        runtime_env={"env_vars": {"HF_HUB_OFFLINE": "1", "TOKENIZERS_PARALLELISM": "false"}},
+    )
     return True
 
 
@@ -84,13 +89,19 @@ def join_cluster(address: str) -> None:
             pass
     host, _, port = address.removeprefix("ray://").rpartition(":")
     if not address.startswith("ray://") and host and port.isdigit() and not _reachable(host, int(port), 5.0):
-        raise ConfigError(f"runtime.ray_address: nothing answers at {address} (start the cluster with "
-                          "`ray start --head --port=PORT` and give its HOST:PORT)")
-    token_hint = (f"{AUTH_MODE}=token is set: the cluster's token must be in ~/.ray/auth_token or RAY_AUTH_TOKEN "
-                  "(copy it from the head node's ~/.ray/auth_token)")
+        raise ConfigError(
+            f"runtime.ray_address: nothing answers at {address} (start the cluster with "
+            "`ray start --head --port=PORT` and give its HOST:PORT)"
+        )
+    token_hint = (
+        f"{AUTH_MODE}=token is set: the cluster's token must be in ~/.ray/auth_token or RAY_AUTH_TOKEN "
+        "(copy it from the head node's ~/.ray/auth_token)"
+    )
     if os.environ.get(AUTH_MODE) == "token" and not _has_ray_token():
-        raise ConfigError(f"runtime.ray_address: cannot join the Ray cluster at {address} without its token; "
-                          f"{token_hint}, or set {AUTH_MODE}=disabled for a cluster started without authentication")
+        raise ConfigError(
+            f"runtime.ray_address: cannot join the Ray cluster at {address} without its token; "
+            f"{token_hint}, or set {AUTH_MODE}=disabled for a cluster started without authentication"
+        )
     try:
         ray.init(address=address, log_to_driver=True)
     except Exception as err:  # noqa: BLE001 — Ray raises ConnectionError, AuthenticationError, RuntimeError...
@@ -117,7 +128,8 @@ def stop_ray(connected: bool) -> None:
 
 
 def local_cluster(devices: int, device: str):
-    """The cluster the runtime runs on here: ``devices`` workers (0: :func:`~loomrl.role.devices.available_devices`) on one node,
+    """The cluster the runtime runs on here: ``devices`` workers (0: :func:`~loomrl.role.devices.available_devices`) on
+    one node,
     GPUs when there are any and ``device`` does not ask for the CPU."""
     import torch
 
@@ -163,9 +175,11 @@ def cluster_from_nodes(nodes: list[dict], devices: int, device: str, where: str 
     if devices <= per_node:
         return ClusterSpec(nodes=1, devices_per_node=devices, device_kind="cuda" if gpu else "cpu")
     if devices % per_node or devices // per_node > len(counts):
-        raise ConfigError(f"runtime.devices: {devices} does not fill whole nodes of {where} ({len(counts)} nodes "
-                          f"of {per_node} {kind}s; valid: up to {per_node}, or a multiple of it up to "
-                          f"{per_node * len(counts)}, or 0 for all)")
+        raise ConfigError(
+            f"runtime.devices: {devices} does not fill whole nodes of {where} ({len(counts)} nodes "
+            f"of {per_node} {kind}s; valid: up to {per_node}, or a multiple of it up to "
+            f"{per_node * len(counts)}, or 0 for all)"
+        )
     return ClusterSpec(nodes=devices // per_node, devices_per_node=per_node, device_kind="cuda" if gpu else "cpu")
 
 

@@ -59,7 +59,12 @@ class MigrationControl:
     """One rank's :class:`~loomrl.algorithms.context.StreamControl` in a fused stage (module docstring)."""
 
     def __init__(self, spec: StreamSpec, group, replica: int, counts: bool, replicas: int, device: torch.device):
-        self.chunk, self.max_prompt, self.max_budget, self.slots = spec.chunk, spec.max_prompt, spec.max_budget, spec.slots
+        self.chunk, self.max_prompt, self.max_budget, self.slots = (
+            spec.chunk,
+            spec.max_prompt,
+            spec.max_budget,
+            spec.slots,
+        )
         self.spec, self.group, self.replica, self.counts, self.device = spec, group, replica, counts, device
         self.in_step = spec.threshold > 0 and spec.migrate_to < replicas and group is not None
         self.migrated_at: float | None = None
@@ -104,5 +109,11 @@ def _gather(value, group) -> list:
 
 def _resumed(request: Request, stopped) -> Request:
     """The request again, carrying what it generated so far (its prefix and their log-probs)."""
-    return Request(request.sample_id, request.prompt, request.key, request.max_new_tokens,
-                   list(stopped.tokens), list(stopped.logps))
+    return Request(
+        request.sample_id,
+        request.prompt,
+        request.key,
+        request.max_new_tokens,
+        list(stopped.tokens),
+        list(stopped.logps),
+    )

@@ -21,7 +21,7 @@ from dataclasses import dataclass
 
 import torch
 
-from loomrl.parallel.pipeline_fusion import PipelineFusionSide, FusedTask, pipeline_fusion_backward
+from loomrl.parallel.pipeline_fusion import FusedTask, PipelineFusionSide, pipeline_fusion_backward
 
 __all__ = ["BackwardRequest", "run_pipeline_fusion"]
 
@@ -116,8 +116,13 @@ class _Deferred:
         return self.passes.reduce_and_clip(max_norm)
 
 
-def run_pipeline_fusion(ops: Sequence[Callable[[], dict]], roles: Sequence, order: Sequence[FusedTask],
-                    back_groups: Sequence, stage_ranks: Sequence[Sequence[int]]) -> list[dict]:
+def run_pipeline_fusion(
+    ops: Sequence[Callable[[], dict]],
+    roles: Sequence,
+    order: Sequence[FusedTask],
+    back_groups: Sequence,
+    stage_ranks: Sequence[Sequence[int]],
+) -> list[dict]:
     """Run two train ops as one fused step per pair of optimizer steps (module docstring); returns their results.
 
     ``roles[i]`` is op i's :class:`~loomrl.algorithms.context.Role` (its engine drives a pipeline stage);
@@ -164,13 +169,19 @@ def _raise_if_failed(threads: Sequence[_OpThread]) -> None:
             raise t.error
 
 
-def _fused_backward(requests: Sequence[BackwardRequest], passes: Sequence, order: Sequence[FusedTask],
-                    back_groups: Sequence, stage_ranks: Sequence[Sequence[int]]) -> None:
+def _fused_backward(
+    requests: Sequence[BackwardRequest],
+    passes: Sequence,
+    order: Sequence[FusedTask],
+    back_groups: Sequence,
+    stage_ranks: Sequence[Sequence[int]],
+) -> None:
     sides = {}
     for i, (request, engine) in enumerate(zip(requests, passes)):
         ids_BL, attn_BL, parts, loss = _padded(request, engine.device)
-        sides[i] = PipelineFusionSide(engine.pipeline, back_groups[i], ids_BL, attn_BL, parts, loss,
-                             stage_ranks=stage_ranks[i])
+        sides[i] = PipelineFusionSide(
+            engine.pipeline, back_groups[i], ids_BL, attn_BL, parts, loss, stage_ranks=stage_ranks[i]
+        )
     pipeline_fusion_backward(order, sides)
 
 
@@ -194,8 +205,9 @@ def _padded(request: BackwardRequest, device: torch.device):
 def _zero_when_none(loss: Callable | None, real: int) -> Callable:
     """The pipeline's loss callback: the op's loss for its real micro-batches (a micro-batch without loss tokens
     still joins the graph), zero for padding ones."""
+
     def fn(out: torch.Tensor, k: int) -> torch.Tensor:
         value = loss(out, k) if loss is not None and k < real else None
         return (out * 0).sum() if value is None else value
-    return fn
 
+    return fn

@@ -16,9 +16,9 @@ from __future__ import annotations
 from collections.abc import Callable, Mapping
 from dataclasses import dataclass
 
-from loomrl.role.spec import RoleSpec
-from loomrl.plan.plan import Allocation
+from loomrl.plan.allocation import Allocation
 from loomrl.plan.realloc_plan import ReallocPlan
+from loomrl.role.spec import RoleSpec
 from loomrl.runtime.spec import WorkerPlan
 
 __all__ = ["Move", "plan_moves"]
@@ -44,8 +44,14 @@ class Move:
     """Optimizer steps the role has taken: the destination's moments continue from there."""
 
 
-def plan_moves(old: WorkerPlan, new: WorkerPlan, specs: Mapping[str, RoleSpec], masters: bool,
-               steps: Mapping[str, int], plan: PlanFn) -> list[Move]:
+def plan_moves(
+    old: WorkerPlan,
+    new: WorkerPlan,
+    specs: Mapping[str, RoleSpec],
+    masters: bool,
+    steps: Mapping[str, int],
+    plan: PlanFn,
+) -> list[Move]:
     """The moves that take every role from ``old`` to ``new``, in role order. ``masters``: the weights are
     16-bit, so their fp32 masters move too; ``steps``: each trained role's optimizer steps so far."""
     old_train, new_train = old.training(), new.training()
@@ -61,8 +67,17 @@ def plan_moves(old: WorkerPlan, new: WorkerPlan, specs: Mapping[str, RoleSpec], 
             moments = ("exp_avg", "exp_avg_sq") if steps.get(role, 0) > 0 else ()
             weights = () if masters and dst.fsdp else ("weights",)  # FSDP's fp32 shards are the masters
             kinds = weights + (("master",) if masters else ()) + moments
-            moves.append(Move(role, src, dst, kinds, plan(role, src, dst, False) if weights else None,
-                              plan(role, src, dst, True) if len(kinds) > len(weights) else None, steps.get(role, 0)))
+            moves.append(
+                Move(
+                    role,
+                    src,
+                    dst,
+                    kinds,
+                    plan(role, src, dst, False) if weights else None,
+                    plan(role, src, dst, True) if len(kinds) > len(weights) else None,
+                    steps.get(role, 0),
+                )
+            )
             continue
         for dst in new_held.get(role, ()):
             if dst not in old_held.get(role, ()):

@@ -17,8 +17,9 @@ from __future__ import annotations
 
 import dataclasses
 import os
+from collections.abc import Mapping, Sequence
 from pathlib import Path
-from typing import TYPE_CHECKING, Any, Mapping, Sequence
+from typing import TYPE_CHECKING, Any
 
 import ray
 import torch
@@ -28,19 +29,32 @@ from ray.util.scheduling_strategies import PlacementGroupSchedulingStrategy
 from loomrl.checkpoint.store import state_json_of
 from loomrl.config.schema import RuntimeConfig
 from loomrl.errors import LoomError
-from loomrl.runtime.launch import ray_address, start_ray, stop_ray
 from loomrl.models.tokenizer import task_tokenizer
 from loomrl.models.zoo import parameter_shapes
 from loomrl.plan.plan import ExecutionPlan
 from loomrl.plan.realloc_plan import plan_reallocation
 from loomrl.plan.schedule import StepKind, build_schedule
+from loomrl.planner.inputs import PlannerInputs
 from loomrl.role.devices import resolve_dtype
-from loomrl.runtime.controller import (Controller, RuntimeFailure, ShardInput, ShardOutput, _inputs,
-                                       check_metadata, is_metric_key)
-from loomrl.runtime.controllers import (plan_for_controllers, shard_batch, shard_input, spawn_controllers,
-                                        wait_controllers)
+from loomrl.runtime.controller import (
+    Controller,
+    RuntimeFailure,
+    ShardInput,
+    ShardOutput,
+    check_metadata,
+    is_metric_key,
+    shard_refs,
+)
+from loomrl.runtime.controllers import (
+    plan_for_controllers,
+    shard_batch,
+    shard_input,
+    spawn_controllers,
+    wait_controllers,
+)
+from loomrl.runtime.executor import Executor, IterationResult, StepTrace, merge_stats
+from loomrl.runtime.launch import ray_address, start_ray, stop_ray
 from loomrl.runtime.plan_change import plan_moves
-from loomrl.runtime.reference import IterationResult, StepTrace, merge_stats
 from loomrl.runtime.spec import WorkerPlan, WorkerSpec
 from loomrl.runtime.worker import DeviceWorker
 from loomrl.workflow import Workflow
@@ -52,13 +66,24 @@ if TYPE_CHECKING:
 __all__ = ["RayExecutor", "RuntimeFailure", "check_metadata"]
 
 
-class RayExecutor:
-    """Executes a workflow's schedule under ``plan`` on one Ray worker per device of the plan's cluster (same
-    interface as the reference executor)."""
+class RayExecutor(Executor):
+    """Executes a workflow's schedule under ``plan`` on one Ray worker per device of the plan's cluster (the
+    :class:`~loomrl.runtime.executor.Executor` the reference executor also is)."""
 
-    def __init__(self, runtime: RuntimeConfig, spec: WorkerSpec, workflow: Workflow, plan: ExecutionPlan,
-                 group_size: int = 1, worker_cls: type = DeviceWorker):
+    def __init__(
+        self,
+        runtime: RuntimeConfig,
+        spec: WorkerSpec,
+        workflow: Workflow,
+        plan: ExecutionPlan,
+        inputs: PlannerInputs,
+        group_size: int = 1,
+        worker_cls: type = DeviceWorker,
+    ):
         self.runtime, self.spec, self.workflow = runtime, spec, workflow
+        self.inputs = inputs
+        """The run's planner inputs, which the controllers price their own decisions with (stream fusion's
+        ``migrate_at: auto``, pipeline fusion's task orders)."""
         self.worker_cls = worker_cls
         """The class of the per-device actors (a light stand-in in the control-path benchmark)."""
         self.group_size = group_size
@@ -74,8 +99,6 @@ class RayExecutor:
         """The parallel controllers (Ray actors), with ``runtime.controllers`` > 1."""
         self.coordinator = None
         self.pg = None
-        self.response_lengths: list[list[int]] = []
-        """Each iteration's response lengths so far (every sample's, in batch order): the observed workload."""
         self.traces: list[StepTrace] = []
         """Steps run outside an iteration (the prologue, evaluations, plan changes) since :meth:`drain_traces`."""
         n = self.cluster.n_devices
@@ -120,16 +143,20 @@ class RayExecutor:
         try:
             ray.get(self.pg.ready(), timeout=self.runtime.timeout_s)
         except ray.exceptions.GetTimeoutError:
-            raise RuntimeFailure(f"runtime.devices: {n} devices could not be reserved within "
-                                 f"{self.runtime.timeout_s:g} s; Ray has {ray.cluster_resources()}") from None
+            raise RuntimeFailure(
+                f"runtime.devices: {n} devices could not be reserved within "
+                f"{self.runtime.timeout_s:g} s; Ray has {ray.cluster_resources()}"
+            ) from None
         remote = ray.remote(num_cpus=1, num_gpus=1 if gpu else 0, max_restarts=0)(self.worker_cls)
         self.workers = [
-            remote.options(scheduling_strategy=PlacementGroupSchedulingStrategy(self.pg, placement_group_bundle_index=i))
-            .remote(i, n, self.spec) for i in range(n)]
-        self.control = Controller(self.workers, self.runtime, self.spec, self.cluster, self.worker_plan)
+            remote.options(
+                scheduling_strategy=PlacementGroupSchedulingStrategy(self.pg, placement_group_bundle_index=i)
+            ).remote(i, n, self.spec)
+            for i in range(n)
+        ]
+        self.control = Controller(self.workers, self.runtime, self.spec, self.cluster, self.worker_plan, self.inputs)
         """The controller of the steps between iterations (and of every iteration, with one controller)."""
-        addr = "127.0.0.1" if self.address is None else self._wait(
-            [self.workers[0].node_ip.remote()], "setup", None)[0]
+        addr = "127.0.0.1" if self.address is None else self._wait([self.workers[0].node_ip.remote()], "setup", None)[0]
         port = self._wait([self.workers[0].free_port.remote()], "setup", None)[0]
         metas = self._wait([w.setup.remote(addr, port, self.worker_plan) for w in self.workers], "setup", None)
         self.pids = [m["pid"] for m in metas]
@@ -137,7 +164,15 @@ class RayExecutor:
         """The Ray node of each device's worker."""
         if self.runtime.controllers > 1:
             self.coordinator, self.controllers = spawn_controllers(
-                self.workers, self.nodes, self.runtime, self.spec, self.cluster, self.worker_plan, self.owned)
+                self.workers,
+                self.nodes,
+                self.runtime,
+                self.spec,
+                self.cluster,
+                self.worker_plan,
+                self.inputs,
+                self.owned,
+            )
 
     def _wait(self, refs: list, what: str, role: str | None, ranks: Sequence[int] | None = None) -> list:
         """Results of ``refs`` (one per rank), in order; failures as one line naming the worker."""
@@ -162,33 +197,41 @@ class RayExecutor:
         max_budget = _budget(batch)
         if self.controllers:
             shards = shard_batch(batch, len(self.controllers), self.group_size)
-            refs = [c.run_iteration.remote(iteration, shard_input(shard, max_budget))
-                    for c, shard in zip(self.controllers, shards)]
+            refs = [
+                c.run_iteration.remote(iteration, shard_input(shard, max_budget))
+                for c, shard in zip(self.controllers, shards)
+            ]
             outputs = wait_controllers(refs, f"iteration {iteration}")
         else:
             outputs = [self.control.run_iteration(iteration, shard_input(batch, max_budget))]
         return self._result(iteration, outputs, batch.ids)
 
-    def _result(self, iteration: int, outputs: Sequence[ShardOutput], ids: Sequence[int],
-                stats: Mapping[str, float] | None = None) -> IterationResult:
+    def _result(
+        self,
+        iteration: int,
+        outputs: Sequence[ShardOutput],
+        ids: Sequence[int],
+        stats: Mapping[str, float] | None = None,
+    ) -> IterationResult:
         """The iteration's result from the controllers' outputs, with the rollout metrics of samples ``ids``."""
         result = _merged(outputs, iteration)
         if stats:
             merge_stats(result.stats, stats, "dynamic sampling")
-        self.response_lengths.append([n for out in outputs for n in out.lengths])
+        result.response_lengths = [n for out in outputs for n in out.lengths]  # the controllers' shards in order
         where: dict[str, list] = {}
         for out in outputs:
             for key, shards in out.where.items():
                 where.setdefault(key, []).extend(shards)
         keys = [k for k in where if is_metric_key(k)]
-        metrics = self._wait([self.workers[0].metrics.remote(list(ids), _inputs(keys, ids, where), keys)],
-                             "metrics", None)[0]
+        metrics = self._wait(
+            [self.workers[0].metrics.remote(list(ids), shard_refs(keys, ids, where), keys)], "metrics", None
+        )[0]
         merge_stats(result.stats, metrics, "metrics")
         result.stats["time/controller_s"] = max(out.own_s for out in outputs)
         result.stats["time/controller_cpu_s"] = max(out.cpu_s for out in outputs)
         return result
 
-    def evaluate(self, examples: Sequence, iteration: int = 0) -> dict[str, float]:
+    def evaluate(self, examples: Sequence) -> dict[str, float]:
         """Greedy evaluation with the actor in its generation layout (copied there first where needed)."""
         steps = self.schedule.evaluation
         if not steps:
@@ -196,9 +239,8 @@ class RayExecutor:
         step = next(s for s in steps if s.kind is StepKind.EVALUATE)
         dp = step.alloc.layout.dp
         shares = [list(examples[d::dp]) for d in range(dp)]
-        data = {step.id: {dev: (shares[step.alloc.coords(dev).dp], step.alloc.publishes(dev))
-                          for dev in step.devices}}
-        traces, replies = self.run_steps(steps, iteration, "evaluation", data=data)
+        data = {step.id: {dev: (shares[step.alloc.coords(dev).dp], step.alloc.publishes(dev)) for dev in step.devices}}
+        traces, replies = self.run_steps(steps, 0, "evaluation", data=data)  # the trainer stamps the iteration
         self.traces += traces
         sums: dict[str, float] = {}
         for meta in replies[step.id].values():
@@ -219,20 +261,27 @@ class RayExecutor:
             marker.unlink(missing_ok=True)
         blind = [rank for rank, ok in enumerate(seen) if not ok]
         if blind:
-            raise RuntimeFailure(f"run_dir: '{path}' is not visible to worker(s) {blind}, which run on other "
-                                 "machines; put run_dir on storage every node mounts (NFS or another shared file "
-                                 "system): worker 0 writes the checkpoints there and every worker reads them back")
+            raise RuntimeFailure(
+                f"run_dir: '{path}' is not visible to worker(s) {blind}, which run on other "
+                "machines; put run_dir on storage every node mounts (NFS or another shared file "
+                "system): worker 0 writes the checkpoints there and every worker reads them back"
+            )
 
-    def save(self, run_dir: Path, iteration: int, state: Mapping[str, Any], keep_last: int,
-             sharded: bool = True) -> Path:
+    def save(
+        self, run_dir: Path, iteration: int, state: Mapping[str, Any], keep_last: int, sharded: bool = True
+    ) -> Path:
         """Checkpoint the trained roles. ``sharded``: every worker writes the pieces it owns and worker 0 completes
         the save (:mod:`loomrl.checkpoint.shards`); otherwise the roles are gathered whole onto worker 0 first."""
         if sharded:
             return self._save_sharded(run_dir, iteration, state, keep_last)
         exports = {}
         for role, alloc in sorted(self.worker_plan.training().items()):
-            metas = self._wait([self.workers[d].export_role.remote(role) for d in alloc.devices],
-                               "checkpoint export", role, alloc.devices)
+            metas = self._wait(
+                [self.workers[d].export_role.remote(role) for d in alloc.devices],
+                "checkpoint export",
+                role,
+                alloc.devices,
+            )
             exports[role] = [m["state"] for m in metas if "state" in m]
         ref = self.workers[0].save.remote(str(run_dir), iteration, dict(state), keep_last, exports)
         return Path(self._wait([ref], "checkpoint save", None)[0])
@@ -249,6 +298,7 @@ class RayExecutor:
         return Path(self._wait([ref], "checkpoint save", None)[0])
 
     def load(self, path: Path) -> dict[str, Any]:
+        """Every worker loads its part of the checkpoint; the new prologue refills the shadows from it."""
         states = self._wait([w.load.remote(str(path)) for w in self.workers], "checkpoint load", None)
         self.traces += self.run_steps(self.schedule.prologue, 0, "prologue")[0]  # the shadows held the old weights
         return states[0]
@@ -260,13 +310,16 @@ class RayExecutor:
         if plan == self.plan:
             return
         if plan.cluster.n_devices != self.cluster.n_devices:
-            raise LoomError(f"runtime.plan_changes: a plan for {plan.cluster.n_devices} devices cannot replace one "
-                            f"for {self.cluster.n_devices} (the run keeps its devices)")
+            raise LoomError(
+                f"runtime.plan_changes: a plan for {plan.cluster.n_devices} devices cannot replace one "
+                f"for {self.cluster.n_devices} (the run keeps its devices)"
+            )
         new, owned = self.plan_for_workers(plan)
         steps = {}
         for role, alloc in self.worker_plan.training().items():
-            counts = self._wait([self.workers[d].steps_taken.remote(role) for d in alloc.devices], "plan change",
-                                role, alloc.devices)
+            counts = self._wait(
+                [self.workers[d].steps_taken.remote(role) for d in alloc.devices], "plan change", role, alloc.devices
+            )
             steps[role] = max(counts)
         masters = resolve_dtype(self.spec.precision, torch.device(self.cluster.device_kind)) != torch.float32
         moves = plan_moves(self.worker_plan, new, self.spec.roles, masters, steps, self._transfer_plan)
@@ -275,8 +328,19 @@ class RayExecutor:
         self.control.install(new)
         if self.controllers:
             wait_controllers([c.install.remote(new, own) for c, own in zip(self.controllers, owned)], "plan change")
-        self.traces.append(StepTrace(0, "plan change", "plan change", None, None, tuple(range(len(metas))),
-                                     tuple(m["start"] for m in metas), tuple(m["end"] for m in metas), "plan change"))
+        self.traces.append(
+            StepTrace(
+                0,
+                "plan change",
+                "plan change",
+                None,
+                None,
+                tuple(range(len(metas))),
+                tuple(m["start"] for m in metas),
+                tuple(m["end"] for m in metas),
+                "plan change",
+            )
+        )
         self.traces += self.run_steps(self.schedule.prologue, 0, "prologue")[0]
 
     def _transfer_plan(self, role: str, src, dst, state: bool):
@@ -304,7 +368,6 @@ class RayExecutor:
             self.pg = None
         stop_ray(self._started)
         self._started = False
-
 
 
 def _budget(batch: Batch) -> int:
@@ -346,7 +409,11 @@ def _merged(outputs: Sequence[ShardOutput], iteration: int) -> IterationResult:
                 continue
             spans = sorted(zip(seen.devices + trace.devices, seen.start + trace.start, seen.end + trace.end))
             joined[trace.step] = dataclasses.replace(
-                seen, devices=tuple(d for d, _, _ in spans), start=tuple(a for _, a, _ in spans),
-                end=tuple(b for _, _, b in spans), parts=seen.parts + trace.parts)
+                seen,
+                devices=tuple(d for d, _, _ in spans),
+                start=tuple(a for _, a, _ in spans),
+                end=tuple(b for _, _, b in spans),
+                parts=seen.parts + trace.parts,
+            )
     result.traces = sorted(joined.values(), key=lambda t: max(t.end))
     return result

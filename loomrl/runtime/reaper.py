@@ -39,8 +39,13 @@ def watch() -> None:
         return
     read, write = os.pipe()
     os.set_inheritable(write, False)  # only this process holds the write end: children must not keep it open
-    subprocess.Popen([sys.executable, "-m", "loomrl.runtime.reaper", str(os.getpid())], stdin=read, close_fds=True,
-                     stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+    subprocess.Popen(
+        [sys.executable, "-m", "loomrl.runtime.reaper", str(os.getpid())],
+        stdin=read,
+        close_fds=True,
+        stdout=subprocess.DEVNULL,
+        stderr=subprocess.DEVNULL,
+    )
     os.close(read)
     _watching = True  # the write end stays open, unused, until this process exits
 
@@ -51,7 +56,7 @@ def _stat(pid: int) -> tuple[int, int] | None:
         text = Path(f"/proc/{pid}/stat").read_text()
     except OSError:
         return None
-    fields = text[text.rindex(")") + 2:].split()  # the command name may hold spaces and parentheses
+    fields = text[text.rindex(")") + 2 :].split()  # the command name may hold spaces and parentheses
     return int(fields[1]), int(fields[19])
 
 

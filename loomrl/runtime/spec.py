@@ -7,14 +7,15 @@ reach a device, and the schedule (:mod:`loomrl.plan.schedule`) whose steps it ru
 
 from __future__ import annotations
 
+from collections.abc import Mapping
 from dataclasses import dataclass, field
-from typing import Any, Mapping
+from typing import Any
 
 from loomrl.config.schema import TaskConfig
-from loomrl.role.spec import RoleSpec
-from loomrl.plan.plan import Allocation
+from loomrl.plan.allocation import Allocation
 from loomrl.plan.realloc_plan import ReallocPlan
 from loomrl.plan.schedule import Schedule, Step, StepKind
+from loomrl.role.spec import RoleSpec
 
 __all__ = ["CallData", "WorkerPlan", "WorkerSpec"]
 
@@ -75,8 +76,7 @@ class WorkerPlan:
 
     def shadows(self) -> set[tuple[str, Allocation]]:
         """The (role, shards) of persistent shadow copies (filled by syncs, never freed)."""
-        return {(s.role, s.alloc) for s in (*self.schedule.prologue, *self.schedule.steps)
-                if s.kind is StepKind.SYNC}
+        return {(s.role, s.alloc) for s in (*self.schedule.prologue, *self.schedule.steps) if s.kind is StepKind.SYNC}
 
 
 @dataclass(frozen=True)

@@ -14,29 +14,43 @@ from __future__ import annotations
 import itertools
 import math
 import time
-from typing import TYPE_CHECKING, Any
+from collections.abc import Sequence
+from typing import Any, Protocol
 
 import ray
 
 from loomrl.plan.schedule import Step
+from loomrl.runtime.executor import StepTrace
 from loomrl.runtime.migration import StreamSpec
-from loomrl.runtime.reference import StepTrace
 from loomrl.runtime.spec import CallData
 from loomrl.workflow.minibatches import split_by_tokens
-
-if TYPE_CHECKING:
-    from loomrl.runtime.ray_executor import RayExecutor
 
 __all__ = ["StreamFusionStage"]
 
 
-class StreamFusionStage:
-    """One fused stage of one iteration, driven by :meth:`RayExecutor.run_steps`'s event loop: :meth:`start`
-    sends generation; every reply the loop receives for the stage goes to :meth:`on_reply`, which sends the
-    members' calls that became possible; :attr:`done` when all ran."""
+class _Driver(Protocol):
+    """What a fused stage asks of the controller that drives it (:class:`~loomrl.runtime.controller.Controller`,
+    which imports this module, so the stage names only what it uses)."""
 
-    def __init__(self, executor: RayExecutor, step: Step, state: Any, migrate_at: float):
-        self.ex, self.step, self.state = executor, step, state
+    workers: Sequence[Any]
+
+    def payloads(self, step: Step, state: Any) -> dict[int, CallData]:
+        """Per device of ``step``: its call's data for the iteration ``state``."""
+        ...
+
+    def inputs_of(self, keys: Sequence[str], rows: Sequence[int], state: Any) -> tuple:
+        """Object references of the output shards holding ``keys`` of any of ``rows``."""
+        ...
+
+
+class StreamFusionStage:
+    """One fused stage of one iteration, driven by its controller's event loop
+    (:meth:`~loomrl.runtime.controller.Controller.run_steps`): :meth:`start` sends generation; every reply the
+    loop receives for the stage goes to :meth:`on_reply`, which sends the members' calls that became possible;
+    :attr:`done` when all ran."""
+
+    def __init__(self, controller: _Driver, step: Step, state: Any, migrate_at: float):
+        self.control, self.step, self.state = controller, step, state
         self.gen, self.members = step.members[0], step.members[1:]
         self.rows = len(state.ids)
         self.threshold = math.floor(migrate_at * self.rows)
@@ -57,13 +71,18 @@ class StreamFusionStage:
 
     def start(self, pending: dict, routed: dict) -> None:
         gen, fusion = self.gen, self.step.fusion
-        payloads = self.ex.payloads(gen, self.state)
+        payloads = self.control.payloads(gen, self.state)
         share = max(1, self.rows // gen.alloc.layout.dp)
-        spec = StreamSpec(self.threshold, fusion.migrate_to, fusion.chunk or max(1, share // 4),
-                          max(self.state.tokens[s] for s in self.state.ids), self.state.max_budget,
-                          min(256, self.rows))
+        spec = StreamSpec(
+            self.threshold,
+            fusion.migrate_to,
+            fusion.chunk or max(1, share // 4),
+            max(self.state.tokens[s] for s in self.state.ids),
+            self.state.max_budget,
+            min(256, self.rows),
+        )
         for device in gen.devices:
-            stream = self.ex.workers[device].run_stream.remote(gen.id, payloads[device], spec)
+            stream = self.control.workers[device].run_stream.remote(gen.id, payloads[device], spec)
             pending[stream] = (f"MFC '{gen.id}'", gen.role, device)
             routed[stream] = (self, ("gen", device, payloads[device].publish))
 
@@ -122,18 +141,16 @@ class StreamFusionStage:
                 if part:
                     self._call(member, replica, tuple(rows[i] for i in part), pending, routed)
 
-    def _call(self, member: Step, replica: tuple[int, ...], rows: tuple[int, ...], pending: dict,
-              routed: dict) -> None:
+    def _call(self, member: Step, replica: tuple[int, ...], rows: tuple[int, ...], pending: dict, routed: dict) -> None:
         number = next(self.numbers)
-        inputs = self.ex.inputs_of(member.mfc.inputs, rows, self.state)
+        inputs = self.control.inputs_of(member.mfc.inputs, rows, self.state)
         payloads = {d: CallData(self.state.iteration, rows, inputs, (), member.alloc.publishes(d)) for d in replica}
         self.calls[number] = {"member": member, "payloads": payloads, "replies": {}}
         self.busy |= set(replica)
         for device in replica:
-            ref = self.ex.workers[device].run_step.remote(member.id, payloads[device])
+            ref = self.control.workers[device].run_step.remote(member.id, payloads[device])
             pending[ref] = (f"MFC '{member.id}'", member.role, device)
             routed[ref] = (self, ("member", number, device))
-
 
     def trace(self, iteration: int, phase: str) -> StepTrace:
         """The stage's trace: on each device, from the first to the last thing it ran for the stage (a device
@@ -144,9 +161,19 @@ class StreamFusionStage:
             mine = [(s, e) for _, d, s, e in self.parts if d == device]
             starts.append(min((s for s, _ in mine), default=self.began))
             ends.append(max((e for _, e in mine), default=ended))
-        return StepTrace(iteration, self.step.id, self.step.kind.value, None, None, self.step.devices,
-                         tuple(starts), tuple(ends), phase, tuple(sorted(self.parts, key=lambda p: p[2])),
-                         {"migrate": "migrate"} | {m.id: m.mfc.kind.value for m in self.step.members})
+        return StepTrace(
+            iteration,
+            self.step.id,
+            self.step.kind.value,
+            None,
+            None,
+            self.step.devices,
+            tuple(starts),
+            tuple(ends),
+            phase,
+            tuple(sorted(self.parts, key=lambda p: p[2])),
+            {"migrate": "migrate"} | {m.id: m.mfc.kind.value for m in self.step.members},
+        )
 
 
 def is_stream(waitable: Any) -> bool:

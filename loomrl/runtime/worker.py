@@ -15,37 +15,45 @@ import dataclasses
 import os
 import time
 import traceback
+from collections.abc import Sequence
 from datetime import timedelta
 from functools import partial
 from pathlib import Path
-from typing import Any, Sequence
+from typing import Any
 
 import torch
 import torch.distributed as dist
 
+from loomrl.algorithms.context import OpContext, Role
 from loomrl.algorithms.evaluate import evaluate_policy
 from loomrl.algorithms.metrics import rollout_metrics
-from loomrl.algorithms.context import OpContext, Role
-from loomrl.checkpoint.store import begin_save, finish_sharded_save, load_checkpoint, save_checkpoint
+from loomrl.checkpoint.optim_state import FullOptimizerState, merge_optimizer_states, with_masters
 from loomrl.checkpoint.shards import check_pieces, place_of, role_pieces, write_role_shards
+from loomrl.checkpoint.store import begin_save, finish_sharded_save, load_checkpoint, save_checkpoint
 from loomrl.data.sources import build_task
-from loomrl.role import ModelPasses, build_model, make_role, resolve_device, resolve_dtype
-from loomrl.runtime.launch import quiet_libraries
 from loomrl.models.tokenizer import decode_response, encode_prompt, task_tokenizer
-from loomrl.parallel import (apply_fsdp, apply_tensor_parallel, build_broadcast_groups, check_layout,
-                             execute_reallocation, full_state_dict, local_shard)
+from loomrl.parallel import (
+    apply_fsdp,
+    apply_tensor_parallel,
+    build_broadcast_groups,
+    check_layout,
+    execute_reallocation,
+    full_state_dict,
+    local_shard,
+)
 from loomrl.parallel.allocations import AllocationGroups
-from loomrl.parallel.role_state import init_state, state_tensors, steps_taken
 from loomrl.parallel.pipeline import split_stages
 from loomrl.parallel.pipeline_runner import PipelineRunner
-from loomrl.plan.plan import Allocation
+from loomrl.parallel.role_state import init_state, state_tensors, steps_taken
+from loomrl.plan.allocation import Allocation
 from loomrl.plan.schedule import Step, StepKind
+from loomrl.role import ModelPasses, build_model, make_role, resolve_device, resolve_dtype
+from loomrl.runtime.launch import quiet_libraries
 from loomrl.runtime.migration import MigrationControl, StreamSpec
 from loomrl.runtime.offload import HostCopy, TrainingState, bind_view, reclaim, release_storage
-from loomrl.runtime.plan_change import Move
 from loomrl.runtime.pipeline_fusion import run_pipeline_fusion
+from loomrl.runtime.plan_change import Move
 from loomrl.runtime.spec import CallData, PipelineFusionData, WorkerPlan, WorkerSpec
-from loomrl.checkpoint.optim_state import FullOptimizerState, merge_optimizer_states, with_masters
 from loomrl.workflow import MFCKind
 from loomrl.workflow.batch import Batch
 
@@ -130,14 +138,23 @@ class DeviceWorker:
     def setup(self, master_addr: str, master_port: int, plan: WorkerPlan) -> dict:
         """Join the process group, then install ``plan``: its communicators and this device's models."""
         backend = "nccl" if self.device.type == "cuda" else "gloo"
-        dist.init_process_group(backend, init_method=f"tcp://{master_addr}:{master_port}", rank=self.rank,
-                                world_size=self.world, timeout=timedelta(seconds=self.spec.timeout_s))
+        dist.init_process_group(
+            backend,
+            init_method=f"tcp://{master_addr}:{master_port}",
+            rank=self.rank,
+            world_size=self.world,
+            timeout=timedelta(seconds=self.spec.timeout_s),
+        )
         self.groups = AllocationGroups(self.rank, (), self.device.type)
         self.install(plan)
         import ray
 
-        return {"rank": self.rank, "pid": os.getpid(), "device": str(self.device),
-                "node": ray.get_runtime_context().get_node_id()}
+        return {
+            "rank": self.rank,
+            "pid": os.getpid(),
+            "device": str(self.device),
+            "node": ray.get_runtime_context().get_node_id(),
+        }
 
     def install(self, plan: WorkerPlan, extra: Sequence[Allocation] = ()) -> None:
         """Make ``plan`` the one this worker executes: create the communicators of its allocations (and of
@@ -147,8 +164,10 @@ class DeviceWorker:
         holdings = plan.schedule.holdings()
         computes = [s.alloc for s in plan.schedule.calls() if s.role is None and s.alloc.layout.dp > 1]
         self.groups.add([alloc for _, alloc in holdings] + list(self.training.values()) + computes + list(extra))
-        self.transfers = {t: self.transfers[t] if t in self.transfers else (p, build_broadcast_groups(p))
-                          for t, p in plan.transfers.items()}
+        self.transfers = {
+            t: self.transfers[t] if t in self.transfers else (p, build_broadcast_groups(p))
+            for t, p in plan.transfers.items()
+        }
         for role, alloc in holdings:
             key = (role, alloc)
             if self.rank in alloc.mesh and (key not in self.holdings or self.kinds[key] != self._kind(role, alloc)):
@@ -190,9 +209,12 @@ class DeviceWorker:
             return make_role(spec, None, self.task, None, trainable=False)
         groups = self.groups[alloc]
         sharded = alloc.layout.dp > 1
-        engine = ModelPasses(model, pipeline=pipeline,
-                             dp_group=groups.dp_group if trainable and sharded and not alloc.fsdp else None,
-                             lockstep=trainable and sharded and alloc.fsdp)
+        engine = ModelPasses(
+            model,
+            pipeline=pipeline,
+            dp_group=groups.dp_group if trainable and sharded and not alloc.fsdp else None,
+            lockstep=trainable and sharded and alloc.fsdp,
+        )
         zero_group = groups.dp_group if trainable and sharded and training.zero else None
         handle = make_role(spec, model, self.task, engine, trainable=trainable, zero_group=zero_group)
         if kind == "copy":
@@ -232,8 +254,10 @@ class DeviceWorker:
             out = self._run(step, data)
         except Exception as exc:
             what = f"MFC '{step.id}'" if step.kind is StepKind.CALL else f"step '{step.id}'"
-            raise WorkerError(f"worker {self.rank} failed in {what} (role {step.role}): "
-                              f"{type(exc).__name__}: {exc}\n{traceback.format_exc()}") from None
+            raise WorkerError(
+                f"worker {self.rank} failed in {what} (role {step.role}): "
+                f"{type(exc).__name__}: {exc}\n{traceback.format_exc()}"
+            ) from None
         return {"start": start, "end": time.time(), "rank": self.rank, **out}
 
     def _run(self, step: Step, data: Any) -> dict:
@@ -262,8 +286,9 @@ class DeviceWorker:
         step = self.steps[step_id]
         start = time.time()
         coords = step.alloc.coords(self.rank)
-        control = MigrationControl(spec, self.groups[step.alloc].mesh_group, coords.dp, coords.tp == 0,
-                                   step.alloc.layout.dp, self.device)
+        control = MigrationControl(
+            spec, self.groups[step.alloc].mesh_group, coords.dp, coords.tp == 0, step.alloc.layout.dp, self.device
+        )
         try:
             batch = gather_rows(_get(list(call.inputs)), call.sample_ids, step.mfc.inputs)
             ctx = dataclasses.replace(self._context(step, call), stream=control)
@@ -275,8 +300,10 @@ class DeviceWorker:
                     meta["tokens"] = {sid: len(r) for sid, r in zip(ids, responses)}
                 yield meta
         except Exception as exc:
-            raise WorkerError(f"worker {self.rank} failed in MFC '{step.id}' (role {step.role}): "
-                              f"{type(exc).__name__}: {exc}\n{traceback.format_exc()}") from None
+            raise WorkerError(
+                f"worker {self.rank} failed in MFC '{step.id}' (role {step.role}): "
+                f"{type(exc).__name__}: {exc}\n{traceback.format_exc()}"
+            ) from None
         yield {"done": True, "start": start, "end": time.time(), "rank": self.rank, "migrated_at": control.migrated_at}
 
     def _call(self, step: Step, call: CallData) -> dict:
@@ -303,8 +330,7 @@ class DeviceWorker:
             back_groups.append(groups.pp_back_group)
             stage_ranks.append(groups.stage_ranks)
         results = run_pipeline_fusion(ops, roles, data.order, back_groups, stage_ranks)
-        return {"members": {m.id: self._published(m, data.calls[m.id], out)
-                            for m, out in zip(step.members, results)}}
+        return {"members": {m.id: self._published(m, data.calls[m.id], out) for m, out in zip(step.members, results)}}
 
     def _published(self, step: Step, call: CallData, out: dict) -> dict:
         """A call's reply: its statistics, a reference to its output shard and its rows' token counts, where this
@@ -326,10 +352,20 @@ class DeviceWorker:
         reduce = None
         if step.role is None and step.alloc.layout.dp > 1:  # a compute call on one shard per controller
             reduce = partial(_summed, group=self.groups[step.alloc].dp_group, device=self.device)
-        return OpContext(role, self.spec.seed, call.iteration, tok.pad_token_id, tok.eos_token_id, self.decode,
-                         encode=partial(encode_prompt, tok),
-                         train_steps=call.train_steps, micro_batches=step.alloc.micro_batches,
-                         recompute=step.alloc.recompute, reduce=reduce, loss_unit=step.mfc.loss_unit)
+        return OpContext(
+            role,
+            self.spec.seed,
+            call.iteration,
+            tok.pad_token_id,
+            tok.eos_token_id,
+            self.decode,
+            encode=partial(encode_prompt, tok),
+            train_steps=call.train_steps,
+            micro_batches=step.alloc.micro_batches,
+            recompute=step.alloc.recompute,
+            reduce=reduce,
+            loss_unit=step.mfc.loss_unit,
+        )
 
     def _reallocate(self, step: Step) -> None:
         """Move a role's weights from its training layout into a copy or shadow (every source and destination
@@ -338,15 +374,27 @@ class DeviceWorker:
         plan, groups = self.transfers[step.transfer]
         src_role, dst_role = self.holdings.get((role, src)), self.holdings.get((role, dst))
         dtype = self.dtype  # FSDP's fp32 shards are rounded to the copy's type (a no-op otherwise)
-        src_tensors = {n: local_shard(p).detach().to(dtype) for n, p in src_role.model.named_parameters()} \
-            if src_role else {}
+        src_tensors = (
+            {n: local_shard(p).detach().to(dtype) for n, p in src_role.model.named_parameters()} if src_role else {}
+        )
         # the transfer writes straight into the copy's parameters, taking back their memory if freed; a shard
         # that is a contiguous span of the training shard here becomes a view of it instead (no copy, no memory)
         views = {n for n, _ in dst_role.model.named_parameters() if plan.aliased(self.rank, n)} if dst_role else set()
-        targets = None if dst_role is None else {n: reclaim(p) for n, p in dst_role.model.named_parameters()
-                                                 if n not in views}
-        out = execute_reallocation(plan, src_tensors, self.rank, groups=groups, dtypes=dtype, device=self.device,
-                                   verify=self.spec.verify_reallocation, out=targets)
+        targets = (
+            None
+            if dst_role is None
+            else {n: reclaim(p) for n, p in dst_role.model.named_parameters() if n not in views}
+        )
+        out = execute_reallocation(
+            plan,
+            src_tensors,
+            self.rank,
+            groups=groups,
+            dtypes=dtype,
+            device=self.device,
+            verify=self.spec.verify_reallocation,
+            out=targets,
+        )
         if dst_role is not None:
             params = dict(dst_role.model.named_parameters())
             for name in views:
@@ -357,8 +405,11 @@ class DeviceWorker:
         """Greedy evaluation of this worker's share of examples with the actor in the step's layout; sums."""
         share, publish = examples
         model = self.holdings[(step.role, step.alloc)].model
-        out = evaluate_policy(model, self.tokenizer, self.task, share, self.spec.eval_max_new_tokens) \
-            if share else {"exact_match": 0.0, "score": 0.0}
+        out = (
+            evaluate_policy(model, self.tokenizer, self.task, share, self.spec.eval_max_new_tokens)
+            if share
+            else {"exact_match": 0.0, "score": 0.0}
+        )
         return {"sums": {k: v * len(share) for k, v in out.items()}} if publish else {}
 
     def metrics(self, sample_ids: Sequence[int], inputs: Sequence[Any], keys: Sequence[str]) -> dict[str, float]:
@@ -374,8 +425,11 @@ class DeviceWorker:
         for (role, alloc), handle in self.holdings.items():
             if handle.model is not None:
                 views = self.views.get((role, alloc), frozenset())  # storage of the training copy
-                report[f"{role}@{alloc.text}"] = sum(local_shard(p).untyped_storage().size()
-                                                     for n, p in handle.model.named_parameters() if n not in views)
+                report[f"{role}@{alloc.text}"] = sum(
+                    local_shard(p).untyped_storage().size()
+                    for n, p in handle.model.named_parameters()
+                    if n not in views
+                )
         return report
 
     # ---------------------------------------------------------------------------------------- plan changes
@@ -410,11 +464,22 @@ class DeviceWorker:
         for kind in move.kinds:
             plan = move.weights if kind == "weights" else move.state
             dtype = self.dtype if kind == "weights" else torch.float32
-            sent = {n: t.detach().to(dtype) for n, t in state_tensors(src.model, src.optimizer, kind).items()} \
-                if src is not None else {}
+            sent = (
+                {n: t.detach().to(dtype) for n, t in state_tensors(src.model, src.optimizer, kind).items()}
+                if src is not None
+                else {}
+            )
             targets = state_tensors(dst.model, dst.optimizer, kind) if dst is not None else None
-            got = execute_reallocation(plan, sent, self.rank, groups=groups[id(plan)], dtypes=dtype,
-                                       device=self.device, verify=self.spec.verify_reallocation, out=targets)
+            got = execute_reallocation(
+                plan,
+                sent,
+                self.rank,
+                groups=groups[id(plan)],
+                dtypes=dtype,
+                device=self.device,
+                verify=self.spec.verify_reallocation,
+                out=targets,
+            )
             with torch.no_grad():
                 for name, tensor in got.items():  # shards the plan aliases come back as views of the old ones
                     if targets is not None and name in targets and tensor.data_ptr() != targets[name].data_ptr():
@@ -433,8 +498,11 @@ class DeviceWorker:
         coords = alloc.coords(self.rank)
         if coords.dp or coords.tp:
             return {}
-        return {"state": (_put({"weights": weights, "optim": optim, "cls": type(handle.model),
-                                "config": handle.model.config}),)}
+        return {
+            "state": (
+                _put({"weights": weights, "optim": optim, "cls": type(handle.model), "config": handle.model.config}),
+            )
+        }
 
     def save(self, run_dir: str, iteration: int, state: dict, keep_last: int, exports: dict) -> str:
         """Write the checkpoint from the roles' exported states (this worker need not hold any of them)."""
@@ -443,10 +511,12 @@ class DeviceWorker:
             parts = _get([ref[0] for ref in refs])  # one per pipeline stage
             weights = {k: v for part in parts for k, v in part["weights"].items()}
             models[role] = _plain_copy(parts[0]["cls"], parts[0]["config"], weights)
-            optims[role] = FullOptimizerState(models[role], None, gathered=merge_optimizer_states(
-                [part["optim"] for part in parts]))
-        return str(save_checkpoint(Path(run_dir), iteration, models, self.tokenizer, optims, state,
-                                   keep_last=keep_last))
+            optims[role] = FullOptimizerState(
+                models[role], None, gathered=merge_optimizer_states([part["optim"] for part in parts])
+            )
+        return str(
+            save_checkpoint(Path(run_dir), iteration, models, self.tokenizer, optims, state, keep_last=keep_last)
+        )
 
     def _pieces(self) -> dict[str, tuple[Role, dict, dict]]:
         """Per trained role this device holds training state of: its holding, where its pieces sit and the
@@ -470,8 +540,10 @@ class DeviceWorker:
 
     def save_shards(self, tmp: str) -> dict:
         """Write this device's pieces of every trained role into the save's directory (no communication)."""
-        return {role: write_role_shards(Path(tmp), role, handle.model, handle.optimizer, place, pieces)
-                for role, (handle, place, pieces) in self._pieces().items()}
+        return {
+            role: write_role_shards(Path(tmp), role, handle.model, handle.optimizer, place, pieces)
+            for role, (handle, place, pieces) in self._pieces().items()
+        }
 
     def finish_save(self, tmp: str, iteration: int, state_json: str, keep_last: int, parts: dict) -> str:
         """Index, tokenizer, RNG, state and manifest of a sharded save, then its rename into place."""
@@ -479,12 +551,18 @@ class DeviceWorker:
 
     def load(self, path: str) -> dict:
         """Every holder of a trained role's training weights loads them (and its optimizer state)."""
-        mine = {role: self.holdings[(role, alloc.shards)] for role, alloc in self.training.items()
-                if (role, alloc.shards) in self.holdings}
-        return load_checkpoint(Path(path), {n: r.model for n, r in mine.items()},
-                               {n: FullOptimizerState(r.model, r.optimizer) for n, r in mine.items()},
-                               restore_rng=self.rank == 0,
-                               places={n: place_of(self.training[n], self.rank) for n in mine})
+        mine = {
+            role: self.holdings[(role, alloc.shards)]
+            for role, alloc in self.training.items()
+            if (role, alloc.shards) in self.holdings
+        }
+        return load_checkpoint(
+            Path(path),
+            {n: r.model for n, r in mine.items()},
+            {n: FullOptimizerState(r.model, r.optimizer) for n, r in mine.items()},
+            restore_rng=self.rank == 0,
+            places={n: place_of(self.training[n], self.rank) for n in mine},
+        )
 
     def shutdown(self) -> None:
         if dist.is_initialized():

@@ -1,7 +1,8 @@
 """Dynamic placement (G-Core, ``runtime.placement: dynamic``): between iterations, re-plan for what the run
 observes and switch plans when the predicted gain pays for the switch.
 
-After each iteration the trainer hands :class:`DynamicPlacement` the iteration's metrics, and it
+After each iteration the trainer hands :class:`DynamicPlacement` the plan in force, the iteration's metrics and
+its response lengths (:attr:`loomrl.runtime.executor.IterationResult.response_lengths`), and it
 
 1. refits the cost model's corrections on the run's latest iterations (``runtime.dynamic.history``: their
    per-call times, :func:`loomrl.planner.replanning.replanning.refit`);
@@ -29,32 +30,25 @@ from __future__ import annotations
 
 import json
 import time
-from pathlib import Path
-from typing import Mapping
+from collections.abc import Mapping, Sequence
 
 import torch
 
 from loomrl.config.schema import TrainConfig
-from loomrl.role.devices import resolve_dtype
-from loomrl.runtime.launch import ray_address
-from loomrl.models.tokenizer import task_tokenizer
 from loomrl.plan import ExecutionPlan
 from loomrl.plan.plan_string import format_plan_string
 from loomrl.plan.schedule import build_schedule
-from loomrl.planner.calibration.local import usable_cores
-from loomrl.planner.calibration.runs import sharing_profile
 from loomrl.planner.cost.corrections import Corrections
-from loomrl.planner.cost.model import PRECISION_BYTES
+from loomrl.planner.inputs import PlannerInputs
+from loomrl.planner.replanning.replanning import Observed, price_plans, refit, search_candidates, switch_seconds
 from loomrl.planner.replanning.switch_rule import CheckBudget, Decision, SwitchPolicy, SwitchRule, Telemetry
-from loomrl.planner.planning import model_config
-from loomrl.plan.hardware import load_profile, profile_for
-from loomrl.planner.replanning.replanning import Observed, RunModel, price_plans, refit, search_candidates, switch_seconds
-from loomrl.report.run_timeline import PLACEMENT_FILE
 from loomrl.planner.search.search import plan_key
+from loomrl.role.devices import resolve_dtype
+from loomrl.run_dir import RunDir
 from loomrl.runtime.plan_change import plan_moves
-from loomrl.runtime.spec import WorkerPlan
+from loomrl.runtime.spec import WorkerPlan, WorkerSpec
 
-__all__ = ["DynamicPlacement", "OBSERVED_ITERATIONS", "PLACEMENT_FILE"]
+__all__ = ["DynamicPlacement", "OBSERVED_ITERATIONS"]
 
 OBSERVED_ITERATIONS = 2
 """Iterations of response lengths the observed workload is made of: recent enough to follow a drift, two to
@@ -62,25 +56,29 @@ smooth one batch's luck."""
 
 
 class DynamicPlacement:
-    """Re-plans a Ray run between iterations and decides whether to switch (module docstring)."""
+    """Re-plans a Ray run between iterations and decides whether to switch (module docstring). It is given what it
+    needs (the run's worker spec and cluster at construction; the plan in force, metrics and response lengths at
+    each check) and reads nothing of the executor."""
 
-    def __init__(self, cfg: TrainConfig, workflow, executor, batch: int):
+    def __init__(self, cfg: TrainConfig, inputs: PlannerInputs, spec: WorkerSpec):
         rt = cfg.runtime
-        self.settings, self.executor, self.seed = rt.dynamic, executor, cfg.seed
-        self.path = Path(cfg.run_dir) / PLACEMENT_FILE
-        cluster = executor.cluster
-        tokenizer = task_tokenizer(executor.spec.task, executor.spec.tokenizer)
-        configs = {role: None if spec.model is None else model_config(spec.model, tokenizer)
-                   for role, spec in executor.spec.roles.items()}
-        profile = load_profile(rt.cost_profile) if rt.cost_profile else profile_for(cluster)
-        local = cluster.device_kind == "cpu" and ray_address(rt.ray_address) is None
-        self.model = RunModel(workflow, cluster, sharing_profile(profile, cluster, usable_cores() if local else None),
-                              configs, batch, cfg.algo.ppo_epochs, cfg.algo.minibatches,
-                              PRECISION_BYTES.get(rt.precision), samples_per_prompt=cfg.algo.samples_per_prompt)
-        self.prior = Corrections.load(rt.cost_corrections) if rt.cost_corrections else None
+        self.settings, self.spec, self.seed = rt.dynamic, spec, cfg.seed
+        self.path = RunDir(cfg.run_dir).placement
+        self.inputs = inputs
+        """The run's planner inputs (the trainer's): workflow, cluster, profile, models, workload."""
+        self.prior = inputs.corrections
+        """The corrections the run was given (``runtime.cost_corrections``): what it has not measured keeps them."""
+        self.observed: dict[int, list[dict]] = {}
+        """Each recorded iteration's calls as priced observations, kept across refits (:func:`refit`)."""
         d = rt.dynamic
         self.policy = SwitchPolicy(SwitchRule(d.window, d.margin_s, d.min_gain, d.confirm, d.dwell))
+        self.masters = resolve_dtype(spec.precision, torch.device(inputs.cluster.device_kind)) != torch.float32
+        """Whether the weights are 16-bit, so a switch moves their fp32 masters too."""
         self.records: list[Observed] = []
+        self.lengths: list[list[int]] = []
+        """The response lengths of the last :data:`OBSERVED_ITERATIONS` iterations: the observed workload."""
+        self._in_force: tuple[ExecutionPlan, WorkerPlan] | None = None
+        """The plan in force at the last switch priced, with what it asks of the workers (built once per plan)."""
         self.pool: list[ExecutionPlan] = []
         self.searched_seq = 0.0
         """Mean sample length of the workload the pool was searched for (0: not searched yet)."""
@@ -95,37 +93,46 @@ class DynamicPlacement:
         """The switch decided last took ``measured_s`` seconds (``apply_plan``, measured by the trainer)."""
         self.extra_s.append(max(0.0, measured_s - self.priced_s))
 
-    def check(self, iteration: int, plan: ExecutionPlan, metrics: Mapping[str, float], remaining: int
-              ) -> tuple[Decision, ExecutionPlan | None] | None:
-        """Record iteration ``iteration`` (run under ``plan``) and decide for the next one: the decision and the
-        plan to switch to (None to stay); None before any iteration was measured without one-off costs, and for a
-        check the budget skips (``runtime.dynamic.check_share``)."""
+    def check(
+        self, iteration: int, plan: ExecutionPlan, metrics: Mapping[str, float], lengths: Sequence[int], remaining: int
+    ) -> tuple[Decision, ExecutionPlan | None] | None:
+        """Record iteration ``iteration`` (run under ``plan``, its samples' response ``lengths``) and decide for the
+        next one: the decision and the plan to switch to (None to stay); None before any iteration was measured
+        without one-off costs, and for a check the budget skips (``runtime.dynamic.check_share``)."""
         began = time.perf_counter()
         first = not self.records or self.records[-1].plan != plan
-        self.records = (self.records + [Observed(iteration, plan, dict(metrics), first)])[-self.settings.history:]
+        self.records = (self.records + [Observed(iteration, plan, dict(metrics), first)])[-self.settings.history :]
+        self.lengths = (self.lengths + [list(lengths)])[-OBSERVED_ITERATIONS:]
         self.budget.ran(metrics.get("time/iteration_s", 0.0))
-        lengths = [n for past in self.executor.response_lengths[-OBSERVED_ITERATIONS:] for n in past]
-        workload = self.model.workload(lengths, metrics.get("prompt/length", 0.0))
+        observed = [n for past in self.lengths for n in past]
+        workload = self.inputs.workload_of(observed, metrics.get("prompt/length", 0.0))
         searched = not self.searched_seq or abs(workload.mean_seq / self.searched_seq - 1) > self.settings.drift
         if not searched and not self.budget.allows():
             return None
-        corrections = refit(self.model, self.records, self.prior)
+        corrections = refit(self.inputs, self.records, self.prior, self.observed)
         if corrections is None:
             return None
-        cost = self.model.cost(workload, corrections)
+        cost = self.inputs.cost_model(workload, corrections)
         if searched:
             budget = min(self.settings.search_s, self.settings.search_share * metrics["time/iteration_s"])
-            self.pool = search_candidates(self.model, cost, plan, budget, self.seed + iteration)
+            self.pool = search_candidates(self.inputs, cost, plan, budget, self.seed + iteration)
             self.searched_seq = cost.workload.mean_seq
         others = [p for p in self.pool if plan_key(p) != plan_key(plan)]
-        current_s, *times = price_plans([plan, *others], self.model.workflow, cost)
+        current_s, *times = price_plans([plan, *others], self.inputs.workflow, cost)
         best = min(range(len(others)), key=times.__getitem__, default=None)
         candidate, candidate_s, switch_s = None, current_s, 0.0
         if best is not None and times[best] < float("inf"):
             candidate, candidate_s = others[best], times[best]
-            switch_s = self._switch_price(cost, candidate)
-        telemetry = Telemetry(iteration, current_s, candidate_s, switch_s, remaining, self._text(plan),
-                              self._text(candidate) if candidate is not None else "")
+            switch_s = self._switch_price(cost, plan, candidate)
+        telemetry = Telemetry(
+            iteration,
+            current_s,
+            candidate_s,
+            switch_s,
+            remaining,
+            self._text(plan),
+            self._text(candidate) if candidate is not None else "",
+        )
         decision = self.policy.decide(telemetry)
         self.priced_s = switch_s - self._extra()
         self._log(decision, searched, len(self.pool), corrections)
@@ -133,36 +140,52 @@ class DynamicPlacement:
             self.budget.spent(time.perf_counter() - began)
         return decision, candidate if decision.switch else None
 
-    def _switch_price(self, cost, candidate: ExecutionPlan) -> float:
-        """Priced seconds of switching the executor's plan to ``candidate``, plus the mean unpriced remainder of
-        the switches measured so far."""
-        ex = self.executor
-        schedule = build_schedule(self.model.workflow, candidate)
-        new = WorkerPlan(schedule, {t: None for t in schedule.transfers()})  # what moves, not how: no transfer plans
-        masters = resolve_dtype(ex.spec.precision, torch.device(ex.cluster.device_kind)) != torch.float32
-        stepped = {role: 1 for role, spec in ex.spec.roles.items() if spec.trained}  # every check follows a step
-        moves = plan_moves(ex.worker_plan, new, ex.spec.roles, masters, stepped, lambda *_: None)
-        return switch_seconds(cost, moves, schedule.prologue) + self._extra()
+    def _switch_price(self, cost, plan: ExecutionPlan, candidate: ExecutionPlan) -> float:
+        """Priced seconds of switching from ``plan`` (the plan in force) to ``candidate``, plus the mean unpriced
+        remainder of the switches measured so far."""
+        if self._in_force is None or self._in_force[0] != plan:
+            self._in_force = (plan, self._worker_plan(plan))
+        new = self._worker_plan(candidate)
+        stepped = {role: 1 for role, spec in self.spec.roles.items() if spec.trained}  # every check follows a step
+        moves = plan_moves(self._in_force[1], new, self.spec.roles, self.masters, stepped, lambda *_: None)
+        return switch_seconds(cost, moves, new.schedule.prologue) + self._extra()
+
+    def _worker_plan(self, plan: ExecutionPlan) -> WorkerPlan:
+        """What ``plan`` asks of the workers as one controller runs it (dynamic placement runs with one: a config
+        rule; the executor's plan is then ``plan`` itself), without transfer plans: :func:`plan_moves` needs what
+        moves (the schedule's allocations), not how."""
+        schedule = build_schedule(self.inputs.workflow, plan)
+        return WorkerPlan(schedule, {t: None for t in schedule.transfers()})
 
     def _extra(self) -> float:
         return sum(self.extra_s) / len(self.extra_s) if self.extra_s else 0.0
 
     def _text(self, plan: ExecutionPlan) -> str:
-        return format_plan_string(plan, self.model.workflow)
+        return format_plan_string(plan, self.inputs.workflow)
 
     def _log(self, decision: Decision, searched: bool, candidates: int, corrections: Corrections) -> None:
-        record = {**decision.to_dict(), "searched": searched, "candidates": candidates,
-                  "corrections": corrections.to_dict()}
+        record = {
+            **decision.to_dict(),
+            "searched": searched,
+            "candidates": candidates,
+            "corrections": corrections.to_dict(),
+        }
         with open(self.path, "a", encoding="utf-8") as f:
             f.write(json.dumps(record, ensure_ascii=False) + "\n")
 
 
-def timed_check(placement: DynamicPlacement, iteration: int, plan: ExecutionPlan, metrics: dict,
-                remaining: int) -> ExecutionPlan | None:
-    """Run ``placement``'s check, adding the decision and the seconds it took to ``metrics``; the plan to switch
-    to, or None."""
+def timed_check(
+    placement: DynamicPlacement,
+    iteration: int,
+    plan: ExecutionPlan,
+    metrics: dict,
+    lengths: Sequence[int],
+    remaining: int,
+) -> ExecutionPlan | None:
+    """Run ``placement``'s check of iteration ``iteration`` (its response ``lengths``), adding the decision and the
+    seconds it took to ``metrics``; the plan to switch to, or None."""
     t0 = time.perf_counter()
-    outcome = placement.check(iteration, plan, metrics, remaining)
+    outcome = placement.check(iteration, plan, metrics, lengths, remaining)
     metrics["time/placement_s"] = time.perf_counter() - t0
     if outcome is None:
         return None

@@ -11,13 +11,20 @@ from __future__ import annotations
 
 import sys
 import time
-from typing import Mapping, TextIO
+from collections.abc import Mapping
+from typing import TextIO
 
 from rich.console import Console
 from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeElapsedColumn, TimeRemainingColumn
 
-SHOWN = (("reward/mean", "reward"), ("kl/mean", "kl"), ("response/length", "len"),
-         ("perf/samples_per_s", "samples/s"), ("eval/exact_match", "eval"), ("loss", "loss"))
+SHOWN = (
+    ("reward/mean", "reward"),
+    ("kl/mean", "kl"),
+    ("response/length", "len"),
+    ("perf/samples_per_s", "samples/s"),
+    ("eval/exact_match", "eval"),
+    ("loss", "loss"),
+)
 
 
 def format_duration(seconds: float) -> str:
@@ -33,18 +40,31 @@ def format_duration(seconds: float) -> str:
 class RunProgress:
     """Context manager; ``update(iteration, metrics)`` advances the bar (or prints a line) with the shown metrics."""
 
-    def __init__(self, total: int, start: int = 0, enabled: bool = True, description: str = "train",
-                 every: int = 10, stream: TextIO | None = None):
+    def __init__(
+        self,
+        total: int,
+        start: int = 0,
+        enabled: bool = True,
+        description: str = "train",
+        every: int = 10,
+        stream: TextIO | None = None,
+    ):
         self.enabled = enabled
         self.total, self.start, self.description, self.every = total, start, description, max(1, every)
         self.stream = stream if stream is not None else sys.stdout
         self.shown: dict[str, float] = {}
         self.plain = enabled and not Console(file=self.stream).is_terminal
-        self.progress = Progress(TextColumn("[bold]{task.description}"), BarColumn(), MofNCompleteColumn(),
-                                 TextColumn("{task.fields[stats]}"), TimeElapsedColumn(), TimeRemainingColumn(),
-                                 disable=not enabled or self.plain)
+        self.progress = Progress(
+            TextColumn("[bold]{task.description}"),
+            BarColumn(),
+            MofNCompleteColumn(),
+            TextColumn("{task.fields[stats]}"),
+            TimeElapsedColumn(),
+            TimeRemainingColumn(),
+            disable=not enabled or self.plain,
+        )
 
-    def __enter__(self) -> "RunProgress":
+    def __enter__(self) -> RunProgress:
         self.t0 = time.monotonic()
         self.progress.__enter__()
         self.task = self.progress.add_task(self.description, total=self.total, completed=self.start, stats="")
@@ -69,5 +89,7 @@ class RunProgress:
         """The plain progress line after ``done`` of ``total`` steps, ``elapsed`` seconds into this process."""
         ran = done - self.start
         left = elapsed / ran * (self.total - done) if ran > 0 else 0.0
-        timing = f"{format_duration(elapsed)} elapsed" + (f", ~{format_duration(left)} left" if done < self.total else "")
+        timing = f"{format_duration(elapsed)} elapsed" + (
+            f", ~{format_duration(left)} left" if done < self.total else ""
+        )
         return f"{self.description} {done}/{self.total} {self.stats()} | {timing}".replace("  ", " ")

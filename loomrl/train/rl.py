@@ -21,42 +21,55 @@ from pathlib import Path
 
 import torch
 
+from loomrl.algorithms.context import Role
 from loomrl.algorithms.dynamic_sampling import DynamicSampler
 from loomrl.algorithms.evaluate import evaluate_policy
 from loomrl.algorithms.metrics import rollout_metrics
-from loomrl.algorithms.context import Role
 from loomrl.algorithms.workflows import build_workflow
 from loomrl.checkpoint.store import latest_checkpoint, remove_leftovers
 from loomrl.config.schema import TrainConfig
 from loomrl.config.tools import dump_yaml, to_dict
 from loomrl.data.sources import build_task, examples_window, held_out, prompt_source
-from loomrl.role import (ModelPasses, RoleSpec, build_model, make_role, resolve_device, resolve_dtype, role_specs,
-                           set_threads)
 from loomrl.errors import ConfigError, DataError, LoomError
-from loomrl.runtime.launch import ray_address, runtime_cluster
 from loomrl.models.tokenizer import decode_response, encode_prompt, task_tokenizer
 from loomrl.models.zoo import check_model_spec
 from loomrl.plan import ClusterSpec, ExecutionPlan, colocate
 from loomrl.plan.from_config import plan_from_config
 from loomrl.plan.plan_string import format_plan_string
 from loomrl.plan.schedule import build_schedule
+from loomrl.planner.calibration.local import usable_cores
+from loomrl.planner.inputs import PlannerInputs, inputs_from_config
 from loomrl.report import MetricsLogger, plot_reward_curve
 from loomrl.report.backends import check_backends, open_backends
-from loomrl.report.html import PLAN_FILE, write_run_report
-from loomrl.runtime.reference import IterationResult, ReferenceExecutor
+from loomrl.report.html import write_run_report
+from loomrl.role import (
+    ModelPasses,
+    RoleSpec,
+    build_model,
+    make_role,
+    resolve_device,
+    resolve_dtype,
+    role_specs,
+    set_threads,
+)
+from loomrl.run_dir import RunDir
+from loomrl.runtime.executor import Executor, IterationResult
+from loomrl.runtime.launch import ray_address, runtime_cluster
+from loomrl.runtime.reference import ReferenceExecutor
 from loomrl.runtime.spec import WorkerSpec
-from loomrl.train.dynamic_placement import PLACEMENT_FILE, DynamicPlacement, timed_check
+from loomrl.train.dynamic_placement import DynamicPlacement, timed_check
 from loomrl.train.progress import RunProgress
 from loomrl.workflow import Workflow
 from loomrl.workflow.batch import Batch
 
-FAILURES_FILE = "failures.jsonl"
-"""One line per recovery from a lost worker or controller (``runtime.max_failures``)."""
-
 
 def check_models(cfg: TrainConfig) -> None:
-    specs = {"actor.model": cfg.actor.model, "critic.model": cfg.critic.model, "reward.model": cfg.reward.model,
-             **{f"reward.judges[{i}].model": j.model for i, j in enumerate(cfg.reward.judges)}}
+    specs = {
+        "actor.model": cfg.actor.model,
+        "critic.model": cfg.critic.model,
+        "reward.model": cfg.reward.model,
+        **{f"reward.judges[{i}].model": j.model for i, j in enumerate(cfg.reward.judges)},
+    }
     for field, spec in specs.items():
         if spec is not None:
             try:
@@ -68,18 +81,30 @@ def check_models(cfg: TrainConfig) -> None:
 def worker_spec(cfg: TrainConfig, workflow: Workflow) -> WorkerSpec:
     """What every worker of the run needs: its roles' specs and the settings that reach a device."""
     rt = cfg.runtime
-    return WorkerSpec(role_specs(cfg, workflow.roles()), cfg.task, cfg.actor.model, cfg.seed, rt.device,
-                      rt.precision, rt.threads, rt.timeout_s, rt.verify_reallocation, cfg.rollout.max_new_tokens)
+    return WorkerSpec(
+        role_specs(cfg, workflow.roles()),
+        cfg.task,
+        cfg.actor.model,
+        cfg.seed,
+        rt.device,
+        rt.precision,
+        rt.threads,
+        rt.timeout_s,
+        rt.verify_reallocation,
+        cfg.rollout.max_new_tokens,
+    )
 
 
-def build_roles(specs: dict[str, RoleSpec], tokenizer, task, device: torch.device, dtype: torch.dtype
-                ) -> dict[str, Role]:
+def build_roles(
+    specs: dict[str, RoleSpec], tokenizer, task, device: torch.device, dtype: torch.dtype
+) -> dict[str, Role]:
     """Every role whole in this process (the reference executor's): trained roles with their optimizers."""
     roles = {}
     for name, spec in specs.items():
         model = build_model(spec, tokenizer, device, dtype)
-        roles[name] = make_role(spec, model, task, None if model is None else ModelPasses(model),
-                                trainable=spec.trained)
+        roles[name] = make_role(
+            spec, model, task, None if model is None else ModelPasses(model), trainable=spec.trained
+        )
     return roles
 
 
@@ -112,20 +137,48 @@ def run_plan(cfg: TrainConfig, workflow: Workflow, cluster: ClusterSpec, text: s
     return plan_from_config(cfg.runtime, workflow, cluster, text)
 
 
-def make_executor(cfg: TrainConfig, workflow: Workflow, plan: ExecutionPlan, tokenizer, task, device: torch.device):
-    """The executor named by ``runtime.executor``, with every role built, running ``plan``."""
+def planner_inputs(cfg: TrainConfig, workflow: Workflow, cluster: ClusterSpec, tokenizer) -> PlannerInputs:
+    """The run's planner inputs on ``cluster``, built once: what the runtime prices its own decisions with and
+    dynamic placement re-plans with. Worker processes on this machine's CPUs share its cores."""
+    local = cluster.device_kind == "cpu" and ray_address(cfg.runtime.ray_address) is None
+    return inputs_from_config(
+        cfg, cluster, workflow=workflow, cores=usable_cores() if local else None, tokenizer=tokenizer
+    )
+
+
+def make_executor(
+    cfg: TrainConfig,
+    workflow: Workflow,
+    plan: ExecutionPlan,
+    tokenizer,
+    task,
+    device: torch.device,
+    inputs: PlannerInputs | None,
+) -> Executor:
+    """The executor named by ``runtime.executor``, with every role built, running ``plan``; the Ray executor
+    prices its own decisions with ``inputs``."""
     if cfg.runtime.executor == "ray":
         from loomrl.runtime.ray_executor import RayExecutor  # imports Ray only when asked for
 
-        return RayExecutor(cfg.runtime, worker_spec(cfg, workflow), workflow, plan,
-                           group_size=cfg.algo.samples_per_prompt)
+        assert inputs is not None, "the Ray executor prices its own decisions: give it the run's planner inputs"
+        return RayExecutor(
+            cfg.runtime, worker_spec(cfg, workflow), workflow, plan, inputs, group_size=cfg.algo.samples_per_prompt
+        )
     dtype = resolve_dtype(cfg.runtime.precision, device)
     roles = build_roles(role_specs(cfg, workflow.roles()), tokenizer, task, device, dtype)
     decode = partial(decode_response, tokenizer)
     evaluate = partial(_evaluate, tokenizer=tokenizer, task=task, max_new_tokens=cfg.rollout.max_new_tokens)
-    return ReferenceExecutor(build_schedule(workflow, plan), roles, cfg.seed, tokenizer.pad_token_id,
-                             tokenizer.eos_token_id, decode, metrics_fn=partial(rollout_metrics, decode=decode, task=task),
-                             evaluate_fn=evaluate, tokenizer=tokenizer)
+    return ReferenceExecutor(
+        build_schedule(workflow, plan),
+        roles,
+        cfg.seed,
+        tokenizer.pad_token_id,
+        tokenizer.eos_token_id,
+        decode,
+        metrics_fn=partial(rollout_metrics, decode=decode, task=task),
+        evaluate_fn=evaluate,
+        tokenizer=tokenizer,
+    )
 
 
 def _evaluate(model, examples, tokenizer, task, max_new_tokens: int) -> dict[str, float]:
@@ -143,6 +196,7 @@ def absolute_paths(cfg: TrainConfig) -> TrainConfig:
 
     The workers of a run may start elsewhere (on a cluster started by ``ray start``, in the directory it ran
     in), where a relative path would name another file or none; zoo names and keywords stay as they are."""
+
     def path(value: str | None, keywords: tuple[str, ...] = ()) -> str | None:
         return str(Path(value).resolve()) if value and value not in keywords and os.path.exists(value) else value
 
@@ -151,18 +205,32 @@ def absolute_paths(cfg: TrainConfig) -> TrainConfig:
         return f"{path(module)}{colon}{function}" if colon and module.endswith(".py") else spec
 
     task = cfg.task
-    task = dataclasses.replace(task, prompt_file=path(task.prompt_file), eval_file=path(task.eval_file),
-                               tokenizer=path(task.tokenizer, ("auto", "task")),
-                               chat_template=path(task.chat_template, ("auto", "none")),
-                               reward_fn=reward(task.reward_fn), reward_fns=tuple(reward(s) for s in task.reward_fns))
+    task = dataclasses.replace(
+        task,
+        prompt_file=path(task.prompt_file),
+        eval_file=path(task.eval_file),
+        tokenizer=path(task.tokenizer, ("auto", "task")),
+        chat_template=path(task.chat_template, ("auto", "none")),
+        reward_fn=reward(task.reward_fn),
+        reward_fns=tuple(reward(s) for s in task.reward_fns),
+    )
     sampling = cfg.algo.dynamic_sampling
     algo = dataclasses.replace(cfg.algo, dynamic_sampling=dataclasses.replace(sampling, filter=reward(sampling.filter)))
     return dataclasses.replace(
-        cfg, run_dir=str(Path(cfg.run_dir).resolve()), task=task, algo=algo,
+        cfg,
+        run_dir=str(Path(cfg.run_dir).resolve()),
+        task=task,
+        algo=algo,
         actor=dataclasses.replace(cfg.actor, model=path(cfg.actor.model)),
         critic=dataclasses.replace(cfg.critic, model=path(cfg.critic.model)),
-        reward=dataclasses.replace(cfg.reward, model=path(cfg.reward.model), judges=tuple(
-            dataclasses.replace(j, model=path(j.model), verdict=reward(j.verdict)) for j in cfg.reward.judges)))
+        reward=dataclasses.replace(
+            cfg.reward,
+            model=path(cfg.reward.model),
+            judges=tuple(
+                dataclasses.replace(j, model=path(j.model), verdict=reward(j.verdict)) for j in cfg.reward.judges
+            ),
+        ),
+    )
 
 
 class RLTrainer:
@@ -183,7 +251,11 @@ class RLTrainer:
         self.workflow = build_workflow(cfg.algo, cfg.rollout, cfg.reward)
         self.plans = self._plans(run_cluster(cfg))  # every plan checked before any worker starts
         self.plan = self.plans[0]
-        self.executor = make_executor(cfg, self.workflow, self.plan, self.tokenizer, self.task, self.device)
+        self.inputs = self._inputs()
+        self.executor: Executor = make_executor(
+            cfg, self.workflow, self.plan, self.tokenizer, self.task, self.device, self.inputs
+        )
+        """What runs the iterations: only the :class:`~loomrl.runtime.executor.Executor` protocol is used of it."""
         self.placement = self._placement()
         self.sampler = self._sampler()
         self.state = RunState()
@@ -211,12 +283,19 @@ class RLTrainer:
                     raise ConfigError(f"runtime.plan_changes.{iteration}: {err}") from None
         return plans
 
-    def _placement(self) -> DynamicPlacement | None:
-        """Dynamic placement of the current executor (``runtime.placement: dynamic``), or None."""
-        if self.cfg.runtime.placement != "dynamic":
+    def _inputs(self) -> PlannerInputs | None:
+        """The planner inputs of a Ray run on ``self.plan``'s cluster (:func:`planner_inputs`); None for the
+        reference executor, which prices nothing."""
+        if self.cfg.runtime.executor != "ray":
             return None
-        return DynamicPlacement(self.cfg, self.workflow, self.executor, self.cfg.rollout.prompts_per_iter *
-                                self.group_size)
+        return planner_inputs(self.cfg, self.workflow, self.plan.cluster, self.tokenizer)
+
+    def _placement(self) -> DynamicPlacement | None:
+        """Dynamic placement (``runtime.placement: dynamic``) of a run starting on ``self.plan``'s cluster, or
+        None."""
+        if self.cfg.runtime.placement != "dynamic" or self.inputs is None:
+            return None
+        return DynamicPlacement(self.cfg, self.inputs, worker_spec(self.cfg, self.workflow))
 
     def _sampler(self) -> DynamicSampler | None:
         """Dynamic sampling's waves across iterations (``algo.dynamic_sampling``), or None."""
@@ -244,12 +323,15 @@ class RLTrainer:
         examples = examples_window(self.train_prompts, start, n)
         ids = [(start + i) * g + j for i in range(n) for j in range(g)]
         rows = [ex for ex in examples for _ in range(g)]
-        return Batch(ids, {
-            "prompt_ids": [encode_prompt(self.tokenizer, ex.model_input) for ex in rows],
-            "prompt_text": [ex.prompt for ex in rows],
-            "answer": [ex.answer for ex in rows],
-            "row": [ex.row for ex in rows],
-        })
+        return Batch(
+            ids,
+            {
+                "prompt_ids": [encode_prompt(self.tokenizer, ex.model_input) for ex in rows],
+                "prompt_text": [ex.prompt for ex in rows],
+                "answer": [ex.answer for ex in rows],
+                "row": [ex.row for ex in rows],
+            },
+        )
 
     def resume(self) -> bool:
         """Load the latest checkpoint of run_dir, if any; returns whether one was found."""
@@ -261,9 +343,11 @@ class RLTrainer:
         self.state = RunState(iteration=int(state["iteration"]) + 1)
         if self.sampler is not None:
             if "sampler" not in state:
-                raise ConfigError(f"algo.dynamic_sampling: checkpoint '{path}' was written without dynamic sampling "
-                                  "and has no sampler state to resume (valid: resume it with "
-                                  "algo.dynamic_sampling.enabled=false)")
+                raise ConfigError(
+                    f"algo.dynamic_sampling: checkpoint '{path}' was written without dynamic sampling "
+                    "and has no sampler state to resume (valid: resume it with "
+                    "algo.dynamic_sampling.enabled=false)"
+                )
             self.sampler.load_state_dict(state["sampler"])
         return True
 
@@ -272,12 +356,21 @@ class RLTrainer:
         if self.sampler is not None:  # the waves drew prompts as they went
             state["data_position"] = self.sampler.cursor
             state["sampler"] = self.sampler.state_dict()
-        return self.executor.save(self.run_dir, iteration, state, self.cfg.checkpoint.keep_last,
-                                  sharded=self.cfg.checkpoint.format == "sharded")
+        return self.executor.save(
+            self.run_dir,
+            iteration,
+            state,
+            self.cfg.checkpoint.keep_last,
+            sharded=self.cfg.checkpoint.format == "sharded",
+        )
 
     def iteration_metrics(self, result: IterationResult, seconds: float) -> dict[str, float]:
-        metrics = {**result.stats, "perf/samples_per_s": self.cfg.rollout.prompts_per_iter * self.group_size / seconds,
-                   "time/iteration_s": seconds, **self.recovery}
+        metrics = {
+            **result.stats,
+            "perf/samples_per_s": self.cfg.rollout.prompts_per_iter * self.group_size / seconds,
+            "time/iteration_s": seconds,
+            **self.recovery,
+        }
         self.recovery = {}
         for trace in result.traces:
             if trace.kind in ("call", "stream_fusion", "pipeline_fusion"):  # every wave's, with dynamic sampling
@@ -288,7 +381,7 @@ class RLTrainer:
     def write_traces(self, traces) -> None:
         """Each executed step's start and end per device, so any run can be drawn like a simulated plan and
         checked against its schedule (`loomrl timeline`)."""
-        with open(self.run_dir / "traces.jsonl", "a", encoding="utf-8") as f:
+        with open(RunDir(self.run_dir).traces, "a", encoding="utf-8") as f:
             for trace in traces:
                 f.write(json.dumps(trace.to_dict(), ensure_ascii=False) + "\n")
 
@@ -304,7 +397,7 @@ class RLTrainer:
                 try:
                     return self._run(resume)
                 except LoomError as err:
-                    if not getattr(err, "recoverable", False) or failures >= self.cfg.runtime.max_failures:
+                    if not err.recoverable or failures >= self.cfg.runtime.max_failures:
                         raise
                     failures += 1
                     self._recover(err, failures)
@@ -321,15 +414,25 @@ class RLTrainer:
         self.executor.close()
         checkpoint = latest_checkpoint(self.run_dir)
         resumes_after = int(json.loads((checkpoint / "state.json").read_text())["iteration"]) if checkpoint else -1
-        record = {"failure": failures, "iteration": failed_at, "resumes_after": resumes_after,
-                  "replayed_iterations": max(self.completed - resumes_after, 0), "error": str(err), "time": time.time()}
-        with open(self.run_dir / FAILURES_FILE, "a") as f:
+        record = {
+            "failure": failures,
+            "iteration": failed_at,
+            "resumes_after": resumes_after,
+            "replayed_iterations": max(self.completed - resumes_after, 0),
+            "error": str(err),
+            "time": time.time(),
+        }
+        with open(RunDir(self.run_dir).failures, "a") as f:
             f.write(json.dumps(record) + "\n")
-        print(f"loomrl: recovering ({failures} of {self.cfg.runtime.max_failures}) from: {err}; "
-              + (f"resuming after iteration {resumes_after}" if checkpoint else "restarting from the start"),
-              flush=True)
-        self.recovery = {"recovery/failures": float(failures),
-                         "recovery/replayed_iterations": float(record["replayed_iterations"])}
+        print(
+            f"loomrl: recovering ({failures} of {self.cfg.runtime.max_failures}) from: {err}; "
+            + (f"resuming after iteration {resumes_after}" if checkpoint else "restarting from the start"),
+            flush=True,
+        )
+        self.recovery = {
+            "recovery/failures": float(failures),
+            "recovery/replayed_iterations": float(record["replayed_iterations"]),
+        }
         self.state = RunState()
         if self.placement is not None:  # dynamic placement's switches are forgotten: it decides anew from plans[0]
             self.plans = {0: self.plans[0]}
@@ -337,10 +440,17 @@ class RLTrainer:
         if cluster != self.plans[0].cluster:  # a device or node was lost with the worker: plan for those left
             self.plans = self._plans(cluster, recovering=True)
             self.recovery["recovery/devices"] = float(cluster.n_devices)
-            print(f"loomrl: {cluster.n_devices} of {self.plan.cluster.n_devices} devices left; continuing on them "
-                  f"with the plan {format_plan_string(self.plans[0], self.workflow)}", flush=True)
+            print(
+                f"loomrl: {cluster.n_devices} of {self.plan.cluster.n_devices} devices left; continuing on them "
+                f"with the plan {format_plan_string(self.plans[0], self.workflow)}",
+                flush=True,
+            )
         self.plan = self.plans[0]
-        self.executor = make_executor(self.cfg, self.workflow, self.plan, self.tokenizer, self.task, self.device)
+        if self.inputs is not None and self.inputs.cluster != self.plan.cluster:
+            self.inputs = self._inputs()
+        self.executor = make_executor(
+            self.cfg, self.workflow, self.plan, self.tokenizer, self.task, self.device, self.inputs
+        )
         self.placement = self._placement()
 
     def _run(self, resume: bool) -> dict[str, float]:
@@ -349,23 +459,29 @@ class RLTrainer:
         if not resumed and self.sampler is not None:
             self.sampler = self._sampler()  # a restart from the start draws the first prompts again
         if not resumed and latest_checkpoint(self.run_dir) is not None:
-            raise ConfigError(f"run_dir: '{self.run_dir}' already holds checkpoints; pass --resume to continue it "
-                              "or choose another run_dir")
+            raise ConfigError(
+                f"run_dir: '{self.run_dir}' already holds checkpoints; pass --resume to continue it "
+                "or choose another run_dir"
+            )
         self.run_dir.mkdir(parents=True, exist_ok=True)
         self.executor.check_shared_dir(self.run_dir)
-        (self.run_dir / "config.yaml").write_text(dump_yaml(cfg))
-        self.plan.save(self.run_dir / PLAN_FILE)  # the plan in force, with the cluster it runs on
-        traces = self.run_dir / "traces.jsonl"
+        files = RunDir(self.run_dir)
+        files.config.write_text(dump_yaml(cfg))
+        self.plan.save(files.plan)  # the plan in force, with the cluster it runs on
+        traces = files.traces
         if not resumed and traces.exists():  # a restart from iteration 0 keeps the old traces aside
-            traces.replace(self.run_dir / "traces.superseded.jsonl")
+            traces.replace(files.superseded_traces)
         if not resumed:  # the decisions of an earlier start of this run are not this run's
-            (self.run_dir / PLACEMENT_FILE).unlink(missing_ok=True)
+            files.placement.unlink(missing_ok=True)
         last: dict[str, float] = {}
         start = self.state.iteration
-        backends = open_backends(cfg.report.backends, self.run_dir, cfg.report, to_dict(cfg),
-                                 start - 1 if resumed else None)
-        with MetricsLogger(self.run_dir, backends, resume_from_iteration=start - 1) as logger, \
-                RunProgress(loop.iterations, start, enabled=loop.progress, every=loop.progress_every) as progress:
+        backends = open_backends(
+            cfg.report.backends, self.run_dir, cfg.report, to_dict(cfg), start - 1 if resumed else None
+        )
+        with (
+            MetricsLogger(self.run_dir, backends, resume_from_iteration=start - 1) as logger,
+            RunProgress(loop.iterations, start, enabled=loop.progress, every=loop.progress_every) as progress,
+        ):
             for it in range(start, loop.iterations):
                 self.running = it
                 switch_s = None
@@ -376,7 +492,7 @@ class RLTrainer:
                     switch_s = time.perf_counter() - t0
                     if self.placement is not None:
                         self.placement.switched(switch_s)
-                    self.plan.save(self.run_dir / PLAN_FILE)
+                    self.plan.save(files.plan)
                 before = self.executor.drain_traces()  # the prologue, or a plan change
                 t0 = time.perf_counter()
                 if self.sampler is None:
@@ -390,10 +506,15 @@ class RLTrainer:
                 final = it == loop.iterations - 1
                 if final or (loop.eval_every and (it + 1) % loop.eval_every == 0):
                     last.update(self.evaluate())
-                self.write_traces([dataclasses.replace(t, iteration=it) for t in before] + result.traces +
-                                  [dataclasses.replace(t, iteration=it) for t in self.executor.drain_traces()])
+                self.write_traces(
+                    [dataclasses.replace(t, iteration=it) for t in before]
+                    + result.traces
+                    + [dataclasses.replace(t, iteration=it) for t in self.executor.drain_traces()]
+                )
                 if self.placement is not None and not final:  # decides the plan of the next iteration
-                    new = timed_check(self.placement, it, self.plan, last, loop.iterations - it - 1)
+                    new = timed_check(
+                        self.placement, it, self.plan, last, result.response_lengths, loop.iterations - it - 1
+                    )
                     if new is not None:
                         self.plans[it + 1] = new
                 logger.log(it, last)

@@ -20,11 +20,11 @@ from loomrl.algorithms.losses import bradley_terry_loss
 from loomrl.algorithms.lr import learning_rate, set_lr
 from loomrl.config.schema import RMConfig
 from loomrl.data.preferences import preference_pairs
-from loomrl.models.heads import sequence_scores
-from loomrl.models.zoo import build_value_model
 from loomrl.data.sources import build_task
-from loomrl.role import adamw, resolve_device, resolve_dtype
+from loomrl.models.heads import sequence_scores
 from loomrl.models.tokenizer import encode_prompt, task_tokenizer
+from loomrl.models.zoo import build_value_model
+from loomrl.role import adamw, resolve_device, resolve_dtype
 from loomrl.train.progress import RunProgress
 from loomrl.workflow.batch import pack_sequences
 
@@ -37,7 +37,7 @@ def pair_scores(model, tokenizer, pairs, device) -> tuple[torch.Tensor, torch.Te
     responses += [tokenizer.encode(r, add_special_tokens=False) + [eos] for _, _, r in pairs]
     ids_BL, attn_BL, _ = pack_sequences(prompts + prompts, responses, tokenizer.pad_token_id, device)
     scores_B = sequence_scores(model, ids_BL, attn_BL)
-    return scores_B[: len(pairs)], scores_B[len(pairs):]
+    return scores_B[: len(pairs)], scores_B[len(pairs) :]
 
 
 @torch.no_grad()
@@ -45,7 +45,7 @@ def pair_accuracy(model, tokenizer, pairs, device, batch_size: int = 256) -> flo
     model.eval()
     right = 0
     for start in range(0, len(pairs), batch_size):
-        chosen, rejected = pair_scores(model, tokenizer, pairs[start:start + batch_size], device)
+        chosen, rejected = pair_scores(model, tokenizer, pairs[start : start + batch_size], device)
         right += int((chosen > rejected).sum())
     model.train()
     return right / len(pairs)
@@ -66,14 +66,16 @@ def run_rm(cfg: RMConfig, progress: bool = True) -> dict[str, float]:
     out = Path(cfg.out_dir)
     out.mkdir(parents=True, exist_ok=True)
     rng = random.Random(cfg.seed)
-    with open(out / "rm_metrics.jsonl", "w") as log, \
-            RunProgress(cfg.epochs * steps_per_epoch, enabled=progress, description="rm") as bar:
+    with (
+        open(out / "rm_metrics.jsonl", "w") as log,
+        RunProgress(cfg.epochs * steps_per_epoch, enabled=progress, description="rm") as bar,
+    ):
         for epoch in range(cfg.epochs):
             order = list(range(len(train)))
             rng.shuffle(order)
             for i in range(steps_per_epoch):
                 step = epoch * steps_per_epoch + i
-                batch = [train[j] for j in order[i * cfg.batch_size:(i + 1) * cfg.batch_size]]
+                batch = [train[j] for j in order[i * cfg.batch_size : (i + 1) * cfg.batch_size]]
                 loss, acc = bradley_terry_loss(*pair_scores(model, tokenizer, batch, device))
                 set_lr(opt, learning_rate(cfg.optim, step, cfg.epochs * steps_per_epoch))
                 opt.zero_grad(set_to_none=True)

@@ -16,14 +16,14 @@ from pathlib import Path
 import torch
 
 from loomrl.algorithms.advantages import masked_mean
+from loomrl.algorithms.evaluate import evaluate_policy
 from loomrl.algorithms.lr import learning_rate, set_lr
 from loomrl.config.schema import SFTConfig
-from loomrl.models.heads import token_logprobs
-from loomrl.models.zoo import build_causal_lm
 from loomrl.data.sources import build_task, examples_window, held_out, prompt_source
-from loomrl.role import adamw, resolve_device, resolve_dtype
+from loomrl.models.heads import token_logprobs
 from loomrl.models.tokenizer import encode_prompt, task_tokenizer
-from loomrl.algorithms.evaluate import evaluate_policy
+from loomrl.models.zoo import build_causal_lm
+from loomrl.role import adamw, resolve_device, resolve_dtype
 from loomrl.train.progress import RunProgress
 from loomrl.workflow.batch import pack_sequences, response_columns, response_mask
 
@@ -31,8 +31,9 @@ from loomrl.workflow.batch import pack_sequences, response_columns, response_mas
 def demonstration_loss(model, tokenizer, examples, task, device: torch.device) -> torch.Tensor:
     """Mean NLL of answer + eos tokens given the prompt."""
     prompts = [encode_prompt(tokenizer, ex.model_input) for ex in examples]
-    targets = [tokenizer.encode(task.demonstration(ex), add_special_tokens=False) + [tokenizer.eos_token_id]
-               for ex in examples]
+    targets = [
+        tokenizer.encode(task.demonstration(ex), add_special_tokens=False) + [tokenizer.eos_token_id] for ex in examples
+    ]
     ids_BL, attn_BL, plen_B = pack_sequences(prompts, targets, tokenizer.pad_token_id, device)
     mask_BR = response_mask(targets).to(device)
     logp_BR = response_columns(token_logprobs(model, ids_BL, attn_BL), plen_B, mask_BR.shape[1])
@@ -52,7 +53,10 @@ def run_sft(cfg: SFTConfig, progress: bool = True) -> dict[str, float]:
     opt = adamw(model, cfg.optim)
     out = Path(cfg.out_dir)
     out.mkdir(parents=True, exist_ok=True)
-    with open(out / "sft_metrics.jsonl", "w") as log, RunProgress(cfg.steps, enabled=progress, description="sft") as bar:
+    with (
+        open(out / "sft_metrics.jsonl", "w") as log,
+        RunProgress(cfg.steps, enabled=progress, description="sft") as bar,
+    ):
         for step in range(cfg.steps):
             examples = examples_window(train, step * cfg.batch_size, cfg.batch_size)
             loss = demonstration_loss(model, tokenizer, examples, task, device)

@@ -1,5 +1,5 @@
 """loomrl.workflow: an RLHF algorithm described as a validated graph of model function calls (MFCs)."""
 
-from loomrl.workflow.graph import MFC, MFCKind, UnrolledCall, Workflow
+from loomrl.workflow.graph import MFC, MFCKind, Workflow
 
-__all__ = ["MFC", "MFCKind", "UnrolledCall", "Workflow"]
+__all__ = ["MFC", "MFCKind", "Workflow"]

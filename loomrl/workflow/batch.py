@@ -11,7 +11,8 @@ Legend: B = samples, R = response tokens (right-padded), L = prompt + response t
 
 from __future__ import annotations
 
-from typing import Any, Iterable, Mapping, Sequence
+from collections.abc import Iterable, Mapping, Sequence
+from typing import Any
 
 import torch
 
@@ -48,13 +49,13 @@ class Batch:
         """The columns as a plain dict (a shallow copy)."""
         return dict(self._data)
 
-    def columns(self, keys: Iterable[str]) -> "Batch":
+    def columns(self, keys: Iterable[str]) -> Batch:
         """The same rows restricted to ``keys``, sharing storage (no copy)."""
         out = Batch(self.ids)
         out._data = {key: self._data[key] for key in keys}
         return out
 
-    def select(self, rows: Sequence[int], keys: Iterable[str] | None = None) -> "Batch":
+    def select(self, rows: Sequence[int], keys: Iterable[str] | None = None) -> Batch:
         """The given rows (positions, not ids), optionally only some keys."""
         index = torch.tensor(list(rows), dtype=torch.long)
         out = Batch([self.ids[r] for r in rows])
@@ -67,7 +68,7 @@ class Batch:
         return out
 
     @staticmethod
-    def concat(parts: Sequence["Batch"]) -> "Batch":
+    def concat(parts: Sequence[Batch]) -> Batch:
         """Rows of all parts in order; 2-D tensors are right-padded with zeros to the widest part."""
         out = Batch([i for p in parts for i in p.ids])
         for key in parts[0].keys():
@@ -82,7 +83,9 @@ class Batch:
         return out
 
 
-def pad_right(rows: Sequence[Sequence[float]], value: float = 0.0, dtype=torch.float32, width: int | None = None) -> torch.Tensor:
+def pad_right(
+    rows: Sequence[Sequence[float]], value: float = 0.0, dtype=torch.float32, width: int | None = None
+) -> torch.Tensor:
     """A list of variable-length rows as a right-padded B×R tensor."""
     width = max((len(r) for r in rows), default=0) if width is None else width
     out = torch.full((len(rows), width), value, dtype=dtype)

@@ -25,7 +25,7 @@ REWARD_KEY = "score"
 """What one row counts for in a train call's mean loss: its real tokens (a token-mean) or one (a mean over
 sequences); a train MFC's ``loss_unit`` (:func:`loomrl.workflow.minibatches.loss_weights`)."""
 
-__all__ = ["LOSS_UNITS", "MFC", "MFCKind", "UnrolledCall", "Workflow"]
+__all__ = ["LOSS_UNITS", "MFC", "MFCKind", "Workflow"]
 
 
 class MFCKind(str, Enum):
@@ -96,15 +96,22 @@ class MFC:
         for what, keys in (("input", self.inputs), ("output", self.outputs)):
             _check_keys(self.name, what, keys)
         if self.loss_unit not in LOSS_UNITS:
-            raise WorkflowError(f"MFC {self.name!r}: unknown loss_unit {self.loss_unit!r}; valid: "
-                                f"{', '.join(LOSS_UNITS)}")
-
+            raise WorkflowError(
+                f"MFC {self.name!r}: unknown loss_unit {self.loss_unit!r}; valid: {', '.join(LOSS_UNITS)}"
+            )
 
     @property
     def per_wave(self) -> bool:
         """Whether dynamic sampling runs the call on every wave of prompts: generation, and the call that makes
         the rewards its group filter reads (:data:`REWARD_KEY`)."""
         return self.kind is MFCKind.GENERATE or REWARD_KEY in self.outputs
+
+    @property
+    def model_role(self) -> str:
+        """``role`` of a call on a model (every kind but ``compute``, which has none)."""
+        if self.role is None:
+            raise WorkflowError(f"MFC {self.name!r}: a compute step has no role")
+        return self.role
 
 
 def _parse_kind(kind: object, name: str) -> MFCKind:
@@ -126,7 +133,6 @@ def _check_keys(name: str, what: str, keys: tuple[str, ...]) -> None:
         seen.add(key)
 
 
-UnrolledCall = tuple[int, MFC, list[tuple[int, str]]]
 """``(iteration, mfc, dependencies)`` with each dependency an ``(iteration, mfc name)`` pair."""
 
 
@@ -188,15 +194,16 @@ class Workflow:
         gens = [m for m in self._order if m.kind is MFCKind.GENERATE]
         if not gens:
             return None
-        consumers = tuple(m for m in self._order if m.kind is MFCKind.INFERENCE and self._deps[m.name] == [gens[0].name])
+        consumers = tuple(
+            m for m in self._order if m.kind is MFCKind.INFERENCE and self._deps[m.name] == [gens[0].name]
+        )
         return (gens[0], consumers) if consumers else None
 
     def train_pair(self) -> tuple[MFC, MFC] | None:
         """The calls an intra-stage fusion joins: the workflow's two train calls (PPO's actor and critic) when it
         has exactly two, of two roles, neither reading what the other produces; None otherwise."""
         trains = [m for m in self._order if m.kind is MFCKind.TRAIN]
-        if len(trains) != 2 or trains[0].role == trains[1].role or not self.independent(trains[0].name,
-                                                                                          trains[1].name):
+        if len(trains) != 2 or trains[0].role == trains[1].role or not self.independent(trains[0].name, trains[1].name):
             return None
         return trains[0], trains[1]
 
@@ -266,57 +273,6 @@ class Workflow:
     def __repr__(self) -> str:
         return f"Workflow({' -> '.join(m.name for m in self._order)})"
 
-    def unroll(self, iterations: int) -> list[UnrolledCall]:
-        """Every call of ``iterations`` training iterations with its dependencies, in a runnable order.
-
-        Besides the data edges inside an iteration, a role's weights carry an edge across iterations: the
-        first calls of a trained role in iteration ``i + 1`` (those with no earlier call of the same role
-        among their ancestors) depend on the role's last calls in iteration ``i`` (those with no later
-        call of the same role among their descendants), which are normally its train calls. So the next
-        generation sees updated weights, and no update starts while an earlier call still reads the
-        old ones. Roles that never train (reference, reward model) get no such edge.
-        """
-        if iterations < 0:
-            raise ValueError(f"iterations must be >= 0, got {iterations}")
-        version_deps = self._version_deps()
-        unrolled: list[UnrolledCall] = []
-        for it in range(iterations):
-            for mfc in self._order:
-                deps = [(it, d) for d in self._deps[mfc.name]]
-                if it > 0:
-                    deps += [(it - 1, d) for d in version_deps.get(mfc.name, ())]
-                unrolled.append((it, mfc, deps))
-        return unrolled
-
-    def _version_deps(self) -> dict[str, list[str]]:
-        """For each first call of a trained role, the role's last calls of the previous iteration."""
-        result: dict[str, list[str]] = {}
-        for role in self.roles():
-            calls = self.mfcs_of_role(role)
-            if not any(m.kind is MFCKind.TRAIN for m in calls):
-                continue
-            names = {m.name for m in calls}
-            firsts = [m.name for m in calls if not (self._ancestors[m.name] & names)]
-            lasts = [m.name for m in calls if not any(m.name in self._ancestors[n] for n in names)]
-            for first in firsts:
-                result[first] = lasts
-        return result
-
-    def to_dot(self) -> str:
-        """Graphviz text of the graph: MFCs as boxes, source keys as ovals, edges labelled by key."""
-        lines = ["digraph workflow {", "  rankdir=LR;"]
-        for key in sorted(self._source_keys):
-            lines.append(f'  "key:{key}" [label="{key}", shape=oval];')
-        for mfc in self._order:
-            where = mfc.role if mfc.role is not None else "no model"
-            lines.append(f'  "{mfc.name}" [label="{mfc.name}\\n{mfc.kind.value} ({where})", shape=box];')
-        for mfc in self._order:
-            for key in mfc.inputs:
-                src = f"key:{key}" if key in self._source_keys else self._producers[key]
-                lines.append(f'  "{src}" -> "{mfc.name}" [label="{key}"];')
-        lines.append("}")
-        return "\n".join(lines)
-
 
 def _index_by_name(mfcs: Sequence[MFC]) -> dict[str, MFC]:
     by_name: dict[str, MFC] = {}
@@ -381,7 +337,7 @@ def _find_cycle(stuck: list[str], deps: dict[str, list[str]], position: dict[str
         seen[node] = len(path)
         path.append(node)
         node = next(d for d in deps[node] if d in stuck_set)
-    cycle = path[seen[node]:][::-1]  # walked against the data flow; reverse it
+    cycle = path[seen[node] :][::-1]  # walked against the data flow; reverse it
     start = min(range(len(cycle)), key=lambda i: position[cycle[i]])
     cycle = cycle[start:] + cycle[:start]
     return cycle + [cycle[0]]

@@ -10,8 +10,8 @@ over sequences), so the sum of the ranks' gradients is the reference's gradient.
 from __future__ import annotations
 
 import hashlib
+from collections.abc import Sequence
 from dataclasses import dataclass
-from typing import Sequence
 
 import torch
 
@@ -71,8 +71,11 @@ def minibatch_rows(n: int, epochs: int, minibatches: int, seed: int, iteration: 
     return steps
 
 
-def minibatch_steps(token_counts: Sequence[int], epochs: int, minibatches: int, seed: int, iteration: int,
-                   dp: int = 1) -> list[TrainStep]:
+def minibatch_steps(
+    token_counts: Sequence[int], epochs: int, minibatches: int, seed: int, iteration: int, dp: int = 1
+) -> list[TrainStep]:
     """Every optimizer step of one train MFC (:func:`minibatch_rows`), each minibatch split over ``dp`` ranks."""
-    return [TrainStep(epoch, split_by_tokens(rows, token_counts, dp), sum(token_counts[r] for r in rows))
-            for epoch, rows in minibatch_rows(len(token_counts), epochs, minibatches, seed, iteration)]
+    return [
+        TrainStep(epoch, split_by_tokens(rows, token_counts, dp), sum(token_counts[r] for r in rows))
+        for epoch, rows in minibatch_rows(len(token_counts), epochs, minibatches, seed, iteration)
+    ]

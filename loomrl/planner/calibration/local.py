@@ -26,7 +26,7 @@ import os
 import socket
 import threading
 import time
-from typing import Callable
+from collections.abc import Callable
 
 from loomrl.plan.hardware import HardwareProfile
 
@@ -137,8 +137,15 @@ def _memory_bytes(torch, device: str, devices: int) -> float:
     return os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES") / devices
 
 
-def calibrate_local(devices: int | None = None, *, device: str = "cpu", matmul_n: int = 1024, copy_mb: int = 256,
-                    transfer_mb: int = 32, repeats: int = 3) -> HardwareProfile:
+def calibrate_local(
+    devices: int | None = None,
+    *,
+    device: str = "cpu",
+    matmul_n: int = 1024,
+    copy_mb: int = 256,
+    transfer_mb: int = 32,
+    repeats: int = 3,
+) -> HardwareProfile:
     """Measure this machine as ``devices`` devices (default: one per core on CPU, one per GPU on CUDA).
 
     Sizes are arguments so a test can run a quick, small calibration; the defaults take a few seconds.
@@ -164,7 +171,16 @@ def calibrate_local(devices: int | None = None, *, device: str = "cpu", matmul_n
     if cuda and torch.cuda.device_count() >= 2:
         link_bw = _peer_bandwidth(torch, transfer_mb, repeats)
     return HardwareProfile(
-        name="local", matmul_flops=flops, mem_bandwidth=memory_bw, memory_bytes=_memory_bytes(torch, device, devices),
-        intra_node_bw=link_bw, inter_node_bw=link_bw,
-        devices_share_cores=1 if cuda else max(1, math.ceil(devices / cores)), link_latency=latency,
-        op_overhead=op_overhead, async_launch=cuda, host_bw=host_bw, host_offload=cuda)
+        name="local",
+        matmul_flops=flops,
+        mem_bandwidth=memory_bw,
+        memory_bytes=_memory_bytes(torch, device, devices),
+        intra_node_bw=link_bw,
+        inter_node_bw=link_bw,
+        devices_share_cores=1 if cuda else max(1, math.ceil(devices / cores)),
+        link_latency=latency,
+        op_overhead=op_overhead,
+        async_launch=cuda,
+        host_bw=host_bw,
+        host_offload=cuda,
+    )

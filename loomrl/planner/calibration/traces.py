@@ -17,36 +17,27 @@ response-length distribution rebuilt from the three statistics by :func:`lengths
 
 from __future__ import annotations
 
-from typing import Callable, Iterable, Mapping
+from collections.abc import Callable, Iterable, Mapping
 
 from loomrl.plan import Allocation, ClusterSpec, ExecutionPlan
-from loomrl.planner.cost.model import CostModel
 from loomrl.plan.hardware import HardwareProfile
-from loomrl.planner.cost.workload import ModelShape, Workload
+from loomrl.plan.model_shape import ModelShape
+from loomrl.planner.cost.model import CostModel
+from loomrl.planner.cost.workload import Workload, lengths_from_summary
 from loomrl.workflow import MFC, MFCKind, Workflow
 
-__all__ = ["lengths_from_summary", "observations_from_metrics", "trace_predictor"]
+__all__ = ["observations_from_metrics", "trace_predictor"]
 
 
-def lengths_from_summary(mean: float, p90: float, longest: float, n: int = 100) -> tuple[int, ...]:
-    """``n`` response lengths with (about) the given mean, 90th percentile and maximum.
-
-    The top tenth spreads evenly from p90 to the maximum; the rest spreads evenly around whatever mean
-    makes the whole sample's mean right, kept within [1, p90].
-    """
-    top_n = max(1, n // 10)
-    longest, p90 = max(1.0, float(longest)), max(1.0, min(float(p90), float(longest)))
-    top = [p90 + (longest - p90) * (i + 1) / top_n for i in range(top_n)]
-    rest_n = n - top_n
-    rest_mean = min(max((n * mean - sum(top)) / rest_n, 1.0), p90) if rest_n else 0.0
-    high = min(p90, 2 * rest_mean - 1)
-    low = 2 * rest_mean - high
-    rest = [low + (high - low) * (i + 0.5) / rest_n for i in range(rest_n)]
-    return tuple(max(1, round(x)) for x in rest + top)
-
-
-def observations_from_metrics(records: Iterable[Mapping], plan: ExecutionPlan, workflow: Workflow, batch: int,
-                              prompt_len: float, skip_first: bool = True, samples_per_prompt: int = 1) -> list[dict]:
+def observations_from_metrics(
+    records: Iterable[Mapping],
+    plan: ExecutionPlan,
+    workflow: Workflow,
+    batch: int,
+    prompt_len: float,
+    skip_first: bool = True,
+    samples_per_prompt: int = 1,
+) -> list[dict]:
     """One observation per MFC per metrics record (an iteration) that logged its ``time/<mfc>_s``."""
     out = []
     for index, record in enumerate(records):
@@ -56,29 +47,51 @@ def observations_from_metrics(records: Iterable[Mapping], plan: ExecutionPlan, w
             seconds = record.get(f"time/{mfc.name}_s")
             if seconds is None:
                 continue
-            out.append({
-                "mfc": mfc.name, "kind": mfc.kind.value, "role": mfc.role, "allocation": plan[mfc.name].text,
-                "batch": batch, "prompt_len": float(prompt_len), "samples_per_prompt": samples_per_prompt,
-                "response_mean": float(record["response/length"]),
-                "response_p90": float(record["response/length_p90"]),
-                "response_max": float(record["response/length_max"]),
-                "epochs": mfc.epochs, "minibatches": mfc.minibatches, "seconds": float(seconds),
-            })
+            out.append(
+                {
+                    "mfc": mfc.name,
+                    "kind": mfc.kind.value,
+                    "role": mfc.role,
+                    "allocation": plan[mfc.name].text,
+                    "batch": batch,
+                    "prompt_len": float(prompt_len),
+                    "samples_per_prompt": samples_per_prompt,
+                    "response_mean": float(record["response/length"]),
+                    "response_p90": float(record["response/length_p90"]),
+                    "response_max": float(record["response/length_max"]),
+                    "epochs": mfc.epochs,
+                    "minibatches": mfc.minibatches,
+                    "seconds": float(seconds),
+                }
+            )
     return out
 
 
-def trace_predictor(cluster: ClusterSpec, profile: HardwareProfile, shapes: Mapping[str, ModelShape],
-                    **cost_kwargs) -> Callable[[Mapping], dict[str, float]]:
+def trace_predictor(
+    cluster: ClusterSpec, profile: HardwareProfile, shapes: Mapping[str, ModelShape | None], **cost_kwargs
+) -> Callable[[Mapping], dict[str, float]]:
     """A function pricing an observation's call with an uncorrected cost model: its terms by name (for
     :func:`fit_corrections`)."""
-    def predict(obs: Mapping) -> float:
+
+    def predict(obs: Mapping) -> dict[str, float]:
         lengths = lengths_from_summary(obs["response_mean"], obs["response_p90"], obs["response_max"])
-        workload = Workload(int(obs["batch"]), float(obs["prompt_len"]), lengths,
-                            samples_per_prompt=int(obs.get("samples_per_prompt", 1)))
+        workload = Workload(
+            int(obs["batch"]),
+            float(obs["prompt_len"]),
+            lengths,
+            samples_per_prompt=int(obs.get("samples_per_prompt", 1)),
+        )
         model = CostModel(cluster, profile, shapes, workload, **cost_kwargs)
         kind = MFCKind(obs["kind"])
-        mfc = MFC(obs["mfc"], obs.get("role") if kind is not MFCKind.COMPUTE else None, kind, (),
-                  () if kind is MFCKind.TRAIN else ("out",), epochs=int(obs.get("epochs", 1)),
-                  minibatches=int(obs.get("minibatches", 1)))
+        mfc = MFC(
+            obs["mfc"],
+            obs.get("role") if kind is not MFCKind.COMPUTE else None,
+            kind,
+            (),
+            () if kind is MFCKind.TRAIN else ("out",),
+            epochs=int(obs.get("epochs", 1)),
+            minibatches=int(obs.get("minibatches", 1)),
+        )
         return model.time_terms(mfc, Allocation.parse(obs["allocation"]))
+
     return predict

@@ -20,9 +20,9 @@ from __future__ import annotations
 
 import json
 import math
+from collections.abc import Callable, Iterable, Mapping
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Callable, Iterable, Mapping
 
 from loomrl.errors import ConfigError, DataError
 from loomrl.workflow import MFCKind
@@ -66,8 +66,7 @@ class Corrections:
         return sum(self.scale.get(_scale_key(key, g), 1.0) * sums[g] for g in GROUPS) + self.overhead_s.get(key, 0.0)
 
     def to_dict(self) -> dict:
-        return {"scale": dict(self.scale), "overhead_s": dict(self.overhead_s),
-                "observations": dict(self.observations)}
+        return {"scale": dict(self.scale), "overhead_s": dict(self.overhead_s), "observations": dict(self.observations)}
 
     @classmethod
     def from_dict(cls, data: Mapping) -> Corrections:
@@ -88,10 +87,15 @@ class Corrections:
             raise DataError(f"{path}: cannot read corrections (not UTF-8 text)") from None
         except RecursionError:  # the decoder recurses once per level of nesting
             raise DataError(f"{path}: cannot read corrections (JSON nested too deeply)") from None
-        if not isinstance(data, dict) or not isinstance(data.get("scale", {}), dict) \
-                or not isinstance(data.get("overhead_s", {}), dict):
-            raise DataError(f"{path}: corrections are a JSON object with 'scale' and 'overhead_s' maps "
-                            "(as `loomrl calibrate --from` writes)")
+        if (
+            not isinstance(data, dict)
+            or not isinstance(data.get("scale", {}), dict)
+            or not isinstance(data.get("overhead_s", {}), dict)
+        ):
+            raise DataError(
+                f"{path}: corrections are a JSON object with 'scale' and 'overhead_s' maps "
+                "(as `loomrl calibrate --from` writes)"
+            )
         for part in ("scale", "overhead_s"):
             for key, value in data.get(part, {}).items():
                 if isinstance(value, bool) or not isinstance(value, (int, float)) or value < 0:
@@ -192,8 +196,11 @@ def fit_line(predicted: list[float], measured: list[float]) -> tuple[float, floa
     return scale, overhead
 
 
-def fit_corrections(observations: Iterable[Mapping], predict: Callable[[Mapping], Mapping[str, float]] | None = None,
-                    fit_overhead: bool = True) -> Corrections:
+def fit_corrections(
+    observations: Iterable[Mapping],
+    predict: Callable[[Mapping], Mapping[str, float]] | None = None,
+    fit_overhead: bool = True,
+) -> Corrections:
     """Fit per-kind corrections from measured run traces.
 
     Each observation is a dict with at least ``kind`` and ``seconds`` (measured), and either
@@ -210,8 +217,10 @@ def fit_corrections(observations: Iterable[Mapping], predict: Callable[[Mapping]
             terms = {"roofline": float(obs["predicted_s"])}
         if terms is None:
             if predict is None:
-                raise ConfigError(f"fit_corrections: observation of {obs.get('mfc', '?')} has no predicted terms "
-                                  "and no predict function was given")
+                raise ConfigError(
+                    f"fit_corrections: observation of {obs.get('mfc', '?')} has no predicted terms "
+                    "and no predict function was given"
+                )
             terms = predict(obs)
         groups, ms = by_kind.setdefault(_key(obs["kind"]), ([], []))
         groups.append(group_sums(terms))

@@ -24,12 +24,25 @@ from __future__ import annotations
 
 import heapq
 import math
-from collections import Counter
-from typing import NamedTuple, Sequence
+from collections import Counter, defaultdict
+from collections.abc import Sequence
+from typing import NamedTuple
 
-__all__ = ["Segment", "admission_order", "continuous_segments", "decode_steps", "expected_longest", "live_context",
-           "padded_segments",
-           "peak_context", "peak_live", "round_segments", "share", "slot_segments", "whole_share"]
+__all__ = [
+    "Segment",
+    "admission_order",
+    "continuous_segments",
+    "decode_steps",
+    "expected_longest",
+    "live_context",
+    "padded_segments",
+    "peak_context",
+    "peak_live",
+    "round_segments",
+    "share",
+    "slot_segments",
+    "whole_share",
+]
 
 
 class Segment(NamedTuple):
@@ -66,7 +79,7 @@ def slot_segments(lengths: Sequence[int], samples: int, slots: int, prompt_len: 
         return continuous_segments(lengths, samples, prompt_len)
     free_at = [0] * slots  # heap of the steps at which each slot frees
     delta_live: dict[int, int] = Counter()
-    delta_base: dict[int, float] = Counter()
+    delta_base: dict[int, float] = defaultdict(float)
     for length in admission_order(lengths, samples):
         start = heapq.heappop(free_at)
         end = start + length
@@ -86,17 +99,21 @@ def slot_segments(lengths: Sequence[int], samples: int, slots: int, prompt_len: 
     return out
 
 
-def round_segments(lengths: Sequence[int], samples: int, round_size: int, prompt_len: float,
-                   slots: int | None = None) -> list[Segment]:
+def round_segments(
+    lengths: Sequence[int], samples: int, round_size: int, prompt_len: float, slots: int | None = None
+) -> list[Segment]:
     """``samples`` samples sent ``round_size`` at a time (module docstring), each batch decoding through at most
     ``slots`` slots (all of it when None); a batch starts when the previous one has ended."""
     order = admission_order(lengths, samples)
     out: list[Segment] = []
     offset = 0
     for first in range(0, samples, round_size):
-        batch = order[first:first + round_size]
-        inner = slot_segments(batch, len(batch), slots, prompt_len) if slots and len(batch) > slots \
+        batch = order[first : first + round_size]
+        inner = (
+            slot_segments(batch, len(batch), slots, prompt_len)
+            if slots and len(batch) > slots
             else continuous_segments(batch, len(batch), prompt_len)
+        )
         # shifted by ``offset`` steps: a sample's context at step t is what it was at step t − offset
         out += [Segment(g.start + offset, g.end + offset, g.live, g.ctx_base - g.live * offset) for g in inner]
         offset = decode_steps(out)

@@ -21,6 +21,7 @@ import math
 from pathlib import Path
 
 from loomrl.errors import ConfigError
+from loomrl.planner.cost.workload import lengths_from_summary
 
 __all__ = ["length_fields", "observed_lengths"]
 
@@ -41,8 +42,10 @@ def length_fields(text: str) -> dict[str, object]:
         path = path / "metrics.jsonl"
     if path.is_file():
         return {"observed_lengths": list(observed_lengths(path))}
-    raise ConfigError(f"--response-len: {text!r} is neither a mean (e.g. 400), lognormal:mean=M,sigma=S,max=N, nor "
-                      "a JSONL file of observed lengths (or a run directory)")
+    raise ConfigError(
+        f"--response-len: {text!r} is neither a mean (e.g. 400), lognormal:mean=M,sigma=S,max=N, nor "
+        "a JSONL file of observed lengths (or a run directory)"
+    )
 
 
 def _lognormal(text: str) -> dict[str, object]:
@@ -50,8 +53,10 @@ def _lognormal(text: str) -> dict[str, object]:
     for part in text.partition(":")[2].split(","):
         key, sep, value = (p.strip() for p in part.partition("="))
         if not sep or key not in _LOGNORMAL_KEYS:
-            raise ConfigError(f"--response-len: {part.strip()!r} is not one of mean=M, sigma=S, max=N "
-                              "(e.g. lognormal:mean=400,sigma=1.0,max=4096)")
+            raise ConfigError(
+                f"--response-len: {part.strip()!r} is not one of mean=M, sigma=S, max=N "
+                "(e.g. lognormal:mean=400,sigma=1.0,max=4096)"
+            )
         try:
             number = float(value)
         except ValueError:
@@ -65,8 +70,6 @@ def _lognormal(text: str) -> dict[str, object]:
 
 def observed_lengths(path: Path) -> tuple[int, ...]:
     """Every sample's length in the JSONL file ``path`` (module docstring), in file order."""
-    from loomrl.planner.calibration.traces import lengths_from_summary
-
     out: list[int] = []
     try:
         lines = path.read_text(encoding="utf-8").splitlines()
@@ -85,18 +88,25 @@ def observed_lengths(path: Path) -> tuple[int, ...]:
             raise ConfigError(f"{path}:{number}: not JSON (nested too deeply)") from None
         if isinstance(record, dict) and "response/length" in record:
             if "response/length_p90" in record and "response/length_max" in record:
-                out += lengths_from_summary(record["response/length"], record["response/length_p90"],
-                                            record["response/length_max"])
+                out += lengths_from_summary(
+                    record["response/length"], record["response/length_p90"], record["response/length_max"]
+                )
             continue
-        values = record.get("lengths", record.get("length", record.get("response_length"))) \
-            if isinstance(record, dict) else record
+        values = (
+            record.get("lengths", record.get("length", record.get("response_length")))
+            if isinstance(record, dict)
+            else record
+        )
         for value in values if isinstance(values, list) else [values]:
-            if isinstance(value, bool) or not isinstance(value, (int, float)) or not math.isfinite(value) \
-                    or value < 1:
-                raise ConfigError(f"{path}:{number}: {value!r} is not a response length (a number >= 1); a line "
-                                  "is an integer or an object with length, response_length or lengths")
+            if isinstance(value, bool) or not isinstance(value, (int, float)) or not math.isfinite(value) or value < 1:
+                raise ConfigError(
+                    f"{path}:{number}: {value!r} is not a response length (a number >= 1); a line "
+                    "is an integer or an object with length, response_length or lengths"
+                )
             out.append(round(value))
     if not out:
-        raise ConfigError(f"{path}: no response lengths (lines of integers, objects with length or lengths, or a "
-                          "run's metrics with response/length, response/length_p90 and response/length_max)")
+        raise ConfigError(
+            f"{path}: no response lengths (lines of integers, objects with length or lengths, or a "
+            "run's metrics with response/length, response/length_p90 and response/length_max)"
+        )
     return tuple(out)

@@ -35,13 +35,15 @@ every replica runs in parallel on equal shares, so a call takes as long as one r
   operator).
 
 Every term is uncorrected; :class:`~loomrl.planner.cost.corrections.Corrections` fitted from run traces scale
-them per MFC kind and term group (roofline, launches, tensor-parallel launches). :meth:`CostModel.time_terms` returns the named terms of a call, for reports.
+them per MFC kind and term group (roofline, launches, tensor-parallel launches). :meth:`CostModel.time_terms` returns
+the named terms of a call, for reports.
 
 Memory per device follows :func:`loomrl.plan.shard_bytes` for the resident state (weights, plus gradients and
 fp32 Adam moments when trained; data parallelism replicates, as the runtime does without FSDP), so plans the
 cost model accepts are the plans :meth:`loomrl.plan.ExecutionPlan.validate` accepts (:meth:`static_memory`).
 While it runs, a call adds transient bytes (:meth:`mfc_memory`): activations (train: the tensors kept for
-backward, the 1F1B pipeline keeping at most pp micro-batches on a stage), working buffers (inference) or the KV cache at its
+backward, the 1F1B pipeline keeping at most pp micro-batches on a stage), working buffers (inference) or the KV cache
+at its
 fullest (generate).
 """
 
@@ -50,23 +52,35 @@ from __future__ import annotations
 import dataclasses
 import math
 from collections import Counter
-from typing import Mapping, NamedTuple
+from collections.abc import Mapping
+from dataclasses import dataclass, field
+from typing import NamedTuple
 
 from loomrl.errors import ConfigError
 from loomrl.plan import Allocation, ClusterSpec, shard_bytes
+from loomrl.plan.hardware import HardwareProfile
 from loomrl.plan.layout import Coords
+from loomrl.plan.model_shape import ModelShape
+from loomrl.plan.schedule import Step
 from loomrl.planner.cost import decode as D
 from loomrl.planner.cost import terms as T
 from loomrl.planner.cost.corrections import ITERATION, REALLOC, Corrections
-from loomrl.planner.cost.stream_fusion import StreamFusionPrice, GenerationFloor, generation_floor, price_stream_fusion
-from loomrl.planner.cost.pipeline_fusion import price_pipeline_fusion
-from loomrl.plan.hardware import HardwareProfile
+from loomrl.planner.cost.estimator import CostEstimator
+from loomrl.planner.cost.pipeline_fusion import PipelineFusionPrice, pipeline_fusion_floor, price_pipeline_fusion
 from loomrl.planner.cost.realloc import realloc_seconds
+from loomrl.planner.cost.stream_fusion import (
+    GenerationFloor,
+    Generations,
+    Part,
+    StreamFusionPrice,
+    generation_floor,
+    price_stream_fusion,
+)
 from loomrl.planner.cost.system import SystemSettings, default_max_seqs
-from loomrl.planner.cost.workload import ModelShape, Workload
+from loomrl.planner.cost.workload import Workload
 from loomrl.workflow import MFC, MFCKind
 
-__all__ = ["CostModel", "ENGINE_BATCHED_TOKENS", "LOGIT_CHUNK_TOKENS", "PREFILL_CHUNK_TOKENS"]
+__all__ = ["CostModel", "ENGINE_BATCHED_TOKENS", "LOGIT_CHUNK_TOKENS", "PREFILL_CHUNK_TOKENS", "PricingCache"]
 
 PREFILL_CHUNK_TOKENS = 4096
 """Prompt tokens the rollout engine prefills at once (its ``prefill_tokens`` default): bounds prefill buffers."""
@@ -104,39 +118,68 @@ PRECISION_BYTES = {"fp32": 4, "bf16": 2}
 the cost model's default (``bytes_per_param=None``)."""
 
 
-class CostModel:
+@dataclass
+class PricingCache:
+    """What a cost model has priced, kept so that a plan search asks each question once. ``reallocs`` depends only
+    on the cluster, profile, shapes and element size, so models that share those may share it (pass it to each);
+    the rest belongs to one model's workload and corrections."""
+
+    terms: dict[tuple, dict[str, float]] = field(default_factory=dict)
+    """A call's uncorrected terms, by (call, allocation)."""
+    reallocs: dict[tuple, float] = field(default_factory=dict)
+    """A reallocation's seconds, by (shape, relative placements)."""
+    rates: dict[tuple, _Rates] = field(default_factory=dict)
+    """An allocation's rates, by its devices and layout."""
+    stream_fusion: dict[Step, StreamFusionPrice] = field(default_factory=dict)
+    floors: dict[tuple[str, Allocation], GenerationFloor] = field(default_factory=dict)
+    pipeline_fusion: dict[Step, PipelineFusionPrice] = field(default_factory=dict)
+    generations: Generations = field(default_factory=dict)
+    """A stream-fusion stage's generation, shared by the stages priced around the same one."""
+
+
+class CostModel(CostEstimator):
     """Prices MFCs, reallocations and memory for one cluster, hardware profile, set of models and workload.
 
     ``shapes`` maps each role to its model, or to None for a role with no model (a rule reward: its calls
     score on the host, priced like a compute step); ``bytes_per_param`` is the weights' (and activations')
     element size, by default 2 (bf16) on accelerators and 4 (fp32) on ``local``, as the runtime's ``precision:
     auto``; ``settings`` say how the system runs the calls (:class:`~loomrl.planner.cost.system.SystemSettings`:
-    by default loomrl's runtime). Results are cached per (call, allocation); the model is immutable once built.
-    ``realloc_cache`` shares priced reallocations between models of the same cluster, profile, shapes and
-    ``bytes_per_param`` (they depend on nothing else: a run re-planned after each iteration builds one model per
-    workload and corrections, and planning a transfer is what pricing a plan spends most on).
+    by default loomrl's runtime). What it prices is kept in ``cache`` (:class:`PricingCache`); the model is
+    immutable once built. ``realloc_cache`` shares priced reallocations between models of the same cluster,
+    profile, shapes and ``bytes_per_param`` (they depend on nothing else: a run re-planned after each iteration
+    builds one model per workload and corrections, and planning a transfer is what pricing a plan spends most on).
     """
 
-    def __init__(self, cluster: ClusterSpec, profile: HardwareProfile, shapes: Mapping[str, ModelShape | None],
-                 workload: Workload, corrections: Corrections | None = None, *, bytes_per_param: int | None = None,
-                 settings: SystemSettings | None = None, realloc_cache: dict | None = None):
+    def __init__(
+        self,
+        cluster: ClusterSpec,
+        profile: HardwareProfile,
+        shapes: Mapping[str, ModelShape | None],
+        workload: Workload,
+        corrections: Corrections | None = None,
+        *,
+        bytes_per_param: int | None = None,
+        settings: SystemSettings | None = None,
+        realloc_cache: dict[tuple, float] | None = None,
+    ):
         self.cluster, self.profile, self.workload = cluster, profile, workload
         self.shapes = dict(shapes)
         self.settings = settings or SystemSettings()
         self.corrections = corrections or Corrections()
         self.bytes_per_param = bytes_per_param or (4 if profile.name == "local" else 2)
-        self._terms: dict[tuple, dict[str, float]] = {}
-        self._reallocs: dict[tuple, float] = {} if realloc_cache is None else realloc_cache
-        self._rates: dict[tuple, _Rates] = {}
-        self._fused: dict = {}
-        self._fused_generations: dict = {}  # a fused stage's generation, shared by stages around the same one
+        self.cache = PricingCache() if realloc_cache is None else PricingCache(reallocs=realloc_cache)
 
     # ------------------------------------------------------------------------------------------ public API
+
+    @property
+    def system_factor(self) -> float:
+        """The profile's stated ``system_factor``, which scales every time the model gives."""
+        return self.profile.system_factor
 
     def mfc_time(self, mfc: MFC, alloc: Allocation) -> float:
         """Seconds of one call of ``mfc`` on ``alloc``, corrected (and scaled by the profile's stated
         ``system_factor``, like every time the model gives)."""
-        return self.corrections.apply_terms(mfc.kind, self.time_terms(mfc, alloc)) * self.profile.system_factor
+        return self.corrections.apply_terms(mfc.kind, self.time_terms(mfc, alloc)) * self.system_factor
 
     def shared_cores(self) -> float | None:
         """Cores per node that its devices share (the simulator then slows calls running side by side), or
@@ -156,37 +199,49 @@ class CostModel:
         if not self.profile.host_offload:
             return 0.0
         seconds = self.static_memory(role, alloc, trainable) / self.profile.host_bw + self.profile.link_latency
-        return seconds * self.profile.system_factor
+        return seconds * self.system_factor
 
     def offload_time(self, role: str, alloc: Allocation, trainable: bool = False) -> float:
         """Seconds to move an offloaded role to host memory: nothing for a frozen role (its host copy is kept and
         never changes), a trained role's training state copied out when ``trainable``."""
         return self.reload_time(role, alloc, True) if trainable else 0.0
 
-    def stream_fusion_stage(self, step) -> StreamFusionPrice:
-        """A fused stage's predicted time and parts (:mod:`loomrl.planner.cost.stream_fusion`). Cached."""
-        if step not in self._fused:
-            self._fused[step] = price_stream_fusion(self, step)
-        return self._fused[step]
+    def prices_stream_fusion(self) -> bool:
+        return True
+
+    def stream_fusion_stage(self, step: Step) -> StreamFusionPrice:
+        """A stream-fusion stage's predicted time and parts (:mod:`loomrl.planner.cost.stream_fusion`). Cached."""
+        if step not in self.cache.stream_fusion:
+            self.cache.stream_fusion[step] = price_stream_fusion(self, step, generations=self.cache.generations)
+        return self.cache.stream_fusion[step]
 
     def stream_fusion_floor(self, role: str, alloc: Allocation) -> GenerationFloor:
-        """What no fused stage's generation on ``alloc`` beats (:func:`loomrl.planner.cost.stream_fusion.generation_floor`)."""
-        key = ("floor", role, alloc)
-        if key not in self._fused:
-            self._fused[key] = generation_floor(self, role, alloc)
-        return self._fused[key]
+        """What no stream-fusion stage's generation on ``alloc`` beats
+        (:func:`loomrl.planner.cost.stream_fusion.generation_floor`)."""
+        key = (role, alloc)
+        if key not in self.cache.floors:
+            self.cache.floors[key] = generation_floor(self, role, alloc)
+        return self.cache.floors[key]
 
-    def stream_fusion_time(self, step) -> float:
-        """Seconds of a fused stage (the simulator's price of a ``fused`` schedule step)."""
+    def stream_fusion_time(self, step: Step) -> float:
+        """Seconds of a stream-fusion stage (the simulator's price of its schedule step)."""
         return self.stream_fusion_stage(step).seconds
 
-    def pipeline_fusion_time(self, step) -> float:
-        """Seconds of a ``fused_train`` stage: two train calls as one fused pipeline
+    def stream_fusion_parts(self, step: Step) -> tuple[Part, ...]:
+        return self.stream_fusion_stage(step).parts
+
+    def prices_pipeline_fusion(self) -> bool:
+        return True
+
+    def pipeline_fusion_time(self, step: Step) -> float:
+        """Seconds of a pipeline-fusion stage: two train calls as one fused pipeline
         (:func:`loomrl.planner.cost.pipeline_fusion.price_pipeline_fusion`). Cached."""
-        key = ("train", step)
-        if key not in self._fused:
-            self._fused[key] = price_pipeline_fusion(self, step)
-        return self._fused[key].seconds
+        if step not in self.cache.pipeline_fusion:
+            self.cache.pipeline_fusion[step] = price_pipeline_fusion(self, step)
+        return self.cache.pipeline_fusion[step].seconds
+
+    def pipeline_fusion_floor(self, mfc: MFC, alloc: Allocation) -> float:
+        return pipeline_fusion_floor(self, mfc, alloc)
 
     def train_steps(self, mfc: MFC) -> int:
         """Optimizer steps of one call of train MFC ``mfc``: ``epochs × minibatches``."""
@@ -204,12 +259,12 @@ class CostModel:
         if mfc.role is not None and mfc.role not in self.shapes:
             return {}
         key = (mfc.name, mfc.kind, mfc.role, mfc.epochs, mfc.minibatches, _alloc_key(alloc))
-        if key not in self._terms:
+        if key not in self.cache.terms:
             terms = self._compute_terms(mfc, alloc)
             if self.workload.rollout_scale != 1 and mfc.per_wave:
                 terms = {name: seconds * self.workload.rollout_scale for name, seconds in terms.items()}
-            self._terms[key] = terms
-        return dict(self._terms[key])
+            self.cache.terms[key] = terms
+        return dict(self.cache.terms[key])
 
     def mfc_memory(self, mfc: MFC, alloc: Allocation, trainable: bool) -> float:
         """Transient peak bytes on each device of ``alloc`` while the call runs: activations kept for the
@@ -246,10 +301,18 @@ class CostModel:
             # experts over ep·pp ranks instead of tp·pp, scaled here into tp·pp terms; the generating role's
             # other copies are the serving engine's, which splits experts by tp like every other weight
             params += round(shape.expert_params * (lay.tp / ep - 1))
-        return float(shard_bytes(params, lay.tp, lay.pp, self.bytes_per_param, trainable,
-                                 optimizer_shards=alloc.optimizer_shards if trainable else 1,
-                                 param_shards=alloc.param_shards if trainable else 1,
-                                 optimizer_on_host=trainable and self.settings.optimizer_offload))
+        return float(
+            shard_bytes(
+                params,
+                lay.tp,
+                lay.pp,
+                self.bytes_per_param,
+                trainable,
+                optimizer_shards=alloc.optimizer_shards if trainable else 1,
+                param_shards=alloc.param_shards if trainable else 1,
+                optimizer_on_host=trainable and self.settings.optimizer_offload,
+            )
+        )
 
     def realloc_time(self, role: str, src: Allocation, dst: Allocation) -> float:
         """Seconds to move ``role``'s weights from ``src`` to ``dst``, priced from the real transfer plan of a
@@ -258,16 +321,17 @@ class CostModel:
         if self._is_rule(role):
             return 0.0
         key = (self._shape(role), *self._relative_placements(src, dst))  # roles of one shape share plans
-        if key not in self._reallocs:
-            self._reallocs[key] = realloc_seconds(self._shape(role), src, dst, self.cluster, self.profile,
-                                                  self.bytes_per_param)
-        seconds = self._reallocs[key]
+        if key not in self.cache.reallocs:
+            self.cache.reallocs[key] = realloc_seconds(
+                self._shape(role), src, dst, self.cluster, self.profile, self.bytes_per_param
+            )
+        seconds = self.cache.reallocs[key]
         if seconds <= 0:
             return 0.0
         per_tensor = self.settings.sync_tensor_s * self._shape(role).tensor_count  # the framework's, per tensor
-        return (self.corrections.apply(REALLOC, seconds) + per_tensor) * self.profile.system_factor
+        return (self.corrections.apply(REALLOC, seconds) + per_tensor) * self.system_factor
 
-    def _relative_placements(self, src: Allocation, dst: Allocation) -> tuple[tuple, tuple]:
+    def _relative_placements(self, src: Allocation, dst: Allocation) -> tuple[tuple, ...]:
         """The two placements with their devices relabelled, keeping every relation the transfer planner and the
         pricing look at, so that such pairs share one priced plan: the nodes the pair uses are numbered 0, 1, ...
         in their order (each device keeping its place within its node), and a pair within one node is shifted
@@ -281,27 +345,18 @@ class CostModel:
             low = min(devices)
             return tuple((tuple(d - low for d in a.mesh.devices), _alloc_key(a)[1], a.fsdp) for a in (src, dst))
         number = {node: i for i, node in enumerate(nodes)}
-        return tuple((tuple(number[node_of(d)] * per_node + d - node_of(d) * per_node for d in a.mesh.devices),
-                      _alloc_key(a)[1], a.fsdp) for a in (src, dst))
+        return tuple(
+            (
+                tuple(number[node_of(d)] * per_node + d - node_of(d) * per_node for d in a.mesh.devices),
+                _alloc_key(a)[1],
+                a.fsdp,
+            )
+            for a in (src, dst)
+        )
 
-    def data_transfer_time(self, nbytes: float, src: Allocation, dst: Allocation) -> float:
-        """Seconds to hand ``nbytes`` of batch columns from the devices of ``src`` to those of ``dst``: each
-        destination data-parallel rank fetches its 1/dp of the rows (all its tp/pp ranks fetch the same),
-        over the inter-node link if it sits on a node ``src`` does not use. 0 when nothing moves."""
-        if src.mesh == dst.mesh and src.layout.dp == dst.layout.dp:
-            return 0.0
-        src_nodes = {self.cluster.node_of(d) for d in src.mesh}
-        remote = any(self.cluster.node_of(d) not in src_nodes for d in dst.mesh)
-        bandwidth = self.profile.inter_node_bw if remote else self.profile.intra_node_bw
-        return T.transfer_time(nbytes / dst.layout.dp, bandwidth, self.profile.link_latency)
-
-    def output_bytes(self, mfc: MFC) -> float:
-        """Bytes of a call's outputs, as if every output key held one 4-byte value per token of every sample
-        (an upper bound: scores are one value per sample)."""
-        return self.workload.batch * self.workload.mean_seq * 4 * len(mfc.outputs)
-
-    def decode_time(self, role: str, alloc: Allocation, response_lengths: tuple[int, ...] | None = None, *,
-                    padded: bool = False) -> float:
+    def decode_time(
+        self, role: str, alloc: Allocation, response_lengths: tuple[int, ...] | None = None, *, padded: bool = False
+    ) -> float:
         """Uncorrected seconds of the decode phase alone; ``padded=True`` prices static batching (every row
         decodes until the longest response ends) instead of continuous batching, for comparison."""
         lengths = tuple(response_lengths or self.workload.response_lengths)
@@ -314,23 +369,33 @@ class CostModel:
             nbytes = self.workload.batch * self.workload.mean_seq * COMPUTE_BYTES_PER_TOKEN
             return {"compute": nbytes / self._rates_of(alloc).mem}
         if mfc.kind is MFCKind.GENERATE:
-            return self._generate_terms(mfc.role, alloc, mfc)
+            return self._generate_terms(mfc.model_role, alloc, mfc)
         if mfc.kind is MFCKind.INFERENCE:
-            return self.inference_terms(mfc.role, alloc)
+            return self.inference_terms(mfc.model_role, alloc)
         return self._train_terms(mfc, alloc)
 
-    def inference_terms(self, role: str, alloc: Allocation, samples: float | None = None,
-                        lengths: tuple[int, ...] | None = None) -> dict[str, float]:
+    def inference_terms(
+        self, role: str, alloc: Allocation, samples: float | None = None, lengths: tuple[int, ...] | None = None
+    ) -> dict[str, float]:
         """One forward pass over every token of a replica's share (or of ``samples`` samples, whose response
         lengths are ``lengths`` where known: a fused stage's chunk; else the workload's distribution)."""
         shape, w = self._shape(role), self.workload
         samples = D.share(w.batch, alloc.layout.dp) if samples is None else samples
-        seq, sq = self._pass_lengths(samples, alloc.micro_batches, scoring=True, lengths=lengths,
-                                     prompt=self._pass_prompt(alloc))
+        seq, sq = self._pass_lengths(
+            samples, alloc.micro_batches, scoring=True, lengths=lengths, prompt=self._pass_prompt(alloc)
+        )
         flops = T.forward_flops(shape, samples * seq, samples * sq)
-        return self._pass(alloc, shape, flops, self._weight_bytes(role), samples * seq,
-                          allreduces_per_layer=2, hops=1, micro_batches=alloc.micro_batches,
-                          flops_scale=self._flops_scale(shape, MFCKind.INFERENCE))
+        return self._pass(
+            alloc,
+            shape,
+            flops,
+            self._weight_bytes(role),
+            samples * seq,
+            allreduces_per_layer=2,
+            hops=1,
+            micro_batches=alloc.micro_batches,
+            flops_scale=self._flops_scale(shape, MFCKind.INFERENCE),
+        )
 
     def _train_terms(self, mfc: MFC, alloc: Allocation) -> dict[str, float]:
         """Per optimizer step: a forward+backward pass over the step's share, the dp gradient all-reduce and
@@ -342,9 +407,18 @@ class CostModel:
         tokens = samples * seq
         passes = 4.0 if alloc.recompute else 3.0  # recomputation runs each forward once more in the backward
         flops = T.train_flops(shape, tokens, samples * sq) * passes / 3.0
-        step = self._pass(alloc, shape, flops, passes * self._weight_bytes(mfc.role), tokens,
-                          allreduces_per_layer=2 * passes - 2, hops=2, micro_batches=alloc.micro_batches,
-                          op_passes=passes, flops_scale=self._flops_scale(shape, MFCKind.TRAIN))
+        step = self._pass(
+            alloc,
+            shape,
+            flops,
+            passes * self._weight_bytes(mfc.model_role),
+            tokens,
+            allreduces_per_layer=2 * passes - 2,
+            hops=2,
+            micro_batches=alloc.micro_batches,
+            op_passes=passes,
+            flops_scale=self._flops_scale(shape, MFCKind.TRAIN),
+        )
         rates = self._rates_of(alloc)
         shard_params = shape.params / (lay.tp * lay.pp)
         if alloc.fsdp:
@@ -355,10 +429,12 @@ class CostModel:
             shards = alloc.optimizer_shards  # ZeRO-1: each dp rank updates 1/dp, then the weights are gathered
             step["optimizer"] = T.adam_step_bytes(shard_params / shards, self.bytes_per_param) / rates.mem
             step[_launch("optimizer_launch", lay.tp)] = self._launch_excess(
-                T.optimizer_ops(shape, shape.layers / lay.pp) * rates.op, step["optimizer"])
+                T.optimizer_ops(shape, shape.layers / lay.pp) * rates.op, step["optimizer"]
+            )
             if shards > 1:
-                step["zero_allgather"] = T.ring_allgather_time(shard_params * self.bytes_per_param, lay.dp,
-                                                               rates.dp_bw, rates.latency)
+                step["zero_allgather"] = T.ring_allgather_time(
+                    shard_params * self.bytes_per_param, lay.dp, rates.dp_bw, rates.latency
+                )
         if self.settings.optimizer_offload:
             step.update(self._host_optimizer_terms(shard_params / alloc.optimizer_shards, alloc))
         return {name: seconds * epochs * minibatches for name, seconds in step.items()}
@@ -369,9 +445,11 @@ class CostModel:
         device of the allocation on that node shares."""
         p = self.profile
         per_node = max(Counter(self.cluster.node_of(d) for d in alloc.mesh).values())
-        return {"optimizer": owned * per_node / p.host_adam_rate,
-                "optimizer_host_link": owned * (GRAD_REDUCE_BYTES + self.bytes_per_param) / p.host_bw,
-                "optimizer_launch": 0.0}
+        return {
+            "optimizer": owned * per_node / p.host_adam_rate,
+            "optimizer_host_link": owned * (GRAD_REDUCE_BYTES + self.bytes_per_param) / p.host_bw,
+            "optimizer_launch": 0.0,
+        }
 
     def _fsdp_terms(self, shape: ModelShape, alloc: Allocation, work: float) -> dict[str, float]:
         """An FSDP optimizer step's communication (per micro-batch: two all-gathers of the weights in the
@@ -385,9 +463,12 @@ class CostModel:
         exposed = max(0.0, comm - work) + gather / shape.layers if self.profile.async_launch else comm
         owned = local / lay.dp
         optimizer = T.adam_step_bytes(owned, T.FP32) / rates.mem
-        return {"fsdp_comm": exposed, "optimizer": optimizer,
-                "optimizer_launch": self._launch_excess(T.optimizer_ops(shape, shape.layers) * rates.op, optimizer),
-                _launch("fsdp_launch_fsdp", lay.tp): self._launch_excess(mb * T.fsdp_round_ops(shape) * rates.op, work)}
+        return {
+            "fsdp_comm": exposed,
+            "optimizer": optimizer,
+            "optimizer_launch": self._launch_excess(T.optimizer_ops(shape, shape.layers) * rates.op, optimizer),
+            _launch("fsdp_launch_fsdp", lay.tp): self._launch_excess(mb * T.fsdp_round_ops(shape) * rates.op, work),
+        }
 
     def _generate_terms(self, role: str, alloc: Allocation, mfc: MFC | None = None) -> dict[str, float]:
         """Prefill of the share's prompts, then decode over the response-length distribution; a call that reads
@@ -403,35 +484,64 @@ class CostModel:
     def prefill_terms(self, role: str, alloc: Allocation, samples: float, context: float) -> dict[str, float]:
         """Uncorrected terms of prefilling ``samples`` samples of ``context`` tokens each on one replica."""
         shape = self._shape(role)
-        flops = T.forward_flops(shape, samples * context, samples * context ** 2)
+        flops = T.forward_flops(shape, samples * context, samples * context**2)
         chunks = max(1, math.ceil(samples * context / PREFILL_CHUNK_TOKENS))
-        prefill = self._pass(alloc, shape, flops, chunks * self._gen_weight_bytes(role), samples * context,
-                             allreduces_per_layer=2, hops=1, micro_batches=self._gen_micro_batches(alloc),
-                             flops_scale=self._flops_scale(shape, MFCKind.GENERATE))
+        prefill = self._pass(
+            alloc,
+            shape,
+            flops,
+            chunks * self._gen_weight_bytes(role),
+            samples * context,
+            allreduces_per_layer=2,
+            hops=1,
+            micro_batches=self._gen_micro_batches(alloc),
+            flops_scale=self._flops_scale(shape, MFCKind.GENERATE),
+        )
         return {f"prefill_{name}": seconds for name, seconds in prefill.items()}
 
     # ------------------------------------------------------------------------------------------- building blocks
 
-    def _pass(self, alloc: Allocation, shape: ModelShape, flops: float, weight_traffic: float, tokens: float,
-              allreduces_per_layer: int, hops: int, micro_batches: int, op_passes: float = 1.0,
-              flops_scale: float = 1.0) -> dict[str, float]:
+    def _pass(
+        self,
+        alloc: Allocation,
+        shape: ModelShape,
+        flops: float,
+        weight_traffic: float,
+        tokens: float,
+        allreduces_per_layer: float,
+        hops: int,
+        micro_batches: int,
+        op_passes: float = 1.0,
+        flops_scale: float = 1.0,
+    ) -> dict[str, float]:
         """One pipelined pass of a replica's share (see the module docstring): work, bubble, tp all-reduces,
         pp hops and operator launches (``op_passes`` forward passes' worth of operators per slot: 3 when
         training). ``weight_traffic`` is the whole model's weight bytes moved per micro-batch; ``flops_scale``
         scales the matmul rate (:meth:`_flops_scale`)."""
         lay, rates = alloc.layout, self._rates_of(alloc)
         mb = micro_batches
-        slot = T.roofline(flops / (lay.tp * lay.pp * mb), weight_traffic / (lay.tp * lay.pp),
-                          rates.flops * flops_scale, rates.mem)
+        slot = T.roofline(
+            flops / (lay.tp * lay.pp * mb), weight_traffic / (lay.tp * lay.pp), rates.flops * flops_scale, rates.mem
+        )
         act = tokens / mb * shape.hidden * self.bytes_per_param  # one micro-batch's hidden states
-        tp = allreduces_per_layer * shape.layers / lay.pp * T.ring_allreduce_time(act, lay.tp, rates.tp_bw,
-                                                                                   rates.latency)
+        tp = (
+            allreduces_per_layer
+            * shape.layers
+            / lay.pp
+            * T.ring_allreduce_time(act, lay.tp, rates.tp_bw, rates.latency)
+        )
         hop = hops * T.transfer_time(act, rates.pp_bw, rates.latency) if lay.pp > 1 else 0.0
         slots = T.pipeline_slots(lay.pp, mb)
-        launch = self._launch_excess(slots * op_passes * T.forward_ops(shape, shape.layers / lay.pp) * rates.op,
-                                     slots * slot)
-        return {"work": mb * slot, "pp_bubble": (lay.pp - 1) * slot, "tp_comm": slots * tp, "pp_p2p": slots * hop,
-                _launch("launch", lay.tp): launch}
+        launch = self._launch_excess(
+            slots * op_passes * T.forward_ops(shape, shape.layers / lay.pp) * rates.op, slots * slot
+        )
+        return {
+            "work": mb * slot,
+            "pp_bubble": (lay.pp - 1) * slot,
+            "tp_comm": slots * tp,
+            "pp_p2p": slots * hop,
+            _launch("launch", lay.tp): launch,
+        }
 
     def _launch_excess(self, launch: float, work: float) -> float:
         """Launch seconds a pass adds to ``work``: all of them when dispatch and work share one thread, only
@@ -523,7 +633,9 @@ class CostModel:
         activation buffers of one batched forward pass (:data:`ENGINE_BATCHED_TOKENS`); 0 when the weights
         alone do not fit in the share."""
         shape, lay = self._shape(role), alloc.layout
-        pool = self.settings.gen_memory_fraction * self.profile.memory_bytes
+        fraction = self.settings.gen_memory_fraction
+        assert fraction is not None  # asked for a serving engine only (decode_slots)
+        pool = fraction * self.profile.memory_bytes
         weights = self._gen_weight_bytes(role) / (lay.tp * lay.pp)
         buffers = ENGINE_BATCHED_TOKENS * (4 * shape.hidden + 2 * T.mlp_width(shape) / lay.tp) * self.bytes_per_param
         return max(0.0, pool - weights - buffers)
@@ -536,7 +648,9 @@ class CostModel:
         than the device has when its weights alone exceed the share (it would not start)."""
         shape, lay, w, b = self._shape(role), alloc.layout, self.workload, self.bytes_per_param
         if self.settings.serving_engine:
-            pool = self.settings.gen_memory_fraction * self.profile.memory_bytes
+            fraction = self.settings.gen_memory_fraction
+            assert fraction is not None  # what serving_engine checks
+            pool = fraction * self.profile.memory_bytes
             weights = self._gen_weight_bytes(role) / (lay.tp * lay.pp)
             return pool - weights if pool > weights else self.profile.memory_bytes
         segments = self._segments(role, alloc, w.response_lengths, padded=False)
@@ -561,31 +675,59 @@ class CostModel:
         shape, lay, w = self._shape(mfc.role), alloc.layout, self.workload
         _, minibatches = self._steps(mfc)
         samples = w.batch / minibatches / lay.dp
-        tokens = samples * self._pass_lengths(samples, alloc.micro_batches,
-                                              prompt=self._pass_prompt(alloc, training=True))[0]
+        tokens = (
+            samples
+            * self._pass_lengths(samples, alloc.micro_batches, prompt=self._pass_prompt(alloc, training=True))[0]
+        )
         in_flight = tokens / alloc.micro_batches * min(lay.pp, alloc.micro_batches)
         # FSDP: the root unit (embedding, head) gathered throughout, two layers at a time (one prefetched) and
         # one layer's unsharded fp32 gradients before its reduce-scatter
-        gathered = 0.0 if not alloc.fsdp else (2 * shape.vocab * shape.hidden * self.bytes_per_param + (
-            2 * self.bytes_per_param + GRAD_REDUCE_BYTES) * shape.params / shape.layers) / lay.tp
+        gathered = (
+            0.0
+            if not alloc.fsdp
+            else (
+                2 * shape.vocab * shape.hidden * self.bytes_per_param
+                + (2 * self.bytes_per_param + GRAD_REDUCE_BYTES) * shape.params / shape.layers
+            )
+            / lay.tp
+        )
         per_micro = tokens / alloc.micro_batches
         if alloc.recompute:
-            return gathered + T.recompute_activation_bytes(shape, in_flight, per_micro, shape.layers / lay.pp, lay.tp,
-                                                           self.bytes_per_param, self._logit_tokens(per_micro))
-        return gathered + T.train_activation_bytes(shape, in_flight, shape.layers / lay.pp, lay.tp,
-                                                   self.bytes_per_param, self._logit_tokens(in_flight))
+            return gathered + T.recompute_activation_bytes(
+                shape,
+                in_flight,
+                per_micro,
+                shape.layers / lay.pp,
+                lay.tp,
+                self.bytes_per_param,
+                self._logit_tokens(per_micro),
+            )
+        return gathered + T.train_activation_bytes(
+            shape, in_flight, shape.layers / lay.pp, lay.tp, self.bytes_per_param, self._logit_tokens(in_flight)
+        )
 
     def _pass_prompt(self, alloc: Allocation, training: bool = False) -> float:
         """Prompt tokens a pass computes per sample: its prompt's share among the samples sharing it where the
         settings compute a shared prompt once and the layout lets them (a whole model or replica: not pipeline
         stages, FSDP or a training pass recomputing its activations), else the whole prompt."""
         w = self.workload
-        shared = self.settings.shared_prompts and w.samples_per_prompt > 1 and alloc.layout.pp == 1 \
-            and not alloc.fsdp and not (training and alloc.recompute)
+        shared = (
+            self.settings.shared_prompts
+            and w.samples_per_prompt > 1
+            and alloc.layout.pp == 1
+            and not alloc.fsdp
+            and not (training and alloc.recompute)
+        )
         return w.prompt_len / w.samples_per_prompt if shared else w.prompt_len
 
-    def _pass_lengths(self, samples: float, micro_batches: int, scoring: bool = False,
-                      lengths: tuple[int, ...] | None = None, prompt: float | None = None) -> tuple[float, float]:
+    def _pass_lengths(
+        self,
+        samples: float,
+        micro_batches: int,
+        scoring: bool = False,
+        lengths: tuple[int, ...] | None = None,
+        prompt: float | None = None,
+    ) -> tuple[float, float]:
         """(mean, mean square) length of a sample as a pass processes it: packed (the settings' default), its own
         length; padded, the longest of the ``samples / micro_batches`` samples it shares a micro-batch with
         (:func:`loomrl.planner.cost.decode.expected_longest`), or for a ``scoring`` pass whose samples are sorted
@@ -622,10 +764,11 @@ class CostModel:
         return role is not None and role in self.shapes and self.shapes[role] is None
 
     def _shape(self, role: str | None) -> ModelShape:
-        if role not in self.shapes or self.shapes[role] is None:
+        shape = None if role is None else self.shapes.get(role)  # None too for a role with no model
+        if shape is None:
             known = ", ".join(r for r, s in self.shapes.items() if s is not None) or "none"
             raise ConfigError(f"cost model: no model shape for role {role!r}; known: {known}")
-        return self.shapes[role]
+        return shape
 
     def _weight_bytes(self, role: str) -> float:
         return self._shape(role).params * self.bytes_per_param
@@ -649,9 +792,9 @@ class CostModel:
 
     def _rates_of(self, alloc: Allocation) -> _Rates:
         key = _alloc_key(alloc)[:2]
-        if key not in self._rates:
-            self._rates[key] = self._measure_rates(alloc)
-        return self._rates[key]
+        if key not in self.cache.rates:
+            self.cache.rates[key] = self._measure_rates(alloc)
+        return self.cache.rates[key]
 
     def _measure_rates(self, alloc: Allocation) -> _Rates:
         """Links per parallel axis (inter-node if any group of that axis spans nodes; within a node at NCCL's
@@ -660,9 +803,15 @@ class CostModel:
         (``matmul_efficiency`` of the peak)."""
         p, lay = self.profile, alloc.layout
         groups = {
-            "tp": [[alloc.device(Coords(s, d, t)) for t in range(lay.tp)] for d in range(lay.dp) for s in range(lay.pp)],
-            "dp": [[alloc.device(Coords(s, d, t)) for d in range(lay.dp)] for t in range(lay.tp) for s in range(lay.pp)],
-            "pp": [[alloc.device(Coords(s, d, t)) for s in range(lay.pp)] for d in range(lay.dp) for t in range(lay.tp)],
+            "tp": [
+                [alloc.device(Coords(s, d, t)) for t in range(lay.tp)] for d in range(lay.dp) for s in range(lay.pp)
+            ],
+            "dp": [
+                [alloc.device(Coords(s, d, t)) for d in range(lay.dp)] for t in range(lay.tp) for s in range(lay.pp)
+            ],
+            "pp": [
+                [alloc.device(Coords(s, d, t)) for s in range(lay.pp)] for d in range(lay.dp) for t in range(lay.tp)
+            ],
         }
         intra = p.intra_node_bw * p.intra_bus_efficiency
         bw = {axis: p.inter_node_bw if any(self._spans_nodes(g) for g in gs) else intra for axis, gs in groups.items()}
@@ -671,8 +820,15 @@ class CostModel:
             busiest = max(Counter(self.cluster.node_of(d) for d in alloc.mesh).values())
             cores = self.cluster.devices_per_node / p.devices_share_cores
             slowdown = max(1.0, busiest / cores)
-        return _Rates(p.matmul_flops * p.matmul_efficiency / slowdown, p.mem_bandwidth / slowdown, bw["tp"],
-                      bw["dp"], bw["pp"], p.link_latency, p.op_overhead * slowdown)
+        return _Rates(
+            p.matmul_flops * p.matmul_efficiency / slowdown,
+            p.mem_bandwidth / slowdown,
+            bw["tp"],
+            bw["dp"],
+            bw["pp"],
+            p.link_latency,
+            p.op_overhead * slowdown,
+        )
 
     def _spans_nodes(self, devices: list[int]) -> bool:
         return len({self.cluster.node_of(d) for d in devices}) > 1
@@ -686,4 +842,11 @@ def _launch(name: str, tp: int) -> str:
 
 def _alloc_key(alloc: Allocation) -> tuple:
     lay = alloc.layout
-    return alloc.mesh.devices, (lay.dp, lay.tp, lay.pp, lay.reverse), alloc.micro_batches, alloc.recompute, alloc.zero, alloc.fsdp
+    return (
+        alloc.mesh.devices,
+        (lay.dp, lay.tp, lay.pp, lay.reverse),
+        alloc.micro_batches,
+        alloc.recompute,
+        alloc.zero,
+        alloc.fsdp,
+    )

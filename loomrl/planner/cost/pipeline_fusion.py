@@ -3,7 +3,8 @@
 A ``fused_train`` schedule step (:mod:`loomrl.plan.schedule`) joins two train calls whose pipelines share the same
 devices. The cost model prices each call's pipelined pass as ``mb + pp − 1`` slots of one stage's forward and
 backward of one micro-batch (:mod:`loomrl.planner.cost.model`); the same slot, split 1 : 2 between forward and backward
-(1 : 3 with recomputation), is each task's cost in a :class:`~loomrl.planner.pipeline_fusion.PipelineFusionProblem` whose
+(1 : 3 with recomputation), is each task's cost in a :class:`~loomrl.planner.pipeline_fusion.PipelineFusionProblem`
+whose
 stage placement is the two allocations' own (a reversed layout puts a model's stage 0 on the mesh's last
 device). The fused schedule found for that problem is what the runtime runs
 (:func:`pipeline_fusion_orders`) and what the simulator charges (:func:`price_pipeline_fusion`): each pair of
@@ -15,16 +16,27 @@ by the ratio of its corrected to its analytic time.
 
 from __future__ import annotations
 
+from collections.abc import Mapping
 from dataclasses import dataclass
+from typing import Protocol
 
-from loomrl.plan.pipeline_fusion import PipelineFusionProblem, PipelineSpec
-from loomrl.planner.pipeline_fusion.search import fused_order
+from loomrl.plan.allocation import Allocation
 from loomrl.plan.layout import Coords
-from loomrl.plan.plan import Allocation
+from loomrl.plan.model_shape import ModelShape
+from loomrl.plan.pipeline_fusion import PipelineFusionProblem, PipelineSpec
 from loomrl.plan.schedule import Step
+from loomrl.planner.pipeline_fusion.search import fused_order
+from loomrl.workflow import MFC
 
-__all__ = ["PipelineFusionPrice", "can_pipeline_fuse", "pipeline_fusion_floor", "pipeline_fusion_orders", "pipeline_fusion_problem",
-           "price_pipeline_fusion"]
+__all__ = [
+    "PipelineFusionModel",
+    "PipelineFusionPrice",
+    "can_pipeline_fuse",
+    "pipeline_fusion_floor",
+    "pipeline_fusion_orders",
+    "pipeline_fusion_problem",
+    "price_pipeline_fusion",
+]
 
 PIPELINE_TERMS = ("work", "pp_bubble", "tp_comm", "pp_p2p", "launch", "launch_tp")
 """The cost model's train terms that make up the pipelined passes (the rest follows each optimizer step)."""
@@ -34,6 +46,27 @@ most a few tenths of a second for 16 stages, a few percent above the bound), sin
 search prices many plans; the runtime then searches longer for the schedule it runs."""
 RUNTIME_TIME_LIMIT_S = 10.0
 """Seconds the runtime spends on the schedule it runs, once per plan (it stops earlier at the lower bound)."""
+
+
+class PipelineFusionModel(Protocol):
+    """What pricing a pipeline-fusion stage asks of the cost model (:class:`~loomrl.planner.cost.model.CostModel`)."""
+
+    @property
+    def shapes(self) -> Mapping[str, ModelShape | None]:
+        """Role → its model's shape (None for a role with no model: a rule)."""
+        ...
+
+    def mfc_time(self, mfc: MFC, alloc: Allocation) -> float:
+        """Seconds of one call, corrected."""
+        ...
+
+    def time_terms(self, mfc: MFC, alloc: Allocation) -> dict[str, float]:
+        """The call's uncorrected terms by name."""
+        ...
+
+    def train_steps(self, mfc: MFC) -> int:
+        """Optimizer steps of one call of a train MFC."""
+        ...
 
 
 @dataclass(frozen=True)
@@ -60,8 +93,8 @@ class PipelineFusionPrice:
     """The fusion problem's lower bound for one step."""
 
 
-def _call(cost, member: Step) -> _Call:
-    mfc, alloc = member.mfc, member.alloc
+def _call(cost: PipelineFusionModel, member: Step) -> _Call:
+    mfc, alloc = member.call_mfc, member.allocation
     terms = cost.time_terms(mfc, alloc)
     total = sum(terms.values())
     scale = cost.mfc_time(mfc, alloc) / total if total > 0 else 1.0
@@ -71,20 +104,25 @@ def _call(cost, member: Step) -> _Call:
     lay = alloc.layout
     slot = pipeline / (alloc.micro_batches + lay.pp - 1)
     passes = 4.0 if alloc.recompute else 3.0
-    shape = cost.shapes[mfc.role]
-    spec = PipelineSpec(lay.pp, alloc.micro_batches * lay.dp, max(slot / passes, 1e-12),
-                        max(slot * (passes - 1) / passes, 1e-12),
-                        activation=shape.hidden * shape.layers / lay.pp * (1 / passes if alloc.recompute else 1))
+    shape = cost.shapes[mfc.model_role]
+    assert shape is not None  # a trained role has a model (time_terms above needs its shape)
+    spec = PipelineSpec(
+        lay.pp,
+        alloc.micro_batches * lay.dp,
+        max(slot / passes, 1e-12),
+        max(slot * (passes - 1) / passes, 1e-12),
+        activation=shape.hidden * shape.layers / lay.pp * (1 / passes if alloc.recompute else 1),
+    )
     return _Call(steps, pipeline, rest, spec)
 
 
 def can_pipeline_fuse(alloc: Allocation) -> bool:
     """Whether a train call on ``alloc`` may be half of a fused train stage (the plan's check:
-    :func:`loomrl.plan.checks._check_pipeline_fusion`): a pipeline of one TP slice per stage, without FSDP."""
+    :func:`loomrl.plan.plan._check_pipeline_fusion`): a pipeline of one TP slice per stage, without FSDP."""
     return alloc.layout.pp > 1 and alloc.layout.tp == 1 and not alloc.fsdp
 
 
-def pipeline_fusion_floor(cost, mfc, alloc: Allocation) -> float:
+def pipeline_fusion_floor(cost: PipelineFusionModel, mfc: MFC, alloc: Allocation) -> float:
     """The least seconds a train call keeps each device of ``alloc`` busy in any fused stage: its time without
     its pipeline bubble, ``mb`` of its ``mb + pp − 1`` slots per step. A fused step is no shorter than its
     busiest device's work, and every device holds one stage of each model, so the two calls' floors add up to
@@ -98,27 +136,29 @@ def pipeline_fusion_floor(cost, mfc, alloc: Allocation) -> float:
     return cost.mfc_time(mfc, alloc) * (total - bubble) / total
 
 
-def pipeline_fusion_problem(first: Allocation, second: Allocation, specs: tuple[PipelineSpec, PipelineSpec]
-                        ) -> PipelineFusionProblem:
+def pipeline_fusion_problem(
+    first: Allocation, second: Allocation, specs: tuple[PipelineSpec, PipelineSpec]
+) -> PipelineFusionProblem:
     """The fusion problem of two train allocations on one mesh: device ``i`` of the problem is the mesh's ``i``-th
     device, and each model's (replica, stage) sits where its layout puts it."""
     devices = first.devices
 
     def stage_devices(alloc: Allocation) -> tuple[tuple[int, ...], ...]:
         lay = alloc.layout
-        return tuple(tuple(devices.index(alloc.device(Coords(s, r, 0))) for s in range(lay.pp))
-                     for r in range(lay.dp))
+        return tuple(tuple(devices.index(alloc.device(Coords(s, r, 0))) for s in range(lay.pp)) for r in range(lay.dp))
 
-    return PipelineFusionProblem(len(devices), specs[0], specs[1], stage_devices=(stage_devices(first), stage_devices(second)))
-
-
-def _problem(cost, step: Step) -> tuple[PipelineFusionProblem, tuple[_Call, _Call]]:
-    calls = tuple(_call(cost, m) for m in step.members)
-    first, second = (m.alloc for m in step.members)
-    return pipeline_fusion_problem(first, second, (calls[0].spec, calls[1].spec)), calls
+    return PipelineFusionProblem(
+        len(devices), specs[0], specs[1], stage_devices=(stage_devices(first), stage_devices(second))
+    )
 
 
-def price_pipeline_fusion(cost, step: Step) -> PipelineFusionPrice:
+def _problem(cost: PipelineFusionModel, step: Step) -> tuple[PipelineFusionProblem, tuple[_Call, _Call]]:
+    first, second = step.members  # the stage's two train calls
+    calls = (_call(cost, first), _call(cost, second))
+    return pipeline_fusion_problem(first.allocation, second.allocation, (calls[0].spec, calls[1].spec)), calls
+
+
+def price_pipeline_fusion(cost: PipelineFusionModel, step: Step) -> PipelineFusionPrice:
     """Seconds of a ``fused_train`` step (module docstring)."""
     problem, calls = _problem(cost, step)
     result = fused_order(problem, seed=0, iterations=SEARCH_ITERATIONS)
@@ -128,7 +168,7 @@ def price_pipeline_fusion(cost, step: Step) -> PipelineFusionPrice:
     return PipelineFusionPrice(seconds, result.makespan, sum(c.pipeline_s for c in calls), result.bound)
 
 
-def pipeline_fusion_orders(cost, step: Step) -> dict[int, tuple[tuple[int, int, bool], ...]]:
+def pipeline_fusion_orders(cost: PipelineFusionModel, step: Step) -> dict[int, tuple[tuple[int, int, bool], ...]]:
     """Each device's order of one fused pipeline step, as :func:`loomrl.parallel.pipeline_fusion.
     pipeline_fusion_backward` takes it: ``(member index, micro-batch of its replica's rows, backward?)``."""
     problem, _ = _problem(cost, step)
@@ -136,10 +176,14 @@ def pipeline_fusion_orders(cost, step: Step) -> dict[int, tuple[tuple[int, int, 
     return local_orders(problem, schedule.devices, step.devices)
 
 
-def local_orders(problem: PipelineFusionProblem, devices_tasks, devices: tuple[int, ...]
-                 ) -> dict[int, tuple[tuple[int, int, bool], ...]]:
+def local_orders(
+    problem: PipelineFusionProblem, devices_tasks, devices: tuple[int, ...]
+) -> dict[int, tuple[tuple[int, int, bool], ...]]:
     """A schedule's per-device task lists as local orders keyed by global device: micro-batches counted within
     the replica's own block."""
-    return {devices[i]: tuple((t.model, t.micro_batch - problem.micro_batches_of(t.model, t.replica).start,
-                               t.backward) for t in tasks)
-            for i, tasks in enumerate(devices_tasks)}
+    return {
+        devices[i]: tuple(
+            (t.model, t.micro_batch - problem.micro_batches_of(t.model, t.replica).start, t.backward) for t in tasks
+        )
+        for i, tasks in enumerate(devices_tasks)
+    }

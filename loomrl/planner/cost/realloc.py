@@ -34,7 +34,7 @@ from dataclasses import dataclass, field
 
 from loomrl.plan import Allocation, ClusterSpec, ReallocPlan, plan_reallocation
 from loomrl.plan.hardware import HardwareProfile
-from loomrl.planner.cost.workload import ModelShape
+from loomrl.plan.model_shape import ModelShape
 
 REDUCED_LAYERS = 4
 """Layers of the reduced model when the pipeline degrees allow (a multiple of both, dividing the true count)."""
@@ -45,8 +45,9 @@ REDUCED_HIDDEN_UNITS = 2
 __all__ = ["DeviceLoad", "device_loads", "price_loads", "realloc_seconds", "reduced_model"]
 
 
-def reduced_model(shape: ModelShape, src: Allocation, dst: Allocation
-                  ) -> tuple[dict[str, tuple[int, ...]], int, dict[str, float]]:
+def reduced_model(
+    shape: ModelShape, src: Allocation, dst: Allocation
+) -> tuple[dict[str, tuple[int, ...]], int, dict[str, float]]:
     """The reduced parameter shapes, their layer count and each parameter's bytes scale (see module doc)."""
     step = math.lcm(src.layout.pp, dst.layout.pp)
     if shape.layers % step:
@@ -55,13 +56,21 @@ def reduced_model(shape: ModelShape, src: Allocation, dst: Allocation
         layers = max(n for n in range(step, max(step, REDUCED_LAYERS) + 1, step) if shape.layers % n == 0)
     r = math.lcm(src.layout.tp, dst.layout.tp, src.layout.dp if src.fsdp else 1)  # FSDP: dp splits rows too
     unit = shape.hidden / REDUCED_HIDDEN_UNITS
-    true_dims = {"hidden": shape.hidden, "q": shape.q_dim, "kv": shape.kv_dim, "intermediate": shape.intermediate,
-                 "vocab": shape.vocab, "experts": shape.experts * shape.expert_intermediate}
+    true_dims = {
+        "hidden": shape.hidden,
+        "q": shape.q_dim,
+        "kv": shape.kv_dim,
+        "intermediate": shape.intermediate,
+        "vocab": shape.vocab,
+        "experts": shape.experts * shape.expert_intermediate,
+    }
     reduced = shape.param_shapes(layers, {k: r * max(1, round(d / unit)) for k, d in true_dims.items()})
     true = shape.param_shapes(layers)
     per_layer = shape.layers / layers
-    scale = {name: math.prod(true[name]) / math.prod(dims) * (per_layer if ".layers." in name else 1.0)
-             for name, dims in reduced.items()}
+    scale = {
+        name: math.prod(true[name]) / math.prod(dims) * (per_layer if ".layers." in name else 1.0)
+        for name, dims in reduced.items()
+    }
     return reduced, layers, scale
 
 
@@ -124,8 +133,14 @@ def price_loads(loads: dict[int, DeviceLoad], profile: HardwareProfile) -> float
     return worst
 
 
-def realloc_seconds(shape: ModelShape, src: Allocation, dst: Allocation, cluster: ClusterSpec,
-                    profile: HardwareProfile, bytes_per_elem: float) -> float:
+def realloc_seconds(
+    shape: ModelShape,
+    src: Allocation,
+    dst: Allocation,
+    cluster: ClusterSpec,
+    profile: HardwareProfile,
+    bytes_per_elem: float,
+) -> float:
     """Seconds to move a model of ``shape`` from ``src`` to ``dst`` (0 when the placements are the same)."""
     if src.shards == dst.shards:
         return 0.0

@@ -25,23 +25,69 @@ The stage lasts until its last part ends; the parts are returned for the timelin
 from __future__ import annotations
 
 import math
+from collections.abc import Mapping
 from dataclasses import dataclass
-from typing import TYPE_CHECKING
+from typing import Protocol
 
+from loomrl.plan.allocation import Allocation
+from loomrl.plan.model_shape import ModelShape
 from loomrl.plan.schedule import Step
 from loomrl.planner.cost import decode as D
+from loomrl.planner.cost.corrections import Corrections
+from loomrl.planner.cost.workload import Workload
 from loomrl.workflow import MFCKind
 
-if TYPE_CHECKING:
-    from loomrl.planner.cost.model import CostModel
-
-__all__ = ["StreamFusionPrice", "MIGRATE_AT_CANDIDATES", "best_migrate_at", "GenerationFloor", "generation_floor", "price_stream_fusion"]
+__all__ = [
+    "MIGRATE_AT_CANDIDATES",
+    "GenerationFloor",
+    "Generations",
+    "StreamFusionModel",
+    "StreamFusionPrice",
+    "best_migrate_at",
+    "generation_floor",
+    "price_stream_fusion",
+]
 
 MIGRATE_AT_CANDIDATES = (0.0, 0.05, 0.1, 0.15, 0.2, 0.25, 0.3, 0.4, 0.5)
 """The thresholds ``migrate_at: auto`` chooses among (RLHFuse found about 0.2 best at scale)."""
 
 Part = tuple[str, int, float, float]
 """``(label, device, start, end)``, seconds from the stage's start."""
+
+Generations = dict[tuple, tuple]
+"""Priced generations of stages, by (role, allocation, threshold, migrate_to, chunk): a search prices many stages
+around one generation, so the cost model keeps one of these and passes it to every pricing."""
+
+
+class StreamFusionModel(Protocol):
+    """What pricing a stream-fusion stage asks of the cost model (:class:`~loomrl.planner.cost.model.CostModel`)."""
+
+    workload: Workload
+    corrections: Corrections
+
+    @property
+    def shapes(self) -> Mapping[str, ModelShape | None]:
+        """Role → its model's shape (None for a role with no model: a rule)."""
+        ...
+
+    @property
+    def system_factor(self) -> float:
+        """The factor every time the model gives is scaled by (the hardware profile's ``system_factor``)."""
+        ...
+
+    def decode_segment_terms(self, role: str, alloc: Allocation, segments: list[D.Segment]) -> dict[str, float]:
+        """Uncorrected terms of decoding ``segments`` of the occupancy on one replica of ``alloc``."""
+        ...
+
+    def prefill_terms(self, role: str, alloc: Allocation, samples: float, context: float) -> dict[str, float]:
+        """Uncorrected terms of prefilling ``samples`` samples of ``context`` tokens on one replica."""
+        ...
+
+    def inference_terms(
+        self, role: str, alloc: Allocation, samples: float | None = None, lengths: tuple[int, ...] | None = None
+    ) -> dict[str, float]:
+        """Uncorrected terms of one forward pass over ``samples`` samples of response ``lengths``."""
+        ...
 
 
 @dataclass(frozen=True)
@@ -54,9 +100,10 @@ class StreamFusionPrice:
     """The threshold priced (``auto`` resolved)."""
 
 
-def best_migrate_at(cost: CostModel, step: Step) -> float:
+def best_migrate_at(cost: StreamFusionModel, step: Step, generations: Generations | None = None) -> float:
     """The candidate threshold with the shortest predicted stage (the lowest on ties)."""
-    return min(MIGRATE_AT_CANDIDATES, key=lambda r: (price_stream_fusion(cost, step, r).seconds, r))
+    generations = {} if generations is None else generations
+    return min(MIGRATE_AT_CANDIDATES, key=lambda r: (price_stream_fusion(cost, step, r, generations).seconds, r))
 
 
 @dataclass(frozen=True)
@@ -70,7 +117,7 @@ class GenerationFloor:
     """The least device-seconds the generation occupies."""
 
 
-def generation_floor(cost: CostModel, role: str, alloc) -> GenerationFloor:
+def generation_floor(cost: StreamFusionModel, role: str, alloc: Allocation) -> GenerationFloor:
     """Lower bounds on a fused stage's generation on ``alloc``, whatever its migration threshold and chunks.
 
     - **Ready times.** The runtime deals the batch evenly over the ``dp`` replicas and migration only gathers
@@ -93,7 +140,9 @@ def generation_floor(cost: CostModel, role: str, alloc) -> GenerationFloor:
             continue
         live = math.ceil((len(lengths) - index) / dp)
         terms = dict(prefill)
-        for name, seconds in cost.decode_segment_terms(role, alloc, [D.Segment(0, k, live, live * w.prompt_len)]).items():
+        for name, seconds in cost.decode_segment_terms(
+            role, alloc, [D.Segment(0, k, live, live * w.prompt_len)]
+        ).items():
             terms[name] = terms.get(name, 0.0) + seconds
         ready.append((_corrected(cost, MFCKind.GENERATE, terms), (len(lengths) - index) / len(lengths)))
     whole = cost.decode_segment_terms(role, alloc, D.continuous_segments(lengths, len(lengths), w.prompt_len))
@@ -101,14 +150,19 @@ def generation_floor(cost: CostModel, role: str, alloc) -> GenerationFloor:
     return GenerationFloor(tuple(ready), replica * _corrected(cost, MFCKind.GENERATE, whole))
 
 
-def price_stream_fusion(cost: CostModel, step: Step, migrate_at: float | None = None) -> StreamFusionPrice:
-    """The fused stage ``step`` on ``cost``'s workload (module docstring); ``migrate_at`` overrides the plan's."""
-    value = step.fusion.migrate_at if migrate_at is None else migrate_at
+def price_stream_fusion(
+    cost: StreamFusionModel, step: Step, migrate_at: float | None = None, generations: Generations | None = None
+) -> StreamFusionPrice:
+    """The stream-fusion stage ``step`` on ``cost``'s workload (module docstring); ``migrate_at`` overrides the
+    plan's; ``generations`` holds the generations priced so far (the cost model's, shared by its pricings)."""
+    runs = {} if generations is None else generations
+    fusion = step.fusion
+    assert fusion is not None  # a stream-fusion stage carries the plan's settings
+    value = fusion.migrate_at if migrate_at is None else migrate_at
     if isinstance(value, str):
-        return price_stream_fusion(cost, step, best_migrate_at(cost, step))
-    gen, fusion = step.members[0], step.fusion
+        return price_stream_fusion(cost, step, best_migrate_at(cost, step, runs), runs)
+    gen = step.members[0]
     key = (gen.role, gen.alloc, value, fusion.migrate_to, fusion.chunk)
-    runs = getattr(cost, "_fused_generations", {})  # the search prices many stages around one generation
     if key not in runs:
         generation = _Generation(cost, step, value)
         runs[key] = (*generation.run(), tuple(generation.parts))
@@ -121,12 +175,13 @@ def price_stream_fusion(cost: CostModel, step: Step, migrate_at: float | None = 
 class _Generation:
     """The generation replicas of a fused stage and when each of their samples is handed on."""
 
-    def __init__(self, cost: CostModel, step: Step, migrate_at: float):
+    def __init__(self, cost: StreamFusionModel, step: Step, migrate_at: float):
+        assert step.fusion is not None  # a stream-fusion stage carries the plan's settings
         self.cost, self.gen, self.fusion = cost, step.members[0], step.fusion
         w = cost.workload
-        self.replicas = self.gen.alloc.replicas()
+        self.replicas = self.gen.allocation.replicas()
         lengths = D.admission_order(w.response_lengths, w.batch)
-        self.lengths = [sorted(lengths[r::len(self.replicas)]) for r in range(len(self.replicas))]
+        self.lengths = [sorted(lengths[r :: len(self.replicas)]) for r in range(len(self.replicas))]
         self.prompt = w.prompt_len
         self.threshold = math.floor(migrate_at * w.batch)
         self.migrating = self.threshold > 0 and self.fusion.migrate_to < len(self.replicas)
@@ -147,19 +202,19 @@ class _Generation:
         seg = next(segments, None)
         for n in sorted(points):
             while seg is not None and seg.end <= n:
-                done += self._seconds(self.cost.decode_segment_terms(self.gen.role, self.gen.alloc, [seg]))
+                done += self._seconds(self.cost.decode_segment_terms(self.gen.model_role, self.gen.allocation, [seg]))
                 seg = next(segments, None)
             partial = 0.0
             if seg is not None and seg.start < n:
                 cut = D.Segment(seg.start, n, seg.live, seg.ctx_base)
-                partial = self._seconds(self.cost.decode_segment_terms(self.gen.role, self.gen.alloc, [cut]))
+                partial = self._seconds(self.cost.decode_segment_terms(self.gen.model_role, self.gen.allocation, [cut]))
             out[n] = done + partial
         return out
 
     def _prefill(self, samples: float, context: float) -> float:
         if samples <= 0:
             return 0.0
-        return self._seconds(self.cost.prefill_terms(self.gen.role, self.gen.alloc, samples, context))
+        return self._seconds(self.cost.prefill_terms(self.gen.model_role, self.gen.allocation, samples, context))
 
     def run(self) -> tuple[list[tuple[float, tuple[int, ...]]], dict[int, float]]:
         """(time, response lengths) of every hand-over, and when each generating device stops."""
@@ -177,7 +232,7 @@ class _Generation:
         clock = {n: max(s + d[n] for s, d in zip(starts, decoded)) for n in points}
         moment = clock[step]
         tail = {r: [n - step for n in ls if n > step] for r, ls in enumerate(self.lengths)}
-        dests = sorted(sorted(tail), key=lambda r: -sum(tail[r]))[:self.fusion.migrate_to]
+        dests = sorted(sorted(tail), key=lambda r: -sum(tail[r]))[: self.fusion.migrate_to]
         moving = sorted((n for r in tail if r not in dests for n in tail[r]), reverse=True)
         kept = {r: list(tail[r]) for r in dests}
         for n in moving:  # the longest first, to the least loaded destination, as the runtime assigns them
@@ -201,7 +256,7 @@ class _Generation:
         for done, end in zip(finish, ends):
             done = sorted(done)
             for k in range(0, len(done), self.chunk):
-                group = done[k:k + self.chunk]
+                group = done[k : k + self.chunk]
                 out.append((group[-1][0] if len(group) == self.chunk else end, tuple(n for _, n in group)))
         return out
 
@@ -214,8 +269,9 @@ class _Generation:
         return stops
 
 
-def _serve(cost: CostModel, step: Step, ready: list[tuple[float, tuple[int, ...]]],
-           gen_until: dict[int, float]) -> list[Part]:
+def _serve(
+    cost: StreamFusionModel, step: Step, ready: list[tuple[float, tuple[int, ...]]], gen_until: dict[int, float]
+) -> list[Part]:
     """The members' calls, each on its free replicas as samples become ready (module docstring)."""
     members = step.members[1:]
     events = sorted(ready, key=lambda event: event[0])
@@ -231,13 +287,16 @@ def _serve(cost: CostModel, step: Step, ready: list[tuple[float, tuple[int, ...]
             k += 1
             continue
         for m in members:
-            free = [r for r in m.alloc.replicas()
-                    if all(gen_until.get(d, 0.0) <= now + 1e-12 and busy.get(d, 0.0) <= now + 1e-12 for d in r)]
+            free = [
+                r
+                for r in m.allocation.replicas()
+                if all(gen_until.get(d, 0.0) <= now + 1e-12 and busy.get(d, 0.0) <= now + 1e-12 for d in r)
+            ]
             if not waiting[m.id] or not free:
                 continue
             ordered = sorted(waiting[m.id])  # dealt in turn: each replica gets a like mix of lengths
             for index, replica in enumerate(free):
-                share = ordered[index::len(free)]
+                share = ordered[index :: len(free)]
                 if not share:
                     continue
                 seconds = _inference(cost, m, tuple(share))
@@ -254,16 +313,19 @@ def _serve(cost: CostModel, step: Step, ready: list[tuple[float, tuple[int, ...]
     return parts
 
 
-def _inference(cost: CostModel, member: Step, lengths: tuple[int, ...]) -> float:
+def _inference(cost: StreamFusionModel, member: Step, lengths: tuple[int, ...]) -> float:
     """Seconds of one call of ``member`` over samples of response ``lengths`` on one replica of its allocation
     (its per-call overhead alone for a role the cost model has no model of: a rule)."""
-    terms = {} if member.role not in cost.shapes or cost.shapes[member.role] is None else \
-        cost.inference_terms(member.role, member.alloc, float(len(lengths)), lengths)
+    role = member.model_role
+    terms = (
+        {}
+        if role not in cost.shapes or cost.shapes[role] is None
+        else cost.inference_terms(role, member.allocation, float(len(lengths)), lengths)
+    )
     return _corrected(cost, MFCKind.INFERENCE, terms)
 
 
-def _corrected(cost: CostModel, kind: MFCKind, terms: dict[str, float]) -> float:
+def _corrected(cost: StreamFusionModel, kind: MFCKind, terms: dict[str, float]) -> float:
     """Seconds of ``terms`` as the cost model gives a call's: corrected, its per-call overhead included, times the
     profile's stated system factor (:meth:`~loomrl.planner.cost.model.CostModel.mfc_time`)."""
-    factor = getattr(getattr(cost, "profile", None), "system_factor", 1.0)
-    return cost.corrections.apply_terms(kind, terms) * factor
+    return cost.corrections.apply_terms(kind, terms) * cost.system_factor

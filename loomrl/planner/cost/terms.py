@@ -14,7 +14,7 @@ from __future__ import annotations
 
 import math
 
-from loomrl.planner.cost.workload import ModelShape
+from loomrl.plan.model_shape import ModelShape
 
 __all__ = [
     "OPS_PER_LAYER",
@@ -22,7 +22,6 @@ __all__ = [
     "forward_ops",
     "optimizer_ops",
     "attention_flops",
-    "decode_step_flops",
     "decode_weight_bytes",
     "decode_step_slots",
     "forward_flops",
@@ -89,15 +88,6 @@ def train_flops(shape: ModelShape, tokens: float, sum_sq_len: float) -> float:
     """Forward + backward FLOPs: the backward pass costs twice the forward (gradients of inputs and weights).
     No activation recomputation (it would add one more forward)."""
     return 3.0 * forward_flops(shape, tokens, sum_sq_len)
-
-
-def decode_step_flops(shape: ModelShape, live: float, ctx_sum: float) -> float:
-    """FLOPs of one decode step: ``live`` new tokens through the matmuls, each attending to its context.
-
-    ``ctx_sum`` is the total context (cached tokens) over the live samples; a new token's QKᵀ and AV over a
-    context of c tokens cost 2·width·c FLOPs each per layer (width: ``heads · head_dim``).
-    """
-    return 2.0 * shape.matmul_params * live + 4.0 * shape.layers * shape.q_dim * ctx_sum
 
 
 def decode_weight_bytes(shape: ModelShape, tokens: float, b: float) -> float:
@@ -171,7 +161,8 @@ def transfer_time(nbytes: float, bandwidth: float, latency: float) -> float:
 
 
 def pipeline_slots(pp: int, micro_batches: int) -> int:
-    """Pipeline time slots of one pass (GPipe and 1F1B alike): ``micro_batches`` slots of work on the slowest stage plus ``pp − 1``
+    """Pipeline time slots of one pass (GPipe and 1F1B alike): ``micro_batches`` slots of work on the slowest stage
+    plus ``pp − 1``
     slots of fill/drain, i.e. a bubble of (pp−1)/(micro_batches+pp−1) of the pass."""
     return micro_batches + pp - 1
 
@@ -184,8 +175,9 @@ def decode_step_slots(pp: int, micro_batches: int) -> int:
     return max(pp, micro_batches)
 
 
-def train_activation_bytes(shape: ModelShape, tokens: float, layers: float, tp: int, b: float,
-                           logit_tokens: float | None = None) -> float:
+def train_activation_bytes(
+    shape: ModelShape, tokens: float, layers: float, tp: int, b: float, logit_tokens: float | None = None
+) -> float:
     """Activation bytes a training pass keeps for its backward over ``tokens`` tokens and ``layers`` layers.
 
     Per layer and token hidden·(10 + 24/tp) bytes at 2-byte activations (scaled by b/2): the tp-split parts
@@ -198,8 +190,15 @@ def train_activation_bytes(shape: ModelShape, tokens: float, layers: float, tp: 
     return tokens * layers * per_token_layer + logits
 
 
-def recompute_activation_bytes(shape: ModelShape, tokens: float, layer_tokens: float, layers: float, tp: int,
-                               b: float, logit_tokens: float | None = None) -> float:
+def recompute_activation_bytes(
+    shape: ModelShape,
+    tokens: float,
+    layer_tokens: float,
+    layers: float,
+    tp: int,
+    b: float,
+    logit_tokens: float | None = None,
+) -> float:
     """Activation bytes a training pass with activation checkpointing keeps: each layer's input for the
     ``tokens`` tokens in flight (hidden·b per token, replicated over tp), plus one layer's full activations
     (:func:`train_activation_bytes`) for the ``layer_tokens`` of the micro-batch being recomputed, with its
@@ -207,8 +206,9 @@ def recompute_activation_bytes(shape: ModelShape, tokens: float, layer_tokens: f
     return tokens * layers * shape.hidden * b + train_activation_bytes(shape, layer_tokens, 1, tp, b, logit_tokens)
 
 
-def inference_activation_bytes(shape: ModelShape, tokens: float, tp: int, b: float,
-                               logit_tokens: float | None = None) -> float:
+def inference_activation_bytes(
+    shape: ModelShape, tokens: float, tp: int, b: float, logit_tokens: float | None = None
+) -> float:
     """Working set of a forward pass without gradients over ``tokens`` tokens: one layer's buffers (residual,
     normalised input, attention output, the MLP's gated intermediate shard) and the fp32 logits shard of
     ``logit_tokens`` tokens (all of them by default)."""

@@ -40,8 +40,8 @@ import heapq
 import itertools
 import math
 
-from loomrl.planner.pipeline_fusion.graph import Graph, build_graph
 from loomrl.plan.pipeline_fusion import PipelineFusionProblem
+from loomrl.planner.pipeline_fusion.graph import Graph, build_graph
 
 __all__ = ["device_bounds", "heads_and_tails", "jackson_preemptive", "lower_bound", "memory_bound"]
 
@@ -128,7 +128,7 @@ class _WorkBefore:
         slope, constant, work = self._state(t, strict=True)
         return max(0.0, min(t - self.first, slope * t - constant + work))
 
-    def inverse(self) -> "_Inverse":
+    def inverse(self) -> _Inverse:
         return _Inverse(self)
 
 
@@ -173,8 +173,12 @@ def device_bounds(graph: Graph, head: list[float], tail: list[float]) -> list[fl
     jobs: list[list[Job]] = [[] for _ in range(graph.problem.devices)]
     for i in range(graph.size):
         jobs[graph.device[i]].append((head[i], graph.dur[i], tail[i], abs(graph.mem[i]), graph.mem[i] > 0))
-    return [max(jackson_preemptive([(r, p, q) for r, p, q, _, _ in j]),
-                memory_bound(j, graph.problem.memory_cap[d])) if j else 0.0 for d, j in enumerate(jobs)]
+    return [
+        max(jackson_preemptive([(r, p, q) for r, p, q, _, _ in j]), memory_bound(j, graph.problem.caps[d]))
+        if j
+        else 0.0
+        for d, j in enumerate(jobs)
+    ]
 
 
 @functools.lru_cache(maxsize=256)

@@ -71,8 +71,9 @@ def grain(values: list[float]) -> float | None:
     fractions = [_fraction(v) for v in values if v]
     if not fractions or any(f is None for f in fractions):
         return None if any(f is None for f in fractions) else 1.0
-    numerator = reduce(math.gcd, (f.numerator for f in fractions))
-    denominator = reduce(lambda a, b: a * b // math.gcd(a, b), (f.denominator for f in fractions))
+    exact = [f for f in fractions if f is not None]  # all of them, none being None here
+    numerator = reduce(math.gcd, (f.numerator for f in exact))
+    denominator = reduce(lambda a, b: a * b // math.gcd(a, b), (f.denominator for f in exact))
     return numerator / denominator
 
 
@@ -88,8 +89,16 @@ class ExactResult:
     """Makespans CP-SAT proved out of reach."""
 
 
-def exact_ladder(graph: Graph, bound: float, best: float, *, deadline: float, seed: int = 0,
-                 hint: Orders | None = None, workers: int = 1) -> ExactResult:
+def exact_ladder(
+    graph: Graph,
+    bound: float,
+    best: float,
+    *,
+    deadline: float,
+    seed: int = 0,
+    hint: Orders | None = None,
+    workers: int = 1,
+) -> ExactResult:
     """Raise ``bound`` towards ``best`` (the makespan of a known schedule, e.g. ``hint``'s) one grid step at a
     time while CP-SAT proves each out of reach before ``deadline`` (``time.perf_counter``), and stop with a
     schedule when one of the makespan asked exists (module docstring)."""
@@ -113,13 +122,23 @@ def exact_ladder(graph: Graph, bound: float, best: float, *, deadline: float, se
             bound, target = max(bound, target + step), target + step
             continue
         if status == "feasible":
+            assert starts is not None  # _decide gives them with "feasible"
             return ExactResult(max(bound, target), _orders(graph, starts), proofs)
         break
     return ExactResult(bound, None, proofs)
 
 
-def _decide(graph: Graph, head: list[float], tail: list[float], horizon: int, step: float, deadline: float,
-            seed: int, hint: list[int] | None, workers: int) -> tuple[str, list[int] | None]:
+def _decide(
+    graph: Graph,
+    head: list[float],
+    tail: list[float],
+    horizon: int,
+    step: float,
+    deadline: float,
+    seed: int,
+    hint: list[int] | None,
+    workers: int,
+) -> tuple[str, list[int] | None]:
     """CP-SAT's answer by ``deadline`` to "is there a schedule of makespan at most ``horizon`` grid steps":
     "infeasible", "feasible" (with every task's start in steps) or "unknown"."""
     from ortools.sat.python import cp_model
@@ -165,6 +184,7 @@ def _devices(model, graph: Graph, start, end, interval, horizon: int) -> None:
     """No overlap on each device, and its activation memory as a cumulative (module docstring)."""
     problem = graph.problem
     unit = grain([abs(m) for m in graph.mem])
+    assert unit is not None  # exact_ladder builds a model only where the memory has a grain
     per_device: list[list[int]] = [[] for _ in range(problem.devices)]
     for i in range(graph.size):
         per_device[graph.device[i]].append(i)
@@ -177,7 +197,7 @@ def _devices(model, graph: Graph, start, end, interval, horizon: int) -> None:
                 size = model.new_int_var(0, horizon, f"m{i}")
                 held.append(model.new_interval_var(start[f], size, end[i], f"h{i}"))
                 height.append(round(abs(graph.mem[i]) / unit))
-        model.add_cumulative(held, height, math.floor(problem.memory_cap[d] / unit + 1e-9))
+        model.add_cumulative(held, height, math.floor(problem.caps[d] / unit + 1e-9))
 
 
 def _orders(graph: Graph, starts: list[int]) -> Orders:

@@ -14,7 +14,7 @@ from __future__ import annotations
 import functools
 from dataclasses import dataclass
 
-from loomrl.plan.pipeline_fusion import MODELS, PipelineFusionProblem, Task
+from loomrl.plan.pipeline_fusion import MODELS, PipelineFusionProblem, PipelineTask
 
 
 @dataclass(frozen=True, eq=False)
@@ -22,8 +22,8 @@ class Graph:
     """The tasks of a :class:`PipelineFusionProblem` by id (ids follow ``problem.tasks()``)."""
 
     problem: PipelineFusionProblem
-    tasks: tuple[Task, ...]
-    index: dict[Task, int]
+    tasks: tuple[PipelineTask, ...]
+    index: dict[PipelineTask, int]
     device: list[int]
     dur: list[float]
     mem: list[float]
@@ -46,11 +46,13 @@ class Graph:
         return len(self.tasks)
 
     def topological(self) -> list[int]:
-        """Task ids in an order where every dependency comes first: forwards by stage, then backwards by
+        """PipelineTask ids in an order where every dependency comes first: forwards by stage, then backwards by
         stage from the last, each in micro-batch order."""
+
         def key(i: int) -> tuple:
             t = self.tasks[i]
             return (t.model, t.replica, t.backward, -t.stage if t.backward else t.stage, t.micro_batch)
+
         return sorted(range(self.size), key=key)
 
 
@@ -70,20 +72,24 @@ def build_graph(problem: PipelineFusionProblem) -> Graph:
         stream[i] = 2 * t.model + t.backward
         neighbour = t.stage + 1 if t.backward else t.stage - 1
         if 0 <= neighbour < spec.depth:
-            xpred[i] = index[Task(t.model, t.replica, neighbour, t.micro_batch, t.backward)]
+            xpred[i] = index[PipelineTask(t.model, t.replica, neighbour, t.micro_batch, t.backward)]
             xsucc[xpred[i]] = i
         if t.backward:
-            fwd[i] = index[Task(t.model, t.replica, t.stage, t.micro_batch, False)]
+            fwd[i] = index[PipelineTask(t.model, t.replica, t.stage, t.micro_batch, False)]
         if t.micro_batch != problem.micro_batches_of(t.model, t.replica).start:
-            prev[i] = index[Task(t.model, t.replica, t.stage, t.micro_batch - 1, t.backward)]
+            prev[i] = index[PipelineTask(t.model, t.replica, t.stage, t.micro_batch - 1, t.backward)]
     streams = []
     for d in range(problem.devices):
         per = []
         for model in MODELS:
             replica, stage = problem.stage_on(model, d)
             for backward in (False, True):
-                per.append(tuple(index[Task(model, replica, stage, k, backward)]
-                                 for k in problem.micro_batches_of(model, replica)))
+                per.append(
+                    tuple(
+                        index[PipelineTask(model, replica, stage, k, backward)]
+                        for k in problem.micro_batches_of(model, replica)
+                    )
+                )
         streams.append(tuple(per))
     return Graph(problem, tasks, index, device, dur, mem, xpred, xsucc, fwd, prev, stream, tuple(streams))
 

@@ -40,8 +40,9 @@ def overrun(end: list[float], tail: list[float], bound: float) -> float:
     return sum(e + q - bound for e, q in zip(end, tail) if e + q > bound)
 
 
-def _critical_blocks(graph: Graph, orders: Orders, end: list[float], where: list[tuple[int, int]],
-                     rng: random.Random) -> list[tuple[int, int, int]]:
+def _critical_blocks(
+    graph: Graph, orders: Orders, end: list[float], where: list[tuple[int, int]], rng: random.Random
+) -> list[tuple[int, int, int]]:
     """(device, first position, last position) of each block of one critical path (module docstring)."""
     span = max(end)
     ends = [i for i, e in enumerate(end) if e >= span - 1e-9]
@@ -93,11 +94,19 @@ def _valid(graph: Graph, order: list[int], cap: float) -> bool:
     return True
 
 
-def polish(graph: Graph, orders: Orders, tail: list[float], bound: float, *, rng: random.Random,
-           deadline: float, budget: int | None = None) -> tuple[Orders, int]:
+def polish(
+    graph: Graph,
+    orders: Orders,
+    tail: list[float],
+    bound: float,
+    *,
+    rng: random.Random,
+    deadline: float,
+    budget: int | None = None,
+) -> tuple[Orders, int]:
     """Tabu search from ``orders`` (module docstring) until the lower bound ``bound``, ``budget`` steps or
     ``deadline`` (``time.perf_counter``); the best orders met and the steps taken."""
-    cap = graph.problem.memory_cap
+    cap = graph.problem.caps
     orders = [list(o) for o in orders]
     end, _ = finish_times(graph, orders)
     key = (max(end), overrun(end, tail, bound))
@@ -118,11 +127,11 @@ def polish(graph: Graph, orders: Orders, tail: list[float], bound: float, *, rng
             moved, passed = order[i], order[j]
             if graph.stream[moved] == graph.stream[passed]:
                 continue
-            trial = order[:i] + order[i + 1:]
+            trial = order[:i] + order[i + 1 :]
             trial.insert(j, moved)
             if not _valid(graph, trial, cap[d]):
                 continue
-            new = orders[:d] + [trial] + orders[d + 1:]
+            new = orders[:d] + [trial] + orders[d + 1 :]
             new_end, reached = finish_times(graph, new)
             if any(r < len(o) for r, o in zip(reached, new)):
                 continue

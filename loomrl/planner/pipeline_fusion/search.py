@@ -3,7 +3,8 @@
 - :func:`separate_order`: what loomrl runs without fusion: on every device the actor's 1F1B, then the
   critic's 1F1B. Its as-soon-as-possible makespan already lets the critic start on a device once that device's
   actor work is done, so it is a little better than the two 1F1B makespans added.
-- :func:`merged_order`: list scheduling (:class:`~loomrl.planner.pipeline_fusion.priorities.Decoder`) with Jackson's
+- :func:`merged_order`: list scheduling (:class:`~loomrl.planner.pipeline_fusion.priorities.ListScheduler`) with
+Jackson's
   priority, the task with the longest path still behind it first (ties to the earlier head), in active and
   non-delay form, with memory shared by the two models or held to each one's own 1F1B share, with and without
   the deadlock reserve, with and without holding a forward back for the other model's more urgent one, each
@@ -13,7 +14,7 @@
 - :func:`fused_order`: large-neighbourhood search from that start. Each step cuts the current schedule at a
   random time, keeps one side of the cut as it is and rebuilds the other by list scheduling with perturbed
   priorities (each task's current start, or its Jackson priority, plus Gaussian noise), memory shared or held
-  to 1F1B shares, the reserve and the hold on or off at random: keeping the beginning, the decoder runs forwards
+  to 1F1B shares, the reserve and the hold on or off at random: keeping the beginning, the list scheduler runs forwards
   from the kept prefix of every device's order; keeping the end, it rebuilds the beginning on the reversed
   problem. A
   rebuilt schedule replaces the current one by the simulated-annealing rule (always when no longer, else with
@@ -43,12 +44,12 @@ import random
 import time
 from dataclasses import dataclass
 
+from loomrl.plan.pipeline_fusion import MODELS, PipelineFusionProblem, TaskOrder
 from loomrl.planner.pipeline_fusion import exact as exact_module
 from loomrl.planner.pipeline_fusion.bound import heads_and_tails, lower_bound
-from loomrl.planner.pipeline_fusion.priorities import Decoder, Orders, forward_orders, justify
 from loomrl.planner.pipeline_fusion.graph import Graph, build_graph, finish_times
 from loomrl.planner.pipeline_fusion.polish import polish
-from loomrl.plan.pipeline_fusion import MODELS, PipelineFusionProblem, TaskOrder
+from loomrl.planner.pipeline_fusion.priorities import ListScheduler, Orders, forward_orders, justify
 
 __all__ = ["PipelineFusionResult", "fused_order", "merged_order", "separate_order"]
 
@@ -82,7 +83,7 @@ class PipelineFusionResult:
     iterations: int
     """Search steps tried: rebuilds and local-improvement moves (0: the start was kept)."""
     evaluations: int
-    """Schedules decoded and simulated in all, the start's included."""
+    """Schedules built and simulated in all, the start's included."""
     start_makespan: float
     """The start's makespan (the better of :func:`merged_order` and :func:`separate_order`)."""
     exact_proofs: int = 0
@@ -110,12 +111,11 @@ def _one_f_one_b(graph: Graph, device: int, model: int) -> list[int]:
     spec = problem.spec(model)
     warmup = min(spec.depth - stage - 1, len(forwards))
     for s in range(stage + 1):  # warm-up never grows along the pipeline, or stages would wait on each other
-        warmup = min(warmup, max(0, int(problem.memory_cap[problem.device_of(model, replica, s)] // spec.activation)
-                                 - 1))
+        warmup = min(warmup, max(0, int(problem.caps[problem.device_of(model, replica, s)] // spec.activation) - 1))
     order = list(forwards[:warmup])
     for k in range(len(forwards) - warmup):
         order += [forwards[warmup + k], backwards[k]]
-    return order + list(backwards[len(forwards) - warmup:])
+    return order + list(backwards[len(forwards) - warmup :])
 
 
 def separate_order(problem: PipelineFusionProblem) -> TaskOrder:
@@ -125,11 +125,11 @@ def separate_order(problem: PipelineFusionProblem) -> TaskOrder:
 
 
 class _Context:
-    """What every decode of one problem shares: the graph, both decoders, priorities and memory shares."""
+    """What every pass of one problem shares: the graph, both list schedulers, priorities and memory shares."""
 
     def __init__(self, problem: PipelineFusionProblem) -> None:
         self.graph = graph = build_graph(problem)
-        self.forward, self.backward = Decoder(graph), Decoder(graph, reverse=True)
+        self.forward, self.backward = ListScheduler(graph), ListScheduler(graph, reverse=True)
         self.head, self.tail = heads_and_tails(graph)
         self.jackson = [self.tail[i] + graph.dur[i] - 0.01 * self.head[i] for i in range(graph.size)]
         self.reversed_jackson = [self.head[i] + graph.dur[i] - 0.01 * self.tail[i] for i in range(graph.size)]
@@ -137,18 +137,20 @@ class _Context:
         self.scale = sum(graph.dur) / max(1, graph.size)
 
     def greedy(self) -> tuple[Orders, int]:
-        """The best list schedule of the module docstring's start, and the schedules decoded for it."""
-        best, best_span, decoded = None, math.inf, 0
-        for shares, non_delay, reserve, hold in itertools.product((None, self.shares), (False, True), (True, False),
-                                                                  (False, True)):
+        """The best list schedule of the module docstring's start, and the schedules built for it."""
+        best, best_span, built = None, math.inf, 0
+        for shares, non_delay, reserve, hold in itertools.product(
+            (None, self.shares), (False, True), (True, False), (False, True)
+        ):
             done = self.forward.run(self.jackson, shares=shares, non_delay=non_delay, reserve=reserve, hold=hold)
-            decoded += 1
+            built += 1
             if done is not None:
                 orders, span = justify(self.forward, self.backward, done[0], JUSTIFY_PASSES, shares, reserve, hold)
-                decoded += 2 * JUSTIFY_PASSES
+                built += 2 * JUSTIFY_PASSES
                 if span < best_span:
                     best, best_span = orders, span
-        return best, decoded
+        assert best is not None  # a pass with reserve and without hold never gets stuck (ListScheduler.run)
+        return best, built
 
     def rebuild(self, orders: Orders, end: list[float], rng: random.Random) -> Orders | None:
         """One large-neighbourhood step (module docstring): cut, keep one side, rebuild the other."""
@@ -165,13 +167,25 @@ class _Context:
         if rng.random() < 0.5:  # keep the beginning
             prefix = [[t for t in order if start[t] < cut] for order in orders]
             base = [-s for s in start] if by_time else self.jackson
-            done = self.forward.run([b + gauss(0.0, sigma) for b in base], shares=shares, reserve=reserve,
-                                    hold=hold, prefix=prefix, prefix_end=end)
+            done = self.forward.run(
+                [b + gauss(0.0, sigma) for b in base],
+                shares=shares,
+                reserve=reserve,
+                hold=hold,
+                prefix=prefix,
+                prefix_end=end,
+            )
             return None if done is None else done[0]
         prefix = [[t for t in reversed(order) if start[t] >= cut] for order in orders]
         base = end if by_time else self.reversed_jackson
-        done = self.backward.run([b + gauss(0.0, sigma) for b in base], shares=shares, reserve=reserve,
-                                 hold=hold, prefix=prefix, prefix_end=[span - s for s in start])
+        done = self.backward.run(
+            [b + gauss(0.0, sigma) for b in base],
+            shares=shares,
+            reserve=reserve,
+            hold=hold,
+            prefix=prefix,
+            prefix_end=[span - s for s in start],
+        )
         return None if done is None else forward_orders(done[0])
 
 
@@ -182,8 +196,8 @@ def _context(problem: PipelineFusionProblem) -> _Context:
 
 @functools.lru_cache(maxsize=256)
 def _greedy(problem: PipelineFusionProblem) -> tuple[tuple[tuple[int, ...], ...], int]:
-    orders, decoded = _context(problem).greedy()
-    return tuple(tuple(o) for o in orders), decoded
+    orders, built = _context(problem).greedy()
+    return tuple(tuple(o) for o in orders), built
 
 
 def merged_order(problem: PipelineFusionProblem) -> TaskOrder:
@@ -192,8 +206,14 @@ def merged_order(problem: PipelineFusionProblem) -> TaskOrder:
     return _schedule(build_graph(problem), [list(o) for o in orders])
 
 
-def fused_order(problem: PipelineFusionProblem, *, seed: int = 0, time_limit_s: float = 60.0,
-                   iterations: int | None = None, exact: bool | None = None) -> PipelineFusionResult:
+def fused_order(
+    problem: PipelineFusionProblem,
+    *,
+    seed: int = 0,
+    time_limit_s: float = 60.0,
+    iterations: int | None = None,
+    exact: bool | None = None,
+) -> PipelineFusionResult:
     """The greedy start improved by the search of the module docstring until it reaches the lower bound, has
     tried ``iterations`` search steps or has run ``time_limit_s``, whichever comes first. With ``iterations`` the
     result depends on ``seed`` alone (the time limit is then only a safety cap); ``iterations=0`` is the cheap
@@ -211,11 +231,12 @@ def fused_order(problem: PipelineFusionProblem, *, seed: int = 0, time_limit_s: 
 
 
 @functools.lru_cache(maxsize=256)
-def _fused(problem: PipelineFusionProblem, seed: int, time_limit_s: float, iterations: int | None,
-           use_exact: bool) -> PipelineFusionResult:
+def _fused(
+    problem: PipelineFusionProblem, seed: int, time_limit_s: float, iterations: int | None, use_exact: bool
+) -> PipelineFusionResult:
     began = time.perf_counter()
     graph, bound, context = build_graph(problem), lower_bound(problem), _context(problem)
-    greedy, decoded = _greedy(problem)
+    greedy, built = _greedy(problem)
     separate = [[graph.index[t] for t in order] for order in separate_order(problem).devices]
     orders = min(([list(o) for o in greedy], separate), key=lambda o: _span(graph, o)[1])
     start_span = _span(graph, orders)[1]
@@ -234,28 +255,40 @@ def _fused(problem: PipelineFusionProblem, seed: int, time_limit_s: float, itera
         orders, tried = _anneal(context, orders, bound, rng, anneal_end, budget)
         steps += tried
         if polish_budget != 0 and not _reached(_span(graph, orders)[1], bound):
-            orders, tried = polish(graph, orders, context.tail, bound, rng=rng, deadline=round_end,
-                                   budget=polish_budget)
+            orders, tried = polish(
+                graph, orders, context.tail, bound, rng=rng, deadline=round_end, budget=polish_budget
+            )
             steps += tried
     span = _span(graph, orders)[1]
     proofs = 0
     if use_exact and not _reached(span, bound):
-        found = exact_module.exact_ladder(graph, bound, span, deadline=began + time_limit_s, seed=seed,
-                                          hint=orders, workers=EXACT_WORKERS)
+        found = exact_module.exact_ladder(
+            graph, bound, span, deadline=began + time_limit_s, seed=seed, hint=orders, workers=EXACT_WORKERS
+        )
         bound, proofs = found.bound, found.proofs
         if found.orders is not None and _span(graph, found.orders)[1] < span:
             orders = found.orders
             span = _span(graph, orders)[1]
-    return PipelineFusionResult(_schedule(graph, orders), span, bound, span / bound - 1 if bound > 0 else 0.0,
-                        time.perf_counter() - began, steps, decoded + 1 + steps, start_span, proofs)
+    return PipelineFusionResult(
+        _schedule(graph, orders),
+        span,
+        bound,
+        span / bound - 1 if bound > 0 else 0.0,
+        time.perf_counter() - began,
+        steps,
+        built + 1 + steps,
+        start_span,
+        proofs,
+    )
 
 
 def _reached(span: float, bound: float) -> bool:
     return span <= bound + 1e-9 * max(1.0, abs(bound))
 
 
-def _anneal(context: _Context, orders: Orders, bound: float, rng: random.Random, deadline: float,
-            budget: int | None) -> tuple[Orders, int]:
+def _anneal(
+    context: _Context, orders: Orders, bound: float, rng: random.Random, deadline: float, budget: int | None
+) -> tuple[Orders, int]:
     """One round of the search from ``orders``: the best orders met and the rebuilds tried, stopping at the
     bound, after ``budget`` rebuilds (if given) or at ``deadline``."""
     graph = context.graph

@@ -17,12 +17,12 @@ the order alone: a device runs its tasks one at a time.
 
 from __future__ import annotations
 
+from collections.abc import Mapping
 from dataclasses import dataclass
 from types import MappingProxyType
-from typing import Mapping
 
+from loomrl.plan.pipeline_fusion import PipelineTask, TaskOrder
 from loomrl.planner.pipeline_fusion.graph import Graph, build_graph
-from loomrl.plan.pipeline_fusion import TaskOrder, Task
 
 __all__ = ["TaskOrderError", "Timing", "check", "simulate"]
 
@@ -37,8 +37,8 @@ class Timing:
 
     makespan: float
     """When the last task ends (every device starts at 0)."""
-    start: Mapping[Task, float]
-    end: Mapping[Task, float]
+    start: Mapping[PipelineTask, float]
+    end: Mapping[PipelineTask, float]
     busy: tuple[float, ...]
     """Per device, the seconds it computes."""
     peak_memory: tuple[float, ...]
@@ -50,13 +50,14 @@ class Timing:
 
 
 def _ids(schedule: TaskOrder, graph: Graph) -> list[list[int]]:
-    """Task ids per device; every task exactly once, each on its stage's device."""
-    problem, seen = schedule.problem, {}
+    """PipelineTask ids per device; every task exactly once, each on its stage's device."""
+    problem = schedule.problem
+    seen: dict[int, int] = {}  # task id → its device
     orders = []
     for d, order in enumerate(schedule.devices):
         ids = []
         for task in order:
-            i = graph.index.get(task) if isinstance(task, Task) else None
+            i = graph.index.get(task) if isinstance(task, PipelineTask) else None
             if i is None:
                 raise TaskOrderError(f"device {d}: {task} is not a task of this problem")
             if i in seen:
@@ -68,8 +69,9 @@ def _ids(schedule: TaskOrder, graph: Graph) -> list[list[int]]:
         orders.append(ids)
     if len(seen) != graph.size:
         missing = next(t for i, t in enumerate(graph.tasks) if i not in seen)
-        raise TaskOrderError(f"device {problem.device_of_task(missing)}: {missing} is missing "
-                            f"({graph.size - len(seen)} tasks in all)")
+        raise TaskOrderError(
+            f"device {problem.device_of_task(missing)}: {missing} is missing ({graph.size - len(seen)} tasks in all)"
+        )
     return orders
 
 
@@ -109,6 +111,7 @@ def _run(graph: Graph, orders: list[list[int]]) -> tuple[list[float], list[float
 
 def _deadlock(graph: Graph, orders: list[list[int]], pos: list[int], end: list[float], stuck: list[int]) -> str:
     """One line naming a cycle of devices, each stuck at a task that waits for a task behind another's."""
+
     def wait(d: int) -> tuple[int, int]:
         i = orders[d][pos[d]]
         return i, next(j for j, _ in _deps(graph, i) if end[j] < 0)
@@ -117,12 +120,14 @@ def _deadlock(graph: Graph, orders: list[list[int]], pos: list[int], end: list[f
     while d not in chain:
         chain.append(d)
         d = graph.device[wait(d)[1]]
-    cycle = chain[chain.index(d):]
+    cycle = chain[chain.index(d) :]
     parts = []
     for d in cycle:
         i, j = wait(d)
-        parts.append(f"device {d} at {graph.tasks[i]} waits for {graph.tasks[j]}"
-                     + ("" if graph.device[j] == d else f" on device {graph.device[j]}"))
+        parts.append(
+            f"device {d} at {graph.tasks[i]} waits for {graph.tasks[j]}"
+            + ("" if graph.device[j] == d else f" on device {graph.device[j]}")
+        )
     return "deadlock: " + "; ".join(parts) + f" ({len(stuck)} devices stuck)"
 
 
@@ -140,8 +145,13 @@ def _peaks(graph: Graph, orders: list[list[int]]) -> tuple[float, ...]:
 def _timing(graph: Graph, orders: list[list[int]]) -> Timing:
     start, end = _run(graph, orders)
     busy = tuple(sum(graph.dur[i] for i in order) for order in orders)
-    return Timing(max(end, default=0.0), MappingProxyType({graph.tasks[i]: start[i] for i in range(graph.size)}),
-                  MappingProxyType({graph.tasks[i]: end[i] for i in range(graph.size)}), busy, _peaks(graph, orders))
+    return Timing(
+        max(end, default=0.0),
+        MappingProxyType({graph.tasks[i]: start[i] for i in range(graph.size)}),
+        MappingProxyType({graph.tasks[i]: end[i] for i in range(graph.size)}),
+        busy,
+        _peaks(graph, orders),
+    )
 
 
 def simulate(schedule: TaskOrder) -> Timing:
@@ -163,17 +173,19 @@ def check(schedule: TaskOrder) -> Timing:
 def _check_order(graph: Graph, d: int, order: list[int]) -> None:
     """Streams in micro-batch order, each backward after its forward, memory under the cap, on device ``d``."""
     done: set[int] = set()
-    cap, live = graph.problem.memory_cap[d], 0.0
+    cap, live = graph.problem.caps[d], 0.0
     for i in order:
         task, prev, fwd = graph.tasks[i], graph.prev[i], graph.fwd[i]
         kind = "backward" if task.backward else "forward"
         if prev >= 0 and prev not in done:
-            raise TaskOrderError(f"device {d}: {task} runs before {graph.tasks[prev]} ({kind}s of a stage run in "
-                                f"micro-batch order)")
+            raise TaskOrderError(
+                f"device {d}: {task} runs before {graph.tasks[prev]} ({kind}s of a stage run in micro-batch order)"
+            )
         if fwd >= 0 and fwd not in done:
             raise TaskOrderError(f"device {d}: {task} runs before its forward {graph.tasks[fwd]}")
         live += graph.mem[i]
         if live > cap + 1e-9:
-            raise TaskOrderError(f"device {d}: {task} raises live activations to {live:g}, above the memory cap "
-                                f"{cap:g}")
+            raise TaskOrderError(
+                f"device {d}: {task} raises live activations to {live:g}, above the memory cap {cap:g}"
+            )
         done.add(i)

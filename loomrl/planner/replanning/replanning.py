@@ -4,7 +4,8 @@ workload it observes now, candidate plans for it, and the price of switching to 
 A run hands over its iterations as :class:`Observed` records (the plan that ran, the iteration's metrics, and
 whether it was that plan's first iteration, whose one-off costs are left out of fits). :func:`refit` fits the
 cost model's corrections as ``loomrl calibrate --from`` fits finished runs: per-call observations from each
-iteration's ``time/<mfc>_s`` and length statistics (:func:`~loomrl.planner.calibration.traces.observations_from_metrics`),
+iteration's ``time/<mfc>_s`` and length statistics
+(:func:`~loomrl.planner.calibration.traces.observations_from_metrics`),
 priced with the uncorrected model, then the whole-iteration line
 (:func:`~loomrl.planner.calibration.runs.fit_observations`); what the run has not measured keeps the given
 corrections (``runtime.cost_corrections``). :func:`search_candidates` finds plans for the observed workload (each
@@ -26,25 +27,23 @@ from __future__ import annotations
 
 import dataclasses
 import time
-from dataclasses import dataclass, field
-from functools import cached_property
-from typing import Mapping, Sequence
+from collections.abc import Mapping, Sequence
+from dataclasses import dataclass
 
-from loomrl.plan import Allocation, ClusterSpec, ExecutionPlan
+from loomrl.plan import Allocation, ExecutionPlan
 from loomrl.plan.schedule import Step
 from loomrl.planner.calibration.runs import fit_observations
+from loomrl.planner.calibration.traces import observations_from_metrics, trace_predictor
 from loomrl.planner.cost.corrections import Corrections, group_sums
+from loomrl.planner.cost.estimator import CostEstimator
 from loomrl.planner.cost.model import CostModel
-from loomrl.plan.hardware import HardwareProfile
+from loomrl.planner.cost.workload import Workload, lengths_from_summary
+from loomrl.planner.inputs import PlannerInputs
 from loomrl.planner.search.search import CachedCost, best_heuristic_plans, plan_key, search
-from loomrl.planner.cost.system import RUNTIME
 from loomrl.planner.simulation.simulator import simulate
-from loomrl.planner.calibration.traces import lengths_from_summary, observations_from_metrics, trace_predictor
-from loomrl.planner.cost.workload import ModelShape, Workload
 from loomrl.workflow import MFC, MFCKind, Workflow
 
-__all__ = ["Observed", "RunModel", "TrustedCost", "calibrated", "price_plans", "refit", "search_candidates",
-           "switch_seconds"]
+__all__ = ["Observed", "TrustedCost", "calibrated", "price_plans", "refit", "search_candidates", "switch_seconds"]
 
 STATE_BYTES = {"master": 4, "exp_avg": 4, "exp_avg_sq": 4}
 """Bytes per parameter of each kind of training state a move carries besides the weights (fp32)."""
@@ -67,75 +66,70 @@ class Observed:
     """The plan's first iteration (the run's, or the one after a switch): its one-off costs are not fitted."""
 
 
-@dataclass(frozen=True)
-class RunModel:
-    """What the cost model of a run is made of, besides corrections and workload: fixed for the run."""
-
-    workflow: Workflow
-    cluster: ClusterSpec
-    profile: HardwareProfile
-    configs: Mapping[str, object | None]
-    """Each role's model config (HF-style), None for a rule reward: what the search lays out."""
-    batch: int
-    """Samples per iteration."""
-    epochs: int
-    minibatches: int
-    bytes_per_param: int | None = None
-    samples_per_prompt: int = 1
-    reallocs: dict = field(default_factory=dict, compare=False, repr=False)
-    """Priced reallocations, shared by every cost model of the run (:class:`~loomrl.planner.cost.model.CostModel`)."""
-    observed: dict = field(default_factory=dict, compare=False, repr=False)
-    """Iteration → its calls as observations with their uncorrected terms (they never change: priced once)."""
-
-    @cached_property
-    def shapes(self) -> dict[str, ModelShape | None]:
-        return {role: None if cfg is None else ModelShape.from_config(cfg) for role, cfg in self.configs.items()}
-
-    def workload(self, lengths: Sequence[int], prompt_len: float) -> Workload:
-        return Workload(self.batch, prompt_len, tuple(max(1, int(n)) for n in lengths), ppo_epochs=self.epochs,
-                        minibatches=self.minibatches, samples_per_prompt=self.samples_per_prompt)
-
-    def cost(self, workload: Workload, corrections: Corrections | None) -> CostModel:
-        return CostModel(self.cluster, self.profile, self.shapes, workload, corrections,
-                         bytes_per_param=self.bytes_per_param, settings=RUNTIME, realloc_cache=self.reallocs)
-
-
-def _record_workload(model: RunModel, metrics: Mapping[str, float]) -> Workload:
+def _record_workload(inputs: PlannerInputs, metrics: Mapping[str, float]) -> Workload:
     """An iteration's workload from its length statistics (as a finished run's is rebuilt)."""
-    lengths = lengths_from_summary(metrics["response/length"], metrics["response/length_p90"],
-                                   metrics["response/length_max"])
-    return model.workload(lengths, metrics.get("prompt/length", 0.0))
+    lengths = lengths_from_summary(
+        metrics["response/length"], metrics["response/length_p90"], metrics["response/length_max"]
+    )
+    return inputs.workload_of(lengths, metrics.get("prompt/length", 0.0))
 
 
-def refit(model: RunModel, records: Sequence[Observed], prior: Corrections | None = None) -> Corrections | None:
+def refit(
+    inputs: PlannerInputs,
+    records: Sequence[Observed],
+    prior: Corrections | None = None,
+    observed: dict[int, list[dict]] | None = None,
+) -> Corrections | None:
     """Corrections fitted over the run's iterations but each plan's first, over ``prior`` (which keeps what they
-    do not measure); ``prior`` alone while there are none."""
+    do not measure); ``prior`` alone while there are none. ``observed`` keeps each iteration's calls as
+    observations with their uncorrected terms across refits (they never change: priced once), and drops those of
+    iterations no longer in ``records``."""
+    observed = {} if observed is None else observed
     kept = [r for r in records if not r.first]
-    predict = trace_predictor(model.cluster, model.profile, model.shapes, bytes_per_param=model.bytes_per_param,
-                              settings=RUNTIME)
+    predict = trace_predictor(
+        inputs.cluster, inputs.profile, inputs.shapes, bytes_per_param=inputs.bytes_per_param, settings=inputs.settings
+    )
+    workload = inputs.workload
     observations = []
     for r in kept:
-        if r.iteration not in model.observed:
-            found = observations_from_metrics([r.metrics], r.plan, model.workflow, model.batch,
-                                              r.metrics.get("prompt/length", 0.0), skip_first=False,
-                                              samples_per_prompt=model.samples_per_prompt)
-            model.observed[r.iteration] = [{**o, "predicted_terms": predict(o)} for o in found]
-        observations += model.observed[r.iteration]
-    for gone in set(model.observed) - {r.iteration for r in records}:
-        del model.observed[gone]
+        if r.iteration not in observed:
+            found = observations_from_metrics(
+                [r.metrics],
+                r.plan,
+                inputs.workflow,
+                workload.batch,
+                r.metrics.get("prompt/length", 0.0),
+                skip_first=False,
+                samples_per_prompt=workload.samples_per_prompt,
+            )
+            observed[r.iteration] = [{**o, "predicted_terms": predict(o)} for o in found]
+        observations += observed[r.iteration]
+    for gone in set(observed) - {r.iteration for r in records}:
+        del observed[gone]
     if not observations:
         return prior
-    memory = model.profile.memory_bytes
+    memory = inputs.memory_per_device
 
     def simulated(calls: Corrections) -> list[float]:
-        return [simulate(r.plan, model.workflow, model.cost(_record_workload(model, r.metrics), calls), memory,
-                         iterations=2).iteration_time for r in kept]
+        return [
+            simulate(
+                r.plan,
+                inputs.workflow,
+                inputs.cost_model(_record_workload(inputs, r.metrics), calls),
+                memory,
+                iterations=2,
+            ).iteration_time
+            for r in kept
+        ]
 
     fitted = fit_observations(observations, simulated, [r.metrics["time/iteration_s"] for r in kept])
     if prior is None:
         return fitted
-    return Corrections({**prior.scale, **fitted.scale}, {**prior.overhead_s, **fitted.overhead_s},
-                       {**prior.observations, **fitted.observations})
+    return Corrections(
+        {**prior.scale, **fitted.scale},
+        {**prior.overhead_s, **fitted.overhead_s},
+        {**prior.observations, **fitted.observations},
+    )
 
 
 def calibrated(mfc: MFC, alloc: Allocation, cost: CostModel) -> bool:
@@ -150,17 +144,20 @@ def calibrated(mfc: MFC, alloc: Allocation, cost: CostModel) -> bool:
 
 def trusted(plan: ExecutionPlan, workflow: Workflow, cost: CostModel) -> bool:
     """A candidate the run's corrections can price: unfused, and every call :func:`calibrated`."""
-    return plan.stream_fusion is None and not plan.pipeline_fusion and all(
-        calibrated(mfc, plan[mfc.name], cost) for mfc in workflow.topological_order())
+    return (
+        plan.stream_fusion is None
+        and not plan.pipeline_fusion
+        and all(calibrated(mfc, plan[mfc.name], cost) for mfc in workflow.topological_order())
+    )
 
 
-class TrustedCost:
+class TrustedCost(CostEstimator):
     """``cost`` as the re-planner's search sees it: a call that is not :func:`calibrated` priced :data:`UNTRUSTED`
-    times slower, and no price for fused stages (so the search does not fuse)."""
+    times slower, and fusion not priced (the estimator's defaults: a fused stage runs its calls in turn, so the
+    search does not fuse)."""
 
     def __init__(self, cost: CostModel):
         self.cost = cost
-        self.profile, self.workload = cost.profile, cost.workload
 
     def mfc_time(self, mfc: MFC, alloc: Allocation) -> float:
         seconds = self.cost.mfc_time(mfc, alloc)
@@ -202,32 +199,50 @@ def price_plans(plans: Sequence[ExecutionPlan], workflow: Workflow, cost: CostMo
     return out
 
 
-def search_candidates(model: RunModel, cost: CostModel, current: ExecutionPlan, budget_s: float,
-                      seed: int = 0) -> list[ExecutionPlan]:
+def search_candidates(
+    inputs: PlannerInputs, cost: CostModel, current: ExecutionPlan, budget_s: float, seed: int = 0
+) -> list[ExecutionPlan]:
     """Candidate plans for ``cost``'s workload: each heuristic strategy's best layouts (within half of
     ``budget_s``) and the best plans of a short annealing search started from them and from ``current`` unfused
     (the rest), all searched on :class:`TrustedCost`; distinct, and only those :func:`trusted`."""
     began = time.monotonic()
     steered = CachedCost(TrustedCost(cost))
     memory = cost.profile.memory_bytes
-    heuristics = best_heuristic_plans(model.workflow, model.cluster, steered, memory, model.configs,
-                                      iterations=2, deadline=began + budget_s / 2)
-    starts = [unfused(current, model.workflow)] + [plan for plan, result in heuristics.values() if result.feasible]
+    heuristics = best_heuristic_plans(
+        inputs.workflow, inputs.cluster, steered, memory, inputs.configs, iterations=2, deadline=began + budget_s / 2
+    )
+    starts = [unfused(current, inputs.workflow)] + [plan for plan, result in heuristics.values() if result.feasible]
     left = max(budget_s - (time.monotonic() - began), 0.1 * budget_s)
-    found = search(model.workflow, model.cluster, steered, memory, model.configs, seed=seed, time_budget_s=left,
-                   chains=SEARCH_CHAINS, start=starts, iterations=2)
+    found = search(
+        inputs.workflow,
+        inputs.cluster,
+        steered,
+        memory,
+        inputs.configs,
+        seed=seed,
+        time_budget_s=left,
+        chains=SEARCH_CHAINS,
+        start=starts,
+        iterations=2,
+    )
     plans: dict = {}
     for plan in [*starts, *(plan for plan, _ in found)]:
         plans.setdefault(plan_key(plan), plan)
-    return [plan for plan in plans.values() if trusted(plan, model.workflow, cost)]
+    return [plan for plan in plans.values() if trusted(plan, inputs.workflow, cost)]
 
 
 def unfused(plan: ExecutionPlan, workflow: Workflow) -> ExecutionPlan:
     """``plan`` without inter-stage fusion, and with its train calls unfused (their own stage order back)."""
     if plan.pipeline_fusion:
-        plan = dataclasses.replace(plan, allocations={
-            name: dataclasses.replace(alloc, layout=dataclasses.replace(alloc.layout, reverse=False))
-            if workflow[name].kind is MFCKind.TRAIN else alloc for name, alloc in plan.allocations.items()})
+        plan = dataclasses.replace(
+            plan,
+            allocations={
+                name: dataclasses.replace(alloc, layout=dataclasses.replace(alloc.layout, reverse=False))
+                if workflow[name].kind is MFCKind.TRAIN
+                else alloc
+                for name, alloc in plan.allocations.items()
+            },
+        )
     return dataclasses.replace(plan, stream_fusion=None, pipeline_fusion=False)
 
 
@@ -242,6 +257,7 @@ def switch_seconds(cost: CostModel, moves: Sequence, prologue: Sequence[Step]) -
         carried = sum(STATE_BYTES.get(kind, weight_bytes) for kind in move.kinds)
         seconds += cost.realloc_time(move.role, move.src, move.dst) * carried / weight_bytes
     for step in prologue:
-        if step.moves_bytes:
-            seconds += cost.realloc_time(step.role, step.src, step.alloc)
+        transfer = step.transfer  # a shadow fill: a copy or sync
+        if transfer is not None:
+            seconds += cost.realloc_time(*transfer)
     return seconds

@@ -82,9 +82,14 @@ class Decision:
 
     def metrics(self) -> dict[str, float]:
         """The decision as numbers for the metrics log."""
-        return {"placement/current_s": self.current_s, "placement/candidate_s": self.candidate_s,
-                "placement/predicted_gain_s": self.predicted_gain_s, "placement/switch_cost_s": self.switch_cost_s,
-                "placement/switched": float(self.switch), "placement/streak": float(self.streak)}
+        return {
+            "placement/current_s": self.current_s,
+            "placement/candidate_s": self.candidate_s,
+            "placement/predicted_gain_s": self.predicted_gain_s,
+            "placement/switch_cost_s": self.switch_cost_s,
+            "placement/switched": float(self.switch),
+            "placement/streak": float(self.streak),
+        }
 
     def to_dict(self) -> dict:
         return asdict(self)
@@ -110,8 +115,13 @@ class SwitchPolicy:
         elif relative < rule.min_gain:
             wins, reason = False, f"gain {relative:.1%} per iteration is under min_gain {rule.min_gain:.0%}"
         elif gain <= t.switch_s + rule.margin_s:
-            wins, reason = False, (f"gain {gain:.3g} s over {horizon} iterations does not exceed switch "
-                                   f"{t.switch_s:.3g} s + margin {rule.margin_s:.3g} s")
+            wins, reason = (
+                False,
+                (
+                    f"gain {gain:.3g} s over {horizon} iterations does not exceed switch "
+                    f"{t.switch_s:.3g} s + margin {rule.margin_s:.3g} s"
+                ),
+            )
         else:
             wins, reason = True, ""
         self.streak = self.streak + 1 if wins else 0
@@ -121,10 +131,26 @@ class SwitchPolicy:
         elif wins and ran < rule.dwell:
             reason = f"dwell: {ran} of {rule.dwell} iterations under this plan"
         elif wins:
-            switch, reason = True, (f"gain {gain:.3g} s over {horizon} iterations exceeds switch {t.switch_s:.3g} s"
-                                    f" + margin {rule.margin_s:.3g} s")
-        decision = Decision(t.iteration, switch, reason, t.current_s, t.candidate_s, gain, t.switch_s, horizon,
-                            self.streak, t.candidate if switch else t.current, t.candidate)
+            switch, reason = (
+                True,
+                (
+                    f"gain {gain:.3g} s over {horizon} iterations exceeds switch {t.switch_s:.3g} s"
+                    f" + margin {rule.margin_s:.3g} s"
+                ),
+            )
+        decision = Decision(
+            t.iteration,
+            switch,
+            reason,
+            t.current_s,
+            t.candidate_s,
+            gain,
+            t.switch_s,
+            horizon,
+            self.streak,
+            t.candidate if switch else t.current,
+            t.candidate,
+        )
         if switch:
             self.streak, self.since = 0, t.iteration + 1
         return decision

@@ -37,19 +37,21 @@ every segment the same ``λ`` and the part of one path through the iteration tha
 maximal path of the segment) gives back the whole-iteration bound of that ``λ`` and path, so the segments only
 tighten it. The figure goes through the estimator's whole-iteration correction like the simulator's.
 
-**Fused stages.** Where the estimator prices inter-stage fusion (``stream_fusion_time``, :mod:`loomrl.planner.cost.stream_fusion`) and
+**Stream fusion.** Where the estimator prices stream fusion (``prices_stream_fusion``,
+:mod:`loomrl.planner.cost.stream_fusion`) and
 the workflow has calls to fuse, a plan may run generation and the inference calls that read it as one stage, so
 the two segments are one and the inference overlaps the generation's tail. The merged segment takes at least the
 larger of two figures, each from the estimator's ``stream_fusion_floor`` of every generation allocation
-(:func:`~loomrl.planner.cost.stream_fusion.generation_floor`): for each response length ``k``, the time before which no sample
+(:func:`~loomrl.planner.cost.stream_fusion.generation_floor`): for each response length ``k``, the time before which no
+sample
 of length at least ``k`` is ready plus that share of the inference calls' least device-seconds over the
 cluster; and the generation's least device-seconds plus all of the inference's, over the cluster. The bound of
 a training placement is the least of its unfused and fused sums.
 
-**Fused training.** Where the estimator prices intra-stage fusion (``pipeline_fusion_time``,
-:mod:`loomrl.planner.cost.pipeline_fusion`), two train calls pipelined on the same devices may fill each other's bubbles,
-so a device is busy with a call for at least its time without its pipeline bubble
-(:func:`~loomrl.planner.cost.pipeline_fusion.pipeline_fusion_floor`: a fused step is no shorter than the busiest device's
+**Pipeline fusion.** Where the estimator prices pipeline fusion (``prices_pipeline_fusion``,
+:mod:`loomrl.planner.cost.pipeline_fusion`), two train calls pipelined on the same devices may fill each other's
+bubbles, so a device is busy with a call for at least its time without its pipeline bubble (the estimator's
+``pipeline_fusion_floor``: a fused step is no shorter than the busiest device's
 forwards and backwards), which the work and busiest-device figures count instead of its time; a call's own
 time still bounds any path through it (one pipeline alone cannot beat its own 1F1B).
 
@@ -70,9 +72,10 @@ from dataclasses import dataclass
 import numpy as np
 
 from loomrl.plan import Allocation, ClusterSpec
-from loomrl.planner.cost.pipeline_fusion import can_pipeline_fuse, pipeline_fusion_floor
+from loomrl.planner.cost.estimator import CostEstimator
+from loomrl.planner.cost.pipeline_fusion import can_pipeline_fuse
 from loomrl.planner.search.search import candidate_allocations, unit_names
-from loomrl.planner.simulation.simulator import CostEstimator, SimResult
+from loomrl.planner.simulation.simulator import SimResult
 from loomrl.workflow import MFCKind, Workflow
 
 __all__ = ["PLACEMENTS", "IterationBound", "SegmentBound", "iteration_bound", "segment_seconds", "segments"]
@@ -138,8 +141,16 @@ class _Unit:
     train call that may fuse with another, its time without its pipeline bubble (module docstring)."""
 
     def subset(self, keep: list[int]) -> _Unit:
-        return _Unit(self.names, [self.allocs[i] for i in keep], self.times[keep], self.sizes[keep],
-                     self.devices[keep], self.weights[keep], self.transient[keep], self.busy[keep])
+        return _Unit(
+            self.names,
+            [self.allocs[i] for i in keep],
+            self.times[keep],
+            self.sizes[keep],
+            self.devices[keep],
+            self.weights[keep],
+            self.transient[keep],
+            self.busy[keep],
+        )
 
 
 def segments(workflow: Workflow) -> list[tuple[str, ...]]:
@@ -161,8 +172,14 @@ def segments(workflow: Workflow) -> list[tuple[str, ...]]:
     return out
 
 
-def iteration_bound(workflow: Workflow, cluster: ClusterSpec, cost: CostEstimator, memory_per_device: float,
-                    model_configs: Mapping[str, object], deadline: float = math.inf) -> IterationBound:
+def iteration_bound(
+    workflow: Workflow,
+    cluster: ClusterSpec,
+    cost: CostEstimator,
+    memory_per_device: float,
+    model_configs: Mapping[str, object],
+    deadline: float = math.inf,
+) -> IterationBound:
     """The lower bound on any searched plan's iteration time for ``workflow`` on ``cluster`` (module docstring).
 
     Where devices offload (``cluster.offloads``) a plan may put its trained roles' states to sleep while a
@@ -173,8 +190,10 @@ def iteration_bound(workflow: Workflow, cluster: ClusterSpec, cost: CostEstimato
     if any(not u.allocs for u in units):  # some call fits nowhere: no plan of the space fits
         return IterationBound(math.inf)
     n = cluster.n_devices
-    parts = [(calls, _paths(workflow, calls), [i for i, u in enumerate(units) if set(u.names) & set(calls)])
-             for calls in segments(workflow)]
+    parts = [
+        (calls, _paths(workflow, calls), [i for i, u in enumerate(units) if set(u.names) & set(calls)])
+        for calls in segments(workflow)
+    ]
     fused = _stream_fusion_segments(workflow, cost, units, [calls for calls, *_ in parts], n)
     trains = [i for i, u in enumerate(units) if workflow[u.names[0]].kind is MFCKind.TRAIN]
     choices = [_undominated(units[i]) for i in trains]
@@ -196,42 +215,58 @@ def iteration_bound(workflow: Workflow, cluster: ClusterSpec, cost: CostEstimato
             found = _segments_bound(placed, masks, set(fixed), parts, n, limit, fused)
             if found is not None:
                 best = found
-                training = tuple(f"{workflow[units[i].names[0]].role}={units[i].allocs[j].text}"
-                                 for i, j in zip(trains, combo))
+                training = tuple(
+                    f"{workflow[units[i].names[0]].role}={units[i].allocs[j].text}" for i, j in zip(trains, combo)
+                )
     if not enumerated:
         masks = _fitting_anywhere(units, workflow, n, memory_per_device, sleeps)
         best = None if masks is None else _segments_bound(units, masks, set(), parts, n, math.inf, fused)
     if best is None:
         return IterationBound(math.inf)
     value = sum(p.seconds for p in best)
-    corrected = getattr(cost, "iteration_time", None)
-    seconds = corrected(value) if corrected is not None else value
-    return IterationBound(seconds, tuple(best), training)
+    return IterationBound(cost.iteration_time(value), tuple(best), training)
 
 
-def _unit(names: tuple[str, ...], workflow: Workflow, cluster: ClusterSpec, cost: CostEstimator, memory: float,
-          model_configs: Mapping[str, object]) -> _Unit:
+def _unit(
+    names: tuple[str, ...],
+    workflow: Workflow,
+    cluster: ClusterSpec,
+    cost: CostEstimator,
+    memory: float,
+    model_configs: Mapping[str, object],
+) -> _Unit:
     """The allocations of the unit ``names`` whose weights and transient memory fit a device alone."""
     mfcs = [workflow[name] for name in names]
     role, train = mfcs[0].role, mfcs[0].kind is MFCKind.TRAIN
     pair = workflow.train_pair()
-    pipeline_fusable = train and getattr(cost, "pipeline_fusion_time", None) is not None and pair is not None and \
-        any(m.name in names for m in pair)
+    pipeline_fusable = (
+        train and cost.prices_pipeline_fusion() and pair is not None and any(m.name in names for m in pair)
+    )
     rows = []
     for alloc in candidate_allocations(mfcs[0], workflow, cluster, model_configs):
         weights = cost.static_memory(role, alloc, train) if role is not None else 0.0
         transient = max((cost.mfc_memory(m, alloc, train) for m in mfcs if m.role is not None), default=0.0)
         if weights + transient <= memory:
             times = [cost.mfc_time(m, alloc) for m in mfcs]
-            busy = [pipeline_fusion_floor(cost, m, alloc) if pipeline_fusable and can_pipeline_fuse(alloc) else t for m, t in zip(mfcs, times)]
+            busy = [
+                cost.pipeline_fusion_floor(m, alloc) if pipeline_fusable and can_pipeline_fuse(alloc) else t
+                for m, t in zip(mfcs, times)
+            ]
             rows.append((alloc, times, weights, transient, busy))
     devices = np.zeros((len(rows), cluster.n_devices), dtype=bool)
     for k, (alloc, *_) in enumerate(rows):
         devices[k, list(alloc.mesh.devices)] = True
     shape = (len(rows), len(mfcs))
-    return _Unit(names, [r[0] for r in rows], np.array([r[1] for r in rows], dtype=float).reshape(shape),
-                 devices.sum(1).astype(float), devices, np.array([r[2] for r in rows], dtype=float),
-                 np.array([r[3] for r in rows], dtype=float), np.array([r[4] for r in rows], dtype=float).reshape(shape))
+    return _Unit(
+        names,
+        [r[0] for r in rows],
+        np.array([r[1] for r in rows], dtype=float).reshape(shape),
+        devices.sum(1).astype(float),
+        devices,
+        np.array([r[2] for r in rows], dtype=float),
+        np.array([r[3] for r in rows], dtype=float),
+        np.array([r[4] for r in rows], dtype=float).reshape(shape),
+    )
 
 
 def _undominated(unit: _Unit) -> list[int]:
@@ -246,15 +281,15 @@ def _undominated(unit: _Unit) -> list[int]:
     kept = []
     for members in by_mesh.values():
         for i in members:
-            beaten = any(np.all(keys[j] <= keys[i]) and (np.any(keys[j] < keys[i]) or j < i)
-                         for j in members if j != i)
+            beaten = any(np.all(keys[j] <= keys[i]) and (np.any(keys[j] < keys[i]) or j < i) for j in members if j != i)
             if not beaten:
                 kept.append(i)
     return sorted(kept)
 
 
-def _fitting(units: list[_Unit], fixed: dict[int, _Unit], workflow: Workflow, n: int,
-             memory: float, sleeps: bool = False) -> list[np.ndarray] | None:
+def _fitting(
+    units: list[_Unit], fixed: dict[int, _Unit], workflow: Workflow, n: int, memory: float, sleeps: bool = False
+) -> list[np.ndarray] | None:
     """Per unit, which allocations fit beside the training placement ``fixed`` (unit index → its one train
     allocation); None if the placement itself does not fit. With ``sleeps`` a generate call fits alone (the
     training states may be asleep while it runs)."""
@@ -282,13 +317,17 @@ def _fitting(units: list[_Unit], fixed: dict[int, _Unit], workflow: Workflow, n:
     return masks
 
 
-def _fitting_anywhere(units: list[_Unit], workflow: Workflow, n: int, memory: float,
-                      sleeps: bool = False) -> list[np.ndarray] | None:
+def _fitting_anywhere(
+    units: list[_Unit], workflow: Workflow, n: int, memory: float, sleeps: bool = False
+) -> list[np.ndarray] | None:
     """Per unit, which allocations fit beside the share of the other trained roles' training states (each at its
     smallest) that the devices outside the mesh cannot hold: the rule when placements are not enumerated (with
     ``sleeps``, generate calls fit alone)."""
-    states = {workflow[u.names[0]].role: float((u.weights * u.sizes).min()) for u in units
-              if workflow[u.names[0]].kind is MFCKind.TRAIN}
+    states = {
+        workflow[u.names[0]].role: float((u.weights * u.sizes).min())
+        for u in units
+        if workflow[u.names[0]].kind is MFCKind.TRAIN
+    }
     masks = []
     for u in units:
         role = workflow[u.names[0]].role
@@ -312,21 +351,23 @@ class _StreamFusionSegment:
     """Whether the longest sample (rather than the work) gave ``seconds``."""
 
 
-def _stream_fusion_segments(workflow: Workflow, cost: CostEstimator, units: list[_Unit], parts: list[tuple[str, ...]],
-                    n: int) -> _StreamFusionSegment | None:
+def _stream_fusion_segments(
+    workflow: Workflow, cost: CostEstimator, units: list[_Unit], parts: list[tuple[str, ...]], n: int
+) -> _StreamFusionSegment | None:
     """The merged segment of a fused stage and its bound, when the estimator prices fusion and gives
     ``stream_fusion_floor``; None otherwise, or when generation and its readers are not two adjacent segments."""
-    group, floor = workflow.stream_fusable(), getattr(cost, "stream_fusion_floor", None)
-    if group is None or floor is None or getattr(cost, "stream_fusion_time", None) is None:
+    group = workflow.stream_fusable()
+    if group is None or not cost.prices_stream_fusion():
         return None
     gen, readers = group[0].name, {m.name for m in group[1]}
     first = next((k for k, calls in enumerate(parts) if gen in calls), None)
-    if first is None or parts[first] != (gen,) or first + 1 >= len(parts) \
-            or not readers <= set(parts[first + 1]):
+    if first is None or parts[first] != (gen,) or first + 1 >= len(parts) or not readers <= set(parts[first + 1]):
         return None
     gen_unit = next(u for u in units if gen in u.names)
-    role = workflow[gen].role
-    floors = [floor(role, alloc) for alloc in gen_unit.allocs]
+    role = workflow[gen].model_role
+    floors = [floor for alloc in gen_unit.allocs if (floor := cost.stream_fusion_floor(role, alloc)) is not None]
+    if len(floors) < len(gen_unit.allocs):  # some allocation has none
+        return None
     scoring = 0.0  # the inference calls' least device-seconds
     for u in units:
         inside = np.array([name in parts[first + 1] for name in u.names])
@@ -348,12 +389,18 @@ def _merged(out: list[SegmentBound], fused: _StreamFusionSegment | None) -> list
         return out
     weight = 1.0 if fused.path_bound else 0.0
     merged = SegmentBound(fused.calls, fused.seconds, weight, fused.calls[:1])
-    return [*out[:k], merged, *out[k + 2:]]
+    return [*out[:k], merged, *out[k + 2 :]]
 
 
-def _segments_bound(units: list[_Unit], masks: list[np.ndarray], fixed: set[int],
-                    parts: list[tuple[tuple[str, ...], list[tuple[str, ...]], list[int]]], n: int,
-                    limit: float, fused: _StreamFusionSegment | None = None) -> list[SegmentBound] | None:
+def _segments_bound(
+    units: list[_Unit],
+    masks: list[np.ndarray],
+    fixed: set[int],
+    parts: list[tuple[tuple[str, ...], list[tuple[str, ...]], list[int]]],
+    n: int,
+    limit: float,
+    fused: _StreamFusionSegment | None = None,
+) -> list[SegmentBound] | None:
     """Each segment's bound (``parts``: its calls, their paths and the indices of the units holding them) with
     every unit restricted to ``masks``; the units in ``fixed`` hold their one allocation already; the segments of
     a fused stage merged where that is less (``fused``). None if some unit has no allocation left or the sum
@@ -382,11 +429,12 @@ def _segments_bound(units: list[_Unit], masks: list[np.ndarray], fixed: set[int]
     return None if sum(p.seconds for p in out) >= limit else out
 
 
-def _weighted(chosen: list[_Unit], calls: tuple[str, ...], paths: list[tuple[str, ...]],
-              n: int) -> tuple[float, float, tuple[str, ...]]:
+def _weighted(
+    chosen: list[_Unit], calls: tuple[str, ...], paths: list[tuple[str, ...]], n: int
+) -> tuple[float, float, tuple[str, ...]]:
     """The largest over ``paths`` and the grid of λ of Σ over units of the least, over their allocations, of
     λ · the path's seconds + (1 − λ) · the segment's seconds × mesh size / ``n``; with its λ and path."""
-    best = (-1.0, 0.0, ())
+    best: tuple[float, float, tuple[str, ...]] = (-1.0, 0.0, ())
     for path in paths:
         total = np.zeros(LAMBDAS + 1)
         for u in chosen:
@@ -418,8 +466,9 @@ def segment_seconds(result: SimResult, parts: list[tuple[str, ...]]) -> list[flo
     for it in iterations:
         previous = ends[it - 1] if it > 0 else 0.0
         for j, calls in enumerate(parts):
-            end = ends[it] if j == len(parts) - 1 else max((last.get((it, c), previous) for c in calls),
-                                                            default=previous)
+            end = (
+                ends[it] if j == len(parts) - 1 else max((last.get((it, c), previous) for c in calls), default=previous)
+            )
             totals[j] += max(0.0, end - previous)
             previous = max(previous, end)
     return [t / max(len(iterations), 1) for t in totals]

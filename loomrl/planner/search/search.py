@@ -45,15 +45,30 @@ from dataclasses import dataclass
 
 from loomrl.errors import ConfigError
 from loomrl.plan import Allocation, ClusterSpec, DeviceSet, ExecutionPlan, colocate, interleave, separate
-from loomrl.plan.plan import StreamFusion
 from loomrl.plan.layout import Layout, check_layout
-from loomrl.plan.memory import model_dims
+from loomrl.plan.model_shape import ModelShape
+from loomrl.plan.plan import StreamFusion
+from loomrl.plan.schedule import Step
+from loomrl.planner.cost.estimator import CostEstimator
 from loomrl.planner.cost.pipeline_fusion import can_pipeline_fuse
-from loomrl.planner.simulation.simulator import CostEstimator, SimResult, simulate
+from loomrl.planner.cost.stream_fusion import GenerationFloor, Part
+from loomrl.planner.simulation.simulator import SimResult, simulate
 from loomrl.workflow import MFC, MFCKind, Workflow
 
-__all__ = ["CachedCost", "MICRO_BATCHES", "RUNTIME_ARCHITECTURES", "best_heuristic_plans", "candidate_allocations",
-           "device_meshes", "layouts_on", "memory_alone", "plan_key", "search", "shardable", "unit_names"]
+__all__ = [
+    "CachedCost",
+    "MICRO_BATCHES",
+    "RUNTIME_ARCHITECTURES",
+    "best_heuristic_plans",
+    "candidate_allocations",
+    "device_meshes",
+    "layouts_on",
+    "memory_alone",
+    "plan_key",
+    "search",
+    "shardable",
+    "unit_names",
+]
 
 MICRO_BATCHES: tuple[int, ...] = (1, 2, 4, 8)
 """Micro-batch counts a train call may choose."""
@@ -77,7 +92,9 @@ def plan_key(plan: ExecutionPlan) -> _PlanKey:
     """A hashable identity of a plan: its allocations' texts by MFC name, its shadow and offload choices and its
     fusions."""
     choices = tuple((chosen is not None, chosen or ()) for chosen in (plan.shadow, plan.offload))  # None: default
-    fusion = "" if plan.stream_fusion is None else plan.stream_fusion.text  # a string either way: keys are compared on ties
+    fusion = (
+        "" if plan.stream_fusion is None else plan.stream_fusion.text
+    )  # a string either way: keys are compared on ties
     return tuple(sorted((n, a.text) for n, a in plan.allocations.items())), *choices, fusion, plan.pipeline_fusion
 
 
@@ -99,7 +116,7 @@ def device_meshes(cluster: ClusterSpec) -> list[DeviceSet]:
 
 def _tp_within_nodes(mesh: DeviceSet, tp: int, cluster: ClusterSpec) -> bool:
     """Whether each tensor-parallel group (``tp`` consecutive ranks) sits on one node."""
-    return all(len({cluster.node_of(d) for d in mesh.devices[g:g + tp]}) == 1 for g in range(0, len(mesh), tp))
+    return all(len({cluster.node_of(d) for d in mesh.devices[g : g + tp]}) == 1 for g in range(0, len(mesh), tp))
 
 
 def layouts_on(mfc: MFC, mesh: DeviceSet, cluster: ClusterSpec, config: object | None) -> list[Layout]:
@@ -137,22 +154,28 @@ def shardable(layout: Layout, config: object, devices: int) -> bool:
         except ConfigError:
             return False
         return True
-    d = model_dims(config)
+    d = ModelShape.from_config(config)
     width = d.expert_intermediate if d.experts else d.intermediate
-    tp_ok = d.heads % layout.tp == 0 and width % layout.tp == 0 and (
-        d.kv_heads % layout.tp == 0 or layout.tp % d.kv_heads == 0)
+    tp_ok = (
+        d.heads % layout.tp == 0
+        and width % layout.tp == 0
+        and (d.kv_heads % layout.tp == 0 or layout.tp % d.kv_heads == 0)
+    )
     return layout.size == devices and tp_ok and d.layers % layout.pp == 0
 
 
 def _config(mfc: MFC, model_configs: Mapping[str, object]) -> object:
-    if mfc.role not in model_configs:
-        raise ConfigError(f"model_configs: no config for role '{mfc.role}' (MFC {mfc.name}); "
-                          f"given: {', '.join(model_configs) or 'none'}")
-    return model_configs[mfc.role]
+    role = mfc.role
+    if role is None or role not in model_configs:
+        raise ConfigError(
+            f"model_configs: no config for role '{role}' (MFC {mfc.name}); given: {', '.join(model_configs) or 'none'}"
+        )
+    return model_configs[role]
 
 
-def _allocations_on(mfc: MFC, mesh: DeviceSet, cluster: ClusterSpec,
-                    model_configs: Mapping[str, object]) -> list[Allocation]:
+def _allocations_on(
+    mfc: MFC, mesh: DeviceSet, cluster: ClusterSpec, model_configs: Mapping[str, object]
+) -> list[Allocation]:
     """Every layout of ``mfc`` on ``mesh`` (× micro-batches for train and inference calls; × recompute and, where
     dp > 1, ZeRO-1 for a train call, or FSDP for one without pipeline stages)."""
     if mfc.kind is MFCKind.COMPUTE:
@@ -165,13 +188,18 @@ def _allocations_on(mfc: MFC, mesh: DeviceSet, cluster: ClusterSpec,
         shardings = [(False, False)]  # (zero, fsdp)
         if train and layout.dp > 1:
             shardings += [(True, False)] + ([(False, True)] if layout.pp == 1 else [])
-        out += [Allocation(mesh, layout, mb, rc, zero, fsdp) for mb in counts for rc in recompute
-                for zero, fsdp in shardings]
+        out += [
+            Allocation(mesh, layout, mb, rc, zero, fsdp)
+            for mb in counts
+            for rc in recompute
+            for zero, fsdp in shardings
+        ]
     return out
 
 
-def candidate_allocations(mfc: MFC, workflow: Workflow, cluster: ClusterSpec,
-                          model_configs: Mapping[str, object]) -> list[Allocation]:
+def candidate_allocations(
+    mfc: MFC, workflow: Workflow, cluster: ClusterSpec, model_configs: Mapping[str, object]
+) -> list[Allocation]:
     """Where ``mfc`` of ``workflow`` may run on ``cluster`` (module docstring); ``model_configs`` maps a role to
     its HF-config-like object (heads, key/value heads, MLP width, layers)."""
     mfc = workflow[mfc.name]
@@ -195,9 +223,9 @@ def unit_names(workflow: Workflow) -> list[tuple[str, ...]]:
     for mfc in workflow.topological_order():
         if mfc.name in seen:
             continue
-        names = (mfc.name,)
+        names: tuple[str, ...] = (mfc.name,)
         if mfc.kind is MFCKind.TRAIN:
-            names = tuple(m.name for m in workflow.mfcs_of_role(mfc.role) if m.kind is MFCKind.TRAIN)
+            names = tuple(m.name for m in workflow.mfcs_of_role(mfc.model_role) if m.kind is MFCKind.TRAIN)
         seen |= set(names)
         units.append(names)
     return units
@@ -233,14 +261,18 @@ class _Evaluator:
         # every overflowing device and every overflowing call counts (peaks, and the overflow over time), so
         # fixing any one of them is progress the walk can see
         overflow = sum(max(0.0, peak / self.memory - 1.0) for peak in result.peak_memory.values())
+        assert result.makespan is not None  # SimResult.__post_init__ sets it
         overflow += result.overflow_byte_seconds / (self.memory * max(result.makespan, 1e-9))
         return max(result.iteration_time, 1e-9) * (2.0 + 10.0 * overflow)
 
     def best(self, k: int) -> list[tuple[ExecutionPlan, SimResult]]:
         """The ``k`` fastest feasible plans simulated so far; ties go to fewer device-seconds, then to the plan
         key, so the order is deterministic."""
-        found = [((r.iteration_time, r.device_seconds, key), plan, r) for key, (plan, r) in self.results.items()
-                 if r is not None and r.feasible]
+        found = [
+            ((r.iteration_time, r.device_seconds, key), plan, r)
+            for key, (plan, r) in self.results.items()
+            if r is not None and r.feasible
+        ]
         found.sort(key=lambda item: item[0])
         return [(plan, r) for _, plan, r in found[:k]]
 
@@ -251,15 +283,17 @@ class _Evaluator:
         return result is None or not result.feasible, self.energy(plan), busy, plan_key(plan)
 
 
-class CachedCost:
-    """A :class:`CostEstimator` that asks the wrapped one once per distinct question: pass one to
-    :func:`best_heuristic_plans` and :func:`search` to share what either has priced (reallocations cost tens
-    of milliseconds each on a large cluster)."""
+class CachedCost(CostEstimator):
+    """A :class:`~loomrl.planner.cost.estimator.CostEstimator` that asks the wrapped one once per distinct question
+    of time or memory, and passes every other question on: pass one to :func:`best_heuristic_plans` and
+    :func:`search` to share what either has priced (reallocations cost tens of milliseconds each on a large
+    cluster)."""
 
     def __init__(self, inner: CostEstimator) -> None:
-        self.inner, self.cache = inner, {}
+        self.inner = inner
+        self.cache: dict[tuple, float] = {}
 
-    def _ask(self, key: tuple, fn):
+    def _ask(self, key: tuple, fn) -> float:
         if key not in self.cache:
             self.cache[key] = fn()
         return self.cache[key]
@@ -277,20 +311,40 @@ class CachedCost:
         return self._ask(("r", role, src, dst), lambda: self.inner.realloc_time(role, src, dst))
 
     def reload_time(self, role: str, alloc: Allocation, trainable: bool = False) -> float:
-        inner = getattr(self.inner, "reload_time", None)  # optional: none means reloading costs nothing
-        if inner is None:
-            return 0.0
-        return self._ask(("l", role, alloc, trainable),
-                         lambda: inner(role, alloc, True) if trainable else inner(role, alloc))
+        return self._ask(("l", role, alloc, trainable), lambda: self.inner.reload_time(role, alloc, trainable))
 
     def offload_time(self, role: str, alloc: Allocation, trainable: bool = False) -> float:
-        inner = getattr(self.inner, "offload_time", None)  # optional: none means offloading costs nothing
-        if inner is None or not trainable:
-            return 0.0
-        return self._ask(("o", role, alloc), lambda: inner(role, alloc, True))
+        return self._ask(("o", role, alloc, trainable), lambda: self.inner.offload_time(role, alloc, trainable))
 
-    def __getattr__(self, name: str):  # the estimator's other optional methods (shared_cores, iteration_time, ...)
-        return getattr(self.inner, name)
+    def offloads(self) -> bool:
+        return self.inner.offloads()
+
+    def shared_cores(self) -> float | None:
+        return self.inner.shared_cores()
+
+    def iteration_time(self, simulated_s: float) -> float:
+        return self.inner.iteration_time(simulated_s)
+
+    def prices_stream_fusion(self) -> bool:
+        return self.inner.prices_stream_fusion()
+
+    def stream_fusion_time(self, step: Step) -> float:
+        return self.inner.stream_fusion_time(step)
+
+    def stream_fusion_parts(self, step: Step) -> tuple[Part, ...]:
+        return self.inner.stream_fusion_parts(step)
+
+    def stream_fusion_floor(self, role: str, alloc: Allocation) -> GenerationFloor | None:
+        return self.inner.stream_fusion_floor(role, alloc)
+
+    def prices_pipeline_fusion(self) -> bool:
+        return self.inner.prices_pipeline_fusion()
+
+    def pipeline_fusion_time(self, step: Step) -> float:
+        return self.inner.pipeline_fusion_time(step)
+
+    def pipeline_fusion_floor(self, mfc: MFC, alloc: Allocation) -> float:
+        return self.inner.pipeline_fusion_floor(mfc, alloc)
 
 
 def _move(plan: ExecutionPlan, unit: _Unit, rng: random.Random) -> dict[str, Allocation]:
@@ -318,8 +372,11 @@ class _Splitter:
 
     def __init__(self, units: list[_Unit], workflow: Workflow, cost: CostEstimator, memory_per_device: float):
         self.units = units
-        self.pairs = [(i, j) for i, j in itertools.combinations(range(len(units)), 2)
-                      if all(workflow.independent(a, b) for a in units[i].names for b in units[j].names)]
+        self.pairs = [
+            (i, j)
+            for i, j in itertools.combinations(range(len(units)), 2)
+            if all(workflow.independent(a, b) for a in units[i].names for b in units[j].names)
+        ]
         self.fastest: dict[tuple[int, DeviceSet], Allocation] = {}
         for k, unit in enumerate(units):
             by_mesh = _scored_by_mesh([workflow[n] for n in unit.names], unit.candidates, cost)
@@ -332,7 +389,7 @@ class _Splitter:
         n = len(mesh)
         if n < 2 or n % 2:
             return None
-        lo, hi = DeviceSet(mesh.devices[:n // 2]), DeviceSet(mesh.devices[n // 2:])
+        lo, hi = DeviceSet(mesh.devices[: n // 2]), DeviceSet(mesh.devices[n // 2 :])
         if all((k, half) in self.fastest for k in (i, j) for half in (lo, hi)):
             return lo, hi
         return None
@@ -344,7 +401,9 @@ class _Splitter:
         meshes = [plan[self.units[k].names[0]].mesh for k in (i, j)]
         for mesh in dict.fromkeys(meshes):
             halves = self.halves(mesh, i, j)
-            for first, second in ((i, j), (j, i)) if halves else ():
+            if halves is None:
+                continue
+            for first, second in ((i, j), (j, i)):
                 changes = dict.fromkeys(self.units[first].names, self.fastest[(first, halves[0])])
                 changes |= dict.fromkeys(self.units[second].names, self.fastest[(second, halves[1])])
                 out.append(_with(plan, changes))
@@ -355,8 +414,9 @@ class _Splitter:
 
 
 def _with(plan: ExecutionPlan, changes: Mapping[str, Allocation]) -> ExecutionPlan:
-    return dataclasses.replace(plan, allocations={name: changes.get(name, alloc)
-                                                  for name, alloc in plan.allocations.items()})
+    return dataclasses.replace(
+        plan, allocations={name: changes.get(name, alloc) for name, alloc in plan.allocations.items()}
+    )
 
 
 def _propose(plan: ExecutionPlan, units: list[_Unit], rng: random.Random) -> ExecutionPlan:
@@ -376,9 +436,7 @@ def _offload_choices(plan: ExecutionPlan, evaluate: _Evaluator, trained: bool = 
     offloading only saves memory, so the default rule's choice is never worse) and the devices offload at all
     (CPU devices do not: the choice would change nothing): those without a train call, and with ``trained``
     the trained ones too, whose state then sleeps through the generations on their devices."""
-    estimator = getattr(evaluate.cost, "inner", evaluate.cost)
-    offloads = getattr(estimator, "offloads", None)
-    if getattr(estimator, "reload_time", None) is None or (offloads is not None and not offloads()):
+    if not evaluate.cost.offloads():
         return []
     frozen = set(evaluate.workflow.roles()) - set(plan.trained_roles(evaluate.workflow))
     return [role for role in evaluate.workflow.roles() if trained or role in frozen]
@@ -395,9 +453,8 @@ def stream_fusion_choices(plan: ExecutionPlan, evaluate: _Evaluator) -> list[Str
     """The fusions the search tries on ``plan`` (the current one left out), when the estimator prices fused
     stages and the workflow has calls to fuse: none, and ``migrate_at: auto`` onto one replica or, with four or
     more generation replicas, onto a quarter of them (RLHFuse moves the tail onto a few instances)."""
-    estimator = getattr(evaluate.cost, "inner", evaluate.cost)
     group = evaluate.workflow.stream_fusable()
-    if getattr(estimator, "stream_fusion_time", None) is None or group is None:
+    if not evaluate.cost.prices_stream_fusion() or group is None:
         return []
     replicas = plan[group[0].name].layout.dp
     options: list[StreamFusion | None] = [None, StreamFusion(migrate_at="auto", migrate_to=1)]
@@ -411,24 +468,31 @@ def pipeline_fusion_twin(plan: ExecutionPlan, evaluate: _Evaluator) -> Execution
     estimator does not price fused training or the workflow has no train pair. Fusing reverses the second call's
     pipeline (its stage 0 on the mesh's last device), so the two run in opposite directions; unfusing restores
     its plain order."""
-    estimator = getattr(evaluate.cost, "inner", evaluate.cost)
     pair = evaluate.workflow.train_pair()
-    if getattr(estimator, "pipeline_fusion_time", None) is None or pair is None:
+    if not evaluate.cost.prices_pipeline_fusion() or pair is None:
         return None
     first, second = (plan[m.name] for m in pair)
     if plan.pipeline_fusion:
         plain = dataclasses.replace(second.layout, reverse=False)
-        return dataclasses.replace(_with(plan, {pair[1].name: dataclasses.replace(second, layout=plain)}),
-                                   pipeline_fusion=False)
+        return dataclasses.replace(
+            _with(plan, {pair[1].name: dataclasses.replace(second, layout=plain)}), pipeline_fusion=False
+        )
     if first.mesh != second.mesh or not (can_pipeline_fuse(first) and can_pipeline_fuse(second)):
         return None
     flipped = dataclasses.replace(second.layout, reverse=not first.layout.reverse)
-    return dataclasses.replace(_with(plan, {pair[1].name: dataclasses.replace(second, layout=flipped)}),
-                               pipeline_fusion=True)
+    return dataclasses.replace(
+        _with(plan, {pair[1].name: dataclasses.replace(second, layout=flipped)}), pipeline_fusion=True
+    )
 
 
-def _anneal(start: ExecutionPlan, units: list[_Unit], evaluate: _Evaluator, rng: random.Random,
-            deadline: float, max_steps: int | None) -> None:
+def _anneal(
+    start: ExecutionPlan,
+    units: list[_Unit],
+    evaluate: _Evaluator,
+    rng: random.Random,
+    deadline: float,
+    max_steps: int | None,
+) -> None:
     """One Metropolis chain from ``start`` until ``max_steps`` or ``deadline``; results land in ``evaluate``."""
     current, e_current = start, evaluate.energy(start)
     scale = e_current if 0 < e_current < math.inf else 1.0
@@ -447,8 +511,9 @@ def _anneal(start: ExecutionPlan, units: list[_Unit], evaluate: _Evaluator, rng:
         step += 1
 
 
-def _polish(best: ExecutionPlan, units: list[_Unit], evaluate: _Evaluator, deadline: float,
-            splitter: _Splitter | None = None) -> None:
+def _polish(
+    best: ExecutionPlan, units: list[_Unit], evaluate: _Evaluator, deadline: float, splitter: _Splitter | None = None
+) -> None:
     """Coordinate descent from ``best``: generation fused with the inference that reads it or not
     (:func:`stream_fusion_choices`), then each unit in turn takes its best candidate with the others fixed, then each
     pair of independent units tries the halves of either one's mesh (``splitter``), then each frozen role
@@ -473,8 +538,9 @@ def _polish(best: ExecutionPlan, units: list[_Unit], evaluate: _Evaluator, deadl
                 if generating in unit.names:  # a generation layout that pays only fused (or only unfused)
                     for fusion in stream_fusion_choices(trial, evaluate):
                         yield dataclasses.replace(trial, stream_fusion=fusion)
-        for i, j in splitter.pairs if splitter is not None else ():
-            yield from splitter.moves(current, i, j)
+        if splitter is not None:
+            for i, j in splitter.pairs:
+                yield from splitter.moves(current, i, j)
         for role in _offload_choices(current, evaluate):  # offloaded or resident
             yield _toggle_offload(current, evaluate.workflow, role)
 
@@ -508,12 +574,19 @@ def memory_alone(mfcs: list[MFC], alloc: Allocation, cost: CostEstimator) -> flo
     """Bytes per device the calls of one unit need on ``alloc`` with nothing else there: their role's weights
     (its training state, for train calls) and the most transient memory any of them adds."""
     trainable = mfcs[0].kind is MFCKind.TRAIN
-    return max((cost.static_memory(m.role, alloc, trainable) + cost.mfc_memory(m, alloc, trainable)
-                for m in mfcs if m.role is not None), default=0.0)
+    return max(
+        (
+            cost.static_memory(m.role, alloc, trainable) + cost.mfc_memory(m, alloc, trainable)
+            for m in mfcs
+            if m.role is not None
+        ),
+        default=0.0,
+    )
 
 
-def _scored_by_mesh(mfcs: list[MFC], candidates: tuple[Allocation, ...],
-                    cost: CostEstimator) -> dict[DeviceSet, list[tuple[float, float, int]]]:
+def _scored_by_mesh(
+    mfcs: list[MFC], candidates: tuple[Allocation, ...], cost: CostEstimator
+) -> dict[DeviceSet, list[tuple[float, float, int]]]:
     """Each candidate of one unit (its calls ``mfcs``) as (seconds of its calls alone, :func:`memory_alone`,
     its index), grouped by device mesh."""
     by_mesh: dict[DeviceSet, list[tuple[float, float, int]]] = defaultdict(list)
@@ -522,8 +595,14 @@ def _scored_by_mesh(mfcs: list[MFC], candidates: tuple[Allocation, ...],
     return by_mesh
 
 
-def _prune(names: tuple[str, ...], candidates: tuple[Allocation, ...], workflow: Workflow, cost: CostEstimator,
-           memory_per_device: float, keep: set[Allocation]) -> tuple[Allocation, ...]:
+def _prune(
+    names: tuple[str, ...],
+    candidates: tuple[Allocation, ...],
+    workflow: Workflow,
+    cost: CostEstimator,
+    memory_per_device: float,
+    keep: set[Allocation],
+) -> tuple[Allocation, ...]:
     """The candidates of a unit worth searching: per device mesh, the :data:`TOP_PER_MESH` fastest alone (the
     unit's calls' time) among those whose own memory fits a device, and the :data:`LEAN_PER_MESH` needing the
     least memory; plus ``keep`` (the start plans' allocations). A large cluster offers thousands of layouts ×
@@ -545,10 +624,21 @@ POLISHED = 3
 them: the best one may sit in a shallower basin than the runner-up's."""
 
 
-def search(workflow: Workflow, cluster: ClusterSpec, cost: CostEstimator, memory_per_device: float,
-           model_configs: Mapping[str, object], *, seed: int, time_budget_s: float, chains: int = 4,
-           top_k: int = 3, start: ExecutionPlan | list[ExecutionPlan] | None = None, max_steps: int | None = None,
-           iterations: int = 3) -> list[tuple[ExecutionPlan, SimResult]]:
+def search(
+    workflow: Workflow,
+    cluster: ClusterSpec,
+    cost: CostEstimator,
+    memory_per_device: float,
+    model_configs: Mapping[str, object],
+    *,
+    seed: int,
+    time_budget_s: float,
+    chains: int = 4,
+    top_k: int = 3,
+    start: ExecutionPlan | list[ExecutionPlan] | None = None,
+    max_steps: int | None = None,
+    iterations: int = 3,
+) -> list[tuple[ExecutionPlan, SimResult]]:
     """The ``top_k`` fastest distinct feasible plans found by ``chains`` annealing chains, fastest first.
 
     Chains start at ``start`` (default: :func:`~loomrl.plan.colocate` with pure data parallelism); given a
@@ -579,23 +669,40 @@ def search(workflow: Workflow, cluster: ClusterSpec, cost: CostEstimator, memory
             plan.validate(workflow)  # raises the one-line reason
     # each start fused or not, whichever is faster, where the estimator prices fusion: the walks then explore
     # around it (a polish toggling fusion at the end may not reach it on a large cluster's budget)
-    starts = [min([plan, *(dataclasses.replace(plan, stream_fusion=f) for f in stream_fusion_choices(plan, evaluate))],
-                  key=evaluate.rank) for plan in starts]
+    starts = [
+        min(
+            [plan, *(dataclasses.replace(plan, stream_fusion=f) for f in stream_fusion_choices(plan, evaluate))],
+            key=evaluate.rank,
+        )
+        for plan in starts
+    ]
     starts = [min([plan, *filter(None, [pipeline_fusion_twin(plan, evaluate)])], key=evaluate.rank) for plan in starts]
     keep = {a for plan in starts for a in plan.allocations.values()}
-    units = [_Unit(names, _prune(names, tuple(candidate_allocations(workflow[names[0]], workflow, cluster,
-                                                                    model_configs)),
-                                 workflow, evaluate.cost, memory_per_device, keep))
-             for names in unit_names(workflow)]
+    units = [
+        _Unit(
+            names,
+            _prune(
+                names,
+                tuple(candidate_allocations(workflow[names[0]], workflow, cluster, model_configs)),
+                workflow,
+                evaluate.cost,
+                memory_per_device,
+                keep,
+            ),
+        )
+        for names in unit_names(workflow)
+    ]
     units = [u for u in units if len(u.candidates) > 1]
     splitter = _Splitter(units, workflow, evaluate.cost, memory_per_device)
     # chains beyond the starts start from the best of their crossovers and interleavings, not from a start
     # walked already
     known = {plan_key(p) for p in starts}
     interleaved = [m for p in starts for i, j in splitter.pairs for m in splitter.moves(p, i, j)]
-    children = sorted((c for c in _crossovers(starts, workflow) + interleaved
-                       if plan_key(c) not in known and evaluate(c)), key=evaluate.rank)
-    firsts = starts + children[:max(0, chains - len(starts))]
+    children = sorted(
+        (c for c in _crossovers(starts, workflow) + interleaved if plan_key(c) not in known and evaluate(c)),
+        key=evaluate.rank,
+    )
+    firsts = starts + children[: max(0, chains - len(starts))]
     anneal_s = time_budget_s * (1.0 - POLISH_SHARE)
     for chain in range(chains if units else 0):
         rng = random.Random(f"loomrl-search:{seed}:{chain}")
@@ -612,8 +719,9 @@ def search(workflow: Workflow, cluster: ClusterSpec, cost: CostEstimator, memory
 # ------------------------------------------------------------------------------------- heuristic baselines
 
 
-def _symmetric_units(plan: ExecutionPlan, workflow: Workflow,
-                     model_configs: Mapping[str, object]) -> list[tuple[tuple[str, ...], list[dict[str, Allocation]]]]:
+def _symmetric_units(
+    plan: ExecutionPlan, workflow: Workflow, model_configs: Mapping[str, object]
+) -> list[tuple[tuple[str, ...], list[dict[str, Allocation]]]]:
     """The heuristics' layout choices: calls of one role on one mesh share one layout (the "symmetric"
     parallelisation of Megatron-based systems that ReaLHF compares with), a train layout's micro-batches
     apply to its role's pipelined inference too, and generation folds pipeline stages into data parallelism
@@ -623,9 +731,10 @@ def _symmetric_units(plan: ExecutionPlan, workflow: Workflow,
         if mfc.kind is not MFCKind.COMPUTE:
             groups.setdefault((mfc.role, plan[mfc.name].mesh), []).append(mfc)
     out = []
-    for (role, mesh), mfcs in groups.items():
-        lead = next((m for m in mfcs if m.kind is MFCKind.TRAIN), None) or \
-            next((m for m in mfcs if m.kind is MFCKind.INFERENCE), mfcs[0])
+    for (_role, mesh), mfcs in groups.items():
+        lead = next((m for m in mfcs if m.kind is MFCKind.TRAIN), None) or next(
+            (m for m in mfcs if m.kind is MFCKind.INFERENCE), mfcs[0]
+        )
         options = []
         for alloc in _allocations_on(lead, mesh, plan.cluster, model_configs):
             lay = alloc.layout
@@ -644,8 +753,9 @@ def _symmetric_units(plan: ExecutionPlan, workflow: Workflow,
     return out
 
 
-def _per_call_units(plan: ExecutionPlan, workflow: Workflow,
-                    model_configs: Mapping[str, object]) -> list[tuple[tuple[str, ...], list[dict[str, Allocation]]]]:
+def _per_call_units(
+    plan: ExecutionPlan, workflow: Workflow, model_configs: Mapping[str, object]
+) -> list[tuple[tuple[str, ...], list[dict[str, Allocation]]]]:
     """Every call (a role's train calls together) with its own layout on its mesh: reallocation between a
     role's calls lets each pick its fastest, a stronger baseline than the symmetric one."""
     out = []
@@ -657,8 +767,14 @@ def _per_call_units(plan: ExecutionPlan, workflow: Workflow,
     return out
 
 
-def _best_layouts(plan: ExecutionPlan, workflow: Workflow, model_configs: Mapping[str, object],
-                  evaluate: _Evaluator, per_call: bool = False, deadline: float = math.inf) -> ExecutionPlan:
+def _best_layouts(
+    plan: ExecutionPlan,
+    workflow: Workflow,
+    model_configs: Mapping[str, object],
+    evaluate: _Evaluator,
+    per_call: bool = False,
+    deadline: float = math.inf,
+) -> ExecutionPlan:
     """``plan`` with the fastest layouts (and micro-batches) of its model calls on the meshes it chose:
     symmetric (:func:`_symmetric_units`) or, with ``per_call``, one layout per call (:func:`_per_call_units`).
 
@@ -669,8 +785,9 @@ def _best_layouts(plan: ExecutionPlan, workflow: Workflow, model_configs: Mappin
     """
     units = (_per_call_units if per_call else _symmetric_units)(plan, workflow, model_configs)
     # leanest first: when a deadline cuts the enumeration short, what was tried is likely to fit
-    choices = [sorted(options, key=lambda option: _option_memory(option, workflow, evaluate.cost))
-               for _, options in units]
+    choices = [
+        sorted(options, key=lambda option: _option_memory(option, workflow, evaluate.cost)) for _, options in units
+    ]
     if math.prod(len(c) for c in choices) <= ENUMERATION_LIMIT:
         combos = (_assign(plan, combo) for combo in itertools.product(*choices))
         return min(_until(combos, deadline), key=evaluate.rank)
@@ -711,9 +828,17 @@ def _generation_devices(cluster: ClusterSpec) -> list[int]:
     return sorted((c for c in counts if 1 <= c < n), key=lambda c: (c != n // 2, c))
 
 
-def best_heuristic_plans(workflow: Workflow, cluster: ClusterSpec, cost: CostEstimator, memory_per_device: float,
-                         model_configs: Mapping[str, object], *, iterations: int = 3, per_call: bool = False,
-                         deadline: float = math.inf) -> dict[str, tuple[ExecutionPlan, SimResult]]:
+def best_heuristic_plans(
+    workflow: Workflow,
+    cluster: ClusterSpec,
+    cost: CostEstimator,
+    memory_per_device: float,
+    model_configs: Mapping[str, object],
+    *,
+    iterations: int = 3,
+    per_call: bool = False,
+    deadline: float = math.inf,
+) -> dict[str, tuple[ExecutionPlan, SimResult]]:
     """Strategy name (``colocate``, ``interleave``, ``separate``) → its fastest feasible plan and simulation.
 
     Each strategy keeps its meshes and gets its best layouts by enumeration (see :func:`_best_layouts`):
@@ -728,26 +853,40 @@ def best_heuristic_plans(workflow: Workflow, cluster: ClusterSpec, cost: CostEst
     evaluate = _Evaluator(workflow, cost, memory_per_device, iterations)
     pow2 = cluster.n_devices & (cluster.n_devices - 1) == 0
     splits = ("pow2", "proportional") if pow2 else ("proportional",)  # shardable vs balanced ranges
-    starts = {"colocate": [colocate(workflow, cluster)],
-              "interleave": [interleave(workflow, cluster, model_configs, split) for split in splits]}
+    starts = {
+        "colocate": [colocate(workflow, cluster)],
+        "interleave": [interleave(workflow, cluster, model_configs, split) for split in splits],
+    }
     if cluster.n_devices > 1:
         starts["separate"] = [separate(workflow, cluster, g) for g in _generation_devices(cluster)]
     out: dict[str, tuple[ExecutionPlan, SimResult]] = {}
     for k, (name, plans) in enumerate(starts.items()):
         now = time.monotonic()
         part = now + (deadline - now) / (len(starts) - k) if deadline < math.inf else math.inf
-        tuned = []
+        tuned: list[ExecutionPlan] = []
         for i, p in enumerate(plans):  # the first of a strategy's plans always, the others while time is left
             if tuned and time.monotonic() > part:
                 break
-            tuned.append(_best_layouts(p, workflow, model_configs, evaluate, per_call,
-                                       now + (part - now) * (i + 1) / len(plans) if part < math.inf else math.inf))
+            tuned.append(
+                _best_layouts(
+                    p,
+                    workflow,
+                    model_configs,
+                    evaluate,
+                    per_call,
+                    now + (part - now) * (i + 1) / len(plans) if part < math.inf else math.inf,
+                )
+            )
         # each tuned plan also with every frozen role resident (no reload before its calls), where it fits
-        tuned += [ExecutionPlan(p.cluster, p.allocations, p.shadow, ()) for p in tuned
-                  if _offload_choices(p, evaluate, trained=False) and p.offloaded_roles(workflow)]
+        tuned += [
+            ExecutionPlan(p.cluster, p.allocations, p.shadow, ())
+            for p in tuned
+            if _offload_choices(p, evaluate, trained=False) and p.offloaded_roles(workflow)
+        ]
         best = min(tuned, key=evaluate.rank)
         result = evaluate(best)
         if result is None:  # a strategy's own plan is always structurally valid; guard the invariant
             best.validate(workflow)
+        assert result is not None  # evaluate gives None only for a plan validate refuses, raising above
         out[name] = (best, result)
     return out

@@ -17,7 +17,7 @@ from __future__ import annotations
 import heapq
 import math
 from collections import Counter, deque
-from typing import Callable, Sequence
+from collections.abc import Callable, Sequence
 
 __all__ = ["release", "simulate_shared", "successors"]
 
@@ -34,7 +34,9 @@ def release(successors: Sequence[int], t: float, ready_at: list[float], pending:
             heapq.heappush(heap, (ready_at[j], j))
 
 
-def successors(deps: Sequence[Sequence[int]], carried: Sequence[Sequence[int]]) -> tuple[list[list[int]], list[list[int]]]:
+def successors(
+    deps: Sequence[Sequence[int]], carried: Sequence[Sequence[int]]
+) -> tuple[list[list[int]], list[list[int]]]:
     """Per node, the nodes released when it ends and those released when it is sent (the ones that wait on it
     but are sent together with it, ``carried``: :meth:`loomrl.plan.schedule.Step.sent_with`)."""
     after: list[list[int]] = [[] for _ in deps]
@@ -50,9 +52,14 @@ def _rate(devices: Sequence[int], running_busy: Counter, node_of: Callable[[int]
     return min(max(1.0, own[n] / cores) / max(1.0, running_busy[n] / cores) for n in own)
 
 
-def simulate_shared(durations: Sequence[float], devices: Sequence[Sequence[int]], deps: Sequence[Sequence[int]],
-                    node_of: Callable[[int], int], cores: float,
-                    carried: Sequence[Sequence[int]] | None = None) -> tuple[list[float], list[float]]:
+def simulate_shared(
+    durations: Sequence[float],
+    devices: Sequence[Sequence[int]],
+    deps: Sequence[Sequence[int]],
+    node_of: Callable[[int], int],
+    cores: float,
+    carried: Sequence[Sequence[int]] | None = None,
+) -> tuple[list[float], list[float]]:
     """Start and end time of every node under processor sharing (module docstring).
 
     ``durations[i]``: seconds node ``i`` takes alone; ``devices[i]``: the devices it occupies; ``deps[i]``: the

@@ -11,9 +11,11 @@ What :func:`simulate` models, and what it leaves out:
 - **Iterations one after another.** The runtime's trainer runs an iteration only once the previous one has
   ended (its calls, reallocations and syncs; metrics, evaluation and checkpoints come between), so every node
   of iteration ``i + 1`` also waits for every node of iteration ``i``.
-- **Resources.** A step occupies every device it names for the time the :class:`CostEstimator` predicts (a
-  call: ``mfc_time``; a copy or sync: ``realloc_time``; a reload: ``reload_time`` where the estimator has it;
-  a free or offload: nothing). Dispatch follows the runtime: a step is sent when its last dependency ends, or
+- **Resources.** A step occupies every device it names for the time the
+  :class:`~loomrl.planner.cost.estimator.CostEstimator` predicts (a call: ``mfc_time``; a copy or sync:
+  ``realloc_time``; a reload or offload: ``reload_time`` / ``offload_time``; a stream- or pipeline-fusion stage:
+  ``stream_fusion_time`` / ``pipeline_fusion_time``; a free: nothing). Dispatch follows the runtime: a step is sent
+  when its last dependency ends, or
   together with a copy, sync or reload it waits for whose devices cover its own
   (:meth:`~loomrl.plan.schedule.Step.sent_with`), and each device runs the steps in the order they were sent
   (no back-filling), so a step starts when it is ready and every device it names has finished the steps sent
@@ -24,16 +26,16 @@ What :func:`simulate` models, and what it leaves out:
   ``free``; a frozen role on each distinct placement of its calls, or, when the schedule offloads it, from
   each ``reload`` to the matching ``offload``. A plan whose peak exceeds ``memory_per_device`` on some device
   is infeasible, and the result says which device needs how much, when, and for what.
-- **Shared cores.** A cost estimator with a ``shared_cores()`` method returning a number (``CostModel`` on a
-  CPU profile whose devices outnumber the cores) makes calls running side by side on a node share its cores
+- **Shared cores.** Where the estimator's ``shared_cores()`` is a number (``CostModel`` on a CPU profile whose
+  devices outnumber the cores), calls running side by side on a node share its cores
   (:mod:`loomrl.planner.simulation.sharing`); otherwise each node takes its predicted time whatever runs beside it.
 - **Left out:** data transfers between calls, and compute-communication overlap inside a call (both belong
   to the cost estimator's numbers, if anywhere).
 
 Iteration time is the steady state ``(end of the last iteration − end of the first) / (iterations − 1)``, so
-pipeline fill and the first iteration's warm-up do not count; busy fractions are over the same window. A
-cost estimator with an ``iteration_time(seconds)`` method (``CostModel``: the fitted whole-iteration
-correction) adjusts that figure; the timeline is left as scheduled.
+pipeline fill and the first iteration's warm-up do not count; busy fractions are over the same window. The
+estimator's ``iteration_time(seconds)`` (``CostModel``: the fitted whole-iteration correction) adjusts that
+figure; the timeline is left as scheduled.
 """
 
 from __future__ import annotations
@@ -43,36 +45,15 @@ import heapq
 import math
 from collections.abc import Callable, Iterable
 from dataclasses import dataclass, field
-from typing import Protocol, runtime_checkable
 
 from loomrl.errors import ConfigError
 from loomrl.plan import GB, Allocation, ExecutionPlan
-from loomrl.plan.schedule import STAGES, Schedule, Step, StepKind, build_schedule
-from loomrl.planner.simulation.sharing import release, simulate_shared, successors as _successors
-from loomrl.workflow import MFC, MFCKind, Workflow
+from loomrl.plan.schedule import Schedule, Step, StepKind, build_schedule
+from loomrl.planner.cost.estimator import CostEstimator
+from loomrl.planner.simulation.sharing import release, simulate_shared, successors
+from loomrl.workflow import MFCKind, Workflow
 
-__all__ = ["CostEstimator", "Interval", "SimResult", "format_bytes", "simulate"]
-
-
-@runtime_checkable
-class CostEstimator(Protocol):
-    """What the simulator asks of a cost model: times in seconds, memory in bytes per device."""
-
-    def mfc_time(self, mfc: MFC, alloc: Allocation) -> float:
-        """Seconds one call of ``mfc`` takes on ``alloc``."""
-        ...
-
-    def mfc_memory(self, mfc: MFC, alloc: Allocation, trainable: bool) -> float:
-        """Transient bytes per device while the call runs (activations, KV cache, buffers)."""
-        ...
-
-    def static_memory(self, role: str, alloc: Allocation, trainable: bool) -> float:
-        """Resident bytes per device of ``role``'s shard on ``alloc`` (with gradients and optimizer if trainable)."""
-        ...
-
-    def realloc_time(self, role: str, src: Allocation, dst: Allocation) -> float:
-        """Seconds to move ``role``'s parameters from the layout ``src`` to ``dst``."""
-        ...
+__all__ = ["Interval", "SimResult", "format_bytes", "simulate"]
 
 
 @dataclass(frozen=True)
@@ -151,7 +132,7 @@ class _Node:
 
     @property
     def kind(self) -> str:
-        return self.step.mfc.kind.value if self.step.kind is StepKind.CALL else self.step.kind.value
+        return self.step.call_mfc.kind.value if self.step.kind is StepKind.CALL else self.step.kind.value
 
     @property
     def devices(self) -> tuple[int, ...]:
@@ -174,52 +155,50 @@ def _checked(value: float, what: str) -> float:
 
 
 def _duration(step: Step, cost: CostEstimator, trained: frozenset[str] = frozenset()) -> float:
-    """Seconds the estimator gives a step (module docstring); a fused stage's from the estimator's optional
-    ``stream_fusion_time`` (without it the stage runs its calls in turn); a reload or offload of a ``trained`` role
-    moves its training state (:func:`_move_time`)."""
-    if step.kind in STAGES:  # optional prices: without them a stage runs its calls in turn
-        name = "stream_fusion_time" if step.kind is StepKind.STREAM_FUSION else "pipeline_fusion_time"
-        fused = getattr(cost, name, None)
-        if fused is not None:
-            return _checked(fused(step), f"{name}({step.id})")
-        return sum(_duration(member, cost, trained) for member in step.members)
+    """Seconds the estimator gives a step (module docstring); a reload or offload of a ``trained`` role moves its
+    training state (:func:`_move_time`)."""
+    if step.kind is StepKind.STREAM_FUSION:
+        return _checked(cost.stream_fusion_time(step), f"stream_fusion_time({step.id})")
+    if step.kind is StepKind.PIPELINE_FUSION:
+        return _checked(cost.pipeline_fusion_time(step), f"pipeline_fusion_time({step.id})")
     if step.kind is StepKind.CALL:
-        return _checked(cost.mfc_time(step.mfc, step.alloc), f"mfc_time({step.id}, {step.alloc.text})")
-    if step.moves_bytes:
-        return _checked(cost.realloc_time(step.role, step.src, step.alloc),
-                        f"realloc_time({step.role}, {step.src.text} -> {step.alloc.text})")
+        return _checked(cost.mfc_time(step.call_mfc, step.allocation), f"mfc_time({step.id}, {step.allocation.text})")
+    if step.transfer is not None:  # a copy or a sync
+        role, src, dst = step.transfer
+        return _checked(cost.realloc_time(role, src, dst), f"realloc_time({role}, {src.text} -> {dst.text})")
     if step.kind in (StepKind.RELOAD, StepKind.OFFLOAD):
         return _move_time(step, cost, step.role in trained)
     return 0.0
 
 
 def _move_time(step: Step, cost: CostEstimator, trained: bool) -> float:
-    """A reload or offload: the estimator's optional ``reload_time`` / ``offload_time`` (none: free). A frozen
-    role's offload keeps its host copy and takes no time; a trained role's state is copied each way, and the
-    estimator is told so (``trainable``)."""
-    name = "reload_time" if step.kind is StepKind.RELOAD else "offload_time"
-    fn = getattr(cost, name, None)
-    if fn is None or (step.kind is StepKind.OFFLOAD and not trained):
+    """A reload or offload: the estimator's ``reload_time`` / ``offload_time``. A frozen role's offload keeps its
+    host copy and takes no time; a trained role's state is copied each way, and the estimator is told so
+    (``trainable``)."""
+    if step.kind is StepKind.OFFLOAD and not trained:
         return 0.0
-    seconds = fn(step.role, step.alloc, True) if trained else fn(step.role, step.alloc)
-    return _checked(seconds, f"{name}({step.role}, {step.alloc.text})")
+    name = "reload_time" if step.kind is StepKind.RELOAD else "offload_time"
+    fn = cost.reload_time if step.kind is StepKind.RELOAD else cost.offload_time
+    return _checked(fn(step.model_role, step.allocation, trained), f"{name}({step.role}, {step.allocation.text})")
 
 
-def _build_graph(schedule: Schedule, cost: CostEstimator, iterations: int,
-                 trained: frozenset[str] = frozenset()) -> list[_Node]:
+def _build_graph(
+    schedule: Schedule, cost: CostEstimator, iterations: int, trained: frozenset[str] = frozenset()
+) -> list[_Node]:
     """The schedule's steps of every iteration as nodes, in dispatch priority order, with their dependencies."""
     steps = schedule.steps
     position = {step.id: i for i, step in enumerate(steps)}
     deps = [[position[d] for d in step.deps] for step in steps]
     carried = [[position[d] for d in step.deps if step.sent_with(steps[position[d]])] for step in steps]
     seconds = [_duration(step, cost, trained) for step in steps]
-    stage = getattr(cost, "stream_fusion_stage", None)  # optional: the parts of a fused stage, for the timeline
-    parts = [stage(step).parts if stage is not None and step.kind is StepKind.STREAM_FUSION else () for step in steps]
+    parts = [cost.stream_fusion_parts(step) if step.kind is StepKind.STREAM_FUSION else () for step in steps]
     nodes: list[_Node] = []
     for it in range(iterations):
         base = it * len(steps)
-        nodes += [_Node(step, it, seconds[i], [base + d for d in deps[i]], [base + d for d in carried[i]], parts[i])
-                  for i, step in enumerate(steps)]
+        nodes += [
+            _Node(step, it, seconds[i], [base + d for d in deps[i]], [base + d for d in carried[i]], parts[i])
+            for i, step in enumerate(steps)
+        ]
     _iteration_barriers(nodes)
     return nodes
 
@@ -228,9 +207,11 @@ def _intervals(node: _Node, start: float, end: float) -> list[Interval]:
     """A node on each of its devices: a fused stage as its parts (generation, migration, each member call)."""
     if not node.parts:
         return [Interval(d, start, end, node.label, node.kind, node.iteration) for d in node.devices]
-    kinds = {m.id: m.mfc.kind.value for m in node.step.members}
-    return [Interval(d, start + a, start + b, label, kinds.get(label, label), node.iteration)
-            for label, d, a, b in sorted(node.parts, key=lambda p: (p[2], p[1]))]
+    kinds = {m.id: m.call_mfc.kind.value for m in node.step.members}
+    return [
+        Interval(d, start + a, start + b, label, kinds.get(label, label), node.iteration)
+        for label, d, a, b in sorted(node.parts, key=lambda p: (p[2], p[1]))
+    ]
 
 
 def _iteration_barriers(nodes: list[_Node]) -> None:
@@ -287,7 +268,7 @@ class _DeviceClasses:
 def _schedule(nodes: list[_Node], devices_of: list[tuple[int, ...]]) -> tuple[list[float], list[float]]:
     """Start and end time of every node (see the module docstring for the dispatch rule) on the devices (or
     device classes) ``devices_of[i]`` of node i."""
-    successors, carrying = _successors([node.deps for node in nodes], [node.carried for node in nodes])
+    following, carrying = successors([node.deps for node in nodes], [node.carried for node in nodes])
     pending = [len(node.deps) for node in nodes]
     ready_at = [0.0] * len(nodes)
     start, end = [math.nan] * len(nodes), [math.nan] * len(nodes)
@@ -301,7 +282,7 @@ def _schedule(nodes: list[_Node], devices_of: list[tuple[int, ...]]) -> tuple[li
         end[i] = start[i] + node.duration
         for d in devices:
             free[d] = end[i]
-        release(successors[i], end[i], ready_at, pending, heap)
+        release(following[i], end[i], ready_at, pending, heap)
     if any(math.isnan(s) for s in start):  # cannot happen for a validated workflow; guard the invariant
         raise RuntimeError("simulator: some nodes were never ready (a cycle in the unrolled graph)")
     return start, end
@@ -321,9 +302,15 @@ def _resident(plan: ExecutionPlan, workflow: Workflow, role: str) -> list[tuple[
     return [(a, False) for a in placements]
 
 
-def _memory_intervals(plan: ExecutionPlan, workflow: Workflow, cost: CostEstimator, nodes: list[_Node],
-                      start: list[float], end: list[float],
-                      on: Callable[[Iterable[int]], tuple[int, ...]]) -> dict[int, list[_Mem]]:
+def _memory_intervals(
+    plan: ExecutionPlan,
+    workflow: Workflow,
+    cost: CostEstimator,
+    nodes: list[_Node],
+    start: list[float],
+    end: list[float],
+    on: Callable[[Iterable[int]], tuple[int, ...]],
+) -> dict[int, list[_Mem]]:
     """Device class (``on`` maps devices to their classes) → the memory intervals on each of its devices
     (see the module docstring)."""
     out: dict[int, list[_Mem]] = {}
@@ -335,7 +322,7 @@ def _memory_intervals(plan: ExecutionPlan, workflow: Workflow, cost: CostEstimat
         for c in on(devices):
             out.setdefault(c, []).append((s, e, cache[key], what))
 
-    def static(role: str, alloc: Allocation, trainable: bool):
+    def static(role: str, alloc: Allocation, trainable: bool) -> tuple[tuple, Callable[[], float]]:
         return ("static_memory", role, alloc.text, trainable), lambda: cost.static_memory(role, alloc, trainable)
 
     trained = set(plan.trained_roles(workflow))
@@ -357,13 +344,19 @@ def _memory_intervals(plan: ExecutionPlan, workflow: Workflow, cost: CostEstimat
         elif step.kind in (StepKind.FREE, StepKind.OFFLOAD):
             held = opened.pop((step.role, step.alloc))
             what = f"{step.role} copy" if step.kind is StepKind.FREE else f"{step.role} weights"
-            add(step.devices, start[held], end[i], *static(step.role, step.alloc, False), what)
+            add(step.devices, start[held], end[i], *static(step.model_role, step.allocation, False), what)
         elif step.kind in (StepKind.CALL, StepKind.PIPELINE_FUSION):  # a fused train stage holds both calls' buffers
             for call in step.members or (step,):
-                trainable = call.mfc.kind is MFCKind.TRAIN
-                key = ("mfc_memory", call.id, call.alloc.text, trainable)
-                add(call.devices, start[i], end[i], key, lambda m=call.mfc, a=call.alloc, t=trainable:
-                    cost.mfc_memory(m, a, t), f"{call.id} running")
+                trainable = call.call_mfc.kind is MFCKind.TRAIN
+                key = ("mfc_memory", call.id, call.allocation.text, trainable)
+                add(
+                    call.devices,
+                    start[i],
+                    end[i],
+                    key,
+                    lambda m=call.call_mfc, a=call.allocation, t=trainable: cost.mfc_memory(m, a, t),
+                    f"{call.id} running",
+                )
     return out
 
 
@@ -414,12 +407,12 @@ def _overflow_reason(device: int, need: float, at: float, intervals: list[_Mem],
         if s <= at < e or s == e == at:
             parts[what] = parts.get(what, 0.0) + b
     listed = ", ".join(f"{what} {format_bytes(b)}" for what, b in sorted(parts.items(), key=lambda kv: -kv[1]))
-    return (f"device {device} needs {format_bytes(need)} at t={at:.4g} s ({listed}) "
-            f"but has {format_bytes(capacity)}")
+    return f"device {device} needs {format_bytes(need)} at t={at:.4g} s ({listed}) but has {format_bytes(capacity)}"
 
 
-def _memory_check(memory: dict[int, list[_Mem]], classes: _DeviceClasses,
-                  capacity: float) -> tuple[dict[int, float], bool, str, float]:
+def _memory_check(
+    memory: dict[int, list[_Mem]], classes: _DeviceClasses, capacity: float
+) -> tuple[dict[int, float], bool, str, float]:
     """Peak bytes per device, whether all fit, the reason naming the (lowest) device that overflows most, and
     the byte-seconds above capacity summed over devices. ``memory`` is per device class."""
     peaks: dict[int, float] = {}
@@ -437,21 +430,24 @@ def _memory_check(memory: dict[int, list[_Mem]], classes: _DeviceClasses,
     return dict(sorted(peaks.items())), False, _overflow_reason(d, peak, at, memory[c], capacity), total_excess
 
 
-def _busy_fractions(nodes: list[_Node], start: list[float], end: list[float], classes: _DeviceClasses,
-                    window: tuple[float, float]) -> dict[int, float]:
+def _busy_fractions(
+    nodes: list[_Node], start: list[float], end: list[float], classes: _DeviceClasses, window: tuple[float, float]
+) -> dict[int, float]:
     lo, hi = window
     busy = [0.0] * len(classes.members)
     for i, node in enumerate(nodes):
         inside = max(0.0, min(end[i], hi) - max(start[i], lo))
         for c in classes.on(node.devices):
             busy[c] += inside
-    fraction = {d: (busy[c] / (hi - lo) if hi > lo else 0.0) for c, devices in enumerate(classes.members)
-                for d in devices}
+    fraction = {
+        d: (busy[c] / (hi - lo) if hi > lo else 0.0) for c, devices in enumerate(classes.members) for d in devices
+    }
     return dict(sorted(fraction.items()))
 
 
-def simulate(plan: ExecutionPlan, workflow: Workflow, cost: CostEstimator, memory_per_device: float,
-             iterations: int = 3) -> SimResult:
+def simulate(
+    plan: ExecutionPlan, workflow: Workflow, cost: CostEstimator, memory_per_device: float, iterations: int = 3
+) -> SimResult:
     """Schedule ``iterations`` iterations of ``workflow`` under ``plan`` and report time, use and memory.
 
     ``memory_per_device`` is each device's capacity in bytes. A structurally invalid plan (see
@@ -464,26 +460,29 @@ def simulate(plan: ExecutionPlan, workflow: Workflow, cost: CostEstimator, memor
         raise ConfigError(f"simulate: memory_per_device={memory_per_device!r}; expected bytes > 0")
     plan.validate(workflow)
     nodes = _build_graph(build_schedule(workflow, plan), cost, iterations, frozenset(plan.trained_roles(workflow)))
-    shared = getattr(cost, "shared_cores", None)  # optional: devices sharing cores slow each other down
-    cores = shared() if shared is not None else None
+    cores = cost.shared_cores()
     n_devices = plan.cluster.n_devices
     if cores is None:
-        classes = _DeviceClasses([n.devices for n in nodes] + [a.mesh.devices for a in plan.allocations.values()],
-                                 n_devices)
+        classes = _DeviceClasses(
+            [n.devices for n in nodes] + [a.mesh.devices for a in plan.allocations.values()], n_devices
+        )
         start, end = _schedule(nodes, [classes.on(n.devices) for n in nodes])
     else:  # the sharing simulation needs each device's node: no classes
         classes = _DeviceClasses([], n_devices, identity=True)
-        start, end = simulate_shared([n.duration for n in nodes], [n.devices for n in nodes],
-                                     [n.deps for n in nodes], plan.cluster.node_of, cores,
-                                     [n.carried for n in nodes])
+        start, end = simulate_shared(
+            [n.duration for n in nodes],
+            [n.devices for n in nodes],
+            [n.deps for n in nodes],
+            plan.cluster.node_of,
+            cores,
+            [n.carried for n in nodes],
+        )
     ends = [max(end[i] for i, n in enumerate(nodes) if n.iteration == it) for it in range(iterations)]
     if iterations > 1:
         iteration_time, window = (ends[-1] - ends[0]) / (iterations - 1), (ends[0], ends[-1])
     else:
         iteration_time, window = ends[0], (0.0, ends[0])
-    corrected = getattr(cost, "iteration_time", None)  # optional: a fitted whole-iteration correction
-    if corrected is not None:
-        iteration_time = _checked(corrected(iteration_time), "iteration_time")
+    iteration_time = _checked(cost.iteration_time(iteration_time), "iteration_time")
 
     def timeline() -> list[Interval]:
         order = sorted(range(len(nodes)), key=lambda i: (start[i], i))
@@ -492,5 +491,15 @@ def simulate(plan: ExecutionPlan, workflow: Workflow, cost: CostEstimator, memor
     memory = _memory_intervals(plan, workflow, cost, nodes, start, end, classes.on)
     peaks, feasible, reason, excess = _memory_check(memory, classes, memory_per_device)
     device_seconds = sum((end[i] - start[i]) * len(n.devices) for i, n in enumerate(nodes))
-    return SimResult(iteration_time, _busy_fractions(nodes, start, end, classes, window), peaks, timeline,
-                     feasible, reason, ends, excess, device_seconds, max(end, default=0.0))
+    return SimResult(
+        iteration_time,
+        _busy_fractions(nodes, start, end, classes, window),
+        peaks,
+        timeline,
+        feasible,
+        reason,
+        ends,
+        excess,
+        device_seconds,
+        max(end, default=0.0),
+    )
