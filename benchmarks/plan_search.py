@@ -38,7 +38,7 @@ from loomrl.planner.cost.model import CostModel
 from loomrl.planner.cost.workload import DEFAULT_SPREAD, Workload, lengths_from_mean_max
 from loomrl.planner.inputs import PlannerInputs
 from loomrl.planner.planning import compare_plans
-from loomrl.planner.search.search import best_heuristic_plans
+from loomrl.planner.search.heuristics import best_heuristic_plans
 from loomrl.report import summary_table
 
 SETUPS = (("llama2-7b", "h100:1x8"), ("llama2-13b", "h100:2x8"), ("llama2-34b", "h100:4x8"), ("llama2-70b", "h100:8x8"))

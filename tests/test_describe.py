@@ -13,7 +13,9 @@ from loomrl.errors import ConfigError
 from loomrl.plan import ExecutionPlan, make_plan
 from loomrl.planner.describe import RunDescription, inputs_from_description, simulate_fixed, stage_seconds
 from loomrl.planner.search.bounds import iteration_bound
-from loomrl.planner.search.search import CachedCost, best_heuristic_plans, candidate_allocations
+from loomrl.planner.search.candidates import candidate_allocations
+from loomrl.planner.search.evaluate import CachedCost
+from loomrl.planner.search.heuristics import best_heuristic_plans
 from loomrl.planner.simulation.simulator import Interval, SimResult
 
 GRPO = {

@@ -21,7 +21,8 @@ from loomrl.planner.cost.model import CostModel
 from loomrl.planner.cost.stream_fusion import generation_floor, price_stream_fusion
 from loomrl.planner.cost.workload import Workload, lengths_from_mean_max
 from loomrl.planner.search.bounds import iteration_bound
-from loomrl.planner.search.search import plan_key, search
+from loomrl.planner.search.evaluate import plan_key
+from loomrl.planner.search.search import search
 from loomrl.planner.simulation.simulator import simulate
 
 PPO = build_workflow(AlgoConfig(name="ppo", minibatches=4), RolloutConfig())

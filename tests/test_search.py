@@ -16,19 +16,11 @@ from loomrl.errors import ConfigError
 from loomrl.plan import GB, Allocation, ClusterSpec, DeviceSet, ExecutionPlan, colocate
 from loomrl.plan.layout import Layout
 from loomrl.planner.cost.estimator import CostEstimator
-from loomrl.planner.search.search import (
-    MICRO_BATCHES,
-    _crossovers,
-    _Splitter,
-    _Unit,
-    best_heuristic_plans,
-    candidate_allocations,
-    device_meshes,
-    layouts_on,
-    plan_key,
-    search,
-    unit_names,
-)
+from loomrl.planner.search.candidates import MICRO_BATCHES, candidate_allocations, device_meshes, layouts_on, unit_names
+from loomrl.planner.search.candidates import Unit as _Unit
+from loomrl.planner.search.evaluate import plan_key
+from loomrl.planner.search.heuristics import best_heuristic_plans
+from loomrl.planner.search.search import _crossovers, _Splitter, search
 from loomrl.planner.simulation.simulator import simulate
 from loomrl.workflow import MFC, MFCKind
 

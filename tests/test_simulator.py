@@ -382,7 +382,7 @@ def test_device_classes_give_the_per_device_simulation(monkeypatch: pytest.Monke
     from loomrl.plan.model_shape import ModelShape
     from loomrl.planner.cost.model import CostModel
     from loomrl.planner.cost.workload import Workload
-    from loomrl.planner.search.search import candidate_allocations
+    from loomrl.planner.search.candidates import candidate_allocations
     from loomrl.planner.simulation import simulator
 
     ppo = build_workflow(AlgoConfig(name="ppo"), RolloutConfig())

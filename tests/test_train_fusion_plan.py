@@ -23,7 +23,8 @@ from loomrl.plan.schedule import StepKind, build_schedule
 from loomrl.planner.cost.model import CostModel
 from loomrl.planner.cost.pipeline_fusion import pipeline_fusion_problem, price_pipeline_fusion
 from loomrl.planner.cost.workload import Workload
-from loomrl.planner.search.search import _Evaluator, pipeline_fusion_twin, search
+from loomrl.planner.search.evaluate import Evaluator as _Evaluator
+from loomrl.planner.search.search import pipeline_fusion_twin, search
 from loomrl.planner.simulation.simulator import simulate
 
 PPO = build_workflow(AlgoConfig(name="ppo", minibatches=2), RolloutConfig())

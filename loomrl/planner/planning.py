@@ -13,7 +13,9 @@ from dataclasses import dataclass
 from loomrl.plan import ExecutionPlan
 from loomrl.planner.inputs import PlannerInputs
 from loomrl.planner.search.bounds import IterationBound, iteration_bound
-from loomrl.planner.search.search import CachedCost, best_heuristic_plans, search
+from loomrl.planner.search.evaluate import CachedCost
+from loomrl.planner.search.heuristics import best_heuristic_plans
+from loomrl.planner.search.search import search
 from loomrl.planner.simulation.simulator import SimResult
 
 SEARCH_CHAINS = 8

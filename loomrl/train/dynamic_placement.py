@@ -42,7 +42,7 @@ from loomrl.planner.cost.corrections import Corrections
 from loomrl.planner.inputs import PlannerInputs
 from loomrl.planner.replanning.replanning import Observed, price_plans, refit, search_candidates, switch_seconds
 from loomrl.planner.replanning.switch_rule import CheckBudget, Decision, SwitchPolicy, SwitchRule, Telemetry
-from loomrl.planner.search.search import plan_key
+from loomrl.planner.search.evaluate import plan_key
 from loomrl.role.devices import resolve_dtype
 from loomrl.run_dir import RunDir
 from loomrl.runtime.plan_change import plan_moves

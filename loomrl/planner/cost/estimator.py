@@ -5,7 +5,7 @@
 defaults that describe the plainest estimator: offloading costs nothing and is not weighed, devices do not
 share cores, an iteration takes what its schedule takes, and a fused stage runs its member calls one after the
 other (so an estimator that does not price fusion never makes the search prefer it). :class:`~loomrl.planner.
-cost.model.CostModel` implements all of it; :class:`~loomrl.planner.search.search.CachedCost` and
+cost.model.CostModel` implements all of it; :class:`~loomrl.planner.search.evaluate.CachedCost` and
 :class:`~loomrl.planner.replanning.replanning.TrustedCost` wrap one and say explicitly what they pass on.
 """
 

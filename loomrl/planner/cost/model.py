@@ -53,8 +53,6 @@ import dataclasses
 import math
 from collections import Counter
 from collections.abc import Mapping
-from dataclasses import dataclass, field
-from typing import NamedTuple
 
 from loomrl.errors import ConfigError
 from loomrl.plan import Allocation, ClusterSpec, shard_bytes
@@ -64,13 +62,13 @@ from loomrl.plan.model_shape import ModelShape
 from loomrl.plan.schedule import Step
 from loomrl.planner.cost import decode as D
 from loomrl.planner.cost import terms as T
+from loomrl.planner.cost.cache import PricingCache, Rates
 from loomrl.planner.cost.corrections import ITERATION, REALLOC, Corrections
 from loomrl.planner.cost.estimator import CostEstimator
-from loomrl.planner.cost.pipeline_fusion import PipelineFusionPrice, pipeline_fusion_floor, price_pipeline_fusion
+from loomrl.planner.cost.pipeline_fusion import pipeline_fusion_floor, price_pipeline_fusion
 from loomrl.planner.cost.realloc import realloc_seconds
 from loomrl.planner.cost.stream_fusion import (
     GenerationFloor,
-    Generations,
     Part,
     StreamFusionPrice,
     generation_floor,
@@ -80,7 +78,7 @@ from loomrl.planner.cost.system import SystemSettings, default_max_seqs
 from loomrl.planner.cost.workload import Workload
 from loomrl.workflow import MFC, MFCKind
 
-__all__ = ["CostModel", "ENGINE_BATCHED_TOKENS", "LOGIT_CHUNK_TOKENS", "PREFILL_CHUNK_TOKENS", "PricingCache"]
+__all__ = ["CostModel", "ENGINE_BATCHED_TOKENS", "LOGIT_CHUNK_TOKENS", "PREFILL_CHUNK_TOKENS"]
 
 PREFILL_CHUNK_TOKENS = 4096
 """Prompt tokens the rollout engine prefills at once (its ``prefill_tokens`` default): bounds prefill buffers."""
@@ -98,43 +96,11 @@ COMPUTE_BYTES_PER_TOKEN = 64
 """Bytes a compute step (advantages) reads and writes per token: a few fp32 columns, in and out."""
 
 
-class _Rates(NamedTuple):
-    """What one device of an allocation gets: compute and memory rates, and the link of each parallel axis."""
-
-    flops: float
-    mem: float
-    tp_bw: float
-    dp_bw: float
-    pp_bw: float
-    latency: float
-    op: float
-    """Seconds to dispatch one operator (slowed like the rates when devices share cores)."""
-
-
 GRAD_REDUCE_BYTES = 4
 """Gradients are summed over data-parallel ranks in fp32 at least (:mod:`loomrl.parallel.data_parallel`)."""
 PRECISION_BYTES = {"fp32": 4, "bf16": 2}
 """Bytes per weight of each explicit ``runtime.precision``; its ``auto`` (bf16 on accelerators, fp32 on CPU) is
 the cost model's default (``bytes_per_param=None``)."""
-
-
-@dataclass
-class PricingCache:
-    """What a cost model has priced, kept so that a plan search asks each question once. ``reallocs`` depends only
-    on the cluster, profile, shapes and element size, so models that share those may share it (pass it to each);
-    the rest belongs to one model's workload and corrections."""
-
-    terms: dict[tuple, dict[str, float]] = field(default_factory=dict)
-    """A call's uncorrected terms, by (call, allocation)."""
-    reallocs: dict[tuple, float] = field(default_factory=dict)
-    """A reallocation's seconds, by (shape, relative placements)."""
-    rates: dict[tuple, _Rates] = field(default_factory=dict)
-    """An allocation's rates, by its devices and layout."""
-    stream_fusion: dict[Step, StreamFusionPrice] = field(default_factory=dict)
-    floors: dict[tuple[str, Allocation], GenerationFloor] = field(default_factory=dict)
-    pipeline_fusion: dict[Step, PipelineFusionPrice] = field(default_factory=dict)
-    generations: Generations = field(default_factory=dict)
-    """A stream-fusion stage's generation, shared by the stages priced around the same one."""
 
 
 class CostModel(CostEstimator):
@@ -790,13 +756,13 @@ class CostModel(CostEstimator):
     def _gen_micro_batches(alloc: Allocation) -> int:
         return alloc.micro_batches if alloc.layout.pp > 1 else 1
 
-    def _rates_of(self, alloc: Allocation) -> _Rates:
+    def _rates_of(self, alloc: Allocation) -> Rates:
         key = _alloc_key(alloc)[:2]
         if key not in self.cache.rates:
             self.cache.rates[key] = self._measure_rates(alloc)
         return self.cache.rates[key]
 
-    def _measure_rates(self, alloc: Allocation) -> _Rates:
+    def _measure_rates(self, alloc: Allocation) -> Rates:
         """Links per parallel axis (inter-node if any group of that axis spans nodes; within a node at NCCL's
         bus bandwidth) and the slowdown of devices sharing cores: a call keeping k devices of a node busy on a
         node with fewer cores runs at cores/k of the per-device rate. The matmul rate is what passes reach
@@ -820,7 +786,7 @@ class CostModel(CostEstimator):
             busiest = max(Counter(self.cluster.node_of(d) for d in alloc.mesh).values())
             cores = self.cluster.devices_per_node / p.devices_share_cores
             slowdown = max(1.0, busiest / cores)
-        return _Rates(
+        return Rates(
             p.matmul_flops * p.matmul_efficiency / slowdown,
             p.mem_bandwidth / slowdown,
             bw["tp"],

@@ -39,7 +39,9 @@ from loomrl.planner.cost.estimator import CostEstimator
 from loomrl.planner.cost.model import CostModel
 from loomrl.planner.cost.workload import Workload, lengths_from_summary
 from loomrl.planner.inputs import PlannerInputs
-from loomrl.planner.search.search import CachedCost, best_heuristic_plans, plan_key, search
+from loomrl.planner.search.evaluate import CachedCost, plan_key
+from loomrl.planner.search.heuristics import best_heuristic_plans
+from loomrl.planner.search.search import search
 from loomrl.planner.simulation.simulator import simulate
 from loomrl.workflow import MFC, MFCKind, Workflow
 

@@ -74,7 +74,7 @@ import numpy as np
 from loomrl.plan import Allocation, ClusterSpec
 from loomrl.planner.cost.estimator import CostEstimator
 from loomrl.planner.cost.pipeline_fusion import can_pipeline_fuse
-from loomrl.planner.search.search import candidate_allocations, unit_names
+from loomrl.planner.search.candidates import candidate_allocations, unit_names
 from loomrl.planner.simulation.simulator import SimResult
 from loomrl.workflow import MFCKind, Workflow
 
