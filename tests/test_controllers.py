@@ -213,7 +213,7 @@ def test_plans_the_controllers_cannot_share_are_one_line_errors():
     ):
         plan_for_controllers(crossed, workflow, 2)  # actor_train's first replica holds both generation replicas
     fused = make_plan("colocate; stream_fusion=on", workflow, cluster)
-    with pytest.raises(ConfigError, match="runtime.controllers: 2 controllers cannot run inter-stage fusion"):
+    with pytest.raises(ConfigError, match="runtime.controllers: 2 controllers cannot run stream fusion"):
         plan_for_controllers(fused, workflow, 2)
 
 

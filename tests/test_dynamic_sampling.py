@@ -240,10 +240,7 @@ def test_the_planner_prices_the_waves_generation_and_rewards(tmp_path, capsys):
     cost that many times over, nothing else does; `loomrl plan --generated-per-kept` says how many."""
     from loomrl.cli import main
     from loomrl.config.tools import from_dict
-    from loomrl.plan.cluster import profile_for
-    from loomrl.plan.model_shape import ModelShape
-    from loomrl.planner.cost.model import CostModel
-    from loomrl.planner.describe import RunDescription, planner_inputs
+    from loomrl.planner.describe import RunDescription, inputs_from_description
 
     run = {
         "algo": "grpo",
@@ -257,13 +254,10 @@ def test_the_planner_prices_the_waves_generation_and_rewards(tmp_path, capsys):
     }
     prices = []
     for scale in (1.0, 2.5):
-        workflow, cluster, configs, workload, _ = planner_inputs(
-            from_dict(RunDescription, {**run, "generated_per_kept": scale}, "run")
-        )
+        inputs = inputs_from_description(from_dict(RunDescription, {**run, "generated_per_kept": scale}, "run"))
+        workflow, cluster, workload = inputs.workflow, inputs.cluster, inputs.workload
         assert workload.rollout_scale == scale
-        cost = CostModel(
-            cluster, profile_for(cluster), {r: ModelShape.from_config(c) for r, c in configs.items()}, workload
-        )
+        cost = inputs.cost_model()
         plan = make_plan("colocate", workflow, cluster)
         prices.append({m.name: cost.mfc_time(m, plan[m.name]) for m in workflow.topological_order()})
     one, more = prices
