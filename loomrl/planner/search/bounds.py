@@ -85,9 +85,6 @@ LAMBDAS = 200
 _GRID = np.arange(LAMBDAS + 1) / LAMBDAS
 PLACEMENTS = 20_000
 """Training placements enumerated at most (see the module docstring); a few thousand at 64 devices for PPO."""
-SURE_PLACEMENTS = 2_000
-"""Training placements enumerated whatever the deadline: the bound of a small cluster (a few hundred placements
-at 8 devices, under a second here) is then the same on a slow or loaded machine as on a fast one."""
 
 
 @dataclass(frozen=True)
@@ -187,8 +184,8 @@ def iteration_bound(
 
     Where devices offload (``cluster.offloads``) a plan may put its trained roles' states to sleep while a
     generation runs, so a generate call need not fit beside them. ``deadline`` (``time.monotonic()`` seconds)
-    stops the enumeration of training placements beyond the first :data:`SURE_PLACEMENTS`: the bound then falls
-    back to the rule for unenumerated placements, which holds for every plan (looser, never wrong)."""
+    stops the enumeration of training placements: the bound then falls back to the rule for unenumerated
+    placements, which holds for every plan (looser, never wrong)."""
     units = [_unit(names, workflow, cluster, cost, memory_per_device, model_configs) for names in unit_names(workflow)]
     if any(not u.allocs for u in units):  # some call fits nowhere: no plan of the space fits
         return IterationBound(math.inf)
@@ -205,8 +202,8 @@ def iteration_bound(
     sleeps = cluster.offloads
     enumerated = math.prod(len(c) for c in choices) <= PLACEMENTS
     if enumerated:
-        for k, combo in enumerate(itertools.product(*choices)):
-            if k >= SURE_PLACEMENTS and time.monotonic() > deadline:
+        for combo in itertools.product(*choices):
+            if time.monotonic() > deadline:
                 enumerated, best, training = False, None, ()
                 break
             fixed = {i: units[i].subset([j]) for i, j in zip(trains, combo)}
