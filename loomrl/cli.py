@@ -1,4 +1,4 @@
-"""The `loomrl` command: train | sft | rm | eval | demo | plan | timeline | report | calibrate | config.
+"""The `loomrl` command: train | sft | rm | eval | demo | plan | timeline | report | calibrate | config | import-gguf.
 
 Every subcommand takes an optional YAML config followed by ``key.sub=value`` overrides. Any user error (bad
 config, missing file, unusable checkpoint) prints one line, ``loomrl: error: ...``, and exits with status 2;
@@ -80,6 +80,12 @@ def _calibrate(args: argparse.Namespace) -> int:
 
 def _config(args: argparse.Namespace) -> int:
     from loomrl.commands.config import run
+
+    return run(args)
+
+
+def _import_gguf(args: argparse.Namespace) -> int:
+    from loomrl.commands.import_gguf import run
 
     return run(args)
 
@@ -190,6 +196,14 @@ def build_parser() -> argparse.ArgumentParser:
     p = sub.add_parser("config", help="list every config field with its type, default and meaning")
     p.add_argument("command", choices=("train", "sft", "rm", "eval"))
     p.set_defaults(fn=_config)
+    p = sub.add_parser(
+        "import-gguf",
+        help="convert a GGUF model file (or a pretrained name: smollm2-135m-instruct) once into a safetensors "
+        "Hugging Face directory that model fields accept",
+    )
+    p.add_argument("source", help="a .gguf file, or a pretrained name")
+    p.add_argument("out", nargs="?", help="the directory to write (default for a pretrained name: its cache entry)")
+    p.set_defaults(fn=_import_gguf)
     return parser
 
 

@@ -21,7 +21,7 @@ GROUP_ALGORITHMS = ("grpo", "rloo")
 """The algorithms that draw a group of samples per prompt (``algo.group_size``)."""
 POLICY_LOSSES = ("ppo", "gspo")  # loomrl.algorithms.losses.POLICY_LOSSES
 LOSS_AGGS = ("token-mean", "seq-mean-token-mean", "seq-mean-token-sum")  # loomrl.algorithms.losses.LOSS_AGGS
-TASK_NAMES = ("sort", "add", "reverse", "judge", "file")
+TASK_NAMES = ("sort", "add", "reverse", "arith", "judge", "file")
 JUDGED_TASKS = ("sort", "add", "reverse")
 ROLES = ("actor", "critic", "ref", "reward")
 """The roles besides the judges (``judge0``, ``judge1``, ...: :func:`judge_role`)."""
@@ -46,7 +46,8 @@ NONFINITE_ACTIONS = ("skip", "stop")
 @dataclass(frozen=True)
 class TaskConfig(ValidatedConfig):
     name: str = spec("sort", choices=TASK_NAMES)
-    """Synthetic task (sort, add, reverse), 'judge' (verdicts yes/no on responses to task judged, right half of the
+    """Synthetic task (sort, add, reverse; arith: arithmetic questions in words for chat models, rewarded by the
+    response's last number), 'judge' (verdicts yes/no on responses to task judged, right half of the
     time: what a generative reward model is trained on, loomrl.data.judges) or 'file' for a user prompt file with
     a reward function."""
     judged: str = spec("sort", choices=JUDGED_TASKS)
@@ -57,6 +58,9 @@ class TaskConfig(ValidatedConfig):
     """Longest input (digits to sort, letters to reverse)."""
     max_digits: int = spec(3, ge=1, le=12)
     """Largest operand size of the 'add' task, in digits."""
+    level: int = spec(1, ge=1, le=4)
+    """Difficulty of the 'arith' task: 1, a two-digit number ± a one-digit one; 2, + - × of two digits; 3, of up
+    to three digits; 4, two-step word problems."""
     prompt_file: str | None = None
     """JSONL or parquet file of prompts (task 'file'), one row per prompt."""
     eval_file: str | None = None

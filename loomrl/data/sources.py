@@ -5,6 +5,7 @@ from __future__ import annotations
 import dataclasses
 
 from loomrl.config.schema import TaskConfig
+from loomrl.data.arith import Arithmetic
 from loomrl.data.prompts import FilePrompts, FunctionTask, PromptSource, SyntheticPrompts
 from loomrl.data.tasks import Example, Task, make_task
 
@@ -21,6 +22,8 @@ def build_task(cfg: TaskConfig) -> Task:
         from loomrl.data.judges import JudgeTask
 
         return JudgeTask(build_task(dataclasses.replace(cfg, name=cfg.judged)))
+    if cfg.name == "arith":
+        return Arithmetic(level=cfg.level)
     if cfg.name == "add":
         return make_task("add", max_digits=cfg.max_digits)
     return make_task(cfg.name, min_len=cfg.min_len, max_len=cfg.max_len)

@@ -105,28 +105,29 @@ MODEL_PRESETS: dict[str, SimpleNamespace] = {
 
 def model_config(name: str, tokenizer=None) -> object:
     """An architecture to plan with: a preset (:data:`MODEL_PRESETS`), an HF ``config.json`` file (read as it is:
-    no weights, no network), a zoo model (``llama-1m``; its vocabulary from ``tokenizer``, by default the built-in one)
-    or a
-    local HF checkpoint directory (its ``config.json``)."""
+    no weights, no network), a zoo model (``llama-1m``; its vocabulary from ``tokenizer``, by default the built-in one),
+    a pretrained model (its converted checkpoint's ``config.json``) or a local HF checkpoint directory."""
     if name in MODEL_PRESETS:
         return MODEL_PRESETS[name]
     if name.endswith(".json"):
         return read_config_json(name)
     # the zoo and transformers are imported only for the names that need them: the planner prices presets and
     # config.json files without loading torch
+    from loomrl.models.pretrained import PRETRAINED, pretrained_dir
     from loomrl.models.zoo import ZOO, zoo_config
 
-    if name in ZOO or Path(name, "config.json").is_file():
+    if name in ZOO:
         from loomrl.models.tokenizer import tokenizer_for
 
-        if name in ZOO:
-            return zoo_config(name, tokenizer or tokenizer_for(None))
+        return zoo_config(name, tokenizer or tokenizer_for(None))
+    directory = pretrained_dir(name) if name in PRETRAINED else name
+    if Path(directory, "config.json").is_file():
         from transformers import AutoConfig
 
-        return AutoConfig.from_pretrained(name)
+        return AutoConfig.from_pretrained(directory)
     raise ConfigError(
-        f"model: '{name}' is not a preset, a config.json, a zoo model or a checkpoint directory; "
-        f"presets: {', '.join(MODEL_PRESETS)}; zoo: {', '.join(ZOO)}"
+        f"model: '{name}' is not a preset, a config.json, a zoo model, a pretrained model or a checkpoint "
+        f"directory; presets: {', '.join(MODEL_PRESETS)}; zoo: {', '.join(ZOO)}; pretrained: {', '.join(PRETRAINED)}"
     )
 
 

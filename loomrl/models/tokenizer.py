@@ -24,6 +24,7 @@ from tokenizers import Regex, Tokenizer, decoders, models, pre_tokenizers
 from transformers import AutoTokenizer, PreTrainedTokenizerBase, PreTrainedTokenizerFast
 
 from loomrl.errors import DataError
+from loomrl.models.pretrained import is_pretrained, pretrained_dir
 
 if TYPE_CHECKING:  # a type only: the models know nothing of the run's config
     from loomrl.config.schema import TaskConfig
@@ -108,17 +109,25 @@ def tokenizer_for(model: str | None, tokenizer: str = "auto", chat_template: str
             tok = load_tokenizer(tokenizer)
         except DataError as err:
             raise DataError(f"task.tokenizer: {err}") from None
-    elif model and os.path.isdir(model):
-        if not any((Path(model) / name).is_file() for name in TOKENIZER_FILES):
+    elif model and (directory := _model_dir(model)) is not None:
+        if not any((Path(directory) / name).is_file() for name in TOKENIZER_FILES):
             raise DataError(
                 f"model '{model}': the checkpoint has no tokenizer ({' or '.join(TOKENIZER_FILES)} "
                 "missing); save its tokenizer there, point task.tokenizer at one, or set "
                 "task.tokenizer=task for the built-in task tokenizer"
             )
-        tok = load_tokenizer(model)
+        tok = load_tokenizer(directory)
     else:
         tok = build_char_tokenizer()
     return with_chat_template(tok, chat_template)
+
+
+def _model_dir(model: str) -> str | None:
+    """The directory a model spec's tokenizer is saved in: a pretrained name's converted checkpoint, a directory
+    itself; None for a zoo name."""
+    if is_pretrained(model):
+        return pretrained_dir(model)
+    return model if os.path.isdir(model) else None
 
 
 def task_tokenizer(task: TaskConfig, model: str | None) -> PreTrainedTokenizerBase:

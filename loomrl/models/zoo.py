@@ -1,9 +1,10 @@
 """A zoo of tiny Hugging Face architectures, randomly initialised, and loaders for local checkpoints.
 
-A model is named either by a zoo name (``llama-1m``) — a config of a real HF architecture whose
-vocabulary comes from the tokenizer, built with random weights drawn from an explicit seed — or by a local
-directory holding an HF checkpoint. Nothing is ever downloaded. Because every model is a stock
-transformers class, checkpoints written here load with plain transformers.
+A model is named by a zoo name (``llama-1m``) — a config of a real HF architecture whose vocabulary comes from
+the tokenizer, built with random weights drawn from an explicit seed —, by a pretrained name
+(``smollm2-135m-instruct``, :mod:`loomrl.models.pretrained`: a checkpoint directory converted once from a file an
+installed package ships), or by a local directory holding an HF checkpoint. Nothing is ever downloaded. Because
+every model is a stock transformers class, checkpoints written here load with plain transformers.
 
 Choices that hold for every zoo model:
 - attention is ``eager``: ``sdpa`` runs on CPU but differs from eager by ~5e-7 in the logits, and the
@@ -31,6 +32,7 @@ from transformers import (
 
 from loomrl.errors import DataError
 from loomrl.models.heads import score_head
+from loomrl.models.pretrained import PRETRAINED, pretrained_dir
 
 ATTN_IMPLEMENTATION = "eager"
 """Attention kernel of every model built or loaded here (see the module docstring for why)."""
@@ -131,8 +133,17 @@ def zoo_config(name: str, tokenizer: PreTrainedTokenizerBase) -> PretrainedConfi
 
 def _unknown_model(name_or_path: str) -> DataError:
     return DataError(
-        f"model '{name_or_path}': not a zoo name ({', '.join(MODEL_NAMES)}) nor a local checkpoint directory"
+        f"model '{name_or_path}': not a zoo name ({', '.join(MODEL_NAMES)}), a pretrained name "
+        f"({', '.join(PRETRAINED)}) nor a local checkpoint directory"
     )
+
+
+def checkpoint_dir(name_or_path: str) -> str | None:
+    """The checkpoint directory a model spec stands for: a pretrained name's converted directory (converted on first
+    use), a directory with a ``config.json`` itself; None for a zoo name (random weights) or anything else."""
+    if name_or_path in PRETRAINED:
+        return pretrained_dir(name_or_path)
+    return name_or_path if _is_checkpoint_dir(name_or_path) else None
 
 
 def parameter_shapes(
@@ -142,8 +153,8 @@ def parameter_shapes(
     its weights: the model is instantiated from its config on the meta device."""
     if name_or_path in ZOO:
         config = zoo_config(name_or_path, tokenizer)
-    elif _is_checkpoint_dir(name_or_path):
-        config = AutoConfig.from_pretrained(name_or_path)
+    elif (directory := checkpoint_dir(name_or_path)) is not None:
+        config = AutoConfig.from_pretrained(directory)
     else:
         raise _unknown_model(name_or_path)
     auto = AutoModelForSequenceClassification if value else AutoModelForCausalLM
@@ -157,9 +168,12 @@ def parameter_shapes(
 def check_model_spec(name_or_path: str) -> None:
     """Raise the one-line DataError for a spec that is neither a zoo name nor a checkpoint directory with
     weights."""
-    if name_or_path not in ZOO and not _is_checkpoint_dir(name_or_path):
+    if name_or_path in ZOO:
+        return
+    directory = checkpoint_dir(name_or_path)
+    if directory is None:
         raise _unknown_model(name_or_path)
-    if name_or_path not in ZOO and not any(os.path.isfile(os.path.join(name_or_path, f)) for f in _WEIGHT_FILES):
+    if not any(os.path.isfile(os.path.join(directory, f)) for f in _WEIGHT_FILES):
         # e.g. a role directory of a run's sharded checkpoint, which holds shards, not a Hugging Face model
         raise DataError(
             f"model '{name_or_path}': config.json but no weights ({', '.join(_WEIGHT_FILES)}); for a "
@@ -201,10 +215,11 @@ def build_causal_lm(
             torch.manual_seed(seed)
             model = AutoModelForCausalLM.from_config(config, dtype=dtype, attn_implementation=ATTN_IMPLEMENTATION)
         return model.eval()
-    if not _is_checkpoint_dir(name_or_path):
+    directory = checkpoint_dir(name_or_path)
+    if directory is None:
         raise _unknown_model(name_or_path)
     model = AutoModelForCausalLM.from_pretrained(
-        name_or_path, dtype=dtype, local_files_only=True, attn_implementation=ATTN_IMPLEMENTATION
+        directory, dtype=dtype, local_files_only=True, attn_implementation=ATTN_IMPLEMENTATION
     )
     _check_vocab(name_or_path, model.config, tokenizer)
     return model.eval()
@@ -229,7 +244,7 @@ def build_value_model(
     head's gradient (the hidden state) is non-zero; the backbone receives gradient from the second step.
     """
     source = init_from if init_from is not None else name_or_path
-    if name_or_path not in ZOO and not _is_checkpoint_dir(name_or_path):
+    if name_or_path not in ZOO and checkpoint_dir(name_or_path) is None:
         raise _unknown_model(name_or_path)
     pad_id = tokenizer.pad_token_id if tokenizer.pad_token_id is not None else tokenizer.eos_token_id
     with torch.random.fork_rng(devices=[]):
@@ -261,10 +276,11 @@ def _load_value_checkpoint(
     path: str, pad_id: int | None, dtype: torch.dtype, field: str
 ) -> tuple[PreTrainedModel, bool]:
     """Load a sequence-classification model from ``path``; also say whether its score head was missing."""
-    if not _is_checkpoint_dir(path):
-        raise DataError(f"{field} '{path}': not a local checkpoint directory (no config.json)")
+    directory = checkpoint_dir(path)
+    if directory is None:
+        raise DataError(f"{field} '{path}': not a local checkpoint directory (no config.json) nor a pretrained name")
     model, info = AutoModelForSequenceClassification.from_pretrained(
-        path,
+        directory,
         num_labels=1,
         pad_token_id=pad_id,
         dtype=dtype,
@@ -281,10 +297,11 @@ def _check_same_shapes(
     name_or_path: str, init_from: str, tokenizer: PreTrainedTokenizerBase, loaded: PretrainedConfig
 ) -> None:
     """``init_from`` must have the architecture that ``name_or_path`` names, or the config would lie."""
-    if name_or_path in ZOO:
+    directory = checkpoint_dir(name_or_path)
+    if directory is None:
         wanted = zoo_config(name_or_path, tokenizer)
     else:
-        wanted = AutoConfig.from_pretrained(name_or_path, local_files_only=True)
+        wanted = AutoConfig.from_pretrained(directory, local_files_only=True)
     want = {f: getattr(wanted, f, None) for f in _SHAPE_FIELDS}
     got = {f: getattr(loaded, f, None) for f in _SHAPE_FIELDS}
     diff = [f"{f}={got[f]} (expected {want[f]})" for f in _SHAPE_FIELDS if want[f] != got[f]]

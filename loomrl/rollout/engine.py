@@ -63,6 +63,15 @@ class _Live:
     """Tokens of prompt + generated whose keys/values are in the cache (the last sampled token is not yet)."""
 
 
+def generation_eos_ids(model: PreTrainedModel) -> tuple[int, ...]:
+    """The eos ids of ``model``'s generation config (an int, a list, or none)."""
+    config = getattr(model, "generation_config", None)
+    ids = getattr(config, "eos_token_id", None)
+    if ids is None:
+        return ()
+    return (int(ids),) if isinstance(ids, int) else tuple(int(i) for i in ids)
+
+
 class RolloutEngine:
     """Continuous-batching generator for one HF decoder-only model (implements GenerationBackend)."""
 
@@ -78,6 +87,9 @@ class RolloutEngine:
     ):
         self.model, self.params = model, params
         self.eos_id, self.pad_id = eos_id, pad_id
+        self.eos_ids = frozenset((eos_id, *generation_eos_ids(model)))
+        """Tokens that end a sample as eos: the tokenizer's eos and every eos id of the model's generation config
+        (SmolLM2's ends a chat turn with ``<|im_end|>`` and text with ``<|endoftext|>``)."""
         self.slots, self.prefill_tokens = slots, prefill_tokens
         self.max_len = max_len or model.config.max_position_embeddings
         self.device = next(model.parameters()).device
@@ -168,7 +180,7 @@ class RolloutEngine:
         for lv, tok, lp in zip(lives, tok_B.tolist(), logp_B.tolist()):
             lv.tokens.append(tok)
             lv.logps.append(lp)
-            eos = tok == self.eos_id and not self.params.ignore_eos
+            eos = tok in self.eos_ids and not self.params.ignore_eos
             if eos or tok in self.params.stop_ids or len(lv.tokens) >= lv.budget:
                 reason = "eos" if eos else "stop" if tok in self.params.stop_ids else "length"
                 done.append(Completion(lv.request.sample_id, lv.tokens, lv.logps, reason))
