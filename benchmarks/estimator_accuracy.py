@@ -149,7 +149,7 @@ def main() -> None:
                     {
                         "plan": name,
                         "role": group,
-                        "devices": run.cluster.n_devices,
+                        "devices": run.inputs.cluster.n_devices,
                         "measured s": measured,
                         "predicted s": predicted,
                         "error": abs(predicted - measured) / measured,

@@ -135,3 +135,13 @@ def test_smollm2_is_the_published_architecture_with_its_chat_template():
     tokenizer = tokenizer_for(name)
     ids = encode_prompt(tokenizer, "What is 57 + 5? Reply with the number only.")
     assert ids[0] == tokenizer.bos_token_id == 1 and ids[1] != 1 and tokenizer.eos_token_id == 2
+
+
+def test_loomrl_eval_takes_a_pretrained_name(tiny_name):
+    from pathlib import Path
+
+    from loomrl.train.evaluation import resolve_target
+
+    target = resolve_target(tiny_name)
+    assert target.model == Path(checkpoint_dir(tiny_name)) and target.run is None
+    assert target.out_dir == Path("runs") / tiny_name  # eval.json never goes into the cache

@@ -59,8 +59,8 @@ class TaskConfig(ValidatedConfig):
     max_digits: int = spec(3, ge=1, le=12)
     """Largest operand size of the 'add' task, in digits."""
     level: int = spec(1, ge=1, le=4)
-    """Difficulty of the 'arith' task: 1, a two-digit number ± a one-digit one; 2, + - × of two digits; 3, of up
-    to three digits; 4, two-step word problems."""
+    """Difficulty of the 'arith' task: 1, a two-digit number plus a one-digit one; 2, ± of two two-digit numbers;
+    3, + - × of up to three digits; 4, two-step word problems."""
     prompt_file: str | None = None
     """JSONL or parquet file of prompts (task 'file'), one row per prompt."""
     eval_file: str | None = None

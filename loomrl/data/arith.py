@@ -3,9 +3,9 @@
 :class:`Arithmetic` (``task.name=arith``) asks a question in words and rewards a response whose last number is the
 answer, whatever is written around it ("57 + 5 = 62." is right, "62" is right, "11" is wrong). Its levels:
 
-    1  What is 57 + 5?                a two-digit number plus or minus a one-digit one
-    2  What is 38 * 7?                + - * of two-digit numbers (the factor of a product at most 12)
-    3  What is 418 - 96?              + - * of up to three digits (the factor of a product at most 99)
+    1  What is 57 + 5?                a two-digit number plus a one-digit one
+    2  What is 38 - 17?               a two-digit number plus or minus a two-digit one
+    3  What is 418 * 7?               + - * of up to three digits (the factor of a product at most 12)
     4  Ann has 12 boxes of 7 pens and gives away 15. How many pens does she have left?   two steps in words
 
 Every prompt ends with "Reply with the number only." Prompts are text: a tokenizer with a chat template renders
@@ -79,8 +79,8 @@ class Arithmetic(Task):
     last number: 1.0 when it is the answer, else 0.0."""
 
     level: int = 1
-    """1: a two-digit number ± a one-digit one; 2: + - × of two digits; 3: up to three digits; 4: two-step word
-    problems."""
+    """1: a two-digit number plus a one-digit one; 2: ± of two two-digit numbers; 3: + - × of up to three digits;
+    4: two-step word problems."""
 
     name: ClassVar[str] = "arith"
     answer_chars: ClassVar[str] = "0123456789"
@@ -107,13 +107,13 @@ class Arithmetic(Task):
 def _expression(rng: random.Random, level: int) -> tuple[str, int]:
     """'What is a op b?' and its value; never a negative result."""
     if level == 1:
-        op = rng.choice("+-")
-        a, b = rng.randint(10, 99), rng.randint(1, 9)
+        op, a, b = "+", rng.randint(10, 99), rng.randint(1, 9)
+    elif level == 2:
+        op, a, b = rng.choice("+-"), rng.randint(10, 99), rng.randint(10, 99)
     else:
         op = rng.choice("+-*")
-        top = 99 if level == 2 else 999
-        a = rng.randint(2, top)
-        b = rng.randint(2, 12 if level == 2 else 99) if op == "*" else rng.randint(2, top)
+        a = rng.randint(2, 999)
+        b = rng.randint(2, 12) if op == "*" else rng.randint(2, 999)
     if op == "-" and b > a:
         a, b = b, a
     value = a + b if op == "+" else a - b if op == "-" else a * b

@@ -25,6 +25,7 @@ from loomrl.config.schema import EvalConfig, TrainConfig
 from loomrl.config.tools import load_config, to_dict
 from loomrl.data.sources import build_task, held_out
 from loomrl.errors import ConfigError, DataError
+from loomrl.models.pretrained import is_pretrained, pretrained_dir
 from loomrl.models.tokenizer import task_tokenizer
 from loomrl.models.zoo import build_causal_lm
 from loomrl.role import resolve_device, resolve_dtype
@@ -47,9 +48,12 @@ class Target:
 
 
 def resolve_target(path: str | Path) -> Target:
-    """A run directory → its latest checkpoint's actor; ``iter_N`` → its actor; a model directory → itself.
+    """A run directory → its latest checkpoint's actor; ``iter_N`` → its actor; a model directory → itself; a
+    pretrained name → its converted checkpoint.
     A run's checkpoint has its actor's files checked against its manifest first; a sharded one's actor is
     exported to ``iter_N/hf/actor`` on first use (:func:`~loomrl.checkpoint.store.export_checkpoint`)."""
+    if is_pretrained(str(path)):  # its converted checkpoint; eval.json goes to runs/NAME, not into the cache
+        return Target(Path(pretrained_dir(str(path))), None, Path("runs") / str(path))
     path = Path(path)
     files = RunDir(path)
     if files.checkpoints.is_dir() or (files.config.is_file() and not (path / "config.json").is_file()):
