@@ -16,9 +16,9 @@ from loomrl.cli import main
 from loomrl.errors import DataError
 from loomrl.models import pretrained
 from loomrl.models.pretrained import PRETRAINED, GgufModel, import_gguf
-from loomrl.models.tokenizer import encode_prompt, tokenizer_for
+from loomrl.models.tokenizer import decode_response, encode_prompt, tokenizer_for
 from loomrl.models.zoo import build_causal_lm, check_model_spec, checkpoint_dir
-from loomrl.rollout.engine import Request, RolloutEngine
+from loomrl.rollout.engine import Request, RolloutEngine, generation_eos_ids
 from loomrl.rollout.sampling import SamplingParams
 
 pytest.importorskip("gguf", reason="the gguf package reads GGUF files (make install installs it)")
@@ -109,8 +109,14 @@ def test_every_eos_id_of_the_generation_config_ends_a_sample(tiny_name):
     first = free.tokens[0]
     assert first != tokenizer.eos_token_id and len(free.tokens) > 1  # the random model does not stop at once
     model.generation_config.eos_token_id = [tokenizer.eos_token_id, first]
-    stopped = RolloutEngine(model, greedy, tokenizer.eos_token_id, tokenizer.pad_token_id).generate(request)[0]
+    assert generation_eos_ids(model) == (tokenizer.eos_token_id, first)
+    eos_ids = (tokenizer.eos_token_id, *generation_eos_ids(model))
+    stopped = RolloutEngine(model, greedy, eos_ids, tokenizer.pad_token_id).generate(request)[0]
     assert stopped.tokens == [first] and stopped.finish_reason == "eos"
+    # the rollouts and the evaluation give the engine both: a greedy evaluation stops there too
+    from loomrl.algorithms.evaluate import _responses
+
+    assert _responses(model, tokenizer, [prompt], [0], greedy, 0, 8) == [decode_response(tokenizer, [first])]
 
 
 def test_loomrl_import_gguf_writes_a_directory_and_refuses_bad_input(tiny_gguf, tmp_path, capsys):

@@ -19,7 +19,7 @@ from transformers import PreTrainedModel, PreTrainedTokenizerBase
 
 from loomrl.data.tasks import BatchScores, Example, Task
 from loomrl.models.tokenizer import decode_response, encode_prompt
-from loomrl.rollout import SamplingParams, generate, stream_keys
+from loomrl.rollout import SamplingParams, generate, generation_eos_ids, stream_keys
 
 
 def pass_at_k(n: int, correct: int, k: int) -> float:
@@ -46,7 +46,8 @@ def _responses(
     for start in range(0, len(prompts), batch_size):
         chunk = prompts[start : start + batch_size]
         keys = stream_keys(seed, 0, sample_ids[start : start + batch_size])
-        gens = generate(model, chunk, keys, params, tokenizer.eos_token_id, tokenizer.pad_token_id)
+        eos_ids = (tokenizer.eos_token_id, *generation_eos_ids(model))
+        gens = generate(model, chunk, keys, params, eos_ids, tokenizer.pad_token_id)
         texts += [decode_response(tokenizer, gen.tokens) for gen in gens]
     return texts
 

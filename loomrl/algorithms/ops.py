@@ -31,7 +31,7 @@ from loomrl.algorithms.lr import set_lr
 from loomrl.config.schema import judge_role
 from loomrl.errors import TrainingError
 from loomrl.models.heads import last_real_index, logprobs_from_logits
-from loomrl.rollout import Request, RolloutEngine, SamplingParams, stream_keys
+from loomrl.rollout import Request, RolloutEngine, SamplingParams, generation_eos_ids, stream_keys
 from loomrl.workflow.batch import Batch, micro_batch_slices, pack_sequences, pad_right, response_columns, response_mask
 from loomrl.workflow.minibatches import loss_weights
 
@@ -53,7 +53,8 @@ def generate_chunks(
     longest = control.max_prompt if control else max(len(p) for p in prompts)
     budget = max([params.max_new_tokens, control.max_budget if control else 0, *(b for b in budgets if b)])
     slots = control.slots if control else min(256, len(prompts))
-    engine = RolloutEngine(model, params, ctx.eos_id, ctx.pad_id, slots=max(1, slots), max_len=longest + budget)
+    eos_ids = (ctx.eos_id, *generation_eos_ids(model))
+    engine = RolloutEngine(model, params, eos_ids, ctx.pad_id, slots=max(1, slots), max_len=longest + budget)
     engine.submit(Request(sid, list(p), key, b) for sid, p, key, b in zip(batch.ids, prompts, keys, budgets))
     finished: list = []
     while engine.has_work() or (control is not None and control.in_step):

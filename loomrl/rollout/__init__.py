@@ -1,7 +1,7 @@
 """Rollout: the continuous-batching engine, per-sample random streams, and the backend interface."""
 
 from loomrl.rollout.backend import GenerationBackend, LengthStats, length_stats
-from loomrl.rollout.engine import Completion, Request, RolloutEngine
+from loomrl.rollout.engine import Completion, Request, RolloutEngine, generation_eos_ids
 from loomrl.rollout.generate import generate
 from loomrl.rollout.sampling import SamplingParams, sample_tokens, stream_keys
 
@@ -13,6 +13,7 @@ __all__ = [
     "RolloutEngine",
     "SamplingParams",
     "generate",
+    "generation_eos_ids",
     "length_stats",
     "sample_tokens",
     "stream_keys",

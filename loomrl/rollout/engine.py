@@ -79,17 +79,17 @@ class RolloutEngine:
         self,
         model: PreTrainedModel,
         params: SamplingParams,
-        eos_id: int,
+        eos_id: int | Sequence[int],
         pad_id: int,
         slots: int = 64,
         max_len: int | None = None,
         prefill_tokens: int = 4096,
     ):
         self.model, self.params = model, params
-        self.eos_id, self.pad_id = eos_id, pad_id
-        self.eos_ids = frozenset((eos_id, *generation_eos_ids(model)))
-        """Tokens that end a sample as eos: the tokenizer's eos and every eos id of the model's generation config
-        (SmolLM2's ends a chat turn with ``<|im_end|>`` and text with ``<|endoftext|>``)."""
+        self.pad_id = pad_id
+        self.eos_ids = frozenset((eos_id,) if isinstance(eos_id, int) else eos_id)
+        """Tokens that end a sample as eos (the callers give the tokenizer's eos and every eos id of the model's
+        generation config: :func:`generation_eos_ids`)."""
         self.slots, self.prefill_tokens = slots, prefill_tokens
         self.max_len = max_len or model.config.max_position_embeddings
         self.device = next(model.parameters()).device

@@ -16,7 +16,7 @@ def generate(
     prompts: Sequence[Sequence[int]],
     keys_B: torch.Tensor,
     params: SamplingParams,
-    eos_id: int,
+    eos_id: int | Sequence[int],
     pad_id: int,
     slots: int = 256,
 ) -> list[Completion]:
