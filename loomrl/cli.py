@@ -48,9 +48,14 @@ def _export(args: argparse.Namespace) -> int:
 
 
 def _demo(args: argparse.Namespace) -> int:
+    if args.model is not None:
+        from loomrl.commands.demo_pretrained import run_pretrained_demo
+
+        run_pretrained_demo(args.model, args.out or "runs/demo_pretrained", args.overrides)
+        return 0
     from loomrl.commands.demo import run_demo
 
-    run_demo(args.config_dir, args.out, args.overrides)
+    run_demo(args.config_dir, args.out or "runs/demo", args.overrides)
     return 0
 
 
@@ -150,7 +155,12 @@ def build_parser() -> argparse.ArgumentParser:
         help="directory with sft.yaml, rm.yaml, ppo.yaml (default: the demo's own, "
         "shipped in the package as loomrl/examples/demo)",
     )
-    p.add_argument("--out", default="runs/demo", help="where every stage writes its outputs")
+    p.add_argument(
+        "--model",
+        help="instead: GRPO on this pretrained chat model (smollm2-135m-instruct) on the arithmetic task, its "
+        "held-out accuracy before and after (about 8 minutes on 2 cores); overrides then start with grpo.",
+    )
+    p.add_argument("--out", help="where every stage writes its outputs (default runs/demo, runs/demo_pretrained)")
     p.add_argument("overrides", nargs="*", help="stage.key=value, e.g. ppo.loop.iterations=10 sft.steps=50")
     p.set_defaults(fn=_demo)
     p = sub.add_parser(

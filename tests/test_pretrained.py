@@ -151,3 +151,30 @@ def test_loomrl_eval_takes_a_pretrained_name(tiny_name):
     target = resolve_target(tiny_name)
     assert target.model == Path(checkpoint_dir(tiny_name)) and target.run is None
     assert target.out_dir == Path("runs") / tiny_name  # eval.json never goes into the cache
+
+
+def test_the_pretrained_demo_trains_and_reports_before_and_after(tiny_name, tmp_path):
+    from loomrl.commands.demo_pretrained import run_pretrained_demo
+
+    small = [
+        "grpo.loop.iterations=1",
+        "grpo.rollout.prompts_per_iter=2",
+        "grpo.algo.group_size=2",
+        "grpo.loop.eval_prompts=4",
+        "grpo.rollout.max_new_tokens=4",
+        "grpo.loop.progress=false",
+    ]
+    summary = run_pretrained_demo(tiny_name, str(tmp_path / "demo"), small)
+    assert 0.0 <= summary["before"] <= 1.0 and 0.0 <= summary["after"] <= 1.0
+    written = json.loads((tmp_path / "demo" / "summary.json").read_text())
+    assert written["model"] == tiny_name and written["iterations"] == 1
+    assert json.loads((tmp_path / "demo" / "before.json").read_text())["prompts"] == 4
+    assert (tmp_path / "demo" / "grpo" / "metrics.jsonl").is_file()
+
+
+def test_the_pretrained_demo_refuses_a_zoo_model_and_unprefixed_overrides(tmp_path, capsys):
+    assert main(["demo", "--model", "llama-1m", "--out", str(tmp_path / "d")]) == 2
+    assert "is not a pretrained model (valid: smollm2-135m-instruct" in capsys.readouterr().err
+    assert main(["demo", "--model", "smollm2-135m-instruct", "--out", str(tmp_path / "d"), "loop.iterations=2"]) == 2
+    assert "with --model, overrides start with 'grpo.'" in capsys.readouterr().err
+    assert not (tmp_path / "d").exists()
