@@ -75,8 +75,7 @@ def test_the_config_builds_it_and_refuses_a_bad_level():
 
 
 def test_gsm8k_rows_in_verls_layout_are_scored_by_the_final_number(tmp_path):
-    pa = pytest.importorskip("pyarrow")
-    import pyarrow.parquet as pq
+    from datasets import Dataset
 
     rows = [
         {
@@ -90,7 +89,7 @@ def test_gsm8k_rows_in_verls_layout_are_scored_by_the_final_number(tmp_path):
             "reward_model": {"style": "rule", "ground_truth": "1500"},
         },
     ]
-    pq.write_table(pa.Table.from_pylist(rows), tmp_path / "train.parquet")
+    Dataset.from_list(rows).to_parquet(str(tmp_path / "train.parquet"))
     source = FilePrompts(tmp_path / "train.parquet")
     task = FunctionTask("loomrl.data.arith:compute_score")
     examples = [source[0], source[1]]
