@@ -149,20 +149,7 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--role", default="actor", help="the trained role to export (default: actor)")
     p.add_argument("--out", help="the directory to write (default: CHECKPOINT/hf/ROLE)")
     p.set_defaults(fn=_export)
-    p = sub.add_parser("demo", help="SFT warm start -> reward model -> PPO, with a summary")
-    p.add_argument(
-        "--config-dir",
-        help="directory with sft.yaml, rm.yaml, ppo.yaml (default: the demo's own, "
-        "shipped in the package as loomrl/examples/demo)",
-    )
-    p.add_argument(
-        "--model",
-        help="instead: GRPO on this pretrained chat model (smollm2-135m-instruct) on the arithmetic task, its "
-        "held-out accuracy before and after (about 8 minutes on 2 cores); overrides then start with grpo.",
-    )
-    p.add_argument("--out", help="where every stage writes its outputs (default runs/demo, runs/demo_pretrained)")
-    p.add_argument("overrides", nargs="*", help="stage.key=value, e.g. ppo.loop.iterations=10 sft.steps=50")
-    p.set_defaults(fn=_demo)
+    _add_demo_parser(sub)
     p = sub.add_parser(
         "plan",
         help="compare colocate/interleave/separate with a searched plan on a cluster, or "
@@ -206,6 +193,30 @@ def build_parser() -> argparse.ArgumentParser:
     p = sub.add_parser("config", help="list every config field with its type, default and meaning")
     p.add_argument("command", choices=("train", "sft", "rm", "eval"))
     p.set_defaults(fn=_config)
+    _add_import_gguf_parser(sub)
+    return parser
+
+
+def _add_demo_parser(sub) -> None:
+    """``loomrl demo``: the three-stage demo, or GRPO on a pretrained model (``--model``)."""
+    p = sub.add_parser("demo", help="SFT warm start -> reward model -> PPO, with a summary")
+    p.add_argument(
+        "--config-dir",
+        help="directory with sft.yaml, rm.yaml, ppo.yaml (default: the demo's own, "
+        "shipped in the package as loomrl/examples/demo)",
+    )
+    p.add_argument(
+        "--model",
+        help="instead: GRPO on this pretrained chat model (smollm2-135m-instruct) on the arithmetic task, its "
+        "held-out accuracy before and after (about 8 minutes on 2 cores); overrides then start with grpo.",
+    )
+    p.add_argument("--out", help="where every stage writes its outputs (default runs/demo, runs/demo_pretrained)")
+    p.add_argument("overrides", nargs="*", help="stage.key=value, e.g. ppo.loop.iterations=10 sft.steps=50")
+    p.set_defaults(fn=_demo)
+
+
+def _add_import_gguf_parser(sub) -> None:
+    """``loomrl import-gguf``: a GGUF file or a pretrained name converted once into a checkpoint directory."""
     p = sub.add_parser(
         "import-gguf",
         help="convert a GGUF model file (or a pretrained name: smollm2-135m-instruct) once into a safetensors "
@@ -214,7 +225,6 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("source", help="a .gguf file, or a pretrained name")
     p.add_argument("out", nargs="?", help="the directory to write (default for a pretrained name: its cache entry)")
     p.set_defaults(fn=_import_gguf)
-    return parser
 
 
 def _add_plan_arguments(p: argparse.ArgumentParser, cfg_help: str) -> None:
