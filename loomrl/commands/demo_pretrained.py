@@ -14,6 +14,7 @@ from pathlib import Path
 
 from rich.console import Console
 
+from loomrl.commands.demo import demo_configs
 from loomrl.config.schema import EvalConfig, TrainConfig
 from loomrl.config.tools import load_config, to_dict
 from loomrl.errors import ConfigError
@@ -39,8 +40,6 @@ def pretrained_demo_config(model: str, out: Path, overrides: Sequence[str]) -> T
         if prefix != STAGE or not rest:
             raise ConfigError(f"demo override '{item}': with --model, overrides start with '{STAGE}.'")
         stage.append(rest)
-    from loomrl.commands.demo import demo_configs
-
     path = demo_configs().parent / "smollm2" / "grpo.yaml"
     return load_config(TrainConfig, path, [f"actor.model={model}", f"run_dir={out / STAGE}", *stage])
 

@@ -97,8 +97,7 @@ class Arithmetic(Task):
         match = re.fullmatch(rf"What is (\d+) ([-+*]) (\d+)\? {re.escape(INSTRUCTION)}", prompt)
         if match is None:
             raise DataError(f"task 'arith': no reference answer for prompt {prompt!r} (give the example's answer)")
-        a, op, b = int(match[1]), match[2], int(match[3])
-        return str(a + b if op == "+" else a - b if op == "-" else a * b)
+        return str(_value(int(match[1]), match[2], int(match[3])))
 
     def score(self, prompt: str, response: str, answer: str | None) -> float:
         return final_number_reward(prompt, response, answer if answer is not None else self.solve(prompt))
@@ -116,8 +115,11 @@ def _expression(rng: random.Random, level: int) -> tuple[str, int]:
         b = rng.randint(2, 12) if op == "*" else rng.randint(2, 999)
     if op == "-" and b > a:
         a, b = b, a
-    value = a + b if op == "+" else a - b if op == "-" else a * b
-    return f"What is {a} {op} {b}?", value
+    return f"What is {a} {op} {b}?", _value(a, op, b)
+
+
+def _value(a: int, op: str, b: int) -> int:
+    return a + b if op == "+" else a - b if op == "-" else a * b
 
 
 def _word_problem(rng: random.Random, level: int) -> tuple[str, int]:

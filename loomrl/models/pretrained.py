@@ -80,11 +80,12 @@ def cache_root() -> Path:
     return Path(base) / "loomrl"
 
 
-def pretrained_dir(name: str) -> str:
-    """The checkpoint directory of pretrained model ``name``, converted from its GGUF file on first use."""
+def pretrained_dir(name: str, verify: bool = False) -> str:
+    """The checkpoint directory of pretrained model ``name`` in the cache, converted from its GGUF file on first use
+    (every SHA-256 checked when ``verify``, see :func:`import_gguf`)."""
     if name not in PRETRAINED:
         raise DataError(f"model '{name}': not a pretrained model (known: {', '.join(PRETRAINED)})")
-    return os.fspath(import_gguf(PRETRAINED[name].path(), cache_root() / "models" / name, verify=False))
+    return os.fspath(import_gguf(PRETRAINED[name].path(), cache_root() / "models" / name, verify=verify))
 
 
 def import_gguf(gguf: str | os.PathLike[str], out: str | os.PathLike[str], verify: bool = True) -> Path:
