@@ -23,14 +23,14 @@ from loomrl.algorithms.ops import logprob_op, train_loop, values_op
 from loomrl.algorithms.workflows import _actor_loss, _critic_loss
 from loomrl.config.schema import AlgoConfig
 from loomrl.errors import ConfigError
-from loomrl.models.heads import token_logprobs
+from loomrl.models.heads import response_outputs, token_logprobs
 from loomrl.models.tokenizer import build_char_tokenizer
 from loomrl.models.zoo import build_causal_lm
 from loomrl.parallel.pipeline import check_pipeline, split_stages
 from loomrl.parallel.pipeline_runner import PipelineRunner
 from loomrl.parallel.spawn import run_world
 from loomrl.role import ModelPasses
-from loomrl.workflow.batch import Batch, micro_batch_slices, pack_sequences, response_mask
+from loomrl.workflow.batch import Batch, micro_batch_slices, pack_sequences, response_mask, response_width
 from pipeline_helpers import (
     LENGTHS,
     MAX_NORM,
@@ -309,9 +309,8 @@ def _row_weighted_gap() -> float:
         part = batch.select(rows)
         ids_BL, attn_BL, plen_B = pack_sequences(part["prompt_ids"], part["response_ids"], ctx.pad_id, ctx.role.device)
         with torch.no_grad():
-            return float(
-                loss_fn(part, model(input_ids=ids_BL, attention_mask=attn_BL).logits, (ids_BL, attn_BL, plen_B))[0]
-            )
+            logits_BRV = response_outputs(model, ids_BL, attn_BL, plen_B, response_width(attn_BL, plen_B))
+            return float(loss_fn(part, logits_BRV, (ids_BL, attn_BL, plen_B))[0])
 
     parts = micro_batch_slices(len(batch), 2)
     rows = [range(s.start, s.stop) for s in parts]

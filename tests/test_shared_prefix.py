@@ -4,12 +4,12 @@ rows, for a policy and a value model, through the engine too."""
 import pytest
 import torch
 
-from loomrl.models.heads import model_outputs
+from loomrl.models.heads import applies_head_alone, model_outputs, response_outputs
 from loomrl.models.tokenizer import build_char_tokenizer
 from loomrl.models.zoo import build_causal_lm, build_value_model
 from loomrl.role.passes import ModelPasses
 from loomrl.role.shared_prefix import prompt_groups, shared_prefix_outputs
-from loomrl.workflow.batch import pack_sequences
+from loomrl.workflow.batch import pack_sequences, response_columns, response_width
 
 
 def _grpo_rows(prompts: int = 4, group: int = 4, seed: int = 0):
@@ -49,26 +49,48 @@ def test_shared_prompts_give_the_outputs_and_gradients_of_whole_rows(value_model
     groups = prompt_groups(ids_BL, plen_B)
     assert groups is not None
 
+    width = response_width(attn_BL, plen_B)
+    real = torch.arange(width)[None, :] < (attn_BL.sum(1) - plen_B)[:, None]  # the columns a loss reads
+
     def run(shared: bool):
         model.zero_grad()
         out = (
-            shared_prefix_outputs(model, ids_BL, attn_BL, plen_B, groups)
+            shared_prefix_outputs(model, ids_BL, attn_BL, plen_B, groups, width)
             if shared
-            else model_outputs(model, ids_BL, attn_BL)
+            else response_columns(model_outputs(model, ids_BL, attn_BL), plen_B, width)
         )
-        real = attn_BL.bool() if out.dim() == 2 else attn_BL.bool()[..., None].expand_as(out)
-        (out.float()[real] * torch.linspace(-1, 1, int(real.sum()))).sum().backward()
-        return out.detach().float(), real, {n: p.grad.float().clone() for n, p in model.named_parameters()}
+        mask = real if out.dim() == 2 else real[..., None].expand_as(out)
+        (out.float()[mask] * torch.linspace(-1, 1, int(mask.sum()))).sum().backward()
+        return out.detach().float(), mask, {n: p.grad.float().clone() for n, p in model.named_parameters()}
 
-    (whole, real, whole_grads), (shared, _, shared_grads) = run(False), run(True)
+    (whole, mask, whole_grads), (shared, _, shared_grads) = run(False), run(True)
     assert shared.shape == whole.shape
     exact = dtype == torch.float32
-    torch.testing.assert_close(shared[real], whole[real], rtol=1e-5 if exact else 0, atol=1e-5 if exact else 1e-2)
+    torch.testing.assert_close(shared[mask], whole[mask], rtol=1e-5 if exact else 0, atol=1e-5 if exact else 1e-2)
     for name, grad in whole_grads.items():  # bf16: a sum over rows in another order rounds differently
         scale = float(grad.abs().max())
         torch.testing.assert_close(
             shared_grads[name], grad, rtol=1e-3 if exact else 5e-2, atol=(1e-5 if exact else 2e-2) * scale
         )
+
+
+@pytest.mark.parametrize("value_model", [False, True], ids=["policy", "value"])
+def test_the_head_on_the_response_columns_alone_gives_those_columns_of_a_whole_forward(value_model):
+    build = build_value_model if value_model else build_causal_lm
+    model = build("llama-1m", build_char_tokenizer(), seed=0)
+    ids_BL, attn_BL, plen_B = _grpo_rows()
+    width = response_width(attn_BL, plen_B)
+    want = response_columns(model_outputs(model, ids_BL, attn_BL), plen_B, width)
+    got = response_outputs(model, ids_BL, attn_BL, plen_B, width)
+    assert got.shape == want.shape == (len(ids_BL), width, *want.shape[2:])
+    torch.testing.assert_close(got, want, rtol=1e-5, atol=1e-5)
+
+
+def test_a_model_whose_outputs_are_more_than_its_head_runs_whole():
+    model = build_causal_lm("llama-1m", build_char_tokenizer(), seed=0)
+    assert applies_head_alone(model)
+    model.config.final_logit_softcapping = 30.0  # Gemma-2's cap on the logits, applied after the head
+    assert not applies_head_alone(model)
 
 
 def test_engine_shares_prompts_where_it_knows_them_and_recomputation_turns_it_off(monkeypatch):
@@ -85,8 +107,9 @@ def test_engine_shares_prompts_where_it_knows_them_and_recomputation_turns_it_of
     assert not calls
     shared = engine.outputs(ids_BL, attn_BL, parts, prompt_len_B=plen_B)
     assert calls
-    real = attn_BL.bool()
-    torch.testing.assert_close(shared[real], whole[real], rtol=1e-5, atol=1e-5)
+    width = response_width(attn_BL, plen_B)
+    real = torch.arange(width)[None, :] < (attn_BL.sum(1) - plen_B)[:, None]
+    torch.testing.assert_close(shared[real], response_columns(whole, plen_B, width)[real], rtol=1e-5, atol=1e-5)
     calls.clear()
     model.activation_checkpointing_enable(activation_checkpointing_kwargs={"use_reentrant": False})
     engine.backward(ids_BL, attn_BL, parts, lambda out, k: out.float().mean(), 1, prompt_len_B=plen_B)

@@ -63,7 +63,9 @@ class Passes(Protocol):
     ) -> torch.Tensor:
         """Per-position outputs (logits, or values) of every row, computed micro-batch by micro-batch (``parts``
         of the rows), each reduced by ``keep``, concatenated over rows, on every rank of the model.
-        ``prompt_len_B``, where given, lets rows sharing a prompt compute it once."""
+        With ``prompt_len_B``, the outputs are those at the rows' response columns only (column t at position
+        prompt_len - 1 + t, as many as the longest response part: logits_BRV scoring response token t, or
+        values_BR), and rows sharing a prompt may compute it once; without, at every position (B×L)."""
         ...
 
     def backward(
@@ -75,7 +77,8 @@ class Passes(Protocol):
         passes: int,
         prompt_len_B: torch.Tensor | None = None,
     ) -> None:
-        """Forward and backward of each micro-batch, gradients accumulating; ``passes`` is the plan's number of
+        """Forward and backward of each micro-batch, gradients accumulating, ``loss`` given the outputs as
+        :meth:`outputs` gives them (at the response columns, with ``prompt_len_B``); ``passes`` is the plan's number of
         micro-batches, which an engine whose passes are collective runs even without rows (``parts`` empty)."""
         ...
 

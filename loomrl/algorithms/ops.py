@@ -30,9 +30,9 @@ from loomrl.algorithms.context import OpContext
 from loomrl.algorithms.lr import set_lr
 from loomrl.config.schema import judge_role
 from loomrl.errors import TrainingError
-from loomrl.models.heads import last_real_index, logprobs_from_logits
+from loomrl.models.heads import last_real_index, response_logprobs
 from loomrl.rollout import Request, RolloutEngine, SamplingParams, generation_eos_ids, stream_keys
-from loomrl.workflow.batch import Batch, micro_batch_slices, pack_sequences, pad_right, response_columns, response_mask
+from loomrl.workflow.batch import Batch, micro_batch_slices, pack_sequences, pad_columns, pad_right, response_mask
 from loomrl.workflow.minibatches import loss_weights
 
 
@@ -135,10 +135,14 @@ def logprob_op(ctx: OpContext, batch: Batch, out_key: str, temperature: float) -
     """Per-token log-probs of the responses under the role's (policy) model."""
     ids_BL, attn_BL, plen_B = _packed(ctx, batch)
     width = max(len(r) for r in batch["response_ids"])
-    logp_BL1 = role_outputs(
-        ctx, ids_BL, attn_BL, lambda logits, rows: logprobs_from_logits(logits, ids_BL[rows], temperature), plen_B
+    logp_BR = role_outputs(
+        ctx,
+        ids_BL,
+        attn_BL,
+        lambda logits_BRV, rows: response_logprobs(logits_BRV, ids_BL[rows], plen_B[rows], width, temperature),
+        plen_B,
     )
-    return {out_key: response_columns(logp_BL1, plen_B, width).float().cpu()}
+    return {out_key: logp_BR.float().cpu()}
 
 
 @torch.no_grad()
@@ -146,8 +150,8 @@ def values_op(ctx: OpContext, batch: Batch) -> dict:
     """Per-token values of the responses under the role's value model."""
     ids_BL, attn_BL, plen_B = _packed(ctx, batch)
     width = max(len(r) for r in batch["response_ids"])
-    values_BL = role_outputs(ctx, ids_BL, attn_BL, prompt_len_B=plen_B)
-    return {"values": response_columns(values_BL, plen_B, width).float().cpu()}
+    values_BR = role_outputs(ctx, ids_BL, attn_BL, prompt_len_B=plen_B)
+    return {"values": pad_columns(values_BR, width).float().cpu()}
 
 
 @torch.no_grad()
@@ -227,8 +231,8 @@ def verdict_op(
 
 LossFn = Callable[[Batch, torch.Tensor, tuple], tuple[torch.Tensor, dict]]
 """``loss_fn(minibatch, outputs, packed)``: the minibatch's mean loss (a token-mean, or a mean over sequences as
-``ctx.loss_unit`` says) from the model's per-position outputs (logits or values) and the packed sequences
-``(ids_BL, attn_BL, prompt_len_B)``."""
+``ctx.loss_unit`` says) from the model's outputs at the response columns (logits_BRV or values_BR:
+:meth:`~loomrl.algorithms.context.Passes.outputs`) and the packed sequences ``(ids_BL, attn_BL, prompt_len_B)``."""
 
 
 def loss_tokens(mb: Batch) -> list[int]:

@@ -36,10 +36,10 @@ from loomrl.algorithms.ops import (
 )
 from loomrl.config.schema import AlgoConfig, RewardConfig, RolloutConfig, judge_role
 from loomrl.errors import ConfigError
-from loomrl.models.heads import logprobs_and_entropy_from_logits
+from loomrl.models.heads import response_logprobs
 from loomrl.rollout import SamplingParams
 from loomrl.workflow import MFC, MFCKind, Workflow
-from loomrl.workflow.batch import Batch, response_columns
+from loomrl.workflow.batch import Batch, pad_columns
 
 SOURCE_KEYS = ("prompt_ids", "prompt_text", "answer", "row")
 
@@ -80,7 +80,7 @@ def reinforce_pp_advantages(ctx: OpContext, batch: Batch, algo: AlgoConfig, kl_B
 def _actor_loss(
     ctx: OpContext,
     mb: Batch,
-    logits_BLV: torch.Tensor,
+    logits_BRV: torch.Tensor,
     packed: tuple,
     algo: AlgoConfig,
     temperature: float,
@@ -88,11 +88,12 @@ def _actor_loss(
     kl_in_loss: bool,
 ):
     ids_BL, _, plen_B = packed
-    device = logits_BLV.device
+    device = logits_BRV.device
     mask_BR = mb["mask"].to(device)
     width = mask_BR.shape[1]
-    logp_BL1, ent_BL1 = logprobs_and_entropy_from_logits(logits_BLV, ids_BL, temperature)
-    logp_BR = response_columns(logp_BL1, plen_B, width)
+    logp_BR, ent_BR = response_logprobs(
+        logits_BRV, ids_BL, plen_B, width, temperature, entropy=True, entropy_grad=algo.entropy_coef > 0
+    )
     adv_BR = mb["advantages"].to(device)
     old_BR = mb[old_key].to(device)
     loss, stats = L.policy_objective(algo.policy_loss)(
@@ -100,11 +101,11 @@ def _actor_loss(
     )
     stats = {f"actor/{k}": v for k, v in stats.items()}
     stats["actor/pg_loss"] = loss.item()
-    ent_BR = response_columns(ent_BL1, plen_B, width)
     entropy = L.aggregate(ent_BR, mask_BR, algo.loss_agg)
     # the logged entropy is per token whatever the aggregation (a token sum per response is no entropy)
     stats["actor/entropy"] = L.token_stat(ent_BR.detach(), mask_BR, algo.loss_agg).item()
-    loss = loss - algo.entropy_coef * entropy
+    if algo.entropy_coef > 0:
+        loss = loss - algo.entropy_coef * entropy
     if kl_in_loss:
         kl = L.kl_penalty_loss(logp_BR, mb["ref_logp"].to(device), mask_BR, algo.kl_estimator, algo.loss_agg)
         stats["actor/kl_loss"] = kl.item()
@@ -112,11 +113,10 @@ def _actor_loss(
     return loss, stats
 
 
-def _critic_loss(ctx: OpContext, mb: Batch, values_BL: torch.Tensor, packed: tuple, algo: AlgoConfig):
-    _, _, plen_B = packed
-    device = values_BL.device
+def _critic_loss(ctx: OpContext, mb: Batch, values_BR: torch.Tensor, packed: tuple, algo: AlgoConfig):
+    device = values_BR.device
     mask_BR = mb["mask"].to(device)
-    values_BR = response_columns(values_BL, plen_B, mask_BR.shape[1])
+    values_BR = pad_columns(values_BR, mask_BR.shape[1])
     loss, stats = L.value_loss(
         values_BR, mb["values"].to(device), mb["returns"].to(device), mask_BR, algo.value_clip_eps
     )

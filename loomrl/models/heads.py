@@ -17,42 +17,54 @@ import torch
 from torch import nn
 from transformers import PreTrainedModel
 
+from loomrl.workflow.batch import pad_columns, response_columns
+
 # Attribute names under which HF sequence-classification models keep their output projection.
 _SCORE_HEAD_NAMES = ("score", "classifier")
 
 
-def _scaled_next_token_logits(logits_BLV: torch.Tensor, temperature: float) -> torch.Tensor:
-    """Logits for positions 0..L-2 in float32, divided by the sampling temperature."""
+def _scaled(logits_BTV: torch.Tensor, temperature: float) -> torch.Tensor:
+    """Logits in float32, divided by the sampling temperature."""
     if temperature <= 0:
         raise ValueError(f"temperature must be > 0, got {temperature}")
-    logits_BL1V = logits_BLV[:, :-1].float()
     # Log-probs must match what the sampler drew from, and the sampler divides by temperature.
-    return logits_BL1V / temperature if temperature != 1.0 else logits_BL1V
+    return logits_BTV.float() / temperature if temperature != 1.0 else logits_BTV.float()
+
+
+def target_logprobs(logits_BTV: torch.Tensor, target_BT: torch.Tensor, temperature: float = 1.0) -> torch.Tensor:
+    """logp_BT: log p(target) under softmax(logits / temperature), where ``logits_BTV[:, t]`` scores
+    ``target_BT[:, t]``."""
+    scaled_BTV = _scaled(logits_BTV, temperature)
+    # gather − logsumexp avoids a second B×T×V tensor that log_softmax would allocate.
+    return scaled_BTV.gather(-1, target_BT.unsqueeze(-1)).squeeze(-1) - torch.logsumexp(scaled_BTV, dim=-1)
+
+
+def target_logprobs_and_entropy(
+    logits_BTV: torch.Tensor, target_BT: torch.Tensor, temperature: float = 1.0, entropy_grad: bool = True
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """(logp_BT, entropy_BT): :func:`target_logprobs` and the entropy of each distribution (without a gradient
+    unless ``entropy_grad``: an entropy only logged needs none, and its backward is a pass over B×T×V)."""
+    scaled_BTV = _scaled(logits_BTV, temperature)
+    logz_BT = torch.logsumexp(scaled_BTV, dim=-1)
+    logp_BT = scaled_BTV.gather(-1, target_BT.unsqueeze(-1)).squeeze(-1) - logz_BT
+    with torch.set_grad_enabled(entropy_grad and torch.is_grad_enabled()):
+        # H = logZ − Σ p·logit: one softmax tensor instead of both softmax and log_softmax.
+        entropy_BT = logz_BT - (torch.softmax(scaled_BTV, dim=-1) * scaled_BTV).sum(dim=-1)
+    return logp_BT, entropy_BT
 
 
 def logprobs_from_logits(
     logits_BLV: torch.Tensor, input_ids_BL: torch.Tensor, temperature: float = 1.0
 ) -> torch.Tensor:
     """logp_BL1: log p(token t+1 | tokens ≤ t) under softmax(logits / temperature), from a forward's logits."""
-    logits_BL1V = _scaled_next_token_logits(logits_BLV, temperature)
-    # gather − logsumexp avoids a second B×L×V tensor that log_softmax would allocate.
-    target_BL1 = input_ids_BL[:, 1:].unsqueeze(-1)
-    picked_BL1 = logits_BL1V.gather(-1, target_BL1).squeeze(-1)
-    return picked_BL1 - torch.logsumexp(logits_BL1V, dim=-1)
+    return target_logprobs(logits_BLV[:, :-1], input_ids_BL[:, 1:], temperature)
 
 
 def logprobs_and_entropy_from_logits(
     logits_BLV: torch.Tensor, input_ids_BL: torch.Tensor, temperature: float = 1.0
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """(logp_BL1, entropy_BL1) from a forward's logits."""
-    logits_BL1V = _scaled_next_token_logits(logits_BLV, temperature)
-    logz_BL1 = torch.logsumexp(logits_BL1V, dim=-1)
-    target_BL1 = input_ids_BL[:, 1:].unsqueeze(-1)
-    logp_BL1 = logits_BL1V.gather(-1, target_BL1).squeeze(-1) - logz_BL1
-    # H = logZ − Σ p·logit: one softmax tensor instead of both softmax and log_softmax.
-    probs_BL1V = torch.softmax(logits_BL1V, dim=-1)
-    entropy_BL1 = logz_BL1 - (probs_BL1V * logits_BL1V).sum(dim=-1)
-    return logp_BL1, entropy_BL1
+    return target_logprobs_and_entropy(logits_BLV[:, :-1], input_ids_BL[:, 1:], temperature)
 
 
 def token_logprobs(
@@ -84,6 +96,63 @@ def model_outputs(model: PreTrainedModel, input_ids_BL: torch.Tensor, attention_
     if is_value_model(model):
         return token_values(model, input_ids_BL, attention_mask_BL)
     return model(input_ids=input_ids_BL, attention_mask=attention_mask_BL, use_cache=False).logits
+
+
+def response_outputs(
+    model: PreTrainedModel,
+    input_ids_BL: torch.Tensor,
+    attention_mask_BL: torch.Tensor,
+    prompt_len_B: torch.Tensor,
+    width: int,
+) -> torch.Tensor:
+    """:func:`model_outputs` at the response columns only (column t at position prompt_len - 1 + t, ``width``
+    of them: :func:`~loomrl.workflow.batch.response_columns`): logits_BRV scoring response token t, or values_BR.
+
+    The backbone runs over the whole rows and the head over the response columns alone: a policy's losses and
+    log-probs read nothing else, and on a large vocabulary the head over every prompt position is most of a
+    pass's arithmetic and memory (B×L×V float logits and their gradient)."""
+    if not applies_head_alone(model):
+        return response_columns(model_outputs(model, input_ids_BL, attention_mask_BL), prompt_len_B, width)
+    out = model.base_model(input_ids=input_ids_BL, attention_mask=attention_mask_BL, use_cache=False)
+    return output_head(model, response_columns(out.last_hidden_state, prompt_len_B, width))
+
+
+def applies_head_alone(model: PreTrainedModel) -> bool:
+    """Whether the model's outputs are its head applied to its backbone's last hidden states and nothing else
+    (no logit soft-capping or scaling after the head), so the head can run on chosen positions only."""
+    config = model.config
+    if getattr(config, "final_logit_softcapping", None) or getattr(config, "logit_scale", None):
+        return False
+    return is_value_model(model) or isinstance(getattr(model, "lm_head", None), nn.Module)
+
+
+def output_head(model: PreTrainedModel, hidden_BXH: torch.Tensor) -> torch.Tensor:
+    """The model's head on its backbone's hidden states: logits (in the model's dtype), or float32 values (the
+    score head's output, its last dim dropped)."""
+    if is_value_model(model):
+        head = score_head(model)
+        return head(hidden_BXH.to(head.weight.dtype)).squeeze(-1).float()
+    return model.lm_head(hidden_BXH)
+
+
+def response_logprobs(
+    logits_BRV: torch.Tensor,
+    input_ids_BL: torch.Tensor,
+    prompt_len_B: torch.Tensor,
+    width: int,
+    temperature: float = 1.0,
+    entropy: bool = False,
+    entropy_grad: bool = True,
+) -> torch.Tensor | tuple[torch.Tensor, torch.Tensor]:
+    """logp_BR (and entropy_BR with ``entropy``; with its gradient if ``entropy_grad``) of the response tokens
+    from response-aligned logits (:func:`response_outputs`), zero-padded to ``width`` columns; columns past a
+    row's response are meaningless and masked by the caller."""
+    cols = logits_BRV.shape[1]
+    target_BR = response_columns(input_ids_BL[:, 1:], prompt_len_B, cols)
+    if entropy:
+        logp_BR, ent_BR = target_logprobs_and_entropy(logits_BRV, target_BR, temperature, entropy_grad)
+        return pad_columns(logp_BR, width), pad_columns(ent_BR, width)
+    return pad_columns(target_logprobs(logits_BRV, target_BR, temperature), width)
 
 
 def score_head(value_model: PreTrainedModel) -> nn.Linear:

@@ -79,13 +79,15 @@ def bucketed_outputs(
     attn_BL: torch.Tensor,
     split: bool = True,
     rows_B: tuple[torch.Tensor, ...] = (),
+    width: int | None = None,
 ) -> torch.Tensor:
-    """``forward(ids, attn, *rows)``'s per-position outputs for right-padded rows, at the rows' full width ``L``,
-    each group of :func:`length_buckets` (one group without ``split``) computed only up to its longest row (zeros
-    past it); ``rows_B`` are per-row tensors handed to ``forward`` with their group's rows."""
-    width = ids_BL.shape[1]
-    positions_L = torch.arange(1, width + 1, device=attn_BL.device)
-    groups = length_buckets((attn_BL * positions_L).amax(1)) if split and width else [None]
+    """``forward(ids, attn, *rows)``'s per-position outputs for right-padded rows, at the rows' full width ``L``
+    (or ``width`` columns, for a forward that gives outputs at columns of its own), each group of
+    :func:`length_buckets` (one group without ``split``) computed only up to its longest row (zeros past it);
+    ``rows_B`` are per-row tensors handed to ``forward`` with their group's rows."""
+    width = ids_BL.shape[1] if width is None else width
+    positions_L = torch.arange(1, ids_BL.shape[1] + 1, device=attn_BL.device)
+    groups = length_buckets((attn_BL * positions_L).amax(1)) if split and ids_BL.shape[1] else [None]
     if len(groups) == 1:
         return _widened(forward(*_trimmed(ids_BL, attn_BL), *rows_B), width)
     outs = [_widened(forward(*_trimmed(ids_BL[g], attn_BL[g]), *(x[g] for x in rows_B)), width) for g in groups]

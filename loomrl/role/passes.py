@@ -7,23 +7,28 @@ data-parallel replica (gradients summed over its group) or an FSDP shard (every 
 runs the plan's micro-batches, padding with passes that add nothing). The reference executor's engine is the
 plain case: a whole model and no group. Outside FSDP a micro-batch's rows run in length buckets
 (:mod:`loomrl.role.length_buckets`), so short rows are not padded to the longest one's width, and a prompt
-several rows share runs once for them (:mod:`loomrl.role.shared_prefix`).
+several rows share runs once for them (:mod:`loomrl.role.shared_prefix`). Where the rows' prompt lengths are
+given, the outputs are their response columns only (what losses and log-probs read), the head computed on those
+alone (:func:`~loomrl.models.heads.response_outputs`).
 """
 
 from __future__ import annotations
+
+from functools import partial
 
 import torch
 import torch.distributed as dist
 
 from loomrl.algorithms.context import KeepFn, LossFn
-from loomrl.models.heads import model_outputs
+from loomrl.models.heads import applies_head_alone, model_outputs, response_outputs
 from loomrl.parallel.data_parallel import sync_gradients
 from loomrl.parallel.main_grad import grad_of, zero_fill
 from loomrl.parallel.pipeline_runner import PipelineRunner, clip_grad_norm_pp, clip_grads
 from loomrl.role.length_buckets import bucketed_outputs
 from loomrl.role.shared_prefix import prompt_groups, shared_prefix_outputs
+from loomrl.workflow.batch import response_columns, response_width
 
-__all__ = ["ModelPasses"]
+__all__ = ["ModelPasses", "at_responses"]
 
 
 class ModelPasses:
@@ -57,33 +62,47 @@ class ModelPasses:
         keep: KeepFn | None = None,
         prompt_len_B: torch.Tensor | None = None,
     ) -> torch.Tensor:
+        width = response_width(attn_BL, prompt_len_B) if prompt_len_B is not None else 0
         if self.pipeline is not None:
-            return self.pipeline.forward(ids_BL, attn_BL, len(parts), output_fn=keep, broadcast_result=True)
+            cut = at_responses(keep, parts, prompt_len_B, width)
+            return self.pipeline.forward(ids_BL, attn_BL, len(parts), output_fn=cut, broadcast_result=True)
         kept = []
         for k, rows in enumerate(parts):
-            out = self._micro_batch(ids_BL, attn_BL, rows, prompt_len_B)
+            out = self._micro_batch(ids_BL, attn_BL, rows, prompt_len_B, width)
             kept.append(keep(out, k) if keep is not None else out)
         return torch.cat(kept) if len(kept) > 1 else kept[0]
 
     def _micro_batch(
-        self, ids_BL: torch.Tensor, attn_BL: torch.Tensor, rows: slice, prompt_len_B: torch.Tensor | None
+        self, ids_BL: torch.Tensor, attn_BL: torch.Tensor, rows: slice, prompt_len_B: torch.Tensor | None, width: int
     ) -> torch.Tensor:
-        """One micro-batch's outputs: in length buckets, and with shared prompts run once where the rows' prompt
-        lengths are known (neither under FSDP, whose passes are collective over ranks holding other rows)."""
+        """One micro-batch's outputs (at its rows' ``width`` response columns where their prompt lengths are
+        known): in length buckets, the head on the response columns only, and with shared prompts run once
+        (neither under FSDP, whose passes are collective over ranks holding other rows and run whole models)."""
+        if prompt_len_B is None:
+            return bucketed_outputs(self._forward, ids_BL[rows], attn_BL[rows], split=not self.lockstep)
+        plen_B = prompt_len_B[rows]
         if self.lockstep:
-            return bucketed_outputs(self._forward, ids_BL[rows], attn_BL[rows], split=False)
-        if prompt_len_B is None or _recomputes(self.model):
-            return bucketed_outputs(self._forward, ids_BL[rows], attn_BL[rows])
-        return bucketed_outputs(self._shared_forward, ids_BL[rows], attn_BL[rows], rows_B=(prompt_len_B[rows],))
+            whole = bucketed_outputs(self._forward, ids_BL[rows], attn_BL[rows], split=False)
+            return response_columns(whole, plen_B, width)
+        shared = not _recomputes(self.model) and applies_head_alone(self.model)
+        forward = partial(self._shared_forward if shared else self._response_forward, width=width)
+        return bucketed_outputs(forward, ids_BL[rows], attn_BL[rows], rows_B=(plen_B,), width=width)
 
     def _forward(self, ids_BL: torch.Tensor, attn_BL: torch.Tensor) -> torch.Tensor:
         return model_outputs(self.model, ids_BL, attn_BL)
 
-    def _shared_forward(self, ids_BL: torch.Tensor, attn_BL: torch.Tensor, prompt_len_B: torch.Tensor) -> torch.Tensor:
+    def _response_forward(
+        self, ids_BL: torch.Tensor, attn_BL: torch.Tensor, prompt_len_B: torch.Tensor, width: int
+    ) -> torch.Tensor:
+        return response_outputs(self.model, ids_BL, attn_BL, prompt_len_B, width)
+
+    def _shared_forward(
+        self, ids_BL: torch.Tensor, attn_BL: torch.Tensor, prompt_len_B: torch.Tensor, width: int
+    ) -> torch.Tensor:
         groups = prompt_groups(ids_BL, prompt_len_B)
         if groups is None:
-            return model_outputs(self.model, ids_BL, attn_BL)
-        return shared_prefix_outputs(self.model, ids_BL, attn_BL, prompt_len_B, groups)
+            return response_outputs(self.model, ids_BL, attn_BL, prompt_len_B, width)
+        return shared_prefix_outputs(self.model, ids_BL, attn_BL, prompt_len_B, groups, width)
 
     def backward(
         self,
@@ -94,12 +113,14 @@ class ModelPasses:
         passes: int,
         prompt_len_B: torch.Tensor | None = None,
     ) -> None:
+        width = response_width(attn_BL, prompt_len_B) if prompt_len_B is not None and attn_BL is not None else 0
         if self.pipeline is not None:
             if parts:  # every stage of a replica gets the same rows, so a replica without rows skips together
-                self.pipeline.train_step_backward(ids_BL, attn_BL, _joined(loss), len(parts))
+                cut = at_responses(loss, parts, prompt_len_B, width)
+                self.pipeline.train_step_backward(ids_BL, attn_BL, _joined(cut), len(parts))
             return
         for k, rows in enumerate(parts):
-            out = self._micro_batch(ids_BL, attn_BL, rows, prompt_len_B)
+            out = self._micro_batch(ids_BL, attn_BL, rows, prompt_len_B, width)
             value = loss(out, k)
             if value is None and self.lockstep:
                 value = (out * 0).sum()  # joins the graph: the backward's collectives still run
@@ -141,3 +162,18 @@ def _joined(loss: LossFn):
         return (out * 0).sum() if value is None else value
 
     return fn
+
+
+def at_responses(fn, parts: list[slice], prompt_len_B: torch.Tensor | None, width: int):
+    """``fn(out, k)`` (a keep or loss callback; None: keep the outputs) given micro-batch ``k``'s whole-row
+    outputs cut to its rows' ``width`` response columns, as :meth:`ModelPasses.outputs` gives them where the
+    prompt lengths are known; ``fn`` itself without prompt lengths. For passes that run whole rows (pipeline
+    stages)."""
+    if prompt_len_B is None:
+        return fn
+
+    def cut(out: torch.Tensor, k: int):
+        out = response_columns(out, prompt_len_B[parts[k]].to(out.device), width)
+        return fn(out, k) if fn is not None else out
+
+    return cut

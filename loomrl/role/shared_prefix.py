@@ -4,15 +4,17 @@ GRPO and RLOO draw several responses to each prompt, and a training or scoring p
 rows computes every prompt once per sample. Here the distinct prompts run once (with autograd, when the caller
 trains), their keys and values are kept per layer, and the responses run as a second forward that attends to
 their own prompt's keys and values before their own, at the positions they have in the full row. The outputs
-are put together at the rows' full width, prompt positions taken from the prompt pass, so the caller sees what
-one forward over the whole rows gives (the same arithmetic, in another order: equal up to rounding). The
-backward reaches the prompt pass through the keys and values, as it would through the attention of one forward.
+are the response columns a loss reads (:func:`~loomrl.models.heads.response_outputs`), the last prompt position's
+taken from the prompt pass: what one forward over the whole rows gives there (the same arithmetic, in another
+order: equal up to rounding). The backward reaches the prompt pass through the keys and values, as it would
+through the attention of one forward.
 
 It applies to a plain Hugging Face decoder (a whole model on this process, a data-parallel replica or a
 tensor-parallel shard holding the same rows); pipeline stages and FSDP passes, whose forwards are collective
 or split by layer, run the whole rows, and so does a model recomputing its activations (transformers turns
-caching off under gradient checkpointing). It is taken where it saves at least :data:`MIN_SAVING` of the
-positions.
+caching off under gradient checkpointing), and so does a model whose outputs are more than its head on its
+backbone (:func:`~loomrl.models.heads.applies_head_alone`). It is taken where it saves at least
+:data:`MIN_SAVING` of the positions.
 
 Legend: B = rows, U = distinct prompts, L = row width, P = longest distinct prompt, R = longest response part,
 H = KV heads, D = head dim.
@@ -23,7 +25,7 @@ from __future__ import annotations
 import torch
 from transformers import Cache, PreTrainedModel
 
-from loomrl.models.heads import is_value_model, score_head
+from loomrl.models.heads import output_head
 
 __all__ = ["MIN_SAVING", "prompt_groups", "shared_prefix_outputs"]
 
@@ -88,9 +90,15 @@ def shared_prefix_outputs(
     attn_BL: torch.Tensor,
     prompt_len_B: torch.Tensor,
     groups: tuple[list[int], list[int]],
+    width: int,
 ) -> torch.Tensor:
-    """What :func:`~loomrl.models.heads.model_outputs` gives for these right-padded rows (logits_BLV, or
-    values_BL for a value model), each distinct prompt of ``groups`` (:func:`prompt_groups`) run once."""
+    """What :func:`~loomrl.models.heads.response_outputs` gives for these right-padded rows (logits_BRV, or
+    values_BR, at ``width`` response columns), each distinct prompt of ``groups`` (:func:`prompt_groups`) run
+    once.
+
+    Column 0 (the last prompt position, scoring the first response token) comes from the prompt pass, the
+    others from the response pass; the head runs on those columns only. A response's last token scores
+    nothing a loss reads and no later token attends to it, so the response pass stops before it."""
     firsts, index_B = groups
     device = ids_BL.device
     dtype = model.dtype
@@ -101,55 +109,37 @@ def shared_prefix_outputs(
     real_UP = pos_P[None, :] < plen_U[:, None]
     causal_PP = pos_P[None, :] <= pos_P[:, None]
     cache = _PrefixKV()
-    prompt_UPX = _run(
+    prompt_UPH = _hidden(
         model,
         ids_UP * real_UP,
         _additive(causal_PP[None] & real_UP[:, None, :], dtype),
         pos_P.expand(len(firsts), width_P),
         cache,
     )
+    rows_B = torch.tensor(index_B, device=device)
+    last_BH = prompt_UPH[torch.arange(len(firsts), device=device), plen_U - 1].index_select(0, rows_B)
+    if width == 1:
+        return output_head(model, last_BH[:, None])
 
-    # the response parts, each row's tokens after its prompt, at their positions in the full row
+    # the response parts but their last token, each row's tokens after its prompt, at their positions in the row
     plen_B = prompt_len_B
     end_B = (attn_BL * torch.arange(1, ids_BL.shape[1] + 1, device=device)).amax(1)
-    width_R = max(int((end_B - plen_B).max()), 1)
+    width_R = width - 1
     pos_BR = plen_B[:, None] + torch.arange(width_R, device=device)[None, :]
     real_BR = pos_BR < end_B[:, None]
     ids_BR = ids_BL.gather(1, pos_BR.clamp(max=ids_BL.shape[1] - 1)) * real_BR
-    rows_B = torch.tensor(index_B, device=device)
     cache.rows_B = rows_B
     sees_prompt_BRP = (pos_P[None, None, :] < plen_B[:, None, None]).expand(-1, width_R, -1)
     r = torch.arange(width_R, device=device)
     sees_response_BRR = (r[None, :] <= r[:, None])[None] & real_BR[:, None, :]
     mask = _additive(torch.cat([sees_prompt_BRP, sees_response_BRR], dim=2), dtype)
-    response_BRX = _run(model, ids_BR, mask, pos_BR, cache)
-
-    # put together at the full width: prompt positions from the prompt pass, the rest from the response pass
-    width = ids_BL.shape[1]
-    pos_L = torch.arange(width, device=device)
-    from_prompt_BL = pos_L[None, :] < plen_B[:, None]
-    prompt_BLX = prompt_UPX.index_select(0, rows_B)[:, pos_L.clamp(max=width_P - 1)]
-    response_BLX = response_BRX.gather(
-        1, _expand((pos_L[None, :] - plen_B[:, None]).clamp(0, width_R - 1), response_BRX)
-    )
-    return torch.where(_expand(from_prompt_BL, prompt_BLX), prompt_BLX, response_BLX)
+    response_BRH = _hidden(model, ids_BR, mask, pos_BR, cache)
+    return output_head(model, torch.cat([last_BH[:, None], response_BRH], dim=1))
 
 
-def _expand(index_BL: torch.Tensor, like: torch.Tensor) -> torch.Tensor:
-    """A B×L index or condition broadcast over the trailing dims of ``like`` (B×L or B×L×V)."""
-    if like.dim() == 2:
-        return index_BL
-    return index_BL[:, :, None].expand(-1, -1, like.shape[2])
-
-
-def _run(
+def _hidden(
     model: PreTrainedModel, ids: torch.Tensor, mask: torch.Tensor, pos: torch.Tensor, cache: _PrefixKV
 ) -> torch.Tensor:
-    """One forward with the given 4-D mask, positions and cache: logits, or per-position values."""
-    if is_value_model(model):
-        out = model.base_model(
-            input_ids=ids, attention_mask=mask, position_ids=pos, past_key_values=cache, use_cache=True
-        )
-        head = score_head(model)
-        return head(out.last_hidden_state.to(head.weight.dtype)).squeeze(-1).float()
-    return model(input_ids=ids, attention_mask=mask, position_ids=pos, past_key_values=cache, use_cache=True).logits
+    """The backbone's last hidden states of one forward with the given 4-D mask, positions and cache."""
+    out = model.base_model(input_ids=ids, attention_mask=mask, position_ids=pos, past_key_values=cache, use_cache=True)
+    return out.last_hidden_state

@@ -22,6 +22,8 @@ from dataclasses import dataclass
 import torch
 
 from loomrl.parallel.pipeline_fusion import FusedTask, PipelineFusionSide, pipeline_fusion_backward
+from loomrl.role.passes import at_responses
+from loomrl.workflow.batch import response_width
 
 __all__ = ["BackwardRequest", "run_pipeline_fusion"]
 
@@ -109,8 +111,11 @@ class _Deferred:
         return self.passes.outputs(*args, **kwargs)
 
     def backward(self, ids_BL, attn_BL, parts, loss, passes, prompt_len_B=None) -> None:
-        # a fused step drives pipeline stages, which run whole rows: prompt lengths are not needed
-        self.op.backward(BackwardRequest(ids_BL, attn_BL, list(parts), loss, passes))
+        # a fused step drives pipeline stages, which run whole rows: the loss gets their response columns, as
+        # the role's own engine gives them
+        width = response_width(attn_BL, prompt_len_B) if prompt_len_B is not None and attn_BL is not None else 0
+        cut = at_responses(loss, list(parts), prompt_len_B, width)
+        self.op.backward(BackwardRequest(ids_BL, attn_BL, list(parts), cut, passes))
 
     def reduce_and_clip(self, max_norm: float) -> float:
         return self.passes.reduce_and_clip(max_norm)

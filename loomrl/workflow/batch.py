@@ -109,11 +109,29 @@ def pack_sequences(
 def response_columns(x_BN: torch.Tensor, prompt_len_B: torch.Tensor, width: int) -> torch.Tensor:
     """Response-aligned view of a next-token quantity: column t is position prompt_len - 1 + t.
 
-    Works for log-probs (B×(L-1), position j scores token j+1) and for values (B×L, the value of the state
-    before response token t); positions past the sequence are clamped and must be masked by the caller.
+    Works for log-probs (B×(L-1), position j scores token j+1), for values (B×L, the value of the state
+    before response token t) and for per-position vectors (B×L×X: logits, hidden states, which keep their
+    trailing dim); positions past the sequence are clamped and must be masked by the caller.
     """
-    idx_BR = prompt_len_B[:, None] - 1 + torch.arange(width, device=x_BN.device)[None, :]
-    return x_BN.gather(1, idx_BR.clamp(max=x_BN.shape[1] - 1))
+    idx_BR = (prompt_len_B[:, None] - 1 + torch.arange(width, device=x_BN.device)[None, :]).clamp(max=x_BN.shape[1] - 1)
+    if x_BN.dim() == 3:
+        idx_BR = idx_BR[:, :, None].expand(-1, -1, x_BN.shape[2])
+    return x_BN.gather(1, idx_BR)
+
+
+def pad_columns(x_BR: torch.Tensor, width: int) -> torch.Tensor:
+    """Response-aligned outputs right-padded with zeros to ``width`` columns (a batch's response width, which
+    a micro-batch's own may fall short of)."""
+    if x_BR.shape[1] >= width:
+        return x_BR
+    return torch.nn.functional.pad(x_BR, (0, 0) * (x_BR.dim() - 2) + (0, width - x_BR.shape[1]))
+
+
+def response_width(attn_BL: torch.Tensor, prompt_len_B: torch.Tensor) -> int:
+    """The longest response part of right-padded rows (tokens after the prompt; at least 1): the width of
+    their response-aligned outputs."""
+    end_B = (attn_BL * torch.arange(1, attn_BL.shape[1] + 1, device=attn_BL.device)).amax(1)
+    return max(int((end_B - prompt_len_B.to(end_B.device)).max()), 1) if len(end_B) else 1
 
 
 def response_mask(response_ids: Sequence[Sequence[int]], width: int | None = None) -> torch.Tensor:
