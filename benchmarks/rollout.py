@@ -1,6 +1,7 @@
-"""Rollout engine vs transformers `generate` on a heavy-tailed length workload.
+"""Rollout engine vs transformers `generate` on a heavy-tailed length workload, and on a pretrained model.
 
     .venv/bin/python benchmarks/rollout.py [--model llama-10m] [--prompts 128] [--max-new 128]
+    .venv/bin/python benchmarks/rollout.py --model smollm2-135m-instruct [--concurrency 64,128] [--tokens 64]
 
 Both generate for the same 128 prompts with the same ~10M-parameter model on this machine. Response lengths
 follow a heavy-tailed distribution (most short, a few at the maximum), imposed as per-sample token budgets
@@ -8,6 +9,10 @@ with eos ignored, as serving benchmarks do. transformers' `generate` (KV cache o
 static batch, so it must decode until the longest budget; only the useful tokens (the budgets) are counted for
 both. The engine's decode rate is also given as a fraction of the roofline measured in this run (matmul rate
 and memory bandwidth), computed step by step from the engine's own log of live rows per step.
+
+With a pretrained name (SmolLM2-135M-Instruct, its 49k vocabulary), the decode rate at each concurrency: every
+sequence decodes the same number of tokens (a static batch's best case), the engine beside `generate`, both
+against the same roofline.
 """
 
 from __future__ import annotations
@@ -15,6 +20,7 @@ from __future__ import annotations
 import argparse
 import os
 import random
+import statistics
 import sys
 import time
 from pathlib import Path
@@ -131,14 +137,70 @@ def roofline_seconds(engine: RolloutEngine, n_params: int, flops: float, bandwid
     return total
 
 
+def pretrained_decode(name: str, concurrency: list[int], tokens: int) -> None:
+    """Decode rate on a pretrained chat model: at each concurrency C, C arithmetic chat prompts each decoding
+    ``tokens`` tokens (eos ignored), the engine (C slots) beside transformers' ``generate`` on the same C prompts
+    as one batch (all rows equally long, so its static batch wastes no step: its best case), with the engine's
+    roofline fraction."""
+    from transformers import AutoModelForCausalLM, AutoTokenizer
+
+    from loomrl.config.schema import TaskConfig
+    from loomrl.data.sources import build_task, examples_window, prompt_source
+    from loomrl.models.pretrained import pretrained_dir
+    from loomrl.models.tokenizer import encode_prompt
+
+    path = pretrained_dir(name)
+    tokenizer = AutoTokenizer.from_pretrained(path)
+    model = AutoModelForCausalLM.from_pretrained(path, dtype=torch.float32).eval()
+    n_params = sum(p.numel() for p in model.parameters())
+    cfg = TaskConfig(name="arith", level=1)
+    source = prompt_source(cfg, build_task(cfg), 0, "train")
+    flops, bandwidth = matmul_flops(), memory_bandwidth()
+    rows = []
+    for c in concurrency:
+        prompts = [encode_prompt(tokenizer, ex.prompt) for ex in examples_window(source, 0, c)]
+        budgets = [tokens] * c
+        with torch.no_grad():
+            run_engine(model, prompts[:4], [4] * 4, slots=4)  # warm-up
+            hf_s = run_hf(model, prompts, budgets, tokenizer.pad_token_id)
+            eng_s, engine = run_engine(model, prompts, budgets, slots=c)
+        roof_s = roofline_seconds(engine, n_params, flops, bandwidth)
+        rows.append(
+            {
+                "concurrent": c,
+                "prompt tokens (mean)": statistics.mean(len(p) for p in prompts),
+                "HF generate tok/s": c * tokens / hf_s,
+                "engine tok/s": c * tokens / eng_s,
+                "engine / HF": hf_s / eng_s,
+                "roofline tok/s": c * tokens / roof_s,
+                "engine fraction": roof_s / eng_s,
+                "HF fraction": roof_s / hf_s,
+            }
+        )
+        print(rows[-1], flush=True)
+    Console().print(
+        summary_table(
+            rows,
+            f"{name} ({n_params / 1e6:.1f}M params, fp32), {tokens} tokens per sequence; matmul "
+            f"{flops / 1e9:.0f} GFLOP/s, copy bandwidth {bandwidth / 1e9:.1f} GB/s",
+        )
+    )
+
+
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    ap.add_argument("--model", default="llama-10m")
+    ap.add_argument("--model", default="llama-10m", help="a zoo model, or a pretrained name (decode-rate mode)")
     ap.add_argument("--prompts", type=int, default=128)
     ap.add_argument("--max-new", type=int, default=128)
     ap.add_argument("--threads", type=int, default=2)
+    ap.add_argument("--concurrency", default="64,128", help="pretrained model: concurrent sequences per row")
+    ap.add_argument("--tokens", type=int, default=64, help="pretrained model: tokens each sequence decodes")
     args = ap.parse_args()
     torch.set_num_threads(args.threads)
+    from loomrl.models.pretrained import PRETRAINED
+
+    if args.model in PRETRAINED:
+        return pretrained_decode(args.model, [int(c) for c in args.concurrency.split(",")], args.tokens)
     tokenizer = build_char_tokenizer()
     model = build_causal_lm(args.model, tokenizer, seed=0).eval()
     n_params = count_parameters(model)

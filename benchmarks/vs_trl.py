@@ -38,7 +38,6 @@ from __future__ import annotations
 import argparse
 import json
 import os
-import resource
 import statistics
 import subprocess
 import sys
@@ -306,9 +305,17 @@ def one(spec: dict) -> None:
             result = run_trl(*args, run_dir)
         else:
             result = run_loomrl(*args, spec["system"].removeprefix("loomrl-"), run_dir)
-    # this process's peak resident set (Linux reports KiB); the Ray runtime's workers are not counted in it
-    result["peak_rss_gb"] = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 2**20
+    result["peak_rss_gb"] = peak_rss_gb()
     print(json.dumps(result))
+
+
+def peak_rss_gb() -> float:
+    """This process's peak resident set: VmHWM, which starts afresh at exec (getrusage's ru_maxrss would carry
+    the benchmark's own peak over into its child). The Ray runtime's workers are not counted in it."""
+    for line in Path("/proc/self/status").read_text().splitlines():
+        if line.startswith("VmHWM:"):
+            return int(line.split()[1]) / 2**20  # kB
+    return float("nan")
 
 
 def limit_seconds(shape: dict, mean_len: float, max_len: float, flops: float, bandwidth: float, bf16: bool) -> float:

@@ -247,14 +247,14 @@ def _loss_fn(ctx: OpContext) -> Callable:
     """The workflow's loss of the context's role: PPO's critic loss, or the actor's with entropy and KL terms."""
     if ctx.role.name == "critic":
         return partial(_critic_loss, ctx, algo=OP_ALGO)
-    return partial(_actor_loss, ctx, algo=OP_ALGO, temperature=0.9, old_key="logp", kl_in_loss=True)
+    return partial(_actor_loss, ctx, algo=OP_ALGO, old_key="logp", kl_in_loss=True)
 
 
 def _train(role: Role, micro_batches: int) -> tuple[dict, dict[str, torch.Tensor]]:
     """One optimizer step of ``train_loop`` over the whole op batch: its statistics and the gradients."""
     batch = _op_batch()
     ctx = _op_context(role, micro_batches, len(batch))
-    stats = train_loop(ctx, batch, _loss_fn(ctx))["stats"]
+    stats = train_loop(ctx, batch, _loss_fn(ctx), 0.9)["stats"]
     return stats, {n: p.grad.detach().clone() for n, p in role.model.named_parameters() if p.grad is not None}
 
 
@@ -309,8 +309,8 @@ def _row_weighted_gap() -> float:
         part = batch.select(rows)
         ids_BL, attn_BL, plen_B = pack_sequences(part["prompt_ids"], part["response_ids"], ctx.pad_id, ctx.role.device)
         with torch.no_grad():
-            logits_BRV = response_outputs(model, ids_BL, attn_BL, plen_B, response_width(attn_BL, plen_B))
-            return float(loss_fn(part, logits_BRV, (ids_BL, attn_BL, plen_B))[0])
+            out_BR2 = response_outputs(model, ids_BL, attn_BL, plen_B, response_width(attn_BL, plen_B), 0.9)
+            return float(loss_fn(part, out_BR2, (ids_BL, attn_BL, plen_B))[0])
 
     parts = micro_batch_slices(len(batch), 2)
     rows = [range(s.start, s.stop) for s in parts]
@@ -404,7 +404,7 @@ def test_ops_run_the_contexts_micro_batches_through_the_pipeline(micro_batches, 
     )
     ctx = _op_context(role, micro_batches, len(batch))
     logprob_op(ctx, batch, "x", 1.0)
-    train_loop(ctx, batch, _loss_fn(ctx))
+    train_loop(ctx, batch, _loss_fn(ctx), 0.9)
     critic = _SpyPipeline(value_model())
     values_op(
         _op_context(

@@ -178,3 +178,14 @@ def test_the_pretrained_demo_refuses_a_zoo_model_and_unprefixed_overrides(tmp_pa
     assert main(["demo", "--model", "smollm2-135m-instruct", "--out", str(tmp_path / "d"), "loop.iterations=2"]) == 2
     assert "with --model, overrides start with 'grpo.'" in capsys.readouterr().err
     assert not (tmp_path / "d").exists()
+
+
+@pytest.mark.parametrize("algo", ["grpo", "ppo"])
+def test_the_shipped_smollm2_configs_load(algo):
+    from loomrl.commands.demo import demo_configs
+    from loomrl.config.schema import TrainConfig
+    from loomrl.config.tools import load_config
+
+    cfg = load_config(TrainConfig, demo_configs().parent / "smollm2" / f"{algo}.yaml", [])
+    assert cfg.algo.name == algo and cfg.actor.model == "smollm2-135m-instruct" and cfg.task.name == "arith"
+    assert cfg.critic.model is None  # PPO's critic starts from the actor's checkpoint

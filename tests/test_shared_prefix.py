@@ -4,7 +4,14 @@ rows, for a policy and a value model, through the engine too."""
 import pytest
 import torch
 
-from loomrl.models.heads import applies_head_alone, model_outputs, response_outputs
+from loomrl.models.heads import (
+    LOGP,
+    applies_head_alone,
+    logprobs_from_logits,
+    model_outputs,
+    outputs_at_responses,
+    response_outputs,
+)
 from loomrl.models.tokenizer import build_char_tokenizer
 from loomrl.models.zoo import build_causal_lm, build_value_model
 from loomrl.role.passes import ModelPasses
@@ -55,9 +62,9 @@ def test_shared_prompts_give_the_outputs_and_gradients_of_whole_rows(value_model
     def run(shared: bool):
         model.zero_grad()
         out = (
-            shared_prefix_outputs(model, ids_BL, attn_BL, plen_B, groups, width)
+            shared_prefix_outputs(model, ids_BL, attn_BL, plen_B, groups, width, 0.7)
             if shared
-            else response_columns(model_outputs(model, ids_BL, attn_BL), plen_B, width)
+            else outputs_at_responses(model_outputs(model, ids_BL, attn_BL), ids_BL, plen_B, width, 0.7)
         )
         mask = real if out.dim() == 2 else real[..., None].expand_as(out)
         (out.float()[mask] * torch.linspace(-1, 1, int(mask.sum()))).sum().backward()
@@ -75,15 +82,21 @@ def test_shared_prompts_give_the_outputs_and_gradients_of_whole_rows(value_model
 
 
 @pytest.mark.parametrize("value_model", [False, True], ids=["policy", "value"])
-def test_the_head_on_the_response_columns_alone_gives_those_columns_of_a_whole_forward(value_model):
+def test_the_head_on_the_response_tokens_alone_gives_what_a_whole_forward_gives_there(value_model):
     build = build_value_model if value_model else build_causal_lm
     model = build("llama-1m", build_char_tokenizer(), seed=0)
     ids_BL, attn_BL, plen_B = _grpo_rows()
     width = response_width(attn_BL, plen_B)
-    want = response_columns(model_outputs(model, ids_BL, attn_BL), plen_B, width)
-    got = response_outputs(model, ids_BL, attn_BL, plen_B, width)
-    assert got.shape == want.shape == (len(ids_BL), width, *want.shape[2:])
-    torch.testing.assert_close(got, want, rtol=1e-5, atol=1e-5)
+    real = torch.arange(width)[None, :] < (attn_BL.sum(1) - plen_B)[:, None]
+    logits_or_values = model_outputs(model, ids_BL, attn_BL)
+    want = outputs_at_responses(logits_or_values, ids_BL, plen_B, width, 0.7)
+    got = response_outputs(model, ids_BL, attn_BL, plen_B, width, 0.7)
+    assert got.shape == want.shape == ((len(ids_BL), width) if value_model else (len(ids_BL), width, 2))
+    torch.testing.assert_close(got[real], want[real], rtol=1e-5, atol=1e-5)
+    if not value_model:  # a log-prob read off the logits of the response token's position
+        logp_BL1 = logprobs_from_logits(logits_or_values, ids_BL, 0.7)
+        torch.testing.assert_close(got[..., LOGP][real], response_columns(logp_BL1, plen_B, width)[real])
+        assert (got[~real] == 0).all()
 
 
 def test_a_model_whose_outputs_are_more_than_its_head_runs_whole():
@@ -109,7 +122,8 @@ def test_engine_shares_prompts_where_it_knows_them_and_recomputation_turns_it_of
     assert calls
     width = response_width(attn_BL, plen_B)
     real = torch.arange(width)[None, :] < (attn_BL.sum(1) - plen_B)[:, None]
-    torch.testing.assert_close(shared[real], response_columns(whole, plen_B, width)[real], rtol=1e-5, atol=1e-5)
+    want = outputs_at_responses(whole, ids_BL, plen_B, width)
+    torch.testing.assert_close(shared[real], want[real], rtol=1e-5, atol=1e-5)
     calls.clear()
     model.activation_checkpointing_enable(activation_checkpointing_kwargs={"use_reentrant": False})
     engine.backward(ids_BL, attn_BL, parts, lambda out, k: out.float().mean(), 1, prompt_len_B=plen_B)

@@ -60,12 +60,15 @@ class Passes(Protocol):
         parts: list[slice],
         keep: KeepFn | None = None,
         prompt_len_B: torch.Tensor | None = None,
+        temperature: float = 1.0,
     ) -> torch.Tensor:
         """Per-position outputs (logits, or values) of every row, computed micro-batch by micro-batch (``parts``
         of the rows), each reduced by ``keep``, concatenated over rows, on every rank of the model.
-        With ``prompt_len_B``, the outputs are those at the rows' response columns only (column t at position
-        prompt_len - 1 + t, as many as the longest response part: logits_BRV scoring response token t, or
-        values_BR), and rows sharing a prompt may compute it once; without, at every position (B×L)."""
+        With ``prompt_len_B``, what a loss reads at the rows' response columns only (column t at position
+        prompt_len - 1 + t, as many as the longest response part): a policy's B×R×2 log-prob of response token t
+        and entropy of its distribution under softmax(logits / ``temperature``)
+        (:func:`~loomrl.models.heads.response_outputs`), or values_BR; rows sharing a prompt may compute it
+        once. Without, at every position (B×L)."""
         ...
 
     def backward(
@@ -76,9 +79,10 @@ class Passes(Protocol):
         loss: LossFn | None,
         passes: int,
         prompt_len_B: torch.Tensor | None = None,
+        temperature: float = 1.0,
     ) -> None:
         """Forward and backward of each micro-batch, gradients accumulating, ``loss`` given the outputs as
-        :meth:`outputs` gives them (at the response columns, with ``prompt_len_B``); ``passes`` is the plan's number of
+        :meth:`outputs` gives them; ``passes`` is the plan's number of
         micro-batches, which an engine whose passes are collective runs even without rows (``parts`` empty)."""
         ...
 

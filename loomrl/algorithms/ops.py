@@ -30,7 +30,7 @@ from loomrl.algorithms.context import OpContext
 from loomrl.algorithms.lr import set_lr
 from loomrl.config.schema import judge_role
 from loomrl.errors import TrainingError
-from loomrl.models.heads import last_real_index, response_logprobs
+from loomrl.models.heads import LOGP, last_real_index
 from loomrl.rollout import Request, RolloutEngine, SamplingParams, generation_eos_ids, stream_keys
 from loomrl.workflow.batch import Batch, micro_batch_slices, pack_sequences, pad_columns, pad_right, response_mask
 from loomrl.workflow.minibatches import loss_weights
@@ -111,9 +111,11 @@ def role_outputs(
     attn_BL: torch.Tensor,
     output_fn: OutputFn | None = None,
     prompt_len_B: torch.Tensor | None = None,
+    temperature: float = 1.0,
 ) -> torch.Tensor:
-    """The role's per-position outputs (logits for a policy, values for a value model) for all rows, each
-    micro-batch's reduced by ``output_fn`` and the results concatenated in row order, on every rank of the role.
+    """The role's per-position outputs for all rows (with ``prompt_len_B``, those at the response columns:
+    :meth:`~loomrl.algorithms.context.Passes.outputs`), each micro-batch's reduced by ``output_fn`` and the
+    results concatenated in row order, on every rank of the role.
 
     With several micro-batches the rows run sorted by length, so each micro-batch holds rows of similar length
     and the engine computes it only up to its own longest row (as verl's dynamic batching and OpenRLHF's packing
@@ -122,10 +124,10 @@ def role_outputs(
     order = torch.argsort(attn_BL.sum(1), stable=True) if len(parts) > 1 else torch.arange(ids_BL.shape[0])
     keep = (lambda out, k: output_fn(out, order[parts[k]].to(ids_BL.device))) if output_fn is not None else None
     if len(parts) == 1:
-        return ctx.role.passes.outputs(ids_BL, attn_BL, parts, keep, prompt_len_B)
+        return ctx.role.passes.outputs(ids_BL, attn_BL, parts, keep, prompt_len_B, temperature)
     plen_B = prompt_len_B[order.to(prompt_len_B.device)] if prompt_len_B is not None else None
     out = ctx.role.passes.outputs(
-        ids_BL[order.to(ids_BL.device)], attn_BL[order.to(attn_BL.device)], parts, keep, plen_B
+        ids_BL[order.to(ids_BL.device)], attn_BL[order.to(attn_BL.device)], parts, keep, plen_B, temperature
     )
     return out[torch.argsort(order).to(out.device)]
 
@@ -135,14 +137,8 @@ def logprob_op(ctx: OpContext, batch: Batch, out_key: str, temperature: float) -
     """Per-token log-probs of the responses under the role's (policy) model."""
     ids_BL, attn_BL, plen_B = _packed(ctx, batch)
     width = max(len(r) for r in batch["response_ids"])
-    logp_BR = role_outputs(
-        ctx,
-        ids_BL,
-        attn_BL,
-        lambda logits_BRV, rows: response_logprobs(logits_BRV, ids_BL[rows], plen_B[rows], width, temperature),
-        plen_B,
-    )
-    return {out_key: logp_BR.float().cpu()}
+    logp_BR = role_outputs(ctx, ids_BL, attn_BL, lambda out_BR2, rows: out_BR2[..., LOGP], plen_B, temperature)
+    return {out_key: pad_columns(logp_BR, width).float().cpu()}
 
 
 @torch.no_grad()
@@ -231,8 +227,9 @@ def verdict_op(
 
 LossFn = Callable[[Batch, torch.Tensor, tuple], tuple[torch.Tensor, dict]]
 """``loss_fn(minibatch, outputs, packed)``: the minibatch's mean loss (a token-mean, or a mean over sequences as
-``ctx.loss_unit`` says) from the model's outputs at the response columns (logits_BRV or values_BR:
-:meth:`~loomrl.algorithms.context.Passes.outputs`) and the packed sequences ``(ids_BL, attn_BL, prompt_len_B)``."""
+``ctx.loss_unit`` says) from the model's outputs at the response columns (a policy's log-probs and entropies,
+B×R×2, or values_BR: :meth:`~loomrl.algorithms.context.Passes.outputs`) and the packed sequences
+``(ids_BL, attn_BL, prompt_len_B)``."""
 
 
 def loss_tokens(mb: Batch) -> list[int]:
@@ -245,7 +242,7 @@ def loss_tokens(mb: Batch) -> list[int]:
     return [1] * len(mb)
 
 
-def _backward(ctx: OpContext, mb: Batch, loss_fn: LossFn, weight: float) -> tuple[dict, bool]:
+def _backward(ctx: OpContext, mb: Batch, loss_fn: LossFn, weight: float, temperature: float) -> tuple[dict, bool]:
     """Forward, loss and backward of one minibatch, micro-batch by micro-batch, through the role's engine;
     returns its statistics (empty on pipeline stages but the last) and whether every loss this rank computed
     was finite.
@@ -287,12 +284,13 @@ def _backward(ctx: OpContext, mb: Batch, loss_fn: LossFn, weight: float) -> tupl
             loss = loss * float("nan")
         return loss * (shares[k] * weight)
 
-    passes.backward(ids_BL, attn_BL, parts, micro_loss, ctx.micro_batches, plen_B)
+    passes.backward(ids_BL, attn_BL, parts, micro_loss, ctx.micro_batches, plen_B, temperature)
     return stats, finite[0]
 
 
-def train_loop(ctx: OpContext, batch: Batch, loss_fn: LossFn) -> dict:
+def train_loop(ctx: OpContext, batch: Batch, loss_fn: LossFn, temperature: float = 1.0) -> dict:
     """The optimizer steps the executor scheduled (``ctx.train_steps``); returns weighted statistics.
+    ``loss_fn`` gets the role's outputs at the response columns, a policy's log-probs at ``temperature``.
 
     Each step's loss is this rank's mean loss times its share of the minibatch's loss weight (tokens, or rows:
     ``ctx.loss_unit``), so once the engine has summed the ranks' gradients every rank holds the gradient of the
@@ -305,7 +303,7 @@ def train_loop(ctx: OpContext, batch: Batch, loss_fn: LossFn) -> dict:
     model = role.model
     model.train()
     with activation_checkpointing(model, ctx.recompute):
-        return _train_steps(ctx, batch, loss_fn)
+        return _train_steps(ctx, batch, loss_fn, temperature)
 
 
 @contextmanager
@@ -325,7 +323,7 @@ def activation_checkpointing(model: torch.nn.Module, on: bool):
         model.disable_input_require_grads()  # enabling added an embedding hook; do not pile one up per call
 
 
-def _train_steps(ctx: OpContext, batch: Batch, loss_fn: LossFn) -> dict:
+def _train_steps(ctx: OpContext, batch: Batch, loss_fn: LossFn, temperature: float) -> dict:
     role = ctx.role
     totals: dict[str, float] = {}
     skipped, skipped_share = 0, 0.0
@@ -333,7 +331,7 @@ def _train_steps(ctx: OpContext, batch: Batch, loss_fn: LossFn) -> dict:
         if role.lr_at is not None:  # every iteration of a run takes the same number of steps
             set_lr(role.optimizer, role.lr_at(ctx.iteration * len(ctx.train_steps) + k))
         role.optimizer.zero_grad(set_to_none=True)
-        stats, finite_loss = _backward(ctx, batch.select(list(rows)), loss_fn, weight)
+        stats, finite_loss = _backward(ctx, batch.select(list(rows)), loss_fn, weight, temperature)
         grad_norm = role.passes.reduce_and_clip(role.grad_clip)
         if not math.isfinite(grad_norm):  # the same global norm on every rank: all skip (or stop) together
             _nonfinite_step(ctx, k, finite_loss, grad_norm)

@@ -36,7 +36,7 @@ from loomrl.algorithms.ops import (
 )
 from loomrl.config.schema import AlgoConfig, RewardConfig, RolloutConfig, judge_role
 from loomrl.errors import ConfigError
-from loomrl.models.heads import response_logprobs
+from loomrl.models.heads import ENTROPY, LOGP
 from loomrl.rollout import SamplingParams
 from loomrl.workflow import MFC, MFCKind, Workflow
 from loomrl.workflow.batch import Batch, pad_columns
@@ -80,20 +80,16 @@ def reinforce_pp_advantages(ctx: OpContext, batch: Batch, algo: AlgoConfig, kl_B
 def _actor_loss(
     ctx: OpContext,
     mb: Batch,
-    logits_BRV: torch.Tensor,
+    out_BR2: torch.Tensor,
     packed: tuple,
     algo: AlgoConfig,
-    temperature: float,
     old_key: str,
     kl_in_loss: bool,
 ):
-    ids_BL, _, plen_B = packed
-    device = logits_BRV.device
+    device = out_BR2.device
     mask_BR = mb["mask"].to(device)
     width = mask_BR.shape[1]
-    logp_BR, ent_BR = response_logprobs(
-        logits_BRV, ids_BL, plen_B, width, temperature, entropy=True, entropy_grad=algo.entropy_coef > 0
-    )
+    logp_BR, ent_BR = pad_columns(out_BR2[..., LOGP], width), pad_columns(out_BR2[..., ENTROPY], width)
     adv_BR = mb["advantages"].to(device)
     old_BR = mb[old_key].to(device)
     loss, stats = L.policy_objective(algo.policy_loss)(
@@ -126,8 +122,8 @@ def _critic_loss(ctx: OpContext, mb: Batch, values_BR: torch.Tensor, packed: tup
 def actor_train_op(
     ctx: OpContext, batch: Batch, algo: AlgoConfig, temperature: float, old_key: str, kl_in_loss: bool
 ) -> dict:
-    loss_fn = partial(_actor_loss, ctx, algo=algo, temperature=temperature, old_key=old_key, kl_in_loss=kl_in_loss)
-    return train_loop(ctx, batch, loss_fn)
+    loss_fn = partial(_actor_loss, ctx, algo=algo, old_key=old_key, kl_in_loss=kl_in_loss)
+    return train_loop(ctx, batch, loss_fn, temperature)
 
 
 def critic_train_op(ctx: OpContext, batch: Batch, algo: AlgoConfig) -> dict:

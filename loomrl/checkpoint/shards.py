@@ -53,6 +53,8 @@ from loomrl.plan.shards import shard_intervals, shard_numel, tp_dim
 INDEX_FILE = "index.json"
 FORMAT = "loomrl-sharded/1"
 TOKENIZER_DIR = "tokenizer"
+GENERATION_FILE = "generation_config.json"
+"""A role's generation config (eos ids, sampling defaults), kept beside its config for the export."""
 _HASH_CHUNK = 1 << 20
 
 
@@ -179,6 +181,10 @@ def write_role_shards(
     if rank == 0:
         model.config.to_json_file(role_dir / "config.json")
         manifest[f"{role}/config.json"] = file_entry(role_dir / "config.json", sync=True)
+        generation = getattr(model, "generation_config", None)
+        if generation is not None:  # its eos ids (several, for chat models) and sampling defaults ride along
+            generation.to_json_file(role_dir / GENERATION_FILE)
+            manifest[f"{role}/{GENERATION_FILE}"] = file_entry(role_dir / GENERATION_FILE, sync=True)
     return {"role": role_meta, "files": written, "manifest": manifest}
 
 
@@ -437,6 +443,8 @@ def export_role(path: Path, role: str, out: Path) -> Path:
         raise CheckpointError(
             f"{path / role}: the shards do not fit {cls.__name__} ({str(exc).splitlines()[0]})"
         ) from None
+    if (path / role / GENERATION_FILE).is_file():
+        model.generation_config = transformers.GenerationConfig.from_pretrained(path / role)
     model.save_pretrained(out, safe_serialization=True)
     if (path / TOKENIZER_DIR).is_dir():
         for file in (path / TOKENIZER_DIR).iterdir():

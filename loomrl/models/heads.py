@@ -17,7 +17,8 @@ import torch
 from torch import nn
 from transformers import PreTrainedModel
 
-from loomrl.workflow.batch import pad_columns, response_columns
+from loomrl.models.token_head import chunked_logprobs_and_entropy, fuses
+from loomrl.workflow.batch import response_columns
 
 # Attribute names under which HF sequence-classification models keep their output projection.
 _SCORE_HEAD_NAMES = ("score", "classifier")
@@ -40,16 +41,14 @@ def target_logprobs(logits_BTV: torch.Tensor, target_BT: torch.Tensor, temperatu
 
 
 def target_logprobs_and_entropy(
-    logits_BTV: torch.Tensor, target_BT: torch.Tensor, temperature: float = 1.0, entropy_grad: bool = True
+    logits_BTV: torch.Tensor, target_BT: torch.Tensor, temperature: float = 1.0
 ) -> tuple[torch.Tensor, torch.Tensor]:
-    """(logp_BT, entropy_BT): :func:`target_logprobs` and the entropy of each distribution (without a gradient
-    unless ``entropy_grad``: an entropy only logged needs none, and its backward is a pass over B×T×V)."""
+    """(logp_BT, entropy_BT): :func:`target_logprobs` and the entropy of each distribution."""
     scaled_BTV = _scaled(logits_BTV, temperature)
     logz_BT = torch.logsumexp(scaled_BTV, dim=-1)
     logp_BT = scaled_BTV.gather(-1, target_BT.unsqueeze(-1)).squeeze(-1) - logz_BT
-    with torch.set_grad_enabled(entropy_grad and torch.is_grad_enabled()):
-        # H = logZ − Σ p·logit: one softmax tensor instead of both softmax and log_softmax.
-        entropy_BT = logz_BT - (torch.softmax(scaled_BTV, dim=-1) * scaled_BTV).sum(dim=-1)
+    # H = logZ − Σ p·logit: one softmax tensor instead of both softmax and log_softmax.
+    entropy_BT = logz_BT - (torch.softmax(scaled_BTV, dim=-1) * scaled_BTV).sum(dim=-1)
     return logp_BT, entropy_BT
 
 
@@ -98,23 +97,74 @@ def model_outputs(model: PreTrainedModel, input_ids_BL: torch.Tensor, attention_
     return model(input_ids=input_ids_BL, attention_mask=attention_mask_BL, use_cache=False).logits
 
 
+LOGP, ENTROPY = 0, 1
+"""Indices of a policy's response outputs (B×R×2): the log-prob of response token t, and the entropy of the
+distribution it was drawn from."""
+
+
 def response_outputs(
     model: PreTrainedModel,
     input_ids_BL: torch.Tensor,
     attention_mask_BL: torch.Tensor,
     prompt_len_B: torch.Tensor,
     width: int,
+    temperature: float = 1.0,
 ) -> torch.Tensor:
-    """:func:`model_outputs` at the response columns only (column t at position prompt_len - 1 + t, ``width``
-    of them: :func:`~loomrl.workflow.batch.response_columns`): logits_BRV scoring response token t, or values_BR.
+    """What a loss reads of a model's outputs over right-padded rows, at ``width`` response columns (column t at
+    position prompt_len - 1 + t: :func:`~loomrl.workflow.batch.response_columns`): a value model's values_BR, or
+    a policy's B×R×2 (:data:`LOGP`, :data:`ENTROPY`) of response token t under softmax(logits / temperature),
+    zero past a row's response.
 
-    The backbone runs over the whole rows and the head over the response columns alone: a policy's losses and
-    log-probs read nothing else, and on a large vocabulary the head over every prompt position is most of a
-    pass's arithmetic and memory (B×L×V float logits and their gradient)."""
+    The backbone runs over the whole rows and the head over the response tokens alone, a chunk at a time
+    (:mod:`loomrl.models.token_head`): on a large vocabulary, logits for every position are most of a pass's
+    arithmetic and memory."""
     if not applies_head_alone(model):
-        return response_columns(model_outputs(model, input_ids_BL, attention_mask_BL), prompt_len_B, width)
+        whole = model_outputs(model, input_ids_BL, attention_mask_BL)
+        return outputs_at_responses(whole, input_ids_BL, prompt_len_B, width, temperature)
     out = model.base_model(input_ids=input_ids_BL, attention_mask=attention_mask_BL, use_cache=False)
-    return output_head(model, response_columns(out.last_hidden_state, prompt_len_B, width))
+    hidden_BRH = response_columns(out.last_hidden_state, prompt_len_B, width)
+    return head_at_responses(model, hidden_BRH, input_ids_BL, attention_mask_BL, prompt_len_B, temperature)
+
+
+def head_at_responses(
+    model: PreTrainedModel,
+    hidden_BRH: torch.Tensor,
+    input_ids_BL: torch.Tensor,
+    attention_mask_BL: torch.Tensor,
+    prompt_len_B: torch.Tensor,
+    temperature: float = 1.0,
+) -> torch.Tensor:
+    """:func:`response_outputs` from the backbone's hidden states at the response columns."""
+    if is_value_model(model):
+        head = score_head(model)
+        return head(hidden_BRH.to(head.weight.dtype)).squeeze(-1).float()
+    width = hidden_BRH.shape[1]
+    target_BR = response_columns(input_ids_BL[:, 1:], prompt_len_B, width)
+    end_B = (attention_mask_BL * torch.arange(1, attention_mask_BL.shape[1] + 1, device=hidden_BRH.device)).amax(1)
+    real_BR = torch.arange(width, device=hidden_BRH.device)[None, :] < (end_B - prompt_len_B)[:, None]
+    hidden_NH, target_N = hidden_BRH[real_BR], target_BR[real_BR]
+    if fuses(model.lm_head):
+        logp_N, entropy_N = chunked_logprobs_and_entropy(hidden_NH, model.lm_head.weight, target_N, temperature)
+    else:  # a sharded or biased head: its logits whole
+        logp_N, entropy_N = target_logprobs_and_entropy(model.lm_head(hidden_NH), target_N, temperature)
+    out_BR2 = torch.zeros((*real_BR.shape, 2), dtype=torch.float32, device=hidden_BRH.device)
+    return out_BR2.index_put((real_BR,), torch.stack([logp_N, entropy_N], dim=-1))
+
+
+def outputs_at_responses(
+    out_BLX: torch.Tensor,
+    input_ids_BL: torch.Tensor,
+    prompt_len_B: torch.Tensor,
+    width: int,
+    temperature: float = 1.0,
+) -> torch.Tensor:
+    """:func:`response_outputs` from a whole forward's outputs (logits_BLV or values_BL), for passes that run
+    whole rows (pipeline stages, FSDP): their logits are held whole."""
+    cut = response_columns(out_BLX, prompt_len_B.to(out_BLX.device), width)
+    if cut.dim() == 2:
+        return cut
+    target_BR = response_columns(input_ids_BL[:, 1:].to(cut.device), prompt_len_B.to(cut.device), width)
+    return torch.stack(target_logprobs_and_entropy(cut, target_BR, temperature), dim=-1)
 
 
 def applies_head_alone(model: PreTrainedModel) -> bool:
@@ -124,35 +174,6 @@ def applies_head_alone(model: PreTrainedModel) -> bool:
     if getattr(config, "final_logit_softcapping", None) or getattr(config, "logit_scale", None):
         return False
     return is_value_model(model) or isinstance(getattr(model, "lm_head", None), nn.Module)
-
-
-def output_head(model: PreTrainedModel, hidden_BXH: torch.Tensor) -> torch.Tensor:
-    """The model's head on its backbone's hidden states: logits (in the model's dtype), or float32 values (the
-    score head's output, its last dim dropped)."""
-    if is_value_model(model):
-        head = score_head(model)
-        return head(hidden_BXH.to(head.weight.dtype)).squeeze(-1).float()
-    return model.lm_head(hidden_BXH)
-
-
-def response_logprobs(
-    logits_BRV: torch.Tensor,
-    input_ids_BL: torch.Tensor,
-    prompt_len_B: torch.Tensor,
-    width: int,
-    temperature: float = 1.0,
-    entropy: bool = False,
-    entropy_grad: bool = True,
-) -> torch.Tensor | tuple[torch.Tensor, torch.Tensor]:
-    """logp_BR (and entropy_BR with ``entropy``; with its gradient if ``entropy_grad``) of the response tokens
-    from response-aligned logits (:func:`response_outputs`), zero-padded to ``width`` columns; columns past a
-    row's response are meaningless and masked by the caller."""
-    cols = logits_BRV.shape[1]
-    target_BR = response_columns(input_ids_BL[:, 1:], prompt_len_B, cols)
-    if entropy:
-        logp_BR, ent_BR = target_logprobs_and_entropy(logits_BRV, target_BR, temperature, entropy_grad)
-        return pad_columns(logp_BR, width), pad_columns(ent_BR, width)
-    return pad_columns(target_logprobs(logits_BRV, target_BR, temperature), width)
 
 
 def score_head(value_model: PreTrainedModel) -> nn.Linear:

@@ -8,8 +8,9 @@ runs the plan's micro-batches, padding with passes that add nothing). The refere
 plain case: a whole model and no group. Outside FSDP a micro-batch's rows run in length buckets
 (:mod:`loomrl.role.length_buckets`), so short rows are not padded to the longest one's width, and a prompt
 several rows share runs once for them (:mod:`loomrl.role.shared_prefix`). Where the rows' prompt lengths are
-given, the outputs are their response columns only (what losses and log-probs read), the head computed on those
-alone (:func:`~loomrl.models.heads.response_outputs`).
+given, the outputs are those at their response columns only (what losses read: a policy's log-probs and
+entropies at the sampling temperature, a value model's values), the head computed on the response tokens alone
+(:func:`~loomrl.models.heads.response_outputs`).
 """
 
 from __future__ import annotations
@@ -20,13 +21,13 @@ import torch
 import torch.distributed as dist
 
 from loomrl.algorithms.context import KeepFn, LossFn
-from loomrl.models.heads import applies_head_alone, model_outputs, response_outputs
+from loomrl.models.heads import applies_head_alone, model_outputs, outputs_at_responses, response_outputs
 from loomrl.parallel.data_parallel import sync_gradients
 from loomrl.parallel.main_grad import grad_of, zero_fill
 from loomrl.parallel.pipeline_runner import PipelineRunner, clip_grad_norm_pp, clip_grads
 from loomrl.role.length_buckets import bucketed_outputs
 from loomrl.role.shared_prefix import prompt_groups, shared_prefix_outputs
-from loomrl.workflow.batch import response_columns, response_width
+from loomrl.workflow.batch import response_width
 
 __all__ = ["ModelPasses", "at_responses"]
 
@@ -61,19 +62,26 @@ class ModelPasses:
         parts: list[slice],
         keep: KeepFn | None = None,
         prompt_len_B: torch.Tensor | None = None,
+        temperature: float = 1.0,
     ) -> torch.Tensor:
         width = response_width(attn_BL, prompt_len_B) if prompt_len_B is not None else 0
         if self.pipeline is not None:
-            cut = at_responses(keep, parts, prompt_len_B, width)
+            cut = at_responses(keep, parts, ids_BL, prompt_len_B, width, temperature)
             return self.pipeline.forward(ids_BL, attn_BL, len(parts), output_fn=cut, broadcast_result=True)
         kept = []
         for k, rows in enumerate(parts):
-            out = self._micro_batch(ids_BL, attn_BL, rows, prompt_len_B, width)
+            out = self._micro_batch(ids_BL, attn_BL, rows, prompt_len_B, width, temperature)
             kept.append(keep(out, k) if keep is not None else out)
         return torch.cat(kept) if len(kept) > 1 else kept[0]
 
     def _micro_batch(
-        self, ids_BL: torch.Tensor, attn_BL: torch.Tensor, rows: slice, prompt_len_B: torch.Tensor | None, width: int
+        self,
+        ids_BL: torch.Tensor,
+        attn_BL: torch.Tensor,
+        rows: slice,
+        prompt_len_B: torch.Tensor | None,
+        width: int,
+        temperature: float,
     ) -> torch.Tensor:
         """One micro-batch's outputs (at its rows' ``width`` response columns where their prompt lengths are
         known): in length buckets, the head on the response columns only, and with shared prompts run once
@@ -83,26 +91,27 @@ class ModelPasses:
         plen_B = prompt_len_B[rows]
         if self.lockstep:
             whole = bucketed_outputs(self._forward, ids_BL[rows], attn_BL[rows], split=False)
-            return response_columns(whole, plen_B, width)
+            return outputs_at_responses(whole, ids_BL[rows], plen_B, width, temperature)
         shared = not _recomputes(self.model) and applies_head_alone(self.model)
-        forward = partial(self._shared_forward if shared else self._response_forward, width=width)
+        forward = self._shared_forward if shared else self._response_forward
+        forward = partial(forward, width=width, temperature=temperature)
         return bucketed_outputs(forward, ids_BL[rows], attn_BL[rows], rows_B=(plen_B,), width=width)
 
     def _forward(self, ids_BL: torch.Tensor, attn_BL: torch.Tensor) -> torch.Tensor:
         return model_outputs(self.model, ids_BL, attn_BL)
 
     def _response_forward(
-        self, ids_BL: torch.Tensor, attn_BL: torch.Tensor, prompt_len_B: torch.Tensor, width: int
+        self, ids_BL: torch.Tensor, attn_BL: torch.Tensor, prompt_len_B: torch.Tensor, width: int, temperature: float
     ) -> torch.Tensor:
-        return response_outputs(self.model, ids_BL, attn_BL, prompt_len_B, width)
+        return response_outputs(self.model, ids_BL, attn_BL, prompt_len_B, width, temperature)
 
     def _shared_forward(
-        self, ids_BL: torch.Tensor, attn_BL: torch.Tensor, prompt_len_B: torch.Tensor, width: int
+        self, ids_BL: torch.Tensor, attn_BL: torch.Tensor, prompt_len_B: torch.Tensor, width: int, temperature: float
     ) -> torch.Tensor:
         groups = prompt_groups(ids_BL, prompt_len_B)
         if groups is None:
-            return response_outputs(self.model, ids_BL, attn_BL, prompt_len_B, width)
-        return shared_prefix_outputs(self.model, ids_BL, attn_BL, prompt_len_B, groups, width)
+            return response_outputs(self.model, ids_BL, attn_BL, prompt_len_B, width, temperature)
+        return shared_prefix_outputs(self.model, ids_BL, attn_BL, prompt_len_B, groups, width, temperature)
 
     def backward(
         self,
@@ -112,15 +121,16 @@ class ModelPasses:
         loss: LossFn | None,
         passes: int,
         prompt_len_B: torch.Tensor | None = None,
+        temperature: float = 1.0,
     ) -> None:
         width = response_width(attn_BL, prompt_len_B) if prompt_len_B is not None and attn_BL is not None else 0
         if self.pipeline is not None:
             if parts:  # every stage of a replica gets the same rows, so a replica without rows skips together
-                cut = at_responses(loss, parts, prompt_len_B, width)
+                cut = at_responses(loss, parts, ids_BL, prompt_len_B, width, temperature)
                 self.pipeline.train_step_backward(ids_BL, attn_BL, _joined(cut), len(parts))
             return
         for k, rows in enumerate(parts):
-            out = self._micro_batch(ids_BL, attn_BL, rows, prompt_len_B, width)
+            out = self._micro_batch(ids_BL, attn_BL, rows, prompt_len_B, width, temperature)
             value = loss(out, k)
             if value is None and self.lockstep:
                 value = (out * 0).sum()  # joins the graph: the backward's collectives still run
@@ -164,16 +174,20 @@ def _joined(loss: LossFn):
     return fn
 
 
-def at_responses(fn, parts: list[slice], prompt_len_B: torch.Tensor | None, width: int):
+def at_responses(
+    fn, parts: list[slice], ids_BL: torch.Tensor, prompt_len_B: torch.Tensor | None, width: int, temperature: float
+):
     """``fn(out, k)`` (a keep or loss callback; None: keep the outputs) given micro-batch ``k``'s whole-row
-    outputs cut to its rows' ``width`` response columns, as :meth:`ModelPasses.outputs` gives them where the
+    outputs turned into those at its rows' ``width`` response columns
+    (:func:`~loomrl.models.heads.outputs_at_responses`), as :meth:`ModelPasses.outputs` gives them where the
     prompt lengths are known; ``fn`` itself without prompt lengths. For passes that run whole rows (pipeline
     stages)."""
     if prompt_len_B is None:
         return fn
 
     def cut(out: torch.Tensor, k: int):
-        out = response_columns(out, prompt_len_B[parts[k]].to(out.device), width)
+        rows = parts[k]
+        out = outputs_at_responses(out, ids_BL[rows], prompt_len_B[rows], width, temperature)
         return fn(out, k) if fn is not None else out
 
     return cut

@@ -25,7 +25,7 @@ from __future__ import annotations
 import torch
 from transformers import Cache, PreTrainedModel
 
-from loomrl.models.heads import output_head
+from loomrl.models.heads import head_at_responses
 
 __all__ = ["MIN_SAVING", "prompt_groups", "shared_prefix_outputs"]
 
@@ -91,10 +91,11 @@ def shared_prefix_outputs(
     prompt_len_B: torch.Tensor,
     groups: tuple[list[int], list[int]],
     width: int,
+    temperature: float = 1.0,
 ) -> torch.Tensor:
-    """What :func:`~loomrl.models.heads.response_outputs` gives for these right-padded rows (logits_BRV, or
-    values_BR, at ``width`` response columns), each distinct prompt of ``groups`` (:func:`prompt_groups`) run
-    once.
+    """What :func:`~loomrl.models.heads.response_outputs` gives for these right-padded rows (a policy's log-probs
+    and entropies, or values, at ``width`` response columns), each distinct prompt of ``groups``
+    (:func:`prompt_groups`) run once.
 
     Column 0 (the last prompt position, scoring the first response token) comes from the prompt pass, the
     others from the response pass; the head runs on those columns only. A response's last token scores
@@ -119,7 +120,7 @@ def shared_prefix_outputs(
     rows_B = torch.tensor(index_B, device=device)
     last_BH = prompt_UPH[torch.arange(len(firsts), device=device), plen_U - 1].index_select(0, rows_B)
     if width == 1:
-        return output_head(model, last_BH[:, None])
+        return head_at_responses(model, last_BH[:, None], ids_BL, attn_BL, prompt_len_B, temperature)
 
     # the response parts but their last token, each row's tokens after its prompt, at their positions in the row
     plen_B = prompt_len_B
@@ -134,7 +135,8 @@ def shared_prefix_outputs(
     sees_response_BRR = (r[None, :] <= r[:, None])[None] & real_BR[:, None, :]
     mask = _additive(torch.cat([sees_prompt_BRP, sees_response_BRR], dim=2), dtype)
     response_BRH = _hidden(model, ids_BR, mask, pos_BR, cache)
-    return output_head(model, torch.cat([last_BH[:, None], response_BRH], dim=1))
+    hidden_BRH = torch.cat([last_BH[:, None], response_BRH], dim=1)
+    return head_at_responses(model, hidden_BRH, ids_BL, attn_BL, prompt_len_B, temperature)
 
 
 def _hidden(

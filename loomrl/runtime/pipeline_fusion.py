@@ -110,11 +110,11 @@ class _Deferred:
     def outputs(self, *args, **kwargs):
         return self.passes.outputs(*args, **kwargs)
 
-    def backward(self, ids_BL, attn_BL, parts, loss, passes, prompt_len_B=None) -> None:
-        # a fused step drives pipeline stages, which run whole rows: the loss gets their response columns, as
-        # the role's own engine gives them
+    def backward(self, ids_BL, attn_BL, parts, loss, passes, prompt_len_B=None, temperature=1.0) -> None:
+        # a fused step drives pipeline stages, which run whole rows: the loss gets what they give at the response
+        # columns, as the role's own engine gives it
         width = response_width(attn_BL, prompt_len_B) if prompt_len_B is not None and attn_BL is not None else 0
-        cut = at_responses(loss, list(parts), prompt_len_B, width)
+        cut = at_responses(loss, list(parts), ids_BL, prompt_len_B, width, temperature)
         self.op.backward(BackwardRequest(ids_BL, attn_BL, list(parts), cut, passes))
 
     def reduce_and_clip(self, max_norm: float) -> float:
