@@ -178,7 +178,7 @@ def pretrained_decode(name: str, concurrency: list[int], tokens: int) -> None:
             }
         )
         print(rows[-1], flush=True)
-    Console().print(
+    Console(width=200).print(
         summary_table(
             rows,
             f"{name} ({n_params / 1e6:.1f}M params, fp32), {tokens} tokens per sequence; matmul "

@@ -45,3 +45,13 @@ def test_only_a_plain_unbiased_linear_head_is_fused():
     assert fuses(torch.nn.Linear(4, 8, bias=False))
     assert not fuses(torch.nn.Linear(4, 8))
     assert not fuses(torch.nn.Identity())
+
+
+def test_a_frozen_head_gets_no_gradient_and_the_hidden_states_theirs():
+    hidden, weight, target = _inputs(torch.float32)
+    weight.requires_grad_(False)
+    logp, _ = chunked_logprobs_and_entropy(hidden, weight, target)
+    logp.sum().backward()
+    want = torch.autograd.grad(target_logprobs_and_entropy(hidden @ weight.t(), target)[0].sum(), hidden)[0]
+    assert weight.grad is None
+    torch.testing.assert_close(hidden.grad, want, rtol=1e-5, atol=1e-6)

@@ -77,7 +77,9 @@ class _ChunkedHead(torch.autograd.Function):
         if (grad_logp_N is None and grad_entropy_N is None) or not (want_hidden or want_weight):
             return None, None, None, None
         grad_hidden_NH = torch.empty_like(hidden_NH) if want_hidden else None
-        grad_weight_VH = torch.zeros(weight_VH.shape, dtype=torch.float32, device=weight_VH.device)
+        grad_weight_VH = (
+            torch.zeros(weight_VH.shape, dtype=torch.float32, device=weight_VH.device) if want_weight else None
+        )
         for start in range(0, hidden_NH.shape[0], CHUNK_TOKENS):
             rows = slice(start, start + CHUNK_TOKENS)
             scaled_CV = _scaled_logits(hidden_NH[rows], weight_VH, temperature)
