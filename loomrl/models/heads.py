@@ -18,7 +18,7 @@ from torch import nn
 from transformers import PreTrainedModel
 
 from loomrl.models.token_head import chunked_logprobs_and_entropy, fuses
-from loomrl.workflow.batch import response_columns
+from loomrl.workflow.batch import response_columns, row_ends
 
 # Attribute names under which HF sequence-classification models keep their output projection.
 _SCORE_HEAD_NAMES = ("score", "classifier")
@@ -140,7 +140,7 @@ def head_at_responses(
         return head(hidden_BRH.to(head.weight.dtype)).squeeze(-1).float()
     width = hidden_BRH.shape[1]
     target_BR = response_columns(input_ids_BL[:, 1:], prompt_len_B, width)
-    end_B = (attention_mask_BL * torch.arange(1, attention_mask_BL.shape[1] + 1, device=hidden_BRH.device)).amax(1)
+    end_B = row_ends(attention_mask_BL)
     real_BR = torch.arange(width, device=hidden_BRH.device)[None, :] < (end_B - prompt_len_B)[:, None]
     hidden_NH, target_N = hidden_BRH[real_BR], target_BR[real_BR]
     if fuses(model.lm_head):

@@ -20,6 +20,8 @@ from collections.abc import Callable
 
 import torch
 
+from loomrl.workflow.batch import row_ends
+
 __all__ = ["MAX_BUCKETS", "MIN_SAVING", "bucketed_outputs", "length_buckets"]
 
 MAX_BUCKETS = 4
@@ -86,8 +88,7 @@ def bucketed_outputs(
     :func:`length_buckets` (one group without ``split``) computed only up to its longest row (zeros past it);
     ``rows_B`` are per-row tensors handed to ``forward`` with their group's rows."""
     width = ids_BL.shape[1] if width is None else width
-    positions_L = torch.arange(1, ids_BL.shape[1] + 1, device=attn_BL.device)
-    groups = length_buckets((attn_BL * positions_L).amax(1)) if split and ids_BL.shape[1] else [None]
+    groups = length_buckets(row_ends(attn_BL)) if split and ids_BL.shape[1] else [None]
     if len(groups) == 1:
         return _widened(forward(*_trimmed(ids_BL, attn_BL), *rows_B), width)
     outs = [_widened(forward(*_trimmed(ids_BL[g], attn_BL[g]), *(x[g] for x in rows_B)), width) for g in groups]

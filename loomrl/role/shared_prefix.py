@@ -26,6 +26,7 @@ import torch
 from transformers import Cache, PreTrainedModel
 
 from loomrl.models.heads import head_at_responses
+from loomrl.workflow.batch import row_ends
 
 __all__ = ["MIN_SAVING", "prompt_groups", "shared_prefix_outputs"]
 
@@ -124,7 +125,7 @@ def shared_prefix_outputs(
 
     # the response parts but their last token, each row's tokens after its prompt, at their positions in the row
     plen_B = prompt_len_B
-    end_B = (attn_BL * torch.arange(1, ids_BL.shape[1] + 1, device=device)).amax(1)
+    end_B = row_ends(attn_BL)
     width_R = width - 1
     pos_BR = plen_B[:, None] + torch.arange(width_R, device=device)[None, :]
     real_BR = pos_BR < end_B[:, None]

@@ -127,10 +127,15 @@ def pad_columns(x_BR: torch.Tensor, width: int) -> torch.Tensor:
     return torch.nn.functional.pad(x_BR, (0, 0) * (x_BR.dim() - 2) + (0, width - x_BR.shape[1]))
 
 
+def row_ends(attn_BL: torch.Tensor) -> torch.Tensor:
+    """end_B: one past the last attended position of each right-padded row (0 for an all-padding row)."""
+    return (attn_BL * torch.arange(1, attn_BL.shape[1] + 1, device=attn_BL.device)).amax(1)
+
+
 def response_width(attn_BL: torch.Tensor, prompt_len_B: torch.Tensor) -> int:
     """The longest response part of right-padded rows (tokens after the prompt; at least 1): the width of
     their response-aligned outputs."""
-    end_B = (attn_BL * torch.arange(1, attn_BL.shape[1] + 1, device=attn_BL.device)).amax(1)
+    end_B = row_ends(attn_BL)
     return max(int((end_B - prompt_len_B.to(end_B.device)).max()), 1) if len(end_B) else 1
 
 
