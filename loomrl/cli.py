@@ -315,6 +315,12 @@ def _add_plan_arguments(p: argparse.ArgumentParser, cfg_help: str) -> None:
         default=30.0,
         help="seconds for planning: the bound, the heuristics' layout enumeration and the search together",
     )
+    p.add_argument(
+        "--search-steps",
+        type=int,
+        help="bound planning by work instead of seconds: the bound and heuristics complete, each search chain "
+        "takes this many proposals (the same plan on any machine)",
+    )
     p.add_argument("--seed", type=int, default=0, help="search seed")
     p.add_argument(
         "--profile", help="hardware profile JSON replacing the cluster's (loomrl calibrate writes local_profile.json)"

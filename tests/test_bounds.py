@@ -184,7 +184,7 @@ def test_no_simulated_plan_of_the_cost_model_is_below_the_bound():
     configs = {role: model_config("llama2-7b") for role in workflow.roles()}
     workload = Workload(batch=512, prompt_len=128, response_lengths=(128,), ppo_epochs=1, minibatches=4)
     report = compare_plans(
-        PlannerInputs(workflow, cluster, profile_for(cluster), configs, workload), seed=0, time_budget_s=8
+        PlannerInputs(workflow, cluster, profile_for(cluster), configs, workload), seed=0, search_steps=40
     )
     bound = report.bound.seconds
     assert 0 < bound < math.inf

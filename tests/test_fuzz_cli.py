@@ -1427,7 +1427,7 @@ def reward_function_that_cannot_be_loaded(data, files):
 
 
 def _plan_command(files, *flags: str) -> list[str]:
-    return ["plan", "--model", "llama-1m", "--time-budget", "1", *flags, "--out", files.path("-plan")]
+    return ["plan", "--model", "llama-1m", "--search-steps", "5", *flags, "--out", files.path("-plan")]
 
 
 @kind("plan command")
@@ -1538,6 +1538,7 @@ def number_flag_out_of_range_or_not_finite(data, files):
                 ("--time-budget", "-3"),
                 ("--time-budget", "nan"),
                 ("--time-budget", "inf"),
+                ("--search-steps", "-1"),
             ]
         )
     )
@@ -1553,6 +1554,7 @@ def flag_value_of_the_wrong_type(data, files):
                 "--prompt-len",
                 "--response-max",
                 "--time-budget",
+                "--search-steps",
                 "--seed",
                 "--gen-memory-fraction",
                 "--decode-slots",

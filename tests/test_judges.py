@@ -148,8 +148,8 @@ def test_the_planner_places_a_judge_of_another_size(tmp_path, capsys):
                 "4",
                 "--response-len",
                 "512",
-                "--time-budget",
-                "8",
+                "--search-steps",
+                "20",
                 "--out",
                 str(tmp_path),
             ]

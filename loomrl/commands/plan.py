@@ -55,6 +55,8 @@ def run(args: argparse.Namespace) -> int:
 
     if not (math.isfinite(args.time_budget) and args.time_budget > 0):
         raise ConfigError(f"--time-budget: {args.time_budget:g} is not a number of seconds > 0")
+    if args.search_steps is not None and args.search_steps < 0:
+        raise ConfigError(f"--search-steps: {args.search_steps} is not a number of proposals >= 0")
     out = Path(args.out)
     if out.exists() and not out.is_dir():
         raise ConfigError(f"--out: '{out}' is a file; give a directory for the plan and its timeline")
@@ -169,7 +171,7 @@ def _compare(console, title: str, inputs, args: argparse.Namespace):
     from loomrl.planner.search.bounds import segment_seconds
     from loomrl.report import summary_table
 
-    report = compare_plans(inputs, seed=args.seed, time_budget_s=args.time_budget)
+    report = compare_plans(inputs, seed=args.seed, time_budget_s=args.time_budget, search_steps=args.search_steps)
     console.print(summary_table(report.rows, title))
     name, plan, result = report.best
     bound = report.bound.seconds

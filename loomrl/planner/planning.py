@@ -7,6 +7,7 @@ zoo's, a checkpoint's, or the published architectures of :mod:`loomrl.models.pre
 
 from __future__ import annotations
 
+import math
 import time
 from dataclasses import dataclass
 
@@ -66,7 +67,12 @@ def _fusions(plan: ExecutionPlan) -> str:
 
 
 def compare_plans(
-    inputs: PlannerInputs, *, seed: int = 0, time_budget_s: float = 30.0, chains: int = SEARCH_CHAINS
+    inputs: PlannerInputs,
+    *,
+    seed: int = 0,
+    time_budget_s: float = 30.0,
+    chains: int = SEARCH_CHAINS,
+    search_steps: int | None = None,
 ) -> PlanningReport:
     """Best layouts of each heuristic strategy, then a seeded, time-bounded search; all simulated; and the
     lower bound on any plan's time (:func:`~loomrl.planner.search.bounds.iteration_bound`).
@@ -77,10 +83,16 @@ def compare_plans(
     the budget by at most the bound's minimum and the pricing of the candidate allocations, which all three
     share through one cache).
 
+    ``search_steps`` bounds the comparison by work instead (``time_budget_s`` is then ignored): the bound and the
+    heuristics run to completion and each search chain takes that many proposals, so the report is the same on
+    any machine, however fast or loaded.
+
     ``inputs`` carry the hardware profile (the cluster's named one, or this machine measured by
     ``loomrl calibrate``), corrections (``loomrl calibrate --from``), the weights' element size and how the system
     runs the calls (:class:`~loomrl.planner.inputs.PlannerInputs`)."""
     workflow, cluster, configs, profile = inputs.workflow, inputs.cluster, inputs.configs, inputs.profile
+    if search_steps is not None:
+        time_budget_s = math.inf
     began = time.monotonic()
     cost = CachedCost(inputs.cost_model())
     memory = inputs.memory_per_device
@@ -97,7 +109,16 @@ def compare_plans(
     # chains start from every feasible heuristic, fastest first (colocate with pure dp when none fits)
     starts = [plan for _, _, plan in feasible] or None
     searched = search(
-        workflow, cluster, cost, memory, configs, seed=seed, time_budget_s=search_s, chains=chains, start=starts
+        workflow,
+        cluster,
+        cost,
+        memory,
+        configs,
+        seed=seed,
+        time_budget_s=search_s,
+        chains=chains,
+        start=starts,
+        max_steps=search_steps,
     )
     base = heuristics["colocate"][1]
     rows = []
