@@ -238,6 +238,14 @@ class Tree:
         return self.seen
 
 
+def last_call_end(run_dir: Path) -> float:
+    """When the run's last call ended on any device (``time.time()``; its traces), 0 when it traced none."""
+    path = RunDir(run_dir).traces
+    if not path.exists():
+        return 0.0
+    return max((max(t["end"]) for t in map(json.loads, path.read_text().splitlines()) if t["end"]), default=0.0)
+
+
 def kill_worker(trainer: RLTrainer, rank: int) -> int | None:
     """SIGKILL worker ``rank`` of the trainer's current executor; its pid, or None when it is not running (only a
     process below this one is ever signalled)."""
@@ -459,6 +467,9 @@ class Bench:
             error = f"{type(err).__name__}: {err}"
         done.set()
         thread.join()
+        if "at" in shot:  # a kill lands only while calls are left: some call ends after it, or the run fails
+            at = shot.pop("at")
+            shot["landed"] = shot["landed"] and (error is not None or last_call_end(run_dir) > at)
         metrics = read_metrics(run_dir)
         problems = list(watch.problems)
         if error is None:
@@ -493,8 +504,9 @@ class Bench:
         def arm(trainer: RLTrainer, done: threading.Event) -> dict:
             if done.wait(delay):
                 return {"landed": False}
+            at = time.time()
             pid = kill_worker(trainer, rank)
-            return {"landed": pid is not None, "rank": rank, "delay_s": round(delay, 3)}
+            return {"landed": pid is not None, "at": at, "rank": rank, "delay_s": round(delay, 3)}
 
         return self._ray_trial(f"worker-{k}", algo, devices, arm)
 

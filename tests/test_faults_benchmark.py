@@ -54,3 +54,11 @@ def test_a_driver_killed_during_a_save_resumes_from_the_checkpoint_before(faults
     assert trial["resumed_after"] in (trial["save_of"] - 1, trial["save_of"]), trial
     assert not faults.failed(trial), faults.describe(trial)
     assert "ok" in faults.describe(trial)
+
+
+def test_a_kill_lands_only_before_the_runs_last_call_ends(faults, tmp_path):
+    """A worker kill counts as landed only while calls are left: the latest call end of the run's traces."""
+    assert faults.last_call_end(tmp_path) == 0.0  # no traces: nothing was left to hit
+    traces = [{"step": "actor_gen", "start": [1.0, 2.0], "end": [5.0, 7.5]}, {"step": "x", "start": [], "end": []}]
+    (tmp_path / "traces.jsonl").write_text("".join(json.dumps(t) + "\n" for t in traces))
+    assert faults.last_call_end(tmp_path) == 7.5
