@@ -321,6 +321,11 @@ def _add_plan_arguments(p: argparse.ArgumentParser, cfg_help: str) -> None:
         help="bound planning by work instead of seconds: the bound and heuristics complete, each search chain "
         "takes this many proposals (the same plan on any machine)",
     )
+    p.add_argument(
+        "--no-factor",
+        action="store_true",
+        help="price without the profile's system_factor (a global factor fitted on published runs)",
+    )
     p.add_argument("--seed", type=int, default=0, help="search seed")
     p.add_argument(
         "--profile", help="hardware profile JSON replacing the cluster's (loomrl calibrate writes local_profile.json)"

@@ -3,6 +3,8 @@
 import dataclasses
 import json
 
+import pytest
+
 from loomrl.cli import main
 from loomrl.config.schema import TrainConfig
 from loomrl.config.tools import load_config
@@ -40,6 +42,23 @@ def test_plan_prints_every_strategy_and_writes_a_plan_file_and_timeline(tmp_path
     assert plan.cluster.n_devices == 8
     assert (out / "timeline.png").stat().st_size > 1000
     assert "<svg" in (out / "timeline.html").read_text()
+
+
+def test_plan_names_every_figure_it_applies_and_prices_without_the_factor_on_request(tmp_path, capsys):
+    """The header lists each figure that is not a datasheet number with its source; --no-factor divides every
+    time by the profile's system_factor."""
+    factor = PROFILES["h100-80g"].system_factor
+    times = {}
+    for flags in ((), ("--no-factor",)):
+        args = ["plan", "--cluster", "h100:1x8", "--model", "llama2-7b", "--plan", "colocate", *flags]
+        assert main([*args, "--out", str(tmp_path / "plan")]) == 0
+        printed = capsys.readouterr().out
+        assert "matmul_efficiency" in printed and "Megatron-LM README" in printed and "vLLM CI" in printed
+        assert ("multiplied by system_factor" in printed) == (not flags)
+        assert ("system_factor" in printed and "published_runs.py" in printed) == (not flags)
+        line = next(line for line in printed.splitlines() if line.startswith("given plan:"))
+        times[flags] = float(line.split()[2])
+    assert factor > 1 and times[()] / times[("--no-factor",)] == pytest.approx(factor, rel=0.01)
 
 
 def test_plan_rejects_an_unknown_model_in_one_line(tmp_path, capsys):

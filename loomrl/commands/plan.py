@@ -4,6 +4,7 @@ side by side; or a given plan simulated stage by stage (``--plan``). Writes the 
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import math
 from pathlib import Path
 
@@ -67,8 +68,11 @@ def run(args: argparse.Namespace) -> int:
         corrections=Corrections.load(args.corrections) if args.corrections else None,
         bytes_per_param=bytes_per_param,
     )
+    if args.no_factor:
+        inputs = dataclasses.replace(inputs, profile=dataclasses.replace(inputs.profile, system_factor=1.0))
     workload = inputs.workload
     console = Console(width=max(120, Console().width))
+    _print_applied(console, inputs.profile, args.profile, args.no_factor)
     title = (
         f"{description.algo} on {inputs.cluster}: {description.prompts} prompts × "
         f"{description.responses_per_prompt}, {description.prompt_len:g} + {workload.mean_response:.0f} "
@@ -149,6 +153,27 @@ def run_description(args: argparse.Namespace):
     if "models" not in data:
         data["models"] = {"actor": "llama2-7b"}
     return from_dict(RunDescription, data, "run"), PRECISION_BYTES.get(cfg.runtime.precision)
+
+
+def _print_applied(console, profile, origin: str | None, no_factor: bool) -> None:
+    """The plan's header: every figure the prices use that is not a datasheet number, with its source."""
+    from loomrl.plan.hardware import stated_figures
+    from loomrl.report import summary_table
+
+    rows = [
+        {"figure": name, "value": value, "source": source} for name, value, source in stated_figures(profile, origin)
+    ]
+    if rows:
+        console.print(
+            summary_table(rows, f"priced with profile {profile.name}: its figures that are not datasheet numbers")
+        )
+    if profile.system_factor != 1.0:
+        console.print(
+            f"every time below is multiplied by system_factor {profile.system_factor:g} (fitted, not measured "
+            "here); --no-factor prices without it"
+        )
+    elif no_factor:
+        console.print("priced without the profile's system_factor (--no-factor)")
 
 
 def _print_fixed(console, title: str, report) -> None:

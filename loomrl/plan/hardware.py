@@ -229,6 +229,82 @@ _BLACKWELL: _Figures = dict(
     host_adam_rate=4e9,
 )
 
+# Where each figure that is not a datasheet number comes from, in a few words (the comments above cite them in
+# full); `loomrl plan` prints them in its header, so a plan says what it applied.
+_VLLM_CI = "vLLM CI latency tests, Llama-3.1-8B tp1 / Llama-3-70B tp4"
+_HOPPER_SOURCES = {
+    "matmul_efficiency": "Megatron-LM README: up to 47% MFU on H100 clusters",
+    "fp8_efficiency": "Megatron-Bridge performance summary: DGX-H100 FP8 Llama3 8B/70B",
+    "moe_efficiency": "Megatron-Bridge performance summary: Qwen3-235B-A22B against Llama3 70B",
+    "intra_bus_efficiency": "nccl-tests all_reduce busbw, 8xH100 NVLink",
+    "host_adam_rate": "assumed: host-DRAM bound Adam (no published rate)",
+}
+_AMPERE_SOURCES = {
+    "matmul_efficiency": "Narayanan et al. SC'21 Table 1: Megatron-LM 1.7B-76B on A100",
+    "moe_efficiency": "assumed: Hopper's (no Ampere MoE figure found)",
+    "intra_bus_efficiency": "nccl-tests all_reduce busbw, 8xA100 NVLink",
+    "host_adam_rate": "assumed: host-DRAM bound Adam (no published rate)",
+}
+_BLACKWELL_SOURCES = {
+    "matmul_efficiency": "assumed: the FP8 fraction (no dense BF16 row published)",
+    "fp8_efficiency": "Megatron-Bridge performance summary: DGX-GB200 FP8 Llama3 70B",
+    "moe_efficiency": "Megatron-Bridge performance summary: GB200 Qwen3-235B-A22B BF16",
+    "intra_bus_efficiency": "assumed: the NVLink 5 link rate",
+    "host_adam_rate": "assumed: host-DRAM bound Adam (no published rate)",
+}
+
+
+def _decode_sources(source: str) -> dict[str, str]:
+    return {"decode_bw_efficiency": source, "decode_step_s": source}
+
+
+_FACTOR_SOURCE = "fitted: benchmarks/published_runs.py's complete {rows} rows together (geometric mean)"
+FIGURE_SOURCES: dict[str, dict[str, str]] = {
+    "a100-80g": {**_AMPERE_SOURCES, **_decode_sources(f"{_VLLM_CI}, A100 (step time: the H100's)")},
+    "a800": {**_AMPERE_SOURCES, **_decode_sources("assumed: the A100's (same die and HBM2e)")},
+    "h100-80g": {
+        **_HOPPER_SOURCES,
+        **_decode_sources(f"{_VLLM_CI}, H100"),
+        "system_factor": _FACTOR_SOURCE.format(rows="H100 (NeMo RL GRPO)"),
+    },
+    "h800": {**_HOPPER_SOURCES, **_decode_sources("assumed: the H100's (same die and HBM3)")},
+    "h200": {**_HOPPER_SOURCES, **_decode_sources(f"{_VLLM_CI}, H200")},
+    "h20": {**_HOPPER_SOURCES, **_decode_sources("assumed: the H200's (no H20 serving figure found)")},
+    "gb200": {
+        **_BLACKWELL_SOURCES,
+        **_decode_sources("assumed: the H200's (no Blackwell serving figure found)"),
+        "system_factor": _FACTOR_SOURCE.format(rows="GB200 (NeMo RL GRPO)"),
+    },
+}
+"""Profile name → figure → its source, for every figure of the profile that is not a datasheet number."""
+
+STATED_FIGURES: tuple[str, ...] = (
+    "matmul_efficiency",
+    "fp8_efficiency",
+    "moe_efficiency",
+    "decode_bw_efficiency",
+    "decode_step_s",
+    "intra_bus_efficiency",
+    "host_adam_rate",
+    "system_factor",
+)
+"""The profile's figures that are not datasheet numbers (efficiencies, rates, the global factor)."""
+
+
+def stated_figures(profile: HardwareProfile, origin: str | None = None) -> list[tuple[str, float, str]]:
+    """``(figure, value, source)`` for each figure of ``profile`` that is not a datasheet number and is not its
+    neutral default; ``origin`` (a file the profile was read from) is the source of all of them when given."""
+    defaults = {f.name: f.default for f in fields(HardwareProfile)}
+    sources = FIGURE_SOURCES.get(profile.name, {})
+    out = []
+    for name in STATED_FIGURES:
+        value = getattr(profile, name)
+        if value == defaults[name]:
+            continue
+        out.append((name, value, origin or sources.get(name, "profile default (no published source)")))
+    return out
+
+
 PROFILES: dict[str, HardwareProfile] = {
     "a100-80g": HardwareProfile(
         "a100-80g",
