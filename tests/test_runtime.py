@@ -17,8 +17,12 @@ summing in another order (DP, TP, micro-batches, pipeline stages) changes which 
 (twelve Adam steps) the plans below differ from the reference by at most 2.5% (the KL of the last iteration,
 a difference of two log-probabilities), most losses by under 0.5%. The clipped fraction is a count: a token
 whose ratio sits at the clip range's edge may fall either side, moving it by one token's share (about 0.01
-here), so it is held to 0.05 absolute (five tokens) instead. The samples are identical here because no
-token's probability lies within bf16's rounding of another's at this seed; that is not guaranteed in general.
+here), so it is held to 0.05 absolute (five tokens) instead. The first iteration's samples are drawn from the
+same bf16 weights and must be identical. Later ones come from weights trained along different summation orders:
+where two tokens' probabilities lie within bf16's rounding of each other, a sample may take the other one.
+Whether that happens depends on the processor's bf16 kernels (AVX-512 and AVX2 round differently), so a
+difference of one sample's share in the sample metrics is allowed, and from that iteration on the two runs train
+on different data and are not compared further.
 """
 
 import dataclasses
@@ -107,11 +111,19 @@ def test_runtime_matches_the_reference(tmp_path, reference, layout):
     assert got[-1]["eval/exact_match"] == reference[-1]["eval/exact_match"]
 
 
-def _assert_equivalent(got, reference, rel=1e-4, abs_=1e-6, clipfrac_abs=None):
+def _assert_equivalent(got, reference, rel=1e-4, abs_=1e-6, clipfrac_abs=None, samples_abs=None):
+    """Same samples and losses within ``rel``/``abs_``. ``samples_abs`` (bf16, module docstring): after the first
+    iteration a sample may differ by a token, moving each sample metric by at most that sample's share; from the
+    first iteration whose samples differ the two runs train on different data, so nothing after is compared."""
     assert len(got) == len(reference)
     for it, (a, b) in enumerate(zip(got, reference)):
+        same = all(a[key] == pytest.approx(b[key], rel=1e-6, abs=1e-9) for key in SAMPLE_KEYS)
+        if not same and it > 0 and samples_abs is not None:
+            for key in SAMPLE_KEYS:
+                assert abs(a[key] - b[key]) <= samples_abs[key] + 1e-9, (it, key, a[key], b[key])
+            return
         for key in SAMPLE_KEYS:
-            assert a[key] == pytest.approx(b[key], rel=1e-6, abs=1e-9), (it, key)
+            assert a[key] == pytest.approx(b[key], rel=1e-6, abs=1e-9), (it, key, a[key], b[key])
         for key in (k for k in LOSS_KEYS + ("actor/kl_loss",) if k in b):
             near = {"rel": rel, "abs": abs_}
             if key == "actor/clipfrac" and clipfrac_abs is not None:
@@ -524,7 +536,20 @@ def test_ranks_without_rows_match_the_reference(tmp_path, sharding):
 
 
 BF16 = ("runtime.precision=bf16",)
-BF16_TOLERANCE = {"rel": 5e-2, "abs_": 5e-3, "clipfrac_abs": 0.05}
+SAMPLES, MAX_NEW_TOKENS = 8, 6
+"""Samples per iteration and their token budget in :func:`_cfg` (one sample per prompt)."""
+BF16_TOLERANCE = {
+    "rel": 5e-2,
+    "abs_": 5e-3,
+    "clipfrac_abs": 0.05,
+    # one sample's share: a reward in [0, 1], a length up to MAX_NEW_TOKENS (module docstring)
+    "samples_abs": {
+        "reward/mean": 1 / SAMPLES,
+        "reward/exact_match": 1 / SAMPLES,
+        "response/length": MAX_NEW_TOKENS / SAMPLES,
+        "response/length_max": MAX_NEW_TOKENS,
+    },
+}
 """See the module docstring."""
 
 
