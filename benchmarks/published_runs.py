@@ -4,7 +4,11 @@
 
 Every row is a :class:`~loomrl.planner.describe.RunDescription` (models, cluster, data shape, optimizer steps,
 serving-engine settings and the plan the publication describes), simulated as a fixed plan with the datasheet
-profiles and their published efficiencies (``loomrl/plan/hardware.py``); nothing is fitted to these rows.
+profiles and their published efficiencies (``loomrl/plan/hardware.py``). One number is fitted on these rows: each
+GPU kind's global ``system_factor`` (H100, GB200), the geometric mean of published / predicted over that kind's
+complete rows. So it is reported out of sample too: fitted leave one row out, and leave one system out (on the
+rows of other systems only, which is the headline: 1 where no other system published that GPU), beside the
+factor-free prediction.
 The table gives each row's published step time, the prediction, the published stage shares beside the
 predicted ones where the publication breaks the step down, and the ratio predicted / published last.
 
@@ -48,6 +52,8 @@ class PublishedRun:
     """One published run: what the simulator is given, and what was measured."""
 
     name: str
+    system: str
+    """The RL system that ran it (the unit a factor is left out by)."""
     source: str
     run: dict
     """The fields of a :class:`RunDescription`."""
@@ -98,6 +104,7 @@ def _nemo_grpo(
     )
     return PublishedRun(
         name=name,
+        system="NeMo RL",
         source=f"{NEMO_RL} ({version})",
         step_s=step_s,
         run={
@@ -168,6 +175,7 @@ def _openrlhf(
     )
     return PublishedRun(
         name=name,
+        system="OpenRLHF",
         source=OPENRLHF,
         step_s=step_s,
         stages=stages,
@@ -367,26 +375,55 @@ def _summary(ratios: list[float]) -> str:
     )
 
 
+def _geomean(values: list[float]) -> float:
+    return math.exp(sum(math.log(v) for v in values) / len(values)) if values else 1.0
+
+
+def out_of_sample_factors(rows: list[tuple[PublishedRun, str, float]]) -> dict[str, list[float]]:
+    """For each ``(row, GPU kind, ratio without any factor)``, the GPU kind's global factor fitted (as
+    ``loomrl/plan/hardware.py`` states it: the geometric mean of published / predicted over the complete rows of
+    that kind) three ways: on every complete row ("fitted", in sample, as the profile's), on the others
+    ("leave one row out") and on the complete rows of other systems only ("leave one system out"; 1 where
+    no other system published that GPU). Assumed-input rows never enter a fit."""
+    out: dict[str, list[float]] = {"fitted": [], "leave one row out": [], "leave one system out": []}
+    for k, (row, kind, _) in enumerate(rows):
+        same = [(j, r, ratio) for j, (r, g, ratio) in enumerate(rows) if g == kind and r.complete]
+        out["fitted"].append(_geomean([1 / ratio for _, _, ratio in same]))
+        out["leave one row out"].append(_geomean([1 / ratio for j, _, ratio in same if j != k]))
+        out["leave one system out"].append(_geomean([1 / ratio for _, r, ratio in same if r.system != row.system]))
+    return out
+
+
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--only", default="", help="rows whose name contains this")
     args = ap.parse_args()
-    rows, ratios, unscaled, stage_gaps = [], {True: [], False: []}, {True: [], False: []}, []
-    for row in ROWS:
-        if args.only.lower() not in row.name.lower():
-            continue
+    reports, bare = [], []
+    for row in ROWS:  # every row, so that the factors are fitted on the same rows whatever --only shows
         report = predict(row)
         predicted = report.result.iteration_time if report.result.feasible else math.nan
-        ratio = predicted / row.step_s
-        ratios[row.complete].append(ratio)
+        profile = profile_for(ClusterSpec.parse(row.run["cluster"]))
+        reports.append((report, predicted, profile.system_factor))
+        bare.append((row, profile.name, predicted / profile.system_factor / row.step_s))
+    factors = out_of_sample_factors(bare)
+    rows, stage_gaps = [], []
+    ratios: dict[str, dict[bool, list[float]]] = {}
+    for k, (row, (report, predicted, stated)) in enumerate(zip(ROWS, reports)):
+        if args.only.lower() not in row.name.lower():
+            continue
+        columns = {
+            "stated factor": predicted / row.step_s,
+            **{name: bare[k][2] * f[k] for name, f in factors.items() if name != "fitted"},
+            "factor-free": bare[k][2],
+        }
+        for name, ratio in columns.items():
+            ratios.setdefault(name, {True: [], False: []})[row.complete].append(ratio)
         published, mine = "", _shares(report.stages, predicted)
         if row.stages:
             published = _shares(row.stages, row.step_s)
             mine = _shares({k: report.stages.get(k, 0.0) for k in row.stages}, predicted)
             stage_gaps += [abs(report.stages.get(k, 0.0) / predicted - s / row.step_s) for k, s in row.stages.items()]
         g = int(row.run["cluster"].split(":")[1].split("x")[0]) * int(row.run["cluster"].split("x")[1])
-        factor = profile_for(ClusterSpec.parse(row.run["cluster"])).system_factor
-        unscaled[row.complete].append(ratio / factor)
         rows.append(
             {
                 "run": row.name + ("" if row.complete else " *"),
@@ -395,8 +432,9 @@ def main() -> None:
                 "predicted s": predicted,
                 "published stages": published or "-",
                 "predicted stages": mine or "-",
-                "without the GPU's factor": ratio / factor,
-                "predicted / published": ratio,
+                "factor (stated / fitted here / LOSO)": f"{stated:.2f} / {factors['fitted'][k]:.2f} / "
+                f"{factors['leave one system out'][k]:.2f}",
+                **{f"pred/pub {name}": ratio for name, ratio in columns.items()},
             }
         )
         if not report.result.feasible:
@@ -404,15 +442,22 @@ def main() -> None:
     console = Console(width=250)
     console.print(
         summary_table(
-            rows, "published RL runs: step seconds, predicted by the simulator (* = inputs assumed, see the source)"
+            rows,
+            "published RL runs: step seconds, predicted by the simulator (* = inputs assumed, see the source); "
+            "predicted / published with the GPU's stated factor (in sample), fitted out of sample, and without",
         )
     )
-    for complete, found in ratios.items():
-        if found:
-            what = "complete" if complete else "assumed-input"
-            console.print(
-                f"{what} rows: {_summary(found)}; without the GPUs' stated factors: {_summary(unscaled[complete])}"
-            )
+    for complete in (True, False):
+        what = "complete" if complete else "assumed-input"
+        for name in ("leave one system out", "leave one row out", "factor-free", "stated factor"):
+            found = ratios.get(name, {}).get(complete)
+            if found:
+                headline = (
+                    " (the headline: no row is priced with a factor fitted on it)"
+                    if name.startswith("leave one s")
+                    else ""
+                )
+                console.print(f"{what} rows, {name}{headline}: {_summary(found)}")
     if stage_gaps:
         console.print(
             f"stage shares: {sum(1 for g in stage_gaps if g <= 0.10)}/{len(stage_gaps)} within 10 points "
