@@ -33,11 +33,12 @@ SLOW = {
     "tests/test_runtime.py::test_sharded_runs_load_and_save_layout_independent_checkpoints[fsdp_tp4]",  # fsdp2 stays
     "tests/test_runtime.py::test_plans_match_the_reference[pipeline_dp4]",  # pipeline2 and pipeline_tp4 stay
     "tests/test_runtime.py::test_bf16_checkpoints_keep_the_master_weights_across_layouts[zero4]",  # fsdp2 stays
-    # fused colocate runs stay in grpo-colocate-2, fused ppo in ppo-separate:1-2 and ppo-separate:2-4:
+    # fused runs that migrate stay in grpo-colocate-2 and ppo-colocate-2, fused separate ones in ppo-separate:1-2
+    # and grpo-separate:1-2:
     "tests/test_fusion.py::test_a_fused_run_is_the_reference_run[grpo-colocate-4]",
     "tests/test_fusion.py::test_a_fused_run_is_the_reference_run[ppo-colocate-4]",
-    "tests/test_fusion.py::test_a_fused_run_is_the_reference_run[ppo-colocate-2]",
-    "tests/test_fusion.py::test_a_fused_run_is_the_reference_run[grpo-separate:2-4]",  # ppo-separate:2-4 stays
+    "tests/test_fusion.py::test_a_fused_run_is_the_reference_run[ppo-separate:2-4]",
+    "tests/test_fusion.py::test_a_fused_run_is_the_reference_run[grpo-separate:2-4]",
     # the 2-device twins stay; test_runtime runs colocate4, interleave4 and separate4 against the reference:
     "tests/test_schedule_execution.py::test_the_runtime_executes_the_schedule_the_simulator_priced[colocate-4]",
     "tests/test_schedule_execution.py::test_the_runtime_executes_the_schedule_the_simulator_priced[interleave-4]",

@@ -35,6 +35,7 @@ would need the controllers' generation replicas to coordinate mid-call; with K >
 from __future__ import annotations
 
 import asyncio
+import time
 from collections.abc import Sequence
 from typing import Any
 
@@ -185,6 +186,10 @@ class Coordinator:
         if round_["taken"] == self.count:
             del self.rounds[key]
         return round_["values"]
+
+    async def cpu_s(self) -> float:
+        """This process's CPU time so far (every thread, Ray's messaging included), for control-path accounting."""
+        return time.process_time()
 
 
 class ControllerActor:
