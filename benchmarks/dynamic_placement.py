@@ -1,6 +1,6 @@
-"""Dynamic placement against the best static plan, on a drifting and on a stationary workload.
+"""Dynamic placement against the best static plan in hindsight, on a drifting and on a stationary workload.
 
-    .venv/bin/python benchmarks/dynamic_placement.py [--iterations 24] [--prompts 32] [--devices 4]
+    .venv/bin/python benchmarks/dynamic_placement.py [--iterations 32] [--prompts 32] [--devices 4] [--repeats 3]
 
 The workload: PPO on digit sorting from a prompt file read in order, so iteration i's prompts are rows
 i·P .. (i+1)·P − 1. In the drifting file the number of digits of iteration i's inputs follows a log-normal
@@ -12,13 +12,15 @@ of a reward model (llama-10m, trained on
 sorting preferences) scoring prompt and response, whose cost grows with them. The stationary file keeps the
 first iteration's distribution for the whole run.
 
-Per workload, the best static plan is chosen at the start from the first iterations: a calibration run of
-``--calibration`` iterations on the colocated plan whose placement re-plans after every iteration and never
-switches; the plan it prices fastest at its last check (the same refit, search and pricing dynamic placement
-uses) is the static plan. Then, side by side from the same seed and for the same iterations: that plan held
-fixed, and dynamic placement starting from it (``runtime.placement=dynamic`` with its default rule). Time is
-each run's iterations plus, for dynamic placement, its plan changes and its decisions' own time; both runs are
-checked to give the same samples and losses (float summation order aside).
+Per workload, dynamic placement starts from the plan priced fastest for the first iterations (a calibration
+run of ``--calibration`` iterations on the colocated plan that re-plans after every iteration and never
+switches, with the same refit, search and pricing dynamic placement uses) and runs with its default rule. Its
+baseline is chosen in hindsight: colocate, that calibrated plan, every plan dynamic placement switched to and
+every candidate it priced, each held fixed for the whole workload; the fastest of them (median run time) is the
+best static plan in hindsight, and colocate is what a user without loomrl would run. Every placement runs
+``--repeats`` times from the same seed (medians and spread). Time is each run's iterations plus, for dynamic
+placement, its plan changes and its decisions' own time; every run is checked to give the same samples and
+losses as the hindsight best (float summation order aside).
 """
 
 from __future__ import annotations
@@ -30,6 +32,7 @@ import math
 import os
 import random
 import shutil
+import statistics
 import tempfile
 import time
 from pathlib import Path
@@ -219,49 +222,66 @@ def _loss_diff(a: list[dict], b: list[dict]) -> float:
     return max(abs(x[k] - y[k]) / max(abs(y[k]), 1e-12) for x, y in zip(a, b) for k in LOSS_KEYS)
 
 
+MAX_STATIC = 6
+"""Most static plans run in hindsight (colocate, the calibrated plan, then the plans dynamic placement switched
+to and the candidates it priced, in that order)."""
+
+
 def compare(tmp: Path, workload: str, prompt_file: Path, args) -> list[dict]:
-    """Static plan vs dynamic placement on one workload: one row each."""
-    plan = static_plan(tmp, f"{workload}-calibration", prompt_file, args.calibration, args.prompts, args.devices)
-    Console().print(f"[bold]{workload}[/]: static plan {plan}")
-    static, _, static_wall = _run(
-        _config(tmp, f"{workload}-static", prompt_file, args.iterations, args.prompts, args.devices, plan)
-    )
-    dynamic, decisions, dynamic_wall = _run(
-        _config(
-            tmp,
-            f"{workload}-dynamic",
-            prompt_file,
-            args.iterations,
-            args.prompts,
-            args.devices,
-            plan,
-            "runtime.placement=dynamic",
-        )
-    )
-    switches = [d for d in decisions if d["switch"]]
-    for d in switches:
-        Console().print(f"  switch after iteration {d['iteration']}: {d['reason']}; to {d['plan']}")
-    base = _seconds(static)
+    """Dynamic placement against every static plan it considered, each run for the whole workload ``--repeats``
+    times (medians): the best of them in hindsight is the baseline, colocate (a user's plan without loomrl) is
+    shown beside it."""
+    calibrated = static_plan(tmp, f"{workload}-calibration", prompt_file, args.calibration, args.prompts, args.devices)
+    Console().print(f"[bold]{workload}[/]: calibrated static plan {calibrated}")
+
+    def config(name: str, plan: str, *extra: str) -> TrainConfig:
+        return _config(tmp, name, prompt_file, args.iterations, args.prompts, args.devices, plan, *extra)
+
+    dynamic = [
+        _run(config(f"{workload}-dynamic-{k}", calibrated, "runtime.placement=dynamic")) for k in range(args.repeats)
+    ]
+    plans = ["colocate", calibrated]
+    for _, decisions, _ in dynamic:
+        plans += [d["plan"] for d in decisions if d["switch"]]
+    for _, decisions, _ in dynamic:
+        plans += [d["candidate"] for d in decisions if d.get("candidate")]
+    plans = list(dict.fromkeys(plans))[:MAX_STATIC]
+    static = {plan: [_run(config(f"{workload}-static-{k}", plan)) for k in range(args.repeats)] for plan in plans}
+    medians = {plan: statistics.median(_seconds(m) for m, _, _ in runs) for plan, runs in static.items()}
+    hindsight = min(medians, key=medians.get)
+    reference = static[hindsight][0][0]
     rows = []
-    for name, metrics, wall in (("static", static, static_wall), ("dynamic", dynamic, dynamic_wall)):
-        seconds = _seconds(metrics)
-        rows.append(
-            {
-                "workload": workload,
-                "placement": name,
-                "run s": seconds,
-                "speedup": base / seconds,
-                "wall s": wall,
-                "switches": len(switches) if name == "dynamic" else 0,
-                "decisions s": sum(m.get("time/placement_s", 0.0) for m in metrics),
-                "plan changes s": sum(m.get("time/plan_change_s", 0.0) for m in metrics),
-                "mean response first/last": f"{metrics[0]['response/length']:.1f} / "
-                f"{metrics[-1]['response/length']:.1f}",
-                "final reward": metrics[-1]["reward/mean"],
-                "same samples": "-" if name == "static" else ("yes" if _samples_equal(metrics, static) else "NO"),
-                "max loss diff": "-" if name == "static" else f"{_loss_diff(metrics, static):.1e}",
-            }
+
+    def row(name: str, plan: str, runs: list) -> dict:
+        seconds = [_seconds(m) for m, _, _ in runs]
+        metrics = runs[0][0]
+        switches = [len([d for d in decisions if d["switch"]]) for _, decisions, _ in runs]
+        return {
+            "workload": workload,
+            "placement": name,
+            "plan": plan,
+            "run s (median)": statistics.median(seconds),
+            "spread": f"{min(seconds):.2f}-{max(seconds):.2f}",
+            "vs hindsight best static": medians[hindsight] / statistics.median(seconds),
+            "vs colocate": medians["colocate"] / statistics.median(seconds),
+            "switches": ",".join(map(str, switches)),
+            "decisions s": statistics.median(sum(m.get("time/placement_s", 0.0) for m in r) for r, _, _ in runs),
+            "mean response first/last": f"{metrics[0]['response/length']:.1f} / {metrics[-1]['response/length']:.1f}",
+            "same samples": "yes" if all(_samples_equal(m, reference) for m, _, _ in runs) else "NO",
+            "max loss diff": f"{max(_loss_diff(m, reference) for m, _, _ in runs):.1e}",
+        }
+
+    for plan, runs in static.items():
+        label = (
+            "static"
+            + (" (hindsight best)" if plan == hindsight else "")
+            + (" (calibrated)" if plan == calibrated else "")
         )
+        rows.append(row(label, plan, runs))
+    rows.append(row("dynamic", f"from {calibrated}", dynamic))
+    for _, decisions, _ in dynamic[:1]:
+        for d in (d for d in decisions if d["switch"]):
+            Console().print(f"  switch after iteration {d['iteration']}: {d['reason']}; to {d['plan']}")
     return rows
 
 
@@ -271,6 +291,7 @@ def main() -> None:
     ap.add_argument("--prompts", type=int, default=32)
     ap.add_argument("--devices", type=int, default=4)
     ap.add_argument("--calibration", type=int, default=4, help="iterations the static plan is chosen from")
+    ap.add_argument("--repeats", type=int, default=3, help="runs of each placement (medians)")
     ap.add_argument("--first-median", type=float, default=4.0, help="median digits of the first iteration")
     ap.add_argument("--final-median", type=float, default=24.0, help="median digits of the last iteration (drift)")
     ap.add_argument("--final-sigma", type=float, default=1.0, help="log-scale spread of the last iteration (drift)")
@@ -300,9 +321,8 @@ def main() -> None:
     Console().print(
         summary_table(
             rows,
-            f"dynamic placement vs the static plan chosen from the first "
-            f"{args.calibration} iterations: {args.devices} devices, {args.iterations} "
-            f"iterations of {args.prompts} prompts",
+            f"dynamic placement vs every static plan it considered, run for the whole workload (median of "
+            f"{args.repeats}): {args.devices} devices, {args.iterations} iterations of {args.prompts} prompts",
         )
     )
 
