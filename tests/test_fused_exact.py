@@ -45,8 +45,10 @@ def test_the_search_with_cp_sat_reaches_a_proven_optimum_above_the_bound():
     assert result.makespan == 9 and result.bound == 9 and result.exact_proofs == 2 and result.gap == 0
 
 
-@pytest.mark.skipif(available(), reason="OR-Tools is installed")
-def test_without_ortools_exact_is_refused_and_the_default_search_runs():
+def test_without_ortools_exact_is_refused_and_the_default_search_runs(monkeypatch):
+    from loomrl.planner.pipeline_fusion import exact
+
+    monkeypatch.setattr(exact, "available", lambda: False)  # as where OR-Tools is not installed
     problem = PipelineFusionProblem(2, PipelineSpec(2, 2), PipelineSpec(2, 2))
     with pytest.raises(ValueError, match=r"exact: True needs OR-Tools"):
         fused_order(problem, exact=True)
