@@ -2,7 +2,7 @@
 lower bound.
 
     .venv/bin/python benchmarks/fused_pipeline.py [--part schedules|ceiling|measured|all] [--time-limit 60]
-        [--seed 0] [--quick] [--no-exact] [--steps 8] [--cases 16/8/16/1,...] [--proof-limit 300]
+        [--seed 0] [--quick] [--no-exact] [--steps 8] [--cases 16/8/16/1,...] [--proof-limit 300] [--workers N]
 
 ``schedules`` (pure Python, no devices): an actor of depth ``pp_actor`` in {8, 16} and a critic of depth
 ``pp_critic`` in {4, 8, 16} (at most the actor's) train on ``D = pp_actor`` devices, the critic replicated
@@ -132,7 +132,7 @@ def ceiling_part(args: argparse.Namespace) -> None:
                 deadline=time.perf_counter() + args.proof_limit,
                 seed=args.seed,
                 hint=hint,
-                workers=os.cpu_count() or 1,
+                workers=args.workers or os.cpu_count() or 1,
             )
             if found.orders is not None:
                 optimum = found.bound
@@ -209,6 +209,7 @@ def main() -> None:
     ap.add_argument("--no-exact", action="store_true", help="schedules without CP-SAT even when it is installed")
     ap.add_argument("--cases", default="16/8/16/1", help="ceiling: pp_actor/pp_critic/M/critic cost ratio, ...")
     ap.add_argument("--proof-limit", type=float, default=300.0, help="ceiling: CP-SAT seconds per call")
+    ap.add_argument("--workers", type=int, help="ceiling: CP-SAT's search workers (default: every core)")
     args = ap.parse_args()
     began = time.perf_counter()
     if args.part in ("schedules", "all"):
