@@ -3,6 +3,7 @@
 import pytest
 import torch
 
+from loomrl.models.attention import EAGER, SDPA, use_attention
 from loomrl.models.tokenizer import build_char_tokenizer
 from loomrl.models.zoo import build_causal_lm
 from loomrl.rollout import SamplingParams, stream_keys
@@ -16,9 +17,12 @@ def tok():
     return build_char_tokenizer()
 
 
+@pytest.mark.parametrize("attention", [EAGER, SDPA])
 @pytest.mark.parametrize("arch", ["llama-1m", "qwen2-1m"])
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=["fp32", "bf16"])
-def test_lean_logits_equal_the_models_forward_with_a_slot_cache(arch, dtype, tok):
+def test_lean_logits_equal_the_models_forward_with_a_slot_cache(arch, dtype, attention, tok):
+    """The lean forward with either attention kernel (sdpa is CUDA's, its logic checked here on CPU) against the
+    model's own forward under eager attention."""
     model = build_causal_lm(arch, tok, seed=0).to(dtype).eval()
     assert supports_lean_forward(model)
     g = torch.Generator().manual_seed(0)
@@ -28,6 +32,7 @@ def test_lean_logits_equal_the_models_forward_with_a_slot_cache(arch, dtype, tok
     mask = causal_slot_mask(pos_BQ, 9, model.dtype)
 
     def run(lean: bool) -> torch.Tensor:
+        use_attention(model, attention if lean else EAGER)
         cache = SlotKVCache(8, 16)
         cache.bind(rows_B, pos_BQ, 9)
         if lean:
@@ -79,3 +84,15 @@ def test_engine_samples_the_same_tokens_either_way(tok):
     for a, b in zip(run(True), run(False)):
         assert a.tokens == b.tokens
         torch.testing.assert_close(torch.tensor(a.logps), torch.tensor(b.logps), atol=1e-5, rtol=0)
+
+
+def test_models_compute_attention_with_their_devices_kernel(tok):
+    from loomrl.models.attention import attention_for, uses_sdpa
+    from loomrl.role.build import build_model
+    from loomrl.role.spec import RoleSpec
+
+    assert attention_for(torch.device("cuda")) == SDPA and attention_for(torch.device("cpu")) == EAGER
+    spec = RoleSpec("actor", "llama-1m", "actor.model")
+    model = build_model(spec, tok, torch.device("cpu"), torch.float32)
+    assert not uses_sdpa(model)
+    assert uses_sdpa(use_attention(model, SDPA)) and not uses_sdpa(use_attention(model, EAGER))

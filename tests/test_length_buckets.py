@@ -1,7 +1,9 @@
 """Length buckets: which rows run together, and that bucketed passes give the unbucketed outputs and gradients."""
 
+import pytest
 import torch
 
+from loomrl.models.attention import EAGER, SDPA, use_attention
 from loomrl.models.heads import model_outputs
 from loomrl.models.tokenizer import build_char_tokenizer
 from loomrl.models.zoo import build_causal_lm
@@ -30,7 +32,9 @@ def test_few_rows_or_a_small_saving_are_not_split():
     assert len(length_buckets(torch.tensor([19] * 16 + [20] * 16))) == 1  # saves 16 of 640 positions
 
 
-def test_bucketed_pass_gives_the_outputs_and_gradients_of_one_pass():
+@pytest.mark.parametrize("attention", [EAGER, SDPA])
+def test_bucketed_pass_gives_the_outputs_and_gradients_of_one_pass(attention):
+    """Buckets under either attention kernel (sdpa is CUDA's) against one pass under eager."""
     torch.manual_seed(0)
     model = build_causal_lm("llama-1m", build_char_tokenizer(), seed=0).train()
     lengths = [30 if i % 4 == 0 else 6 + i % 3 for i in range(32)]
@@ -43,6 +47,7 @@ def test_bucketed_pass_gives_the_outputs_and_gradients_of_one_pass():
 
     def run(split: bool):
         model.zero_grad()
+        use_attention(model, attention if split else EAGER)
         out = bucketed_outputs(lambda i, a: model_outputs(model, i, a), ids_BL, attn_BL, split=split)
         (out.log_softmax(-1)[..., 5] * attn_BL).sum().backward()
         return out.detach(), {n: p.grad.clone() for n, p in model.named_parameters()}

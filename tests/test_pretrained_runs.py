@@ -103,7 +103,11 @@ def test_the_trained_policy_exports_to_what_from_pretrained_loads(reference, mod
     assert torch.isfinite(model(input_ids=ids).logits).all()
 
 
-@pytest.mark.parametrize("plan", ["colocate", "separate"])
+@pytest.mark.parametrize(
+    "plan",
+    ["colocate", "separate", "colocate; stream_fusion=migrate_at:0.5,migrate_to:1,chunk:2"],
+    ids=["colocate", "separate", "stream_fused"],
+)
 def test_every_placement_trains_the_pretrained_model_as_the_reference_does(tmp_path, model_dir, reference, plan):
     cfg = _run(tmp_path, model_dir, "ray", "runtime.executor=ray", "runtime.devices=2")
     RLTrainer(dataclasses.replace(cfg, runtime=dataclasses.replace(cfg.runtime, plan=plan))).run()

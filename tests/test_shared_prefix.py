@@ -4,6 +4,7 @@ rows, for a policy and a value model, through the engine too."""
 import pytest
 import torch
 
+from loomrl.models.attention import EAGER, SDPA, use_attention
 from loomrl.models.heads import (
     LOGP,
     applies_head_alone,
@@ -46,9 +47,11 @@ def test_distinct_prompts_or_a_small_saving_do_not_share():
     assert prompt_groups(ids_BL, plen_B) is None
 
 
+@pytest.mark.parametrize("attention", [EAGER, SDPA])
 @pytest.mark.parametrize("value_model", [False, True], ids=["policy", "value"])
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=["fp32", "bf16"])
-def test_shared_prompts_give_the_outputs_and_gradients_of_whole_rows(value_model, dtype):
+def test_shared_prompts_give_the_outputs_and_gradients_of_whole_rows(value_model, dtype, attention):
+    """With either attention kernel (sdpa is CUDA's, checked here on CPU), against whole rows under eager."""
     tok = build_char_tokenizer()
     build = build_value_model if value_model else build_causal_lm
     model = build("llama-1m", tok, seed=0).to(dtype).train()
@@ -61,6 +64,7 @@ def test_shared_prompts_give_the_outputs_and_gradients_of_whole_rows(value_model
 
     def run(shared: bool):
         model.zero_grad()
+        use_attention(model, attention if shared else EAGER)
         out = (
             shared_prefix_outputs(model, ids_BL, attn_BL, plen_B, groups, width, 0.7)
             if shared

@@ -16,6 +16,7 @@ from loomrl.algorithms.lr import learning_rate
 from loomrl.config.schema import OptimConfig
 from loomrl.data.tasks import Task
 from loomrl.errors import DataError
+from loomrl.models.attention import attention_for, use_attention
 from loomrl.models.zoo import build_causal_lm, build_value_model
 from loomrl.parallel.main_grad import accumulate_in_fp32
 from loomrl.role.spec import RoleSpec
@@ -25,12 +26,13 @@ __all__ = ["adamw", "build_model", "make_role"]
 
 def build_model(spec: RoleSpec, tokenizer, device: torch.device, dtype: torch.dtype) -> torch.nn.Module | None:
     """The role's initial model in ``dtype`` on ``device`` (drawn or loaded in fp32, then rounded, so every
-    precision starts alike); frozen roles in eval mode without gradients; None for a role without a model."""
+    precision starts alike) with the device's attention kernel (:mod:`loomrl.models.attention`); frozen roles in
+    eval mode without gradients; None for a role without a model."""
     if spec.model is None:
         return None
     build = build_value_model if spec.value_head else build_causal_lm
     try:
-        model = build(spec.model, tokenizer, spec.seed).to(device, dtype)
+        model = use_attention(build(spec.model, tokenizer, spec.seed).to(device, dtype), attention_for(device))
     except DataError as err:
         raise DataError(f"{spec.field}: {err}") from None
     return model if spec.trained else model.eval().requires_grad_(False)

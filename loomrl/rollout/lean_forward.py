@@ -6,7 +6,8 @@ much as the operations. This forward reads the model's own parameters and module
 operations as transformers' eager Llama forward (RMSNorm in float32, rotary embedding from the model's own
 rotary module, softmax in float32, SiLU-gated MLP) in the same order and precision, with two differences in form:
 grouped-query attention multiplies each key/value head with its query heads in one batched product instead of
-copying the keys and values per query head, and the projections are called directly. It computes every
+copying the keys and values per query head, and the projections are called directly. A model that runs ``sdpa``
+attention (on CUDA, :mod:`loomrl.models.attention`) gets ``scaled_dot_product_attention`` here too. It computes every
 position's logits the model would, equal up to the rounding of those products (tests compare it with the
 model's forward and with transformers' generation).
 
@@ -23,6 +24,8 @@ from __future__ import annotations
 import torch
 import torch.nn.functional as F
 from transformers import Cache, PreTrainedModel
+
+from loomrl.models.attention import uses_sdpa
 
 __all__ = ["lean_logits", "supports_lean_forward"]
 
@@ -83,6 +86,7 @@ def lean_logits(
     heads, kv_heads = config.num_attention_heads, config.num_key_value_heads
     groups = heads // kv_heads
     mask_B11QK = mask_B1QK[:, :, None]
+    sdpa = uses_sdpa(model)
     for index, layer in enumerate(body.layers):
         attn = layer.self_attn
         dim = attn.head_dim
@@ -93,13 +97,18 @@ def lean_logits(
         q_BHQD = _rotate(q_BHQD, cos_B1QD, sin_B1QD)
         k_BHQD = _rotate(k_BHQD, cos_B1QD, sin_B1QD)
         keys_BHKD, values_BHKD = cache.update(k_BHQD, v_BHQD, index)
-        # each key/value head against its G query heads at once: B x Hkv x (G*Q) x K, no per-head copies
-        q_BhGQD = q_BHQD.reshape(rows, kv_heads, groups * width, dim)
-        scores = torch.matmul(q_BhGQD, keys_BHKD.transpose(2, 3)) * attn.scaling
-        scores = scores.view(rows, kv_heads, groups, width, -1) + mask_B11QK
-        probs = F.softmax(scores, dim=-1, dtype=torch.float32).to(q_BHQD.dtype)
-        out = torch.matmul(probs.view(rows, kv_heads, groups * width, -1), values_BHKD)
-        out_BQX = out.view(rows, heads, width, dim).transpose(1, 2).reshape(rows, width, heads * dim)
+        if sdpa:  # one fused kernel; its query heads share their key/value head as below (enable_gqa)
+            out = F.scaled_dot_product_attention(
+                q_BHQD, keys_BHKD, values_BHKD, attn_mask=mask_B1QK, scale=attn.scaling, enable_gqa=groups > 1
+            )
+        else:
+            # each key/value head against its G query heads at once: B x Hkv x (G*Q) x K, no per-head copies
+            q_BhGQD = q_BHQD.reshape(rows, kv_heads, groups * width, dim)
+            scores = torch.matmul(q_BhGQD, keys_BHKD.transpose(2, 3)) * attn.scaling
+            scores = scores.view(rows, kv_heads, groups, width, -1) + mask_B11QK
+            probs = F.softmax(scores, dim=-1, dtype=torch.float32).to(q_BHQD.dtype)
+            out = torch.matmul(probs.view(rows, kv_heads, groups * width, -1), values_BHKD)
+        out_BQX = out.reshape(rows, heads, width, dim).transpose(1, 2).reshape(rows, width, heads * dim)
         h_BQH = h_BQH + F.linear(out_BQX, attn.o_proj.weight, attn.o_proj.bias)
         x_BQH = _rms_norm(layer.post_attention_layernorm, h_BQH)
         mlp = layer.mlp
