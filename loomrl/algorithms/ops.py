@@ -22,7 +22,7 @@ from __future__ import annotations
 import math
 import warnings
 from collections.abc import Callable, Iterator
-from contextlib import contextmanager
+from contextlib import contextmanager, nullcontext
 
 import torch
 
@@ -31,6 +31,7 @@ from loomrl.algorithms.lr import set_lr
 from loomrl.config.schema import judge_role
 from loomrl.errors import TrainingError
 from loomrl.models.heads import LOGP, last_real_index
+from loomrl.models.lora import adapters_off
 from loomrl.rollout import Request, RolloutEngine, SamplingParams, generation_eos_ids, stream_keys
 from loomrl.workflow.batch import Batch, micro_batch_slices, pack_sequences, pad_columns, pad_right, response_mask
 from loomrl.workflow.minibatches import loss_weights
@@ -133,11 +134,13 @@ def role_outputs(
 
 
 @torch.no_grad()
-def logprob_op(ctx: OpContext, batch: Batch, out_key: str, temperature: float) -> dict:
-    """Per-token log-probs of the responses under the role's (policy) model."""
+def logprob_op(ctx: OpContext, batch: Batch, out_key: str, temperature: float, base: bool = False) -> dict:
+    """Per-token log-probs of the responses under the role's (policy) model; ``base``: under its base, its LoRA
+    adapters off (a LoRA actor's reference, :func:`loomrl.models.lora.adapters_off`)."""
     ids_BL, attn_BL, plen_B = _packed(ctx, batch)
     width = max(len(r) for r in batch["response_ids"])
-    logp_BR = role_outputs(ctx, ids_BL, attn_BL, lambda out_BR2, rows: out_BR2[..., LOGP], plen_B, temperature)
+    with adapters_off(ctx.role.model) if base else nullcontext():
+        logp_BR = role_outputs(ctx, ids_BL, attn_BL, lambda out_BR2, rows: out_BR2[..., LOGP], plen_B, temperature)
     return {out_key: pad_columns(logp_BR, width).float().cpu()}
 
 

@@ -200,10 +200,14 @@ def judge_mfcs(reward: RewardConfig | None) -> tuple[list[MFC], MFC | None]:
 
 
 def _rollout_mfcs(
-    algo: AlgoConfig, rollout: RolloutConfig, recompute: bool, reward: RewardConfig | None = None
+    algo: AlgoConfig,
+    rollout: RolloutConfig,
+    recompute: bool,
+    reward: RewardConfig | None = None,
+    reference: str = "ref",
 ) -> list[MFC]:
     """Generation and the inference calls that score it (shared by every algorithm); the reference's only
-    where its log-probs weigh in (:func:`uses_reference`)."""
+    where its log-probs weigh in (:func:`uses_reference`), on the ``reference`` role (``actor``: its base)."""
     gen, inf = MFCKind.GENERATE, MFCKind.INFERENCE
     seq, scored = ("prompt_ids", "response_ids"), ("prompt_ids", "response_ids", "prompt_text", "answer", "row")
     temp = rollout.temperature
@@ -217,7 +221,14 @@ def _rollout_mfcs(
             partial(generate_op, params=sampling_params(rollout)),
             stream=partial(generate_chunks, params=sampling_params(rollout)),
         ),
-        MFC("ref_inf", "ref", inf, seq, ("ref_logp",), partial(logprob_op, out_key="ref_logp", temperature=temp)),
+        MFC(
+            "ref_inf",
+            reference,
+            inf,
+            seq,
+            ("ref_logp",),
+            partial(logprob_op, out_key="ref_logp", temperature=temp, base=reference == "actor"),
+        ),
         MFC("reward_inf", "reward", inf, scored, ("score", "rule_scores"), partial(reward_op, rule_key="rule_scores")),
     ]
     if not uses_reference(algo):
@@ -273,13 +284,17 @@ def uses_reference(algo: AlgoConfig) -> bool:
     return algo.kl_coef > 0
 
 
-def build_workflow(algo: AlgoConfig, rollout: RolloutConfig, reward: RewardConfig | None = None) -> Workflow:
-    """The MFC graph of one iteration of ``algo.name``, with ``reward``'s judges where it has them."""
+def build_workflow(
+    algo: AlgoConfig, rollout: RolloutConfig, reward: RewardConfig | None = None, reference: str = "ref"
+) -> Workflow:
+    """The MFC graph of one iteration of ``algo.name``, with ``reward``'s judges where it has them; the KL
+    reference's log-probs from the ``reference`` role (:attr:`~loomrl.config.schema.TrainConfig.reference_role`:
+    ``ref``, or ``actor`` for a LoRA actor's base)."""
     # Truncated sampling (top-k/top-p) is not the distribution the actor trains; recompute behaviour log-probs
     # (also on request: frameworks whose sampler's log-probs differ from the trainer's recompute them always).
     recompute = rollout.top_k > 0 or rollout.top_p < 1.0 or algo.recompute_logprobs
     old_key = "old_logp" if recompute else "logp"
-    mfcs = _rollout_mfcs(algo, rollout, recompute, reward)
+    mfcs = _rollout_mfcs(algo, rollout, recompute, reward, reference)
     kl = uses_reference(algo)
     adv_inputs = ("logp", *(("ref_logp",) if kl else ()), "score", "mask") + {
         "ppo": ("values",),

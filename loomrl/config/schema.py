@@ -138,12 +138,46 @@ class OptimConfig(ValidatedConfig):
     """Where the cosine decay ends, as a fraction of lr."""
 
 
+LORA_TARGETS = ("q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj")
+"""The projections of a Llama-style layer: what ``lora.target_modules`` may name."""
+
+
+@dataclass(frozen=True)
+class LoraConfig(ValidatedConfig):
+    r: int = spec(0, ge=0, le=4096)
+    """Rank of the adapters; 0 trains every weight (no LoRA)."""
+    alpha: float = spec(32.0, gt=0)
+    """Scale numerator: each adapter's update is multiplied by alpha / r."""
+    dropout: float = spec(0.0, ge=0, lt=1)
+    """Dropout on the adapters' inputs in training (drawn from each process's own stream: plans equal the
+    reference executor at 0 only)."""
+    target_modules: tuple[str, ...] = LORA_TARGETS
+    """The projections that get adapters, by name."""
+    reference: str = spec("base", choices=("base", "copy"))
+    """With a LoRA actor, where the KL reference's log-probs come from: 'base' runs the actor's own weights with
+    its adapters off (no reference model exists), 'copy' a separate frozen model as without LoRA."""
+
+    @property
+    def enabled(self) -> bool:
+        return self.r > 0
+
+    def validate(self) -> None:
+        if not self.target_modules:
+            fail("target_modules", f"is empty; name one or more of {', '.join(LORA_TARGETS)}")
+        bad = [m for m in self.target_modules if m not in LORA_TARGETS]
+        if bad:
+            fail("target_modules", f"{bad[0]!r} is not a projection (valid: {', '.join(LORA_TARGETS)})")
+
+
 @dataclass(frozen=True)
 class PolicyConfig(ValidatedConfig):
     model: str = "llama-1m"
     """Zoo name (llama-1m, llama-10m, llama-30m, qwen2-1m, gpt2-1m) or a local HF checkpoint directory."""
     optim: OptimConfig = field(default_factory=OptimConfig)
     """Optimizer of the actor."""
+    lora: LoraConfig = field(default_factory=LoraConfig)
+    """Low-rank adapters: with ``lora.r`` > 0 only they train (in fp32), the base stays frozen in the run's
+    precision, and only they move between layouts and into checkpoints."""
 
 
 @dataclass(frozen=True)
@@ -152,6 +186,8 @@ class CriticConfig(ValidatedConfig):
     """Checkpoint or zoo name the critic starts from; None initialises it from the actor's checkpoint."""
     optim: OptimConfig = field(default_factory=lambda: OptimConfig(lr=5e-4))
     """Optimizer of the critic."""
+    lora: LoraConfig = field(default_factory=LoraConfig)
+    """Low-rank adapters of the critic (its value head trains in full); ``lora.reference`` does not apply."""
 
 
 @dataclass(frozen=True)
@@ -617,6 +653,13 @@ class TrainConfig(ValidatedConfig):
                 f"{self.runtime.controllers} controllers need at least as many prompts an "
                 f"iteration (rollout.prompts_per_iter is {self.rollout.prompts_per_iter})",
             )
+
+    @property
+    def reference_role(self) -> str:
+        """The role whose model gives the KL reference's log-probs: ``ref``, or ``actor`` (its base, adapters
+        off) for a LoRA actor with ``actor.lora.reference: base``."""
+        lora = self.actor.lora
+        return "actor" if lora.enabled and lora.reference == "base" else "ref"
 
     def model_of(self, role: str) -> str | None:
         """The model ``role`` is built from (a zoo name or a checkpoint directory), with the config field it comes

@@ -18,7 +18,7 @@ Choices that hold for every zoo model:
 from __future__ import annotations
 
 import os
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import torch
 from transformers import (
@@ -32,7 +32,11 @@ from transformers import (
 
 from loomrl.errors import DataError
 from loomrl.models.heads import score_head
+from loomrl.models.lora import add_adapters, moving_parameters
 from loomrl.models.pretrained import PRETRAINED, pretrained_dir
+
+if TYPE_CHECKING:
+    from loomrl.config.schema import LoraConfig
 
 ATTN_IMPLEMENTATION = "eager"
 """Attention kernel of every model built or loaded here (see the module docstring for why)."""
@@ -147,10 +151,11 @@ def checkpoint_dir(name_or_path: str) -> str | None:
 
 
 def parameter_shapes(
-    name_or_path: str, tokenizer: PreTrainedTokenizerBase, value: bool
+    name_or_path: str, tokenizer: PreTrainedTokenizerBase, value: bool, lora: LoraConfig | None = None
 ) -> tuple[dict[str, tuple[int, ...]], int]:
-    """Parameter names and full shapes (and the layer count) of a zoo or checkpoint model, without building
-    its weights: the model is instantiated from its config on the meta device."""
+    """Names and full shapes of the parameters a role moves (and the layer count) of a zoo or checkpoint model,
+    without building its weights: the model is instantiated from its config on the meta device. With ``lora``,
+    only the adapters (and a value head) move (:func:`loomrl.models.lora.is_moving`)."""
     if name_or_path in ZOO:
         config = zoo_config(name_or_path, tokenizer)
     elif (directory := checkpoint_dir(name_or_path)) is not None:
@@ -162,7 +167,9 @@ def parameter_shapes(
         config.num_labels = 1
     with torch.device("meta"):
         model = auto.from_config(config, attn_implementation=ATTN_IMPLEMENTATION)
-    return {n: tuple(p.shape) for n, p in model.named_parameters()}, config.num_hidden_layers
+    if lora is not None:
+        add_adapters(model, lora, 0)
+    return {n: tuple(p.shape) for n, p in moving_parameters(model)}, config.num_hidden_layers
 
 
 def check_model_spec(name_or_path: str) -> None:

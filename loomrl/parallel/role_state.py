@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import torch
 
+from loomrl.models.lora import moving_parameters
 from loomrl.parallel.data_parallel import local_shard
 from loomrl.parallel.zero import MASTER, ZeroAdamW
 
@@ -27,7 +28,10 @@ def state_tensors(model: torch.nn.Module, optimizer, kind: str) -> dict[str, tor
     ``master`` is the exact fp32 weights: a :class:`ZeroAdamW`'s master chunks for 16-bit weights, else the
     weights themselves (fp32 weights, FSDP's fp32 shards). Moments exist only once the optimizer has stepped
     (or :func:`init_state` made them)."""
-    params = {name: p for name, p in model.named_parameters() if p.requires_grad or kind == "weights"}
+    if kind == "weights":  # what moves: every weight, or a LoRA model's adapters (its base is built in place)
+        params = dict(moving_parameters(model))
+    else:
+        params = {name: p for name, p in model.named_parameters() if p.requires_grad}
     if kind == "weights" or (kind == MASTER and not _keeps_masters(model, optimizer)):
         return {name: local_shard(p.detach()) for name, p in params.items()}
     if isinstance(optimizer, ZeroAdamW):

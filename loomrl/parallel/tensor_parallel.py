@@ -11,6 +11,11 @@ Works on ``*ForCausalLM``, ``*ForSequenceClassification`` and the bare ``*Model`
   rank from the same per-sample random stream, so every rank draws the same token. Splitting the vocabulary
   keeps the two largest matrices of a real model off every rank; the gathered logits take the memory a
   replicated head's output would have taken anyway.
+- a projection with LoRA adapters (peft's layer around the linear, :mod:`loomrl.models.lora`): its base is split
+  as the plain projection is; of the adapters, ``lora_B`` of a column-wise projection is split column-wise (its
+  output rows are the base's) and ``lora_A`` of a row-wise one row-wise (its input columns are the base's, its r
+  outputs all-reduced), Megatron's choice, so each adapter's update adds to the base's local output as it is; the
+  other adapter, r × width, is replicated (small: splitting it would add a collective per projection).
 - everything else with parameters (norms, a sequence-classification ``score`` head) becomes Replicate DTensors.
   Their inputs are replicated and so are the gradients reaching them (the backward of every column-wise layer
   all-reduces the gradient of its replicated input), so their gradients agree across ranks without any extra
@@ -93,18 +98,38 @@ def _plan(model: PreTrainedModel) -> dict[str, Any]:
     plan: dict[str, Any] = {}
     if isinstance(getattr(model.base_model, "embed_tokens", None), nn.Embedding):
         plan[f"{base}embed_tokens"] = RowwiseParallel(input_layouts=Replicate(), output_layouts=Replicate())
-    plan |= {
-        f"{base}layers.*.self_attn.q_proj": ColwiseParallel(),
-        f"{base}layers.*.self_attn.k_proj": ColwiseParallel(),
-        f"{base}layers.*.self_attn.v_proj": ColwiseParallel(),
-        f"{base}layers.*.self_attn.o_proj": RowwiseParallel(),
-        f"{base}layers.*.mlp.gate_proj": ColwiseParallel(),
-        f"{base}layers.*.mlp.up_proj": ColwiseParallel(),
-        f"{base}layers.*.mlp.down_proj": RowwiseParallel(),
-    }
+    layers = getattr(model.base_model, "layers", None)
+    first = next(iter(layers.values() if isinstance(layers, nn.ModuleDict) else layers)) if layers else None
+    for path, column in _PROJECTIONS:
+        pattern = f"{base}layers.*.{path}"
+        style = ColwiseParallel if column else RowwiseParallel
+        if first is None or not _has_adapter(first.get_submodule(path)):
+            plan[pattern] = style()
+            continue
+        # LoRA (see the module docstring): the base as the plain projection, the adapter on the split side split
+        # with it, the other (r wide) replicated by _replicate_remaining
+        plan[f"{pattern}.base_layer"] = style()
+        plan[f"{pattern}.{'lora_B' if column else 'lora_A'}.*"] = style()
     if isinstance(getattr(model, "lm_head", None), nn.Linear):
         plan["lm_head"] = ColwiseParallel(output_layouts=Replicate())
     return plan
+
+
+_PROJECTIONS = (
+    ("self_attn.q_proj", True),
+    ("self_attn.k_proj", True),
+    ("self_attn.v_proj", True),
+    ("self_attn.o_proj", False),
+    ("mlp.gate_proj", True),
+    ("mlp.up_proj", True),
+    ("mlp.down_proj", False),
+)
+"""Each layer's projections, column-wise (True) or row-wise."""
+
+
+def _has_adapter(module: nn.Module) -> bool:
+    """Whether a projection is a LoRA layer around its linear (peft's ``base_layer``, ``lora_A``, ``lora_B``)."""
+    return hasattr(module, "base_layer") and hasattr(module, "lora_A")
 
 
 def _base_prefix(model: PreTrainedModel) -> str:

@@ -46,11 +46,25 @@ _VOCAB = ("embed_tokens", "lm_head")
 
 
 def tp_dim(param_name: str) -> int | None:
-    """The dim tensor parallelism splits ``param_name`` along, or None when it is replicated."""
+    """The dim tensor parallelism splits ``param_name`` along, or None when it is replicated.
+
+    A projection with LoRA adapters (``q_proj.base_layer.weight``, ``q_proj.lora_A.default.weight``) keeps its
+    base split as the plain projection is; of its adapters, the one on the split side is split with it (``lora_B``'s
+    output rows of a column-wise projection, ``lora_A``'s input columns of a row-wise one) and the other, r wide,
+    is replicated (:mod:`loomrl.parallel.tensor_parallel`)."""
     parts = param_name.split(".")
     if len(parts) < 2:
         return None
     module, kind = parts[-2], parts[-1]
+    if module == "base_layer" and len(parts) >= 3:
+        module = parts[-3]
+    elif len(parts) >= 4 and parts[-3] in ("lora_A", "lora_B"):
+        adapter, projection = parts[-3], parts[-4]
+        if projection in _COLUMN_WISE and adapter == "lora_B":
+            return 0
+        if projection in _ROW_WISE and adapter == "lora_A":
+            return 1
+        return None
     if module in _COLUMN_WISE or module in _VOCAB:
         return 0
     if module in _ROW_WISE and kind == "weight":

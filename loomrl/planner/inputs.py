@@ -124,7 +124,7 @@ def inputs_from_config(
     from loomrl.algorithms.workflows import build_workflow
 
     rt = cfg.runtime
-    workflow = workflow or build_workflow(cfg.algo, cfg.rollout, cfg.reward)
+    workflow = workflow or build_workflow(cfg.algo, cfg.rollout, cfg.reward, cfg.reference_role)
     if profile is None:
         profile = load_profile(rt.cost_profile) if rt.cost_profile else profile_for(cluster)
     if corrections is None and rt.cost_corrections:

@@ -17,6 +17,7 @@ from loomrl.config.schema import OptimConfig
 from loomrl.data.tasks import Task
 from loomrl.errors import DataError
 from loomrl.models.attention import attention_for, use_attention
+from loomrl.models.lora import add_adapters, to_precision
 from loomrl.models.zoo import build_causal_lm, build_value_model
 from loomrl.parallel.main_grad import accumulate_in_fp32
 from loomrl.role.spec import RoleSpec
@@ -26,15 +27,19 @@ __all__ = ["adamw", "build_model", "make_role"]
 
 def build_model(spec: RoleSpec, tokenizer, device: torch.device, dtype: torch.dtype) -> torch.nn.Module | None:
     """The role's initial model in ``dtype`` on ``device`` (drawn or loaded in fp32, then rounded, so every
-    precision starts alike) with the device's attention kernel (:mod:`loomrl.models.attention`); frozen roles in
-    eval mode without gradients; None for a role without a model."""
+    precision starts alike; its LoRA adapters, if the spec has them, drawn from its seed and kept in fp32) with
+    the device's attention kernel (:mod:`loomrl.models.attention`); frozen roles in eval mode without gradients;
+    None for a role without a model."""
     if spec.model is None:
         return None
     build = build_value_model if spec.value_head else build_causal_lm
     try:
-        model = use_attention(build(spec.model, tokenizer, spec.seed).to(device, dtype), attention_for(device))
+        model = build(spec.model, tokenizer, spec.seed)
     except DataError as err:
         raise DataError(f"{spec.field}: {err}") from None
+    if spec.lora is not None:
+        add_adapters(model, spec.lora, spec.seed)
+    model = use_attention(to_precision(model, device, dtype), attention_for(device))
     return model if spec.trained else model.eval().requires_grad_(False)
 
 

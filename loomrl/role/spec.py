@@ -10,7 +10,7 @@ from __future__ import annotations
 from collections.abc import Iterable
 from dataclasses import dataclass
 
-from loomrl.config.schema import OptimConfig, TrainConfig, judge_index
+from loomrl.config.schema import LoraConfig, OptimConfig, TrainConfig, judge_index
 
 __all__ = ["RoleSpec", "role_specs"]
 
@@ -36,6 +36,8 @@ class RoleSpec:
     on_nonfinite: str = "skip"
     """A trained role's optimizer step with a NaN or inf loss or gradient norm: 'skip' or 'stop'
     (``train.on_nonfinite``)."""
+    lora: LoraConfig | None = None
+    """Low-rank adapters trained instead of the whole model (:mod:`loomrl.models.lora`); None: every weight."""
     rule: bool = False
     """Reward only: add the task's rule-based score."""
     rule_weight: float = 1.0
@@ -62,6 +64,7 @@ def role_specs(cfg: TrainConfig, roles: Iterable[str]) -> dict[str, RoleSpec]:
                 optim=cfg.actor.optim,
                 total_steps=steps,
                 on_nonfinite=cfg.train.on_nonfinite,
+                lora=cfg.actor.lora if cfg.actor.lora.enabled else None,
             )
         elif role == "critic":
             spec = RoleSpec(
@@ -73,6 +76,7 @@ def role_specs(cfg: TrainConfig, roles: Iterable[str]) -> dict[str, RoleSpec]:
                 optim=cfg.critic.optim,
                 total_steps=steps,
                 on_nonfinite=cfg.train.on_nonfinite,
+                lora=cfg.critic.lora if cfg.critic.lora.enabled else None,
             )
         elif role == "reward":
             spec = RoleSpec(

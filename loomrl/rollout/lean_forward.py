@@ -4,9 +4,10 @@ A decode step of a small model is a few dozen small tensor operations per layer,
 graphs) the time between them (module calls, keyword plumbing, mask construction, the cache interface) costs as
 much as the operations. This forward reads the model's own parameters and modules' constants and runs the same
 operations as transformers' eager Llama forward (RMSNorm in float32, rotary embedding from the model's own
-rotary module, softmax in float32, SiLU-gated MLP) in the same order and precision, with two differences in form:
-grouped-query attention multiplies each key/value head with its query heads in one batched product instead of
-copying the keys and values per query head, and the projections are called directly. A model that runs ``sdpa``
+rotary module, softmax in float32, SiLU-gated MLP) in the same order and precision (a projection with LoRA
+adapters runs its own module: the base and the adapters' update as peft computes them), with two differences in
+form: grouped-query attention multiplies each key/value head with its query heads in one batched product instead
+of copying the keys and values per query head, and the projections are called directly. A model that runs ``sdpa``
 attention (on CUDA, :mod:`loomrl.models.attention`) gets ``scaled_dot_product_attention`` here too. It computes every
 position's logits the model would, equal up to the rounding of those products (tests compare it with the
 model's forward and with transformers' generation).
@@ -66,6 +67,13 @@ def _rms_norm(norm: torch.nn.Module, x: torch.Tensor) -> torch.Tensor:
     return norm.weight * x32.to(x.dtype)
 
 
+def _project(module: torch.nn.Module, x: torch.Tensor) -> torch.Tensor:
+    # a projection with LoRA adapters (a peft layer around the linear) runs its own forward: base plus update
+    if type(module) is torch.nn.Linear:
+        return F.linear(x, module.weight, module.bias)
+    return module(x)
+
+
 def _rotate(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
     half = x.shape[-1] // 2
     return x * cos + torch.cat((-x[..., half:], x[..., :half]), dim=-1) * sin
@@ -91,9 +99,9 @@ def lean_logits(
         attn = layer.self_attn
         dim = attn.head_dim
         x_BQH = _rms_norm(layer.input_layernorm, h_BQH)
-        q_BHQD = F.linear(x_BQH, attn.q_proj.weight, attn.q_proj.bias).view(rows, width, heads, dim).transpose(1, 2)
-        k_BHQD = F.linear(x_BQH, attn.k_proj.weight, attn.k_proj.bias).view(rows, width, kv_heads, dim).transpose(1, 2)
-        v_BHQD = F.linear(x_BQH, attn.v_proj.weight, attn.v_proj.bias).view(rows, width, kv_heads, dim).transpose(1, 2)
+        q_BHQD = _project(attn.q_proj, x_BQH).view(rows, width, heads, dim).transpose(1, 2)
+        k_BHQD = _project(attn.k_proj, x_BQH).view(rows, width, kv_heads, dim).transpose(1, 2)
+        v_BHQD = _project(attn.v_proj, x_BQH).view(rows, width, kv_heads, dim).transpose(1, 2)
         q_BHQD = _rotate(q_BHQD, cos_B1QD, sin_B1QD)
         k_BHQD = _rotate(k_BHQD, cos_B1QD, sin_B1QD)
         keys_BHKD, values_BHKD = cache.update(k_BHQD, v_BHQD, index)
@@ -109,12 +117,10 @@ def lean_logits(
             probs = F.softmax(scores, dim=-1, dtype=torch.float32).to(q_BHQD.dtype)
             out = torch.matmul(probs.view(rows, kv_heads, groups * width, -1), values_BHKD)
         out_BQX = out.reshape(rows, heads, width, dim).transpose(1, 2).reshape(rows, width, heads * dim)
-        h_BQH = h_BQH + F.linear(out_BQX, attn.o_proj.weight, attn.o_proj.bias)
+        h_BQH = h_BQH + _project(attn.o_proj, out_BQX)
         x_BQH = _rms_norm(layer.post_attention_layernorm, h_BQH)
         mlp = layer.mlp
-        gated = F.silu(F.linear(x_BQH, mlp.gate_proj.weight, mlp.gate_proj.bias)) * F.linear(
-            x_BQH, mlp.up_proj.weight, mlp.up_proj.bias
-        )
-        h_BQH = h_BQH + F.linear(gated, mlp.down_proj.weight, mlp.down_proj.bias)
+        gated = F.silu(_project(mlp.gate_proj, x_BQH)) * _project(mlp.up_proj, x_BQH)
+        h_BQH = h_BQH + _project(mlp.down_proj, gated)
     h_BQH = _rms_norm(body.norm, h_BQH)
     return F.linear(h_BQH, model.lm_head.weight, model.lm_head.bias)

@@ -22,18 +22,23 @@ from __future__ import annotations
 
 import torch
 
+from loomrl.models.lora import moving_parameters
 from loomrl.parallel.data_parallel import local_shard
 
 __all__ = ["HostCopy", "TrainingState", "bind_view", "reclaim", "release_storage"]
 
 
-def release_storage(model: torch.nn.Module, views: frozenset[str] | set[str] = frozenset()) -> None:
+def release_storage(
+    model: torch.nn.Module, views: frozenset[str] | set[str] = frozenset(), moving_only: bool = False
+) -> None:
     """Free the device storage of every parameter's local shard; the parameters stay the same tensors.
+    ``moving_only``: only of the parameters that move (a LoRA model's adapters, :mod:`loomrl.models.lora`; all
+    of another model), the frozen base staying resident.
 
     Parameters named in ``views`` were bound to a view of another tensor (:func:`bind_view`): their storage
     is not theirs to free, so they are pointed at a one-element placeholder instead (keeping their shape)."""
     with torch.no_grad():
-        for name, param in model.named_parameters():
+        for name, param in moving_parameters(model) if moving_only else model.named_parameters():
             if name in views:
                 local = _stored(param)
                 local.set_(torch.empty((1,) * local.dim(), dtype=local.dtype, device=local.device).expand(local.shape))

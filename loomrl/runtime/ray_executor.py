@@ -131,10 +131,11 @@ class RayExecutor(Executor):
         return WorkerPlan(schedule, {t: self._transfer_plan(*t, False) for t in schedule.transfers()}), owned
 
     def param_shapes(self, role: str) -> tuple[dict[str, tuple[int, ...]], int]:
-        """Full parameter shapes and layer count of a role's model, from its config alone (no weights)."""
+        """Full shapes of the parameters a role's model moves (all, or its LoRA adapters) and its layer count, from
+        its config alone (no weights)."""
         if role not in self._shapes:
             spec = self.spec.roles[role]
-            self._shapes[role] = parameter_shapes(spec.model, self._tokenizer, value=spec.value_head)
+            self._shapes[role] = parameter_shapes(spec.model, self._tokenizer, value=spec.value_head, lora=spec.lora)
         return self._shapes[role]
 
     def _spawn(self, n: int, gpu: bool) -> None:

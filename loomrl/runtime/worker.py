@@ -31,6 +31,7 @@ from loomrl.checkpoint.optim_state import FullOptimizerState, merge_optimizer_st
 from loomrl.checkpoint.shards import check_pieces, place_of, role_pieces, write_role_shards
 from loomrl.checkpoint.store import begin_save, finish_sharded_save, load_checkpoint, save_checkpoint
 from loomrl.data.sources import build_task
+from loomrl.models.lora import moving_parameters
 from loomrl.models.tokenizer import decode_response, encode_prompt, task_tokenizer
 from loomrl.parallel import (
     apply_fsdp,
@@ -218,8 +219,8 @@ class DeviceWorker:
         zero_group = groups.dp_group if trainable and sharded and training.zero else None
         handle = make_role(spec, model, self.task, engine, trainable=trainable, zero_group=zero_group)
         if kind == "copy":
-            _own_storage(model)  # freed and refilled around its uses
-            release_storage(model)
+            _own_storage(model)  # freed and refilled around its uses (a LoRA copy's base stays: it never changes)
+            release_storage(model, moving_only=True)
         return handle
 
     def _parallelize(self, role: str, alloc: Allocation, model: torch.nn.Module | None):
@@ -272,7 +273,7 @@ class DeviceWorker:
             self._reallocate(step)
         elif kind is StepKind.FREE:
             handle = self.holdings[(step.role, step.alloc)]
-            release_storage(handle.model, self.views.get((step.role, step.alloc), frozenset()))
+            release_storage(handle.model, self.views.get((step.role, step.alloc), frozenset()), moving_only=True)
         elif kind is StepKind.RELOAD and (step.role, step.alloc) in self.host_copies:
             self.host_copies[(step.role, step.alloc)].restore()
         elif kind is StepKind.OFFLOAD and (step.role, step.alloc) in self.host_copies:
@@ -369,22 +370,20 @@ class DeviceWorker:
 
     def _reallocate(self, step: Step) -> None:
         """Move a role's weights from its training layout into a copy or shadow (every source and destination
-        device runs it)."""
+        device runs it): all of them, or a LoRA role's adapters (its copies hold the frozen base already)."""
         role, src, dst = step.transfer
         plan, groups = self.transfers[step.transfer]
         src_role, dst_role = self.holdings.get((role, src)), self.holdings.get((role, dst))
-        dtype = self.dtype  # FSDP's fp32 shards are rounded to the copy's type (a no-op otherwise)
+        # FSDP's fp32 shards are rounded to the copy's type (a no-op otherwise); adapters stay fp32
+        dtype = torch.float32 if self.spec.roles[role].lora is not None else self.dtype
         src_tensors = (
-            {n: local_shard(p).detach().to(dtype) for n, p in src_role.model.named_parameters()} if src_role else {}
+            {n: local_shard(p).detach().to(dtype) for n, p in moving_parameters(src_role.model)} if src_role else {}
         )
         # the transfer writes straight into the copy's parameters, taking back their memory if freed; a shard
         # that is a contiguous span of the training shard here becomes a view of it instead (no copy, no memory)
-        views = {n for n, _ in dst_role.model.named_parameters() if plan.aliased(self.rank, n)} if dst_role else set()
-        targets = (
-            None
-            if dst_role is None
-            else {n: reclaim(p) for n, p in dst_role.model.named_parameters() if n not in views}
-        )
+        moving = dict(moving_parameters(dst_role.model)) if dst_role else {}
+        views = {n for n in moving if plan.aliased(self.rank, n)}
+        targets = None if dst_role is None else {n: reclaim(p) for n, p in moving.items() if n not in views}
         out = execute_reallocation(
             plan,
             src_tensors,
@@ -396,9 +395,8 @@ class DeviceWorker:
             out=targets,
         )
         if dst_role is not None:
-            params = dict(dst_role.model.named_parameters())
             for name in views:
-                bind_view(params[name], out[name])
+                bind_view(moving[name], out[name])
             self.views[(role, dst)] = frozenset(views)  # bound to the training shards until freed
 
     def _evaluate(self, step: Step, examples: tuple[Sequence, bool]) -> dict:
@@ -463,7 +461,8 @@ class DeviceWorker:
             init_state(dst.model, dst.optimizer, move.step)
         for kind in move.kinds:
             plan = move.weights if kind == "weights" else move.state
-            dtype = self.dtype if kind == "weights" else torch.float32
+            adapters = self.spec.roles[move.role].lora is not None  # a LoRA role's weights: its fp32 adapters
+            dtype = self.dtype if kind == "weights" and not adapters else torch.float32
             sent = (
                 {n: t.detach().to(dtype) for n, t in state_tensors(src.model, src.optimizer, kind).items()}
                 if src is not None

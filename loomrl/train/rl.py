@@ -248,7 +248,7 @@ class RLTrainer:
         self.task = build_task(cfg.task)
         self.train_prompts = prompt_source(cfg.task, self.task, cfg.seed, "train")
         self.eval_examples = held_out(cfg.task, self.task, cfg.seed, cfg.loop.eval_prompts)
-        self.workflow = build_workflow(cfg.algo, cfg.rollout, cfg.reward)
+        self.workflow = build_workflow(cfg.algo, cfg.rollout, cfg.reward, cfg.reference_role)
         self.plans = self._plans(run_cluster(cfg))  # every plan checked before any worker starts
         self.plan = self.plans[0]
         self.inputs = self._inputs()

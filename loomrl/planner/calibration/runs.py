@@ -76,7 +76,7 @@ def load_run(run_dir: str | Path, profile: HardwareProfile, cores: int | None = 
     records = files.read_metrics()
     if not records:
         raise DataError(f"{files.metrics}: no iterations recorded")
-    workflow = build_workflow(cfg.algo, cfg.rollout, cfg.reward)
+    workflow = build_workflow(cfg.algo, cfg.rollout, cfg.reward, cfg.reference_role)
     devices = (
         1
         if cfg.runtime.executor == "reference"
