@@ -148,6 +148,21 @@ def build_parser() -> argparse.ArgumentParser:
     )
     p.add_argument("--role", default="actor", help="the trained role to export (default: actor)")
     p.add_argument("--out", help="the directory to write (default: CHECKPOINT/hf/ROLE)")
+    form = p.add_mutually_exclusive_group()
+    form.add_argument(
+        "--merged",
+        dest="form",
+        action="store_const",
+        const="merged",
+        help="a LoRA role's adapters merged into its base: a plain model (the default)",
+    )
+    form.add_argument(
+        "--adapter",
+        dest="form",
+        action="store_const",
+        const="adapter",
+        help="a LoRA role as a PEFT adapter directory (default --out: CHECKPOINT/hf/ROLE-adapter)",
+    )
     p.set_defaults(fn=_export)
     _add_demo_parser(sub)
     p = sub.add_parser(

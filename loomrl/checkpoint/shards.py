@@ -44,7 +44,9 @@ import transformers
 from safetensors import SafetensorError, safe_open
 from safetensors.torch import save_file
 
+from loomrl.checkpoint.adapters import export_adapters
 from loomrl.errors import CheckpointError
+from loomrl.models.lora import adapter_description, moving_parameters
 from loomrl.parallel.role_state import MOMENTS, init_state, state_steps, state_tensors
 from loomrl.parallel.zero import MASTER
 from loomrl.plan.layout import Layout
@@ -171,13 +173,16 @@ def write_role_shards(
         }
     if written:  # the params and steps ride with the first file (the weights when any)
         first = next(iter(written.values()))
-        first["params"] = list(shapes)
+        first["params"] = [name for name, _ in moving_parameters(model)]  # a LoRA role's: its adapters
         first["trainable"] = [name for name, p in model.named_parameters() if p.requires_grad]
         first["steps"] = state_steps(model, optimizer) if optimizer is not None else {}
     role_meta = {
         "class": _hf_class(model).__name__,
         "param_groups": [_hyper(g) for g in optimizer.param_groups[:1]] if optimizer is not None else [],
     }
+    adapters = adapter_description(model)
+    if adapters is not None:  # the shards hold the adapters only: what they adapt
+        role_meta["adapters"] = adapters
     if rank == 0:
         model.config.to_json_file(role_dir / "config.json")
         manifest[f"{role}/config.json"] = file_entry(role_dir / "config.json", sync=True)
@@ -425,15 +430,23 @@ def _read_file(file: Path, desc: Mapping[str, Any], wanted: list, fulls: dict, f
 # --- the Hugging Face form --------------------------------------------------------------------------------
 
 
-def export_role(path: Path, role: str, out: Path) -> Path:
+def export_role(path: Path, role: str, out: Path, form: str | None = None) -> Path:
     """Write ``role`` of the sharded checkpoint ``path`` as a ``save_pretrained`` directory ``out`` (with the
     tokenizer), which ``from_pretrained`` loads (:func:`loomrl.checkpoint.store.export_checkpoint` writes it aside and
-    renames it into place)."""
+    renames it into place). A LoRA role's ``form`` (:data:`~loomrl.checkpoint.adapters.EXPORT_FORMS`, ``merged``
+    by default) is its adapters merged into the base or a PEFT adapter directory; a role without adapters has the
+    merged form only."""
     entry = _role_entry(path, role)
     cls = getattr(transformers, entry["class"], None)
     if not (isinstance(cls, type) and issubclass(cls, transformers.PreTrainedModel)):
         raise CheckpointError(f"{path / INDEX_FILE}: '{entry['class']}' is not a transformers model class")
+    if "adapters" not in entry and form not in (None, "merged"):
+        raise CheckpointError(f"{path}: '{role}' trained every weight, it has no adapters (valid: merged)")
     weights, _ = read_role(path, role)
+    if "adapters" in entry:
+        tokenizer = transformers.AutoTokenizer.from_pretrained(path / TOKENIZER_DIR)
+        export_adapters(path, role, entry, weights, tokenizer, out, form or "merged")
+        return out
     config = transformers.AutoConfig.from_pretrained(path / role)
     dtype = next(iter(weights.values())).dtype
     model = cls(config).to(dtype)

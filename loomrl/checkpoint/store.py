@@ -297,17 +297,23 @@ def verify_checkpoint(path: str | os.PathLike, role: str | None = None) -> None:
             )
 
 
-def export_checkpoint(path: str | os.PathLike, role: str, out: str | os.PathLike | None = None) -> Path:
+def export_checkpoint(
+    path: str | os.PathLike, role: str, out: str | os.PathLike | None = None, form: str | None = None
+) -> Path:
     """Verify ``role``'s files of the checkpoint ``path`` and write the role as a Hugging Face directory that
     ``from_pretrained`` loads: ``out``, by default ``path/hf/role``, kept there for later calls (a checkpoint
-    in the full form has it as ``path/role`` already, copied to ``out`` when one is given)."""
+    in the full form has it as ``path/role`` already, copied to ``out`` when one is given). ``form``: a LoRA
+    role's ``merged`` (the default) or ``adapter`` (a PEFT adapter directory, by default ``path/hf/role-adapter``;
+    :mod:`loomrl.checkpoint.adapters`)."""
     path = Path(path)
     verify_checkpoint(path, role)
     sharded = (path / INDEX_FILE).is_file()
     if out is None:
-        out = path / EXPORT_DIR / role if sharded else path / role
-        if (out / "config.json").is_file() and (
-            not sharded or (out / "model.safetensors").is_file() or (out / "model.safetensors.index.json").is_file()
+        adapter = form == "adapter"
+        out = path / EXPORT_DIR / (f"{role}-adapter" if adapter else role) if sharded else path / role
+        done = ("adapter_model.safetensors",) if adapter else ("model.safetensors", "model.safetensors.index.json")
+        if (out / ("adapter_config.json" if adapter else "config.json")).is_file() and (
+            not sharded or any((out / f).is_file() for f in done)
         ):
             return out
     out = Path(out)
@@ -317,8 +323,10 @@ def export_checkpoint(path: str | os.PathLike, role: str, out: str | os.PathLike
     tmp = out.with_name(f"{out.name}.tmp-{os.getpid()}")
     shutil.rmtree(tmp, ignore_errors=True)
     if sharded:
-        export_role(path, role, tmp)
+        export_role(path, role, tmp, form)
     else:
+        if form == "adapter":
+            raise CheckpointError(f"{path}: a checkpoint in the full form holds no adapters (valid: merged)")
         shutil.copytree(path / role, tmp)
     _move_into_place(tmp, out)
     return out

@@ -40,6 +40,6 @@ def run_export_command(args: argparse.Namespace) -> int:
         if latest is None:
             raise DataError(f"run '{path}': has no complete checkpoint to export")
         path = latest
-    out = export_checkpoint(path, args.role, args.out)
+    out = export_checkpoint(path, args.role, args.out, args.form)
     print(f"wrote {out}")
     return 0

@@ -15,8 +15,10 @@ parameter moves.
 
 from __future__ import annotations
 
+import dataclasses
 from collections.abc import Iterator
 from contextlib import contextmanager
+from typing import Any
 
 import torch
 from peft import LoraConfig as PeftLoraConfig
@@ -28,9 +30,12 @@ from loomrl.config.schema import LoraConfig
 __all__ = [
     "ADAPTER",
     "add_adapters",
+    "adapter_description",
+    "adapter_state",
     "adapters_off",
     "has_adapters",
     "is_moving",
+    "merge_adapters",
     "moving_parameters",
     "peft_config",
     "to_precision",
@@ -38,6 +43,9 @@ __all__ = [
 
 ADAPTER = "default"
 """peft's name of the one adapter a role has (its parameters' ``lora_A.default`` part)."""
+
+_DESCRIPTION = "loomrl_adapters"
+"""The attribute of a LoRA model holding :func:`adapter_description` (as peft keeps its ``peft_config`` there)."""
 
 _HEADS = ("score.",)
 """A value model's head: trained in full beside the adapters."""
@@ -50,17 +58,54 @@ def peft_config(lora: LoraConfig) -> PeftLoraConfig:
     )
 
 
-def add_adapters(model: torch.nn.Module, lora: LoraConfig, seed: int) -> torch.nn.Module:
+def add_adapters(model: torch.nn.Module, lora: LoraConfig, seed: int, base: str | None = None) -> torch.nn.Module:
     """Inject ``lora``'s adapters into ``model`` in place and return it: the base frozen, the adapters (drawn from
     ``seed``) trainable, a value model's score head trainable too. peft draws each adapter on the CPU before
     moving it to its layer's device, so every process draws the same; build the model in float32 and place it
-    with :func:`to_precision`, which keeps the adapters in float32."""
+    with :func:`to_precision`, which keeps the adapters in float32.
+
+    ``base``: the model the base was built from (a zoo name, drawn from ``seed``, or a checkpoint directory); the
+    model carries it (:func:`adapter_description`) so that a checkpoint, which holds the adapters only, says
+    what they adapt."""
     with torch.random.fork_rng(devices=[]):
         torch.manual_seed(seed)
         inject_adapter_in_model(peft_config(lora), model)
     for name, param in model.named_parameters():
         param.requires_grad_(is_moving(name, True))
+    lora_fields = {f.name: getattr(lora, f.name) for f in dataclasses.fields(lora)}
+    setattr(model, _DESCRIPTION, {"lora": lora_fields, "base": base, "seed": seed})
     return model
+
+
+def adapter_description(model: torch.nn.Module) -> dict[str, Any] | None:
+    """What a checkpoint records of ``model``'s adapters (JSON): ``{"lora": the LoraConfig's fields, "base": the
+    base model, "seed": its seed}``; None for a model without adapters."""
+    return getattr(model, _DESCRIPTION, None) if has_adapters(model) else None
+
+
+def merge_adapters(model: torch.nn.Module) -> torch.nn.Module:
+    """Fold every adapter into its base weight (W + alpha/r · B·A, in the weight's dtype) and put the plain linear
+    back in the LoRA layer's place, in place: a model ``from_pretrained`` loads as its own class."""
+    for name, module in list(model.named_modules()):
+        if isinstance(module, BaseTunerLayer):
+            module.merge()
+            parent, _, child = name.rpartition(".")
+            setattr(model.get_submodule(parent) if parent else model, child, module.get_base_layer())
+    for attr in (_DESCRIPTION, "peft_config"):
+        if hasattr(model, attr):
+            delattr(model, attr)
+    return model
+
+
+def adapter_state(model: torch.nn.Module) -> dict[str, torch.Tensor]:
+    """The adapters of ``model`` under the names a PEFT adapter file uses (``base_model.model.<module>.lora_A.
+    weight``), detached on the CPU."""
+    marker = f".{ADAPTER}."
+    return {
+        "base_model.model." + name.replace(marker, "."): param.detach().cpu().contiguous()
+        for name, param in model.named_parameters()
+        if ".lora_A." in name or ".lora_B." in name
+    }
 
 
 def to_precision(model: torch.nn.Module, device: torch.device, dtype: torch.dtype) -> torch.nn.Module:

@@ -38,7 +38,7 @@ def build_model(spec: RoleSpec, tokenizer, device: torch.device, dtype: torch.dt
     except DataError as err:
         raise DataError(f"{spec.field}: {err}") from None
     if spec.lora is not None:
-        add_adapters(model, spec.lora, spec.seed)
+        add_adapters(model, spec.lora, spec.seed, base=spec.model)
     model = use_attention(to_precision(model, device, dtype), attention_for(device))
     return model if spec.trained else model.eval().requires_grad_(False)
 
