@@ -12,6 +12,7 @@ plans (FSDP actor, tensor-parallel critic), at 0.002 every loss stays within 1e-
 
 import dataclasses
 import json
+import math
 
 import pytest
 import torch
@@ -24,9 +25,14 @@ from loomrl.config.schema import LoraConfig, OptimConfig, TrainConfig
 from loomrl.config.tools import load_config
 from loomrl.errors import CheckpointError, ConfigError
 from loomrl.models.lora import adapters_off, has_adapters, merge_adapters, moving_parameters
+from loomrl.models.presets import model_config
 from loomrl.models.tokenizer import build_char_tokenizer
 from loomrl.models.zoo import build_causal_lm, parameter_shapes
+from loomrl.plan import ClusterSpec, separate
+from loomrl.plan.model_shape import ModelShape
 from loomrl.plan.shards import tp_dim
+from loomrl.planner.inputs import inputs_from_config
+from loomrl.planner.simulation.simulator import simulate
 from loomrl.role import build_model
 from loomrl.role.spec import RoleSpec
 from loomrl.rollout.kv_cache import SlotKVCache, causal_slot_mask
@@ -297,3 +303,41 @@ def test_a_lora_checkpoint_resumes_on_another_layout(tmp_path, reference):
     RLTrainer(_cfg(tmp_path, "x")).run(resume=True)
     got = [json.loads(line) for line in (tmp_path / "x" / "metrics.jsonl").read_text().splitlines()]
     _assert_equivalent(got, ref)
+
+
+def test_the_planner_prices_what_lora_trains_and_moves():
+    """A LoRA actor as the cost model and simulator see it (7B on 8 H100s): the reference call on the actor's base,
+    Adam and gradients for the adapters only, a backward without weight gradients, the shadow synced with the
+    adapters, and copies that keep the base."""
+    cluster = ClusterSpec.parse("h100:8")
+    common = ["actor.model=qwen2.5-7b", "algo.name=grpo", "algo.kl_coef=0.1", "rollout.prompts_per_iter=64"]
+    full, lora = (
+        inputs_from_config(load_config(TrainConfig, None, [*common, *extra]), cluster)
+        for extra in ([], ["actor.lora.r=16"])
+    )
+    assert "ref" in full.workflow.roles() and "ref" not in lora.workflow.roles()
+    shape = lora.shapes["actor"]
+    assert shape.trained_params == shape.adapter_params and 0 < shape.adapter_params < shape.params / 100
+    plan = separate(lora.workflow, cluster)
+    train, gen = plan["actor_train"], plan["actor_gen"]
+    full_cost, lora_cost = full.cost_model(), lora.cost_model()
+    assert lora_cost.static_memory("actor", train, True) < 0.2 * full_cost.static_memory("actor", train, True)
+    assert lora_cost.static_memory("actor", train, False) == pytest.approx(
+        full_cost.static_memory("actor", train, False), rel=0.01
+    )  # the base is all of the weights
+    assert lora_cost.realloc_time("actor", train, gen) < full_cost.realloc_time("actor", train, gen) / 20
+    train_mfc = lora.workflow["actor_train"]
+    assert lora_cost.mfc_time(train_mfc, train) < 0.8 * full_cost.mfc_time(full.workflow["actor_train"], train)
+    assert lora_cost.copy_keeps_base("actor") and not full_cost.copy_keeps_base("actor")
+    assert simulate(plan, lora.workflow, lora_cost, lora.memory_per_device).feasible
+
+
+def test_the_planners_adapter_shapes_are_peft_s(tok):
+    """What the planner prices as moving (:meth:`ModelShape.moving_shapes`) is what the runtime moves: the names
+    and shapes of peft's adapters on the real model."""
+    lora = LoraConfig(r=8, target_modules=("q_proj", "v_proj", "down_proj"))
+    for arch in ("llama-1m", "qwen2-1m"):
+        moved, _ = parameter_shapes(arch, tok, value=False, lora=lora)
+        shape = ModelShape.from_config(model_config(arch, tok)).with_lora(lora.r, lora.target_modules)
+        assert shape.moving_shapes() == moved
+        assert shape.adapter_params == sum(math.prod(s) for s in moved.values())

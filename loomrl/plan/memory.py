@@ -54,6 +54,7 @@ def shard_bytes(
     optimizer_shards: int = 1,
     param_shards: int = 1,
     optimizer_on_host: bool = False,
+    trained_params: int | None = None,
 ) -> int:
     """Bytes of one device's shard: weights, plus gradients and optimizer state when ``trained``; the optimizer
     state divided over ``optimizer_shards`` data-parallel ranks under ZeRO-1 (the allocation's ``zero``).
@@ -62,8 +63,16 @@ def shard_bytes(
     weights in fp32 whatever the compute type (the 16-bit copy is gathered one layer at a time, transient
     memory of the call), so they are their own master copy: ``16 / param_shards`` bytes per parameter.
     ``optimizer_on_host``: Adam's moments and the fp32 master weights live in host memory (optimizer offload),
-    so a device holds the weights and their gradients only; under FSDP, its 16-bit weight shard alone."""
+    so a device holds the weights and their gradients only; under FSDP, its 16-bit weight shard alone.
+    ``trained_params``: the parameters with gradients and optimizer state when fewer than ``params`` train (a LoRA
+    model's adapters, in fp32, over a frozen base in ``bytes_per_param``)."""
     optimizer = 0 if optimizer_on_host else optimizer_bytes_per_param(bytes_per_param)
+    if trained and trained_params is not None and trained_params < params:
+        frozen = shard_bytes(params - trained_params, tp, pp, 4 if param_shards > 1 else bytes_per_param, False)
+        split = tp * pp * param_shards
+        adapters = -(-trained_params * (4 + GRAD_BYTES_PER_PARAM) // split)  # fp32: their own master copy
+        adam = 0 if optimizer_on_host else -(-trained_params * ADAM_BYTES_PER_PARAM // (split * optimizer_shards))
+        return -(-frozen // param_shards) + adapters + adam
     if trained and param_shards > 1:
         # the fp32 shards are the master copy. With the optimizer on the host the device keeps its 16-bit weight
         # shard only: DeepSpeed ZeRO-3 allocates the gradient partitions on the optimizer's device, the CPU when

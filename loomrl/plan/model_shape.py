@@ -10,6 +10,8 @@ mixtures of experts (routed experts, experts per token, their width, shared expe
 
 from __future__ import annotations
 
+import dataclasses
+import math
 from dataclasses import dataclass
 
 from loomrl.errors import ConfigError
@@ -69,6 +71,10 @@ class ModelShape:
     """Width of the shared experts every token also passes through (0: none)."""
     dense_layers: int = 0
     """Leading layers with a dense MLP in a mixture-of-experts model (DeepSeek's ``first_k_dense_replace``)."""
+    lora_rank: int = 0
+    """Rank of the LoRA adapters that train instead of the weights (0: every weight trains)."""
+    lora_targets: tuple[str, ...] = ()
+    """The projections with adapters (``q_proj`` ... ``down_proj``)."""
 
     def __post_init__(self) -> None:
         for name in _POSITIVE:
@@ -189,6 +195,54 @@ class ModelShape:
             + (self.layers - self.moe_layers) * (self.mlp_matrices if self.moe else 0)
             + (2 if self.tied else 3)
         )
+
+    def with_lora(self, rank: int, targets: tuple[str, ...]) -> ModelShape:
+        """This model with LoRA adapters of ``rank`` on ``targets`` (rank 0: without)."""
+        return dataclasses.replace(self, lora_rank=rank, lora_targets=tuple(targets) if rank else ())
+
+    def _projections(self, dims: dict[str, int]) -> dict[str, tuple[int, int]]:
+        """Each dense layer's projections: name → (input width, output width)."""
+        h, q, kv, inter = dims["hidden"], dims["q"], dims["kv"], dims["intermediate"]
+        out = {"q_proj": (h, q), "k_proj": (h, kv), "v_proj": (h, kv), "o_proj": (q, h)}
+        out |= {"up_proj": (h, inter), "down_proj": (inter, h)}
+        if self.mlp_matrices == 3:
+            out["gate_proj"] = (h, inter)
+        return out
+
+    @property
+    def adapter_params(self) -> int:
+        """Parameters of the LoRA adapters (r × (in + out) per targeted projection per layer; 0 without)."""
+        if not self.lora_rank:
+            return 0
+        return sum(math.prod(shape) for shape in self.moving_shapes().values())
+
+    @property
+    def trained_params(self) -> int:
+        """Parameters with gradients and optimizer state: the adapters of a LoRA model, else all of them."""
+        return self.adapter_params if self.lora_rank else self.params
+
+    def moving_shapes(
+        self, layers: int | None = None, dims: dict[str, int] | None = None
+    ) -> dict[str, tuple[int, ...]]:
+        """The parameters a trained role moves between layouts (:meth:`param_shapes` arguments): all of them, or
+        a LoRA model's adapters (``lora_A`` r × in, ``lora_B`` out × r, named as peft names them)."""
+        if not self.lora_rank:
+            return self.param_shapes(layers, dims)
+        full = {
+            "hidden": self.hidden,
+            "q": self.q_dim,
+            "kv": self.kv_dim,
+            "intermediate": self.intermediate,
+            **(dims or {}),
+        }
+        r, shapes = self.lora_rank, {}
+        for i in range(self.layers if layers is None else layers):
+            for name, (fan_in, fan_out) in self._projections(full).items():
+                if name in self.lora_targets:
+                    where = f"model.layers.{i}.{'self_attn' if name[0] in 'qkvo' else 'mlp'}.{name}"
+                    shapes[f"{where}.lora_A.default.weight"] = (r, fan_in)
+                    shapes[f"{where}.lora_B.default.weight"] = (fan_out, r)
+        return shapes
 
     def param_shapes(self, layers: int | None = None, dims: dict[str, int] | None = None) -> dict[str, tuple[int, ...]]:
         """HF Llama-style parameter names → shapes, in model order (a plain MLP has no ``gate_proj``, a tied model

@@ -52,14 +52,19 @@ class PlannerInputs:
     """Fitted corrections (None: the analytic model as it is)."""
     bytes_per_param: int | None = None
     """The weights' element size (None: the cost model's default on the profile, as ``precision: auto``)."""
+    adapters: Mapping[str, tuple[int, tuple[str, ...]]] = field(default_factory=dict)
+    """Each LoRA role's adapters, ``(rank, target projections)``: what it trains and moves."""
     reallocs: dict[tuple, float] = field(default_factory=dict, compare=False, repr=False)
     """Priced reallocations, shared by every cost model made from these inputs (they depend only on the
     cluster, profile, shapes and element size)."""
 
     @cached_property
     def shapes(self) -> dict[str, ModelShape | None]:
-        """Each role's model shape (None for a rule)."""
-        return {role: None if cfg is None else ModelShape.from_config(cfg) for role, cfg in self.configs.items()}
+        """Each role's model shape (None for a rule), with its LoRA adapters where it has them."""
+        return {
+            role: None if cfg is None else ModelShape.from_config(cfg).with_lora(*self.adapters.get(role, (0, ())))
+            for role, cfg in self.configs.items()
+        }
 
     @property
     def memory_per_device(self) -> float:
@@ -144,6 +149,11 @@ def inputs_from_config(
         minibatches=algo.minibatches,
         samples_per_prompt=algo.samples_per_prompt,
     )
+    adapters = {
+        role: (lora.r, lora.target_modules)
+        for role, lora in (("actor", cfg.actor.lora), ("critic", cfg.critic.lora))
+        if lora.enabled and role in configs
+    }
     return PlannerInputs(
         workflow,
         cluster,
@@ -153,4 +163,5 @@ def inputs_from_config(
         RUNTIME,
         corrections,
         PRECISION_BYTES.get(rt.precision),
+        adapters,
     )

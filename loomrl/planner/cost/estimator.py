@@ -57,6 +57,11 @@ class CostEstimator(ABC):
         frozen role keeps its host copy); default: nothing."""
         return 0.0
 
+    def copy_keeps_base(self, role: str) -> bool:
+        """Whether ``role``'s copies keep their weights between uses, only a small part moving and being freed (a
+        LoRA role's base stays, its adapters move); default: no, a copy is freed whole after its last use."""
+        return False
+
     def shared_cores(self) -> float | None:
         """Cores per node that its devices share, so that calls side by side slow each other down; None (the
         default) when every device has its own compute."""

@@ -277,8 +277,14 @@ class CostModel(CostEstimator):
                 optimizer_shards=alloc.optimizer_shards if trainable else 1,
                 param_shards=alloc.param_shards if trainable else 1,
                 optimizer_on_host=trainable and self.settings.optimizer_offload,
+                trained_params=shape.trained_params,
             )
         )
+
+    def copy_keeps_base(self, role: str) -> bool:
+        """A LoRA role's copies keep the frozen base (placed once); only its adapters move and are freed."""
+        shape = self.shapes.get(role)
+        return shape is not None and shape.lora_rank > 0
 
     def realloc_time(self, role: str, src: Allocation, dst: Allocation) -> float:
         """Seconds to move ``role``'s weights from ``src`` to ``dst``, priced from the real transfer plan of a
@@ -371,7 +377,9 @@ class CostModel(CostEstimator):
         samples = w.batch / minibatches / lay.dp
         seq, sq = self._pass_lengths(samples, alloc.micro_batches, prompt=self._pass_prompt(alloc, training=True))
         tokens = samples * seq
-        passes = 4.0 if alloc.recompute else 3.0  # recomputation runs each forward once more in the backward
+        # recomputation runs each forward once more in the backward; a frozen base (LoRA) computes its inputs'
+        # gradients only, not its weights': a backward of one forward's FLOPs instead of two
+        passes = (4.0 if alloc.recompute else 3.0) - (1.0 if shape.lora_rank else 0.0)
         flops = T.train_flops(shape, tokens, samples * sq) * passes / 3.0
         step = self._pass(
             alloc,
@@ -386,7 +394,7 @@ class CostModel(CostEstimator):
             flops_scale=self._flops_scale(shape, MFCKind.TRAIN),
         )
         rates = self._rates_of(alloc)
-        shard_params = shape.params / (lay.tp * lay.pp)
+        shard_params = shape.trained_params / (lay.tp * lay.pp)  # what has gradients and optimizer state
         if alloc.fsdp:
             step.update(self._fsdp_terms(shape, alloc, sum(step.values())))
         else:
@@ -423,11 +431,12 @@ class CostModel(CostEstimator):
         the devices overlap them, and its Adam step over the 1/dp of fp32 weights the rank keeps."""
         lay, rates, mb = alloc.layout, self._rates_of(alloc), alloc.micro_batches
         local = shape.params / lay.tp  # the tensor-parallel shard FSDP divides further
+        trained = shape.trained_params / lay.tp  # a LoRA model reduces its adapters' gradients only
         gather = T.ring_allgather_time(local * self.bytes_per_param, lay.dp, rates.dp_bw, rates.latency)
-        scatter = T.ring_allgather_time(local * GRAD_REDUCE_BYTES, lay.dp, rates.dp_bw, rates.latency)
+        scatter = T.ring_allgather_time(trained * GRAD_REDUCE_BYTES, lay.dp, rates.dp_bw, rates.latency)
         comm = mb * (2 * gather + scatter)
         exposed = max(0.0, comm - work) + gather / shape.layers if self.profile.async_launch else comm
-        owned = local / lay.dp
+        owned = trained / lay.dp
         optimizer = T.adam_step_bytes(owned, T.FP32) / rates.mem
         return {
             "fsdp_comm": exposed,

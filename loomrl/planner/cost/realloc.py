@@ -64,8 +64,8 @@ def reduced_model(
         "vocab": shape.vocab,
         "experts": shape.experts * shape.expert_intermediate,
     }
-    reduced = shape.param_shapes(layers, {k: r * max(1, round(d / unit)) for k, d in true_dims.items()})
-    true = shape.param_shapes(layers)
+    reduced = shape.moving_shapes(layers, {k: r * max(1, round(d / unit)) for k, d in true_dims.items()})
+    true = shape.moving_shapes(layers)  # a LoRA model's adapters only: its copies keep the base
     per_layer = shape.layers / layers
     scale = {
         name: math.prod(true[name]) / math.prod(dims) * (per_layer if ".layers." in name else 1.0)

@@ -183,6 +183,9 @@ class TrustedCost(CostEstimator):
     def offloads(self) -> bool:
         return self.cost.offloads()
 
+    def copy_keeps_base(self, role: str) -> bool:
+        return self.cost.copy_keeps_base(role)
+
     def shared_cores(self) -> float | None:
         return self.cost.shared_cores()
 

@@ -118,6 +118,9 @@ class CachedCost(CostEstimator):
     def offloads(self) -> bool:
         return self.inner.offloads()
 
+    def copy_keeps_base(self, role: str) -> bool:
+        return self.inner.copy_keeps_base(role)
+
     def shared_cores(self) -> float | None:
         return self.inner.shared_cores()
 

@@ -334,11 +334,17 @@ def _memory_intervals(
             spans = _state_spans(nodes, role, start, end) if trainable and role in moved else [(0.0, math.inf)]
             for s, e in spans:
                 add(alloc.mesh, s, e, *static(role, alloc, trainable), f"{role} weights")
+    kept = {(n.step.role, n.step.alloc) for n in nodes if n.step.kind is StepKind.COPY}
+    kept = {key for key in kept if cost.copy_keeps_base(key[0])}
+    for role, alloc in sorted(kept, key=lambda key: (key[0], key[1].text)):  # a LoRA role's copies keep the base
+        add(alloc.mesh, 0.0, math.inf, *static(role, alloc, False), f"{role} copy")
     opened: dict[tuple, int] = {}  # (role, shards) → the copy or reload node holding it now
     for i, node in enumerate(nodes):
         step = node.step
         if step.role in trained and step.kind in (StepKind.RELOAD, StepKind.OFFLOAD):
             continue  # a trained role's training state: its spans are above
+        if (step.role, step.alloc) in kept and step.kind in (StepKind.COPY, StepKind.FREE):
+            continue  # resident from the start (its adapters' bytes are part of it)
         if step.kind in (StepKind.COPY, StepKind.RELOAD):
             opened[(step.role, step.alloc)] = i
         elif step.kind in (StepKind.FREE, StepKind.OFFLOAD):
