@@ -38,7 +38,7 @@ from loomrl.role.spec import RoleSpec
 from loomrl.rollout.kv_cache import SlotKVCache, causal_slot_mask
 from loomrl.rollout.lean_forward import lean_logits, supports_lean_forward
 from loomrl.train.rl import RLTrainer
-from test_runtime import _assert_equivalent
+from test_runtime import FUSED_TRAIN_2, _assert_equivalent
 
 LORA = LoraConfig(r=4, alpha=8.0)
 
@@ -168,11 +168,12 @@ def test_a_lora_actors_reference_is_its_base():
         ("actor.lora.target_modules=[qproj]", "'qproj' is not a projection (valid: q_proj"),
         ("actor.lora.target_modules=[]", "actor.lora.target_modules: is empty"),
         ("actor.lora.reference=none", "actor.lora.reference"),
+        ("critic.lora.r=4 checkpoint.format=full", "checkpoint.format: 'full' writes whole models; critic.lora"),
     ],
 )
 def test_bad_lora_settings_name_the_field(override, message):
     with pytest.raises(ConfigError, match=message.replace("(", r"\(")):
-        load_config(TrainConfig, None, [override])
+        load_config(TrainConfig, None, override.split())
 
 
 # ----------------------------------------------------------------------------------------------- runs
@@ -273,12 +274,25 @@ def test_a_lora_run_resumes_exactly(tmp_path, reference):
         ("runtime.devices=2", "runtime.layouts={actor: {tp: 2}, critic: {pp: 2}}"),
         ("runtime.devices=2", "runtime.plan=separate:1"),
         ("runtime.devices=4", "runtime.layouts={actor: {pp: 2, tp: 2}}"),
+        ("runtime.devices=2", "runtime.plan=colocate; stream_fusion=migrate_at:0.5,migrate_to:1,chunk:2"),
+        ("runtime.devices=2", f"runtime.plan={FUSED_TRAIN_2}"),
+        ("runtime.devices=2", "runtime.plan=interleave", "runtime.layouts={actor: {sharding: zero}}"),
     ],
-    ids=["fsdp_critic_tp2", "actor_tp2_critic_pp2", "separate", "actor_pp2tp2"],
+    ids=[
+        "fsdp_critic_tp2",
+        "actor_tp2_critic_pp2",
+        "separate",
+        "actor_pp2tp2",
+        "stream_fused",
+        "pipeline_fused",
+        "interleave_zero",
+    ],
 )
 def test_lora_plans_compute_the_reference_run(tmp_path, reference, layout):
-    """PPO with LoRA actor and critic and a KL to the actor's base on the Ray runtime: FSDP, tensor and pipeline
-    parallel training, generation on its own device (its shadow synced with adapters only), each the reference run."""
+    """PPO with LoRA actor and critic and a KL to the actor's base on the Ray runtime: FSDP, ZeRO-1, tensor and
+    pipeline parallel training, generation on its own device (its shadow synced with adapters only), interleaved
+    calls, stream fusion (the base's reference log-probs among the fused inference calls) and pipeline fusion
+    (both LoRA models in one bidirectional pipeline), each the reference run."""
     _, ref = reference
     got = _metrics(tmp_path, "ray", "runtime.executor=ray", *layout)
     _assert_equivalent(got, ref)

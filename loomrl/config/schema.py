@@ -647,6 +647,13 @@ class TrainConfig(ValidatedConfig):
                 "'dynamic', whose per-call timings assume one batch an iteration "
                 "(valid with it: runtime.placement=static)",
             )
+        lora = [role for role, cfg in (("actor", self.actor.lora), ("critic", self.critic.lora)) if cfg.enabled]
+        if lora and self.checkpoint.format == "full":
+            fail(
+                "checkpoint.format",
+                f"'full' writes whole models; {lora[0]}.lora trains adapters, which sharded checkpoints hold "
+                "(valid with LoRA: sharded; loomrl export --merged writes the whole model)",
+            )
         if self.runtime.controllers > self.rollout.prompts_per_iter:
             fail(
                 "runtime.controllers",
