@@ -1,13 +1,14 @@
 """LoRA against full fine-tuning on SmolLM2-135M-Instruct: memory, optimizer step and weight sync, in one run.
 
-    .venv/bin/python benchmarks/lora.py [--rank 16] [--iterations 3]
+    .venv/bin/python benchmarks/lora.py [--rank 16] [--iterations 4]
 
 GRPO on the arithmetic chat task (8 prompts × 4 samples, 16 new tokens, KL 0.01 to the reference, fp32), once
 with every weight trained and once with LoRA adapters of rank ``--rank`` on every projection (alpha 32), each mode
 in two runs of its own process:
 
 - **one worker** (reference executor: every call in one process, as one device of a colocated plan holds them):
-  the process's peak resident memory, and every AdamW step's seconds (timed with torch's global optimizer hooks);
+  the process's peak resident memory, every AdamW step's seconds (timed with torch's global optimizer hooks) and
+  the iteration's generation and actor training seconds;
   full fine-tuning holds a frozen reference copy, LoRA runs the reference on its base;
 - **separate** (Ray runtime, ``runtime.plan=separate:1`` on 2 devices: generation on its own device, its shadow
   synced after each train step): the sync's seconds per iteration from the run's traces (from the moment both
@@ -92,6 +93,8 @@ def one(spec: dict) -> None:
         json.dumps(
             {
                 "iteration_s": [r["time/iteration_s"] for r in records],
+                "gen_s": [r["time/actor_gen_s"] for r in records],
+                "train_s": [r["time/actor_train_s"] for r in records],
                 "optimizer_s": steps,
                 "sync_s": syncs,
                 "peak_rss_gb": peak_rss_gb(),
@@ -153,7 +156,7 @@ def spread(values: list[float], scale: float = 1.0, fmt: str = "{:.2f}") -> str:
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--rank", type=int, default=16)
-    ap.add_argument("--iterations", type=int, default=3)
+    ap.add_argument("--iterations", type=int, default=4)
     ap.add_argument("--one", help=argparse.SUPPRESS)
     args = ap.parse_args()
     if args.one:
@@ -176,6 +179,8 @@ def main() -> None:
                 "1 worker peak RSS GB": f"{worker['peak_rss_gb']:.2f}",
                 "optimizer step ms": spread(worker["optimizer_s"], 1e3, "{:.1f}"),
                 "1 worker iteration s": spread(worker["iteration_s"]),
+                "generation s": spread(worker["gen_s"]),
+                "actor train s": spread(worker["train_s"]),
                 "sync MiB": f"{moved / 2**20:.1f}",
                 "sync ms (separate)": spread(split["sync_s"], 1e3, "{:.1f}"),
                 "separate iteration s": spread(split["iteration_s"]),

@@ -13,12 +13,14 @@ plans (FSDP actor, tensor-parallel critic), at 0.002 every loss stays within 1e-
 import dataclasses
 import json
 import math
+from pathlib import Path
 
 import pytest
 import torch
 from peft import PeftModel
 from transformers import AutoModelForCausalLM, AutoTokenizer
 
+import loomrl
 from loomrl.algorithms.workflows import build_workflow
 from loomrl.checkpoint.store import export_checkpoint, latest_checkpoint, load_checkpoint
 from loomrl.config.schema import LoraConfig, OptimConfig, TrainConfig
@@ -355,3 +357,28 @@ def test_the_planners_adapter_shapes_are_peft_s(tok):
         shape = ModelShape.from_config(model_config(arch, tok)).with_lora(lora.r, lora.target_modules)
         assert shape.moving_shapes() == moved
         assert shape.adapter_params == sum(math.prod(s) for s in moved.values())
+
+
+@pytest.mark.usefixtures("ray_session")
+def test_a_lora_run_whose_plan_changes_is_the_reference_run(tmp_path, reference):
+    """Colocated with an FSDP actor, then separate, then interleaved: each change moves the adapters and their
+    optimizer state (the new layouts build their base where they are placed), and the run is the reference run."""
+    _, ref = reference
+    cfg = _cfg(
+        tmp_path,
+        "change",
+        "runtime.executor=ray",
+        "runtime.devices=2",
+        "runtime.layouts={actor: {sharding: fsdp}}",
+        "runtime.verify_reallocation=true",
+    )
+    changes = {1: "separate:1", 2: "interleave"}
+    RLTrainer(dataclasses.replace(cfg, runtime=dataclasses.replace(cfg.runtime, plan_changes=changes))).run()
+    got = [json.loads(line) for line in (tmp_path / "change" / "metrics.jsonl").read_text().splitlines()]
+    _assert_equivalent(got, ref)
+
+
+def test_the_lora_example_config_loads():
+    cfg = load_config(TrainConfig, Path(loomrl.__file__).parent / "examples" / "smollm2" / "grpo_lora.yaml")
+    assert cfg.actor.lora.r == 16 and cfg.reference_role == "actor"
+    assert "ref_inf" not in build_workflow(cfg.algo, cfg.rollout, cfg.reward, cfg.reference_role)  # KL 0

@@ -235,7 +235,7 @@ class ModelShape:
             "intermediate": self.intermediate,
             **(dims or {}),
         }
-        r, shapes = self.lora_rank, {}
+        r, shapes = self.lora_rank, dict[str, tuple[int, ...]]()
         for i in range(self.layers if layers is None else layers):
             for name, (fan_in, fan_out) in self._projections(full).items():
                 if name in self.lora_targets:
