@@ -29,6 +29,7 @@ from loomrl.config.schema import LoraConfig
 
 __all__ = [
     "ADAPTER",
+    "adapter_modules",
     "add_adapters",
     "adapter_description",
     "adapter_state",
@@ -123,6 +124,17 @@ def to_precision(model: torch.nn.Module, device: torch.device, dtype: torch.dtyp
 def has_adapters(model: torch.nn.Module | None) -> bool:
     """Whether ``model`` holds LoRA layers."""
     return model is not None and any(isinstance(m, BaseTunerLayer) for m in model.modules())
+
+
+def adapter_modules(module: torch.nn.Module) -> list[torch.nn.Module]:
+    """The adapters' linear layers (every ``lora_A`` and ``lora_B``) inside ``module``, in module order."""
+    return [
+        layer
+        for tuner in module.modules()
+        if isinstance(tuner, BaseTunerLayer)
+        for part in ("lora_A", "lora_B")
+        for layer in getattr(tuner, part).values()
+    ]
 
 
 def is_moving(name: str, adapters: bool) -> bool:

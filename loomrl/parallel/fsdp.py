@@ -33,6 +33,7 @@ from torch.distributed.device_mesh import DeviceMesh
 from torch.distributed.fsdp import FSDPModule, MixedPrecisionPolicy, fully_shard
 
 from loomrl.models.heads import is_value_model, score_head
+from loomrl.models.lora import adapter_modules, has_adapters
 
 __all__ = ["apply_fsdp"]
 
@@ -60,8 +61,16 @@ def apply_fsdp(model: nn.Module, dp_mesh: DeviceMesh, compute_dtype: torch.dtype
         if compute_dtype != torch.float32
         else MixedPrecisionPolicy()
     )
+    # LoRA adapters (and a LoRA value model's head) compute in fp32 over a 16-bit base, as on one device: a group
+    # of their own per unit, gathered in fp32
+    exact = MixedPrecisionPolicy(param_dtype=torch.float32, reduce_dtype=torch.float32)
+    adapters = has_adapters(model) and compute_dtype != torch.float32
     for unit in _units(model):
-        fully_shard(unit, mesh=dp_mesh, mp_policy=policy)
+        own = adapter_modules(unit) if adapters else []
+        if own:
+            fully_shard(own, mesh=dp_mesh, mp_policy=exact)
+        head = adapters and is_value_model(model) and unit is score_head(model)
+        fully_shard(unit, mesh=dp_mesh, mp_policy=exact if head else policy)
     fully_shard(model, mesh=dp_mesh, mp_policy=policy)
     for module in model.modules():
         if isinstance(module, FSDPModule):

@@ -336,7 +336,8 @@ def _memory_intervals(
                 add(alloc.mesh, s, e, *static(role, alloc, trainable), f"{role} weights")
     copies = {(n.step.model_role, n.step.allocation) for n in nodes if n.step.kind is StepKind.COPY}
     kept = {key for key in copies if cost.copy_keeps_base(key[0])}
-    for role, alloc in sorted(kept, key=lambda key: (key[0], key[1].text)):  # a LoRA role's copies keep the base: resident from the start
+    # a LoRA role's copies keep the base: resident from the start
+    for role, alloc in sorted(kept, key=lambda key: (key[0], key[1].text)):
         add(alloc.mesh, 0.0, math.inf, *static(role, alloc, False), f"{role} copy")
     opened: dict[tuple, int] = {}  # (role, shards) → the copy or reload node holding it now
     for i, node in enumerate(nodes):
