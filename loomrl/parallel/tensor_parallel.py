@@ -50,6 +50,7 @@ from torch.distributed.tensor import DTensor, Replicate, distribute_module, dist
 from torch.distributed.tensor.parallel import ColwiseParallel, RowwiseParallel, parallelize_module
 from transformers import PreTrainedModel
 
+from loomrl.models.lora import has_adapters
 from loomrl.plan.layout import Layout, check_layout
 
 
@@ -103,7 +104,7 @@ def _plan(model: PreTrainedModel) -> dict[str, Any]:
     for path, column in _PROJECTIONS:
         pattern = f"{base}layers.*.{path}"
         style = ColwiseParallel if column else RowwiseParallel
-        if first is None or not _has_adapter(first.get_submodule(path)):
+        if first is None or not has_adapters(first.get_submodule(path)):
             plan[pattern] = style()
             continue
         # LoRA (see the module docstring): the base as the plain projection, the adapter on the split side split
@@ -125,11 +126,6 @@ _PROJECTIONS = (
     ("mlp.down_proj", False),
 )
 """Each layer's projections, column-wise (True) or row-wise."""
-
-
-def _has_adapter(module: nn.Module) -> bool:
-    """Whether a projection is a LoRA layer around its linear (peft's ``base_layer``, ``lora_A``, ``lora_B``)."""
-    return hasattr(module, "base_layer") and hasattr(module, "lora_A")
 
 
 def _base_prefix(model: PreTrainedModel) -> str:
