@@ -30,8 +30,10 @@ __all__ = [
     "KL_ESTIMATORS",
     "LOSS_AGGS",
     "LOSS_AGG_UNITS",
+    "OFF_POLICY",
     "POLICY_LOSSES",
     "aggregate",
+    "behaviour_weights",
     "bradley_terry_loss",
     "entropy_from_logits",
     "gspo_loss",
@@ -120,13 +122,18 @@ def _clipped_surrogate(
     clip_eps: float,
     eps_high: float,
     loss_agg: str,
+    weight_BT: Tensor | None = None,
 ) -> tuple[Tensor, dict[str, float]]:
-    """``-min(r * A, clip(r) * A)`` aggregated, with ``r = exp(log_ratio_BT)``; ``token_log_ratio_BT`` (each
+    """``-min(r * A, clip(r) * A)`` aggregated, with ``r = exp(log_ratio_BT)``, each token's term times its
+    ``weight_BT`` where given (an off-policy correction: :func:`behaviour_weights`); ``token_log_ratio_BT`` (each
     token's own ``logp - old_logp``) only feeds the ``approx_kl`` statistic."""
     ratio_BT = torch.exp(log_ratio_BT)
     surr_BT = ratio_BT * adv_BT
     clipped_surr_BT = ratio_BT.clamp(1.0 - clip_eps, 1.0 + eps_high) * adv_BT
-    loss = aggregate(-torch.minimum(surr_BT, clipped_surr_BT), mask_BT, loss_agg)
+    token_loss_BT = -torch.minimum(surr_BT, clipped_surr_BT)
+    if weight_BT is not None:
+        token_loss_BT = token_loss_BT * weight_BT
+    loss = aggregate(token_loss_BT, mask_BT, loss_agg)
     with torch.no_grad():
         stats = {
             "clipfrac": token_stat((clipped_surr_BT < surr_BT).to(surr_BT.dtype), mask_BT, loss_agg).item(),
@@ -143,18 +150,20 @@ def policy_loss(
     clip_eps: float,
     clip_eps_high: float | None = None,
     loss_agg: str = "token-mean",
+    weight_BT: Tensor | None = None,
 ) -> tuple[Tensor, dict[str, float]]:
     """PPO clipped surrogate ``-min(r * A, clip(r, 1 - eps, 1 + eps_high) * A)`` per token, ``r`` the token's
     importance ratio, aggregated by ``loss_agg`` (:func:`aggregate`).
 
     ``clip_eps_high`` (DAPO's clip-higher) widens only the upper bound; it defaults to ``clip_eps``.
+    ``weight_BT`` multiplies each token's term (an off-policy correction, :func:`behaviour_weights`).
     Stats: ``clipfrac``, the fraction of real tokens where the clipped term is the smaller one (so the
     token gives no gradient), and ``approx_kl``, the mean of ``0.5 * (logp - old_logp)^2``, both per token
     (:func:`token_stat`: over the batch's tokens, or each sequence's and then the sequences').
     """
     eps_high = _clip_range(clip_eps, clip_eps_high)
     log_ratio_BT = _masked_diff(logp_BT, old_logp_BT, mask_BT)
-    return _clipped_surrogate(log_ratio_BT, log_ratio_BT, adv_BT, mask_BT, clip_eps, eps_high, loss_agg)
+    return _clipped_surrogate(log_ratio_BT, log_ratio_BT, adv_BT, mask_BT, clip_eps, eps_high, loss_agg, weight_BT)
 
 
 def gspo_loss(
@@ -165,6 +174,7 @@ def gspo_loss(
     clip_eps: float,
     clip_eps_high: float | None = None,
     loss_agg: str = "token-mean",
+    weight_BT: Tensor | None = None,
 ) -> tuple[Tensor, dict[str, float]]:
     """GSPO (Zheng et al. 2025): PPO's clipped surrogate on each response's importance ratio
     ``s = exp(mean over its tokens of (logp - old_logp))``, clipped per response to ``[1 - eps, 1 + eps_high]``.
@@ -182,10 +192,38 @@ def gspo_loss(
     seq_log_ratio_B = masked_mean(token_log_ratio_BT, mask_BT, dim=1)
     # logp - sg(logp) is 0 in value and carries each token's gradient; the sequence ratio is a constant
     log_ratio_BT = seq_log_ratio_B.detach().unsqueeze(1) + _masked_diff(logp_BT, logp_BT.detach(), mask_BT)
-    return _clipped_surrogate(log_ratio_BT, token_log_ratio_BT, adv_BT, mask_BT, clip_eps, eps_high, loss_agg)
+    return _clipped_surrogate(
+        log_ratio_BT, token_log_ratio_BT, adv_BT, mask_BT, clip_eps, eps_high, loss_agg, weight_BT
+    )
 
 
 POLICY_LOSSES = ("ppo", "gspo")
+OFF_POLICY = ("none", "decoupled", "tis")
+
+
+def behaviour_weights(
+    prox_logp_BT: Tensor, behav_logp_BT: Tensor, mask_BT: Tensor, kind: str, cap: float, loss_agg: str = "token-mean"
+) -> tuple[Tensor, dict[str, float]]:
+    """Per-token importance weights ``w = pi_prox / pi_behav`` that correct a policy loss for samples drawn by an
+    older (behaviour) policy than the proximal one the ratio is clipped around (``old_logp``: the policy at the
+    update's start), and their statistics.
+
+    ``decoupled`` is AReaL's decoupled PPO objective (Fu et al. 2025): ``w`` as it is, a token whose ``w`` exceeds
+    ``cap`` left out (weight 0); ``tis`` is token-level truncated importance sampling (Yao et al. 2025):
+    ``min(w, cap)``. Stats: ``is_weight``, the mean of ``w`` before capping, and ``is_capped``, the fraction of
+    tokens capped (or left out), both per token as :func:`token_stat`.
+    """
+    if kind not in OFF_POLICY[1:]:
+        raise ValueError(f"unknown off-policy correction {kind!r}; valid: {', '.join(OFF_POLICY[1:])}")
+    with torch.no_grad():
+        w_BT = torch.exp(_masked_diff(prox_logp_BT, behav_logp_BT, mask_BT))
+        over_BT = w_BT > cap
+        weight_BT = w_BT.clamp(max=cap) if kind == "tis" else w_BT.masked_fill(over_BT, 0.0)
+        stats = {
+            "is_weight": token_stat(w_BT, mask_BT, loss_agg).item(),
+            "is_capped": token_stat(over_BT.to(w_BT.dtype), mask_BT, loss_agg).item(),
+        }
+    return weight_BT, stats
 
 
 def policy_objective(name: str) -> Callable[..., tuple[Tensor, dict[str, float]]]:

@@ -92,10 +92,15 @@ def _actor_loss(
     logp_BR, ent_BR = pad_columns(out_BR2[..., LOGP], width), pad_columns(out_BR2[..., ENTROPY], width)
     adv_BR = mb["advantages"].to(device)
     old_BR = mb[old_key].to(device)
+    weight_BR, off = None, {}
+    if algo.off_policy != "none":  # the sampler's log-probs weigh each token; the ratio is clipped around old_BR
+        weight_BR, off = L.behaviour_weights(
+            old_BR, mb["logp"].to(device), mask_BR, algo.off_policy, algo.is_cap, algo.loss_agg
+        )
     loss, stats = L.policy_objective(algo.policy_loss)(
-        logp_BR, old_BR, adv_BR, mask_BR, algo.clip_eps, algo.clip_eps_high, algo.loss_agg
+        logp_BR, old_BR, adv_BR, mask_BR, algo.clip_eps, algo.clip_eps_high, algo.loss_agg, weight_BR
     )
-    stats = {f"actor/{k}": v for k, v in stats.items()}
+    stats = {f"actor/{k}": v for k, v in stats.items()} | {f"offpolicy/{k}": v for k, v in off.items()}
     stats["actor/pg_loss"] = loss.item()
     entropy = L.aggregate(ent_BR, mask_BR, algo.loss_agg)
     # the logged entropy is per token whatever the aggregation (a token sum per response is no entropy)
@@ -292,7 +297,8 @@ def build_workflow(
     ``ref``, or ``actor`` for a LoRA actor's base)."""
     # Truncated sampling (top-k/top-p) is not the distribution the actor trains; recompute behaviour log-probs
     # (also on request: frameworks whose sampler's log-probs differ from the trainer's recompute them always).
-    recompute = rollout.top_k > 0 or rollout.top_p < 1.0 or algo.recompute_logprobs
+    # An off-policy correction needs both: the sampler's log-probs and the policy's at the update's start.
+    recompute = rollout.top_k > 0 or rollout.top_p < 1.0 or algo.recompute_logprobs or algo.off_policy != "none"
     old_key = "old_logp" if recompute else "logp"
     mfcs = _rollout_mfcs(algo, rollout, recompute, reward, reference)
     kl = uses_reference(algo)
@@ -317,6 +323,8 @@ def build_workflow(
     seq = ("prompt_ids", "response_ids")
     kl_in_loss = algo.name == "grpo" and kl
     actor_inputs = (*seq, old_key, "advantages", "mask") + (("ref_logp",) if kl_in_loss else ())
+    if algo.off_policy != "none":
+        actor_inputs += ("logp",)
     steps = {"epochs": algo.ppo_epochs, "minibatches": algo.minibatches}
     mfcs.append(
         MFC(

@@ -76,6 +76,8 @@ STATE_FILE = "state.json"
 OPTIMIZERS_FILE = "optimizers.pt"
 RNG_FILE = "rng.pt"
 MANIFEST_FILE = "manifest.json"
+PENDING_FILE = "pending.pt"
+"""An asynchronous run's batches generated ahead of their iterations (:func:`read_pending`)."""
 EXPORT_DIR = "hf"
 """Where a sharded checkpoint's roles are exported by default (``iter_N/hf/actor``), outside its manifest."""
 _NAME_RE = re.compile(r"^iter_(\d+)$")
@@ -97,8 +99,10 @@ def save_checkpoint(
     optimizers: Mapping[str, Optimizer],
     state: Mapping[str, Any],
     keep_last: int = 2,
+    pending: Any = None,
 ) -> Path:
-    """Write a complete checkpoint of the run after ``iteration`` and return its directory.
+    """Write a complete checkpoint of the run after ``iteration`` and return its directory (with ``pending``,
+    an asynchronous run's batches generated ahead, as :data:`PENDING_FILE`).
 
     ``tokenizer`` (may be None) is saved into every role directory so each one loads on its own.
     After the new checkpoint is in place, all but the ``keep_last`` newest are deleted; the one just
@@ -119,7 +123,7 @@ def save_checkpoint(
         if tokenizer is not None:
             tokenizer.save_pretrained(role_dir)
     torch.save({"optimizers": opt_states}, tmp / OPTIMIZERS_FILE)
-    return _finish(tmp, iteration, state_json, keep_last, {})
+    return _finish(tmp, iteration, state_json, keep_last, {}, pending)
 
 
 def save_sharded_checkpoint(
@@ -129,6 +133,7 @@ def save_sharded_checkpoint(
     tokenizer: Any | None,
     state: Mapping[str, Any],
     keep_last: int = 2,
+    pending: Any = None,
 ) -> Path:
     """Write a sharded checkpoint of ``roles`` (role → (model, optimizer), held whole by this one process, as
     the reference executor holds them) and return its directory; the executors on several processes use
@@ -144,7 +149,7 @@ def save_sharded_checkpoint(
         role: [write_role_shards(tmp, role, model, optimizer, WHOLE, pieces[role])]
         for role, (model, optimizer) in roles.items()
     }
-    return finish_sharded_save(tmp, iteration, state_json, tokenizer, parts, keep_last)
+    return finish_sharded_save(tmp, iteration, state_json, tokenizer, parts, keep_last, pending)
 
 
 def begin_save(run_dir: str | os.PathLike, iteration: int) -> Path:
@@ -165,6 +170,7 @@ def finish_sharded_save(
     tokenizer: Any | None,
     parts: Mapping[str, list[Mapping[str, Any]]],
     keep_last: int,
+    pending: Any = None,
 ) -> Path:
     """Complete a sharded save whose shards are in ``tmp`` (``parts``: every writer's results, by role): the
     index, tokenizer, RNG, state and manifest (the shards' checksums as their writers computed them), then the
@@ -175,7 +181,7 @@ def finish_sharded_save(
     known = {
         rel: entry for results in parts.values() for result in results for rel, entry in result["manifest"].items()
     }
-    return _finish(tmp, iteration, state_json, keep_last, known)
+    return _finish(tmp, iteration, state_json, keep_last, known, pending)
 
 
 def state_json_of(state: Mapping[str, Any], iteration: int, keep_last: int) -> str:
@@ -185,9 +191,14 @@ def state_json_of(state: Mapping[str, Any], iteration: int, keep_last: int) -> s
     return json.dumps({**state, "iteration": iteration}, indent=2, sort_keys=True)
 
 
-def _finish(tmp: Path, iteration: int, state_json: str, keep_last: int, known: Mapping[str, Any]) -> Path:
-    """The RNG, state and manifest files of a save in ``tmp``, then its rename into place, ``latest``, pruning."""
+def _finish(
+    tmp: Path, iteration: int, state_json: str, keep_last: int, known: Mapping[str, Any], pending: Any = None
+) -> Path:
+    """The RNG, state, pending batches (where given) and manifest files of a save in ``tmp``, then its rename into
+    place, ``latest``, pruning."""
     torch.save(_capture_rng(), tmp / RNG_FILE)
+    if pending is not None:
+        torch.save(pending, tmp / PENDING_FILE)
     _write_text_synced(tmp / STATE_FILE, state_json)
     _write_manifest(tmp, known)
     ckpt_root = tmp.parent
@@ -384,6 +395,12 @@ def _load_model_weights(role_dir: Path, model: PreTrainedModel) -> None:
     except (OSError, ValueError, RuntimeError, KeyError, SafetensorError) as exc:
         first_line = str(exc).strip().splitlines()[0] if str(exc).strip() else type(exc).__name__
         raise CheckpointError(f"{role_dir}: cannot load weights into {type(model).__name__} ({first_line})") from None
+
+
+def read_pending(path: str | os.PathLike) -> Any:
+    """The batches an asynchronous run had generated ahead when checkpoint ``path`` was taken (None without)."""
+    file = Path(path) / PENDING_FILE
+    return _torch_load(file) if file.exists() else None
 
 
 def _torch_load(file: Path) -> Any:

@@ -20,6 +20,7 @@ ALGORITHMS = ("ppo", "grpo", "rloo", "remax", "reinforce_pp")
 GROUP_ALGORITHMS = ("grpo", "rloo")
 """The algorithms that draw a group of samples per prompt (``algo.group_size``)."""
 POLICY_LOSSES = ("ppo", "gspo")  # loomrl.algorithms.losses.POLICY_LOSSES
+OFF_POLICY = ("none", "decoupled", "tis")  # loomrl.algorithms.losses.OFF_POLICY
 LOSS_AGGS = ("token-mean", "seq-mean-token-mean", "seq-mean-token-sum")  # loomrl.algorithms.losses.LOSS_AGGS
 TASK_NAMES = ("sort", "add", "reverse", "arith", "judge", "file")
 JUDGED_TASKS = ("sort", "add", "reverse")
@@ -313,6 +314,14 @@ class AlgoConfig(ValidatedConfig):
     recompute_logprobs: bool = False
     """Recompute the behaviour log-probs with the actor's own forward pass after generation (an ``actor_inf``
     call, as verl, OpenRLHF and NeMo RL do) rather than take the sampler's; top-k / top-p sampling implies it."""
+    off_policy: str = spec("none", choices=OFF_POLICY)
+    """Correction for samples drawn by an older policy than the one being updated (an asynchronous plan's
+    staleness; the sampler's numerical differences too): 'none' clips the ratio around the sampler's log-probs
+    (plain PPO); 'decoupled' (AReaL's decoupled PPO) clips it around the policy at the update's start (recomputed
+    by an ``actor_inf`` call) and weights each token by that policy's probability over the sampler's, leaving out
+    tokens whose weight exceeds ``is_cap``; 'tis' (truncated importance sampling) caps the weight at ``is_cap``."""
+    is_cap: float = spec(2.0, gt=0)
+    """The importance-weight cap of ``off_policy``: 'decoupled' leaves out tokens above it, 'tis' truncates to it."""
     dynamic_sampling: DynamicSamplingConfig = field(default_factory=DynamicSamplingConfig)
     """DAPO's dynamic sampling: drop groups without learning signal and generate more until the batch is full."""
 
@@ -477,7 +486,8 @@ class RuntimeConfig(ValidatedConfig):
     plan: str | None = None
     """Execution plan of the 'ray' executor: colocate | interleave | separate[:N] | a plan string | a
     .json/.yaml plan file (see loomrl/plan/plan_string.py); None places every call on all devices with
-    runtime.layouts. Each model call gets its own devices and layout; a role's weights move between them."""
+    runtime.layouts. Each model call gets its own devices and layout; a role's weights move between them. The
+    'reference' executor places nothing but takes what a plan changes of the run itself: its staleness (async)."""
     plan_changes: dict[int, str] = field(default_factory=dict)
     """Plans to switch to between iterations, by the iteration they start at, e.g. {4: separate:1, 8: interleave}
     (each a strategy, plan string or plan file, as for plan); every role's state moves to the new layouts and
@@ -523,8 +533,6 @@ class RuntimeConfig(ValidatedConfig):
     def validate(self) -> None:
         if self.controllers > 1 and self.executor != "ray":
             fail("controllers", f"{self.controllers} needs executor 'ray' (the reference executor has no controllers)")
-        if self.plan is not None and self.executor != "ray":
-            fail("plan", f"{self.plan!r} needs executor 'ray' (the reference executor runs everything in one process)")
         if self.placement == "dynamic":
             if self.executor != "ray":
                 fail("placement", "'dynamic' needs executor 'ray' (the reference executor has no placement)")

@@ -46,7 +46,7 @@ from loomrl.plan.memory import shard_bytes
 from loomrl.plan.model_shape import param_count
 from loomrl.workflow import MFCKind, Workflow
 
-__all__ = ["ExecutionPlan", "StreamFusion"]
+__all__ = ["AsyncTraining", "ExecutionPlan", "StreamFusion"]
 
 
 @dataclass(frozen=True)
@@ -97,6 +97,36 @@ class StreamFusion(ValidatedConfig):
         return f"migrate_at:{self.migrate_at},migrate_to:{self.migrate_to},chunk:{self.chunk}"
 
 
+@dataclass(frozen=True)
+class AsyncTraining(ValidatedConfig):
+    """Asynchronous training with bounded staleness (AReaL's, verl's one-step-off generalised): generation runs
+    ahead of training, so each iteration's rollout generation overlaps the training of an older batch.
+
+    The plan fixes the interleaving, so the run is reproducible: in iteration ``i`` the rollout generate calls run
+    on the prompts of iteration ``i + max_staleness`` with the weights of version ``i`` (the policy after ``i``
+    updates), beside the rest of iteration ``i`` on a batch generated ``max_staleness`` versions ago; the first
+    iteration also generates the batches before ``max_staleness`` with the initial weights. Every batch is trained
+    at most ``max_staleness`` versions after the policy that sampled it, so
+    ``algo.off_policy`` (the decoupled objective or truncated importance sampling) can correct for it."""
+
+    max_staleness: int = spec(1, ge=1)
+    """η: how many policy versions a batch's sampler may be older than the policy it trains (1: one-step-off)."""
+
+    @classmethod
+    def parse(cls, text: str) -> AsyncTraining:
+        """``N`` or ``max_staleness:N`` (a plan string's ``async=`` item)."""
+        value = str(text).strip().removeprefix("max_staleness:").strip()
+        try:
+            return cls(max_staleness=int(value))
+        except ValueError:
+            fail("async", f"{text.strip()!r} is not max_staleness:N or N, a whole number of versions >= 1")
+
+    @property
+    def text(self) -> str:
+        """The plan string form :meth:`parse` reads."""
+        return f"max_staleness:{self.max_staleness}"
+
+
 def _roles_list(roles: object, field: str) -> tuple[str, ...] | None:
     if roles is None:
         return None
@@ -133,6 +163,14 @@ class ExecutionPlan:
     on the same devices with pipeline stages, run as one fused pipeline schedule, each device alternating
     between its stage of either model so that one model's work fills the other's pipeline bubbles
     (:mod:`loomrl.planner.pipeline_fusion`); opposite directions (one layout ``rev``) pair their bubbles best."""
+    asynchronous: AsyncTraining | None = None
+    """Asynchronous training (``async`` in plan files and strings): generation runs up to ``max_staleness``
+    batches ahead of training; None: synchronous (every batch sampled by the policy it trains)."""
+
+    @property
+    def staleness(self) -> int:
+        """η of :attr:`asynchronous`; 0 for a synchronous plan."""
+        return 0 if self.asynchronous is None else self.asynchronous.max_staleness
 
     def __post_init__(self) -> None:
         if not isinstance(self.cluster, ClusterSpec):
@@ -157,6 +195,8 @@ class ExecutionPlan:
             raise ConfigError(f"plan.stream_fusion: {self.stream_fusion!r} is not a StreamFusion")
         if not isinstance(self.pipeline_fusion, bool):
             raise ConfigError(f"plan.pipeline_fusion: {self.pipeline_fusion!r} is not true or false")
+        if self.asynchronous is not None and not isinstance(self.asynchronous, AsyncTraining):
+            raise ConfigError(f"plan.async: {self.asynchronous!r} is not an AsyncTraining")
 
     def with_allocation(self, name: str, allocation: Allocation) -> ExecutionPlan:
         """A copy of the plan with ``name`` placed at ``allocation``."""
@@ -279,6 +319,7 @@ class ExecutionPlan:
             "offload": None if self.offload is None else list(self.offload),
             "stream_fusion": None if self.stream_fusion is None else to_dict(self.stream_fusion),
             **({"pipeline_fusion": True} if self.pipeline_fusion else {}),
+            **({"async": to_dict(self.asynchronous)} if self.asynchronous is not None else {}),
         }
 
     @classmethod
@@ -286,7 +327,15 @@ class ExecutionPlan:
         """Strict inverse of :meth:`to_dict`: unknown keys and wrong types fail with the key's path.
 
         ``devices`` may be the compact text (``"0-3,6"``) or a list of indices."""
-        record = from_dict(_PlanRecord, data, "plan")
+        data = dict(data)
+        if "async" in data:  # a Python keyword: the record's field is ``asynchronous``
+            data["asynchronous"] = data.pop("async")
+        try:
+            record = from_dict(_PlanRecord, data, "plan")
+        except FieldError as err:
+            raise FieldError(
+                err.path.replace("plan.asynchronous", "plan.async"), err.reason.replace("asynchronous", "async")
+            ) from None
         allocations = {}
         for name, item in record.allocations.items():
             try:
@@ -302,7 +351,13 @@ class ExecutionPlan:
             except FieldError as err:
                 raise err.under(f"plan.allocations.{name}") from None
         return cls(
-            record.cluster, allocations, record.shadow, record.offload, record.stream_fusion, record.pipeline_fusion
+            record.cluster,
+            allocations,
+            record.shadow,
+            record.offload,
+            record.stream_fusion,
+            record.pipeline_fusion,
+            record.asynchronous,
         )
 
     def save(self, path: str | os.PathLike[str]) -> None:
@@ -365,6 +420,8 @@ class _PlanRecord:
     """Inter-stage fusion (null: none)."""
     pipeline_fusion: bool = False
     """Intra-stage fusion of two train calls' pipelines."""
+    asynchronous: AsyncTraining | None = None
+    """Asynchronous training, the file's ``async`` (null: synchronous)."""
 
 
 def _plan_suffix(path: Path) -> str:
@@ -495,6 +552,8 @@ def _check_choices(plan: ExecutionPlan, workflow: Workflow) -> None:
             )
     if plan.pipeline_fusion:
         _check_pipeline_fusion(plan, workflow)
+    if plan.asynchronous is not None:
+        _check_async(plan, workflow)
     roles = workflow.roles()
     for field, chosen in (("shadow", plan.shadow), ("offload", plan.offload)):
         for role in chosen or ():
@@ -512,6 +571,21 @@ def _check_choices(plan: ExecutionPlan, workflow: Workflow) -> None:
                 f"plan.shadow: role '{role}' has no call off its training devices "
                 f"{canon.mesh.text}, so a shadow would serve nothing"
             )
+
+
+def _check_async(plan: ExecutionPlan, workflow: Workflow) -> None:
+    """Asynchronous training needs rollout generation of a trained role and excludes stream fusion (which runs
+    inference on the samples of the generation it fuses with, of the same batch)."""
+    if not workflow.rollout_generations():
+        raise ConfigError(
+            "plan.async: the workflow has no generate call of a trained role on the prompts alone, so nothing "
+            "can run ahead of training; remove async"
+        )
+    if plan.stream_fusion is not None:
+        raise ConfigError(
+            "plan.async: stream fusion overlaps generation with inference on the same batch, asynchronous training "
+            "generates ahead of it; choose one (remove stream_fusion or async)"
+        )
 
 
 def _check_pipeline_fusion(plan: ExecutionPlan, workflow: Workflow) -> None:

@@ -19,6 +19,9 @@ generation with
 - ``pipeline_fusion=on`` (or ``off``) runs the two train calls as one fused pipeline (intra-stage fusion,
   :attr:`~loomrl.plan.plan.ExecutionPlan.pipeline_fusion`), e.g. ``actor_train=0-3:pp4mb4;
   critic_train=0-3:pp4revmb4; pipeline_fusion=on``;
+- ``async=N`` (or ``async=max_staleness:N``) trains asynchronously: generation runs up to N batches ahead of
+  training (:class:`~loomrl.plan.plan.AsyncTraining`), e.g. ``actor_gen=0-1; ref_inf=2; reward_inf=3;
+  actor_train=2-3; async=1``;
 - a compute step (e.g. ``advantages``) that is not named runs on device 0 with no parallelism
   (``advantages=0:dp1``), where the runtime runs it; every model call must be named.
 
@@ -41,12 +44,12 @@ from loomrl.errors import ConfigError
 from loomrl.plan.allocation import Allocation, DeviceSet
 from loomrl.plan.cluster import ClusterSpec
 from loomrl.plan.layout import Layout
-from loomrl.plan.plan import ExecutionPlan, StreamFusion
+from loomrl.plan.plan import AsyncTraining, ExecutionPlan, StreamFusion
 from loomrl.workflow import MFCKind, Workflow
 
 __all__ = ["RESERVED_KEYS", "compute_allocation", "format_plan_string", "parse_plan_string", "with_choices"]
 
-RESERVED_KEYS = ("shadow", "offload", "stream_fusion", "pipeline_fusion")
+RESERVED_KEYS = ("shadow", "offload", "stream_fusion", "pipeline_fusion", "async")
 """Item names that set plan fields rather than place an MFC."""
 
 RENAMED_KEYS = {"fuse": "stream_fusion", "fuse_train": "pipeline_fusion"}
@@ -58,7 +61,9 @@ def compute_allocation() -> Allocation:
     return Allocation(DeviceSet((0,)), Layout())
 
 
-def _parse_item(item: str, workflow: Workflow) -> tuple[str, Allocation | StreamFusion | bool | tuple[str, ...]]:
+def _parse_item(
+    item: str, workflow: Workflow
+) -> tuple[str, Allocation | StreamFusion | AsyncTraining | bool | tuple[str, ...]]:
     name, sep, rest = (part.strip() for part in item.partition("="))
     if not sep or not name:
         raise ConfigError(f"plan item {item!r}: expected NAME=DEVICES[:LAYOUT], e.g. actor_gen=0-3:dp4")
@@ -67,6 +72,11 @@ def _parse_item(item: str, workflow: Workflow) -> tuple[str, Allocation | Stream
     if name == "stream_fusion":
         try:
             return name, StreamFusion.parse(rest)
+        except FieldError as err:
+            raise ConfigError(f"plan item {item!r}: {err}") from None
+    if name == "async":
+        try:
+            return "asynchronous", AsyncTraining.parse(rest)
         except FieldError as err:
             raise ConfigError(f"plan item {item!r}: {err}") from None
     if name == "pipeline_fusion":
@@ -116,6 +126,7 @@ def parse_plan_string(text: str, workflow: Workflow, cluster: ClusterSpec) -> Ex
             choices.get("offload"),
             choices.get("stream_fusion"),
             choices.get("pipeline_fusion", False),
+            choices.get("asynchronous"),
         )
     except ConfigError as err:
         raise ConfigError(f"plan: {err}") from None
@@ -124,7 +135,7 @@ def parse_plan_string(text: str, workflow: Workflow, cluster: ClusterSpec) -> Ex
 
 
 def with_choices(plan: ExecutionPlan, text: str, workflow: Workflow) -> ExecutionPlan:
-    """``plan`` with the ``shadow``, ``offload``, ``stream_fusion`` and ``pipeline_fusion`` items of ``text``
+    """``plan`` with the ``shadow``, ``offload``, ``stream_fusion``, ``pipeline_fusion`` and ``async`` items of ``text``
     (``;``-separated) applied."""
     changes: dict[str, Any] = {}  # each value has its plan field's type (_parse_item)
     for item in (part.strip() for part in str(text).split(";")):
@@ -155,4 +166,6 @@ def format_plan_string(plan: ExecutionPlan, workflow: Workflow | None = None) ->
         items.append(f"stream_fusion={plan.stream_fusion.text}")
     if plan.pipeline_fusion:
         items.append("pipeline_fusion=on")
+    if plan.asynchronous is not None:
+        items.append(f"async={plan.asynchronous.max_staleness}")
     return "; ".join(items)

@@ -37,6 +37,13 @@ Steps (:class:`StepKind`), each with the devices it occupies and the steps of it
   their shared devices, its member call steps inside: each pair of their optimizer steps runs as one fused
   pipeline step (:mod:`loomrl.planner.pipeline_fusion`); what waits for either call waits for the stage.
 
+With the plan's :class:`~loomrl.plan.plan.AsyncTraining` (asynchronous training) the rollout generate calls
+(:meth:`~loomrl.workflow.graph.Workflow.rollout_generations`) run on a batch ``max_staleness`` iterations ahead,
+so no step of the iteration waits for their data; only for their weights: the role's train call waits for a
+generate call that reads its training shards (or for the copy it reads), and the sync that refreshes a shadow
+waits for the generate call that reads the shadow. The schedule's ``ahead`` names those calls and its ``fill``
+lists the steps that generate a batch ahead on its own (the first iteration's batches before ``max_staleness``).
+
 Iterations run one after another: every step of iteration ``i + 1`` waits for all of iteration ``i``.
 Within an iteration a step is sent once its dependencies are done, and every device runs the steps in the
 order they were sent; :meth:`Step.sent_with` names the exception, which both executors apply: a call is sent
@@ -162,6 +169,11 @@ class Schedule:
     """Run before the first iteration, and again whenever the weights are replaced: shadow fills."""
     evaluation: tuple[Step, ...] = ()
     """A greedy evaluation of the actor between iterations, with the copy it needs."""
+    ahead: tuple[str, ...] = ()
+    """Asynchronous plans: the ids of the call steps that run on the batch ``max_staleness`` iterations ahead."""
+    fill: tuple[Step, ...] = ()
+    """Asynchronous plans: the steps that generate one batch ahead on their own (the ``ahead`` calls, the steps
+    that put their models in place and those that release them), to fill the pipeline before it runs."""
 
     def __post_init__(self) -> None:
         for name, steps in (("steps", self.steps), ("prologue", self.prologue), ("evaluation", self.evaluation)):
@@ -219,6 +231,12 @@ def build_schedule(workflow: Workflow, plan: ExecutionPlan, evaluate_role: str |
     for mfc in workflow.topological_order():
         builder.add_call(mfc)
     steps = builder.finish()
+    ahead: tuple[str, ...] = ()
+    fill: tuple[Step, ...] = ()
+    if plan.asynchronous is not None:
+        ahead = tuple(m.name for m in workflow.rollout_generations())
+        steps = _run_ahead(steps, ahead, builder)
+        fill = _fill(steps, ahead, builder)
     group = workflow.stream_fusable() if plan.stream_fusion is not None else None
     if group is not None:
         steps = _fuse(steps, (group[0], *group[1]), StepKind.STREAM_FUSION, plan.stream_fusion)
@@ -226,7 +244,54 @@ def build_schedule(workflow: Workflow, plan: ExecutionPlan, evaluate_role: str |
     if pair is not None:
         steps = _fuse(steps, pair, StepKind.PIPELINE_FUSION)
     prologue = tuple(Step(s.id, s.kind, s.devices, (), s.role, s.alloc, s.src) for s in builder.fills)
-    return Schedule(steps, prologue, _evaluation(workflow, plan, evaluate_role))
+    return Schedule(steps, prologue, _evaluation(workflow, plan, evaluate_role), ahead, fill)
+
+
+def _run_ahead(steps: tuple[Step, ...], ahead: tuple[str, ...], builder: _Builder) -> tuple[Step, ...]:
+    """The steps of an asynchronous iteration (module docstring): nothing waits for the data of the ``ahead``
+    calls, which generate a later batch, but the steps releasing what they used still follow them; the updates
+    of the weights they read wait for them."""
+    gens = set(ahead)
+    by_id = {s.id: s for s in steps}
+    extra: dict[str, list[str]] = {}
+    for name in ahead:
+        gen = by_id[name]
+        role = gen.model_role
+        canon = builder.plan.canonical_layout(builder.workflow, role)
+        assert canon is not None and gen.alloc is not None  # a rollout generation's role trains
+        if name in builder.shadowed:  # the shadow's refresh after the update waits for the generation
+            for step in steps:
+                if step.kind is StepKind.SYNC and step.role == role and step.alloc == gen.alloc.shards:
+                    extra.setdefault(step.id, []).append(name)
+            continue
+        # the training shards themselves, or the copy made of them before the update
+        reads = name if gen.alloc.shards == canon.shards else builder.copy_of[(role, gen.alloc.shards, 0)]
+        for step in steps:
+            if step.kind is StepKind.CALL and step.role == role and step.call_mfc.kind is MFCKind.TRAIN:
+                extra.setdefault(step.id, []).append(reads)
+    out = []
+    for step in steps:
+        keep = step.kind in _DROP or step.id in builder.restores
+        deps = tuple(d for d in step.deps if keep or d not in gens) + tuple(extra.get(step.id, ()))
+        out.append(dataclasses.replace(step, deps=tuple(dict.fromkeys(deps))))
+    return _stable_topological(out)
+
+
+def _fill(steps: tuple[Step, ...], ahead: tuple[str, ...], builder: _Builder) -> tuple[Step, ...]:
+    """The steps that generate one batch ahead on their own: the ``ahead`` calls, the steps they wait for, and
+    the steps that release or restore what they used, each keeping only its dependencies among these."""
+    by_id = {s.id: s for s in steps}
+    needed: set[str] = set()
+    todo = list(ahead)
+    while todo:
+        step_id = todo.pop()
+        if step_id not in needed:
+            needed.add(step_id)
+            todo.extend(d for d in by_id[step_id].deps if d in by_id)
+    for step in steps:
+        if (step.kind in _DROP or step.id in builder.restores) and set(step.deps) <= needed:
+            needed.add(step.id)
+    return tuple(dataclasses.replace(s, deps=tuple(d for d in s.deps if d in needed)) for s in steps if s.id in needed)
 
 
 def _fuse(
@@ -306,6 +371,8 @@ class _Builder:
         """(role, shards, version) → the sync that filled the shadow for that version."""
         self.fills: list[Step] = []
         """The syncs after each role's first train call: the prologue fills the shadows the same way."""
+        self.restores: set[str] = set()
+        """The reloads of a trained role's state after the generate call it was offloaded for."""
 
     def version(self, mfc: MFC) -> int:
         """How many of its role's train calls precede ``mfc`` in the iteration (0 before any)."""
@@ -355,6 +422,7 @@ class _Builder:
                 )
             )
             self.reloaded[sleep.model_role] = reload.id
+            self.restores.add(reload.id)
         if mfc.kind is MFCKind.TRAIN and role in self.trained:
             version = self.version(mfc) + 1
             for shadow in self._shadows(role):

@@ -38,7 +38,7 @@ from loomrl.planner.cost.pipeline_fusion import pipeline_fusion_orders
 from loomrl.planner.cost.stream_fusion import best_migrate_at
 from loomrl.planner.cost.workload import Workload
 from loomrl.planner.inputs import PlannerInputs
-from loomrl.runtime.executor import IterationResult, StepTrace, merge_stats
+from loomrl.runtime.executor import IterationResult, StepTrace, merge_stats, staleness_stats
 from loomrl.runtime.spec import CallData, PipelineFusionData, WorkerPlan, WorkerSpec
 from loomrl.runtime.stream_fusion import StreamFusionStage, is_stream
 from loomrl.workflow import MFCKind
@@ -164,6 +164,9 @@ class Controller:
         self.received = 0
         self.waited_s = 0.0
         """Time spent waiting for workers; the rest of an iteration is the controller's own work."""
+        self.pending: dict[int, tuple[Shards, dict[int, int], int]] = {}
+        """Asynchronous plans: iteration → the output shards of the batch generated ahead for it, its samples'
+        token counts and the policy version that generated it."""
         self.lengths: list[list[int]] = []
         """Response lengths of the last iterations (at most :data:`LENGTH_WINDOW`): the workload the runtime's
         own decisions are priced for, following the run's drift."""
@@ -271,13 +274,15 @@ class Controller:
         state: _IterationState | None = None,
         result: IterationResult | None = None,
         data: Mapping[str, dict] | None = None,
+        states: Mapping[str, _IterationState | None] | None = None,
     ) -> tuple[list[StepTrace], dict[str, dict[int, dict]]]:
         """Run ``steps`` (one list of the schedule) to the end on this controller's devices: each is sent to them
         once the steps it waits for are done here, or with the one it is sent with; a fused stage runs as its
         members' data arrives (:class:`~loomrl.runtime.stream_fusion.StreamFusionStage`). Call steps take their rows
         from
         ``state`` and report into ``result``; ``data`` gives other steps' per-device payloads. Returns the steps'
-        traces, in the order they ended, and every device's reply per step.
+        traces, in the order they ended, and every device's reply per step. ``states`` gives call steps that run
+        on another batch than ``state`` theirs (an asynchronous plan's generation ahead), or None to skip them.
 
         With several controllers, each device gets its steps in the schedule's order (a step waits until the
         earlier ones on its devices were sent): two controllers then never send collectives to the devices
@@ -290,6 +295,7 @@ class Controller:
         payloads: dict[str, dict] = {}
         pending: dict = {}
         routed: dict = {}  # ref → (step id, device), or (fused stage, its key)
+        state_of: dict[str, _IterationState | None] = {}  # a call's batch, where it is not ``state``
         traces: list[StepTrace] = []
         deadline = time.monotonic() + self.runtime.timeout_s
         while len(done) < len(steps):
@@ -303,7 +309,9 @@ class Controller:
                 for d in mine[step.id] if queues else ():
                     queues[d].pop(0)
                 replies[step.id] = {}
-                if not mine[step.id]:  # none of this controller's devices take part
+                if states is not None and step.id in states:
+                    state_of[step.id] = states[step.id]
+                if not mine[step.id] or (step.id in state_of and state_of[step.id] is None):  # not here, or skipped
                     done.add(step.id)
                     continue
                 if step.kind is StepKind.STREAM_FUSION:
@@ -313,7 +321,7 @@ class Controller:
                     StreamFusionStage(self, step, state, migrate_at).start(pending, routed)
                     continue
                 if step.kind is StepKind.CALL:
-                    payloads[step.id] = self.payloads(step, state)
+                    payloads[step.id] = self.payloads(step, state_of.get(step.id, state))
                 elif step.kind is StepKind.PIPELINE_FUSION:
                     payloads[step.id] = self.pipeline_fusion_payloads(step, state)
                 else:
@@ -339,7 +347,7 @@ class Controller:
                     done.add(step.id)
                     traces.append(StepTrace.of(step, iteration, phase, replies[step.id]))
                     if step.kind is StepKind.CALL:
-                        self._finish(step, replies[step.id], payloads[step.id], state, result)
+                        self._finish(step, replies[step.id], payloads[step.id], state_of.get(step.id, state), result)
                     elif step.kind is StepKind.PIPELINE_FUSION:
                         for member in step.members:
                             self._finish(
@@ -472,20 +480,61 @@ class Controller:
         merge_stats(result.stats, stats, step.id)
 
     # ------------------------------------------------------------------------------ iterations
-    def run_iteration(self, iteration: int, shard: ShardInput, waves: Any = None) -> ShardOutput:
+    def generate_ahead(self, iteration: int, shard: ShardInput, version: int) -> list[StepTrace]:
+        """An asynchronous plan's pipeline fill: this controller's shard of ``iteration``'s prompts generated now
+        (the schedule's ``fill``) with the current weights, policy ``version``, and kept for that iteration."""
+        state = _state_of(iteration, shard)
+        traces = self.run_steps(self.schedule.fill, iteration, "prologue", state, IterationResult())[0]
+        self._keep_ahead(state, version)
+        return traces
+
+    def pending_entries(self) -> dict[int, tuple[list[int], tuple, list[str], int]]:
+        """The batches generated ahead, as a checkpoint takes them: iteration → (sample ids, references of the
+        output shards holding them, their columns, policy version)."""
+        out = {}
+        for iteration, (where, _, version) in sorted(self.pending.items()):
+            ids = sorted({s for shards in where.values() for ids, _ in shards for s in ids})
+            out[iteration] = (ids, shard_refs(list(where), ids, where), list(where), version)
+        return out
+
+    def restore_pending(self, entries: Mapping[int, tuple[list[int], Any, list[str], dict[int, int], int]]) -> None:
+        """Batches generated ahead, from a checkpoint: iteration → (sample ids, a reference of the shard holding
+        them, its columns, each sample's token count, policy version)."""
+        self.pending = {
+            it: ({k: [(tuple(ids), ref)] for k in keys}, dict(tokens), version)
+            for it, (ids, ref, keys, tokens, version) in entries.items()
+        }
+
+    def _keep_ahead(self, state: _IterationState, version: int) -> None:
+        keys = {k for name in self.schedule.ahead for k in self.schedule[name].call_mfc.outputs}
+        where = {k: v for k, v in state.where.items() if k in keys}
+        self.pending[state.iteration] = (where, dict(state.tokens), version)
+
+    def run_iteration(
+        self, iteration: int, shard: ShardInput, waves: Any = None, ahead: tuple[int, ShardInput] | None = None
+    ) -> ShardOutput:
         """Every step of the schedule's iteration for this controller's shard; calls on disjoint devices run
-        concurrently. With ``waves`` (dynamic sampling), ``shard`` is the first wave (:meth:`run_waves`)."""
+        concurrently. With ``waves`` (dynamic sampling), ``shard`` is the first wave (:meth:`run_waves`). Under an
+        asynchronous plan the rollout generate calls run on ``ahead`` (a later iteration and its shard; None: they
+        do not run) and the shard takes what was generated for it earlier (:attr:`pending`)."""
         start, cpu, self.waited_s = time.perf_counter(), time.process_time(), 0.0
         result = IterationResult()
-        state = _IterationState(
-            iteration,
-            list(shard.ids),
-            {k: [(shard.ids, shard.source[0])] for k in shard.keys},
-            dict(zip(shard.ids, shard.prompt_tokens)),
-            shard.max_budget,
-        )
+        state = _state_of(iteration, shard)
+        states: dict[str, _IterationState | None] = {}
+        later = None if ahead is None else _state_of(*ahead)
+        if self.schedule.ahead:
+            if iteration not in self.pending:
+                raise RuntimeFailure(f"iteration {iteration}: no batch was generated ahead for it")
+            where, tokens, version = self.pending.pop(iteration)
+            state.where.update(where)
+            state.tokens.update(tokens)
+            if self.index == 0:  # the controllers' statistics are summed; every shard has the batch's staleness
+                merge_stats(result.stats, staleness_stats(iteration, version), "asynchronous training")
+            states = dict.fromkeys(self.schedule.ahead, later)
         if waves is None:
-            self.run_steps(self.schedule.steps, iteration, "iteration", state, result)
+            self.run_steps(self.schedule.steps, iteration, "iteration", state, result, states=states)
+            if later is not None:
+                self._keep_ahead(later, iteration)
         else:
             self.run_waves(state, result, waves)
         lengths = [state.tokens[s] for s in state.ids]
@@ -525,6 +574,17 @@ class Controller:
             steps = again
         state.ids = list(waves.kept())
         self.run_steps(tail, state.iteration, "iteration", state, result)
+
+
+def _state_of(iteration: int, shard: ShardInput) -> _IterationState:
+    """A new iteration's state: the shard's prompts, weighted by their lengths until responses exist."""
+    return _IterationState(
+        iteration,
+        list(shard.ids),
+        {k: [(shard.ids, shard.source[0])] for k in shard.keys},
+        dict(zip(shard.ids, shard.prompt_tokens)),
+        shard.max_budget,
+    )
 
 
 def shard_refs(keys: Sequence[str], ids: Sequence[int], where: Shards) -> tuple:

@@ -214,8 +214,19 @@ class ControllerActor:
     def install(self, plan, devices: Sequence[int]) -> None:
         self.control.install(plan, devices)
 
-    def run_iteration(self, iteration: int, shard: ShardInput) -> ShardOutput:
-        return self.control.run_iteration(iteration, shard)
+    def run_iteration(
+        self, iteration: int, shard: ShardInput, ahead: tuple[int, ShardInput] | None = None
+    ) -> ShardOutput:
+        return self.control.run_iteration(iteration, shard, ahead=ahead)
+
+    def generate_ahead(self, iteration: int, shard: ShardInput, version: int) -> list:
+        return self.control.generate_ahead(iteration, shard, version)
+
+    def pending_entries(self) -> dict:
+        return self.control.pending_entries()
+
+    def restore_pending(self, entries: dict) -> None:
+        self.control.restore_pending(entries)
 
     def received(self) -> int:
         return self.control.received

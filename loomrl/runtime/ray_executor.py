@@ -26,7 +26,7 @@ import torch
 from ray.util.placement_group import placement_group, remove_placement_group
 from ray.util.scheduling_strategies import PlacementGroupSchedulingStrategy
 
-from loomrl.checkpoint.store import state_json_of
+from loomrl.checkpoint.store import read_pending, state_json_of
 from loomrl.config.schema import RuntimeConfig
 from loomrl.errors import LoomError
 from loomrl.models.tokenizer import task_tokenizer
@@ -184,7 +184,23 @@ class RayExecutor(Executor):
         return self.control.run_steps(steps, iteration, phase, data=data)
 
     # ------------------------------------------------------------------------------ iterations
-    def run_iteration(self, iteration: int, batch: Batch, waves: Waves | None = None) -> IterationResult:
+    def generate_ahead(self, iteration: int, batch: Batch, version: int) -> None:
+        """Asynchronous plans: generate ``batch`` (the prompts of ``iteration``) now with the current weights,
+        policy ``version``, and keep it, each controller its shard (the pipeline's fill; traced as a prologue)."""
+        budget = _budget(batch)
+        if self.controllers:
+            shards = shard_batch(batch, len(self.controllers), self.group_size)
+            refs = [
+                c.generate_ahead.remote(iteration, shard_input(shard, budget), version)
+                for c, shard in zip(self.controllers, shards)
+            ]
+            self.traces += [t for traces in wait_controllers(refs, f"generation ahead for {iteration}") for t in traces]
+        else:
+            self.traces += self.control.generate_ahead(iteration, shard_input(batch, budget), version)
+
+    def run_iteration(
+        self, iteration: int, batch: Batch, waves: Waves | None = None, ahead: tuple[int, Batch] | None = None
+    ) -> IterationResult:
         """Every step of the schedule's iteration, through the run's controllers; calls on disjoint devices run
         concurrently. With ``waves`` (dynamic sampling, one controller), ``batch`` is the first wave
         (:meth:`Controller.run_waves <loomrl.runtime.controller.Controller.run_waves>`). The statistics add
@@ -198,13 +214,20 @@ class RayExecutor(Executor):
         max_budget = _budget(batch)
         if self.controllers:
             shards = shard_batch(batch, len(self.controllers), self.group_size)
+            later: list[tuple[int, ShardInput] | None] = [None] * len(shards)
+            if ahead is not None:
+                budget = _budget(ahead[1])
+                later = [
+                    (ahead[0], shard_input(s, budget)) for s in shard_batch(ahead[1], len(shards), self.group_size)
+                ]
             refs = [
-                c.run_iteration.remote(iteration, shard_input(shard, max_budget))
-                for c, shard in zip(self.controllers, shards)
+                c.run_iteration.remote(iteration, shard_input(shard, max_budget), later[i])
+                for i, (c, shard) in enumerate(zip(self.controllers, shards))
             ]
             outputs = wait_controllers(refs, f"iteration {iteration}")
         else:
-            outputs = [self.control.run_iteration(iteration, shard_input(batch, max_budget))]
+            next_in = None if ahead is None else (ahead[0], shard_input(ahead[1], _budget(ahead[1])))
+            outputs = [self.control.run_iteration(iteration, shard_input(batch, max_budget), ahead=next_in)]
         return self._result(iteration, outputs, batch.ids)
 
     def _result(
@@ -284,7 +307,7 @@ class RayExecutor(Executor):
                 alloc.devices,
             )
             exports[role] = [m["state"] for m in metas if "state" in m]
-        ref = self.workers[0].save.remote(str(run_dir), iteration, dict(state), keep_last, exports)
+        ref = self.workers[0].save.remote(str(run_dir), iteration, dict(state), keep_last, exports, self._pending())
         return Path(self._wait([ref], "checkpoint save", None)[0])
 
     def _save_sharded(self, run_dir: Path, iteration: int, state: Mapping[str, Any], keep_last: int) -> Path:
@@ -295,14 +318,48 @@ class RayExecutor(Executor):
         for written in self._wait([w.save_shards.remote(tmp) for w in self.workers], "checkpoint save", None):
             for role, part in written.items():
                 parts.setdefault(role, []).append(part)
-        ref = self.workers[0].finish_save.remote(tmp, iteration, state_json, keep_last, parts)
+        ref = self.workers[0].finish_save.remote(tmp, iteration, state_json, keep_last, parts, self._pending())
         return Path(self._wait([ref], "checkpoint save", None)[0])
 
+    def _pending(self) -> dict | None:
+        """An asynchronous run's batches generated ahead, from every controller, as the checkpoint's writer takes
+        them (:func:`~loomrl.runtime.worker.gather_pending`); None for a synchronous run."""
+        if not self.schedule.ahead:
+            return None
+        parts = ray.get([c.pending_entries.remote() for c in self.controllers]) if self.controllers else []
+        merged: dict[int, tuple] = {}
+        for entries in parts or [self.control.pending_entries()]:
+            for it, (ids, refs, keys, version) in entries.items():
+                had = merged.get(it, ([], (), keys, version))
+                merged[it] = (had[0] + ids, had[1] + tuple(refs), keys, version)
+        return merged
+
     def load(self, path: Path) -> dict[str, Any]:
-        """Every worker loads its part of the checkpoint; the new prologue refills the shadows from it."""
+        """Every worker loads its part of the checkpoint; the new prologue refills the shadows from it; an
+        asynchronous run's batches generated ahead go back to the controllers that will train them."""
         states = self._wait([w.load.remote(str(path)) for w in self.workers], "checkpoint load", None)
         self.traces += self.run_steps(self.schedule.prologue, 0, "prologue")[0]  # the shadows held the old weights
+        pending = read_pending(path)
+        if self.schedule.ahead and pending is not None:
+            self._restore_pending(pending)
         return states[0]
+
+    def _restore_pending(self, pending: Mapping[int, tuple]) -> None:
+        """Each batch generated ahead into the object store, split over the controllers as its iteration's prompts
+        will be (:func:`~loomrl.runtime.controllers.shard_batch`)."""
+        count = max(1, len(self.controllers))
+        per: list[dict] = [{} for _ in range(count)]
+        for it, (columns, ids, version) in pending.items():
+            batch = Batch(ids, columns)
+            for k, shard in enumerate(shard_batch(batch, count, self.group_size)):
+                tokens = (
+                    {s: len(r) for s, r in zip(shard.ids, shard["response_ids"])} if "response_ids" in shard else {}
+                )
+                per[k][int(it)] = (list(shard.ids), ray.put(shard), shard.keys(), tokens, int(version))
+        if self.controllers:
+            wait_controllers([c.restore_pending.remote(e) for c, e in zip(self.controllers, per)], "checkpoint load")
+        else:
+            self.control.restore_pending(per[0])
 
     def apply_plan(self, plan: ExecutionPlan) -> None:
         """Continue the run under ``plan`` (on the same devices): every role's state moves to the new layouts

@@ -14,10 +14,10 @@ from typing import TYPE_CHECKING, Any
 
 from loomrl.algorithms.context import OpContext, Role
 from loomrl.checkpoint.optim_state import FullOptimizerState
-from loomrl.checkpoint.store import load_checkpoint, save_checkpoint, save_sharded_checkpoint
+from loomrl.checkpoint.store import load_checkpoint, read_pending, save_checkpoint, save_sharded_checkpoint
 from loomrl.models.tokenizer import encode_prompt
 from loomrl.plan.schedule import Schedule, Step, split_for_sampling
-from loomrl.runtime.executor import Executor, IterationResult, StepTrace, merge_stats
+from loomrl.runtime.executor import Executor, IterationResult, StepTrace, merge_stats, staleness_stats
 from loomrl.workflow import MFC, MFCKind
 from loomrl.workflow.batch import Batch
 from loomrl.workflow.minibatches import minibatch_steps
@@ -25,6 +25,39 @@ from loomrl.workflow.minibatches import minibatch_steps
 if TYPE_CHECKING:
     from loomrl.algorithms.dynamic_sampling import Waves
     from loomrl.plan.plan import ExecutionPlan
+
+
+class PendingRollouts:
+    """Batches an asynchronous run generated ahead of their iteration: each with the policy version that
+    generated it, which its iteration's staleness statistics compare against."""
+
+    def __init__(self, keys: Sequence[str] = ()) -> None:
+        self.keys = tuple(keys)
+        """The columns generation makes: what is kept of a batch."""
+        self.batches: dict[int, tuple[Batch, int]] = {}
+
+    def put(self, iteration: int, batch: Batch, version: int) -> None:
+        self.batches[iteration] = (batch.columns(self.keys), version)
+
+    def take(self, iteration: int, ids: Sequence[int], stats: dict[str, float]) -> Batch:
+        """The batch generated for ``iteration`` (whose sample ids must be ``ids``), removed; its staleness into
+        ``stats``."""
+        if iteration not in self.batches:
+            raise RuntimeError(
+                f"iteration {iteration}: no batch was generated ahead for it (generated: {sorted(self.batches)})"
+            )
+        batch, version = self.batches.pop(iteration)
+        if list(batch.ids) != list(ids):
+            raise RuntimeError(f"iteration {iteration}: the batch generated ahead holds other samples")
+        merge_stats(stats, staleness_stats(iteration, version), "asynchronous training")
+        return batch
+
+    def state_dict(self) -> dict[int, tuple[dict[str, Any], list[int], int]]:
+        """Plain data for a checkpoint: iteration → (columns, sample ids, version)."""
+        return {i: (b.as_dict(), list(b.ids), v) for i, (b, v) in self.batches.items()}
+
+    def load_state_dict(self, state: Mapping[int, tuple[Mapping[str, Any], Sequence[int], int]]) -> None:
+        self.batches = {int(i): (Batch(ids, dict(cols)), int(v)) for i, (cols, ids, v) in state.items()}
 
 
 def response_tokens(batch: Batch) -> list[int]:
@@ -62,6 +95,10 @@ class ReferenceExecutor(Executor):
         if missing:
             raise ValueError(f"workflow needs roles {missing} that were not built")
         self.calls, self.roles = calls, roles
+        self.ahead = frozenset(schedule.ahead)
+        """Asynchronous plans: the calls that generate a later batch (:class:`~loomrl.plan.plan.AsyncTraining`)."""
+        self.pending = PendingRollouts([k for c in calls if c.id in self.ahead for k in c.call_mfc.outputs])
+        """Batches generated ahead of their iteration, with the policy version that generated each."""
         self.seed, self.pad_id, self.eos_id, self.decode = seed, pad_id, eos_id, decode
         self.metrics_fn, self.evaluate_fn, self.tokenizer = metrics_fn, evaluate_fn, tokenizer
 
@@ -84,11 +121,27 @@ class ReferenceExecutor(Executor):
             loss_unit=mfc.loss_unit,
         )
 
-    def run_iteration(self, iteration: int, batch: Batch, waves: Waves | None = None) -> IterationResult:
+    def generate_ahead(self, iteration: int, batch: Batch, version: int, result: IterationResult | None = None) -> None:
+        """Generate ``batch``, the prompts of ``iteration``, now with the current weights (policy ``version``), and
+        keep it for its iteration: an asynchronous run's pipeline fill (and, from :meth:`run_iteration`, its
+        generation ahead, traced into ``result``)."""
+        self._run_calls([s for s in self.calls if s.id in self.ahead], iteration, batch, result or IterationResult())
+        self.pending.put(iteration, batch, version)
+
+    def run_iteration(
+        self, iteration: int, batch: Batch, waves: Waves | None = None, ahead: tuple[int, Batch] | None = None
+    ) -> IterationResult:
         """Every call on ``batch``; with ``waves`` (dynamic sampling), ``batch`` is the first wave: the calls that
-        make the rewards run on each wave, the others on the samples the waves keep."""
+        make the rewards run on each wave, the others on the samples the waves keep. An asynchronous plan's
+        generate calls run first on ``ahead`` (``(its iteration, its prompts)``, or none near the run's end) with
+        the weights of this iteration's start, and ``batch`` takes what they generated for it earlier."""
         result = IterationResult(batch=batch)
         calls = self.calls
+        if self.ahead:
+            if ahead is not None:
+                self.generate_ahead(*ahead, version=iteration, result=result)
+            batch.update(self.pending.take(iteration, batch.ids, result.stats).as_dict())
+            calls = [s for s in calls if s.id not in self.ahead]
         if waves is not None:
             head, _, tail = split_for_sampling(self.calls, waves.producer)
             parts = []
@@ -152,6 +205,7 @@ class ReferenceExecutor(Executor):
                 self.tokenizer,
                 state,
                 keep_last=keep_last,
+                pending=self._pending_state(),
             )
         return save_checkpoint(
             run_dir,
@@ -161,16 +215,24 @@ class ReferenceExecutor(Executor):
             {n: FullOptimizerState(r.model, r.optimizer) for n, r in roles.items()},
             state,
             keep_last=keep_last,
+            pending=self._pending_state(),
         )
+
+    def _pending_state(self) -> dict | None:
+        return self.pending.state_dict() if self.ahead else None
 
     def load(self, path: Path) -> dict[str, Any]:
         """Load the trained roles' weights and optimizer states; the run state saved with them."""
         roles = self.trainable()
-        return load_checkpoint(
+        state = load_checkpoint(
             path,
             {n: r.model for n, r in roles.items()},
             {n: FullOptimizerState(r.model, r.optimizer) for n, r in roles.items()},
         )
+        pending = read_pending(path)
+        if self.ahead and pending is not None:
+            self.pending.load_state_dict(pending)
+        return state
 
     def close(self) -> None:
         """Nothing to release in a single process."""

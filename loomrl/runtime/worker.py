@@ -66,6 +66,18 @@ class WorkerError(RuntimeError):
     """A step failed on a worker; the message names the worker, the role and the step."""
 
 
+def gather_pending(entries: dict | None) -> dict | None:
+    """An asynchronous run's batches generated ahead, for a checkpoint: ``entries`` maps an iteration to
+    ``(sample ids, references of the output shards holding them, columns, policy version)``; the result maps it to
+    ``(columns, sample ids, version)`` (:class:`~loomrl.runtime.reference.PendingRollouts`' form)."""
+    if entries is None:
+        return None
+    out = {}
+    for iteration, (ids, refs, keys, version) in entries.items():
+        out[iteration] = (gather_rows(_get(list(refs)), ids, keys).as_dict(), list(ids), version)
+    return out
+
+
 def gather_rows(shards: Sequence[Batch], sample_ids: Sequence[int], keys: Sequence[str]) -> Batch:
     """The requested rows, in the requested order, of ``keys`` found across the shards.
 
@@ -503,8 +515,11 @@ class DeviceWorker:
             )
         }
 
-    def save(self, run_dir: str, iteration: int, state: dict, keep_last: int, exports: dict) -> str:
-        """Write the checkpoint from the roles' exported states (this worker need not hold any of them)."""
+    def save(
+        self, run_dir: str, iteration: int, state: dict, keep_last: int, exports: dict, pending: dict | None = None
+    ) -> str:
+        """Write the checkpoint from the roles' exported states (this worker need not hold any of them), with an
+        asynchronous run's ``pending`` batches (:func:`gather_pending`)."""
         models, optims = {}, {}
         for role, refs in exports.items():
             parts = _get([ref[0] for ref in refs])  # one per pipeline stage
@@ -514,7 +529,16 @@ class DeviceWorker:
                 models[role], None, gathered=merge_optimizer_states([part["optim"] for part in parts])
             )
         return str(
-            save_checkpoint(Path(run_dir), iteration, models, self.tokenizer, optims, state, keep_last=keep_last)
+            save_checkpoint(
+                Path(run_dir),
+                iteration,
+                models,
+                self.tokenizer,
+                optims,
+                state,
+                keep_last=keep_last,
+                pending=gather_pending(pending),
+            )
         )
 
     def _pieces(self) -> dict[str, tuple[Role, dict, dict]]:
@@ -544,9 +568,16 @@ class DeviceWorker:
             for role, (handle, place, pieces) in self._pieces().items()
         }
 
-    def finish_save(self, tmp: str, iteration: int, state_json: str, keep_last: int, parts: dict) -> str:
-        """Index, tokenizer, RNG, state and manifest of a sharded save, then its rename into place."""
-        return str(finish_sharded_save(Path(tmp), iteration, state_json, self.tokenizer, parts, keep_last))
+    def finish_save(
+        self, tmp: str, iteration: int, state_json: str, keep_last: int, parts: dict, pending: dict | None = None
+    ) -> str:
+        """Index, tokenizer, RNG, state, an asynchronous run's ``pending`` batches (:func:`gather_pending`) and
+        manifest of a sharded save, then its rename into place."""
+        return str(
+            finish_sharded_save(
+                Path(tmp), iteration, state_json, self.tokenizer, parts, keep_last, gather_pending(pending)
+            )
+        )
 
     def load(self, path: str) -> dict:
         """Every holder of a trained role's training weights loads them (and its optimizer state)."""

@@ -26,7 +26,7 @@ from loomrl.algorithms.dynamic_sampling import DynamicSampler
 from loomrl.algorithms.evaluate import evaluate_policy
 from loomrl.algorithms.metrics import rollout_metrics
 from loomrl.algorithms.workflows import build_workflow
-from loomrl.checkpoint.store import latest_checkpoint, remove_leftovers
+from loomrl.checkpoint.store import latest_checkpoint, read_pending, remove_leftovers
 from loomrl.config.schema import TrainConfig
 from loomrl.config.tools import dump_yaml, to_dict
 from loomrl.data.sources import build_task, examples_window, held_out, prompt_source
@@ -130,10 +130,14 @@ def surviving_cluster(cfg: TrainConfig, cluster: ClusterSpec) -> ClusterSpec:
 
 
 def run_plan(cfg: TrainConfig, workflow: Workflow, cluster: ClusterSpec, text: str | None = None) -> ExecutionPlan:
-    """The plan the run's executor runs on ``cluster``: ``text`` (by default the run's ``runtime.plan``), or the
-    whole workflow colocated for the reference executor."""
+    """The plan the run's executor runs on ``cluster``: ``text`` (by default the run's ``runtime.plan``); for the
+    reference executor the whole workflow colocated, with the given plan's staleness (the one setting of a plan
+    that changes the run it computes)."""
     if cfg.runtime.executor == "reference":
-        return colocate(workflow, cluster)
+        given = text if text is not None else cfg.runtime.plan
+        devices = ClusterSpec(nodes=1, devices_per_node=max(cfg.runtime.devices, 1))  # where the plan was made for
+        staleness = plan_from_config(cfg.runtime, workflow, devices, given).asynchronous if given else None
+        return dataclasses.replace(colocate(workflow, cluster), asynchronous=staleness)
     return plan_from_config(cfg.runtime, workflow, cluster, text)
 
 
@@ -259,6 +263,8 @@ class RLTrainer:
         self.placement = self._placement()
         self.sampler = self._sampler()
         self.state = RunState()
+        self.generated_ahead = False
+        """Whether the checkpoint resumed from held an asynchronous run's batches generated ahead."""
         self.running, self.completed = 0, -1
         """The iteration under way (a failure's), and the last one logged."""
         self.recovery: dict[str, float] = {}
@@ -281,6 +287,21 @@ class RLTrainer:
             except ConfigError as err:
                 if not recovering:
                     raise ConfigError(f"runtime.plan_changes.{iteration}: {err}") from None
+            if iteration in plans and plans[iteration].staleness != plans[0].staleness:
+                raise ConfigError(
+                    f"runtime.plan_changes.{iteration}: its staleness (async) {plans[iteration].staleness} differs "
+                    f"from the run's plan's {plans[0].staleness}; a run keeps one (valid: {plans[0].staleness})"
+                )
+        if plans[0].asynchronous is not None:
+            for field, on in (
+                ("algo.dynamic_sampling.enabled", self.cfg.algo.dynamic_sampling.enabled),
+                ("runtime.placement", self.cfg.runtime.placement == "dynamic"),
+            ):
+                if on:
+                    raise ConfigError(
+                        f"{field}: not available with an asynchronous plan (async in runtime.plan); "
+                        "use a synchronous plan or turn it off"
+                    )
         return plans
 
     def _inputs(self) -> PlannerInputs | None:
@@ -333,6 +354,20 @@ class RLTrainer:
             },
         )
 
+    def ahead(self, iteration: int) -> tuple[int, Batch] | None:
+        """The batch an asynchronous plan generates during ``iteration`` (``max_staleness`` iterations ahead) with
+        its iteration; None for a synchronous plan and near the run's end."""
+        later = iteration + self.plan.staleness
+        if not self.plan.staleness or later >= self.cfg.loop.iterations:
+            return None
+        return later, self.make_batch(later)
+
+    def fill_pipeline(self, start: int) -> None:
+        """An asynchronous run starting at ``start`` without batches generated ahead: those of iterations
+        ``start`` to ``start + max_staleness - 1``, generated now with the current weights."""
+        for iteration in range(start, min(start + self.plan.staleness, self.cfg.loop.iterations)):
+            self.executor.generate_ahead(iteration, self.make_batch(iteration), start)
+
     def resume(self) -> bool:
         """Load the latest checkpoint of run_dir, if any; returns whether one was found."""
         path = latest_checkpoint(self.run_dir)
@@ -341,6 +376,7 @@ class RLTrainer:
         remove_leftovers(self.run_dir)  # of the saves and prunings the interruption cut short
         state = self.executor.load(path)
         self.state = RunState(iteration=int(state["iteration"]) + 1)
+        self.generated_ahead = read_pending(path) is not None
         if self.sampler is not None:
             if "sampler" not in state:
                 raise ConfigError(
@@ -475,6 +511,8 @@ class RLTrainer:
             files.placement.unlink(missing_ok=True)
         last: dict[str, float] = {}
         start = self.state.iteration
+        if not resumed or not self.generated_ahead:  # else the checkpoint held the batches generated ahead
+            self.fill_pipeline(start)
         backends = open_backends(
             cfg.report.backends, self.run_dir, cfg.report, to_dict(cfg), start - 1 if resumed else None
         )
@@ -496,7 +534,7 @@ class RLTrainer:
                 before = self.executor.drain_traces()  # the prologue, or a plan change
                 t0 = time.perf_counter()
                 if self.sampler is None:
-                    result = self.executor.run_iteration(it, self.make_batch(it))
+                    result = self.executor.run_iteration(it, self.make_batch(it), ahead=self.ahead(it))
                 else:
                     waves = self.sampler.waves()
                     result = self.executor.run_iteration(it, waves.first(), waves)

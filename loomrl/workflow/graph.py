@@ -187,6 +187,17 @@ class Workflow:
     def _ordered(self, a: str, b: str) -> bool:
         return a in self._ancestors[b] or b in self._ancestors[a]
 
+    def rollout_generations(self) -> tuple[MFC, ...]:
+        """The generate calls of trained roles that read only source keys (the prompts): the rollouts an
+        asynchronous plan runs ahead of training (:class:`~loomrl.plan.plan.AsyncTraining`), e.g. ``actor_gen`` and
+        ReMax's greedy ``actor_gen_greedy``; a judge's generation reads responses and is not one."""
+        trained = {m.role for m in self._given if m.kind is MFCKind.TRAIN}
+        return tuple(
+            m
+            for m in self._order
+            if m.kind is MFCKind.GENERATE and m.role in trained and all(k in self._source_keys for k in m.inputs)
+        )
+
     def stream_fusable(self) -> tuple[MFC, tuple[MFC, ...]] | None:
         """The calls an inter-stage fusion joins: the first generate call and the inference calls that read
         nothing but its outputs and source keys (so they can run sample by sample as generation finishes

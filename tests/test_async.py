@@ -1,0 +1,224 @@
+"""Asynchronous training with bounded staleness (``async=N`` in a plan): generation runs N batches ahead.
+
+The plan fixes the interleaving (iteration i generates the prompts of iteration i + N with the weights of version
+i), so an asynchronous run is deterministic: the reference executor computes it in one process and the Ray
+runtime must equal it exactly as it equals synchronous runs (the same samples, losses within 1e-4 relative: see
+tests/test_runtime.py for why). The off-policy corrections (``algo.off_policy``: the decoupled objective,
+truncated importance sampling) are checked as loss functions and through their statistics in runs.
+"""
+
+import dataclasses
+import json
+import shutil
+
+import pytest
+import torch
+
+from loomrl.algorithms import losses as L
+from loomrl.algorithms.workflows import build_workflow
+from loomrl.config.schema import TrainConfig
+from loomrl.config.tools import load_config
+from loomrl.errors import ConfigError
+from loomrl.plan import ClusterSpec
+from loomrl.plan.plan import ExecutionPlan
+from loomrl.plan.plan_string import format_plan_string, parse_plan_string
+from loomrl.plan.schedule import StepKind, build_schedule
+from loomrl.plan.strategies import make_plan
+from loomrl.train.rl import RLTrainer
+from test_runtime import _assert_equivalent, _cfg
+
+pytestmark = pytest.mark.usefixtures("ray_session")
+
+
+def _workflow(*extra):
+    cfg = load_config(TrainConfig, None, list(extra))
+    return build_workflow(cfg.algo, cfg.rollout, cfg.reward)
+
+
+def _run(tmp_path, name, plan, *extra, resume=False):
+    cfg = _cfg(tmp_path, name, *extra)
+    cfg = dataclasses.replace(cfg, runtime=dataclasses.replace(cfg.runtime, plan=plan))
+    RLTrainer(cfg).run(resume=resume)
+    return [json.loads(line) for line in (tmp_path / name / "metrics.jsonl").read_text().splitlines()]
+
+
+# ---------------------------------------------------------------------------------------------- the plan
+def test_async_round_trips_through_plan_strings_and_files(tmp_path):
+    workflow, cluster = _workflow(), ClusterSpec(nodes=1, devices_per_node=2)
+    plan = make_plan("separate; async=2", workflow, cluster)
+    assert plan.staleness == 2 and "async=2" in format_plan_string(plan, workflow)
+    assert parse_plan_string(format_plan_string(plan, workflow), workflow, cluster) == plan
+    assert make_plan("separate; async=max_staleness:2", workflow, cluster) == plan
+    plan.save(tmp_path / "p.yaml")
+    assert "async:" in (tmp_path / "p.yaml").read_text()
+    assert ExecutionPlan.load(tmp_path / "p.yaml") == plan
+    assert make_plan("separate", workflow, cluster).staleness == 0
+
+
+@pytest.mark.parametrize(
+    "text, message",
+    [
+        ("separate; async=0", r"async.*>= 1"),
+        ("separate; async=x", r"'x' is not max_staleness:N or N"),
+        ("colocate; stream_fusion=on; async=1", r"plan.async: stream fusion .* choose one"),
+    ],
+)
+def test_bad_async_settings_are_one_line_errors(text, message):
+    with pytest.raises(ConfigError, match=message) as err:
+        make_plan(text, _workflow(), ClusterSpec(nodes=1, devices_per_node=2))
+    assert "\n" not in str(err.value)
+
+
+def test_a_plan_file_names_its_async_key(tmp_path):
+    data = make_plan("separate", _workflow(), ClusterSpec(nodes=1, devices_per_node=2)).to_dict()
+    with pytest.raises(ConfigError, match=r"plan.async.max_staleness"):
+        ExecutionPlan.from_dict({**data, "async": {"max_staleness": -1}})
+
+
+def test_a_run_keeps_one_staleness_and_refuses_what_async_cannot_do(tmp_path):
+    base = ("runtime.executor=ray", "runtime.devices=2", "runtime.plan=separate; async=1")
+    with pytest.raises(ConfigError, match=r"plan_changes.2: its staleness"):
+        RLTrainer(_cfg(tmp_path, "a", *base, "runtime.plan_changes={2: separate}"))
+    with pytest.raises(ConfigError, match=r"algo.dynamic_sampling.enabled: not available with an asynchronous"):
+        RLTrainer(_cfg(tmp_path, "b", *base, "algo.name=grpo", "algo.dynamic_sampling.enabled=true"))
+
+
+# ---------------------------------------------------------------------------------------------- the schedule
+def _deps(schedule):
+    return {s.id: set(s.deps) for s in schedule.steps}
+
+
+def test_separated_generation_overlaps_training_and_its_shadow_waits_for_it():
+    workflow, cluster = _workflow(), ClusterSpec(nodes=1, devices_per_node=2)
+    deps = _deps(build_schedule(workflow, make_plan("separate; async=1", workflow, cluster)))
+    assert not any("actor_gen" in d for step, d in deps.items() if not step.startswith("sync"))
+    assert "actor_gen" in deps["sync actor→0:dp1"] and "actor_train" in deps["sync actor→0:dp1"]
+    schedule = build_schedule(workflow, make_plan("separate; async=1", workflow, cluster))
+    assert schedule.ahead == ("actor_gen",) and [s.id for s in schedule.fill] == ["actor_gen"]
+
+
+def test_generation_on_the_training_weights_runs_before_their_update():
+    workflow, cluster = _workflow(), ClusterSpec(nodes=1, devices_per_node=2)
+    deps = _deps(build_schedule(workflow, make_plan("colocate; async=1", workflow, cluster)))
+    assert "actor_gen" in deps["actor_train"] and "actor_gen" not in deps["ref_inf"]
+    # generation in another layout reads a copy made before the update; the update waits for the copy only
+    plan = make_plan(
+        "actor_gen=0-1:tp2; ref_inf=0-1; reward_inf=0-1; critic_inf=0-1; actor_train=0-1; critic_train=0-1; async=2",
+        workflow,
+        cluster,
+    )
+    schedule = build_schedule(workflow, plan)
+    copy = next(s.id for s in schedule.steps if s.kind is StepKind.COPY)
+    assert copy in _deps(schedule)["actor_train"] and "actor_gen" not in _deps(schedule)["actor_train"]
+    assert [s.kind for s in schedule.fill] == [StepKind.COPY, StepKind.CALL, StepKind.FREE]
+
+
+# ------------------------------------------------------------------------------------------ off-policy losses
+def test_behaviour_weights_decoupled_leaves_out_and_tis_truncates():
+    prox = torch.log(torch.tensor([[0.5, 0.9, 0.2]]))
+    behav = torch.log(torch.tensor([[0.5, 0.3, 0.4]]))
+    mask = torch.tensor([[1.0, 1.0, 1.0]])
+    w, stats = L.behaviour_weights(prox, behav, mask, "decoupled", cap=2.0)
+    assert torch.allclose(w, torch.tensor([[1.0, 0.0, 0.5]]))
+    assert stats["is_capped"] == pytest.approx(1 / 3) and stats["is_weight"] == pytest.approx((1 + 3 + 0.5) / 3)
+    w, _ = L.behaviour_weights(prox, behav, mask, "tis", cap=2.0)
+    assert torch.allclose(w, torch.tensor([[1.0, 2.0, 0.5]]))
+
+
+def test_a_weighted_policy_loss_weights_each_tokens_gradient():
+    torch.manual_seed(0)
+    logp = torch.randn(2, 4, requires_grad=True)
+    old, adv = torch.randn(2, 4), torch.randn(2, 4)
+    mask = torch.tensor([[1.0, 1, 1, 0], [1, 1, 0, 0]])
+    ones, _ = L.policy_loss(logp, old, adv, mask, 0.2, weight_BT=torch.ones(2, 4))
+    assert ones.item() == pytest.approx(L.policy_loss(logp, old, adv, mask, 0.2)[0].item())
+    weight = torch.tensor([[2.0, 0.0, 1.0, 5.0], [0.5, 1.0, 3.0, 3.0]])
+    loss, _ = L.policy_loss(logp, old, adv, mask, 0.2, weight_BT=weight)
+    (grad,) = torch.autograd.grad(loss, logp)
+    (plain,) = torch.autograd.grad(L.policy_loss(logp, old, adv, mask, 0.2)[0], logp)
+    assert torch.allclose(grad, plain * weight * mask)
+
+
+def test_an_off_policy_correction_recomputes_the_proximal_log_probs():
+    workflow = _workflow("algo.name=grpo", "algo.off_policy=decoupled")
+    assert "actor_inf" in workflow
+    assert {"old_logp", "logp"} <= set(workflow["actor_train"].inputs)
+
+
+# ------------------------------------------------------------------------------------------------ runs
+@pytest.fixture(scope="module")
+def reference_async(tmp_path_factory):
+    return _run(tmp_path_factory.mktemp("ref_async"), "ref", "separate; async=1", "runtime.devices=2")
+
+
+def test_a_reference_async_run_trains_on_stale_batches(tmp_path, reference_async):
+    """Staleness is what the plan says (the first batch was generated by the initial weights, as was the second),
+    and an asynchronous run is not the synchronous one."""
+    assert [m["async/staleness"] for m in reference_async] == [0.0, 1.0, 1.0]
+    sync = _run(tmp_path, "sync", "separate", "runtime.devices=2")
+    assert sync[0]["actor/pg_loss"] == reference_async[0]["actor/pg_loss"]  # the same first iteration
+    assert sync[2]["actor/pg_loss"] != reference_async[2]["actor/pg_loss"]
+    assert "async/staleness" not in sync[0]
+
+
+SEPARATE_DP2 = (
+    "actor_gen=0-1:dp2; ref_inf=2-3; reward_inf=2-3; critic_inf=2-3; actor_train=2-3; critic_train=2-3; "
+    "advantages=2:dp1; async=1"
+)
+
+
+@pytest.mark.parametrize(
+    "plan, devices, controllers",
+    [("separate; async=1", 2, 1), ("colocate; async=1", 2, 1), (SEPARATE_DP2, 4, 2)],
+    ids=["separate", "colocate", "separate_dp2_two_controllers"],
+)
+def test_ray_async_runs_match_the_reference(tmp_path, reference_async, plan, devices, controllers):
+    """PPO at η = 1: separated generation (its shadow refreshed after it ends), generation on the training
+    weights (before their update), and data-parallel generation driven by two parallel controllers, each keeping
+    its shard of the batch generated ahead."""
+    got = _run(
+        tmp_path,
+        "ray",
+        plan,
+        "runtime.executor=ray",
+        f"runtime.devices={devices}",
+        f"runtime.controllers={controllers}",
+    )
+    _assert_equivalent(got, reference_async)
+    assert [m["async/staleness"] for m in got] == [0.0, 1.0, 1.0]
+
+
+@pytest.mark.parametrize("off_policy", ["decoupled", "tis"])
+def test_grpo_with_staleness_two_and_a_correction_matches_the_reference(tmp_path, off_policy):
+    """GRPO at η = 2 with the decoupled objective (or TIS) on 4 devices, generation reallocated to TP=2 beside
+    data-parallel training: the Ray run equals the reference; the importance weights are 1 where the batch was
+    generated by the policy it trains (the first, generated by the initial weights) and not after."""
+    extra = (
+        "algo.name=grpo",
+        "algo.group_size=4",
+        "rollout.prompts_per_iter=4",
+        f"algo.off_policy={off_policy}",
+        "loop.iterations=4",
+    )
+    plan = "actor_gen=0-1:tp2; ref_inf=2-3; reward_inf=2-3; actor_inf=2-3; actor_train=2-3; advantages=2:dp1; async=2"
+    ref = _run(tmp_path, "ref", plan, "runtime.devices=4", *extra)
+    got = _run(tmp_path, "ray", plan, "runtime.executor=ray", "runtime.devices=4", *extra)
+    _assert_equivalent(got, ref)
+    assert [m["async/staleness"] for m in got] == [0.0, 1.0, 2.0, 2.0]
+    assert got[0]["offpolicy/is_weight"] == pytest.approx(1.0, abs=1e-4)
+    assert abs(got[3]["offpolicy/is_weight"] - 1.0) > 1e-4
+
+
+def test_an_async_checkpoint_resumes_to_the_same_run(tmp_path, reference_async):
+    """A checkpoint taken while a batch is generated ahead holds it (it was sampled by weights the run no longer
+    has): a Ray run stopped after its second iteration and resumed continues as if it had not stopped."""
+    ray_run = ("separate; async=1", "runtime.devices=2", "runtime.executor=ray")
+    _run(tmp_path, "r", *ray_run, "loop.save_every=1")
+    checkpoints = tmp_path / "r" / "checkpoints"
+    assert (checkpoints / "iter_000001" / "pending.pt").exists()
+    shutil.rmtree(checkpoints / "iter_000002")  # as if it had stopped before its last iteration
+    (checkpoints / "latest").write_text("iter_000001\n")
+    got = _run(tmp_path, "r", *ray_run, resume=True)
+    assert [m["iteration"] for m in got] == [0, 1, 2]
+    assert got[2]["async/staleness"] == 1.0  # the batch the checkpoint held, not one generated anew
+    _assert_equivalent(got, reference_async)
