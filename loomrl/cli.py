@@ -337,6 +337,13 @@ def _add_plan_arguments(p: argparse.ArgumentParser, cfg_help: str) -> None:
         "takes this many proposals (the same plan on any machine)",
     )
     p.add_argument(
+        "--max-staleness",
+        type=int,
+        default=0,
+        help="let the search choose asynchronous training up to this staleness (policy versions a batch's sampler "
+        "may lag the policy it trains; 0: synchronous and fused plans only)",
+    )
+    p.add_argument(
         "--no-factor",
         action="store_true",
         help="price without the profile's system_factor (a global factor fitted on published runs)",

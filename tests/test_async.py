@@ -20,7 +20,7 @@ from loomrl.config.schema import TrainConfig
 from loomrl.config.tools import load_config
 from loomrl.errors import ConfigError
 from loomrl.plan import ClusterSpec
-from loomrl.plan.plan import ExecutionPlan
+from loomrl.plan.plan import AsyncTraining, ExecutionPlan
 from loomrl.plan.plan_string import format_plan_string, parse_plan_string
 from loomrl.plan.schedule import StepKind, build_schedule
 from loomrl.plan.strategies import make_plan
@@ -222,3 +222,30 @@ def test_an_async_checkpoint_resumes_to_the_same_run(tmp_path, reference_async):
     assert [m["iteration"] for m in got] == [0, 1, 2]
     assert got[2]["async/staleness"] == 1.0  # the batch the checkpoint held, not one generated anew
     _assert_equivalent(got, reference_async)
+
+
+# --------------------------------------------------------------------------------------- pricing and search
+def test_the_simulator_prices_an_async_iteration_as_the_longer_side_plus_the_sync():
+    """gen (4 s) on device 0, ref inference (1 s) and training (3 s) on device 1, a shadow sync of 1 s: a
+    synchronous iteration is their chain, 4 + 1 + 3 + 1 = 9 s; an asynchronous one overlaps generation with the
+    rest, max(4, 1 + 3) + 1 = 5 s."""
+    from loomrl.planner.simulation.simulator import simulate
+    from test_simulator import CHAIN, FakeCost, plan_of
+
+    placement = {"gen": "0", "inf": "1", "train": "1"}
+    cost = FakeCost({"gen": 4.0, "inf": 1.0, "train": 3.0}, realloc=1.0)
+    sync = simulate(plan_of(2, placement), CHAIN, cost, 1e12, iterations=4)
+    stale = simulate(plan_of(2, placement, asynchronous=AsyncTraining(1)), CHAIN, cost, 1e12, iterations=4)
+    assert sync.iteration_time == pytest.approx(9.0) and stale.iteration_time == pytest.approx(5.0)
+
+
+def test_loomrl_plan_shows_synchronous_fused_and_async_side_by_side(tmp_path, capsys):
+    from loomrl.cli import main
+
+    argv = ["plan", "--cluster", "h100:1x8", "--model", "llama2-7b", "--search-steps", "5", "--out", str(tmp_path)]
+    assert main([*argv, "--max-staleness", "2"]) == 0
+    out = capsys.readouterr().out
+    assert "synchronous, stream-fused and asynchronous (staleness <= 2)" in out
+    assert "async=1" in out
+    assert main([*argv, "--max-staleness", "-1"]) == 2
+    assert "--max-staleness: -1 is not a number of policy versions >= 0" in capsys.readouterr().err

@@ -262,6 +262,7 @@ def test_both_executors_declare_the_executor_protocol_with_its_signatures():
     methods = {n for n, v in vars(Executor).items() if inspect.isfunction(v) and not n.startswith("_")}
     assert methods == {
         "run_iteration",
+        "generate_ahead",
         "evaluate",
         "save",
         "load",

@@ -10,6 +10,7 @@ from pathlib import Path
 
 from loomrl.commands.common import config_and_overrides
 from loomrl.errors import ConfigError
+from loomrl.plan.plan_string import format_plan_string
 
 __all__ = ["RUN_FLAGS", "SYSTEM_FLAGS", "run", "run_description"]
 
@@ -56,6 +57,8 @@ def run(args: argparse.Namespace) -> int:
 
     if not (math.isfinite(args.time_budget) and args.time_budget > 0):
         raise ConfigError(f"--time-budget: {args.time_budget:g} is not a number of seconds > 0")
+    if args.max_staleness < 0:
+        raise ConfigError(f"--max-staleness: {args.max_staleness} is not a number of policy versions >= 0")
     if args.search_steps is not None and args.search_steps < 0:
         raise ConfigError(f"--search-steps: {args.search_steps} is not a number of proposals >= 0")
     out = Path(args.out)
@@ -196,8 +199,30 @@ def _compare(console, title: str, inputs, args: argparse.Namespace):
     from loomrl.planner.search.bounds import segment_seconds
     from loomrl.report import summary_table
 
-    report = compare_plans(inputs, seed=args.seed, time_budget_s=args.time_budget, search_steps=args.search_steps)
+    report = compare_plans(
+        inputs,
+        seed=args.seed,
+        time_budget_s=args.time_budget,
+        search_steps=args.search_steps,
+        max_staleness=args.max_staleness,
+    )
     console.print(summary_table(report.rows, title))
+    if report.modes.get("asynchronous") is not None or args.max_staleness:
+        modes = [
+            {
+                "iteration runs": mode,
+                "s/iteration": found[1].iteration_time if found else math.nan,
+                "staleness": found[0].staleness if found else math.nan,
+                "plan": format_plan_string(found[0], inputs.workflow) if found else "none feasible",
+            }
+            for mode, found in report.modes.items()
+        ]
+        console.print(
+            summary_table(
+                modes,
+                f"synchronous, stream-fused and asynchronous (staleness <= {args.max_staleness}): the fastest of each",
+            )
+        )
     name, plan, result = report.best
     bound = report.bound.seconds
     if math.isfinite(bound):

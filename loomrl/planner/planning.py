@@ -9,12 +9,12 @@ from __future__ import annotations
 
 import math
 import time
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 from loomrl.plan import ExecutionPlan
 from loomrl.planner.inputs import PlannerInputs
 from loomrl.planner.search.bounds import IterationBound, iteration_bound
-from loomrl.planner.search.evaluate import CachedCost
+from loomrl.planner.search.evaluate import CachedCost, Evaluator, plan_key
 from loomrl.planner.search.heuristics import best_heuristic_plans
 from loomrl.planner.search.search import search
 from loomrl.planner.simulation.simulator import SimResult
@@ -48,7 +48,11 @@ class PlanningReport:
     heuristics: dict[str, tuple[ExecutionPlan, SimResult]]
     searched: list[tuple[ExecutionPlan, SimResult]]
     bound: IterationBound
-    """No plan of the search's space is faster than ``bound.seconds`` (:mod:`loomrl.planner.search.bounds`)."""
+    """No synchronous plan of the search's space is faster than ``bound.seconds``
+    (:mod:`loomrl.planner.search.bounds`; an asynchronous plan overlaps what it treats as a chain)."""
+    modes: dict[str, tuple[ExecutionPlan, SimResult] | None] = field(default_factory=dict)
+    """The fastest plan simulated of each way to run an iteration: ``synchronous`` (no fusion),
+    ``stream-fused`` and ``asynchronous`` (with ``max_staleness`` > 0); None where none was feasible."""
 
     @property
     def search_speedup(self) -> float:
@@ -63,7 +67,17 @@ def _fusions(plan: ExecutionPlan) -> str:
     """The plan's fusions in a few words: stream fusion (its migration), pipeline fusion (train), or no."""
     fusion = plan.stream_fusion
     parts = [] if fusion is None else [f"at {fusion.migrate_at}, to {fusion.migrate_to}"]
-    return "; ".join(parts + (["train"] if plan.pipeline_fusion else [])) or "no"
+    parts += ["train"] if plan.pipeline_fusion else []
+    parts += [f"async {plan.staleness}"] if plan.asynchronous is not None else []
+    return "; ".join(parts) or "no"
+
+
+MODES = {
+    "synchronous": lambda p: p.stream_fusion is None and p.asynchronous is None,
+    "stream-fused": lambda p: p.stream_fusion is not None,
+    "asynchronous": lambda p: p.asynchronous is not None,
+}
+"""The ways an iteration can run that :class:`PlanningReport` shows side by side, each as a test of a plan."""
 
 
 def compare_plans(
@@ -73,6 +87,7 @@ def compare_plans(
     time_budget_s: float = 30.0,
     chains: int = SEARCH_CHAINS,
     search_steps: int | None = None,
+    max_staleness: int = 0,
 ) -> PlanningReport:
     """Best layouts of each heuristic strategy, then a seeded, time-bounded search; all simulated; and the
     lower bound on any plan's time (:func:`~loomrl.planner.search.bounds.iteration_bound`).
@@ -86,6 +101,9 @@ def compare_plans(
     ``search_steps`` bounds the comparison by work instead (``time_budget_s`` is then ignored): the bound and the
     heuristics run to completion and each search chain takes that many proposals, so the report is the same on
     any machine, however fast or loaded.
+
+    ``max_staleness`` (0: synchronous and fused plans only) lets the search train asynchronously; the report then
+    has the fastest synchronous, stream-fused and asynchronous plans it simulated (:attr:`PlanningReport.modes`).
 
     ``inputs`` carry the hardware profile (the cluster's named one, or this machine measured by
     ``loomrl calibrate``), corrections (``loomrl calibrate --from``), the weights' element size and how the system
@@ -108,6 +126,7 @@ def compare_plans(
     )
     # chains start from every feasible heuristic, fastest first (colocate with pure dp when none fits)
     starts = [plan for _, _, plan in feasible] or None
+    evaluator = Evaluator(workflow, cost, memory, 3)
     searched = search(
         workflow,
         cluster,
@@ -119,7 +138,12 @@ def compare_plans(
         chains=chains,
         start=starts,
         max_steps=search_steps,
+        max_staleness=max_staleness,
+        evaluator=evaluator,
     )
+    for plan, result in heuristics.values():  # simulated apart from the search: in its cache too
+        evaluator.results.setdefault(plan_key(plan), (plan, result))
+    modes = {mode: evaluator.best_of(keep) for mode, keep in MODES.items() if mode != "asynchronous" or max_staleness}
     base = heuristics["colocate"][1]
     rows = []
     for name, (plan, result) in [*heuristics.items(), *(("searched", s) for s in searched[:1])]:
@@ -142,6 +166,6 @@ def compare_plans(
     candidates += [(r.iteration_time, "searched", p, r) for p, r in searched[:1]]
     if not candidates:  # report the least infeasible plan, with the reason, rather than nothing
         plan, result = heuristics["colocate"]
-        return PlanningReport(rows, ("colocate (infeasible)", plan, result), heuristics, searched, bound)
+        return PlanningReport(rows, ("colocate (infeasible)", plan, result), heuristics, searched, bound, modes)
     _, name, plan, result = min(candidates, key=lambda t: t[0])
-    return PlanningReport(rows, (name, plan, result), heuristics, searched, bound)
+    return PlanningReport(rows, (name, plan, result), heuristics, searched, bound, modes)

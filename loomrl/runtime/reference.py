@@ -121,11 +121,14 @@ class ReferenceExecutor(Executor):
             loss_unit=mfc.loss_unit,
         )
 
-    def generate_ahead(self, iteration: int, batch: Batch, version: int, result: IterationResult | None = None) -> None:
+    def generate_ahead(self, iteration: int, batch: Batch, version: int) -> None:
         """Generate ``batch``, the prompts of ``iteration``, now with the current weights (policy ``version``), and
-        keep it for its iteration: an asynchronous run's pipeline fill (and, from :meth:`run_iteration`, its
-        generation ahead, traced into ``result``)."""
-        self._run_calls([s for s in self.calls if s.id in self.ahead], iteration, batch, result or IterationResult())
+        keep it for its iteration: an asynchronous run's pipeline fill."""
+        self._generate(iteration, batch, version, IterationResult())
+
+    def _generate(self, iteration: int, batch: Batch, version: int, result: IterationResult) -> None:
+        """The rollout generation of ``batch`` (``iteration``'s prompts), traced into ``result``, kept."""
+        self._run_calls([s for s in self.calls if s.id in self.ahead], iteration, batch, result)
         self.pending.put(iteration, batch, version)
 
     def run_iteration(
@@ -139,7 +142,7 @@ class ReferenceExecutor(Executor):
         calls = self.calls
         if self.ahead:
             if ahead is not None:
-                self.generate_ahead(*ahead, version=iteration, result=result)
+                self._generate(*ahead, iteration, result)
             batch.update(self.pending.take(iteration, batch.ids, result.stats).as_dict())
             calls = [s for s in calls if s.id not in self.ahead]
         if waves is not None:

@@ -54,7 +54,7 @@ from loomrl.role import (
 )
 from loomrl.run_dir import RunDir
 from loomrl.runtime.executor import Executor, IterationResult
-from loomrl.runtime.launch import ray_address, runtime_cluster
+from loomrl.runtime.launch import local_cluster, ray_address, runtime_cluster
 from loomrl.runtime.reference import ReferenceExecutor
 from loomrl.runtime.spec import WorkerSpec
 from loomrl.train.dynamic_placement import DynamicPlacement, timed_check
@@ -135,7 +135,7 @@ def run_plan(cfg: TrainConfig, workflow: Workflow, cluster: ClusterSpec, text: s
     that changes the run it computes)."""
     if cfg.runtime.executor == "reference":
         given = text if text is not None else cfg.runtime.plan
-        devices = ClusterSpec(nodes=1, devices_per_node=max(cfg.runtime.devices, 1))  # where the plan was made for
+        devices = local_cluster(cfg.runtime.devices, cfg.runtime.device)  # this machine's, as a local Ray run's
         staleness = plan_from_config(cfg.runtime, workflow, devices, given).asynchronous if given else None
         return dataclasses.replace(colocate(workflow, cluster), asynchronous=staleness)
     return plan_from_config(cfg.runtime, workflow, cluster, text)

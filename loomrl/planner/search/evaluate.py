@@ -21,13 +21,19 @@ PlanKey = tuple
 
 
 def plan_key(plan: ExecutionPlan) -> PlanKey:
-    """A hashable identity of a plan: its allocations' texts by MFC name, its shadow and offload choices and its
-    fusions."""
+    """A hashable identity of a plan: its allocations' texts by MFC name, its shadow and offload choices, its
+    fusions and its staleness."""
     choices = tuple((chosen is not None, chosen or ()) for chosen in (plan.shadow, plan.offload))  # None: default
     fusion = (
         "" if plan.stream_fusion is None else plan.stream_fusion.text
     )  # a string either way: keys are compared on ties
-    return tuple(sorted((n, a.text) for n, a in plan.allocations.items())), *choices, fusion, plan.pipeline_fusion
+    return (
+        tuple(sorted((n, a.text) for n, a in plan.allocations.items())),
+        *choices,
+        fusion,
+        plan.pipeline_fusion,
+        plan.staleness,
+    )
 
 
 class Evaluator:
@@ -74,6 +80,15 @@ class Evaluator:
         ]
         found.sort(key=lambda item: item[0])
         return [(plan, r) for _, plan, r in found[:k]]
+
+    def best_of(self, keep) -> tuple[ExecutionPlan, SimResult] | None:
+        """The fastest feasible plan simulated so far for which ``keep(plan)`` holds (ties as :meth:`best`)."""
+        found = [
+            ((r.iteration_time, r.device_seconds, key), plan, r)
+            for key, (plan, r) in self.results.items()
+            if r is not None and r.feasible and keep(plan)
+        ]
+        return min(found, key=lambda item: item[0])[1:] if found else None
 
     def rank(self, plan: ExecutionPlan) -> tuple:
         """Sort key of a plan: feasible first, then energy, then device-seconds used, then the plan's key."""

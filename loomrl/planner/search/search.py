@@ -29,7 +29,7 @@ from collections.abc import Mapping
 
 from loomrl.errors import ConfigError
 from loomrl.plan import Allocation, ClusterSpec, DeviceSet, ExecutionPlan, colocate
-from loomrl.plan.plan import StreamFusion
+from loomrl.plan.plan import AsyncTraining, StreamFusion
 from loomrl.planner.cost.estimator import CostEstimator
 from loomrl.planner.cost.pipeline_fusion import can_pipeline_fuse
 from loomrl.planner.search.candidates import Unit, candidate_allocations, scored_by_mesh, unit_names
@@ -37,7 +37,15 @@ from loomrl.planner.search.evaluate import Evaluator, offload_choices, plan_key
 from loomrl.planner.simulation.simulator import SimResult
 from loomrl.workflow import MFCKind, Workflow
 
-__all__ = ["POLISHED", "POLISH_SHARE", "pipeline_fusion_twin", "search", "stream_fusion_choices"]
+__all__ = [
+    "POLISHED",
+    "POLISH_SHARE",
+    "async_choices",
+    "pipeline_fusion_twin",
+    "search",
+    "stream_fusion_choices",
+    "with_async",
+]
 
 
 TOP_PER_MESH = 4
@@ -154,6 +162,23 @@ def stream_fusion_choices(plan: ExecutionPlan, evaluate: Evaluator) -> list[Stre
     return [f for f in options if f != plan.stream_fusion]
 
 
+def async_choices(plan: ExecutionPlan, evaluate: Evaluator, max_staleness: int) -> list[AsyncTraining | None]:
+    """The staleness settings the search tries on ``plan`` (the current one left out) under the user's bound
+    ``max_staleness``: synchronous, and asynchronous at staleness 1. With the interleaving an asynchronous plan
+    fixes, each iteration overlaps one batch's generation with another's training whatever the staleness, so a
+    larger one is no faster in the simulator's steady state (identical iterations) and only costs the learning:
+    the least staleness that overlaps is the one to choose. None without a bound or rollout generation."""
+    if max_staleness < 1 or not evaluate.workflow.rollout_generations():
+        return []
+    return [a for a in (None, AsyncTraining(1)) if a != plan.asynchronous]
+
+
+def with_async(plan: ExecutionPlan, setting: AsyncTraining | None) -> ExecutionPlan:
+    """``plan`` with staleness ``setting`` (asynchronous training excludes stream fusion: it is dropped)."""
+    fusion = plan.stream_fusion if setting is None else None
+    return dataclasses.replace(plan, asynchronous=setting, stream_fusion=fusion)
+
+
 def pipeline_fusion_twin(plan: ExecutionPlan, evaluate: Evaluator) -> ExecutionPlan | None:
     """``plan`` with its train calls fused if they are not and could be, unfused if they are; None when the
     estimator does not price fused training or the workflow has no train pair. Fusing reverses the second call's
@@ -203,10 +228,16 @@ def _anneal(
 
 
 def _polish(
-    best: ExecutionPlan, units: list[Unit], evaluate: Evaluator, deadline: float, splitter: _Splitter | None = None
+    best: ExecutionPlan,
+    units: list[Unit],
+    evaluate: Evaluator,
+    deadline: float,
+    splitter: _Splitter | None = None,
+    max_staleness: int = 0,
 ) -> None:
     """Coordinate descent from ``best``: generation fused with the inference that reads it or not
-    (:func:`stream_fusion_choices`), then each unit in turn takes its best candidate with the others fixed, then each
+    (:func:`stream_fusion_choices`), synchronous or asynchronous up to ``max_staleness`` (:func:`async_choices`),
+    then each unit in turn takes its best candidate with the others fixed, then each
     pair of independent units tries the halves of either one's mesh (``splitter``), then each frozen role
     offloaded or resident, sweeping until a sweep improves nothing or the deadline passes (results land in
     ``evaluate``). Annealing finds the region; this settles it on the local optimum, which random proposals
@@ -214,10 +245,13 @@ def _polish(
     current, rank = best, evaluate.rank(best)
     group = evaluate.workflow.stream_fusable()
     generating = group[0].name if group is not None else None
+    rollouts = {m.name for m in evaluate.workflow.rollout_generations()}
 
     def trials():  # each built from the plan current when it is drawn
         for fusion in stream_fusion_choices(current, evaluate):  # fused or not: cheap to try, and it moves a lot
             yield dataclasses.replace(current, stream_fusion=fusion)
+        for setting in async_choices(current, evaluate, max_staleness):
+            yield with_async(current, setting)
         if (twin := pipeline_fusion_twin(current, evaluate)) is not None:
             yield twin
         for unit in units:
@@ -229,6 +263,9 @@ def _polish(
                 if generating in unit.names:  # a generation layout that pays only fused (or only unfused)
                     for fusion in stream_fusion_choices(trial, evaluate):
                         yield dataclasses.replace(trial, stream_fusion=fusion)
+                if rollouts & set(unit.names):  # or only asynchronous (or only synchronous)
+                    for setting in async_choices(trial, evaluate, max_staleness):
+                        yield with_async(trial, setting)
         if splitter is not None:
             for i, j in splitter.pairs:
                 yield from splitter.moves(current, i, j)
@@ -306,6 +343,8 @@ def search(
     start: ExecutionPlan | list[ExecutionPlan] | None = None,
     max_steps: int | None = None,
     iterations: int = 3,
+    max_staleness: int = 0,
+    evaluator: Evaluator | None = None,
 ) -> list[tuple[ExecutionPlan, SimResult]]:
     """The ``top_k`` fastest distinct feasible plans found by ``chains`` annealing chains, fastest first.
 
@@ -321,6 +360,9 @@ def search(
     optimum: when that comes
     before the deadlines, the result depends on the inputs and ``seed``, not on timing. Empty when no
     feasible plan was seen.
+
+    ``max_staleness`` (the user's bound; 0: synchronous plans only) lets plans train asynchronously
+    (:func:`async_choices`). ``evaluator`` (made here by default) keeps every plan simulated, for the caller.
     """
     for name, value, low in (("chains", chains, 1), ("top_k", top_k, 1), ("max_steps", max_steps, 0)):
         if value is not None and (isinstance(value, bool) or not isinstance(value, int) or value < low):
@@ -331,7 +373,7 @@ def search(
     starts = start if isinstance(start, list) else [start if start is not None else colocate(workflow, cluster)]
     if not starts:
         raise ConfigError("search: start is an empty list; give at least one plan or None")
-    evaluate = Evaluator(workflow, cost, memory_per_device, iterations)
+    evaluate = evaluator if evaluator is not None else Evaluator(workflow, cost, memory_per_device, iterations)
     for plan in starts:
         if evaluate(plan) is None:
             plan.validate(workflow)  # raises the one-line reason
@@ -345,6 +387,10 @@ def search(
         for plan in starts
     ]
     starts = [min([plan, *filter(None, [pipeline_fusion_twin(plan, evaluate)])], key=evaluate.rank) for plan in starts]
+    starts = [
+        min([plan, *(with_async(plan, a) for a in async_choices(plan, evaluate, max_staleness))], key=evaluate.rank)
+        for plan in starts
+    ]
     keep = {a for plan in starts for a in plan.allocations.values()}
     units = [
         Unit(
@@ -380,5 +426,6 @@ def search(
         leads = [plan for plan, _ in evaluate.best(POLISHED)]
         for i, plan in enumerate(leads):
             now = time.monotonic()
-            _polish(plan, units, evaluate, now + (end - now) / (len(leads) - i) if end < math.inf else end, splitter)
+            until = now + (end - now) / (len(leads) - i) if end < math.inf else end
+            _polish(plan, units, evaluate, until, splitter, max_staleness)
     return evaluate.best(top_k)

@@ -1,0 +1,251 @@
+"""Asynchronous training against the best synchronous and stream-fused plans, on a heavy-tailed GRPO workload.
+
+    .venv/bin/python benchmarks/async_training.py [--model llama-10m] [--prompts 16] [--group 4] [--iterations 8]
+                                                  [--devices 2] [--longest 160] [--tail 2] [--staleness 1,2,4]
+
+The workload: GRPO (group of ``--group``, KL to a reference) on the demo task's prompts, each sample with its own
+token budget drawn from a lognormal (median 16, sigma 1) clipped to [4, MAX] and ``--tail`` samples at MAX (eos
+ignored: a sample's length is its budget), drawn anew each iteration. Every variant runs the same iterations from
+the same seed through the Ray runtime, one after another in this process:
+
+- synchronous: ``colocate`` (every call on every device, data parallel) and ``separate`` (generation on device 0
+  with a shadow actor, the rest on the others), the workflow without any recomputation (plain GRPO);
+- stream-fused: ``colocate`` with ``stream_fusion=migrate_at:auto`` (inference on finished samples, the tail
+  migrating);
+- asynchronous: ``separate`` with ``async=N`` for each N of ``--staleness``, with the decoupled objective (its
+  extra ``actor_inf`` forward pass is part of what the asynchronous plans pay).
+
+Samples/s is the batch over the median seconds per iteration after the first. The baseline is the best measured
+synchronous-or-fused plan (in hindsight). The ceiling: asynchrony only recovers the time a device idles, so no
+plan exceeds 1 / (the best synchronous-or-fused plan's device utilisation): its devices' busy seconds over devices
+× its iteration time, from its traces.
+
+Predictions: the simulator (the plans' own schedules) priced with each call's median measured time on its
+allocation in the *synchronous* runs (and the shadow sync's); the asynchronous plans' predictions are therefore
+out of sample: only their overlap is modelled. ``actor_inf`` (only in the decoupled workflow) is priced as
+``ref_inf`` on the same devices (the same forward pass of the same model). The fused plan is priced by
+``benchmarks/fusion.py``'s model and is not predicted here.
+"""
+
+from __future__ import annotations
+
+import argparse
+import dataclasses
+import math
+import os
+import random
+import statistics
+import sys
+import tempfile
+from functools import partial
+from pathlib import Path
+
+os.environ.setdefault("HF_HUB_OFFLINE", "1")
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+
+from rich.console import Console  # noqa: E402
+
+from loomrl.algorithms.ops import generate_chunks, generate_op  # noqa: E402
+from loomrl.algorithms.workflows import build_workflow  # noqa: E402
+from loomrl.config.schema import TrainConfig  # noqa: E402
+from loomrl.config.tools import load_config  # noqa: E402
+from loomrl.data.sources import build_task, examples_window, prompt_source  # noqa: E402
+from loomrl.models.tokenizer import encode_prompt, task_tokenizer  # noqa: E402
+from loomrl.plan import Allocation, ClusterSpec, ExecutionPlan, make_plan  # noqa: E402
+from loomrl.planner.cost.estimator import CostEstimator  # noqa: E402
+from loomrl.planner.simulation.simulator import simulate  # noqa: E402
+from loomrl.report import summary_table  # noqa: E402
+from loomrl.rollout import SamplingParams  # noqa: E402
+from loomrl.runtime.launch import quiet_libraries  # noqa: E402
+from loomrl.runtime.ray_executor import RayExecutor  # noqa: E402
+from loomrl.train.rl import planner_inputs, worker_spec  # noqa: E402
+from loomrl.workflow import MFC, MFCKind, Workflow  # noqa: E402
+from loomrl.workflow.batch import Batch  # noqa: E402
+
+
+def config(args: argparse.Namespace, off_policy: str, run_dir: Path) -> TrainConfig:
+    return load_config(
+        TrainConfig,
+        None,
+        [
+            f"run_dir={run_dir}",
+            "seed=0",
+            f"actor.model={args.model}",
+            "algo.name=grpo",
+            f"algo.group_size={args.group}",
+            f"algo.off_policy={off_policy}",
+            f"rollout.prompts_per_iter={args.prompts}",
+            f"rollout.max_new_tokens={args.longest}",
+            "runtime.executor=ray",
+            f"runtime.devices={args.devices}",
+            "runtime.threads=1",
+            "runtime.timeout_s=1800",
+        ],
+    )
+
+
+def budgeted(workflow: Workflow, longest: int) -> Workflow:
+    """``workflow`` with generation reading each sample's budget (``max_new_tokens``) and ignoring eos."""
+    params = SamplingParams(longest, 1.0, ignore_eos=True)
+    mfcs = []
+    for m in workflow.topological_order():
+        if m.kind is MFCKind.GENERATE:
+            m = dataclasses.replace(
+                m,
+                inputs=(*m.inputs, "max_new_tokens"),
+                op=partial(generate_op, params=params),
+                stream=partial(generate_chunks, params=params),
+            )
+        mfcs.append(m)
+    return Workflow(mfcs, ("prompt_ids", "prompt_text", "answer", "row", "max_new_tokens"))
+
+
+class Prompts:
+    """Iteration ``i``'s batch: the task's prompts at its data position, each ``group`` times, with budgets."""
+
+    def __init__(self, cfg: TrainConfig, longest: int, tail: int):
+        self.cfg, self.longest, self.tail = cfg, longest, tail
+        self.tokenizer = task_tokenizer(cfg.task, cfg.actor.model)
+        self.source = prompt_source(cfg.task, build_task(cfg.task), cfg.seed, "train")
+
+    def __call__(self, iteration: int) -> Batch:
+        n, g = self.cfg.rollout.prompts_per_iter, self.cfg.algo.group_size
+        rows = [ex for ex in examples_window(self.source, iteration * n, n) for _ in range(g)]
+        rng = random.Random(iteration)
+        budgets = [min(self.longest, max(4, round(rng.lognormvariate(2.77, 1.0)))) for _ in rows]
+        for k in rng.sample(range(len(rows)), self.tail):
+            budgets[k] = self.longest
+        return Batch(
+            [iteration * n * g + k for k in range(len(rows))],
+            {
+                "prompt_ids": [encode_prompt(self.tokenizer, ex.model_input) for ex in rows],
+                "prompt_text": [ex.prompt for ex in rows],
+                "answer": [ex.answer for ex in rows],
+                "row": [ex.row for ex in rows],
+                "max_new_tokens": budgets,
+            },
+        )
+
+
+def run(cfg: TrainConfig, workflow: Workflow, plan: ExecutionPlan, prompts: Prompts, iterations: int) -> dict:
+    """Median seconds per iteration after the first, the device utilisation over those iterations, and every
+    call's and sync's median seconds by (step, allocation)."""
+    inputs = planner_inputs(cfg, workflow, plan.cluster, prompts.tokenizer)
+    executor = RayExecutor(cfg.runtime, worker_spec(cfg, workflow), workflow, plan, inputs, cfg.algo.group_size)
+    eta, times, busy, steps = plan.staleness, [], [], {}
+    try:
+        for b in range(eta):
+            executor.generate_ahead(b, prompts(b), 0)
+        for it in range(iterations):
+            ahead = (it + eta, prompts(it + eta)) if eta else None
+            result = executor.run_iteration(it, prompts(it), ahead=ahead)
+            seconds = max(max(t.end) for t in result.traces) - min(min(t.start) for t in result.traces)
+            if it == 0:
+                continue
+            times.append(seconds)
+            busy.append(sum(e - s for t in result.traces for s, e in zip(t.start, t.end)))
+            for t in result.traces:
+                key = (t.step, plan[t.step].text if t.kind == "call" else "")
+                steps.setdefault(key, []).append(t.seconds)
+    finally:
+        executor.close()
+    return {
+        "seconds": statistics.median(times),
+        "spread": (min(times), max(times)),
+        "utilisation": statistics.median(b / (plan.cluster.n_devices * s) for b, s in zip(busy, times)),
+        "steps": {k: statistics.median(v) for k, v in steps.items()},
+    }
+
+
+class MeasuredCost(CostEstimator):
+    """Each call's measured median seconds on its allocation, and each sync's (memory is not modelled)."""
+
+    def __init__(self, steps: dict[tuple[str, str], float]):
+        self.steps = steps
+
+    def mfc_time(self, mfc: MFC, alloc: Allocation) -> float:
+        name = "ref_inf" if mfc.name == "actor_inf" else mfc.name  # the same forward pass (module docstring)
+        return self.steps[(name, alloc.text)]
+
+    def mfc_memory(self, mfc: MFC, alloc: Allocation, trainable: bool) -> float:
+        return 0.0
+
+    def static_memory(self, role: str, alloc: Allocation, trainable: bool) -> float:
+        return 0.0
+
+    def realloc_time(self, role: str, src: Allocation, dst: Allocation) -> float:
+        return next((s for (step, _), s in self.steps.items() if step.startswith(f"sync {role}→")), 0.0)
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap.add_argument("--model", default="llama-10m")
+    ap.add_argument("--prompts", type=int, default=16)
+    ap.add_argument("--group", type=int, default=4)
+    ap.add_argument("--iterations", type=int, default=8)
+    ap.add_argument("--devices", type=int, default=2)
+    ap.add_argument("--longest", type=int, default=160, help="the budget of the tail samples (MAX)")
+    ap.add_argument("--tail", type=int, default=2, help="samples at MAX per iteration")
+    ap.add_argument("--staleness", default="1,2,4", help="the asynchronous plans' max_staleness values")
+    args = ap.parse_args()
+    quiet_libraries()
+    console = Console()
+    tmp = Path(tempfile.mkdtemp(prefix="loomrl-async-"))
+    plain, corrected = config(args, "none", tmp / "plain"), config(args, "decoupled", tmp / "decoupled")
+    flows = {
+        "none": budgeted(build_workflow(plain.algo, plain.rollout), args.longest),
+        "decoupled": budgeted(build_workflow(corrected.algo, corrected.rollout), args.longest),
+    }
+    cluster = ClusterSpec(nodes=1, devices_per_node=args.devices, device_kind="cpu")
+    variants = [
+        ("synchronous", "colocate", "none"),
+        ("synchronous", "separate", "none"),
+        ("stream-fused", "colocate; stream_fusion=migrate_at:auto", "none"),
+        *(("asynchronous", f"separate; async={n}", "decoupled") for n in args.staleness.split(",")),
+    ]
+    prompts = Prompts(plain, args.longest, args.tail)
+    results = {}
+    for mode, text, off in variants:
+        cfg = plain if off == "none" else corrected
+        plan = make_plan(text, flows[off], cluster)
+        console.print(f"running {text} ({mode}) ...")
+        results[text] = (mode, plan, off, run(cfg, flows[off], plan, prompts, args.iterations))
+    synchronous = {k: v for k, v in results.items() if v[0] != "asynchronous"}
+    best = min(synchronous, key=lambda k: synchronous[k][3]["seconds"])
+    base = synchronous[best][3]
+    measured: dict[tuple[str, str], float] = {}
+    for mode, _, _, r in synchronous.values():
+        if mode == "synchronous":
+            measured.update(r["steps"])
+    batch = args.prompts * args.group
+    rows = []
+    for text, (mode, plan, off, r) in results.items():
+        predicted = math.nan
+        if mode != "stream-fused":
+            predicted = simulate(plan, flows[off], MeasuredCost(measured), math.inf, iterations=4).iteration_time
+        rows.append(
+            {
+                "plan": text,
+                "iteration runs": mode,
+                "samples/s": batch / r["seconds"],
+                "s/iteration (min-max)": f"{r['seconds']:.2f} ({r['spread'][0]:.2f}-{r['spread'][1]:.2f})",
+                "vs best sync/fused": base["seconds"] / r["seconds"],
+                "utilisation": r["utilisation"],
+                "predicted s": predicted,
+                "predicted / measured": predicted / r["seconds"],
+            }
+        )
+    console.print(
+        f"model {args.model}, {args.prompts} prompts x {args.group}, budgets lognormal(median 16) in [4, "
+        f"{args.longest}] with {args.tail} at {args.longest}, {args.devices} devices, median of "
+        f"{args.iterations - 1} iterations after the first"
+    )
+    console.print(summary_table(rows, "asynchronous training vs the best synchronous and stream-fused plans"))
+    console.print(
+        f"best synchronous-or-fused plan (in hindsight): {best}; its utilisation {base['utilisation']:.2f}, so no "
+        f"plan can exceed {1 / base['utilisation']:.2f}x it (the ceiling)"
+    )
+
+
+if __name__ == "__main__":
+    main()
