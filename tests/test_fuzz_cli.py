@@ -516,7 +516,6 @@ def runtime_setting_that_needs_the_ray_executor(data, files):
     setting = data.draw(
         st.sampled_from(
             [
-                "runtime.plan=colocate",
                 "runtime.controllers=2",
                 "runtime.placement=dynamic",
                 "runtime.plan_changes={2: interleave}",

@@ -67,8 +67,8 @@ def spy_on_iterations(trainer: RLTrainer, monkeypatch) -> list:
     results = []
     run_iteration = trainer.executor.run_iteration
 
-    def spy(iteration, batch):
-        results.append(run_iteration(iteration, batch))
+    def spy(iteration, batch, waves=None, ahead=None):
+        results.append(run_iteration(iteration, batch, waves, ahead))
         return results[-1]
 
     monkeypatch.setattr(trainer.executor, "run_iteration", spy)
