@@ -80,6 +80,14 @@ MODES = {
 """The ways an iteration can run that :class:`PlanningReport` shows side by side, each as a test of a plan."""
 
 
+def _modes(evaluator: Evaluator, heuristics: dict, max_staleness: int) -> dict:
+    """The fastest feasible plan of each of :data:`MODES` among every plan the search and the heuristics simulated
+    (asynchronous only with a staleness bound)."""
+    for plan, result in heuristics.values():  # simulated apart from the search: in its cache too
+        evaluator.results.setdefault(plan_key(plan), (plan, result))
+    return {mode: evaluator.best_of(keep) for mode, keep in MODES.items() if mode != "asynchronous" or max_staleness}
+
+
 def compare_plans(
     inputs: PlannerInputs,
     *,
@@ -141,9 +149,7 @@ def compare_plans(
         max_staleness=max_staleness,
         evaluator=evaluator,
     )
-    for plan, result in heuristics.values():  # simulated apart from the search: in its cache too
-        evaluator.results.setdefault(plan_key(plan), (plan, result))
-    modes = {mode: evaluator.best_of(keep) for mode, keep in MODES.items() if mode != "asynchronous" or max_staleness}
+    modes = _modes(evaluator, heuristics, max_staleness)
     base = heuristics["colocate"][1]
     rows = []
     for name, (plan, result) in [*heuristics.items(), *(("searched", s) for s in searched[:1])]:

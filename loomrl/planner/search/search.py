@@ -284,6 +284,18 @@ def _polish(
             return
 
 
+def _best_variant(plan: ExecutionPlan, evaluate: Evaluator, max_staleness: int) -> ExecutionPlan:
+    """``plan`` stream-fused or not, then pipeline-fused or not, then asynchronous or not, each whichever is
+    faster, where the estimator prices it: the walks then explore around it (a polish toggling these at the end
+    may not reach it on a large cluster's budget)."""
+    plan = min(
+        [plan, *(dataclasses.replace(plan, stream_fusion=f) for f in stream_fusion_choices(plan, evaluate))],
+        key=evaluate.rank,
+    )
+    plan = min([plan, *filter(None, [pipeline_fusion_twin(plan, evaluate)])], key=evaluate.rank)
+    return min([plan, *(with_async(plan, a) for a in async_choices(plan, evaluate, max_staleness))], key=evaluate.rank)
+
+
 def _crossovers(starts: list[ExecutionPlan], workflow: Workflow) -> list[ExecutionPlan]:
     """Each start with every call of one kind (generation, inference or training) placed as in another start,
     in a fixed order: e.g. colocated generation and inference with interleave's actor and critic training side
@@ -377,20 +389,7 @@ def search(
     for plan in starts:
         if evaluate(plan) is None:
             plan.validate(workflow)  # raises the one-line reason
-    # each start fused or not, whichever is faster, where the estimator prices fusion: the walks then explore
-    # around it (a polish toggling fusion at the end may not reach it on a large cluster's budget)
-    starts = [
-        min(
-            [plan, *(dataclasses.replace(plan, stream_fusion=f) for f in stream_fusion_choices(plan, evaluate))],
-            key=evaluate.rank,
-        )
-        for plan in starts
-    ]
-    starts = [min([plan, *filter(None, [pipeline_fusion_twin(plan, evaluate)])], key=evaluate.rank) for plan in starts]
-    starts = [
-        min([plan, *(with_async(plan, a) for a in async_choices(plan, evaluate, max_staleness))], key=evaluate.rank)
-        for plan in starts
-    ]
+    starts = [_best_variant(plan, evaluate, max_staleness) for plan in starts]
     keep = {a for plan in starts for a in plan.allocations.values()}
     units = [
         Unit(
