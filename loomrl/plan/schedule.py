@@ -199,6 +199,10 @@ class Schedule:
                 return step
         raise KeyError(f"no step {step_id!r}; steps: {', '.join(s.id for s in self.steps)}")
 
+    def ahead_keys(self) -> list[str]:
+        """Asynchronous plans: the columns the ``ahead`` calls make (what a batch generated ahead holds)."""
+        return list(dict.fromkeys(k for name in self.ahead for k in self[name].call_mfc.outputs))
+
     def calls(self) -> list[Step]:
         """The iteration's call steps, in order (a fused stage's members in its place)."""
         return [c for s in self.steps for c in (s.members if s.kind in STAGES else (s,)) if c.kind is StepKind.CALL]
@@ -280,18 +284,24 @@ def _run_ahead(steps: tuple[Step, ...], ahead: tuple[str, ...], builder: _Builde
 def _fill(steps: tuple[Step, ...], ahead: tuple[str, ...], builder: _Builder) -> tuple[Step, ...]:
     """The steps that generate one batch ahead on their own: the ``ahead`` calls, the steps they wait for, and
     the steps that release or restore what they used, each keeping only its dependencies among these."""
+    needed = _closure(steps, ahead)
+    for step in steps:
+        if (step.kind in _DROP or step.id in builder.restores) and set(step.deps) <= needed:
+            needed.add(step.id)
+    return tuple(dataclasses.replace(s, deps=tuple(d for d in s.deps if d in needed)) for s in steps if s.id in needed)
+
+
+def _closure(steps: Sequence[Step], ids: Sequence[str]) -> set[str]:
+    """The ids of the steps ``ids`` and of every step of ``steps`` they wait for, directly or not."""
     by_id = {s.id: s for s in steps}
     needed: set[str] = set()
-    todo = list(ahead)
+    todo = list(ids)
     while todo:
         step_id = todo.pop()
         if step_id not in needed:
             needed.add(step_id)
             todo.extend(d for d in by_id[step_id].deps if d in by_id)
-    for step in steps:
-        if (step.kind in _DROP or step.id in builder.restores) and set(step.deps) <= needed:
-            needed.add(step.id)
-    return tuple(dataclasses.replace(s, deps=tuple(d for d in s.deps if d in needed)) for s in steps if s.id in needed)
+    return needed
 
 
 def _fuse(
@@ -571,12 +581,7 @@ def split_for_sampling(
     owner = next((s.id for s in steps if s.id == producer or producer in {m.id for m in s.members}), None)
     if owner is None:
         raise ValueError(f"no step makes {producer!r}; steps: {', '.join(by_id)}")
-    needed, todo = set(), [owner]
-    while todo:
-        step_id = todo.pop()
-        if step_id not in needed:
-            needed.add(step_id)
-            todo.extend(d for d in by_id[step_id].deps if d in by_id)
+    needed = _closure(steps, (owner,))
     head = tuple(s for s in steps if s.id in needed)
     released = [s.id for s in head if s.kind in _DROP]
     if released:

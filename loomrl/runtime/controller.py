@@ -127,6 +127,18 @@ class ShardOutput:
     """CPU seconds its process used during the iteration (every thread: Ray's messaging too)."""
 
 
+@dataclass(frozen=True)
+class _Pending:
+    """A batch an asynchronous plan generated ahead of its iteration, kept by the controller of its shard."""
+
+    where: Shards
+    """The output shards of the generate calls' columns."""
+    tokens: dict[int, int]
+    """Sample id → its token count (prompt and response)."""
+    version: int
+    """The policy version that generated it."""
+
+
 @dataclass
 class _IterationState:
     iteration: int
@@ -164,9 +176,8 @@ class Controller:
         self.received = 0
         self.waited_s = 0.0
         """Time spent waiting for workers; the rest of an iteration is the controller's own work."""
-        self.pending: dict[int, tuple[Shards, dict[int, int], int]] = {}
-        """Asynchronous plans: iteration → the output shards of the batch generated ahead for it, its samples'
-        token counts and the policy version that generated it."""
+        self.pending: dict[int, _Pending] = {}
+        """Asynchronous plans: iteration → the batch generated ahead for it."""
         self.lengths: list[list[int]] = []
         """Response lengths of the last iterations (at most :data:`LENGTH_WINDOW`): the workload the runtime's
         own decisions are priced for, following the run's drift."""
@@ -492,23 +503,23 @@ class Controller:
         """The batches generated ahead, as a checkpoint takes them: iteration → (sample ids, references of the
         output shards holding them, their columns, policy version)."""
         out = {}
-        for iteration, (where, _, version) in sorted(self.pending.items()):
-            ids = sorted({s for shards in where.values() for ids, _ in shards for s in ids})
-            out[iteration] = (ids, shard_refs(list(where), ids, where), list(where), version)
+        for iteration, kept in sorted(self.pending.items()):
+            ids = sorted({s for shards in kept.where.values() for ids, _ in shards for s in ids})
+            out[iteration] = (ids, shard_refs(list(kept.where), ids, kept.where), list(kept.where), kept.version)
         return out
 
     def restore_pending(self, entries: Mapping[int, tuple[list[int], Any, list[str], dict[int, int], int]]) -> None:
         """Batches generated ahead, from a checkpoint: iteration → (sample ids, a reference of the shard holding
         them, its columns, each sample's token count, policy version)."""
         self.pending = {
-            it: ({k: [(tuple(ids), ref)] for k in keys}, dict(tokens), version)
+            it: _Pending({k: [(tuple(ids), ref)] for k in keys}, dict(tokens), version)
             for it, (ids, ref, keys, tokens, version) in entries.items()
         }
 
     def _keep_ahead(self, state: _IterationState, version: int) -> None:
-        keys = {k for name in self.schedule.ahead for k in self.schedule[name].call_mfc.outputs}
+        keys = self.schedule.ahead_keys()
         where = {k: v for k, v in state.where.items() if k in keys}
-        self.pending[state.iteration] = (where, dict(state.tokens), version)
+        self.pending[state.iteration] = _Pending(where, dict(state.tokens), version)
 
     def run_iteration(
         self, iteration: int, shard: ShardInput, waves: Any = None, ahead: tuple[int, ShardInput] | None = None
@@ -525,11 +536,11 @@ class Controller:
         if self.schedule.ahead:
             if iteration not in self.pending:
                 raise RuntimeFailure(f"iteration {iteration}: no batch was generated ahead for it")
-            where, tokens, version = self.pending.pop(iteration)
-            state.where.update(where)
-            state.tokens.update(tokens)
+            kept = self.pending.pop(iteration)
+            state.where.update(kept.where)
+            state.tokens.update(kept.tokens)
             if self.index == 0:  # the controllers' statistics are summed; every shard has the batch's staleness
-                merge_stats(result.stats, staleness_stats(iteration, version), "asynchronous training")
+                merge_stats(result.stats, staleness_stats(iteration, kept.version), "asynchronous training")
             states = dict.fromkeys(self.schedule.ahead, later)
         if waves is None:
             self.run_steps(self.schedule.steps, iteration, "iteration", state, result, states=states)

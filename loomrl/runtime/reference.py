@@ -97,7 +97,7 @@ class ReferenceExecutor(Executor):
         self.calls, self.roles = calls, roles
         self.ahead = frozenset(schedule.ahead)
         """Asynchronous plans: the calls that generate a later batch (:class:`~loomrl.plan.plan.AsyncTraining`)."""
-        self.pending = PendingRollouts([k for c in calls if c.id in self.ahead for k in c.call_mfc.outputs])
+        self.pending = PendingRollouts(schedule.ahead_keys())
         """Batches generated ahead of their iteration, with the policy version that generated each."""
         self.seed, self.pad_id, self.eos_id, self.decode = seed, pad_id, eos_id, decode
         self.metrics_fn, self.evaluate_fn, self.tokenizer = metrics_fn, evaluate_fn, tokenizer

@@ -26,7 +26,7 @@ from loomrl.algorithms.dynamic_sampling import DynamicSampler
 from loomrl.algorithms.evaluate import evaluate_policy
 from loomrl.algorithms.metrics import rollout_metrics
 from loomrl.algorithms.workflows import build_workflow
-from loomrl.checkpoint.store import latest_checkpoint, read_pending, remove_leftovers
+from loomrl.checkpoint.store import has_pending, latest_checkpoint, remove_leftovers
 from loomrl.config.schema import TrainConfig
 from loomrl.config.tools import dump_yaml, to_dict
 from loomrl.data.sources import build_task, examples_window, held_out, prompt_source
@@ -376,7 +376,7 @@ class RLTrainer:
         remove_leftovers(self.run_dir)  # of the saves and prunings the interruption cut short
         state = self.executor.load(path)
         self.state = RunState(iteration=int(state["iteration"]) + 1)
-        self.generated_ahead = read_pending(path) is not None
+        self.generated_ahead = has_pending(path)
         if self.sampler is not None:
             if "sampler" not in state:
                 raise ConfigError(
