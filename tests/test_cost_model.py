@@ -518,7 +518,7 @@ def test_a_shared_prompt_is_priced_once_where_the_runtime_computes_it_once():
             profile_for(spec),
             {"actor": ModelShape.from_config(LLAMA_7B)},
             workload,
-            settings=SystemSettings(packing=False, sorted_scoring=True, shared_prompts=shared),
+            settings=SystemSettings(packing=False, sorted_passes=True, shared_prompts=shared),
         )
 
     whole, plain = a("0-7:dp2tp4mb4"), a("0-7:dp8")

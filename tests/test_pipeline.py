@@ -10,6 +10,8 @@ statistics are those of the unsplit model run as one micro-batch.
 
 from __future__ import annotations
 
+import itertools
+import random
 from collections.abc import Callable
 from functools import partial
 from typing import Any
@@ -30,7 +32,14 @@ from loomrl.parallel.pipeline import check_pipeline, split_stages
 from loomrl.parallel.pipeline_runner import PipelineRunner
 from loomrl.parallel.spawn import run_world
 from loomrl.role import ModelPasses
-from loomrl.workflow.batch import Batch, micro_batch_slices, pack_sequences, response_mask, response_width
+from loomrl.workflow.batch import (
+    Batch,
+    micro_batch_slices,
+    pack_sequences,
+    padded_micro_batch_slices,
+    response_mask,
+    response_width,
+)
 from pipeline_helpers import (
     LENGTHS,
     MAX_NORM,
@@ -51,6 +60,33 @@ def test_micro_batch_slices_cover_rows_contiguously():
     assert micro_batch_slices(4, 4) == [slice(i, i + 1) for i in range(4)]
     with pytest.raises(ValueError, match="between 1 and the number of rows"):
         micro_batch_slices(2, 3)
+
+
+def _padded(lengths: list[int], parts: list[slice]) -> int:
+    return sum((c.stop - c.start) * lengths[c.stop - 1] for c in parts)
+
+
+def test_padded_micro_batches_are_the_cheapest_contiguous_cut():
+    """Against every cut of small sorted batches: as few padded tokens as the best, contiguous, none empty; a
+    heavy tail gets micro-batches of its own; bad input is refused."""
+    rng = random.Random(0)
+    for _ in range(200):
+        n = rng.randint(1, 9)
+        k = rng.randint(1, n)
+        lengths = sorted(rng.randint(1, 60) for _ in range(n))
+        parts = padded_micro_batch_slices(lengths, k)
+        assert len(parts) == k and parts[0].start == 0 and parts[-1].stop == n
+        assert all(a.stop == b.start and a.stop > a.start for a, b in zip(parts, parts[1:]))
+        cuts = itertools.combinations(range(1, n), k - 1)
+        best = min(_padded(lengths, [slice(a, b) for a, b in itertools.pairwise((0, *c, n))]) for c in cuts)
+        assert _padded(lengths, parts) == best, (lengths, k, parts)
+    tail = [4] * 31 + [640]
+    assert padded_micro_batch_slices(tail, 4)[-1] == slice(31, 32)
+    assert _padded(tail, padded_micro_batch_slices(tail, 4)) < _padded(tail, micro_batch_slices(32, 4)) / 4
+    with pytest.raises(ValueError, match="sorted"):
+        padded_micro_batch_slices([3, 1], 2)
+    with pytest.raises(ValueError, match="between 1 and the number of rows"):
+        padded_micro_batch_slices([1, 2], 3)
 
 
 @pytest.mark.parametrize("kind", ["causal_lm", "value"])
@@ -441,8 +477,9 @@ def test_inference_micro_batches_run_sorted_by_length_each_cut_to_its_longest_ro
     split = logprob_op(_op_context(Role("actor", spy, passes=ModelPasses(spy)), 3, len(batch)), batch, "x", 1.0)
     mask = response_mask(batch["response_ids"], split["x"].shape[1]).bool()  # past a row's end: not computed
     assert torch.allclose(split["x"][mask], whole["x"][mask], atol=1e-6)
-    parts = micro_batch_slices(len(batch), 3)
+    parts = padded_micro_batch_slices(lengths, 3)  # cut where they pad least
     assert spy.widths == [lengths[rows][-1] for rows in parts] and spy.widths[0] < max(lengths)
+    assert _padded(lengths, parts) <= _padded(lengths, micro_batch_slices(len(batch), 3))
     critic = value_model()
     ctx = lambda m: _op_context(Role("critic", critic, passes=ModelPasses(critic)), m, len(batch))  # noqa: E731
     assert torch.allclose(values_op(ctx(3), batch)["values"][mask], values_op(ctx(1), batch)["values"][mask], atol=1e-6)

@@ -53,6 +53,12 @@ class StreamControl(Protocol):
 class Passes(Protocol):
     """How a role's model runs its passes on this process; ops call nothing else of the model's."""
 
+    @property
+    def any_parts(self) -> bool:
+        """Whether the ``parts`` given to :meth:`outputs` and :meth:`backward` may be any contiguous row ranges
+        (False: near-equal ones, :func:`~loomrl.workflow.batch.micro_batch_slices`, as pipeline stages cut)."""
+        ...
+
     def outputs(
         self,
         ids_BL: torch.Tensor,

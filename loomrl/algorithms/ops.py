@@ -21,7 +21,7 @@ from __future__ import annotations
 
 import math
 import warnings
-from collections.abc import Callable, Iterator
+from collections.abc import Callable, Iterator, Sequence
 from contextlib import contextmanager, nullcontext
 
 import torch
@@ -33,7 +33,15 @@ from loomrl.errors import TrainingError
 from loomrl.models.heads import LOGP, last_real_index
 from loomrl.models.lora import adapters_off
 from loomrl.rollout import Request, RolloutEngine, SamplingParams, generation_eos_ids, stream_keys
-from loomrl.workflow.batch import Batch, micro_batch_slices, pack_sequences, pad_columns, pad_right, response_mask
+from loomrl.workflow.batch import (
+    Batch,
+    micro_batch_slices,
+    pack_sequences,
+    pad_columns,
+    pad_right,
+    padded_micro_batch_slices,
+    response_mask,
+)
 from loomrl.workflow.minibatches import loss_weights
 
 
@@ -95,10 +103,22 @@ def _packed(ctx: OpContext, batch: Batch, response_key: str = "response_ids"):
     return pack_sequences(batch["prompt_ids"], batch[response_key], ctx.pad_id, device)
 
 
-def micro_batch_rows(ctx: OpContext, rows: int) -> list[slice]:
-    """The contiguous row ranges an op over ``rows`` rows runs as: ``ctx.micro_batches`` of them, clipped to
-    one per row, in the pipeline schedule's order (:func:`~loomrl.workflow.batch.micro_batch_slices`)."""
-    return micro_batch_slices(rows, max(1, min(ctx.micro_batches, rows)))
+def micro_batch_rows(ctx: OpContext, lengths: Sequence[int]) -> list[slice]:
+    """The contiguous row ranges an op over rows of ``lengths`` (sorted ascending) runs as: ``ctx.micro_batches``
+    of them, clipped to one per row; cut where they compute the fewest padded tokens
+    (:func:`~loomrl.workflow.batch.padded_micro_batch_slices`) where the engine takes any row ranges, near-equal
+    where it cuts them itself (a pipeline's stages: :attr:`~loomrl.algorithms.context.Passes.any_parts`)."""
+    k = max(1, min(ctx.micro_batches, len(lengths)))
+    if ctx.role.passes.any_parts:
+        return padded_micro_batch_slices(lengths, k)
+    return micro_batch_slices(len(lengths), k)
+
+
+def by_length(attn_BL: torch.Tensor, micro_batches: int) -> torch.Tensor:
+    """The order an op runs its rows in: by length (stable), so that micro-batches hold rows of similar length;
+    as they are with a single micro-batch."""
+    lengths_B = attn_BL.sum(1)
+    return torch.argsort(lengths_B, stable=True) if micro_batches > 1 else torch.arange(attn_BL.shape[0])
 
 
 OutputFn = Callable[[torch.Tensor, torch.Tensor], torch.Tensor]
@@ -119,10 +139,11 @@ def role_outputs(
     results concatenated in row order, on every rank of the role.
 
     With several micro-batches the rows run sorted by length, so each micro-batch holds rows of similar length
-    and the engine computes it only up to its own longest row (as verl's dynamic batching and OpenRLHF's packing
-    avoid computing padding): on a batch with a long tail, one long row no longer pads every micro-batch."""
-    parts = micro_batch_rows(ctx, ids_BL.shape[0])
-    order = torch.argsort(attn_BL.sum(1), stable=True) if len(parts) > 1 else torch.arange(ids_BL.shape[0])
+    and the engine computes it only up to its own longest row, and they are cut where they compute the fewest
+    padded tokens (:func:`micro_batch_rows`; as verl's dynamic batching and OpenRLHF's packing avoid computing
+    padding): on a batch with a long tail, the long rows no longer pad a quarter of the batch each."""
+    order = by_length(attn_BL, ctx.micro_batches)
+    parts = micro_batch_rows(ctx, attn_BL.sum(1)[order].tolist())
     keep = (lambda out, k: output_fn(out, order[parts[k]].to(ids_BL.device))) if output_fn is not None else None
     if len(parts) == 1:
         return ctx.role.passes.outputs(ids_BL, attn_BL, parts, keep, prompt_len_B, temperature)
@@ -266,8 +287,11 @@ def _backward(ctx: OpContext, mb: Batch, loss_fn: LossFn, weight: float, tempera
     if len(mb) == 0:
         passes.backward(None, None, [], None, ctx.micro_batches)
         return {}, True
+    if ctx.micro_batches > 1 and len(mb) > 1:  # rows by length, so that micro-batches pad little (role_outputs)
+        lengths = [len(p) + len(r) for p, r in zip(mb["prompt_ids"], mb["response_ids"])]
+        mb = mb.select(sorted(range(len(mb)), key=lengths.__getitem__))
     ids_BL, attn_BL, plen_B = _packed(ctx, mb)
-    parts = micro_batch_rows(ctx, len(mb))
+    parts = micro_batch_rows(ctx, attn_BL.sum(1).tolist())
     weights = loss_weights(loss_tokens(mb), ctx.loss_unit)
     total = max(sum(weights), 1)
     shares = [sum(weights[rows]) / total for rows in parts]

@@ -55,6 +55,11 @@ class ModelPasses:
     def device(self) -> torch.device:
         return next(self.model.parameters()).device
 
+    @property
+    def any_parts(self) -> bool:
+        """Whether micro-batches may be any row ranges: not on a pipeline, whose stages cut near-equal ones."""
+        return self.pipeline is None
+
     def outputs(
         self,
         ids_BL: torch.Tensor,

@@ -107,6 +107,9 @@ class _Deferred:
     def device(self):
         return self.passes.device
 
+    any_parts = False
+    """A fused step drives pipeline stages, which cut near-equal micro-batches."""
+
     def outputs(self, *args, **kwargs):
         return self.passes.outputs(*args, **kwargs)
 

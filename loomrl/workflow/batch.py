@@ -11,6 +11,7 @@ Legend: B = samples, R = response tokens (right-padded), L = prompt + response t
 
 from __future__ import annotations
 
+import math
 from collections.abc import Iterable, Mapping, Sequence
 from typing import Any
 
@@ -155,3 +156,47 @@ def micro_batch_slices(rows: int, micro_batches: int) -> list[slice]:
         slices.append(slice(start, stop))
         start = stop
     return slices
+
+
+PADDED_SPLIT_MAX_ROWS = 1024
+"""Above this many rows :func:`padded_micro_batch_slices` cuts near-equal micro-batches (its search is quadratic in
+the rows; with that many rows sorted by length, equal counts pad little anyway)."""
+
+
+def padded_micro_batch_slices(lengths: Sequence[int], micro_batches: int) -> list[slice]:
+    """Contiguous row ranges of ``micro_batches`` non-empty micro-batches of rows sorted by ``lengths``
+    (ascending), cut where they compute the fewest tokens, each padded to its own longest row: the sum over
+    micro-batches of rows × longest length (verl's dynamic batch size and OpenRLHF's packing serve the same end).
+    On a heavy-tailed batch the longest rows get micro-batches of their own instead of padding a quarter of the
+    batch each. Ties go to the earliest cut, so every rank given the same lengths cuts alike.
+
+    Found exactly by dynamic programming over the cut points: ``best[j][i]``, the fewest tokens of the first
+    ``i`` rows in ``j`` micro-batches, is ``min over s of best[j-1][s] + (i - s) × lengths[i-1]``."""
+    rows = len(lengths)
+    if not 1 <= micro_batches <= rows:
+        raise ValueError(f"micro_batches must be between 1 and the number of rows ({rows}), got {micro_batches}")
+    if micro_batches == 1:
+        return [slice(0, rows)]
+    if any(a > b for a, b in zip(lengths, lengths[1:])):
+        raise ValueError("padded_micro_batch_slices: lengths must be sorted ascending")
+    if rows > PADDED_SPLIT_MAX_ROWS:
+        return micro_batch_slices(rows, micro_batches)
+    length_I = torch.tensor([0, *lengths], dtype=torch.float64)  # length_I[i]: the i-th row's (1-based)
+    at_I = torch.arange(rows + 1, dtype=torch.float64)
+    # the span s..i costs (i - s) × length_I[i]: the cost matrix over (s, i), s < i
+    span_SI = (at_I[None, :] - at_I[:, None]) * length_I[None, :]
+    span_SI = span_SI.masked_fill(at_I[:, None] >= at_I[None, :], math.inf)
+    best_I = span_SI[0].clone()  # one micro-batch: rows 0..i
+    best_I[0] = math.inf
+    cuts = []
+    for _ in range(micro_batches - 1):
+        total_SI = best_I[:, None] + span_SI
+        best_I, arg_I = total_SI.min(dim=0)  # min picks the first (earliest) of equal cuts
+        cuts.append(arg_I)
+    slices, stop = [], rows
+    for arg_I in reversed(cuts):
+        start = int(arg_I[stop])
+        slices.append(slice(start, stop))
+        stop = start
+    slices.append(slice(0, stop))
+    return slices[::-1]

@@ -28,6 +28,8 @@ from collections import Counter, defaultdict
 from collections.abc import Sequence
 from typing import NamedTuple
 
+from loomrl.workflow.batch import padded_micro_batch_slices
+
 __all__ = [
     "Segment",
     "admission_order",
@@ -136,11 +138,17 @@ def expected_longest(lengths: Sequence[int], k: float) -> float:
     return sum(x * (((i + 1) / n) ** k - (i / n) ** k) for i, x in enumerate(ordered))
 
 
-def sorted_longest(lengths: Sequence[int], groups: int) -> tuple[float, float]:
+def sorted_longest(lengths: Sequence[int], groups: int, least_padding: bool = False) -> tuple[float, float]:
     """Mean and mean square, over the samples, of the longest of their group when ``lengths`` are sorted and cut
-    into ``groups`` contiguous groups (a sample of a micro-batch padded to its own longest)."""
+    into ``groups`` contiguous groups (a sample of a micro-batch padded to its own longest): near-equal groups,
+    or with ``least_padding`` where they pad least (:func:`~loomrl.workflow.batch.padded_micro_batch_slices`, as
+    the runtime cuts them off pipelines)."""
     ordered = sorted(lengths)
     n, groups = len(ordered), max(1, min(int(groups), len(ordered)))
+    if least_padding and n:
+        cuts = padded_micro_batch_slices(ordered, groups)
+        tops = [(ordered[c.stop - 1], c.stop - c.start) for c in cuts]
+        return sum(x * k for x, k in tops) / n, sum(x * x * k for x, k in tops) / n
     bounds = [round(j * n / groups) for j in range(groups + 1)]
     tops = [(ordered[hi - 1], hi - lo) for lo, hi in zip(bounds, bounds[1:]) if hi > lo]
     return sum(x * k for x, k in tops) / n, sum(x * x * k for x, k in tops) / n

@@ -353,9 +353,7 @@ class CostModel(CostEstimator):
         lengths are ``lengths`` where known: a fused stage's chunk; else the workload's distribution)."""
         shape, w = self._shape(role), self.workload
         samples = D.share(w.batch, alloc.layout.dp) if samples is None else samples
-        seq, sq = self._pass_lengths(
-            samples, alloc.micro_batches, scoring=True, lengths=lengths, prompt=self._pass_prompt(alloc)
-        )
+        seq, sq = self._pass_lengths(samples, alloc, lengths=lengths, prompt=self._pass_prompt(alloc))
         flops = T.forward_flops(shape, samples * seq, samples * sq)
         return self._pass(
             alloc,
@@ -375,7 +373,7 @@ class CostModel(CostEstimator):
         shape, w, lay = self._shape(mfc.role), self.workload, alloc.layout
         epochs, minibatches = self._steps(mfc)
         samples = w.batch / minibatches / lay.dp
-        seq, sq = self._pass_lengths(samples, alloc.micro_batches, prompt=self._pass_prompt(alloc, training=True))
+        seq, sq = self._pass_lengths(samples, alloc, prompt=self._pass_prompt(alloc, training=True))
         tokens = samples * seq
         # recomputation runs each forward once more in the backward; a frozen base (LoRA) computes its inputs'
         # gradients only, not its weights': a backward of one forward's FLOPs instead of two
@@ -640,7 +638,7 @@ class CostModel(CostEstimator):
         so)."""
         shape, lay, w = self._shape(role), alloc.layout, self.workload
         samples = D.share(w.batch, lay.dp)
-        seq = self._pass_lengths(samples, alloc.micro_batches, scoring=True, prompt=self._pass_prompt(alloc))[0]
+        seq = self._pass_lengths(samples, alloc, prompt=self._pass_prompt(alloc))[0]
         tokens = samples * seq / alloc.micro_batches
         return T.inference_activation_bytes(shape, tokens, lay.tp, self.bytes_per_param, self._logit_tokens(tokens))
 
@@ -650,10 +648,7 @@ class CostModel(CostEstimator):
         shape, lay, w = self._shape(mfc.role), alloc.layout, self.workload
         _, minibatches = self._steps(mfc)
         samples = w.batch / minibatches / lay.dp
-        tokens = (
-            samples
-            * self._pass_lengths(samples, alloc.micro_batches, prompt=self._pass_prompt(alloc, training=True))[0]
-        )
+        tokens = samples * self._pass_lengths(samples, alloc, prompt=self._pass_prompt(alloc, training=True))[0]
         in_flight = tokens / alloc.micro_batches * min(lay.pp, alloc.micro_batches)
         # FSDP: the root unit (embedding, head) gathered throughout, two layers at a time (one prefetched) and
         # one layer's unsharded fp32 gradients before its reduce-scatter
@@ -698,19 +693,20 @@ class CostModel(CostEstimator):
     def _pass_lengths(
         self,
         samples: float,
-        micro_batches: int,
-        scoring: bool = False,
+        alloc: Allocation,
         lengths: tuple[int, ...] | None = None,
         prompt: float | None = None,
     ) -> tuple[float, float]:
-        """(mean, mean square) length of a sample as a pass processes it: packed (the settings' default), its own
-        length; padded, the longest of the ``samples / micro_batches`` samples it shares a micro-batch with
-        (:func:`loomrl.planner.cost.decode.expected_longest`), or for a ``scoring`` pass whose samples are sorted
-        first (``sorted_scoring``) the longest of its sorted group (:func:`loomrl.planner.cost.decode.sorted_longest`).
+        """(mean, mean square) length of a sample as a pass on ``alloc`` processes it: packed (the settings'
+        default), its own length; padded, the longest of the ``samples / micro_batches`` samples it shares a
+        micro-batch with (:func:`loomrl.planner.cost.decode.expected_longest`), or where the samples are sorted
+        first (``sorted_passes``) the longest of its sorted micro-batch (:func:`loomrl.planner.cost.decode.
+        sorted_longest`; cut where they pad least, but near-equal on pipeline stages, as the runtime cuts).
         ``lengths``: the responses of the pass's samples where known, else the workload's distribution;
         ``prompt``: the prompt tokens computed per sample (:meth:`_pass_prompt`), else the workload's."""
         w = self.workload if lengths is None else dataclasses.replace(self.workload, response_lengths=tuple(lengths))
         prompt = w.prompt_len if prompt is None else prompt
+        micro_batches = alloc.micro_batches
         per_micro_batch = samples / micro_batches
         if (self.settings.packing or per_micro_batch <= 1) and prompt == w.prompt_len:
             return w.mean_seq, w.mean_sq_seq
@@ -720,10 +716,10 @@ class CostModel(CostEstimator):
         if self.settings.packing or per_micro_batch <= 1:
             response_sq = w.mean_sq_seq - full * (full + 2 * w.mean_response)
             return prompt + w.mean_response, response_sq + 2 * full * w.mean_response + full * prompt
-        if scoring and self.settings.sorted_scoring:
+        if self.settings.sorted_passes:
             # the pass's own samples: their lengths where known, else the distribution's quantiles for as many
             share = lengths if lengths is not None else D.admission_order(w.response_lengths, max(1, round(samples)))
-            mean, mean_sq = D.sorted_longest(share, micro_batches)
+            mean, mean_sq = D.sorted_longest(share, micro_batches, least_padding=alloc.layout.pp == 1)
             return prompt + mean, mean_sq + 2 * full * mean + full * prompt
         longest = D.expected_longest(w.response_lengths, per_micro_batch)
         return prompt + longest, longest * longest + 2 * full * longest + full * prompt

@@ -49,10 +49,10 @@ class SystemSettings(ValidatedConfig):
     packing: bool = True
     """Training and scoring passes pack samples without padding (sequence packing, or padding removed); False
     pads each micro-batch to its longest sample."""
-    sorted_scoring: bool = False
-    """Unpacked scoring passes sort their samples by length before cutting micro-batches, so a micro-batch is
-    as long as its own longest and long samples share one (loomrl's runtime); False: micro-batches of samples in
-    arrival order."""
+    sorted_passes: bool = False
+    """Unpacked scoring and training passes sort their samples by length before cutting micro-batches, so a
+    micro-batch is as long as its own longest and long samples share one, and cut them where they pad least
+    (loomrl's runtime; near-equal on pipeline stages); False: micro-batches of samples in arrival order."""
     shared_prompts: bool = False
     """Training and scoring passes compute a prompt its group's samples share once (loomrl's runtime, outside
     pipeline stages, FSDP and recomputed passes: :mod:`loomrl.role.shared_prefix`); False: once per sample."""
@@ -80,7 +80,7 @@ def default_max_seqs(profile: HardwareProfile) -> int:
     return 1024 if large else 256
 
 
-RUNTIME = SystemSettings(packing=False, sorted_scoring=True, shared_prompts=True)
+RUNTIME = SystemSettings(packing=False, sorted_passes=True, shared_prompts=True)
 """loomrl's own runtime: each training and scoring micro-batch is computed to its own longest sample (no
-packing), scoring passes sort their samples by length first (:func:`loomrl.algorithms.ops.role_outputs`), and a
-group's shared prompt is computed once."""
+packing), passes sort their samples by length first and cut micro-batches where they pad least
+(:func:`loomrl.algorithms.ops.micro_batch_rows`), and a group's shared prompt is computed once."""
