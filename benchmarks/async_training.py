@@ -58,6 +58,7 @@ from loomrl.config.tools import load_config  # noqa: E402
 from loomrl.data.sources import build_task, examples_window, prompt_source  # noqa: E402
 from loomrl.models.tokenizer import encode_prompt, task_tokenizer  # noqa: E402
 from loomrl.plan import Allocation, ClusterSpec, ExecutionPlan, make_plan  # noqa: E402
+from loomrl.plan.plan_string import RESERVED_KEYS  # noqa: E402
 from loomrl.planner.cost.estimator import CostEstimator  # noqa: E402
 from loomrl.planner.simulation.simulator import simulate  # noqa: E402
 from loomrl.report import summary_table  # noqa: E402
@@ -153,7 +154,7 @@ def run(cfg: TrainConfig, workflow: Workflow, plan: ExecutionPlan, prompts: Prom
     call's and sync's median seconds by (step, allocation)."""
     inputs = planner_inputs(cfg, workflow, plan.cluster, prompts.tokenizer)
     executor = RayExecutor(cfg.runtime, worker_spec(cfg, workflow), workflow, plan, inputs, cfg.algo.group_size)
-    eta, times, busy, steps = plan.staleness, [], [], {}
+    eta, times, busy, steps, work = plan.staleness, [], [], {}, {}
     try:
         for b in range(eta):
             executor.generate_ahead(b, prompts(b), 0)
@@ -166,8 +167,9 @@ def run(cfg: TrainConfig, workflow: Workflow, plan: ExecutionPlan, prompts: Prom
             times.append(seconds)
             busy.append(sum(_busy(t) for t in result.traces))
             for t in result.traces:
-                key = (t.step, plan[t.step].text if t.kind == "call" else "")
+                key = (t.step, _layout(plan[t.step]) if t.kind == "call" else "")
                 steps.setdefault(key, []).append(t.seconds)
+                work.setdefault(t.step, []).append(_busy(t))
     finally:
         executor.close()
     return {
@@ -175,7 +177,25 @@ def run(cfg: TrainConfig, workflow: Workflow, plan: ExecutionPlan, prompts: Prom
         "spread": (min(times), max(times)),
         "utilisation": statistics.median(b / (plan.cluster.n_devices * s) for b, s in zip(busy, times)),
         "steps": {k: statistics.median(v) for k, v in steps.items()},
+        "busy": statistics.median(busy),
+        "work": {k: statistics.median(v) for k, v in work.items()},
     }
+
+
+def _calls_of(text: str, workflow: Workflow) -> str:
+    """Plan ``text`` without the items that place calls ``workflow`` lacks (``actor_inf`` is the decoupled
+    objective's only), so one plan string serves every objective."""
+    items = [item.strip() for item in text.split(";")]
+    keep = [
+        i for i in items if "=" not in i or (name := i.partition("=")[0].strip()) in RESERVED_KEYS or name in workflow
+    ]
+    return "; ".join(keep)
+
+
+def _layout(alloc: Allocation) -> str:
+    """An allocation's layout without its devices (``0-1:dp2mb4`` → ``dp2mb4``): a call costs the same on any
+    devices of one kind."""
+    return alloc.text.partition(":")[2] or alloc.text
 
 
 def _busy(trace) -> float:
@@ -187,14 +207,14 @@ def _busy(trace) -> float:
 
 
 class MeasuredCost(CostEstimator):
-    """Each call's measured median seconds on its allocation, and each sync's (memory is not modelled)."""
+    """Each call's measured median seconds on its layout, and each sync's (memory is not modelled)."""
 
     def __init__(self, steps: dict[tuple[str, str], float]):
         self.steps = steps
 
     def mfc_time(self, mfc: MFC, alloc: Allocation) -> float:
         name = "ref_inf" if mfc.name == "actor_inf" else mfc.name  # the same forward pass (module docstring)
-        return self.steps[(name, alloc.text)]
+        return self.steps[(name, _layout(alloc))]
 
     def mfc_memory(self, mfc: MFC, alloc: Allocation, trainable: bool) -> float:
         return 0.0
@@ -217,29 +237,59 @@ def main() -> None:
     ap.add_argument("--tail", type=int, default=1, help="samples at MAX per iteration")
     ap.add_argument("--staleness", default="1,2,4", help="the asynchronous plans' max_staleness values")
     ap.add_argument("--micro-batches", type=int, default=4, help="of every inference and train call")
+    ap.add_argument(
+        "--plan",
+        action="append",
+        default=[],
+        help="another asynchronous plan (a plan string with async=N), e.g. generation on every device and training "
+        "on one: 'actor_gen=0-1; ref_inf=0; reward_inf=0; actor_inf=0; actor_train=0; async=1' (repeatable)",
+    )
+    ap.add_argument(
+        "--objectives",
+        default="decoupled",
+        help="the asynchronous plans' algo.off_policy values: decoupled (AReaL's objective, with its actor_inf "
+        "pass), tis, none (PPO's clip around the sampler's log-probs)",
+    )
+    ap.add_argument("--steps", action="store_true", help="print each plan's median seconds per step")
+    ap.add_argument("--only-async", action="store_true", help="run the asynchronous plans only (no baseline)")
     args = ap.parse_args()
     quiet_libraries()
     console = Console()
     tmp = Path(tempfile.mkdtemp(prefix="loomrl-async-"))
-    plain, corrected = config(args, "none", tmp / "plain"), config(args, "decoupled", tmp / "decoupled")
-    flows = {
-        "none": budgeted(build_workflow(plain.algo, plain.rollout), args.longest),
-        "decoupled": budgeted(build_workflow(corrected.algo, corrected.rollout), args.longest),
-    }
+    cfgs = {off: config(args, off, tmp / off) for off in {"none", *args.objectives.split(",")}}
+    flows = {off: budgeted(build_workflow(c.algo, c.rollout), args.longest) for off, c in cfgs.items()}
+    plain = cfgs["none"]
     cluster = ClusterSpec(nodes=1, devices_per_node=args.devices, device_kind="cpu")
     variants = [
         ("synchronous", "colocate", "none"),
         ("synchronous", "separate", "none"),
         ("stream-fused", "colocate; stream_fusion=migrate_at:auto", "none"),
-        *(("asynchronous", f"separate; async={n}", "decoupled") for n in args.staleness.split(",")),
+        *(
+            ("asynchronous", text, off)
+            for text in [*(f"separate; async={n}" for n in args.staleness.split(",") if n), *args.plan]
+            for off in args.objectives.split(",")
+        ),
     ]
+    if args.only_async:
+        variants = [v for v in variants if v[0] == "asynchronous"]
     prompts = Prompts(plain, args.longest, args.tail)
     results = {}
     for mode, text, off in variants:
-        cfg = plain if off == "none" else corrected
-        plan = scored_in_micro_batches(make_plan(text, flows[off], cluster), flows[off], args.micro_batches)
+        cfg = cfgs[off]
+        plan = scored_in_micro_batches(
+            make_plan(_calls_of(text, flows[off]), flows[off], cluster), flows[off], args.micro_batches
+        )
         console.print(f"running {text} ({mode}) ...")
-        results[text] = (mode, plan, off, run(cfg, flows[off], plan, prompts, args.iterations))
+        label = text if mode != "asynchronous" or off == "decoupled" else f"{text} [{off}]"
+        results[label] = (mode, plan, off, run(cfg, flows[off], plan, prompts, args.iterations))
+        r = results[label][3]
+        console.print(f"  {r['seconds']:.2f} s/iteration ({r['spread'][0]:.2f}-{r['spread'][1]:.2f})")
+        if args.steps:
+            console.print(
+                "  " + ", ".join(f"{step} ({where}) {s:.2f}" for (step, where), s in r["steps"].items()), markup=False
+            )
+    if args.only_async:
+        return
     synchronous = {k: v for k, v in results.items() if v[0] != "asynchronous"}
     best = min(synchronous, key=lambda k: synchronous[k][3]["seconds"])
     base = synchronous[best][3]
@@ -274,6 +324,16 @@ def main() -> None:
     console.print(
         f"best synchronous-or-fused plan (in hindsight): {best}; its utilisation {base['utilisation']:.2f}: "
         f"recovering all its idle time would make it {1 / base['utilisation']:.2f}x faster (the ceiling)"
+    )
+    # the decoupled objective adds a forward pass of the policy over the batch: priced as the best plan's own
+    # reference pass (the same forward of the same model), its work alone bounds any plan's time from below
+    # (a fused plan's reference pass runs inside its stage: the colocated synchronous run's is taken then)
+    extra = base["work"].get("ref_inf", synchronous["colocate"][3]["work"].get("ref_inf", 0.0))
+    bound = args.devices * base["seconds"] / (base["busy"] + extra)
+    console.print(
+        f"its devices work {base['busy']:.2f} device-s an iteration; with the decoupled objective's extra forward "
+        f"pass ({extra:.2f} device-s, its ref_inf's) the work alone allows at most {bound:.2f}x on {args.devices} "
+        "devices (the bound for the decoupled objective at any staleness)"
     )
     separate = synchronous["separate"][3]
     fastest = min((r for mode, _, _, r in results.values() if mode == "asynchronous"), key=lambda r: r["seconds"])

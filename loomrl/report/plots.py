@@ -13,6 +13,7 @@ from typing import Any
 
 from matplotlib.backends.backend_agg import FigureCanvasAgg
 from matplotlib.figure import Figure
+from rich.markup import escape
 from rich.table import Table
 
 from loomrl.report.metrics import finite_series
@@ -87,4 +88,4 @@ def _format_cell(value: Any) -> str:
         return ""
     if isinstance(value, float):
         return f"{value:.4g}"
-    return str(value)
+    return escape(str(value))  # a cell's text as it is: "[none]" is no style tag
