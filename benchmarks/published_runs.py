@@ -25,20 +25,30 @@ simulator takes; otherwise the row says what was assumed, and it is reported apa
   ZeRO-3 with Adam offload, 1024 prompts per step, the stage breakdown of each step. The limits (1024 prompt,
   1024 generated tokens) are the launch scripts' of that release; the mean lengths are not published: taken as
   half the limits, hence incomplete.
+- verl's fully asynchronous trainer (github.com/volcengine/verl ``docs/advance/fully_async.md``, "Asynchronous
+  Training on 7B Model", and the 64:64 script ``verl/experimental/fully_async_policy/shell/
+  dapo_7b_math_fsdp2_64_64.sh``): Qwen2.5-Math-7B, DAPO (GRPO advantages, no KL, no dynamic sampling), 512 prompts
+  × 16, 28K-token responses, 16 optimizer steps of 32 prompts, H20s, vLLM (TP 4, 0.8 of the memory) and FSDP2
+  (Ulysses sequence parallel 4), colocated synchronous on 32, 64 and 128 GPUs against fully asynchronous on
+  16+16, 32+32 and 64+64 (staleness threshold 0.5, partial rollout, the rollout's own log-probs). The mean
+  response length is not published: it is fitted on one stage of one row (the colocated 64-GPU run's
+  update_actor, 133.41 s) and every step time is then predicted, hence incomplete rows.
 """
 
 from __future__ import annotations
 
 import argparse
 import math
+from collections.abc import Callable
 from dataclasses import dataclass, field
+from functools import partial
 
 from rich.console import Console
 
 from loomrl.config.tools import from_dict
 from loomrl.plan import ClusterSpec, make_plan
 from loomrl.plan.cluster import profile_for
-from loomrl.planner.describe import RunDescription, inputs_from_description, simulate_fixed
+from loomrl.planner.describe import STAGES, RunDescription, inputs_from_description, simulate_fixed
 from loomrl.report import summary_table
 
 NEMO_RL = "github.com/NVIDIA-NeMo/RL docs/about/performance-summary.md"
@@ -225,6 +235,127 @@ def _openrlhf(
     )
 
 
+VERL_ASYNC = "github.com/volcengine/verl docs/advance/fully_async.md (7B table)"
+VERL_PROMPT = 150
+"""Prompt tokens assumed for verl's DAPO-Math-17k rows (a chat template and a competition problem)."""
+VERL_MAX_RESPONSE = 28 * 1024
+VERL_TOKENS_PER_GPU = (2048 + VERL_MAX_RESPONSE) * 2
+"""The 7B script's ``ppo_max_token_len_per_gpu`` (dynamic batch size: micro-batches packed to this many tokens;
+scoring passes take 3 × as many)."""
+VERL_FIT = ("verl colocated sync Qwen2.5-Math-7B 64 GPUs", {"training": 133.41, "generation": 150.72})
+"""The row and the published stage seconds the verl rows' response lengths are fitted on: its update_actor gives
+the mean length, its generation (the decode of the longest responses) the spread of the log-normal."""
+VERL_RESPONSE_LEN = 1010
+VERL_RESPONSE_SPREAD = 1.54
+"""What :func:`fit_verl_lengths` finds (``--refit`` fits again; a test checks these reproduce :data:`VERL_FIT`)."""
+
+
+def _verl(
+    name: str,
+    gpus: int,
+    asynchronous: bool,
+    step_s: float,
+    stages: dict[str, float],
+    lengths: tuple[float, float],
+) -> PublishedRun:
+    """A verl 7B row (module docstring): ``gpus`` in all, colocated (generation, the log-prob recomputation and
+    training on every GPU; the trainer's state offloaded while vLLM generates, as the colocated script sets
+    ``offload``) or split in halves, generation with its own copy of the weights on the first (``shadow``, synced
+    after each update) and training on the second, one batch ahead with partial rollouts. Ulysses sequence
+    parallelism over 4 GPUs is priced as tensor parallelism over 4 (both split each sequence's work 4 ways)."""
+    response_len, spread = lengths
+    train_gpus = gpus // 2 if asynchronous else gpus
+    replicas = train_gpus // 4
+    per_replica = 512 * 16 * (VERL_PROMPT + response_len) / replicas
+    train_mb = max(1, math.ceil(per_replica / 16 / (4 * VERL_TOKENS_PER_GPU)))
+    score_mb = max(1, math.ceil(per_replica / (12 * VERL_TOKENS_PER_GPU)))
+    if asynchronous:
+        gen, train = f"0-{gpus // 2 - 1}", f"{gpus // 2}-{gpus - 1}"
+        plan = (
+            f"actor_gen={gen}:dp{gpus // 8}tp4; reward_inf={gpus // 2}; advantages={gpus // 2}; "
+            f"actor_train={train}:dp{replicas}tp4mb{train_mb}rcfsdp; shadow=actor; async=1"
+        )
+    else:
+        every = f"0-{gpus - 1}"
+        plan = (
+            f"actor_gen={every}:dp{gpus // 4}tp4; actor_inf={every}:dp{replicas}tp4mb{score_mb}; reward_inf=0; "
+            f"actor_train={every}:dp{replicas}tp4mb{train_mb}rcfsdp; offload=actor"
+        )
+    return PublishedRun(
+        name=name,
+        system="verl",
+        source=VERL_ASYNC,
+        step_s=step_s,
+        stages=stages,
+        stage_steps={**STAGES, "generation": ("actor_gen",)},
+        assumed=f"response lengths not published: a log-normal of mean {response_len:.0f} tokens and spread "
+        f"{spread:.2f} cut at {VERL_MAX_RESPONSE}, fitted on the colocated 64-GPU row's update_actor and "
+        f"generation; prompts of {VERL_PROMPT} tokens; Ulysses sequence parallel 4 priced as tensor parallel 4; "
+        "log-probs computed a chunk of tokens at a time",
+        run={
+            "algo": "grpo",
+            "cluster": f"h20:{gpus // 8}x8",
+            "models": {"actor": "qwen2.5-7b", "reward": "rule"},
+            "prompts": 512,
+            "responses_per_prompt": 16,
+            "prompt_len": VERL_PROMPT,
+            "response_len": response_len,
+            "response_max": VERL_MAX_RESPONSE,
+            "response_spread": spread,
+            "optimizer_steps": 16,
+            "recompute_logprobs": not asynchronous,
+            "kl": False,
+            "plan": plan,
+            "system": {"gen_memory_fraction": 0.8, "logits": "chunked", "partial_rollout": asynchronous},
+        },
+    )
+
+
+def _verl_rows(lengths: tuple[float, float] = (VERL_RESPONSE_LEN, VERL_RESPONSE_SPREAD)) -> tuple[PublishedRun, ...]:
+    """verl's 7B table: colocated synchronous against fully asynchronous at the same GPU count; the stages
+    published for the colocated rows (gen, old_log_prob, update_actor) and the asynchronous rows' update_actor
+    (their gen is the trainer's wait, not generation). The 32-GPU rows' update_actor are left out: the two were
+    swapped in a later edit of the table."""
+
+    def sync(gen: float, old: float, train: float) -> dict[str, float]:
+        return {"generation": gen, "scoring": old, "training": train}
+
+    return (
+        _verl("verl colocated sync Qwen2.5-Math-7B 32 GPUs", 32, False, 790.10, {}, lengths),
+        _verl("verl fully async Qwen2.5-Math-7B 16+16 GPUs", 32, True, 294.77, {}, lengths),
+        _verl("verl colocated sync Qwen2.5-Math-7B 64 GPUs", 64, False, 365.28, sync(150.72, 70.26, 133.41), lengths),
+        _verl("verl fully async Qwen2.5-Math-7B 32+32 GPUs", 64, True, 189.26, {"training": 156.98}, lengths),
+        _verl("verl colocated sync Qwen2.5-Math-7B 128 GPUs", 128, False, 356.30, sync(177.85, 53.92, 113.81), lengths),
+        _verl("verl fully async Qwen2.5-Math-7B 64+64 GPUs", 128, True, 150.63, {"training": 113.16}, lengths),
+    )
+
+
+def _pair(first: float, second: float) -> tuple[float, float]:
+    return first, second
+
+
+def fit_verl_lengths(rounds: int = 3) -> tuple[float, float]:
+    """The response lengths (mean, spread) at which the simulated stages of :data:`VERL_FIT`'s row take their
+    published seconds: each by bisection in turn (training grows with the mean, generation with the spread)."""
+    name, target = VERL_FIT
+
+    def stage(lengths: tuple[float, float], which: str) -> float:
+        row = next(r for r in _verl_rows(lengths) if r.name == name)
+        return predict(row).stages.get(which, 0.0)
+
+    def bisect(low: float, high: float, of: Callable[[float], tuple[float, float]], which: str) -> float:
+        for _ in range(18):
+            mid = (low + high) / 2
+            low, high = (mid, high) if stage(of(mid), which) < target[which] else (low, mid)
+        return (low + high) / 2
+
+    mean, spread = float(VERL_RESPONSE_LEN), float(VERL_RESPONSE_SPREAD)
+    for _ in range(rounds):
+        mean = bisect(64.0, VERL_MAX_RESPONSE - 1.0, partial(_pair, second=spread), "training")
+        spread = bisect(0.2, 3.0, partial(_pair, mean), "generation")
+    return mean, spread
+
+
 ROWS: tuple[PublishedRun, ...] = (
     # NeMo RL v0.5, DGX-H100 BF16 (table rows "On policy"): model, #GPUs, G-Average Seq len, Generation TP,
     # Training [TP, CP, EP, PP], Total Step time (s)
@@ -361,6 +492,9 @@ def predict(row: PublishedRun):
     return simulate_fixed(plan, inputs, stages=row.stage_steps or None)
 
 
+ROWS += _verl_rows()
+
+
 def _shares(stages: dict[str, float], total: float) -> str:
     return ", ".join(f"{name} {100 * s / total:.0f}%" for name, s in stages.items() if name != "other")
 
@@ -397,7 +531,11 @@ def out_of_sample_factors(rows: list[tuple[PublishedRun, str, float]]) -> dict[s
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--only", default="", help="rows whose name contains this")
+    ap.add_argument("--refit", action="store_true", help="fit the verl rows' response lengths again and print them")
     args = ap.parse_args()
+    if args.refit:
+        mean, spread = fit_verl_lengths()
+        print(f"verl rows: VERL_RESPONSE_LEN = {mean:.0f}, VERL_RESPONSE_SPREAD = {spread:.2f}")
     reports, bare = [], []
     for row in ROWS:  # every row, so that the factors are fitted on the same rows whatever --only shows
         report = predict(row)
@@ -462,6 +600,14 @@ def main() -> None:
         console.print(
             f"stage shares: {sum(1 for g in stage_gaps if g <= 0.10)}/{len(stage_gaps)} within 10 points "
             f"(largest gap {100 * max(stage_gaps):.0f} points)"
+        )
+    times = {row.name: (row.step_s, predicted) for row, (_, predicted, _) in zip(ROWS, reports)}
+    fast = times["verl fully async Qwen2.5-Math-7B 64+64 GPUs"]
+    for gpus in (64, 128):
+        slow = times[f"verl colocated sync Qwen2.5-Math-7B {gpus} GPUs"]
+        console.print(
+            f"verl fully async 64+64 GPUs over colocated synchronous on {gpus}: published {slow[0] / fast[0]:.2f}x, "
+            f"predicted {slow[1] / fast[1]:.2f}x"
         )
     for row in ROWS:
         if row.assumed and args.only.lower() in row.name.lower():

@@ -139,6 +139,21 @@ def test_decode_segments_conserve_tokens():
     assert D.decode_steps(D.slot_segments(lengths, 8, 2, 0)) > max(lengths)  # queued samples start late
 
 
+def test_partial_rollouts_decode_at_full_occupancy_without_the_tail():
+    """Steady state: the steps make the samples' tokens at ``live`` a step, every step holding ``live`` times the
+    steady mean context (E[L²]/2E[L] past the prompt), far fewer steps than the longest sample's decode."""
+    lengths = (10, 10, 10, 1000)
+    segs = D.steady_segments(lengths, 64, 32, 100)
+    steps = D.decode_steps(segs)
+    assert steps == math.ceil(64 * 257.5 / 32) and steps < 1000  # 515 steps, not 1000
+    assert sum(s.live * (s.end - s.start) for s in segs) == pytest.approx(32 * steps)
+    held = sum(s.ctx_base * (s.end - s.start) + s.live * (s.start + s.end - 1) * (s.end - s.start) / 2 for s in segs)
+    assert held / steps == pytest.approx(32 * D.live_context(lengths, 100))
+    assert max(s.ctx_base + s.live * (s.end - 1) for s in segs) < 1.05 * 32 * D.live_context(lengths, 100)
+    wide = D.steady_segments(lengths, 64, 64, 100)
+    assert D.decode_steps(wide) == math.ceil(steps / 2)
+
+
 # ------------------------------------------------------------------------------------------- monotonicity
 
 

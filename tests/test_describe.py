@@ -58,12 +58,23 @@ def test_a_run_description_gives_the_planners_inputs():
         ({"cluster": "tpu:8"}, ("tpu",)),
         ({"system": {"gen_memory_fraction": 1.5}}, ("gen_memory_fraction", "1.5")),
         ({"models": {"actor": "rule"}}, ("actor", "rule")),
+        ({"system": {"partial_rollout": True}}, ("system.partial_rollout", "asynchronous plan")),
     ],
 )
 def test_a_bad_description_fails_in_one_line(change, words):
     with pytest.raises(ConfigError) as err:
         inputs_from_description(from_dict(RunDescription, {**GRPO, **change}, "run"))
     assert "\n" not in str(err.value) and all(w in str(err.value) for w in words)
+
+
+def test_a_run_without_kl_has_no_reference_and_partial_rollouts_need_an_async_plan():
+    run = from_dict(RunDescription, {**GRPO, "kl": False}, "run")
+    assert "ref_inf" not in run.workflow() and "ref_inf" in from_dict(RunDescription, GRPO, "run").workflow()
+    synchronous = from_dict(RunDescription, {**GRPO, "plan": "colocate", "system": {"partial_rollout": True}}, "run")
+    inputs = inputs_from_description(synchronous)
+    plan = make_plan("colocate", inputs.workflow, inputs.cluster)
+    with pytest.raises(ConfigError, match="system.partial_rollout: needs an asynchronous plan"):
+        simulate_fixed(plan, inputs)
 
 
 def test_stage_seconds_count_overlapping_steps_once():

@@ -53,3 +53,13 @@ def test_the_stated_factors_are_the_benchmarks_in_sample_fit(published):
     fitted = published.out_of_sample_factors([(row, profile.name, ratio) for row, profile, ratio in bare])["fitted"]
     for (row, profile, _), factor in zip(bare, fitted):
         assert factor == pytest.approx(profile.system_factor, abs=0.005), row.name
+
+
+def test_the_verl_rows_lengths_reproduce_the_stages_they_are_fitted_on(published):
+    """The stated mean and spread of the verl rows' response lengths give back the published update_actor and
+    generation seconds of the row they were fitted on (within the constants' rounding)."""
+    name, stages = published.VERL_FIT
+    row = next(r for r in published.ROWS if r.name == name)
+    got = published.predict(row).stages
+    for stage, seconds in stages.items():
+        assert got[stage] == pytest.approx(seconds, rel=0.02), stage

@@ -111,6 +111,9 @@ class RunDescription(ValidatedConfig):
     """Passes over the samples per iteration."""
     recompute_logprobs: bool = False
     """An ``actor_inf`` call recomputes the behaviour log-probs after generation (verl, OpenRLHF, NeMo RL)."""
+    kl: bool = True
+    """A KL term to the reference policy: a reference model and its pass (False: none, as recipes with a KL
+    coefficient of 0 run, e.g. verl's DAPO)."""
     decode_slots: int | None = spec(None, ge=1)
     """Samples one generation replica decodes at once (loomrl's rollout engine); see also ``system``."""
     judge_tokens: int = spec(8, ge=1)
@@ -133,6 +136,8 @@ class RunDescription(ValidatedConfig):
             fail("response_len", "None with response_max None: give the mean, the limit or both")
         if self.response_len is not None and self.response_max is not None and self.response_len > self.response_max:
             fail("response_len", f"{self.response_len} is above response_max={self.response_max}")
+        if self.system.partial_rollout and self.plan is None:
+            fail("system.partial_rollout", "prices a given asynchronous plan only: give plan (with async=N)")
         if self.algo in GROUP_ALGORITHMS and self.responses_per_prompt < 2:
             fail("responses_per_prompt", f"{self.responses_per_prompt} is too small for {self.algo} (must be >= 2)")
         ClusterSpec.parse(self.cluster)
@@ -160,6 +165,7 @@ class RunDescription(ValidatedConfig):
             minibatches=self.optimizer_steps,
             group_size=group,
             recompute_logprobs=self.recompute_logprobs,
+            kl_coef=AlgoConfig.kl_coef if self.kl else 0.0,
         )
         reward = None
         if self.models.judges:
@@ -290,6 +296,8 @@ def simulate_fixed(
 ) -> FixedPlanReport:
     """Simulate ``plan`` as it is (a published run's, or one to compare with a run of one's own) on ``inputs``
     and read its iteration back as stages (``stages``: stage → step-id prefixes; by default :data:`STAGES`)."""
+    if inputs.settings.partial_rollout and plan.asynchronous is None:
+        raise ConfigError("system.partial_rollout: needs an asynchronous plan (async=N in the plan)")
     result = simulate(plan, inputs.workflow, inputs.cost_model(), inputs.memory_per_device)
     middle = len(result.iteration_ends) // 2
     calls: dict[str, float] = {}

@@ -43,6 +43,7 @@ __all__ = [
     "round_segments",
     "share",
     "slot_segments",
+    "steady_segments",
     "whole_share",
 ]
 
@@ -120,6 +121,27 @@ def round_segments(
         out += [Segment(g.start + offset, g.end + offset, g.live, g.ctx_base - g.live * offset) for g in inner]
         offset = decode_steps(out)
     return out
+
+
+def steady_segments(lengths: Sequence[int], samples: float, live: float, prompt_len: float) -> list[Segment]:
+    """Generation that never waits for a tail (partial rollouts: a weight update interrupts the samples in flight,
+    which continue under the new weights): in the steady state ``live`` samples decode at every step, drawn from
+    ``lengths``, and an iteration takes the steps that make ``samples`` samples' tokens. Every live sample holds
+    the steady mean context (:func:`live_context`); a segment's contexts grow by one token a step, so the steps
+    are cut into short segments each centred on that mean."""
+    tokens = samples * sum(lengths) / len(lengths)
+    steps = max(1, math.ceil(tokens / live))
+    held = live * live_context(lengths, prompt_len)
+    width = max(1, math.ceil(steps / STEADY_SEGMENTS))
+    out = []
+    for start in range(0, steps, width):
+        end = min(steps, start + width)
+        out.append(Segment(start, end, live, held - live * (start + end - 1) / 2))
+    return out
+
+
+STEADY_SEGMENTS = 32
+"""Segments :func:`steady_segments` cuts its steps into (each's contexts within half its width of the mean)."""
 
 
 def live_context(lengths: Sequence[int], prompt_len: float) -> float:

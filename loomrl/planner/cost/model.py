@@ -579,6 +579,9 @@ class CostModel(CostEstimator):
         if padded:
             return D.padded_segments(lengths, D.share(w.batch, dp), w.prompt_len)
         whole, slots = D.whole_share(w.batch, dp), self.decode_slots(role, alloc, lengths)
+        if self.settings.partial_rollout:
+            live = min(slots, whole) if slots is not None else whole
+            return D.steady_segments(lengths, D.share(w.batch, dp), max(1, live), w.prompt_len)
         batch = self.settings.gen_request_batch
         if batch is not None and whole > batch:
             return D.round_segments(lengths, whole, batch, w.prompt_len, slots)

@@ -37,6 +37,13 @@ class SystemSettings(ValidatedConfig):
     """Samples a generation replica receives per synchronous request: each batch decodes until its longest
     sample ends before the next is sent (as OpenRLHF did with ``micro_rollout_batch_size`` before it sent every
     prompt at once). None: all of a replica's samples at once."""
+    partial_rollout: bool = False
+    """Under an asynchronous plan, generation never waits for a batch's tail: a weight update interrupts the
+    samples in flight, which continue under the new weights (verl's ``partial_rollout``, AReaL's interruptible
+    generation), so a replica keeps its slots full and an iteration's generation costs its samples' tokens at
+    full occupancy rather than the decode of its longest sample
+    (:func:`~loomrl.planner.cost.decode.steady_segments`). A setting of the system simulated: loomrl's runtime
+    generates each batch whole."""
     gen_precision: str = spec("auto", choices=PRECISIONS)
     """Weights of the generation engine: bf16, or fp8 (half the bytes a decode step reads, FP8 matmuls)."""
     train_precision: str = spec("auto", choices=PRECISIONS)
