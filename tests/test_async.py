@@ -224,6 +224,42 @@ def test_an_async_checkpoint_resumes_to_the_same_run(tmp_path, reference_async):
     _assert_equivalent(got, reference_async)
 
 
+def test_a_run_that_lost_devices_keeps_its_staleness(tmp_path, monkeypatch, reference_async):
+    """A worker lost with its device (simulated: 2 of 4 devices counted after the failure) under an asynchronous
+    plan that does not fit the devices left: the run falls back to colocating every call at the same staleness,
+    resumes from the checkpoint with its batch generated ahead, and computes the same run."""
+    import os
+    import signal
+
+    from loomrl.plan import ClusterSpec
+    from loomrl.train import rl
+
+    cfg = _cfg(
+        tmp_path,
+        "lost",
+        "runtime.executor=ray",
+        "runtime.devices=4",
+        "runtime.max_failures=1",
+        "loop.save_every=1",
+    )
+    trainer = RLTrainer(dataclasses.replace(cfg, runtime=dataclasses.replace(cfg.runtime, plan=SEPARATE_DP2)))
+    original, first_pids = trainer.write_traces, list(trainer.executor.pids)
+
+    def write_traces(traces):
+        original(traces)
+        if trainer.running == 1 and trainer.executor.pids == first_pids:
+            os.kill(first_pids[3], signal.SIGKILL)
+
+    trainer.write_traces = write_traces
+    monkeypatch.setattr(rl, "surviving_cluster", lambda cfg, cluster: ClusterSpec(nodes=1, devices_per_node=2))
+    trainer.run()
+    assert trainer.plan.cluster.n_devices == 2 and trainer.plan.staleness == 1
+    got = [json.loads(line) for line in (tmp_path / "lost" / "metrics.jsonl").read_text().splitlines()]
+    assert [m["iteration"] for m in got] == [0, 1, 2] and got[1]["recovery/devices"] == 2
+    assert [m["async/staleness"] for m in got] == [0.0, 1.0, 1.0]
+    _assert_equivalent([{k: v for k, v in m.items() if not k.startswith("recovery/")} for m in got], reference_async)
+
+
 # --------------------------------------------------------------------------------------- pricing and search
 def test_the_simulator_prices_an_async_iteration_as_the_longer_side_plus_the_sync():
     """gen (4 s) on device 0, ref inference (1 s) and training (3 s) on device 1, a shadow sync of 1 s: a

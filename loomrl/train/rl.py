@@ -273,14 +273,16 @@ class RLTrainer:
     def _plans(self, cluster: ClusterSpec, recovering: bool = False) -> dict[int, ExecutionPlan]:
         """The run's plans on ``cluster`` by the iteration they start at: ``runtime.plan`` and its
         ``plan_changes``. When a recovery continues on fewer devices than the plans were given for, a plan that
-        does not fit them falls back to every call colocated on all of them, and such a plan change is dropped."""
+        does not fit them falls back to every call colocated on all of them, at the run's staleness (the
+        checkpoint's batches generated ahead are trained on as planned), and such a plan change is dropped."""
         cfg = self.cfg
         try:
             plans = {0: run_plan(cfg, self.workflow, cluster)}
         except ConfigError:
             if not recovering:
                 raise
-            plans = {0: colocate(self.workflow, cluster)}
+            fallback = colocate(self.workflow, cluster)
+            plans = {0: dataclasses.replace(fallback, asynchronous=self.plans[0].asynchronous)}
         for iteration, text in sorted(cfg.runtime.plan_changes.items()):
             try:
                 plans[iteration] = run_plan(cfg, self.workflow, cluster, text)
