@@ -228,11 +228,7 @@ def test_a_run_that_lost_devices_keeps_its_staleness(tmp_path, monkeypatch, refe
     """A worker lost with its device (simulated: 2 of 4 devices counted after the failure) under an asynchronous
     plan that does not fit the devices left: the run falls back to colocating every call at the same staleness,
     resumes from the checkpoint with its batch generated ahead, and computes the same run."""
-    import os
-    import signal
-
-    from loomrl.plan import ClusterSpec
-    from loomrl.train import rl
+    from test_recovery import lose_devices
 
     cfg = _cfg(
         tmp_path,
@@ -243,15 +239,7 @@ def test_a_run_that_lost_devices_keeps_its_staleness(tmp_path, monkeypatch, refe
         "loop.save_every=1",
     )
     trainer = RLTrainer(dataclasses.replace(cfg, runtime=dataclasses.replace(cfg.runtime, plan=SEPARATE_DP2)))
-    original, first_pids = trainer.write_traces, list(trainer.executor.pids)
-
-    def write_traces(traces):
-        original(traces)
-        if trainer.running == 1 and trainer.executor.pids == first_pids:
-            os.kill(first_pids[3], signal.SIGKILL)
-
-    trainer.write_traces = write_traces
-    monkeypatch.setattr(rl, "surviving_cluster", lambda cfg, cluster: ClusterSpec(nodes=1, devices_per_node=2))
+    lose_devices(trainer, monkeypatch)
     trainer.run()
     assert trainer.plan.cluster.n_devices == 2 and trainer.plan.staleness == 1
     got = [json.loads(line) for line in (tmp_path / "lost" / "metrics.jsonl").read_text().splitlines()]

@@ -129,12 +129,27 @@ def test_an_error_raised_by_a_call_is_not_retried(tmp_path):
     assert not RunDir(tmp_path / "boom").failures.exists()
 
 
-def test_a_run_that_lost_devices_continues_on_those_left(tmp_path, monkeypatch):
-    """A worker lost with its device (a GPU or a node; simulated: the devices counted after the failure are 2 of 4):
-    the run continues on a plan for the devices left, from the checkpoint, and computes the same run."""
+def lose_devices(trainer: RLTrainer, monkeypatch, rank: int = 3, left: int = 2) -> list[int]:
+    """Kill worker ``rank`` once iteration 1 has written its traces, as if its device went with it: the devices
+    counted after the failure are ``left`` (monkeypatched). Returns the workers' first pids."""
     from loomrl.plan import ClusterSpec
     from loomrl.train import rl
 
+    original, first_pids = trainer.write_traces, list(trainer.executor.pids)
+
+    def write_traces(traces):
+        original(traces)
+        if trainer.running == 1 and trainer.executor.pids == first_pids:
+            os.kill(first_pids[rank], signal.SIGKILL)
+
+    trainer.write_traces = write_traces
+    monkeypatch.setattr(rl, "surviving_cluster", lambda cfg, cluster: ClusterSpec(nodes=1, devices_per_node=left))
+    return first_pids
+
+
+def test_a_run_that_lost_devices_continues_on_those_left(tmp_path, monkeypatch):
+    """A worker lost with its device (a GPU or a node; simulated: the devices counted after the failure are 2 of 4):
+    the run continues on a plan for the devices left, from the checkpoint, and computes the same run."""
     reference = _cfg(tmp_path, "ref", "runtime.executor=reference", "loop.save_every=0")
     RLTrainer(reference).run()
     expected = _lines(tmp_path / "ref" / "metrics.jsonl")
@@ -151,15 +166,7 @@ def test_a_run_that_lost_devices_continues_on_those_left(tmp_path, monkeypatch):
         )
     )
     assert trainer.plan.cluster.n_devices == 4
-    original, first_pids = trainer.write_traces, list(trainer.executor.pids)
-
-    def write_traces(traces):
-        original(traces)
-        if trainer.running == 1 and trainer.executor.pids == first_pids:
-            os.kill(first_pids[3], signal.SIGKILL)
-
-    trainer.write_traces = write_traces
-    monkeypatch.setattr(rl, "surviving_cluster", lambda cfg, cluster: ClusterSpec(nodes=1, devices_per_node=2))
+    first_pids = lose_devices(trainer, monkeypatch)
     trainer.run()
     assert trainer.plan.cluster.n_devices == 2 and len(trainer.executor.pids) == 2
     got = _lines(tmp_path / "run" / "metrics.jsonl")
