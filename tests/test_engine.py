@@ -168,3 +168,59 @@ def test_stop_tokens_end_a_sample_like_eos(model):
         cut = full.index(stop) + 1 if stop in full else len(full)
         assert c.tokens == full[:cut]
         assert c.finish_reason == ("stop" if stop in full else "length")
+
+
+def _episodes(engine_for_turn, reqs, turns: int, turn_tokens: int, seed: int):
+    """Run every request as an episode of ``turns`` turns: after each turn, observation tokens (random, per
+    episode and turn) are appended and the episode resubmitted with its whole history as prefix.
+    ``engine_for_turn(turn)`` gives the engine of each turn. Returns the final completions by sample id."""
+    rng = random.Random(seed)
+    observations = {
+        (r.sample_id, t): [rng.randint(4, 47) for _ in range(rng.randint(1, 4))] for r in reqs for t in range(turns)
+    }
+    current = {r.sample_id: r for r in reqs}
+    done = {}
+    for turn in range(turns):
+        engine = engine_for_turn(turn)
+        for c in engine.generate(list(current.values())):
+            req = current[c.sample_id]
+            if turn == turns - 1 or c.finish_reason == "eos":
+                done[c.sample_id] = c
+                engine.release([c.sample_id])
+                del current[c.sample_id]
+                continue
+            obs = observations[(c.sample_id, turn)]
+            budget = len(c.tokens) + len(obs) + turn_tokens
+            current[c.sample_id] = Request(
+                c.sample_id, req.prompt, req.key, budget, c.tokens + obs, c.logps + [0.0] * len(obs), keep_cache=True
+            )
+    return done
+
+
+def test_a_continued_episode_samples_what_re_prefilling_each_turn_would(model):
+    params = SamplingParams(max_new_tokens=5, temperature=1.0)
+    reqs = [Request(r.sample_id, r.prompt, r.key, 5, keep_cache=True) for r in _requests(8, seed=11)]
+    reused = _engine(model, slots=3, params=params)  # one engine: continuations reuse their kept caches
+    kept = _episodes(lambda turn: reused, reqs, turns=3, turn_tokens=5, seed=1)
+    fresh = _episodes(lambda turn: _engine(model, slots=3, params=params), reqs, turns=3, turn_tokens=5, seed=1)
+    assert _tokens(kept.values()) == _tokens(fresh.values())
+    assert any(len(c.tokens) > 10 for c in kept.values()), "some episodes went on for several turns"
+    for sid, c in kept.items():
+        assert torch.allclose(torch.tensor(c.logps), torch.tensor(fresh[sid].logps), atol=1e-5)
+    assert reused.kept == {}, "ended episodes released their caches"
+    # only the new tokens were prefilled: the last sampled token and the observation, not the history
+    prefilled = sum(tokens for _, _, tokens in reused.step_log)
+    history = sum(len(r.prompt) + len(c.tokens) for r, c in zip(reqs, (kept[r.sample_id] for r in reqs)))
+    assert prefilled < history
+
+
+def test_a_kept_cache_that_the_resubmission_does_not_extend_is_dropped(model):
+    params = SamplingParams(max_new_tokens=4, temperature=1.0)
+    req = Request(0, [1, 7, 8, 9], 123, 4, keep_cache=True)
+    engine = _engine(model, slots=2, params=params)
+    first = engine.generate([req])[0]
+    assert set(engine.kept) == {0}
+    other = Request(0, [1, 7, 8, 10], 123, 8, [5, 6], [0.0, 0.0])  # another context under the same id
+    again = engine.generate([other])[0]
+    alone = _engine(model, slots=2, params=params).generate([other])[0]
+    assert again.tokens == alone.tokens and engine.kept == {} and first.tokens

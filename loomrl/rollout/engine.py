@@ -10,6 +10,13 @@ Tokens are drawn from each sample's own random stream (see :mod:`loomrl.rollout.
 it. An aborted request returns its prefix; resubmitted with that prefix it is prefilled over prompt + prefix
 and continues at step ``len(prefix)``, so the final sample equals an uninterrupted one.
 
+Multi-turn episodes continue the same way without recomputing their past: a request with ``keep_cache`` leaves
+its keys and values with the engine when it finishes (out of the slots, so an episode waiting on its environment
+holds no slot and no decode row); resubmitted with a prefix that extends what it generated (its turn, then the
+environment's observation tokens), only the new tokens are prefilled, at their own positions, over the kept
+cache. Prefilling a continuation computes the same keys, values and logits as prefilling the whole context again,
+so a continued episode samples the tokens a re-prefilled one would.
+
 Legend: B = rows in a forward, P = prefill length, V = vocabulary.
 """
 
@@ -40,6 +47,18 @@ class Request:
     """Token budget of this sample (prefix included); None uses the engine's SamplingParams."""
     prefix: list[int] = field(default_factory=list)
     prefix_logps: list[float] = field(default_factory=list)
+    keep_cache: bool = False
+    """Keep this sample's keys and values when it finishes (not when aborted), for a resubmission whose prefix
+    extends its tokens (the next turn of an episode); :meth:`RolloutEngine.release` drops them."""
+
+
+@dataclass
+class _Kept:
+    """A finished sample's keys and values, kept for its continuation."""
+
+    context: list[int]
+    """Prompt and tokens whose keys and values are kept (all but the last sampled token)."""
+    kv: list[tuple[torch.Tensor, torch.Tensor]]
 
 
 @dataclass
@@ -95,6 +114,8 @@ class RolloutEngine:
         self.device = next(model.parameters()).device
         self.waiting: deque[Request] = deque()
         self.live: list[_Live] = []
+        self.kept: dict[int, _Kept] = {}
+        """Caches of finished ``keep_cache`` samples, by sample id, until resubmitted or released."""
         self.cache: SlotKVCache | None = None
         self.finished_lengths: list[int] = []
         self._last_prefill = (0, 0)
@@ -134,11 +155,18 @@ class RolloutEngine:
                 self._free(slot)
         return out
 
+    def release(self, sample_ids: Iterable[int]) -> None:
+        """Drop the kept caches of these samples (episodes that ended)."""
+        for sid in sample_ids:
+            self.kept.pop(sid, None)
+
     def load_weights(self, named_tensors: Iterable[tuple[str, torch.Tensor]]) -> None:
         """Copy new full weights in place (e.g. after a train step); live samples continue with them.
 
-        The full-state-dict setter also fills tensor-parallel (DTensor) parameters from full tensors.
+        The full-state-dict setter also fills tensor-parallel (DTensor) parameters from full tensors. Kept caches
+        were computed with the old weights: they are dropped, and continuations prefill their whole context.
         """
+        self.kept.clear()
         set_model_state_dict(
             self.model, dict(named_tensors), options=StateDictOptions(full_state_dict=True, strict=False)
         )
@@ -203,16 +231,20 @@ class RolloutEngine:
         return done
 
     def _admit(self) -> list[Completion]:
-        """Prefill waiting requests into free slots (within the prefill token budget)."""
+        """Prefill waiting requests into free slots (within the prefill token budget): the whole context, or
+        for a continuation only what its kept cache lacks."""
         batch: list[_Live] = []
+        starts: list[int] = []
         tokens = 0
         while self.waiting and len(self.live) + len(batch) < self.slots:
             req = self.waiting[0]
             ctx = len(req.prompt) + len(req.prefix)
-            if batch and tokens + ctx > self.prefill_tokens:
+            start = self._kept_length(req)
+            if batch and tokens + ctx - start > self.prefill_tokens:
                 break
             self.waiting.popleft()
-            tokens += ctx
+            tokens += ctx - start
+            starts.append(start)
             budget = req.max_new_tokens or self.params.max_new_tokens
             batch.append(_Live(req, budget, list(req.prefix), list(req.prefix_logps), ctx))
         self._last_prefill = (len(batch), tokens)
@@ -221,27 +253,51 @@ class RolloutEngine:
         first = len(self.live)
         self.live.extend(batch)
         contexts = [lv.request.prompt + lv.request.prefix for lv in batch]
+        for b, (lv, start) in enumerate(zip(batch, starts)):
+            kept = self.kept.pop(lv.request.sample_id, None)
+            if start:
+                self.cache.restore_slot(first + b, kept.kv)
         # a group's samples share their prompt (GRPO, RLOO): each distinct context is prefilled once, into its
         # first sample's slot, and its keys and values copied to the others' slots
         distinct: dict[tuple[int, ...], int] = {}
-        owner_B = [distinct.setdefault(tuple(c), b) for b, c in enumerate(contexts)]
-        rows_U = list(distinct.values())
-        width = max(len(c) for c in contexts)
+        owner_B = [distinct.setdefault(tuple(c), b) if not s else b for b, (c, s) in enumerate(zip(contexts, starts))]
+        rows_U = sorted(set(owner_B))
+        width = max(len(contexts[b]) - starts[b] for b in rows_U)
         ids_UP = torch.full((len(rows_U), width), self.pad_id, dtype=torch.long, device=self.device)
+        pos_UP = torch.arange(width, device=self.device).repeat(len(rows_U), 1)
         for u, b in enumerate(rows_U):
-            ids_UP[u, : len(contexts[b])] = torch.tensor(contexts[b], device=self.device)
-        pos_UP = torch.arange(width, device=self.device).expand(len(rows_U), width)
-        self.cache.bind(torch.tensor(rows_U, device=self.device) + first, pos_UP, width)
-        logits_UPV = self._forward(ids_UP, pos_UP, width)
+            new = contexts[b][starts[b] :]
+            ids_UP[u, : len(new)] = torch.tensor(new, device=self.device)
+            if starts[b]:
+                # a continuation's padding repeats its last token at its last position: the same keys and values
+                # written twice, never a stray entry past its context
+                ids_UP[u, len(new) :] = new[-1]
+                pos_UP[u] = (pos_UP[u] + starts[b]).clamp(max=starts[b] + len(new) - 1)
+        kv_len = int(pos_UP.max()) + 1
+        self.cache.bind(torch.tensor(rows_U, device=self.device) + first, pos_UP, kv_len)
+        logits_UPV = self._forward(ids_UP, pos_UP, kv_len)
         for b, owner in enumerate(owner_B):
             if owner != b:
                 self.cache.copy_slot(first + owner, first + b, len(contexts[b]))
         index = {b: u for u, b in enumerate(rows_U)}
         u_B = torch.tensor([index[o] for o in owner_B], device=self.device)
-        last_B = torch.tensor([len(c) - 1 for c in contexts], device=self.device)
+        last_B = torch.tensor([len(c) - s - 1 for c, s in zip(contexts, starts)], device=self.device)
         done = self._sample(logits_UPV[u_B, last_B], batch)
         self._release(done)
         return done
+
+    def _kept_length(self, req: Request) -> int:
+        """How many leading tokens of ``req``'s context a kept cache holds (0: none, or not a prefix of it); at
+        least one token is always prefilled, for its logits."""
+        kept = self.kept.get(req.sample_id)
+        if kept is None:
+            return 0
+        context = req.prompt + req.prefix
+        n = len(kept.context)
+        if context[:n] != kept.context:
+            del self.kept[req.sample_id]
+            return 0
+        return min(n, len(context) - 1)
 
     def _forward(self, ids_BQ: torch.Tensor, pos_BQ: torch.Tensor, kv_len: int) -> torch.Tensor:
         mask = causal_slot_mask(pos_BQ, kv_len, self.model.dtype)
@@ -255,8 +311,12 @@ class RolloutEngine:
     def _release(self, done: Sequence[Completion]) -> None:
         finished = {c.sample_id for c in done}
         for slot in reversed(range(len(self.live))):
-            if self.live[slot].request.sample_id in finished:
-                self.finished_lengths.append(len(self.live[slot].tokens))
+            live = self.live[slot]
+            if live.request.sample_id in finished:
+                self.finished_lengths.append(len(live.tokens))
+                if live.request.keep_cache:
+                    context = (live.request.prompt + live.tokens)[: live.cached]
+                    self.kept[live.request.sample_id] = _Kept(context, self.cache.save_slot(slot, live.cached))
                 self._free(slot)
 
     def _free(self, slot: int) -> None:

@@ -73,6 +73,16 @@ class SlotKVCache(Cache):
             k_SHMD[dst, :, :length] = k_SHMD[src, :, :length]
             v_SHMD[dst, :, :length] = v_SHMD[src, :, :length]
 
+    def save_slot(self, slot: int, length: int) -> list[tuple[torch.Tensor, torch.Tensor]]:
+        """A copy of the first ``length`` entries of ``slot`` (per layer: keys H×length×D, values alike)."""
+        return [(k[slot, :, :length].clone(), v[slot, :, :length].clone()) for k, v in zip(self.keys, self.values)]
+
+    def restore_slot(self, slot: int, saved: list[tuple[torch.Tensor, torch.Tensor]]) -> None:
+        """Write entries saved by :meth:`save_slot` back, into ``slot`` (any slot)."""
+        for (k, v), (k_SHMD, v_SHMD) in zip(saved, zip(self.keys, self.values)):
+            k_SHMD[slot, :, : k.shape[1]] = k
+            v_SHMD[slot, :, : v.shape[1]] = v
+
 
 def causal_slot_mask(pos_BQ: torch.Tensor, kv_len: int, dtype: torch.dtype) -> torch.Tensor:
     """Additive B×1×Q×K mask letting query (b, q) see keys at positions ``<= pos_BQ[b, q]``."""
