@@ -189,3 +189,23 @@ def test_reinforce_pp_by_hand():
     # whiten over the 3 real tokens: mean 0.35, deviations [0, 0.55, -0.55], unbiased var 0.3025, std 0.55
     adv = reinforce_pp_advantage(score, kl, mask, kl_coef=0.2, gamma=0.5)
     close(adv, [[0.0, 1.0], [-1.0, 0.0]])
+
+
+@pytest.mark.parametrize("fn", ["gae", "discounted_returns"])
+def test_masked_tokens_inside_a_row_are_skipped_as_if_absent(fn):
+    # an episode's observation tokens (mask 0 between sampled ones): the recursion passes over them, giving the
+    # sampled tokens what the same row without them would get, and the observation tokens nothing
+    torch.manual_seed(0)
+    mask = torch.tensor([[1, 1, 0, 0, 1, 1, 0, 1, 0, 0], [1, 0, 1, 1, 1, 0, 0, 0, 0, 0]])
+    reward, value = torch.randn(2, 10), torch.randn(2, 10)
+    reward[mask == 0] = float("nan")  # whatever sits at a masked token never counts
+    value[mask == 0] = float("inf")
+    run = (
+        (lambda r, v, m: gae(r, v, m, 0.9, 0.8)) if fn == "gae" else (lambda r, v, m: (discounted_returns(r, m, 0.9),))
+    )
+    got = run(reward, value, mask)
+    for b in range(2):
+        keep = mask[b] == 1
+        alone = run(reward[b : b + 1, keep], value[b : b + 1, keep], torch.ones(1, int(keep.sum())))
+        for g, a in zip(got, alone):
+            assert torch.allclose(g[b, keep], a[0]) and (g[b, ~keep] == 0).all()

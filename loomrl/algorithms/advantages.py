@@ -149,8 +149,13 @@ def gae(reward_BT: Tensor, value_BT: Tensor, mask_BT: Tensor, gamma: float, lam:
 
     ``delta_t = r_t + gamma * V_{t+1} - V_t`` and ``A_t = delta_t + gamma * lam * A_{t+1}``, where the
     value after a row's last real token is 0 because the episode ends there. ``ret = adv + value``.
+
+    Masked tokens are skipped, not ends: inside a row (a multi-turn episode's observation tokens, which the
+    policy did not choose) the recursion passes over them to the next real token, so an episode's turns are one
+    trajectory, exactly as if the observation tokens were not there; after the last real token (padding) there
+    is nothing to pass on.
     """
-    m_BT = _bool_mask(mask_BT).to(value_BT.dtype)
+    m_BT = _bool_mask(mask_BT)
     reward_BT = _zero_padding(reward_BT, mask_BT)
     value_BT = _zero_padding(value_BT, mask_BT)
     T = reward_BT.shape[1]
@@ -159,23 +164,23 @@ def gae(reward_BT: Tensor, value_BT: Tensor, mask_BT: Tensor, gamma: float, lam:
     next_adv_B = torch.zeros_like(value_BT[:, 0])
     for t in reversed(range(T)):
         delta_B = reward_BT[:, t] + gamma * next_value_B - value_BT[:, t]
-        # Multiplying by the mask restarts the recursion at each row's last real token, because the
-        # padding after it contributes neither value nor advantage.
-        next_adv_B = (delta_B + gamma * lam * next_adv_B) * m_BT[:, t]
-        adv_BT[:, t] = next_adv_B
-        next_value_B = value_BT[:, t]
-    return adv_BT, (adv_BT + value_BT) * m_BT
+        real_B = m_BT[:, t]
+        next_adv_B = torch.where(real_B, delta_B + gamma * lam * next_adv_B, next_adv_B)
+        next_value_B = torch.where(real_B, value_BT[:, t], next_value_B)
+        adv_BT[:, t] = torch.where(real_B, next_adv_B, 0.0)
+    return adv_BT, (adv_BT + value_BT) * m_BT.to(value_BT.dtype)
 
 
 def discounted_returns(reward_BT: Tensor, mask_BT: Tensor, gamma: float) -> Tensor:
-    """Reward-to-go ``G_t = r_t + gamma * G_{t+1}`` over the real tokens of each row."""
-    m_BT = _bool_mask(mask_BT).to(reward_BT.dtype)
+    """Reward-to-go ``G_t = r_t + gamma * G_{t+1}`` over the real tokens of each row (masked tokens inside a row
+    skipped, as in :func:`gae`)."""
+    m_BT = _bool_mask(mask_BT)
     reward_BT = _zero_padding(reward_BT, mask_BT)
     ret_BT = torch.zeros_like(reward_BT)
     running_B = torch.zeros_like(reward_BT[:, 0])
     for t in reversed(range(reward_BT.shape[1])):
-        running_B = (reward_BT[:, t] + gamma * running_B) * m_BT[:, t]
-        ret_BT[:, t] = running_B
+        running_B = torch.where(m_BT[:, t], reward_BT[:, t] + gamma * running_B, running_B)
+        ret_BT[:, t] = torch.where(m_BT[:, t], running_B, 0.0)
     return ret_BT
 
 
