@@ -549,3 +549,23 @@ def test_a_shared_prompt_is_priced_once_where_the_runtime_computes_it_once():
     recomputed = a("0-7:dp2tp4mb4rc")
     assert model(8, True).time_terms(TRAIN, recomputed) == model(8, False).time_terms(TRAIN, recomputed)
     assert model(8, True).time_terms(INF, recomputed)["work"] < model(8, False).time_terms(INF, recomputed)["work"]
+
+
+def test_a_multi_turn_call_decodes_its_sampled_tokens_prefills_its_observations_and_waits_its_environment():
+    from loomrl.planner.cost.workload import EpisodeShape
+
+    episodic = MFC("actor_gen", "actor", MFCKind.GENERATE, ("prompt_ids",), ("response_ids",), multi_turn=True)
+    shape = EpisodeShape(turns=4, observed_tokens=96, env_step_s=0.05)
+    plain, multi = llama_model(), llama_model(episodes=shape)
+    alloc = a("0-7:dp8")
+    # one response per prompt: the shape changes nothing, nor does it for a call that is not multi-turn
+    assert multi.time_terms(GEN, alloc) == plain.time_terms(GEN, alloc)
+    assert multi.mfc_time(GEN, alloc) == plain.mfc_time(GEN, alloc)
+    terms = multi.time_terms(episodic, alloc)
+    assert terms["decode"] == plain.time_terms(GEN, alloc)["decode"], "the response lengths are sampled tokens"
+    prefill = plain.prefill_terms("actor", alloc, 512 / 8 * 3, 96 / 3 + 1)
+    assert terms["continue_work"] == pytest.approx(prefill["prefill_work"]) and terms["continue_work"] > 0
+    hardware = multi.corrections.apply_terms(MFCKind.GENERATE, terms) * multi.system_factor
+    assert multi.mfc_time(episodic, alloc) == pytest.approx(hardware + 3 * 0.05)
+    with pytest.raises(Exception, match=r"workload\.episodes\.turns: 0.5 is not a number >= 1"):
+        EpisodeShape(turns=0.5)

@@ -14,7 +14,7 @@ from dataclasses import dataclass
 from typing import Any, Protocol
 
 import torch
-from transformers import PreTrainedModel
+from transformers import PreTrainedModel, PreTrainedTokenizerBase
 
 from loomrl.data.tasks import BatchScores
 
@@ -139,6 +139,8 @@ class OpContext:
     """Token ids → text (the tokenizer's decode without special tokens)."""
     encode: Callable[[str], list[int]] | None = None
     """A prompt's text → its token ids (:func:`loomrl.models.tokenizer.encode_prompt`): what a judge reads."""
+    tokenizer: PreTrainedTokenizerBase | None = None
+    """The run's tokenizer: multi-turn rollouts render observations through its chat template."""
     train_steps: tuple[tuple[tuple[int, ...], float], ...] = ()
     """``train`` MFCs: per optimizer step, this executor's rows (positions in the given batch) and the weight
     of their mean loss (their share of the step's loss weight over all data-parallel ranks: tokens, or rows)."""

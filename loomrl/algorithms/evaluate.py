@@ -17,6 +17,8 @@ from math import comb
 import torch
 from transformers import PreTrainedModel, PreTrainedTokenizerBase
 
+from loomrl.algorithms.episode_ops import evaluate_episodes
+from loomrl.config.environment import EnvConfig
 from loomrl.data.tasks import BatchScores, Example, Task
 from loomrl.models.tokenizer import decode_response, encode_prompt
 from loomrl.rollout import SamplingParams, generate, generation_eos_ids, stream_keys
@@ -59,8 +61,12 @@ def evaluate_policy(
     examples: Sequence[Example],
     max_new_tokens: int,
     batch_size: int = 128,
+    env: EnvConfig | None = None,
 ) -> dict[str, float]:
-    """Greedy responses to ``examples``; returns exact-match rate and mean rule score."""
+    """Greedy responses to ``examples``; returns exact-match rate and mean rule score. With an environment
+    (``rollout.env``), greedy episodes instead (:func:`~loomrl.algorithms.episode_ops.evaluate_episodes`)."""
+    if env is not None and env.enabled:
+        return evaluate_episodes(model, tokenizer, env, examples, max_new_tokens)
     was_training = model.training
     model.eval()
     params = SamplingParams(max_new_tokens=max_new_tokens, temperature=0.0)

@@ -15,7 +15,7 @@ def rollout_metrics(batch: Batch, decode: Callable[[list[int]], str], task: Task
     texts = [decode(r) for r in batch["response_ids"]]
     rule = rule_scores(batch, texts, task)
     exact = rule.exact
-    lengths = length_stats(len(r) for r in batch["response_ids"])
+    lengths = length_stats(sampled_lengths(batch))
     shaped = "overlong_penalty" in batch  # workflows with overlong reward shaping (algo.overlong_buffer)
     return {
         "reward/mean": float(batch["score"].mean()),
@@ -27,6 +27,7 @@ def rollout_metrics(batch: Batch, decode: Callable[[list[int]], str], task: Task
         "response/length_p90": lengths.p90,
         "response/length_max": float(lengths.max),
         "prompt/length": sum(len(p) for p in batch["prompt_ids"]) / len(batch),  # for the planner's traces
+        **({} if "episode_metrics" not in batch else episode_means(batch)),
         **{
             f"{key[: -len('_unreadable')]}/unreadable": float(batch[key].mean())  # judges' unreadable verdicts
             for key in batch.keys()
@@ -42,6 +43,22 @@ def rule_scores(batch: Batch, texts: list[str], task: Task) -> BatchScores:
         return BatchScores.of_samples(batch["rule_scores"])
     rows = batch["row"] if "row" in batch else [{} for _ in texts]
     return task.score_batch(batch["prompt_text"], texts, batch["answer"], rows)
+
+
+def sampled_lengths(batch: Batch) -> list[int]:
+    """Each response's sampled tokens: its length, less a multi-turn episode's observation tokens (reported apart,
+    as ``episode/observed_tokens``)."""
+    if "episode_metrics" not in batch:
+        return [len(r) for r in batch["response_ids"]]
+    return [len(r) - int(m["observed_tokens"]) for r, m in zip(batch["response_ids"], batch["episode_metrics"])]
+
+
+def episode_means(batch: Batch) -> dict[str, float]:
+    """Multi-turn rollouts: per episode on average, its turns, observation tokens and each environment metric, and
+    the share of episodes that ended each way (``episode/finish_<why>``), under ``episode/``."""
+    metrics = batch["episode_metrics"]
+    names = sorted({name for sample in metrics for name in sample})
+    return {f"episode/{name}": sum(m.get(name, 0.0) for m in metrics) / len(metrics) for name in names}
 
 
 def part_means(parts: list[dict[str, float]]) -> dict[str, float]:

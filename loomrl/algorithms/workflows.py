@@ -24,6 +24,7 @@ import torch
 from loomrl.algorithms import advantages as A
 from loomrl.algorithms import losses as L
 from loomrl.algorithms.context import OpContext
+from loomrl.algorithms.episode_ops import episode_settings, episodes_op
 from loomrl.algorithms.ops import (
     generate_chunks,
     generate_op,
@@ -236,6 +237,9 @@ def _rollout_mfcs(
         ),
         MFC("reward_inf", "reward", inf, scored, ("score", "rule_scores"), partial(reward_op, rule_key="rule_scores")),
     ]
+    if rollout.env.enabled:  # episodes: their environment rewards them, no reward call
+        mfcs[0] = episodes_mfc(rollout)
+        del mfcs[2]
     if not uses_reference(algo):
         del mfcs[1]
     judges, judged = judge_mfcs(reward)
@@ -279,6 +283,21 @@ def _rollout_mfcs(
             )
         )
     return mfcs
+
+
+def episodes_mfc(rollout: RolloutConfig) -> MFC:
+    """The generate call of multi-turn rollouts (``rollout.env``): episodes, rewarded by their environment."""
+    env = rollout.env
+    return MFC(
+        "actor_gen",
+        "actor",
+        MFCKind.GENERATE,
+        ("prompt_ids", "prompt_text", "answer", "row"),
+        ("response_ids", "logp", "mask", "score", "rule_scores", "episode_metrics"),
+        partial(episodes_op, params=sampling_params(rollout), env=env.name, settings=episode_settings(env)),
+        doc=f"episodes with environment '{env.name}'",
+        multi_turn=True,
+    )
 
 
 def uses_reference(algo: AlgoConfig) -> bool:

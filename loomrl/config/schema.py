@@ -13,6 +13,7 @@ import re
 import warnings
 from dataclasses import dataclass, field
 
+from loomrl.config.environment import EnvConfig
 from loomrl.config.tools import ValidatedConfig, fail, spec
 from loomrl.errors import ConfigError
 
@@ -352,6 +353,8 @@ class RolloutConfig(ValidatedConfig):
     """Sample only from the k most likely tokens; 0 disables."""
     top_p: float = spec(1.0, gt=0, le=1)
     """Nucleus sampling mass; 1.0 disables."""
+    env: EnvConfig = field(default_factory=EnvConfig)
+    """Multi-turn rollouts: an environment answers each assistant turn (none by default)."""
 
 
 @dataclass(frozen=True)
@@ -661,6 +664,13 @@ class TrainConfig(ValidatedConfig):
                 "checkpoint.format",
                 f"'full' writes whole models; {lora[0]}.lora trains adapters, which sharded checkpoints hold "
                 "(valid with LoRA: sharded; loomrl export --merged writes the whole model)",
+            )
+        if self.rollout.env.enabled and (self.reward.source != "rule" or self.algo.name == "remax"):
+            bad = ("algo.name", "remax") if self.algo.name == "remax" else ("reward.source", self.reward.source)
+            fail(
+                bad[0],
+                f"'{bad[1]}' does not combine with rollout.env, whose episodes' rewards are their environment's "
+                "(valid with it: reward.source rule; algo.name ppo, grpo, rloo, reinforce_pp)",
             )
         if self.runtime.controllers > self.rollout.prompts_per_iter:
             fail(

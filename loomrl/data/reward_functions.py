@@ -63,9 +63,20 @@ def load_reward_fn(spec: str) -> RewardFn:
 
     Module names resolve against the current directory first, as ``python -m`` would.
     """
+    fn = import_attribute(spec, "reward function", "function")
+    if not callable(fn):
+        module_name, _, attr = spec.rpartition(":")
+        raise DataError(f"reward function '{spec}': module '{module_name}' has no callable '{attr}'")
+    return fn
+
+
+def import_attribute(spec: str, what: str, kind: str) -> Any:
+    """What ``spec``, 'package.module:name' or 'path/to/file.py:name', names (a reward function, an environment
+    class), None when its module has no such name; ``what`` and ``kind`` word the one-line errors ("reward
+    function", "function")."""
     module_name, colon, attr = spec.rpartition(":")
     if not (colon and module_name and attr):
-        raise DataError(f"reward function '{spec}': expected the form 'module:function' or 'file.py:function'")
+        raise DataError(f"{what} '{spec}': expected the form 'module:{kind}' or 'file.py:{kind}'")
     try:
         if module_name.endswith(".py"):
             module = _module_from_file(module_name)
@@ -74,11 +85,8 @@ def load_reward_fn(spec: str) -> RewardFn:
                 sys.path.insert(0, os.getcwd())
             module = importlib.import_module(module_name)
     except (ImportError, FileNotFoundError) as exc:
-        raise DataError(f"reward function '{spec}': cannot import module '{module_name}' ({exc})") from exc
-    fn = getattr(module, attr, None)
-    if not callable(fn):
-        raise DataError(f"reward function '{spec}': module '{module_name}' has no callable '{attr}'")
-    return fn
+        raise DataError(f"{what} '{spec}': cannot import module '{module_name}' ({exc})") from exc
+    return getattr(module, attr, None)
 
 
 def _module_from_file(path: str):

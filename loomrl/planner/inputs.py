@@ -28,7 +28,7 @@ from loomrl.plan.model_shape import ModelShape
 from loomrl.planner.cost.corrections import Corrections
 from loomrl.planner.cost.model import PRECISION_BYTES, CostModel
 from loomrl.planner.cost.system import RUNTIME, SystemSettings
-from loomrl.planner.cost.workload import Workload
+from loomrl.planner.cost.workload import EpisodeShape, Workload
 from loomrl.workflow import Workflow
 
 __all__ = ["PlannerInputs", "inputs_from_config", "sharing_profile"]
@@ -115,6 +115,7 @@ def inputs_from_config(
     prompt_len: float = 0.0,
     corrections: Corrections | None = None,
     tokenizer: Any = None,
+    episodes: EpisodeShape | None = None,
 ) -> PlannerInputs:
     """A training run's planner inputs on ``cluster``.
 
@@ -124,7 +125,9 @@ def inputs_from_config(
     - ``lengths``, ``prompt_len``: the observed workload (by default every response ``rollout.max_new_tokens``
       long, prompts of ``prompt_len``);
     - ``corrections``: by default ``runtime.cost_corrections`` where set;
-    - ``tokenizer``: the run's (a zoo model's vocabulary comes from it; by default the task's tokenizer).
+    - ``tokenizer``: the run's (a zoo model's vocabulary comes from it; by default the task's tokenizer);
+    - ``episodes``: a multi-turn run's episodes as observed (by default every episode ``rollout.env.max_turns``
+      turns long, with no observation tokens and an instant environment).
     """
     from loomrl.algorithms.workflows import build_workflow
 
@@ -148,6 +151,7 @@ def inputs_from_config(
         ppo_epochs=algo.ppo_epochs,
         minibatches=algo.minibatches,
         samples_per_prompt=algo.samples_per_prompt,
+        episodes=episodes or (EpisodeShape(cfg.rollout.env.max_turns) if cfg.rollout.env.enabled else None),
     )
     adapters = {
         role: (lora.r, lora.target_modules)

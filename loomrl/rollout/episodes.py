@@ -19,7 +19,8 @@ The episode's reward is the sum of its steps' rewards (the credit rule: the poli
 sum to the whole episode, as they give a single response's score to the whole response); an episode that runs
 out of its token budget before its environment ends it is truncated there, and with ``at_budget='penalise'``
 also loses ``budget_penalty``. An environment step that outlives ``step_timeout_s`` ends its episode (finish
-``timeout``); one that raises stops the call with a one-line error naming the environment.
+``timeout``); one that raises stops the call with a one-line error naming the environment. The seconds its
+steps took are the episode's ``env_s`` metric.
 """
 
 from __future__ import annotations
@@ -154,13 +155,14 @@ def run_episodes(
             end(ep, "budget")
             return
         text = decode(ep.tokens[ep.turn_start :])
-        stepping[pool.submit(ep.env.step, text)] = (ep, time.monotonic())
+        stepping[pool.submit(_timed, ep.env.step, text)] = (ep, time.monotonic())
 
     def stepped(ep: Episode, future: Future) -> None:
         try:
-            result = future.result()
+            result, seconds = future.result()
         except Exception as exc:
             raise DataError(f"{env_name}: step raised {type(exc).__name__}: {exc}") from exc
+        ep.metrics["env_s"] = ep.metrics.get("env_s", 0.0) + seconds
         ep.reward += float(result.reward)
         for name, value in result.metrics.items():
             ep.metrics[name] = ep.metrics.get(name, 0.0) + float(value)
@@ -197,3 +199,10 @@ def run_episodes(
     finally:
         pool.shutdown(wait=False, cancel_futures=True)
     return list(episodes)
+
+
+def _timed(step: Callable[[str], Any], text: str) -> tuple[Any, float]:
+    """An environment step's result and its seconds (the run's ``episode/env_s``: what the planner prices)."""
+    start = time.perf_counter()
+    result = step(text)
+    return result, time.perf_counter() - start

@@ -56,6 +56,7 @@ METRIC_KEYS = (
     "row",
     "score",
     "rule_scores",
+    "episode_metrics",
     "kl",
     "overlong_penalty",
 )

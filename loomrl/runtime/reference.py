@@ -19,7 +19,7 @@ from loomrl.models.tokenizer import encode_prompt
 from loomrl.plan.schedule import Schedule, Step, split_for_sampling
 from loomrl.runtime.executor import Executor, IterationResult, StepTrace, merge_stats, staleness_stats
 from loomrl.workflow import MFC, MFCKind
-from loomrl.workflow.batch import Batch
+from loomrl.workflow.batch import Batch, response_tokens
 from loomrl.workflow.minibatches import minibatch_steps
 
 if TYPE_CHECKING:
@@ -60,18 +60,13 @@ class PendingRollouts:
         self.batches = {int(i): (Batch(ids, dict(cols)), int(v)) for i, (cols, ids, v) in state.items()}
 
 
-def response_tokens(batch: Batch) -> list[int]:
-    """Tokens per sample that train MFCs weight their losses by: the response length (1 per row without one)."""
-    if "response_ids" not in batch:
-        return [1] * len(batch)
-    return [len(r) for r in batch["response_ids"]]
-
-
 def observed_lengths(batch: Batch) -> list[int]:
-    """Every sample's response length, in batch order: what the Ray controllers count of a sample (its prompt's
-    length until a response exists), so both executors report the same workload."""
-    key = "response_ids" if "response_ids" in batch else "prompt_ids"
-    return [len(r) for r in batch[key]] if key in batch else [0] * len(batch)
+    """Every sample's response length in sampled tokens (:func:`response_tokens`), in batch order: what the Ray
+    controllers count of a sample (its prompt's length until a response exists), so both executors report the
+    same workload."""
+    if "response_ids" in batch:
+        return response_tokens(batch)
+    return [len(r) for r in batch["prompt_ids"]] if "prompt_ids" in batch else [0] * len(batch)
 
 
 class ReferenceExecutor(Executor):
@@ -117,6 +112,7 @@ class ReferenceExecutor(Executor):
             self.eos_id,
             self.decode,
             encode=encode,
+            tokenizer=self.tokenizer,
             train_steps=steps,
             loss_unit=mfc.loss_unit,
         )

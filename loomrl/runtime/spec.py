@@ -11,6 +11,7 @@ from collections.abc import Mapping
 from dataclasses import dataclass, field
 from typing import Any
 
+from loomrl.config.environment import EnvConfig
 from loomrl.config.schema import TaskConfig
 from loomrl.plan.allocation import Allocation
 from loomrl.plan.realloc_plan import ReallocPlan
@@ -44,6 +45,8 @@ class WorkerSpec:
     """Check every reallocated shard against its sender's checksum."""
     eval_max_new_tokens: int = 8
     """Response budget of a greedy evaluation."""
+    env: EnvConfig = field(default_factory=EnvConfig)
+    """Multi-turn rollouts' environment (``rollout.env``), which a greedy evaluation runs episodes with too."""
 
 
 @dataclass(frozen=True)

@@ -56,7 +56,7 @@ from loomrl.runtime.pipeline_fusion import run_pipeline_fusion
 from loomrl.runtime.plan_change import Move
 from loomrl.runtime.spec import CallData, PipelineFusionData, WorkerPlan, WorkerSpec
 from loomrl.workflow import MFCKind
-from loomrl.workflow.batch import Batch
+from loomrl.workflow.batch import Batch, response_tokens
 
 Holding = tuple[str, Allocation]
 """``(role, shards)``: one model this device holds, in one layout."""
@@ -356,7 +356,7 @@ class DeviceWorker:
             if out:
                 meta["shard"] = (_put(Batch(call.sample_ids, out)),)
             if "response_ids" in out:  # token counts steer the controller's balancing and train schedules
-                meta["tokens"] = {sid: len(r) for sid, r in zip(call.sample_ids, out["response_ids"])}
+                meta["tokens"] = dict(zip(call.sample_ids, response_tokens(Batch(call.sample_ids, out))))
         return meta
 
     def _context(self, step: Step, call: CallData) -> OpContext:
@@ -373,6 +373,7 @@ class DeviceWorker:
             tok.eos_token_id,
             self.decode,
             encode=partial(encode_prompt, tok),
+            tokenizer=tok,
             train_steps=call.train_steps,
             micro_batches=step.alloc.micro_batches,
             recompute=step.alloc.recompute,
@@ -416,7 +417,7 @@ class DeviceWorker:
         share, publish = examples
         model = self.holdings[(step.role, step.alloc)].model
         out = (
-            evaluate_policy(model, self.tokenizer, self.task, share, self.spec.eval_max_new_tokens)
+            evaluate_policy(model, self.tokenizer, self.task, share, self.spec.eval_max_new_tokens, env=self.spec.env)
             if share
             else {"exact_match": 0.0, "score": 0.0}
         )

@@ -23,10 +23,12 @@ import torch
 
 from loomrl.algorithms.context import Role
 from loomrl.algorithms.dynamic_sampling import DynamicSampler
+from loomrl.algorithms.episode_ops import env_prompt
 from loomrl.algorithms.evaluate import evaluate_policy
 from loomrl.algorithms.metrics import rollout_metrics
 from loomrl.algorithms.workflows import build_workflow
 from loomrl.checkpoint.store import has_pending, latest_checkpoint, remove_leftovers
+from loomrl.config.environment import EnvConfig
 from loomrl.config.schema import TrainConfig
 from loomrl.config.tools import dump_yaml, to_dict
 from loomrl.data.sources import build_task, examples_window, held_out, prompt_source
@@ -92,6 +94,7 @@ def worker_spec(cfg: TrainConfig, workflow: Workflow) -> WorkerSpec:
         rt.timeout_s,
         rt.verify_reallocation,
         cfg.rollout.max_new_tokens,
+        cfg.rollout.env,
     )
 
 
@@ -171,7 +174,9 @@ def make_executor(
     dtype = resolve_dtype(cfg.runtime.precision, device)
     roles = build_roles(role_specs(cfg, workflow.roles()), tokenizer, task, device, dtype)
     decode = partial(decode_response, tokenizer)
-    evaluate = partial(_evaluate, tokenizer=tokenizer, task=task, max_new_tokens=cfg.rollout.max_new_tokens)
+    evaluate = partial(
+        _evaluate, tokenizer=tokenizer, task=task, max_new_tokens=cfg.rollout.max_new_tokens, env=cfg.rollout.env
+    )
     return ReferenceExecutor(
         build_schedule(workflow, plan),
         roles,
@@ -185,8 +190,8 @@ def make_executor(
     )
 
 
-def _evaluate(model, examples, tokenizer, task, max_new_tokens: int) -> dict[str, float]:
-    return evaluate_policy(model, tokenizer, task, examples, max_new_tokens)
+def _evaluate(model, examples, tokenizer, task, max_new_tokens: int, env: EnvConfig) -> dict[str, float]:
+    return evaluate_policy(model, tokenizer, task, examples, max_new_tokens, env=env)
 
 
 @dataclass
@@ -346,10 +351,15 @@ class RLTrainer:
         examples = examples_window(self.train_prompts, start, n)
         ids = [(start + i) * g + j for i in range(n) for j in range(g)]
         rows = [ex for ex in examples for _ in range(g)]
+        env = self.cfg.rollout.env.name
+        prompts = [
+            encode_prompt(self.tokenizer, ex.model_input) if env is None else env_prompt(self.tokenizer, env, ex)
+            for ex in examples
+        ]
         return Batch(
             ids,
             {
-                "prompt_ids": [encode_prompt(self.tokenizer, ex.model_input) for ex in rows],
+                "prompt_ids": [p for p in prompts for _ in range(g)],
                 "prompt_text": [ex.prompt for ex in rows],
                 "answer": [ex.answer for ex in rows],
                 "row": [ex.row for ex in rows],

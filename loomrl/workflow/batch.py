@@ -84,6 +84,17 @@ class Batch:
         return out
 
 
+def response_tokens(batch: Batch) -> list[int]:
+    """Tokens per sample that train MFCs weight their losses by: the response's sampled tokens (its ``mask``'s,
+    which a multi-turn episode's observation tokens are not; the response length without a mask column; 1 per row
+    without a response)."""
+    if "response_ids" not in batch:
+        return [1] * len(batch)
+    if "mask" in batch:
+        return [int(n) for n in (batch["mask"] != 0).sum(dim=1).tolist()]
+    return [len(r) for r in batch["response_ids"]]
+
+
 def pad_right(
     rows: Sequence[Sequence[float]], value: float = 0.0, dtype=torch.float32, width: int | None = None
 ) -> torch.Tensor:

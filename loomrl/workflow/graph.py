@@ -77,6 +77,10 @@ class MFC:
     reads_response: bool = False
     """``generate`` only: its prompt holds the policy's response too (a judge reads prompt and response), so the
     planner prices its prefill over both."""
+    multi_turn: bool = False
+    """``generate`` only: episodes with an environment (``rollout.env``), whose responses hold observation tokens
+    that are prefilled, not decoded, and whose turns wait on the environment; the planner prices them so
+    (:attr:`~loomrl.planner.cost.workload.Workload.episodes`)."""
 
     def __post_init__(self) -> None:
         # Accept plain strings and lists from hand-written or config-built MFCs; store canonical types
@@ -201,9 +205,9 @@ class Workflow:
     def stream_fusable(self) -> tuple[MFC, tuple[MFC, ...]] | None:
         """The calls an inter-stage fusion joins: the first generate call and the inference calls that read
         nothing but its outputs and source keys (so they can run sample by sample as generation finishes
-        them); None when no inference call qualifies."""
+        them); None when no inference call qualifies, or the generate call has no streaming form (episodes)."""
         gens = [m for m in self._order if m.kind is MFCKind.GENERATE]
-        if not gens:
+        if not gens or gens[0].stream is None:
             return None
         consumers = tuple(
             m for m in self._order if m.kind is MFCKind.INFERENCE and self._deps[m.name] == [gens[0].name]

@@ -75,7 +75,7 @@ from loomrl.planner.cost.stream_fusion import (
     price_stream_fusion,
 )
 from loomrl.planner.cost.system import SystemSettings, default_max_seqs
-from loomrl.planner.cost.workload import Workload
+from loomrl.planner.cost.workload import EpisodeShape, Workload
 from loomrl.workflow import MFC, MFCKind
 
 __all__ = ["CostModel", "ENGINE_BATCHED_TOKENS", "LOGIT_CHUNK_TOKENS", "PREFILL_CHUNK_TOKENS"]
@@ -145,7 +145,8 @@ class CostModel(CostEstimator):
     def mfc_time(self, mfc: MFC, alloc: Allocation) -> float:
         """Seconds of one call of ``mfc`` on ``alloc``, corrected (and scaled by the profile's stated
         ``system_factor``, like every time the model gives)."""
-        return self.corrections.apply_terms(mfc.kind, self.time_terms(mfc, alloc)) * self.system_factor
+        hardware = self.corrections.apply_terms(mfc.kind, self.time_terms(mfc, alloc)) * self.system_factor
+        return hardware + self.env_wait(mfc)
 
     def shared_cores(self) -> float | None:
         """Cores per node that its devices share (the simulator then slows calls running side by side), or
@@ -224,7 +225,7 @@ class CostModel(CostEstimator):
         model has no shape of (a rule-based reward: its calls cost their fitted per-call overhead alone)."""
         if mfc.role is not None and mfc.role not in self.shapes:
             return {}
-        key = (mfc.name, mfc.kind, mfc.role, mfc.epochs, mfc.minibatches, _alloc_key(alloc))
+        key = (mfc.name, mfc.kind, mfc.role, mfc.epochs, mfc.minibatches, mfc.multi_turn, _alloc_key(alloc))
         if key not in self.cache.terms:
             terms = self._compute_terms(mfc, alloc)
             if self.workload.rollout_scale != 1 and mfc.per_wave:
@@ -450,9 +451,31 @@ class CostModel(CostEstimator):
         w = self.workload
         context = w.prompt_len + (w.mean_response if mfc is not None and mfc.reads_response else 0.0)
         lengths = (mfc.max_new_tokens,) if mfc is not None and mfc.max_new_tokens else w.response_lengths
-        out = self.prefill_terms(role, alloc, D.share(w.batch, alloc.layout.dp), context)
+        episodes = w.episodes if mfc is not None and mfc.multi_turn else None
+        share = D.share(w.batch, alloc.layout.dp)
+        out = self.prefill_terms(role, alloc, share, context)
         out.update(self._decode_terms(role, alloc, lengths, padded=False))
+        if episodes is not None and episodes.turns > 1:
+            out.update(self._continuation_terms(role, alloc, share, episodes))
         return out
+
+    def _continuation_terms(self, role: str, alloc: Allocation, share: float, episodes: EpisodeShape) -> dict:
+        """A multi-turn call's later turns: each prefills its observation and the turn's last sampled token over
+        the kept cache (priced as a prefill of those tokens alone: their attention over the kept context is left
+        out, small beside the weights' matmuls while observations are short)."""
+        later = episodes.turns - 1
+        cont = self.prefill_terms(role, alloc, share * later, episodes.observed_tokens / later + 1)
+        return {f"continue_{name[len('prefill_') :]}": seconds for name, seconds in cont.items()}
+
+    def env_wait(self, mfc: MFC) -> float:
+        """Seconds a multi-turn call waits on its environments, beside its hardware terms (no correction scales
+        it): a wait per later turn, priced whole, as if every episode waited at once (episodes that start
+        together and take turns of similar length do); continuous batching hides it only where episodes are out
+        of step."""
+        episodes = self.workload.episodes
+        if not mfc.multi_turn or episodes is None:
+            return 0.0
+        return (episodes.turns - 1) * episodes.env_step_s
 
     def prefill_terms(self, role: str, alloc: Allocation, samples: float, context: float) -> dict[str, float]:
         """Uncorrected terms of prefilling ``samples`` samples of ``context`` tokens each on one replica."""

@@ -26,6 +26,30 @@ def _positive_int(owner: str, name: str, value: object) -> None:
 
 
 @dataclass(frozen=True)
+class EpisodeShape:
+    """What an iteration's episodes are like, on average (given, or measured from a run's ``episode/`` metrics).
+
+    ``Workload.response_lengths`` are an episode's sampled tokens (what it decodes, and what its losses count: a
+    run's ``response/length``); its ``observed_tokens`` come on top. Each turn after the first prefills its
+    observation (and the turn's last sampled token) over the kept cache, and waits ``env_step_s`` on the
+    environment first. Inference and training passes are priced over prompt and sampled tokens: the observation
+    tokens they also read are left out (a pass's share of them is ``observed_tokens`` over the response)."""
+
+    turns: float = 1.0
+    """Assistant turns per episode."""
+    observed_tokens: float = 0.0
+    """Observation tokens per episode."""
+    env_step_s: float = 0.0
+    """Seconds an environment step takes."""
+
+    def __post_init__(self) -> None:
+        for name, low in (("turns", 1.0), ("observed_tokens", 0.0), ("env_step_s", 0.0)):
+            value = getattr(self, name)
+            if isinstance(value, bool) or not (isinstance(value, (int, float)) and math.isfinite(value)) or value < low:
+                raise ConfigError(f"workload.episodes.{name}: {value!r} is not a number >= {low:g}")
+
+
+@dataclass(frozen=True)
 class Workload:
     """One iteration's data: how many samples, how long their prompts and responses are."""
 
@@ -52,6 +76,9 @@ class Workload:
     """Samples sharing each prompt (a GRPO/RLOO group): a runtime that computes a shared prompt once in its
     training and scoring passes (:attr:`~loomrl.planner.cost.system.SystemSettings.shared_prompts`) processes
     ``prompt_len / samples_per_prompt`` prompt tokens per sample there."""
+    episodes: EpisodeShape | None = None
+    """Multi-turn rollouts (a ``multi_turn`` generate call): turns, observation tokens and environment latency
+    per episode; None: one response per prompt."""
 
     def __post_init__(self) -> None:
         _positive_int("workload", "batch", self.batch)

@@ -1,0 +1,146 @@
+"""The generate call of multi-turn rollouts: one episode per row, its environment answering each turn.
+
+Each row gets a fresh environment from ``rollout.env.name``, reset with the row (:func:`~loomrl.envs.env_row`);
+the conversation it starts must be the row's prompt (the trainer built the prompt from the same reset), so the
+environment's reset has to be a function of its row. Episodes run in the rollout engine
+(:func:`~loomrl.rollout.episodes.run_episodes`); the call returns, per row, the response (every token after the
+prompt: sampled turns and observations), the sampled tokens' log-probs, the ``mask`` that keeps observation tokens
+out of every loss, KL and advantage, the episode's reward as ``score`` (there is no separate reward call), and its
+turns and environment metrics for the rollout metrics.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from functools import partial
+
+import torch
+from transformers import PreTrainedModel, PreTrainedTokenizerBase
+
+from loomrl.algorithms.context import OpContext
+from loomrl.config.environment import EnvConfig
+from loomrl.data.tasks import Example
+from loomrl.envs import env_row, load_environment
+from loomrl.errors import DataError
+from loomrl.models.tokenizer import decode_response, encode_prompt
+from loomrl.rollout import RolloutEngine, SamplingParams, generation_eos_ids, stream_keys
+from loomrl.rollout.episodes import Episode, EpisodeSettings, ObservationTokens, run_episodes
+from loomrl.workflow.batch import Batch, pad_right
+
+
+def episode_settings(env: EnvConfig) -> EpisodeSettings:
+    """How ``rollout.env``'s episodes run."""
+    return EpisodeSettings(
+        env.max_turns, env.turn_tokens, env.at_budget, env.budget_penalty, env.step_timeout_s, env.workers
+    )
+
+
+def conversation_ids(tokenizer: PreTrainedTokenizerBase, messages: Sequence[dict[str, str]]) -> list[int]:
+    """An episode's prompt: its environment's first messages through the chat template with the generation
+    prompt (:func:`~loomrl.models.tokenizer.encode_prompt`); without a template, bos and the messages' text, as
+    observations are rendered then (:class:`~loomrl.rollout.episodes.ObservationTokens`)."""
+    if getattr(tokenizer, "chat_template", None):
+        return encode_prompt(tokenizer, messages)
+    return encode_prompt(tokenizer, "".join(m["content"] for m in messages))
+
+
+def env_prompt(tokenizer: PreTrainedTokenizerBase, env: str, example: Example) -> list[int]:
+    """The prompt of an episode on ``example``: the conversation ``env``'s reset starts, as token ids."""
+    messages = load_environment(env)().reset(env_row(example.prompt, example.answer, example.row))
+    return conversation_ids(tokenizer, messages)
+
+
+def _run(
+    model: PreTrainedModel,
+    episodes: list[Episode],
+    params: SamplingParams,
+    eos_id: int,
+    pad_id: int,
+    tokenizer: PreTrainedTokenizerBase,
+    decode,
+    settings: EpisodeSettings,
+    env: str,
+) -> None:
+    longest = max(len(ep.prompt) for ep in episodes)
+    eos_ids = (eos_id, *generation_eos_ids(model))
+    engine = RolloutEngine(
+        model, params, eos_ids, pad_id, slots=min(256, len(episodes)), max_len=longest + params.max_new_tokens
+    )
+    observe = ObservationTokens(tokenizer, [*engine.eos_ids, *params.stop_ids])
+    was_training = model.training
+    model.eval()
+    try:
+        run_episodes(engine, episodes, observe, decode, settings, f"environment '{env}'")
+    finally:
+        model.train(was_training)
+
+
+def episodes_op(ctx: OpContext, batch: Batch, params: SamplingParams, env: str, settings: EpisodeSettings) -> dict:
+    """Run one episode per row (see the module docstring); columns in row order."""
+    make_env = load_environment(env)
+    model = ctx.role.model
+    assert ctx.tokenizer is not None, "episodes render observations with the run's tokenizer"
+    keys = stream_keys(ctx.seed, ctx.iteration, batch.ids).tolist()
+    rows = batch["row"] if "row" in batch else [{} for _ in batch.ids]
+    episodes = []
+    for sid, prompt, text, answer, row, key in zip(
+        batch.ids, batch["prompt_ids"], batch["prompt_text"], batch["answer"], rows, keys
+    ):
+        instance = make_env()
+        if conversation_ids(ctx.tokenizer, instance.reset(env_row(text, answer, row))) != list(prompt):
+            raise DataError(
+                f"environment '{env}': reset gave sample {sid} a conversation other than its prompt's; reset "
+                "must be a function of its row"
+            )
+        episodes.append(Episode(sid, list(prompt), key, params.max_new_tokens, instance))
+    _run(model, episodes, params, ctx.eos_id, ctx.pad_id, ctx.tokenizer, ctx.decode, settings, env)
+    rewards = [ep.reward for ep in episodes]
+    return {
+        "response_ids": [ep.tokens for ep in episodes],
+        "logp": pad_right([ep.logps for ep in episodes]),
+        "mask": pad_right([ep.mask for ep in episodes]),
+        "score": torch.tensor(rewards, dtype=torch.float32),
+        "rule_scores": [(ep.reward, ep.finish == "done" and ep.reward > 0, {}) for ep in episodes],
+        "episode_metrics": [
+            {"turns": float(ep.turns), "observed_tokens": float(ep.mask.count(0)), f"finish_{ep.finish}": 1.0}
+            | ep.metrics
+            for ep in episodes
+        ],
+    }
+
+
+def evaluate_episodes(
+    model: PreTrainedModel,
+    tokenizer: PreTrainedTokenizerBase,
+    env: EnvConfig,
+    examples: Sequence[Example],
+    max_new_tokens: int,
+) -> dict[str, float]:
+    """Greedy episodes on ``examples``: the share solved (ended by the environment with a positive reward), the
+    mean reward and the mean number of turns."""
+    assert env.name is not None, "evaluating episodes needs an environment"
+    make_env = load_environment(env.name)
+    episodes = []
+    for i, ex in enumerate(examples):
+        instance = make_env()
+        prompt = conversation_ids(tokenizer, instance.reset(env_row(ex.prompt, ex.answer, ex.row)))
+        episodes.append(Episode(i, prompt, 0, max_new_tokens, instance))
+    params = SamplingParams(max_new_tokens=max_new_tokens, temperature=0.0)
+    decode = partial(decode_response, tokenizer)
+    _run(
+        model,
+        episodes,
+        params,
+        tokenizer.eos_token_id,
+        tokenizer.pad_token_id,
+        tokenizer,
+        decode,
+        episode_settings(env),
+        env.name,
+    )
+    n = len(episodes)
+    return {
+        "exact_match": sum(ep.finish == "done" and ep.reward > 0 for ep in episodes) / n,
+        "score": sum(ep.reward for ep in episodes) / n,
+        "turns": sum(ep.turns for ep in episodes) / n,
+    }

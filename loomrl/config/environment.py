@@ -1,0 +1,38 @@
+"""Configuration of multi-turn rollouts: the environment each episode talks to, and its budgets
+(``rollout.env``; what they mean: :mod:`loomrl.rollout.episodes`)."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+from loomrl.config.tools import ValidatedConfig, spec
+
+AT_BUDGET = ("truncate", "penalise")  # loomrl.rollout.episodes.AT_BUDGET
+
+
+@dataclass(frozen=True)
+class EnvConfig(ValidatedConfig):
+    name: str | None = None
+    """The environment of multi-turn rollouts: a built-in ('calculator', 'guess', 'python'), 'module:Class' or
+    'path/to/file.py:Class'; None: one response per prompt, no environment. Each episode gets a fresh instance,
+    reset with its prompt's row (prompt, answer and the prompt file's other columns), which also gives the
+    prompt (its conversation's start); the episode's reward is the sum of its steps' rewards."""
+    max_turns: int = spec(4, ge=1, le=1024)
+    """Assistant turns per episode at most."""
+    turn_tokens: int = spec(0, ge=0)
+    """Tokens one assistant turn may sample at most; 0: up to the episode's budget (``rollout.max_new_tokens``,
+    which counts every token after the prompt, the observations' too)."""
+    at_budget: str = spec("truncate", choices=AT_BUDGET)
+    """An episode that reaches rollout.max_new_tokens before its environment ends it: 'truncate' it there, or
+    'penalise' it as well (its reward less ``budget_penalty``)."""
+    budget_penalty: float = spec(1.0, ge=0)
+    """What 'penalise' takes from the reward of an episode cut by its budget."""
+    step_timeout_s: float = spec(30.0, gt=0)
+    """Seconds an environment step may take; a slower one ends its episode (its reward so far)."""
+    workers: int = spec(8, ge=1, le=1024)
+    """Threads running environment steps, per generating device: episodes waiting on their environment do not
+    hold the others' decoding."""
+
+    @property
+    def enabled(self) -> bool:
+        return self.name is not None

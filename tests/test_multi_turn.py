@@ -1,0 +1,94 @@
+"""Multi-turn rollouts in a training run: episodes with an environment train alike on the reference executor and
+on two Ray devices; observation tokens count for nothing in the losses."""
+
+import json
+import textwrap
+
+import pytest
+import torch
+
+from loomrl.train.rl import RLTrainer
+from test_runtime import _assert_equivalent, _cfg
+
+ENV = textwrap.dedent(
+    """
+    from loomrl.envs import StepResult
+
+
+    class Echo:
+        '''Two turns: the first answer is acknowledged ('ok'); the second is scored by the digits it shares,
+        position by position, with the row's answer.'''
+
+        def reset(self, row):
+            self.turns, self.answer = 0, row["answer"]
+            return [{"role": "user", "content": row["prompt"]}]
+
+        def step(self, text):
+            self.turns += 1
+            if self.turns < 2:
+                return StepResult([{"role": "user", "content": " ok:"}], 0.0, False, {"chars": float(len(text))})
+            same = sum(a == b for a, b in zip(text, self.answer)) / len(self.answer)
+            return StepResult([], same, True, {"chars": float(len(text))})
+    """
+)
+
+
+@pytest.fixture
+def env_file(tmp_path):
+    path = tmp_path / "echo_env.py"
+    path.write_text(ENV)
+    return f"{path}:Echo"
+
+
+def _episode_args(env_file):
+    return (
+        f"rollout.env.name={env_file}",
+        "rollout.env.max_turns=3",
+        "rollout.env.turn_tokens=5",
+        "rollout.max_new_tokens=16",
+        "algo.name=grpo",
+        "algo.group_size=4",
+        "rollout.prompts_per_iter=4",
+    )
+
+
+def _run(tmp_path, name, *extra):
+    RLTrainer(_cfg(tmp_path, name, *extra)).run()
+    return [json.loads(line) for line in (tmp_path / name / "metrics.jsonl").read_text().splitlines()]
+
+
+@pytest.mark.usefixtures("ray_session")
+def test_multi_turn_grpo_on_two_devices_matches_the_reference(tmp_path, env_file):
+    reference = _run(tmp_path, "ref", *_episode_args(env_file))
+    assert all(r["episode/turns"] > 1 and r["episode/observed_tokens"] > 0 for r in reference)
+    assert all(0 < r["episode/chars"] for r in reference)
+    got = _run(tmp_path, "ray", *_episode_args(env_file), "runtime.executor=ray", "runtime.devices=2")
+    _assert_equivalent(got, reference)
+    for a, b in zip(got, reference):
+        assert a["episode/turns"] == b["episode/turns"] and a["episode/observed_tokens"] == b["episode/observed_tokens"]
+
+
+@pytest.mark.parametrize("objective", ["ppo", "gspo"])
+@pytest.mark.parametrize("loss_agg", ["token-mean", "seq-mean-token-mean", "seq-mean-token-sum"])
+def test_observation_tokens_contribute_nothing_to_the_policy_loss_or_the_kl(objective, loss_agg):
+    """Whatever an episode's observation positions hold (log-probs, advantages, reference), the actor's loss and
+    its gradient over the sampled tokens are the same, and the observations get no gradient."""
+    from loomrl.algorithms import losses as L
+
+    torch.manual_seed(0)
+    mask = torch.tensor([[1, 1, 0, 0, 1, 1, 0, 1, 0, 0], [1, 0, 1, 1, 1, 0, 0, 0, 0, 0]], dtype=torch.float32)
+    cols = {k: torch.randn(2, 10) for k in ("logp", "old", "adv", "ref")}
+
+    def loss_and_grad(c):
+        logp = c["logp"].clone().requires_grad_(True)
+        loss, _ = L.policy_objective(objective)(logp, c["old"], c["adv"], mask, 0.2, None, loss_agg, None)
+        loss = loss + 0.1 * L.kl_penalty_loss(logp, c["ref"], mask, "k3", loss_agg)
+        loss.backward()
+        return loss.detach(), logp.grad
+
+    base_loss, base_grad = loss_and_grad(cols)
+    hidden = mask == 0
+    perturbed = {k: torch.where(hidden, torch.randn(2, 10) * 50, v) for k, v in cols.items()}
+    loss, grad = loss_and_grad(perturbed)
+    assert torch.equal(loss, base_loss) and torch.equal(grad, base_grad)
+    assert (grad[hidden] == 0).all() and (grad[~hidden] != 0).any()
