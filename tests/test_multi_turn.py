@@ -92,3 +92,20 @@ def test_observation_tokens_contribute_nothing_to_the_policy_loss_or_the_kl(obje
     loss, grad = loss_and_grad(perturbed)
     assert torch.equal(loss, base_loss) and torch.equal(grad, base_grad)
     assert (grad[hidden] == 0).all() and (grad[~hidden] != 0).any()
+
+
+@pytest.mark.parametrize(
+    "args, message",
+    [
+        (("rollout.env.name=calculater",), r"^rollout\.env\.name: environment 'calculater': not a built-in"),
+        (("rollout.env.name=guess", "reward.source=model", "reward.model=llama-1m"), r"reward\.source.*rollout\.env"),
+        (("rollout.env.name=guess", "algo.name=remax"), r"algo\.name.*'remax' does not combine with rollout\.env"),
+        (("rollout.env.at_budget=cut",), r"rollout\.env\.at_budget"),
+    ],
+)
+def test_a_bad_environment_setting_is_one_line_naming_the_field(tmp_path, args, message):
+    from loomrl.errors import LoomError
+
+    with pytest.raises(LoomError, match=message) as err:
+        RLTrainer(_cfg(tmp_path, "bad", *args))
+    assert "\n" not in str(err.value)

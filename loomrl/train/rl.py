@@ -32,6 +32,7 @@ from loomrl.config.environment import EnvConfig
 from loomrl.config.schema import TrainConfig
 from loomrl.config.tools import dump_yaml, to_dict
 from loomrl.data.sources import build_task, examples_window, held_out, prompt_source
+from loomrl.envs import load_environment
 from loomrl.errors import ConfigError, DataError, LoomError
 from loomrl.models.tokenizer import decode_response, encode_prompt, task_tokenizer
 from loomrl.models.zoo import check_model_spec
@@ -78,6 +79,11 @@ def check_models(cfg: TrainConfig) -> None:
                 check_model_spec(spec)
             except DataError as err:
                 raise DataError(f"{field}: {err}") from None
+    if cfg.rollout.env.name is not None:  # the environment too
+        try:
+            load_environment(cfg.rollout.env.name)
+        except DataError as err:
+            raise DataError(f"rollout.env.name: {err}") from None
 
 
 def worker_spec(cfg: TrainConfig, workflow: Workflow) -> WorkerSpec:
@@ -225,11 +231,13 @@ def absolute_paths(cfg: TrainConfig) -> TrainConfig:
     )
     sampling = cfg.algo.dynamic_sampling
     algo = dataclasses.replace(cfg.algo, dynamic_sampling=dataclasses.replace(sampling, filter=reward(sampling.filter)))
+    env = dataclasses.replace(cfg.rollout.env, name=reward(cfg.rollout.env.name))
     return dataclasses.replace(
         cfg,
         run_dir=str(Path(cfg.run_dir).resolve()),
         task=task,
         algo=algo,
+        rollout=dataclasses.replace(cfg.rollout, env=env),
         actor=dataclasses.replace(cfg.actor, model=path(cfg.actor.model)),
         critic=dataclasses.replace(cfg.critic, model=path(cfg.critic.model)),
         reward=dataclasses.replace(
