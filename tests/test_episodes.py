@@ -63,17 +63,10 @@ def _episodes(n: int, budget: int = 40, **env) -> list[Episode]:
 SETTINGS = EpisodeSettings(max_turns=5, turn_tokens=6)
 
 
-def _run(model, episodes, slots=4, settings=SETTINGS, engine_cls=RolloutEngine):
-    engine = engine_cls(model, SamplingParams(max_new_tokens=8), eos_id=2, pad_id=0, slots=slots, max_len=64)
+def _run(model, episodes, slots=4, settings=SETTINGS):
+    engine = RolloutEngine(model, SamplingParams(max_new_tokens=8), eos_id=2, pad_id=0, slots=slots, max_len=64)
     observe = ObservationTokens(TOKENIZER, [2])
     return run_episodes(engine, episodes, observe, TOKENIZER.decode, settings), engine
-
-
-class Reprefilling(RolloutEngine):
-    """An engine that never reuses a kept cache: every turn prefills the episode's whole history."""
-
-    def _kept_length(self, req):
-        return 0
 
 
 def test_episodes_interleave_sampled_and_observed_tokens(model):
@@ -95,7 +88,9 @@ def test_episodes_interleave_sampled_and_observed_tokens(model):
 
 def test_tokens_do_not_depend_on_kept_caches_slots_or_environment_timing(model):
     first, _ = _run(model, _episodes(8), slots=3)
-    again, _ = _run(model, _episodes(8, delay=0.0), slots=8, engine_cls=Reprefilling)
+    reprefill = EpisodeSettings(max_turns=5, turn_tokens=6, keep_cache=False)  # every turn prefills the history
+    again, engine = _run(model, _episodes(8, delay=0.0), slots=8, settings=reprefill)
+    assert engine.kept == {}
     assert [ep.tokens for ep in first] == [ep.tokens for ep in again]
     assert [ep.mask for ep in first] == [ep.mask for ep in again]
     for a, b in zip(first, again):

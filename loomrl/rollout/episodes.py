@@ -57,6 +57,9 @@ class EpisodeSettings:
     """Seconds an environment step may take; a slower one ends its episode."""
     workers: int = 8
     """Threads running environment steps."""
+    keep_cache: bool = True
+    """Continue an episode over its kept cache; False: prefill its whole history again each turn (the baseline
+    that keeping the cache is measured against)."""
 
 
 @dataclass
@@ -80,13 +83,12 @@ class Episode:
     turn_start: int = 0
     """Where the current assistant turn begins in ``tokens``."""
 
-    def request(self, turn_tokens: int) -> Request:
+    def request(self, turn_tokens: int, keep_cache: bool = True) -> Request:
         """The engine request for the episode's next turn: its history as prefix, its cache kept."""
         room = self.budget - len(self.tokens)
         turn = min(room, turn_tokens) if turn_tokens else room
-        return Request(
-            self.sample_id, self.prompt, self.key, len(self.tokens) + turn, list(self.tokens), list(self.logps), True
-        )
+        prefix, logps = list(self.tokens), list(self.logps)
+        return Request(self.sample_id, self.prompt, self.key, len(self.tokens) + turn, prefix, logps, keep_cache)
 
 
 class ObservationTokens:
@@ -177,17 +179,15 @@ def run_episodes(
         ep.logps += [0.0] * len(observed)
         ep.mask += [0] * len(observed)
         ep.turn_start = len(ep.tokens)
-        engine.submit([ep.request(settings.turn_tokens)])
+        engine.submit([ep.request(settings.turn_tokens, settings.keep_cache)])
 
     try:
-        engine.submit([ep.request(settings.turn_tokens) for ep in episodes])
+        engine.submit([ep.request(settings.turn_tokens, settings.keep_cache) for ep in episodes])
         while engine.has_work() or stepping:
             for c in engine.step() if engine.has_work() else ():
                 turn_ended(c)
-            if stepping and not engine.has_work():  # nothing to decode: wait for the first environment
-                oldest = min(t for _, t in stepping.values())
-                left = settings.step_timeout_s - (time.monotonic() - oldest)
-                wait(list(stepping), timeout=max(left, 0.0), return_when=FIRST_COMPLETED)
+            if stepping and not engine.has_work():  # nothing to decode: wait for the environments
+                _gather(stepping, settings)
             now = time.monotonic()
             for future, (ep, started) in list(stepping.items()):
                 if future.done():
@@ -199,6 +199,20 @@ def run_episodes(
     finally:
         pool.shutdown(wait=False, cancel_futures=True)
     return list(episodes)
+
+
+def _gather(stepping: dict[Future, tuple[Episode, float]], settings: EpisodeSettings) -> None:
+    """Wait, with nothing to decode, for the first environment step to finish, then a little longer for the steps
+    that started with it: a fifth of its duration (at least 2 ms). Episodes whose turns ended together come back
+    together and are prefilled and decoded together; admitted one by one, they would fall out of step, and every
+    engine step would decode fewer of them."""
+    oldest = min(t for _, t in stepping.values())
+    left = settings.step_timeout_s - (time.monotonic() - oldest)
+    done, rest = wait(list(stepping), timeout=max(left, 0.0), return_when=FIRST_COMPLETED)
+    if done and rest:
+        first = min(stepping[f][1] for f in done)
+        grace = max(0.002, 0.2 * (time.monotonic() - first))
+        wait(rest, timeout=min(grace, max(left, 0.0)))
 
 
 def _timed(step: Callable[[str], Any], text: str) -> tuple[Any, float]:
