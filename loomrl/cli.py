@@ -232,6 +232,7 @@ def _add_demo_parser(sub) -> None:
 
 def _add_import_gguf_parser(sub) -> None:
     """``loomrl import-gguf``: a GGUF file or a pretrained name converted once into a checkpoint directory."""
+    _add_serve_parser(sub)
     p = sub.add_parser(
         "import-gguf",
         help="convert a GGUF model file (or a pretrained name: smollm2-135m-instruct) once into a safetensors "
@@ -240,6 +241,40 @@ def _add_import_gguf_parser(sub) -> None:
     p.add_argument("source", help="a .gguf file, or a pretrained name")
     p.add_argument("out", nargs="?", help="the directory to write (default for a pretrained name: its cache entry)")
     p.set_defaults(fn=_import_gguf)
+
+
+def _add_serve_parser(sub) -> None:
+    p = sub.add_parser(
+        "serve-rollouts",
+        help="serve a model at an OpenAI-compatible endpoint whose conversations are episodes, keeping their exact "
+        "tokens and log-probs for training",
+    )
+    p.add_argument("model", help="a zoo name, a pretrained name or a checkpoint directory")
+    p.add_argument("--host", default="127.0.0.1")
+    p.add_argument("--port", type=int, default=8000, help="0: any free port (the address is printed)")
+    p.add_argument("--max-tokens", type=int, default=1024, help="an episode's tokens after its prompt, at most")
+    p.add_argument("--temperature", type=float, default=1.0)
+    p.add_argument("--top-p", type=float, default=1.0)
+    p.add_argument("--slots", type=int, default=64, help="turns decoded together at most")
+    p.add_argument("--seed", type=int, default=0)
+    p.add_argument("--chat-template", default="auto", help="'auto' (the tokenizer's) or a Jinja template file")
+    p.add_argument(
+        "--stop-token",
+        action="append",
+        default=[],
+        help="a token besides eos that ends a turn (repeatable; one token of the vocabulary, e.g. the template's "
+        "end-of-turn marker)",
+    )
+    p.add_argument("--trajectories", help="append each ended episode's trajectory here, one JSON line each")
+    p.add_argument("--device", default="auto", choices=("auto", "cpu", "cuda"))
+    p.add_argument("--precision", default="auto", choices=("auto", "fp32", "bf16"))
+    p.set_defaults(fn=_serve_rollouts)
+
+
+def _serve_rollouts(args: argparse.Namespace) -> int:
+    from loomrl.commands.serve_rollouts import run_serve_rollouts
+
+    return run_serve_rollouts(args)
 
 
 def _add_plan_arguments(p: argparse.ArgumentParser, cfg_help: str) -> None:
