@@ -109,3 +109,41 @@ def test_a_bad_environment_setting_is_one_line_naming_the_field(tmp_path, args, 
     with pytest.raises(LoomError, match=message) as err:
         RLTrainer(_cfg(tmp_path, "bad", *args))
     assert "\n" not in str(err.value)
+
+
+AGENT = textwrap.dedent(
+    """
+    import openai
+
+
+    class EchoAgent:
+        # the Echo environment's episode as an agent drives it: its own loop with the openai client
+
+        def reset(self, row):
+            self.answer = row["answer"]
+            return [{"role": "user", "content": row["prompt"]}]
+
+        def run(self, base_url, messages):
+            client = openai.OpenAI(base_url=base_url, api_key="unused")
+            for turn in range(2):
+                reply = client.chat.completions.create(model="policy", messages=messages)
+                text = reply.choices[0].message.content
+                messages = messages + [{"role": "assistant", "content": text}, {"role": "user", "content": " ok:"}]
+            return sum(a == b for a, b in zip(text, self.answer)) / len(self.answer)
+    """
+)
+
+
+@pytest.fixture
+def agent_file(tmp_path):
+    path = tmp_path / "echo_agent.py"
+    path.write_text(AGENT)
+    return f"{path}:EchoAgent"
+
+
+@pytest.mark.usefixtures("ray_session")
+def test_an_agent_with_the_openai_client_trains_alike_on_two_devices_and_the_reference(tmp_path, agent_file):
+    reference = _run(tmp_path, "ref", *_episode_args(agent_file))
+    assert all(r["episode/turns"] == 2 and r["episode/observed_tokens"] > 0 for r in reference)
+    got = _run(tmp_path, "ray", *_episode_args(agent_file), "runtime.executor=ray", "runtime.devices=2")
+    _assert_equivalent(got, reference)

@@ -20,11 +20,12 @@ from transformers import PreTrainedModel, PreTrainedTokenizerBase
 from loomrl.algorithms.context import OpContext
 from loomrl.config.environment import EnvConfig
 from loomrl.data.tasks import Example
-from loomrl.envs import env_row, load_environment
+from loomrl.envs import env_row, is_agent, load_environment
 from loomrl.errors import DataError
-from loomrl.models.tokenizer import decode_response, encode_prompt
+from loomrl.models.tokenizer import decode_response
 from loomrl.rollout import RolloutEngine, SamplingParams, generation_eos_ids, stream_keys
-from loomrl.rollout.episodes import Episode, EpisodeSettings, ObservationTokens, run_episodes
+from loomrl.rollout.agents import run_agents
+from loomrl.rollout.episodes import Episode, EpisodeSettings, ObservationTokens, conversation_ids, run_episodes
 from loomrl.workflow.batch import Batch, pad_right
 
 
@@ -33,15 +34,6 @@ def episode_settings(env: EnvConfig) -> EpisodeSettings:
     return EpisodeSettings(
         env.max_turns, env.turn_tokens, env.at_budget, env.budget_penalty, env.step_timeout_s, env.workers
     )
-
-
-def conversation_ids(tokenizer: PreTrainedTokenizerBase, messages: Sequence[dict[str, str]]) -> list[int]:
-    """An episode's prompt: its environment's first messages through the chat template with the generation
-    prompt (:func:`~loomrl.models.tokenizer.encode_prompt`); without a template, bos and the messages' text, as
-    observations are rendered then (:class:`~loomrl.rollout.episodes.ObservationTokens`)."""
-    if getattr(tokenizer, "chat_template", None):
-        return encode_prompt(tokenizer, messages)
-    return encode_prompt(tokenizer, "".join(m["content"] for m in messages))
 
 
 def env_prompt(tokenizer: PreTrainedTokenizerBase, env: str, example: Example) -> list[int]:
@@ -70,7 +62,10 @@ def _run(
     was_training = model.training
     model.eval()
     try:
-        run_episodes(engine, episodes, observe, decode, settings, f"environment '{env}'")
+        if is_agent(load_environment(env)):
+            run_agents(engine, episodes, tokenizer, decode, settings, f"agent '{env}'")
+        else:
+            run_episodes(engine, episodes, observe, decode, settings, f"environment '{env}'")
     finally:
         model.train(was_training)
 
@@ -87,12 +82,13 @@ def episodes_op(ctx: OpContext, batch: Batch, params: SamplingParams, env: str, 
         batch.ids, batch["prompt_ids"], batch["prompt_text"], batch["answer"], rows, keys
     ):
         instance = make_env()
-        if conversation_ids(ctx.tokenizer, instance.reset(env_row(text, answer, row))) != list(prompt):
+        opening = instance.reset(env_row(text, answer, row))
+        if conversation_ids(ctx.tokenizer, opening) != list(prompt):
             raise DataError(
                 f"environment '{env}': reset gave sample {sid} a conversation other than its prompt's; reset "
                 "must be a function of its row"
             )
-        episodes.append(Episode(sid, list(prompt), key, params.max_new_tokens, instance))
+        episodes.append(Episode(sid, list(prompt), key, params.max_new_tokens, instance, opening=list(opening)))
     _run(model, episodes, params, ctx.eos_id, ctx.pad_id, ctx.tokenizer, ctx.decode, settings, env)
     rewards = [ep.reward for ep in episodes]
     return {
@@ -123,8 +119,8 @@ def evaluate_episodes(
     episodes = []
     for i, ex in enumerate(examples):
         instance = make_env()
-        prompt = conversation_ids(tokenizer, instance.reset(env_row(ex.prompt, ex.answer, ex.row)))
-        episodes.append(Episode(i, prompt, 0, max_new_tokens, instance))
+        opening = instance.reset(env_row(ex.prompt, ex.answer, ex.row))
+        episodes.append(Episode(i, conversation_ids(tokenizer, opening), 0, max_new_tokens, instance, opening=opening))
     params = SamplingParams(max_new_tokens=max_new_tokens, temperature=0.0)
     decode = partial(decode_response, tokenizer)
     _run(

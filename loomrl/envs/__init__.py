@@ -1,13 +1,14 @@
 """Environments of multi-turn rollouts: the protocol, tool calls, and the built-in environments."""
 
-from loomrl.envs.base import Environment, Message, StepResult, env_row
+from loomrl.envs.base import Agent, Environment, Message, StepResult, env_row
 from loomrl.envs.builtin import BUILTIN_ENVIRONMENTS, Calculator, GuessingGame, PythonTool, calculate
-from loomrl.envs.loading import load_environment
+from loomrl.envs.loading import is_agent, load_environment
 from loomrl.envs.tool_calls import HERMES, ParsedTurn, ToolCall, parse_tool_calls, tool_call_format
 from loomrl.envs.tools import ToolEnvironment
 
 __all__ = [
     "BUILTIN_ENVIRONMENTS",
+    "Agent",
     "HERMES",
     "Calculator",
     "Environment",
@@ -20,6 +21,7 @@ __all__ = [
     "ToolEnvironment",
     "calculate",
     "env_row",
+    "is_agent",
     "load_environment",
     "parse_tool_calls",
     "tool_call_format",

@@ -59,6 +59,20 @@ class Environment(Protocol):
         """Answer one assistant turn."""
 
 
+@runtime_checkable
+class Agent(Protocol):
+    """An agent written against an OpenAI-compatible server, trained as it is: ``rollout.env.name`` names it like an
+    environment. ``reset`` gives the conversation's start (the episode's prompt, a function of the row, as for an
+    environment); ``run`` drives the episode with its own loop, e.g. ``openai.OpenAI(base_url=base_url)``
+    starting from ``messages``, and returns the episode's reward (or reports it itself: ``POST
+    {base_url}/reward``). The run serves ``base_url`` from its rollout engine
+    (:mod:`loomrl.rollout.openai_api`), keeping every turn's exact tokens."""
+
+    def reset(self, row: Mapping[str, Any]) -> list[Message]: ...
+
+    def run(self, base_url: str, messages: list[Message]) -> float | None: ...
+
+
 def env_row(prompt: str, answer: str | None, row: Mapping[str, Any]) -> dict[str, Any]:
     """What an environment's ``reset`` sees of an example: its ``prompt`` text, its ``answer`` and the prompt
     file's other columns (a column of the file named ``prompt`` or ``answer`` would be the same values)."""

@@ -28,8 +28,18 @@ def load_environment(spec: str) -> Callable[[], Environment]:
     module_name, _, attr = spec.rpartition(":")
     if cls is None:
         raise DataError(f"environment '{spec}': module '{module_name}' has no class '{attr}'")
-    missing = [name for name in ("reset", "step") if not callable(getattr(cls, name, None))]
-    if not inspect.isclass(cls) or missing:
-        what = "is not a class" if not inspect.isclass(cls) else f"has no {' and no '.join(missing)} method"
-        raise DataError(f"environment '{spec}': '{attr}' {what} (an environment has reset(row) and step(text))")
+    has = {name for name in ("reset", "step", "run") if callable(getattr(cls, name, None))}
+    if not inspect.isclass(cls) or "reset" not in has or not has & {"step", "run"}:
+        missing = " and no ".join(n for n in ("reset", "step") if n not in has)
+        what = "is not a class" if not inspect.isclass(cls) else f"has no {missing} method"
+        raise DataError(
+            f"environment '{spec}': '{attr}' {what} (an environment has reset(row) and step(text); an agent "
+            "reset(row) and run(base_url, messages))"
+        )
     return cls
+
+
+def is_agent(factory: Callable[[], object]) -> bool:
+    """Whether an environment class is an agent (:class:`~loomrl.envs.base.Agent`): it drives its episode through
+    the rollout endpoint (``run``) rather than answering turns (``step``)."""
+    return callable(getattr(factory, "run", None)) and not callable(getattr(factory, "step", None))

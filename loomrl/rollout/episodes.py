@@ -34,6 +34,7 @@ from typing import Any
 from transformers import PreTrainedTokenizerBase
 
 from loomrl.errors import DataError
+from loomrl.models.tokenizer import encode_prompt
 from loomrl.rollout.engine import Completion, Request, RolloutEngine
 
 AT_BUDGET = ("truncate", "penalise")
@@ -82,6 +83,9 @@ class Episode:
     metrics: dict[str, float] = field(default_factory=dict)
     turn_start: int = 0
     """Where the current assistant turn begins in ``tokens``."""
+    opening: list[dict[str, str]] = field(default_factory=list)
+    """The conversation's start (its environment's reset): what an agent (:mod:`loomrl.rollout.agents`) starts
+    from."""
 
     def request(self, turn_tokens: int, keep_cache: bool = True) -> Request:
         """The engine request for the episode's next turn: its history as prefix, its cache kept."""
@@ -125,6 +129,15 @@ class ObservationTokens:
         if full[: self._cut] != self._base:
             raise DataError("the chat template renders a conversation's start differently once more turns follow")
         return full[self._cut :]
+
+
+def conversation_ids(tokenizer: PreTrainedTokenizerBase, messages: Sequence[dict[str, str]]) -> list[int]:
+    """An episode's prompt: its environment's first messages through the chat template with the generation
+    prompt (:func:`~loomrl.models.tokenizer.encode_prompt`); without a template, bos and the messages' text, as
+    observations are rendered then (:class:`~loomrl.rollout.episodes.ObservationTokens`)."""
+    if getattr(tokenizer, "chat_template", None):
+        return encode_prompt(tokenizer, messages)
+    return encode_prompt(tokenizer, "".join(m["content"] for m in messages))
 
 
 def run_episodes(

@@ -28,7 +28,7 @@ from typing import Any
 from transformers import PreTrainedTokenizerBase
 
 from loomrl.rollout.engine import Completion, Request, RolloutEngine
-from loomrl.rollout.episodes import ObservationTokens
+from loomrl.rollout.episodes import ObservationTokens, conversation_ids
 from loomrl.rollout.sampling import stream_keys
 
 ROLES = ("system", "user", "assistant", "tool")
@@ -74,7 +74,8 @@ class ServedEpisode:
 
 class EpisodeServer:
     """Turns chat requests into episode turns on ``engine`` (see the module docstring). ``max_tokens`` bounds an
-    episode's response (sampled and observed tokens); a request's ``max_tokens`` bounds its turn."""
+    episode's response (sampled and observed tokens); a request's ``max_tokens`` bounds its turn, else
+    ``turn_tokens`` (0: the episode's room); ``max_turns`` (0: any) bounds its turns."""
 
     def __init__(
         self,
@@ -86,13 +87,14 @@ class EpisodeServer:
         iteration: int = 0,
         encode: Callable[[list[dict[str, str]]], list[int]] | None = None,
         on_end: Callable[[dict[str, Any]], None] | None = None,
+        turn_tokens: int = 0,
+        max_turns: int = 0,
     ):
-        from loomrl.models.tokenizer import encode_prompt
-
         self.engine, self.decode, self.max_tokens = engine, decode, max_tokens
+        self.turn_tokens, self.max_turns = turn_tokens, max_turns
         self.seed, self.iteration, self.on_end = seed, iteration, on_end
         """``on_end(trajectory)`` hears of every episode that ends (e.g. to write it down for training)."""
-        self.encode = encode or (lambda messages: encode_prompt(tokenizer, messages))
+        self.encode = encode or (lambda messages: conversation_ids(tokenizer, messages))
         self.observe = ObservationTokens(tokenizer, [*engine.eos_ids, *engine.params.stop_ids])
         self.episodes: dict[str, ServedEpisode] = {}
         self._pending: dict[int, Future] = {}
@@ -103,15 +105,23 @@ class EpisodeServer:
         self.failure: str | None = None
 
     # ------------------------------------------------------------------------------------------ episodes
-    def open(self, episode_id: str | None = None) -> str:
-        """Start an episode (a fresh id unless one is given) and return its id."""
+    def open(
+        self,
+        episode_id: str | None = None,
+        sample_id: int | None = None,
+        prompt: list[int] | None = None,
+        key: int | None = None,
+    ) -> str:
+        """Start an episode (a fresh id unless one is given) and return its id. ``sample_id`` names its random
+        stream (by default the next number; ``key``: the stream's key, by default that of the server's seed and
+        iteration); with ``prompt``, its first request must render to those ids."""
         with self._lock:
             episode_id = episode_id or uuid.uuid4().hex
             if episode_id in self.episodes:
                 raise EndpointError(409, f"episode '{episode_id}' exists already")
-            sample_id = len(self.episodes)
-            key = int(stream_keys(self.seed, self.iteration, [sample_id])[0])
-            self.episodes[episode_id] = ServedEpisode(episode_id, sample_id, key)
+            sample_id = len(self.episodes) if sample_id is None else sample_id
+            key = int(stream_keys(self.seed, self.iteration, [sample_id])[0]) if key is None else key
+            self.episodes[episode_id] = ServedEpisode(episode_id, sample_id, key, list(prompt or []))
             return episode_id
 
     def finish(self, episode_id: str, reward: Any) -> None:
@@ -186,8 +196,16 @@ class EpisodeServer:
         self, ep: ServedEpisode, messages: list[dict[str, str]], max_tokens: int | None
     ) -> tuple[Request, int]:
         """The engine request of ``ep``'s next turn and how many observation tokens it appends."""
+        if self.max_turns and ep.turns >= self.max_turns:
+            raise EndpointError(409, f"episode '{ep.episode_id}' has had its {self.max_turns} turns")
         if not ep.messages:
             prompt, observed = self.encode(messages), []
+            if ep.prompt and prompt != ep.prompt:
+                raise EndpointError(
+                    400,
+                    f"episode '{ep.episode_id}': the first request's messages are not the conversation it was given "
+                    "to start with",
+                )
         else:
             seen = len(ep.messages)
             differs = next((i for i, (a, b) in enumerate(zip(messages, ep.messages)) if a != b), None)
@@ -207,7 +225,8 @@ class EpisodeServer:
             raise EndpointError(
                 400, f"episode '{ep.episode_id}' has used its {self.max_tokens} tokens (sampled and observed)"
             )
-        turn = min(room, max_tokens) if max_tokens else room
+        cap = max_tokens or self.turn_tokens
+        turn = min(room, cap) if cap else room
         prefix = ep.tokens + observed
         logps = ep.logps + [0.0] * len(observed)
         return Request(ep.sample_id, list(prompt), ep.key, len(prefix) + turn, prefix, logps, True), len(observed)
