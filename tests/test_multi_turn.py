@@ -7,6 +7,7 @@ import textwrap
 import pytest
 import torch
 
+from loomrl.config.schema import TrainConfig
 from loomrl.train.rl import RLTrainer
 from test_runtime import _assert_equivalent, _cfg
 
@@ -147,3 +148,16 @@ def test_an_agent_with_the_openai_client_trains_alike_on_two_devices_and_the_ref
     assert all(r["episode/turns"] == 2 and r["episode/observed_tokens"] > 0 for r in reference)
     got = _run(tmp_path, "ray", *_episode_args(agent_file), "runtime.executor=ray", "runtime.devices=2")
     _assert_equivalent(got, reference)
+
+
+def test_a_prompt_file_needs_reward_functions_unless_an_environment_rewards_its_episodes(tmp_path):
+    from loomrl.config.schema import EvalConfig
+    from loomrl.config.tools import load_config
+    from loomrl.errors import ConfigError
+
+    file = ("task.name=file", f"task.prompt_file={tmp_path / 'p.jsonl'}")
+    with pytest.raises(ConfigError, match=r"task\.reward_fn: .* or an environment \(rollout\.env\.name\)"):
+        load_config(TrainConfig, None, list(file))
+    assert load_config(TrainConfig, None, [*file, "rollout.env.name=guess"]).rollout.env.name == "guess"
+    with pytest.raises(ConfigError, match=r"task\.reward_fn: task 'file' needs reward_fn \(or reward_fns\) to score"):
+        load_config(EvalConfig, None, ["model=llama-1m", *file])

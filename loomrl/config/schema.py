@@ -8,12 +8,12 @@ becomes one line naming the field path, the value and what is valid.
 from __future__ import annotations
 
 import dataclasses
-import math
 import re
 import warnings
 from dataclasses import dataclass, field
 
 from loomrl.config.environment import EnvConfig
+from loomrl.config.task import TaskConfig
 from loomrl.config.tools import ValidatedConfig, fail, spec
 from loomrl.errors import ConfigError
 
@@ -23,8 +23,6 @@ GROUP_ALGORITHMS = ("grpo", "rloo")
 POLICY_LOSSES = ("ppo", "gspo")  # loomrl.algorithms.losses.POLICY_LOSSES
 OFF_POLICY = ("none", "decoupled", "tis")  # loomrl.algorithms.losses.OFF_POLICY
 LOSS_AGGS = ("token-mean", "seq-mean-token-mean", "seq-mean-token-sum")  # loomrl.algorithms.losses.LOSS_AGGS
-TASK_NAMES = ("sort", "add", "reverse", "arith", "judge", "file")
-JUDGED_TASKS = ("sort", "add", "reverse")
 ROLES = ("actor", "critic", "ref", "reward")
 """The roles besides the judges (``judge0``, ``judge1``, ...: :func:`judge_role`)."""
 
@@ -43,83 +41,6 @@ def judge_index(name: str) -> int | None:
 
 BACKENDS = ("tensorboard", "wandb", "mlflow")
 NONFINITE_ACTIONS = ("skip", "stop")
-
-
-@dataclass(frozen=True)
-class TaskConfig(ValidatedConfig):
-    name: str = spec("sort", choices=TASK_NAMES)
-    """Synthetic task (sort, add, reverse; arith: arithmetic questions in words for chat models, rewarded by the
-    response's last number), 'judge' (verdicts yes/no on responses to task judged, right half of the
-    time: what a generative reward model is trained on, loomrl.data.judges) or 'file' for a user prompt file with
-    a reward function."""
-    judged: str = spec("sort", choices=JUDGED_TASKS)
-    """Task 'judge': the task whose responses are judged (its options min_len, max_len, max_digits apply)."""
-    min_len: int = spec(3, ge=1, le=32)
-    """Shortest input (digits to sort, letters to reverse)."""
-    max_len: int = spec(5, ge=1, le=32)
-    """Longest input (digits to sort, letters to reverse)."""
-    max_digits: int = spec(3, ge=1, le=12)
-    """Largest operand size of the 'add' task, in digits."""
-    level: int = spec(1, ge=1, le=4)
-    """Difficulty of the 'arith' task: 1, a two-digit number plus a one-digit one; 2, ± of two two-digit numbers;
-    3, + - × of up to three digits; 4, two-step word problems."""
-    prompt_file: str | None = None
-    """JSONL or parquet file of prompts (task 'file'), one row per prompt."""
-    eval_file: str | None = None
-    """JSONL or parquet file of held-out prompts for evaluation, with the columns of prompt_file; None evaluates
-    a synthetic task on its own eval stream, and task 'file' on prompt_file itself."""
-    prompt_key: str = "prompt"
-    """Column of the prompt files holding each prompt: text, or a chat conversation so far (a list of
-    {role, content} messages, e.g. a 'messages' column; a final assistant turn becomes the answer)."""
-    answer_key: str = "answer"
-    """Column of the prompt files holding the reference answer (optional in the file)."""
-    reward_fn: str | None = None
-    """Reward function of task 'file' as 'module:function' or 'file.py:function', in one of three forms read from
-    its signature: loomrl's fn(prompt, response, answer) -> float (prompt is the text, or a chat row's last user
-    message); TRL's f(prompts, completions, **columns) -> list[float], a batch per call, the prompt file's other
-    columns as lists by name; verl's compute_score(data_source, solution_str, ground_truth, extra_info) -> float or
-    a dict with a 'score'. Any finite number is a reward."""
-    reward_fns: tuple[str, ...] = ()
-    """Several reward functions of task 'file' (each as reward_fn says), instead of reward_fn: the reward is their
-    weighted sum, and each one's mean goes to the metrics as reward/<function> (a name that repeats gets its
-    position in this list appended)."""
-    reward_weights: tuple[float, ...] = ()
-    """Weight of each of reward_fns, in their order (any sign); empty weighs every function 1.0."""
-    reward_timeout_s: float = spec(30.0, ge=0)
-    """Longest one call of a reward function may take, in seconds (one sample, or one batch for TRL's form): the
-    function then runs in a process of its own, killed past this, and the run stops with an error naming the
-    function and the sample (so does an exception). 0 calls it in the run's own process, without a limit."""
-    tokenizer: str = "auto"
-    """'auto': the tokenizer saved with the model checkpoint (the built-in task tokenizer for a zoo model);
-    'task': the built-in character tokenizer; or the directory of a saved tokenizer."""
-    chat_template: str = "auto"
-    """'auto': prompts go through the tokenizer's chat template when it has one; 'none': never (bos, when the
-    tokenizer has one, then the text); or a Jinja chat template file to apply instead."""
-
-    @property
-    def reward_functions(self) -> tuple[str, ...]:
-        """The task's reward functions: reward_fns, or reward_fn alone."""
-        return self.reward_fns or ((self.reward_fn,) if self.reward_fn is not None else ())
-
-    def validate(self) -> None:
-        if self.min_len > self.max_len:
-            fail("min_len", f"{self.min_len} is greater than max_len {self.max_len}")
-        if self.reward_fn is not None and self.reward_fns:
-            fail("reward_fns", "give either reward_fn (one function) or reward_fns (several), not both")
-        if self.reward_weights and len(self.reward_weights) != len(self.reward_fns):
-            fail(
-                "reward_weights",
-                f"{len(self.reward_weights)} weights for {len(self.reward_fns)} functions of "
-                "reward_fns (valid: one weight per function, or none for 1.0 each)",
-            )
-        if not all(math.isfinite(w) for w in self.reward_weights):
-            fail("reward_weights", f"{list(self.reward_weights)} holds a weight that is not finite")
-        if self.name == "file" and (self.prompt_file is None or not self.reward_functions):
-            fail("prompt_file", "task 'file' needs both prompt_file and reward_fn (or reward_fns)")
-        if not self.tokenizer.strip():
-            fail("tokenizer", "'' is empty; give auto, task or a tokenizer directory")
-        if not self.chat_template.strip():
-            fail("chat_template", "'' is empty; give auto, none or a Jinja template file")
 
 
 @dataclass(frozen=True)
@@ -633,6 +554,7 @@ class TrainConfig(ValidatedConfig):
         object.__setattr__(self, "loop", dataclasses.replace(self.loop, keep_checkpoints=None))
 
     def validate(self) -> None:
+        self.task.check_rewarded(self.rollout.env.enabled)
         count = len(self.reward.judges)
         for role in self.runtime.layouts:
             index = judge_index(role)
@@ -735,6 +657,9 @@ class SFTConfig(ValidatedConfig):
     """Weights, activations and gradients in fp32, or in bf16 with fp32 master weights and Adam moments in the
     optimizer (mixed precision; log-probs, values and losses stay fp32); auto is bf16 on cuda, fp32 on cpu."""
 
+    def validate(self) -> None:
+        self.task.check_rewarded()
+
 
 @dataclass(frozen=True)
 class RMConfig(ValidatedConfig):
@@ -761,6 +686,9 @@ class RMConfig(ValidatedConfig):
     precision: str = spec("auto", choices=("auto", "fp32", "bf16"))
     """Weights, activations and gradients in fp32, or in bf16 with fp32 master weights and Adam moments in the
     optimizer (mixed precision; log-probs, values and losses stay fp32); auto is bf16 on cuda, fp32 on cpu."""
+
+    def validate(self) -> None:
+        self.task.check_rewarded()
 
 
 @dataclass(frozen=True)
@@ -797,6 +725,7 @@ class EvalConfig(ValidatedConfig):
     def validate(self) -> None:
         if not self.model:
             fail("model", "no checkpoint given (loomrl eval CHECKPOINT_OR_RUN)")
+        self.task.check_rewarded()
         bad = [k for k in self.pass_k if k < 1 or (self.samples and k > self.samples)]
         if bad:  # with samples 0 there is no pass@k to report, whatever pass_k says
             fail("pass_k", f"k={bad[0]} needs 1 <= k <= samples ({self.samples}); lower k or raise samples")

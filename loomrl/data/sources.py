@@ -7,13 +7,15 @@ import dataclasses
 from loomrl.config.schema import TaskConfig
 from loomrl.data.arith import Arithmetic
 from loomrl.data.prompts import FilePrompts, FunctionTask, PromptSource, SyntheticPrompts
-from loomrl.data.tasks import Example, Task, make_task
+from loomrl.data.tasks import EnvironmentScored, Example, Task, make_task
 
 __all__ = ["build_task", "examples_window", "held_out", "prompt_source"]
 
 
 def build_task(cfg: TaskConfig) -> Task:
     """The task (its scoring rule) of the ``task`` settings: a built-in one, or the user's reward functions."""
+    if cfg.name == "file" and not cfg.reward_functions:  # an environment rewards the episodes
+        return EnvironmentScored()
     if cfg.name == "file":
         return FunctionTask(
             cfg.reward_functions, name=cfg.name, timeout_s=cfg.reward_timeout_s, weights=cfg.reward_weights or None

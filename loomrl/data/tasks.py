@@ -228,6 +228,25 @@ TASKS: dict[str, type[Task]] = {"sort": SortDigits, "add": AddNumbers, "reverse"
 """Built-in task name → class."""
 
 
+class EnvironmentScored(Task):
+    """A prompt file without reward functions: its rows are scored by the run's environment (``rollout.env``),
+    whose episodes carry their own rewards; asked for a score of its own, it says so in one line."""
+
+    name: ClassVar[str] = "file"
+
+    def sample(self, rng: random.Random) -> Example:
+        raise DataError("task 'file': a prompt file's task has no prompt generator (its rows are the prompts)")
+
+    def solve(self, prompt: str) -> str:
+        raise DataError("task 'file': no reward functions; its rows are scored by the run's environment")
+
+    def score(self, prompt: str, response: str, answer: str | None) -> float:
+        raise DataError(
+            "task 'file': no reward functions to score a response with (set task.reward_fn, or score by an "
+            "environment: rollout.env.name)"
+        )
+
+
 def make_task(name: str, **options: Any) -> Task:
     """Build a built-in task by name; unknown names or options raise a one-line DataError."""
     if name not in TASKS:
