@@ -18,7 +18,7 @@ ENV = textwrap.dedent(
 
     class Echo:
         '''Two turns: the first answer is acknowledged ('ok'); the second is scored by the digits it shares,
-        position by position, with the row's answer.'''
+        position by position, with the row's answer, and a little for its length (so rewards vary).'''
 
         def reset(self, row):
             self.turns, self.answer = 0, row["answer"]
@@ -29,7 +29,7 @@ ENV = textwrap.dedent(
             if self.turns < 2:
                 return StepResult([{"role": "user", "content": " ok:"}], 0.0, False, {"chars": float(len(text))})
             same = sum(a == b for a, b in zip(text, self.answer)) / len(self.answer)
-            return StepResult([], same, True, {"chars": float(len(text))})
+            return StepResult([], same + 0.1 * len(text), True, {"chars": float(len(text))})
     """
 )
 
@@ -59,11 +59,14 @@ def _run(tmp_path, name, *extra):
 
 
 @pytest.mark.usefixtures("ray_session")
-def test_multi_turn_grpo_on_two_devices_matches_the_reference(tmp_path, env_file):
-    reference = _run(tmp_path, "ref", *_episode_args(env_file))
+@pytest.mark.parametrize("algo", ["grpo", "ppo"])
+def test_multi_turn_training_on_two_devices_matches_the_reference(tmp_path, env_file, algo):
+    """GRPO's groups are episodes of one row; PPO's critic and GAE see the same masks."""
+    args = (*_episode_args(env_file), f"algo.name={algo}")
+    reference = _run(tmp_path, "ref", *args)
     assert all(r["episode/turns"] > 1 and r["episode/observed_tokens"] > 0 for r in reference)
     assert all(0 < r["episode/chars"] for r in reference)
-    got = _run(tmp_path, "ray", *_episode_args(env_file), "runtime.executor=ray", "runtime.devices=2")
+    got = _run(tmp_path, "ray", *args, "runtime.executor=ray", "runtime.devices=2")
     _assert_equivalent(got, reference)
     for a, b in zip(got, reference):
         assert a["episode/turns"] == b["episode/turns"] and a["episode/observed_tokens"] == b["episode/observed_tokens"]
