@@ -41,6 +41,7 @@ from loomrl.workflow.batch import (
     pad_right,
     padded_micro_batch_slices,
     response_mask,
+    response_tokens,
 )
 from loomrl.workflow.minibatches import loss_weights
 
@@ -256,27 +257,17 @@ B×R×2, or values_BR: :meth:`~loomrl.algorithms.context.Passes.outputs`) and th
 ``(ids_BL, attn_BL, prompt_len_B)``."""
 
 
-def loss_tokens(mb: Batch) -> list[int]:
-    """Per row, the tokens a :data:`LossFn`'s token-mean runs over: its response mask's real tokens (its
-    response length without a mask, as the executors weight steps; 1 per row without either)."""
-    if "mask" in mb:
-        return [int(n) for n in (mb["mask"] != 0).sum(dim=1).tolist()]
-    if "response_ids" in mb:
-        return [len(r) for r in mb["response_ids"]]
-    return [1] * len(mb)
-
-
 def _backward(ctx: OpContext, mb: Batch, loss_fn: LossFn, weight: float, temperature: float) -> tuple[dict, bool]:
     """Forward, loss and backward of one minibatch, micro-batch by micro-batch, through the role's engine;
     returns its statistics (empty on pipeline stages but the last) and whether every loss this rank computed
     was finite.
 
-    Micro-batch ``k``'s loss is ``loss_fn`` of its rows alone, times its share of the minibatch's loss weight
-    (its loss tokens, :func:`loss_tokens`, or its rows, as ``ctx.loss_unit`` says) and ``weight``: the shares
-    sum to one, so the accumulated gradient is that of the minibatch's mean loss times ``weight``, whatever the
-    micro-batching. Statistics (means) are weighted by the same shares. A micro-batch without loss weight adds
-    nothing (and is not given to ``loss_fn``, whose mean would be 0/0). A rank without rows still tells the
-    engine, whose passes may be collective.
+    Micro-batch ``k``'s loss is ``loss_fn`` of its rows alone, times its share of the minibatch's loss weight (its
+    loss tokens, :func:`~loomrl.workflow.batch.response_tokens`, or its rows, as ``ctx.loss_unit`` says) and
+    ``weight``: the shares sum to one, so the accumulated gradient is that of the minibatch's mean loss times
+    ``weight``, whatever the micro-batching. Statistics (means) are weighted by the same shares. A micro-batch
+    without loss weight adds nothing (and is not given to ``loss_fn``, whose mean would be 0/0). A rank without rows
+    still tells the engine, whose passes may be collective.
 
     A non-finite loss is back-propagated times NaN: every gradient it reaches becomes NaN, and with it the norm
     the engine reduces over all ranks of the step (data-parallel sum, pipeline stages, shards), so every rank
@@ -292,7 +283,7 @@ def _backward(ctx: OpContext, mb: Batch, loss_fn: LossFn, weight: float, tempera
         mb = mb.select(sorted(range(len(mb)), key=lengths.__getitem__))
     ids_BL, attn_BL, plen_B = _packed(ctx, mb)
     parts = micro_batch_rows(ctx, attn_BL.sum(1).tolist())
-    weights = loss_weights(loss_tokens(mb), ctx.loss_unit)
+    weights = loss_weights(response_tokens(mb), ctx.loss_unit)
     total = max(sum(weights), 1)
     shares = [sum(weights[rows]) / total for rows in parts]
     stats: dict[str, float] = {}

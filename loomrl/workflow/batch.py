@@ -88,11 +88,11 @@ def response_tokens(batch: Batch) -> list[int]:
     """Tokens per sample that train MFCs weight their losses by: the response's sampled tokens (its ``mask``'s,
     which a multi-turn episode's observation tokens are not; the response length without a mask column; 1 per row
     without a response)."""
-    if "response_ids" not in batch:
-        return [1] * len(batch)
     if "mask" in batch:
         return [int(n) for n in (batch["mask"] != 0).sum(dim=1).tolist()]
-    return [len(r) for r in batch["response_ids"]]
+    if "response_ids" in batch:
+        return [len(r) for r in batch["response_ids"]]
+    return [1] * len(batch)
 
 
 def pad_right(
