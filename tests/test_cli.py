@@ -326,3 +326,21 @@ def test_train_refuses_a_run_dir_with_checkpoints_unless_resumed(ppo_run, tmp_pa
     assert [json.loads(line)["iteration"] for line in lines] == [0, 1, 2]
     assert "\n".join(lines[:2]) + "\n" == before["metrics.jsonl"].decode(), "resuming rewrote earlier iterations"
     assert (run_dir / "checkpoints" / "latest").read_text().strip() == "iter_000002"
+
+
+def test_train_multi_turn_on_the_guessing_game_example(tmp_path):
+    run_dir = tmp_path / "run"
+    proc = run_cli(
+        "train",
+        "examples/grpo_guess.yaml",
+        "loop.iterations=1",
+        "rollout.prompts_per_iter=4",
+        "loop.eval_prompts=4",
+        "loop.progress=false",
+        "report.html=false",
+        f"run_dir={run_dir}",
+        timeout=180,
+    )
+    assert_ok(proc)
+    (record,) = [json.loads(line) for line in (run_dir / "metrics.jsonl").read_text().splitlines()]
+    assert 0.0 <= record["reward/mean"] <= 1.0 and 1 <= record["episode/turns"] <= 4 and "eval/turns" in record
