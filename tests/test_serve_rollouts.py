@@ -197,3 +197,46 @@ def test_the_command_serves_until_interrupted_and_writes_each_ended_episode(tmp_
     assert bad.returncode == 2 and bad.stderr.count("\n") == 1 and "nope-model" in bad.stderr
     none = subprocess.run([*cmd], capture_output=True, text=True, timeout=60)
     assert none.returncode == 2 and "no chat template" in none.stderr and none.stderr.count("\n") == 1
+
+
+class _Agent:
+    """Two turns through the openai client; then returns ``reward`` (or raises it, if it is an exception)."""
+
+    def __init__(self, reward):
+        self.reward = reward
+
+    def run(self, base_url, messages):
+        client = openai.OpenAI(base_url=base_url, api_key="unused")
+        for _ in range(2):
+            text = client.chat.completions.create(model="p", messages=messages).choices[0].message.content
+            messages = [*messages, {"role": "assistant", "content": text}, {"role": "user", "content": " ok:"}]
+        if isinstance(self.reward, Exception):
+            raise self.reward
+        return self.reward
+
+
+def test_run_agents_fills_episodes_and_a_failing_agent_stops_in_one_line():
+    from loomrl.errors import DataError
+    from loomrl.rollout import stream_keys
+    from loomrl.rollout.agents import run_agents
+    from loomrl.rollout.episodes import Episode, EpisodeSettings, conversation_ids
+
+    tok = build_char_tokenizer()
+    model = build_causal_lm("llama-1m", tok, seed=3).eval()
+    opening = [{"role": "user", "content": "12:"}]
+    prompt = conversation_ids(tok, opening)
+
+    def run(rewards):
+        keys = stream_keys(0, 0, range(len(rewards))).tolist()
+        episodes = [Episode(i, prompt, keys[i], 20, _Agent(r), opening=opening) for i, r in enumerate(rewards)]
+        engine = RolloutEngine(model, SamplingParams(20), tok.eos_token_id, 0, slots=4, max_len=64)
+        settings = EpisodeSettings(max_turns=3, turn_tokens=4, step_timeout_s=30)
+        return run_agents(engine, episodes, tok, lambda ids: decode_response(tok, ids), settings, "agent 'x'")
+
+    done = run([1.0, 0.5, 0.0])
+    assert [ep.reward for ep in done] == [1.0, 0.5, 0.0] and all(ep.turns == 2 for ep in done)
+    assert all(len(ep.tokens) == len(ep.mask) == len(ep.logps) and 0 in ep.mask for ep in done)
+    with pytest.raises(DataError, match=r"^agent 'x': the agent of sample 1 raised ValueError: no tool$"):
+        run([1.0, ValueError("no tool")])
+    with pytest.raises(DataError, match=r"^agent 'x': the agent of sample 0 returned no reward and reported none"):
+        run([None])

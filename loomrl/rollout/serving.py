@@ -148,7 +148,11 @@ class EpisodeServer:
         """Sample the next assistant turn of ``episode_id`` for ``messages`` (the whole conversation); returns its
         ``content``, ``finish_reason`` ('stop' or 'length') and token counts."""
         checked = _checked_messages(episode_id, messages)
-        if temperature is not None and float(temperature) != self.engine.params.temperature:
+        if temperature is not None and (
+            isinstance(temperature, bool)
+            or not isinstance(temperature, (int, float))
+            or float(temperature) != self.engine.params.temperature
+        ):
             raise EndpointError(
                 400,
                 f"temperature {temperature} differs from the server's {self.engine.params.temperature} "
