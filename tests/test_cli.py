@@ -184,11 +184,12 @@ def test_config_lists_every_field_with_its_doc(command, cls):
         assert "0.2" in clip and "> 0 and <= 1" in clip and "PPO ratio clip range" in clip
 
 
-def test_train_on_a_user_prompt_file_with_a_reward_file(tmp_path):
+def _one_iteration_of(example: str, tmp_path) -> dict:
+    """The metrics of one iteration of an example config, trained by the CLI."""
     run_dir = tmp_path / "run"
     proc = run_cli(
         "train",
-        "examples/grpo_user_task.yaml",
+        example,
         "loop.iterations=1",
         "rollout.prompts_per_iter=4",
         "loop.eval_prompts=4",
@@ -199,6 +200,11 @@ def test_train_on_a_user_prompt_file_with_a_reward_file(tmp_path):
     )
     assert_ok(proc)
     (record,) = [json.loads(line) for line in (run_dir / "metrics.jsonl").read_text().splitlines()]
+    return record
+
+
+def test_train_on_a_user_prompt_file_with_a_reward_file(tmp_path):
+    record = _one_iteration_of("examples/grpo_user_task.yaml", tmp_path)
     assert 0.0 <= record["reward/mean"] <= 1.0 and "eval/score" in record
 
 
@@ -329,18 +335,5 @@ def test_train_refuses_a_run_dir_with_checkpoints_unless_resumed(ppo_run, tmp_pa
 
 
 def test_train_multi_turn_on_the_guessing_game_example(tmp_path):
-    run_dir = tmp_path / "run"
-    proc = run_cli(
-        "train",
-        "examples/grpo_guess.yaml",
-        "loop.iterations=1",
-        "rollout.prompts_per_iter=4",
-        "loop.eval_prompts=4",
-        "loop.progress=false",
-        "report.html=false",
-        f"run_dir={run_dir}",
-        timeout=180,
-    )
-    assert_ok(proc)
-    (record,) = [json.loads(line) for line in (run_dir / "metrics.jsonl").read_text().splitlines()]
+    record = _one_iteration_of("examples/grpo_guess.yaml", tmp_path)
     assert 0.0 <= record["reward/mean"] <= 1.0 and 1 <= record["episode/turns"] <= 4 and "eval/turns" in record

@@ -9,6 +9,7 @@ message for the model to mend, never as an exception. Per episode the metrics co
 
 from __future__ import annotations
 
+from abc import ABC, abstractmethod
 from collections.abc import Callable, Mapping
 from typing import Any, ClassVar
 
@@ -19,7 +20,7 @@ RESULT_CHARS = 400
 """A tool's result is cut to this many characters."""
 
 
-class ToolEnvironment:
+class ToolEnvironment(ABC):
     """Base of tool-using environments (see the module docstring)."""
 
     tool_format: ClassVar[str] = HERMES
@@ -27,12 +28,13 @@ class ToolEnvironment:
     def __init__(self) -> None:
         self.tools: Mapping[str, Callable[..., str]] = {}
 
+    @abstractmethod
     def reset(self, row: Mapping[str, Any]) -> list[Message]:
-        raise NotImplementedError
+        """The conversation's start for one dataset row."""
 
+    @abstractmethod
     def score(self, answer: str) -> float:
         """The reward of the final answer (a turn without tool calls)."""
-        raise NotImplementedError
 
     def step(self, assistant_text: str) -> StepResult:
         parsed = parse_tool_calls(assistant_text, self.tool_format)

@@ -82,14 +82,14 @@ def run_agents(
             line = f"{type(exc).__name__}: {exc}".splitlines()[0]
             raise DataError(f"{agent_name}: the agent of sample {ep.sample_id} raised {line}") from exc
         served = server.episodes[eid]
-        if served.reward is None:
+        if not served.ended:
             if reward is None:
                 raise DataError(
                     f"{agent_name}: the agent of sample {ep.sample_id} returned no reward and reported none "
                     "(return it from run, or POST {base_url}/reward)"
                 )
             server.finish(eid, reward)
-        ep.tokens, ep.logps, ep.mask = list(served.tokens), list(served.logps), list(served.mask)
-        ep.reward, ep.turns, ep.finish = float(served.reward), served.turns, "done"
+        ep.tokens, ep.logps, ep.mask = served.tokens, served.logps, served.mask
+        ep.reward, ep.turns, ep.finish = served.reward, served.turns, served.finish
     web.join(timeout=10)
     return list(episodes)

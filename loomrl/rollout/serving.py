@@ -28,7 +28,7 @@ from typing import Any
 from transformers import PreTrainedTokenizerBase
 
 from loomrl.rollout.engine import Completion, Request, RolloutEngine
-from loomrl.rollout.episodes import ObservationTokens, conversation_ids
+from loomrl.rollout.episodes import Episode, ObservationTokens, conversation_ids
 from loomrl.rollout.sampling import stream_keys
 
 ROLES = ("system", "user", "assistant", "tool")
@@ -43,20 +43,14 @@ class EndpointError(Exception):
 
 
 @dataclass
-class ServedEpisode:
-    """One episode's conversation and trajectory so far."""
+class ServedEpisode(Episode):
+    """An episode (its trajectory so far: :class:`~loomrl.rollout.episodes.Episode`) that an agent drives: its id,
+    its conversation as the server has seen it, whether it has ended and whether a turn is in flight."""
 
-    episode_id: str
-    sample_id: int
-    key: int
-    prompt: list[int] = field(default_factory=list)
-    tokens: list[int] = field(default_factory=list)
-    logps: list[float] = field(default_factory=list)
-    mask: list[int] = field(default_factory=list)
+    episode_id: str = ""
     messages: list[dict[str, str]] = field(default_factory=list)
-    """The conversation as the server has seen it: the requests' messages and its replies."""
-    turns: int = 0
-    reward: float | None = None
+    """The requests' messages and the server's replies."""
+    ended: bool = False
     busy: bool = False
 
     def trajectory(self) -> dict[str, Any]:
@@ -67,8 +61,8 @@ class ServedEpisode:
             "logprobs": list(self.logps),
             "mask": list(self.mask),
             "turns": self.turns,
-            "reward": self.reward,
-            "ended": self.reward is not None,
+            "reward": self.reward if self.ended else None,
+            "ended": self.ended,
         }
 
 
@@ -121,7 +115,9 @@ class EpisodeServer:
                 raise EndpointError(409, f"episode '{episode_id}' exists already")
             sample_id = len(self.episodes) if sample_id is None else sample_id
             key = int(stream_keys(self.seed, self.iteration, [sample_id])[0]) if key is None else key
-            self.episodes[episode_id] = ServedEpisode(episode_id, sample_id, key, list(prompt or []))
+            self.episodes[episode_id] = ServedEpisode(
+                sample_id, list(prompt or []), key, self.max_tokens, None, episode_id=episode_id
+            )
             return episode_id
 
     def finish(self, episode_id: str, reward: Any) -> None:
@@ -132,7 +128,7 @@ class EpisodeServer:
             ep = self._episode(episode_id)
             if ep.busy:
                 raise EndpointError(409, f"episode '{episode_id}' has a request in flight")
-            ep.reward = float(reward)
+            ep.reward, ep.ended, ep.finish = float(reward), True, "done"
             ended = ep.trajectory()
         self._inbox.put(ep.sample_id)  # its kept cache is dropped on the engine's thread
         if self.on_end is not None:
@@ -224,10 +220,10 @@ class EpisodeServer:
                 )
             new = messages[seen:]
             prompt, observed = ep.prompt, self.observe(new)
-        room = self.max_tokens - len(ep.tokens) - len(observed)
+        room = ep.budget - len(ep.tokens) - len(observed)
         if room < 1:
             raise EndpointError(
-                400, f"episode '{ep.episode_id}' has used its {self.max_tokens} tokens (sampled and observed)"
+                400, f"episode '{ep.episode_id}' has used its {ep.budget} tokens (sampled and observed)"
             )
         cap = max_tokens or self.turn_tokens
         turn = min(room, cap) if cap else room
@@ -244,7 +240,7 @@ class EpisodeServer:
     def _episode(self, episode_id: str) -> ServedEpisode:
         """A live episode: known and not ended."""
         ep = self._get(episode_id)
-        if ep.reward is not None:
+        if ep.ended:
             raise EndpointError(409, f"episode '{episode_id}' has ended (its reward was reported)")
         return ep
 
