@@ -508,7 +508,8 @@ def reward_fn_and_reward_fns_together(data, files):
 def file_task_without_its_prompt_file_or_reward(data, files):
     extra = data.draw(st.sampled_from([[], ["task.reward_fn=m:f"], [f"task.prompt_file={files.path('.jsonl')}"]]))
     command = data.draw(st.sampled_from(sorted(COMMANDS)))
-    return _config_argv(command, files, ["task.name=file", *extra]), ("task.prompt_file",)
+    missing = "task.reward_fn" if extra and extra[0].startswith("task.prompt_file") else "task.prompt_file"
+    return _config_argv(command, files, ["task.name=file", *extra]), (missing,)
 
 
 @kind("config cross-field")

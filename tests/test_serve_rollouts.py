@@ -240,3 +240,29 @@ def test_run_agents_fills_episodes_and_a_failing_agent_stops_in_one_line():
         run([1.0, ValueError("no tool")])
     with pytest.raises(DataError, match=r"^agent 'x': the agent of sample 0 returned no reward and reported none"):
         run([None])
+
+
+def test_a_turn_that_times_out_is_dropped_and_the_episode_goes_on():
+    from loomrl.rollout.serving import EndpointError
+
+    tok = PreTrainedTokenizerFast(tokenizer_object=build_char_tokenizer().backend_tokenizer)
+    tok.pad_token, tok.eos_token, tok.bos_token = "<pad>", "</s>", "<s>"
+    tok.chat_template = TEMPLATE
+    model = build_causal_lm("llama-1m", build_char_tokenizer(), seed=3).eval()
+    bar = tok.convert_tokens_to_ids("|")
+    engine = RolloutEngine(model, SamplingParams(8, 1.0, stop_ids=(bar,)), tok.eos_token_id, 0, slots=2, max_len=128)
+    server = EpisodeServer(engine, tok, lambda ids: decode_response(tok, ids), max_tokens=40)
+    episode = server.open()
+    ask = [{"role": "user", "content": "3"}]
+    with pytest.raises(EndpointError, match="no reply within 0.05 s") as err:
+        server.chat(episode, ask, timeout_s=0.05)  # the engine's loop is not running yet
+    assert err.value.status == 504 and server.trajectory(episode)["turns"] == 0
+    stop = threading.Event()
+    loop = threading.Thread(target=server.run, args=(stop.is_set,), daemon=True)
+    loop.start()
+    try:
+        reply = server.chat(episode, ask, timeout_s=60)
+    finally:
+        stop.set()
+        loop.join(timeout=10)
+    assert reply["completion_tokens"] >= 1 and server.trajectory(episode)["turns"] == 1

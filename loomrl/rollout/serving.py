@@ -94,7 +94,8 @@ class EpisodeServer:
         self._pending: dict[int, Future] = {}
         """Sample id → the future its turn's request waits on."""
         self._inbox: queue.Queue[tuple[Request, Future] | int] = queue.Queue()
-        """Turns to start (a request and its future), and ended episodes' sample ids, whose caches go."""
+        """Turns to start (a request and its future), and the sample ids of episodes that ended or whose turn timed
+        out: their turn in flight, if any, is aborted and their kept cache dropped."""
         self._lock = threading.Lock()
         self.failure: str | None = None
 
@@ -169,6 +170,7 @@ class EpisodeServer:
         try:
             completion: Completion = future.result(timeout=timeout_s)
         except TimeoutError:
+            self._inbox.put(request.sample_id)  # the turn is dropped: the next one prefills the whole history
             raise EndpointError(504, f"episode '{episode_id}': no reply within {timeout_s:g} s") from None
         except Exception as exc:  # the engine failed: every request hears it, the server stays up
             raise EndpointError(500, f"generation failed: {type(exc).__name__}: {exc}") from None
@@ -277,8 +279,10 @@ class EpisodeServer:
             except queue.Empty:
                 break
         for item in items:
-            if isinstance(item, int):  # an ended episode
+            if isinstance(item, int):  # an episode that ended, or whose turn timed out
+                self.engine.abort([item])
                 self.engine.release([item])
+                self._pending.pop(item, None)
                 continue
             request, future = item
             self._pending[request.sample_id] = future
