@@ -566,6 +566,24 @@ def test_a_multi_turn_call_decodes_its_sampled_tokens_prefills_its_observations_
     prefill = plain.prefill_terms("actor", alloc, 512 / 8 * 3, 96 / 3 + 1)
     assert terms["continue_work"] == pytest.approx(prefill["prefill_work"]) and terms["continue_work"] > 0
     hardware = multi.corrections.apply_terms(MFCKind.GENERATE, terms) * multi.system_factor
-    assert multi.mfc_time(episodic, alloc) == pytest.approx(hardware + 3 * 0.05)
+    assert multi.mfc_time(episodic, alloc) == pytest.approx(hardware + 4 * 0.05), "a wait after every turn"
     with pytest.raises(Exception, match=r"workload\.episodes\.turns: 0.5 is not a number >= 1"):
         EpisodeShape(turns=0.5)
+
+
+def test_a_runs_measured_episodes_reach_its_workload():
+    from loomrl.config.schema import TrainConfig
+    from loomrl.config.tools import load_config
+    from loomrl.planner.cost.workload import EpisodeShape
+    from loomrl.planner.inputs import inputs_from_config
+
+    cluster = ClusterSpec.parse("cpu:2")
+    cfg = load_config(TrainConfig, None, ["rollout.env.name=guess", "rollout.env.max_turns=5"])
+    inputs = inputs_from_config(cfg, cluster)
+    assert inputs.workload.episodes == EpisodeShape(5)  # before any measurement: every turn, no observation
+    metrics = {"episode/turns": 3.0, "episode/observed_tokens": 12.0, "episode/env_s": 0.3}
+    measured = inputs.workload_of([8, 9], 20.0, metrics).episodes
+    assert (measured.turns, measured.observed_tokens) == (3.0, 12.0) and measured.env_step_s == pytest.approx(0.1)
+    assert inputs.workload_of([8], 20.0, {}).episodes == EpisodeShape(5), "an iteration without them keeps the given"
+    plain = inputs_from_config(load_config(TrainConfig, None, []), cluster)
+    assert plain.workload_of([8], 20.0, metrics).episodes is None, "a run without episodes has none"

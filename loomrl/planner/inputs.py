@@ -71,11 +71,18 @@ class PlannerInputs:
         """Bytes each device holds (the profile's, which is the cluster's ``memory_gb``)."""
         return self.profile.memory_bytes
 
-    def workload_of(self, lengths: Sequence[int], prompt_len: float) -> Workload:
+    def workload_of(
+        self, lengths: Sequence[int], prompt_len: float, metrics: Mapping[str, float] | None = None
+    ) -> Workload:
         """This run's workload with observed response ``lengths`` and mean ``prompt_len``: the same batch,
-        optimizer steps and groups."""
+        optimizer steps and groups; a multi-turn run's episodes as ``metrics`` measured them, where they did
+        (:meth:`~loomrl.planner.cost.workload.EpisodeShape.from_metrics`)."""
+        episodes = EpisodeShape.from_metrics(metrics or {}) if self.workload.episodes is not None else None
         return dataclasses.replace(
-            self.workload, prompt_len=prompt_len, response_lengths=tuple(max(1, int(n)) for n in lengths)
+            self.workload,
+            prompt_len=prompt_len,
+            response_lengths=tuple(max(1, int(n)) for n in lengths),
+            episodes=episodes or self.workload.episodes,
         )
 
     def with_workload(self, workload: Workload) -> PlannerInputs:

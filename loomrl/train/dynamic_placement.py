@@ -105,7 +105,7 @@ class DynamicPlacement:
         self.lengths = (self.lengths + [list(lengths)])[-OBSERVED_ITERATIONS:]
         self.budget.ran(metrics.get("time/iteration_s", 0.0))
         observed = [n for past in self.lengths for n in past]
-        workload = self.inputs.workload_of(observed, metrics.get("prompt/length", 0.0))
+        workload = self.inputs.workload_of(observed, metrics.get("prompt/length", 0.0), metrics)
         searched = not self.searched_seq or abs(workload.mean_seq / self.searched_seq - 1) > self.settings.drift
         if not searched and not self.budget.allows():
             return None

@@ -469,13 +469,13 @@ class CostModel(CostEstimator):
 
     def env_wait(self, mfc: MFC) -> float:
         """Seconds a multi-turn call waits on its environments, beside its hardware terms (no correction scales
-        it): a wait per later turn, priced whole, as if every episode waited at once (episodes that start
-        together and take turns of similar length do); continuous batching hides it only where episodes are out
-        of step."""
+        it): a wait after every turn (the last one's step ends the episode), priced whole, as if every episode
+        waited at once (episodes that start together and take turns of similar length do); continuous batching
+        hides it only where episodes are out of step."""
         episodes = self.workload.episodes
         if not mfc.multi_turn or episodes is None:
             return 0.0
-        return (episodes.turns - 1) * episodes.env_step_s
+        return episodes.turns * episodes.env_step_s
 
     def prefill_terms(self, role: str, alloc: Allocation, samples: float, context: float) -> dict[str, float]:
         """Uncorrected terms of prefilling ``samples`` samples of ``context`` tokens each on one replica."""

@@ -7,6 +7,7 @@ most of all).
 from __future__ import annotations
 
 import math
+from collections.abc import Mapping
 from dataclasses import dataclass
 from statistics import NormalDist
 
@@ -30,9 +31,9 @@ class EpisodeShape:
     """What an iteration's episodes are like, on average (given, or measured from a run's ``episode/`` metrics).
 
     ``Workload.response_lengths`` are an episode's sampled tokens (what it decodes, and what its losses count: a
-    run's ``response/length``); its ``observed_tokens`` come on top. Each turn after the first prefills its
-    observation (and the turn's last sampled token) over the kept cache, and waits ``env_step_s`` on the
-    environment first. Inference and training passes are priced over prompt and sampled tokens: the observation
+    run's ``response/length``); its ``observed_tokens`` come on top. Every turn is followed by an environment step
+    of ``env_step_s``; each turn after the first prefills its observation (and the last turn's final sampled
+    token) over the kept cache. Inference and training passes are priced over prompt and sampled tokens: the observation
     tokens they also read are left out (a pass's share of them is ``observed_tokens`` over the response)."""
 
     turns: float = 1.0
@@ -41,6 +42,15 @@ class EpisodeShape:
     """Observation tokens per episode."""
     env_step_s: float = 0.0
     """Seconds an environment step takes."""
+
+    @classmethod
+    def from_metrics(cls, metrics: Mapping[str, float]) -> EpisodeShape | None:
+        """A run's episodes as one iteration measured them (``episode/turns``, ``episode/observed_tokens`` and
+        ``episode/env_s``, the seconds of an episode's steps); None for an iteration without episodes."""
+        if "episode/turns" not in metrics:
+            return None
+        turns = max(1.0, float(metrics["episode/turns"]))
+        return cls(turns, float(metrics.get("episode/observed_tokens", 0.0)), metrics.get("episode/env_s", 0.0) / turns)
 
     def __post_init__(self) -> None:
         for name, low in (("turns", 1.0), ("observed_tokens", 0.0), ("env_step_s", 0.0)):

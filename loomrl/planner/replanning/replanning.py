@@ -73,7 +73,7 @@ def _record_workload(inputs: PlannerInputs, metrics: Mapping[str, float]) -> Wor
     lengths = lengths_from_summary(
         metrics["response/length"], metrics["response/length_p90"], metrics["response/length_max"]
     )
-    return inputs.workload_of(lengths, metrics.get("prompt/length", 0.0))
+    return inputs.workload_of(lengths, metrics.get("prompt/length", 0.0), metrics)
 
 
 def refit(
