@@ -170,3 +170,19 @@ def test_a_tool_environment_needs_only_tools_a_start_and_a_score():
     assert env.step(_call("upper", text="hi")).messages == [{"role": "tool", "content": "HI"}]
     assert env.step(_call("boom")).messages[0]["content"] == "error: ZeroDivisionError: division by zero"
     assert env.step("HI").reward == 1.0
+
+
+def test_a_configured_regex_reads_a_tool_environments_calls():
+    from loomrl.config.schema import TrainConfig
+    from loomrl.config.tools import load_config
+    from loomrl.errors import ConfigError
+
+    env = Calculator()
+    env.tool_format = r"<(?P<name>calculator)>(?P<arguments>.*?)</calculator>"
+    env.reset({"prompt": "What is 6 * 7?", "answer": "42"})
+    assert env.step("<calculator>6 * 7</calculator>").messages == [{"role": "tool", "content": "42"}]
+    assert env.step("42").reward == 1.0
+    cfg = load_config(TrainConfig, None, ["rollout.env.name=calculator", f"rollout.env.tool_format={env.tool_format}"])
+    assert cfg.rollout.env.tool_format == env.tool_format
+    with pytest.raises(ConfigError, match=r"rollout\.env\.tool_format: '\(bad' is not 'auto', 'hermes' nor a regular"):
+        load_config(TrainConfig, None, ["rollout.env.tool_format=(bad"])

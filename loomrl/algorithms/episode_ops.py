@@ -20,7 +20,7 @@ from transformers import PreTrainedModel, PreTrainedTokenizerBase
 from loomrl.algorithms.context import OpContext
 from loomrl.config.environment import EnvConfig
 from loomrl.data.tasks import Example
-from loomrl.envs import env_row, is_agent, load_environment
+from loomrl.envs import ToolEnvironment, env_row, is_agent, load_environment
 from loomrl.errors import DataError
 from loomrl.models.tokenizer import decode_response
 from loomrl.rollout import RolloutEngine, SamplingParams, generation_eos_ids, stream_keys
@@ -32,8 +32,21 @@ from loomrl.workflow.batch import Batch, pad_right
 def episode_settings(env: EnvConfig) -> EpisodeSettings:
     """How ``rollout.env``'s episodes run."""
     return EpisodeSettings(
-        env.max_turns, env.turn_tokens, env.at_budget, env.budget_penalty, env.step_timeout_s, env.workers
+        env.max_turns,
+        env.turn_tokens,
+        env.at_budget,
+        env.budget_penalty,
+        env.step_timeout_s,
+        env.workers,
+        env.tool_format,
     )
+
+
+def _configured(instance, settings: EpisodeSettings):
+    """A fresh environment with the run's tool-call format, where it is a tool environment and one is set."""
+    if settings.tool_format != "auto" and isinstance(instance, ToolEnvironment):
+        instance.tool_format = settings.tool_format
+    return instance
 
 
 def env_prompt(tokenizer: PreTrainedTokenizerBase, env: str, example: Example) -> list[int]:
@@ -81,7 +94,7 @@ def episodes_op(ctx: OpContext, batch: Batch, params: SamplingParams, env: str, 
     for sid, prompt, text, answer, row, key in zip(
         batch.ids, batch["prompt_ids"], batch["prompt_text"], batch["answer"], rows, keys
     ):
-        instance = make_env()
+        instance = _configured(make_env(), settings)
         opening = instance.reset(env_row(text, answer, row))
         if conversation_ids(ctx.tokenizer, opening) != list(prompt):
             raise DataError(
@@ -115,10 +128,10 @@ def evaluate_episodes(
     """Greedy episodes on ``examples``: the share solved (ended by the environment with a positive reward), the
     mean reward and the mean number of turns."""
     assert env.name is not None, "evaluating episodes needs an environment"
-    make_env = load_environment(env.name)
+    make_env, settings = load_environment(env.name), episode_settings(env)
     episodes = []
     for i, ex in enumerate(examples):
-        instance = make_env()
+        instance = _configured(make_env(), settings)
         opening = instance.reset(env_row(ex.prompt, ex.answer, ex.row))
         episodes.append(Episode(i, conversation_ids(tokenizer, opening), 0, max_new_tokens, instance, opening=opening))
     params = SamplingParams(max_new_tokens=max_new_tokens, temperature=0.0)
@@ -131,7 +144,7 @@ def evaluate_episodes(
         tokenizer.pad_token_id,
         tokenizer,
         decode,
-        episode_settings(env),
+        settings,
         env.name,
     )
     n = len(episodes)

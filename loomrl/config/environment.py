@@ -3,9 +3,10 @@
 
 from __future__ import annotations
 
+import re
 from dataclasses import dataclass
 
-from loomrl.config.tools import ValidatedConfig, spec
+from loomrl.config.tools import ValidatedConfig, fail, spec
 
 AT_BUDGET = ("truncate", "penalise")  # loomrl.rollout.episodes.AT_BUDGET
 
@@ -29,9 +30,20 @@ class EnvConfig(ValidatedConfig):
     """What 'penalise' takes from the reward of an episode cut by its budget."""
     step_timeout_s: float = spec(30.0, gt=0)
     """Seconds an environment step may take; a slower one ends its episode (its reward so far)."""
+    tool_format: str = "auto"
+    """How a tool environment reads tool calls from a turn: 'auto' (its own ``tool_format``: Hermes
+    ``<tool_call>{json}</tool_call>`` for the built-ins), 'hermes', or a regular expression whose matches are calls
+    (groups ``name`` and ``arguments``; see loomrl.envs.tool_calls)."""
     workers: int = spec(8, ge=1, le=1024)
     """Threads running environment steps, per generating device: episodes waiting on their environment do not
     hold the others' decoding."""
+
+    def validate(self) -> None:
+        if self.tool_format not in ("auto", "hermes"):
+            try:
+                re.compile(self.tool_format)
+            except re.error as exc:
+                fail("tool_format", f"{self.tool_format!r} is not 'auto', 'hermes' nor a regular expression ({exc})")
 
     @property
     def enabled(self) -> bool:

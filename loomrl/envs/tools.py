@@ -11,7 +11,7 @@ from __future__ import annotations
 
 from abc import ABC, abstractmethod
 from collections.abc import Callable, Mapping
-from typing import Any, ClassVar
+from typing import Any
 
 from loomrl.envs.base import Message, StepResult
 from loomrl.envs.tool_calls import HERMES, parse_tool_calls
@@ -23,7 +23,9 @@ RESULT_CHARS = 400
 class ToolEnvironment(ABC):
     """Base of tool-using environments (see the module docstring)."""
 
-    tool_format: ClassVar[str] = HERMES
+    tool_format: str = HERMES
+    """How calls are read (:func:`~loomrl.envs.tool_calls.parse_tool_calls`); a run's ``rollout.env.tool_format``
+    replaces it."""
 
     def __init__(self) -> None:
         self.tools: Mapping[str, Callable[..., str]] = {}
@@ -53,6 +55,8 @@ class ToolEnvironment(ABC):
         if tool is None:
             return f"error: no tool named {name!r} (tools: {', '.join(sorted(self.tools))})", False
         try:
+            if set(arguments) == {"input"}:  # a call read by a regular expression: its text, as the one argument
+                return str(tool(arguments["input"]))[:RESULT_CHARS], True
             return str(tool(**arguments))[:RESULT_CHARS], True
         except TypeError as exc:
             return f"error: wrong arguments for {name}: {exc}"[:RESULT_CHARS], False

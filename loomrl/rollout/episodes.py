@@ -58,6 +58,8 @@ class EpisodeSettings:
     """Seconds an environment step may take; a slower one ends its episode."""
     workers: int = 8
     """Threads running environment steps."""
+    tool_format: str = "auto"
+    """A tool environment's call format ('auto': its own; see :mod:`loomrl.envs.tool_calls`)."""
     keep_cache: bool = True
     """Continue an episode over its kept cache; False: prefill its whole history again each turn (the baseline
     that keeping the cache is measured against)."""
