@@ -24,7 +24,9 @@ every replica runs in parallel on equal shares, so a call takes as long as one r
   *distribution*: at step t, the live samples (those with length > t, scaled to the share) each produce one
   token, and a step costs ``max(compute, weight + KV-cache reads)`` plus its all-reduces
   (:mod:`loomrl.planner.cost.decode`). The rollout engine decodes all live samples together, so generation
-  ignores ``micro_batches`` unless ``pp > 1``.
+  ignores ``micro_batches`` unless ``pp > 1``. A multi-turn call (``multi_turn``, the workload's ``episodes``)
+  decodes the sampled tokens, prefills each later turn's observation over the kept cache (``continue_*``) and
+  waits on its environments after every turn (:meth:`CostModel.env_wait`, beside the corrected terms).
 - **Compute** (advantages): a few float columns per token read and written on one device.
 - **Operator launches** (every kind): each slot of a pass also dispatches its stage's operators
   (:func:`loomrl.planner.cost.terms.forward_ops`, 3× when training, plus the optimizer's per-tensor operators), and
