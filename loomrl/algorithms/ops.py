@@ -115,11 +115,10 @@ def micro_batch_rows(ctx: OpContext, lengths: Sequence[int]) -> list[slice]:
     return micro_batch_slices(len(lengths), k)
 
 
-def by_length(attn_BL: torch.Tensor, micro_batches: int) -> torch.Tensor:
-    """The order an op runs its rows in: by length (stable), so that micro-batches hold rows of similar length;
-    as they are with a single micro-batch."""
-    lengths_B = attn_BL.sum(1)
-    return torch.argsort(lengths_B, stable=True) if micro_batches > 1 else torch.arange(attn_BL.shape[0])
+def by_length(lengths_B: torch.Tensor, micro_batches: int) -> torch.Tensor:
+    """The order an op runs rows of ``lengths_B`` tokens in: by length (stable), so that micro-batches hold rows
+    of similar length; as they are with a single micro-batch."""
+    return torch.argsort(lengths_B, stable=True) if micro_batches > 1 else torch.arange(lengths_B.shape[0])
 
 
 OutputFn = Callable[[torch.Tensor, torch.Tensor], torch.Tensor]
@@ -143,8 +142,9 @@ def role_outputs(
     and the engine computes it only up to its own longest row, and they are cut where they compute the fewest
     padded tokens (:func:`micro_batch_rows`; as verl's dynamic batching and OpenRLHF's packing avoid computing
     padding): on a batch with a long tail, the long rows no longer pad a quarter of the batch each."""
-    order = by_length(attn_BL, ctx.micro_batches)
-    parts = micro_batch_rows(ctx, attn_BL.sum(1)[order].tolist())
+    lengths_B = attn_BL.sum(1)
+    order = by_length(lengths_B, ctx.micro_batches)
+    parts = micro_batch_rows(ctx, lengths_B[order].tolist())
     keep = (lambda out, k: output_fn(out, order[parts[k]].to(ids_BL.device))) if output_fn is not None else None
     if len(parts) == 1:
         return ctx.role.passes.outputs(ids_BL, attn_BL, parts, keep, prompt_len_B, temperature)
