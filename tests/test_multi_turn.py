@@ -164,3 +164,40 @@ def test_a_prompt_file_needs_reward_functions_unless_an_environment_rewards_its_
     assert load_config(TrainConfig, None, [*file, "rollout.env.name=guess"]).rollout.env.name == "guess"
     with pytest.raises(ConfigError, match=r"task\.reward_fn: task 'file' needs reward_fn \(or reward_fns\) to score"):
         load_config(EvalConfig, None, ["model=llama-1m", *file])
+
+
+def test_a_demonstration_is_laid_out_as_a_sampled_episode_and_a_warm_start_learns_it(tmp_path):
+    import json as jsonlib
+
+    from loomrl.algorithms.episode_ops import demonstrations
+    from loomrl.config.schema import SFTConfig
+    from loomrl.config.tools import load_config
+    from loomrl.data.tasks import Example
+    from loomrl.envs import Calculator
+    from loomrl.models.tokenizer import build_char_tokenizer
+    from loomrl.train.sft import run_sft
+
+    tok = build_char_tokenizer()
+    (ep,) = demonstrations(tok, "guess", [Example("guess", "7", row={})])
+    enc = lambda text: tok.encode(text, add_special_tokens=False)  # noqa: E731
+    eos = tok.eos_token_id
+    # binary search 0..9 for 7: 4 (higher), 7
+    assert ep.tokens == [*enc("4"), eos, *enc(" higher:"), *enc("7"), eos]
+    assert ep.mask == [1, 1] + [0] * len(enc(" higher:")) + [1, 1] and ep.reward == 1.0 and ep.turns == 2
+    assert ep.prompt == [tok.bos_token_id, *enc("guess 0 9:")]
+    calc = Calculator()
+    row = {"prompt": "What is 418 * 7? Reply with the number only.", "answer": "2926"}
+    calc.reset(row)
+    turns = calc.demonstrate(row)
+    assert calc.step(turns[0]).messages == [{"role": "tool", "content": "2926"}] and calc.step(turns[1]).reward == 1
+    rows = tmp_path / "guess.jsonl"
+    rows.write_text("".join(jsonlib.dumps({"prompt": "guess", "answer": str(i % 10)}) + "\n" for i in range(200)))
+    cfg = load_config(
+        SFTConfig,
+        None,
+        [f"out_dir={tmp_path / 'sft'}", "task.name=file", f"task.prompt_file={rows}", "env.name=guess"]
+        + ["steps=60", "batch_size=32", "eval_prompts=20", "max_new_tokens=24"],
+    )
+    summary = run_sft(cfg, progress=False)
+    losses = [jsonlib.loads(x)["loss"] for x in (tmp_path / "sft" / "sft_metrics.jsonl").read_text().splitlines()]
+    assert losses[-1] < 0.5 * losses[0] and "eval/turns" in summary

@@ -25,7 +25,14 @@ from loomrl.errors import DataError
 from loomrl.models.tokenizer import decode_response
 from loomrl.rollout import RolloutEngine, SamplingParams, generation_eos_ids, stream_keys
 from loomrl.rollout.agents import run_agents
-from loomrl.rollout.episodes import Episode, EpisodeSettings, ObservationTokens, conversation_ids, run_episodes
+from loomrl.rollout.episodes import (
+    Episode,
+    EpisodeSettings,
+    ObservationTokens,
+    conversation_ids,
+    run_episodes,
+    scripted_episode,
+)
 from loomrl.workflow.batch import Batch, pad_right
 
 
@@ -47,6 +54,24 @@ def _configured(instance, settings: EpisodeSettings):
     if settings.tool_format != "auto" and isinstance(instance, ToolEnvironment):
         instance.tool_format = settings.tool_format
     return instance
+
+
+def demonstrations(tokenizer: PreTrainedTokenizerBase, env: str, examples: Sequence[Example]) -> list[Episode]:
+    """Each example's demonstration in environment ``env`` (its ``demonstrate(row)`` turns, played through it),
+    laid out token for token as a sampled episode (:func:`~loomrl.rollout.episodes.scripted_episode`): what a
+    supervised warm start learns from, its loss on the turns' tokens only."""
+    make_env = load_environment(env)
+    observe = ObservationTokens(tokenizer, [tokenizer.eos_token_id])
+    out = []
+    for ex in examples:
+        instance = make_env()
+        row = env_row(ex.prompt, ex.answer, ex.row)
+        opening = instance.reset(row)
+        demonstrate = getattr(instance, "demonstrate", None)
+        if demonstrate is None:
+            raise DataError(f"environment '{env}': has no demonstrate(row) method to learn demonstrations from")
+        out.append(scripted_episode(instance, opening, demonstrate(row), tokenizer, observe, tokenizer.eos_token_id))
+    return out
 
 
 def env_prompt(tokenizer: PreTrainedTokenizerBase, env: str, example: Example) -> list[int]:

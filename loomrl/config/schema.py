@@ -641,6 +641,10 @@ class SFTConfig(ValidatedConfig):
     """Zoo name or local checkpoint directory to start from."""
     task: TaskConfig = field(default_factory=TaskConfig)
     """Task whose demonstrations are learned."""
+    env: EnvConfig = field(default_factory=EnvConfig)
+    """Multi-turn demonstrations: ``env.name`` names an environment whose ``demonstrate(row)`` gives each row's
+    turns (the built-ins': a tool call and the answer; a binary search), played through it; the loss covers the
+    turns, not the observations. None: the task's single-response demonstrations."""
     steps: int = spec(200, ge=1)
     """Optimizer steps."""
     batch_size: int = spec(64, ge=1)
@@ -658,7 +662,7 @@ class SFTConfig(ValidatedConfig):
     optimizer (mixed precision; log-probs, values and losses stay fp32); auto is bf16 on cuda, fp32 on cpu."""
 
     def validate(self) -> None:
-        self.task.check_rewarded()
+        self.task.check_rewarded(self.env.enabled if self.env.enabled else None)
 
 
 @dataclass(frozen=True)

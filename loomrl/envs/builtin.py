@@ -12,6 +12,7 @@
 from __future__ import annotations
 
 import ast
+import json
 import operator
 import re
 from collections.abc import Mapping
@@ -21,6 +22,7 @@ from loomrl.data.arith import final_number, reference_answer
 from loomrl.data.sandbox import SandboxLimits, run_python
 from loomrl.envs.base import Message, StepResult
 from loomrl.envs.tools import ToolEnvironment
+from loomrl.errors import DataError
 
 _EXAMPLE_CALL = '<tool_call>{"name": "calculator", "arguments": {"expression": "57 + 5"}}</tool_call>'
 _OPS = {ast.Add: operator.add, ast.Sub: operator.sub, ast.Mult: operator.mul, ast.Div: operator.truediv}
@@ -55,6 +57,21 @@ def _question(row: Mapping[str, Any]) -> str:
     return str(row.get("question") or row["prompt"])
 
 
+def _expression(row: Mapping[str, Any]) -> str:
+    """The arithmetic a question asks for ('What is 57 + 5? ...' → '57 + 5'), for a demonstration."""
+    match = re.search(r"What is ([-+*/() \d.]+)\?", _question(row))
+    if match is None:
+        raise DataError(f"no demonstration for {_question(row)!r}: it asks for no 'What is <arithmetic>?'")
+    return match[1].strip()
+
+
+def _answer_text(row: Mapping[str, Any]) -> str:
+    value = reference_answer(str(row.get("answer")))
+    if value is None:
+        raise DataError(f"no demonstration for {_question(row)!r}: its answer {row.get('answer')!r} is no number")
+    return str(int(value)) if value.is_integer() else str(value)
+
+
 def _right(content: str, answer: Any) -> float:
     want = reference_answer(str(answer)) if answer is not None else None
     got = final_number(content)
@@ -81,6 +98,11 @@ class Calculator(ToolEnvironment):
 
     def score(self, answer: str) -> float:
         return _right(answer, self.answer)
+
+    def demonstrate(self, row: Mapping[str, Any]) -> list[str]:
+        """The turns of a correct episode: the calculator call, then the answer (for supervised warm starts)."""
+        call = json.dumps({"name": "calculator", "arguments": {"expression": _expression(row)}})
+        return [f"<tool_call>{call}</tool_call>", _answer_text(row)]
 
 
 class PythonTool(ToolEnvironment):
@@ -109,17 +131,33 @@ class PythonTool(ToolEnvironment):
     def score(self, answer: str) -> float:
         return _right(answer, self.answer)
 
+    def demonstrate(self, row: Mapping[str, Any]) -> list[str]:
+        """The turns of a correct episode: code that prints the value, then the answer."""
+        call = json.dumps({"name": "python", "arguments": {"code": f"print({_expression(row)})"}})
+        return [f"<tool_call>{call}</tool_call>", _answer_text(row)]
+
 
 class GuessingGame:
     """Guess the secret integer in as few turns as the episode allows (see the module docstring)."""
 
     def __init__(self) -> None:
-        self.secret = 0
+        self.secret, self.low, self.high = 0, 0, 9
 
     def reset(self, row: Mapping[str, Any]) -> list[Message]:
         self.secret = int(row["answer"])
-        low, high = int(row.get("low", 0)), int(row.get("high", 9))
-        return [{"role": "user", "content": f"guess {low} {high}:"}]
+        self.low, self.high = int(row.get("low", 0)), int(row.get("high", 9))
+        return [{"role": "user", "content": f"guess {self.low} {self.high}:"}]
+
+    def demonstrate(self, row: Mapping[str, Any]) -> list[str]:
+        """The turns of a binary search for the secret (for supervised warm starts)."""
+        secret, low, high = int(row["answer"]), int(row.get("low", 0)), int(row.get("high", 9))
+        turns = []
+        while True:
+            guess = (low + high) // 2
+            turns.append(str(guess))
+            if guess == secret:
+                return turns
+            low, high = (guess + 1, high) if guess < secret else (low, guess - 1)
 
     def step(self, assistant_text: str) -> StepResult:
         found = re.findall(r"-?\d+", assistant_text)

@@ -142,6 +142,39 @@ def conversation_ids(tokenizer: PreTrainedTokenizerBase, messages: Sequence[dict
     return encode_prompt(tokenizer, "".join(m["content"] for m in messages))
 
 
+def scripted_episode(
+    env: Any,
+    opening: Sequence[dict[str, str]],
+    turns: Sequence[str],
+    tokenizer: PreTrainedTokenizerBase,
+    observe: Callable[[Sequence[dict[str, str]]], list[int]],
+    turn_end: int,
+) -> Episode:
+    """The episode a model would have had by sampling ``turns`` (each followed by ``turn_end``) in ``env``, reset
+    to ``opening``: a demonstration to learn from, laid out token for token as :func:`run_episodes` lays out a
+    sampled one (``mask`` 1 on the turns' tokens, 0 on the observations'). A turn after the environment ended the
+    episode is a one-line error."""
+    ep = Episode(-1, conversation_ids(tokenizer, opening), 0, 0, env)
+    for i, text in enumerate(turns):
+        if ep.finish:
+            raise DataError(f"demonstration: turn {i} comes after the environment ended the episode")
+        sampled = [*tokenizer.encode(text, add_special_tokens=False), turn_end]
+        ep.tokens += sampled
+        ep.mask += [1] * len(sampled)
+        ep.turns += 1
+        result = env.step(text)
+        ep.reward += float(result.reward)
+        if result.done:
+            ep.finish = "done"
+            continue
+        observed = observe(result.messages) if i + 1 < len(turns) else []
+        ep.tokens += observed
+        ep.mask += [0] * len(observed)
+    ep.logps = [0.0] * len(ep.tokens)
+    ep.budget = len(ep.tokens)
+    return ep
+
+
 def run_episodes(
     engine: RolloutEngine,
     episodes: Sequence[Episode],

@@ -16,6 +16,7 @@ from pathlib import Path
 import torch
 
 from loomrl.algorithms.advantages import masked_mean
+from loomrl.algorithms.episode_ops import demonstrations
 from loomrl.algorithms.evaluate import evaluate_policy
 from loomrl.algorithms.lr import learning_rate, set_lr
 from loomrl.config.schema import SFTConfig
@@ -25,17 +26,24 @@ from loomrl.models.tokenizer import encode_prompt, task_tokenizer
 from loomrl.models.zoo import build_causal_lm
 from loomrl.role import adamw, resolve_device, resolve_dtype
 from loomrl.train.progress import RunProgress
-from loomrl.workflow.batch import pack_sequences, response_columns, response_mask
+from loomrl.workflow.batch import pack_sequences, pad_right, response_columns, response_mask
 
 
-def demonstration_loss(model, tokenizer, examples, task, device: torch.device) -> torch.Tensor:
-    """Mean NLL of answer + eos tokens given the prompt."""
-    prompts = [encode_prompt(tokenizer, ex.model_input) for ex in examples]
-    targets = [
-        tokenizer.encode(task.demonstration(ex), add_special_tokens=False) + [tokenizer.eos_token_id] for ex in examples
-    ]
+def demonstration_loss(model, tokenizer, examples, task, device: torch.device, env: str | None = None) -> torch.Tensor:
+    """Mean NLL of answer + eos tokens given the prompt; with an environment, of the turns of each example's
+    multi-turn demonstration (:func:`~loomrl.algorithms.episode_ops.demonstrations`), observations excluded."""
+    if env is not None:
+        episodes = demonstrations(tokenizer, env, examples)
+        prompts, targets = [ep.prompt for ep in episodes], [ep.tokens for ep in episodes]
+        mask_BR = pad_right([ep.mask for ep in episodes]).to(device)
+    else:
+        prompts = [encode_prompt(tokenizer, ex.model_input) for ex in examples]
+        targets = [
+            tokenizer.encode(task.demonstration(ex), add_special_tokens=False) + [tokenizer.eos_token_id]
+            for ex in examples
+        ]
+        mask_BR = response_mask(targets).to(device)
     ids_BL, attn_BL, plen_B = pack_sequences(prompts, targets, tokenizer.pad_token_id, device)
-    mask_BR = response_mask(targets).to(device)
     logp_BR = response_columns(token_logprobs(model, ids_BL, attn_BL), plen_B, mask_BR.shape[1])
     return -masked_mean(logp_BR, mask_BR)
 
@@ -59,7 +67,7 @@ def run_sft(cfg: SFTConfig, progress: bool = True) -> dict[str, float]:
     ):
         for step in range(cfg.steps):
             examples = examples_window(train, step * cfg.batch_size, cfg.batch_size)
-            loss = demonstration_loss(model, tokenizer, examples, task, device)
+            loss = demonstration_loss(model, tokenizer, examples, task, device, cfg.env.name)
             set_lr(opt, learning_rate(cfg.optim, step, cfg.steps))
             opt.zero_grad(set_to_none=True)
             loss.backward()
@@ -67,7 +75,7 @@ def run_sft(cfg: SFTConfig, progress: bool = True) -> dict[str, float]:
             opt.step()
             log.write(json.dumps({"step": step, "loss": loss.item()}) + "\n")
             bar.update(step, {"loss": loss.item()})
-    result = evaluate_policy(model, tokenizer, task, held, cfg.max_new_tokens)
+    result = evaluate_policy(model, tokenizer, task, held, cfg.max_new_tokens, env=cfg.env)
     model.save_pretrained(out, safe_serialization=True)
     tokenizer.save_pretrained(out)
     summary = {"loss": loss.item(), **{f"eval/{k}": v for k, v in result.items()}, "seconds": time.perf_counter() - t0}
