@@ -15,6 +15,7 @@ import ast
 import json
 import operator
 import re
+from abc import abstractmethod
 from collections.abc import Mapping
 from typing import Any
 
@@ -78,7 +79,35 @@ def _right(content: str, answer: Any) -> float:
     return float(want is not None and got is not None and abs(got - want) < 1e-6)
 
 
-class Calculator(ToolEnvironment):
+class _ArithmeticTool(ToolEnvironment):
+    """An arithmetic question with one tool: the system message teaching the call, the question, the final number
+    scored against the answer, and a demonstration (the call, then the answer)."""
+
+    SYSTEM = ""
+    TOOL = ""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.answer: Any = None
+
+    def reset(self, row: Mapping[str, Any]) -> list[Message]:
+        self.answer = row.get("answer")
+        return [{"role": "system", "content": self.SYSTEM}, {"role": "user", "content": _question(row)}]
+
+    def score(self, answer: str) -> float:
+        return _right(answer, self.answer)
+
+    @abstractmethod
+    def arguments(self, expression: str) -> dict[str, str]:
+        """The tool's arguments that compute ``expression`` (a demonstration's call)."""
+
+    def demonstrate(self, row: Mapping[str, Any]) -> list[str]:
+        """The turns of a correct episode: the tool call, then the answer (for supervised warm starts)."""
+        call = json.dumps({"name": self.TOOL, "arguments": self.arguments(_expression(row))})
+        return [f"<tool_call>{call}</tool_call>", _answer_text(row)]
+
+
+class Calculator(_ArithmeticTool):
     """Arithmetic questions with a calculator tool (see the module docstring)."""
 
     SYSTEM = (
@@ -86,26 +115,17 @@ class Calculator(ToolEnvironment):
         f"{_EXAMPLE_CALL}\n"
         "You will get the result. Then reply with the number only."
     )
+    TOOL = "calculator"
 
     def __init__(self) -> None:
         super().__init__()
         self.tools = {"calculator": calculate}
-        self.answer: Any = None
 
-    def reset(self, row: Mapping[str, Any]) -> list[Message]:
-        self.answer = row.get("answer")
-        return [{"role": "system", "content": self.SYSTEM}, {"role": "user", "content": _question(row)}]
-
-    def score(self, answer: str) -> float:
-        return _right(answer, self.answer)
-
-    def demonstrate(self, row: Mapping[str, Any]) -> list[str]:
-        """The turns of a correct episode: the calculator call, then the answer (for supervised warm starts)."""
-        call = json.dumps({"name": "calculator", "arguments": {"expression": _expression(row)}})
-        return [f"<tool_call>{call}</tool_call>", _answer_text(row)]
+    def arguments(self, expression: str) -> dict[str, str]:
+        return {"expression": expression}
 
 
-class PythonTool(ToolEnvironment):
+class PythonTool(_ArithmeticTool):
     """Arithmetic questions with a sandboxed Python tool (see the module docstring)."""
 
     SYSTEM = (
@@ -113,28 +133,19 @@ class PythonTool(ToolEnvironment):
         '<tool_call>{"name": "python", "arguments": {"code": "print(57 + 5)"}}</tool_call>\n'
         "You will get what it prints. Then reply with the number only."
     )
+    TOOL = "python"
     LIMITS = SandboxLimits(cpu_s=2, wall_s=5)
 
     def __init__(self) -> None:
         super().__init__()
         self.tools = {"python": self.python}
-        self.answer: Any = None
 
     def python(self, code: str) -> str:
         result = run_python(code, limits=self.LIMITS)
         return result.stdout if result.ok else result.describe()
 
-    def reset(self, row: Mapping[str, Any]) -> list[Message]:
-        self.answer = row.get("answer")
-        return [{"role": "system", "content": self.SYSTEM}, {"role": "user", "content": _question(row)}]
-
-    def score(self, answer: str) -> float:
-        return _right(answer, self.answer)
-
-    def demonstrate(self, row: Mapping[str, Any]) -> list[str]:
-        """The turns of a correct episode: code that prints the value, then the answer."""
-        call = json.dumps({"name": "python", "arguments": {"code": f"print({_expression(row)})"}})
-        return [f"<tool_call>{call}</tool_call>", _answer_text(row)]
+    def arguments(self, expression: str) -> dict[str, str]:
+        return {"code": f"print({expression})"}
 
 
 class GuessingGame:
