@@ -3,7 +3,7 @@
 from loomrl.envs.base import Agent, Environment, Message, StepResult, env_row
 from loomrl.envs.builtin import BUILTIN_ENVIRONMENTS, Calculator, GuessingGame, PythonTool, calculate
 from loomrl.envs.loading import is_agent, load_environment
-from loomrl.envs.tool_calls import HERMES, ParsedTurn, ToolCall, parse_tool_calls, tool_call_format
+from loomrl.envs.tool_calls import HERMES, ParsedTurn, ToolCall, parse_tool_calls
 from loomrl.envs.tools import ToolEnvironment
 
 __all__ = [
@@ -24,5 +24,4 @@ __all__ = [
     "is_agent",
     "load_environment",
     "parse_tool_calls",
-    "tool_call_format",
 ]

@@ -41,14 +41,6 @@ class ParsedTurn:
     content: str = ""
 
 
-def tool_call_format(chat_template: str | None) -> str:
-    """The call convention of a tokenizer's chat template: Hermes where the template writes ``<tool_call>`` (Qwen,
-    Hermes), and Hermes too for templates that define none (SmolLM2, Llama 3's plain ChatML fine-tunes), which an
-    environment's system message then teaches; a template with another convention needs ``tool_format`` set to
-    its regular expression."""
-    return HERMES
-
-
 def parse_tool_calls(text: str, fmt: str = HERMES) -> ParsedTurn:
     """The tool calls in ``text`` by ``fmt`` (:data:`HERMES` or a regular expression; see the module docstring)."""
     if fmt == HERMES:
