@@ -83,8 +83,9 @@ def run(model, args, latency: float, keep_cache: bool) -> tuple[float, int]:
         ep.env = Scripted(args.turns, latency, args.observed)
     params = SamplingParams(max_new_tokens=budget, temperature=1.0, ignore_eos=True)
     engine = RolloutEngine(model, params, 2, 0, slots=args.episodes, max_len=args.prompt + budget)
-    settings = EpisodeSettings(max_turns=args.turns, turn_tokens=args.turn_tokens, workers=args.episodes)
-    settings = EpisodeSettings(**{**settings.__dict__, "keep_cache": keep_cache})
+    settings = EpisodeSettings(
+        max_turns=args.turns, turn_tokens=args.turn_tokens, workers=args.episodes, keep_cache=keep_cache
+    )
     start = time.perf_counter()
     with torch.no_grad():
         run_episodes(engine, episodes, ObservationTokens(TOKENIZER, [2]), TOKENIZER.decode, settings)
@@ -93,7 +94,7 @@ def run(model, args, latency: float, keep_cache: bool) -> tuple[float, int]:
     return seconds, sum(ep.mask.count(1) for ep in episodes)
 
 
-def predictions(args, latency: float) -> dict[str, float]:
+def predictions(args, latency: float, profile) -> dict[str, float]:
     """The planner's seconds for the call with and without latency, and with re-prefilling instead of kept
     caches, on this machine's measured profile."""
     cluster = ClusterSpec(nodes=1, devices_per_node=1, device_kind="cpu")
@@ -104,7 +105,7 @@ def predictions(args, latency: float) -> dict[str, float]:
     def cost(step_s: float) -> CostModel:
         episodes = EpisodeShape(args.turns, observed, step_s)
         workload = Workload(args.episodes, args.prompt, (sampled,), decode_slots=args.episodes, episodes=episodes)
-        return CostModel(cluster, PROFILE, {"actor": shape}, workload)
+        return CostModel(cluster, profile, {"actor": shape}, workload)
 
     mfc = MFC("actor_gen", "actor", MFCKind.GENERATE, ("prompt_ids",), ("response_ids",), multi_turn=True)
     alloc = Allocation.parse("0:dp1")
@@ -151,9 +152,7 @@ def main() -> None:
         for name, (lat, keep) in variants.items():
             s, tokens = run(model, args, lat, keep)
             seconds[name].append(s)
-    global PROFILE
-    PROFILE = calibrate_local(1)
-    predicted = predictions(args, latency)
+    predicted = predictions(args, latency, calibrate_local(1))
     base = seconds["kept cache, no latency"]
     rows = []
     for (name, values), key in zip(seconds.items(), ("zero", "latency", "reprefill")):
@@ -178,8 +177,6 @@ def main() -> None:
         f"(target ≥ 0.80; predicted {predicted['zero'] / predicted['latency']:.2f})"
     )
 
-
-PROFILE = None
 
 if __name__ == "__main__":
     main()
