@@ -7,9 +7,11 @@ import torch
 
 from loomrl.algorithms.advantages import (
     broadcast_to_tokens,
+    credit_by_turn,
     discounted_returns,
     gae,
     group_normalized,
+    group_scale,
     masked_mean,
     masked_var,
     masked_whiten,
@@ -209,3 +211,29 @@ def test_masked_tokens_inside_a_row_are_skipped_as_if_absent(fn):
         alone = run(reward[b : b + 1, keep], value[b : b + 1, keep], torch.ones(1, int(keep.sum())))
         for g, a in zip(got, alone):
             assert torch.allclose(g[b, keep], a[0]) and (g[b, ~keep] == 0).all()
+
+
+# --- turn credit (multi-turn episodes) --------------------------------------------------------------------
+
+
+def test_earned_rewards_stay_where_they_were_earned_and_the_rest_of_the_score_goes_last():
+    mask = torch.tensor([[1, 1, 0, 1, 1, 0], [1, 0, 0, 0, 0, 0]], dtype=torch.float32)
+    earned = torch.tensor([[0, 0.3, 0, 0, 0.5, 0], [0, 0, 0, 0, 0, 0]])
+    kl = torch.full((2, 6), 0.1)
+    got = token_rewards(torch.tensor([0.6, 2.0]), kl, mask, 0.5, earned)  # row 0: 0.8 earned, -0.2 shaped away
+    close(got, [[-0.05, 0.25, 0, -0.05, 0.25, 0], [1.95, 0, 0, 0, 0, 0]])
+    plain = token_rewards(torch.tensor([0.6, 2.0]), kl, mask, 0.5)
+    assert torch.equal(token_rewards(torch.tensor([0.6, 2.0]), kl, mask, 0.5, torch.zeros(2, 6)), plain)
+
+
+def test_turn_credit_takes_from_a_turn_what_earlier_turns_earned():
+    mask = torch.tensor([[1, 1, 0, 1, 1, 0], [1, 1, 0, 1, 0, 0]], dtype=torch.float32)
+    earned = torch.tensor([[0, 0.3, 0, 0, 0.7, 0], [0, 0, 0, 0, 0, 0]])  # row 1: everything at the end
+    adv = torch.tensor([2.0, -1.0])
+    got = credit_by_turn(adv, torch.tensor([1.0, 0.4]), earned, mask, torch.tensor([0.5, 3.0]))
+    close(got, [[2.0, 2.0, 0, 1.85, 1.85, 0], [-1.0, -1.0, 0, -1.0, 0, 0]])
+    end_only = credit_by_turn(adv, torch.tensor([1.0, 0.4]), torch.zeros(2, 6), mask, torch.tensor([0.5, 3.0]))
+    assert torch.equal(end_only, broadcast_to_tokens(adv, mask)), "rewarded at the end: the episode rule exactly"
+    score = torch.tensor([1.0, 3.0, 2.0, 6.0])
+    close(group_scale(score, 2), [1 / (math.sqrt(2) + 1e-6)] * 2 + [1 / (math.sqrt(8) + 1e-6)] * 2)
+    close(group_normalized(score, 2), (score - torch.tensor([2.0, 2.0, 4.0, 4.0])) * group_scale(score, 2))

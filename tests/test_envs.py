@@ -9,6 +9,7 @@ from loomrl.envs import (
     GuessingGame,
     PythonTool,
     StepResult,
+    ToolCall,
     ToolEnvironment,
     calculate,
     env_row,
@@ -62,7 +63,8 @@ def test_a_regular_expression_reads_calls_by_its_groups():
     assert parsed.content == "so  and" and all(c.name == "" for c in parsed.calls)
     by_name = parse_tool_calls("CALL sum(1 2)", r"CALL (?P<name>\w+)\((?P<arguments>[^)]*)\)")
     assert by_name.calls[0].name == "sum" and by_name.calls[0].arguments == {"input": "1 2"}
-    with pytest.raises(DataError, match=r"^tool call format '\(unclosed': not 'hermes' nor a valid regular"):
+    unclosed = r"^tool call format '\(unclosed': not one of hermes, json, mistral nor a valid regular"
+    with pytest.raises(DataError, match=unclosed):
         parse_tool_calls("x", "(unclosed")
 
 
@@ -178,11 +180,75 @@ def test_a_configured_regex_reads_a_tool_environments_calls():
     from loomrl.errors import ConfigError
 
     env = Calculator()
-    env.tool_format = r"<(?P<name>calculator)>(?P<arguments>.*?)</calculator>"
     env.reset({"prompt": "What is 6 * 7?", "answer": "42"})
+    env.tool_format = r"<(?P<name>calculator)>(?P<arguments>.*?)</calculator>"
     assert env.step("<calculator>6 * 7</calculator>").messages == [{"role": "tool", "content": "42"}]
     assert env.step("42").reward == 1.0
     cfg = load_config(TrainConfig, None, ["rollout.env.name=calculator", f"rollout.env.tool_format={env.tool_format}"])
     assert cfg.rollout.env.tool_format == env.tool_format
-    with pytest.raises(ConfigError, match=r"rollout\.env\.tool_format: '\(bad' is not 'auto', 'hermes' nor a regular"):
+    named = r"rollout\.env\.tool_format: '\(bad' is not one of 'auto', 'hermes', 'json', 'mistral' nor a regular"
+    with pytest.raises(ConfigError, match=named):
         load_config(TrainConfig, None, ["rollout.env.tool_format=(bad"])
+
+
+def test_each_convention_reads_what_it_writes_and_chat_templates_name_theirs():
+    from loomrl.envs import CONVENTIONS, format_tool_call, template_convention
+
+    for fmt in CONVENTIONS:
+        written = format_tool_call("calculator", {"expression": "6 * 7"}, fmt)
+        parsed = parse_tool_calls(written, fmt)
+        assert parsed.calls == [ToolCall("calculator", {"expression": "6 * 7"})] and not parsed.errors, fmt
+        assert parse_tool_calls("42", fmt).calls == [] and parse_tool_calls("42", fmt).content == "42"
+    # the marks each family's chat template carries (excerpts of Qwen2.5's, Llama 3.1's and Mistral's templates)
+    qwen = '{{- "<tool_call>\\n{\\"name\\": <function-name>, \\"arguments\\": <args-json-object>}\\n</tool_call>" }}'
+    llama = '{{- \'Respond in the format {"name": function name, "parameters": dictionary of argument name and its'
+    assert template_convention(qwen) == "hermes" and template_convention(llama) == "json"
+    assert template_convention("{{- '[TOOL_CALLS]' + tool_calls|tojson }}") == "mistral"
+    assert template_convention("{{ '<|python_tag|>' + tool_call.arguments.code }}") == "json"
+    assert template_convention("<|im_start|>{{ message['role'] }}") is None and template_convention(None) is None
+    with pytest.raises(DataError, match=r"^tool call format '<c>\(\.\*\)</c>': a regular expression reads calls but"):
+        format_tool_call("calculator", {}, "<c>(.*)</c>")
+
+
+def test_llama_json_calls_lists_and_the_python_tag():
+    json_calls = parse_tool_calls('<|python_tag|>{"name": "a", "parameters": {"x": 1}}', "json")
+    assert json_calls.calls == [ToolCall("a", {"x": 1})] and json_calls.content == ""
+    listed = parse_tool_calls('[{"name": "a", "arguments": "{\\"x\\": 2}"}, {"name": "b"}]', "json")
+    assert listed.calls == [ToolCall("a", {"x": 2}), ToolCall("b", {})]
+    broken = parse_tool_calls('{"name": "a", "parameters": {', "json")
+    assert broken.calls == [] and broken.errors[0].startswith("tool call is not valid JSON")
+    nameless = parse_tool_calls('[{"parameters": {}}]', "json")
+    assert nameless.errors == ['tool call needs a "name" (a string)']
+
+
+def test_mistral_calls_in_both_layouts():
+    v3_text = 'Let me compute. [TOOL_CALLS][{"name": "calculator", "arguments": {"expression": "2+2"}}]'
+    v3 = parse_tool_calls(v3_text, "mistral")
+    assert v3.calls == [ToolCall("calculator", {"expression": "2+2"})] and v3.content == "Let me compute."
+    v11_text = '[TOOL_CALLS]calculator[ARGS]{"expression": "1"}[TOOL_CALLS]python[ARGS]{"code": "2"}'
+    v11 = parse_tool_calls(v11_text, "mistral")
+    assert v11.calls == [ToolCall("calculator", {"expression": "1"}), ToolCall("python", {"code": "2"})]
+    bad = parse_tool_calls("[TOOL_CALLS]calculator {}", "mistral")
+    assert bad.calls == [] and bad.errors == ["tool call 'calculator {}' has no [ARGS] before its arguments"]
+    hermes_list = parse_tool_calls('<tool_call>[{"name": "a"}, {"name": "b", "arguments": {"y": 0}}]</tool_call>')
+    assert hermes_list.calls == [ToolCall("a", {}), ToolCall("b", {"y": 0})]
+
+
+def test_an_episode_opens_in_the_chat_templates_convention_unless_the_run_sets_one():
+    from types import SimpleNamespace
+
+    from loomrl.algorithms.episode_ops import open_episode
+    from loomrl.config.environment import EnvConfig
+    from loomrl.data.tasks import Example
+
+    ex = Example("What is 6 * 7? Reply with the number only.", "42", row={})
+    mistral = SimpleNamespace(chat_template="{{ '[TOOL_CALLS]' }}")
+    env, opening = open_episode(mistral, EnvConfig(name="calculator"), ex)
+    assert env.tool_format == "mistral" and '[TOOL_CALLS][{"name": "calculator"' in opening[0]["content"]
+    call = env.demonstrate({"prompt": ex.prompt, "answer": "42"})[0]
+    assert call == '[TOOL_CALLS][{"name": "calculator", "arguments": {"expression": "6 * 7"}}]'
+    assert env.step(call).messages == [{"role": "tool", "content": "42"}] and env.step("42").reward == 1.0
+    plain = SimpleNamespace(chat_template="<|im_start|>")  # no convention: the environment's own (hermes)
+    assert open_episode(plain, EnvConfig(name="calculator"), ex)[0].tool_format == "hermes"
+    chosen, opening = open_episode(mistral, EnvConfig(name="calculator", tool_format="json"), ex)
+    assert chosen.tool_format == "json" and '{"name": "calculator", "parameters"' in opening[0]["content"]

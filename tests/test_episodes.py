@@ -127,3 +127,15 @@ def test_observations_follow_a_chat_templates_turn_end():
     assert tok.decode(observe([{"role": "user", "content": "hi"}])) == "u:hi|a:"
     with pytest.raises(DataError, match="none of the tokens"):
         ObservationTokens(tok, [2])
+
+
+def test_each_steps_reward_is_kept_on_the_last_token_of_the_turn_that_earned_it(model):
+    done, _ = _run(model, _episodes(6))
+    for ep in done:
+        rewards = ep.token_rewards()
+        assert len(rewards) == len(ep.tokens)
+        turn_ends = [i for i, m in enumerate(ep.mask) if m == 1 and (i + 1 == len(ep.mask) or ep.mask[i + 1] == 0)]
+        steps = int(ep.metrics.get("steps", 0))  # turns answered by the environment (a budget cut's was not)
+        earned = [0.25] * (steps - 1) + [1.0 if ep.finish == "done" else 0.25] if steps else []
+        assert [rewards[i] for i in turn_ends[:steps]] == earned
+        assert sum(rewards) == pytest.approx(ep.reward) and sum(r != 0 for r in rewards) == steps

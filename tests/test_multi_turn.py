@@ -17,8 +17,9 @@ ENV = textwrap.dedent(
 
 
     class Echo:
-        '''Two turns: the first answer is acknowledged ('ok'); the second is scored by the digits it shares,
-        position by position, with the row's answer, and a little for its length (so rewards vary).'''
+        '''Two turns: the first answer is acknowledged ('ok') and rewarded a little for its length; the second is
+        scored by the digits it shares, position by position, with the row's answer, and a little for its length
+        (so rewards vary, and are earned at both turns).'''
 
         def reset(self, row):
             self.turns, self.answer = 0, row["answer"]
@@ -27,7 +28,8 @@ ENV = textwrap.dedent(
         def step(self, text):
             self.turns += 1
             if self.turns < 2:
-                return StepResult([{"role": "user", "content": " ok:"}], 0.0, False, {"chars": float(len(text))})
+                reply = [{"role": "user", "content": " ok:"}]
+                return StepResult(reply, 0.05 * len(text), False, {"chars": float(len(text))})
             same = sum(a == b for a, b in zip(text, self.answer)) / len(self.answer)
             return StepResult([], same + 0.1 * len(text), True, {"chars": float(len(text))})
     """
@@ -59,10 +61,11 @@ def _run(tmp_path, name, *extra):
 
 
 @pytest.mark.usefixtures("ray_session")
-@pytest.mark.parametrize("algo", ["grpo", "ppo"])
-def test_multi_turn_training_on_two_devices_matches_the_reference(tmp_path, env_file, algo):
-    """GRPO's groups are episodes of one row; PPO's critic and GAE see the same masks."""
-    args = (*_episode_args(env_file), f"algo.name={algo}")
+@pytest.mark.parametrize("algo, credit", [("grpo", "episode"), ("ppo", "episode"), ("grpo", "turn")])
+def test_multi_turn_training_on_two_devices_matches_the_reference(tmp_path, env_file, algo, credit):
+    """GRPO's groups are episodes of one row; PPO's critic and GAE see the same masks; turn credit's earned
+    rewards travel with the batch."""
+    args = (*_episode_args(env_file), f"algo.name={algo}", f"rollout.env.credit={credit}")
     reference = _run(tmp_path, "ref", *args)
     assert all(r["episode/turns"] > 1 and r["episode/observed_tokens"] > 0 for r in reference)
     assert all(0 < r["episode/chars"] for r in reference)
@@ -170,6 +173,7 @@ def test_a_demonstration_is_laid_out_as_a_sampled_episode_and_a_warm_start_learn
     import json as jsonlib
 
     from loomrl.algorithms.episode_ops import demonstrations
+    from loomrl.config.environment import EnvConfig
     from loomrl.config.schema import SFTConfig
     from loomrl.config.tools import load_config
     from loomrl.data.tasks import Example
@@ -178,7 +182,7 @@ def test_a_demonstration_is_laid_out_as_a_sampled_episode_and_a_warm_start_learn
     from loomrl.train.sft import run_sft
 
     tok = build_char_tokenizer()
-    (ep,) = demonstrations(tok, "guess", [Example("guess", "7", row={})])
+    (ep,) = demonstrations(tok, EnvConfig(name="guess"), [Example("guess", "7", row={})])
     enc = lambda text: tok.encode(text, add_special_tokens=False)  # noqa: E731
     eos = tok.eos_token_id
     # binary search 0..9 for 7: 4 (higher), 7
@@ -201,3 +205,13 @@ def test_a_demonstration_is_laid_out_as_a_sampled_episode_and_a_warm_start_learn
     summary = run_sft(cfg, progress=False)
     losses = [jsonlib.loads(x)["loss"] for x in (tmp_path / "sft" / "sft_metrics.jsonl").read_text().splitlines()]
     assert losses[-1] < 0.5 * losses[0] and "eval/turns" in summary
+
+
+def test_turn_credit_carries_the_earned_rewards_from_the_episodes_to_the_advantages(tmp_path, env_file):
+    from loomrl.algorithms.workflows import build_workflow
+
+    for credit, carried in (("episode", False), ("turn", True)):
+        cfg = _cfg(tmp_path, credit, *_episode_args(env_file), f"rollout.env.credit={credit}")
+        flow = build_workflow(cfg.algo, cfg.rollout)
+        assert ("earned_reward" in flow["actor_gen"].outputs) is carried
+        assert ("earned_reward" in flow["advantages"].inputs) is carried

@@ -24,9 +24,11 @@ from torch import Tensor
 
 __all__ = [
     "broadcast_to_tokens",
+    "credit_by_turn",
     "discounted_returns",
     "gae",
     "group_normalized",
+    "group_scale",
     "masked_mean",
     "masked_var",
     "masked_whiten",
@@ -133,12 +135,21 @@ def _last_token_index(mask_BT: Tensor) -> tuple[Tensor, Tensor]:
     return last_B.clamp(min=0), last_B >= 0
 
 
-def token_rewards(score_B: Tensor, kl_BT: Tensor, mask_BT: Tensor, kl_coef: float) -> Tensor:
+def token_rewards(
+    score_B: Tensor, kl_BT: Tensor, mask_BT: Tensor, kl_coef: float, earned_BT: Tensor | None = None
+) -> Tensor:
     """PPO-RLHF per-token reward: ``-kl_coef * kl`` on every real token, plus the score on the last one.
 
-    A row with no real token cannot carry its score anywhere and gets an all-zero reward.
+    With ``earned_BT`` (a multi-turn episode's step rewards on the tokens that earned them, credit rule
+    ``turn``), those rewards stay where they are and only the rest of the score (what the steps do not add up
+    to: a budget penalty, DAPO's overlong penalty) goes on the last token. A row with no real token cannot carry
+    its score anywhere and gets an all-zero reward.
     """
     reward_BT = _zero_padding(-kl_coef * kl_BT, mask_BT)
+    if earned_BT is not None:
+        earned_BT = _zero_padding(earned_BT.to(reward_BT.dtype), mask_BT)
+        reward_BT = reward_BT + earned_BT
+        score_B = score_B - earned_BT.sum(dim=-1)
     last_B, nonempty_B = _last_token_index(mask_BT)
     bonus_B = torch.where(nonempty_B, score_B.to(reward_BT.dtype), 0.0)
     return reward_BT.scatter_add(1, last_B.unsqueeze(1), bonus_B.unsqueeze(1))
@@ -208,6 +219,30 @@ def group_normalized(score_B: Tensor, group_size: int, eps: float = 1e-6, std_no
     return adv_BG.reshape(-1)
 
 
+def group_scale(score_B: Tensor, group_size: int, eps: float = 1e-6) -> Tensor:
+    """Each row's GRPO scale: one over its group's (unbiased) score std plus eps (what :func:`group_normalized`
+    divides by)."""
+    score_BG = _grouped(score_B, group_size, 2, "group_scale")
+    return (1.0 / (score_BG.std(dim=1, unbiased=True, keepdim=True) + eps)).expand_as(score_BG).reshape(-1)
+
+
+def credit_by_turn(adv_B: Tensor, score_B: Tensor, earned_BT: Tensor, mask_BT: Tensor, scale_B: Tensor) -> Tensor:
+    """Turn credit for the group baselines (GRPO, RLOO): each token's advantage is its row's ``adv_B`` less the
+    scaled rewards its episode earned *before* the token's turn, so a turn is credited with the reward-to-go from
+    its own step on, never with what earlier turns earned.
+
+    The reward-to-go at a row's first token is its whole score, so the first turn keeps ``adv_B``, and an episode
+    rewarded only at its end is credited exactly as under the episode rule. ``earned_BT`` is the step rewards on
+    the tokens that earned them (the rest of the score counts as earned at the last token, as in
+    :func:`token_rewards`); ``scale_B`` is what the baseline scales scores by (:func:`group_scale` for GRPO, 1 for
+    RLOO).
+    """
+    zero_BT = torch.zeros_like(earned_BT, dtype=adv_B.dtype)
+    to_go_BT = discounted_returns(token_rewards(score_B, zero_BT, mask_BT, 0.0, earned_BT), mask_BT, 1.0)
+    earlier_BT = score_B.to(adv_B.dtype).unsqueeze(1) - to_go_BT
+    return _zero_padding(adv_B.unsqueeze(1) - scale_B.to(adv_B.dtype).unsqueeze(1) * earlier_BT, mask_BT)
+
+
 def rloo_baseline(score_B: Tensor, group_size: int) -> Tensor:
     """RLOO advantage: each score minus the mean of the other ``group_size - 1`` scores of its group."""
     score_BG = _grouped(score_B, group_size, 2, "rloo_baseline")
@@ -236,11 +271,13 @@ def reinforce_pp_advantage(
     kl_coef: float,
     gamma: float = 1.0,
     reduce: Callable[[Tensor], Tensor] | None = None,
+    earned_BT: Tensor | None = None,
 ) -> Tensor:
-    """REINFORCE++ advantage: discounted returns of the PPO token rewards, whitened over the batch.
+    """REINFORCE++ advantage: discounted returns of the PPO token rewards (``earned_BT``: see
+    :func:`token_rewards`), whitened over the batch.
 
     Normalising over all real tokens of the batch (not per prompt group) is what distinguishes
     REINFORCE++ from GRPO.
     """
-    ret_BT = discounted_returns(token_rewards(score_B, kl_BT, mask_BT, kl_coef), mask_BT, gamma)
+    ret_BT = discounted_returns(token_rewards(score_B, kl_BT, mask_BT, kl_coef, earned_BT), mask_BT, gamma)
     return masked_whiten(ret_BT, mask_BT, reduce=reduce)

@@ -5,8 +5,9 @@ the conversation it starts must be the row's prompt (the trainer built the promp
 environment's reset has to be a function of its row. Episodes run in the rollout engine
 (:func:`~loomrl.rollout.episodes.run_episodes`); the call returns, per row, the response (every token after the
 prompt: sampled turns and observations), the sampled tokens' log-probs, the ``mask`` that keeps observation tokens
-out of every loss, KL and advantage, the episode's reward as ``score`` (there is no separate reward call), and its
-turns and environment metrics for the rollout metrics.
+out of every loss, KL and advantage, the episode's reward as ``score`` (there is no separate reward call), its
+turns and environment metrics for the rollout metrics, and, where ``rollout.env.credit`` is ``turn``, the step
+rewards on the tokens that earned them (:data:`EARNED`).
 """
 
 from __future__ import annotations
@@ -20,7 +21,7 @@ from transformers import PreTrainedModel, PreTrainedTokenizerBase
 from loomrl.algorithms.context import OpContext
 from loomrl.config.environment import EnvConfig
 from loomrl.data.tasks import Example
-from loomrl.envs import ToolEnvironment, env_row, is_agent, load_environment
+from loomrl.envs import ToolEnvironment, env_row, is_agent, load_environment, resolve_tool_format
 from loomrl.errors import DataError
 from loomrl.models.tokenizer import decode_response
 from loomrl.rollout import RolloutEngine, SamplingParams, generation_eos_ids, stream_keys
@@ -35,6 +36,10 @@ from loomrl.rollout.episodes import (
 )
 from loomrl.workflow.batch import Batch, pad_right
 
+EARNED = "earned_reward"
+"""The column of step rewards on the tokens that earned them (:meth:`~loomrl.rollout.episodes.Episode.token_rewards`,
+``rollout.env.credit: turn``); the advantage estimators credit by turn where a batch has it."""
+
 
 def episode_settings(env: EnvConfig) -> EpisodeSettings:
     """How ``rollout.env``'s episodes run."""
@@ -46,38 +51,45 @@ def episode_settings(env: EnvConfig) -> EpisodeSettings:
         env.step_timeout_s,
         env.workers,
         env.tool_format,
+        credit=env.credit,
     )
 
 
-def _configured(instance, settings: EpisodeSettings):
-    """A fresh environment with the run's tool-call format, where it is a tool environment and one is set."""
-    if settings.tool_format != "auto" and isinstance(instance, ToolEnvironment):
-        instance.tool_format = settings.tool_format
-    return instance
+def open_episode(
+    tokenizer: PreTrainedTokenizerBase, env: EnvConfig, example: Example, make_env=None
+) -> tuple[object, list[dict[str, str]]]:
+    """A fresh environment for ``example`` and the conversation its reset starts. A tool environment reads and
+    writes calls in the run's format (:func:`~loomrl.envs.tool_calls.resolve_tool_format`: ``env.tool_format``,
+    else the chat template's convention, else its own), set before the reset, whose prompt may show a call. Every
+    place an episode starts (the prompt, sampling, evaluation, demonstrations) opens it here, so they agree."""
+    assert env.name is not None, "an episode needs an environment"
+    instance = (make_env or load_environment(env.name))()
+    if isinstance(instance, ToolEnvironment):
+        template = getattr(tokenizer, "chat_template", None)
+        instance.tool_format = resolve_tool_format(env.tool_format, template, instance.tool_format)
+    return instance, instance.reset(env_row(example.prompt, example.answer, example.row))
 
 
-def demonstrations(tokenizer: PreTrainedTokenizerBase, env: str, examples: Sequence[Example]) -> list[Episode]:
+def demonstrations(tokenizer: PreTrainedTokenizerBase, env: EnvConfig, examples: Sequence[Example]) -> list[Episode]:
     """Each example's demonstration in environment ``env`` (its ``demonstrate(row)`` turns, played through it),
     laid out token for token as a sampled episode (:func:`~loomrl.rollout.episodes.scripted_episode`): what a
     supervised warm start learns from, its loss on the turns' tokens only."""
-    make_env = load_environment(env)
+    make_env = load_environment(env.name)
     observe = ObservationTokens(tokenizer, [tokenizer.eos_token_id])
     out = []
     for ex in examples:
-        instance = make_env()
-        row = env_row(ex.prompt, ex.answer, ex.row)
-        opening = instance.reset(row)
+        instance, opening = open_episode(tokenizer, env, ex, make_env)
         demonstrate = getattr(instance, "demonstrate", None)
         if demonstrate is None:
-            raise DataError(f"environment '{env}': has no demonstrate(row) method to learn demonstrations from")
-        out.append(scripted_episode(instance, opening, demonstrate(row), tokenizer, observe, tokenizer.eos_token_id))
+            raise DataError(f"environment '{env.name}': has no demonstrate(row) method to learn demonstrations from")
+        turns = demonstrate(env_row(ex.prompt, ex.answer, ex.row))
+        out.append(scripted_episode(instance, opening, turns, tokenizer, observe, tokenizer.eos_token_id))
     return out
 
 
-def env_prompt(tokenizer: PreTrainedTokenizerBase, env: str, example: Example) -> list[int]:
+def env_prompt(tokenizer: PreTrainedTokenizerBase, env: EnvConfig, example: Example) -> list[int]:
     """The prompt of an episode on ``example``: the conversation ``env``'s reset starts, as token ids."""
-    messages = load_environment(env)().reset(env_row(example.prompt, example.answer, example.row))
-    return conversation_ids(tokenizer, messages)
+    return conversation_ids(tokenizer, open_episode(tokenizer, env, example)[1])
 
 
 def _run(
@@ -88,8 +100,7 @@ def _run(
     pad_id: int,
     tokenizer: PreTrainedTokenizerBase,
     decode,
-    settings: EpisodeSettings,
-    env: str,
+    env: EnvConfig,
 ) -> None:
     longest = max(len(ep.prompt) for ep in episodes)
     eos_ids = (eos_id, *generation_eos_ids(model))
@@ -100,18 +111,18 @@ def _run(
     was_training = model.training
     model.eval()
     try:
-        if is_agent(load_environment(env)):
-            run_agents(engine, episodes, tokenizer, decode, settings, f"agent '{env}'")
+        settings = episode_settings(env)
+        if is_agent(load_environment(env.name)):
+            run_agents(engine, episodes, tokenizer, decode, settings, f"agent '{env.name}'")
         else:
-            run_episodes(engine, episodes, observe, decode, settings, f"environment '{env}'")
+            run_episodes(engine, episodes, observe, decode, settings, f"environment '{env.name}'")
     finally:
         model.train(was_training)
 
 
-def episodes_op(ctx: OpContext, batch: Batch, params: SamplingParams, env: str, settings: EpisodeSettings) -> dict:
+def episodes_op(ctx: OpContext, batch: Batch, params: SamplingParams, env: EnvConfig) -> dict:
     """Run one episode per row (see the module docstring); columns in row order."""
-    make_env = load_environment(env)
-    model = ctx.role.model
+    make_env = load_environment(env.name)
     assert ctx.tokenizer is not None, "episodes render observations with the run's tokenizer"
     keys = stream_keys(ctx.seed, ctx.iteration, batch.ids).tolist()
     rows = batch["row"] if "row" in batch else [{} for _ in batch.ids]
@@ -119,17 +130,16 @@ def episodes_op(ctx: OpContext, batch: Batch, params: SamplingParams, env: str, 
     for sid, prompt, text, answer, row, key in zip(
         batch.ids, batch["prompt_ids"], batch["prompt_text"], batch["answer"], rows, keys
     ):
-        instance = _configured(make_env(), settings)
-        opening = instance.reset(env_row(text, answer, row))
+        instance, opening = open_episode(ctx.tokenizer, env, Example(text, answer, row=row), make_env)
         if conversation_ids(ctx.tokenizer, opening) != list(prompt):
             raise DataError(
-                f"environment '{env}': reset gave sample {sid} a conversation other than its prompt's; reset "
+                f"environment '{env.name}': reset gave sample {sid} a conversation other than its prompt's; reset "
                 "must be a function of its row"
             )
         episodes.append(Episode(sid, list(prompt), key, params.max_new_tokens, instance, opening=list(opening)))
-    _run(model, episodes, params, ctx.eos_id, ctx.pad_id, ctx.tokenizer, ctx.decode, settings, env)
+    _run(ctx.role.model, episodes, params, ctx.eos_id, ctx.pad_id, ctx.tokenizer, ctx.decode, env)
     rewards = [ep.reward for ep in episodes]
-    return {
+    out = {
         "response_ids": [ep.tokens for ep in episodes],
         "logp": pad_right([ep.logps for ep in episodes]),
         "mask": pad_right([ep.mask for ep in episodes]),
@@ -141,6 +151,9 @@ def episodes_op(ctx: OpContext, batch: Batch, params: SamplingParams, env: str, 
             for ep in episodes
         ],
     }
+    if env.credit == "turn":
+        out[EARNED] = pad_right([ep.token_rewards() for ep in episodes])
+    return out
 
 
 def evaluate_episodes(
@@ -152,26 +165,14 @@ def evaluate_episodes(
 ) -> dict[str, float]:
     """Greedy episodes on ``examples``: the share solved (ended by the environment with a positive reward), the
     mean reward and the mean number of turns."""
-    assert env.name is not None, "evaluating episodes needs an environment"
-    make_env, settings = load_environment(env.name), episode_settings(env)
+    make_env = load_environment(env.name)
     episodes = []
     for i, ex in enumerate(examples):
-        instance = _configured(make_env(), settings)
-        opening = instance.reset(env_row(ex.prompt, ex.answer, ex.row))
+        instance, opening = open_episode(tokenizer, env, ex, make_env)
         episodes.append(Episode(i, conversation_ids(tokenizer, opening), 0, max_new_tokens, instance, opening=opening))
     params = SamplingParams(max_new_tokens=max_new_tokens, temperature=0.0)
     decode = partial(decode_response, tokenizer)
-    _run(
-        model,
-        episodes,
-        params,
-        tokenizer.eos_token_id,
-        tokenizer.pad_token_id,
-        tokenizer,
-        decode,
-        settings,
-        env.name,
-    )
+    _run(model, episodes, params, tokenizer.eos_token_id, tokenizer.pad_token_id, tokenizer, decode, env)
     n = len(episodes)
     return {
         "exact_match": sum(ep.finish == "done" and ep.reward > 0 for ep in episodes) / n,

@@ -24,7 +24,7 @@ import torch
 from loomrl.algorithms import advantages as A
 from loomrl.algorithms import losses as L
 from loomrl.algorithms.context import OpContext
-from loomrl.algorithms.episode_ops import episode_settings, episodes_op
+from loomrl.algorithms.episode_ops import EARNED, episodes_op
 from loomrl.algorithms.ops import (
     generate_chunks,
     generate_op,
@@ -51,7 +51,7 @@ def _seq_kl(batch: Batch, kind: str) -> torch.Tensor:
 
 def ppo_advantages(ctx: OpContext, batch: Batch, algo: AlgoConfig, kl_BR: torch.Tensor) -> dict:
     mask_BR = batch["mask"]
-    reward_BR = A.token_rewards(batch["score"], kl_BR, mask_BR, algo.kl_coef)
+    reward_BR = A.token_rewards(batch["score"], kl_BR, mask_BR, algo.kl_coef, batch.get(EARNED))
     adv_BR, ret_BR = A.gae(reward_BR, batch["values"] * mask_BR, mask_BR, algo.gamma, algo.lam)
     if algo.whiten_advantages:
         adv_BR = A.masked_whiten(adv_BR, mask_BR, reduce=ctx.reduce) * mask_BR
@@ -60,11 +60,17 @@ def ppo_advantages(ctx: OpContext, batch: Batch, algo: AlgoConfig, kl_BR: torch.
 
 def grpo_advantages(ctx: OpContext, batch: Batch, algo: AlgoConfig, kl_BR: torch.Tensor) -> dict:
     adv_B = A.group_normalized(batch["score"], algo.group_size)
+    if EARNED in batch:
+        scale_B = A.group_scale(batch["score"], algo.group_size)
+        return {"advantages": A.credit_by_turn(adv_B, batch["score"], batch[EARNED], batch["mask"], scale_B)}
     return {"advantages": A.broadcast_to_tokens(adv_B, batch["mask"])}
 
 
 def rloo_advantages(ctx: OpContext, batch: Batch, algo: AlgoConfig, kl_BR: torch.Tensor) -> dict:
     adv_B = A.rloo_baseline(batch["score"] - algo.kl_coef * kl_BR.sum(-1), algo.group_size)
+    if EARNED in batch:
+        ones_B = torch.ones_like(adv_B)
+        return {"advantages": A.credit_by_turn(adv_B, batch["score"], batch[EARNED], batch["mask"], ones_B)}
     return {"advantages": A.broadcast_to_tokens(adv_B, batch["mask"])}
 
 
@@ -74,7 +80,9 @@ def remax_advantages(ctx: OpContext, batch: Batch, algo: AlgoConfig, kl_BR: torc
 
 
 def reinforce_pp_advantages(ctx: OpContext, batch: Batch, algo: AlgoConfig, kl_BR: torch.Tensor) -> dict:
-    adv_BR = A.reinforce_pp_advantage(batch["score"], kl_BR, batch["mask"], algo.kl_coef, algo.gamma, reduce=ctx.reduce)
+    adv_BR = A.reinforce_pp_advantage(
+        batch["score"], kl_BR, batch["mask"], algo.kl_coef, algo.gamma, reduce=ctx.reduce, earned_BT=batch.get(EARNED)
+    )
     return {"advantages": adv_BR}
 
 
@@ -293,11 +301,16 @@ def episodes_mfc(rollout: RolloutConfig) -> MFC:
         "actor",
         MFCKind.GENERATE,
         ("prompt_ids", "prompt_text", "answer", "row"),
-        ("response_ids", "logp", "mask", "score", "rule_scores", "episode_metrics"),
-        partial(episodes_op, params=sampling_params(rollout), env=env.name, settings=episode_settings(env)),
+        ("response_ids", "logp", "mask", "score", "rule_scores", "episode_metrics", *_earned(rollout)),
+        partial(episodes_op, params=sampling_params(rollout), env=env),
         doc=f"episodes with environment '{env.name}'",
         multi_turn=True,
     )
+
+
+def _earned(rollout: RolloutConfig) -> tuple[str, ...]:
+    """The earned-reward column where episodes credit by turn."""
+    return (EARNED,) if rollout.env.enabled and rollout.env.credit == "turn" else ()
 
 
 def uses_reference(algo: AlgoConfig) -> bool:
@@ -321,10 +334,14 @@ def build_workflow(
     old_key = "old_logp" if recompute else "logp"
     mfcs = _rollout_mfcs(algo, rollout, recompute, reward, reference)
     kl = uses_reference(algo)
-    adv_inputs = ("logp", *(("ref_logp",) if kl else ()), "score", "mask") + {
-        "ppo": ("values",),
-        "remax": ("greedy_score",),
-    }.get(algo.name, ())
+    adv_inputs = (
+        ("logp", *(("ref_logp",) if kl else ()), "score", "mask")
+        + {
+            "ppo": ("values",),
+            "remax": ("greedy_score",),
+        }.get(algo.name, ())
+        + _earned(rollout)
+    )
     adv_outputs = ("advantages", *(("returns",) if algo.name == "ppo" else ()), *(("kl",) if kl else ()))
     if algo.overlong_buffer:
         adv_inputs += ("greedy_response_ids",) if algo.name == "remax" else ()

@@ -9,6 +9,8 @@ from dataclasses import dataclass
 from loomrl.config.tools import ValidatedConfig, fail, spec
 
 AT_BUDGET = ("truncate", "penalise")  # loomrl.rollout.episodes.AT_BUDGET
+CREDIT = ("episode", "turn")  # loomrl.rollout.episodes.CREDIT
+TOOL_CONVENTIONS = ("auto", "hermes", "json", "mistral")  # loomrl.envs.tool_calls: AUTO and CONVENTIONS
 
 
 @dataclass(frozen=True)
@@ -31,19 +33,26 @@ class EnvConfig(ValidatedConfig):
     step_timeout_s: float = spec(30.0, gt=0)
     """Seconds an environment step may take; a slower one ends its episode (its reward so far)."""
     tool_format: str = "auto"
-    """How a tool environment reads tool calls from a turn: 'auto' (its own ``tool_format``: Hermes
-    ``<tool_call>{json}</tool_call>`` for the built-ins), 'hermes', or a regular expression whose matches are calls
-    (groups ``name`` and ``arguments``; see loomrl.envs.tool_calls)."""
+    """How a tool environment reads tool calls from a turn (and writes its example call and demonstrations):
+    'auto' (the convention the tokenizer's chat template defines, else the environment's own: Hermes for the
+    built-ins), 'hermes' (``<tool_call>{json}</tool_call>``), 'json' (Llama 3.x: the turn is a JSON call),
+    'mistral' (``[TOOL_CALLS][...]``), or a regular expression whose matches are calls (groups ``name`` and
+    ``arguments``; it reads calls but writes none; see loomrl.envs.tool_calls)."""
+    credit: str = spec("episode", choices=CREDIT)
+    """Which tokens a step's reward is credited to: 'episode' (every sampled token of the episode gets the
+    episode's reward) or 'turn' (a token is credited with the rewards of its own turn's step and the steps after
+    it, not those before: reward-to-go; see loomrl.algorithms.advantages.credit_by_turn)."""
     workers: int = spec(8, ge=1, le=1024)
     """Threads running environment steps, per generating device: episodes waiting on their environment do not
     hold the others' decoding."""
 
     def validate(self) -> None:
-        if self.tool_format not in ("auto", "hermes"):
+        if self.tool_format not in TOOL_CONVENTIONS:
             try:
                 re.compile(self.tool_format)
             except re.error as exc:
-                fail("tool_format", f"{self.tool_format!r} is not 'auto', 'hermes' nor a regular expression ({exc})")
+                named = ", ".join(f"'{c}'" for c in TOOL_CONVENTIONS)
+                fail("tool_format", f"{self.tool_format!r} is not one of {named} nor a regular expression ({exc})")
 
     @property
     def enabled(self) -> bool:

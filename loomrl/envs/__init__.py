@@ -3,11 +3,21 @@
 from loomrl.envs.base import Agent, Environment, Message, StepResult, env_row
 from loomrl.envs.builtin import BUILTIN_ENVIRONMENTS, Calculator, GuessingGame, PythonTool, calculate
 from loomrl.envs.loading import is_agent, load_environment
-from loomrl.envs.tool_calls import HERMES, ParsedTurn, ToolCall, parse_tool_calls
+from loomrl.envs.tool_calls import (
+    CONVENTIONS,
+    HERMES,
+    ParsedTurn,
+    ToolCall,
+    format_tool_call,
+    parse_tool_calls,
+    resolve_tool_format,
+    template_convention,
+)
 from loomrl.envs.tools import ToolEnvironment
 
 __all__ = [
     "BUILTIN_ENVIRONMENTS",
+    "CONVENTIONS",
     "Agent",
     "HERMES",
     "Calculator",
@@ -21,7 +31,10 @@ __all__ = [
     "ToolEnvironment",
     "calculate",
     "env_row",
+    "format_tool_call",
     "is_agent",
     "load_environment",
     "parse_tool_calls",
+    "resolve_tool_format",
+    "template_convention",
 ]

@@ -12,7 +12,6 @@
 from __future__ import annotations
 
 import ast
-import json
 import operator
 import re
 from abc import abstractmethod
@@ -22,10 +21,10 @@ from typing import Any
 from loomrl.data.arith import final_number, reference_answer
 from loomrl.data.sandbox import SandboxLimits, run_python
 from loomrl.envs.base import Message, StepResult
+from loomrl.envs.tool_calls import format_tool_call
 from loomrl.envs.tools import ToolEnvironment
 from loomrl.errors import DataError
 
-_EXAMPLE_CALL = '<tool_call>{"name": "calculator", "arguments": {"expression": "57 + 5"}}</tool_call>'
 _OPS = {ast.Add: operator.add, ast.Sub: operator.sub, ast.Mult: operator.mul, ast.Div: operator.truediv}
 _SIGNS = {ast.USub: operator.neg, ast.UAdd: operator.pos}
 MAX_EXPRESSION = 200
@@ -80,10 +79,12 @@ def _right(content: str, answer: Any) -> float:
 
 
 class _ArithmeticTool(ToolEnvironment):
-    """An arithmetic question with one tool: the system message teaching the call, the question, the final number
-    scored against the answer, and a demonstration (the call, then the answer)."""
+    """An arithmetic question with one tool: the system message teaching the call (its example written in the
+    environment's ``tool_format``), the question, the final number scored against the answer, and a demonstration
+    (the call, then the answer)."""
 
     SYSTEM = ""
+    """The system message; ``{call}`` is the example call of 57 + 5."""
     TOOL = ""
 
     def __init__(self) -> None:
@@ -92,7 +93,8 @@ class _ArithmeticTool(ToolEnvironment):
 
     def reset(self, row: Mapping[str, Any]) -> list[Message]:
         self.answer = row.get("answer")
-        return [{"role": "system", "content": self.SYSTEM}, {"role": "user", "content": _question(row)}]
+        system = self.SYSTEM.format(call=format_tool_call(self.TOOL, self.arguments("57 + 5"), self.tool_format))
+        return [{"role": "system", "content": system}, {"role": "user", "content": _question(row)}]
 
     def score(self, answer: str) -> float:
         return _right(answer, self.answer)
@@ -103,8 +105,7 @@ class _ArithmeticTool(ToolEnvironment):
 
     def demonstrate(self, row: Mapping[str, Any]) -> list[str]:
         """The turns of a correct episode: the tool call, then the answer (for supervised warm starts)."""
-        call = json.dumps({"name": self.TOOL, "arguments": self.arguments(_expression(row))})
-        return [f"<tool_call>{call}</tool_call>", _answer_text(row)]
+        return [format_tool_call(self.TOOL, self.arguments(_expression(row)), self.tool_format), _answer_text(row)]
 
 
 class Calculator(_ArithmeticTool):
@@ -112,7 +113,7 @@ class Calculator(_ArithmeticTool):
 
     SYSTEM = (
         "You can use a calculator. To use it, write a call like this and nothing else:\n"
-        f"{_EXAMPLE_CALL}\n"
+        "{call}\n"
         "You will get the result. Then reply with the number only."
     )
     TOOL = "calculator"
@@ -130,7 +131,7 @@ class PythonTool(_ArithmeticTool):
 
     SYSTEM = (
         "You can run Python. To run code, write a call like this and nothing else:\n"
-        '<tool_call>{"name": "python", "arguments": {"code": "print(57 + 5)"}}</tool_call>\n'
+        "{call}\n"
         "You will get what it prints. Then reply with the number only."
     )
     TOOL = "python"

@@ -24,8 +24,10 @@ class ToolEnvironment(ABC):
     """Base of tool-using environments (see the module docstring)."""
 
     tool_format: str = HERMES
-    """How calls are read (:func:`~loomrl.envs.tool_calls.parse_tool_calls`); a run's ``rollout.env.tool_format``
-    replaces it."""
+    """How calls are read (:func:`~loomrl.envs.tool_calls.parse_tool_calls`) and, in a prompt's example or a
+    demonstration, written: the environment's own convention. A run sets it from ``rollout.env.tool_format``
+    (:func:`~loomrl.envs.tool_calls.resolve_tool_format`: the setting, else the chat template's convention, else
+    this)."""
 
     def __init__(self) -> None:
         self.tools: Mapping[str, Callable[..., str]] = {}

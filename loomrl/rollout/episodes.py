@@ -15,10 +15,12 @@ the tokenizer's chat template (:class:`ObservationTokens`). Tokens depend only o
 its environment's replies and the model, never on which episodes were generated together or which environment
 answered first.
 
-The episode's reward is the sum of its steps' rewards (the credit rule: the policy-gradient algorithms give the
-sum to the whole episode, as they give a single response's score to the whole response); an episode that runs
-out of its token budget before its environment ends it is truncated there, and with ``at_budget='penalise'``
-also loses ``budget_penalty``. An environment step that outlives ``step_timeout_s`` ends its episode (finish
+The episode's reward is the sum of its steps' rewards. Each step's reward is also kept where it was earned, on the
+last token of the turn it answers (:meth:`Episode.token_rewards`), for the ``turn`` credit rule; under the
+``episode`` rule the policy-gradient algorithms give the sum to the whole episode, as they give a single
+response's score to the whole response (:attr:`EpisodeSettings.credit`). An episode that runs out of its token
+budget before its environment ends it is truncated there, and with ``at_budget='penalise'`` also loses
+``budget_penalty``. An environment step that outlives ``step_timeout_s`` ends its episode (finish
 ``timeout``); one that raises stops the call with a one-line error naming the environment. The seconds its
 steps took are the episode's ``env_s`` metric.
 """
@@ -38,6 +40,8 @@ from loomrl.models.tokenizer import encode_prompt
 from loomrl.rollout.engine import Completion, Request, RolloutEngine
 
 AT_BUDGET = ("truncate", "penalise")
+CREDIT = ("episode", "turn")
+"""Which tokens a step's reward is credited to (:attr:`EpisodeSettings.credit`)."""
 FINISHES = ("done", "turns", "budget", "timeout")
 """Why an episode ended: its environment ended it, its turns or token budget ran out, or a step took too long."""
 
@@ -59,7 +63,12 @@ class EpisodeSettings:
     workers: int = 8
     """Threads running environment steps."""
     tool_format: str = "auto"
-    """A tool environment's call format ('auto': its own; see :mod:`loomrl.envs.tool_calls`)."""
+    """A tool environment's call format ('auto': the chat template's convention, else the environment's own; see
+    :func:`~loomrl.envs.tool_calls.resolve_tool_format`)."""
+    credit: str = "episode"
+    """'episode': the episode's reward on every sampled token; 'turn': each step's reward where it was earned (the
+    last token of the turn it answers), credited to that turn and the turns before it
+    (:func:`~loomrl.algorithms.advantages.credit_by_turn`)."""
     keep_cache: bool = True
     """Continue an episode over its kept cache; False: prefill its whole history again each turn (the baseline
     that keeping the cache is measured against)."""
@@ -80,6 +89,8 @@ class Episode:
     mask: list[int] = field(default_factory=list)
     """1 for a sampled token, 0 for an observation's."""
     reward: float = 0.0
+    earned: dict[int, float] = field(default_factory=dict)
+    """Step rewards by where they were earned: the index in ``tokens`` of the last token of the turn answered."""
     turns: int = 0
     finish: str = ""
     metrics: dict[str, float] = field(default_factory=dict)
@@ -88,6 +99,21 @@ class Episode:
     opening: list[dict[str, str]] = field(default_factory=list)
     """The conversation's start (its environment's reset): what an agent (:mod:`loomrl.rollout.agents`) starts
     from."""
+
+    def add_reward(self, reward: float) -> None:
+        """A step's reward, earned by the turn that just ended (the last of ``tokens``)."""
+        self.reward += float(reward)
+        if reward and self.tokens:
+            at = len(self.tokens) - 1
+            self.earned[at] = self.earned.get(at, 0.0) + float(reward)
+
+    def token_rewards(self) -> list[float]:
+        """The step rewards on the tokens that earned them (0 elsewhere); what they do not add up to of
+        ``reward`` (a budget penalty, an agent's reported reward) is the advantage estimators' to place."""
+        out = [0.0] * len(self.tokens)
+        for at, reward in self.earned.items():
+            out[at] += reward
+        return out
 
     def request(self, turn_tokens: int, keep_cache: bool = True) -> Request:
         """The engine request for the episode's next turn: its history as prefix, its cache kept."""
@@ -163,7 +189,7 @@ def scripted_episode(
         ep.mask += [1] * len(sampled)
         ep.turns += 1
         result = env.step(text)
-        ep.reward += float(result.reward)
+        ep.add_reward(result.reward)
         if result.done:
             ep.finish = "done"
             continue
@@ -213,7 +239,7 @@ def run_episodes(
         except Exception as exc:
             raise DataError(f"{env_name}: step raised {type(exc).__name__}: {exc}") from exc
         ep.metrics["env_s"] = ep.metrics.get("env_s", 0.0) + seconds
-        ep.reward += float(result.reward)
+        ep.add_reward(result.reward)
         for name, value in result.metrics.items():
             ep.metrics[name] = ep.metrics.get(name, 0.0) + float(value)
         if result.done:

@@ -359,9 +359,9 @@ class RLTrainer:
         examples = examples_window(self.train_prompts, start, n)
         ids = [(start + i) * g + j for i in range(n) for j in range(g)]
         rows = [ex for ex in examples for _ in range(g)]
-        env = self.cfg.rollout.env.name
+        env = self.cfg.rollout.env
         prompts = [
-            encode_prompt(self.tokenizer, ex.model_input) if env is None else env_prompt(self.tokenizer, env, ex)
+            encode_prompt(self.tokenizer, ex.model_input) if not env.enabled else env_prompt(self.tokenizer, env, ex)
             for ex in examples
         ]
         return Batch(

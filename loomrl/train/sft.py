@@ -19,6 +19,7 @@ from loomrl.algorithms.advantages import masked_mean
 from loomrl.algorithms.episode_ops import demonstrations
 from loomrl.algorithms.evaluate import evaluate_policy
 from loomrl.algorithms.lr import learning_rate, set_lr
+from loomrl.config.environment import EnvConfig
 from loomrl.config.schema import SFTConfig
 from loomrl.data.sources import build_task, examples_window, held_out, prompt_source
 from loomrl.models.heads import token_logprobs
@@ -29,10 +30,12 @@ from loomrl.train.progress import RunProgress
 from loomrl.workflow.batch import pack_sequences, pad_right, response_columns, response_mask
 
 
-def demonstration_loss(model, tokenizer, examples, task, device: torch.device, env: str | None = None) -> torch.Tensor:
+def demonstration_loss(
+    model, tokenizer, examples, task, device: torch.device, env: EnvConfig | None = None
+) -> torch.Tensor:
     """Mean NLL of answer + eos tokens given the prompt; with an environment, of the turns of each example's
     multi-turn demonstration (:func:`~loomrl.algorithms.episode_ops.demonstrations`), observations excluded."""
-    if env is not None:
+    if env is not None and env.enabled:
         episodes = demonstrations(tokenizer, env, examples)
         prompts, targets = [ep.prompt for ep in episodes], [ep.tokens for ep in episodes]
         mask_BR = pad_right([ep.mask for ep in episodes]).to(device)
@@ -67,7 +70,7 @@ def run_sft(cfg: SFTConfig, progress: bool = True) -> dict[str, float]:
     ):
         for step in range(cfg.steps):
             examples = examples_window(train, step * cfg.batch_size, cfg.batch_size)
-            loss = demonstration_loss(model, tokenizer, examples, task, device, cfg.env.name)
+            loss = demonstration_loss(model, tokenizer, examples, task, device, cfg.env)
             set_lr(opt, learning_rate(cfg.optim, step, cfg.steps))
             opt.zero_grad(set_to_none=True)
             loss.backward()

@@ -36,6 +36,9 @@ class Batch:
     def __getitem__(self, key: str) -> Any:
         return self._data[key]
 
+    def get(self, key: str, default: Any = None) -> Any:
+        return self._data.get(key, default)
+
     def keys(self) -> list[str]:
         return list(self._data)
 
