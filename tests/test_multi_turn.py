@@ -215,3 +215,14 @@ def test_turn_credit_carries_the_earned_rewards_from_the_episodes_to_the_advanta
         flow = build_workflow(cfg.algo, cfg.rollout)
         assert ("earned_reward" in flow["actor_gen"].outputs) is carried
         assert ("earned_reward" in flow["advantages"].inputs) is carried
+
+
+@pytest.mark.usefixtures("ray_session")
+def test_multi_turn_training_at_staleness_one_matches_the_reference(tmp_path, env_file):
+    """Episodes generated a policy version ahead on their own device (separate; async=1): the Ray run equals the
+    reference's asynchronous run, the earned rewards of turn credit included."""
+    args = (*_episode_args(env_file), "rollout.env.credit=turn", "runtime.plan=separate; async=1", "runtime.devices=2")
+    reference = _run(tmp_path, "ref", *args)
+    assert [r["async/staleness"] for r in reference] == [0.0, 1.0, 1.0]
+    got = _run(tmp_path, "ray", *args, "runtime.executor=ray")
+    _assert_equivalent(got, reference)
