@@ -567,6 +567,12 @@ def test_a_multi_turn_call_decodes_its_sampled_tokens_prefills_its_observations_
     assert terms["continue_work"] == pytest.approx(prefill["prefill_work"]) and terms["continue_work"] > 0
     hardware = multi.corrections.apply_terms(MFCKind.GENERATE, terms) * multi.system_factor
     assert multi.mfc_time(episodic, alloc) == pytest.approx(hardware + 4 * 0.05), "a wait after every turn"
+    # the kept caches: every episode of a device's share before its last turn, its prompt and 3/4 of its response
+    kept = multi.mfc_memory(episodic, alloc, False) - plain.mfc_memory(GEN, alloc, False)
+    w, shape = multi.workload, multi.shapes["actor"]
+    per_token = 2 * shape.layers * shape.kv_dim * multi.bytes_per_param
+    assert kept > 0 and kept == pytest.approx(512 / 8 * (w.prompt_len + (w.mean_response + 96) * 3 / 4) * per_token)
+    assert multi.mfc_memory(GEN, alloc, False) == plain.mfc_memory(GEN, alloc, False)
     with pytest.raises(Exception, match=r"workload\.episodes\.turns: 0.5 is not a number >= 1"):
         EpisodeShape(turns=0.5)
 

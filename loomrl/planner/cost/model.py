@@ -26,7 +26,8 @@ every replica runs in parallel on equal shares, so a call takes as long as one r
   (:mod:`loomrl.planner.cost.decode`). The rollout engine decodes all live samples together, so generation
   ignores ``micro_batches`` unless ``pp > 1``. A multi-turn call (``multi_turn``, the workload's ``episodes``)
   decodes the sampled tokens, prefills each later turn's observation over the kept cache (``continue_*``) and
-  waits on its environments after every turn (:meth:`CostModel.env_wait`, beside the corrected terms).
+  waits on its environments after every turn (:meth:`CostModel.env_wait`, beside the corrected terms); the keys
+  and values its episodes keep between turns add to its memory.
 - **Compute** (advantages): a few float columns per token read and written on one device.
 - **Operator launches** (every kind): each slot of a pass also dispatches its stage's operators
   (:func:`loomrl.planner.cost.terms.forward_ops`, 3× when training, plus the optimizer's per-tensor operators), and
@@ -245,7 +246,7 @@ class CostModel(CostEstimator):
         if mfc.role not in self.shapes:
             return 0.0
         if mfc.kind is MFCKind.GENERATE:
-            return self._generate_memory(mfc.role, alloc)
+            return self._generate_memory(mfc.role, alloc) + self._kept_memory(mfc, alloc)
         if mfc.kind is MFCKind.INFERENCE:
             return self._inference_memory(mfc.role, alloc)
         return self._train_memory(mfc, alloc)
@@ -660,6 +661,19 @@ class CostModel(CostEstimator):
         prefill = T.inference_activation_bytes(shape, prefill_tokens, lay.tp, b)
         logits = D.peak_live(segments) * shape.vocab / lay.tp * T.FP32
         return kv + max(prefill, logits)
+
+    def _kept_memory(self, mfc: MFC, alloc: Allocation) -> float:
+        """The keys and values a multi-turn call's episodes keep while their environments answer: copies outside
+        the engine's slots (:class:`~loomrl.rollout.engine.RolloutEngine`), at their fullest when every episode
+        of the share waits before its last turn, holding its prompt and all but that turn of its response."""
+        episodes, w = self.workload.episodes, self.workload
+        if not mfc.multi_turn or episodes is None or episodes.turns <= 1 or mfc.role is None:
+            return 0.0
+        shape, lay = self._shape(mfc.role), alloc.layout
+        response = w.mean_response + episodes.observed_tokens
+        context = w.prompt_len + response * (episodes.turns - 1) / episodes.turns
+        per_token = T.kv_bytes_per_token(shape, self.bytes_per_param) / (min(lay.tp, shape.kv_heads) * lay.pp)
+        return D.share(w.batch, lay.dp) * context * per_token
 
     def _inference_memory(self, role: str, alloc: Allocation) -> float:
         """Working buffers of one micro-batch's forward pass (its logits a chunk at a time when the settings say
