@@ -224,6 +224,18 @@ def test_an_async_checkpoint_resumes_to_the_same_run(tmp_path, reference_async):
     _assert_equivalent(got, reference_async)
 
 
+def test_a_finished_async_run_extended_refills_its_pipeline(tmp_path, reference_async):
+    """A run that ended generated nothing past its end: resumed with more iterations, it generates the batches
+    its checkpoint does not hold with the weights it resumes with (staleness 0), as at a run's start, and goes on
+    at its staleness."""
+    run = ("separate; async=1", "runtime.devices=2")
+    _run(tmp_path, "x", *run, "loop.save_every=1")
+    got = _run(tmp_path, "x", *run, "loop.save_every=1", "loop.iterations=5", resume=True)
+    assert [m["iteration"] for m in got] == [0, 1, 2, 3, 4]
+    assert [m["async/staleness"] for m in got] == [0.0, 1.0, 1.0, 0.0, 1.0]
+    _assert_equivalent(got[:3], reference_async)
+
+
 def test_a_run_that_lost_devices_keeps_its_staleness(tmp_path, monkeypatch, reference_async):
     """A worker lost with its device (simulated: 2 of 4 devices counted after the failure) under an asynchronous
     plan that does not fit the devices left: the run falls back to colocating every call at the same staleness,

@@ -463,6 +463,32 @@ def test_workers_run_each_call_with_the_plans_micro_batches(tmp_path):
     assert got == want
 
 
+def test_the_reference_runs_each_call_with_the_plans_micro_batches_and_recomputation(tmp_path, reference):
+    """A plan given to the reference executor bounds its memory as it would a worker's: each call's micro-batches
+    and recomputation (on its whole batch, colocated), and the run is the same within the executors' tolerances."""
+    cfg = _cfg(tmp_path, "mb", "runtime.devices=2")
+    plan = (
+        "actor_gen=0-1:dp2; ref_inf=0-1:mb2; reward_inf=0-1:dp2; critic_inf=0-1:mb3; actor_train=0-1:mb2rc; "
+        "critic_train=0-1:dp2mb2rc; advantages=0:dp1"
+    )
+    cfg = dataclasses.replace(cfg, runtime=dataclasses.replace(cfg.runtime, plan=plan))
+    trainer = RLTrainer(cfg)
+    allocations = trainer.plan.allocations
+    assert {name: (a.micro_batches, a.recompute) for name, a in allocations.items()} == {
+        "actor_gen": (1, False),
+        "ref_inf": (2, False),
+        "reward_inf": (1, False),
+        "critic_inf": (3, False),
+        "actor_train": (2, True),
+        "critic_train": (2, True),
+        "advantages": (1, False),
+    }
+    assert {a.mesh.devices for a in allocations.values()} == {(0,)}, "placed nowhere but here"
+    trainer.run()
+    got = [json.loads(line) for line in (tmp_path / "mb" / "metrics.jsonl").read_text().splitlines()]
+    _assert_equivalent(got, reference)
+
+
 def test_a_reference_checkpoint_resumes_on_a_pipeline_plan(tmp_path, reference):
     """Checkpoints are layout-independent: stop on the reference executor, continue on Ray with pp=2."""
     RLTrainer(_cfg(tmp_path, "b", "loop.iterations=2")).run()

@@ -148,8 +148,9 @@ class OpContext:
     """``train`` MFCs: the MFC's ``loss_unit``, what a row weighs in its minibatch's mean loss (``token``: its
     response tokens; ``sequence``: one), by which the op weights each micro-batch's loss."""
     micro_batches: int = 1
-    """Micro-batches the call's rows run as (the plan's ``micro_batches`` for its MFC; 1 in the reference
-    executor). Inference and training ops clip it to their row count; generation ignores it."""
+    """Micro-batches the call's rows run as (the plan's ``micro_batches`` for its MFC, per data-parallel rank; the
+    reference executor's whole batch runs as that many too). Inference and training ops clip it to their row
+    count; generation ignores it."""
     recompute: bool = False
     """``train`` MFCs: recompute each decoder layer's activations in the backward instead of keeping them (the
     plan's ``rc``; activation checkpointing). Same gradients, less memory, one more forward."""

@@ -397,11 +397,6 @@ def _load_model_weights(role_dir: Path, model: PreTrainedModel) -> None:
         raise CheckpointError(f"{role_dir}: cannot load weights into {type(model).__name__} ({first_line})") from None
 
 
-def has_pending(path: str | os.PathLike) -> bool:
-    """Whether checkpoint ``path`` holds batches an asynchronous run had generated ahead."""
-    return (Path(path) / PENDING_FILE).is_file()
-
-
 def read_pending(path: str | os.PathLike) -> Any:
     """The batches an asynchronous run had generated ahead when checkpoint ``path`` was taken (None without)."""
     file = Path(path) / PENDING_FILE

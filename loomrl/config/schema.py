@@ -411,7 +411,9 @@ class RuntimeConfig(ValidatedConfig):
     """Execution plan of the 'ray' executor: colocate | interleave | separate[:N] | a plan string | a
     .json/.yaml plan file (see loomrl/plan/plan_string.py); None places every call on all devices with
     runtime.layouts. Each model call gets its own devices and layout; a role's weights move between them. The
-    'reference' executor places nothing but takes what a plan changes of the run itself: its staleness (async)."""
+    'reference' executor places nothing but takes what a plan changes of the run itself, its staleness (async),
+    and what bounds its memory: each call's micro-batches (``mbN``) and recomputation (``rc``), e.g.
+    'actor_gen=0; actor_train=0:mb8' on one device."""
     plan_changes: dict[int, str] = field(default_factory=dict)
     """Plans to switch to between iterations, by the iteration they start at, e.g. {4: separate:1, 8: interleave}
     (each a strategy, plan string or plan file, as for plan); every role's state moves to the new layouts and

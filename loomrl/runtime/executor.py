@@ -117,6 +117,10 @@ def staleness_stats(iteration: int, version: int) -> dict[str, float]:
     return {"async/staleness": float(iteration - version)}
 
 
+GENERATED_AHEAD = "generated_ahead"
+"""The key of a loaded run state that lists the iterations of the batches generated ahead it restored."""
+
+
 class Executor(Protocol):
     """Runs a workflow's schedule under an execution plan: all the trainer, its recovery and dynamic placement
     may call of an executor. Every plan computes the same run; only where and when it computes differs."""
@@ -145,7 +149,9 @@ class Executor(Protocol):
         ...
 
     def load(self, path: Path) -> dict[str, Any]:
-        """Load the checkpoint at ``path`` into the trained roles; returns the run state saved with it."""
+        """Load the checkpoint at ``path`` into the trained roles; returns the run state saved with it and, under
+        :data:`GENERATED_AHEAD`, the iterations whose batches an asynchronous run had generated ahead (restored
+        with it)."""
         ...
 
     def apply_plan(self, plan: ExecutionPlan) -> None:

@@ -52,7 +52,7 @@ from loomrl.runtime.controllers import (
     spawn_controllers,
     wait_controllers,
 )
-from loomrl.runtime.executor import Executor, IterationResult, StepTrace, merge_stats
+from loomrl.runtime.executor import GENERATED_AHEAD, Executor, IterationResult, StepTrace, merge_stats
 from loomrl.runtime.launch import ray_address, start_ray, stop_ray
 from loomrl.runtime.plan_change import plan_moves
 from loomrl.runtime.spec import WorkerPlan, WorkerSpec
@@ -339,10 +339,10 @@ class RayExecutor(Executor):
         asynchronous run's batches generated ahead go back to the controllers that will train them."""
         states = self._wait([w.load.remote(str(path)) for w in self.workers], "checkpoint load", None)
         self.traces += self.run_steps(self.schedule.prologue, 0, "prologue")[0]  # the shadows held the old weights
-        pending = read_pending(path)
-        if self.schedule.ahead and pending is not None:
+        pending = read_pending(path) if self.schedule.ahead else None
+        if pending is not None:
             self._restore_pending(pending)
-        return states[0]
+        return {**states[0], GENERATED_AHEAD: sorted(int(i) for i in pending or ())}
 
     def _restore_pending(self, pending: Mapping[int, tuple]) -> None:
         """Each batch generated ahead into the object store, split over the controllers as its iteration's prompts

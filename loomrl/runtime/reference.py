@@ -17,8 +17,8 @@ from loomrl.checkpoint.optim_state import FullOptimizerState
 from loomrl.checkpoint.store import load_checkpoint, read_pending, save_checkpoint, save_sharded_checkpoint
 from loomrl.models.tokenizer import encode_prompt
 from loomrl.plan.schedule import Schedule, Step, split_for_sampling
-from loomrl.runtime.executor import Executor, IterationResult, StepTrace, merge_stats, staleness_stats
-from loomrl.workflow import MFC, MFCKind
+from loomrl.runtime.executor import GENERATED_AHEAD, Executor, IterationResult, StepTrace, merge_stats, staleness_stats
+from loomrl.workflow import MFCKind
 from loomrl.workflow.batch import Batch, response_tokens
 from loomrl.workflow.minibatches import minibatch_steps
 
@@ -97,7 +97,10 @@ class ReferenceExecutor(Executor):
         self.seed, self.pad_id, self.eos_id, self.decode = seed, pad_id, eos_id, decode
         self.metrics_fn, self.evaluate_fn, self.tokenizer = metrics_fn, evaluate_fn, tokenizer
 
-    def _context(self, mfc: MFC, iteration: int, batch: Batch) -> OpContext:
+    def _context(self, step: Step, iteration: int, batch: Batch) -> OpContext:
+        """The call's context: its plan's micro-batches and recomputation (what bounds its memory; the sums they
+        change are within the executors' tolerances), none of its placement."""
+        mfc = step.mfc
         role = self.roles[mfc.role] if mfc.role is not None else None
         steps: tuple = ()
         if mfc.kind == MFCKind.TRAIN:
@@ -114,6 +117,8 @@ class ReferenceExecutor(Executor):
             encode=encode,
             tokenizer=self.tokenizer,
             train_steps=steps,
+            micro_batches=step.alloc.micro_batches,
+            recompute=step.alloc.recompute,
             loss_unit=mfc.loss_unit,
         )
 
@@ -163,7 +168,7 @@ class ReferenceExecutor(Executor):
         for step in calls:
             mfc = step.mfc
             start = time.time()
-            out = mfc.op(self._context(mfc, iteration, batch), batch.columns(mfc.inputs))
+            out = mfc.op(self._context(step, iteration, batch), batch.columns(mfc.inputs))
             if mfc.kind == MFCKind.TRAIN:
                 merge_stats(result.stats, out.pop("stats", {}), mfc.name)
             if set(out) != set(mfc.outputs):
@@ -231,7 +236,7 @@ class ReferenceExecutor(Executor):
         pending = read_pending(path)
         if self.ahead and pending is not None:
             self.pending.load_state_dict(pending)
-        return state
+        return {**state, GENERATED_AHEAD: sorted(self.pending.batches)}
 
     def close(self) -> None:
         """Nothing to release in a single process."""

@@ -27,7 +27,7 @@ from loomrl.algorithms.episode_ops import env_prompt
 from loomrl.algorithms.evaluate import evaluate_policy
 from loomrl.algorithms.metrics import rollout_metrics
 from loomrl.algorithms.workflows import build_workflow
-from loomrl.checkpoint.store import has_pending, latest_checkpoint, remove_leftovers
+from loomrl.checkpoint.store import latest_checkpoint, remove_leftovers
 from loomrl.config.environment import EnvConfig
 from loomrl.config.schema import TrainConfig
 from loomrl.config.tools import dump_yaml, to_dict
@@ -56,7 +56,7 @@ from loomrl.role import (
     set_threads,
 )
 from loomrl.run_dir import RunDir
-from loomrl.runtime.executor import Executor, IterationResult
+from loomrl.runtime.executor import GENERATED_AHEAD, Executor, IterationResult
 from loomrl.runtime.launch import local_cluster, ray_address, runtime_cluster
 from loomrl.runtime.reference import ReferenceExecutor
 from loomrl.runtime.spec import WorkerSpec
@@ -141,12 +141,21 @@ def surviving_cluster(cfg: TrainConfig, cluster: ClusterSpec) -> ClusterSpec:
 def run_plan(cfg: TrainConfig, workflow: Workflow, cluster: ClusterSpec, text: str | None = None) -> ExecutionPlan:
     """The plan the run's executor runs on ``cluster``: ``text`` (by default the run's ``runtime.plan``); for the
     reference executor the whole workflow colocated, with the given plan's staleness (the one setting of a plan
-    that changes the run it computes)."""
+    that changes the run it computes) and each call's micro-batches and recomputation (what bounds its memory)."""
     if cfg.runtime.executor == "reference":
         given = text if text is not None else cfg.runtime.plan
+        plan = colocate(workflow, cluster)
+        if not given:
+            return plan
         devices = local_cluster(cfg.runtime.devices, cfg.runtime.device)  # this machine's, as a local Ray run's
-        staleness = plan_from_config(cfg.runtime, workflow, devices, given).asynchronous if given else None
-        return dataclasses.replace(colocate(workflow, cluster), asynchronous=staleness)
+        told = plan_from_config(cfg.runtime, workflow, devices, given)
+        allocations = {
+            name: dataclasses.replace(alloc, micro_batches=mine.micro_batches, recompute=mine.recompute)
+            if (mine := told.allocations.get(name)) is not None
+            else alloc
+            for name, alloc in plan.allocations.items()
+        }
+        return dataclasses.replace(plan, allocations=allocations, asynchronous=told.asynchronous)
     return plan_from_config(cfg.runtime, workflow, cluster, text)
 
 
@@ -276,8 +285,8 @@ class RLTrainer:
         self.placement = self._placement()
         self.sampler = self._sampler()
         self.state = RunState()
-        self.generated_ahead = False
-        """Whether the checkpoint resumed from held an asynchronous run's batches generated ahead."""
+        self.generated_ahead: frozenset[int] = frozenset()
+        """The iterations whose batches generated ahead the checkpoint resumed from held."""
         self.running, self.completed = 0, -1
         """The iteration under way (a failure's), and the last one logged."""
         self.recovery: dict[str, float] = {}
@@ -383,10 +392,13 @@ class RLTrainer:
         return later, self.make_batch(later)
 
     def fill_pipeline(self, start: int) -> None:
-        """An asynchronous run starting at ``start`` without batches generated ahead: those of iterations
-        ``start`` to ``start + max_staleness - 1``, generated now with the current weights."""
+        """An asynchronous run starting at ``start``: the batches of iterations ``start`` to ``start +
+        max_staleness - 1`` that were not generated ahead (all of them at a run's start; none where a checkpoint
+        taken mid-run held them; those past a finished run's end when it is extended), generated now with the
+        current weights, as at a run's start."""
         for iteration in range(start, min(start + self.plan.staleness, self.cfg.loop.iterations)):
-            self.executor.generate_ahead(iteration, self.make_batch(iteration), start)
+            if iteration not in self.generated_ahead:
+                self.executor.generate_ahead(iteration, self.make_batch(iteration), start)
 
     def resume(self) -> bool:
         """Load the latest checkpoint of run_dir, if any; returns whether one was found."""
@@ -396,7 +408,7 @@ class RLTrainer:
         remove_leftovers(self.run_dir)  # of the saves and prunings the interruption cut short
         state = self.executor.load(path)
         self.state = RunState(iteration=int(state["iteration"]) + 1)
-        self.generated_ahead = has_pending(path)
+        self.generated_ahead = frozenset(state.get(GENERATED_AHEAD, ()))
         if self.sampler is not None:
             if "sampler" not in state:
                 raise ConfigError(
@@ -531,8 +543,7 @@ class RLTrainer:
             files.placement.unlink(missing_ok=True)
         last: dict[str, float] = {}
         start = self.state.iteration
-        if not resumed or not self.generated_ahead:  # else the checkpoint held the batches generated ahead
-            self.fill_pipeline(start)
+        self.fill_pipeline(start)
         backends = open_backends(
             cfg.report.backends, self.run_dir, cfg.report, to_dict(cfg), start - 1 if resumed else None
         )
