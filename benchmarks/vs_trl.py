@@ -3,6 +3,7 @@
     .venv/bin/pip install trl==1.16.0      # or: pip install -e '.[bench]'; leaves torch as it is
     .venv/bin/python benchmarks/vs_trl.py [--quick] [--rows 1m:12,6m:48,smollm2:16] [--steps 7] [--warmup 2]
                                           [--stat median|best] [--precision best|fp32|bf16|each]
+                                          [--recompute off|on]
 
 Rows of two kinds, each system on the same model, prompts and reward, 16 prompts x 8 samples an iteration, one
 optimizer step per batch, KL coefficient 0, the same learning rate, temperature and response budget:
@@ -19,6 +20,11 @@ generation, rewards and the update). loomrl's reference executor and TRL use bot
 runtime runs one worker per core (2 devices). `--quick` runs one row. Each row's JSON (every step time included) is
 printed as it completes. Mean response lengths are printed for loomrl and TRL (sampling differs, so they do),
 and the peak resident memory of the one-process systems (TRL, the reference executor).
+
+Recomputation (`--recompute`): `off` keeps every activation for the backward in both systems (each one's faster
+setting), `on` recomputes each decoder layer's in the backward in both (less memory): TRL's
+`gradient_checkpointing`, which its GRPOConfig turns on by default, and loomrl's `rc` on the train call (a plan
+`actor_gen=0-1; reward_inf=0-1; actor_train=0-1:rc`). Compare speed at `off`, memory at either, never across.
 
 Precision: 'best' is bf16 where the CPU computes it natively (avx512_bf16 or amx_bf16 in /proc/cpuinfo; a GPU
 would too), fp32 elsewhere: for loomrl runtime.precision=bf16 (bf16 weights, fp32 master weights and Adam
@@ -154,7 +160,9 @@ def write_model(size: str, out: Path) -> None:
     tok.save_pretrained(out)
 
 
-def run_loomrl(size: str, model: str, budget: int, steps: int, bf16: bool, executor: str, run_dir: str) -> dict:
+def run_loomrl(
+    size: str, model: str, budget: int, steps: int, bf16: bool, recompute: bool, executor: str, run_dir: str
+) -> dict:
     from loomrl.config.schema import TrainConfig
     from loomrl.config.tools import load_config
     from loomrl.train.rl import RLTrainer
@@ -165,6 +173,8 @@ def run_loomrl(size: str, model: str, budget: int, steps: int, bf16: bool, execu
         if executor == "reference"
         else ["runtime.executor=ray", "runtime.devices=2", "runtime.threads=1"]
     )
+    if recompute:  # the train call recomputes its activations in the backward; the others as by default
+        runtime.append("runtime.plan=actor_gen=0-1; reward_inf=0-1; actor_train=0-1:rc")
     cfg = load_config(
         TrainConfig,
         None,
@@ -215,7 +225,7 @@ def training_prompts(size: str, n: int) -> list[dict]:
     return [{"prompt": ex.prompt, "answer": ex.answer} for ex in examples]
 
 
-def run_trl(size: str, model: str, budget: int, steps: int, bf16: bool, run_dir: str) -> dict:
+def run_trl(size: str, model: str, budget: int, steps: int, bf16: bool, recompute: bool, run_dir: str) -> dict:
     from datasets import Dataset
     from transformers import TrainerCallback
     from trl import GRPOConfig, GRPOTrainer
@@ -249,6 +259,7 @@ def run_trl(size: str, model: str, budget: int, steps: int, bf16: bool, run_dir:
         output_dir=run_dir,
         use_cpu=True,
         bf16=bf16,
+        gradient_checkpointing=recompute,  # TRL's default is True: set either way
         seed=SEED,
         learning_rate=work["lr"],
         max_steps=steps,
@@ -284,9 +295,19 @@ def run_trl(size: str, model: str, budget: int, steps: int, bf16: bool, run_dir:
     return {"step_s": timer.times, "response_len": timer.lengths}
 
 
-def measure(system: str, size: str, model: str, budget: int, steps: int, bf16: bool) -> dict:
+def measure(system: str, size: str, model: str, budget: int, steps: int, bf16: bool, recompute: bool) -> dict:
     """One system's run in a process of its own (clean thread settings, memory and Ray instance)."""
-    spec = json.dumps({"system": system, "size": size, "model": model, "budget": budget, "steps": steps, "bf16": bf16})
+    spec = json.dumps(
+        {
+            "system": system,
+            "size": size,
+            "model": model,
+            "budget": budget,
+            "steps": steps,
+            "bf16": bf16,
+            "recompute": recompute,
+        }
+    )
     done = subprocess.run([sys.executable, __file__, "--one", spec], capture_output=True, text=True)
     lines = [line for line in done.stdout.splitlines() if line.startswith("{")]
     if done.returncode != 0 or not lines:
@@ -299,7 +320,7 @@ def one(spec: dict) -> None:
 
     quiet_libraries()
     with tempfile.TemporaryDirectory() as run_dir:
-        args = (spec["size"], spec["model"], spec["budget"], spec["steps"], spec["bf16"])
+        args = (spec["size"], spec["model"], spec["budget"], spec["steps"], spec["bf16"], spec["recompute"])
         if spec["system"] == "trl":
             torch.set_num_threads(2)
             result = run_trl(*args, run_dir)
@@ -346,6 +367,12 @@ def main() -> None:
         help="step time of a run: the median of the measured iterations, or the fastest (on a machine "
         "shared with other work, the best estimate of each system's uncontended speed)",
     )
+    ap.add_argument(
+        "--recompute",
+        choices=("off", "on"),
+        default="off",
+        help="recompute activations in the backward in every system (TRL's gradient checkpointing, loomrl's rc)",
+    )
     ap.add_argument("--systems", default=",".join(SYSTEMS), help="comma-separated subset of " + ",".join(SYSTEMS))
     ap.add_argument("--rows", help="comma-separated subset of rows as size:tokens, e.g. 1m:12,6m:48")
     ap.add_argument("--one", help=argparse.SUPPRESS)
@@ -377,13 +404,19 @@ def main() -> None:
                 shapes[size] = prepare_model(size, Path(d))
             shape = shapes[size]
             stat = statistics.median if args.stat == "median" else min
-            runs = {(s, p): measure(s, size, shape["path"], budget, steps, p) for s in systems for p in precisions}
+            recompute = args.recompute == "on"
+            runs = {
+                (s, p): measure(s, size, shape["path"], budget, steps, p, recompute)
+                for s in systems
+                for p in precisions
+            }
             chosen = {s: min(precisions, key=lambda p: stat(runs[s, p]["step_s"][warmup:])) for s in systems}
             result = {s: runs[s, chosen[s]] for s in systems}
             per_s = {s: PROMPTS * GROUP / stat(r["step_s"][warmup:]) for s, r in result.items()}
             row = {
                 "model": f"{size} ({shape['total'] / 1e6:.1f}M)",
                 "new tokens": budget,
+                "recompute": args.recompute,
                 "precision": ", ".join(
                     f"{s.removeprefix('loomrl-')} {'bf16' if chosen[s] else 'fp32'}" for s in systems
                 ),
