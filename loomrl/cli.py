@@ -107,6 +107,24 @@ def build_parser() -> argparse.ArgumentParser:
     parser = _Parser(prog="loomrl", description="RLHF as a dataflow of model function calls.")
     sub = parser.add_subparsers(dest="cmd", required=True)
     cfg_help = "optional YAML config, then key.sub=value overrides (see `loomrl config train`)"
+    _add_training_parsers(sub, cfg_help)
+    _add_checkpoint_parsers(sub)
+    _add_demo_parser(sub)
+    p = sub.add_parser(
+        "plan",
+        help="compare colocate/interleave/separate with a searched plan on a cluster, or "
+        "simulate a given plan (--plan) stage by stage",
+    )
+    _add_plan_arguments(p, cfg_help)
+    p.set_defaults(fn=_plan)
+    _add_run_tool_parsers(sub)
+    _add_serve_parser(sub)
+    _add_import_gguf_parser(sub)
+    return parser
+
+
+def _add_training_parsers(sub, cfg_help: str) -> None:
+    """``loomrl train``, ``sft`` and ``rm``: a config and its overrides."""
     p = sub.add_parser("train", help="RL training (ppo, grpo, rloo, remax, reinforce_pp)")
     p.add_argument("config", nargs="*", help=cfg_help)
     p.add_argument("--resume", action="store_true", help="continue from the last checkpoint in run_dir")
@@ -124,6 +142,10 @@ def build_parser() -> argparse.ArgumentParser:
         p.add_argument("config", nargs="*", help=cfg_help)
         p.add_argument("--quiet", action="store_true", help="no progress bar")
         p.set_defaults(fn=fn)
+
+
+def _add_checkpoint_parsers(sub) -> None:
+    """``loomrl eval`` and ``export``: what a checkpoint does, and a checkpoint as a plain HF directory."""
     p = sub.add_parser("eval", help="greedy accuracy and pass@k of a checkpoint (or a run's latest) on a prompt set")
     p.add_argument(
         "checkpoint",
@@ -164,14 +186,10 @@ def build_parser() -> argparse.ArgumentParser:
         help="a LoRA role as a PEFT adapter directory (default --out: CHECKPOINT/hf/ROLE-adapter)",
     )
     p.set_defaults(fn=_export)
-    _add_demo_parser(sub)
-    p = sub.add_parser(
-        "plan",
-        help="compare colocate/interleave/separate with a searched plan on a cluster, or "
-        "simulate a given plan (--plan) stage by stage",
-    )
-    _add_plan_arguments(p, cfg_help)
-    p.set_defaults(fn=_plan)
+
+
+def _add_run_tool_parsers(sub) -> None:
+    """``loomrl timeline``, ``report``, ``calibrate`` and ``config``: looking at runs, the machine and the fields."""
     p = sub.add_parser(
         "timeline",
         help="draw a run's measured timeline, step by step (RUN_DIR/traces.jsonl), "
@@ -208,8 +226,6 @@ def build_parser() -> argparse.ArgumentParser:
     p = sub.add_parser("config", help="list every config field with its type, default and meaning")
     p.add_argument("command", choices=("train", "sft", "rm", "eval"))
     p.set_defaults(fn=_config)
-    _add_import_gguf_parser(sub)
-    return parser
 
 
 def _add_demo_parser(sub) -> None:
@@ -232,7 +248,6 @@ def _add_demo_parser(sub) -> None:
 
 def _add_import_gguf_parser(sub) -> None:
     """``loomrl import-gguf``: a GGUF file or a pretrained name converted once into a checkpoint directory."""
-    _add_serve_parser(sub)
     p = sub.add_parser(
         "import-gguf",
         help="convert a GGUF model file (or a pretrained name: smollm2-135m-instruct) once into a safetensors "
@@ -308,6 +323,13 @@ def _add_plan_arguments(p: argparse.ArgumentParser, cfg_help: str) -> None:
         help="a generative reward model (a judge): its architecture, as --model; repeat for several judges",
     )
     p.add_argument("--judge-tokens", type=int, help="tokens of each judge's verdict (default 8)")
+    _add_plan_workload_arguments(p)
+    _add_plan_system_arguments(p)
+    _add_plan_budget_arguments(p)
+
+
+def _add_plan_workload_arguments(p: argparse.ArgumentParser) -> None:
+    """``loomrl plan``: what an iteration does (prompts, lengths, steps)."""
     p.add_argument("--prompts", type=int, help="prompts per iteration (default 512)")
     p.add_argument("--responses-per-prompt", type=int, help="samples per prompt (default: the algorithm's group)")
     p.add_argument("--prompt-len", type=float, help="mean prompt tokens (default 128)")
@@ -331,6 +353,10 @@ def _add_plan_arguments(p: argparse.ArgumentParser, cfg_help: str) -> None:
         const=True,
         help="an actor_inf call recomputes the behaviour log-probs",
     )
+
+
+def _add_plan_system_arguments(p: argparse.ArgumentParser) -> None:
+    """``loomrl plan``: the system it runs on (generation engine, precision, packing, weight sync)."""
     p.add_argument("--decode-slots", type=int, help="samples one generation replica decodes at once")
     p.add_argument(
         "--generated-per-kept",
@@ -359,6 +385,10 @@ def _add_plan_arguments(p: argparse.ArgumentParser, cfg_help: str) -> None:
     p.add_argument("--logits", choices=("fp32", "chunked"), help="logits held for every token or chunked")
     p.add_argument("--sync-tensor-s", type=float, help="seconds per parameter tensor of a weight sync")
     p.add_argument("--expert-parallel", type=int, help="ranks the experts of a MoE model are divided over in training")
+
+
+def _add_plan_budget_arguments(p: argparse.ArgumentParser) -> None:
+    """``loomrl plan``: the planning budget, its choices and where it writes."""
     p.add_argument(
         "--time-budget",
         type=float,
