@@ -279,8 +279,8 @@ def _backward(ctx: OpContext, mb: Batch, loss_fn: LossFn, weight: float, tempera
         passes.backward(None, None, [], None, ctx.micro_batches)
         return {}, True
     if ctx.micro_batches > 1 and len(mb) > 1:  # rows by length, so that micro-batches pad little (role_outputs)
-        lengths = [len(p) + len(r) for p, r in zip(mb["prompt_ids"], mb["response_ids"])]
-        mb = mb.select(sorted(range(len(mb)), key=lengths.__getitem__))
+        lengths_B = torch.tensor([len(p) + len(r) for p, r in zip(mb["prompt_ids"], mb["response_ids"])])
+        mb = mb.select(by_length(lengths_B, ctx.micro_batches).tolist())
     ids_BL, attn_BL, plen_B = _packed(ctx, mb)
     parts = micro_batch_rows(ctx, attn_BL.sum(1).tolist())
     weights = loss_weights(response_tokens(mb), ctx.loss_unit)
