@@ -60,7 +60,6 @@ from collections.abc import Mapping
 from loomrl.errors import ConfigError
 from loomrl.plan import Allocation, ClusterSpec, shard_bytes
 from loomrl.plan.hardware import HardwareProfile
-from loomrl.plan.layout import Coords
 from loomrl.plan.model_shape import ModelShape
 from loomrl.plan.schedule import Step
 from loomrl.planner.cost import decode as D
@@ -69,6 +68,7 @@ from loomrl.planner.cost.cache import PricingCache, Rates
 from loomrl.planner.cost.corrections import ITERATION, REALLOC, Corrections
 from loomrl.planner.cost.estimator import CostEstimator
 from loomrl.planner.cost.pipeline_fusion import pipeline_fusion_floor, price_pipeline_fusion
+from loomrl.planner.cost.rates import allocation_rates
 from loomrl.planner.cost.realloc import realloc_seconds
 from loomrl.planner.cost.stream_fusion import (
     GenerationFloor,
@@ -806,45 +806,8 @@ class CostModel(CostEstimator):
     def _rates_of(self, alloc: Allocation) -> Rates:
         key = _alloc_key(alloc)[:2]
         if key not in self.cache.rates:
-            self.cache.rates[key] = self._measure_rates(alloc)
+            self.cache.rates[key] = allocation_rates(self.profile, self.cluster, alloc)
         return self.cache.rates[key]
-
-    def _measure_rates(self, alloc: Allocation) -> Rates:
-        """Links per parallel axis (inter-node if any group of that axis spans nodes; within a node at NCCL's
-        bus bandwidth) and the slowdown of devices sharing cores: a call keeping k devices of a node busy on a
-        node with fewer cores runs at cores/k of the per-device rate. The matmul rate is what passes reach
-        (``matmul_efficiency`` of the peak)."""
-        p, lay = self.profile, alloc.layout
-        groups = {
-            "tp": [
-                [alloc.device(Coords(s, d, t)) for t in range(lay.tp)] for d in range(lay.dp) for s in range(lay.pp)
-            ],
-            "dp": [
-                [alloc.device(Coords(s, d, t)) for d in range(lay.dp)] for t in range(lay.tp) for s in range(lay.pp)
-            ],
-            "pp": [
-                [alloc.device(Coords(s, d, t)) for s in range(lay.pp)] for d in range(lay.dp) for t in range(lay.tp)
-            ],
-        }
-        intra = p.intra_node_bw * p.intra_bus_efficiency
-        bw = {axis: p.inter_node_bw if any(self._spans_nodes(g) for g in gs) else intra for axis, gs in groups.items()}
-        slowdown = 1.0
-        if p.devices_share_cores > 1:
-            busiest = max(Counter(self.cluster.node_of(d) for d in alloc.mesh).values())
-            cores = self.cluster.devices_per_node / p.devices_share_cores
-            slowdown = max(1.0, busiest / cores)
-        return Rates(
-            p.matmul_flops * p.matmul_efficiency / slowdown,
-            p.mem_bandwidth / slowdown,
-            bw["tp"],
-            bw["dp"],
-            bw["pp"],
-            p.link_latency,
-            p.op_overhead * slowdown,
-        )
-
-    def _spans_nodes(self, devices: list[int]) -> bool:
-        return len({self.cluster.node_of(d) for d in devices}) > 1
 
 
 def _launch(name: str, tp: int) -> str:
