@@ -116,7 +116,8 @@ def grpo(tmp: Path, arm: str, model: Path | str, args) -> tuple[float, float, fl
             "loop.progress=false",
             "report.html=false",
             "runtime.executor=reference",
-            "runtime.plan=actor_gen=0; actor_train=0:mb8",  # 16 rows a micro-batch: multi-turn rows are long
+            # 16 rows a micro-batch (multi-turn rows are long); the no-tool arm's rule reward is a call too
+            f"runtime.plan=actor_gen=0; {'' if arm == 'tool' else 'reward_inf=0; '}actor_train=0:mb8",
             *env,
         ],
     )
