@@ -51,7 +51,6 @@ def episode_settings(env: EnvConfig) -> EpisodeSettings:
         env.step_timeout_s,
         env.workers,
         env.tool_format,
-        credit=env.credit,
     )
 
 

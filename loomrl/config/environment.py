@@ -9,7 +9,7 @@ from dataclasses import dataclass
 from loomrl.config.tools import ValidatedConfig, fail, spec
 
 AT_BUDGET = ("truncate", "penalise")  # loomrl.rollout.episodes.AT_BUDGET
-CREDIT = ("episode", "turn")  # loomrl.rollout.episodes.CREDIT
+CREDIT = ("episode", "turn")
 TOOL_CONVENTIONS = ("auto", "hermes", "json", "mistral")  # loomrl.envs.tool_calls: AUTO and CONVENTIONS
 
 

@@ -18,7 +18,8 @@ answered first.
 The episode's reward is the sum of its steps' rewards. Each step's reward is also kept where it was earned, on the
 last token of the turn it answers (:meth:`Episode.token_rewards`), for the ``turn`` credit rule; under the
 ``episode`` rule the policy-gradient algorithms give the sum to the whole episode, as they give a single
-response's score to the whole response (:attr:`EpisodeSettings.credit`). An episode that runs out of its token
+response's score to the whole response (``rollout.env.credit``,
+:func:`~loomrl.algorithms.advantages.credit_by_turn`). An episode that runs out of its token
 budget before its environment ends it is truncated there, and with ``at_budget='penalise'`` also loses
 ``budget_penalty``. An environment step that outlives ``step_timeout_s`` ends its episode (finish
 ``timeout``); one that raises stops the call with a one-line error naming the environment. The seconds its
@@ -40,8 +41,6 @@ from loomrl.models.tokenizer import encode_prompt
 from loomrl.rollout.engine import Completion, Request, RolloutEngine
 
 AT_BUDGET = ("truncate", "penalise")
-CREDIT = ("episode", "turn")
-"""Which tokens a step's reward is credited to (:attr:`EpisodeSettings.credit`)."""
 FINISHES = ("done", "turns", "budget", "timeout")
 """Why an episode ended: its environment ended it, its turns or token budget ran out, or a step took too long."""
 
@@ -65,10 +64,6 @@ class EpisodeSettings:
     tool_format: str = "auto"
     """A tool environment's call format ('auto': the chat template's convention, else the environment's own; see
     :func:`~loomrl.envs.tool_calls.resolve_tool_format`)."""
-    credit: str = "episode"
-    """'episode': the episode's reward on every sampled token; 'turn': each step's reward where it was earned (the
-    last token of the turn it answers), credited to that turn and the turns before it
-    (:func:`~loomrl.algorithms.advantages.credit_by_turn`)."""
     keep_cache: bool = True
     """Continue an episode over its kept cache; False: prefill its whole history again each turn (the baseline
     that keeping the cache is measured against)."""
