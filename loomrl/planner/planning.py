@@ -18,6 +18,7 @@ from loomrl.planner.search.evaluate import CachedCost, Evaluator, plan_key
 from loomrl.planner.search.heuristics import best_heuristic_plans
 from loomrl.planner.search.search import search
 from loomrl.planner.simulation.simulator import SimResult
+from loomrl.workflow import Workflow
 
 SEARCH_CHAINS = 8
 """Annealing chains of :func:`compare_plans`: one from each heuristic's best plan, the rest from the best
@@ -88,6 +89,27 @@ def _modes(evaluator: Evaluator, heuristics: dict, max_staleness: int) -> dict:
     return {mode: evaluator.best_of(keep) for mode, keep in MODES.items() if mode != "asynchronous" or max_staleness}
 
 
+def _rows(workflow: Workflow, host_offload: bool, plans: list[tuple[str, tuple[ExecutionPlan, SimResult]]]) -> list:
+    """The comparison's table: a row per plan (heuristics, then the searched one), its speedup over colocate."""
+    base = dict(plans)["colocate"][1]
+    rows = []
+    for name, (plan, result) in plans:
+        rows.append(
+            {
+                "plan": name,
+                "feasible": result.feasible,
+                "s/iteration": result.iteration_time if result.feasible else float("nan"),
+                "peak GB/device": max(result.peak_memory.values(), default=0.0) / 2**30,
+                "offloaded": (", ".join(plan.offloaded_roles(workflow)) or "none") if host_offload else "none (CPU)",
+                "fused": _fusions(plan),
+                "speedup vs colocate": (
+                    base.iteration_time / result.iteration_time if base.feasible and result.feasible else float("nan")
+                ),
+            }
+        )
+    return rows
+
+
 def compare_plans(
     inputs: PlannerInputs,
     *,
@@ -150,24 +172,7 @@ def compare_plans(
         evaluator=evaluator,
     )
     modes = _modes(evaluator, heuristics, max_staleness)
-    base = heuristics["colocate"][1]
-    rows = []
-    for name, (plan, result) in [*heuristics.items(), *(("searched", s) for s in searched[:1])]:
-        rows.append(
-            {
-                "plan": name,
-                "feasible": result.feasible,
-                "s/iteration": result.iteration_time if result.feasible else float("nan"),
-                "peak GB/device": max(result.peak_memory.values(), default=0.0) / 2**30,
-                "offloaded": (", ".join(plan.offloaded_roles(workflow)) or "none")
-                if profile.host_offload
-                else "none (CPU)",
-                "fused": _fusions(plan),
-                "speedup vs colocate": (
-                    base.iteration_time / result.iteration_time if base.feasible and result.feasible else float("nan")
-                ),
-            }
-        )
+    rows = _rows(workflow, profile.host_offload, [*heuristics.items(), *(("searched", s) for s in searched[:1])])
     candidates = [(r.iteration_time, n, p, r) for n, (p, r) in heuristics.items() if r.feasible]
     candidates += [(r.iteration_time, "searched", p, r) for p, r in searched[:1]]
     if not candidates:  # report the least infeasible plan, with the reason, rather than nothing
