@@ -341,6 +341,42 @@ POLISHED = 3
 them: the best one may sit in a shallower basin than the runner-up's."""
 
 
+def _check_budget(chains: int, top_k: int, max_steps: int | None, time_budget_s: float) -> None:
+    """One-line errors for a search's budget arguments."""
+    for name, value, low in (("chains", chains, 1), ("top_k", top_k, 1), ("max_steps", max_steps, 0)):
+        if value is not None and (isinstance(value, bool) or not isinstance(value, int) or value < low):
+            raise ConfigError(f"search: {name}={value!r}; expected an integer >= {low}")
+    if not time_budget_s > 0:
+        raise ConfigError(f"search: time_budget_s={time_budget_s!r}; expected seconds > 0")
+
+
+def _units(
+    workflow: Workflow,
+    cluster: ClusterSpec,
+    model_configs: Mapping[str, object],
+    cost: CostEstimator,
+    memory_per_device: float,
+    keep: set[Allocation],
+) -> list[Unit]:
+    """The units the search moves, each with its pruned candidate allocations (``keep``: the starts', never
+    pruned); a unit with a single candidate has nothing to choose and is left out."""
+    units = [
+        Unit(
+            names,
+            _prune(
+                names,
+                tuple(candidate_allocations(workflow[names[0]], workflow, cluster, model_configs)),
+                workflow,
+                cost,
+                memory_per_device,
+                keep,
+            ),
+        )
+        for names in unit_names(workflow)
+    ]
+    return [u for u in units if len(u.candidates) > 1]
+
+
 def search(
     workflow: Workflow,
     cluster: ClusterSpec,
@@ -376,11 +412,7 @@ def search(
     ``max_staleness`` (the user's bound; 0: synchronous plans only) lets plans train asynchronously
     (:func:`async_choices`). ``evaluator`` (made here by default) keeps every plan simulated, for the caller.
     """
-    for name, value, low in (("chains", chains, 1), ("top_k", top_k, 1), ("max_steps", max_steps, 0)):
-        if value is not None and (isinstance(value, bool) or not isinstance(value, int) or value < low):
-            raise ConfigError(f"search: {name}={value!r}; expected an integer >= {low}")
-    if not time_budget_s > 0:
-        raise ConfigError(f"search: time_budget_s={time_budget_s!r}; expected seconds > 0")
+    _check_budget(chains, top_k, max_steps, time_budget_s)
     began = time.monotonic()  # the budget covers pruning too (thousands of candidates priced at 64 GPUs)
     starts = start if isinstance(start, list) else [start if start is not None else colocate(workflow, cluster)]
     if not starts:
@@ -391,21 +423,7 @@ def search(
             plan.validate(workflow)  # raises the one-line reason
     starts = [_best_variant(plan, evaluate, max_staleness) for plan in starts]
     keep = {a for plan in starts for a in plan.allocations.values()}
-    units = [
-        Unit(
-            names,
-            _prune(
-                names,
-                tuple(candidate_allocations(workflow[names[0]], workflow, cluster, model_configs)),
-                workflow,
-                evaluate.cost,
-                memory_per_device,
-                keep,
-            ),
-        )
-        for names in unit_names(workflow)
-    ]
-    units = [u for u in units if len(u.candidates) > 1]
+    units = _units(workflow, cluster, model_configs, evaluate.cost, memory_per_device, keep)
     splitter = _Splitter(units, workflow, evaluate.cost, memory_per_device)
     # chains beyond the starts start from the best of their crossovers and interleavings, not from a start
     # walked already
