@@ -55,14 +55,14 @@ def episode_settings(env: EnvConfig) -> EpisodeSettings:
 
 
 def open_episode(
-    tokenizer: PreTrainedTokenizerBase, env: EnvConfig, example: Example, make_env=None
+    tokenizer: PreTrainedTokenizerBase, env: EnvConfig, example: Example
 ) -> tuple[object, list[dict[str, str]]]:
     """A fresh environment for ``example`` and the conversation its reset starts. A tool environment reads and
     writes calls in the run's format (:func:`~loomrl.envs.tool_calls.resolve_tool_format`: ``env.tool_format``,
     else the chat template's convention, else its own), set before the reset, whose prompt may show a call. Every
     place an episode starts (the prompt, sampling, evaluation, demonstrations) opens it here, so they agree."""
     assert env.name is not None, "an episode needs an environment"
-    instance = (make_env or load_environment(env.name))()
+    instance = load_environment(env.name)()  # the class is loaded once (load_environment caches it)
     if isinstance(instance, ToolEnvironment):
         template = getattr(tokenizer, "chat_template", None)
         instance.tool_format = resolve_tool_format(env.tool_format, template, instance.tool_format)
@@ -73,11 +73,10 @@ def demonstrations(tokenizer: PreTrainedTokenizerBase, env: EnvConfig, examples:
     """Each example's demonstration in environment ``env`` (its ``demonstrate(row)`` turns, played through it),
     laid out token for token as a sampled episode (:func:`~loomrl.rollout.episodes.scripted_episode`): what a
     supervised warm start learns from, its loss on the turns' tokens only."""
-    make_env = load_environment(env.name)
     observe = ObservationTokens(tokenizer, [tokenizer.eos_token_id])
     out = []
     for ex in examples:
-        instance, opening = open_episode(tokenizer, env, ex, make_env)
+        instance, opening = open_episode(tokenizer, env, ex)
         demonstrate = getattr(instance, "demonstrate", None)
         if demonstrate is None:
             raise DataError(f"environment '{env.name}': has no demonstrate(row) method to learn demonstrations from")
@@ -121,7 +120,6 @@ def _run(
 
 def episodes_op(ctx: OpContext, batch: Batch, params: SamplingParams, env: EnvConfig) -> dict:
     """Run one episode per row (see the module docstring); columns in row order."""
-    make_env = load_environment(env.name)
     assert ctx.tokenizer is not None, "episodes render observations with the run's tokenizer"
     keys = stream_keys(ctx.seed, ctx.iteration, batch.ids).tolist()
     rows = batch["row"] if "row" in batch else [{} for _ in batch.ids]
@@ -129,7 +127,7 @@ def episodes_op(ctx: OpContext, batch: Batch, params: SamplingParams, env: EnvCo
     for sid, prompt, text, answer, row, key in zip(
         batch.ids, batch["prompt_ids"], batch["prompt_text"], batch["answer"], rows, keys
     ):
-        instance, opening = open_episode(ctx.tokenizer, env, Example(text, answer, row=row), make_env)
+        instance, opening = open_episode(ctx.tokenizer, env, Example(text, answer, row=row))
         if conversation_ids(ctx.tokenizer, opening) != list(prompt):
             raise DataError(
                 f"environment '{env.name}': reset gave sample {sid} a conversation other than its prompt's; reset "
@@ -164,10 +162,9 @@ def evaluate_episodes(
 ) -> dict[str, float]:
     """Greedy episodes on ``examples``: the share solved (ended by the environment with a positive reward), the
     mean reward and the mean number of turns."""
-    make_env = load_environment(env.name)
     episodes = []
     for i, ex in enumerate(examples):
-        instance, opening = open_episode(tokenizer, env, ex, make_env)
+        instance, opening = open_episode(tokenizer, env, ex)
         episodes.append(Episode(i, conversation_ids(tokenizer, opening), 0, max_new_tokens, instance, opening=opening))
     params = SamplingParams(max_new_tokens=max_new_tokens, temperature=0.0)
     decode = partial(decode_response, tokenizer)
