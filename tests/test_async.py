@@ -13,6 +13,8 @@ import shutil
 
 import pytest
 import torch
+from hypothesis import given, settings
+from hypothesis import strategies as st
 
 from loomrl.algorithms import losses as L
 from loomrl.algorithms.workflows import build_workflow
@@ -53,13 +55,21 @@ def test_async_round_trips_through_plan_strings_and_files(tmp_path):
     assert "async:" in (tmp_path / "p.yaml").read_text()
     assert ExecutionPlan.load(tmp_path / "p.yaml") == plan
     assert make_plan("separate", workflow, cluster).staleness == 0
+    partial = make_plan("separate; async=2,partial_rollout:on,segment_tokens:3", workflow, cluster)
+    assert partial.asynchronous == AsyncTraining(2, partial_rollout=True, segment_tokens=3)
+    assert "async=max_staleness:2,partial_rollout:on,segment_tokens:3" in format_plan_string(partial, workflow)
+    assert parse_plan_string(format_plan_string(partial, workflow), workflow, cluster) == partial
+    partial.save(tmp_path / "partial.yaml")
+    assert ExecutionPlan.load(tmp_path / "partial.yaml") == partial
 
 
 @pytest.mark.parametrize(
     "text, message",
     [
         ("separate; async=0", r"async.*>= 1"),
-        ("separate; async=x", r"'x' is not max_staleness:N or N"),
+        ("separate; async=x", r"'x' is not N, max_staleness:N, partial_rollout:on\|off or segment_tokens:N"),
+        ("separate; async=1,partial_rollout:on", r"partial_rollout: needs max_staleness >= 2 \(got 1\)"),
+        ("separate; async=2,segment_tokens:4", r"segment_tokens: applies to partial rollouts only"),
         ("colocate; stream_fusion=on; async=1", r"plan.async: stream fusion .* choose one"),
     ],
 )
@@ -285,3 +295,114 @@ def test_loomrl_plan_shows_synchronous_fused_and_async_side_by_side(tmp_path, ca
     assert "async=1" in out
     assert main([*argv, "--max-staleness", "-1"]) == 2
     assert "--max-staleness: -1 is not a number of policy versions >= 0" in capsys.readouterr().err
+
+
+# ------------------------------------------------------------------------------------------ partial rollouts
+PARTIAL = ("algo.name=grpo", "algo.group_size=4", "rollout.prompts_per_iter=4", "algo.off_policy=decoupled")
+
+
+@pytest.fixture(scope="module")
+def reference_partial(tmp_path_factory):
+    """GRPO at η = 2 with partial rollouts: every sample pauses after 2 tokens in the iteration it starts in and
+    ends in the next, under the weights of that one (responses of up to 6 tokens)."""
+    plan = "separate; async=2,partial_rollout:on,segment_tokens:2"
+    return _run(tmp_path_factory.mktemp("ref_partial"), "ref", plan, "runtime.devices=2", "loop.iterations=5", *PARTIAL)
+
+
+def test_partial_rollouts_spread_a_batch_over_two_policy_versions(tmp_path, reference_partial):
+    """The batches generated ahead from the first iteration's weights were generated whole (staleness 0 and 1);
+    from the third iteration on every batch's first two tokens of each sample are two versions old and the rest
+    one: the largest gap is the bound, the mean over tokens between 1 and 2 (exactly 1 + 2 / mean length). With
+    segments at least as long as the responses nothing pauses and the run is the plain asynchronous one."""
+    stale = [m["async/staleness"] for m in reference_partial]
+    assert stale == [0.0, 1.0, 2.0, 2.0, 2.0]
+    for m in reference_partial[2:]:
+        assert m["async/staleness_mean"] == pytest.approx(1 + 2 / m["response/length"], rel=1e-6)
+    plain = _run(tmp_path, "plain", "separate; async=2", "runtime.devices=2", "loop.iterations=5", *PARTIAL)
+    whole = "separate; async=2,partial_rollout:on,segment_tokens:6"
+    unpaused = _run(tmp_path, "whole", whole, "runtime.devices=2", "loop.iterations=5", *PARTIAL)
+    assert [m["actor/pg_loss"] for m in unpaused] == [m["actor/pg_loss"] for m in plain]
+    assert [m["actor/pg_loss"] for m in reference_partial[3:]] != [m["actor/pg_loss"] for m in plain[3:]]
+
+
+@pytest.mark.parametrize(
+    "plan, devices",
+    [
+        ("separate; async=2,partial_rollout:on,segment_tokens:2", 2),
+        (
+            "actor_gen=0-1:dp2; ref_inf=2-3; reward_inf=2-3; actor_inf=2-3; actor_train=2-3; advantages=2:dp1; "
+            "async=2,partial_rollout:on,segment_tokens:2",
+            4,
+        ),
+    ],
+    ids=["separate", "dp2_generation"],
+)
+def test_ray_partial_rollouts_match_the_reference(tmp_path, reference_partial, plan, devices):
+    """The paused samples held by the controller and continued by whichever generation replica gets them: the
+    samples, their token versions and the losses are the reference's."""
+    got = _run(
+        tmp_path, "ray", plan, "runtime.executor=ray", f"runtime.devices={devices}", "loop.iterations=5", *PARTIAL
+    )
+    _assert_equivalent(got, reference_partial)
+    for key in ("async/staleness", "async/staleness_mean"):
+        assert [m[key] for m in got] == pytest.approx([m[key] for m in reference_partial], rel=1e-9)
+
+
+@pytest.mark.parametrize("executor", ["reference", "ray"])
+def test_a_checkpoint_with_paused_samples_resumes_to_the_same_run(tmp_path, reference_partial, executor):
+    """A checkpoint taken while samples are paused holds their tokens, behaviour log-probs and versions: a run
+    stopped after its third iteration and resumed continues them as if it had not stopped."""
+    run = ("separate; async=2,partial_rollout:on,segment_tokens:2", "runtime.devices=2", f"runtime.executor={executor}")
+    _run(tmp_path, "r", *run, "loop.iterations=5", "loop.save_every=1", "checkpoint.keep_last=5", *PARTIAL)
+    checkpoints = tmp_path / "r" / "checkpoints"
+    pending = torch.load(checkpoints / "iter_000002" / "pending.pt", weights_only=True)
+    assert "in_flight" in pending and pending["in_flight"][2]
+    for name in ("iter_000003", "iter_000004"):
+        shutil.rmtree(checkpoints / name)
+    (checkpoints / "latest").write_text("iter_000002\n")
+    got = _run(tmp_path, "r", *run, "loop.iterations=5", *PARTIAL, resume=True)
+    assert [m["iteration"] for m in got] == [0, 1, 2, 3, 4]
+    _assert_equivalent(got, reference_partial)
+    assert [m["async/staleness_mean"] for m in got] == pytest.approx(
+        [m["async/staleness_mean"] for m in reference_partial], rel=1e-9
+    )
+
+
+def test_partial_rollouts_refuse_what_cannot_pause(tmp_path):
+    plan = "runtime.plan=separate; async=2,partial_rollout:on"
+    with pytest.raises(ConfigError, match=r"runtime.controllers: not available with partial rollouts"):
+        RLTrainer(_cfg(tmp_path, "a", plan, "runtime.executor=ray", "runtime.devices=4", "runtime.controllers=2"))
+    with pytest.raises(ConfigError, match=r"algo: not available with partial rollouts"):
+        RLTrainer(_cfg(tmp_path, "b", plan, "algo.name=remax", "runtime.devices=2"))
+
+
+@settings(max_examples=200, deadline=None)
+@given(
+    lengths=st.lists(st.integers(1, 300), min_size=1, max_size=16),
+    staleness=st.integers(2, 5),
+    segment=st.one_of(st.none(), st.integers(1, 64)),
+)
+def test_partial_rollouts_never_train_a_token_older_than_the_bound(lengths, staleness, segment):
+    """Over random response lengths: a batch trained in iteration t starts generating in iteration t - η; in each
+    later call its samples pause where :meth:`PartialRollout.pause_at` says, and in the call of iteration t - 1
+    they run to their end. So every sample is complete before its iteration, every token was sampled by a policy
+    between t - η and t - 1 versions (never older than the bound), and each call's share of a sample is the piece
+    the simulator prices (:func:`~loomrl.planner.cost.decode.partial_pieces`, the runtime's default segment taken
+    from the longest budget)."""
+    from loomrl.algorithms.context import PartialRollout
+    from loomrl.planner.cost.decode import partial_pieces
+
+    t, budget = 10, max(lengths)
+    pieces = []
+    for n in lengths:
+        versions: list[int] = []
+        for version in range(t - staleness, t):
+            if len(versions) == n:
+                break
+            stop = PartialRollout(version, staleness, segment, {}).pause_at(t, len(versions), budget)
+            made = n - len(versions) if stop is None else min(n, stop) - len(versions)
+            versions += [version] * made
+            pieces.append(made)
+        assert len(versions) == n
+        assert t - staleness <= min(versions) and max(versions) <= t - 1
+    assert tuple(p for p in pieces if p) == partial_pieces(lengths, staleness, segment)

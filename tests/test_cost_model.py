@@ -13,6 +13,7 @@ from loomrl.plan import GB, Allocation, ClusterSpec, param_count, plan_reallocat
 from loomrl.plan.cluster import profile_for
 from loomrl.plan.hardware import PROFILES, HardwareProfile
 from loomrl.plan.model_shape import ModelShape
+from loomrl.plan.plan import AsyncTraining
 from loomrl.planner.calibration.local import calibrate_local
 from loomrl.planner.calibration.traces import observations_from_metrics, trace_predictor
 from loomrl.planner.cost import decode as D
@@ -152,6 +153,21 @@ def test_partial_rollouts_decode_at_full_occupancy_without_the_tail():
     assert max(s.ctx_base + s.live * (s.end - 1) for s in segs) < 1.05 * 32 * D.live_context(lengths, 100)
     wide = D.steady_segments(lengths, 64, 64, 100)
     assert D.decode_steps(wide) == math.ceil(steps / 2)
+
+
+def test_loomrl_partial_rollouts_decode_each_sample_over_its_iterations():
+    """Each sample's pieces: ``segment`` tokens in every iteration but its last, the rest in the last (by default
+    the longest sample split evenly); a call holding those pieces of a heavy tail decodes its longest piece, not
+    its longest sample, and the same tokens in all."""
+    assert D.partial_pieces((6, 3, 1, 10), 2, 2) == (2, 4, 2, 1, 1, 2, 8)
+    assert D.partial_pieces((6, 3, 1, 10), 3, None) == (4, 2, 3, 1, 4, 4, 2)
+    assert sum(D.partial_pieces((640, 16, 16), 2, None)) == 672
+    tail = (16,) * 63 + (2048,)
+    model = llama_model(lengths=tail)
+    whole = model.mfc_time(GEN, a("0-7:dp8"))
+    cut = model.partial_rollout_time(GEN, a("0-7:dp8"), AsyncTraining(2, partial_rollout=True))
+    assert 0.4 * whole < cut < 0.7 * whole
+    assert model.partial_rollout_time(GEN, a("0-7:dp8"), AsyncTraining(2, True, 4096)) == pytest.approx(whole)
 
 
 # ------------------------------------------------------------------------------------------- monotonicity

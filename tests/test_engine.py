@@ -224,3 +224,26 @@ def test_a_kept_cache_that_the_resubmission_does_not_extend_is_dropped(model):
     again = engine.generate([other])[0]
     alone = _engine(model, slots=2, params=params).generate([other])[0]
     assert again.tokens == alone.tokens and engine.kept == {} and first.tokens
+
+
+def test_a_paused_sample_continued_elsewhere_is_the_uninterrupted_sample(model):
+    """``pause_at``: a sample stops unfinished at a set length (a partial rollout's weight update) and frees its
+    slot; resubmitted with its tokens as the prefix it goes on as if never paused, tokens and log-probs alike."""
+    reqs = _requests(12, seed=5)
+    full = {c.sample_id: c for c in _engine(model, slots=12).generate(reqs)}
+    for r in reqs:
+        r.pause_at = 3
+    first = _engine(model, slots=4).generate(reqs)
+    paused = [c for c in first if c.finish_reason == "paused"]
+    assert paused and all(len(c.tokens) == 3 for c in paused)
+    assert all(c.tokens == full[c.sample_id].tokens for c in first if c.finish_reason != "paused")
+    by_id = {r.sample_id: r for r in reqs}
+    again = [
+        Request(c.sample_id, by_id[c.sample_id].prompt, by_id[c.sample_id].key, prefix=c.tokens, prefix_logps=c.logps)
+        for c in paused
+    ]
+    engine = _engine(model, slots=3)
+    for c in engine.generate(again):
+        assert c.finish_reason != "paused" and c.tokens == full[c.sample_id].tokens
+        assert c.logps == pytest.approx(full[c.sample_id].logps, abs=1e-5)
+    assert len(engine.finished_lengths) == len(paused)

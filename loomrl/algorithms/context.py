@@ -10,7 +10,7 @@ is whole, one pipeline stage, or sharded over data-parallel ranks (:mod:`loomrl.
 from __future__ import annotations
 
 from collections.abc import Callable, Mapping, Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Any, Protocol
 
 import torch
@@ -48,6 +48,53 @@ class StreamControl(Protocol):
         """Called after each decode step of ``engine`` (a :class:`~loomrl.rollout.RolloutEngine`); True when this
         replica stops generating (its unfinished samples went elsewhere)."""
         ...
+
+
+@dataclass(frozen=True)
+class Resumed:
+    """A sample a partial rollout paused, to be continued: what it has generated so far."""
+
+    iteration: int
+    """The iteration that trains it (its random stream's, so it continues the stream it began)."""
+    tokens: tuple[int, ...]
+    logps: tuple[float, ...]
+    """The behaviour log-prob of each token: under the policy that sampled it."""
+    versions: tuple[int, ...]
+    """The policy version that sampled each token."""
+
+    def plain(self) -> tuple:
+        """As plain data (what a checkpoint and a controller take): :meth:`of_plain` reads it back."""
+        return (self.iteration, list(self.tokens), list(self.logps), list(self.versions))
+
+    @classmethod
+    def of_plain(cls, data: Sequence) -> Resumed:
+        iteration, tokens, logps, versions = data
+        return cls(int(iteration), tuple(int(t) for t in tokens), tuple(logps), tuple(int(v) for v in versions))
+
+
+@dataclass
+class PartialRollout:
+    """What a rollout generate call of an asynchronous plan with partial rollouts is told, and what it reports
+    (:attr:`OpContext.partial`; :class:`~loomrl.plan.plan.AsyncTraining`). Rows trained in the next iteration
+    (or earlier) run to their end; every other row pauses after ``segment_tokens`` more tokens."""
+
+    version: int
+    """The policy version of the weights generating: every token this call samples carries it."""
+    max_staleness: int
+    segment_tokens: int | None
+    """Tokens a row generates in this call before it pauses; None: its budget over ``max_staleness``, rounded up."""
+    resumed: Mapping[int, Resumed]
+    """Rows of the call's batch that continue a paused sample: sample id → what it generated before."""
+    paused: dict[int, Resumed] = field(default_factory=dict)
+    """Filled by the call: the rows it paused (their columns hold what they generated so far)."""
+    versions: dict[int, tuple[int, ...]] = field(default_factory=dict)
+    """Filled by the call: every row's token versions (prefix included)."""
+
+    def pause_at(self, iteration: int, prefix: int, budget: int) -> int | None:
+        """Where a row of ``iteration`` with ``prefix`` tokens pauses (None: it runs to its end)."""
+        if iteration <= self.version + 1:
+            return None
+        return prefix + (self.segment_tokens or -(-budget // self.max_staleness))
 
 
 class Passes(Protocol):
@@ -156,6 +203,9 @@ class OpContext:
     plan's ``rc``; activation checkpointing). Same gradients, less memory, one more forward."""
     stream: StreamControl | None = None
     """Generate calls of a fused stage: chunking and migration (None: generate everything, then return)."""
+    partial: PartialRollout | None = None
+    """Rollout generate calls under partial rollouts: which rows continue, where rows pause (None: every row runs
+    to its end)."""
     reduce: Callable[[torch.Tensor], torch.Tensor] | None = None
     """Compute MFCs given one shard of the batch (one per parallel controller): sums a tensor over every shard,
     for batch-level statistics such as advantage whitening. None: the call sees the whole batch."""

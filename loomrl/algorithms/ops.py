@@ -26,7 +26,7 @@ from contextlib import contextmanager, nullcontext
 
 import torch
 
-from loomrl.algorithms.context import OpContext
+from loomrl.algorithms.context import OpContext, PartialRollout, Resumed
 from loomrl.algorithms.lr import set_lr
 from loomrl.config.schema import judge_role
 from loomrl.errors import TrainingError
@@ -53,11 +53,11 @@ def generate_chunks(
     that column, else the sampling parameters'), yielding ``(sample ids, columns)`` of finished rows:
     in chunks of ``ctx.stream.chunk`` as they finish when the call is part of a fused stage (whose
     ``after_step`` hook may migrate unfinished samples in or out), else all at once. Noise comes from each
-    sample's own stream, so a sample's tokens do not depend on where or with whom it was generated."""
-    model, control = ctx.role.model, ctx.stream
+    sample's own stream, so a sample's tokens do not depend on where or with whom it was generated. Under
+    partial rollouts (``ctx.partial``) rows continue what they generated before and may pause, unfinished."""
+    model, control, partial = ctx.role.model, ctx.stream, ctx.partial
     was_training = model.training
     model.eval()
-    keys = stream_keys(ctx.seed, ctx.iteration, batch.ids).tolist()
     prompts = batch["prompt_ids"] if len(batch) else []
     budgets = batch["max_new_tokens"] if "max_new_tokens" in batch else [None] * len(batch)  # per-sample budgets
     longest = control.max_prompt if control else max(len(p) for p in prompts)
@@ -65,10 +65,13 @@ def generate_chunks(
     slots = control.slots if control else min(256, len(prompts))
     eos_ids = (ctx.eos_id, *generation_eos_ids(model))
     engine = RolloutEngine(model, params, eos_ids, ctx.pad_id, slots=max(1, slots), max_len=longest + budget)
-    engine.submit(Request(sid, list(p), key, b) for sid, p, key, b in zip(batch.ids, prompts, keys, budgets))
+    engine.submit(_requests(ctx, batch, prompts, budgets, budget))
     finished: list = []
     while engine.has_work() or (control is not None and control.in_step):
-        finished += engine.step()
+        done = engine.step()
+        if partial is not None:
+            _record_partial(partial, ctx.iteration, done)
+        finished += done
         stop = control is not None and control.after_step(engine)
         last = stop or not (engine.has_work() or (control is not None and control.in_step))
         if finished and (last or (control is not None and len(finished) >= control.chunk)):
@@ -77,6 +80,40 @@ def generate_chunks(
         if stop:
             break
     model.train(was_training)
+
+
+def _requests(
+    ctx: OpContext, batch: Batch, prompts: Sequence, budgets: Sequence[int | None], budget: int
+) -> list[Request]:
+    """One request per row; under partial rollouts a paused row continues its tokens (and its own iteration's
+    random stream), and a row that is not due pauses after its segment (:meth:`PartialRollout.pause_at`)."""
+    partial = ctx.partial
+    resumed = partial.resumed if partial is not None else {}
+    keys = stream_keys(ctx.seed, ctx.iteration, batch.ids).tolist()
+    requests = []
+    for sid, prompt, key, own in zip(batch.ids, prompts, keys, budgets):
+        request = Request(sid, list(prompt), key, own)
+        if partial is not None:
+            before = resumed.get(sid)
+            if before is not None:
+                request.key = int(stream_keys(ctx.seed, before.iteration, [sid])[0])
+                request.prefix, request.prefix_logps = list(before.tokens), list(before.logps)
+            iteration = before.iteration if before is not None else ctx.iteration
+            request.pause_at = partial.pause_at(iteration, len(request.prefix), own or budget)
+        requests.append(request)
+    return requests
+
+
+def _record_partial(partial: PartialRollout, iteration: int, done: Sequence) -> None:
+    """Each finished or paused row's token versions into ``partial``, and the paused rows' state."""
+    for c in done:
+        before = partial.resumed.get(c.sample_id)
+        versions = before.versions if before is not None else ()
+        versions += (partial.version,) * (len(c.tokens) - len(versions))
+        partial.versions[c.sample_id] = versions
+        if c.finish_reason == "paused":
+            own = before.iteration if before is not None else iteration
+            partial.paused[c.sample_id] = Resumed(own, tuple(c.tokens), tuple(c.logps), versions)
 
 
 def _generated_columns(done: list, out_prefix: str) -> dict:

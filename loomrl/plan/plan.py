@@ -111,20 +111,62 @@ class AsyncTraining(ValidatedConfig):
 
     max_staleness: int = spec(1, ge=1)
     """η: how many policy versions a batch's sampler may be older than the policy it trains (1: one-step-off)."""
+    partial_rollout: bool = False
+    """Partial rollouts (AReaL's interruptible generation, verl's ``partial_rollout``): a weight update interrupts
+    the samples in flight, which continue under the new weights in the next iteration's generation, so one
+    batch's long tail is spread over the ``max_staleness`` iterations it is generated in instead of being waited
+    for. The plan fixes where the interruption falls: after ``segment_tokens`` tokens of a sample in each
+    iteration but its last, in which every sample of the batch runs to its end. Every token keeps the policy
+    version that sampled it and its behaviour log-prob; a batch is still trained at most ``max_staleness``
+    versions after the oldest of them. Needs ``max_staleness`` ≥ 2 (at 1 a batch has one iteration to be
+    generated in, so nothing can continue)."""
+    segment_tokens: int | None = spec(None, ge=1)
+    """Tokens a sample generates in each iteration before a weight update interrupts it (partial rollouts); None:
+    the response budget divided evenly over the ``max_staleness`` iterations (rounded up)."""
+
+    def validate(self) -> None:
+        if self.partial_rollout and self.max_staleness < 2:
+            fail(
+                "partial_rollout",
+                f"needs max_staleness >= 2 (got {self.max_staleness}): a batch generated in one iteration has no "
+                "later iteration to continue in",
+            )
+        if self.segment_tokens is not None and not self.partial_rollout:
+            fail("segment_tokens", "applies to partial rollouts only: set partial_rollout:on too")
 
     @classmethod
     def parse(cls, text: str) -> AsyncTraining:
-        """``N`` or ``max_staleness:N`` (a plan string's ``async=`` item)."""
-        value = str(text).strip().removeprefix("max_staleness:").strip()
-        try:
-            return cls(max_staleness=int(value))
-        except ValueError:
-            fail("async", f"{text.strip()!r} is not max_staleness:N or N, a whole number of versions >= 1")
+        """``N``, or comma-separated ``key:value`` pairs (a plan string's ``async=`` item), e.g. ``max_staleness:2``
+        or ``2,partial_rollout:on,segment_tokens:64``."""
+        values: dict[str, Any] = {}
+        for i, part in enumerate(str(text).split(",")):
+            key, sep, value = (p.strip() for p in part.partition(":"))
+            if not sep and i == 0:
+                key, value = "max_staleness", key
+            try:
+                if key in ("max_staleness", "segment_tokens"):
+                    values[key] = int(value)
+                elif key == "partial_rollout" and value in ("on", "off"):
+                    values[key] = value == "on"
+                else:
+                    raise ValueError
+            except ValueError:
+                fail(
+                    "async",
+                    f"{part.strip()!r} is not N, max_staleness:N, partial_rollout:on|off or segment_tokens:N (e.g. "
+                    "async=2,partial_rollout:on)",
+                )
+        return cls(**values)
 
     @property
     def text(self) -> str:
         """The plan string form :meth:`parse` reads."""
-        return f"max_staleness:{self.max_staleness}"
+        items = [f"max_staleness:{self.max_staleness}"]
+        if self.partial_rollout:
+            items.append("partial_rollout:on")
+        if self.segment_tokens is not None:
+            items.append(f"segment_tokens:{self.segment_tokens}")
+        return ",".join(items)
 
 
 def _roles_list(roles: object, field: str) -> tuple[str, ...] | None:

@@ -21,7 +21,7 @@ generation with
   critic_train=0-3:pp4revmb4; pipeline_fusion=on``;
 - ``async=N`` (or ``async=max_staleness:N``) trains asynchronously: generation runs up to N batches ahead of
   training (:class:`~loomrl.plan.plan.AsyncTraining`), e.g. ``actor_gen=0-1; ref_inf=2; reward_inf=3;
-  actor_train=2-3; async=1``;
+  actor_train=2-3; async=1``; ``async=2,partial_rollout:on`` (``segment_tokens:N``) adds partial rollouts;
 - a compute step (e.g. ``advantages``) that is not named runs on device 0 with no parallelism
   (``advantages=0:dp1``), where the runtime runs it; every model call must be named.
 
@@ -167,5 +167,6 @@ def format_plan_string(plan: ExecutionPlan, workflow: Workflow | None = None) ->
     if plan.pipeline_fusion:
         items.append("pipeline_fusion=on")
     if plan.asynchronous is not None:
-        items.append(f"async={plan.asynchronous.max_staleness}")
+        a = plan.asynchronous
+        items.append(f"async={a.text if a.partial_rollout else a.max_staleness}")
     return "; ".join(items)

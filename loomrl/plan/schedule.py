@@ -59,7 +59,7 @@ from dataclasses import dataclass, field
 from enum import Enum
 
 from loomrl.plan.allocation import Allocation
-from loomrl.plan.plan import ExecutionPlan, StreamFusion
+from loomrl.plan.plan import AsyncTraining, ExecutionPlan, StreamFusion
 from loomrl.workflow import MFC, MFCKind, Workflow
 
 __all__ = ["Schedule", "Step", "StepKind", "build_schedule"]
@@ -174,6 +174,8 @@ class Schedule:
     fill: tuple[Step, ...] = ()
     """Asynchronous plans: the steps that generate one batch ahead on their own (the ``ahead`` calls, the steps
     that put their models in place and those that release them), to fill the pipeline before it runs."""
+    asynchronous: AsyncTraining | None = None
+    """The plan's asynchronous training (staleness, partial rollouts); None for a synchronous plan."""
 
     def __post_init__(self) -> None:
         for name, steps in (("steps", self.steps), ("prologue", self.prologue), ("evaluation", self.evaluation)):
@@ -248,7 +250,7 @@ def build_schedule(workflow: Workflow, plan: ExecutionPlan, evaluate_role: str |
     if pair is not None:
         steps = _fuse(steps, pair, StepKind.PIPELINE_FUSION)
     prologue = tuple(Step(s.id, s.kind, s.devices, (), s.role, s.alloc, s.src) for s in builder.fills)
-    return Schedule(steps, prologue, _evaluation(workflow, plan, evaluate_role), ahead, fill)
+    return Schedule(steps, prologue, _evaluation(workflow, plan, evaluate_role), ahead, fill, plan.asynchronous)
 
 
 def _run_ahead(steps: tuple[Step, ...], ahead: tuple[str, ...], builder: _Builder) -> tuple[Step, ...]:

@@ -8,7 +8,8 @@ last live sample's cache), so decoding reads a plain slice of the cache.
 Tokens are drawn from each sample's own random stream (see :mod:`loomrl.rollout.sampling`): the token at step
 ``t`` of a sample depends only on its key, ``t`` and the logits, never on which slot, batch or device produced
 it. An aborted request returns its prefix; resubmitted with that prefix it is prefilled over prompt + prefix
-and continues at step ``len(prefix)``, so the final sample equals an uninterrupted one.
+and continues at step ``len(prefix)``, so the final sample equals an uninterrupted one. A request may also pause
+itself at a set length (``pause_at``: a partial rollout's weight update) and be resubmitted the same way.
 
 Multi-turn episodes continue the same way without recomputing their past: a request with ``keep_cache`` leaves
 its keys and values with the engine when it finishes (out of the slots, so an episode waiting on its environment
@@ -50,6 +51,9 @@ class Request:
     keep_cache: bool = False
     """Keep this sample's keys and values when it finishes (not when aborted), for a resubmission whose prefix
     extends its tokens (the next turn of an episode); :meth:`RolloutEngine.release` drops them."""
+    pause_at: int | None = None
+    """Stop the sample, unfinished, once it has this many tokens (prefix included), as ``paused``: a partial
+    rollout's weight update interrupts it there, and resubmitted with its tokens as the prefix it continues."""
 
 
 @dataclass
@@ -69,7 +73,7 @@ class Completion:
     tokens: list[int]
     logps: list[float]
     finish_reason: str
-    """'eos', 'stop' (a stop token), 'length' or 'aborted'."""
+    """'eos', 'stop' (a stop token), 'length', 'aborted' or 'paused' (unfinished at its ``pause_at``)."""
 
 
 @dataclass
@@ -212,6 +216,8 @@ class RolloutEngine:
             if eos or tok in self.params.stop_ids or len(lv.tokens) >= lv.budget:
                 reason = "eos" if eos else "stop" if tok in self.params.stop_ids else "length"
                 done.append(Completion(lv.request.sample_id, lv.tokens, lv.logps, reason))
+            elif lv.request.pause_at is not None and len(lv.tokens) >= lv.request.pause_at:
+                done.append(Completion(lv.request.sample_id, lv.tokens, lv.logps, "paused"))
         return done
 
     def _decode(self) -> list[Completion]:
@@ -309,10 +315,13 @@ class RolloutEngine:
         return out.logits
 
     def _release(self, done: Sequence[Completion]) -> None:
-        finished = {c.sample_id for c in done}
+        finished = {c.sample_id: c.finish_reason for c in done}
         for slot in reversed(range(len(self.live))):
             live = self.live[slot]
             if live.request.sample_id in finished:
+                if finished[live.request.sample_id] == "paused":
+                    self._free(slot)
+                    continue
                 self.finished_lengths.append(len(live.tokens))
                 if live.request.keep_cache:
                     context = (live.request.prompt + live.tokens)[: live.cached]

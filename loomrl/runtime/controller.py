@@ -28,6 +28,7 @@ from typing import Any
 
 import ray
 
+from loomrl.algorithms.context import PartialRollout, Resumed
 from loomrl.config.schema import RuntimeConfig, judge_index
 from loomrl.errors import LoomError
 from loomrl.plan.allocation import Allocation
@@ -38,6 +39,7 @@ from loomrl.planner.cost.pipeline_fusion import pipeline_fusion_orders
 from loomrl.planner.cost.stream_fusion import best_migrate_at
 from loomrl.planner.cost.workload import Workload
 from loomrl.planner.inputs import PlannerInputs
+from loomrl.runtime.ahead import IN_FLIGHT, InFlight, Pending, Shards, split_call
 from loomrl.runtime.executor import IterationResult, StepTrace, merge_stats, staleness_stats
 from loomrl.runtime.spec import CallData, PipelineFusionData, WorkerPlan, WorkerSpec
 from loomrl.runtime.stream_fusion import StreamFusionStage, is_stream
@@ -69,7 +71,6 @@ def is_metric_key(key: str) -> bool:
     return key in METRIC_KEYS or (judge_index(key) is not None and key.endswith("_unreadable"))
 
 
-Shards = dict[str, list[tuple[tuple[int, ...], Any]]]
 """Key → output shards holding it: (sample ids, object reference in a 1-tuple)."""
 
 
@@ -128,18 +129,6 @@ class ShardOutput:
     """CPU seconds its process used during the iteration (every thread: Ray's messaging too)."""
 
 
-@dataclass(frozen=True)
-class _Pending:
-    """A batch an asynchronous plan generated ahead of its iteration, kept by the controller of its shard."""
-
-    where: Shards
-    """The output shards of the generate calls' columns."""
-    tokens: dict[int, int]
-    """Sample id → its token count (prompt and response)."""
-    version: int
-    """The policy version that generated it."""
-
-
 @dataclass
 class _IterationState:
     iteration: int
@@ -151,6 +140,9 @@ class _IterationState:
     """The batch's largest per-sample token budget (its ``max_new_tokens`` column; 0 without one)."""
     whole: tuple[list[int], int] | None = field(default=None, repr=False)
     """The whole batch's token counts and this shard's offset in it, once the controllers have exchanged them."""
+    partial: PartialRollout | None = None
+    """A batch generated ahead under partial rollouts: the generate call's setting, with every paused sample it
+    continues (:mod:`loomrl.runtime.ahead`)."""
 
 
 class Controller:
@@ -177,8 +169,10 @@ class Controller:
         self.received = 0
         self.waited_s = 0.0
         """Time spent waiting for workers; the rest of an iteration is the controller's own work."""
-        self.pending: dict[int, _Pending] = {}
+        self.pending: dict[int, Pending] = {}
         """Asynchronous plans: iteration → the batch generated ahead for it."""
+        self.in_flight: InFlight | None = None
+        """Partial rollouts: the samples paused, to continue in the next rollout generate call."""
         self.lengths: list[list[int]] = []
         """Response lengths of the last iterations (at most :data:`LENGTH_WINDOW`): the workload the runtime's
         own decisions are priced for, following the run's drift."""
@@ -429,7 +423,12 @@ class Controller:
             if device in self.devices:
                 rows, steps = per_dp[alloc.coords(device).dp]
                 out[device] = CallData(
-                    state.iteration, rows, shard_refs(mfc.inputs, rows, where), steps, alloc.publishes(device)
+                    state.iteration,
+                    rows,
+                    shard_refs(mfc.inputs, rows, where),
+                    steps,
+                    alloc.publishes(device),
+                    _partial_of(state.partial, rows) if step.id in self.schedule.ahead else None,
                 )
         return out
 
@@ -486,8 +485,9 @@ class Controller:
             for key, value in meta.get("stats", {}).items():
                 stats[key] = stats.get(key, 0.0) + value
             if "shard" in meta:
+                rows = tuple(meta["rows"]) if "rows" in meta else payloads[device].sample_ids  # partial: finished
                 for key in step.mfc.outputs:
-                    state.where.setdefault(key, []).append((payloads[device].sample_ids, meta["shard"][0]))
+                    state.where.setdefault(key, []).append((rows, meta["shard"][0]))
             state.tokens.update({int(k): v for k, v in meta.get("tokens", {}).items()})
         merge_stats(result.stats, stats, step.id)
 
@@ -500,27 +500,77 @@ class Controller:
         self._keep_ahead(state, version)
         return traces
 
-    def pending_entries(self) -> dict[int, tuple[list[int], tuple, list[str], int]]:
+    def pending_entries(self) -> dict[Any, tuple]:
         """The batches generated ahead, as a checkpoint takes them: iteration → (sample ids, references of the
-        output shards holding them, their columns, policy version)."""
-        out = {}
+        output shards holding them, their columns, each sample's token versions); under partial rollouts the
+        paused samples under :data:`~loomrl.runtime.ahead.IN_FLIGHT` (sample ids, references of their input
+        shards, those columns, what each generated as plain data)."""
+        out: dict[Any, tuple] = {}
         for iteration, kept in sorted(self.pending.items()):
             ids = sorted({s for shards in kept.where.values() for ids, _ in shards for s in ids})
-            out[iteration] = (ids, shard_refs(list(kept.where), ids, kept.where), list(kept.where), kept.version)
+            versions = [list(kept.versions[s]) for s in ids]
+            out[iteration] = (ids, shard_refs(list(kept.where), ids, kept.where), list(kept.where), versions)
+        if self.in_flight is not None:
+            flight = self.in_flight
+            ids, keys = flight.ids, list(flight.where)
+            resumed = {s: r.plain() for s, r in flight.resumed.items()}
+            out[IN_FLIGHT] = (ids, shard_refs(keys, ids, flight.where), keys, resumed, dict(flight.tokens))
         return out
 
-    def restore_pending(self, entries: Mapping[int, tuple[list[int], Any, list[str], dict[int, int], int]]) -> None:
+    def restore_pending(self, entries: Mapping[Any, tuple]) -> None:
         """Batches generated ahead, from a checkpoint: iteration → (sample ids, a reference of the shard holding
-        them, its columns, each sample's token count, policy version)."""
+        them, its columns, each sample's token count, each sample's token versions); the paused samples under
+        :data:`~loomrl.runtime.ahead.IN_FLIGHT` (sample ids, a reference of their input shard, its columns,
+        what each generated, their prompt lengths)."""
+        entries = dict(entries)
+        flight = entries.pop(IN_FLIGHT, None)
         self.pending = {
-            it: _Pending({k: [(tuple(ids), ref)] for k in keys}, dict(tokens), version)
-            for it, (ids, ref, keys, tokens, version) in entries.items()
+            it: Pending({k: [(tuple(ids), ref)] for k in keys}, dict(tokens), dict(zip(ids, map(tuple, versions))))
+            for it, (ids, ref, keys, tokens, versions) in entries.items()
         }
+        self.in_flight = None
+        if flight is not None:
+            ids, ref, keys, resumed, tokens = flight
+            where = {k: [(tuple(ids), ref)] for k in keys}
+            self.in_flight = InFlight(where, dict(tokens), {s: Resumed.of_plain(r) for s, r in resumed.items()})
 
-    def _keep_ahead(self, state: _IterationState, version: int) -> None:
+    def _keep_ahead(self, state: _IterationState, version: int, metas: Mapping[int, dict] | None = None) -> None:
+        """Keep what generation made of ``state`` (policy ``version``): the whole batch, or under partial rollouts
+        (``metas``: the generate call's replies) each finished row for its iteration and the paused ones."""
         keys = self.schedule.ahead_keys()
-        where = {k: v for k, v in state.where.items() if k in keys}
-        self.pending[state.iteration] = _Pending(where, dict(state.tokens), version)
+        if state.partial is None:
+            where = {k: v for k, v in state.where.items() if k in keys}
+            versions = {s: (version,) * state.tokens[s] for s in state.ids}
+            self.pending[state.iteration] = Pending(where, dict(state.tokens), versions)
+            return
+        (step,) = [s for s in self.schedule.steps if s.id in self.schedule.ahead]
+        owner = {
+            s: state.partial.resumed[s].iteration if s in state.partial.resumed else state.iteration for s in state.ids
+        }
+        self.in_flight, done = split_call(metas or {}, owner, step.mfc.inputs, state.where, keys)
+        if self.in_flight is not None:
+            self.in_flight.tokens = {s: state.tokens[s] for s in self.in_flight.ids}
+        for it, piece in done.items():
+            self.pending.setdefault(it, Pending({}, {}, {})).add(piece)
+
+    def _with_in_flight(self, later: _IterationState | None, version: int) -> _IterationState | None:
+        """Partial rollouts: the rollout generate call's rows (``later``'s new prompts, or none near the run's
+        end) with the samples paused before, under policy ``version``; unchanged otherwise."""
+        setting = self.schedule.asynchronous
+        if setting is None or not setting.partial_rollout:
+            return later
+        flight = self.in_flight or InFlight()
+        if later is None:
+            if not flight.resumed:
+                return None
+            later = _IterationState(version, [], {}, {})
+        later.ids = flight.ids + later.ids
+        for key, entries in flight.where.items():
+            later.where[key] = list(entries) + later.where.get(key, [])
+        later.tokens.update(flight.tokens)
+        later.partial = PartialRollout(version, setting.max_staleness, setting.segment_tokens, dict(flight.resumed))
+        self.in_flight = None
+        return later
 
     def run_iteration(
         self, iteration: int, shard: ShardInput, waves: Any = None, ahead: tuple[int, ShardInput] | None = None
@@ -528,7 +578,8 @@ class Controller:
         """Every step of the schedule's iteration for this controller's shard; calls on disjoint devices run
         concurrently. With ``waves`` (dynamic sampling), ``shard`` is the first wave (:meth:`run_waves`). Under an
         asynchronous plan the rollout generate calls run on ``ahead`` (a later iteration and its shard; None: they
-        do not run) and the shard takes what was generated for it earlier (:attr:`pending`)."""
+        do not run, but for the samples partial rollouts paused) and the shard takes what was generated for it
+        earlier (:attr:`pending`)."""
         start, cpu, self.waited_s = time.perf_counter(), time.process_time(), 0.0
         result = IterationResult()
         state = _state_of(iteration, shard)
@@ -538,15 +589,19 @@ class Controller:
             if iteration not in self.pending:
                 raise RuntimeFailure(f"iteration {iteration}: no batch was generated ahead for it")
             kept = self.pending.pop(iteration)
+            if sorted(kept.tokens) != sorted(state.ids):
+                raise RuntimeFailure(f"iteration {iteration}: the batch generated ahead holds other samples")
             state.where.update(kept.where)
             state.tokens.update(kept.tokens)
             if self.index == 0:  # the controllers' statistics are summed; every shard has the batch's staleness
-                merge_stats(result.stats, staleness_stats(iteration, kept.version), "asynchronous training")
+                stats = staleness_stats(iteration, kept.token_versions() or [kept.oldest(iteration)])
+                merge_stats(result.stats, stats, "asynchronous training")
+            later = self._with_in_flight(later, iteration)
             states = dict.fromkeys(self.schedule.ahead, later)
         if waves is None:
-            self.run_steps(self.schedule.steps, iteration, "iteration", state, result, states=states)
-            if later is not None:
-                self._keep_ahead(later, iteration)
+            replies = self.run_steps(self.schedule.steps, iteration, "iteration", state, result, states=states)[1]
+            if later is not None:  # partial rollouts have one rollout generate call, whose replies say what paused
+                self._keep_ahead(later, iteration, replies.get(self.schedule.ahead[0]) if later.partial else None)
         else:
             self.run_waves(state, result, waves)
         lengths = [state.tokens[s] for s in state.ids]
@@ -586,6 +641,14 @@ class Controller:
             steps = again
         state.ids = list(waves.kept())
         self.run_steps(tail, state.iteration, "iteration", state, result)
+
+
+def _partial_of(setting: PartialRollout | None, rows: Sequence[int]) -> PartialRollout | None:
+    """A worker's share of a partial rollout generate call: the setting with what its ``rows`` generated before."""
+    if setting is None:
+        return None
+    resumed = {s: setting.resumed[s] for s in rows if s in setting.resumed}
+    return PartialRollout(setting.version, setting.max_staleness, setting.segment_tokens, resumed)
 
 
 def _state_of(iteration: int, shard: ShardInput) -> _IterationState:

@@ -36,6 +36,7 @@ from loomrl.plan.realloc_plan import plan_reallocation
 from loomrl.plan.schedule import StepKind, build_schedule
 from loomrl.planner.inputs import PlannerInputs
 from loomrl.role.devices import resolve_dtype
+from loomrl.runtime.ahead import IN_FLIGHT, VERSIONS, generated_ahead
 from loomrl.runtime.controller import (
     Controller,
     RuntimeFailure,
@@ -58,7 +59,7 @@ from loomrl.runtime.plan_change import plan_moves
 from loomrl.runtime.spec import WorkerPlan, WorkerSpec
 from loomrl.runtime.worker import DeviceWorker
 from loomrl.workflow import Workflow
-from loomrl.workflow.batch import Batch
+from loomrl.workflow.batch import Batch, response_tokens
 
 if TYPE_CHECKING:
     from loomrl.algorithms.dynamic_sampling import Waves
@@ -327,11 +328,15 @@ class RayExecutor(Executor):
         if not self.schedule.ahead:
             return None
         parts = ray.get([c.pending_entries.remote() for c in self.controllers]) if self.controllers else []
-        merged: dict[int, tuple] = {}
+        merged: dict[Any, tuple] = {}
         for entries in parts or [self.control.pending_entries()]:
-            for it, (ids, refs, keys, version) in entries.items():
-                had = merged.get(it, ([], (), keys, version))
-                merged[it] = (had[0] + ids, had[1] + tuple(refs), keys, version)
+            for it, entry in entries.items():
+                if it == IN_FLIGHT:  # partial rollouts run with one controller
+                    merged[it] = entry
+                    continue
+                ids, refs, keys, versions = entry
+                had = merged.get(it, ([], (), keys, []))
+                merged[it] = (had[0] + ids, had[1] + tuple(refs), keys, had[3] + versions)
         return merged
 
     def load(self, path: Path) -> dict[str, Any]:
@@ -342,20 +347,28 @@ class RayExecutor(Executor):
         pending = read_pending(path) if self.schedule.ahead else None
         if pending is not None:
             self._restore_pending(pending)
-        return {**states[0], GENERATED_AHEAD: sorted(int(i) for i in pending or ())}
+        return {**states[0], GENERATED_AHEAD: generated_ahead(pending)}
 
-    def _restore_pending(self, pending: Mapping[int, tuple]) -> None:
+    def _restore_pending(self, pending: Mapping[Any, tuple]) -> None:
         """Each batch generated ahead into the object store, split over the controllers as its iteration's prompts
-        will be (:func:`~loomrl.runtime.controllers.shard_batch`)."""
+        will be (:func:`~loomrl.runtime.controllers.shard_batch`); a partial rollout's paused samples back to the
+        one controller (:data:`~loomrl.runtime.ahead.IN_FLIGHT`)."""
         count = max(1, len(self.controllers))
         per: list[dict] = [{} for _ in range(count)]
-        for it, (columns, ids, version) in pending.items():
+        for it, entry in pending.items():
+            if it == IN_FLIGHT:
+                columns, ids, resumed = entry
+                rows = Batch(ids, columns)
+                tokens = {s: len(p) for s, p in zip(ids, rows["prompt_ids"])} if "prompt_ids" in rows else {}
+                per[0][IN_FLIGHT] = (list(ids), ray.put(rows), rows.keys(), resumed, tokens)
+                continue
+            columns, ids, version = entry
             batch = Batch(ids, columns)
             for k, shard in enumerate(shard_batch(batch, count, self.group_size)):
-                tokens = (
-                    {s: len(r) for s, r in zip(shard.ids, shard["response_ids"])} if "response_ids" in shard else {}
-                )
-                per[k][int(it)] = (list(shard.ids), ray.put(shard), shard.keys(), tokens, int(version))
+                tokens = {s: n for s, n in zip(shard.ids, response_tokens(shard))} if "response_ids" in shard else {}
+                versions = shard[VERSIONS] if VERSIONS in shard else [(int(version),) * tokens[s] for s in shard.ids]
+                keys = [k for k in shard.keys() if k != VERSIONS]
+                per[k][int(it)] = (list(shard.ids), ray.put(shard), keys, tokens, [list(v) for v in versions])
         if self.controllers:
             wait_controllers([c.restore_pending.remote(e) for c, e in zip(self.controllers, per)], "checkpoint load")
         else:

@@ -6,17 +6,19 @@ executor computes from the same seed. It is deliberately plain: no overlap, no s
 
 from __future__ import annotations
 
+import dataclasses
 import time
 from collections.abc import Callable, Mapping, Sequence
 from functools import partial
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
-from loomrl.algorithms.context import OpContext, Role
+from loomrl.algorithms.context import OpContext, PartialRollout, Resumed, Role
 from loomrl.checkpoint.optim_state import FullOptimizerState
 from loomrl.checkpoint.store import load_checkpoint, read_pending, save_checkpoint, save_sharded_checkpoint
 from loomrl.models.tokenizer import encode_prompt
 from loomrl.plan.schedule import Schedule, Step, split_for_sampling
+from loomrl.runtime.ahead import IN_FLIGHT, VERSIONS
 from loomrl.runtime.executor import GENERATED_AHEAD, Executor, IterationResult, StepTrace, merge_stats, staleness_stats
 from loomrl.workflow import MFCKind
 from loomrl.workflow.batch import Batch, response_tokens
@@ -28,36 +30,73 @@ if TYPE_CHECKING:
 
 
 class PendingRollouts:
-    """Batches an asynchronous run generated ahead of their iteration: each with the policy version that
-    generated it, which its iteration's staleness statistics compare against."""
+    """Batches an asynchronous run generated ahead of their iteration, with the policy version that sampled each
+    token, which their iteration's staleness statistics compare against; under partial rollouts a batch is kept
+    row by row as its samples finish, and the paused samples wait here to continue."""
 
     def __init__(self, keys: Sequence[str] = ()) -> None:
         self.keys = tuple(keys)
         """The columns generation makes: what is kept of a batch."""
-        self.batches: dict[int, tuple[Batch, int]] = {}
+        self.batches: dict[int, Batch] = {}
+        """Iteration → the rows generated for it so far (:attr:`keys` and :data:`VERSIONS`)."""
+        self.in_flight: Batch | None = None
+        """Partial rollouts: the paused samples' rows (the generate call's input columns)."""
+        self.resumed: dict[int, Resumed] = {}
+        """Partial rollouts: what each paused sample generated so far."""
 
-    def put(self, iteration: int, batch: Batch, version: int) -> None:
-        self.batches[iteration] = (batch.columns(self.keys), version)
+    def put(self, iteration: int, batch: Batch, versions: Sequence[Sequence[int]]) -> None:
+        """Keep ``batch``'s rows (all or some of ``iteration``'s), each with its tokens' versions."""
+        piece = batch.columns(self.keys)
+        piece.update({VERSIONS: [tuple(v) for v in versions]})
+        kept = self.batches.get(iteration)
+        self.batches[iteration] = piece if kept is None else Batch.concat([kept, piece])
 
     def take(self, iteration: int, ids: Sequence[int], stats: dict[str, float]) -> Batch:
-        """The batch generated for ``iteration`` (whose sample ids must be ``ids``), removed; its staleness into
-        ``stats``."""
+        """The batch generated for ``iteration`` (whose sample ids must be ``ids``), in that order, removed; its
+        staleness into ``stats``."""
         if iteration not in self.batches:
             raise RuntimeError(
                 f"iteration {iteration}: no batch was generated ahead for it (generated: {sorted(self.batches)})"
             )
-        batch, version = self.batches.pop(iteration)
-        if list(batch.ids) != list(ids):
+        batch = self.batches.pop(iteration)
+        if sorted(batch.ids) != sorted(ids):
             raise RuntimeError(f"iteration {iteration}: the batch generated ahead holds other samples")
-        merge_stats(stats, staleness_stats(iteration, version), "asynchronous training")
-        return batch
+        index = {sid: i for i, sid in enumerate(batch.ids)}
+        batch = batch.select([index[s] for s in ids])
+        versions = [v for row in batch[VERSIONS] for v in row]
+        merge_stats(stats, staleness_stats(iteration, versions), "asynchronous training")
+        return batch.columns(self.keys)
 
-    def state_dict(self) -> dict[int, tuple[dict[str, Any], list[int], int]]:
-        """Plain data for a checkpoint: iteration → (columns, sample ids, version)."""
-        return {i: (b.as_dict(), list(b.ids), v) for i, (b, v) in self.batches.items()}
+    def iterations(self) -> list[int]:
+        """The iterations with samples generated ahead: finished, or paused to continue."""
+        return sorted({*self.batches, *(r.iteration for r in self.resumed.values())})
 
-    def load_state_dict(self, state: Mapping[int, tuple[Mapping[str, Any], Sequence[int], int]]) -> None:
-        self.batches = {int(i): (Batch(ids, dict(cols)), int(v)) for i, (cols, ids, v) in state.items()}
+    def state_dict(self) -> dict[Any, Any]:
+        """Plain data for a checkpoint: iteration → (columns, sample ids, oldest version), and the paused samples
+        under :data:`IN_FLIGHT` (their rows' columns, sample ids, and what each generated)."""
+        out: dict[Any, Any] = {}
+        for i, b in self.batches.items():
+            oldest = min((v for row in b[VERSIONS] for v in row), default=i)
+            out[i] = (b.as_dict(), list(b.ids), oldest)
+        if self.in_flight is not None:
+            resumed = {sid: r.plain() for sid, r in self.resumed.items()}
+            out[IN_FLIGHT] = (self.in_flight.as_dict(), list(self.in_flight.ids), resumed)
+        return out
+
+    def load_state_dict(self, state: Mapping[Any, Any]) -> None:
+        state = dict(state)
+        in_flight = state.pop(IN_FLIGHT, None)
+        self.batches = {}
+        for i, (cols, ids, version) in state.items():
+            batch = Batch(ids, dict(cols))
+            if VERSIONS not in batch:  # written by the Ray runtime: one version for the whole batch
+                batch.update({VERSIONS: [(int(version),) * n for n in response_tokens(batch)]})
+            self.batches[int(i)] = batch
+        self.in_flight, self.resumed = None, {}
+        if in_flight is not None:
+            cols, ids, resumed = in_flight
+            self.in_flight = Batch(ids, dict(cols))
+            self.resumed = {int(sid): Resumed.of_plain(r) for sid, r in resumed.items()}
 
 
 def observed_lengths(batch: Batch) -> list[int]:
@@ -94,6 +133,10 @@ class ReferenceExecutor(Executor):
         """Asynchronous plans: the calls that generate a later batch (:class:`~loomrl.plan.plan.AsyncTraining`)."""
         self.pending = PendingRollouts(schedule.ahead_keys())
         """Batches generated ahead of their iteration, with the policy version that generated each."""
+        setting = schedule.asynchronous
+        self.asynchronous = setting
+        self.partial_rollout = setting is not None and setting.partial_rollout
+        """Whether the rollout generation pauses samples and continues them in the next iteration."""
         self.seed, self.pad_id, self.eos_id, self.decode = seed, pad_id, eos_id, decode
         self.metrics_fn, self.evaluate_fn, self.tokenizer = metrics_fn, evaluate_fn, tokenizer
 
@@ -124,13 +167,48 @@ class ReferenceExecutor(Executor):
 
     def generate_ahead(self, iteration: int, batch: Batch, version: int) -> None:
         """Generate ``batch``, the prompts of ``iteration``, now with the current weights (policy ``version``), and
-        keep it for its iteration: an asynchronous run's pipeline fill."""
+        keep it for its iteration: an asynchronous run's pipeline fill (whole: under partial rollouts too, each
+        of these batches has until its iteration)."""
         self._generate(iteration, batch, version, IterationResult())
 
-    def _generate(self, iteration: int, batch: Batch, version: int, result: IterationResult) -> None:
-        """The rollout generation of ``batch`` (``iteration``'s prompts), traced into ``result``, kept."""
-        self._run_calls([s for s in self.calls if s.id in self.ahead], iteration, batch, result)
-        self.pending.put(iteration, batch, version)
+    def _generate(
+        self, iteration: int, batch: Batch | None, version: int, result: IterationResult, whole: bool = True
+    ) -> None:
+        """The rollout generation of ``batch`` (``iteration``'s prompts) with policy ``version``, traced into
+        ``result``, kept; under partial rollouts (unless ``whole``) with the samples paused before, and what it
+        pauses kept to continue (:meth:`_generate_partial`)."""
+        steps = [s for s in self.calls if s.id in self.ahead]
+        if self.partial_rollout and not whole:
+            self._generate_partial(steps, iteration, batch, version, result)
+            return
+        assert batch is not None
+        self._run_calls(steps, iteration, batch, result)
+        self.pending.put(iteration, batch, [(version,) * n for n in response_tokens(batch)])
+
+    def _generate_partial(
+        self, steps: Sequence[Step], iteration: int, batch: Batch | None, version: int, result: IterationResult
+    ) -> None:
+        """One generate call over ``iteration``'s new prompts and every sample paused before: the samples due in
+        the next iteration run to their end, the others pause after their segment
+        (:class:`~loomrl.algorithms.context.PartialRollout`). Finished samples join their iteration's batch."""
+        (step,) = steps  # partial rollouts take one rollout generate call (checked with the plan)
+        mfc, pending, setting = step.mfc, self.pending, self.asynchronous
+        parts = [b for b in (pending.in_flight, batch and batch.columns(mfc.inputs)) if b is not None]
+        if not parts:
+            return
+        rows = Batch.concat(parts) if len(parts) > 1 else parts[0]
+        control = PartialRollout(version, setting.max_staleness, setting.segment_tokens, dict(pending.resumed))
+        start = time.time()
+        out = mfc.op(dataclasses.replace(self._context(step, iteration, rows), partial=control), rows)
+        result.traces.append(StepTrace.of(step, iteration, "iteration", {0: {"start": start, "end": time.time()}}))
+        generated = Batch(rows.ids, {**rows.as_dict(), **out})
+        paused = [i for i, sid in enumerate(rows.ids) if sid in control.paused]
+        pending.in_flight = rows.select(paused) if paused else None
+        pending.resumed = {rows.ids[i]: control.paused[rows.ids[i]] for i in paused}
+        owner = {sid: control.resumed[sid].iteration if sid in control.resumed else iteration for sid in rows.ids}
+        for it in sorted({owner[sid] for sid in rows.ids if sid not in control.paused}):
+            done = [i for i, sid in enumerate(rows.ids) if sid not in control.paused and owner[sid] == it]
+            pending.put(it, generated.select(done), [control.versions[rows.ids[i]] for i in done])
 
     def run_iteration(
         self, iteration: int, batch: Batch, waves: Waves | None = None, ahead: tuple[int, Batch] | None = None
@@ -138,12 +216,14 @@ class ReferenceExecutor(Executor):
         """Every call on ``batch``; with ``waves`` (dynamic sampling), ``batch`` is the first wave: the calls that
         make the rewards run on each wave, the others on the samples the waves keep. An asynchronous plan's
         generate calls run first on ``ahead`` (``(its iteration, its prompts)``, or none near the run's end) with
-        the weights of this iteration's start, and ``batch`` takes what they generated for it earlier."""
+        the weights of this iteration's start, and ``batch`` takes what they generated for it earlier. Under
+        partial rollouts they also continue the samples paused before, near the run's end with no new prompts."""
         result = IterationResult(batch=batch)
         calls = self.calls
         if self.ahead:
-            if ahead is not None:
-                self._generate(*ahead, iteration, result)
+            if ahead is not None or self.pending.in_flight is not None:
+                later, prompts = ahead if ahead is not None else (iteration, None)
+                self._generate(later, prompts, iteration, result, whole=False)
             batch.update(self.pending.take(iteration, batch.ids, result.stats).as_dict())
             calls = [s for s in calls if s.id not in self.ahead]
         if waves is not None:
@@ -236,7 +316,7 @@ class ReferenceExecutor(Executor):
         pending = read_pending(path)
         if self.ahead and pending is not None:
             self.pending.load_state_dict(pending)
-        return {**state, GENERATED_AHEAD: sorted(self.pending.batches)}
+        return {**state, GENERATED_AHEAD: self.pending.iterations()}
 
     def close(self) -> None:
         """Nothing to release in a single process."""

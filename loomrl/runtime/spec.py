@@ -11,6 +11,7 @@ from collections.abc import Mapping
 from dataclasses import dataclass, field
 from typing import Any
 
+from loomrl.algorithms.context import PartialRollout
 from loomrl.config.environment import EnvConfig
 from loomrl.config.schema import TaskConfig
 from loomrl.plan.allocation import Allocation
@@ -96,6 +97,9 @@ class CallData:
     """Per optimizer step: positions in ``sample_ids`` and the loss weight (train calls)."""
     publish: bool = True
     """Whether this worker's outputs are published (one tensor-parallel rank per data-parallel group)."""
+    partial: PartialRollout | None = None
+    """A rollout generate call under partial rollouts: the policy version, where rows pause, and what this
+    worker's continued rows generated before (:class:`~loomrl.algorithms.context.PartialRollout`)."""
 
 
 @dataclass(frozen=True)

@@ -24,7 +24,7 @@ from typing import Any
 import torch
 import torch.distributed as dist
 
-from loomrl.algorithms.context import OpContext, Role
+from loomrl.algorithms.context import OpContext, PartialRollout, Role
 from loomrl.algorithms.evaluate import evaluate_policy
 from loomrl.algorithms.metrics import rollout_metrics
 from loomrl.checkpoint.optim_state import FullOptimizerState, merge_optimizer_states, with_masters
@@ -49,6 +49,7 @@ from loomrl.parallel.role_state import init_state, state_tensors, steps_taken
 from loomrl.plan.allocation import Allocation
 from loomrl.plan.schedule import Step, StepKind
 from loomrl.role import ModelPasses, build_model, make_role, resolve_device, resolve_dtype
+from loomrl.runtime.ahead import IN_FLIGHT, VERSIONS
 from loomrl.runtime.launch import quiet_libraries
 from loomrl.runtime.migration import MigrationControl, StreamSpec
 from loomrl.runtime.offload import HostCopy, TrainingState, bind_view, reclaim, release_storage
@@ -68,13 +69,21 @@ class WorkerError(RuntimeError):
 
 def gather_pending(entries: dict | None) -> dict | None:
     """An asynchronous run's batches generated ahead, for a checkpoint: ``entries`` maps an iteration to
-    ``(sample ids, references of the output shards holding them, columns, policy version)``; the result maps it to
-    ``(columns, sample ids, version)`` (:class:`~loomrl.runtime.reference.PendingRollouts`' form)."""
+    ``(sample ids, references of the output shards holding them, columns, each sample's token versions)``; the
+    result maps it to ``(columns with the versions', sample ids, oldest version)``, and the paused samples of
+    partial rollouts (:data:`~loomrl.runtime.ahead.IN_FLIGHT`) to ``(their input columns, sample ids, what each
+    generated)``: :class:`~loomrl.runtime.reference.PendingRollouts`' form."""
     if entries is None:
         return None
-    out = {}
-    for iteration, (ids, refs, keys, version) in entries.items():
-        out[iteration] = (gather_rows(_get(list(refs)), ids, keys).as_dict(), list(ids), version)
+    out: dict[Any, tuple] = {}
+    for iteration, entry in entries.items():
+        if iteration == IN_FLIGHT:
+            ids, refs, keys, resumed, _ = entry
+            out[IN_FLIGHT] = (gather_rows(_get(list(refs)), ids, keys).as_dict(), list(ids), resumed)
+            continue
+        ids, refs, keys, versions = entry
+        columns = {**gather_rows(_get(list(refs)), ids, keys).as_dict(), VERSIONS: [tuple(v) for v in versions]}
+        out[iteration] = (columns, list(ids), min((v for row in versions for v in row), default=iteration))
     return out
 
 
@@ -326,8 +335,24 @@ class DeviceWorker:
         if not call.sample_ids and mfc.kind != MFCKind.TRAIN:
             out = {}  # a replica given no rows computes nothing (train calls still join the step's collectives)
         else:
-            out = mfc.op(self._context(step, call), batch)
+            ctx = self._context(step, call)
+            out = mfc.op(ctx, batch)
+            if ctx.partial is not None:
+                return self._partial_published(step, call, out, ctx.partial)
         return self._published(step, call, out)
+
+    def _partial_published(self, step: Step, call: CallData, out: dict, partial: PartialRollout) -> dict:
+        """A call's reply under partial rollouts: its finished rows published as :meth:`_published` does, with
+        their tokens' versions; the paused rows' tokens, behaviour log-probs and versions as plain data, for the
+        controller to continue them in the next call."""
+        done = [i for i, sid in enumerate(call.sample_ids) if sid not in partial.paused]
+        rows = Batch(call.sample_ids, out).select(done)
+        meta = self._published(step, dataclasses.replace(call, sample_ids=tuple(rows.ids)), rows.as_dict())
+        if call.publish:
+            meta["rows"] = list(rows.ids)
+            meta["versions"] = {sid: list(partial.versions[sid]) for sid in rows.ids}
+            meta["paused"] = {sid: r.plain() for sid, r in partial.paused.items()}
+        return meta
 
     def _pipeline_fusion(self, step: Step, data: PipelineFusionData) -> dict:
         """The two train calls of a ``fused_train`` step as one fused pipeline (:mod:`loomrl.runtime.pipeline_fusion`);
@@ -379,6 +404,7 @@ class DeviceWorker:
             recompute=step.alloc.recompute,
             reduce=reduce,
             loss_unit=step.mfc.loss_unit,
+            partial=call.partial,
         )
 
     def _reallocate(self, step: Step) -> None:

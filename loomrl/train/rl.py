@@ -326,7 +326,27 @@ class RLTrainer:
                         f"{field}: not available with an asynchronous plan (async in runtime.plan); "
                         "use a synchronous plan or turn it off"
                     )
+        if plans[0].asynchronous is not None and plans[0].asynchronous.partial_rollout:
+            self._check_partial_rollout()
         return plans
+
+    def _check_partial_rollout(self) -> None:
+        """Partial rollouts continue single-turn samples of one rollout generate call, held by one controller."""
+        runtime = self.cfg.runtime
+        for field, on, why in (
+            (
+                "runtime.controllers",
+                runtime.executor == "ray" and runtime.controllers != 1,
+                "the paused samples are held by one controller",
+            ),
+            ("rollout.env.name", self.cfg.rollout.env.enabled, "an episode's environment cannot pause mid-turn"),
+            ("algo", len(self.workflow.rollout_generations()) != 1, "the workflow has more than one rollout"),
+        ):
+            if on:
+                raise ConfigError(
+                    f"{field}: not available with partial rollouts (async=...,partial_rollout:on in runtime.plan): "
+                    f"{why}; use partial_rollout:off"
+                )
 
     def _inputs(self) -> PlannerInputs | None:
         """The planner inputs of a Ray run on ``self.plan``'s cluster (:func:`planner_inputs`); None for the

@@ -140,6 +140,24 @@ def steady_segments(lengths: Sequence[int], samples: float, live: float, prompt_
     return out
 
 
+def partial_pieces(lengths: Sequence[int], max_staleness: int, segment: int | None) -> tuple[int, ...]:
+    """What the rollout generate call of one iteration decodes under loomrl's partial rollouts
+    (:class:`~loomrl.plan.plan.AsyncTraining`), in the steady state: of every sample length, one piece per
+    iteration it is generated in: ``segment`` tokens in each but its last (None: the longest length over
+    ``max_staleness``, rounded up, as the runtime divides the response budget), the rest in the last. Each
+    iteration's call holds one batch's worth of them, the first piece of the newest batch beside the later pieces
+    of older ones, all decoding together."""
+    step = segment or max(1, -(-max(lengths, default=1) // max_staleness))
+    out: list[int] = []
+    for n in lengths:
+        cuts = [min(step, n - k * step) for k in range(max_staleness - 1)]
+        out += [c for c in cuts if c > 0]
+        rest = n - (max_staleness - 1) * step
+        if rest > 0:
+            out.append(rest)
+    return tuple(out)
+
+
 STEADY_SEGMENTS = 32
 """Segments :func:`steady_segments` cuts its steps into (each's contexts within half its width of the mean)."""
 

@@ -14,6 +14,7 @@ from __future__ import annotations
 from abc import ABC, abstractmethod
 
 from loomrl.plan.allocation import Allocation
+from loomrl.plan.plan import AsyncTraining
 from loomrl.plan.schedule import Step
 from loomrl.planner.cost.stream_fusion import GenerationFloor, Part
 from loomrl.workflow import MFC
@@ -39,6 +40,11 @@ class CostEstimator(ABC):
     @abstractmethod
     def realloc_time(self, role: str, src: Allocation, dst: Allocation) -> float:
         """Seconds to move ``role``'s parameters from the layout ``src`` to ``dst``."""
+
+    def partial_rollout_time(self, mfc: MFC, alloc: Allocation, setting: AsyncTraining) -> float:
+        """Seconds of one rollout generate call under partial rollouts (``setting``), in the steady state; default:
+        as a call that generates its batch whole."""
+        return self.mfc_time(mfc, alloc)
 
     # ------------------------------------------------------------------ offloading, shared cores, the iteration
 

@@ -61,6 +61,7 @@ from loomrl.errors import ConfigError
 from loomrl.plan import Allocation, ClusterSpec, shard_bytes
 from loomrl.plan.hardware import HardwareProfile
 from loomrl.plan.model_shape import ModelShape
+from loomrl.plan.plan import AsyncTraining
 from loomrl.plan.schedule import Step
 from loomrl.planner.cost import decode as D
 from loomrl.planner.cost import terms as T
@@ -150,6 +151,25 @@ class CostModel(CostEstimator):
         ``system_factor``, like every time the model gives)."""
         hardware = self.corrections.apply_terms(mfc.kind, self.time_terms(mfc, alloc)) * self.system_factor
         return hardware + self.env_wait(mfc)
+
+    def partial_rollout_time(self, mfc: MFC, alloc: Allocation, setting: AsyncTraining) -> float:
+        """Seconds of a rollout generate call under loomrl's partial rollouts: the pieces of every sample one
+        iteration decodes (:func:`~loomrl.planner.cost.decode.partial_pieces`) as one call, each continued
+        piece prefilled over its prompt like a new one."""
+        w = self.workload
+        pieces = D.partial_pieces(w.response_lengths, setting.max_staleness, setting.segment_tokens)
+        batch = max(1, round(w.batch * len(pieces) / max(1, len(w.response_lengths))))
+        cut = dataclasses.replace(w, batch=batch, response_lengths=pieces)
+        model = CostModel(
+            self.cluster,
+            self.profile,
+            self.shapes,
+            cut,
+            self.corrections,
+            bytes_per_param=self.bytes_per_param,
+            settings=self.settings,
+        )
+        return model.mfc_time(mfc, alloc)
 
     def shared_cores(self) -> float | None:
         """Cores per node that its devices share (the simulator then slows calls running side by side), or

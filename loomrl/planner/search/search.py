@@ -164,13 +164,19 @@ def stream_fusion_choices(plan: ExecutionPlan, evaluate: Evaluator) -> list[Stre
 
 def async_choices(plan: ExecutionPlan, evaluate: Evaluator, max_staleness: int) -> list[AsyncTraining | None]:
     """The staleness settings the search tries on ``plan`` (the current one left out) under the user's bound
-    ``max_staleness``: synchronous, and asynchronous at staleness 1. With the interleaving an asynchronous plan
-    fixes, each iteration overlaps one batch's generation with another's training whatever the staleness, so a
-    larger one is no faster in the simulator's steady state (identical iterations) and only costs the learning:
-    the least staleness that overlaps is the one to choose. None without a bound or rollout generation."""
-    if max_staleness < 1 or not evaluate.workflow.rollout_generations():
+    ``max_staleness``: synchronous, asynchronous at staleness 1 and, from a bound of 2, partial rollouts at
+    staleness 2. With the interleaving an asynchronous plan fixes, each iteration overlaps one batch's generation
+    with another's training whatever the staleness, so a larger one is no faster in the simulator's steady state
+    (identical iterations) and only costs the learning: the least staleness that overlaps is the one to choose.
+    Partial rollouts need 2, and spread each batch's tail over two iterations (a single-turn rollout only). None
+    without a bound or rollout generation."""
+    rollouts = evaluate.workflow.rollout_generations()
+    if max_staleness < 1 or not rollouts:
         return []
-    return [a for a in (None, AsyncTraining(1)) if a != plan.asynchronous]
+    options: list[AsyncTraining | None] = [None, AsyncTraining(1)]
+    if max_staleness >= 2 and len(rollouts) == 1 and not rollouts[0].multi_turn:
+        options.append(AsyncTraining(2, partial_rollout=True))
+    return [a for a in options if a != plan.asynchronous]
 
 
 def with_async(plan: ExecutionPlan, setting: AsyncTraining | None) -> ExecutionPlan:

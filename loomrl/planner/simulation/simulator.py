@@ -48,6 +48,7 @@ from dataclasses import dataclass, field
 
 from loomrl.errors import ConfigError
 from loomrl.plan import GB, Allocation, ExecutionPlan
+from loomrl.plan.plan import AsyncTraining
 from loomrl.plan.schedule import Schedule, Step, StepKind, build_schedule
 from loomrl.planner.cost.estimator import CostEstimator
 from loomrl.planner.simulation.sharing import release, simulate_shared, successors
@@ -154,9 +155,14 @@ def _checked(value: float, what: str) -> float:
     return value
 
 
-def _duration(step: Step, cost: CostEstimator, trained: frozenset[str] = frozenset()) -> float:
+def _duration(
+    step: Step, cost: CostEstimator, trained: frozenset[str] = frozenset(), partial: AsyncTraining | None = None
+) -> float:
     """Seconds the estimator gives a step (module docstring); a reload or offload of a ``trained`` role moves its
-    training state (:func:`_move_time`)."""
+    training state (:func:`_move_time`); a rollout generate call under partial rollouts (``partial``) decodes
+    its iteration's pieces of samples."""
+    if partial is not None and step.kind is StepKind.CALL:
+        return _checked(cost.partial_rollout_time(step.call_mfc, step.allocation, partial), f"partial({step.id})")
     if step.kind is StepKind.STREAM_FUSION:
         return _checked(cost.stream_fusion_time(step), f"stream_fusion_time({step.id})")
     if step.kind is StepKind.PIPELINE_FUSION:
@@ -190,7 +196,9 @@ def _build_graph(
     position = {step.id: i for i, step in enumerate(steps)}
     deps = [[position[d] for d in step.deps] for step in steps]
     carried = [[position[d] for d in step.deps if step.sent_with(steps[position[d]])] for step in steps]
-    seconds = [_duration(step, cost, trained) for step in steps]
+    setting = schedule.asynchronous
+    partial = setting if setting is not None and setting.partial_rollout else None
+    seconds = [_duration(step, cost, trained, partial if step.id in schedule.ahead else None) for step in steps]
     parts = [cost.stream_fusion_parts(step) if step.kind is StepKind.STREAM_FUSION else () for step in steps]
     nodes: list[_Node] = []
     for it in range(iterations):
