@@ -95,6 +95,12 @@ def _import_gguf(args: argparse.Namespace) -> int:
     return run(args)
 
 
+def _is_override(arg: str) -> bool:
+    """``key.sub=value``: a config override, not an option."""
+    key, sep, _ = arg.partition("=")
+    return bool(sep) and not key.startswith("-") and bool(key)
+
+
 class _Parser(argparse.ArgumentParser):
     """argparse with the command's own errors: one line, ``loomrl: error: ...``, and status 2 (no usage block);
     the subcommands' parsers are of this class too."""
@@ -422,7 +428,13 @@ def _add_plan_budget_arguments(p: argparse.ArgumentParser) -> None:
 
 
 def main(argv: Sequence[str] | None = None) -> int:
-    args = build_parser().parse_args(argv)
+    parser = build_parser()
+    args, extra = parser.parse_known_args(argv)
+    # key=value overrides may also follow the options (argparse stops a positional list at the first option)
+    if extra and isinstance(getattr(args, "config", None), list) and all(_is_override(e) for e in extra):
+        args.config += extra
+    elif extra:
+        parser.error(f"unrecognized arguments: {' '.join(extra)}")
     from loomrl.runtime.launch import quiet_libraries
 
     quiet_libraries()

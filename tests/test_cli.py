@@ -337,3 +337,15 @@ def test_train_refuses_a_run_dir_with_checkpoints_unless_resumed(ppo_run, tmp_pa
 def test_train_multi_turn_on_the_guessing_game_example(tmp_path):
     record = _one_iteration_of("examples/grpo_guess.yaml", tmp_path)
     assert 0.0 <= record["reward/mean"] <= 1.0 and 1 <= record["episode/turns"] <= 4 and "eval/turns" in record
+
+
+def test_overrides_may_follow_the_options(capfd):
+    """``loomrl train CONFIG --plan P key=value``: the override after the option is read (its bad value is
+    named), and an argument that is neither an option nor an override is refused in one line."""
+    config = str(Path(__file__).resolve().parent.parent / "examples" / "grpo_sort.yaml")
+    assert main(["train", config, "--plan", "colocate", "loop.iterations=xyz"]) == 2
+    assert "loop.iterations: 'xyz' is not an int" in capfd.readouterr().err
+    with pytest.raises(SystemExit) as exit_info:
+        main(["train", config, "--plan", "colocate", "stray"])
+    assert exit_info.value.code == 2
+    assert "unrecognized arguments: stray" in capfd.readouterr().err
