@@ -609,3 +609,30 @@ def test_a_runs_measured_episodes_reach_its_workload():
     assert inputs.workload_of([8], 20.0, {}).episodes == EpisodeShape(5), "an iteration without them keeps the given"
     plain = inputs_from_config(load_config(TrainConfig, None, []), cluster)
     assert plain.workload_of([8], 20.0, metrics).episodes is None, "a run without episodes has none"
+
+
+def test_a_runtime_computing_the_head_at_the_response_skips_the_prompts_logits():
+    """``head_tokens: response`` (loomrl's runtime): scoring and training passes compute the vocabulary head at
+    the response positions only, so a long prompt costs its layers but not its logits; with a one-token prompt
+    there is nothing to skip. SmolLM2-135M's shape: its 49,152 × 576 head is a fifth of its arithmetic per token."""
+    spec = ClusterSpec.parse("h100:8")
+    smollm2 = SimpleNamespace(
+        model_type="llama",
+        hidden_size=576,
+        num_hidden_layers=30,
+        num_attention_heads=9,
+        num_key_value_heads=3,
+        intermediate_size=1536,
+        vocab_size=49152,
+        tie_word_embeddings=True,
+    )
+    shapes = {"actor": ModelShape.from_config(smollm2)}
+
+    def work(mfc, prompt, head):
+        workload = Workload(batch=512, prompt_len=prompt, response_lengths=LENGTHS, minibatches=4)
+        model = CostModel(spec, profile_for(spec), shapes, workload, settings=SystemSettings(head_tokens=head))
+        return model.time_terms(mfc, a("0-7:dp8"))["work"]
+
+    for mfc in (INF, TRAIN):
+        assert work(mfc, 1024, "response") < 0.9 * work(mfc, 1024, "all")
+        assert work(mfc, 1, "response") == pytest.approx(work(mfc, 1, "all"), rel=0.005)

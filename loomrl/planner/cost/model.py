@@ -377,8 +377,9 @@ class CostModel(CostEstimator):
         lengths are ``lengths`` where known: a fused stage's chunk; else the workload's distribution)."""
         shape, w = self._shape(role), self.workload
         samples = D.share(w.batch, alloc.layout.dp) if samples is None else samples
-        seq, sq = self._pass_lengths(samples, alloc, lengths=lengths, prompt=self._pass_prompt(alloc))
-        flops = T.forward_flops(shape, samples * seq, samples * sq)
+        prompt = self._pass_prompt(alloc)
+        seq, sq = self._pass_lengths(samples, alloc, lengths=lengths, prompt=prompt)
+        flops = T.forward_flops(shape, samples * seq, samples * sq) - self._skipped_head(shape, samples * prompt)
         return self._pass(
             alloc,
             shape,
@@ -397,12 +398,14 @@ class CostModel(CostEstimator):
         shape, w, lay = self._shape(mfc.role), self.workload, alloc.layout
         epochs, minibatches = self._steps(mfc)
         samples = w.batch / minibatches / lay.dp
-        seq, sq = self._pass_lengths(samples, alloc, prompt=self._pass_prompt(alloc, training=True))
+        prompt = self._pass_prompt(alloc, training=True)
+        seq, sq = self._pass_lengths(samples, alloc, prompt=prompt)
         tokens = samples * seq
         # recomputation runs each forward once more in the backward; a frozen base (LoRA) computes its inputs'
         # gradients only, not its weights': a backward of one forward's FLOPs instead of two
         passes = (4.0 if alloc.recompute else 3.0) - (1.0 if shape.lora_rank else 0.0)
-        flops = T.train_flops(shape, tokens, samples * sq) * passes / 3.0
+        forward = T.forward_flops(shape, tokens, samples * sq) - self._skipped_head(shape, samples * prompt)
+        flops = forward * passes
         step = self._pass(
             alloc,
             shape,
@@ -785,6 +788,11 @@ class CostModel(CostEstimator):
             return prompt + mean, mean_sq + 2 * full * mean + full * prompt
         longest = D.expected_longest(w.response_lengths, per_micro_batch)
         return prompt + longest, longest * longest + 2 * full * longest + full * prompt
+
+    def _skipped_head(self, shape: ModelShape, prompt_tokens: float) -> float:
+        """Forward FLOPs of the output head at ``prompt_tokens`` positions, which a runtime computing it at the
+        response only skips (:attr:`SystemSettings.head_tokens`); 0 otherwise."""
+        return 2.0 * shape.vocab * shape.hidden * prompt_tokens if self.settings.head_tokens == "response" else 0.0
 
     def _logit_tokens(self, tokens: float) -> float:
         """Tokens whose fp32 logits a pass over ``tokens`` holds at once (:attr:`SystemSettings.logits`)."""

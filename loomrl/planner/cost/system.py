@@ -66,6 +66,10 @@ class SystemSettings(ValidatedConfig):
     logits: str = spec("fp32", choices=("fp32", "chunked"))
     """How passes hold their logits: ``fp32`` for every token of a micro-batch (loomrl's runtime), ``chunked``
     a few thousand tokens at a time (fused or chunked cross-entropy, Megatron's and NeMo RL's)."""
+    head_tokens: str = spec("all", choices=("all", "response"))
+    """Positions a scoring or training pass computes the output head at: every token (``all``: most RL systems
+    compute the prompt's logits too, then drop them) or the response tokens only (``response``: loomrl's runtime,
+    where only they carry a log-prob or a loss; the vocabulary head is most of a small model's arithmetic)."""
     sync_tensor_s: float = spec(0.0, ge=0)
     """Seconds each parameter tensor of a weight sync into the generation engine costs beyond its bytes (a
     framework's per-tensor call, format conversion and engine loader)."""
@@ -87,7 +91,8 @@ def default_max_seqs(profile: HardwareProfile) -> int:
     return 1024 if large else 256
 
 
-RUNTIME = SystemSettings(packing=False, sorted_passes=True, shared_prompts=True)
+RUNTIME = SystemSettings(packing=False, sorted_passes=True, shared_prompts=True, head_tokens="response")
 """loomrl's own runtime: each training and scoring micro-batch is computed to its own longest sample (no
 packing), passes sort their samples by length first and cut micro-batches where they pad least
-(:func:`loomrl.algorithms.ops.micro_batch_rows`), and a group's shared prompt is computed once."""
+(:func:`loomrl.algorithms.ops.micro_batch_rows`), a group's shared prompt is computed once, and the output head
+runs at the response tokens only."""
