@@ -30,7 +30,9 @@ Predictions: the simulator (the plans' own schedules) priced with each call's me
 allocation in the *synchronous* runs (and the shadow sync's); the asynchronous plans' predictions are therefore
 out of sample: only their overlap is modelled. ``actor_inf`` (only in the decoupled workflow) is priced as
 ``ref_inf`` on the same devices (the same forward pass of the same model). The fused plan is priced by
-``benchmarks/fusion.py``'s model and is not predicted here.
+``benchmarks/fusion.py``'s model and is not predicted here; nor are plans with partial rollouts
+(``--plan 'separate; async=2,partial_rollout:on'``), whose generate call decodes pieces of samples no synchronous
+run measured.
 """
 
 from __future__ import annotations
@@ -301,7 +303,8 @@ def main() -> None:
     rows = []
     for text, (mode, plan, off, r) in results.items():
         predicted = math.nan
-        if mode != "stream-fused":
+        partial = plan.asynchronous is not None and plan.asynchronous.partial_rollout
+        if mode != "stream-fused" and not partial:  # a partial rollout's call is not one measured in sync runs
             predicted = simulate(plan, flows[off], MeasuredCost(measured), math.inf, iterations=4).iteration_time
         rows.append(
             {

@@ -325,34 +325,56 @@ def test_partial_rollouts_spread_a_batch_over_two_policy_versions(tmp_path, refe
     assert [m["actor/pg_loss"] for m in reference_partial[3:]] != [m["actor/pg_loss"] for m in plain[3:]]
 
 
-@pytest.mark.parametrize(
-    "plan, devices",
-    [
-        ("separate; async=2,partial_rollout:on,segment_tokens:2", 2),
-        (
-            "actor_gen=0-1:dp2; ref_inf=2-3; reward_inf=2-3; actor_inf=2-3; actor_train=2-3; advantages=2:dp1; "
-            "async=2,partial_rollout:on,segment_tokens:2",
-            4,
-        ),
-    ],
-    ids=["separate", "dp2_generation"],
+PARTIAL_DP2 = (
+    "actor_gen=0-1:dp2; ref_inf=2-3; reward_inf=2-3; actor_inf=2-3; actor_train=2-3; advantages=2:dp1; "
+    "async=2,partial_rollout:on,segment_tokens:2"
 )
-def test_ray_partial_rollouts_match_the_reference(tmp_path, reference_partial, plan, devices):
-    """The paused samples held by the controller and continued by whichever generation replica gets them: the
-    samples, their token versions and the losses are the reference's."""
+
+
+@pytest.mark.parametrize(
+    "plan, devices, controllers",
+    [
+        ("separate; async=2,partial_rollout:on,segment_tokens:2", 2, 1),
+        (PARTIAL_DP2, 4, 1),
+        (PARTIAL_DP2, 4, 2),
+    ],
+    ids=["separate", "dp2_generation", "two_controllers"],
+)
+def test_ray_partial_rollouts_match_the_reference(tmp_path, reference_partial, plan, devices, controllers):
+    """The paused samples held by the controller of their shard and continued by whichever of its generation
+    replicas gets them: the samples, their token versions and the losses are the reference's (with two parallel
+    controllers the staleness mean is counted over both shards' tokens)."""
     got = _run(
-        tmp_path, "ray", plan, "runtime.executor=ray", f"runtime.devices={devices}", "loop.iterations=5", *PARTIAL
+        tmp_path,
+        "ray",
+        plan,
+        "runtime.executor=ray",
+        f"runtime.devices={devices}",
+        f"runtime.controllers={controllers}",
+        "loop.iterations=5",
+        *PARTIAL,
     )
     _assert_equivalent(got, reference_partial)
     for key in ("async/staleness", "async/staleness_mean"):
         assert [m[key] for m in got] == pytest.approx([m[key] for m in reference_partial], rel=1e-9)
 
 
-@pytest.mark.parametrize("executor", ["reference", "ray"])
-def test_a_checkpoint_with_paused_samples_resumes_to_the_same_run(tmp_path, reference_partial, executor):
-    """A checkpoint taken while samples are paused holds their tokens, behaviour log-probs and versions: a run
-    stopped after its third iteration and resumed continues them as if it had not stopped."""
-    run = ("separate; async=2,partial_rollout:on,segment_tokens:2", "runtime.devices=2", f"runtime.executor={executor}")
+@pytest.mark.parametrize(
+    "executor, plan, devices, controllers",
+    [
+        ("reference", "separate; async=2,partial_rollout:on,segment_tokens:2", 2, 1),
+        ("ray", "separate; async=2,partial_rollout:on,segment_tokens:2", 2, 1),
+        ("ray", PARTIAL_DP2, 4, 2),
+    ],
+    ids=["reference", "ray", "ray_two_controllers"],
+)
+def test_a_checkpoint_with_paused_samples_resumes_to_the_same_run(
+    tmp_path, reference_partial, executor, plan, devices, controllers
+):
+    """A checkpoint taken while samples are paused holds their tokens, behaviour log-probs and versions (on Ray,
+    with the controller that held each): a run stopped after its third iteration and resumed continues them as if
+    it had not stopped."""
+    run = (plan, f"runtime.devices={devices}", f"runtime.executor={executor}", f"runtime.controllers={controllers}")
     _run(tmp_path, "r", *run, "loop.iterations=5", "loop.save_every=1", "checkpoint.keep_last=5", *PARTIAL)
     checkpoints = tmp_path / "r" / "checkpoints"
     pending = torch.load(checkpoints / "iter_000002" / "pending.pt", weights_only=True)
@@ -370,8 +392,6 @@ def test_a_checkpoint_with_paused_samples_resumes_to_the_same_run(tmp_path, refe
 
 def test_partial_rollouts_refuse_what_cannot_pause(tmp_path):
     plan = "runtime.plan=separate; async=2,partial_rollout:on"
-    with pytest.raises(ConfigError, match=r"runtime.controllers: not available with partial rollouts"):
-        RLTrainer(_cfg(tmp_path, "a", plan, "runtime.executor=ray", "runtime.devices=4", "runtime.controllers=2"))
     with pytest.raises(ConfigError, match=r"algo: not available with partial rollouts"):
         RLTrainer(_cfg(tmp_path, "b", plan, "algo.name=remax", "runtime.devices=2"))
 
@@ -406,3 +426,31 @@ def test_partial_rollouts_never_train_a_token_older_than_the_bound(lengths, stal
         assert len(versions) == n
         assert t - staleness <= min(versions) and max(versions) <= t - 1
     assert tuple(p for p in pieces if p) == partial_pieces(lengths, staleness, segment)
+
+
+def test_a_partial_rollout_call_interrupts_every_sample_at_the_same_step():
+    """Rows with budgets of 4 and 12 tokens at staleness 2 (eos ignored): the weight update falls at the same
+    decode step for both, half the call's largest budget (6), so the short one ends and the long one pauses there
+    with its tokens' versions; continued by the next version's call it ends as the whole sample would."""
+    from loomrl.algorithms.context import OpContext, PartialRollout, Role
+    from loomrl.algorithms.ops import generate_op
+    from loomrl.models.tokenizer import build_char_tokenizer
+    from loomrl.models.zoo import build_causal_lm
+    from loomrl.rollout import SamplingParams
+    from loomrl.workflow.batch import Batch
+
+    tok = build_char_tokenizer()
+    model = build_causal_lm("llama-1m", tok, seed=0)
+    prompt = [tok.bos_token_id] + tok.encode("sort 31=", add_special_tokens=False)
+    batch = Batch([1, 2], {"prompt_ids": [prompt, prompt], "max_new_tokens": [4, 12]})
+    params = SamplingParams(max_new_tokens=12, temperature=1.0, ignore_eos=True)
+    ctx = OpContext(Role("actor", model), 5, 7, tok.pad_token_id, tok.eos_token_id, str)
+    whole = generate_op(ctx, batch, params)
+    first = PartialRollout(version=5, max_staleness=2, segment_tokens=None, resumed={})
+    out = generate_op(dataclasses.replace(ctx, partial=first), batch, params)
+    assert set(first.paused) == {2} and first.paused[2].tokens == tuple(whole["response_ids"][1][:6])
+    assert out["response_ids"][0] == whole["response_ids"][0] and first.versions[1] == (5,) * 4
+    second = PartialRollout(version=6, max_staleness=2, segment_tokens=None, resumed=dict(first.paused))
+    rest = generate_op(dataclasses.replace(ctx, partial=second), batch.select([1]), params)
+    assert rest["response_ids"][0] == whole["response_ids"][1] and not second.paused
+    assert second.versions[2] == (5,) * 6 + (6,) * 6

@@ -82,7 +82,8 @@ class PartialRollout:
     """The policy version of the weights generating: every token this call samples carries it."""
     max_staleness: int
     segment_tokens: int | None
-    """Tokens a row generates in this call before it pauses; None: its budget over ``max_staleness``, rounded up."""
+    """Tokens a row generates in this call before it pauses; None: the call's largest response budget over
+    ``max_staleness``, rounded up (every sample is interrupted at the same decode step, as a weight update would)."""
     resumed: Mapping[int, Resumed]
     """Rows of the call's batch that continue a paused sample: sample id → what it generated before."""
     paused: dict[int, Resumed] = field(default_factory=dict)

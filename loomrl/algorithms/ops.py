@@ -99,7 +99,7 @@ def _requests(
                 request.key = int(stream_keys(ctx.seed, before.iteration, [sid])[0])
                 request.prefix, request.prefix_logps = list(before.tokens), list(before.logps)
             iteration = before.iteration if before is not None else ctx.iteration
-            request.pause_at = partial.pause_at(iteration, len(request.prefix), own or budget)
+            request.pause_at = partial.pause_at(iteration, len(request.prefix), budget)
         requests.append(request)
     return requests
 

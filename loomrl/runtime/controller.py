@@ -40,7 +40,7 @@ from loomrl.planner.cost.stream_fusion import best_migrate_at
 from loomrl.planner.cost.workload import Workload
 from loomrl.planner.inputs import PlannerInputs
 from loomrl.runtime.ahead import IN_FLIGHT, InFlight, Pending, Shards, split_call
-from loomrl.runtime.executor import IterationResult, StepTrace, merge_stats, staleness_stats
+from loomrl.runtime.executor import IterationResult, StepTrace, merge_stats, staleness_stats, version_summary
 from loomrl.runtime.spec import CallData, PipelineFusionData, WorkerPlan, WorkerSpec
 from loomrl.runtime.stream_fusion import StreamFusionStage, is_stream
 from loomrl.workflow import MFCKind
@@ -553,6 +553,11 @@ class Controller:
         for it, piece in done.items():
             self.pending.setdefault(it, Pending({}, {}, {})).add(piece)
 
+    @property
+    def partial_rollout(self) -> bool:
+        setting = self.schedule.asynchronous
+        return setting is not None and setting.partial_rollout
+
     def _with_in_flight(self, later: _IterationState | None, version: int) -> _IterationState | None:
         """Partial rollouts: the rollout generate call's rows (``later``'s new prompts, or none near the run's
         end) with the samples paused before, under policy ``version``; unchanged otherwise."""
@@ -593,9 +598,11 @@ class Controller:
                 raise RuntimeFailure(f"iteration {iteration}: the batch generated ahead holds other samples")
             state.where.update(kept.where)
             state.tokens.update(kept.tokens)
-            if self.index == 0:  # the controllers' statistics are summed; every shard has the batch's staleness
-                stats = staleness_stats(iteration, kept.token_versions() or [kept.oldest(iteration)])
-                merge_stats(result.stats, stats, "asynchronous training")
+            summaries = [version_summary(kept.token_versions() or [kept.oldest(iteration)])]
+            if self.partial_rollout:  # each shard's tokens have their own versions: every controller's count
+                summaries = self.exchange((iteration, "staleness"), summaries[0])
+            if self.index == 0:  # the controllers' statistics are summed: one reports the batch's staleness
+                merge_stats(result.stats, staleness_stats(iteration, summaries), "asynchronous training")
             later = self._with_in_flight(later, iteration)
             states = dict.fromkeys(self.schedule.ahead, later)
         if waves is None:

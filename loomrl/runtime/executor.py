@@ -22,7 +22,7 @@ if TYPE_CHECKING:
     from loomrl.algorithms.dynamic_sampling import Waves
     from loomrl.plan.plan import ExecutionPlan
 
-__all__ = ["Executor", "IterationResult", "StepTrace", "merge_stats", "staleness_stats"]
+__all__ = ["Executor", "IterationResult", "StepTrace", "merge_stats", "staleness_stats", "version_summary"]
 
 
 @dataclass
@@ -111,15 +111,24 @@ def merge_stats(into: dict[str, float], new: Mapping[str, float], mfc: str) -> N
     into.update(new)
 
 
-def staleness_stats(iteration: int, versions: Sequence[int]) -> dict[str, float]:
-    """How many policy versions the sampler of ``iteration``'s batch is behind the policy it trains, given the
-    version that sampled each of its tokens (one for the whole batch where one version generated it all; under
-    partial rollouts every token's): the largest gap (what ``max_staleness`` bounds) and the mean over tokens."""
-    if not versions:
+def version_summary(versions: Sequence[int]) -> tuple[int, int, int]:
+    """(oldest, sum, count) of the policy versions that sampled a batch's tokens (or a shard's): what
+    :func:`staleness_stats` reads, summed over shards."""
+    return (min(versions, default=0), sum(versions), len(versions))
+
+
+def staleness_stats(iteration: int, summaries: Sequence[tuple[int, int, int]]) -> dict[str, float]:
+    """How many policy versions the sampler of ``iteration``'s batch is behind the policy it trains, from the
+    :func:`version_summary` of each shard's token versions (one version for the whole batch where one generated
+    it all; under partial rollouts every token's): the largest gap (what ``max_staleness`` bounds) and the mean
+    over tokens."""
+    parts = [s for s in summaries if s[2]]
+    if not parts:
         return {"async/staleness": 0.0, "async/staleness_mean": 0.0}
+    total, count = sum(s[1] for s in parts), sum(s[2] for s in parts)
     return {
-        "async/staleness": float(iteration - min(versions)),
-        "async/staleness_mean": float(iteration - sum(versions) / len(versions)),
+        "async/staleness": float(iteration - min(s[0] for s in parts)),
+        "async/staleness_mean": float(iteration - total / count),
     }
 
 

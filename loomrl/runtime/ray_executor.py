@@ -329,10 +329,10 @@ class RayExecutor(Executor):
             return None
         parts = ray.get([c.pending_entries.remote() for c in self.controllers]) if self.controllers else []
         merged: dict[Any, tuple] = {}
-        for entries in parts or [self.control.pending_entries()]:
+        for k, entries in enumerate(parts or [self.control.pending_entries()]):
             for it, entry in entries.items():
-                if it == IN_FLIGHT:  # partial rollouts run with one controller
-                    merged[it] = entry
+                if it == IN_FLIGHT:  # each controller's paused samples, with its index
+                    merged.setdefault(IN_FLIGHT, []).append((k, entry))
                     continue
                 ids, refs, keys, versions = entry
                 had = merged.get(it, ([], (), keys, []))
@@ -357,10 +357,7 @@ class RayExecutor(Executor):
         per: list[dict] = [{} for _ in range(count)]
         for it, entry in pending.items():
             if it == IN_FLIGHT:
-                columns, ids, resumed = entry
-                rows = Batch(ids, columns)
-                tokens = {s: len(p) for s, p in zip(ids, rows["prompt_ids"])} if "prompt_ids" in rows else {}
-                per[0][IN_FLIGHT] = (list(ids), ray.put(rows), rows.keys(), resumed, tokens)
+                self._restore_in_flight(entry, per)
                 continue
             columns, ids, version = entry
             batch = Batch(ids, columns)
@@ -373,6 +370,23 @@ class RayExecutor(Executor):
             wait_controllers([c.restore_pending.remote(e) for c, e in zip(self.controllers, per)], "checkpoint load")
         else:
             self.control.restore_pending(per[0])
+
+    def _restore_in_flight(self, entry: tuple, per: list[dict]) -> None:
+        """A checkpoint's paused samples back to the controllers that paused them (each sample's controller is
+        written with it; a checkpoint of the reference executor has none, and resumes on one controller)."""
+        columns, ids, resumed = entry[:3]
+        owners = list(entry[3]) if len(entry) > 3 else [0] * len(ids)
+        if max(owners, default=0) >= len(per) or (len(entry) <= 3 and len(per) > 1):
+            raise LoomError(
+                f"runtime.controllers: the checkpoint's paused samples were held by {max(owners, default=0) + 1} "
+                f"controller(s); resume them with that many (valid: {max(owners, default=0) + 1})"
+            )
+        rows = Batch(ids, columns)
+        for k in sorted(set(owners)):
+            mine = rows.select([i for i, o in enumerate(owners) if o == k])
+            tokens = {s: len(p) for s, p in zip(mine.ids, mine["prompt_ids"])} if "prompt_ids" in mine else {}
+            held = {s: resumed[s] for s in mine.ids}
+            per[k][IN_FLIGHT] = (list(mine.ids), ray.put(mine), mine.keys(), held, tokens)
 
     def apply_plan(self, plan: ExecutionPlan) -> None:
         """Continue the run under ``plan`` (on the same devices): every role's state moves to the new layouts

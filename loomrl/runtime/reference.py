@@ -19,7 +19,15 @@ from loomrl.checkpoint.store import load_checkpoint, read_pending, save_checkpoi
 from loomrl.models.tokenizer import encode_prompt
 from loomrl.plan.schedule import Schedule, Step, split_for_sampling
 from loomrl.runtime.ahead import IN_FLIGHT, VERSIONS
-from loomrl.runtime.executor import GENERATED_AHEAD, Executor, IterationResult, StepTrace, merge_stats, staleness_stats
+from loomrl.runtime.executor import (
+    GENERATED_AHEAD,
+    Executor,
+    IterationResult,
+    StepTrace,
+    merge_stats,
+    staleness_stats,
+    version_summary,
+)
 from loomrl.workflow import MFCKind
 from loomrl.workflow.batch import Batch, response_tokens
 from loomrl.workflow.minibatches import minibatch_steps
@@ -64,7 +72,7 @@ class PendingRollouts:
         index = {sid: i for i, sid in enumerate(batch.ids)}
         batch = batch.select([index[s] for s in ids])
         versions = [v for row in batch[VERSIONS] for v in row]
-        merge_stats(stats, staleness_stats(iteration, versions), "asynchronous training")
+        merge_stats(stats, staleness_stats(iteration, [version_summary(versions)]), "asynchronous training")
         return batch.columns(self.keys)
 
     def iterations(self) -> list[int]:
@@ -94,7 +102,7 @@ class PendingRollouts:
             self.batches[int(i)] = batch
         self.in_flight, self.resumed = None, {}
         if in_flight is not None:
-            cols, ids, resumed = in_flight
+            cols, ids, resumed = in_flight[:3]  # the Ray runtime also writes each sample's controller
             self.in_flight = Batch(ids, dict(cols))
             self.resumed = {int(sid): Resumed.of_plain(r) for sid, r in resumed.items()}
 

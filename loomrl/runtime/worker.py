@@ -77,9 +77,14 @@ def gather_pending(entries: dict | None) -> dict | None:
         return None
     out: dict[Any, tuple] = {}
     for iteration, entry in entries.items():
-        if iteration == IN_FLIGHT:
-            ids, refs, keys, resumed, _ = entry
-            out[IN_FLIGHT] = (gather_rows(_get(list(refs)), ids, keys).as_dict(), list(ids), resumed)
+        if iteration == IN_FLIGHT:  # each controller's (index, paused samples)
+            parts = [
+                (k, gather_rows(_get(list(refs)), ids, keys), resumed) for k, (ids, refs, keys, resumed, _) in entry
+            ]
+            rows = Batch.concat([p for _, p, _ in parts])
+            resumed = {s: r for _, _, held in parts for s, r in held.items()}
+            owners = [k for k, p, _ in parts for _ in p.ids]
+            out[IN_FLIGHT] = (rows.as_dict(), list(rows.ids), resumed, owners)
             continue
         ids, refs, keys, versions = entry
         columns = {**gather_rows(_get(list(refs)), ids, keys).as_dict(), VERSIONS: [tuple(v) for v in versions]}

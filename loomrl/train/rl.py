@@ -331,14 +331,8 @@ class RLTrainer:
         return plans
 
     def _check_partial_rollout(self) -> None:
-        """Partial rollouts continue single-turn samples of one rollout generate call, held by one controller."""
-        runtime = self.cfg.runtime
+        """Partial rollouts continue single-turn samples of one rollout generate call."""
         for field, on, why in (
-            (
-                "runtime.controllers",
-                runtime.executor == "ray" and runtime.controllers != 1,
-                "the paused samples are held by one controller",
-            ),
             ("rollout.env.name", self.cfg.rollout.env.enabled, "an episode's environment cannot pause mid-turn"),
             ("algo", len(self.workflow.rollout_generations()) != 1, "the workflow has more than one rollout"),
         ):
