@@ -454,3 +454,22 @@ def test_a_partial_rollout_call_interrupts_every_sample_at_the_same_step():
     rest = generate_op(dataclasses.replace(ctx, partial=second), batch.select([1]), params)
     assert rest["response_ids"][0] == whole["response_ids"][1] and not second.paused
     assert second.versions[2] == (5,) * 6 + (6,) * 6
+
+
+def test_the_search_tries_partial_rollouts_from_a_bound_of_two():
+    """Under a staleness bound of 2 the search tries a plan synchronous, at staleness 1 and with partial rollouts
+    at 2; under 1 not the last; a workflow with two rollouts (ReMax) cannot pause them and is not offered it."""
+    from loomrl.planner.search.search import async_choices
+
+    cluster = ClusterSpec(nodes=1, devices_per_node=2)
+
+    class _Evaluate:
+        def __init__(self, workflow):
+            self.workflow = workflow
+
+    grpo = _Evaluate(_workflow("algo.name=grpo"))
+    plan = make_plan("separate", grpo.workflow, cluster)
+    assert async_choices(plan, grpo, 2) == [AsyncTraining(1), AsyncTraining(2, partial_rollout=True)]
+    assert async_choices(plan, grpo, 1) == [AsyncTraining(1)]
+    remax = _Evaluate(_workflow("algo.name=remax"))
+    assert async_choices(make_plan("separate", remax.workflow, cluster), remax, 4) == [AsyncTraining(1)]

@@ -326,12 +326,7 @@ class Controller:
                         result.stats["fusion/migrate_at"] = migrate_at
                     StreamFusionStage(self, step, state, migrate_at).start(pending, routed)
                     continue
-                if step.kind is StepKind.CALL:
-                    payloads[step.id] = self.payloads(step, state_of.get(step.id, state))
-                elif step.kind is StepKind.PIPELINE_FUSION:
-                    payloads[step.id] = self.pipeline_fusion_payloads(step, state)
-                else:
-                    payloads[step.id] = (data or {}).get(step.id, {})
+                payloads[step.id] = self._payloads_of(step, state_of.get(step.id, state), data)
                 what = f"MFC '{step.id}'" if step.kind is StepKind.CALL else f"step '{step.id}'"
                 for device in mine[step.id]:
                     ref = self.workers[device].run_step.remote(step.id, payloads[step.id].get(device))
@@ -352,20 +347,30 @@ class Controller:
                 if len(replies[step.id]) == len(mine[step.id]):
                     done.add(step.id)
                     traces.append(StepTrace.of(step, iteration, phase, replies[step.id]))
-                    if step.kind is StepKind.CALL:
-                        self._finish(step, replies[step.id], payloads[step.id], state_of.get(step.id, state), result)
-                    elif step.kind is StepKind.PIPELINE_FUSION:
-                        for member in step.members:
-                            self._finish(
-                                member,
-                                {d: m["members"][member.id] for d, m in replies[step.id].items()},
-                                {d: p.calls[member.id] for d, p in payloads[step.id].items()},
-                                state,
-                                result,
-                            )
+                    self._finish_step(step, replies[step.id], payloads[step.id], state_of.get(step.id, state), result)
         if result is not None:
             result.traces.extend(traces)
         return traces, replies
+
+    def _payloads_of(self, step: Step, state: _IterationState | None, data: Mapping[str, dict] | None) -> dict:
+        """A step's per-device payloads: a call's rows of ``state``, a fused train stage's members', or what
+        ``data`` gives any other step."""
+        if step.kind is StepKind.CALL:
+            return self.payloads(step, state)
+        if step.kind is StepKind.PIPELINE_FUSION:
+            return self.pipeline_fusion_payloads(step, state)
+        return (data or {}).get(step.id, {})
+
+    def _finish_step(
+        self, step: Step, metas: dict[int, dict], payloads: dict, state: _IterationState, result: IterationResult
+    ) -> None:
+        """A finished call's (or each member's of a fused train stage) replies into ``state`` and ``result``."""
+        if step.kind is StepKind.CALL:
+            self._finish(step, metas, payloads, state, result)
+        elif step.kind is StepKind.PIPELINE_FUSION:
+            for member in step.members:
+                member_metas = {d: m["members"][member.id] for d, m in metas.items()}
+                self._finish(member, member_metas, {d: p.calls[member.id] for d, p in payloads.items()}, state, result)
 
     def migrate_at(self, step: Step, state: _IterationState) -> float:
         """A fused stage's migration threshold this iteration: the plan's fraction, or for ``auto`` the one the
