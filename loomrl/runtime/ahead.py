@@ -3,7 +3,7 @@
 (:class:`InFlight`). Rows stay in the object store; the controller holds where they are and plain metadata.
 
 Under partial rollouts (:class:`~loomrl.plan.plan.AsyncTraining`) a rollout generate call runs over the new
-prompts and every paused sample (:func:`with_in_flight`); its workers publish only the rows that finished, each
+prompts and every paused sample (``Controller._with_in_flight``); its workers publish only the rows that finished, each
 with the policy version of every token, and return the paused ones' tokens as plain data (:func:`split_call`),
 so each sample's final columns live in exactly one output shard.
 """
@@ -75,11 +75,12 @@ def select_where(where: Shards, keys: Sequence[str], ids: Sequence[int]) -> Shar
 
 
 def split_call(
-    metas: Mapping[int, dict], owner: Mapping[int, int], inputs: Sequence[str], input_where: Shards, keys: Sequence[str]
+    metas: Mapping[int, dict], owner: Mapping[int, int], inputs: Sequence[str], state: Any, keys: Sequence[str]
 ) -> tuple[InFlight | None, dict[int, Pending]]:
     """A partial rollout generate call's replies (device → meta) split into the samples it paused (their input
-    columns' shards from ``input_where``) and, per iteration (``owner``: sample id → the iteration that trains
-    it), the rows it finished, whose ``keys`` columns are in the published shards."""
+    columns' shards and token counts from the call's ``state``, a controller's iteration state) and, per
+    iteration (``owner``: sample id → the iteration that trains it), the rows it finished, whose ``keys`` columns
+    are in the published shards."""
     paused: dict[int, Resumed] = {}
     done: dict[int, Pending] = {}
     for meta in metas.values():
@@ -97,7 +98,8 @@ def split_call(
             done.setdefault(it, Pending({}, {}, {})).add(piece)
     if not paused:
         return None, done
-    return InFlight(select_where(input_where, inputs, list(paused)), {}, paused), done
+    tokens = {s: state.tokens[s] for s in paused}  # the paused rows' weights as the call had them: their prompts'
+    return InFlight(select_where(state.where, inputs, list(paused)), tokens, paused), done
 
 
 def generated_ahead(pending: Mapping[Any, tuple] | None) -> list[int]:

@@ -71,9 +71,6 @@ def is_metric_key(key: str) -> bool:
     return key in METRIC_KEYS or (judge_index(key) is not None and key.endswith("_unreadable"))
 
 
-"""Key → output shards holding it: (sample ids, object reference in a 1-tuple)."""
-
-
 class RuntimeFailure(LoomError):
     """A worker failed, died or stalled; the message names the worker, role and step. ``recoverable``: a process
     was lost (died or stalled), which new workers resuming from a checkpoint may get past; an error raised by
@@ -552,9 +549,7 @@ class Controller:
         owner = {
             s: state.partial.resumed[s].iteration if s in state.partial.resumed else state.iteration for s in state.ids
         }
-        self.in_flight, done = split_call(metas or {}, owner, step.mfc.inputs, state.where, keys)
-        if self.in_flight is not None:
-            self.in_flight.tokens = {s: state.tokens[s] for s in self.in_flight.ids}
+        self.in_flight, done = split_call(metas or {}, owner, step.mfc.inputs, state, keys)
         for it, piece in done.items():
             self.pending.setdefault(it, Pending({}, {}, {})).add(piece)
 
