@@ -136,12 +136,12 @@ def sync_bytes(rank: int) -> tuple[int, int]:
     cluster = ClusterSpec.parse("cpu:2")
     schedule = build_schedule(workflow, separate(workflow, cluster, 1))
     lora = cfg.actor.lora if cfg.actor.lora.enabled else None
-    shapes, layers = parameter_shapes(MODEL, task_tokenizer(cfg.task, MODEL), value=False, lora=lora)
+    shapes, layers, tied = parameter_shapes(MODEL, task_tokenizer(cfg.task, MODEL), value=False, lora=lora)
     total = 0
     for step in schedule:
         if step.kind is StepKind.SYNC:
             role, src, dst = step.transfer
-            total += plan_reallocation(shapes, layers, src, dst, cluster.node_of, False).bytes_moved(4)
+            total += plan_reallocation(shapes, layers, src, dst, cluster.node_of, False, tied).bytes_moved(4)
     return total, sum(math.prod(shape) for shape in shapes.values())
 
 

@@ -53,7 +53,7 @@ from loomrl.plan.allocation import Allocation  # noqa: E402
 from loomrl.plan.layout import Layout  # noqa: E402
 from loomrl.plan.model_shape import ModelShape  # noqa: E402
 from loomrl.plan.realloc_plan import ReallocPlan, plan_reallocation  # noqa: E402
-from loomrl.plan.shards import pp_stage, tp_dim  # noqa: E402
+from loomrl.plan.shards import pp_stages, tp_dim  # noqa: E402
 from loomrl.report import summary_table  # noqa: E402
 
 TIMEOUT_S = 600
@@ -125,7 +125,7 @@ def direct_slice(
     """What ``rank`` of ``placement`` holds of ``full``, by tensor slicing (None: on another pipeline stage)."""
     layout = placement.layout
     pp_rank, dp_rank, tp_rank = layout.coords(rank)
-    if pp_stage(name, num_layers, layout.pp) != pp_rank:
+    if pp_rank not in pp_stages(name, num_layers, layout.pp):
         return None
     part, dim = full, tp_dim(name)
     if dim is not None and layout.tp > 1:
@@ -309,7 +309,7 @@ def model_shapes(model: str, layers: int | None) -> tuple[dict[str, tuple[int, .
             f"--model: '{model}' is not a zoo model or preset; zoo: {', '.join(ZOO)}; "
             f"presets: {', '.join(MODEL_PRESETS)}"
         )
-    shapes, count = parameter_shapes(model, build_char_tokenizer(), value=False)
+    shapes, count, _ = parameter_shapes(model, build_char_tokenizer(), value=False)  # zoo models are untied
     if layers is None or layers >= count:
         return shapes, count
     kept = {

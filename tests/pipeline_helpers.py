@@ -1,5 +1,6 @@
 """What the pipeline tests (tests/test_pipeline.py, tests/test_pipeline_tp.py) share: a ragged batch, log-probs
-from logits, a value model with a non-zero head, and the optimizer settings their training steps use."""
+from logits, a value model with a non-zero head, a model with tied embeddings, and the optimizer settings their
+training steps use."""
 
 from __future__ import annotations
 
@@ -7,7 +8,7 @@ import torch
 
 from loomrl.models.heads import score_head
 from loomrl.models.tokenizer import build_char_tokenizer
-from loomrl.models.zoo import build_value_model
+from loomrl.models.zoo import build_causal_lm, build_value_model
 
 LR = 1e-3
 MAX_NORM = 0.05
@@ -30,6 +31,15 @@ def logp_from_logits(logits_BLV: torch.Tensor, ids_BL: torch.Tensor) -> torch.Te
     logits_BL1V = logits_BLV[:, :-1].float()
     picked_BL1 = logits_BL1V.gather(-1, ids_BL[:, 1:].unsqueeze(-1)).squeeze(-1)
     return picked_BL1 - torch.logsumexp(logits_BL1V, dim=-1)
+
+
+def tied_model(name: str = "llama-1m") -> torch.nn.Module:
+    """A zoo model (untied there) with its output head sharing its input embedding, as SmolLM2's and the small
+    Qwen2.5 checkpoints have, config included."""
+    model = build_causal_lm(name, build_char_tokenizer(), seed=0)
+    model.config.tie_word_embeddings = True
+    model.lm_head.weight = model.get_input_embeddings().weight
+    return model
 
 
 def value_model() -> torch.nn.Module:
@@ -70,6 +80,7 @@ def adamw_steps(
         return -(logp_from_logits(logits_BLV, ids_BL[rows[k]]) * mask_BL[rows[k], 1:]).sum() / total
 
     loss = runner.train_step_backward(ids_BL, mask_BL, loss_fn, micro_batches=micro_batches, broadcast_result=True)
+    runner.sum_tied_gradient()
     norm = clip_grad_norm_pp(stage, MAX_NORM, pp_group)
     opt.step()
     return (float(ref_loss), loss), (ref_norm, norm)

@@ -28,9 +28,11 @@ from loomrl.errors import ConfigError
 from loomrl.models.heads import response_outputs, token_logprobs
 from loomrl.models.tokenizer import build_char_tokenizer
 from loomrl.models.zoo import build_causal_lm
+from loomrl.parallel.allocations import AllocationGroups
 from loomrl.parallel.pipeline import check_pipeline, split_stages
 from loomrl.parallel.pipeline_runner import PipelineRunner
 from loomrl.parallel.spawn import run_world
+from loomrl.plan.allocation import Allocation
 from loomrl.role import ModelPasses
 from loomrl.workflow.batch import (
     Batch,
@@ -46,6 +48,7 @@ from pipeline_helpers import (
     adamw_steps,
     logp_from_logits,
     ragged_batch,
+    tied_model,
     value_model,
     values_diff,
 )
@@ -114,10 +117,36 @@ def test_uneven_or_unsupported_split_is_a_one_line_error():
     with pytest.raises(ConfigError) as info:
         check_pipeline(build_causal_lm("gpt2-1m", tok, seed=0).config, 2, where="plan.actor")
     assert "\n" not in str(info.value) and "model_type 'gpt2' supports only pp=1" in str(info.value)
-    tied = build_causal_lm("qwen2-1m", tok, seed=0)
-    tied.lm_head.weight = tied.get_input_embeddings().weight
-    with pytest.raises(ConfigError, match="tied input/output embeddings"):
-        split_stages(tied, 1, 2)
+
+
+@pytest.mark.parametrize("name", ["llama-1m", "qwen2-1m"])
+def test_a_tied_embedding_lives_on_the_first_and_the_last_stage(name):
+    """The first stage looks tokens up in it, the last projects onto it (still one weight with its head); the
+    middle stages hold none; chained, the stages compute the model."""
+    ref = tied_model(name)
+    stages = [split_stages(tied_model(name), rank, 4) for rank in range(4)]
+    outside = [sorted(n for n, _ in s.named_parameters() if ".layers." not in n) for s in stages]
+    assert outside == [
+        ["model.embed_tokens.weight"],
+        [],
+        [],
+        ["model.embed_tokens.weight", "model.norm.weight"],
+    ]
+    last = stages[-1].model
+    assert last.lm_head.weight is last.model.embed_tokens.weight
+    assert [s.tied_weight is not None for s in stages] == [True, False, False, True]
+    assert [s.copies_tied_weight for s in stages] == [False, False, False, True]
+    untied = split_stages(build_causal_lm(name, build_char_tokenizer(), seed=0), 3, 4)
+    assert not untied.tied and untied.tied_weight is None
+    ids_BL, mask_BL = ragged_batch()
+    with torch.no_grad():
+        want = ref(input_ids=ids_BL, attention_mask=mask_BL).logits
+        got = ids_BL
+        for stage in stages:
+            got = stage.forward(got, mask_BL)
+    assert (got - want).abs().max().item() < 1e-5
+    with pytest.raises(ValueError, match="tied embedding but got no tied_group"):
+        PipelineRunner(stages[0], None, 0, 4)
 
 
 @pytest.mark.parametrize("name", ["llama-1m", "qwen2-1m"])
@@ -155,6 +184,7 @@ def _all_checks(rank: int) -> dict:
         "logp": _logp_diff(rank, group),
         "values": _values_diff(rank, group),
         "step": _adamw_step(rank, group),
+        "tied_step": _adamw_step(rank, group, tied=True),
         "ops": _op_micro_batching(rank, group),
     }
 
@@ -202,11 +232,13 @@ def _values_diff(rank: int, group: Any) -> float:
     return values_diff(value_model(), _runner(value_model(), rank, group))
 
 
-def _adamw_step(rank: int, group: Any) -> dict:
-    """One clipped AdamW step on the token-mean NLL: unsplit full batch vs two stages × two micro-batches."""
+def _adamw_step(rank: int, group: Any, tied: bool = False) -> dict:
+    """One clipped AdamW step on the token-mean NLL: unsplit full batch vs two stages × two micro-batches (with
+    ``tied``, of a model whose head shares its embedding, which both stages then hold)."""
     tok = build_char_tokenizer()
-    ref = build_causal_lm("llama-1m", tok, seed=0)
-    runner = _runner(build_causal_lm("llama-1m", tok, seed=0), rank, group)
+    ref = tied_model() if tied else build_causal_lm("llama-1m", tok, seed=0)
+    model = tied_model() if tied else build_causal_lm("llama-1m", tok, seed=0)
+    runner = PipelineRunner(split_stages(model, rank, WORLD), group, rank, WORLD, tied_group=group if tied else None)
     before = {name: p.detach().clone() for name, p in ref.named_parameters()}
     losses, norms = adamw_steps(ref, runner, group)
     stage = runner.stage
@@ -373,15 +405,18 @@ def test_pp_value_model_token_values_equal_unsplit(ranks):
         assert result["values"] < 1e-5
 
 
-def test_pp_adamw_step_with_clipping_equals_single_process(ranks):
+@pytest.mark.parametrize("step", ["step", "tied_step"], ids=["untied", "tied"])
+def test_pp_adamw_step_with_clipping_equals_single_process(ranks, step):
+    """With tied embeddings each end stage's copy takes the whole model's step: the two stages' gradients
+    summed, the matrix counted once in the clipping norm."""
     for result in ranks:
-        ref_loss, pp_loss = result["step"]["losses"]
-        ref_norm, pp_norm = result["step"]["norms"]
+        ref_loss, pp_loss = result[step]["losses"]
+        ref_norm, pp_norm = result[step]["norms"]
         assert abs(pp_loss - ref_loss) < 1e-5 * abs(ref_loss)
         assert ref_norm > MAX_NORM * 5, "the step must actually clip"
         assert abs(pp_norm - ref_norm) < 1e-5 * ref_norm
-        assert result["step"]["moved"] > 1e-4
-        assert result["step"]["param_diff"] < 1e-5
+        assert result[step]["moved"] > 1e-4
+        assert result[step]["param_diff"] < 1e-5
 
 
 def test_ops_with_micro_batches_on_a_staged_role_equal_one_micro_batch_unsplit(ranks):
@@ -425,6 +460,9 @@ class _SpyPipeline:
     def train_step_backward(self, ids_BL, attn_BL, loss_fn, micro_batches: int = 1, **kwargs):
         self.asked.append(micro_batches)
         return self.runner.train_step_backward(ids_BL, attn_BL, loss_fn, micro_batches, **kwargs)
+
+    def sum_tied_gradient(self) -> None:
+        self.runner.sum_tied_gradient()
 
 
 @pytest.mark.parametrize("micro_batches,runs", [(1, 1), (3, 3), (8, 5)], ids=["one", "three", "clipped_to_rows"])
@@ -488,26 +526,43 @@ def test_inference_micro_batches_run_sorted_by_length_each_cut_to_its_longest_ro
 # ------------------------------------------------------------------------------------------ 1F1B on 4 stages
 def _four_stage_step(rank: int) -> dict:
     """One clipped AdamW step of llama-1m (4 layers) split into 4 stages, with 4 micro-batches: 1F1B's warm-up
-    runs 3, 2, 1 and 0 forwards on stages 0..3 before its first backward."""
+    runs 3, 2, 1 and 0 forwards on stages 0..3 before its first backward. Then the same with tied embeddings,
+    over the groups the runtime makes (the first and the last stage summing the shared matrix's gradient)."""
     tok = build_char_tokenizer()
     ref = build_causal_lm("llama-1m", tok, seed=0)
     runner = PipelineRunner(split_stages(build_causal_lm("llama-1m", tok, seed=0), rank, 4), dist.group.WORLD, rank, 4)
     losses, norms = adamw_steps(ref, runner, dist.group.WORLD, micro_batches=4)
     stepped = dict(ref.named_parameters())
-    return {
+    out = {
         "losses": losses,
         "norms": norms,
         "peak_in_flight": runner.peak_in_flight,
         "param_diff": max((p - stepped[n]).abs().max().item() for n, p in runner.stage.named_parameters()),
     }
+    alloc = Allocation.parse("0-3:pp4")
+    groups = AllocationGroups(rank, [alloc], device_type="cpu")[alloc]
+    ref = tied_model()
+    stage = split_stages(tied_model(), groups.pp_rank, 4)
+    runner = PipelineRunner(stage, groups.pp_group, groups.pp_rank, 4, groups.stage_ranks, groups.tied_group)
+    losses, norms = adamw_steps(ref, runner, groups.pp_group, micro_batches=4)
+    stepped = dict(ref.named_parameters())
+    out["tied"] = {
+        "losses": losses,
+        "norms": norms,
+        "tied_group": dist.get_process_group_ranks(groups.tied_group) if groups.tied_group is not None else None,
+        "param_diff": max((p - stepped[n]).abs().max().item() for n, p in stage.named_parameters()),
+    }
+    return out
 
 
 def test_1f1b_on_four_stages_equals_single_process_and_bounds_kept_micro_batches():
     results = run_world(_four_stage_step, 4, timeout_s=TIMEOUT_S)
     for rank, result in enumerate(results):
-        (ref_loss, pp_loss), (ref_norm, pp_norm) = result["losses"], result["norms"]
-        assert abs(pp_loss - ref_loss) < 1e-5 * abs(ref_loss), rank
-        assert abs(pp_norm - ref_norm) < 1e-5 * ref_norm, rank
-        assert result["param_diff"] < 1e-5, rank
+        for run in (result, result["tied"]):
+            (ref_loss, pp_loss), (ref_norm, pp_norm) = run["losses"], run["norms"]
+            assert abs(pp_loss - ref_loss) < 1e-5 * abs(ref_loss), rank
+            assert abs(pp_norm - ref_norm) < 1e-5 * ref_norm, rank
+            assert run["param_diff"] < 1e-5, rank
+        assert result["tied"]["tied_group"] == ([0, 3] if rank in (0, 3) else None), rank
         # stage r keeps at most P - r micro-batches' activations (GPipe would keep all 4 on every stage)
         assert result["peak_in_flight"] == 4 - rank, (rank, result["peak_in_flight"])

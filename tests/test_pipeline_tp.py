@@ -29,6 +29,7 @@ from pipeline_helpers import (
     MAX_NORM,
     adamw_steps,
     ragged_batch,
+    tied_model,
     value_model,
     values_diff,
 )
@@ -44,7 +45,7 @@ def _staged(model: torch.nn.Module, groups: Any) -> PipelineRunner:
     """What the runtime worker does for a pp×tp allocation: split the stage, then shard it over its TP mesh."""
     stage = split_stages(model, groups.pp_rank, KEY.layout.pp)
     apply_tensor_parallel(stage.model, groups.tp_mesh)
-    return PipelineRunner(stage, groups.pp_group, groups.pp_rank, KEY.layout.pp)
+    return PipelineRunner(stage, groups.pp_group, groups.pp_rank, KEY.layout.pp, tied_group=groups.tied_group)
 
 
 # ------------------------------------------------------------------------------- checks run on every rank
@@ -59,6 +60,7 @@ def _all_checks(rank: int) -> dict:
         "logits": _logits_diffs(groups),
         "values": _values_diff(groups),
         "step": _adamw_step(rank, groups),
+        "tied_step": _adamw_step(rank, groups, tied=True),
     }
 
 
@@ -83,30 +85,32 @@ def _values_diff(groups: Any) -> float:
     return values_diff(value_model(), _staged(value_model(), groups))
 
 
-def _shards_follow_the_plan(rank: int, stage_model: torch.nn.Module, full: dict[str, torch.Tensor]) -> list[str]:
+def _shards_follow_the_plan(
+    rank: int, stage_model: torch.nn.Module, full: dict[str, torch.Tensor], tied: bool = False
+) -> list[str]:
     """Parameters whose local tensor is not the slice :func:`shard_intervals` assigns this rank (want none)."""
     layout, wrong = KEY.layout, []
     for name, param in stage_model.named_parameters():
         local = param.to_local() if isinstance(param, DTensor) else param
         flat = full[name].reshape(-1)
-        expected = torch.cat(
-            [flat[lo:hi] for lo, hi in shard_intervals(name, full[name].shape, layout, rank, NUM_LAYERS)]
-        )
-        if shard_shape(name, full[name].shape, layout, rank, NUM_LAYERS) != tuple(local.shape) or not torch.equal(
-            local.detach().reshape(-1), expected
-        ):
+        intervals = shard_intervals(name, full[name].shape, layout, rank, NUM_LAYERS, tied=tied)
+        expected = torch.cat([flat[lo:hi] for lo, hi in intervals])
+        if shard_shape(name, full[name].shape, layout, rank, NUM_LAYERS, tied=tied) != tuple(
+            local.shape
+        ) or not torch.equal(local.detach().reshape(-1), expected):
             wrong.append(name)
     return wrong
 
 
-def _adamw_step(rank: int, groups: Any) -> dict:
-    """One clipped AdamW step on the token-mean NLL: unsplit full batch vs 2 stages × 2 TP ranks × 2 micro-batches."""
+def _adamw_step(rank: int, groups: Any, tied: bool = False) -> dict:
+    """One clipped AdamW step on the token-mean NLL: unsplit full batch vs 2 stages × 2 TP ranks × 2 micro-batches
+    (with ``tied``, of a model whose head shares its embedding: both stages hold its TP shards)."""
     tok = build_char_tokenizer()
-    ref = build_causal_lm("llama-1m", tok, seed=0)
-    runner = _staged(build_causal_lm("llama-1m", tok, seed=0), groups)
+    ref = tied_model() if tied else build_causal_lm("llama-1m", tok, seed=0)
+    runner = _staged(tied_model() if tied else build_causal_lm("llama-1m", tok, seed=0), groups)
     stage = runner.stage
     before = full_state_dict(ref)
-    out: dict[str, Any] = {"misplaced": _shards_follow_the_plan(rank, stage.model, before)}
+    out: dict[str, Any] = {"misplaced": _shards_follow_the_plan(rank, stage.model, before, tied)}
     losses, norms = adamw_steps(ref, runner, groups.pp_group)
     stepped, mine = full_state_dict(ref), full_state_dict(stage.model)  # the latter: collective over TP
     out.update(
@@ -150,14 +154,17 @@ def test_pp_tp_value_model_token_values_equal_unsplit(ranks):
         assert result["values"] < 1e-5
 
 
-def test_pp_tp_shards_are_those_the_reallocation_plan_assigns(ranks):
+@pytest.mark.parametrize("step", ["step", "tied_step"], ids=["untied", "tied"])
+def test_pp_tp_shards_are_those_the_reallocation_plan_assigns(ranks, step):
     for rank, result in enumerate(ranks):
-        assert result["step"]["misplaced"] == [], rank
+        assert result[step]["misplaced"] == [], rank
+    assert "model.embed_tokens.weight" in ranks[-1]["tied_step"]["state_keys"]  # the last stage's copy
 
 
-def test_pp_tp_adamw_step_with_clipping_equals_single_process(ranks):
+@pytest.mark.parametrize("name", ["step", "tied_step"], ids=["untied", "tied"])
+def test_pp_tp_adamw_step_with_clipping_equals_single_process(ranks, name):
     for result in ranks:
-        step = result["step"]
+        step = result[name]
         (ref_loss, loss), (ref_norm, norm) = step["losses"], step["norms"]
         assert abs(loss - ref_loss) < 1e-5 * abs(ref_loss)
         assert ref_norm > MAX_NORM * 5, "the step must actually clip"

@@ -29,7 +29,7 @@ from loomrl.parallel.spawn import run_world
 from loomrl.plan import Allocation
 from loomrl.plan.layout import Layout
 from loomrl.plan.realloc_plan import ReallocPlan, plan_reallocation
-from loomrl.plan.shards import pp_stage, shard_intervals, shard_shape, tp_dim
+from loomrl.plan.shards import pp_stages, shard_intervals, shard_shape, tp_dim
 
 CASES = 300
 NODE_SIZE = 4
@@ -47,13 +47,27 @@ def place(mesh, layout: Layout, fsdp: bool = False, zero: bool = False) -> Alloc
 
 
 def reference_shard(
-    full: torch.Tensor, name: str, alloc: Allocation, rank: int, num_layers: int, state: bool = False
+    full: torch.Tensor,
+    name: str,
+    alloc: Allocation,
+    rank: int,
+    num_layers: int,
+    state: bool = False,
+    tied: bool = False,
 ) -> torch.Tensor | None:
     """What ``rank`` of ``alloc`` must hold of ``full`` (of its weights, or with ``state`` of its optimizer
-    state), by tensor slicing (None: another PP stage)."""
+    state), by tensor slicing (None: another PP stage). ``tied``: the input embedding is the output head's too,
+    held by the first and the last stage."""
     layout = alloc.layout
     pp_rank, dp_rank, tp_rank = layout.coords(rank)
-    if pp_stage(name, num_layers, layout.pp) != pp_rank:
+    last = layout.pp - 1
+    if name.endswith("embed_tokens.weight"):
+        stages = {0, last} if tied else {0}
+    elif ".layers." in name:
+        stages = {int(name.split(".layers.")[1].split(".")[0]) // (num_layers // layout.pp)}
+    else:
+        stages = {last}
+    if pp_rank not in stages:
         return None
     dim, part = tp_dim(name), full
     if dim is not None:
@@ -84,12 +98,16 @@ def test_tp_dim_and_stage_follow_the_tensor_parallel_plan():
     assert tp_dim("model.embed_tokens.weight") == 0 and tp_dim("lm_head.weight") == 0
     assert tp_dim("model.norm.weight") is None and tp_dim("score.weight") is None
     assert tp_dim("model.layers.0.input_layernorm.weight") is None
-    assert [pp_stage(f"model.layers.{i}.mlp.up_proj.weight", 4, 2) for i in range(4)] == [0, 0, 1, 1]
-    assert pp_stage("model.embed_tokens.weight", 4, 2) == 0
-    assert pp_stage("model.norm.weight", 4, 2) == pp_stage("lm_head.weight", 4, 2) == 1
-    assert pp_stage("score.weight", 4, 4) == 3
+    assert [pp_stages(f"model.layers.{i}.mlp.up_proj.weight", 4, 2) for i in range(4)] == [(0,), (0,), (1,), (1,)]
+    assert pp_stages("model.embed_tokens.weight", 4, 2) == (0,)
+    assert pp_stages("model.norm.weight", 4, 2) == pp_stages("lm_head.weight", 4, 2) == (1,)
+    assert pp_stages("score.weight", 4, 4) == (3,)
+    # a tied embedding: the first stage looks tokens up in it, the last projects onto it
+    assert pp_stages("model.embed_tokens.weight", 4, 4, tied=True) == (0, 3)
+    assert pp_stages("model.embed_tokens.weight", 4, 1, tied=True) == (0,)
+    assert pp_stages("model.layers.3.mlp.up_proj.weight", 4, 4, tied=True) == (3,)
     with pytest.raises(ValueError, match="pp=3 does not divide num_layers=4"):
-        pp_stage("model.norm.weight", 4, 3)
+        pp_stages("model.norm.weight", 4, 3)
 
 
 def test_shard_intervals_hand_computed():
@@ -142,7 +160,7 @@ def test_shard_intervals_match_tensor_slices_on_random_shapes():
 
 
 # ---------------------------------------------------------------------------------------- planner properties
-def _random_params(rng: random.Random, num_layers: int) -> dict[str, tuple[int, ...]]:
+def _random_params(rng: random.Random, num_layers: int, tied: bool = False) -> dict[str, tuple[int, ...]]:
     hidden, inner, vocab = rng.randint(1, 6), rng.randint(1, 8), rng.randint(2, 9)
     params: dict[str, tuple[int, ...]] = {"model.embed_tokens.weight": (vocab, hidden)}
     for i in range(num_layers):
@@ -154,7 +172,8 @@ def _random_params(rng: random.Random, num_layers: int) -> dict[str, tuple[int, 
             params[prefix + "mlp.down_proj.weight"] = (hidden, inner)
         params[prefix + "input_layernorm.weight"] = (hidden,)
     params["model.norm.weight"] = (hidden,)
-    params["lm_head.weight"] = (vocab, hidden)
+    if not tied:  # a tied head has no weight of its own
+        params["lm_head.weight"] = (vocab, hidden)
     return params
 
 
@@ -166,13 +185,13 @@ def _random_placement(rng: random.Random, num_layers: int, devices: int, fsdp: b
 
 
 def _shards(
-    full: dict[str, torch.Tensor], alloc: Allocation, num_layers: int, state: bool = False
+    full: dict[str, torch.Tensor], alloc: Allocation, num_layers: int, state: bool = False, tied: bool = False
 ) -> dict[tuple[int, str], torch.Tensor]:
     """Reference flat shards per (device, param), for the devices holding one."""
     out = {}
     for rank, device in enumerate(alloc.mesh):
         for name, tensor in full.items():
-            part = reference_shard(tensor, name, alloc, rank, num_layers, state)
+            part = reference_shard(tensor, name, alloc, rank, num_layers, state, tied)
             if part is not None and part.numel():
                 out[(device, name)] = part.reshape(-1)
     return out
@@ -232,11 +251,12 @@ def _covers(intervals: list[tuple[int, int]], start: int, end: int) -> bool:
 def _check_case(seed: int) -> ReallocPlan:
     rng = random.Random(seed)
     num_layers = rng.choice([1, 2, 4])
-    params = _random_params(rng, num_layers)
+    tied = rng.random() < 0.3
+    params = _random_params(rng, num_layers, tied)
     state = rng.random() < 0.3  # optimizer state, divided as ZeRO-1 or FSDP keep it, as a plan change moves it
     src = _random_placement(rng, num_layers, 8, fsdp=rng.random() < 0.4, zero=state and rng.random() < 0.7)
     dst = _random_placement(rng, num_layers, 8, fsdp=rng.random() < 0.2, zero=state and rng.random() < 0.7)
-    return _check_plan(seed, params, num_layers, src, dst, state)
+    return _check_plan(seed, params, num_layers, src, dst, state, tied)
 
 
 def _check_plan(
@@ -246,13 +266,14 @@ def _check_plan(
     src: Allocation,
     dst: Allocation,
     state: bool = False,
+    tied: bool = False,
 ) -> ReallocPlan:
     """Plan ``src`` → ``dst`` and check properties (a)–(d) by simulating it on random full parameters."""
-    plan = plan_reallocation(params, num_layers, src, dst, node_of, state)
+    plan = plan_reallocation(params, num_layers, src, dst, node_of, state, tied)
     full = {name: torch.randn(shape, dtype=torch.float64) for name, shape in params.items()}
-    held = _shards(full, src, num_layers, state)
+    held = _shards(full, src, num_layers, state, tied)
     simulated, counts, tally = _simulate(plan, held, full)
-    expected = _shards(full, dst, num_layers, state)
+    expected = _shards(full, dst, num_layers, state, tied)
     assert simulated.keys() == expected.keys()
     for key, tensor in expected.items():  # (a) every destination shard is the direct slice
         assert torch.equal(simulated[key], tensor), (seed, key)
@@ -284,9 +305,10 @@ def _check_aliases(seed: int, plan: ReallocPlan, src: dict, expected: dict) -> N
 
 
 def test_planner_properties_on_random_cases():
-    broadcasts = cross = fsdp = fsdp_dst = flat = pp_tp = 0
+    broadcasts = cross = fsdp = fsdp_dst = flat = pp_tp = tied_pp = 0
     for seed in range(CASES):
         plan = _check_case(seed)
+        tied_pp += plan.tied and any(p.layout.pp > 1 for p in (plan.src, plan.dst))
         broadcasts += any(len(t.receivers) > 1 for t in plan.transfers)
         cross += plan.cross_node_bytes(1) > 0
         fsdp += plan.src.fsdp
@@ -295,7 +317,7 @@ def test_planner_properties_on_random_cases():
         pp_tp += any(p.layout.pp > 1 and p.layout.tp > 1 for p in (plan.src, plan.dst))
     # The random cases must reach the interesting paths, or the properties above prove little.
     assert broadcasts > CASES // 10 and cross > CASES // 10 and fsdp > CASES // 10 and pp_tp > CASES // 10
-    assert fsdp_dst > CASES // 20 and flat > CASES // 20
+    assert fsdp_dst > CASES // 20 and flat > CASES // 20 and tied_pp > CASES // 20
 
 
 # Pairs with a pp × tp side, as the runtime meets them: a pp×tp training layout and the pp=1 layout its role
@@ -319,9 +341,15 @@ def test_planner_properties_on_pp_tp_pairs(pair: int):
     src_mesh, src_layout, dst_mesh, dst_layout = PP_TP_PAIRS[pair]
     for seed in range(10):
         rng = random.Random(1000 * pair + seed)
+        tied = seed % 2 == 1  # odd seeds: a tied embedding, on the first and the last stage of a pp side
         for fsdp in (False, True) if src_layout.dp > 1 and src_layout.pp == 1 else (False,):
             plan = _check_plan(
-                seed, _random_params(rng, 4), 4, place(src_mesh, src_layout, fsdp), place(dst_mesh, dst_layout)
+                seed,
+                _random_params(rng, 4, tied),
+                4,
+                place(src_mesh, src_layout, fsdp),
+                place(dst_mesh, dst_layout),
+                tied=tied,
             )
             if (src_mesh, src_layout, fsdp) == (dst_mesh, dst_layout, False):
                 assert plan.bytes_moved(1) == 0 and plan.free_after == ()

@@ -308,3 +308,38 @@ def test_a_worker_killed_during_a_sharded_save_leaves_the_checkpoint_before(tmp_
             assert a[key] == pytest.approx(b[key], rel=1e-6, abs=1e-9), (it, key)
         for key in LOSS_KEYS:
             assert a[key] == pytest.approx(b[key], rel=1e-4, abs=1e-6), (it, key, a[key], b[key])
+
+
+def test_a_tied_embedding_on_two_pipeline_stages_is_written_once_and_placed_on_both(tmp_path):
+    """A tied model trained as two pipeline stages: the first stage writes the shared matrix, the last stage's
+    copy is left out, and a resuming last stage (or one whole process) reads it from the first stage's file."""
+    from loomrl.checkpoint.shards import INDEX_FILE, merge_index, role_pieces, write_role_shards
+    from loomrl.parallel.pipeline import split_stages
+
+    def tied(seed: int) -> transformers.LlamaForCausalLM:
+        model = tiny_llama(seed)
+        model.config.tie_word_embeddings = True
+        model.lm_head.weight = model.get_input_embeddings().weight
+        return model
+
+    full = {n: p.detach().clone() for n, p in tied(3).named_parameters()}
+    layout = {"dp": 1, "tp": 1, "pp": 2, "reverse": False}
+    places = [{"layout": layout, "rank": r, "weights_split": "none", "state_split": "none"} for r in range(2)]
+    results = []
+    for rank, place in enumerate(places):
+        stage = split_stages(tied(3), rank, 2)
+        opt = torch.optim.AdamW(stage.parameters(), lr=0.1)
+        pieces = role_pieces(stage.model, opt, place, torch.float32)
+        assert ("weights/model.embed_tokens.weight" in pieces["weights"]) == (rank == 0)
+        results.append(write_role_shards(tmp_path, "actor", stage.model, opt, place, pieces))
+    (tmp_path / INDEX_FILE).write_text(json.dumps(merge_index({"actor": results})))
+    weights, _ = read_role(tmp_path, "actor")
+    assert weights.keys() == full.keys() and all(torch.equal(weights[n], full[n]) for n in full)
+
+    last = split_stages(tied(4), 1, 2)
+    load_role_shards(tmp_path, "actor", last.model, torch.optim.AdamW(last.parameters(), lr=0.1), places[1])
+    assert last.model.lm_head.weight is last.model.model.embed_tokens.weight  # still one weight
+    assert all(torch.equal(p, full[n]) for n, p in last.named_parameters())
+    whole = tied(5)
+    load_role_shards(tmp_path, "actor", whole, None, WHOLE)
+    assert all(torch.equal(p, full[n]) for n, p in whole.named_parameters())

@@ -46,6 +46,7 @@ from safetensors.torch import save_file
 
 from loomrl.checkpoint.adapters import export_adapters
 from loomrl.errors import CheckpointError
+from loomrl.models.heads import tied_embeddings
 from loomrl.models.lora import adapter_description, moving_parameters
 from loomrl.parallel.role_state import MOMENTS, init_state, state_steps, state_tensors
 from loomrl.parallel.zero import MASTER
@@ -86,10 +87,12 @@ WHOLE = {
 
 def _duplicate(name: str, place: Mapping[str, Any], split: str) -> bool:
     """Whether another rank writes this piece: a parameter tensor parallelism replicates (tp rank 0 writes it),
-    or a piece every data-parallel replica holds whole (the replica its name's checksum picks writes it)."""
+    the input embedding on a later pipeline stage (a tied embedding's copy on the last stage: the first stage
+    writes it), or a piece every data-parallel replica holds whole (the replica its name's checksum picks writes
+    it)."""
     layout = Layout(**place["layout"])
-    _, dp, tp = layout.coords(place["rank"])
-    if tp > 0 and tp_dim(name) is None:
+    pp, dp, tp = layout.coords(place["rank"])
+    if (tp > 0 and tp_dim(name) is None) or (pp > 0 and "embed_tokens" in name.split(".")):
         return True
     return split == "none" and dp != zlib.crc32(name.encode()) % layout.dp
 
@@ -169,6 +172,7 @@ def write_role_shards(
         written[rel] = {
             **place,
             "num_layers": layers,
+            "tied": tied_embeddings(model),
             "tensors": {key: shapes[key.split("/", 1)[1]] for key in pieces[part]},
         }
     if written:  # the params and steps ride with the first file (the weights when any)
@@ -281,6 +285,7 @@ def load_role_shards(path: Path, role: str, model: torch.nn.Module, optimizer: A
             for key, value in (entry["param_groups"] or [{}])[0].items():
                 group[key] = tuple(value) if isinstance(value, list) else value
     layout, rank, layers = Layout(**place["layout"]), place["rank"], int(model.config.num_hidden_layers)
+    tied = tied_embeddings(model)
     shapes = {name: tuple(p.shape) for name, p in model.named_parameters()}
     with ExitStack() as stack:
         handles: dict[str, Any] = {}
@@ -298,7 +303,7 @@ def load_role_shards(path: Path, role: str, model: torch.nn.Module, optimizer: A
                     if kind == "weights":
                         raise CheckpointError(f"{path / INDEX_FILE}: no shard holds {role} weight '{name}'")
                     continue  # master weights of an fp32 run, moments of a parameter never stepped
-                mine = shard_intervals(name, shapes[name], layout, rank, layers, split)
+                mine = shard_intervals(name, shapes[name], layout, rank, layers, split, tied)
                 with torch.no_grad():
                     target.copy_(_gathered(path, key, shapes[name], mine, saved[key], opened).view(target.shape))
 
@@ -309,7 +314,9 @@ def _gathered(path: Path, key: str, shape: tuple, mine: list, sources: list, ope
     out, filled = None, 0
     for rel, desc in sources:
         split = desc["weights_split"] if kind == "weights" else desc["state_split"]
-        theirs = shard_intervals(name, shape, Layout(**desc["layout"]), desc["rank"], desc["num_layers"], split)
+        theirs = shard_intervals(
+            name, shape, Layout(**desc["layout"]), desc["rank"], desc["num_layers"], split, desc.get("tied", False)
+        )
         runs = _overlaps(mine, theirs)
         if not runs:
             continue
@@ -408,7 +415,9 @@ def _read_file(file: Path, desc: Mapping[str, Any], wanted: list, fulls: dict, f
             for key, shape in wanted:
                 kind, name = key.split("/", 1)
                 split = desc["weights_split"] if kind == "weights" else desc["state_split"]
-                intervals = shard_intervals(name, shape, layout, desc["rank"], desc["num_layers"], split)
+                intervals = shard_intervals(
+                    name, shape, layout, desc["rank"], desc["num_layers"], split, desc.get("tied", False)
+                )
                 data = fh.get_tensor(key).reshape(-1)
                 if data.numel() != shard_numel(intervals):
                     raise CheckpointError(

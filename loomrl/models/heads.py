@@ -213,3 +213,13 @@ def sequence_scores(
     values_BL = token_values(value_model, input_ids_BL, attention_mask_BL)
     last_B = last_real_index(attention_mask_BL)
     return values_BL.gather(1, last_B.unsqueeze(1)).squeeze(1)
+
+
+def tied_embeddings(model: PreTrainedModel) -> bool:
+    """Whether ``model``'s output head shares its input embedding: a causal LM whose head's weight is its
+    embedding's, or, on a pipeline stage that replaced one of the two (``nn.Identity``), whose config ties word
+    embeddings (what the whole model is). A value model's score head never does."""
+    head, embed = model.get_output_embeddings(), model.get_input_embeddings()
+    if isinstance(head, nn.Linear) and isinstance(embed, nn.Embedding):
+        return head.weight is embed.weight
+    return head is not None and bool(getattr(model.config, "tie_word_embeddings", False))

@@ -31,7 +31,7 @@ from transformers import (
 )
 
 from loomrl.errors import DataError
-from loomrl.models.heads import score_head
+from loomrl.models.heads import score_head, tied_embeddings
 from loomrl.models.lora import add_adapters, moving_parameters
 from loomrl.models.pretrained import PRETRAINED, pretrained_dir
 
@@ -152,8 +152,9 @@ def checkpoint_dir(name_or_path: str) -> str | None:
 
 def parameter_shapes(
     name_or_path: str, tokenizer: PreTrainedTokenizerBase, value: bool, lora: LoraConfig | None = None
-) -> tuple[dict[str, tuple[int, ...]], int]:
-    """Names and full shapes of the parameters a role moves (and the layer count) of a zoo or checkpoint model,
+) -> tuple[dict[str, tuple[int, ...]], int, bool]:
+    """Names and full shapes of the parameters a role moves, its layer count and whether its output head shares
+    its input embedding (:func:`loomrl.parallel.pipeline.tied_embeddings`), of a zoo or checkpoint model,
     without building its weights: the model is instantiated from its config on the meta device. With ``lora``,
     only the adapters (and a value head) move (:func:`loomrl.models.lora.is_moving`)."""
     if name_or_path in ZOO:
@@ -169,7 +170,7 @@ def parameter_shapes(
         model = auto.from_config(config, attn_implementation=ATTN_IMPLEMENTATION)
     if lora is not None:
         add_adapters(model, lora, 0)
-    return {n: tuple(p.shape) for n, p in moving_parameters(model)}, config.num_hidden_layers
+    return {n: tuple(p.shape) for n, p in moving_parameters(model)}, config.num_hidden_layers, tied_embeddings(model)
 
 
 def check_model_spec(name_or_path: str) -> None:

@@ -42,6 +42,9 @@ class AllocGroups:
     (:mod:`loomrl.parallel.pipeline_fusion`): one communicator per direction."""
     stage_ranks: tuple[int, ...] = ()
     """The device (global rank) of each pipeline stage of this device's replica and TP rank, in stage order."""
+    tied_group: dist.ProcessGroup | None = None
+    """The first and the last stage of this device's line (on those stages when pp > 1; ``pp_group`` itself when
+    pp = 2), which sum the gradient of a tied embedding both hold (:mod:`loomrl.parallel.pipeline`)."""
 
     @property
     def pp_rank(self) -> int:
@@ -82,25 +85,29 @@ class AllocationGroups:
             ]
             mesh = DeviceMesh(self.device_type, grid, mesh_dim_names=("pp", "dp", "tp"))
             whole = dist.new_group(list(devices)) if len(devices) > 1 else None  # collective: every rank creates it
-            back = {}
-            if layout.pp > 1:  # collective too: every rank creates every line's group, in the same order
+            back, ends = {}, {}
+            if layout.pp > 1:  # collective too: every rank creates every line's groups, in the same order
                 for d in range(layout.dp):
                     for t in range(layout.tp):
                         line = tuple(grid[p][d][t] for p in range(layout.pp))
                         back[line] = dist.new_group(sorted(line))
+                        if layout.pp > 2:
+                            ends[line] = dist.new_group(sorted((line[0], line[-1])))
             self._groups[(devices, layout)] = None
             if self.device in devices:
                 coords = layout.coords(devices.index(self.device))
                 line = tuple(grid[p][coords.dp][coords.tp] for p in range(layout.pp))
+                pp_group = mesh.get_group("pp")
                 self._groups[(devices, layout)] = AllocGroups(
                     mesh.get_group("dp"),
-                    mesh.get_group("pp"),
+                    pp_group,
                     mesh["tp"],
                     mesh["dp"],
                     coords,
                     whole,
                     back.get(line),
                     line,
+                    None if 0 < coords.pp < layout.pp - 1 else pp_group if layout.pp == 2 else ends.get(line),
                 )
 
     def __getitem__(self, alloc: Allocation) -> AllocGroups:

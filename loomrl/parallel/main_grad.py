@@ -17,7 +17,7 @@ from __future__ import annotations
 import torch
 from torch import nn
 
-__all__ = ["accumulate_in_fp32", "clear_grad", "grad_of", "zero_fill"]
+__all__ = ["accumulate_in_fp32", "clear_grad", "grad_of", "set_grad", "zero_fill"]
 
 MAIN_GRAD = "main_grad"
 
@@ -43,6 +43,14 @@ def _into_main_grad(p: torch.Tensor) -> None:
 def grad_of(p: torch.Tensor) -> torch.Tensor | None:
     """The gradient to sum, clip and step with: the fp32 ``main_grad`` of a hooked parameter, else ``.grad``."""
     return getattr(p, MAIN_GRAD) if hasattr(p, MAIN_GRAD) else p.grad
+
+
+def set_grad(p: torch.Tensor, grad: torch.Tensor) -> None:
+    """Make ``grad`` the gradient of ``p`` (its ``main_grad`` where it keeps one)."""
+    if hasattr(p, MAIN_GRAD):
+        setattr(p, MAIN_GRAD, grad)
+    else:
+        p.grad = grad
 
 
 def zero_fill(p: torch.Tensor) -> None:

@@ -7,6 +7,15 @@ head, or the bare backbone) in place, so that pipeline rank ``r`` of ``pp`` keep
 - the token embedding if it is the first stage;
 - the final norm and the head (``lm_head`` or ``score``) if it is the last stage.
 
+A head that shares the token embedding's weight (tied embeddings, as SmolLM2 and Qwen2.5's small models have)
+keeps sharing it on the last stage, so the first and the last stage each hold the matrix under its one name,
+``model.embed_tokens.weight`` (:func:`loomrl.plan.shards.pp_stages`), as Megatron-LM's first and last stages
+hold their word embeddings. The pair then stays one weight: both start from the same values, the runner sums the
+two stages' gradients (the lookup's and the head's: the whole model's gradient,
+:meth:`~loomrl.parallel.pipeline_runner.PipelineRunner.sum_tied_gradient`), the global norm counts the matrix
+once, and each stage's optimizer takes the same step. Checkpoints write it once (from the first stage) and
+reallocation treats the last stage's copy as one more holder and receiver of it.
+
 Every other module is replaced by ``nn.Identity`` and the dropped layers lose their last reference, so their
 memory is freed (split before building an optimizer, which would keep them alive). The kept layers move into an
 ``nn.ModuleDict`` keyed by their GLOBAL index, so every parameter keeps its original fully-qualified name
@@ -37,7 +46,7 @@ from transformers import PreTrainedModel
 from transformers.masking_utils import create_causal_mask, create_sliding_window_causal_mask
 
 from loomrl.errors import ConfigError
-from loomrl.models.heads import score_head
+from loomrl.models.heads import score_head, tied_embeddings
 
 PP_ARCHITECTURES: tuple[str, ...] = ("llama", "qwen2")
 """``model_type`` values whose backbone :class:`PipelineStage` re-implements (embed → layers → norm with RoPE)."""
@@ -76,6 +85,7 @@ class PipelineStage:
         layer_ids: tuple[int, ...],
         output: str,
         head_name: str | None,
+        tied: bool = False,
     ):
         self.model = model
         self.pp_rank, self.pp_size = pp_rank, pp_size
@@ -84,6 +94,8 @@ class PipelineStage:
         self.output = output
         """What the last stage returns: 'logits' (B×L×V), 'values' (B×L, float32) or 'hidden' (B×L×H)."""
         self._head_name = head_name
+        self.tied = tied
+        """Whether the first and the last stage both hold the input embedding, shared with the output head."""
 
     @property
     def is_first(self) -> bool:
@@ -108,6 +120,19 @@ class PipelineStage:
     def named_parameters(self) -> Iterator[tuple[str, nn.Parameter]]:
         """This stage's parameters under their original, global names."""
         return self.model.named_parameters()
+
+    @property
+    def tied_weight(self) -> nn.Parameter | None:
+        """The shared embedding matrix on the first and the last stage of a tied model; None elsewhere."""
+        if not self.tied or not (self.is_first or self.is_last):
+            return None
+        return self.model.base_model.embed_tokens.weight
+
+    @property
+    def copies_tied_weight(self) -> bool:
+        """Whether this stage's shared embedding is the second copy (the last stage's), which the global
+        gradient norm and the checkpoint leave to the first stage."""
+        return self.tied and self.is_last and not self.is_first
 
     def forward(
         self, inputs: torch.Tensor, attention_mask_BL: torch.Tensor, position_ids_BL: torch.Tensor | None = None
@@ -166,8 +191,8 @@ class PipelineStage:
 def split_stages(model: PreTrainedModel, pp_rank: int, pp_size: int) -> PipelineStage:
     """Prune ``model`` in place to pipeline stage ``pp_rank`` of ``pp_size`` and return that stage.
 
-    Raises the one-line :class:`ConfigError` of :func:`check_pipeline` when the layers do not split evenly, and
-    when a tied input/output embedding would have to live on two stages (see the module docstring).
+    Raises the one-line :class:`ConfigError` of :func:`check_pipeline` when the layers do not split evenly. A
+    tied input/output embedding stays on the first and the last stage (see the module docstring).
     """
     check_pipeline(model.config, pp_size, where="pipeline")
     if not 0 <= pp_rank < pp_size:
@@ -179,24 +204,18 @@ def split_stages(model: PreTrainedModel, pp_rank: int, pp_size: int) -> Pipeline
             "(already split, or not a Llama-like model)"
         )
     output, head_name = _output_kind(model)
-    head = getattr(model, head_name) if head_name else None
-    if pp_size > 1 and head is not None and head.weight is base.embed_tokens.weight:
-        # The first and last stage would each need the shared matrix and a summed gradient; not built yet.
-        raise ConfigError(
-            "pipeline.pp: tied input/output embeddings are not supported with pp > 1 "
-            "(untie them, e.g. tie_word_embeddings=False)"
-        )
+    tied = pp_size > 1 and tied_embeddings(model)
     per_stage = model.config.num_hidden_layers // pp_size
     layer_ids = tuple(range(pp_rank * per_stage, (pp_rank + 1) * per_stage))
     # ModuleDict keyed by the global index: parameter names stay 'model.layers.{global}.…'.
     base.layers = nn.ModuleDict({str(i): base.layers[i] for i in layer_ids})
-    if pp_rank > 0:
+    if pp_rank > 0 and not (tied and pp_rank == pp_size - 1):
         base.embed_tokens = nn.Identity()
     if pp_rank < pp_size - 1:
         base.norm = nn.Identity()
         if head_name:
             setattr(model, head_name, nn.Identity())
-    return PipelineStage(model, pp_rank, pp_size, layer_ids, output, head_name)
+    return PipelineStage(model, pp_rank, pp_size, layer_ids, output, head_name, tied)
 
 
 def _output_kind(model: PreTrainedModel) -> tuple[str, str | None]:

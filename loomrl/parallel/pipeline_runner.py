@@ -38,7 +38,8 @@ import torch
 import torch.distributed as dist
 from torch.distributed.tensor import DTensor
 
-from loomrl.parallel.main_grad import grad_of
+from loomrl.parallel.data_parallel import local_shard, reduce_dtype
+from loomrl.parallel.main_grad import grad_of, set_grad
 from loomrl.parallel.pipeline import PipelineStage
 from loomrl.workflow.batch import micro_batch_slices
 
@@ -64,12 +65,17 @@ class PipelineRunner:
         pp_rank: int,
         pp_size: int,
         stage_ranks: Sequence[int] | None = None,
+        tied_group: dist.ProcessGroup | None = None,
     ):
         """``pp_group`` may be None only when ``pp_size`` is 1 (nothing is communicated then). ``stage_ranks``: the
         global rank holding each stage, in stage order, for a group whose rank order is not the stage order (a
-        reversed layout puts stage 0 on the group's last rank); None: stage ``s`` is group rank ``s``."""
+        reversed layout puts stage 0 on the group's last rank); None: stage ``s`` is group rank ``s``.
+        ``tied_group``: the first and the last stage's ranks of this line, over which a tied embedding's
+        gradient is summed (needed on those two stages of a tied model)."""
         if (stage.pp_rank, stage.pp_size) != (pp_rank, pp_size):
             raise ValueError(f"stage {stage.pp_rank} of {stage.pp_size} given to runner rank {pp_rank} of {pp_size}")
+        if stage.tied_weight is not None and tied_group is None:
+            raise ValueError(f"pipeline stage {pp_rank} of {pp_size} holds a tied embedding but got no tied_group")
         self.peers = (
             tuple(range(pp_size))
             if stage_ranks is None or pp_size == 1
@@ -81,7 +87,7 @@ class PipelineRunner:
                 f"pipeline rank {pp_rank} of {pp_size} disagrees with the group (rank "
                 f"{dist.get_rank(pp_group)} of {dist.get_world_size(pp_group)})"
             )
-        self.stage, self.group = stage, pp_group
+        self.stage, self.group, self.tied_group = stage, pp_group, tied_group
         self.pp_rank, self.pp_size = pp_rank, pp_size
         self.peak_in_flight = 0
         """Most micro-batches whose activations the last training step kept at once on this stage."""
@@ -114,6 +120,26 @@ class PipelineRunner:
         return self._broadcast(result) if broadcast_result else result
 
     # ------------------------------------------------------------------------------------------- training
+    @torch.no_grad()
+    def sum_tied_gradient(self) -> None:
+        """Sum a tied embedding's gradient over the first and the last stage (its lookup's part and its head's),
+        in fp32 at least, so both hold the gradient of the one shared matrix of the whole model. Call it on every
+        stage after the backward (and any data-parallel sum); a no-op on the others and for untied models. Both
+        stages ran the same rows, so both have a gradient or neither has."""
+        weight = self.stage.tied_weight
+        grad = None if weight is None else grad_of(weight)
+        if weight is None or grad is None or self.tied_group is None:
+            return
+        if isinstance(grad, DTensor) and isinstance(weight, DTensor) and grad.placements != weight.placements:
+            # a tensor-parallel lookup's gradient comes out replicated, the head's sharded like the weight:
+            # both stages sum the weight's own shard (cutting a replicated tensor communicates nothing)
+            grad = grad.redistribute(weight.device_mesh, weight.placements)
+            set_grad(weight, grad)
+        local = local_shard(grad)
+        total = local.to(reduce_dtype(local.dtype))
+        dist.all_reduce(total, op=dist.ReduceOp.SUM, group=self.tied_group)
+        local.copy_(total)
+
     def train_step_backward(
         self,
         input_ids_BL: torch.Tensor | None,
@@ -318,7 +344,8 @@ def clip_grad_norm_pp(
     stage norm and the sum over ``pp_group`` (one TP rank per stage) counts each stage once. With pp×tp the
     call is also collective over each stage's TP group.
     """
-    return clip_grads(stage.parameters(), max_norm, pp_group, stage.device, eps)
+    uncounted = (stage.tied_weight,) if stage.copies_tied_weight else ()
+    return clip_grads(stage.parameters(), max_norm, pp_group, stage.device, eps, uncounted)
 
 
 @torch.no_grad()
@@ -328,12 +355,17 @@ def clip_grads(
     group: dist.ProcessGroup | None,
     device: torch.device,
     eps: float = 1e-6,
+    uncounted: Iterable[torch.Tensor | None] = (),
 ) -> float:
     """Clip the gradients of ``params`` (their fp32 ``main_grad`` where kept) to a global norm of
     ``max_norm``, the norm completed over each DTensor's mesh and summed in squares over ``group`` (the
-    pipeline stages; None: this model is whole here); returns the norm before clipping."""
+    pipeline stages; None: this model is whole here); returns the norm before clipping. ``uncounted``: params
+    whose gradients are scaled but not counted in the norm (the second copy of a tied embedding)."""
+    skip = {id(p) for p in uncounted if p is not None}
+    params = list(params)
     grads = [g for g in map(grad_of, params) if g is not None]
-    local = torch.nn.utils.get_total_norm(grads) if grads else torch.zeros(())
+    counted = [g for p in params if id(p) not in skip and (g := grad_of(p)) is not None]
+    local = torch.nn.utils.get_total_norm(counted) if counted else torch.zeros(())
     if isinstance(local, DTensor):
         local = local.full_tensor()
     squared = local.to(device=device, dtype=torch.float64) ** 2

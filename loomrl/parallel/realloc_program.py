@@ -255,7 +255,7 @@ def _compile(plan: ReallocPlan, me: int) -> TransferProgram:
     if me in plan.dst.mesh:
         rank, split = plan.dst.devices.index(me), plan.dst.dp_split(plan.state)
         for name, shape in plan.shapes.items():
-            local_shape = shard_shape(name, shape, plan.dst.layout, rank, plan.num_layers, split)
+            local_shape = shard_shape(name, shape, plan.dst.layout, rank, plan.num_layers, split, plan.tied)
             if local_shape is not None:
                 dst_shapes.append((name, local_shape, plan.alias_offset(me, name)))
     local_entries = tuple(_entry(pieces, src_at, dst_at) for pieces in local.values())

@@ -41,7 +41,7 @@ from functools import cached_property
 from typing import NamedTuple
 
 from loomrl.plan.allocation import Allocation
-from loomrl.plan.shards import Interval, interval_table, pp_stage, shard_intervals, shard_numel, tp_dim
+from loomrl.plan.shards import Interval, interval_table, pp_stages, shard_intervals, shard_numel, tp_dim
 
 
 @dataclass(frozen=True)
@@ -98,6 +98,9 @@ class ReallocPlan:
     nodes: Mapping[int, Hashable] = field(repr=False)
     """Node of every device of either mesh."""
     dst_buffers: tuple[ShardBuffer, ...] = field(repr=False)
+    tied: bool = False
+    """Whether the model's output head shares its input embedding (held by the first and the last pipeline
+    stage: :func:`loomrl.plan.shards.pp_stages`)."""
 
     @property
     def free_after(self) -> tuple[ShardBuffer, ...]:
@@ -119,11 +122,11 @@ class ReallocPlan:
 
     def src_intervals(self, device: int, param: str) -> list[Interval]:
         """Flat intervals of ``param`` that ``device`` holds in the source layout (empty if none)."""
-        return _intervals(self.src, self.state, device, param, self.shapes[param], self.num_layers)
+        return _intervals(self.src, self.state, device, param, self.shapes[param], self.num_layers, self.tied)
 
     def dst_intervals(self, device: int, param: str) -> list[Interval]:
         """Flat intervals of ``param`` that ``device`` holds in the destination layout (empty if none)."""
-        return _intervals(self.dst, self.state, device, param, self.shapes[param], self.num_layers)
+        return _intervals(self.dst, self.state, device, param, self.shapes[param], self.num_layers, self.tied)
 
     def bytes_moved(self, bytes_per_elem: int) -> int:
         """Bytes crossing devices: every non-local piece counts once per receiver."""
@@ -166,12 +169,12 @@ class ReallocPlan:
 
 
 def _intervals(
-    alloc: Allocation, state: bool, device: int, param: str, shape: Sequence[int], num_layers: int
+    alloc: Allocation, state: bool, device: int, param: str, shape: Sequence[int], num_layers: int, tied: bool
 ) -> list[Interval]:
     if device not in alloc.mesh:
         return []
     rank = alloc.devices.index(device)
-    return shard_intervals(param, shape, alloc.layout, rank, num_layers, alloc.dp_split(state))
+    return shard_intervals(param, shape, alloc.layout, rank, num_layers, alloc.dp_split(state), tied)
 
 
 def plan_reallocation(
@@ -181,6 +184,7 @@ def plan_reallocation(
     dst: Allocation,
     nodes_of: Callable[[int], Hashable],
     state: bool = False,
+    tied: bool = False,
 ) -> ReallocPlan:
     """Plan moving ``params`` (name → full shape) from allocation ``src`` to allocation ``dst``.
 
@@ -188,6 +192,7 @@ def plan_reallocation(
     data-parallel ranks as :meth:`Allocation.dp_split` says (FSDP rows; with ``state``, ZeRO-1's flat blocks of
     optimizer state); micro-batches and recompute play no part. ``nodes_of`` maps a device id to its node (any
     hashable), e.g. ``ClusterSpec.node_of``. The order of ``params`` is the order pieces are planned and sent in.
+    ``tied``: the output head shares the input embedding, which the first and last pipeline stages then both hold.
 
     Raises ValueError when the layers do not divide into the pipeline stages.
     """
@@ -203,12 +208,12 @@ def plan_reallocation(
     options: dict[tuple, _RouteOptions] = {}
     for name, shape in shapes.items():
         keys = tuple(
-            (side, tp_dim(name), pp_stage(name, num_layers, p.layout.pp), shape)
+            (side, tp_dim(name), pp_stages(name, num_layers, p.layout.pp, tied), shape)
             for side, p in (("src", src), ("dst", dst))
         )
         for key, placement in zip(keys, (src, dst)):
             if key not in intervals:
-                intervals[key] = _intervals_by_device(placement, state, name, shape, num_layers)
+                intervals[key] = _intervals_by_device(placement, state, name, shape, num_layers, tied)
         held, needed = intervals[keys[0]], intervals[keys[1]]
         buffers.extend(
             ShardBuffer(device, name, shard_numel(ivs), _alias_offset(held.get(device), ivs))
@@ -226,7 +231,7 @@ def plan_reallocation(
             for sender, receivers in _choose_senders(options[route], load, end - start):
                 pieces.append(Transfer(name, start, end, sender, receivers))
         transfers.extend(_merge_adjacent(pieces))
-    return ReallocPlan(tuple(transfers), shapes, num_layers, src, dst, state, nodes, tuple(buffers))
+    return ReallocPlan(tuple(transfers), shapes, num_layers, src, dst, state, nodes, tuple(buffers), tied)
 
 
 def _alias_offset(held: list[Interval] | None, needed: list[Interval]) -> int | None:
@@ -250,22 +255,22 @@ def _alias_offset(held: list[Interval] | None, needed: list[Interval]) -> int | 
 
 
 def _intervals_by_device(
-    alloc: Allocation, state: bool, name: str, shape: tuple[int, ...], num_layers: int
+    alloc: Allocation, state: bool, name: str, shape: tuple[int, ...], num_layers: int, tied: bool
 ) -> dict[int, list[Interval]]:
     """Non-empty shard intervals of ``name`` per device of ``alloc``, in device order. Ranks of other pipeline
     stages hold nothing, and ranks differing only in their data-parallel rank hold the same intervals (unless
     they divide the shard): each distinct shard is computed once (pricing plans many large meshes)."""
     layout, split = alloc.layout, alloc.dp_split(state)
-    stage = pp_stage(name, num_layers, layout.pp)
+    stages = pp_stages(name, num_layers, layout.pp, tied)
     known: dict[tuple[int, int], list[Interval]] = {}
     out = {}
     for rank, device in enumerate(alloc.devices):
         pp_rank, dp_rank, tp_rank = layout.coords(rank)
-        if pp_rank != stage:
+        if pp_rank not in stages:
             continue
         key = (dp_rank if split != "none" else 0, tp_rank)
         if key not in known:
-            known[key] = shard_intervals(name, shape, layout, rank, num_layers, split)
+            known[key] = shard_intervals(name, shape, layout, rank, num_layers, split, tied)
         if known[key]:
             out[device] = known[key]
     return out

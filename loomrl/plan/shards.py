@@ -8,7 +8,8 @@ The conventions, shared with :mod:`loomrl.parallel.tensor_parallel` and the exec
   puts rank ``r`` on device ``mesh[r]``, with ``r = pp_rank * (dp * tp) + dp_rank * tp + tp_rank`` (tp
   fastest, then dp: :meth:`Layout.coords`).
 - Pipeline stages own contiguous, equal ranges of the decoder layers ``...layers.{i}.``; the input embedding
-  lives on stage 0, everything else outside the layers (final norm, ``lm_head``, ``score``) on the last stage.
+  lives on stage 0, everything else outside the layers (final norm, ``lm_head``, ``score``) on the last stage. An
+  input embedding the output head shares (tied) lives on both (:func:`pp_stages`).
 - Tensor parallelism splits q/k/v/gate/up projections column-wise (weight and bias along dim 0), o/down
   row-wise (weight along dim 1, bias replicated), ``embed_tokens`` and ``lm_head`` over the vocabulary
   (dim 0); everything else is replicated. A dim of size n is cut like ``torch.chunk`` (and DTensor's
@@ -72,8 +73,11 @@ def tp_dim(param_name: str) -> int | None:
     return None  # norms, score head, and row-wise biases (added after the all-reduce, so replicated)
 
 
-def pp_stage(param_name: str, num_layers: int, pp: int) -> int:
-    """The pipeline stage holding ``param_name`` when ``num_layers`` decoder layers are cut into ``pp`` stages."""
+def pp_stages(param_name: str, num_layers: int, pp: int, tied: bool = False) -> tuple[int, ...]:
+    """The pipeline stages holding ``param_name`` when ``num_layers`` decoder layers are cut into ``pp`` stages:
+    one, but for the input embedding of a model whose output head shares it (``tied``), which the first stage
+    looks tokens up in and the last stage projects onto (both hold it, and sum its gradient:
+    :mod:`loomrl.parallel.pipeline`)."""
     if num_layers < 1 or pp < 1 or num_layers % pp:
         raise ValueError(f"pp={pp} does not divide num_layers={num_layers}")
     match = _LAYER.search(param_name)
@@ -81,10 +85,10 @@ def pp_stage(param_name: str, num_layers: int, pp: int) -> int:
         layer = int(match.group(1))
         if layer >= num_layers:
             raise ValueError(f"{param_name}: layer {layer} is beyond num_layers={num_layers}")
-        return layer // (num_layers // pp)
+        return (layer // (num_layers // pp),)
     if "embed_tokens" in param_name.split("."):
-        return 0
-    return pp - 1
+        return (0, pp - 1) if tied and pp > 1 else (0,)
+    return (pp - 1,)
 
 
 def chunk(size: int, parts: int, index: int) -> Interval:
@@ -131,12 +135,18 @@ SPLITS = ("none", "rows", "flat")
 
 
 def shard_intervals(
-    param_name: str, shape: Sequence[int], layout: Layout, rank: int, num_layers: int, split: str = "none"
+    param_name: str,
+    shape: Sequence[int],
+    layout: Layout,
+    rank: int,
+    num_layers: int,
+    split: str = "none",
+    tied: bool = False,
 ) -> list[Interval]:
     """Sorted, disjoint, non-adjacent flat intervals of the full parameter that ``rank`` of ``layout`` holds,
-    its data-parallel ranks dividing each (pp, tp) shard as ``split`` says."""
+    its data-parallel ranks dividing each (pp, tp) shard as ``split`` says (``tied``: see :func:`pp_stages`)."""
     pp_rank, dp_rank, tp_rank = layout.coords(rank)
-    if pp_stage(param_name, num_layers, layout.pp) != pp_rank:
+    if pp_rank not in pp_stages(param_name, num_layers, layout.pp, tied):
         return []
     dim = tp_dim(param_name)
     intervals = tp_intervals(shape, dim, layout.tp, tp_rank)
@@ -177,13 +187,19 @@ def shard_numel(intervals: Sequence[Interval]) -> int:
 
 
 def shard_shape(
-    param_name: str, shape: Sequence[int], layout: Layout, rank: int, num_layers: int, split: str = "none"
+    param_name: str,
+    shape: Sequence[int],
+    layout: Layout,
+    rank: int,
+    num_layers: int,
+    split: str = "none",
+    tied: bool = False,
 ) -> tuple[int, ...] | None:
     """Shape of the local tensor ``rank`` holds, its data-parallel ranks dividing each (pp, tp) shard as
     ``split`` says (``"rows"``: dim 0 divided; ``"flat"``: a 1-D block of the flattened shard), or None when the
-    param is on another stage."""
+    param is on another stage (``tied``: see :func:`pp_stages`)."""
     pp_rank, dp_rank, tp_rank = layout.coords(rank)
-    if pp_stage(param_name, num_layers, layout.pp) != pp_rank:
+    if pp_rank not in pp_stages(param_name, num_layers, layout.pp, tied):
         return None
     local = _local_shape(shape, tp_dim(param_name), layout.tp, tp_rank)
     if split == "none" or layout.dp == 1:

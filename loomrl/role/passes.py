@@ -158,6 +158,7 @@ class ModelPasses:
                     zero_fill(p)
             sync_gradients(self.model, self.dp_group)
         if self.pipeline is not None:
+            self.pipeline.sum_tied_gradient()
             return clip_grad_norm_pp(self.pipeline.stage, max_norm, self.pipeline.group)
         return clip_grads(self.model.parameters(), max_norm, None, self.device)
 

@@ -131,9 +131,9 @@ class RayExecutor(Executor):
         schedule = build_schedule(self.workflow, plan)
         return WorkerPlan(schedule, {t: self._transfer_plan(*t, False) for t in schedule.transfers()}), owned
 
-    def param_shapes(self, role: str) -> tuple[dict[str, tuple[int, ...]], int]:
-        """Full shapes of the parameters a role's model moves (all, or its LoRA adapters) and its layer count, from
-        its config alone (no weights)."""
+    def param_shapes(self, role: str) -> tuple[dict[str, tuple[int, ...]], int, bool]:
+        """Full shapes of the parameters a role's model moves (all, or its LoRA adapters), its layer count and
+        whether its head shares its input embedding, from its config alone (no weights)."""
         if role not in self._shapes:
             spec = self.spec.roles[role]
             self._shapes[role] = parameter_shapes(spec.model, self._tokenizer, value=spec.value_head, lora=spec.lora)
@@ -429,8 +429,8 @@ class RayExecutor(Executor):
         self.traces += self.run_steps(self.schedule.prologue, 0, "prologue")[0]
 
     def _transfer_plan(self, role: str, src, dst, state: bool):
-        shapes, layers = self.param_shapes(role)
-        return plan_reallocation(shapes, layers, src, dst, self.cluster.node_of, state)
+        shapes, layers, tied = self.param_shapes(role)
+        return plan_reallocation(shapes, layers, src, dst, self.cluster.node_of, state, tied)
 
     def drain_traces(self) -> list[StepTrace]:
         """The traces of steps run outside iterations since the last call (the caller stamps their iteration)."""

@@ -270,7 +270,9 @@ class DeviceWorker:
             return apply_fsdp(model, groups.dp_mesh, self.dtype), None
         if stage is None:
             return model, None
-        return stage.model, PipelineRunner(stage, groups.pp_group, groups.pp_rank, layout.pp, groups.stage_ranks)
+        return stage.model, PipelineRunner(
+            stage, groups.pp_group, groups.pp_rank, layout.pp, groups.stage_ranks, groups.tied_group
+        )
 
     # --------------------------------------------------------------------------------------------- steps
     def run_step(self, step_id: str, data: Any = None) -> dict:

@@ -145,5 +145,5 @@ def realloc_seconds(
     if src.shards == dst.shards:
         return 0.0
     params, layers, scale = reduced_model(shape, src, dst)
-    plan = plan_reallocation(params, layers, src, dst, cluster.node_of)
+    plan = plan_reallocation(params, layers, src, dst, cluster.node_of, tied=shape.tied)
     return price_loads(device_loads(plan, scale, bytes_per_elem), profile)
