@@ -247,3 +247,27 @@ def test_a_paused_sample_continued_elsewhere_is_the_uninterrupted_sample(model):
         assert c.finish_reason != "paused" and c.tokens == full[c.sample_id].tokens
         assert c.logps == pytest.approx(full[c.sample_id].logps, abs=1e-5)
     assert len(engine.finished_lengths) == len(paused)
+
+
+def test_a_decode_step_reads_the_device_once(model, monkeypatch):
+    """On an accelerator every read of a device value makes the host wait for the device: a decode step reads
+    back its sampled tokens and their log-probs only, in one transfer (the finished-sample check); the slots, the
+    positions and the key length come from the host's own bookkeeping."""
+    engine = _engine(model, slots=8, eos_id=-1)
+    engine.submit(_requests(6, budgets=[20] * 6))
+    engine.step()  # admits (prefills) every request
+    reads: list[str] = []
+
+    def counted(name: str, original):
+        def read(self, *args, **kwargs):
+            reads.append(name)
+            return original(self, *args, **kwargs)
+
+        return read
+
+    for name in ("tolist", "item", "__int__", "__float__", "__bool__", "__index__", "cpu", "numpy"):
+        monkeypatch.setattr(torch.Tensor, name, counted(name, getattr(torch.Tensor, name)))
+    monkeypatch.setattr(torch, "equal", counted("equal", torch.equal))
+    for _ in range(3):
+        assert engine.step() == [] and not engine.waiting
+    assert reads == ["tolist"] * 3

@@ -34,7 +34,7 @@ def test_lean_logits_equal_the_models_forward_with_a_slot_cache(arch, dtype, att
     def run(lean: bool) -> torch.Tensor:
         use_attention(model, attention if lean else EAGER)
         cache = SlotKVCache(8, 16)
-        cache.bind(rows_B, pos_BQ, 9)
+        cache.bind(rows_B.tolist(), pos_BQ, 9)
         if lean:
             prefill = lean_logits(model, ids_BQ, pos_BQ, mask, cache)
         else:
@@ -44,7 +44,7 @@ def test_lean_logits_equal_the_models_forward_with_a_slot_cache(arch, dtype, att
                 ).logits
         # then one decode step over the cache the prefill filled
         step_ids, step_pos = ids_BQ[:, :1] + 1, torch.full((6, 1), 9)
-        cache.bind(rows_B, step_pos, 10)
+        cache.bind(rows_B.tolist(), step_pos, 10)
         step_mask = causal_slot_mask(step_pos, 10, model.dtype)
         if lean:
             return torch.cat([prefill, lean_logits(model, step_ids, step_pos, step_mask, cache)], dim=1)

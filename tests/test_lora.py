@@ -113,7 +113,7 @@ def test_the_lean_forward_adds_the_adapters(tok):
 
     def cache():
         c = SlotKVCache(3, 16)
-        c.bind(rows, pos, ids.shape[1])
+        c.bind(rows.tolist(), pos, ids.shape[1])
         return c
 
     lean = lean_logits(model, ids, pos, mask, cache())

@@ -208,8 +208,10 @@ class RolloutEngine:
         keys_B = torch.tensor([lv.request.key for lv in lives], dtype=torch.int64, device=self.device)
         steps_B = torch.tensor([len(lv.tokens) for lv in lives], dtype=torch.int64, device=self.device)
         tok_B, logp_B = sample_tokens(logits_BV, keys_B, steps_B, self.params)
+        # the step's one read back from the device, tokens and log-probs together (float64 holds both exactly)
+        toks, logps = torch.stack((tok_B.to(torch.float64), logp_B.to(torch.float64))).tolist()
         done = []
-        for lv, tok, lp in zip(lives, tok_B.tolist(), logp_B.tolist()):
+        for lv, tok, lp in zip(lives, map(int, toks), logps):
             lv.tokens.append(tok)
             lv.logps.append(lp)
             eos = tok in self.eos_ids and not self.params.ignore_eos
@@ -224,10 +226,9 @@ class RolloutEngine:
         n = len(self.live)
         if n == 0:
             return []
-        rows_B = torch.arange(n, device=self.device)
         pos_B1 = torch.tensor([[lv.cached] for lv in self.live], device=self.device)
-        kv_len = int(pos_B1.max()) + 1
-        self.cache.bind(rows_B, pos_B1, kv_len)
+        kv_len = max(lv.cached for lv in self.live) + 1  # from the host's own count: no wait on the device
+        self.cache.bind(range(n), pos_B1, kv_len)
         ids_B1 = torch.tensor([[lv.tokens[-1]] for lv in self.live], device=self.device)
         logits = self._forward(ids_B1, pos_B1, kv_len)
         for lv in self.live:
@@ -269,18 +270,20 @@ class RolloutEngine:
         owner_B = [distinct.setdefault(tuple(c), b) if not s else b for b, (c, s) in enumerate(zip(contexts, starts))]
         rows_U = sorted(set(owner_B))
         width = max(len(contexts[b]) - starts[b] for b in rows_U)
-        ids_UP = torch.full((len(rows_U), width), self.pad_id, dtype=torch.long, device=self.device)
-        pos_UP = torch.arange(width, device=self.device).repeat(len(rows_U), 1)
+        # built on the host and moved once: no per-row copies, and the key length from the host's own numbers
+        ids_UP = torch.full((len(rows_U), width), self.pad_id, dtype=torch.long)
+        pos_UP = torch.arange(width).repeat(len(rows_U), 1)
         for u, b in enumerate(rows_U):
             new = contexts[b][starts[b] :]
-            ids_UP[u, : len(new)] = torch.tensor(new, device=self.device)
+            ids_UP[u, : len(new)] = torch.tensor(new)
             if starts[b]:
                 # a continuation's padding repeats its last token at its last position: the same keys and values
                 # written twice, never a stray entry past its context
                 ids_UP[u, len(new) :] = new[-1]
                 pos_UP[u] = (pos_UP[u] + starts[b]).clamp(max=starts[b] + len(new) - 1)
-        kv_len = int(pos_UP.max()) + 1
-        self.cache.bind(torch.tensor(rows_U, device=self.device) + first, pos_UP, kv_len)
+        kv_len = max(width if not starts[b] else len(contexts[b]) for b in rows_U)
+        ids_UP, pos_UP = ids_UP.to(self.device), pos_UP.to(self.device)
+        self.cache.bind([first + b for b in rows_U], pos_UP, kv_len)
         logits_UPV = self._forward(ids_UP, pos_UP, kv_len)
         for b, owner in enumerate(owner_B):
             if owner != b:

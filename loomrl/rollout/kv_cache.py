@@ -12,6 +12,8 @@ Legend: S = slots, H = KV heads, M = max sequence length, D = head dim, B = rows
 
 from __future__ import annotations
 
+from collections.abc import Sequence
+
 import torch
 from transformers import Cache
 
@@ -29,17 +31,15 @@ class SlotKVCache(Cache):
         self._kv_len = 0
         self._contiguous = False
 
-    def bind(self, rows_B: torch.Tensor, pos_BQ: torch.Tensor, kv_len: int) -> None:
-        """The next forward writes row b's Q new entries at ``pos_BQ[b]`` of slot ``rows_B[b]``."""
-        self._rows_B, self._pos_BQ, self._kv_len = rows_B, pos_BQ, kv_len
-        n = rows_B.shape[0]
+    def bind(self, rows: Sequence[int], pos_BQ: torch.Tensor, kv_len: int) -> None:
+        """The next forward writes row b's Q new entries at ``pos_BQ[b]`` of slot ``rows[b]``. The slots come as
+        host integers: deciding the forward's path from device values would make an accelerator wait for the
+        host each step."""
+        rows = list(rows)
+        self._rows_B = torch.tensor(rows, dtype=torch.long, device=pos_BQ.device)
+        self._pos_BQ, self._kv_len = pos_BQ, kv_len
         # Rows 0..n-1 in order are a plain slice of the buffers: no gather needed.
-        self._contiguous = bool(
-            n
-            and rows_B[0].item() == 0
-            and rows_B[-1].item() == n - 1
-            and torch.equal(rows_B, torch.arange(n, device=rows_B.device))
-        )
+        self._contiguous = bool(rows) and rows == list(range(len(rows)))
 
     def _allocate(self, like_BHQD: torch.Tensor) -> None:
         _, heads, _, dim = like_BHQD.shape
