@@ -26,6 +26,10 @@ other to receive first (with NCCL a blocking send would deadlock there); the war
 header (dtype and shape): sequence lengths change from call to call, and a header that disagrees with what the
 receiver expects turns a batch mismatch between ranks into an error instead of garbage.
 
+A model whose head shares its input embedding keeps the matrix on the first and the last stage
+(:mod:`loomrl.parallel.pipeline`): after the backward those two sum its gradient (:meth:`PipelineRunner.
+sum_tied_gradient`, over the runner's ``tied_group``), and the global clipping norm counts it once.
+
 Legend: B rows, L tokens per row, H hidden size, V vocabulary, M micro-batches.
 """
 
