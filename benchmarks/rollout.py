@@ -128,20 +128,22 @@ def compare_hf_continuous_batching(model, prompts, tokens: int = 32) -> list[dic
     ]
 
 
-def roofline_seconds(engine: RolloutEngine, n_params: int, flops: float, bandwidth: float) -> float:
+def roofline_seconds(
+    engine: RolloutEngine, n_params: int, flops: float, bandwidth: float, bytes_per_param: int = 4
+) -> float:
     """Lower bound on the engine's time: per step, max(FLOPs / rate, weight bytes / bandwidth)."""
     total = 0.0
     for decoded, _, prefill_tokens in engine.step_log:
         tokens = decoded + prefill_tokens
-        total += max(2 * n_params * tokens / flops, 4 * n_params / bandwidth)
+        total += max(2 * n_params * tokens / flops, bytes_per_param * n_params / bandwidth)
     return total
 
 
-def pretrained_decode(name: str, concurrency: list[int], tokens: int) -> None:
+def pretrained_decode(name: str, concurrency: list[int], tokens: int, precision: str = "fp32") -> None:
     """Decode rate on a pretrained chat model: at each concurrency C, C arithmetic chat prompts each decoding
     ``tokens`` tokens (eos ignored), the engine (C slots) beside transformers' ``generate`` on the same C prompts
     as one batch (all rows equally long, so its static batch wastes no step: its best case), with the engine's
-    roofline fraction."""
+    roofline fraction. ``precision``: both run in it, and the roofline takes the machine's matmul rate in it."""
     from transformers import AutoModelForCausalLM, AutoTokenizer
 
     from loomrl.config.schema import TaskConfig
@@ -151,11 +153,12 @@ def pretrained_decode(name: str, concurrency: list[int], tokens: int) -> None:
 
     path = pretrained_dir(name)
     tokenizer = AutoTokenizer.from_pretrained(path)
-    model = AutoModelForCausalLM.from_pretrained(path, dtype=torch.float32).eval()
+    dtype = {"fp32": torch.float32, "bf16": torch.bfloat16}[precision]
+    model = AutoModelForCausalLM.from_pretrained(path, dtype=dtype).eval()
     n_params = sum(p.numel() for p in model.parameters())
     cfg = TaskConfig(name="arith", level=1)
     source = prompt_source(cfg, build_task(cfg), 0, "train")
-    flops, bandwidth = matmul_flops(), memory_bandwidth()
+    flops, bandwidth = matmul_flops(dtype=dtype), memory_bandwidth()
     rows = []
     for c in concurrency:
         prompts = [encode_prompt(tokenizer, ex.prompt) for ex in examples_window(source, 0, c)]
@@ -164,7 +167,7 @@ def pretrained_decode(name: str, concurrency: list[int], tokens: int) -> None:
             run_engine(model, prompts[:4], [4] * 4, slots=4)  # warm-up
             hf_s = run_hf(model, prompts, budgets, tokenizer.pad_token_id)
             eng_s, engine = run_engine(model, prompts, budgets, slots=c)
-        roof_s = roofline_seconds(engine, n_params, flops, bandwidth)
+        roof_s = roofline_seconds(engine, n_params, flops, bandwidth, dtype.itemsize)
         rows.append(
             {
                 "concurrent": c,
@@ -181,7 +184,7 @@ def pretrained_decode(name: str, concurrency: list[int], tokens: int) -> None:
     Console(width=200).print(
         summary_table(
             rows,
-            f"{name} ({n_params / 1e6:.1f}M params, fp32), {tokens} tokens per sequence; matmul "
+            f"{name} ({n_params / 1e6:.1f}M params, {precision}), {tokens} tokens per sequence; matmul "
             f"{flops / 1e9:.0f} GFLOP/s, copy bandwidth {bandwidth / 1e9:.1f} GB/s",
         )
     )
@@ -195,12 +198,13 @@ def main() -> None:
     ap.add_argument("--threads", type=int, default=2)
     ap.add_argument("--concurrency", default="64,128", help="pretrained model: concurrent sequences per row")
     ap.add_argument("--tokens", type=int, default=64, help="pretrained model: tokens each sequence decodes")
+    ap.add_argument("--precision", choices=("fp32", "bf16"), default="fp32", help="pretrained model: both systems'")
     args = ap.parse_args()
     torch.set_num_threads(args.threads)
     from loomrl.models.pretrained import PRETRAINED
 
     if args.model in PRETRAINED:
-        return pretrained_decode(args.model, [int(c) for c in args.concurrency.split(",")], args.tokens)
+        return pretrained_decode(args.model, [int(c) for c in args.concurrency.split(",")], args.tokens, args.precision)
     tokenizer = build_char_tokenizer()
     model = build_causal_lm(args.model, tokenizer, seed=0).eval()
     n_params = count_parameters(model)
