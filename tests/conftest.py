@@ -14,6 +14,8 @@ torch.set_num_threads(1)
 
 import pytest  # noqa: E402
 
+from loomrl.runtime.launch import LOCAL_SYSTEM_CONFIG  # noqa: E402
+
 SLOW = {
     "tests/test_controllers.py::test_parallel_controllers_compute_the_reference_run[grpo-4dev-4]",  # grpo-2dev-2 stays
     # 4 devices under 2 controllers stay in grpo-separate4-2, ppo in ppo-2dev-2:
@@ -67,6 +69,7 @@ def ray_session():
         include_dashboard=False,
         log_to_driver=False,
         runtime_env={"env_vars": {"HF_HUB_OFFLINE": "1", "OMP_NUM_THREADS": "1"}},
+        _system_config=LOCAL_SYSTEM_CONFIG,  # workers at the tests' own priority, as the trainer starts them
     )
     yield
     ray.shutdown()

@@ -120,6 +120,29 @@ def test_the_embedded_default_never_follows_a_stale_ray_start_cluster(short_tmp)
     assert "existing Ray cluster" not in proc.stderr and "Started a local Ray instance" in proc.stderr
 
 
+def test_the_local_instance_runs_its_workers_at_the_drivers_priority(short_tmp):
+    """Ray starts workers at niceness 15; beside any ordinary CPU-bound process they would get almost no CPU. The
+    instance loomrl starts runs them at the driver's priority."""
+    script = (
+        "import os, ray\n"
+        "from loomrl.runtime.launch import start_ray\n"
+        "start_ray(None, 1)\n"
+        "print('niceness', ray.get(ray.remote(lambda: os.nice(0)).remote()), os.nice(0))\n"
+        "ray.shutdown()\n"
+    )
+    proc = subprocess.run(
+        [sys.executable, "-c", script],
+        cwd=REPO,
+        env=_env(TMPDIR=str(short_tmp)),
+        capture_output=True,
+        text=True,
+        timeout=180,
+    )
+    _ok(proc)
+    worker, driver = proc.stdout.split("niceness")[-1].split()
+    assert worker == driver, proc.stdout
+
+
 def test_an_address_where_nothing_answers_is_one_line():
     proc = _train(REPO, _env(), f"--ray-address=127.0.0.1:{_free_port()}", timeout=120)
     _one_line_error(proc, "runtime.ray_address: nothing answers at 127.0.0.1:", "ray start --head")

@@ -35,13 +35,21 @@ def ray_address(configured: str | None) -> str | None:
     return configured or os.environ.get("RAY_ADDRESS") or None
 
 
+LOCAL_SYSTEM_CONFIG = {"worker_niceness": 0}
+"""Ray settings of the private local instances loomrl starts. Ray starts its workers at niceness 15 so that its
+own services stay responsive; loomrl's workers are the run's compute, and at 15 any ordinary process on the
+machine (an editor, a build, another job) takes nearly all the CPU from them (a CFS weight of 36 against 1024):
+beside one CPU-bound process a two-worker run slowed many times over. At 0 they share the machine fairly."""
+
+
 def start_ray(address: str | None, num_cpus: int, dashboard: bool = False) -> bool:
     """Connect to Ray; returns whether this call connected (and so must disconnect: :func:`stop_ray` shuts down
     the local instance it started, or leaves the cluster it joined, which keeps running).
 
     Without an address this is always a new, private instance on 127.0.0.1 (``address="local"``): a bare
     ``ray.init()`` would follow Ray's file of the last ``ray start`` cluster to a cluster nobody named, or to a
-    dead one. Token authentication stays on (Ray's default). With an address, see :func:`join_cluster`. A driver
+    dead one, with workers at the driver's priority (:data:`LOCAL_SYSTEM_CONFIG`). Token authentication stays on
+    (Ray's default). With an address, see :func:`join_cluster` (a cluster keeps its own settings). A driver
     killed before it shuts its instance down leaves nothing behind for long: :mod:`loomrl.runtime.reaper` removes what
     Ray's own processes would leave for a minute.
     """
@@ -62,6 +70,7 @@ def start_ray(address: str | None, num_cpus: int, dashboard: bool = False) -> bo
         log_to_driver=True,
         _node_ip_address="127.0.0.1",
         runtime_env={"env_vars": {"HF_HUB_OFFLINE": "1", "TOKENIZERS_PARALLELISM": "false"}},
+        _system_config=LOCAL_SYSTEM_CONFIG,
     )
     return True
 
