@@ -23,6 +23,7 @@ import random
 import statistics
 import sys
 import time
+from functools import partial
 from pathlib import Path
 
 os.environ.setdefault("HF_HUB_OFFLINE", "1")
@@ -190,6 +191,42 @@ def pretrained_decode(name: str, concurrency: list[int], tokens: int, precision:
     )
 
 
+def _softmax_multinomial(logits: torch.Tensor) -> torch.Tensor:
+    return torch.multinomial(torch.softmax(logits.float(), -1), 1)
+
+
+def sampler_cost(vocab: int, rows_list: list[int], dtype: torch.dtype) -> None:
+    """Seconds a decode step spends choosing tokens over a vocabulary of ``vocab``: the engine's sampler (Gumbel
+    noise hashed per sample, step and vocabulary entry, so a sample's tokens do not depend on its batch) and the
+    noise alone, beside softmax + ``torch.multinomial`` (what `generate` does); best of five."""
+    from loomrl.rollout import SamplingParams
+    from loomrl.rollout.sampling import sample_tokens, uniform_noise
+
+    def best(fn) -> float:
+        fn()
+        times = []
+        for _ in range(5):
+            start = time.perf_counter()
+            fn()
+            times.append(time.perf_counter() - start)
+        return min(times)
+
+    rows = []
+    for n in rows_list:
+        logits = torch.randn(n, vocab, dtype=dtype)
+        keys, steps = torch.arange(n, dtype=torch.int64) * 7919, torch.full((n,), 5, dtype=torch.int64)
+        params = SamplingParams(64, 1.0)
+        rows.append(
+            {
+                "rows": n,
+                "engine sampler ms": 1e3 * best(partial(sample_tokens, logits, keys, steps, params)),
+                "its hashed noise ms": 1e3 * best(partial(uniform_noise, keys, steps, vocab)),
+                "softmax + multinomial ms": 1e3 * best(partial(_softmax_multinomial, logits)),
+            }
+        )
+    Console(width=200).print(summary_table(rows, f"choosing a token over {vocab} entries, logits in {dtype}"))
+
+
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--model", default="llama-10m", help="a zoo model, or a pretrained name (decode-rate mode)")
@@ -199,8 +236,12 @@ def main() -> None:
     ap.add_argument("--concurrency", default="64,128", help="pretrained model: concurrent sequences per row")
     ap.add_argument("--tokens", type=int, default=64, help="pretrained model: tokens each sequence decodes")
     ap.add_argument("--precision", choices=("fp32", "bf16"), default="fp32", help="pretrained model: both systems'")
+    ap.add_argument("--sampler", action="store_true", help="time token choice alone (49,152 entries: SmolLM2's)")
     args = ap.parse_args()
     torch.set_num_threads(args.threads)
+    if args.sampler:
+        dtype = {"fp32": torch.float32, "bf16": torch.bfloat16}[args.precision]
+        return sampler_cost(49152, [int(c) for c in args.concurrency.split(",")], dtype)
     from loomrl.models.pretrained import PRETRAINED
 
     if args.model in PRETRAINED:
