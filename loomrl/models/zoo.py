@@ -154,7 +154,7 @@ def parameter_shapes(
     name_or_path: str, tokenizer: PreTrainedTokenizerBase, value: bool, lora: LoraConfig | None = None
 ) -> tuple[dict[str, tuple[int, ...]], int, bool]:
     """Names and full shapes of the parameters a role moves, its layer count and whether its output head shares
-    its input embedding (:func:`loomrl.parallel.pipeline.tied_embeddings`), of a zoo or checkpoint model,
+    its input embedding (:func:`loomrl.models.heads.tied_embeddings`), of a zoo or checkpoint model,
     without building its weights: the model is instantiated from its config on the meta device. With ``lora``,
     only the adapters (and a value head) move (:func:`loomrl.models.lora.is_moving`)."""
     if name_or_path in ZOO:

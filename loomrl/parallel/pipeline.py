@@ -131,7 +131,7 @@ class PipelineStage:
     @property
     def copies_tied_weight(self) -> bool:
         """Whether this stage's shared embedding is the second copy (the last stage's), which the global
-        gradient norm and the checkpoint leave to the first stage."""
+        gradient norm leaves to the first stage (as checkpoints do every embedding past the first stage)."""
         return self.tied and self.is_last and not self.is_first
 
     def forward(

@@ -366,9 +366,9 @@ def clip_grads(
     pipeline stages; None: this model is whole here); returns the norm before clipping. ``uncounted``: params
     whose gradients are scaled but not counted in the norm (the second copy of a tied embedding)."""
     skip = {id(p) for p in uncounted if p is not None}
-    params = list(params)
-    grads = [g for g in map(grad_of, params) if g is not None]
-    counted = [g for p in params if id(p) not in skip and (g := grad_of(p)) is not None]
+    held = [(p, g) for p in params if (g := grad_of(p)) is not None]
+    grads = [g for _, g in held]
+    counted = [g for p, g in held if id(p) not in skip]
     local = torch.nn.utils.get_total_norm(counted) if counted else torch.zeros(())
     if isinstance(local, DTensor):
         local = local.full_tensor()
