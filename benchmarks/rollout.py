@@ -11,8 +11,10 @@ both. The engine's decode rate is also given as a fraction of the roofline measu
 and memory bandwidth), computed step by step from the engine's own log of live rows per step.
 
 With a pretrained name (SmolLM2-135M-Instruct, its 49k vocabulary), the decode rate at each concurrency: every
-sequence decodes the same number of tokens (a static batch's best case), the engine beside `generate`, both
-against the same roofline.
+sequence decodes the same number of tokens (a static batch's best case), the engine (with the attention kernel
+loomrl gives a model on this device) beside `generate` with the faster of transformers' `eager` and `sdpa`
+attention, against the same roofline and against the linear floor: the model's linear layers alone, timed at each
+of the engine's steps' row counts, which any engine must run (attention, norms and sampling come on top).
 """
 
 from __future__ import annotations
@@ -140,15 +142,47 @@ def roofline_seconds(
     return total
 
 
+def linear_floor_seconds(model, step_log: list[tuple[int, int, int]]) -> float:
+    """Seconds the model's linear layers alone take over these steps, measured here (best of three per distinct
+    shape): the layers' projections at every decoded and prefilled position, the output head at the positions a
+    token is sampled from (one per row). A floor under any engine's time on this machine."""
+    head = model.get_output_embeddings()
+    body = [m for m in model.modules() if isinstance(m, torch.nn.Linear) and m is not head]
+    dtype, seconds = next(model.parameters()).dtype, {}
+
+    def once(linears: list[torch.nn.Linear], rows: int) -> float:
+        inputs = {m.in_features: torch.randn(rows, m.in_features, dtype=dtype) for m in linears}
+        start = time.perf_counter()
+        for m in linears:
+            torch.nn.functional.linear(inputs[m.in_features], m.weight)
+        return time.perf_counter() - start
+
+    def best(part: str, rows: int) -> float:
+        if (part, rows) not in seconds:
+            linears = body if part == "body" else [head]
+            once(linears, rows)  # warm-up
+            seconds[part, rows] = min(once(linears, rows) for _ in range(3))
+        return seconds[part, rows]
+
+    total = 0.0
+    with torch.no_grad():
+        for decoded, prefilled, prefill_tokens in step_log:
+            if decoded + prefill_tokens:
+                total += best("body", decoded + prefill_tokens) + best("head", decoded + prefilled)
+    return total
+
+
 def pretrained_decode(name: str, concurrency: list[int], tokens: int, precision: str = "fp32") -> None:
     """Decode rate on a pretrained chat model: at each concurrency C, C arithmetic chat prompts each decoding
     ``tokens`` tokens (eos ignored), the engine (C slots) beside transformers' ``generate`` on the same C prompts
-    as one batch (all rows equally long, so its static batch wastes no step: its best case), with the engine's
-    roofline fraction. ``precision``: both run in it, and the roofline takes the machine's matmul rate in it."""
+    as one batch (all rows equally long, so its static batch wastes no step: its best case) with the faster of its
+    attention kernels, with the engine's roofline fraction and the linear floor. ``precision``: both run in it, and
+    the roofline takes the machine's matmul rate in it."""
     from transformers import AutoModelForCausalLM, AutoTokenizer
 
     from loomrl.config.schema import TaskConfig
     from loomrl.data.sources import build_task, examples_window, prompt_source
+    from loomrl.models.attention import EAGER, SDPA, attention_for, use_attention
     from loomrl.models.pretrained import pretrained_dir
     from loomrl.models.tokenizer import encode_prompt
 
@@ -165,20 +199,29 @@ def pretrained_decode(name: str, concurrency: list[int], tokens: int, precision:
         prompts = [encode_prompt(tokenizer, ex.prompt) for ex in examples_window(source, 0, c)]
         budgets = [tokens] * c
         with torch.no_grad():
+            hf = {}
+            for kind in (EAGER, SDPA):
+                use_attention(model, kind)
+                hf[kind] = run_hf(model, prompts, budgets, tokenizer.pad_token_id)
+            hf_kind = min(hf, key=hf.get)
+            hf_s = hf[hf_kind]
+            use_attention(model, attention_for(next(model.parameters()).device))  # as loomrl builds its roles
             run_engine(model, prompts[:4], [4] * 4, slots=4)  # warm-up
-            hf_s = run_hf(model, prompts, budgets, tokenizer.pad_token_id)
             eng_s, engine = run_engine(model, prompts, budgets, slots=c)
         roof_s = roofline_seconds(engine, n_params, flops, bandwidth, dtype.itemsize)
+        floor_s = linear_floor_seconds(model, engine.step_log)
         rows.append(
             {
                 "concurrent": c,
                 "prompt tokens (mean)": statistics.mean(len(p) for p in prompts),
-                "HF generate tok/s": c * tokens / hf_s,
+                "HF generate tok/s": f"{c * tokens / hf_s:.0f} ({hf_kind}; other {c * tokens / max(hf.values()):.0f})",
                 "engine tok/s": c * tokens / eng_s,
                 "engine / HF": hf_s / eng_s,
                 "roofline tok/s": c * tokens / roof_s,
                 "engine fraction": roof_s / eng_s,
                 "HF fraction": roof_s / hf_s,
+                "linear floor tok/s": c * tokens / floor_s,
+                "3x HF / floor": 3 * floor_s / hf_s,
             }
         )
         print(rows[-1], flush=True)
@@ -197,8 +240,9 @@ def _softmax_multinomial(logits: torch.Tensor) -> torch.Tensor:
 
 def sampler_cost(vocab: int, rows_list: list[int], dtype: torch.dtype) -> None:
     """Seconds a decode step spends choosing tokens over a vocabulary of ``vocab``: the engine's sampler (Gumbel
-    noise hashed per sample, step and vocabulary entry, so a sample's tokens do not depend on its batch) and the
-    noise alone, beside softmax + ``torch.multinomial`` (what `generate` does); best of five."""
+    noise hashed per sample, step and vocabulary entry, so a sample's tokens do not depend on its batch; hashed
+    and maximised a block of columns at a time) and, for comparison, the same noise hashed over whole rows at once
+    (the sampler's earlier form), beside softmax + ``torch.multinomial`` (what `generate` does); best of five."""
     from loomrl.rollout import SamplingParams
     from loomrl.rollout.sampling import sample_tokens, uniform_noise
 
@@ -220,7 +264,7 @@ def sampler_cost(vocab: int, rows_list: list[int], dtype: torch.dtype) -> None:
             {
                 "rows": n,
                 "engine sampler ms": 1e3 * best(partial(sample_tokens, logits, keys, steps, params)),
-                "its hashed noise ms": 1e3 * best(partial(uniform_noise, keys, steps, vocab)),
+                "noise over whole rows ms": 1e3 * best(partial(uniform_noise, keys, steps, vocab)),
                 "softmax + multinomial ms": 1e3 * best(partial(_softmax_multinomial, logits)),
             }
         )

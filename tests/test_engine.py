@@ -87,7 +87,7 @@ def test_a_shared_prompt_is_prefilled_once_and_samples_as_if_alone(model, monkey
     prefilled = []
     forward = engine._forward
     monkeypatch.setattr(
-        engine, "_forward", lambda ids, pos, kv: prefilled.append(ids.shape[0]) or forward(ids, pos, kv)
+        engine, "_forward", lambda ids, pos, kv, last: prefilled.append(ids.shape[0]) or forward(ids, pos, kv, last)
     )
     together = engine.generate(reqs)
     assert prefilled[0] == 3, "each of the 3 prompts prefilled once for its 4 samples"

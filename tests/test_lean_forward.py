@@ -63,6 +63,23 @@ def test_lean_logits_equal_the_models_forward_with_a_slot_cache(arch, dtype, att
     torch.testing.assert_close(lean, own, rtol=1e-5 if exact else 2e-2, atol=1e-5 if exact else 2e-2)
 
 
+def test_lean_logits_at_one_position_per_row_equal_those_rows_of_every_positions(tok):
+    model = build_causal_lm("llama-1m", tok, seed=0).eval()
+    ids_BQ = torch.randint(4, 48, (5, 7), generator=torch.Generator().manual_seed(1))
+    pos_BQ = torch.arange(7).expand(5, 7)
+    mask = causal_slot_mask(pos_BQ, 7, model.dtype)
+    last_B = torch.tensor([6, 0, 3, 6, 2])
+
+    def logits(last):
+        cache = SlotKVCache(5, 8)
+        cache.bind(range(5), pos_BQ, 7)
+        return lean_logits(model, ids_BQ, pos_BQ, mask, cache, last)
+
+    every_BQV, chosen_BV = logits(None), logits(last_B)
+    assert chosen_BV.shape == (5, every_BQV.shape[-1])
+    torch.testing.assert_close(chosen_BV, every_BQV[torch.arange(5), last_B], rtol=1e-6, atol=1e-6)
+
+
 def test_other_models_run_their_own_forward(tok):
     assert not supports_lean_forward(build_causal_lm("gpt2-1m", tok, seed=0))
     hooked = build_causal_lm("llama-1m", tok, seed=0)

@@ -33,6 +33,7 @@ from loomrl.parallel.pipeline import check_pipeline, split_stages
 from loomrl.parallel.pipeline_runner import PipelineRunner
 from loomrl.parallel.spawn import run_world
 from loomrl.plan.allocation import Allocation
+from loomrl.plan.model_shape import ModelShape
 from loomrl.role import ModelPasses
 from loomrl.workflow.batch import (
     Batch,
@@ -147,6 +148,24 @@ def test_a_tied_embedding_lives_on_the_first_and_the_last_stage(name):
     assert (got - want).abs().max().item() < 1e-5
     with pytest.raises(ValueError, match="tied embedding but got no tied_group"):
         PipelineRunner(stages[0], None, 0, 4)
+
+
+@pytest.mark.parametrize("kind", ["untied", "tied", "value"])
+@pytest.mark.parametrize("pp", [1, 2, 4])
+def test_the_planners_parameter_count_is_the_busiest_stages(kind, pp):
+    """What plan validation and the cost model count per stage (``pipeline_params(pp) / pp``) against the
+    parameters each stage holds once split: the busiest, within the norm vectors the count spreads evenly. A whole
+    value model is counted as a causal LM (its untied config's output head too: the documented over-estimate)."""
+    build = {
+        "untied": lambda: build_causal_lm("llama-1m", build_char_tokenizer(), seed=0),
+        "tied": tied_model,
+        "value": value_model,
+    }[kind]
+    config = build().config
+    held = [sum(p.numel() for p in split_stages(build(), rank, pp).parameters()) for rank in range(pp)]
+    counted = ModelShape.from_config(config).pipeline_params(pp) / pp
+    over = config.vocab_size * config.hidden_size if kind == "value" and pp == 1 else 0
+    assert abs(counted - over - max(held)) <= 2 * config.hidden_size, (counted, held)
 
 
 @pytest.mark.parametrize("name", ["llama-1m", "qwen2-1m"])

@@ -1,4 +1,5 @@
-"""Per-sample random streams and the token sampler: noise as a pure function, Gumbel-max frequencies, filters."""
+"""Per-sample random streams and the token sampler: noise as a pure function, Gumbel-max frequencies, filters,
+the blockwise maximum."""
 
 from __future__ import annotations
 
@@ -282,3 +283,19 @@ def test_sample_tokens_row_is_batch_invariant():
     assert torch.equal(tok_perm_B, tok_B[perm]) and torch.equal(logp_perm_B, logp_B[perm])
     tok_1, _ = sample_tokens(logits_BV[3:4], keys_B[3:4], steps_B[3:4], params)
     assert tok_1.item() == tok_B[3].item()
+
+
+@pytest.mark.parametrize("block_elements", [1, 37, 64 * 48, 1 << 19])
+@pytest.mark.parametrize("temperature", [1.0, 0.7])
+def test_blockwise_sampling_draws_exactly_the_whole_rows_gumbel_max(monkeypatch, block_elements, temperature):
+    # Off CUDA the noise is hashed a block of columns at a time; every block size (one column, an uneven split, the
+    # whole row) gives the token of logp + Gumbel noise maximised over the whole row.
+    logits_BV = torch.randn(64, 48, generator=torch.Generator().manual_seed(8))
+    logits_BV[:, 40:] = logits_BV[:, :8]  # equal logits in different blocks, told apart by their noise alone
+    keys_B, steps_B = _keys(64, seed=4), torch.arange(64) % 5
+    logp_BV = torch.log_softmax(logits_BV / temperature, -1)
+    expected_B = (logp_BV + -torch.log(-torch.log(uniform_noise(keys_B, steps_B, 48)))).argmax(-1)
+    monkeypatch.setattr("loomrl.rollout.sampling._BLOCK_ELEMENTS", block_elements)
+    tok_B, logp_B = sample_tokens(logits_BV, keys_B, steps_B, SamplingParams(temperature=temperature))
+    assert torch.equal(tok_B, expected_B)
+    assert torch.equal(logp_B, logp_BV.gather(-1, expected_B[:, None]).squeeze(-1))

@@ -13,9 +13,10 @@ holds
 Activations, the KV cache and framework buffers are left out: the plan validator asks only whether the
 resident state fits, and the planner's memory model (a later issue) adds the rest. ``P`` is counted from
 the HF config fields every zoo architecture has (:func:`loomrl.plan.model_shape.param_count`); value and reward models
-are
-counted as causal LMs, an overestimate of ``vocab_size · hidden_size`` parameters (their score head is
-``hidden_size × 1``).
+are counted as causal LMs, an overestimate of ``vocab_size · hidden_size`` parameters (their score head is
+``hidden_size × 1``). Under pipeline parallelism the callers pass ``P`` for the busiest stage
+(:meth:`~loomrl.plan.model_shape.ModelShape.pipeline_params`: a vocabulary table on each end stage), which is
+exact for value models and for a tied model's second copy of its embedding.
 """
 
 from __future__ import annotations

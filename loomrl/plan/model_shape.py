@@ -162,6 +162,17 @@ class ModelShape:
             return self.params
         return round(self.params * count_params(self, active_only=True) / count_params(self))
 
+    def pipeline_params(self, pp: int) -> int:
+        """The parameter count whose even share over ``pp`` pipeline stages is the busiest stage's. The layers
+        split evenly, and each end stage holds a whole ``vocab × hidden`` table: the embedding on the first, the
+        output head on the last. A tied model's last stage holds a second copy of its embedding
+        (:func:`loomrl.plan.shards.pp_stages`), and a value model (counted as a causal LM) holds its embedding
+        on the first, so both count one table more than :attr:`params` at ``pp > 1``; an untied model at
+        ``pp > 2`` counts its two tables on the ends, not spread over every stage."""
+        if pp == 1:
+            return self.params
+        return self.params + (pp - (1 if self.tied else 2)) * self.vocab * self.hidden
+
     @property
     def matmul_params(self) -> int:
         """Parameters that take part in a matmul per token: the active ones but the input embedding (a table

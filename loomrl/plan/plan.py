@@ -16,8 +16,10 @@ Memory is the estimate of :mod:`loomrl.plan.memory` per device:
                    + max over the role's other calls on d, whose placement differs from training,
                      of P/(tp'·pp')·b                                          # a resharded or frozen copy
 
-with ``P`` the role's parameters and ``b`` bytes per parameter. An offloaded role is on a device only while
-one of its calls runs there, and one device runs one call at a time, so at most one offloaded role counts.
+with ``P`` the role's parameters, counted for the busiest pipeline stage (:meth:`ModelShape.pipeline_params`:
+each end stage holds a whole vocabulary table), and ``b`` bytes per parameter. An offloaded role is on a device
+only while one of its calls runs there, and one device runs one call at a time, so at most one offloaded role
+counts.
 
 Plans round-trip through plain dicts, JSON and YAML (:meth:`ExecutionPlan.save`, :meth:`ExecutionPlan.load`).
 """
@@ -43,7 +45,7 @@ from loomrl.plan.cluster import ClusterSpec
 from loomrl.plan.hardware import GB
 from loomrl.plan.layout import Layout
 from loomrl.plan.memory import shard_bytes
-from loomrl.plan.model_shape import param_count
+from loomrl.plan.model_shape import ModelShape
 from loomrl.workflow import MFCKind, Workflow
 
 __all__ = ["AsyncTraining", "ExecutionPlan", "StreamFusion"]
@@ -701,13 +703,13 @@ def _role_memory(
     configs = _configs_by_role(workflow, model_configs)
     out: dict[int, dict[str, int]] = {}
     for role in workflow.roles():
-        params = param_count(configs[role])
+        shape = ModelShape.from_config(configs[role])
         canon = plan.canonical_layout(workflow, role)
         need: dict[int, int] = {}
         if canon is not None:
             for d in canon.mesh:
                 need[d] = shard_bytes(
-                    params,
+                    shape.pipeline_params(canon.layout.pp),
                     canon.layout.tp,
                     canon.layout.pp,
                     bytes_per_param,
@@ -720,6 +722,7 @@ def _role_memory(
             alloc = plan[mfc.name]
             if mfc.kind is MFCKind.TRAIN or (canon is not None and alloc.shards == canon.shards):
                 continue
+            params = shape.pipeline_params(alloc.layout.pp)
             size = shard_bytes(params, alloc.layout.tp, alloc.layout.pp, bytes_per_param, trained=False)
             for d in alloc.mesh:
                 copies[d] = max(copies.get(d, 0), size)

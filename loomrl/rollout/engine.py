@@ -230,10 +230,10 @@ class RolloutEngine:
         kv_len = max(lv.cached for lv in self.live) + 1  # from the host's own count: no wait on the device
         self.cache.bind(range(n), pos_B1, kv_len)
         ids_B1 = torch.tensor([[lv.tokens[-1]] for lv in self.live], device=self.device)
-        logits = self._forward(ids_B1, pos_B1, kv_len)
+        logits_BV = self._forward(ids_B1, pos_B1, kv_len, torch.zeros(n, dtype=torch.long, device=self.device))
         for lv in self.live:
             lv.cached += 1
-        done = self._sample(logits[:, -1], self.live)
+        done = self._sample(logits_BV, self.live)
         self._release(done)
         return done
 
@@ -284,14 +284,14 @@ class RolloutEngine:
         kv_len = max(width if not starts[b] else len(contexts[b]) for b in rows_U)
         ids_UP, pos_UP = ids_UP.to(self.device), pos_UP.to(self.device)
         self.cache.bind([first + b for b in rows_U], pos_UP, kv_len)
-        logits_UPV = self._forward(ids_UP, pos_UP, kv_len)
+        last_U = torch.tensor([len(contexts[b]) - starts[b] - 1 for b in rows_U], device=self.device)
+        logits_UV = self._forward(ids_UP, pos_UP, kv_len, last_U)
         for b, owner in enumerate(owner_B):
             if owner != b:
                 self.cache.copy_slot(first + owner, first + b, len(contexts[b]))
         index = {b: u for u, b in enumerate(rows_U)}
         u_B = torch.tensor([index[o] for o in owner_B], device=self.device)
-        last_B = torch.tensor([len(c) - s - 1 for c, s in zip(contexts, starts)], device=self.device)
-        done = self._sample(logits_UPV[u_B, last_B], batch)
+        done = self._sample(logits_UV[u_B], batch)
         self._release(done)
         return done
 
@@ -308,14 +308,15 @@ class RolloutEngine:
             return 0
         return min(n, len(context) - 1)
 
-    def _forward(self, ids_BQ: torch.Tensor, pos_BQ: torch.Tensor, kv_len: int) -> torch.Tensor:
+    def _forward(self, ids_BQ: torch.Tensor, pos_BQ: torch.Tensor, kv_len: int, last_B: torch.Tensor) -> torch.Tensor:
+        """logits_BV at column ``last_B[b]`` of each row (the position a token is sampled from)."""
         mask = causal_slot_mask(pos_BQ, kv_len, self.model.dtype)
         if self.lean:
-            return lean_logits(self.model, ids_BQ, pos_BQ, mask, self.cache)
+            return lean_logits(self.model, ids_BQ, pos_BQ, mask, self.cache, last_B)
         out = self.model(
             input_ids=ids_BQ, attention_mask=mask, position_ids=pos_BQ, past_key_values=self.cache, use_cache=True
         )
-        return out.logits
+        return out.logits[torch.arange(len(last_B), device=last_B.device), last_B]
 
     def _release(self, done: Sequence[Completion]) -> None:
         finished = {c.sample_id: c.finish_reason for c in done}

@@ -81,10 +81,17 @@ def _rotate(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tens
 
 @torch.no_grad()
 def lean_logits(
-    model: PreTrainedModel, ids_BQ: torch.Tensor, pos_BQ: torch.Tensor, mask_B1QK: torch.Tensor, cache: Cache
+    model: PreTrainedModel,
+    ids_BQ: torch.Tensor,
+    pos_BQ: torch.Tensor,
+    mask_B1QK: torch.Tensor,
+    cache: Cache,
+    last_B: torch.Tensor | None = None,
 ) -> torch.Tensor:
     """logits_BQV of ``model`` for these rows, writing their keys and values through ``cache.update`` (as the
-    model's forward does), with the additive mask ``mask_B1QK`` over the keys the cache returns."""
+    model's forward does), with the additive mask ``mask_B1QK`` over the keys the cache returns. With ``last_B``
+    (one column per row) only those positions' logits, B×V: a prefill samples from each row's last position, and
+    the output head over the others' would be a fifth of the prefill's arithmetic and B×Q×V of memory."""
     body = model.model
     config = model.config
     rows, width = ids_BQ.shape
@@ -112,7 +119,9 @@ def lean_logits(
         else:
             # each key/value head against its G query heads at once: B x Hkv x (G*Q) x K, no per-head copies
             q_BhGQD = q_BHQD.reshape(rows, kv_heads, groups * width, dim)
-            scores = torch.matmul(q_BhGQD, keys_BHKD.transpose(2, 3)) * attn.scaling
+            # the keys are a slice of the slot cache (rows strided by its full length): a CPU batched product
+            # over that layout costs four times one over a packed copy, copy included
+            scores = torch.matmul(q_BhGQD, keys_BHKD.contiguous().transpose(2, 3)) * attn.scaling
             scores = scores.view(rows, kv_heads, groups, width, -1) + mask_B11QK
             probs = F.softmax(scores, dim=-1, dtype=torch.float32).to(q_BHQD.dtype)
             out = torch.matmul(probs.view(rows, kv_heads, groups * width, -1), values_BHKD)
@@ -122,5 +131,7 @@ def lean_logits(
         mlp = layer.mlp
         gated = F.silu(_project(mlp.gate_proj, x_BQH)) * _project(mlp.up_proj, x_BQH)
         h_BQH = h_BQH + _project(mlp.down_proj, gated)
+    if last_B is not None:
+        h_BQH = h_BQH[torch.arange(rows, device=h_BQH.device), last_B]  # B×H: each row's one position
     h_BQH = _rms_norm(body.norm, h_BQH)
     return F.linear(h_BQH, model.lm_head.weight, model.lm_head.bias)

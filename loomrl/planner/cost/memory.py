@@ -92,7 +92,7 @@ class MemoryPricing:
         if self._is_rule(role) or role not in self.shapes:
             return 0.0
         shape, lay = self._shape(role), alloc.layout
-        params = shape.params
+        params = shape.pipeline_params(lay.pp)  # the busiest stage's share, times pp
         ep = min(self.settings.expert_parallel, lay.dp * lay.tp)
         if shape.moe and ep > 1 and (trainable or role != GENERATING_ROLE):
             # the training engine's layouts (every trained role's state, every frozen role's placements) hold the
