@@ -380,14 +380,16 @@ def decode_roofline_seconds(
     itemsize: int,
     kv_token: int,
     rates: Rates,
+    head_params: int = 0,
 ) -> float:
     """The least time of the engine's steps: each reads the weights and its live samples' keys and values (each
-    sample's own length) at the measured bandwidth, or does its FLOPs at the matmul rate, whichever is longer."""
+    sample's own length) at the measured bandwidth, or does its FLOPs at the matmul rate, whichever is longer. The
+    output head (``head_params`` of ``params``) runs at one position per sampled row, the rest at every position."""
     total = 0.0
     live: list[int] = []  # tokens each live sample has generated
     for decoded, admitted, prefill_tokens in step_log:
         read = params * itemsize + sum(prompt_len + g for g in live) * kv_token + prefill_tokens * kv_token
-        flops = 2 * params * (decoded + prefill_tokens)
+        flops = 2 * ((params - head_params) * (decoded + prefill_tokens) + head_params * (decoded + admitted))
         total += max(read / rates.bandwidth, flops / rates.matmul_flops)
         live = [g + 1 for g in live if g + 1 < budget] + ([1] * admitted if budget > 1 else [])
     return total
@@ -408,7 +410,14 @@ def decode_rows(check: Check, name: str) -> list[dict[str, Any]]:
             hf_s = generate_seconds(model, prompts, scale.new_tokens)
             engine_s, engine = engine_seconds(model, prompts, scale.new_tokens)
             roof_s = decode_roofline_seconds(
-                engine.step_log, scale.prompt_len, scale.new_tokens, params, model.dtype.itemsize, kv_token, check.rates
+                engine.step_log,
+                scale.prompt_len,
+                scale.new_tokens,
+                params,
+                model.dtype.itemsize,
+                kv_token,
+                check.rates,
+                head_params=shape.vocab * shape.hidden,
             )
             tokens = c * scale.new_tokens
             rows.append(

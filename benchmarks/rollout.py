@@ -131,14 +131,17 @@ def compare_hf_continuous_batching(model, prompts, tokens: int = 32) -> list[dic
     ]
 
 
-def roofline_seconds(
-    engine: RolloutEngine, n_params: int, flops: float, bandwidth: float, bytes_per_param: int = 4
-) -> float:
-    """Lower bound on the engine's time: per step, max(FLOPs / rate, weight bytes / bandwidth)."""
+def roofline_seconds(engine: RolloutEngine, model, flops: float, bandwidth: float, bytes_per_param: int = 4) -> float:
+    """Lower bound on the engine's time: per step, max(FLOPs / rate, weight bytes / bandwidth); the FLOPs of the
+    output head at the positions a token is sampled from (one per row), the layers' at every position, none for
+    the input embedding (a lookup)."""
+    n_params = count_parameters(model)
+    head, embed = model.get_output_embeddings().weight, model.get_input_embeddings().weight
+    layers = n_params - head.numel() - (0 if embed is head else embed.numel())
     total = 0.0
-    for decoded, _, prefill_tokens in engine.step_log:
-        tokens = decoded + prefill_tokens
-        total += max(2 * n_params * tokens / flops, bytes_per_param * n_params / bandwidth)
+    for decoded, prefilled, prefill_tokens in engine.step_log:
+        work = layers * (decoded + prefill_tokens) + head.numel() * (decoded + prefilled)
+        total += max(2 * work / flops, bytes_per_param * n_params / bandwidth)
     return total
 
 
@@ -208,7 +211,7 @@ def pretrained_decode(name: str, concurrency: list[int], tokens: int, precision:
             use_attention(model, attention_for(next(model.parameters()).device))  # as loomrl builds its roles
             run_engine(model, prompts[:4], [4] * 4, slots=4)  # warm-up
             eng_s, engine = run_engine(model, prompts, budgets, slots=c)
-        roof_s = roofline_seconds(engine, n_params, flops, bandwidth, dtype.itemsize)
+        roof_s = roofline_seconds(engine, model, flops, bandwidth, dtype.itemsize)
         floor_s = linear_floor_seconds(model, engine.step_log)
         rows.append(
             {
@@ -300,7 +303,7 @@ def main() -> None:
     with torch.no_grad():
         hf_s = run_hf(model, prompts, budgets, tokenizer.pad_token_id)
         eng_s, engine = run_engine(model, prompts, budgets, slots=args.prompts)
-    roof_s = roofline_seconds(engine, n_params, flops, bandwidth)
+    roof_s = roofline_seconds(engine, model, flops, bandwidth)
     rows = [
         {
             "system": "transformers generate (static batch, KV cache)",

@@ -94,3 +94,12 @@ def test_the_decode_roofline_reads_weights_and_each_sample_s_own_keys_and_values
     step_log = [(0, 2, 4), (2, 0, 0), (2, 0, 0)]
     seconds = gpu_check.decode_roofline_seconds(step_log, 2, 3, 10, 2, 1, rates)
     assert seconds == (20 + 4) + (20 + 2 * 3) + (20 + 2 * 4)
+
+
+def test_the_decode_roofline_prices_the_output_head_at_sampled_positions_only(gpu_check):
+    """Compute-bound (bandwidth unlimited), 10 params of which 4 are the head: the 2-row prefill of 4 tokens runs
+    the other 6 at 4 positions and the head at 2; each decode step both at 2 rows; 1 FLOP/s."""
+    rates = gpu_check.Rates(matmul_flops=1.0, bandwidth=1e30)
+    step_log = [(0, 2, 4), (2, 0, 0)]
+    seconds = gpu_check.decode_roofline_seconds(step_log, 2, 3, 10, 2, 1, rates, head_params=4)
+    assert seconds == pytest.approx(2 * (6 * 4 + 4 * 2) + 2 * (6 * 2 + 4 * 2))
