@@ -39,7 +39,7 @@ from loomrl.models.zoo import build_causal_lm, count_parameters  # noqa: E402
 from loomrl.report import summary_table  # noqa: E402
 from loomrl.rollout.engine import Request, RolloutEngine  # noqa: E402
 from loomrl.rollout.sampling import SamplingParams, stream_keys  # noqa: E402
-from roofline import matmul_flops, memory_bandwidth  # noqa: E402
+from roofline import best_of, matmul_flops, memory_bandwidth  # noqa: E402
 
 
 def heavy_tailed_lengths(n: int, max_new: int, seed: int) -> list[int]:
@@ -147,24 +147,19 @@ def roofline_seconds(engine: RolloutEngine, model, flops: float, bandwidth: floa
 
 def linear_floor_seconds(model, step_log: list[tuple[int, int, int]]) -> float:
     """Seconds the model's linear layers alone take over these steps, measured here (best of three per distinct
-    shape): the layers' projections at every decoded and prefilled position, the output head at the positions a
-    token is sampled from (one per row). A floor under any engine's time on this machine."""
+    shape, after a warm-up): the layers' projections at every decoded and prefilled position, the output head at
+    the positions a token is sampled from (one per row). A floor under any engine's time on this machine."""
     head = model.get_output_embeddings()
     body = [m for m in model.modules() if isinstance(m, torch.nn.Linear) and m is not head]
     dtype, seconds = next(model.parameters()).dtype, {}
 
-    def once(linears: list[torch.nn.Linear], rows: int) -> float:
-        inputs = {m.in_features: torch.randn(rows, m.in_features, dtype=dtype) for m in linears}
-        start = time.perf_counter()
-        for m in linears:
-            torch.nn.functional.linear(inputs[m.in_features], m.weight)
-        return time.perf_counter() - start
-
     def best(part: str, rows: int) -> float:
         if (part, rows) not in seconds:
             linears = body if part == "body" else [head]
-            once(linears, rows)  # warm-up
-            seconds[part, rows] = min(once(linears, rows) for _ in range(3))
+            inputs = {m.in_features: torch.randn(rows, m.in_features, dtype=dtype) for m in linears}
+            seconds[part, rows] = best_of(
+                lambda: [torch.nn.functional.linear(inputs[m.in_features], m.weight) for m in linears], repeats=3
+            )
         return seconds[part, rows]
 
     total = 0.0
@@ -249,15 +244,6 @@ def sampler_cost(vocab: int, rows_list: list[int], dtype: torch.dtype) -> None:
     from loomrl.rollout import SamplingParams
     from loomrl.rollout.sampling import sample_tokens, uniform_noise
 
-    def best(fn) -> float:
-        fn()
-        times = []
-        for _ in range(5):
-            start = time.perf_counter()
-            fn()
-            times.append(time.perf_counter() - start)
-        return min(times)
-
     rows = []
     for n in rows_list:
         logits = torch.randn(n, vocab, dtype=dtype)
@@ -266,9 +252,9 @@ def sampler_cost(vocab: int, rows_list: list[int], dtype: torch.dtype) -> None:
         rows.append(
             {
                 "rows": n,
-                "engine sampler ms": 1e3 * best(partial(sample_tokens, logits, keys, steps, params)),
-                "noise over whole rows ms": 1e3 * best(partial(uniform_noise, keys, steps, vocab)),
-                "softmax + multinomial ms": 1e3 * best(partial(_softmax_multinomial, logits)),
+                "engine sampler ms": 1e3 * best_of(partial(sample_tokens, logits, keys, steps, params)),
+                "noise over whole rows ms": 1e3 * best_of(partial(uniform_noise, keys, steps, vocab)),
+                "softmax + multinomial ms": 1e3 * best_of(partial(_softmax_multinomial, logits)),
             }
         )
     Console(width=200).print(summary_table(rows, f"choosing a token over {vocab} entries, logits in {dtype}"))

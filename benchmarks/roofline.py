@@ -10,7 +10,7 @@ import time
 import torch
 
 
-def _best_of(fn, repeats: int = 5, device: str = "cpu") -> float:
+def best_of(fn, repeats: int = 5, device: str = "cpu") -> float:
     """Best seconds of ``fn`` over ``repeats`` runs after a warm-up; on CUDA each run is timed to its kernels'
     end (kernels are launched asynchronously)."""
 
@@ -33,7 +33,7 @@ def matmul_flops(n: int = 1024, dtype=torch.float32, device: str = "cpu") -> flo
     """FLOP/s of an n×n by n×n matmul (2n³ FLOPs), best of several."""
     a = torch.randn(n, n, dtype=dtype, device=device)
     b = torch.randn(n, n, dtype=dtype, device=device)
-    seconds = _best_of(lambda: torch.mm(a, b), device=device)
+    seconds = best_of(lambda: torch.mm(a, b), device=device)
     return 2 * n**3 / seconds
 
 
@@ -41,5 +41,5 @@ def memory_bandwidth(megabytes: int = 256, device: str = "cpu") -> float:
     """Bytes/s of a large tensor copy (one read plus one write per byte copied)."""
     src = torch.empty(megabytes * 2**20 // 4, dtype=torch.float32, device=device).fill_(1.0)
     dst = torch.empty_like(src)
-    seconds = _best_of(lambda: dst.copy_(src), device=device)
+    seconds = best_of(lambda: dst.copy_(src), device=device)
     return 2 * src.numel() * 4 / seconds
