@@ -312,6 +312,36 @@ def test_a_failing_controller_stops_the_run_in_one_line_and_leaves_nothing(tmp_p
 
 
 @pytest.mark.usefixtures("ray_session")
+def test_a_peer_failure_yields_to_the_controller_that_lost_a_worker():
+    """Controller 0 reports first, but only a symptom (its collective lost a peer); controller 1, a moment later,
+    reports the death behind it: the run names controller 1. A failure with no death behind it is named as is."""
+    import ray
+
+    from loomrl.runtime.controller import RuntimeFailure
+    from loomrl.runtime.controllers import wait_controllers
+
+    @ray.remote
+    class Shard:
+        def fail(self, message, recoverable, delay_s):
+            time.sleep(delay_s)
+            raise RuntimeFailure(message, recoverable=recoverable)
+
+        def ok(self):
+            return 1
+
+    a, b = Shard.remote(), Shard.remote()
+    symptom = (a.fail.remote("worker 0 failed in MFC 'advantages': Connection reset by peer", False, 0.0),)
+    with pytest.raises(RuntimeFailure) as err:
+        wait_controllers([*symptom, b.fail.remote("worker 1 died during MFC 'advantages'", True, 1.0)], "iteration 3")
+    assert str(err.value) == "controller 1 failed during iteration 3: worker 1 died during MFC 'advantages'"
+    assert err.value.recoverable
+    with pytest.raises(RuntimeFailure) as err:
+        wait_controllers([a.fail.remote("reward function raised", False, 0.0), b.ok.remote()], "iteration 4")
+    assert str(err.value) == "controller 0 failed during iteration 4: reward function raised"
+    assert not err.value.recoverable
+
+
+@pytest.mark.usefixtures("ray_session")
 def test_a_dead_controller_is_named(tmp_path):
     import ray
 

@@ -24,9 +24,10 @@ With ``runtime.controllers: K`` the control path is split K ways instead of pass
 - **What stays with the driver.** Everything between iterations, when no controller runs: the prologue,
   evaluation, checkpoints and plan changes (after which each controller is given its new devices), and the
   rollout metrics of the whole batch, computed on a worker from the controllers' shard references.
-- **Failure.** One controller's failure stops the run at once, in one line naming the controller and its own
-  account (the worker, role and step); closing the executor kills every controller, the coordinator and every
-  worker.
+- **Failure.** One controller's failure stops the run, in one line naming the controller and its own account
+  (the worker, role and step); where a worker's death broke a collective under another controller first, the
+  controller that saw the death is named, the root cause. Closing the executor kills every controller, the
+  coordinator and every worker.
 
 Inter-stage fusion (``stream_fusion``) streams generation across all replicas and migrates its tail between them, which
 would need the controllers' generation replicas to coordinate mid-call; with K > 1 it is refused in one line.
@@ -241,27 +242,47 @@ class ControllerActor:
         return ray.get_runtime_context().get_node_id()
 
 
-def wait_controllers(refs: Sequence[Any], what: str) -> list[ShardOutput]:
+def wait_controllers(refs: Sequence[Any], what: str, grace_s: float = 5.0) -> list[ShardOutput]:
     """Every controller's result, in order; the first failure (a controller's own account of a worker's failure,
-    or the controller's death) stops the wait at once as one line naming the controller."""
+    or the controller's death) stops the wait as one line naming the controller.
+
+    A worker's death breaks the collectives of its peers under other controllers too, and one of those may
+    report first (a reset connection). A failure that is not a death waits up to ``grace_s`` for the others:
+    a controller reporting a death (its own or a worker's) is the root cause and is named instead."""
     index = {ref: k for k, ref in enumerate(refs)}
     pending, results = list(refs), {}
     while pending:
         ready, pending = ray.wait(pending, num_returns=1)
-        ref = ready[0]
-        k = index[ref]
+        k = index[ready[0]]
         try:
-            results[k] = ray.get(ref)
-        except ray.exceptions.RayActorError:
-            raise RuntimeFailure(f"controller {k} died during {what}", recoverable=True) from None
-        except ray.exceptions.RayTaskError as err:
-            cause = err.cause if getattr(err, "cause", None) is not None else err
-            lines = str(cause).strip().splitlines()
-            raise RuntimeFailure(
-                f"controller {k} failed during {what}: {lines[0] if lines else type(cause).__name__}",
-                recoverable=isinstance(cause, LoomError) and cause.recoverable,
-            ) from None
+            results[k] = ray.get(ready[0])
+            continue
+        except (ray.exceptions.RayActorError, ray.exceptions.RayTaskError) as err:
+            failure = _controller_failure(k, err, what)
+        if not failure.recoverable and pending:
+            done, _ = ray.wait(pending, num_returns=len(pending), timeout=grace_s)
+            for ref in done:
+                try:
+                    ray.get(ref)
+                except (ray.exceptions.RayActorError, ray.exceptions.RayTaskError) as err:
+                    other = _controller_failure(index[ref], err, what)
+                    if other.recoverable:
+                        raise other from None
+        raise failure from None
     return [results[k] for k in range(len(refs))]
+
+
+def _controller_failure(k: int, err: Exception, what: str) -> RuntimeFailure:
+    """The one-line failure of controller ``k``: its death, or its own account of what failed (recoverable when
+    that account is, as a worker's death is)."""
+    if isinstance(err, ray.exceptions.RayActorError):
+        return RuntimeFailure(f"controller {k} died during {what}", recoverable=True)
+    cause = err.cause if getattr(err, "cause", None) is not None else err
+    lines = str(cause).strip().splitlines()
+    return RuntimeFailure(
+        f"controller {k} failed during {what}: {lines[0] if lines else type(cause).__name__}",
+        recoverable=isinstance(cause, LoomError) and cause.recoverable,
+    )
 
 
 def spawn_controllers(
