@@ -1,4 +1,4 @@
-"""Dynamic placement against the best static plan in hindsight, on a drifting and on a stationary workload.
+"""Dynamic placement against the best static plan in hindsight, on drifting, reversing and stationary workloads.
 
     .venv/bin/python benchmarks/dynamic_placement.py [--iterations 32] [--prompts 32] [--devices 4] [--repeats 3]
 
@@ -7,10 +7,11 @@ i·P .. (i+1)·P − 1. In the drifting file the number of digits of iteration i
 (clipped to [1, MAX_DIGITS]) whose median grows geometrically from ``--first-median`` to ``--final-median`` over
 the run and whose σ grows linearly from 0 to ``--final-sigma`` over its first ``--sigma-by`` share, then stays:
 the responses of a policy warm-started on sorting inputs of every length up to MAX_DIGITS start alike, then grow
-longer and long-tailed (as responses do over RL training). The reward is the rule's partial credit plus a small share
-of a reward model (llama-10m, trained on
-sorting preferences) scoring prompt and response, whose cost grows with them. The stationary file keeps the
-first iteration's distribution for the whole run.
+longer and long-tailed (as responses do over RL training). The reversing file makes the same drift over the first
+half of the run and takes it back over the second, so its two ends are alike and its middle is not: a static plan
+must serve both phases. The stationary file keeps the first iteration's distribution for the whole run. The reward
+is the rule's partial credit plus a small share of a reward model (llama-10m, trained on sorting preferences)
+scoring prompt and response, whose cost grows with them.
 
 Per workload, dynamic placement starts from the plan priced fastest for the first iterations (a calibration
 run of ``--calibration`` iterations on the colocated plan that re-plans after every iteration and never
@@ -21,6 +22,12 @@ best static plan in hindsight, and colocate is what a user without loomrl would 
 ``--repeats`` times from the same seed (medians and spread). Time is each run's iterations plus, for dynamic
 placement, its plan changes and its decisions' own time; every run is checked to give the same samples and
 losses as the hindsight best (float summation order aside).
+
+The ceiling: no placement that moves between the plans run here can beat the oracle that knows every plan's time at
+every iteration in advance and switches between them at the measured cost of a plan change (a shortest path over
+iterations × plans, :func:`oracle_seconds`; per-iteration medians over the repeats). It is printed as its own row,
+with the cost of a switch and at no cost at all; the latter bounds what any switching rule can gain over the best
+static plan among these.
 """
 
 from __future__ import annotations
@@ -69,15 +76,25 @@ def _sort_row(rng: random.Random, digits: int) -> dict:
 
 
 def write_prompts(
-    path: Path, iterations: int, prompts: int, first: float, last: float, sigma: float, sigma_by: float, seed: int
+    path: Path,
+    iterations: int,
+    prompts: int,
+    first: float,
+    last: float,
+    sigma: float,
+    sigma_by: float,
+    seed: int,
+    reverse: bool = False,
 ) -> None:
     """Rows in training order: iteration i's inputs log-normal around a median growing geometrically from
     ``first`` to ``last`` digits, of log-scale spread growing linearly from 0 to ``sigma`` over the first
-    ``sigma_by`` of the run."""
+    ``sigma_by`` of the run; with ``reverse`` the drift runs over the first half and back over the second."""
     rng = random.Random(seed)
     with open(path, "w", encoding="utf-8") as f:
         for it in range(iterations):
             share = it / max(1, iterations - 1)
+            if reverse:
+                share = 1.0 - abs(2.0 * share - 1.0)
             median, spread = first * (last / first) ** share, sigma * min(1.0, share / sigma_by)
             for _ in range(prompts):
                 digits = min(MAX_DIGITS, max(1, round(rng.lognormvariate(math.log(median), spread))))
@@ -222,6 +239,22 @@ def _loss_diff(a: list[dict], b: list[dict]) -> float:
     return max(abs(x[k] - y[k]) / max(abs(y[k]), 1e-12) for x, y in zip(a, b) for k in LOSS_KEYS)
 
 
+def oracle_seconds(times: dict[str, list[float]], switch_s: float) -> tuple[float, int]:
+    """The least total time (and its number of switches) of a run that may take any of the plans ``times``
+    (plan → seconds of each iteration) at each iteration, paying ``switch_s`` at each change of plan: a shortest
+    path over iterations × plans, which no switching rule among these plans can beat."""
+    plans = list(times)
+    best = {p: (times[p][0], 0) for p in plans}
+    for i in range(1, len(times[plans[0]])):
+        best = {
+            p: min(
+                ((cost + (switch_s if q != p else 0.0) + times[p][i], n + (q != p)) for q, (cost, n) in best.items()),
+            )
+            for p in plans
+        }
+    return min(best.values())
+
+
 MAX_STATIC = 6
 """Most static plans run in hindsight (colocate, the calibrated plan, then the plans dynamic placement switched
 to and the candidates it priced, in that order)."""
@@ -271,6 +304,30 @@ def compare(tmp: Path, workload: str, prompt_file: Path, args) -> list[dict]:
             "max loss diff": f"{max(_loss_diff(m, reference) for m, _, _ in runs):.1e}",
         }
 
+    def per_iteration(runs: list) -> list[float]:
+        return [statistics.median(its) for its in zip(*([m["time/iteration_s"] for m in r] for r, _, _ in runs))]
+
+    times = {plan: per_iteration(runs) for plan, runs in static.items()}
+    changes = [m["time/plan_change_s"] for r, _, _ in dynamic for m in r if m.get("time/plan_change_s", 0.0) > 0]
+    switch_s = statistics.median(changes) if changes else 0.0
+
+    def oracle(name: str, cost: float) -> dict:
+        seconds, switches = oracle_seconds(times, cost)
+        return {
+            "workload": workload,
+            "placement": name,
+            "plan": f"any of the {len(times)} static plans at each iteration, {cost:.2f} s a switch",
+            "run s (median)": seconds,
+            "spread": "-",
+            "vs hindsight best static": medians[hindsight] / seconds,
+            "vs colocate": medians["colocate"] / seconds,
+            "switches": str(switches),
+            "decisions s": 0.0,
+            "mean response first/last": "-",
+            "same samples": "-",
+            "max loss diff": "-",
+        }
+
     for plan, runs in static.items():
         label = (
             "static"
@@ -279,6 +336,8 @@ def compare(tmp: Path, workload: str, prompt_file: Path, args) -> list[dict]:
         )
         rows.append(row(label, plan, runs))
     rows.append(row("dynamic", f"from {calibrated}", dynamic))
+    rows.append(oracle("oracle (ceiling, measured switch cost)", switch_s))
+    rows.append(oracle("oracle (ceiling, free switches)", 0.0))
     for _, decisions, _ in dynamic[:1]:
         for d in (d for d in decisions if d["switch"]):
             Console().print(f"  switch after iteration {d['iteration']}: {d['reason']}; to {d['plan']}")
@@ -313,10 +372,15 @@ def main() -> None:
         files = {
             "drifting": (args.first_median, args.final_median, args.final_sigma, args.sigma_by),
             "stationary": (args.first_median, args.first_median, 0.0, 1.0),
+            "reversing": (args.first_median, args.final_median, args.final_sigma, args.sigma_by),
         }
         for workload in args.workloads.split(","):
+            if workload not in files:
+                raise SystemExit(f"--workloads: unknown workload {workload!r} (choose from {', '.join(files)})")
             path = tmp / f"{workload}.jsonl"
-            write_prompts(path, args.iterations, args.prompts, *files[workload], seed=7)
+            write_prompts(
+                path, args.iterations, args.prompts, *files[workload], seed=7, reverse=workload == "reversing"
+            )
             rows += compare(tmp, workload, path, args)
     Console().print(
         summary_table(
