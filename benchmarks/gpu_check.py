@@ -42,6 +42,7 @@ from typing import Any
 
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))  # a GPU machine runs this from a plain checkout, loomrl not installed
+sys.path.insert(0, str(ROOT / "benchmarks"))  # the shared timing helpers beside it
 os.environ.setdefault("HF_HUB_OFFLINE", "1")
 
 import torch  # noqa: E402
@@ -66,6 +67,7 @@ from loomrl.rollout.engine import Request, RolloutEngine  # noqa: E402
 from loomrl.rollout.sampling import SamplingParams, stream_keys  # noqa: E402
 from loomrl.run_dir import RunDir  # noqa: E402
 from loomrl.runtime.launch import quiet_libraries  # noqa: E402
+from roofline import best_of  # noqa: E402
 
 PARTS = ("tests", "decode", "train", "grpo", "profile")
 
@@ -207,8 +209,8 @@ def timed(fn: Callable[[], Any], device: torch.device) -> tuple[Any, float]:
 
 
 def best_seconds(fn: Callable[[], Any], device: torch.device, repeats: int = 3) -> float:
-    fn()  # warm-up
-    return max(min(timed(fn, device)[1] for _ in range(repeats)), 1e-9)
+    """Best seconds of ``fn`` after a warm-up (never zero: the rates divide by it)."""
+    return max(best_of(fn, repeats=repeats, device=str(device)), 1e-9)
 
 
 def matmul_rate(m: int, k: int, n: int, dtype: torch.dtype, device: torch.device) -> float:
