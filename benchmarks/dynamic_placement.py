@@ -260,10 +260,11 @@ MAX_STATIC = 6
 to and the candidates it priced, in that order)."""
 
 
-def compare(tmp: Path, workload: str, prompt_file: Path, args) -> list[dict]:
+def compare(tmp: Path, workload: str, prompt_file: Path, args) -> tuple[list[dict], dict]:
     """Dynamic placement against every static plan it considered, each run for the whole workload ``--repeats``
     times (medians): the best of them in hindsight is the baseline, colocate (a user's plan without loomrl) is
-    shown beside it."""
+    shown beside it. Also returns what the oracle rows are computed from (each static plan's per-iteration
+    seconds and the cost of a switch)."""
     calibrated = static_plan(tmp, f"{workload}-calibration", prompt_file, args.calibration, args.prompts, args.devices)
     Console().print(f"[bold]{workload}[/]: calibrated static plan {calibrated}")
 
@@ -341,7 +342,7 @@ def compare(tmp: Path, workload: str, prompt_file: Path, args) -> list[dict]:
     for _, decisions, _ in dynamic[:1]:
         for d in (d for d in decisions if d["switch"]):
             Console().print(f"  switch after iteration {d['iteration']}: {d['reason']}; to {d['plan']}")
-    return rows
+    return rows, {"iteration_s": times, "switch_s": switch_s}
 
 
 def main() -> None:
@@ -356,39 +357,45 @@ def main() -> None:
     ap.add_argument("--final-sigma", type=float, default=1.0, help="log-scale spread of the last iteration (drift)")
     ap.add_argument("--sigma-by", type=float, default=0.5, help="share of the run over which the spread grows")
     ap.add_argument("--sft-steps", type=int, default=300)
-    ap.add_argument("--workloads", default="drifting,stationary")
+    ap.add_argument("--workloads", default="drifting,stationary", help="of drifting, reversing, stationary")
     ap.add_argument(
         "--prepared",
         help="a directory holding sft/, rm/ and sort_reward.py from an earlier run (made there when missing)",
     )
+    ap.add_argument("--out", help="a JSON file for the rows and the oracle's inputs (each plan's iteration times)")
     args = ap.parse_args()
+    files = {
+        "drifting": (args.first_median, args.final_median, args.final_sigma, args.sigma_by),
+        "stationary": (args.first_median, args.first_median, 0.0, 1.0),
+        "reversing": (args.first_median, args.final_median, args.final_sigma, args.sigma_by),
+    }
+    workloads = args.workloads.split(",")
+    for workload in workloads:
+        if workload not in files:
+            ap.error(f"--workloads: unknown workload {workload!r} (choose from {', '.join(files)})")
     quiet_libraries()
-    rows = []
+    rows, record = [], {}
+    title = (
+        f"dynamic placement vs every static plan it considered, run for the whole workload (median of "
+        f"{args.repeats}): {args.devices} devices, {args.iterations} iterations of {args.prompts} prompts"
+    )
     with tempfile.TemporaryDirectory() as d:
         tmp = Path(args.prepared or d)
         tmp.mkdir(parents=True, exist_ok=True)
         if not (tmp / "rm").is_dir():
             prepare(tmp, args.sft_steps)
-        files = {
-            "drifting": (args.first_median, args.final_median, args.final_sigma, args.sigma_by),
-            "stationary": (args.first_median, args.first_median, 0.0, 1.0),
-            "reversing": (args.first_median, args.final_median, args.final_sigma, args.sigma_by),
-        }
-        for workload in args.workloads.split(","):
-            if workload not in files:
-                raise SystemExit(f"--workloads: unknown workload {workload!r} (choose from {', '.join(files)})")
+        for workload in workloads:
             path = tmp / f"{workload}.jsonl"
             write_prompts(
                 path, args.iterations, args.prompts, *files[workload], seed=7, reverse=workload == "reversing"
             )
-            rows += compare(tmp, workload, path, args)
-    Console().print(
-        summary_table(
-            rows,
-            f"dynamic placement vs every static plan it considered, run for the whole workload (median of "
-            f"{args.repeats}): {args.devices} devices, {args.iterations} iterations of {args.prompts} prompts",
-        )
-    )
+            these, oracle_inputs = compare(tmp, workload, path, args)
+            Console().print(summary_table(these, f"{workload}: {title}"))  # each workload's table as it ends
+            rows += these
+            record[workload] = {"rows": these, **oracle_inputs}
+            if args.out:
+                Path(args.out).write_text(json.dumps(record, indent=1))
+    Console().print(summary_table(rows, title))
 
 
 if __name__ == "__main__":
