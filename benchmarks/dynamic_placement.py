@@ -1,4 +1,5 @@
-"""Dynamic placement against the best static plan in hindsight, on drifting, reversing and stationary workloads.
+"""Dynamic placement against the best static plan in hindsight, on drifting, reversing, two-phase and stationary
+workloads.
 
     .venv/bin/python benchmarks/dynamic_placement.py [--iterations 32] [--prompts 32] [--devices 4] [--repeats 3]
 
@@ -9,7 +10,9 @@ the run and whose σ grows linearly from 0 to ``--final-sigma`` over its first `
 the responses of a policy warm-started on sorting inputs of every length up to MAX_DIGITS start alike, then grow
 longer and long-tailed (as responses do over RL training). The reversing file makes the same drift over the first
 half of the run and takes it back over the second, so its two ends are alike and its middle is not: a static plan
-must serve both phases. The stationary file keeps the first iteration's distribution for the whole run. The reward
+must serve both phases. The phases file puts the costs in other calls in each half (:func:`write_phases`): long
+prompts with one-digit answers, then sorting with long, long-tailed responses; its policy is warm-started on both
+tasks. The stationary file keeps the first iteration's distribution for the whole run. The reward
 is the rule's partial credit plus a small share of a reward model (llama-10m, trained on sorting preferences)
 scoring prompt and response, whose cost grows with them.
 
@@ -75,6 +78,29 @@ def _sort_row(rng: random.Random, digits: int) -> dict:
     return {"prompt": f"sort {text}=", "answer": "".join(sorted(text))}
 
 
+def _min_row(rng: random.Random, digits: int) -> dict:
+    """A long prompt with a one-digit answer: scoring the prompt costs, generating the answer does not."""
+    text = "".join(rng.choice("0123456789") for _ in range(digits))
+    return {"prompt": f"min {text}=", "answer": min(text)}
+
+
+def write_phases(path: Path, iterations: int, prompts: int, median: float, sigma: float, seed: int) -> None:
+    """Two phases whose costs sit in different calls: the first half of the run asks for the smallest digit of
+    inputs of about MAX_DIGITS × 3/4 digits (long prompts, one-token answers: the scoring and training passes over
+    the prompts dominate), the second to sort inputs log-normal around ``median`` digits of spread ``sigma`` (long,
+    long-tailed responses: generation dominates)."""
+    rng = random.Random(seed)
+    with open(path, "w", encoding="utf-8") as f:
+        for it in range(iterations):
+            for _ in range(prompts):
+                if it < iterations // 2:
+                    digits = min(MAX_DIGITS, max(1, round(rng.lognormvariate(math.log(MAX_DIGITS * 0.75), 0.2))))
+                    f.write(json.dumps(_min_row(rng, digits)) + "\n")
+                else:
+                    digits = min(MAX_DIGITS, max(1, round(rng.lognormvariate(math.log(median), sigma))))
+                    f.write(json.dumps(_sort_row(rng, digits)) + "\n")
+
+
 def write_prompts(
     path: Path,
     iterations: int,
@@ -105,27 +131,7 @@ def prepare(tmp: Path, sft_steps: int) -> None:
     """The reward function, the warm-start policy (tmp/sft: sorting inputs of 1..MAX_DIGITS digits) and the reward
     model (tmp/rm)."""
     (tmp / "sort_reward.py").write_text(REWARD)
-    rng = random.Random(1)
-    with open(tmp / "sft.jsonl", "w", encoding="utf-8") as f:
-        for _ in range(sft_steps * 64):
-            f.write(json.dumps(_sort_row(rng, rng.randint(1, MAX_DIGITS))) + "\n")
-    task = ["task.name=file", f"task.prompt_file={tmp / 'sft.jsonl'}", f"task.reward_fn={tmp / 'sort_reward.py'}:score"]
-    run_sft(
-        load_config(
-            SFTConfig,
-            None,
-            [
-                f"out_dir={tmp / 'sft'}",
-                f"steps={sft_steps}",
-                "batch_size=64",
-                "optim.lr=0.003",
-                "eval_prompts=64",
-                f"max_new_tokens={MAX_DIGITS + 1}",
-                *task,
-            ],
-        ),
-        progress=False,
-    )
+    _sft(tmp, "sft", sft_steps, (_sort_row,))
     run_rm(
         load_config(
             RMConfig,
@@ -144,6 +150,42 @@ def prepare(tmp: Path, sft_steps: int) -> None:
     )
 
 
+def _policy(tmp: Path, prompt_file: Path) -> Path:
+    """The warm-start policy of a workload: the phases workload's is trained on both of its tasks (tmp/sft_mixed),
+    every other one's on sorting alone."""
+    return tmp / ("sft_mixed" if prompt_file.stem == "phases" else "sft")
+
+
+def _sft(tmp: Path, name: str, sft_steps: int, rows: tuple) -> None:
+    """SFT of the default policy into tmp/``name`` on inputs of 1..MAX_DIGITS digits of the tasks ``rows`` make, in
+    turn."""
+    rng = random.Random(1)
+    with open(tmp / f"{name}.jsonl", "w", encoding="utf-8") as f:
+        for k in range(sft_steps * 64):
+            f.write(json.dumps(rows[k % len(rows)](rng, rng.randint(1, MAX_DIGITS))) + "\n")
+    task = [
+        "task.name=file",
+        f"task.prompt_file={tmp / f'{name}.jsonl'}",
+        f"task.reward_fn={tmp / 'sort_reward.py'}:score",
+    ]
+    run_sft(
+        load_config(
+            SFTConfig,
+            None,
+            [
+                f"out_dir={tmp / name}",
+                f"steps={sft_steps}",
+                "batch_size=64",
+                "optim.lr=0.003",
+                "eval_prompts=64",
+                f"max_new_tokens={MAX_DIGITS + 1}",
+                *task,
+            ],
+        ),
+        progress=False,
+    )
+
+
 def _config(
     tmp: Path, name: str, prompt_file: Path, iterations: int, prompts: int, devices: int, plan: str, *extra: str
 ) -> TrainConfig:
@@ -156,7 +198,7 @@ def _config(
             "task.name=file",
             f"task.prompt_file={prompt_file}",
             f"task.reward_fn={tmp / 'sort_reward.py'}:score",
-            f"actor.model={tmp / 'sft'}",
+            f"actor.model={_policy(tmp, prompt_file)}",
             "actor.optim.lr=0.0003",
             "critic.optim.lr=0.001",
             "reward.source=both",
@@ -357,17 +399,23 @@ def main() -> None:
     ap.add_argument("--final-sigma", type=float, default=1.0, help="log-scale spread of the last iteration (drift)")
     ap.add_argument("--sigma-by", type=float, default=0.5, help="share of the run over which the spread grows")
     ap.add_argument("--sft-steps", type=int, default=300)
-    ap.add_argument("--workloads", default="drifting,stationary", help="of drifting, reversing, stationary")
+    ap.add_argument("--workloads", default="drifting,stationary", help="of drifting, reversing, stationary, phases")
     ap.add_argument(
         "--prepared",
         help="a directory holding sft/, rm/ and sort_reward.py from an earlier run (made there when missing)",
     )
     ap.add_argument("--out", help="a JSON file for the rows and the oracle's inputs (each plan's iteration times)")
     args = ap.parse_args()
+    drift = (args.first_median, args.final_median, args.final_sigma, args.sigma_by)
     files = {
-        "drifting": (args.first_median, args.final_median, args.final_sigma, args.sigma_by),
-        "stationary": (args.first_median, args.first_median, 0.0, 1.0),
-        "reversing": (args.first_median, args.final_median, args.final_sigma, args.sigma_by),
+        "drifting": lambda path: write_prompts(path, args.iterations, args.prompts, *drift, seed=7),
+        "stationary": lambda path: write_prompts(
+            path, args.iterations, args.prompts, args.first_median, args.first_median, 0.0, 1.0, seed=7
+        ),
+        "reversing": lambda path: write_prompts(path, args.iterations, args.prompts, *drift, seed=7, reverse=True),
+        "phases": lambda path: write_phases(
+            path, args.iterations, args.prompts, args.final_median, args.final_sigma, seed=7
+        ),
     }
     workloads = args.workloads.split(",")
     for workload in workloads:
@@ -384,11 +432,11 @@ def main() -> None:
         tmp.mkdir(parents=True, exist_ok=True)
         if not (tmp / "rm").is_dir():
             prepare(tmp, args.sft_steps)
+        if "phases" in workloads and not (tmp / "sft_mixed").is_dir():
+            _sft(tmp, "sft_mixed", args.sft_steps, (_sort_row, _min_row))
         for workload in workloads:
             path = tmp / f"{workload}.jsonl"
-            write_prompts(
-                path, args.iterations, args.prompts, *files[workload], seed=7, reverse=workload == "reversing"
-            )
+            files[workload](path)
             these, oracle_inputs = compare(tmp, workload, path, args)
             Console().print(summary_table(these, f"{workload}: {title}"))  # each workload's table as it ends
             rows += these

@@ -56,3 +56,14 @@ def test_the_reversing_workload_drifts_out_and_back(bench, tmp_path):
     medians = [sorted(digits[i * 64 : (i + 1) * 64])[32] for i in range(9)]
     assert medians[0] == medians[-1] == 4 and medians[4] == 24  # σ 0: the median exactly
     assert medians[:5] == sorted(medians[:5]) and medians[4:] == sorted(medians[4:], reverse=True)
+
+
+def test_the_phases_workload_moves_its_cost_from_the_prompts_to_the_responses(bench, tmp_path):
+    path = tmp_path / "phases.jsonl"
+    bench.write_phases(path, 6, 32, 24.0, 1.0, seed=7)
+    rows = [json.loads(line) for line in path.read_text().splitlines()]
+    first, second = rows[: 3 * 32], rows[3 * 32 :]
+    assert all(r["prompt"].startswith("min ") and len(r["answer"]) == 1 for r in first)
+    assert all(r["prompt"].startswith("sort ") and r["answer"] == "".join(sorted(r["prompt"][5:-1])) for r in second)
+    assert min(len(r["prompt"]) for r in first) > sorted(len(r["prompt"]) for r in second)[len(second) // 2]
+    assert all(r["answer"] == min(r["prompt"][4:-1]) for r in first)
