@@ -222,6 +222,12 @@ def test_the_controller_receives_only_metadata(tmp_path):
         check_metadata({"stats": {"x": 1.0}, "oops": torch.zeros(3)})
     with pytest.raises(RuntimeError, match="received list|received Tensor"):
         check_metadata([torch.zeros(1)])
+    # A streamed item holds no object reference: Ray may free an object a worker put and yielded inside one before
+    # the call it is passed on to reads it; the shard is the stream's next item instead.
+    ref = ray.ObjectRef(b"\x01" * 28)
+    check_metadata({"shard": (ref,)})
+    with pytest.raises(RuntimeError, match=r"ObjectRef at result.shard\[0\] of a stream"):
+        check_metadata({"shard": (ref,)}, references=False)
 
 
 def test_an_exception_in_an_mfc_names_worker_role_and_mfc(tmp_path):

@@ -42,7 +42,7 @@ from loomrl.planner.inputs import PlannerInputs
 from loomrl.runtime.ahead import IN_FLIGHT, InFlight, Pending, Shards, split_call
 from loomrl.runtime.executor import IterationResult, StepTrace, merge_stats, staleness_stats, version_summary
 from loomrl.runtime.spec import CallData, PipelineFusionData, WorkerPlan, WorkerSpec
-from loomrl.runtime.stream_fusion import StreamFusionStage, is_stream
+from loomrl.runtime.stream_fusion import StreamFusionStage, is_stream, take_shard
 from loomrl.workflow import MFCKind
 from loomrl.workflow.minibatches import loss_weights, minibatch_rows, split_by_tokens
 
@@ -81,19 +81,21 @@ class RuntimeFailure(LoomError):
         self.recoverable = recoverable
 
 
-def check_metadata(value: Any, path: str = "result") -> None:
-    """A controller accepts scalars, strings, object references and containers of them: never tensors."""
-    if isinstance(value, (int, float, str, bool, type(None), ray.ObjectRef)):
+def check_metadata(value: Any, path: str = "result", references: bool = True) -> None:
+    """A controller accepts scalars, strings, object references and containers of them: never tensors. A
+    streamed item (``references=False``) holds no object reference (:data:`~loomrl.runtime.spec.SHARD_FOLLOWS`)."""
+    if isinstance(value, (int, float, str, bool, type(None))) or (references and isinstance(value, ray.ObjectRef)):
         return
     if isinstance(value, dict):
         for key, item in value.items():
-            check_metadata(item, f"{path}.{key}")
+            check_metadata(item, f"{path}.{key}", references)
         return
     if isinstance(value, (list, tuple)):
         for i, item in enumerate(value):
-            check_metadata(item, f"{path}[{i}]")
+            check_metadata(item, f"{path}[{i}]", references)
         return
-    raise RuntimeError(f"the controller received {type(value).__name__} at {path}; only metadata may reach it")
+    where = "" if references else " of a stream (Ray may free it before use: yield the object as the next item)"
+    raise RuntimeError(f"the controller received {type(value).__name__} at {path}{where}; only metadata may reach it")
 
 
 @dataclass(frozen=True)
@@ -210,8 +212,9 @@ class Controller:
 
     def _value(self, ref: Any, pending: dict) -> Any:
         what, role, rank = pending.pop(ref)
+        streamed = is_stream(ref)
         try:
-            value = ray.get(next(ref)) if is_stream(ref) else ray.get(ref)
+            value = ray.get(next(ref)) if streamed else ray.get(ref)
         except ray.exceptions.RayActorError:
             raise RuntimeFailure(f"worker {rank} died during {_step(what, role)}", recoverable=True) from None
         except ray.exceptions.RayTaskError as err:
@@ -223,9 +226,9 @@ class Controller:
                 raise RuntimeFailure(named) from None
             first = cause[-1] if cause else type(err).__name__
             raise RuntimeFailure(f"worker {rank} failed during {_step(what, role)}: {first}") from None
-        check_metadata(value)
+        check_metadata(value, references=not streamed)
         self.received += 1
-        return value
+        return take_shard(ref, value) if streamed else value
 
     def _raise_if_a_peer_died(self, pending: dict, grace_s: float = 5.0) -> None:
         """Give the other calls in flight a moment to report; raise for the first worker found dead."""

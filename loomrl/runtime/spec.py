@@ -19,7 +19,13 @@ from loomrl.plan.realloc_plan import ReallocPlan
 from loomrl.plan.schedule import Schedule, Step, StepKind
 from loomrl.role.spec import RoleSpec
 
-__all__ = ["CallData", "WorkerPlan", "WorkerSpec"]
+__all__ = ["SHARD_FOLLOWS", "CallData", "WorkerPlan", "WorkerSpec"]
+
+SHARD_FOLLOWS = "follows"
+"""A streamed item's ``shard``: the chunk's shard is the stream's next item. A worker never puts a shard and
+yields its reference inside a streamed item: Ray may free such an object before the call it is passed on to
+reads it (the reference-counting race of objects nested in a streaming generator's items, ray-project/ray#58080);
+the stream's own items are owned by the controller that reads them."""
 
 Transfer = tuple[str, Allocation, Allocation]
 """``(role, source, destination)`` of a reallocation (both reduced to their shards)."""

@@ -22,10 +22,10 @@ import ray
 from loomrl.plan.schedule import Step
 from loomrl.runtime.executor import StepTrace
 from loomrl.runtime.migration import StreamSpec
-from loomrl.runtime.spec import CallData
+from loomrl.runtime.spec import SHARD_FOLLOWS, CallData
 from loomrl.workflow.minibatches import split_by_tokens
 
-__all__ = ["StreamFusionStage"]
+__all__ = ["StreamFusionStage", "is_stream", "take_shard"]
 
 
 class _Driver(Protocol):
@@ -179,3 +179,11 @@ class StreamFusionStage:
 def is_stream(waitable: Any) -> bool:
     """Whether a waitable is a streaming call's generator (its items are fetched with ``next``)."""
     return isinstance(waitable, ray.ObjectRefGenerator)
+
+
+def take_shard(stream: Any, item: Any) -> Any:
+    """A streamed item whose shard follows it (:data:`~loomrl.runtime.spec.SHARD_FOLLOWS`) with the reference
+    to that next item of the stream, which the controller owns, as its ``shard``; any other item as it is."""
+    if isinstance(item, dict) and item.get("shard") == SHARD_FOLLOWS:
+        return item | {"shard": (next(stream),)}
+    return item

@@ -55,7 +55,7 @@ from loomrl.runtime.migration import MigrationControl, StreamSpec
 from loomrl.runtime.offload import HostCopy, TrainingState, bind_view, reclaim, release_storage
 from loomrl.runtime.pipeline_fusion import run_pipeline_fusion
 from loomrl.runtime.plan_change import Move
-from loomrl.runtime.spec import CallData, PipelineFusionData, WorkerPlan, WorkerSpec
+from loomrl.runtime.spec import SHARD_FOLLOWS, CallData, PipelineFusionData, WorkerPlan, WorkerSpec
 from loomrl.workflow import MFCKind
 from loomrl.workflow.batch import Batch, response_tokens
 
@@ -311,7 +311,9 @@ class DeviceWorker:
     def run_stream(self, step_id: str, call: CallData, spec: StreamSpec):
         """A fused stage's generation on this device, streamed (a Ray generator): yields the finished rows in
         chunks as they come (references to their shards and their token counts), taking part in the tail's
-        migration (:mod:`loomrl.runtime.migration`), and last a marker with the stream's start and end."""
+        migration (:mod:`loomrl.runtime.migration`), and last a marker with the stream's start and end. A chunk's
+        shard is its own item, right after its metadata (:data:`~loomrl.runtime.spec.SHARD_FOLLOWS`), so that
+        the controller owns its reference."""
         step = self.steps[step_id]
         start = time.time()
         coords = step.alloc.coords(self.rank)
@@ -323,11 +325,13 @@ class DeviceWorker:
             ctx = dataclasses.replace(self._context(step, call), stream=control)
             for ids, columns in step.mfc.stream(ctx, batch):
                 meta: dict[str, Any] = {"rows": list(ids)}
-                if call.publish:
-                    meta["shard"] = (_put(Batch(ids, columns)),)
-                    responses = next(v for k, v in columns.items() if k.endswith("response_ids"))
-                    meta["tokens"] = {sid: len(r) for sid, r in zip(ids, responses)}
-                yield meta
+                if not call.publish:
+                    yield meta
+                    continue
+                responses = next(v for k, v in columns.items() if k.endswith("response_ids"))
+                meta["tokens"] = {sid: len(r) for sid, r in zip(ids, responses)}
+                yield meta | {"shard": SHARD_FOLLOWS}
+                yield Batch(ids, columns)
         except Exception as exc:
             raise WorkerError(
                 f"worker {self.rank} failed in MFC '{step.id}' (role {step.role}): "
