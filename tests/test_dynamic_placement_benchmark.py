@@ -1,24 +1,19 @@
 """The pieces of benchmarks/dynamic_placement.py that need no run: the oracle that bounds every switching rule,
 and the reversing workload's prompt file."""
 
-import importlib.util
 import itertools
 import json
 import math
 import random
-from pathlib import Path
 
 import pytest
 
-BENCHMARK = Path(__file__).resolve().parent.parent / "benchmarks" / "dynamic_placement.py"
+from benchmark_modules import load_benchmark
 
 
 @pytest.fixture(scope="module")
 def bench():
-    spec = importlib.util.spec_from_file_location("dynamic_placement_benchmark", BENCHMARK)
-    module = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(module)
-    return module
+    return load_benchmark("dynamic_placement")
 
 
 def _brute_force(times: dict[str, list[float]], switch_s: float) -> float:

@@ -2,24 +2,18 @@
 and refused, and the driver of a run on the reference executor killed with SIGKILL during a save leaves a
 checkpoint that verifies, from which the resumed run finishes as the uninterrupted one did."""
 
-import importlib.util
 import json
 import random
-from pathlib import Path
 
 import pytest
 
+from benchmark_modules import load_benchmark
 from loomrl.checkpoint.store import MANIFEST_FILE, verify_checkpoint
-
-BENCHMARK = Path(__file__).resolve().parent.parent / "benchmarks" / "faults.py"
 
 
 @pytest.fixture(scope="module")
 def faults():
-    spec = importlib.util.spec_from_file_location("faults_benchmark", BENCHMARK)
-    module = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(module)
-    return module
+    return load_benchmark("faults")
 
 
 @pytest.fixture(scope="module")

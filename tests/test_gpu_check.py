@@ -4,7 +4,6 @@ The dry run is the GPU check's own code on tiny shapes; a GPU machine has no Ray
 ``import ray`` fail in it and in the pytest it starts (a ``sitecustomize`` on ``PYTHONPATH``).
 """
 
-import importlib.util
 import json
 import os
 import re
@@ -15,6 +14,7 @@ from pathlib import Path
 import pytest
 import torch
 
+from benchmark_modules import load_benchmark
 from loomrl.plan.hardware import load_profile
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -23,14 +23,7 @@ SCRIPT = ROOT / "benchmarks" / "gpu_check.py"
 
 @pytest.fixture(scope="module")
 def gpu_check():
-    spec = importlib.util.spec_from_file_location("gpu_check", SCRIPT)
-    module = importlib.util.module_from_spec(spec)
-    sys.modules["gpu_check"] = module  # its dataclasses look their module up while it runs
-    try:
-        spec.loader.exec_module(module)
-        yield module
-    finally:
-        del sys.modules["gpu_check"]
+    return load_benchmark("gpu_check")
 
 
 def _without_ray(tmp_path: Path) -> dict[str, str]:

@@ -1,26 +1,18 @@
 """benchmarks/published_runs.py's out-of-sample factors: hand-computed on made-up rows, and the profiles' stated
 factors are what the benchmark fits in sample on the published rows."""
 
-import importlib.util
 import math
-import sys
-from pathlib import Path
 
 import pytest
 
+from benchmark_modules import load_benchmark
 from loomrl.plan import ClusterSpec
 from loomrl.plan.cluster import profile_for
-
-BENCHMARK = Path(__file__).resolve().parent.parent / "benchmarks" / "published_runs.py"
 
 
 @pytest.fixture(scope="module")
 def published():
-    spec = importlib.util.spec_from_file_location("published_runs_benchmark", BENCHMARK)
-    module = importlib.util.module_from_spec(spec)
-    sys.modules[spec.name] = module  # its dataclasses look their module up
-    spec.loader.exec_module(module)
-    return module
+    return load_benchmark("published_runs")
 
 
 def test_a_factor_is_fitted_without_the_row_or_the_system_it_prices(published):
