@@ -54,6 +54,7 @@ from loomrl.config.schema import OptimConfig, TrainConfig  # noqa: E402
 from loomrl.config.tools import load_config  # noqa: E402
 from loomrl.models.attention import attention_for  # noqa: E402
 from loomrl.models.heads import LOGP, response_outputs  # noqa: E402
+from loomrl.models.presets import MODEL_PRESETS  # noqa: E402
 from loomrl.models.tokenizer import build_char_tokenizer  # noqa: E402
 from loomrl.models.zoo import count_parameters  # noqa: E402
 from loomrl.parallel.main_grad import accumulate_in_fp32  # noqa: E402
@@ -89,35 +90,23 @@ _SPECIAL_IDS = {"pad_token_id": 0, "bos_token_id": 1, "eos_token_id": 2}
 """The built-in character tokenizer's ids, so a saved random model runs with it (the grpo part)."""
 
 
-def _decoder(
-    model_type: str, hidden: int, layers: int, heads: int, kv_heads: int, intermediate: int, vocab: int, **extra: Any
-) -> dict[str, Any]:
-    return dict(
-        model_type=model_type,
-        hidden_size=hidden,
-        num_hidden_layers=layers,
-        num_attention_heads=heads,
-        num_key_value_heads=kv_heads,
-        intermediate_size=intermediate,
-        vocab_size=vocab,
-        **extra,
-    )
-
-
-_QWEN2 = dict(rope_theta=1e6, rms_norm_eps=1e-6, max_position_embeddings=32768)
+_TINY = dict(
+    hidden_size=64,
+    num_hidden_layers=2,
+    num_attention_heads=4,
+    num_key_value_heads=2,
+    intermediate_size=128,
+    vocab_size=1024,
+    max_position_embeddings=256,
+)
 
 ARCHITECTURES: dict[str, dict[str, Any]] = {
-    # Qwen/Qwen2.5-0.5B, Qwen/Qwen2.5-1.5B, meta-llama/Llama-3.2-1B (their config.json; rope scaling left out)
-    "qwen2.5-0.5b": _decoder("qwen2", 896, 24, 14, 2, 4864, 151936, **_QWEN2),
-    "qwen2.5-1.5b": _decoder("qwen2", 1536, 28, 12, 2, 8960, 151936, **_QWEN2),
-    "llama-3.2-1b": _decoder(
-        "llama", 2048, 16, 32, 8, 8192, 128256, rope_theta=5e5, rms_norm_eps=1e-5, max_position_embeddings=131072
-    ),
+    **{name: dict(vars(MODEL_PRESETS[name])) for name in ("qwen2.5-0.5b", "qwen2.5-1.5b", "llama3.2-1b")},
     # the dry run's stand-ins: the same architectures, tiny
-    "tiny-qwen2": _decoder("qwen2", 64, 2, 4, 2, 128, 1024, max_position_embeddings=256),
-    "tiny-llama": _decoder("llama", 64, 2, 4, 2, 128, 1024, max_position_embeddings=256),
+    "tiny-qwen2": {**vars(MODEL_PRESETS["qwen2.5-0.5b"]), **_TINY},
+    "tiny-llama": {**vars(MODEL_PRESETS["llama3.2-1b"]), **_TINY},
 }
-"""Random-initialised models by name: HF config fields (every one with tied embeddings)."""
+"""Random-initialised models by name: HF config fields (the presets', every one with tied embeddings)."""
 
 GPU_NAMES = {"NVIDIA H100 80GB HBM3": "h100-80g", "NVIDIA H200": "h200"}
 """CUDA device name → the :data:`~loomrl.plan.hardware.PROFILES` entry whose dense bf16 rate is its peak (the SXM
@@ -152,7 +141,7 @@ class Scale:
 
 
 GPU = Scale(
-    decode_models=("qwen2.5-0.5b", "llama-3.2-1b"),
+    decode_models=("qwen2.5-0.5b", "llama3.2-1b"),
     concurrency=(64, 256),
     prompt_len=128,
     new_tokens=128,
@@ -254,7 +243,8 @@ def build_random_lm(name: str, device: torch.device, dtype: torch.dtype, seed: i
     """A random-initialised model of architecture ``name`` drawn on ``device`` in ``dtype``, with the device's
     attention kernel, in eval mode."""
     fields = dict(ARCHITECTURES[name])
-    config = AutoConfig.for_model(fields.pop("model_type"), tie_word_embeddings=True, **_SPECIAL_IDS, **fields)
+    fields["tie_word_embeddings"] = True
+    config = AutoConfig.for_model(fields.pop("model_type"), **_SPECIAL_IDS, **fields)
     torch.manual_seed(seed)
     with torch.device(device):
         model = AutoModelForCausalLM.from_config(config, dtype=dtype, attn_implementation=attention_for(device))

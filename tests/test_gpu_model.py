@@ -73,6 +73,9 @@ def test_presets_have_their_published_sizes():
         "opt-13b": 12.85e9,
         "qwen2.5-7b": 7.62e9,
         "llama2-7b": 6.74e9,
+        "qwen2.5-0.5b": 0.494e9,
+        "qwen2.5-1.5b": 1.54e9,
+        "llama3.2-1b": 1.24e9,
     }
     for name, size in sizes.items():
         assert param_count(MODEL_PRESETS[name]) == pytest.approx(size, rel=0.01), name

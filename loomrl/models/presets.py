@@ -47,6 +47,8 @@ def _opt(hidden: int, layers: int, heads: int) -> SimpleNamespace:
     )
 
 
+_QWEN2 = dict(tie_word_embeddings=True, rope_theta=1e6, rms_norm_eps=1e-6, max_position_embeddings=32768)
+
 # Published architectures, each the fields of its Hugging Face config.json (huggingface.co/<repo>/blob/main/
 # config.json for the repo named beside it); any other model: give its config.json (--model path/config.json).
 MODEL_PRESETS: dict[str, SimpleNamespace] = {
@@ -60,6 +62,23 @@ MODEL_PRESETS: dict[str, SimpleNamespace] = {
     "llama3-70b": _decoder("llama", 8192, 80, 64, 8, 28672, 128256),
     "llama3.1-70b": _decoder("llama", 8192, 80, 64, 8, 28672, 128256),
     "llama3.1-405b": _decoder("llama", 16384, 126, 128, 8, 53248, 128256),
+    # Qwen/Qwen2.5-0.5B, Qwen/Qwen2.5-1.5B, meta-llama/Llama-3.2-1B (the small models of the GPU check; rope
+    # scaling left out)
+    "qwen2.5-0.5b": _decoder("qwen2", 896, 24, 14, 2, 4864, 151936, **_QWEN2),
+    "qwen2.5-1.5b": _decoder("qwen2", 1536, 28, 12, 2, 8960, 151936, **_QWEN2),
+    "llama3.2-1b": _decoder(
+        "llama",
+        2048,
+        16,
+        32,
+        8,
+        8192,
+        128256,
+        tie_word_embeddings=True,
+        rope_theta=5e5,
+        rms_norm_eps=1e-5,
+        max_position_embeddings=131072,
+    ),
     # Qwen/Qwen2.5-7B (Qwen2.5-Math-7B: the same shape), Qwen/Qwen2.5-32B
     "qwen2.5-7b": _decoder("qwen2", 3584, 28, 28, 4, 18944, 152064),
     "qwen2.5-32b": _decoder("qwen2", 5120, 64, 40, 8, 27648, 152064),
