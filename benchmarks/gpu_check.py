@@ -243,7 +243,6 @@ def build_random_lm(name: str, device: torch.device, dtype: torch.dtype, seed: i
     """A random-initialised model of architecture ``name`` drawn on ``device`` in ``dtype``, with the device's
     attention kernel, in eval mode."""
     fields = dict(ARCHITECTURES[name])
-    fields["tie_word_embeddings"] = True
     config = AutoConfig.for_model(fields.pop("model_type"), **_SPECIAL_IDS, **fields)
     torch.manual_seed(seed)
     with torch.device(device):

@@ -310,7 +310,7 @@ class DeviceWorker:
 
     def run_stream(self, step_id: str, call: CallData, spec: StreamSpec):
         """A fused stage's generation on this device, streamed (a Ray generator): yields the finished rows in
-        chunks as they come (references to their shards and their token counts), taking part in the tail's
+        chunks as they come (each chunk's rows and token counts, then its shard), taking part in the tail's
         migration (:mod:`loomrl.runtime.migration`), and last a marker with the stream's start and end. A chunk's
         shard is its own item, right after its metadata (:data:`~loomrl.runtime.spec.SHARD_FOLLOWS`), so that
         the controller owns its reference."""
