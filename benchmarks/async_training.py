@@ -228,7 +228,7 @@ class MeasuredCost(CostEstimator):
         return next((s for (step, _), s in self.steps.items() if step.startswith(f"sync {role}→")), 0.0)
 
 
-def main() -> None:
+def _arguments() -> argparse.Namespace:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--model", default="llama-10m")
     ap.add_argument("--prompts", type=int, default=8)
@@ -254,14 +254,11 @@ def main() -> None:
     )
     ap.add_argument("--steps", action="store_true", help="print each plan's median seconds per step")
     ap.add_argument("--only-async", action="store_true", help="run the asynchronous plans only (no baseline)")
-    args = ap.parse_args()
-    quiet_libraries()
-    console = Console()
-    tmp = Path(tempfile.mkdtemp(prefix="loomrl-async-"))
-    cfgs = {off: config(args, off, tmp / off) for off in {"none", *args.objectives.split(",")}}
-    flows = {off: budgeted(build_workflow(c.algo, c.rollout), args.longest) for off, c in cfgs.items()}
-    plain = cfgs["none"]
-    cluster = ClusterSpec(nodes=1, devices_per_node=args.devices, device_kind="cpu")
+    return ap.parse_args()
+
+
+def _variants(args: argparse.Namespace) -> list[tuple[str, str, str]]:
+    """(how the iteration runs, plan string, objective) of every plan measured."""
     variants = [
         ("synchronous", "colocate", "none"),
         ("synchronous", "separate", "none"),
@@ -272,34 +269,41 @@ def main() -> None:
             for off in args.objectives.split(",")
         ),
     ]
-    if args.only_async:
-        variants = [v for v in variants if v[0] == "asynchronous"]
-    prompts = Prompts(plain, args.longest, args.tail)
+    return [v for v in variants if v[0] == "asynchronous"] if args.only_async else variants
+
+
+def _run_variants(args: argparse.Namespace, console: Console) -> tuple[dict, dict[str, Workflow]]:
+    """Every variant, one after another: label → (mode, plan, objective, :func:`run`'s figures); and each
+    objective's workflow."""
+    tmp = Path(tempfile.mkdtemp(prefix="loomrl-async-"))
+    cfgs = {off: config(args, off, tmp / off) for off in {"none", *args.objectives.split(",")}}
+    flows = {off: budgeted(build_workflow(c.algo, c.rollout), args.longest) for off, c in cfgs.items()}
+    cluster = ClusterSpec(nodes=1, devices_per_node=args.devices, device_kind="cpu")
+    prompts = Prompts(cfgs["none"], args.longest, args.tail)
     results = {}
-    for mode, text, off in variants:
-        cfg = cfgs[off]
+    for mode, text, off in _variants(args):
         plan = scored_in_micro_batches(
             make_plan(_calls_of(text, flows[off]), flows[off], cluster), flows[off], args.micro_batches
         )
         console.print(f"running {text} ({mode}) ...")
         label = text if mode != "asynchronous" or off == "decoupled" else f"{text} [{off}]"
-        results[label] = (mode, plan, off, run(cfg, flows[off], plan, prompts, args.iterations))
-        r = results[label][3]
+        r = run(cfgs[off], flows[off], plan, prompts, args.iterations)
+        results[label] = (mode, plan, off, r)
         console.print(f"  {r['seconds']:.2f} s/iteration ({r['spread'][0]:.2f}-{r['spread'][1]:.2f})")
         if args.steps:
             console.print(
                 "  " + ", ".join(f"{step} ({where}) {s:.2f}" for (step, where), s in r["steps"].items()), markup=False
             )
-    if args.only_async:
-        return
-    synchronous = {k: v for k, v in results.items() if v[0] != "asynchronous"}
-    best = min(synchronous, key=lambda k: synchronous[k][3]["seconds"])
-    base = synchronous[best][3]
+    return results, flows
+
+
+def _rows(args: argparse.Namespace, results: dict, flows: dict[str, Workflow], base: dict) -> list[dict]:
+    """The table's rows: each plan's figures against ``base`` (the best synchronous-or-fused plan's), and the
+    simulator's prediction from the calls' times measured in the synchronous runs."""
     measured: dict[tuple[str, str], float] = {}
-    for mode, _, _, r in synchronous.values():
+    for mode, _, _, r in results.values():
         if mode == "synchronous":
             measured.update(r["steps"])
-    batch = args.prompts * args.group
     rows = []
     for text, (mode, plan, off, r) in results.items():
         predicted = math.nan
@@ -310,7 +314,7 @@ def main() -> None:
             {
                 "plan": text,
                 "iteration runs": mode,
-                "samples/s": batch / r["seconds"],
+                "samples/s": args.prompts * args.group / r["seconds"],
                 "s/iteration (min-max)": f"{r['seconds']:.2f} ({r['spread'][0]:.2f}-{r['spread'][1]:.2f})",
                 "vs best sync/fused": base["seconds"] / r["seconds"],
                 "utilisation": r["utilisation"],
@@ -318,12 +322,13 @@ def main() -> None:
                 "predicted / measured": predicted / r["seconds"],
             }
         )
-    console.print(
-        f"model {args.model}, {args.prompts} prompts x {args.group}, budgets lognormal(median 16) in [4, "
-        f"{args.longest}] with {args.tail} at {args.longest}, {args.devices} devices, median of "
-        f"{args.iterations - 1} iterations after the first"
-    )
-    console.print(summary_table(rows, "asynchronous training vs the best synchronous and stream-fused plans"))
+    return rows
+
+
+def _print_bounds(args: argparse.Namespace, results: dict, best: str, console: Console) -> None:
+    """The ceiling (1 / the best synchronous-or-fused plan's utilisation), the decoupled objective's bound and
+    what asynchrony gained on the separated placement against its own ceiling."""
+    base = results[best][3]
     console.print(
         f"best synchronous-or-fused plan (in hindsight): {best}; its utilisation {base['utilisation']:.2f}: "
         f"recovering all its idle time would make it {1 / base['utilisation']:.2f}x faster (the ceiling)"
@@ -331,20 +336,39 @@ def main() -> None:
     # the decoupled objective adds a forward pass of the policy over the batch: priced as the best plan's own
     # reference pass (the same forward of the same model), its work alone bounds any plan's time from below
     # (a fused plan's reference pass runs inside its stage: the colocated synchronous run's is taken then)
-    extra = base["work"].get("ref_inf", synchronous["colocate"][3]["work"].get("ref_inf", 0.0))
+    extra = base["work"].get("ref_inf", results["colocate"][3]["work"].get("ref_inf", 0.0))
     bound = args.devices * base["seconds"] / (base["busy"] + extra)
     console.print(
         f"its devices work {base['busy']:.2f} device-s an iteration; with the decoupled objective's extra forward "
         f"pass ({extra:.2f} device-s, its ref_inf's) the work alone allows at most {bound:.2f}x on {args.devices} "
         "devices (the bound for the decoupled objective at any staleness)"
     )
-    separate = synchronous["separate"][3]
+    separate = results["separate"][3]
     fastest = min((r for mode, _, _, r in results.values() if mode == "asynchronous"), key=lambda r: r["seconds"])
     gain = separate["seconds"] / fastest["seconds"]
     console.print(
         f"the separated placement synchronous: utilisation {separate['utilisation']:.2f}, so asynchrony on it can "
         f"reach at most {1 / separate['utilisation']:.2f}x its speed; measured {gain:.2f}x"
     )
+
+
+def main() -> None:
+    args = _arguments()
+    quiet_libraries()
+    console = Console()
+    results, flows = _run_variants(args, console)
+    if args.only_async:
+        return
+    synchronous = {k: v for k, v in results.items() if v[0] != "asynchronous"}
+    best = min(synchronous, key=lambda k: synchronous[k][3]["seconds"])
+    console.print(
+        f"model {args.model}, {args.prompts} prompts x {args.group}, budgets lognormal(median 16) in [4, "
+        f"{args.longest}] with {args.tail} at {args.longest}, {args.devices} devices, median of "
+        f"{args.iterations - 1} iterations after the first"
+    )
+    rows = _rows(args, results, flows, synchronous[best][3])
+    console.print(summary_table(rows, "asynchronous training vs the best synchronous and stream-fused plans"))
+    _print_bounds(args, results, best, console)
 
 
 if __name__ == "__main__":
