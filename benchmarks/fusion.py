@@ -184,7 +184,11 @@ def observations(traces: list[dict], workload: Workload, allocation: str) -> lis
     return out
 
 
-def main() -> None:
+HEADLINE = ("unfused", "unfused, scoring mb4", "fused, migrate_at auto")
+"""The variants every round runs; the swept thresholds run in the first round only."""
+
+
+def _arguments() -> argparse.Namespace:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--model", default="llama-10m")
     ap.add_argument("--prompts", type=int, default=64)
@@ -196,83 +200,89 @@ def main() -> None:
         "--repeats", type=int, default=3, help="runs of the unfused stages and of fused auto, in interleaved rounds"
     )
     ap.add_argument("--no-sweep", dest="sweep", action="store_false", help="skip the swept thresholds")
-    args = ap.parse_args()
-    quiet_libraries()
-    started = time.perf_counter()
-    workflow, spec = stage_workflow(args.longest), worker_spec(args.model)
-    cluster = ClusterSpec(nodes=1, devices_per_node=args.devices, device_kind="cpu")
-    heavy = budgets(args.prompts, args.longest, args.tail)
-    batch = make_batch(args.prompts, heavy)
-    prompt = statistics.fmean(len(p) for p in batch["prompt_ids"])
-    shapes = {r: ModelShape.from_config(model_config(args.model)) for r in SHAPED}
-    profile = calibrate_local(1)
-    if args.devices > usable_cores():
-        profile = dataclasses.replace(profile, devices_share_cores=-(-args.devices // usable_cores()))
-    with tempfile.TemporaryDirectory() as d:
-        tmp = Path(d)
-        runtime = RuntimeConfig(devices=args.devices, timeout_s=1800)
-        # corrections from other workloads: uniform budgets (short and long), unfused
-        found = []
-        for length in (12, 48):
-            uniform = make_batch(args.prompts, [length] * args.prompts)
-            _, traces, _ = run("colocate", workflow, uniform, spec, runtime, 3)
-            found += observations(traces, Workload(args.prompts, prompt, (length,)), f"0-{args.devices - 1}")
-        corrections = fit_corrections(found, trace_predictor(cluster, profile, shapes, settings=RUNTIME))
-        (tmp / "profile.json").write_text(json.dumps(dataclasses.asdict(profile)))
-        (tmp / "corrections.json").write_text(corrections.dumps())
-        cost = CostModel(
-            cluster, profile, shapes, Workload(args.prompts, prompt, tuple(heavy)), corrections, settings=RUNTIME
-        )
-        auto = RuntimeConfig(
-            devices=args.devices,
-            timeout_s=1800,
-            cost_profile=str(tmp / "profile.json"),
-            cost_corrections=str(tmp / "corrections.json"),
-        )
-        dp = f"0-{args.devices - 1}:dp{args.devices}"
-        scored = f"actor_gen={dp}; ref_inf={dp}mb4; critic_inf={dp}mb4; reward_inf={dp}"
-        variants = {"unfused": ("colocate", runtime), "unfused, scoring mb4": (scored, runtime)}
-        if args.sweep:
-            variants |= {
-                f"fused, migrate_at {r}": (f"{scored}; stream_fusion=migrate_at:{r},migrate_to:1", runtime)
-                for r in SWEEP
+    return ap.parse_args()
+
+
+def _calibrate(args, tmp: Path, workflow, spec, cluster, profile, shapes, prompt: float, heavy: list[int]):
+    """The cost model of the heavy-tailed workload, its corrections fitted on other workloads (uniform budgets,
+    short and long, unfused), written to ``tmp`` for ``migrate_at:auto``; and the runtime that reads them."""
+    runtime = RuntimeConfig(devices=args.devices, timeout_s=1800)
+    found = []
+    for length in (12, 48):
+        uniform = make_batch(args.prompts, [length] * args.prompts)
+        _, traces, _ = run("colocate", workflow, uniform, spec, runtime, 3)
+        found += observations(traces, Workload(args.prompts, prompt, (length,)), f"0-{args.devices - 1}")
+    corrections = fit_corrections(found, trace_predictor(cluster, profile, shapes, settings=RUNTIME))
+    (tmp / "profile.json").write_text(json.dumps(dataclasses.asdict(profile)))
+    (tmp / "corrections.json").write_text(corrections.dumps())
+    cost = CostModel(
+        cluster, profile, shapes, Workload(args.prompts, prompt, tuple(heavy)), corrections, settings=RUNTIME
+    )
+    auto = RuntimeConfig(
+        devices=args.devices,
+        timeout_s=1800,
+        cost_profile=str(tmp / "profile.json"),
+        cost_corrections=str(tmp / "corrections.json"),
+    )
+    return cost, auto
+
+
+def _variant_plans(args, auto: RuntimeConfig) -> dict[str, tuple[str, RuntimeConfig]]:
+    """Variant name → (plan string, runtime settings)."""
+    runtime = RuntimeConfig(devices=args.devices, timeout_s=1800)
+    dp = f"0-{args.devices - 1}:dp{args.devices}"
+    scored = f"actor_gen={dp}; ref_inf={dp}mb4; critic_inf={dp}mb4; reward_inf={dp}"
+    variants = {"unfused": ("colocate", runtime), "unfused, scoring mb4": (scored, runtime)}
+    if args.sweep:
+        variants |= {
+            f"fused, migrate_at {r}": (f"{scored}; stream_fusion=migrate_at:{r},migrate_to:1", runtime) for r in SWEEP
+        }
+    variants["fused, migrate_at auto"] = (f"{scored}; stream_fusion=migrate_at:auto,migrate_to:1", auto)
+    return variants
+
+
+def _measure(args, variants: dict, workflow, batch, spec) -> tuple[dict[str, list[float]], dict[str, list]]:
+    """Every variant's median seconds per run and the thresholds ``auto`` chose, in interleaved rounds (so that a
+    slow spell of the machine hits every variant)."""
+    measured: dict[str, list[float]] = {name: [] for name in variants}
+    picks: dict[str, list] = {name: [] for name in variants}
+    for round_ in range(args.repeats):
+        for name, (text, rt) in variants.items():
+            if round_ and name not in HEADLINE:
+                continue
+            seconds, _, chosen = run(text, workflow, batch, spec, rt, args.iterations)
+            measured[name].append(seconds)
+            picks[name] += [c for c in chosen if c is not None]
+    return measured, picks
+
+
+def _rows(variants: dict, measured: dict, picks: dict, workflow, cluster, cost, memory: float) -> list[dict]:
+    rows = []
+    for name, (text, _) in variants.items():
+        seconds = statistics.median(measured[name])
+        predicted = simulate(make_plan(text, workflow, cluster), workflow, cost, memory).iteration_time
+        rows.append(
+            {
+                "variant": name,
+                "runs": len(measured[name]),
+                "measured s (median)": seconds,
+                "spread": f"{min(measured[name]):.3f}-{max(measured[name]):.3f}",
+                "predicted s": predicted,
+                "error": abs(predicted - seconds) / seconds,
+                "chosen migrate_at": ",".join(sorted({f"{c:g}" for c in picks[name]})) or "-",
             }
-        variants["fused, migrate_at auto"] = (f"{scored}; stream_fusion=migrate_at:auto,migrate_to:1", auto)
-        headline = ("unfused", "unfused, scoring mb4", "fused, migrate_at auto")
-        measured: dict[str, list[float]] = {name: [] for name in variants}
-        picks: dict[str, list] = {name: [] for name in variants}
-        for round_ in range(args.repeats):  # interleaved, so that a slow spell of the machine hits every variant
-            for name, (text, rt) in variants.items():
-                if round_ and name not in headline:
-                    continue
-                seconds, _, chosen = run(text, workflow, batch, spec, rt, args.iterations)
-                measured[name].append(seconds)
-                picks[name] += [c for c in chosen if c is not None]
-        rows = []
-        for name, (text, _) in variants.items():
-            seconds = statistics.median(measured[name])
-            predicted = simulate(
-                make_plan(text, workflow, cluster), workflow, cost, profile.memory_bytes
-            ).iteration_time
-            rows.append(
-                {
-                    "variant": name,
-                    "runs": len(measured[name]),
-                    "measured s (median)": seconds,
-                    "spread": f"{min(measured[name]):.3f}-{max(measured[name]):.3f}",
-                    "predicted s": predicted,
-                    "error": abs(predicted - seconds) / seconds,
-                    "chosen migrate_at": ",".join(sorted({f"{c:g}" for c in picks[name]})) or "-",
-                }
-            )
-    # each round's better unfused stage against that round's fused auto: the headline, a median over rounds
-    rounds = [
-        min(u, m) / a
-        for u, m, a in zip(measured["unfused"], measured["unfused, scoring mb4"], measured["fused, migrate_at auto"])
-    ]
+        )
+    # the better unfused stage (in hindsight) is every row's baseline
     base = min(statistics.median(measured["unfused"]), statistics.median(measured["unfused, scoring mb4"]))
     for row in rows:
         row["speedup vs better unfused"] = base / row["measured s (median)"]
+    return rows
+
+
+def _report(args, rows: list[dict], measured: dict[str, list[float]], started: float) -> None:
+    # each round's better unfused stage against that round's fused auto: the headline, a median over rounds
+    rounds = [min(u, m) / a for u, m, a in zip(*(measured[name] for name in HEADLINE))]
+    base = min(statistics.median(measured["unfused"]), statistics.median(measured["unfused, scoring mb4"]))
     console = Console()
     console.print(
         summary_table(
@@ -294,6 +304,27 @@ def main() -> None:
             f"{best}, {base / swept[best]:.2f}x; auto {auto_vs_best:+.1%} against it"
         )
     console.print(f"wall time {time.perf_counter() - started:.0f} s")
+
+
+def main() -> None:
+    args = _arguments()
+    quiet_libraries()
+    started = time.perf_counter()
+    workflow, spec = stage_workflow(args.longest), worker_spec(args.model)
+    cluster = ClusterSpec(nodes=1, devices_per_node=args.devices, device_kind="cpu")
+    heavy = budgets(args.prompts, args.longest, args.tail)
+    batch = make_batch(args.prompts, heavy)
+    prompt = statistics.fmean(len(p) for p in batch["prompt_ids"])
+    shapes = {r: ModelShape.from_config(model_config(args.model)) for r in SHAPED}
+    profile = calibrate_local(1)
+    if args.devices > usable_cores():
+        profile = dataclasses.replace(profile, devices_share_cores=-(-args.devices // usable_cores()))
+    with tempfile.TemporaryDirectory() as d:
+        cost, auto = _calibrate(args, Path(d), workflow, spec, cluster, profile, shapes, prompt, heavy)
+        variants = _variant_plans(args, auto)
+        measured, picks = _measure(args, variants, workflow, batch, spec)
+        rows = _rows(variants, measured, picks, workflow, cluster, cost, profile.memory_bytes)
+    _report(args, rows, measured, started)
 
 
 if __name__ == "__main__":
