@@ -49,6 +49,8 @@ import subprocess
 import sys
 import tempfile
 import time
+from collections.abc import Callable
+from dataclasses import dataclass
 from pathlib import Path
 
 os.environ.setdefault("HF_HUB_OFFLINE", "1")
@@ -349,7 +351,7 @@ def limit_seconds(shape: dict, mean_len: float, max_len: float, flops: float, ba
     return 3 * forward / flops + sampling
 
 
-def main() -> None:
+def _arguments() -> argparse.Namespace:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--quick", action="store_true", help="one row (1m, 12 tokens), fewer steps")
     ap.add_argument("--steps", type=int, default=7, help="iterations per run, the first --warmup left out")
@@ -376,7 +378,76 @@ def main() -> None:
     ap.add_argument("--systems", default=",".join(SYSTEMS), help="comma-separated subset of " + ",".join(SYSTEMS))
     ap.add_argument("--rows", help="comma-separated subset of rows as size:tokens, e.g. 1m:12,6m:48")
     ap.add_argument("--one", help=argparse.SUPPRESS)
-    args = ap.parse_args()
+    return ap.parse_args()
+
+
+def _wanted_rows(args: argparse.Namespace) -> list[tuple[str, int]]:
+    """The (model size, response budget) rows to run, or one line naming an unknown row and the valid ones."""
+    if not args.rows:
+        return [ROWS[0]] if args.quick else ROWS
+    known = {f"{size}:{tokens}": (size, tokens) for size, tokens in ROWS}
+    wanted = args.rows.split(",")
+    if unknown := [r for r in wanted if r not in known]:
+        raise SystemExit(f"--rows: unknown {', '.join(unknown)} (valid: {', '.join(known)})")
+    return [known[r] for r in wanted]
+
+
+@dataclass
+class Measured:
+    """One row's runs: every (system, bf16) run's figures, the statistic of a run's step times, and the machine's
+    matmul rate at each precision and memory bandwidth (the arithmetic limit's rates)."""
+
+    runs: dict[tuple[str, bool], dict]
+    stat: Callable[[list[float]], float]
+    warmup: int
+    rates: dict[bool, float]
+    bandwidth: float
+
+
+def _row(args: argparse.Namespace, size: str, budget: int, shape: dict, m: Measured) -> dict:
+    """One table row: each system's faster precision's samples/s, against TRL's and the arithmetic limit."""
+    systems, precisions = args.systems.split(","), sorted({p for _, p in m.runs})
+    chosen = {s: min(precisions, key=lambda p: m.stat(m.runs[s, p]["step_s"][m.warmup :])) for s in systems}
+    result = {s: m.runs[s, chosen[s]] for s in systems}
+    per_s = {s: PROMPTS * GROUP / m.stat(r["step_s"][m.warmup :]) for s, r in result.items()}
+    row = {
+        "model": f"{size} ({shape['total'] / 1e6:.1f}M)",
+        "new tokens": budget,
+        "recompute": args.recompute,
+        "precision": ", ".join(f"{s.removeprefix('loomrl-')} {'bf16' if chosen[s] else 'fp32'}" for s in systems),
+    }
+    for s in systems:
+        lengths = result[s]["response_len"]
+        row[f"{s.removeprefix('loomrl-')} mean len"] = statistics.mean(lengths) if lengths else float("nan")
+    row.update({f"{s} samples/s": per_s[s] for s in systems})
+    if "trl" in per_s:
+        row.update({f"{s.removeprefix('loomrl-')} / trl": per_s[s] / per_s["trl"] for s in systems if s != "trl"})
+    loomrl_run = next((result[s] for s in systems if s != "trl"), None)
+    if loomrl_run is not None:  # the limit of the work loomrl's runs did (their lengths), at the faster rate
+        fast = max(precisions, key=lambda p: m.rates[p])
+        limit = limit_seconds(
+            shape,
+            statistics.mean(loomrl_run["response_len"]),
+            max(loomrl_run["response_max"]),
+            m.rates[fast],
+            m.bandwidth,
+            fast,
+        )
+        row["arith. limit samples/s"] = PROMPTS * GROUP / limit
+    if "loomrl-reference" in result:  # where the reference executor's iteration goes
+        ref = result["loomrl-reference"]
+        row["ref gen s"] = m.stat(ref["gen_s"][m.warmup :])
+        row["ref train s"] = m.stat(ref["train_s"][m.warmup :])
+        if "arith. limit samples/s" in row:
+            row["ref fraction of limit"] = per_s["loomrl-reference"] / row["arith. limit samples/s"]
+    for s in ("trl", "loomrl-reference"):
+        if s in result:
+            row[f"{s.removeprefix('loomrl-')} peak RSS GB"] = result[s]["peak_rss_gb"]
+    return row
+
+
+def main() -> None:
+    args = _arguments()
     if args.one:
         return one(json.loads(args.one))
     from rich.console import Console
@@ -386,77 +457,26 @@ def main() -> None:
 
     bf16 = native_bf16() if args.precision in ("best", "each") else args.precision == "bf16"
     precisions = [False, True] if args.precision == "each" and bf16 else [bf16]
-    rows, steps = ([ROWS[0]], min(args.steps, 4)) if args.quick else (ROWS, args.steps)
-    if args.rows:
-        known = {f"{size}:{tokens}": (size, tokens) for size, tokens in ROWS}
-        wanted = args.rows.split(",")
-        if unknown := [r for r in wanted if r not in known]:
-            raise SystemExit(f"--rows: unknown {', '.join(unknown)} (valid: {', '.join(known)})")
-        rows = [known[r] for r in wanted]
-    warmup = min(args.warmup, steps - 1)
+    rows, steps = _wanted_rows(args), min(args.steps, 4) if args.quick else args.steps
     rates = {p: matmul_flops(1024, torch.bfloat16 if p else torch.float32) for p in precisions}
     bandwidth = memory_bandwidth()
-    systems = args.systems.split(",")
+    stat = statistics.median if args.stat == "median" else min
+    warmup = min(args.warmup, steps - 1)
     table, shapes = [], {}
     with tempfile.TemporaryDirectory() as d:
         for size, budget in rows:
             if size not in shapes:
                 shapes[size] = prepare_model(size, Path(d))
-            shape = shapes[size]
-            stat = statistics.median if args.stat == "median" else min
-            recompute = args.recompute == "on"
+            shape, recompute = shapes[size], args.recompute == "on"
             runs = {
                 (s, p): measure(s, size, shape["path"], budget, steps, p, recompute)
-                for s in systems
+                for s in args.systems.split(",")
                 for p in precisions
             }
-            chosen = {s: min(precisions, key=lambda p: stat(runs[s, p]["step_s"][warmup:])) for s in systems}
-            result = {s: runs[s, chosen[s]] for s in systems}
-            per_s = {s: PROMPTS * GROUP / stat(r["step_s"][warmup:]) for s, r in result.items()}
-            row = {
-                "model": f"{size} ({shape['total'] / 1e6:.1f}M)",
-                "new tokens": budget,
-                "recompute": args.recompute,
-                "precision": ", ".join(
-                    f"{s.removeprefix('loomrl-')} {'bf16' if chosen[s] else 'fp32'}" for s in systems
-                ),
-            }
-            for s in systems:
-                lengths = result[s]["response_len"]
-                row[f"{s.removeprefix('loomrl-')} mean len"] = statistics.mean(lengths) if lengths else float("nan")
-            row.update({f"{s} samples/s": per_s[s] for s in systems})
-            if "trl" in per_s:
-                row.update(
-                    {f"{s.removeprefix('loomrl-')} / trl": per_s[s] / per_s["trl"] for s in systems if s != "trl"}
-                )
-            loomrl_run = next((result[s] for s in systems if s != "trl"), None)
-            if loomrl_run is not None:  # the limit of the work loomrl's runs did (their lengths), at the faster rate
-                fast = max(precisions, key=lambda p: rates[p])
-                limit = limit_seconds(
-                    shape,
-                    statistics.mean(loomrl_run["response_len"]),
-                    max(loomrl_run["response_max"]),
-                    rates[fast],
-                    bandwidth,
-                    fast,
-                )
-                row["arith. limit samples/s"] = PROMPTS * GROUP / limit
-            if "loomrl-reference" in result:  # where the reference executor's iteration goes
-                ref = result["loomrl-reference"]
-                row["ref gen s"] = stat(ref["gen_s"][warmup:])
-                row["ref train s"] = stat(ref["train_s"][warmup:])
-                if "arith. limit samples/s" in row:
-                    row["ref fraction of limit"] = per_s["loomrl-reference"] / row["arith. limit samples/s"]
-            for s in ("trl", "loomrl-reference"):
-                if s in result:
-                    row[f"{s.removeprefix('loomrl-')} peak RSS GB"] = result[s]["peak_rss_gb"]
+            row = _row(args, size, budget, shape, Measured(runs, stat, warmup, rates, bandwidth))
             table.append(row)
-            print(
-                json.dumps(
-                    {**row, "steps_s": {f"{s} {'bf16' if p else 'fp32'}": r["step_s"] for (s, p), r in runs.items()}}
-                ),
-                flush=True,
-            )
+            steps_s = {f"{s} {'bf16' if p else 'fp32'}": r["step_s"] for (s, p), r in runs.items()}
+            print(json.dumps({**row, "steps_s": steps_s}), flush=True)
     matmul = ", ".join(f"{r / 1e9:.0f} GFLOP/s {'bf16' if p else 'fp32'}" for p, r in rates.items())
     Console(width=300).print(
         summary_table(
