@@ -134,27 +134,30 @@ def _nemo_grpo(
     )
 
 
-def _openrlhf(
-    name: str,
-    model: str,
-    nodes: int,
-    actor: int,
-    critic: int,
-    ref: int,
-    reward: int,
-    engines: int,
-    engine_tp: int,
-    request_batch: int,
-    stages: dict[str, float],
-    step_s: float,
-    scoring_tp: int = 1,
-) -> PublishedRun:
-    """An OpenRLHF row (Table 3): actor, critic, reference, reward and the vLLM engines on their own GPUs in that
-    order, ZeRO-3 with Adam offloaded for the trained models, 1024 prompts per step, 8 optimizer steps of 128
-    (rollout batch 1024, train batch 128), behaviour log-probs recomputed by the actor, the engines fed
-    ``request_batch`` prompts at a time (micro_rollout_batch_size × the actors per engine), every training and
-    scoring micro-batch padded to its longest sample (OpenRLHF's PPO packed samples only from September 2024,
-    github.com/OpenRLHF/OpenRLHF pull 449, after the report)."""
+OPENRLHF_STAGES = {
+    "generation": ("actor_gen",),
+    "vLLM weight sync": ("sync actor",),
+    "logits, reward": (
+        "actor_inf",
+        "ref_inf",
+        "reward_inf",
+        "critic_inf",
+        "advantages",
+        "copy actor",
+        "free actor",
+        "copy critic",
+        "free critic",
+    ),
+    "training": ("actor_train", "critic_train"),
+}
+"""The steps in each of the stages whose shares OpenRLHF's report publishes."""
+
+
+def _openrlhf_plan(
+    actor: int, critic: int, ref: int, reward: int, engines: int, engine_tp: int, request_batch: int, scoring_tp: int
+) -> str:
+    """An OpenRLHF row's plan string: actor, critic, reference, reward and the vLLM engines on their own GPUs in
+    that order (:func:`_openrlhf`)."""
     first = 0
 
     def span(count: int) -> str:
@@ -177,34 +180,43 @@ def _openrlhf(
         return f"tp{count}{mb(1)}" if scoring_tp > 1 else f"dp{count}{mb(count)}"
 
     score_mb = mb(1 if scoring_tp > 1 else actor)
-    plan = (
+    return (
         f"actor_gen={g}:dp{engines}{tp}; actor_inf={a}:{score}{score_mb}; "
         f"actor_train={a}:dp{actor}mb{micro}rcfsdp; critic_inf={c}:{score}{score_mb}; "
         f"critic_train={c}:dp{critic}mb{micro}rcfsdp; ref_inf={r}:{scored(ref)}; "
         f"reward_inf={w}:{scored(reward)}; advantages={a.split('-')[0]}"
     )
+
+
+def _openrlhf(
+    name: str,
+    model: str,
+    nodes: int,
+    actor: int,
+    critic: int,
+    ref: int,
+    reward: int,
+    engines: int,
+    engine_tp: int,
+    request_batch: int,
+    stages: dict[str, float],
+    step_s: float,
+    scoring_tp: int = 1,
+) -> PublishedRun:
+    """An OpenRLHF row (Table 3): actor, critic, reference, reward and the vLLM engines on their own GPUs in that
+    order, ZeRO-3 with Adam offloaded for the trained models, 1024 prompts per step, 8 optimizer steps of 128
+    (rollout batch 1024, train batch 128), behaviour log-probs recomputed by the actor, the engines fed
+    ``request_batch`` prompts at a time (micro_rollout_batch_size × the actors per engine), every training and
+    scoring micro-batch padded to its longest sample (OpenRLHF's PPO packed samples only from September 2024,
+    github.com/OpenRLHF/OpenRLHF pull 449, after the report)."""
+    plan = _openrlhf_plan(actor, critic, ref, reward, engines, engine_tp, request_batch, scoring_tp)
     return PublishedRun(
         name=name,
         system="OpenRLHF",
         source=OPENRLHF,
         step_s=step_s,
         stages=stages,
-        stage_steps={
-            "generation": ("actor_gen",),
-            "vLLM weight sync": ("sync actor",),
-            "logits, reward": (
-                "actor_inf",
-                "ref_inf",
-                "reward_inf",
-                "critic_inf",
-                "advantages",
-                "copy actor",
-                "free actor",
-                "copy critic",
-                "free critic",
-            ),
-            "training": ("actor_train", "critic_train"),
-        },
+        stage_steps=OPENRLHF_STAGES,
         assumed="mean lengths not published: prompt 256 and response 512 tokens taken (half the limits); training "
         "micro-batches of 4 samples with activation checkpointing taken (Table 3 gives the rollout's)"
         + (
@@ -528,26 +540,28 @@ def out_of_sample_factors(rows: list[tuple[PublishedRun, str, float]]) -> dict[s
     return out
 
 
-def main() -> None:
-    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    ap.add_argument("--only", default="", help="rows whose name contains this")
-    ap.add_argument("--refit", action="store_true", help="fit the verl rows' response lengths again and print them")
-    args = ap.parse_args()
-    if args.refit:
-        mean, spread = fit_verl_lengths()
-        print(f"verl rows: VERL_RESPONSE_LEN = {mean:.0f}, VERL_RESPONSE_SPREAD = {spread:.2f}")
+def _predictions() -> tuple[list[tuple], list[tuple[PublishedRun, str, float]]]:
+    """Every row's (simulation report, predicted seconds, the GPU's stated factor), and (row, GPU kind, predicted
+    / published without any factor): every row, so that the factors are fitted on the same rows whatever
+    ``--only`` shows."""
     reports, bare = [], []
-    for row in ROWS:  # every row, so that the factors are fitted on the same rows whatever --only shows
+    for row in ROWS:
         report = predict(row)
         predicted = report.result.iteration_time if report.result.feasible else math.nan
         profile = profile_for(ClusterSpec.parse(row.run["cluster"]))
         reports.append((report, predicted, profile.system_factor))
         bare.append((row, profile.name, predicted / profile.system_factor / row.step_s))
+    return reports, bare
+
+
+def _table(only: str, reports: list[tuple], bare: list[tuple]) -> tuple[list[dict], dict, list[float]]:
+    """The table's rows (those whose name contains ``only``), each column's ratios by whether the row's inputs
+    are complete, and every published stage share's gap to the predicted one."""
     factors = out_of_sample_factors(bare)
     rows, stage_gaps = [], []
     ratios: dict[str, dict[bool, list[float]]] = {}
     for k, (row, (report, predicted, stated)) in enumerate(zip(ROWS, reports)):
-        if args.only.lower() not in row.name.lower():
+        if only.lower() not in row.name.lower():
             continue
         columns = {
             "stated factor": predicted / row.step_s,
@@ -577,14 +591,10 @@ def main() -> None:
         )
         if not report.result.feasible:
             rows[-1]["run"] += f" (no fit: {report.result.reason})"
-    console = Console(width=250)
-    console.print(
-        summary_table(
-            rows,
-            "published RL runs: step seconds, predicted by the simulator (* = inputs assumed, see the source); "
-            "predicted / published with the GPU's stated factor (in sample), fitted out of sample, and without",
-        )
-    )
+    return rows, ratios, stage_gaps
+
+
+def _print_summaries(console: Console, ratios: dict, stage_gaps: list[float], reports: list[tuple]) -> None:
     for complete in (True, False):
         what = "complete" if complete else "assumed-input"
         for name in ("leave one system out", "leave one row out", "factor-free", "stated factor"):
@@ -609,6 +619,27 @@ def main() -> None:
             f"verl fully async 64+64 GPUs over colocated synchronous on {gpus}: published {slow[0] / fast[0]:.2f}x, "
             f"predicted {slow[1] / fast[1]:.2f}x"
         )
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap.add_argument("--only", default="", help="rows whose name contains this")
+    ap.add_argument("--refit", action="store_true", help="fit the verl rows' response lengths again and print them")
+    args = ap.parse_args()
+    if args.refit:
+        mean, spread = fit_verl_lengths()
+        print(f"verl rows: VERL_RESPONSE_LEN = {mean:.0f}, VERL_RESPONSE_SPREAD = {spread:.2f}")
+    reports, bare = _predictions()
+    rows, ratios, stage_gaps = _table(args.only, reports, bare)
+    console = Console(width=250)
+    console.print(
+        summary_table(
+            rows,
+            "published RL runs: step seconds, predicted by the simulator (* = inputs assumed, see the source); "
+            "predicted / published with the GPU's stated factor (in sample), fitted out of sample, and without",
+        )
+    )
+    _print_summaries(console, ratios, stage_gaps, reports)
     for row in ROWS:
         if row.assumed and args.only.lower() in row.name.lower():
             console.print(f"* {row.name}: {row.assumed}")
