@@ -211,6 +211,8 @@ def main() -> None:
     ap.add_argument("--proof-limit", type=float, default=300.0, help="ceiling: CP-SAT seconds per call")
     ap.add_argument("--workers", type=int, help="ceiling: CP-SAT's search workers (default: every core)")
     args = ap.parse_args()
+    if args.steps < 3:
+        ap.error(f"--steps: {args.steps} leaves no step measured (the first 2 warm up; valid: 3 or more)")
     began = time.perf_counter()
     if args.part in ("schedules", "all"):
         schedules_part(args)

@@ -105,14 +105,14 @@ def _pricing(setup: Setup, profile):
     return cost, step
 
 
-def _body(rank: int, setup: Setup, orders: dict, steps: int) -> dict:
+def _models(rank: int, setup: Setup) -> list[dict]:
+    """This rank's stage of the actor and of the critic, with its rows of the batch, pipeline runner and
+    optimizer."""
     from transformers import LlamaForCausalLM, LlamaForSequenceClassification
 
     from loomrl.parallel.allocations import AllocationGroups
-    from loomrl.parallel.data_parallel import sync_gradients
     from loomrl.parallel.pipeline import split_stages
-    from loomrl.parallel.pipeline_fusion import PipelineFusionSide, pipeline_fusion_backward
-    from loomrl.parallel.pipeline_runner import PipelineRunner, clip_grad_norm_pp
+    from loomrl.parallel.pipeline_runner import PipelineRunner
     from loomrl.workflow.batch import micro_batch_slices
 
     torch.manual_seed(0)
@@ -141,6 +141,16 @@ def _body(rank: int, setup: Setup, orders: dict, steps: int) -> dict:
                 "opt": torch.optim.AdamW(stage.parameters(), lr=1e-5),
             }
         )
+    return models
+
+
+def _body(rank: int, setup: Setup, orders: dict, steps: int) -> dict:
+    from loomrl.parallel.data_parallel import sync_gradients
+    from loomrl.parallel.pipeline_fusion import PipelineFusionSide, pipeline_fusion_backward
+    from loomrl.parallel.pipeline_runner import clip_grad_norm_pp
+    from loomrl.workflow.batch import micro_batch_slices
+
+    models = _models(rank, setup)
 
     def loss(out: torch.Tensor, k: int) -> torch.Tensor:
         return out.float().square().mean() * 1e-3
