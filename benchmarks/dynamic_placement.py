@@ -302,6 +302,23 @@ MAX_STATIC = 6
 to and the candidates it priced, in that order)."""
 
 
+def _oracle_row(times: dict[str, list[float]], cost: float, medians: dict[str, float], hindsight: str) -> dict:
+    """The oracle's figures (:func:`oracle_seconds`) against the best static plan in hindsight and colocate."""
+    seconds, switches = oracle_seconds(times, cost)
+    return {
+        "plan": f"any of the {len(times)} static plans at each iteration, {cost:.2f} s a switch",
+        "run s (median)": seconds,
+        "spread": "-",
+        "vs hindsight best static": medians[hindsight] / seconds,
+        "vs colocate": medians["colocate"] / seconds,
+        "switches": str(switches),
+        "decisions s": 0.0,
+        "mean response first/last": "-",
+        "same samples": "-",
+        "max loss diff": "-",
+    }
+
+
 def compare(tmp: Path, workload: str, prompt_file: Path, args) -> tuple[list[dict], dict]:
     """Dynamic placement against every static plan it considered, each run for the whole workload ``--repeats``
     times (medians): the best of them in hindsight is the baseline, colocate (a user's plan without loomrl) is
@@ -354,23 +371,6 @@ def compare(tmp: Path, workload: str, prompt_file: Path, args) -> tuple[list[dic
     changes = [m["time/plan_change_s"] for r, _, _ in dynamic for m in r if m.get("time/plan_change_s", 0.0) > 0]
     switch_s = statistics.median(changes) if changes else 0.0
 
-    def oracle(name: str, cost: float) -> dict:
-        seconds, switches = oracle_seconds(times, cost)
-        return {
-            "workload": workload,
-            "placement": name,
-            "plan": f"any of the {len(times)} static plans at each iteration, {cost:.2f} s a switch",
-            "run s (median)": seconds,
-            "spread": "-",
-            "vs hindsight best static": medians[hindsight] / seconds,
-            "vs colocate": medians["colocate"] / seconds,
-            "switches": str(switches),
-            "decisions s": 0.0,
-            "mean response first/last": "-",
-            "same samples": "-",
-            "max loss diff": "-",
-        }
-
     for plan, runs in static.items():
         label = (
             "static"
@@ -379,8 +379,8 @@ def compare(tmp: Path, workload: str, prompt_file: Path, args) -> tuple[list[dic
         )
         rows.append(row(label, plan, runs))
     rows.append(row("dynamic", f"from {calibrated}", dynamic))
-    rows.append(oracle("oracle (ceiling, measured switch cost)", switch_s))
-    rows.append(oracle("oracle (ceiling, free switches)", 0.0))
+    for name, cost in (("oracle (ceiling, measured switch cost)", switch_s), ("oracle (ceiling, free switches)", 0.0)):
+        rows.append({"workload": workload, "placement": name, **_oracle_row(times, cost, medians, hindsight)})
     for _, decisions, _ in dynamic[:1]:
         for d in (d for d in decisions if d["switch"]):
             Console().print(f"  switch after iteration {d['iteration']}: {d['reason']}; to {d['plan']}")
@@ -406,6 +406,8 @@ def main() -> None:
     )
     ap.add_argument("--out", help="a JSON file for the rows and the oracle's inputs (each plan's iteration times)")
     args = ap.parse_args()
+    if args.calibration < 3:  # the first iteration's time holds one-off costs; the last is followed by no check
+        ap.error(f"--calibration: {args.calibration} iterations price no plan (valid: 3 or more)")
     drift = (args.first_median, args.final_median, args.final_sigma, args.sigma_by)
     files = {
         "drifting": lambda path: write_prompts(path, args.iterations, args.prompts, *drift, seed=7),
