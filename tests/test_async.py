@@ -8,8 +8,10 @@ truncated importance sampling) are checked as loss functions and through their s
 """
 
 import dataclasses
+import functools
 import json
 import shutil
+from functools import partial
 
 import pytest
 import torch
@@ -473,3 +475,78 @@ def test_the_search_tries_partial_rollouts_from_a_bound_of_two():
     assert async_choices(plan, grpo, 1) == [AsyncTraining(1)]
     remax = _Evaluate(_workflow("algo.name=remax"))
     assert async_choices(make_plan("separate", remax.workflow, cluster), remax, 4) == [AsyncTraining(1)]
+
+
+@functools.cache
+def _tiny_policy():
+    from loomrl.models.tokenizer import build_char_tokenizer
+    from loomrl.models.zoo import build_causal_lm
+
+    tok = build_char_tokenizer()
+    return tok, build_causal_lm("llama-1m", tok, seed=0)
+
+
+@pytest.mark.parametrize(
+    "setting", ["async=1", "async=3", "async=2,partial_rollout:on", "async=3,partial_rollout:on,segment_tokens:3"]
+)
+@settings(max_examples=6, deadline=None)
+@given(budgets=st.lists(st.lists(st.integers(1, 16), min_size=4, max_size=4), min_size=5, max_size=6))
+def test_the_pipeline_admits_at_most_its_bound_and_trains_only_whole_fresh_enough_batches(setting, budgets):
+    """The reference executor's pipeline with the real generate op over random response lengths (each sample's
+    budget, eos ignored), at staleness η with and without partial rollouts: before each iteration t its batch is
+    whole (every sample at its full length), every token was sampled by a policy of a version in [t - η, t - 1]
+    (the pipeline's fill: the initial weights), and the samples accepted and not yet trained, with the prompts the
+    iteration admits, never exceed AReaL's bound of (η + 1) batches ((η + t + 1) batches accepted in all)."""
+    from loomrl.algorithms.context import Role
+    from loomrl.algorithms.ops import generate_op
+    from loomrl.rollout import SamplingParams
+    from loomrl.runtime.ahead import VERSIONS
+    from loomrl.runtime.reference import ReferenceExecutor
+    from loomrl.workflow import MFC, MFCKind, Workflow
+    from loomrl.workflow.batch import Batch, response_tokens
+
+    staleness = int(setting.partition(",")[0].removeprefix("async="))
+    tok, model = _tiny_policy()
+    params = SamplingParams(max_new_tokens=16, temperature=1.0, ignore_eos=True)
+    gen_inputs = ("prompt_ids", "max_new_tokens")
+    workflow = Workflow(
+        [
+            MFC(
+                "actor_gen",
+                "actor",
+                MFCKind.GENERATE,
+                gen_inputs,
+                ("response_ids", "logp", "mask"),
+                op=partial(generate_op, params=params),
+            ),
+            MFC("actor_train", "actor", MFCKind.TRAIN, ("response_ids",), (), op=lambda ctx, batch: {"stats": {}}),
+        ],
+        gen_inputs,
+    )
+    plan = make_plan(f"separate; {setting}", workflow, ClusterSpec(nodes=1, devices_per_node=2, device_kind="cpu"))
+    executor = ReferenceExecutor(
+        build_schedule(workflow, plan), {"actor": Role("actor", model)}, 0, tok.pad_token_id, tok.eos_token_id, str
+    )
+    size, iterations = len(budgets[0]), len(budgets)
+    prompt = [tok.bos_token_id, *tok.encode("sort 31=", add_special_tokens=False)]
+
+    def prompts(i: int) -> Batch:
+        return Batch([i * size + k for k in range(size)], {"prompt_ids": [prompt] * size, "max_new_tokens": budgets[i]})
+
+    for i in range(min(staleness, iterations)):
+        executor.generate_ahead(i, prompts(i), 0)
+    for t in range(iterations):
+        held = executor.pending
+        batch = held.batches[t]
+        assert sorted(batch.ids) == prompts(t).ids
+        length = dict(zip(batch.ids, response_tokens(batch)))
+        assert [length[s] for s in prompts(t).ids] == budgets[t]
+        versions = [v for row in batch[VERSIONS] for v in row]
+        assert max(0, t - staleness) <= min(versions) and max(versions) <= max(0, t - 1)
+        admitted = size if t + staleness < iterations else 0
+        accepted = sum(map(len, held.batches.values())) + len(held.in_flight or ()) + admitted
+        assert accepted <= (staleness + 1) * size
+        ahead = (t + staleness, prompts(t + staleness)) if admitted else None
+        result = executor.run_iteration(t, prompts(t), ahead=ahead)
+        assert result.stats["async/staleness"] <= staleness
+    assert not executor.pending.batches and executor.pending.in_flight is None
