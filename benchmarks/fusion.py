@@ -256,6 +256,11 @@ def _measure(args, variants: dict, workflow, batch, spec) -> tuple[dict[str, lis
     return measured, picks
 
 
+def _better_unfused(measured: dict[str, list[float]]) -> float:
+    """The better unfused stage's median seconds (in hindsight): every row's baseline."""
+    return min(statistics.median(measured["unfused"]), statistics.median(measured["unfused, scoring mb4"]))
+
+
 def _rows(variants: dict, measured: dict, picks: dict, workflow, cluster, cost, memory: float) -> list[dict]:
     rows = []
     for name, (text, _) in variants.items():
@@ -272,8 +277,7 @@ def _rows(variants: dict, measured: dict, picks: dict, workflow, cluster, cost, 
                 "chosen migrate_at": ",".join(sorted({f"{c:g}" for c in picks[name]})) or "-",
             }
         )
-    # the better unfused stage (in hindsight) is every row's baseline
-    base = min(statistics.median(measured["unfused"]), statistics.median(measured["unfused, scoring mb4"]))
+    base = _better_unfused(measured)
     for row in rows:
         row["speedup vs better unfused"] = base / row["measured s (median)"]
     return rows
@@ -282,7 +286,7 @@ def _rows(variants: dict, measured: dict, picks: dict, workflow, cluster, cost, 
 def _report(args, rows: list[dict], measured: dict[str, list[float]], started: float) -> None:
     # each round's better unfused stage against that round's fused auto: the headline, a median over rounds
     rounds = [min(u, m) / a for u, m, a in zip(*(measured[name] for name in HEADLINE))]
-    base = min(statistics.median(measured["unfused"]), statistics.median(measured["unfused, scoring mb4"]))
+    base = _better_unfused(measured)
     console = Console()
     console.print(
         summary_table(
