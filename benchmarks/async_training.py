@@ -30,9 +30,9 @@ Predictions: the simulator (the plans' own schedules) priced with each call's me
 allocation in the *synchronous* runs (and the shadow sync's); the asynchronous plans' predictions are therefore
 out of sample: only their overlap is modelled. ``actor_inf`` (only in the decoupled workflow) is priced as
 ``ref_inf`` on the same devices (the same forward pass of the same model). The fused plan is priced by
-``benchmarks/fusion.py``'s model and is not predicted here; nor are plans with partial rollouts
-(``--plan 'separate; async=2,partial_rollout:on'``), whose generate call decodes pieces of samples no synchronous
-run measured.
+``benchmarks/fusion.py``'s model and is not predicted here. A plan with partial rollouts (``--plan 'separate;
+async=2,partial_rollout:on'``) decodes pieces of samples in its generate call, which no synchronous run measured:
+that call is priced as the measured whole call times the cost model's ratio of the two (:class:`MeasuredCost`).
 """
 
 from __future__ import annotations
@@ -60,8 +60,10 @@ from loomrl.config.tools import load_config  # noqa: E402
 from loomrl.data.sources import build_task, examples_window, prompt_source  # noqa: E402
 from loomrl.models.tokenizer import encode_prompt, task_tokenizer  # noqa: E402
 from loomrl.plan import Allocation, ClusterSpec, ExecutionPlan, make_plan  # noqa: E402
+from loomrl.plan.plan import AsyncTraining  # noqa: E402
 from loomrl.plan.plan_string import RESERVED_KEYS  # noqa: E402
 from loomrl.planner.cost.estimator import CostEstimator  # noqa: E402
+from loomrl.planner.cost.model import CostModel  # noqa: E402
 from loomrl.planner.simulation.simulator import simulate  # noqa: E402
 from loomrl.report import summary_table  # noqa: E402
 from loomrl.rollout import SamplingParams  # noqa: E402
@@ -209,10 +211,12 @@ def _busy(trace) -> float:
 
 
 class MeasuredCost(CostEstimator):
-    """Each call's measured median seconds on its layout, and each sync's (memory is not modelled)."""
+    """Each call's measured median seconds on its layout, and each sync's (memory is not modelled). No synchronous
+    run measures a partial rollout's generate call (pieces of samples of several batches): it is priced as the
+    whole call's measured time scaled by ``analytical``'s ratio of the two."""
 
-    def __init__(self, steps: dict[tuple[str, str], float]):
-        self.steps = steps
+    def __init__(self, steps: dict[tuple[str, str], float], analytical: CostModel):
+        self.steps, self.analytical = steps, analytical
 
     def mfc_time(self, mfc: MFC, alloc: Allocation) -> float:
         name = "ref_inf" if mfc.name == "actor_inf" else mfc.name  # the same forward pass (module docstring)
@@ -226,6 +230,19 @@ class MeasuredCost(CostEstimator):
 
     def realloc_time(self, role: str, src: Allocation, dst: Allocation) -> float:
         return next((s for (step, _), s in self.steps.items() if step.startswith(f"sync {role}→")), 0.0)
+
+    def partial_rollout_time(self, mfc: MFC, alloc: Allocation, setting: AsyncTraining) -> float:
+        ratio = self.analytical.partial_rollout_time(mfc, alloc, setting) / self.analytical.mfc_time(mfc, alloc)
+        return self.mfc_time(mfc, alloc) * ratio
+
+
+def analytical_model(cfg: TrainConfig, workflow: Workflow, cluster: ClusterSpec, prompts: Prompts, iterations: int):
+    """The cost model of the workload the runs measure (every measured iteration's budgets, their mean prompt)."""
+    inputs = planner_inputs(cfg, workflow, cluster, prompts.tokenizer)
+    batches = [prompts(i) for i in range(1, iterations)]
+    lengths = [n for b in batches for n in b["max_new_tokens"]]
+    prompt_len = statistics.fmean(len(p) for b in batches for p in b["prompt_ids"])
+    return inputs.cost_model(inputs.workload_of(lengths, prompt_len))
 
 
 def _arguments() -> argparse.Namespace:
@@ -272,9 +289,9 @@ def _variants(args: argparse.Namespace) -> list[tuple[str, str, str]]:
     return [v for v in variants if v[0] == "asynchronous"] if args.only_async else variants
 
 
-def _run_variants(args: argparse.Namespace, console: Console) -> tuple[dict, dict[str, Workflow]]:
-    """Every variant, one after another: label → (mode, plan, objective, :func:`run`'s figures); and each
-    objective's workflow."""
+def _run_variants(args: argparse.Namespace, console: Console) -> tuple[dict, dict[str, Workflow], CostModel]:
+    """Every variant, one after another: label → (mode, plan, objective, :func:`run`'s figures); each
+    objective's workflow; and the workload's cost model (:func:`analytical_model`)."""
     tmp = Path(tempfile.mkdtemp(prefix="loomrl-async-"))
     cfgs = {off: config(args, off, tmp / off) for off in {"none", *args.objectives.split(",")}}
     flows = {off: budgeted(build_workflow(c.algo, c.rollout), args.longest) for off, c in cfgs.items()}
@@ -294,10 +311,10 @@ def _run_variants(args: argparse.Namespace, console: Console) -> tuple[dict, dic
             console.print(
                 "  " + ", ".join(f"{step} ({where}) {s:.2f}" for (step, where), s in r["steps"].items()), markup=False
             )
-    return results, flows
+    return results, flows, analytical_model(cfgs["none"], flows["none"], cluster, prompts, args.iterations)
 
 
-def _rows(args: argparse.Namespace, results: dict, flows: dict[str, Workflow], base: dict) -> list[dict]:
+def _rows(args: argparse.Namespace, results: dict, flows: dict[str, Workflow], base: dict, analytical) -> list[dict]:
     """The table's rows: each plan's figures against ``base`` (the best synchronous-or-fused plan's), and the
     simulator's prediction from the calls' times measured in the synchronous runs."""
     measured: dict[tuple[str, str], float] = {}
@@ -307,9 +324,9 @@ def _rows(args: argparse.Namespace, results: dict, flows: dict[str, Workflow], b
     rows = []
     for text, (mode, plan, off, r) in results.items():
         predicted = math.nan
-        partial = plan.asynchronous is not None and plan.asynchronous.partial_rollout
-        if mode != "stream-fused" and not partial:  # a partial rollout's call is not one measured in sync runs
-            predicted = simulate(plan, flows[off], MeasuredCost(measured), math.inf, iterations=4).iteration_time
+        if mode != "stream-fused":
+            cost = MeasuredCost(measured, analytical)
+            predicted = simulate(plan, flows[off], cost, math.inf, iterations=4).iteration_time
         rows.append(
             {
                 "plan": text,
@@ -356,7 +373,7 @@ def main() -> None:
     args = _arguments()
     quiet_libraries()
     console = Console()
-    results, flows = _run_variants(args, console)
+    results, flows, analytical = _run_variants(args, console)
     if args.only_async:
         return
     synchronous = {k: v for k, v in results.items() if v[0] != "asynchronous"}
@@ -366,7 +383,7 @@ def main() -> None:
         f"{args.longest}] with {args.tail} at {args.longest}, {args.devices} devices, median of "
         f"{args.iterations - 1} iterations after the first"
     )
-    rows = _rows(args, results, flows, synchronous[best][3])
+    rows = _rows(args, results, flows, synchronous[best][3], analytical)
     console.print(summary_table(rows, "asynchronous training vs the best synchronous and stream-fused plans"))
     _print_bounds(args, results, best, console)
 
