@@ -58,6 +58,7 @@ from loomrl.algorithms.workflows import build_workflow  # noqa: E402
 from loomrl.config.schema import TrainConfig  # noqa: E402
 from loomrl.config.tools import load_config  # noqa: E402
 from loomrl.data.sources import build_task, examples_window, prompt_source  # noqa: E402
+from loomrl.errors import LoomError  # noqa: E402
 from loomrl.models.tokenizer import encode_prompt, task_tokenizer  # noqa: E402
 from loomrl.plan import Allocation, ClusterSpec, ExecutionPlan, make_plan  # noqa: E402
 from loomrl.plan.plan import AsyncTraining  # noqa: E402
@@ -193,7 +194,7 @@ def _calls_of(text: str, workflow: Workflow) -> str:
     keep = [
         i for i in items if "=" not in i or (name := i.partition("=")[0].strip()) in RESERVED_KEYS or name in workflow
     ]
-    return "; ".join(keep)
+    return "; ".join(keep) or text  # nothing of it is a plan: the error names what was given
 
 
 def _layout(alloc: Allocation) -> str:
@@ -271,7 +272,14 @@ def _arguments() -> argparse.Namespace:
     )
     ap.add_argument("--steps", action="store_true", help="print each plan's median seconds per step")
     ap.add_argument("--only-async", action="store_true", help="run the asynchronous plans only (no baseline)")
-    return ap.parse_args()
+    args = ap.parse_args()
+    if args.iterations < 2:
+        ap.error(f"--iterations: {args.iterations} leaves none measured (the first is left out; valid: 2 or more)")
+    if not 0 <= args.tail <= args.prompts * args.group:
+        ap.error(f"--tail: {args.tail} samples at MAX (valid: 0 to the batch's {args.prompts * args.group})")
+    if any(not n.isdigit() or int(n) < 1 for n in args.staleness.split(",") if n):
+        ap.error(f"--staleness: {args.staleness!r} (valid: positive integers separated by commas, e.g. 1,2,4)")
+    return args
 
 
 def _variants(args: argparse.Namespace) -> list[tuple[str, str, str]]:
@@ -389,4 +397,7 @@ def main() -> None:
 
 
 if __name__ == "__main__":
-    main()
+    try:
+        main()
+    except LoomError as err:  # a bad setting or plan: one line, as the loomrl command prints it
+        raise SystemExit(f"{Path(__file__).name}: error: {err}") from None

@@ -47,6 +47,7 @@ from rich.console import Console  # noqa: E402
 from loomrl.algorithms.ops import generate_chunks, generate_op, logprob_op, reward_op, values_op  # noqa: E402
 from loomrl.config.schema import RuntimeConfig, TaskConfig  # noqa: E402
 from loomrl.data.sources import build_task, examples_window, prompt_source  # noqa: E402
+from loomrl.errors import LoomError  # noqa: E402
 from loomrl.models.presets import model_config  # noqa: E402
 from loomrl.models.tokenizer import build_char_tokenizer, encode_prompt  # noqa: E402
 from loomrl.plan import ClusterSpec, make_plan  # noqa: E402
@@ -200,7 +201,14 @@ def _arguments() -> argparse.Namespace:
         "--repeats", type=int, default=3, help="runs of the unfused stages and of fused auto, in interleaved rounds"
     )
     ap.add_argument("--no-sweep", dest="sweep", action="store_false", help="skip the swept thresholds")
-    return ap.parse_args()
+    args = ap.parse_args()
+    if args.iterations < 2:
+        ap.error(f"--iterations: {args.iterations} leaves none measured (the first is left out; valid: 2 or more)")
+    if not 0 <= args.tail <= args.prompts:
+        ap.error(f"--tail: {args.tail} samples at MAX (valid: 0 to --prompts, {args.prompts})")
+    if args.repeats < 1:
+        ap.error(f"--repeats: {args.repeats} (valid: 1 or more)")
+    return args
 
 
 def _calibrate(args, tmp: Path, workflow, spec, cluster, profile, shapes, prompt: float, heavy: list[int]):
@@ -332,4 +340,7 @@ def main() -> None:
 
 
 if __name__ == "__main__":
-    main()
+    try:
+        main()
+    except LoomError as err:  # a bad setting or plan: one line, as the loomrl command prints it
+        raise SystemExit(f"{Path(__file__).name}: error: {err}") from None
