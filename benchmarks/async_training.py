@@ -237,7 +237,9 @@ class MeasuredCost(CostEstimator):
         return self.mfc_time(mfc, alloc) * ratio
 
 
-def analytical_model(cfg: TrainConfig, workflow: Workflow, cluster: ClusterSpec, prompts: Prompts, iterations: int):
+def analytical_model(
+    cfg: TrainConfig, workflow: Workflow, cluster: ClusterSpec, prompts: Prompts, iterations: int
+) -> CostModel:
     """The cost model of the workload the runs measure (every measured iteration's budgets, their mean prompt)."""
     inputs = planner_inputs(cfg, workflow, cluster, prompts.tokenizer)
     batches = [prompts(i) for i in range(1, iterations)]
@@ -322,18 +324,19 @@ def _run_variants(args: argparse.Namespace, console: Console) -> tuple[dict, dic
     return results, flows, analytical_model(cfgs["none"], flows["none"], cluster, prompts, args.iterations)
 
 
-def _rows(args: argparse.Namespace, results: dict, flows: dict[str, Workflow], base: dict, analytical) -> list[dict]:
+def _rows(
+    args: argparse.Namespace, results: dict, flows: dict[str, Workflow], base: dict, analytical: CostModel
+) -> list[dict]:
     """The table's rows: each plan's figures against ``base`` (the best synchronous-or-fused plan's), and the
     simulator's prediction from the calls' times measured in the synchronous runs."""
     measured: dict[tuple[str, str], float] = {}
     for mode, _, _, r in results.values():
         if mode == "synchronous":
             measured.update(r["steps"])
-    rows = []
+    cost, rows = MeasuredCost(measured, analytical), []
     for text, (mode, plan, off, r) in results.items():
         predicted = math.nan
         if mode != "stream-fused":
-            cost = MeasuredCost(measured, analytical)
             predicted = simulate(plan, flows[off], cost, math.inf, iterations=4).iteration_time
         rows.append(
             {
