@@ -276,7 +276,26 @@ def _add_serve_parser(sub) -> None:
     p.add_argument("--max-tokens", type=int, default=1024, help="an episode's tokens after its prompt, at most")
     p.add_argument("--temperature", type=float, default=1.0)
     p.add_argument("--top-p", type=float, default=1.0)
-    p.add_argument("--slots", type=int, default=64, help="turns decoded together at most")
+    p.add_argument("--slots", type=int, default=32, help="turns decoded together at most")
+    p.add_argument(
+        "--max-len",
+        type=int,
+        default=2048,
+        help="an episode's prompt and response tokens, at most; the KV cache holds --slots × --max-len tokens",
+    )
+    p.add_argument("--max-body-bytes", type=int, default=1 << 20, help="a request body's bytes, at most (else 413)")
+    p.add_argument("--max-messages", type=int, default=256, help="messages in one request, at most")
+    p.add_argument("--max-episodes", type=int, default=1024, help="episodes open at once, at most (else 429)")
+    p.add_argument(
+        "--idle-timeout", type=float, default=600.0, help="seconds an open episode may go without a request (0: any)"
+    )
+    p.add_argument(
+        "--kept-tokens",
+        type=int,
+        default=0,
+        help="cache tokens kept for episodes waiting on their agents, together (0: --slots × --max-len)",
+    )
+    p.add_argument("--turn-timeout", type=float, default=600.0, help="seconds a turn may take before a 504")
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--chat-template", default="auto", help="'auto' (the tokenizer's) or a Jinja template file")
     p.add_argument(
