@@ -98,7 +98,7 @@ class ServedEpisode(Episode):
     ended: bool = False
     busy: bool = False
     last_seen: float = 0.0
-    """When its last request came or was answered (``time.monotonic``): it expires idle from there."""
+    """When its last request came or was answered (the server's clock): it expires idle from there."""
     error: str | None = None
     """Why the engine ended it, if it did."""
 
@@ -148,10 +148,12 @@ class EpisodeServer:
         turn_tokens: int = 0,
         max_turns: int = 0,
         limits: ServingLimits | None = None,
+        clock: Callable[[], float] = time.monotonic,
     ):
         self.engine, self.decode, self.max_tokens = engine, decode, max_tokens
         self.turn_tokens, self.max_turns = turn_tokens, max_turns
-        self.limits = limits or ServingLimits()
+        self.limits, self.clock = limits or ServingLimits(), clock
+        """``clock()``: seconds, what idle episodes expire by (a test's own clock)."""
         self.kept_tokens = self.limits.kept_tokens or engine.slots * engine.max_len
         self.seed, self.iteration, self.on_end = seed, iteration, on_end
         """``on_end(trajectory)`` hears of every episode that ends with a reward (e.g. to write it down)."""
@@ -170,7 +172,7 @@ class EpisodeServer:
         """Turns to start, and the sample ids of episodes that ended or whose turn timed out: their turn in flight,
         if any, is aborted and their kept cache dropped."""
         self._lock = threading.Lock()
-        self._swept = time.monotonic()
+        self._swept = self.clock()
         self.counts = {"engine_errors": 0, "expired": 0, "refused": 0}
         """Turns the engine failed on, episodes expired idle, and opens refused at the limit: what a log reports."""
 
@@ -190,7 +192,7 @@ class EpisodeServer:
         ):
             raise EndpointError(400, f"episode_id must be 1 to {MAX_ID_CHARS} printable characters")
         with self._lock:
-            self._expire(time.monotonic())
+            self._expire(self.clock())
             if len(self.episodes) >= self.limits.max_episodes:
                 self.counts["refused"] += 1
                 raise EndpointError(
@@ -209,7 +211,7 @@ class EpisodeServer:
             self.episodes[episode_id] = ServedEpisode(
                 sample_id, list(prompt or []), key, self.max_tokens, None, episode_id=episode_id
             )
-            self.episodes[episode_id].last_seen = time.monotonic()
+            self.episodes[episode_id].last_seen = self.clock()
             return episode_id
 
     def finish(self, episode_id: str, reward: Any) -> None:
@@ -255,13 +257,17 @@ class EpisodeServer:
         timeout = self.limits.idle_timeout_s
         if not timeout:
             return
-        for ep in [e for e in self.episodes.values() if not e.busy and now - e.last_seen > timeout]:
+        for ep in [e for e in self.episodes.values() if _idle(e, now, timeout)]:
             del self.episodes[ep.episode_id]
             self._forget(ep.episode_id, f"expired after {timeout:g} s without a request (--idle-timeout)")
             self.counts["expired"] += 1
             self._inbox.put(ep.sample_id)
 
     def _known(self, episode_id: str) -> ServedEpisode:
+        """An episode, open or ended, the lock held; one idle past the timeout expires here if not before."""
+        ep = self.episodes.get(episode_id)
+        if ep is not None and _idle(ep, self.clock(), self.limits.idle_timeout_s):
+            self._expire(self.clock())
         ep = self.episodes.get(episode_id) or self.ended.get(episode_id)
         if ep is not None:
             return ep
@@ -324,7 +330,7 @@ class EpisodeServer:
             if self.max_turns and ep.turns >= self.max_turns:
                 raise EndpointError(409, f"episode '{_shown(episode_id)}' has had its {self.max_turns} turns")
             new = self._continues(ep, digests)
-            ep.busy, ep.last_seen = True, time.monotonic()
+            ep.busy, ep.last_seen = True, self.clock()
         try:  # tokenizing may take a while: outside the lock, the episode held busy meanwhile
             request, observed = self._request(ep, checked, new, max_tokens)
         except BaseException:
@@ -348,7 +354,7 @@ class EpisodeServer:
             ep.mask += [0] * turn.observed + [1] * len(new)
             ep.messages = [*turn.digests, _digest({"role": "assistant", "content": content})]
             ep.turns += 1
-            ep.busy, ep.last_seen = False, time.monotonic()
+            ep.busy, ep.last_seen = False, self.clock()
         return {
             "content": content,
             "finish_reason": "length" if completion.finish_reason == "length" else "stop",
@@ -361,7 +367,7 @@ class EpisodeServer:
         next turn prefills the whole history); an engine failure ends the episode."""
         ep = turn.episode
         with self._lock:
-            ep.busy, ep.last_seen = False, time.monotonic()
+            ep.busy, ep.last_seen = False, self.clock()
             if isinstance(exc, EngineFailure):
                 ep.error, ep.finish = str(exc), "error"
                 if not ep.ended:
@@ -517,7 +523,7 @@ class EpisodeServer:
     def _tidy(self) -> None:
         """Once a second: expire idle episodes; keep the engine's per-step logs (nobody reads them while it
         serves) from growing for as long as it serves."""
-        now = time.monotonic()
+        now = self.clock()
         if now - self._swept < 1.0:
             return
         self._swept = now
@@ -527,6 +533,10 @@ class EpisodeServer:
             del self.engine.step_log[:-1000]
         if len(self.engine.finished_lengths) > 10_000:
             del self.engine.finished_lengths[:-1000]
+
+
+def _idle(ep: ServedEpisode, now: float, timeout: float) -> bool:
+    return bool(timeout) and not ep.busy and now - ep.last_seen > timeout
 
 
 def _answer(future: Future, outcome: Completion | BaseException) -> None:
