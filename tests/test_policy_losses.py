@@ -11,6 +11,7 @@ import torch
 from loomrl.algorithms import losses as L
 from loomrl.algorithms.advantages import masked_mean, overlong_penalty
 from loomrl.algorithms.context import OpContext, Role
+from loomrl.algorithms.mismatch import MISMATCH_SUMS
 from loomrl.algorithms.ops import logprob_op
 from loomrl.algorithms.workflows import build_workflow
 from loomrl.config import schema as C
@@ -98,7 +99,7 @@ def test_kl_penalty_loss_is_aggregated_like_the_policy_loss(agg):
 
 
 def test_config_names_the_objectives_and_aggregations_the_losses_define():
-    assert C.LOSS_AGGS == L.LOSS_AGGS and C.POLICY_LOSSES == L.POLICY_LOSSES
+    assert C.LOSS_AGGS == L.LOSS_AGGS and C.POLICY_LOSSES == L.POLICY_LOSSES and C.OFF_POLICY == L.OFF_POLICY
     assert [L.policy_objective(name) for name in L.POLICY_LOSSES] == [L.policy_loss, L.gspo_loss]
     with pytest.raises(ValueError, match="'grpo'; valid: ppo, gspo"):
         L.policy_objective("grpo")
@@ -350,7 +351,8 @@ def test_minibatch_gradient_is_the_same_however_it_is_split(policy, agg):
     before = snapshot(role.model)
     whole, whole_stats = _gradient(role, tok, mfc, batch, [[0, 1, 2, 3, 4]], 1, mfc.loss_unit)
     assert whole.abs().sum() > 0 and 0 < whole_stats["actor/clipfrac"] < 1
-    assert set(whole_stats) == {"actor/pg_loss", "actor/clipfrac", "actor/approx_kl", "actor/entropy", "actor/kl_loss"}
+    basic = {"actor/pg_loss", "actor/clipfrac", "actor/approx_kl", "actor/entropy", "actor/kl_loss"}
+    assert set(whole_stats) == basic | set(MISMATCH_SUMS)  # the mismatch as sums: they add up over ranks too
     for ranks, micro_batches in (([[0, 1, 2, 3, 4]], 3), ([[0, 3], [1, 2, 4]], 1), ([[2, 4, 0], [3, 1]], 2)):
         split, split_stats = _gradient(role, tok, mfc, batch, ranks, micro_batches, mfc.loss_unit)
         torch.testing.assert_close(split, whole, atol=1e-6, rtol=1e-5)

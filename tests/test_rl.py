@@ -100,6 +100,9 @@ def test_each_algorithm_trains_the_actor_and_never_the_reference(algo, tmp_path)
         "eval/score",
     ):
         assert key in metrics, f"{algo}: {key} missing from {sorted(metrics)}"
+    # the training-inference mismatch of the first minibatch: the rollout engine's float32 numerics and the trainer's
+    assert 0 < metrics["mismatch/tokens"] and metrics["mismatch/mean_abs_logp_diff"] < 1e-4
+    assert metrics["mismatch/ess"] == pytest.approx(1.0, abs=1e-6)
     bad = {k: v for k, v in metrics.items() if not math.isfinite(v)}
     assert not bad, f"{algo}: non-finite metrics {bad}"
     critic_keys = {k for k in metrics if k.startswith("critic/")}

@@ -36,6 +36,7 @@ __all__ = [
     "behaviour_weights",
     "bradley_terry_loss",
     "entropy_from_logits",
+    "geometric_ratio",
     "gspo_loss",
     "kl_estimate",
     "kl_penalty_loss",
@@ -198,30 +199,55 @@ def gspo_loss(
 
 
 POLICY_LOSSES = ("ppo", "gspo")
-OFF_POLICY = ("none", "decoupled", "tis")
+OFF_POLICY = ("none", "decoupled", "tis", "mis", "geo_reject")
+
+
+def geometric_ratio(prox_logp_BT: Tensor, behav_logp_BT: Tensor, mask_BT: Tensor) -> Tensor:
+    """Each response's geometric-mean importance ratio ``exp(mean over its tokens of (prox - behav))`` (1 for a
+    response without real tokens)."""
+    return torch.exp(masked_mean(_masked_diff(prox_logp_BT, behav_logp_BT, mask_BT), mask_BT, dim=1))
 
 
 def behaviour_weights(
-    prox_logp_BT: Tensor, behav_logp_BT: Tensor, mask_BT: Tensor, kind: str, cap: float, loss_agg: str = "token-mean"
+    prox_logp_BT: Tensor,
+    behav_logp_BT: Tensor,
+    mask_BT: Tensor,
+    kind: str,
+    cap: float,
+    loss_agg: str = "token-mean",
+    low: float = 0.0,
 ) -> tuple[Tensor, dict[str, float]]:
     """Per-token importance weights ``w = pi_prox / pi_behav`` that correct a policy loss for samples drawn by an
     older (behaviour) policy than the proximal one the ratio is clipped around (``old_logp``: the policy at the
-    update's start), and their statistics.
+    update's start), or by another implementation of the same one (the rollout engine's numerics), and their
+    statistics.
 
     ``decoupled`` is AReaL's decoupled PPO objective (Fu et al. 2025): ``w`` as it is, a token whose ``w`` exceeds
     ``cap`` left out (weight 0); ``tis`` is token-level truncated importance sampling (Yao et al. 2025):
-    ``min(w, cap)``. Stats: ``is_weight``, the mean of ``w`` before capping, and ``is_capped``, the fraction of
-    tokens capped (or left out), both per token as :func:`token_stat`.
+    ``min(w, cap)``; ``mis`` is masked importance sampling as IcePop's (Ling team 2025): ``w`` where it lies in
+    ``[low, cap]``, the token left out otherwise; ``geo_reject`` is sequence-level geometric rejection: a response
+    whose geometric-mean ratio (:func:`geometric_ratio`) leaves ``[low, cap]`` is left out whole, the others weigh 1
+    (rejection alone, as verl's geometric rejection sampling: the band bounds how far off-policy a kept response
+    is). Stats: ``is_weight``, the mean of ``w`` before capping; ``is_capped`` (``decoupled``, ``tis``), the
+    fraction of tokens capped or left out; ``is_dropped`` (``mis``, ``geo_reject``), the fraction left out; all
+    per token as :func:`token_stat` (under the sequence-mean aggregations a fraction of responses).
     """
     if kind not in OFF_POLICY[1:]:
         raise ValueError(f"unknown off-policy correction {kind!r}; valid: {', '.join(OFF_POLICY[1:])}")
     with torch.no_grad():
         w_BT = torch.exp(_masked_diff(prox_logp_BT, behav_logp_BT, mask_BT))
-        over_BT = w_BT > cap
-        weight_BT = w_BT.clamp(max=cap) if kind == "tis" else w_BT.masked_fill(over_BT, 0.0)
+        if kind == "geo_reject":
+            g_B = geometric_ratio(prox_logp_BT, behav_logp_BT, mask_BT)
+            out_BT = ((g_B < low) | (g_B > cap)).unsqueeze(1).expand_as(w_BT)
+            weight_BT = (~out_BT).to(w_BT.dtype)
+        else:
+            out_BT = (w_BT < low) | (w_BT > cap) if kind == "mis" else w_BT > cap
+            weight_BT = w_BT.clamp(max=cap) if kind == "tis" else w_BT.masked_fill(out_BT, 0.0)
         stats = {
             "is_weight": token_stat(w_BT, mask_BT, loss_agg).item(),
-            "is_capped": token_stat(over_BT.to(w_BT.dtype), mask_BT, loss_agg).item(),
+            "is_capped" if kind in ("decoupled", "tis") else "is_dropped": token_stat(
+                out_BT.to(w_BT.dtype), mask_BT, loss_agg
+            ).item(),
         }
     return weight_BT, stats
 

@@ -17,6 +17,7 @@ Legend: B = samples, R = response tokens (right-padded), G = samples per prompt.
 
 from __future__ import annotations
 
+from collections.abc import Iterable
 from functools import partial
 
 import torch
@@ -25,6 +26,7 @@ from loomrl.algorithms import advantages as A
 from loomrl.algorithms import losses as L
 from loomrl.algorithms.context import OpContext
 from loomrl.algorithms.episode_ops import EARNED, episodes_op
+from loomrl.algorithms.mismatch import mismatch_sums
 from loomrl.algorithms.ops import (
     generate_chunks,
     generate_op,
@@ -94,6 +96,7 @@ def _actor_loss(
     algo: AlgoConfig,
     old_key: str,
     kl_in_loss: bool,
+    first: _FirstStepMismatch | None = None,
 ):
     device = out_BR2.device
     mask_BR = mb["mask"].to(device)
@@ -101,10 +104,12 @@ def _actor_loss(
     logp_BR, ent_BR = pad_columns(out_BR2[..., LOGP], width), pad_columns(out_BR2[..., ENTROPY], width)
     adv_BR = mb["advantages"].to(device)
     old_BR = mb[old_key].to(device)
+    if first is not None:  # old_BR is the sampler's log-probs here
+        first.add(mb.ids, logp_BR.detach(), old_BR, mask_BR)
     weight_BR, off = None, {}
     if algo.off_policy != "none":  # the sampler's log-probs weigh each token; the ratio is clipped around old_BR
         weight_BR, off = L.behaviour_weights(
-            old_BR, mb["logp"].to(device), mask_BR, algo.off_policy, algo.is_cap, algo.loss_agg
+            old_BR, mb["logp"].to(device), mask_BR, algo.off_policy, algo.is_cap, algo.loss_agg, algo.is_low
         )
     loss, stats = L.policy_objective(algo.policy_loss)(
         logp_BR, old_BR, adv_BR, mask_BR, algo.clip_eps, algo.clip_eps_high, algo.loss_agg, weight_BR
@@ -133,11 +138,52 @@ def _critic_loss(ctx: OpContext, mb: Batch, values_BR: torch.Tensor, packed: tup
     return loss, {"critic/value_loss": loss.item(), **{f"critic/{k}": v for k, v in stats.items()}}
 
 
+class _FirstStepMismatch:
+    """The mismatch sums (:func:`~loomrl.algorithms.mismatch.mismatch_sums`) of the responses of the actor's first
+    optimizer step, from the log-probs its forward computes before any update. The loss sees micro-batches in step
+    order, so the first step's are the first ones whose rows are all among its rows and none seen before; the
+    first micro-batch that is not ends the measure."""
+
+    def __init__(self, ids: Iterable[int]):
+        self.left = set(ids)
+        self.open = True
+        self.sums: dict[str, float] = {}
+
+    def add(self, ids: Iterable[int], trainer_logp_BR: torch.Tensor, behav_logp_BR: torch.Tensor, mask_BR) -> None:
+        ids = set(ids)
+        if not self.open or not ids <= self.left:
+            self.open = False
+            return
+        self.left -= ids
+        for key, value in mismatch_sums(trainer_logp_BR, behav_logp_BR, mask_BR).items():
+            self.sums[key] = self.sums.get(key, 0.0) + value
+
+
+def _recomputed_mismatch(ctx: OpContext, batch: Batch, epochs: int) -> dict[str, float]:
+    """The mismatch sums of this rank's rows of the first epoch (each of the batch's rows once over all ranks) from
+    the trainer's recomputed log-probs ``old_logp``."""
+    per_epoch = len(ctx.train_steps) // max(epochs, 1)
+    rows = sorted({r for step_rows, _ in ctx.train_steps[:per_epoch] for r in step_rows})
+    if not rows:
+        return {}
+    mine = batch.select(rows, ("old_logp", "logp", "mask"))
+    return mismatch_sums(mine["old_logp"], mine["logp"], mine["mask"])
+
+
 def actor_train_op(
     ctx: OpContext, batch: Batch, algo: AlgoConfig, temperature: float, old_key: str, kl_in_loss: bool
 ) -> dict:
-    loss_fn = partial(_actor_loss, ctx, algo=algo, old_key=old_key, kl_in_loss=kl_in_loss)
-    return train_loop(ctx, batch, loss_fn, temperature)
+    """The actor's optimizer steps (:func:`~loomrl.algorithms.ops.train_loop`), and the training-inference mismatch
+    (:mod:`loomrl.algorithms.mismatch`): from the trainer's recomputed log-probs where ``old_key`` names them, else
+    from the forward of the first optimizer step, the only one under the weights that generated the batch."""
+    first = None
+    if old_key != "old_logp" and ctx.train_steps:
+        first = _FirstStepMismatch(batch.ids[r] for r in ctx.train_steps[0][0])
+    loss_fn = partial(_actor_loss, ctx, algo=algo, old_key=old_key, kl_in_loss=kl_in_loss, first=first)
+    out = train_loop(ctx, batch, loss_fn, temperature)
+    sums = first.sums if first is not None else _recomputed_mismatch(ctx, batch, algo.ppo_epochs)
+    out["stats"] = {**out["stats"], **sums}
+    return out
 
 
 def critic_train_op(ctx: OpContext, batch: Batch, algo: AlgoConfig) -> dict:
@@ -359,7 +405,7 @@ def build_workflow(
     seq = ("prompt_ids", "response_ids")
     kl_in_loss = algo.name == "grpo" and kl
     actor_inputs = (*seq, old_key, "advantages", "mask") + (("ref_logp",) if kl_in_loss else ())
-    if algo.off_policy != "none":
+    if recompute:  # the sampler's log-probs: the off-policy correction's and the mismatch's
         actor_inputs += ("logp",)
     steps = {"epochs": algo.ppo_epochs, "minibatches": algo.minibatches}
     mfcs.append(

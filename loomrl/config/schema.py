@@ -21,7 +21,7 @@ ALGORITHMS = ("ppo", "grpo", "rloo", "remax", "reinforce_pp")
 GROUP_ALGORITHMS = ("grpo", "rloo")
 """The algorithms that draw a group of samples per prompt (``algo.group_size``)."""
 POLICY_LOSSES = ("ppo", "gspo")  # loomrl.algorithms.losses.POLICY_LOSSES
-OFF_POLICY = ("none", "decoupled", "tis")  # loomrl.algorithms.losses.OFF_POLICY
+OFF_POLICY = ("none", "decoupled", "tis", "mis", "geo_reject")  # loomrl.algorithms.losses.OFF_POLICY
 LOSS_AGGS = ("token-mean", "seq-mean-token-mean", "seq-mean-token-sum")  # loomrl.algorithms.losses.LOSS_AGGS
 ROLES = ("actor", "critic", "ref", "reward")
 """The roles besides the judges (``judge0``, ``judge1``, ...: :func:`judge_role`)."""
@@ -241,9 +241,16 @@ class AlgoConfig(ValidatedConfig):
     staleness; the sampler's numerical differences too): 'none' clips the ratio around the sampler's log-probs
     (plain PPO); 'decoupled' (AReaL's decoupled PPO) clips it around the policy at the update's start (recomputed
     by an ``actor_inf`` call) and weights each token by that policy's probability over the sampler's, leaving out
-    tokens whose weight exceeds ``is_cap``; 'tis' (truncated importance sampling) caps the weight at ``is_cap``."""
+    tokens whose weight exceeds ``is_cap``; 'tis' (truncated importance sampling) caps the weight at ``is_cap``;
+    'mis' (masked importance sampling, IcePop's) weights as 'decoupled' but leaves out the tokens whose weight leaves
+    [is_low, is_cap]; 'geo_reject' leaves out each response whose geometric-mean weight leaves [is_low, is_cap] and
+    weighs the others' tokens 1. The training-inference mismatch (mismatch/ metrics) is logged under any of them."""
     is_cap: float = spec(2.0, gt=0)
-    """The importance-weight cap of ``off_policy``: 'decoupled' leaves out tokens above it, 'tis' truncates to it."""
+    """The importance-weight cap of ``off_policy``: 'decoupled' leaves out tokens above it, 'tis' truncates to it;
+    the upper end of the band of 'mis' and 'geo_reject'."""
+    is_low: float = spec(0.5, ge=0)
+    """The lower end of the importance-weight band of ``off_policy`` 'mis' (tokens below it left out) and
+    'geo_reject' (responses whose geometric-mean weight is below it left out); below is_cap."""
     dynamic_sampling: DynamicSamplingConfig = field(default_factory=DynamicSamplingConfig)
     """DAPO's dynamic sampling: drop groups without learning signal and generate more until the batch is full."""
 
@@ -253,6 +260,8 @@ class AlgoConfig(ValidatedConfig):
         return self.group_size if self.name in GROUP_ALGORITHMS else 1
 
     def validate(self) -> None:
+        if self.off_policy in ("mis", "geo_reject") and self.is_low >= self.is_cap:
+            fail("is_low", f"{self.is_low} must be below is_cap ({self.is_cap}) for off_policy {self.off_policy}")
         if self.name in GROUP_ALGORITHMS and self.group_size < 2:
             fail("group_size", f"{self.group_size} is too small for {self.name} (must be >= 2)")
         if self.dynamic_sampling.enabled and self.name not in GROUP_ALGORITHMS:

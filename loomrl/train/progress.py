@@ -4,7 +4,7 @@ On a terminal it is a rich bar. When output is not a terminal (a log file, ``noh
 scheduler) a bar could only print its final state, so instead one plain line is printed every ``every``
 iterations and at the last one, flushed at once::
 
-    train 20/50 reward=0.412 kl=0.0031 len=5.2 samples/s=31.4 eval=0.25 | 1m02s elapsed, ~1m33s left
+    train 20/50 reward=0.412 kl=0.0031 dlogp=0.0012 len=5.2 samples/s=31.4 eval=0.25 | 1m02s elapsed, ~1m33s left
 """
 
 from __future__ import annotations
@@ -20,6 +20,7 @@ from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, T
 SHOWN = (
     ("reward/mean", "reward"),
     ("kl/mean", "kl"),
+    ("mismatch/mean_abs_logp_diff", "dlogp"),
     ("response/length", "len"),
     ("perf/samples_per_s", "samples/s"),
     ("eval/exact_match", "eval"),

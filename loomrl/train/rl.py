@@ -26,6 +26,7 @@ from loomrl.algorithms.dynamic_sampling import DynamicSampler
 from loomrl.algorithms.episode_ops import env_prompt
 from loomrl.algorithms.evaluate import evaluate_policy
 from loomrl.algorithms.metrics import rollout_metrics
+from loomrl.algorithms.mismatch import mismatch_metrics
 from loomrl.algorithms.workflows import build_workflow
 from loomrl.checkpoint.store import latest_checkpoint, remove_leftovers
 from loomrl.config.environment import EnvConfig
@@ -448,7 +449,7 @@ class RLTrainer:
 
     def iteration_metrics(self, result: IterationResult, seconds: float) -> dict[str, float]:
         metrics = {
-            **result.stats,
+            **mismatch_metrics(result.stats),  # the mismatch sums, added up over ranks and controllers, as figures
             "perf/samples_per_s": self.cfg.rollout.prompts_per_iter * self.group_size / seconds,
             "time/iteration_s": seconds,
             **self.recovery,
