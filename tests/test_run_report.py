@@ -48,6 +48,7 @@ def _write_run(run_dir, iterations: int = 3) -> None:
                 "reward/mean": 0.1 * it,
                 "kl/mean": 0.01 * it,
                 "response/length": 5.0 + it,
+                "mismatch/mean_abs_logp_diff": 0.001 * it,
                 "time/iteration_s": 1.0,
             }
             if it == iterations - 1:
@@ -98,6 +99,7 @@ def test_the_report_holds_curves_timeline_plan_and_config(tmp_path):
     assert metrics == [
         ("reward/mean", "3"),
         ("kl/mean", "3"),
+        ("mismatch/mean_abs_logp_diff", "3"),
         ("response/length", "3"),
         ("eval/exact_match", "1"),
         ("time/iteration_s", "3"),
