@@ -50,6 +50,14 @@ LOSS_KEYS = (
     "actor/grad_norm",
     "critic/grad_norm",
     "actor/entropy",
+    "mismatch/tokens",
+    "mismatch/mean_abs_logp_diff",
+    "mismatch/token_mult_prob_error",
+    "mismatch/k3_kl",
+    "mismatch/ess",
+    "offpolicy/is_weight",
+    "offpolicy/is_capped",
+    "offpolicy/is_dropped",
 )
 
 
