@@ -296,6 +296,12 @@ def _add_serve_parser(sub) -> None:
         help="cache tokens kept for episodes waiting on their agents, together (0: --slots × --max-len)",
     )
     p.add_argument("--turn-timeout", type=float, default=600.0, help="seconds a turn may take before a 504")
+    p.add_argument(
+        "--threads",
+        type=int,
+        default=0,
+        help="the engine's CPU threads (0: all cores but one, which the HTTP side needs; at least 1)",
+    )
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--chat-template", default="auto", help="'auto' (the tokenizer's) or a Jinja template file")
     p.add_argument(

@@ -13,6 +13,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import os
 import threading
 from pathlib import Path
 
@@ -20,6 +21,7 @@ __all__ = ["run_serve_rollouts"]
 
 
 def run_serve_rollouts(args: argparse.Namespace) -> int:
+    import torch
     import uvicorn
 
     from loomrl.errors import DataError
@@ -31,6 +33,9 @@ def run_serve_rollouts(args: argparse.Namespace) -> int:
     from loomrl.rollout.serving import EpisodeServer
 
     limits = _limits(args)
+    # the engine's threads leave a core to the HTTP side: intra-op threads contending with it for the cores
+    # slow every decode step many times over (a 24-token turn took 10 to 70 s instead of 1.4 s on 2 busy cores)
+    torch.set_num_threads(args.threads or max(1, (os.cpu_count() or 2) - 1))
     check_model_spec(args.model)
     tokenizer = tokenizer_for(args.model, chat_template=args.chat_template)
     if not getattr(tokenizer, "chat_template", None):
@@ -110,6 +115,7 @@ def _limits(args: argparse.Namespace):
         ("--idle-timeout", args.idle_timeout, 0),
         ("--kept-tokens", args.kept_tokens, 0),
         ("--turn-timeout", args.turn_timeout, 0),
+        ("--threads", args.threads, 0),
     ):
         if not value >= low:
             raise DataError(f"{flag} {value}: must be at least {low}")
