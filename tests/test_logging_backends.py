@@ -222,3 +222,10 @@ def test_progress_prints_plain_lines_when_output_is_not_a_terminal():
     with RunProgress(3, enabled=False, stream=quiet) as progress:
         progress.update(2, {})
     assert quiet.getvalue() == ""
+
+
+def test_progress_shows_the_training_inference_mismatch():
+    out = io.StringIO()
+    with RunProgress(1, stream=out) as progress:
+        progress.update(0, {"reward/mean": 0.5, "kl/mean": 0.01, "mismatch/mean_abs_logp_diff": 0.0012})
+    assert out.getvalue().startswith("train 1/1 reward=0.5 kl=0.01 dlogp=0.0012 | ")

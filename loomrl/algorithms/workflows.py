@@ -149,7 +149,9 @@ class _FirstStepMismatch:
         self.open = True
         self.sums: dict[str, float] = {}
 
-    def add(self, ids: Iterable[int], trainer_logp_BR: torch.Tensor, behav_logp_BR: torch.Tensor, mask_BR) -> None:
+    def add(
+        self, ids: Iterable[int], trainer_logp_BR: torch.Tensor, behav_logp_BR: torch.Tensor, mask_BR: torch.Tensor
+    ) -> None:
         ids = set(ids)
         if not self.open or not ids <= self.left:
             self.open = False
