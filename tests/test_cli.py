@@ -140,6 +140,7 @@ def test_train_ppo_logs_plots_and_checkpoints(ppo_run):
     proc, run_dir, _ = ppo_run
     assert_ok(proc)
     assert "reward/mean=" in proc.stdout and str(run_dir) in proc.stdout
+    assert "mismatch/mean_abs_logp_diff=" in proc.stdout  # the training-inference mismatch, in the summary
     records = [json.loads(line) for line in (run_dir / "metrics.jsonl").read_text().splitlines()]
     assert [r["iteration"] for r in records] == [0, 1]
     assert "eval/exact_match" in records[-1]

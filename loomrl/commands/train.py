@@ -22,6 +22,7 @@ def run(args: argparse.Namespace) -> int:
     if args.plan:  # set after parsing: plan strings hold '=' and ':' that YAML would misread
         cfg = dataclasses.replace(cfg, runtime=dataclasses.replace(cfg.runtime, plan=args.plan))
     metrics = RLTrainer(cfg).run(resume=args.resume)
-    print(summary_line(metrics, ("reward/mean", "eval/exact_match", "kl/mean", "response/length")))
+    shown = ("reward/mean", "eval/exact_match", "kl/mean", "mismatch/mean_abs_logp_diff", "response/length")
+    print(summary_line(metrics, shown))
     print(f"outputs: {cfg.run_dir}")
     return 0
