@@ -128,16 +128,18 @@ def create_app(server: EpisodeServer, model_name: str) -> FastAPI:
 async def _completion(server: EpisodeServer, model_name: str, episode_id: str, body: dict[str, Any]) -> dict:
     if body.get("n", 1) != 1 or body.get("stream"):
         raise EndpointError(400, "one choice per request, not streamed (n=1, stream=false)")
+    # shielded: a client that goes away mid-turn leaves the turn to finish and its episode consistent, not busy
+    return await asyncio.shield(asyncio.ensure_future(_turn(server, model_name, episode_id, body)))
+
+
+async def _turn(server: EpisodeServer, model_name: str, episode_id: str, body: dict[str, Any]) -> dict:
     max_tokens = body.get("max_completion_tokens", body.get("max_tokens"))
     turn = await run_in_threadpool(server.begin, episode_id, body.get("messages"), max_tokens, body.get("temperature"))
     timeout = server.limits.turn_timeout_s
     try:
         completion = await asyncio.wait_for(asyncio.shield(asyncio.wrap_future(turn.future)), timeout or None)
-    except BaseException as exc:  # timed out, the engine failed on it, or the client went away
-        refusal = server.failed(turn, exc, timeout)
-        if isinstance(exc, asyncio.CancelledError):
-            raise
-        raise refusal from None
+    except Exception as exc:  # timed out, or the engine failed on it
+        raise server.failed(turn, exc, timeout) from None
     reply = server.conclude(turn, completion)
     return {
         "id": f"chatcmpl-{uuid.uuid4().hex}",

@@ -257,7 +257,8 @@ class EpisodeServer:
         timeout = self.limits.idle_timeout_s
         if not timeout:
             return
-        for ep in [e for e in self.episodes.values() if _idle(e, now, timeout)]:
+        turn_timeout = self.limits.turn_timeout_s
+        for ep in [e for e in self.episodes.values() if _idle(e, now, timeout, turn_timeout)]:
             del self.episodes[ep.episode_id]
             self._forget(ep.episode_id, f"expired after {timeout:g} s without a request (--idle-timeout)")
             self.counts["expired"] += 1
@@ -266,7 +267,7 @@ class EpisodeServer:
     def _known(self, episode_id: str) -> ServedEpisode:
         """An episode, open or ended, the lock held; one idle past the timeout expires here if not before."""
         ep = self.episodes.get(episode_id)
-        if ep is not None and _idle(ep, self.clock(), self.limits.idle_timeout_s):
+        if ep is not None and _idle(ep, self.clock(), self.limits.idle_timeout_s, self.limits.turn_timeout_s):
             self._expire(self.clock())
         ep = self.episodes.get(episode_id) or self.ended.get(episode_id)
         if ep is not None:
@@ -345,7 +346,12 @@ class EpisodeServer:
         """Record a turn the engine answered; returns the reply (see :meth:`chat`)."""
         ep, request = turn.episode, turn.request
         new = completion.tokens[len(request.prefix) :]
-        content = self.decode(new)
+        try:
+            content = self.decode(new)
+        except BaseException:
+            with self._lock:
+                ep.busy = False
+            raise
         with self._lock:
             if not ep.prompt:
                 ep.prompt = list(request.prompt)
@@ -535,8 +541,13 @@ class EpisodeServer:
             del self.engine.finished_lengths[:-1000]
 
 
-def _idle(ep: ServedEpisode, now: float, timeout: float) -> bool:
-    return bool(timeout) and not ep.busy and now - ep.last_seen > timeout
+def _idle(ep: ServedEpisode, now: float, timeout: float, turn_timeout: float = 0.0) -> bool:
+    """Whether ``ep`` has gone ``timeout`` seconds without a request; a turn in flight counts as a request for as
+    long as a turn may take (``turn_timeout``; 0: any)."""
+    if not timeout:
+        return False
+    quiet = now - ep.last_seen
+    return quiet > timeout and (not ep.busy or (bool(turn_timeout) and quiet > timeout + turn_timeout))
 
 
 def _answer(future: Future, outcome: Completion | BaseException) -> None:
