@@ -85,6 +85,8 @@ def test_geometric_rejection_leaves_out_whole_responses_outside_the_band():
     behav = torch.log(torch.tensor([[0.5, 0.3, 0.4], [0.3, 0.3, 0.0]]))
     mask = torch.tensor([[1.0, 1.0, 1.0], [1.0, 1.0, 0.0]])
     assert torch.allclose(L.geometric_ratio(prox, behav, mask), torch.tensor([1.5 ** (1 / 3), 3.0]))
+    assert L.geometric_rejected(prox, behav, mask, 0.5, 2.0).tolist() == [False, True]
+    assert L.geometric_rejected(prox, behav, mask, 1.2, 4.0).tolist() == [True, False]
     w, stats = L.behaviour_weights(prox, behav, mask, "geo_reject", cap=2.0, low=0.5)
     assert torch.equal(w * mask, torch.tensor([[1.0, 1.0, 1.0], [0.0, 0.0, 0.0]]))
     assert stats["is_dropped"] == pytest.approx(2 / 5) and stats["is_weight"] == pytest.approx(10.5 / 5)
@@ -109,8 +111,8 @@ def _shifted_generation(monkeypatch, shift_of_token):
     mismatch for the trainer to find."""
     generate = workflows.generate_op
 
-    def shifted(ctx, batch, params, out_prefix=""):
-        out = generate(ctx, batch, params, out_prefix)
+    def shifted(ctx, batch, params, **options):
+        out = generate(ctx, batch, params, **options)
         if "logp" in out:
             shift_R = torch.tensor([shift_of_token(t) for t in range(out["logp"].shape[1])])
             out["logp"] = out["logp"] + shift_R * out["mask"]
@@ -150,7 +152,7 @@ def test_a_masking_correction_drops_what_leaves_its_band(tmp_path, monkeypatch, 
     mean is 0.74) and keeps the longer ones (e^(-0.3/n) >= 0.86 for n >= 2)."""
     _shifted_generation(monkeypatch, lambda t: 0.3 if t == 0 else 0.0)
     trainer = RLTrainer(
-        tiny_cfg(tmp_path, "algo.name=grpo", f"algo.off_policy={kind}", "algo.is_low=0.8", "algo.ppo_epochs=1")
+        tiny_cfg(tmp_path, "algo.name=grpo", f"algo.off_policy={kind}", "algo.is_low=0.8", "algo.ppo_epochs=2")
     )
     results = spy_on_iterations(trainer, monkeypatch)
     metrics = trainer.run()
@@ -160,8 +162,12 @@ def test_a_masking_correction_drops_what_leaves_its_band(tmp_path, monkeypatch, 
         dropped = 1.0 / lengths  # one token of each response, as a fraction of its tokens
     else:
         dropped = (lengths == 1).float()
-    steps = minibatch_steps(response_tokens(batch), 1, trainer.cfg.algo.minibatches, trainer.cfg.seed, 1)
+    steps = minibatch_steps(response_tokens(batch), 2, trainer.cfg.algo.minibatches, trainer.cfg.seed, 1)
     expected = sum(float((dropped * lengths)[list(s.rows_per_rank[0])].sum()) / s.tokens for s in steps) / len(steps)
     assert expected > 0  # this seed's last batch has a response of one token
     assert metrics["offpolicy/is_dropped"] == pytest.approx(expected, abs=1e-6)
+    if kind == "geo_reject":  # each of the batch's responses counted once, whatever the epochs and minibatches
+        assert metrics["offpolicy/responses_dropped"] == int((lengths == 1).sum())
+    else:
+        assert "offpolicy/responses_dropped" not in metrics
     assert metrics["mismatch/mean_abs_logp_diff"] == pytest.approx(0.3 * len(batch) / float(lengths.sum()), abs=1e-5)

@@ -58,6 +58,7 @@ LOSS_KEYS = (
     "offpolicy/is_weight",
     "offpolicy/is_capped",
     "offpolicy/is_dropped",
+    "offpolicy/responses_dropped",
 )
 
 

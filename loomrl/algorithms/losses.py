@@ -37,6 +37,7 @@ __all__ = [
     "bradley_terry_loss",
     "entropy_from_logits",
     "geometric_ratio",
+    "geometric_rejected",
     "gspo_loss",
     "kl_estimate",
     "kl_penalty_loss",
@@ -208,6 +209,13 @@ def geometric_ratio(prox_logp_BT: Tensor, behav_logp_BT: Tensor, mask_BT: Tensor
     return torch.exp(masked_mean(_masked_diff(prox_logp_BT, behav_logp_BT, mask_BT), mask_BT, dim=1))
 
 
+def geometric_rejected(prox_logp_BT: Tensor, behav_logp_BT: Tensor, mask_BT: Tensor, low: float, cap: float) -> Tensor:
+    """Which responses ``geo_reject`` leaves out (B booleans): those whose :func:`geometric_ratio` leaves
+    ``[low, cap]``."""
+    g_B = geometric_ratio(prox_logp_BT, behav_logp_BT, mask_BT)
+    return (g_B < low) | (g_B > cap)
+
+
 def behaviour_weights(
     prox_logp_BT: Tensor,
     behav_logp_BT: Tensor,
@@ -230,15 +238,15 @@ def behaviour_weights(
     (rejection alone, as verl's geometric rejection sampling: the band bounds how far off-policy a kept response
     is). Stats: ``is_weight``, the mean of ``w`` before capping; ``is_capped`` (``decoupled``, ``tis``), the
     fraction of tokens capped or left out; ``is_dropped`` (``mis``, ``geo_reject``), the fraction left out; all
-    per token as :func:`token_stat` (under the sequence-mean aggregations a fraction of responses).
+    per token as :func:`token_stat` (under the sequence-mean aggregations a fraction of responses). How many
+    responses ``geo_reject`` leaves out of a batch is :func:`geometric_rejected`'s count.
     """
     if kind not in OFF_POLICY[1:]:
         raise ValueError(f"unknown off-policy correction {kind!r}; valid: {', '.join(OFF_POLICY[1:])}")
     with torch.no_grad():
         w_BT = torch.exp(_masked_diff(prox_logp_BT, behav_logp_BT, mask_BT))
         if kind == "geo_reject":
-            g_B = geometric_ratio(prox_logp_BT, behav_logp_BT, mask_BT)
-            out_BT = ((g_B < low) | (g_B > cap)).unsqueeze(1).expand_as(w_BT)
+            out_BT = geometric_rejected(prox_logp_BT, behav_logp_BT, mask_BT, low, cap).unsqueeze(1).expand_as(w_BT)
             weight_BT = (~out_BT).to(w_BT.dtype)
         else:
             out_BT = (w_BT < low) | (w_BT > cap) if kind == "mis" else w_BT > cap

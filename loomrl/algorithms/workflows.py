@@ -161,15 +161,20 @@ class _FirstStepMismatch:
             self.sums[key] = self.sums.get(key, 0.0) + value
 
 
-def _recomputed_mismatch(ctx: OpContext, batch: Batch, epochs: int) -> dict[str, float]:
-    """The mismatch sums of this rank's rows of the first epoch (each of the batch's rows once over all ranks) from
-    the trainer's recomputed log-probs ``old_logp``."""
-    per_epoch = len(ctx.train_steps) // max(epochs, 1)
+def _recomputed_sums(ctx: OpContext, batch: Batch, algo: AlgoConfig) -> dict[str, float]:
+    """Sums over this rank's rows of the first epoch (each of the batch's rows once over all ranks), which add up
+    over ranks and controllers: the mismatch from the trainer's recomputed log-probs ``old_logp``, and under
+    ``geo_reject`` the responses it leaves out (``offpolicy/responses_dropped``)."""
+    per_epoch = len(ctx.train_steps) // max(algo.ppo_epochs, 1)
     rows = sorted({r for step_rows, _ in ctx.train_steps[:per_epoch] for r in step_rows})
     if not rows:
         return {}
     mine = batch.select(rows, ("old_logp", "logp", "mask"))
-    return mismatch_sums(mine["old_logp"], mine["logp"], mine["mask"])
+    sums = mismatch_sums(mine["old_logp"], mine["logp"], mine["mask"])
+    if algo.off_policy == "geo_reject":
+        out_B = L.geometric_rejected(mine["old_logp"], mine["logp"], mine["mask"], algo.is_low, algo.is_cap)
+        sums["offpolicy/responses_dropped"] = float(out_B.sum())
+    return sums
 
 
 def actor_train_op(
@@ -183,7 +188,7 @@ def actor_train_op(
         first = _FirstStepMismatch(batch.ids[r] for r in ctx.train_steps[0][0])
     loss_fn = partial(_actor_loss, ctx, algo=algo, old_key=old_key, kl_in_loss=kl_in_loss, first=first)
     out = train_loop(ctx, batch, loss_fn, temperature)
-    sums = first.sums if first is not None else _recomputed_mismatch(ctx, batch, algo.ppo_epochs)
+    sums = first.sums if first is not None else _recomputed_sums(ctx, batch, algo)
     out["stats"] = {**out["stats"], **sums}
     return out
 
