@@ -166,6 +166,9 @@ class Role:
     on_nonfinite: str = "skip"
     """An optimizer step whose loss or gradient norm is NaN or inf: 'skip' it (gradients zeroed, weights and
     optimizer state untouched) or 'stop' the run (``train.on_nonfinite``)."""
+    generator: Any = None
+    """A rollout engine that keeps its own copy of the weights (vLLM: :mod:`loomrl.rollout.vllm_engine`), built by
+    the first generate call that needs one and synced with the model's weights before each; None until then."""
 
     @property
     def device(self) -> torch.device:

@@ -26,13 +26,13 @@ from contextlib import contextmanager, nullcontext
 
 import torch
 
-from loomrl.algorithms.context import OpContext, PartialRollout, Resumed
+from loomrl.algorithms.context import OpContext, PartialRollout, Resumed, Role
 from loomrl.algorithms.lr import set_lr
 from loomrl.config.schema import judge_role
 from loomrl.errors import TrainingError
 from loomrl.models.heads import LOGP, last_real_index
 from loomrl.models.lora import adapters_off
-from loomrl.rollout import Request, RolloutEngine, SamplingParams, generation_eos_ids, stream_keys
+from loomrl.rollout import Completion, Request, RolloutEngine, SamplingParams, generation_eos_ids, stream_keys
 from loomrl.workflow.batch import (
     Batch,
     micro_batch_slices,
@@ -47,23 +47,31 @@ from loomrl.workflow.minibatches import loss_weights
 
 
 def generate_chunks(
-    ctx: OpContext, batch: Batch, params: SamplingParams, out_prefix: str = ""
+    ctx: OpContext, batch: Batch, params: SamplingParams, out_prefix: str = "", backend: str = "loomrl"
 ) -> Iterator[tuple[list[int], dict]]:
     """Sample one response per row from the role's model (within its own ``max_new_tokens`` where the batch has
     that column, else the sampling parameters'), yielding ``(sample ids, columns)`` of finished rows:
     in chunks of ``ctx.stream.chunk`` as they finish when the call is part of a fused stage (whose
     ``after_step`` hook may migrate unfinished samples in or out), else all at once. Noise comes from each
     sample's own stream, so a sample's tokens do not depend on where or with whom it was generated. Under
-    partial rollouts (``ctx.partial``) rows continue what they generated before and may pause, unfinished."""
+    partial rollouts (``ctx.partial``) rows continue what they generated before and may pause, unfinished.
+    ``backend`` 'vllm' generates with the role's vLLM engine (:func:`vllm_generate`), all rows at once."""
     model, control, partial = ctx.role.model, ctx.stream, ctx.partial
-    was_training = model.training
-    model.eval()
     prompts = batch["prompt_ids"] if len(batch) else []
     budgets = batch["max_new_tokens"] if "max_new_tokens" in batch else [None] * len(batch)  # per-sample budgets
     longest = control.max_prompt if control else max(len(p) for p in prompts)
     budget = max([params.max_new_tokens, control.max_budget if control else 0, *(b for b in budgets if b)])
     slots = control.slots if control else min(256, len(prompts))
     eos_ids = (ctx.eos_id, *generation_eos_ids(model))
+    if backend == "vllm":
+        done = vllm_generate(ctx.role, _requests(ctx, batch, prompts, budgets, budget), params, eos_ids, ctx.seed)
+        if partial is not None:
+            _record_partial(partial, ctx.iteration, done)
+        if done:
+            yield [c.sample_id for c in done], _generated_columns(done, out_prefix)
+        return
+    was_training = model.training
+    model.eval()
     engine = RolloutEngine(model, params, eos_ids, ctx.pad_id, slots=max(1, slots), max_len=longest + budget)
     engine.submit(_requests(ctx, batch, prompts, budgets, budget))
     finished: list = []
@@ -80,6 +88,30 @@ def generate_chunks(
         if stop:
             break
     model.train(was_training)
+
+
+def vllm_generate(
+    role: Role, requests: list[Request], params: SamplingParams, eos_ids: Sequence[int], seed: int
+) -> list[Completion]:
+    """``requests`` run to completion in ``role``'s vLLM engine (built on first use, and again when a call
+    outgrows it), after syncing the role's weights into it as the engine's next version and verifying them
+    (:class:`~loomrl.rollout.vllm_engine.VLLMEngine`); results in request order."""
+    from loomrl.rollout.vllm_engine import VLLMEngine
+
+    max_len = max(len(r.prompt) + (r.max_new_tokens or params.max_new_tokens) for r in requests)
+    engine = role.generator
+    if engine is None or not engine.fits(max_len, len(requests)):
+        versions = engine.syncs if engine is not None else 0
+        if engine is not None:
+            engine.close()
+        limit = getattr(role.model.config, "max_position_embeddings", max_len)
+        engine = role.generator = VLLMEngine(
+            role.model, max_len=min(max(max_len, 2 * max_len), max(limit, max_len)), slots=len(requests), seed=seed
+        )
+        engine.syncs = versions
+    version = engine.syncs + 1
+    engine.sync(role.model, version)
+    return engine.generate_with(requests, params, eos_ids, version)
 
 
 def _requests(
@@ -125,9 +157,11 @@ def _generated_columns(done: list, out_prefix: str) -> dict:
     return out
 
 
-def generate_op(ctx: OpContext, batch: Batch, params: SamplingParams, out_prefix: str = "") -> dict:
+def generate_op(
+    ctx: OpContext, batch: Batch, params: SamplingParams, out_prefix: str = "", backend: str = "loomrl"
+) -> dict:
     """Sample one response per row from the role's model (:func:`generate_chunks`, all at once), in row order."""
-    chunks = [Batch(ids, cols) for ids, cols in generate_chunks(ctx, batch, params, out_prefix)]
+    chunks = [Batch(ids, cols) for ids, cols in generate_chunks(ctx, batch, params, out_prefix, backend)]
     if not chunks:
         return {}
     whole = Batch.concat(chunks) if len(chunks) > 1 else chunks[0]

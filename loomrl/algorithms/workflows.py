@@ -285,8 +285,8 @@ def _rollout_mfcs(
             gen,
             ("prompt_ids",),
             ("response_ids", "logp", "mask"),
-            partial(generate_op, params=sampling_params(rollout)),
-            stream=partial(generate_chunks, params=sampling_params(rollout)),
+            partial(generate_op, params=sampling_params(rollout), backend=rollout.backend),
+            stream=partial(generate_chunks, params=sampling_params(rollout), backend=rollout.backend),
         ),
         MFC(
             "ref_inf",
@@ -329,8 +329,8 @@ def _rollout_mfcs(
                 gen,
                 ("prompt_ids",),
                 ("greedy_response_ids",),
-                partial(generate_op, params=greedy, out_prefix="greedy_"),
-                stream=partial(generate_chunks, params=greedy, out_prefix="greedy_"),
+                partial(generate_op, params=greedy, out_prefix="greedy_", backend=rollout.backend),
+                stream=partial(generate_chunks, params=greedy, out_prefix="greedy_", backend=rollout.backend),
             )
         )
         mfcs.append(
@@ -382,8 +382,15 @@ def build_workflow(
     ``ref``, or ``actor`` for a LoRA actor's base)."""
     # Truncated sampling (top-k/top-p) is not the distribution the actor trains; recompute behaviour log-probs
     # (also on request: frameworks whose sampler's log-probs differ from the trainer's recompute them always).
-    # An off-policy correction needs both: the sampler's log-probs and the policy's at the update's start.
-    recompute = rollout.top_k > 0 or rollout.top_p < 1.0 or algo.recompute_logprobs or algo.off_policy != "none"
+    # An off-policy correction needs both: the sampler's log-probs and the policy's at the update's start. Another
+    # engine's log-probs (vLLM's) are the sampler's, not the trainer's: the trainer's are recomputed.
+    recompute = (
+        rollout.top_k > 0
+        or rollout.top_p < 1.0
+        or algo.recompute_logprobs
+        or algo.off_policy != "none"
+        or rollout.backend != "loomrl"
+    )
     old_key = "old_logp" if recompute else "logp"
     mfcs = _rollout_mfcs(algo, rollout, recompute, reward, reference)
     kl = uses_reference(algo)

@@ -40,6 +40,8 @@ def judge_index(name: str) -> int | None:
 
 
 BACKENDS = ("tensorboard", "wandb", "mlflow")
+ROLLOUT_BACKENDS = ("loomrl", "vllm")
+"""Engines a rollout generate call may run on (``rollout.backend``)."""
 NONFINITE_ACTIONS = ("skip", "stop")
 
 
@@ -285,6 +287,10 @@ class RolloutConfig(ValidatedConfig):
     """Nucleus sampling mass; 1.0 disables."""
     env: EnvConfig = field(default_factory=EnvConfig)
     """Multi-turn rollouts: an environment answers each assistant turn (none by default)."""
+    backend: str = spec("loomrl", choices=ROLLOUT_BACKENDS)
+    """The engine of the rollout generate calls: 'loomrl' (its own) or 'vllm' (an engine in each generating worker,
+    fed the trainer's weights before every call and checked against them; behaviour log-probs are then recomputed
+    by the trainer, and their difference from vLLM's is the mismatch/... metrics)."""
 
 
 @dataclass(frozen=True)

@@ -327,4 +327,8 @@ class ReferenceExecutor(Executor):
         return {**state, GENERATED_AHEAD: self.pending.iterations()}
 
     def close(self) -> None:
-        """Nothing to release in a single process."""
+        """Stop the rollout engines of other processes its roles started (vLLM's); nothing else to release."""
+        for role in self.roles.values():
+            if role.generator is not None:
+                role.generator.close()
+                role.generator = None

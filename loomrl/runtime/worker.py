@@ -633,6 +633,10 @@ class DeviceWorker:
         )
 
     def shutdown(self) -> None:
+        for role in self.holdings.values():
+            if role.generator is not None:  # a vLLM engine's process
+                role.generator.close()
+                role.generator = None
         if dist.is_initialized():
             dist.destroy_process_group()
 

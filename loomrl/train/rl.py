@@ -38,6 +38,7 @@ from loomrl.errors import ConfigError, DataError, LoomError
 from loomrl.models.tokenizer import decode_response, encode_prompt, task_tokenizer
 from loomrl.models.zoo import check_model_spec
 from loomrl.plan import ClusterSpec, ExecutionPlan, colocate
+from loomrl.plan.combinations import check_combinations
 from loomrl.plan.from_config import plan_from_config
 from loomrl.plan.plan_string import format_plan_string
 from loomrl.plan.schedule import build_schedule
@@ -317,31 +318,12 @@ class RLTrainer:
                     f"runtime.plan_changes.{iteration}: its staleness (async) {plans[iteration].staleness} differs "
                     f"from the run's plan's {plans[0].staleness}; a run keeps one (valid: {plans[0].staleness})"
                 )
-        if plans[0].asynchronous is not None:
-            for field, on in (
-                ("algo.dynamic_sampling.enabled", self.cfg.algo.dynamic_sampling.enabled),
-                ("runtime.placement", self.cfg.runtime.placement == "dynamic"),
-            ):
-                if on:
-                    raise ConfigError(
-                        f"{field}: not available with an asynchronous plan (async in runtime.plan); "
-                        "use a synchronous plan or turn it off"
-                    )
-        if plans[0].asynchronous is not None and plans[0].asynchronous.partial_rollout:
-            self._check_partial_rollout()
+        for iteration, plan in plans.items():
+            try:
+                check_combinations(cfg, self.workflow, plan)
+            except ConfigError as err:
+                raise ConfigError(f"runtime.plan_changes.{iteration}: {err}" if iteration else str(err)) from None
         return plans
-
-    def _check_partial_rollout(self) -> None:
-        """Partial rollouts continue single-turn samples of one rollout generate call."""
-        for field, on, why in (
-            ("rollout.env.name", self.cfg.rollout.env.enabled, "an episode's environment cannot pause mid-turn"),
-            ("algo", len(self.workflow.rollout_generations()) != 1, "the workflow has more than one rollout"),
-        ):
-            if on:
-                raise ConfigError(
-                    f"{field}: not available with partial rollouts (async=...,partial_rollout:on in runtime.plan): "
-                    f"{why}; use partial_rollout:off"
-                )
 
     def _inputs(self) -> PlannerInputs | None:
         """The planner inputs of a Ray run on ``self.plan``'s cluster (:func:`planner_inputs`); None for the
