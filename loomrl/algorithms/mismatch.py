@@ -21,8 +21,10 @@ an off-policy correction), over every response of the batch. Otherwise the actor
 forward pass of the first minibatch runs under the weights that generated the batch (no update has happened yet
 in a synchronous run), so it is the trainer's log-probs of that minibatch for free; the later minibatches' come
 after an update and would mix learning into the figure, so only the first minibatch's responses are measured
-(``mismatch/tokens`` says how many). Under an asynchronous plan the batch was sampled by older weights than either
-source, so the figures add the policy's drift since (``async/staleness`` says how many versions).
+(``mismatch/tokens`` says how many; with LoRA dropout, ``actor.lora.dropout`` > 0, that forward is noisy too, and
+``algo.recompute_logprobs`` gives the clean figure for an extra forward pass). Under an asynchronous plan the
+batch was sampled by older weights than either source, so the figures add the policy's drift since
+(``async/staleness`` says how many versions).
 
 Legend: B = samples, T = response tokens (right-padded).
 """
