@@ -154,3 +154,50 @@ def test_open_episodes_past_the_limit_are_refused_until_one_ends_or_expires():
     assert err.value.status == 410
     clock.now += 6
     assert server.open() and second not in server.episodes and first[2] not in server.episodes
+
+
+def test_turns_in_flight_over_http_hold_no_thread_and_decode_in_the_same_steps():
+    """48 agents' turns, more than the HTTP worker threads (40), are all in flight at once: queued while the engine's
+    loop is not yet running, then admitted in one step and decoded together."""
+    import json
+    import urllib.request
+    from concurrent.futures import ThreadPoolExecutor
+
+    import uvicorn
+
+    from loomrl.rollout.openai_api import create_app
+
+    tok = _tokenizer()
+    model = build_causal_lm("llama-1m", build_char_tokenizer(), seed=3).eval()
+    bar = tok.convert_tokens_to_ids("|")
+    params = SamplingParams(6, 1.0, ignore_eos=True, stop_ids=(bar,))
+    engine = RolloutEngine(model, params, tok.eos_token_id, 0, slots=48, max_len=64)
+    server = EpisodeServer(engine, tok, lambda ids: decode_response(tok, ids), 6)
+    http = uvicorn.Server(uvicorn.Config(create_app(server, "m"), host="127.0.0.1", port=0, log_level="critical"))
+    web = threading.Thread(target=http.run, daemon=True)
+    web.start()
+    while not http.started:
+        threading.Event().wait(0.01)
+    base = f"http://127.0.0.1:{http.servers[0].sockets[0].getsockname()[1]}/v1"
+
+    def turn(i: int) -> dict:
+        episode = server.open()
+        body = json.dumps({"messages": [{"role": "user", "content": str(i)}]}).encode()
+        request = urllib.request.Request(f"{base}/episodes/{episode}/chat/completions", data=body, method="POST")
+        with urllib.request.urlopen(request, timeout=60) as response:
+            return json.loads(response.read())
+
+    try:
+        with ThreadPoolExecutor(48) as pool:
+            replies = [pool.submit(turn, i) for i in range(48)]
+            while server._inbox.qsize() < 48:  # every turn queued, none answered: the engine is not running yet
+                assert not any(r.done() for r in replies), [r.result() for r in replies if r.done()][:1]
+                threading.Event().wait(0.01)
+            with Running(server):
+                answers = [r.result(timeout=60) for r in replies]
+    finally:
+        http.should_exit = True
+        web.join(timeout=10)
+    assert all(1 <= a["usage"]["completion_tokens"] <= 6 for a in answers)
+    assert engine.step_log[0] == (0, 48, sum(a["usage"]["prompt_tokens"] for a in answers))
+    assert engine.step_log[1][0] == sum(a["usage"]["completion_tokens"] > 1 for a in answers)

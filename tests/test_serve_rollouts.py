@@ -197,6 +197,9 @@ def test_the_command_serves_until_interrupted_and_writes_each_ended_episode(tmp_
     assert bad.returncode == 2 and bad.stderr.count("\n") == 1 and "nope-model" in bad.stderr
     none = subprocess.run([*cmd], capture_output=True, text=True, timeout=60)
     assert none.returncode == 2 and "no chat template" in none.stderr and none.stderr.count("\n") == 1
+    limit = subprocess.run([*cmd, "--max-episodes", "0"], capture_output=True, text=True, timeout=60)
+    assert limit.returncode == 2 and limit.stderr.count("\n") == 1
+    assert "--max-episodes 0: must be at least 1" in limit.stderr
 
 
 class _Agent:

@@ -471,7 +471,12 @@ class EpisodeServer:
     def _isolate(self) -> None:
         """A step raised: run each turn it held alone, continuing where it stopped (its tokens are those of an
         uninterrupted run), so the turn that fails ends only its own episode."""
-        stopped = {c.sample_id: c for c in self.engine.abort(list(self._pending))}
+        try:
+            stopped = {c.sample_id: c for c in self.engine.abort(list(self._pending))}
+        except Exception:  # the engine's slots are past repair: every turn starts again from its request
+            stopped = {}
+            self.engine.waiting.clear()
+            self.engine.live.clear()
         pending, self._pending = self._pending, {}
         for sid, turn in pending.items():
             request = turn.request
