@@ -281,7 +281,8 @@ def _add_serve_parser(sub) -> None:
         "--max-len",
         type=int,
         default=2048,
-        help="an episode's prompt and response tokens, at most; the KV cache holds --slots × --max-len tokens",
+        help="an episode's prompt and response tokens, at most (and the model's positions); the KV cache holds "
+        "--slots × --max-len tokens",
     )
     p.add_argument("--max-body-bytes", type=int, default=1 << 20, help="a request body's bytes, at most (else 413)")
     p.add_argument("--max-messages", type=int, default=256, help="messages in one request, at most")
@@ -295,7 +296,7 @@ def _add_serve_parser(sub) -> None:
         default=0,
         help="cache tokens kept for episodes waiting on their agents, together (0: --slots × --max-len)",
     )
-    p.add_argument("--turn-timeout", type=float, default=600.0, help="seconds a turn may take before a 504")
+    p.add_argument("--turn-timeout", type=float, default=600.0, help="seconds a turn may take before a 504 (0: any)")
     p.add_argument(
         "--threads",
         type=int,
