@@ -171,6 +171,21 @@ def _flood_turns(e: Endpoint) -> tuple[int, dict]:
     return answers[0]
 
 
+def _gone_mid_turn(e: Endpoint) -> tuple[int, dict]:
+    """A client that sends a turn and hangs up without reading: the turn still finishes and the episode goes on
+    (its reward is taken, not refused as busy)."""
+    episode = e.episode()
+    conn = http.client.HTTPConnection("127.0.0.1", e.port, timeout=10)
+    body = json.dumps({"messages": ASK}).encode()
+    conn.request("POST", f"/v1/episodes/{episode}/chat/completions", body, {"content-type": "application/json"})
+    conn.close()
+    for _ in range(3000):
+        if e.request("GET", f"/v1/episodes/{episode}")[1]["turns"] == 1:
+            break
+        threading.Event().wait(0.01)
+    return e.post(f"/v1/episodes/{episode}/reward", {"reward": 1})
+
+
 def _chunked_too_large(e: Endpoint) -> tuple[int, dict]:
     chunks = (b"x" * 4096 for _ in range(BODY_LIMIT // 4096 + 2))  # no length declared
     return e.request("POST", f"/v1/episodes/{e.episode()}/chat/completions", chunks, chunked=True)
@@ -286,6 +301,7 @@ KINDS: dict[str, tuple[int, str, Callable[[Endpoint], tuple[int, dict]]]] = {
     "open episodes past the limit": (429, "--max-episodes 48", _flood_opens),
     # hostile but valid: answered
     "40 turns at once": (200, "", _flood_turns),
+    "a client that hangs up mid-turn": (200, "", _gone_mid_turn),
     "max_tokens of 10**30": (200, "", lambda e: _chat(e, max_tokens=10**30)),
     "NUL and control characters": (200, "", lambda e: _chat(e, _content("\x00\x01\x7f12"))),
     "unknown fields": (200, "", lambda e: _chat(e, tools=[{"type": "function"}], logprobs=True, seed=3, user="u")),
