@@ -122,8 +122,8 @@ class Turn:
 
     episode: ServedEpisode
     request: Request
-    messages: list[dict[str, str]]
     digests: list[bytes]
+    """The request's messages, digested (:attr:`ServedEpisode.messages` once it is answered)."""
     observed: int
     """Observation tokens the request appends before the turn."""
     future: Future = field(default_factory=Future)
@@ -338,7 +338,7 @@ class EpisodeServer:
             with self._lock:
                 ep.busy = False
             raise
-        turn = Turn(ep, request, checked, digests, observed)
+        turn = Turn(ep, request, digests, observed)
         self._inbox.put(turn)
         return turn
 
