@@ -2,6 +2,7 @@
 
     .venv/bin/python benchmarks/rollout.py [--model llama-10m] [--prompts 128] [--max-new 128]
     .venv/bin/python benchmarks/rollout.py --model smollm2-135m-instruct [--concurrency 64,128] [--tokens 64]
+        [--precision bf16] [--no-vllm]
 
 Both generate for the same 128 prompts with the same ~10M-parameter model on this machine. Response lengths
 follow a heavy-tailed distribution (most short, a few at the maximum), imposed as per-sample token budgets
@@ -13,8 +14,9 @@ and memory bandwidth), computed step by step from the engine's own log of live r
 With a pretrained name (SmolLM2-135M-Instruct, its 49k vocabulary), the decode rate at each concurrency: every
 sequence decodes the same number of tokens (a static batch's best case), the engine (with the attention kernel
 loomrl gives a model on this device) beside `generate` with the faster of transformers' `eager` and `sdpa`
-attention, against the same roofline and against the linear floor: the model's linear layers alone, timed at each
-of the engine's steps' row counts, which any engine must run (attention, norms and sampling come on top).
+attention and beside vLLM (``rollout.backend=vllm``'s engine, in its own process, same threads), against the
+same roofline and against the linear floor: the model's linear layers alone, timed at each of the engine's
+steps' row counts, which any engine must run (attention, norms and sampling come on top).
 """
 
 from __future__ import annotations
@@ -170,12 +172,39 @@ def linear_floor_seconds(model, step_log: list[tuple[int, int, int]]) -> float:
     return total
 
 
-def pretrained_decode(name: str, concurrency: list[int], tokens: int, precision: str = "fp32") -> None:
+def run_vllm(model, prompts, tokens: int) -> tuple[float, float]:
+    """Seconds vLLM (its CPU build here, in its own process, as ``rollout.backend=vllm`` runs it) takes to decode
+    ``tokens`` tokens for every prompt at once (eos ignored), after a weight sync and a warm-up call: with each
+    request's own seeded generator (as loomrl runs it, so that a sample does not depend on its batch), and with
+    vLLM's engine-wide one (its fastest sampling)."""
+    from loomrl.rollout.vllm_engine import VLLMEngine
+
+    engine = VLLMEngine(model, max_len=max(len(p) for p in prompts) + tokens, slots=len(prompts))
+    try:
+        engine.sync(model, 1)
+        params = SamplingParams(max_new_tokens=tokens, ignore_eos=True)
+        keys = stream_keys(0, 0, range(len(prompts))).tolist()
+        requests = [Request(i, list(p), k) for i, (p, k) in enumerate(zip(prompts, keys))]
+        engine.generate_with(requests[:4], SamplingParams(max_new_tokens=4, ignore_eos=True), [], 1)  # warm-up
+        seconds = []
+        for seeded in (True, False):
+            start = time.perf_counter()
+            engine.generate_with(requests, params, [], 1, seeded=seeded)
+            seconds.append(time.perf_counter() - start)
+        return seconds[0], seconds[1]
+    finally:
+        engine.close()
+
+
+def pretrained_decode(
+    name: str, concurrency: list[int], tokens: int, precision: str = "fp32", with_vllm: bool = True
+) -> None:
     """Decode rate on a pretrained chat model: at each concurrency C, C arithmetic chat prompts each decoding
     ``tokens`` tokens (eos ignored), the engine (C slots) beside transformers' ``generate`` on the same C prompts
     as one batch (all rows equally long, so its static batch wastes no step: its best case) with the faster of its
     attention kernels, with the engine's roofline fraction and the linear floor. ``precision``: both run in it, and
-    the roofline takes the machine's matmul rate in it."""
+    the roofline takes the machine's matmul rate in it. ``with_vllm``: vLLM on the same prompts too
+    (:func:`run_vllm`)."""
     from transformers import AutoModelForCausalLM, AutoTokenizer
 
     from loomrl.config.schema import TaskConfig
@@ -206,6 +235,7 @@ def pretrained_decode(name: str, concurrency: list[int], tokens: int, precision:
             use_attention(model, attention_for(next(model.parameters()).device))  # as loomrl builds its roles
             run_engine(model, prompts[:4], [4] * 4, slots=4)  # warm-up
             eng_s, engine = run_engine(model, prompts, budgets, slots=c)
+            vllm_s, vllm_free_s = run_vllm(model, prompts, tokens) if with_vllm else (float("nan"),) * 2
         roof_s = roofline_seconds(engine, model, flops, bandwidth, dtype.itemsize)
         floor_s = linear_floor_seconds(model, engine.step_log)
         rows.append(
@@ -215,6 +245,8 @@ def pretrained_decode(name: str, concurrency: list[int], tokens: int, precision:
                 "HF generate tok/s": f"{c * tokens / hf_s:.0f} ({hf_kind}; other {c * tokens / max(hf.values()):.0f})",
                 "engine tok/s": c * tokens / eng_s,
                 "engine / HF": hf_s / eng_s,
+                "vLLM tok/s (unseeded)": f"{c * tokens / vllm_s:.0f} ({c * tokens / vllm_free_s:.0f})",
+                "engine / vLLM": vllm_s / eng_s,
                 "roofline tok/s": c * tokens / roof_s,
                 "engine fraction": roof_s / eng_s,
                 "HF fraction": roof_s / hf_s,
@@ -270,6 +302,7 @@ def main() -> None:
     ap.add_argument("--tokens", type=int, default=64, help="pretrained model: tokens each sequence decodes")
     ap.add_argument("--precision", choices=("fp32", "bf16"), default="fp32", help="pretrained model: both systems'")
     ap.add_argument("--sampler", action="store_true", help="time token choice alone (49,152 entries: SmolLM2's)")
+    ap.add_argument("--no-vllm", action="store_true", help="pretrained model: leave vLLM's column out")
     args = ap.parse_args()
     torch.set_num_threads(args.threads)
     if args.sampler:
@@ -278,7 +311,8 @@ def main() -> None:
     from loomrl.models.pretrained import PRETRAINED
 
     if args.model in PRETRAINED:
-        return pretrained_decode(args.model, [int(c) for c in args.concurrency.split(",")], args.tokens, args.precision)
+        concurrency = [int(c) for c in args.concurrency.split(",")]
+        return pretrained_decode(args.model, concurrency, args.tokens, args.precision, not args.no_vllm)
     tokenizer = build_char_tokenizer()
     model = build_causal_lm(args.model, tokenizer, seed=0).eval()
     n_params = count_parameters(model)

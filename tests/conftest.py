@@ -54,6 +54,9 @@ SLOW = {
     "tests/test_dynamic_sampling.py::test_the_ray_runtime_samples_as_the_reference_does[fused]",  # [copy] stays
     # ppo-2dev-2 and grpo-separate4-2 stay:
     "tests/test_controllers.py::test_parallel_controllers_compute_the_reference_run[ppo-pipelines4-2]",
+    # vLLM on Ray with a shadow stays in the asynchronous separate run; bf16 parity's threshold is the processor's:
+    "tests/test_vllm_backend.py::test_the_ray_runtime_with_vllm_is_the_reference_run_with_vllm[separate-1+1]",
+    "tests/test_vllm_backend.py::test_vllm_logprobs_match_the_trainers_in_bf16",
 }
 
 

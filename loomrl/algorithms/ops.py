@@ -93,21 +93,21 @@ def generate_chunks(
 def vllm_generate(
     role: Role, requests: list[Request], params: SamplingParams, eos_ids: Sequence[int], seed: int
 ) -> list[Completion]:
-    """``requests`` run to completion in ``role``'s vLLM engine (built on first use, and again when a call
-    outgrows it), after syncing the role's weights into it as the engine's next version and verifying them
-    (:class:`~loomrl.rollout.vllm_engine.VLLMEngine`); results in request order."""
+    """``requests`` run to completion in ``role``'s vLLM engine (built on first use with room for twice the call's
+    longest sample and as many slots as it has rows, and again when a later call's samples outgrow it; more rows
+    than slots wait for one), after syncing the role's weights into it as the engine's next version and verifying
+    them (:class:`~loomrl.rollout.vllm_engine.VLLMEngine`); results in request order."""
     from loomrl.rollout.vllm_engine import VLLMEngine
 
     max_len = max(len(r.prompt) + (r.max_new_tokens or params.max_new_tokens) for r in requests)
     engine = role.generator
-    if engine is None or not engine.fits(max_len, len(requests)):
+    if engine is None or not engine.fits(max_len):
         versions = engine.syncs if engine is not None else 0
         if engine is not None:
             engine.close()
-        limit = getattr(role.model.config, "max_position_embeddings", max_len)
-        engine = role.generator = VLLMEngine(
-            role.model, max_len=min(max(max_len, 2 * max_len), max(limit, max_len)), slots=len(requests), seed=seed
-        )
+        positions = getattr(role.model.config, "max_position_embeddings", None) or 2 * max_len
+        room = max(max_len, min(2 * max_len, positions))
+        engine = role.generator = VLLMEngine(role.model, max_len=room, slots=len(requests), seed=seed)
         engine.syncs = versions
     version = engine.syncs + 1
     engine.sync(role.model, version)
@@ -278,10 +278,12 @@ def reward_op(
 
 
 @torch.no_grad()
-def judge_op(ctx: OpContext, batch: Batch, template: str, max_new_tokens: int, out_key: str) -> dict:
-    """A judge's verdict on each sample, written greedily: the judge's prompt made from the sample's prompt,
-    response and answer by ``template`` (:func:`loomrl.data.judges.judge_prompt`), its verdict's token ids in
-    ``out_key``."""
+def judge_op(
+    ctx: OpContext, batch: Batch, template: str, max_new_tokens: int, out_key: str, backend: str = "loomrl"
+) -> dict:
+    """A judge's verdict on each sample, written greedily (on ``backend``'s engine, as the rollouts are): the
+    judge's prompt made from the sample's prompt, response and answer by ``template``
+    (:func:`loomrl.data.judges.judge_prompt`), its verdict's token ids in ``out_key``."""
     from loomrl.data.judges import judge_prompt
 
     if ctx.encode is None:
@@ -291,7 +293,7 @@ def judge_op(ctx: OpContext, batch: Batch, template: str, max_new_tokens: int, o
         for p, r, a in zip(batch["prompt_text"], batch["response_ids"], batch["answer"])
     ]
     prompts = Batch(batch.ids, {"prompt_ids": [ctx.encode(t) for t in texts]})
-    out = generate_op(ctx, prompts, SamplingParams(max_new_tokens, 0.0), out_prefix="judge_")
+    out = generate_op(ctx, prompts, SamplingParams(max_new_tokens, 0.0), out_prefix="judge_", backend=backend)
     return {out_key: out["judge_response_ids"]} if out else {out_key: []}
 
 

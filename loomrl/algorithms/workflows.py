@@ -231,7 +231,7 @@ def sampling_params(rollout: RolloutConfig) -> SamplingParams:
     return SamplingParams(rollout.max_new_tokens, rollout.temperature, rollout.top_k, rollout.top_p)
 
 
-def judge_mfcs(reward: RewardConfig | None) -> tuple[list[MFC], MFC | None]:
+def judge_mfcs(reward: RewardConfig | None, backend: str = "loomrl") -> tuple[list[MFC], MFC | None]:
     """With ``reward.source`` 'judge': each judge's generate call (role ``judge<i>``, its verdicts in
     ``verdict<i>_ids``) and the compute call that turns the verdicts into the reward (``reward_inf``, in place of
     the reward role's inference call); ``([], None)`` otherwise."""
@@ -245,7 +245,13 @@ def judge_mfcs(reward: RewardConfig | None) -> tuple[list[MFC], MFC | None]:
             MFCKind.GENERATE,
             scored,
             (f"verdict{i}_ids",),
-            partial(judge_op, template=j.template, max_new_tokens=j.max_new_tokens, out_key=f"verdict{i}_ids"),
+            partial(
+                judge_op,
+                template=j.template,
+                max_new_tokens=j.max_new_tokens,
+                out_key=f"verdict{i}_ids",
+                backend=backend,
+            ),
             doc=f"judge {i}'s verdict on each response",
             max_new_tokens=j.max_new_tokens,
             reads_response=True,
@@ -303,7 +309,7 @@ def _rollout_mfcs(
         del mfcs[2]
     if not uses_reference(algo):
         del mfcs[1]
-    judges, judged = judge_mfcs(reward)
+    judges, judged = judge_mfcs(reward, rollout.backend)
     if judged is not None:
         if algo.name == "remax":
             raise ConfigError(

@@ -39,6 +39,7 @@ from collections.abc import Iterable, Iterator, Mapping, Sequence
 from typing import Any
 
 import torch
+from transformers import PreTrainedModel
 
 from loomrl.rollout.engine import Completion, Request
 from loomrl.rollout.sampling import SamplingParams
@@ -67,7 +68,7 @@ class VLLMEngine:
     """One model in a vLLM engine of its own process (implements GenerationBackend; ``stream`` and ``abort``
     are refused: a call's samples come back at its end)."""
 
-    def __init__(self, model: torch.nn.Module, max_len: int, slots: int, seed: int = 0):
+    def __init__(self, model: PreTrainedModel, max_len: int, slots: int, seed: int = 0):
         vllm = _import_vllm()
         self.config = model.config
         self.dtype = next(model.parameters()).dtype
@@ -92,6 +93,11 @@ class VLLMEngine:
                 enforce_eager=True,
                 load_format="dummy",
                 logprobs_mode="processed_logprobs",
+                # A prompt prefilled in parts would draw (and discard) a token from its seeded generator at each
+                # part, which vLLM then rewinds: a CUDA generator can, a CPU one cannot ("CPU Generator does not
+                # use offset"). Whole prompts only, a step's worth of them at a time.
+                enable_chunked_prefill=False,
+                max_num_batched_tokens=max(max_len, 8192),
                 kv_cache_memory_bytes=None if cuda else self._cache_bytes(),
                 enable_sleep_mode=cuda,
                 gpu_memory_utilization=0.5 if cuda else 0.9,
@@ -120,9 +126,9 @@ class VLLMEngine:
         per_token = 2 * c.num_hidden_layers * heads * head_dim * self.dtype.itemsize
         return max(per_token * self.max_len * max(1, self.slots), 16 << 20)
 
-    def fits(self, max_len: int, slots: int) -> bool:
-        """Whether calls of up to ``max_len`` tokens per sample and ``slots`` samples fit this engine."""
-        return max_len <= self.max_len and slots <= self.slots
+    def fits(self, max_len: int) -> bool:
+        """Whether samples of up to ``max_len`` tokens fit this engine (more samples than its slots wait for one)."""
+        return max_len <= self.max_len
 
     # ------------------------------------------------------------------------------------------- weights
     def sync(self, model: torch.nn.Module, version: int) -> SyncReport:
@@ -168,10 +174,16 @@ class VLLMEngine:
 
     # ---------------------------------------------------------------------------------------- generating
     def generate_with(
-        self, requests: Sequence[Request], params: SamplingParams, eos_ids: Iterable[int], version: int
+        self,
+        requests: Sequence[Request],
+        params: SamplingParams,
+        eos_ids: Iterable[int],
+        version: int,
+        seeded: bool = True,
     ) -> list[Completion]:
         """Run ``requests`` to completion under ``params``, results in request order; refuses unless the
-        engine holds verified weights of ``version``."""
+        engine holds verified weights of ``version``. ``seeded`` False draws from vLLM's engine-wide generator
+        instead of each request's own (a sample then depends on its batch: for measuring vLLM at its fastest)."""
         if self.version != version:
             held = "no verified weights" if self.version is None else f"weights of version {self.version}"
             raise WeightSyncError(f"vLLM rollout: the engine holds {held}, the call needs version {version}")
@@ -190,7 +202,7 @@ class VLLMEngine:
                     temperature=params.temperature,
                     top_k=params.top_k if params.top_k > 0 else 0,
                     top_p=params.top_p,
-                    seed=_seed(r.key),
+                    seed=_seed(r.key) if seeded else None,
                     logprobs=0,
                     stop_token_ids=[*eos, *params.stop_ids],
                     ignore_eos=params.ignore_eos,

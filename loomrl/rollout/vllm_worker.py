@@ -14,6 +14,7 @@ This module is imported by the engine's process by name; it must not import the 
 from __future__ import annotations
 
 import os
+from typing import Any
 
 import torch
 
@@ -33,6 +34,11 @@ def tensor_of(data: bytes, dtype: torch.dtype, shape: list[int]) -> torch.Tensor
 
 class LoomrlWorker:
     """Methods vLLM mixes into its worker class; called by name through ``LLM.collective_rpc``."""
+
+    model_runner: Any
+    """vLLM's worker's (whose ``model`` is the engine's model)."""
+    reload_weights: Any
+    """vLLM's worker's in-place reload (``weights_iterator``, ``is_checkpoint_format``)."""
 
     def loomrl_pid(self) -> int:
         return os.getpid()
