@@ -1,6 +1,7 @@
 """Weight syncs into vLLM: bytes, seconds per sync, and what verifying them costs.
 
     .venv/bin/python benchmarks/weight_sync.py [--model smollm2-135m-instruct] [--syncs 5] [--precision fp32 bf16]
+    .venv/bin/python benchmarks/weight_sync.py --faults 20
 
 A vLLM engine (its CPU build here; ``rollout.backend=vllm``'s, in its own process) is built for the model, then
 synced ``--syncs`` times, the weights changed a little before each (as a training step changes them): each sync
@@ -10,6 +11,11 @@ of its transfer-and-reload seconds and of its verification seconds, and the veri
 What a generate call pays before its first token is the sum. The sync is the same whether the engine's worker
 trains too (colocated) or holds a shadow (separate): the reallocation that fills a shadow comes before it and is
 `benchmarks/realloc.py`'s figure.
+
+With ``--faults N``: N syncs of a tiny model with each kind of fault injected between the trainer and the engine
+at a random tensor (a sync skipped, one to three consecutive tensors dropped, a tensor sent twice, one entry of a
+tensor corrupted, a tensor left at its previous version after a training-sized change, the engine's process
+killed), and how many of them the sync caught, leaving the engine with no version a call could generate from.
 """
 
 from __future__ import annotations
@@ -62,17 +68,101 @@ def measure(model_name: str, precision: str, syncs: int) -> dict:
     }
 
 
+FAULTS = ("skipped sync", "dropped bucket", "tensor twice", "corrupted tensor", "stale tensor", "killed engine")
+
+
+def _faulty(kind: str, rng, old: dict):
+    """A replacement of :meth:`VLLMEngine._load` that injects ``kind`` at a tensor drawn by ``rng``."""
+    from loomrl.rollout.vllm_engine import VLLMEngine
+
+    load = VLLMEngine._load
+
+    def faulty(self, tensors):
+        tensors = list(tensors)
+        at = rng.randrange(len(tensors))
+        name, tensor = tensors[at]
+        if kind == "skipped sync":
+            tensors = []
+        elif kind == "dropped bucket":
+            tensors = tensors[:at] + tensors[at + rng.randint(1, 3) :]
+        elif kind == "tensor twice":
+            tensors.append((name, tensor))
+        elif kind == "corrupted tensor":
+            flat = tensor.clone().reshape(-1)
+            flat[rng.randrange(flat.numel())] += rng.choice((-1, 1)) * (flat.abs().max() + 0.01)
+            tensors[at] = (name, flat.view(tensor.shape))
+        elif kind == "stale tensor":
+            tensors[at] = (name, old[name])
+        elif kind == "killed engine":
+            import os
+            import signal
+
+            os.kill(self.pid, signal.SIGKILL)
+        return load(self, tensors)
+
+    return faulty
+
+
+def fault_trials(trials: int, seed: int = 0) -> list[dict]:
+    """``trials`` syncs of llama-1m with each fault of :data:`FAULTS` injected at a random tensor (the weights
+    changed by one training-sized step, 1e-3 of each, before each), and how many the sync caught."""
+    import random
+
+    from loomrl.config.schema import TrainConfig
+    from loomrl.config.tools import load_config
+    from loomrl.models.tokenizer import task_tokenizer
+    from loomrl.models.zoo import build_causal_lm
+    from loomrl.rollout.vllm_engine import VLLMEngine
+    from loomrl.rollout.weight_sync import WeightSyncError
+
+    tok = task_tokenizer(load_config(TrainConfig, None, []).task, None)
+    model = build_causal_lm("llama-1m", tok, 0).eval()
+    rng = random.Random(seed)
+    rows, engine = [], None
+    own_load = VLLMEngine.__dict__["_load"]
+    for kind in FAULTS:
+        caught = 0
+        for _ in range(trials):
+            if engine is None:
+                engine = VLLMEngine(model, max_len=64, slots=8)
+            engine.sync(model, engine.syncs + 1)
+            old = {n: p.detach().clone() for n, p in model.named_parameters()}
+            with torch.no_grad():
+                for p in model.parameters():
+                    p.add_(1e-3 * p.abs().mean() * torch.sign(torch.randn_like(p)))
+            VLLMEngine._load = _faulty(kind, rng, old)  # type: ignore[method-assign]
+            try:
+                engine.sync(model, engine.syncs + 1)
+            except WeightSyncError:
+                caught += engine.version is None
+            finally:
+                VLLMEngine._load = own_load  # type: ignore[method-assign]
+            if kind == "killed engine":
+                engine.close()
+                engine = None
+        rows.append({"fault": kind, "trials": trials, "caught": caught})
+        print(rows[-1], flush=True)
+    if engine is not None:
+        engine.close()
+    return rows
+
+
 def main() -> int:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--model", default="smollm2-135m-instruct", help="a pretrained name or a checkpoint directory")
     ap.add_argument("--syncs", type=int, default=5)
     ap.add_argument("--precision", nargs="+", default=["fp32", "bf16"], choices=sorted(PRECISIONS))
     ap.add_argument("--threads", type=int, default=2)
+    ap.add_argument("--faults", type=int, default=0, help="instead: this many trials of each injected fault")
     args = ap.parse_args()
-    if args.syncs < 1:
-        print("weight_sync.py: error: --syncs must be at least 1", file=sys.stderr)
+    if args.syncs < 1 or args.faults < 0:
+        print("weight_sync.py: error: --syncs must be at least 1 and --faults at least 0", file=sys.stderr)
         return 2
     torch.set_num_threads(args.threads)
+    if args.faults:
+        rows = fault_trials(args.faults)
+        Console().print(summary_table(rows, "sync faults injected into vLLM syncs (llama-1m)"))
+        return 0
     rows = [measure(args.model, p, args.syncs) for p in args.precision]
     Console(width=160).print(summary_table(rows, f"weight syncs into vLLM: {args.model}, {args.syncs} each"))
     return 0

@@ -181,6 +181,43 @@ def test_a_killed_engine_process_fails_the_next_sync_in_one_line(engine):
     assert "\n" not in str(err.value) and eng.version is None
 
 
+def test_a_tied_output_head_is_synced_and_checked_under_its_own_name():
+    """SmolLM2 ties its output head to its embedding; vLLM's CPU build holds the head apart. Sent under the
+    embedding's name only, the head kept vLLM's initial weights and every sample was noise: now the head is sent
+    under its own name too, and a sync that leaves it out is refused in one line."""
+    from transformers import LlamaConfig, LlamaForCausalLM
+
+    config = LlamaConfig(
+        vocab_size=48,
+        hidden_size=64,
+        intermediate_size=128,
+        num_hidden_layers=2,
+        num_attention_heads=2,
+        num_key_value_heads=1,
+        max_position_embeddings=128,
+        tie_word_embeddings=True,
+        bos_token_id=1,
+        eos_token_id=2,
+        pad_token_id=0,
+    )
+    torch.manual_seed(0)
+    model = LlamaForCausalLM(config).eval()
+    eng = VLLMEngine(model, max_len=64, slots=8)
+    try:
+        eng.sync(model, 1)
+        out = eng.generate_with(_requests(8), PARAMS, [2], 1)
+        diffs = [
+            (_trainer_logps(model, r.prompt, c.tokens) - torch.tensor(c.logps)).abs() for r, c in zip(_requests(8), out)
+        ]
+        assert torch.cat(diffs).max() < 1e-5
+        load = eng._load
+        eng._load = lambda tensors: load((n, t) for n, t in tensors if n != "lm_head.weight")  # type: ignore[method-assign]
+        with pytest.raises(WeightSyncError, match=r"tensor 'lm_head.weight' never reached the engine"):
+            eng.sync(model, 2)
+    finally:
+        eng.close()
+
+
 def test_fingerprints_see_a_change_of_any_row():
     w = torch.randn(16, 8)
     base = fingerprint(w).values

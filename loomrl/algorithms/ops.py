@@ -33,6 +33,7 @@ from loomrl.errors import TrainingError
 from loomrl.models.heads import LOGP, last_real_index
 from loomrl.models.lora import adapters_off
 from loomrl.rollout import Completion, Request, RolloutEngine, SamplingParams, generation_eos_ids, stream_keys
+from loomrl.rollout.vllm_engine import VLLMEngine
 from loomrl.workflow.batch import (
     Batch,
     micro_batch_slices,
@@ -97,8 +98,6 @@ def vllm_generate(
     longest sample and as many slots as it has rows, and again when a later call's samples outgrow it; more rows
     than slots wait for one), after syncing the role's weights into it as the engine's next version and verifying
     them (:class:`~loomrl.rollout.vllm_engine.VLLMEngine`); results in request order."""
-    from loomrl.rollout.vllm_engine import VLLMEngine
-
     max_len = max(len(r.prompt) + (r.max_new_tokens or params.max_new_tokens) for r in requests)
     engine = role.generator
     if engine is None or not engine.fits(max_len):

@@ -97,7 +97,7 @@ class VLLMEngine:
                 # part, which vLLM then rewinds: a CUDA generator can, a CPU one cannot ("CPU Generator does not
                 # use offset"). Whole prompts only, a step's worth of them at a time.
                 enable_chunked_prefill=False,
-                max_num_batched_tokens=max(max_len, 8192),
+                max_num_batched_tokens=max(max_len, min(8192, max(1, slots) * max_len)),
                 kv_cache_memory_bytes=None if cuda else self._cache_bytes(),
                 enable_sleep_mode=cuda,
                 gpu_memory_utilization=0.5 if cuda else 0.9,
@@ -140,7 +140,9 @@ class VLLMEngine:
             if self.asleep:
                 self.llm.wake_up()
                 self.asleep = False
-            named = {name: p.detach() for name, p in model.named_parameters()}
+            # the state dict names a tied output head too (under its own name, the embedding's tensor): the engine
+            # may hold it apart (vLLM's CPU build does), and every tensor it holds must be the trainer's
+            named = {name: t.detach() for name, t in model.state_dict().items()}
             report = verified_sync(named, self._load, self._engine_fingerprints, version, where)
         except WeightSyncError:
             raise
