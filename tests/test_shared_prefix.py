@@ -129,6 +129,6 @@ def test_engine_shares_prompts_where_it_knows_them_and_recomputation_turns_it_of
     want = outputs_at_responses(whole, ids_BL, plen_B, width)
     torch.testing.assert_close(shared[real], want[real], rtol=1e-5, atol=1e-5)
     calls.clear()
-    model.activation_checkpointing_enable(activation_checkpointing_kwargs={"use_reentrant": False})
+    model.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
     engine.backward(ids_BL, attn_BL, parts, lambda out, k: out.float().mean(), 1, prompt_len_B=plen_B)
     assert not calls
