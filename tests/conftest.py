@@ -57,6 +57,8 @@ SLOW = {
     # vLLM on Ray with a shadow stays in the asynchronous separate run; bf16 parity's threshold is the processor's:
     "tests/test_vllm_backend.py::test_the_ray_runtime_with_vllm_is_the_reference_run_with_vllm[separate-1+1]",
     "tests/test_vllm_backend.py::test_vllm_logprobs_match_the_trainers_in_bf16",
+    # a checkpoint with paused samples resuming on Ray stays with one controller ([ray]):
+    "tests/test_async.py::test_a_checkpoint_with_paused_samples_resumes_to_the_same_run[ray_two_controllers]",
 }
 
 
