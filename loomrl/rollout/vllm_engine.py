@@ -65,8 +65,9 @@ def _seed(key: int) -> int:
 
 
 class VLLMEngine:
-    """One model in a vLLM engine of its own process (implements GenerationBackend; ``stream`` and ``abort``
-    are refused: a call's samples come back at its end)."""
+    """One model in a vLLM engine of its own process. Not a GenerationBackend: a call's samples come back at its
+    end (no streaming, nothing to abort), and generating needs the version of a verified sync
+    (:meth:`generate_with`)."""
 
     def __init__(self, model: PreTrainedModel, max_len: int, slots: int, seed: int = 0):
         vllm = _import_vllm()
@@ -151,11 +152,6 @@ class VLLMEngine:
         self.version, self.last_sync = version, report
         return report
 
-    def load_weights(self, named_tensors: Iterable[tuple[str, torch.Tensor]]) -> None:
-        """Replace the engine's weights (unverified: :meth:`sync` is what generation needs)."""
-        self.version = None
-        self._load(named_tensors)
-
     def _load(self, tensors: Iterable[tuple[str, torch.Tensor]]) -> Mapping[str, int]:
         """Send ``tensors`` to the engine in buckets of at most :data:`BUCKET_BYTES` and reload them there; how
         often each name reached the engine (counted on its side)."""
@@ -220,15 +216,6 @@ class VLLMEngine:
             self.llm.sleep(level=2)  # the device back to training until the next sync wakes it
             self.asleep = True
         return done
-
-    def generate(self, requests: Sequence[Request]) -> list[Completion]:
-        raise NotImplementedError("vLLM rollout: call generate_with(requests, params, eos_ids, version)")
-
-    def stream(self, requests: Iterable[Request] = ()) -> Iterator[Completion]:
-        raise NotImplementedError("vLLM rollout: a call's samples come back at its end (no streaming)")
-
-    def abort(self, sample_ids: Iterable[int]) -> list[Completion]:
-        raise NotImplementedError("vLLM rollout: a call's samples come back at its end (nothing to abort)")
 
     @staticmethod
     def _completion(request: Request, out: Any, params: SamplingParams, eos: Sequence[int]) -> Completion:
